@@ -1,0 +1,50 @@
+# chatmesh: `make run` starts the whole mesh on 127.0.0.1; `make test` runs every test.
+# Both provision everything they need first (idempotent), so they work on a fresh clone.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.provisioned
+
+.PHONY: setup run test lint protos check-protos protos-baseline bench clean help
+
+help:
+	@echo "make run      start the local mesh on 127.0.0.1 and print the URL"
+	@echo "make test     provision and run every test"
+	@echo "make lint     ruff + buf lint + buf breaking"
+	@echo "make protos   regenerate Python code from protos/"
+	@echo "make bench    run the benchmarks in bench/"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/provision.sh
+	@scripts/provision.sh
+	@touch $@
+
+run: setup
+	$(PY) -m chatmesh.mesh $(ARGS)
+
+test: setup check-protos
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/buf lint
+	$(VENV)/bin/buf breaking --against protos/baseline.binpb
+
+protos: setup
+	@PY=$(PY) scripts/gen_protos.sh
+
+# Fails when the generated code in the tree differs from what the .proto files produce.
+check-protos: setup
+	@PY=$(PY) scripts/gen_protos.sh --check
+
+# Records the current protos as the baseline that `buf breaking` compares against (at each release).
+protos-baseline: setup
+	$(VENV)/bin/buf build -o protos/baseline.binpb
+
+bench: setup
+	@ls bench/*.py >/dev/null 2>&1 && for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf .run .pytest_cache .ruff_cache

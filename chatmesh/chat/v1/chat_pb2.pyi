@@ -1,0 +1,408 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROLE_UNSPECIFIED: _ClassVar[Role]
+    ROLE_USER: _ClassVar[Role]
+    ROLE_ASSISTANT: _ClassVar[Role]
+    ROLE_SYSTEM: _ClassVar[Role]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_CONTENT_FILTER: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class RunStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATUS_UNSPECIFIED: _ClassVar[RunStatus]
+    RUN_STATUS_IN_PROGRESS: _ClassVar[RunStatus]
+    RUN_STATUS_COMPLETED: _ClassVar[RunStatus]
+    RUN_STATUS_CANCELLED: _ClassVar[RunStatus]
+    RUN_STATUS_FAILED: _ClassVar[RunStatus]
+    RUN_STATUS_INTERRUPTED: _ClassVar[RunStatus]
+ROLE_UNSPECIFIED: Role
+ROLE_USER: Role
+ROLE_ASSISTANT: Role
+ROLE_SYSTEM: Role
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_CONTENT_FILTER: FinishReason
+FINISH_REASON_ERROR: FinishReason
+RUN_STATUS_UNSPECIFIED: RunStatus
+RUN_STATUS_IN_PROGRESS: RunStatus
+RUN_STATUS_COMPLETED: RunStatus
+RUN_STATUS_CANCELLED: RunStatus
+RUN_STATUS_FAILED: RunStatus
+RUN_STATUS_INTERRUPTED: RunStatus
+
+class Chat(_message.Message):
+    __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    title: str
+    create_time: _timestamp_pb2.Timestamp
+    update_time: _timestamp_pb2.Timestamp
+    active_run_id: str
+    def __init__(self, chat_id: _Optional[str] = ..., title: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., active_run_id: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("message_id", "chat_id", "parent_id", "role", "content", "token_count", "model", "finish_reason", "create_time", "run_id", "usage")
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    message_id: str
+    chat_id: str
+    parent_id: str
+    role: Role
+    content: str
+    token_count: int
+    model: str
+    finish_reason: FinishReason
+    create_time: _timestamp_pb2.Timestamp
+    run_id: str
+    usage: Usage
+    def __init__(self, message_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ..., token_count: _Optional[int] = ..., model: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., run_id: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class GenerationOptions(_message.Message):
+    __slots__ = ("model", "max_tokens", "temperature", "top_p", "seed", "stop")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RunStarted(_message.Message):
+    __slots__ = ("run_id", "chat_id", "user_message_id", "assistant_message_id", "model")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    USER_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ASSISTANT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    chat_id: str
+    user_message_id: str
+    assistant_message_id: str
+    model: str
+    def __init__(self, run_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., user_message_id: _Optional[str] = ..., assistant_message_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+
+class Delta(_message.Message):
+    __slots__ = ("text", "token_count")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_count: int
+    def __init__(self, text: _Optional[str] = ..., token_count: _Optional[int] = ...) -> None: ...
+
+class Done(_message.Message):
+    __slots__ = ("finish_reason", "assistant_message_id")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ASSISTANT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    assistant_message_id: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., assistant_message_id: _Optional[str] = ...) -> None: ...
+
+class RunError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    retry_after_ms: int
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+
+class RunEvent(_message.Message):
+    __slots__ = ("seq", "started", "delta", "usage", "done", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    started: RunStarted
+    delta: Delta
+    usage: Usage
+    done: Done
+    error: RunError
+    def __init__(self, seq: _Optional[int] = ..., started: _Optional[_Union[RunStarted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ...) -> None: ...
+
+class CreateChatRequest(_message.Message):
+    __slots__ = ("title",)
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    title: str
+    def __init__(self, title: _Optional[str] = ...) -> None: ...
+
+class CreateChatResponse(_message.Message):
+    __slots__ = ("chat",)
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    chat: Chat
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class GetChatRequest(_message.Message):
+    __slots__ = ("chat_id",)
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    def __init__(self, chat_id: _Optional[str] = ...) -> None: ...
+
+class GetChatResponse(_message.Message):
+    __slots__ = ("chat",)
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    chat: Chat
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class ListChatsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListChatsResponse(_message.Message):
+    __slots__ = ("chats", "next_page_token")
+    CHATS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    chats: _containers.RepeatedCompositeFieldContainer[Chat]
+    next_page_token: str
+    def __init__(self, chats: _Optional[_Iterable[_Union[Chat, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class RenameChatRequest(_message.Message):
+    __slots__ = ("chat_id", "title")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    TITLE_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    title: str
+    def __init__(self, chat_id: _Optional[str] = ..., title: _Optional[str] = ...) -> None: ...
+
+class RenameChatResponse(_message.Message):
+    __slots__ = ("chat",)
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    chat: Chat
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class DeleteChatRequest(_message.Message):
+    __slots__ = ("chat_id",)
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    def __init__(self, chat_id: _Optional[str] = ...) -> None: ...
+
+class DeleteChatResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListMessagesRequest(_message.Message):
+    __slots__ = ("chat_id", "page_size", "page_token")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    page_size: int
+    page_token: str
+    def __init__(self, chat_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListMessagesResponse(_message.Message):
+    __slots__ = ("messages", "next_page_token")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    next_page_token: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class SendMessageRequest(_message.Message):
+    __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    content: str
+    parent_message_id: str
+    idempotency_key: str
+    options: GenerationOptions
+    def __init__(self, chat_id: _Optional[str] = ..., content: _Optional[str] = ..., parent_message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ...) -> None: ...
+
+class SendMessageResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: RunEvent
+    def __init__(self, event: _Optional[_Union[RunEvent, _Mapping]] = ...) -> None: ...
+
+class RegenerateMessageRequest(_message.Message):
+    __slots__ = ("chat_id", "message_id", "idempotency_key", "options")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    message_id: str
+    idempotency_key: str
+    options: GenerationOptions
+    def __init__(self, chat_id: _Optional[str] = ..., message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ...) -> None: ...
+
+class RegenerateMessageResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: RunEvent
+    def __init__(self, event: _Optional[_Union[RunEvent, _Mapping]] = ...) -> None: ...
+
+class StreamRunRequest(_message.Message):
+    __slots__ = ("run_id", "after_seq")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    after_seq: int
+    def __init__(self, run_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+
+class StreamRunResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: RunEvent
+    def __init__(self, event: _Optional[_Union[RunEvent, _Mapping]] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("run_id", "chat_id", "status", "last_seq", "assistant_message_id", "create_time")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ASSISTANT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    chat_id: str
+    status: RunStatus
+    last_seq: int
+    assistant_message_id: str
+    create_time: _timestamp_pb2.Timestamp
+    def __init__(self, run_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., status: _Optional[_Union[RunStatus, str]] = ..., last_seq: _Optional[int] = ..., assistant_message_id: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class GetRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class GetRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class CancelRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class CancelRunResponse(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ...) -> None: ...
+
+class PromptMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: Role
+    content: str
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("messages", "options")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[PromptMessage]
+    options: GenerationOptions
+    def __init__(self, messages: _Optional[_Iterable[_Union[PromptMessage, _Mapping]]] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ...) -> None: ...
+
+class CompleteResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: RunEvent
+    def __init__(self, event: _Optional[_Union[RunEvent, _Mapping]] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("model_id", "context_length", "engines")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    context_length: int
+    engines: int
+    def __init__(self, model_id: _Optional[str] = ..., context_length: _Optional[int] = ..., engines: _Optional[int] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ...) -> None: ...
+
+class GetUsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetUsageResponse(_message.Message):
+    __slots__ = ("tier", "used_tokens", "limit_tokens", "window_start_time", "window_end_time")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_START_TIME_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_END_TIME_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    used_tokens: int
+    limit_tokens: int
+    window_start_time: _timestamp_pb2.Timestamp
+    window_end_time: _timestamp_pb2.Timestamp
+    def __init__(self, tier: _Optional[str] = ..., used_tokens: _Optional[int] = ..., limit_tokens: _Optional[int] = ..., window_start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,34 @@
+"""Who is calling: set by Envoy after JWT verification, read by the orchestrator.
+
+Envoy strips any inbound copy of these headers, verifies the JWT, and copies its ``sub`` and ``tier``
+claims into them. Services trust only these headers, never a user id in a request body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+USER_ID_HEADER = "x-chatmesh-user-id"
+TIER_HEADER = "x-chatmesh-tier"
+TIERS = ("free", "pro", "enterprise")
+DEFAULT_TIER = "free"
+
+
+@dataclass(frozen=True)
+class Identity:
+    user_id: str
+    tier: str
+
+
+def identity_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> Identity | None:
+    """The caller's identity from gRPC invocation metadata, or None when Envoy set none.
+
+    An unknown tier is treated as the default (lowest) tier rather than trusted.
+    """
+    values = {key.lower(): value for key, value in (metadata or ()) if isinstance(value, str)}
+    user_id = values.get(USER_ID_HEADER, "").strip()
+    if not user_id:
+        return None
+    tier = values.get(TIER_HEADER, DEFAULT_TIER).strip().lower()
+    return Identity(user_id=user_id, tier=tier if tier in TIERS else DEFAULT_TIER)

@@ -1,0 +1,283 @@
+"""A small process supervisor for the local mesh: `make run` and the integration-test fixtures use it.
+
+It starts services in order, each in its own process group with its output in ``<run_dir>/logs``,
+waits until each is healthy (gRPC health v1, an HTTP 200, or an open TCP port), refuses to start when a
+port is already taken, and stops everything it started (SIGTERM to the group, then SIGKILL) on
+``stop_all()``, on leaving its ``with`` block, or when the supervising process exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from chatmesh.serving import PortInUseError
+
+__all__ = [
+    "GrpcHealthy",
+    "HttpOk",
+    "Launcher",
+    "PortInUseError",
+    "Running",
+    "ServiceFailedError",
+    "ServiceSpec",
+    "TcpOpen",
+    "free_port",
+    "port_is_free",
+]
+
+
+class ServiceFailedError(RuntimeError):
+    """A service exited or never became healthy."""
+
+
+@dataclass(frozen=True)
+class GrpcHealthy:
+    """Ready when grpc.health.v1.Health/Check on ``port`` answers SERVING for ``service``."""
+
+    port: int
+    service: str = ""
+
+    def __call__(self) -> bool:
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=self.service), timeout=1.0
+                )
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def describe(self) -> str:
+        return f"gRPC health on :{self.port}"
+
+
+@dataclass(frozen=True)
+class HttpOk:
+    """Ready when GET ``url`` answers 200."""
+
+    url: str
+
+    def __call__(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url, timeout=1.0) as reply:
+                return reply.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def describe(self) -> str:
+        return f"HTTP 200 from {self.url}"
+
+
+@dataclass(frozen=True)
+class TcpOpen:
+    """Ready when something accepts TCP connections on ``port``."""
+
+    port: int
+
+    def __call__(self) -> bool:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+            return True
+        return False
+
+    def describe(self) -> str:
+        return f"TCP port {self.port}"
+
+
+ReadyCheck = GrpcHealthy | HttpOk | TcpOpen
+
+
+@dataclass
+class ServiceSpec:
+    """How to start one service and how to know it is up."""
+
+    name: str
+    argv: list[str]
+    ports: tuple[int, ...] = ()
+    ready: ReadyCheck | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    ready_timeout_s: float = 60.0
+    stop_timeout_s: float = 20.0
+
+
+@dataclass
+class Running:
+    spec: ServiceSpec
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port that is free on 127.0.0.1 right now (tests give each service its own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask Linux to SIGTERM it if the launcher dies (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class Launcher:
+    """Starts services in order and stops them in reverse order."""
+
+    def __init__(self, run_dir: Path, echo: Callable[[str], None] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.log_dir = self.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._echo = echo or (lambda line: print(line, flush=True))
+        self._running: dict[str, Running] = {}
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    @property
+    def running(self) -> dict[str, Running]:
+        return dict(self._running)
+
+    def start(self, spec: ServiceSpec) -> Running:
+        """Starts ``spec`` and blocks until it is ready; raises with the log's tail if it is not."""
+        if spec.name in self._running:
+            raise ValueError(f"service {spec.name!r} is already running")
+        for port in spec.ports:
+            if not port_is_free(port):
+                raise PortInUseError(
+                    f"port {port} needed by {spec.name} is already in use on 127.0.0.1. "
+                    f"Stop the process holding it (ss -ltnp 'sport = :{port}') or choose another port."
+                )
+        log_path = self.log_dir / f"{spec.name}.log"
+        log_file = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        self._echo(f"starting {spec.name}: {' '.join(spec.argv)}")
+        try:
+            process = subprocess.Popen(
+                spec.argv,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=spec.cwd,
+                env=env,
+                start_new_session=True,  # own process group: stop the whole tree, immune to the shell's signals
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            log_file.close()
+        running = Running(spec=spec, process=process, log_path=log_path, started_at=time.monotonic())
+        self._running[spec.name] = running
+        try:
+            self._wait_ready(running)
+        except BaseException:
+            self.stop(spec.name)
+            raise
+        return running
+
+    def _wait_ready(self, running: Running) -> None:
+        spec = running.spec
+        if spec.ready is None:
+            return
+        deadline = running.started_at + spec.ready_timeout_s
+        next_note = time.monotonic() + 10.0
+        while True:
+            code = running.process.poll()
+            if code is not None:
+                raise ServiceFailedError(
+                    f"{spec.name} exited with code {code} before it was ready.\n"
+                    f"Last lines of {running.log_path}:\n{self.log_tail(spec.name)}"
+                )
+            if spec.ready():
+                elapsed = time.monotonic() - running.started_at
+                self._echo(
+                    f"  {spec.name} ready ({spec.ready.describe()}) in {elapsed:.1f}s, pid {running.pid}"
+                )
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise ServiceFailedError(
+                    f"{spec.name} was not ready ({spec.ready.describe()}) within {spec.ready_timeout_s:.0f}s.\n"
+                    f"Last lines of {running.log_path}:\n{self.log_tail(spec.name)}"
+                )
+            if now > next_note:
+                self._echo(
+                    f"  still waiting for {spec.name} ({spec.ready.describe()}), {now - running.started_at:.0f}s"
+                )
+                next_note = now + 10.0
+            time.sleep(0.2)
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def signal(self, name: str, sig: int) -> None:
+        """Sends ``sig`` to the service's whole process group (tests use SIGKILL to simulate a crash)."""
+        running = self._running[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(running.pid, sig)
+
+    def forget(self, name: str) -> Running:
+        """Stops tracking a service that has already exited (after a crash test); returns its record."""
+        running = self._running.pop(name)
+        running.process.wait(timeout=30)
+        return running
+
+    def stop(self, name: str) -> int | None:
+        """SIGTERM the service's process group, wait, then SIGKILL; returns the exit code."""
+        running = self._running.pop(name, None)
+        if running is None:
+            return None
+        process = running.process
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=running.spec.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self._echo(f"  {name} did not stop within {running.spec.stop_timeout_s:.0f}s; killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        # Reap anything the service left behind in its group.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        return process.returncode
+
+    def stop_all(self) -> None:
+        for name in reversed(list(self._running)):
+            code = self.stop(name)
+            self._echo(f"stopped {name} (exit code {code})")

@@ -1,0 +1,156 @@
+"""``python -m chatmesh.mesh`` (``make run``): the whole mesh on 127.0.0.1 under one supervisor.
+
+Starts the services in dependency order, waits for each to be healthy, prints where to connect, and
+stops everything on Ctrl-C. Logs go to ``.run/mesh/logs/<service>.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from chatmesh.launcher import GrpcHealthy, HttpOk, Launcher, ServiceFailedError, ServiceSpec
+from chatmesh.serving import PortInUseError
+
+
+@dataclass(frozen=True)
+class MeshPorts:
+    edge: int = 8081
+    orchestrator: int = 50050
+    router: int = 50051
+    first_engine: int = 50061
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    ports: MeshPorts = MeshPorts()
+    engines: int = 2
+    engine_backend: str = "cpu"
+    python: str = sys.executable
+
+    def engine_ports(self) -> list[int]:
+        return [self.ports.first_engine + i for i in range(self.engines)]
+
+
+def mesh_specs(config: MeshConfig) -> list[ServiceSpec]:
+    """The services of the local mesh, in start order."""
+    py, ports = config.python, config.ports
+    specs = [
+        ServiceSpec(
+            name=f"engine-{i}",
+            argv=[
+                py,
+                "-m",
+                "engine",
+                "--port",
+                str(port),
+                "--engine-id",
+                f"engine-{i}",
+                "--backend",
+                config.engine_backend,
+            ],
+            ports=(port,),
+            ready=GrpcHealthy(port),
+            ready_timeout_s=180,
+        )
+        for i, port in enumerate(config.engine_ports())
+    ]
+    engine_flags = [flag for port in config.engine_ports() for flag in ("--engine", f"127.0.0.1:{port}")]
+    specs.append(
+        ServiceSpec(
+            name="router",
+            argv=[py, "-m", "router", "--port", str(ports.router), *engine_flags],
+            ports=(ports.router,),
+            ready=GrpcHealthy(ports.router),
+        )
+    )
+    specs.append(
+        ServiceSpec(
+            name="orchestrator",
+            argv=[
+                py,
+                "-m",
+                "orchestrator",
+                "--port",
+                str(ports.orchestrator),
+                "--router",
+                f"127.0.0.1:{ports.router}",
+            ],
+            ports=(ports.orchestrator,),
+            ready=GrpcHealthy(ports.orchestrator),
+        )
+    )
+    specs.append(
+        ServiceSpec(
+            name="edge",
+            argv=[
+                py,
+                "-m",
+                "edge",
+                "--port",
+                str(ports.edge),
+                "--orchestrator",
+                f"127.0.0.1:{ports.orchestrator}",
+            ],
+            ports=(ports.edge,),
+            ready=HttpOk(f"http://127.0.0.1:{ports.edge}/healthz"),
+        )
+    )
+    return specs
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
+    defaults = MeshPorts()
+    parser = argparse.ArgumentParser(prog="python -m chatmesh.mesh", description=__doc__)
+    parser.add_argument("--edge-port", type=int, default=defaults.edge)
+    parser.add_argument("--orchestrator-port", type=int, default=defaults.orchestrator)
+    parser.add_argument("--router-port", type=int, default=defaults.router)
+    parser.add_argument("--first-engine-port", type=int, default=defaults.first_engine)
+    parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
+    parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
+    parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
+    args = parser.parse_args(argv)
+    ports = MeshPorts(args.edge_port, args.orchestrator_port, args.router_port, args.first_engine_port)
+    return MeshConfig(ports=ports, engines=args.engines, engine_backend=args.engine_backend), args.run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, run_dir = parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with Launcher(run_dir) as launcher:
+        try:
+            for spec in mesh_specs(config):
+                if stop.is_set():
+                    return 130
+                launcher.start(spec)
+        except (PortInUseError, ServiceFailedError) as exc:
+            print(f"\nERROR: {exc}", file=sys.stderr)
+            return 1
+        print(
+            f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
+            f"  edge:         http://127.0.0.1:{config.ports.edge}/\n"
+            f"  orchestrator: 127.0.0.1:{config.ports.orchestrator} (gRPC ChatService)\n"
+            "Press Ctrl-C to stop everything.",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            for name, running in launcher.running.items():
+                if running.process.poll() is not None:
+                    print(
+                        f"\nERROR: {name} exited with code {running.process.returncode}; "
+                        f"see {running.log_path}. Stopping the mesh.",
+                        file=sys.stderr,
+                    )
+                    return 1
+        print("\nstopping chatmesh ...", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

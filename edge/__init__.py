@@ -1,0 +1,1 @@
+"""edge: thin HTTP/SSE + OpenAI-compatible front for browsers, mapping every call onto ChatService."""

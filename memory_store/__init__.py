@@ -1,0 +1,1 @@
+"""memory_store: the only code that speaks CQL. Chat history, runs and usage on Apache Cassandra."""

@@ -1,0 +1,1 @@
+"""Orchestrator: ChatService (history, prompt assembly, budgets, moderation, runs, resume)."""

@@ -1,0 +1,1 @@
+"""KV-cache-aware router: engine registry, block-hash index, placement policy, RouterService."""

@@ -1,0 +1,145 @@
+"""The launcher starts process groups, waits for health, and stops everything it started."""
+
+import os
+import socket
+import sys
+import textwrap
+import time
+
+import pytest
+
+from chatmesh.launcher import (
+    GrpcHealthy,
+    HttpOk,
+    Launcher,
+    PortInUseError,
+    ServiceFailedError,
+    ServiceSpec,
+    TcpOpen,
+    free_port,
+)
+
+# A service that forks a grandchild (to prove the whole group is stopped), writes the grandchild's pid
+# where the test can read it, and listens on a port.
+FAMILY = textwrap.dedent(
+    """
+    import os, socket, subprocess, sys, time
+    port, pidfile = int(sys.argv[1]), sys.argv[2]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(pidfile, "w").write(str(child.pid))
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", port)); srv.listen()
+    print("listening", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def family_spec(tmp_path, name="family"):
+    port = free_port()
+    pidfile = tmp_path / f"{name}.pid"
+    spec = ServiceSpec(
+        name=name,
+        argv=[sys.executable, "-c", FAMILY, str(port), str(pidfile)],
+        ports=(port,),
+        ready=TcpOpen(port),
+        ready_timeout_s=20,
+    )
+    return spec, port, pidfile
+
+
+def test_stop_all_stops_the_whole_process_group(tmp_path):
+    spec, _, pidfile = family_spec(tmp_path)
+    with Launcher(tmp_path / "run", echo=lambda _: None) as launcher:
+        running = launcher.start(spec)
+        grandchild = int(pidfile.read_text())
+        assert alive(running.pid) and alive(grandchild)
+    assert wait_gone(running.pid)
+    assert wait_gone(grandchild)
+    assert "listening" in (tmp_path / "run" / "logs" / "family.log").read_text()
+
+
+def test_taken_port_is_refused_with_a_clear_error(tmp_path):
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    spec = ServiceSpec(name="router", argv=[sys.executable, "-c", "pass"], ports=(port,))
+    with Launcher(tmp_path, echo=lambda _: None) as launcher, pytest.raises(PortInUseError) as err:
+        launcher.start(spec)
+    holder.close()
+    assert f"port {port}" in str(err.value) and "router" in str(err.value)
+    assert not (tmp_path / "logs" / "router.log").exists(), "nothing may be started when a port is taken"
+
+
+def test_service_that_exits_early_reports_its_log(tmp_path):
+    spec = ServiceSpec(
+        name="broken",
+        argv=[sys.executable, "-c", "import sys; print('model file missing: /nope.gguf'); sys.exit(3)"],
+        ready=TcpOpen(free_port()),
+    )
+    with Launcher(tmp_path, echo=lambda _: None) as launcher, pytest.raises(ServiceFailedError) as err:
+        launcher.start(spec)
+    assert "exited with code 3" in str(err.value)
+    assert "model file missing" in str(err.value)
+
+
+def test_service_never_ready_times_out_and_is_stopped(tmp_path):
+    spec = ServiceSpec(
+        name="silent",
+        argv=[sys.executable, "-c", "import time; time.sleep(600)"],
+        ready=HttpOk(f"http://127.0.0.1:{free_port()}/healthz"),
+        ready_timeout_s=1.0,
+    )
+    with Launcher(tmp_path, echo=lambda _: None) as launcher:
+        with pytest.raises(ServiceFailedError, match="not ready"):
+            launcher.start(spec)
+        assert launcher.running == {}
+
+
+def test_sigkill_simulates_a_crash_and_forget_reaps_it(tmp_path):
+    import signal
+
+    spec, _, pidfile = family_spec(tmp_path)
+    with Launcher(tmp_path / "run", echo=lambda _: None) as launcher:
+        launcher.start(spec)
+        launcher.signal("family", signal.SIGKILL)
+        record = launcher.forget("family")
+        assert record.process.returncode == -signal.SIGKILL
+        assert wait_gone(int(pidfile.read_text()))
+
+
+def test_grpc_health_check_waits_for_serving(tmp_path):
+    port = free_port()
+    spec = ServiceSpec(
+        name="router",
+        argv=[sys.executable, "-m", "router", "--port", str(port)],
+        ports=(port,),
+        ready=GrpcHealthy(port),
+        ready_timeout_s=30,
+    )
+    with Launcher(tmp_path, echo=lambda _: None) as launcher:
+        launcher.start(spec)
+        assert GrpcHealthy(port)()
+        code = launcher.stop("router")
+    assert code == 0, "SIGTERM must drain and exit cleanly"
+    assert not GrpcHealthy(port)()

@@ -1,0 +1,94 @@
+"""Every gRPC server gets health, reflection, a clean drain, and retry hints on its errors."""
+
+import asyncio
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.errors import abort_with_retry, retry_after_s
+from chatmesh.launcher import free_port
+from chatmesh.serving import PortInUseError, start_grpc_server
+
+SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+
+
+class SlowLoad(engine_pb2_grpc.EngineServiceServicer):
+    """Streams five load reports 100 ms apart, and sheds GetLoad with a retry hint."""
+
+    async def WatchLoad(self, request, context):
+        for i in range(5):
+            yield engine_pb2.WatchLoadResponse(load=engine_pb2.EngineLoad(waiting_requests=i))
+            await asyncio.sleep(0.1)
+
+    async def GetLoad(self, request, context):
+        await abort_with_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 1.5)
+
+
+def add(server):
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(SlowLoad(), server)
+    return [SERVICE]
+
+
+async def test_health_and_reflection_are_served():
+    handle = await start_grpc_server(add, free_port())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", SERVICE):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            request = reflection_pb2.ServerReflectionRequest(list_services="")
+            async for reply in stub.ServerReflectionInfo(iter([request]), timeout=5):
+                names = {s.name for s in reply.list_services_response.service}
+                break
+            assert {SERVICE, "grpc.health.v1.Health"} <= names
+    finally:
+        await handle.server.stop(0)
+
+
+async def test_drain_finishes_open_streams_and_refuses_new_calls():
+    handle = await start_grpc_server(add, free_port())
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        stream = stub.WatchLoad(engine_pb2.WatchLoadRequest(), timeout=10)
+        first = await stream.read()
+        drained = asyncio.create_task(handle.drain(grace_s=5, notice_s=0.3))
+        await asyncio.sleep(0.05)
+        health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        rest = []
+        while (msg := await stream.read()) is not grpc.aio.EOF:
+            rest.append(msg)
+        await drained
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=2)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert [m.load.waiting_requests for m in [first, *rest]] == [0, 1, 2, 3, 4]
+
+
+async def test_error_carries_retry_delay():
+    handle = await start_grpc_server(add, free_port())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await engine_pb2_grpc.EngineServiceStub(channel).GetLoad(
+                    engine_pb2.GetLoadRequest(), timeout=5
+                )
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.details() == "queue full"
+        assert retry_after_s(err.value) == pytest.approx(1.5)
+    finally:
+        await handle.server.stop(0)
+
+
+async def test_second_server_on_a_taken_port_fails_clearly():
+    handle = await start_grpc_server(add, free_port())
+    try:
+        with pytest.raises(PortInUseError, match=str(handle.port)):
+            await start_grpc_server(add, handle.port)
+    finally:
+        await handle.server.stop(0)
