@@ -1,0 +1,193 @@
+"""The model's tokenizer and chat template: defined once, imported by the orchestrator and every engine.
+
+Built from a GGUF file's own metadata (vocab, merges, control tokens, Jinja chat template), so the
+orchestrator renders and counts prompts exactly as the engine will see them. The ``fingerprint``
+identifies vocab + merges + template; engines advertise it and refuse prompts tokenized with another.
+
+Prompt-injection safety: text from users is tokenized with special-token matching off, so typing
+``<|im_end|>`` in a message yields ordinary text tokens, never a control token. Only the chat
+template's own markup produces control tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from chatmesh.model_files import bundled_model_path
+
+_CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant"
+    content: str
+
+
+class ChatTokenizer:
+    """Tokenizer, detokenizer and chat template of one model."""
+
+    def __init__(
+        self,
+        model_name: str,
+        tokens: Sequence[str],
+        merges: Sequence[str],
+        control_token_ids: Sequence[int],
+        chat_template: str,
+        bos_token_id: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.model_name = model_name
+        self.vocab_size = len(tokens)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self._markup = _build_bpe(tokens, merges, control_token_ids)
+        # Same vocabulary, but control-token strings in the input stay plain text.
+        self._plain = _build_bpe(tokens, merges, control_token_ids)
+        self._plain.encode_special_tokens = True
+        self._control_ids = frozenset(control_token_ids)
+        self._template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+            chat_template
+        )
+        digest = hashlib.sha256()
+        for part in (
+            *tokens,
+            "\x00",
+            *merges,
+            "\x00",
+            chat_template,
+            str(bos_token_id),
+            str(self.eos_token_ids),
+        ):
+            digest.update(part.encode("utf-8") + b"\x1f")
+        self.fingerprint = f"{model_name}:{digest.hexdigest()[:16]}"
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> ChatTokenizer:
+        reader = gguf.GGUFReader(str(path))
+
+        def field(key: str, default: object = None) -> object:
+            entry = reader.fields.get(key)
+            return entry.contents() if entry is not None else default
+
+        tokens = field("tokenizer.ggml.tokens")
+        if field("tokenizer.ggml.model") != "gpt2" or tokens is None:
+            raise ValueError(f"{path}: only GGUF files with a byte-level BPE (gpt2) tokenizer are supported")
+        token_types = field("tokenizer.ggml.token_type")
+        # ChatML models end a turn with <|im_end|> and a document with <|endoftext|>; GGUFs name only one.
+        eos_ids = [field("tokenizer.ggml.eos_token_id")]
+        eos_ids += [tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokens]
+        eos_ids = list(dict.fromkeys(eos_ids))
+        return cls(
+            model_name=_model_name(field("general.basename"), field("general.size_label"), path),
+            tokens=tokens,
+            merges=field("tokenizer.ggml.merges"),
+            control_token_ids=[i for i, kind in enumerate(token_types) if kind == _CONTROL_TOKEN_TYPE],
+            chat_template=field("tokenizer.chat_template"),
+            bos_token_id=field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    # -- text <-> ids --------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text; control-token strings in it are not recognised."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: Sequence[int], skip_control: bool = True) -> str:
+        """Text of ``token_ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
+        return self._markup.decode(list(token_ids), skip_special_tokens=skip_control)
+
+    def token_bytes_length(self, token_id: int) -> int:
+        """How many UTF-8 bytes a token decodes to (byte-level BPE: one symbol per byte)."""
+        return len(self._markup.id_to_token(token_id) or "")
+
+    def is_control(self, token_id: int) -> bool:
+        return token_id in self._control_ids
+
+    # -- chat template -------------------------------------------------------------------------------
+
+    def render(
+        self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text the model's own chat template makes of ``messages``."""
+        return self._template.render(
+            messages=[_as_dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token="",
+            eos_token="",
+        )
+
+    def encode_chat(
+        self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Prompt token ids for ``messages``: template markup may yield control tokens, contents never do."""
+        sentinels = [f"\x00{uuid.uuid4().hex}\x00" for _ in messages]
+        placeholders = [
+            {"role": _as_dict(m)["role"], "content": sentinel}
+            for m, sentinel in zip(messages, sentinels, strict=True)
+        ]
+        skeleton = self._template.render(
+            messages=placeholders, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
+        )
+        ids: list[int] = []
+        for message, sentinel in zip(messages, sentinels, strict=True):
+            before, found, skeleton = skeleton.partition(sentinel)
+            if not found:
+                raise ValueError("the chat template dropped a message's content")
+            ids += self._markup.encode(before, add_special_tokens=False).ids
+            ids += self.encode(_as_dict(message)["content"])
+        ids += self._markup.encode(skeleton, add_special_tokens=False).ids
+        return ids
+
+    def count_chat_tokens(self, messages: Sequence[ChatMessage | Mapping[str, str]]) -> int:
+        return len(self.encode_chat(messages))
+
+
+def _as_dict(message: ChatMessage | Mapping[str, str]) -> dict[str, str]:
+    if isinstance(message, ChatMessage):
+        return {"role": message.role, "content": message.content}
+    return {"role": message["role"], "content": message["content"]}
+
+
+def _build_bpe(
+    tokens: Sequence[str], merges: Sequence[str], control_ids: Sequence[int]
+) -> tokenizers.Tokenizer:
+    bpe = models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[tuple(merge.split(" ", 1)) for merge in merges],
+    )
+    tok = tokenizers.Tokenizer(bpe)
+    # SmolLM's pre-tokenizer (llama.cpp "smollm"): digits one by one, then GPT-2 byte-level splitting.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control_ids])
+    return tok
+
+
+def _model_name(basename: object, size_label: object, path: str | Path) -> str:
+    if basename == "smollm2" and size_label == "135M":
+        return "SmolLM2-135M-Instruct"
+    return Path(path).stem
+
+
+@functools.cache
+def load_tokenizer(path: str | None = None) -> ChatTokenizer:
+    """The tokenizer of the GGUF at ``path`` (default: the bundled SmolLM2), loaded once per process."""
+    return ChatTokenizer.from_gguf(path or bundled_model_path())
