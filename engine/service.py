@@ -130,6 +130,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def KvEvents(
         self, request: engine_pb2.KvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.KvEventsResponse]:
+        if self._draining:  # a router would only resubscribe in a loop until this process exits
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is draining")
         wake = asyncio.Event()
         snapshot, subscription = self._engine.events.subscribe(lambda: self._wake_from_thread(wake))
         self._watchers.add(wake)

@@ -218,9 +218,7 @@ def test_stop_token_ids_eos_and_max_tokens_set_the_finish_reason():
     assert stop.finish.reason is FinishReason.STOP
     assert stop.token_ids == greedy[: greedy.index(stop_at) + 1], "the stop token is the last token"
     assert stop.finish.matched_stop == tokenizer().decode([stop_at])
-    assert not stop.text.endswith(tokenizer().decode([stop_at])) or stop.text == tokenizer().decode(
-        greedy[: greedy.index(stop_at)]
-    )
+    assert stop.text == tokenizer().decode(greedy[: greedy.index(stop_at)]), "no text for the stop token"
     assert done["length"].finish.reason is FinishReason.LENGTH and len(done["length"].token_ids) == 10
 
 
@@ -291,4 +289,6 @@ def test_the_step_thread_serves_requests_and_stops_cleanly():
     finally:
         test.engine.stop(timeout_s=5)
     assert not test.engine._thread.is_alive()
+    with pytest.raises(EngineUnavailableError):
+        test.engine.add_request(request("late", prompt(4)))
     assert {o.request_id for o in outputs if o.finish} == {"r0", "r1", "r2"}

@@ -122,6 +122,9 @@ async def test_drain_refuses_new_requests_and_ends_watch_streams(chat_prompt):
         )
         assert await events.read() is grpc.aio.EOF
         with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.KvEvents(engine_pb2.KvEventsRequest(), timeout=TIMEOUT_S).read()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.aio.AioRpcError) as err:
             await Stream.start(stub, start_frame("late", chat_prompt, max_tokens=5)).rest()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
