@@ -193,10 +193,14 @@ class LLMEngine:
                 outputs: list[RequestOutput] = []
                 self._fail(f"engine step failed: {exc}", outputs)
                 self.on_outputs(outputs)
+            if self.failure:
+                log.error("the step loop stopped: %s", self.failure)
                 return
 
     def step(self) -> bool:
-        """Runs one step; False if there was nothing to do."""
+        """Runs one step; False if there was nothing to do (or the engine failed)."""
+        if self.failure:
+            return False
         outputs: list[RequestOutput] = []
         self._take_inbox(outputs)
         batch = self.scheduler.schedule()
@@ -291,7 +295,7 @@ class LLMEngine:
             return FinishReason.LENGTH, "", text
         return None, "", text
 
-    def _finish(self, live: _Live, reason: FinishReason, matched_stop: str = "", error: str = "") -> Finish:
+    def _finish(self, live: _Live, reason: FinishReason, matched_stop: str = "") -> Finish:
         """Ends a request: its blocks go back to the pool now."""
         seq = live.seq
         self.scheduler.finish(seq)
@@ -304,24 +308,34 @@ class LLMEngine:
             self._metrics.observe_finish(
                 live.arrival, live.first_token_at, now, seq.num_new_output_tokens, reason.value
             )
-        usage = Usage(seq.num_context_tokens, max(seq.num_cached_tokens, 0), seq.num_new_output_tokens)
-        text = "" if error else live.detokenizer.flush()
-        return Finish(reason, usage, text, matched_stop, error)
+        return Finish(reason, self._usage(seq), live.detokenizer.flush(), matched_stop)
 
-    def _end(
-        self, live: _Live, reason: FinishReason, matched_stop: str = "", error: str = ""
-    ) -> RequestOutput:
-        """Ends a request between tokens (cancel, resumed output already complete, failure)."""
-        finish = self._finish(live, reason, matched_stop, error)
+    @staticmethod
+    def _usage(seq: Sequence) -> Usage:
+        return Usage(seq.num_context_tokens, max(seq.num_cached_tokens, 0), seq.num_new_output_tokens)
+
+    def _end(self, live: _Live, reason: FinishReason, matched_stop: str = "") -> RequestOutput:
+        """Ends a request between tokens (cancelled, or its resumed output already complete)."""
+        finish = self._finish(live, reason, matched_stop)
         return RequestOutput(live.seq.request_id, live.seq.num_output_tokens, [], "", finish)
 
     def _fail(self, message: str, outputs: list[RequestOutput]) -> None:
-        """Stops serving: every request ends with ``message`` as its error."""
+        """Stops serving: every request ends with ``message`` as its error. The scheduler is not
+        consulted (it may be what failed); a failed engine neither steps nor frees blocks again."""
         with self._wakeup:
             self.failure = message
-        self._take_inbox(outputs)
-        for live in list(self._live.values()):
-            outputs.append(self._end(live, FinishReason.CANCELLED, error=message))
+            new, self._new, self._cancels = self._new, [], []
+            self._ids.clear()
+        for request, _ in new:
+            context = len(request.prompt_token_ids) + len(request.resumed_output_token_ids)
+            finish = Finish(FinishReason.CANCELLED, Usage(context, 0, 0), error=message)
+            outputs.append(
+                RequestOutput(request.request_id, len(request.resumed_output_token_ids), [], "", finish)
+            )
+        for live in self._live.values():
+            finish = Finish(FinishReason.CANCELLED, self._usage(live.seq), error=message)
+            outputs.append(RequestOutput(live.seq.request_id, live.seq.num_output_tokens, [], "", finish))
+        self._live.clear()
 
     def _retry_after_s(self) -> float:
         """About when a queue slot frees up: the mean time between recent finishes."""
