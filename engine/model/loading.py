@@ -1,0 +1,58 @@
+"""Creates the model runner of a backend. Nothing above this module knows which backend it talks to.
+
+A new backend (a Hugging Face directory, a GPU runner, tensor parallelism) is one more branch here and
+one class implementing ``engine.model.runner.ModelRunner``; scheduler and KV cache stay untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from chatmesh.tokenizer import ChatTokenizer
+from engine.model.null_runner import NullModelRunner
+from engine.model.runner import ModelRunner, ModelSpec
+
+log = logging.getLogger(__name__)
+
+# The null backend computes nothing, so it has no context limit of its own; it advertises this one.
+NULL_CONTEXT_LENGTH = 8192
+# What null-backend streams say, over and over.
+NULL_TEXT = (
+    " The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single"
+    " step. All that glitters is not gold, and every cloud has a silver lining."
+)
+
+
+def create_runner(
+    backend: str,
+    model_path: Path,
+    tokenizer: ChatTokenizer,
+    num_threads: int | None = None,
+    null_tokens_per_s: float = 0.0,
+) -> ModelRunner:
+    """The runner for ``backend`` serving ``model_path`` (whose tokenizer is ``tokenizer``)."""
+    if backend == "cpu":
+        try:
+            from engine.model.cpu_runner import CpuModelRunner
+        except ModuleNotFoundError as exc:
+            if exc.name != "engine.model.cpu_runner":
+                raise
+            raise RuntimeError(
+                "the cpu backend is not part of this build (engine/model/cpu_runner.py is missing); "
+                "use --backend null to run without a model"
+            ) from exc
+        log.info("loading %s on the cpu backend", model_path)
+        return CpuModelRunner.from_gguf(model_path, num_threads=num_threads)
+    if backend == "null":
+        log.info("null backend: no model computed; tokens are paced at %.0f/s per stream", null_tokens_per_s)
+        spec = ModelSpec(
+            name=tokenizer.model_name,
+            num_layers=0,
+            num_kv_heads=0,
+            head_dim=0,
+            vocab_size=tokenizer.vocab_size,
+            context_length=NULL_CONTEXT_LENGTH,
+        )
+        return NullModelRunner(spec, tokenizer.encode(NULL_TEXT), null_tokens_per_s)
+    raise ValueError(f"unknown backend {backend!r}: expected cpu or null")

@@ -1,0 +1,61 @@
+"""What the engine hands out: token outputs per request per step, and its load after each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class FinishReason(Enum):
+    STOP = "stop"  # end-of-sequence token, stop token id or stop string
+    LENGTH = "length"  # max_tokens reached
+    CANCELLED = "cancelled"  # cancelled by the client, or the engine failed (then Finish.error is set)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # context at the start: prompt plus resumed output
+    cached_prompt_tokens: int  # of those, served from the prefix cache
+    completion_tokens: int  # output tokens generated here (resumed ones not counted)
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: FinishReason
+    usage: Usage
+    text: str = ""  # text held back until the end
+    matched_stop: str = ""  # the stop string or stop token (as text) that ended generation
+    error: str = ""  # non-empty: the engine failed and the request did not complete
+
+
+@dataclass
+class RequestOutput:
+    """One request's share of one step: new tokens (maybe none), the text they release, maybe the end."""
+
+    request_id: str
+    index: int  # output position of token_ids[0] (resumed output counts)
+    token_ids: list[int]
+    text: str
+    finish: Finish | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load after a step: what GetLoad and WatchLoad report and the gauges show."""
+
+    waiting_requests: int = 0
+    running_requests: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prefix_hit_tokens: int = 0
+    prefix_queried_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0

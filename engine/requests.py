@@ -1,0 +1,117 @@
+"""Turns a ``GenerateStart`` frame into an ``EngineRequest``, or says exactly what is wrong with it."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import grpc
+
+from chatmesh.engine.v1 import engine_pb2
+from engine.sequence import EngineRequest, Priority, SamplingParams
+
+# Bounds on what one request may ask for; beyond them the request is refused, not truncated.
+MAX_REQUEST_ID_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+_PRIORITIES = {
+    engine_pb2.PRIORITY_UNSPECIFIED: Priority.NORMAL,
+    engine_pb2.PRIORITY_LOW: Priority.LOW,
+    engine_pb2.PRIORITY_NORMAL: Priority.NORMAL,
+    engine_pb2.PRIORITY_HIGH: Priority.HIGH,
+}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What requests are checked against."""
+
+    name: str
+    tokenizer_fingerprint: str
+    vocab_size: int
+    context_length: int
+
+
+class InvalidRequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> InvalidRequestError:
+    return InvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def request_from_proto(start: engine_pb2.GenerateStart, model: ServedModel) -> EngineRequest:
+    if start.model and start.model != model.name:
+        raise InvalidRequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"this engine serves {model.name!r}, not {start.model!r}",
+        )
+    if start.tokenizer_fingerprint and start.tokenizer_fingerprint != model.tokenizer_fingerprint:
+        raise InvalidRequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"the prompt was tokenized with {start.tokenizer_fingerprint!r}, but this engine's tokenizer is "
+            f"{model.tokenizer_fingerprint!r}: re-tokenize with the engine's model",
+        )
+    if not start.request_id or len(start.request_id) > MAX_REQUEST_ID_CHARS:
+        raise _invalid(f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters")
+    if not start.prompt_token_ids:
+        raise _invalid("prompt_token_ids must not be empty")
+    for name, ids in (
+        ("prompt_token_ids", start.prompt_token_ids),
+        ("resumed_output_token_ids", start.resumed_output_token_ids),
+    ):
+        if ids and max(ids) >= model.vocab_size:
+            raise _invalid(f"{name} holds token id {max(ids)}, beyond the vocabulary of {model.vocab_size}")
+    if start.priority not in _PRIORITIES:
+        raise _invalid(f"unknown priority {start.priority}")
+    sampling = _sampling_from_proto(start.sampling, model)
+    if len(start.resumed_output_token_ids) > sampling.max_tokens:
+        raise _invalid(
+            f"{len(start.resumed_output_token_ids)} resumed output tokens exceed max_tokens={sampling.max_tokens}"
+        )
+    if len(start.prompt_token_ids) + sampling.max_tokens > model.context_length:
+        raise _invalid(
+            f"prompt ({len(start.prompt_token_ids)} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+            f"context window of {model.context_length} tokens"
+        )
+    return EngineRequest(
+        request_id=start.request_id,
+        prompt_token_ids=tuple(start.prompt_token_ids),
+        sampling=sampling,
+        resumed_output_token_ids=tuple(start.resumed_output_token_ids),
+        priority=_PRIORITIES[start.priority],
+    )
+
+
+def _sampling_from_proto(params: engine_pb2.SamplingParams, model: ServedModel) -> SamplingParams:
+    if params.max_tokens <= 0:
+        raise _invalid("sampling.max_tokens must be > 0")
+    if not (math.isfinite(params.temperature) and 0.0 <= params.temperature <= 2.0):
+        raise _invalid(f"sampling.temperature must be in [0, 2], got {params.temperature}")
+    if not (math.isfinite(params.top_p) and 0.0 <= params.top_p <= 1.0):
+        raise _invalid(f"sampling.top_p must be in [0, 1] (0 or 1: off), got {params.top_p}")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise _invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
+    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in params.stop):
+        raise _invalid(f"stop strings must have 1 to {MAX_STOP_STRING_CHARS} characters")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(params.stop_token_ids)}")
+    if params.stop_token_ids and max(params.stop_token_ids) >= model.vocab_size:
+        raise _invalid(f"stop token id {max(params.stop_token_ids)} is beyond the vocabulary")
+    return SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p if 0.0 < params.top_p < 1.0 else 1.0,
+        top_k=params.top_k if params.top_k < model.vocab_size else 0,
+        # Unseeded requests still get a fixed seed, so their draws are reproducible within the request.
+        seed=params.seed if params.HasField("seed") else secrets.randbits(64),
+        max_tokens=params.max_tokens,
+        stop=tuple(params.stop),
+        stop_token_ids=frozenset(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )

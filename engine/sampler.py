@@ -1,0 +1,84 @@
+"""Picks each next token from the logits: greedy, or temperature with top-k and top-p.
+
+Reproducible by construction: the one random number a draw uses for output position ``i`` is a hash
+of ``(seed, i)``, nothing else. The same seed gives the same output on any engine, at any batch
+position, and a request re-dispatched after a failover continues exactly where it left off.
+The draw is an inverse-CDF pick over the candidates sorted by logit (ties: lower token id first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.sequence import SamplingParams
+
+# top-p without top-k looks for the nucleus among this many best tokens first, widening as needed.
+_NUCLEUS_PROBE = 64
+
+
+def uniform(seed: int, position: int) -> float:
+    """The random number in [0, 1) for output position ``position`` of a request seeded ``seed``."""
+    digest = hashlib.blake2b(
+        position.to_bytes(8, "little"), digest_size=8, key=seed.to_bytes(8, "little")
+    ).digest()
+    return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
+
+
+def sample(logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
+    """One token per row of ``logits`` [n, vocab]; ``positions[r]`` is row r's output position."""
+    # One vectorized argmax over every row beats copying out the greedy rows first.
+    tokens = (
+        np.argmax(logits, axis=1).tolist() if any(p.temperature == 0.0 for p in params) else [0] * len(params)
+    )
+    for r, p in enumerate(params):
+        if p.temperature != 0.0:
+            tokens[r] = sample_one(logits[r], p, uniform(p.seed, positions[r]))
+    return tokens
+
+
+def sample_one(logits: np.ndarray, params: SamplingParams, u: float) -> int:
+    """A draw from softmax(logits / temperature) restricted by top-k then top-p, using ``u`` in [0, 1)."""
+    scaled = logits.astype(np.float64) / params.temperature
+    vocab = scaled.shape[0]
+    top_p = params.top_p if 0.0 < params.top_p < 1.0 else 1.0
+    if 0 < params.top_k < vocab:
+        candidates = _best(scaled, params.top_k)
+        probs = np.exp(scaled[candidates] - scaled[candidates[0]])
+        total = probs.sum()
+    else:
+        all_probs = np.exp(scaled - scaled.max())
+        total = all_probs.sum()
+        if top_p == 1.0:  # plain temperature: every token, in id order, no sorting needed
+            cdf = np.cumsum(all_probs)
+            return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), vocab - 1)
+        candidates = _nucleus_superset(scaled, all_probs, top_p * total)
+        probs = all_probs[candidates]
+    cdf = np.cumsum(probs)
+    if top_p < 1.0:
+        # The smallest head of the sorted candidates whose mass reaches top_p.
+        keep = int(np.searchsorted(cdf, top_p * total, side="left")) + 1
+        candidates, cdf = candidates[:keep], cdf[:keep]
+    pick = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(candidates) - 1)
+    return int(candidates[pick])
+
+
+def _best(scaled: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k highest values, sorted by value descending, then id ascending."""
+    part = np.argpartition(-scaled, k - 1)[:k]
+    # Ties at the k-th value would leave the choice to the partition; take all, keep the lowest ids.
+    tied_or_better = np.flatnonzero(scaled >= scaled[part].min())
+    return tied_or_better[np.lexsort((tied_or_better, -scaled[tied_or_better]))][:k]
+
+
+def _nucleus_superset(scaled: np.ndarray, probs: np.ndarray, mass: float) -> np.ndarray:
+    """The best tokens, sorted, holding at least ``mass`` of ``probs`` (probe few, widen as needed)."""
+    k = _NUCLEUS_PROBE
+    while k < scaled.shape[0]:
+        best = _best(scaled, k)
+        if probs[best].sum() >= mass:
+            return best
+        k *= 8
+    return _best(scaled, scaled.shape[0])

@@ -1,0 +1,102 @@
+"""One request inside the engine: what was asked (``EngineRequest``) and how far it got (``Sequence``)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+
+
+class Priority(IntEnum):
+    LOW = 1
+    NORMAL = 2
+    HIGH = 3
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # 1: off
+    top_k: int = 0  # 0: off
+    seed: int = 0  # the draw for output position i depends only on (seed, i)
+    max_tokens: int = 16  # counts resumed output tokens
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated request, as the service hands it to the engine."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    # Output an earlier engine already delivered (failover): context here, output to the client.
+    resumed_output_token_ids: tuple[int, ...] = ()
+    priority: Priority = Priority.NORMAL
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's scheduling state: its tokens, how many of them have KV computed, the blocks holding it.
+
+    ``token_ids`` is the prompt followed by every output token (resumed ones included). The scheduler
+    lets ``num_computed_tokens`` catch up with ``num_tokens``; a sampled token extends ``token_ids``.
+    """
+
+    request: EngineRequest
+    arrival: float
+    # Aging without a timer: a request ranks as if it had arrived `aging_s` earlier per priority level,
+    # so a LOW request that has waited 2·aging_s longer than a HIGH one goes first. The key never
+    # changes, so queue order is stable and a heap works.
+    aging_s: float
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)  # physical block ids, one per block_size tokens
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, filled lazily
+    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule; -1: not yet
+    status: SequenceStatus = SequenceStatus.WAITING
+
+    def __post_init__(self) -> None:
+        self.token_ids = [*self.request.prompt_token_ids, *self.request.resumed_output_token_ids]
+        self.num_prompt_tokens = len(self.request.prompt_token_ids)
+        self.num_context_tokens = len(self.token_ids)  # prompt + resumed output: what Usage calls prompt
+        self.sort_key = (self.arrival - int(self.priority) * self.aging_s, self.seq_id)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output positions so far, resumed ones included: the index of the next sampled token."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_new_output_tokens(self) -> int:
+        """Output tokens this engine generated (Usage.completion_tokens)."""
+        return len(self.token_ids) - self.num_context_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

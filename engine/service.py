@@ -1,0 +1,251 @@
+"""EngineService: the engine's gRPC face (see protos/chatmesh/engine/v1/engine.proto for the contract)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.errors import abort_with_retry
+from engine.kv_events import BlocksStored, KvEventBatch, SubscriberOverflow
+from engine.llm_engine import (
+    DuplicateRequestError,
+    EngineUnavailableError,
+    LLMEngine,
+    QueueFullError,
+)
+from engine.outputs import Finish, FinishReason
+from engine.requests import InvalidRequestError, ServedModel, request_from_proto
+from engine.streams import OutputRouter
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WATCH_INTERVAL_MS = 200
+MIN_WATCH_INTERVAL_MS = 10
+
+_FINISH_REASONS = {
+    FinishReason.STOP: engine_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: engine_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: engine_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+class EngineService(engine_pb2_grpc.EngineServiceServicer):
+    """Serves one ``LLMEngine``. Create it on the event loop that serves it, then ``engine.start()``."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self.failed = asyncio.Event()  # set when the engine reports a failure; health should go NOT_SERVING
+        self._router = OutputRouter(self._loop, on_error=lambda message: self.failed.set())
+        engine.on_outputs = self._router.submit
+        self._draining = False
+        self._watchers: set[asyncio.Event] = set()  # wake-ups of the open KvEvents / WatchLoad streams
+        self._model = ServedModel(
+            name=engine.tokenizer.model_name,
+            tokenizer_fingerprint=engine.tokenizer.fingerprint,
+            vocab_size=engine.runner.spec.vocab_size,
+            context_length=engine.context_length,
+        )
+
+    async def drain(self) -> None:
+        """Stops taking requests; ends the watch streams so that only Generate streams hold the drain."""
+        self._draining = True
+        for wake in self._watchers:
+            wake.set()
+
+    @property
+    def serving(self) -> bool:
+        return not (self._draining or self._engine.failure)
+
+    # -- Generate ------------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[engine_pb2.GenerateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        frames = aiter(request_iterator)
+        first = await anext(frames, None)
+        if first is None or first.WhichOneof("kind") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be `start`")
+        if not self.serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self._engine.failure or "the engine is draining")
+        try:
+            request = request_from_proto(first.start, self._model)
+            self._engine.add_request(request)
+        except InvalidRequestError as exc:
+            await context.abort(exc.code, exc.message)
+        except QueueFullError as exc:
+            await abort_with_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s)
+        except DuplicateRequestError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except EngineUnavailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+        request_id = request.request_id
+        stream = self._router.open(request_id)  # before any await: no output can be delivered earlier
+        misuse: list[str] = []
+        reader = asyncio.create_task(self._read_cancel(frames, request_id, misuse))
+        done = False
+        try:
+            yield engine_pb2.GenerateResponse(
+                accepted=engine_pb2.GenerateAccepted(
+                    engine_instance_id=self._engine.instance_id,
+                    context_tokens=len(request.prompt_token_ids) + len(request.resumed_output_token_ids),
+                )
+            )
+            while not done:
+                tokens, finish = await stream.take()
+                if tokens is not None:
+                    yield engine_pb2.GenerateResponse(tokens=tokens)
+                if finish is not None:
+                    done = True
+                    if finish.error:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, finish.error)
+                    if misuse:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, misuse[0])
+                    yield engine_pb2.GenerateResponse(finished=_finished_proto(finish))
+        finally:
+            reader.cancel()
+            self._router.close(request_id)
+            if not done:  # the client cancelled the RPC or went away: free the request's blocks
+                self._engine.cancel(request_id)
+
+    async def _read_cancel(
+        self, frames: AsyncIterator[engine_pb2.GenerateRequest], request_id: str, misuse: list[str]
+    ) -> None:
+        """Reads frames after `start`. A half-close just ends this loop: it is not a cancel."""
+        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+            async for frame in frames:
+                if frame.WhichOneof("kind") != "cancel":
+                    misuse.append("only one `start` frame per stream; send `cancel` to stop")
+                self._engine.cancel(request_id)
+                return
+
+    # -- KV events -----------------------------------------------------------------------------------
+
+    async def KvEvents(
+        self, request: engine_pb2.KvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.KvEventsResponse]:
+        if self._draining:  # a router would only resubscribe in a loop until this process exits
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is draining")
+        wake = asyncio.Event()
+        snapshot, subscription = self._engine.events.subscribe(lambda: self._wake_from_thread(wake))
+        self._watchers.add(wake)
+        instance_id = self._engine.instance_id
+        try:
+            yield engine_pb2.KvEventsResponse(
+                engine_instance_id=instance_id,
+                snapshot=engine_pb2.KvSnapshot(
+                    sequence_number=snapshot.sequence_number, block_hashes=sorted(snapshot.block_hashes)
+                ),
+            )
+            while not self._draining:
+                await wake.wait()
+                wake.clear()
+                try:
+                    batches = subscription.take()
+                except SubscriberOverflow as exc:
+                    await context.abort(grpc.StatusCode.ABORTED, f"{exc}: resubscribe for a fresh snapshot")
+                for batch in batches:
+                    yield engine_pb2.KvEventsResponse(
+                        engine_instance_id=instance_id, batch=_batch_proto(batch)
+                    )
+        finally:
+            self._watchers.discard(wake)
+            subscription.close()
+
+    def _wake_from_thread(self, wake: asyncio.Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the process is exiting
+            self._loop.call_soon_threadsafe(wake.set)
+
+    # -- load and model info -------------------------------------------------------------------------
+
+    async def WatchLoad(
+        self, request: engine_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.WatchLoadResponse]:
+        interval_ms = request.interval_ms or DEFAULT_WATCH_INTERVAL_MS
+        if interval_ms < MIN_WATCH_INTERVAL_MS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"interval_ms must be 0 or >= {MIN_WATCH_INTERVAL_MS}"
+            )
+        wake = asyncio.Event()
+        self._watchers.add(wake)
+        try:
+            while True:
+                yield engine_pb2.WatchLoadResponse(load=self._load())
+                if self._draining:  # the last report said serving: false
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), interval_ms / 1000)
+        finally:
+            self._watchers.discard(wake)
+
+    async def GetLoad(
+        self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.GetLoadResponse:
+        return engine_pb2.GetLoadResponse(load=self._load())
+
+    async def GetModelInfo(
+        self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.GetModelInfoResponse:
+        engine = self._engine
+        return engine_pb2.GetModelInfoResponse(
+            model=self._model.name,
+            tokenizer_fingerprint=self._model.tokenizer_fingerprint,
+            block_size=engine.config.block_size,
+            block_hash_seed=engine.config.block_hash_seed,
+            context_length=engine.context_length,
+            vocab_size=self._model.vocab_size,
+            eos_token_ids=engine.tokenizer.eos_token_ids,
+            backend=engine.runner.backend,
+            tensor_parallel_size=engine.runner.tensor_parallel_size,
+            engine_instance_id=engine.instance_id,
+            kv_blocks_total=engine.kv.num_blocks,
+        )
+
+    def _load(self) -> engine_pb2.EngineLoad:
+        stats = self._engine.stats
+        return engine_pb2.EngineLoad(
+            waiting_requests=stats.waiting_requests,
+            running_requests=stats.running_requests,
+            max_waiting_requests=self._engine.config.max_waiting_requests,
+            kv_blocks_total=stats.kv_blocks_total,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_usage=stats.kv_usage,
+            prefix_hit_tokens=stats.prefix_hit_tokens,
+            prefix_queried_tokens=stats.prefix_queried_tokens,
+            generated_tokens=stats.generated_tokens,
+            serving=self.serving,
+        )
+
+
+def _finished_proto(finish: Finish) -> engine_pb2.GenerateFinished:
+    return engine_pb2.GenerateFinished(
+        finish_reason=_FINISH_REASONS[finish.reason],
+        text=finish.text,
+        usage=engine_pb2.Usage(
+            prompt_tokens=finish.usage.prompt_tokens,
+            cached_prompt_tokens=finish.usage.cached_prompt_tokens,
+            completion_tokens=finish.usage.completion_tokens,
+        ),
+        matched_stop=finish.matched_stop,
+    )
+
+
+def _batch_proto(batch: KvEventBatch) -> engine_pb2.KvEventBatch:
+    events = []
+    for event in batch.events:
+        if isinstance(event, BlocksStored):
+            stored = engine_pb2.BlocksStored(block_hashes=event.block_hashes)
+            if event.parent_block_hash is not None:
+                stored.parent_block_hash = event.parent_block_hash
+            events.append(engine_pb2.KvEvent(stored=stored))
+        else:
+            events.append(
+                engine_pb2.KvEvent(removed=engine_pb2.BlocksRemoved(block_hashes=event.block_hashes))
+            )
+    return engine_pb2.KvEventBatch(sequence_number=batch.sequence_number, events=events)

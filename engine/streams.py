@@ -1,0 +1,89 @@
+"""Engine outputs on their way to gRPC streams: from the step thread onto the event loop.
+
+The step thread hands over each step's outputs in one call (``OutputRouter.submit``); at most one
+delivery is ever scheduled on the event loop, however far behind the loop is. On the loop, each
+request's ``RequestStream`` merges the frames its client has not read yet into one, so a slow reader
+costs memory in proportion to its own output (bounded by max_tokens) and never slows the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+
+from chatmesh.engine.v1 import engine_pb2
+from engine.outputs import Finish, RequestOutput
+
+
+class RequestStream:
+    """What one request's client has not been sent yet."""
+
+    def __init__(self) -> None:
+        self._index = 0
+        self._token_ids: list[int] = []
+        self._text: list[str] = []
+        self._finish: Finish | None = None
+        self._ready = asyncio.Event()
+
+    def push(self, output: RequestOutput) -> None:
+        if output.token_ids:
+            if not self._token_ids:
+                self._index = output.index
+            self._token_ids += output.token_ids
+            self._text.append(output.text)
+        if output.finish is not None:
+            self._finish = output.finish
+        self._ready.set()
+
+    async def take(self) -> tuple[engine_pb2.GenerateTokens | None, Finish | None]:
+        """Waits for news; returns all tokens not yet sent as one frame, and the finish if it came."""
+        await self._ready.wait()
+        self._ready.clear()
+        tokens = None
+        if self._token_ids:
+            tokens = engine_pb2.GenerateTokens(
+                index=self._index, token_ids=self._token_ids, text="".join(self._text)
+            )
+            self._token_ids, self._text = [], []
+        return tokens, self._finish
+
+
+class OutputRouter:
+    """Routes each step's outputs to the streams of their requests."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_error: Callable[[str], None] | None = None
+    ) -> None:
+        self._loop = loop
+        self._on_error = on_error or (lambda message: None)
+        self._lock = threading.Lock()
+        self._pending: list[RequestOutput] = []
+        self._streams: dict[str, RequestStream] = {}
+
+    def open(self, request_id: str) -> RequestStream:
+        stream = self._streams[request_id] = RequestStream()
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def submit(self, outputs: list[RequestOutput]) -> None:
+        """Called by the step thread."""
+        with self._lock:
+            schedule = not self._pending
+            self._pending += outputs
+        if schedule:
+            # The loop is gone only while the process shuts down; nobody is left to read then.
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            outputs, self._pending = self._pending, []
+        for output in outputs:
+            if output.finish is not None and output.finish.error:
+                self._on_error(output.finish.error)
+            if (stream := self._streams.get(output.request_id)) is not None:
+                stream.push(output)
