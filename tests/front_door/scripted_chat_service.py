@@ -33,7 +33,39 @@ from chatmesh.identity import Identity, identity_from_metadata
 from chatmesh.serving import GrpcServer, start_grpc_server
 
 MODEL = "scripted-model"
-WORDS = ["Streaming", "answers", "arrive", "token", "by", "token", "through", "Envoy", "and", "the", "edge", "while", "the", "run", "keeps", "going", "even", "when", "the", "browser", "reloads", "the", "page", "and", "resumes", "from", "the", "last", "event", "it", "saw"]
+WORDS = [
+    "Streaming",
+    "answers",
+    "arrive",
+    "token",
+    "by",
+    "token",
+    "through",
+    "Envoy",
+    "and",
+    "the",
+    "edge",
+    "while",
+    "the",
+    "run",
+    "keeps",
+    "going",
+    "even",
+    "when",
+    "the",
+    "browser",
+    "reloads",
+    "the",
+    "page",
+    "and",
+    "resumes",
+    "from",
+    "the",
+    "last",
+    "event",
+    "it",
+    "saw",
+]
 _ids = itertools.count(1)
 
 
@@ -113,7 +145,7 @@ class Run:
         position = after_seq
         while True:
             async with self.changed:
-                await self.changed.wait_for(lambda: len(self.events) > position or self.finished)
+                await self.changed.wait_for(lambda seen=position: len(self.events) > seen or self.finished)
                 pending = self.events[position:]
                 done = self.finished
             for event in pending:

@@ -268,9 +268,12 @@ def test_envoy_retries_idempotent_calls_only(front_door: FrontDoor, grpc_stub, u
 
 
 def test_grpc_retry_info_passes_through_envoy(front_door: FrontDoor, grpc_stub, user: str):
-    with front_door.scripted.failing(
-        "ListModels", grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", retry_after_s=4
-    ), pytest.raises(grpc.RpcError) as failure:
+    with (
+        front_door.scripted.failing(
+            "ListModels", grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", retry_after_s=4
+        ),
+        pytest.raises(grpc.RpcError) as failure,
+    ):
         grpc_stub.ListModels(chat_pb2.ListModelsRequest(), metadata=bearer(front_door, user), timeout=5)
     assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert retry_after_s(failure.value) == 4.0
