@@ -4,6 +4,7 @@ REST shapes, SSE framing and resume, cancel, status codes, and refusing bad inpu
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import grpc
@@ -83,7 +84,7 @@ def test_sse_ids_are_sequence_numbers_and_events_arrive_token_by_token(client: h
     assert len(deltas) == 20
     # Streamed, not buffered: deltas arrive spread over the ~1 s the answer takes.
     assert deltas[-1].at - deltas[0].at > 0.5
-    gaps = [b.at - a.at for a, b in zip(deltas, deltas[1:], strict=False)]
+    gaps = [b.at - a.at for a, b in itertools.pairwise(deltas)]
     assert sorted(gaps)[len(gaps) // 2] > 0.02
     assert events[-1].data["finish_reason"] == "stop"
     assert events[-2].data["completion_tokens"] == 20
@@ -152,7 +153,7 @@ def test_cancel_stops_the_run_and_the_stream_ends_cancelled(client: httpx.Client
             events.append(event)
             if event.event == "delta" and len(events) == 4:
                 run_id = events[0].data["run_id"]
-                threading.Thread(target=lambda: client.post(f"/v1/runs/{run_id}/cancel")).start()
+                threading.Thread(target=client.post, args=(f"/v1/runs/{run_id}/cancel",)).start()
     assert events[-1].event == "done" and events[-1].data["finish_reason"] == "cancelled"
     assert sum(e.event == "delta" for e in events) < 200
     assert client.get(f"/v1/runs/{run_id}").json()["status"] == "cancelled"
