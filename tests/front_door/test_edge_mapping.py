@@ -176,18 +176,24 @@ def test_stream_broken_mid_answer_ends_with_an_error_event_without_id(client: ht
     assert [e.seq for e in events[:-1]] == list(range(1, len(events)))
 
 
-def test_regenerate_and_edit_create_branches(client: httpx.Client, chat_id: str):
-    first = send(client, chat_id, "question !tokens 3 1")
-    answer_id = first[-1].data["assistant_message_id"]
-    user_message_id = first[0].data["user_message_id"]
+def test_regenerate_and_edit_create_sibling_branches(client: httpx.Client, chat_id: str):
+    first = send(client, chat_id, "first question !tokens 2 1")
+    first_answer = first[-1].data["assistant_message_id"]
+    second = send(client, chat_id, "second question !tokens 3 1")
+    answer_id = second[-1].data["assistant_message_id"]
+    question_id = second[0].data["user_message_id"]
+
     with client.stream("POST", f"/v1/chats/{chat_id}/messages/{answer_id}/regenerate", json={}) as reply:
         again = list(iter_events(reply))
     assert again[-1].event == "done" and again[-1].data["assistant_message_id"] != answer_id
-    edited = send(client, chat_id, "edited question !tokens 2 1", parent_message_id="")
-    messages = client.get(f"/v1/chats/{chat_id}/messages").json()["messages"]
-    answers = [m for m in messages if m["role"] == "assistant"]
-    assert {a["parent_id"] for a in answers[-2:]} == {user_message_id}  # original + regenerated: siblings
-    assert edited[-1].event == "done"
+    # Edit the second question: the new text follows the same parent (the first answer).
+    edited = send(client, chat_id, "second question, edited !tokens 2 1", parent_message_id=first_answer)
+
+    messages = {m["message_id"]: m for m in client.get(f"/v1/chats/{chat_id}/messages").json()["messages"]}
+    regenerated = messages[again[-1].data["assistant_message_id"]]
+    assert regenerated["parent_id"] == messages[answer_id]["parent_id"] == question_id
+    edit = messages[edited[0].data["user_message_id"]]
+    assert edit["parent_id"] == messages[question_id]["parent_id"] == first_answer
 
 
 def test_idempotency_key_header_is_forwarded(front_door: FrontDoor, client: httpx.Client, chat_id: str):
