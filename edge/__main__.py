@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import FrameType
+
 import uvicorn
 
 from chatmesh import telemetry
 from chatmesh.config import ServiceArgs
 from edge.app import create_app
 from edge.settings import EdgeSettings
-from edge.sse import StreamSettings
+from edge.sse import Drain, StreamSettings
 
 
 def parse_args(argv: list[str] | None = None):
@@ -39,12 +42,28 @@ def settings_from(args) -> EdgeSettings:
     )
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn, plus: on SIGTERM/SIGINT open answer streams get ``drain_grace_s`` to finish (see Drain)."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, drain_grace_s: float) -> None:
+        super().__init__(config)
+        self.drain, self.drain_grace_s = drain, drain_grace_s
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.drain.draining:
+            # Streams end half a second early, so responses close cleanly before uvicorn's own cut-off.
+            grace = max(0.0, self.drain_grace_s - 0.5)
+            asyncio.get_running_loop().call_soon_threadsafe(self.drain.start, grace)
+        super().handle_exit(sig, frame)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     telemetry.setup("edge")
     telemetry.start_metrics_server(args.metrics_port, args.host)
-    uvicorn.run(
-        create_app(settings_from(args)),
+    drain = Drain()
+    config = uvicorn.Config(
+        create_app(settings_from(args), drain),
         host=args.host,
         port=args.port,
         timeout_graceful_shutdown=args.drain_grace_s,
@@ -52,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,  # Envoy writes the access log
         proxy_headers=False,
     )
+    DrainingServer(config, drain, args.drain_grace_s).run()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from sse_starlette.sse import AppStatus
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -25,14 +24,15 @@ from edge.errors import ApiError
 from edge.observability import ObservabilityMiddleware
 from edge.orchestrator import Orchestrator
 from edge.settings import EdgeSettings
+from edge.sse import Drain
 
 STATIC_DIR = Path(__file__).parent / "static"
 log = logging.getLogger(__name__)
 
 
-async def healthz(_: Request) -> JSONResponse:
+async def healthz(request: Request) -> JSONResponse:
     # Draining: tell load balancers (Envoy's health checks) to stop sending new work here.
-    if AppStatus.should_exit:
+    if request.app.state.drain.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
@@ -61,7 +61,7 @@ async def unexpected_error(request: Request, exc: Exception) -> Response:
     ).response()
 
 
-def create_app(settings: EdgeSettings | None = None) -> Starlette:
+def create_app(settings: EdgeSettings | None = None, drain: Drain | None = None) -> Starlette:
     settings = settings or EdgeSettings()
 
     @asynccontextmanager
@@ -88,4 +88,5 @@ def create_app(settings: EdgeSettings | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.drain = drain or Drain()
     return app

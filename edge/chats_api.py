@@ -196,7 +196,7 @@ async def send_message(request: Request) -> Response:
         ),
         caller,
     )
-    return await run_events_response(stream, settings.streams, started)
+    return await run_events_response(stream, settings.streams, request.app.state.drain, started)
 
 
 async def regenerate(request: Request) -> Response:
@@ -216,7 +216,7 @@ async def regenerate(request: Request) -> Response:
         ),
         caller,
     )
-    return await run_events_response(stream, settings.streams, started)
+    return await run_events_response(stream, settings.streams, request.app.state.drain, started)
 
 
 def _run_caller(request: Request) -> Caller:
@@ -249,7 +249,7 @@ async def run_events(request: Request) -> Response:
     stream = orchestrator.stream(
         "StreamRun", chat_pb2.StreamRunRequest(run_id=run_id, after_seq=_after_seq(request)), caller
     )
-    return await run_events_response(stream, settings.streams, started)
+    return await run_events_response(stream, settings.streams, request.app.state.drain, started)
 
 
 async def cancel_run(request: Request) -> JSONResponse:

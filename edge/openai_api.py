@@ -132,9 +132,16 @@ async def chat_completions(request: Request) -> Response:
             first,
             "openai",
             started,
+            request.app.state.drain,
             writer.events,
             writer.error,
             closing=lambda: [ServerSentEvent(data="[DONE]")],
+            # OpenAI clients cannot resume a stream: tell them to retry rather than end it silently.
+            drained=lambda: writer.error(
+                ApiError(
+                    503, "the server is restarting; retry the request", type="server_error", code="draining"
+                )
+            ),
         )
         return sse_response(events, settings.streams)
     return JSONResponse(await _collect(stream, first, completion_id, model))

@@ -9,9 +9,11 @@ the run goes on.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -31,6 +33,38 @@ class StreamSettings:
     drain_grace_s: float = 10.0
     # Tells browsers how soon to reconnect (the SSE ``retry:`` field), in milliseconds.
     retry_ms: int = 1000
+
+
+class Drain:
+    """Ends open streams cleanly when the edge shuts down.
+
+    ``start(grace_s)`` (on SIGTERM) sets a deadline; every stream waiting for its next event stops
+    waiting then and ends its response normally, without a final event, so clients resume with
+    Last-Event-ID on another replica while the run itself goes on.
+    """
+
+    def __init__(self) -> None:
+        self.deadline: float | None = None
+        self._waiting: set[asyncio.Timeout] = set()
+
+    @property
+    def draining(self) -> bool:
+        return self.deadline is not None
+
+    def start(self, grace_s: float) -> None:
+        self.deadline = asyncio.get_running_loop().time() + grace_s
+        for timeout in self._waiting:
+            timeout.reschedule(self.deadline)
+
+    @asynccontextmanager
+    async def bounded(self) -> AsyncIterator[None]:
+        """Raises TimeoutError inside if the drain deadline passes first."""
+        async with asyncio.timeout_at(self.deadline) as timeout:
+            self._waiting.add(timeout)
+            try:
+                yield
+            finally:
+                self._waiting.discard(timeout)
 
 
 def error_data(error: ApiError) -> dict:
@@ -56,11 +90,14 @@ async def relay(
     first: chat_pb2.RunEvent,
     kind: str,
     request_started: float,
+    drain: Drain,
     to_sse: Callable[[chat_pb2.RunEvent], list[ServerSentEvent]],
     on_error: Callable[[ApiError], list[ServerSentEvent]],
     closing: Callable[[], list[ServerSentEvent]] = list,
+    drained: Callable[[], list[ServerSentEvent]] = list,
 ) -> AsyncIterator[ServerSentEvent]:
-    """Relays ``first`` and the rest of ``stream`` through ``to_sse``; detaches when the client goes."""
+    """Relays ``first`` and the rest of ``stream`` through ``to_sse``; detaches when the client goes
+    or the edge drains (the run goes on either way)."""
     OPEN_STREAMS.labels(kind).inc()
     first_delta_seen = False
     try:
@@ -75,9 +112,15 @@ async def relay(
             for item in to_sse(event):
                 yield item
             try:
-                event = await anext(events)
+                async with drain.bounded():
+                    event = await anext(events)
             except StopAsyncIteration:
                 break
+            except TimeoutError:
+                # Draining: end the response cleanly (page clients resume with Last-Event-ID).
+                for item in drained():
+                    yield item
+                return
         for item in closing():
             yield item
     except grpc.RpcError as exc:
@@ -89,7 +132,7 @@ async def relay(
 
 
 async def run_events_response(
-    stream: RunStream, settings: StreamSettings, request_started: float
+    stream: RunStream, settings: StreamSettings, drain: Drain, request_started: float
 ) -> EventSourceResponse:
     """The page's SSE response for a run: awaits the first event (errors become HTTP statuses)."""
     first = await stream.first()
@@ -105,7 +148,7 @@ async def run_events_response(
         # No id: the client's Last-Event-ID stays at the last event it really got.
         return [ServerSentEvent(data=_dumps(error_data(error)), event="error")]
 
-    return sse_response(relay(stream, first, "run", request_started, to_sse, on_error), settings)
+    return sse_response(relay(stream, first, "run", request_started, drain, to_sse, on_error), settings)
 
 
 def sse_response(events: AsyncIterator[ServerSentEvent], settings: StreamSettings) -> EventSourceResponse:
@@ -114,6 +157,6 @@ def sse_response(events: AsyncIterator[ServerSentEvent], settings: StreamSetting
         ping=settings.ping_s,
         sep="\n",
         headers={"Cache-Control": "no-store"},
-        # sse-starlette notices uvicorn's shutdown; streams then get the grace period before they close.
-        shutdown_grace_period=max(0.0, settings.drain_grace_s - 1.0),
+        # Drain ends streams cleanly just before this; sse-starlette's own cut-off is the backstop.
+        shutdown_grace_period=settings.drain_grace_s,
     )

@@ -43,6 +43,7 @@ class FrontDoor:
     envoy: EnvoyHandle
     edge: EdgeHandle
     scripted: ScriptedChatService
+    scripted_port: int
     launcher: Launcher
 
     @property
@@ -80,7 +81,9 @@ def front_door(tmp_path_factory: pytest.TempPathFactory, dev_jwt_keys: DevKeys) 
                 extra_flags=("--sse-ping-s", "1", "--max-body-bytes", str(64 * 1024)),
             )
             envoy = start_envoy(launcher, config, dev_jwt_keys)
-            yield FrontDoor(envoy=envoy, edge=edge, scripted=server.service, launcher=launcher)
+            yield FrontDoor(
+                envoy=envoy, edge=edge, scripted=server.service, scripted_port=server.port, launcher=launcher
+            )
     finally:
         server.stop()
 

@@ -104,7 +104,9 @@ def test_regenerate_shows_both_versions(page):
 
 
 def test_rate_limited_send_shows_a_clear_message(page, front_door: FrontDoor):
-    with front_door.scripted.failing("SendMessage", grpc.StatusCode.RESOURCE_EXHAUSTED, "budget spent", retry_after_s=9):
+    with front_door.scripted.failing(
+        "SendMessage", grpc.StatusCode.RESOURCE_EXHAUSTED, "budget spent", retry_after_s=9
+    ):
         page.fill("#prompt", "hello")
         page.press("#prompt", "Enter")
         banner = page.wait_for_selector("#banner:has-text('rate limited')")

@@ -117,9 +117,12 @@ def test_models_list_and_retrieve(sdk: openai.OpenAI):
 
 
 def test_sdk_sees_typed_errors(front_door: FrontDoor, sdk: openai.OpenAI):
-    with front_door.scripted.failing(
-        "Complete", grpc.StatusCode.RESOURCE_EXHAUSTED, "budget spent", retry_after_s=3
-    ), pytest.raises(openai.RateLimitError) as limited:
+    with (
+        front_door.scripted.failing(
+            "Complete", grpc.StatusCode.RESOURCE_EXHAUSTED, "budget spent", retry_after_s=3
+        ),
+        pytest.raises(openai.RateLimitError) as limited,
+    ):
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert limited.value.response.headers["retry-after"] == "3"
     assert "budget spent" in str(limited.value)
