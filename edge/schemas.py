@@ -80,7 +80,8 @@ class StreamOptionsIn(BaseModel):
 
 class ChatCompletionIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: str = Field(min_length=1, max_length=128)
+    # Empty: the server's default model (OpenAI requires it; we do not, so curl examples stay short).
+    model: str = Field("", max_length=128)
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=1000)
     stream: bool = False
     stream_options: StreamOptionsIn | None = None
