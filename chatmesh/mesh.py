@@ -10,7 +10,7 @@ import argparse
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatmesh.dev_jwt import ensure_keys
@@ -22,16 +22,10 @@ from chatmesh.serving import PortInUseError
 
 @dataclass(frozen=True)
 class MeshPorts:
-    edge: int = 8081
     orchestrator: int = 50050
     router: int = 50051
     first_engine: int = 50061
-    envoy: int = 8080
-    envoy_admin: int = 9901
-    envoy_internal: int = 8090
-
-    def front_door(self) -> FrontDoorPorts:
-        return FrontDoorPorts(self.envoy, self.envoy_admin, self.envoy_internal, self.edge)
+    front_door: FrontDoorPorts = field(default_factory=FrontDoorPorts)
 
 
 @dataclass(frozen=True)
@@ -97,37 +91,29 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
         )
     )
     # The front door: the edge, then Envoy in front of it and the orchestrator.
-    specs.extend(front_door_specs(ports.front_door(), [ports.orchestrator], run_dir, ensure_keys(), py))
+    specs.extend(front_door_specs(ports.front_door, [ports.orchestrator], run_dir, ensure_keys(), py))
     return specs
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     defaults = MeshPorts()
+    door = defaults.front_door
     parser = argparse.ArgumentParser(prog="python -m chatmesh.mesh", description=__doc__)
-    parser.add_argument("--edge-port", type=int, default=defaults.edge)
+    parser.add_argument("--edge-port", type=int, default=door.edge)
     parser.add_argument("--orchestrator-port", type=int, default=defaults.orchestrator)
     parser.add_argument("--router-port", type=int, default=defaults.router)
     parser.add_argument("--first-engine-port", type=int, default=defaults.first_engine)
-    parser.add_argument(
-        "--envoy-port", type=int, default=defaults.envoy, help="the public port (browsers, gRPC)"
-    )
-    parser.add_argument("--envoy-admin-port", type=int, default=defaults.envoy_admin)
-    parser.add_argument("--envoy-internal-port", type=int, default=defaults.envoy_internal)
+    parser.add_argument("--envoy-port", type=int, default=door.envoy, help="the public port (browsers, gRPC)")
+    parser.add_argument("--envoy-admin-port", type=int, default=door.envoy_admin)
+    parser.add_argument("--envoy-internal-port", type=int, default=door.envoy_internal)
     parser.add_argument("--user", default="alice", help="who the printed token is for")
     parser.add_argument("--tier", default="pro", help="the printed token's tier")
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
-    ports = MeshPorts(
-        args.edge_port,
-        args.orchestrator_port,
-        args.router_port,
-        args.first_engine_port,
-        args.envoy_port,
-        args.envoy_admin_port,
-        args.envoy_internal_port,
-    )
+    door = FrontDoorPorts(args.envoy_port, args.envoy_admin_port, args.envoy_internal_port, args.edge_port)
+    ports = MeshPorts(args.orchestrator_port, args.router_port, args.first_engine_port, door)
     config = MeshConfig(
         ports=ports, engines=args.engines, engine_backend=args.engine_backend, user=args.user, tier=args.tier
     )
@@ -151,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         token = ensure_keys().mint(config.user, config.tier)
         print(
             f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
-            f"{welcome(config.ports.front_door(), token, config.user, config.tier)}\n"
+            f"{welcome(config.ports.front_door, token, config.user, config.tier)}\n"
             "Press Ctrl-C to stop everything.",
             flush=True,
         )

@@ -30,8 +30,13 @@ def chat_id(client: httpx.Client) -> str:
     return reply.json()["chat_id"]
 
 
+def answer(client: httpx.Client, chat_id: str, content: str, **body: object):
+    """The SSE response to sending ``content`` (a context manager, like ``client.stream``)."""
+    return client.stream("POST", f"/v1/chats/{chat_id}/messages", json={"content": content, **body})
+
+
 def send(client: httpx.Client, chat_id: str, content: str, **body: object) -> list[Event]:
-    with client.stream("POST", f"/v1/chats/{chat_id}/messages", json={"content": content, **body}) as reply:
+    with answer(client, chat_id, content, **body) as reply:
         assert reply.status_code == 200, reply.read()
         assert reply.headers["content-type"].startswith("text/event-stream")
         return list(iter_events(reply))
@@ -97,9 +102,7 @@ def test_sse_ids_are_sequence_numbers_and_events_arrive_token_by_token(client: h
 
 def test_quiet_streams_get_keep_alive_comments(client: httpx.Client, chat_id: str):
     # The test edge pings every second; one slow token makes the stream quiet for 2.5 s.
-    with client.stream(
-        "POST", f"/v1/chats/{chat_id}/messages", json={"content": "slow !tokens 1 2500"}
-    ) as reply:
+    with answer(client, chat_id, "slow !tokens 1 2500") as reply:
         lines = list(reply.iter_lines())
     assert any(line.startswith(":") for line in lines)
 
@@ -108,9 +111,7 @@ def test_resume_with_last_event_id_misses_nothing_and_repeats_nothing(
     front_door: FrontDoor, client: httpx.Client, chat_id: str
 ):
     seen: list[Event] = []
-    with client.stream(
-        "POST", f"/v1/chats/{chat_id}/messages", json={"content": "resume me !tokens 30 40"}
-    ) as reply:
+    with answer(client, chat_id, "resume me !tokens 30 40") as reply:
         for event in iter_events(reply):
             seen.append(event)
             if len(seen) == 6:
@@ -132,9 +133,7 @@ def test_resume_with_last_event_id_misses_nothing_and_repeats_nothing(
 
 
 def test_client_disconnect_does_not_stop_the_run(front_door: FrontDoor, client: httpx.Client, chat_id: str):
-    with client.stream(
-        "POST", f"/v1/chats/{chat_id}/messages", json={"content": "keep going !tokens 15 40"}
-    ) as reply:
+    with answer(client, chat_id, "keep going !tokens 15 40") as reply:
         run_id = next(iter_events(reply)).data["run_id"]
     run = wait_for(
         lambda: (r := client.get(f"/v1/runs/{run_id}").json())["status"] != "in_progress" and r,
@@ -146,9 +145,7 @@ def test_client_disconnect_does_not_stop_the_run(front_door: FrontDoor, client: 
 
 def test_cancel_stops_the_run_and_the_stream_ends_cancelled(client: httpx.Client, chat_id: str):
     events: list[Event] = []
-    with client.stream(
-        "POST", f"/v1/chats/{chat_id}/messages", json={"content": "long !tokens 200 30"}
-    ) as reply:
+    with answer(client, chat_id, "long !tokens 200 30") as reply:
         for event in iter_events(reply):
             events.append(event)
             if event.event == "delta" and len(events) == 4:
