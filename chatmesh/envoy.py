@@ -208,11 +208,15 @@ def write_config(config: EnvoyConfig, path: Path, check: bool = True) -> Path:
     return path
 
 
-def envoy_spec(config: EnvoyConfig, config_path: Path, name: str = "envoy") -> ServiceSpec:
+def envoy_spec(
+    config: EnvoyConfig, config_path: Path, name: str = "envoy", wait_for_upstreams: bool = True
+) -> ServiceSpec:
     """A launcher spec for Envoy with ``config`` (already written to ``config_path``).
 
-    The base id is derived from the admin port, which is unique per running Envoy on this machine, so
-    two Envoys never attach to each other's hot-restart shared memory.
+    Ready means Envoy's own /healthz answers 200, i.e. the edge and the orchestrator have a healthy host
+    (``wait_for_upstreams=False``: only that Envoy itself is up). The base id is derived from the admin
+    port, which is unique per running Envoy on this machine, so two Envoys never attach to each other's
+    hot-restart shared memory.
     """
     ports = (config.listen_port, config.admin_port) + (
         (config.internal_port,) if config.internal_port else ()
@@ -231,9 +235,16 @@ def envoy_spec(config: EnvoyConfig, config_path: Path, name: str = "envoy") -> S
             "5",
             "--drain-strategy",
             "immediate",
+            # Access log lines reach the file within a second (the default buffers up to 10 s).
+            "--file-flush-interval-msec",
+            "1000",
         ],
         ports=ports,
-        ready=HttpOk(f"http://127.0.0.1:{config.admin_port}/ready"),
+        ready=HttpOk(
+            f"http://127.0.0.1:{config.listen_port}/healthz"
+            if wait_for_upstreams
+            else f"http://127.0.0.1:{config.admin_port}/ready"
+        ),
         ready_timeout_s=60,
     )
 

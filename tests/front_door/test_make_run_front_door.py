@@ -17,7 +17,6 @@ from chatmesh.dev_jwt import DevKeys
 from chatmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from chatmesh.launcher import Launcher, PortInUseError, free_port
 from tests.front_door.conftest import FrontDoor
-from tests.front_door.test_envoy_door import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +36,8 @@ def test_printed_instructions_work(front_door: FrontDoor, dev_jwt_keys: DevKeys,
         text = welcome(ports, token, "alice", "pro")
         page_url = re.search(r"(http://\S+)/#token=(\S+)", text)
         assert page_url and page_url.group(2) == token
-        wait_for(lambda: httpx.get(f"{page_url.group(1)}/healthz").status_code == 200, what="Envoy healthy")
+        # make run waited for Envoy to see healthy upstreams before printing anything.
+        assert httpx.get(f"{page_url.group(1)}/healthz").status_code == 200
         assert "<title>chatmesh</title>" in httpx.get(page_url.group(1) + "/").text
 
         commands = [line.strip() for line in text.splitlines() if line.startswith("    ")]
