@@ -113,3 +113,16 @@ def test_rate_limited_send_shows_a_clear_message(page, front_door: FrontDoor):
     assert "Try again in 9 s" in banner.text_content()
     # What was typed is not lost.
     page.wait_for_function("document.querySelector('#prompt').value === 'hello'")
+
+
+def test_rename_and_delete_from_the_sidebar(page):
+    send(page, "A chat to tidy away !tokens 2 10")
+    page.wait_for_selector("#live", state="detached")
+    page.once("dialog", lambda dialog: dialog.accept("Tidy title"))
+    page.get_by_role("button", name="Rename A chat to tidy away").click()
+    page.wait_for_selector("#chat-list li:has-text('Tidy title')")
+    assert page.text_content("#chat-title") == "Tidy title"
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Delete Tidy title").click()
+    page.wait_for_selector("#chat-list li:has-text('Tidy title')", state="detached")
+    assert page.text_content("#chat-title") == "New chat"
