@@ -27,7 +27,7 @@ from starlette.routing import Route
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.identity import CHAT_ID_HEADER, USER_ID_HEADER, identity_from_metadata
 from edge.bodies import read_model
-from edge.convert import chat_json, message_json, options_proto, run_json
+from edge.convert import chat_json, message_json, options_proto, run_json, timestamp
 from edge.errors import ApiError
 from edge.orchestrator import Caller, Orchestrator
 from edge.schemas import MAX_MESSAGE_BYTES, CreateChatIn, RegenerateIn, RenameChatIn, SendMessageIn
@@ -87,12 +87,8 @@ async def usage(request: Request) -> JSONResponse:
             "tier": reply.tier,
             "used_tokens": reply.used_tokens,
             "limit_tokens": reply.limit_tokens,
-            "window_start_time": reply.window_start_time.ToJsonString()
-            if reply.window_start_time.seconds
-            else None,
-            "window_end_time": reply.window_end_time.ToJsonString()
-            if reply.window_end_time.seconds
-            else None,
+            "window_start_time": timestamp(reply.window_start_time),
+            "window_end_time": timestamp(reply.window_end_time),
         }
     )
 

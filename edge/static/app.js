@@ -400,6 +400,18 @@ async function finishLive() {
   state.leafId = null;
   await Promise.all([loadMessages(), loadChats()]);
   renderMessages();
+  showUsage();
+}
+
+// The token budget is shown for information; if it cannot be read, the label stays empty.
+async function showUsage() {
+  try {
+    const usage = await json("/v1/usage");
+    $("#usage").textContent =
+      `${usage.used_tokens.toLocaleString()} of ${usage.limit_tokens.toLocaleString()} tokens used (${usage.tier})`;
+  } catch {
+    $("#usage").textContent = "";
+  }
 }
 
 function setBusy(busy) {
@@ -498,6 +510,7 @@ async function start() {
   try {
     const me = await json("/v1/me");
     $("#whoami").textContent = `Signed in as ${me.user_id} (${me.tier})`;
+    showUsage();
     await loadChats();
     const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
     const chatId = new URLSearchParams(location.search).get("chat") || (saved && saved.chatId);

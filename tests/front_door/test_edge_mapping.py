@@ -69,6 +69,13 @@ def test_chat_list_is_newest_activity_first_and_paginated(client: httpx.Client):
     assert second["next_page_token"] is None
 
 
+def test_usage_reports_the_callers_budget(client: httpx.Client, chat_id: str):
+    send(client, chat_id, "count me !tokens 4 1")
+    usage = client.get("/v1/usage").json()
+    assert usage["tier"] == "pro" and usage["limit_tokens"] == 1_000_000
+    assert usage["used_tokens"] == 5 + 4  # prompt words + completion tokens, as scripted
+
+
 def test_another_users_chat_is_not_found(
     front_door: FrontDoor, client: httpx.Client, chat_id: str, user: str
 ):
