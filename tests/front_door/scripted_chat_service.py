@@ -69,6 +69,16 @@ WORDS = [
 _ids = itertools.count(1)
 
 
+def scripted_token(i: int) -> str:
+    """The text of a run's i-th token (from 0)."""
+    return WORDS[i % len(WORDS)] + " "
+
+
+def scripted_text(tokens: int) -> str:
+    """The whole answer of a run of ``tokens`` tokens."""
+    return "".join(scripted_token(i) for i in range(tokens))
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}{time.time_ns():x}{next(_ids):04d}"
 
@@ -292,7 +302,7 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
                     await run.finish(chat_pb2.RUN_STATUS_FAILED)
                     return
                 await asyncio.sleep(script.interval_s)
-                word = WORDS[i % len(WORDS)] + " "
+                word = scripted_token(i)
                 text.append(word)
                 await run.publish(delta=chat_pb2.Delta(text=word, token_count=1))
             if limit < script.tokens:

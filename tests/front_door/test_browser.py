@@ -12,7 +12,7 @@ import pytest
 
 from tests.fixtures.browser import artifacts_dir
 from tests.front_door.conftest import FrontDoor
-from tests.front_door.test_openai_sdk import scripted_text
+from tests.front_door.scripted_chat_service import scripted_text
 
 LIVE = "#live .content"
 

@@ -14,8 +14,8 @@ from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
 from chatmesh.launcher import Launcher
 from tests.fixtures.edge import start_edge
 from tests.front_door.conftest import FrontDoor
+from tests.front_door.helpers import wait_for
 from tests.front_door.sse_client import iter_events
-from tests.front_door.test_envoy_door import wait_for
 
 
 def drain_edge(launcher: Launcher, front_door: FrontDoor, grace_s: float):

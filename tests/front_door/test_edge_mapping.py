@@ -13,8 +13,8 @@ import pytest
 
 from chatmesh.identity import CHAT_ID_HEADER
 from tests.front_door.conftest import FrontDoor
+from tests.front_door.helpers import assert_json_error, wait_for
 from tests.front_door.sse_client import Event, iter_events
-from tests.front_door.test_envoy_door import assert_json_error, wait_for
 
 
 @pytest.fixture

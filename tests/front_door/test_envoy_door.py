@@ -16,24 +16,7 @@ from chatmesh.dev_jwt import generate_keys
 from chatmesh.errors import retry_after_s
 from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER
 from tests.front_door.conftest import UNARY_TIMEOUT_S, FrontDoor
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def assert_json_error(reply: httpx.Response, status: int) -> dict:
-    assert reply.status_code == status, reply.text
-    error = reply.json()["error"]
-    assert error["message"]
-    return error
-
+from tests.front_door.helpers import assert_json_error, wait_for
 
 # -- authentication ---------------------------------------------------------------------------------
 

@@ -9,16 +9,12 @@ import pytest
 
 from chatmesh.chat.v1 import chat_pb2
 from tests.front_door.conftest import FrontDoor
-from tests.front_door.scripted_chat_service import MODEL, WORDS
+from tests.front_door.scripted_chat_service import MODEL, scripted_text
 
 
 @pytest.fixture
 def sdk(front_door: FrontDoor, user: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{front_door.url}/v1", api_key=front_door.envoy.token(user), max_retries=0)
-
-
-def scripted_text(tokens: int) -> str:
-    return "".join(WORDS[i % len(WORDS)] + " " for i in range(tokens))
 
 
 def test_non_streaming_completion(sdk: openai.OpenAI):
