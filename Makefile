@@ -46,8 +46,10 @@ protos-baseline: setup
 	$(VENV)/bin/buf build -o protos/baseline.binpb
 
 # A signed dev JWT that the local Envoy accepts (keys are made on first use in .cache/dev-jwt/).
+# Only the token goes to stdout, so TOKEN=$$(make -s token) works even when setup has work to do.
 TIER ?= pro
-token: setup
+token:
+	@$(MAKE) --no-print-directory setup >&2
 	@$(PY) -m chatmesh.dev_jwt --user "$(USER)" --tier "$(TIER)"
 
 bench: setup
