@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.provisioned
 
-.PHONY: setup run test lint protos check-protos protos-baseline bench clean help
+.PHONY: setup run test lint protos check-protos protos-baseline bench clean help token
 
 help:
 	@echo "make run      start the local mesh on 127.0.0.1 and print the URL"
@@ -13,6 +13,7 @@ help:
 	@echo "make lint     ruff + buf lint + buf breaking"
 	@echo "make protos   regenerate Python code from protos/"
 	@echo "make bench    run the benchmarks in bench/"
+	@echo "make token    print a dev JWT (make token USER=alice TIER=pro)"
 
 setup: $(STAMP)
 
@@ -31,6 +32,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf breaking --against protos/baseline.binpb
+	$(PY) -m chatmesh.envoy
 
 protos: setup
 	@PY=$(PY) scripts/gen_protos.sh
@@ -42,6 +44,13 @@ check-protos: setup
 # Records the current protos as the baseline that `buf breaking` compares against (at each release).
 protos-baseline: setup
 	$(VENV)/bin/buf build -o protos/baseline.binpb
+
+# A signed dev JWT that the local Envoy accepts (keys are made on first use in .cache/dev-jwt/).
+# Only the token goes to stdout, so TOKEN=$$(make -s token) works even when setup has work to do.
+TIER ?= pro
+token:
+	@$(MAKE) --no-print-directory setup >&2
+	@$(PY) -m chatmesh.dev_jwt --user "$(USER)" --tier "$(TIER)"
 
 bench: setup
 	@ls bench/*.py >/dev/null 2>&1 && for b in bench/bench_*.py; do $(PY) $$b || exit 1; done

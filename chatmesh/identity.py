@@ -12,6 +12,9 @@ from dataclasses import dataclass
 USER_ID_HEADER = "x-chatmesh-user-id"
 TIER_HEADER = "x-chatmesh-tier"
 TIERS = ("free", "pro", "enterprise")
+# Not identity but routing: the chat a call concerns. Envoy's ring hash keeps one chat on one orchestrator
+# replica; the edge sets it for chat-scoped calls, gRPC clients may set it themselves. Never trusted.
+CHAT_ID_HEADER = "x-chatmesh-chat-id"
 DEFAULT_TIER = "free"
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -150,6 +151,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+# A Python preexec_fn forces a full fork(); in a process whose gRPC threads are busy (a test with an
+# in-process gRPC server, or the launcher after its health checks), gRPC's fork handlers then crash the
+# child before it execs, a few percent of the time. util-linux's setpriv sets the same parent-death
+# signal and execs the service, so Popen can vfork and no fork handler runs.
+_SETPRIV = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+
+
+def _with_parent_death_signal(argv: list[str]) -> tuple[list[str], Callable[[], None] | None]:
+    """``argv`` wrapped so the child gets SIGTERM when the launcher dies, and the preexec_fn to use."""
+    if _SETPRIV:
+        return [_SETPRIV, "--pdeathsig", "TERM", "--", *argv], None
+    return argv, _die_with_parent
+
+
 class Launcher:
     """Starts services in order and stops them in reverse order."""
 
@@ -184,16 +199,17 @@ class Launcher:
         log_file = open(log_path, "ab")  # noqa: SIM115 - the child owns it for its lifetime
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
         self._echo(f"starting {spec.name}: {' '.join(spec.argv)}")
+        argv, preexec_fn = _with_parent_death_signal(spec.argv)
         try:
             process = subprocess.Popen(
-                spec.argv,
+                argv,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=spec.cwd,
                 env=env,
                 start_new_session=True,  # own process group: stop the whole tree, immune to the shell's signals
-                preexec_fn=_die_with_parent,
+                preexec_fn=preexec_fn,
             )
         finally:
             log_file.close()

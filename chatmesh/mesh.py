@@ -10,19 +10,22 @@ import argparse
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatmesh.launcher import GrpcHealthy, HttpOk, Launcher, ServiceFailedError, ServiceSpec
+from chatmesh.dev_jwt import ensure_keys
+from chatmesh.envoy import InvalidEnvoyConfigError
+from chatmesh.front_door import FrontDoorPorts, front_door_specs, welcome
+from chatmesh.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec
 from chatmesh.serving import PortInUseError
 
 
 @dataclass(frozen=True)
 class MeshPorts:
-    edge: int = 8081
     orchestrator: int = 50050
     router: int = 50051
     first_engine: int = 50061
+    front_door: FrontDoorPorts = field(default_factory=FrontDoorPorts)
 
 
 @dataclass(frozen=True)
@@ -31,12 +34,15 @@ class MeshConfig:
     engines: int = 2
     engine_backend: str = "cpu"
     python: str = sys.executable
+    # Whom the dev token printed at start-up speaks for.
+    user: str = "alice"
+    tier: str = "pro"
 
     def engine_ports(self) -> list[int]:
         return [self.ports.first_engine + i for i in range(self.engines)]
 
 
-def mesh_specs(config: MeshConfig) -> list[ServiceSpec]:
+def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     """The services of the local mesh, in start order."""
     py, ports = config.python, config.ports
     specs = [
@@ -84,38 +90,34 @@ def mesh_specs(config: MeshConfig) -> list[ServiceSpec]:
             ready=GrpcHealthy(ports.orchestrator),
         )
     )
-    specs.append(
-        ServiceSpec(
-            name="edge",
-            argv=[
-                py,
-                "-m",
-                "edge",
-                "--port",
-                str(ports.edge),
-                "--orchestrator",
-                f"127.0.0.1:{ports.orchestrator}",
-            ],
-            ports=(ports.edge,),
-            ready=HttpOk(f"http://127.0.0.1:{ports.edge}/healthz"),
-        )
-    )
+    # The front door: the edge, then Envoy in front of it and the orchestrator.
+    specs.extend(front_door_specs(ports.front_door, [ports.orchestrator], run_dir, ensure_keys(), py))
     return specs
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     defaults = MeshPorts()
+    door = defaults.front_door
     parser = argparse.ArgumentParser(prog="python -m chatmesh.mesh", description=__doc__)
-    parser.add_argument("--edge-port", type=int, default=defaults.edge)
+    parser.add_argument("--edge-port", type=int, default=door.edge)
     parser.add_argument("--orchestrator-port", type=int, default=defaults.orchestrator)
     parser.add_argument("--router-port", type=int, default=defaults.router)
     parser.add_argument("--first-engine-port", type=int, default=defaults.first_engine)
+    parser.add_argument("--envoy-port", type=int, default=door.envoy, help="the public port (browsers, gRPC)")
+    parser.add_argument("--envoy-admin-port", type=int, default=door.envoy_admin)
+    parser.add_argument("--envoy-internal-port", type=int, default=door.envoy_internal)
+    parser.add_argument("--user", default="alice", help="who the printed token is for")
+    parser.add_argument("--tier", default="pro", help="the printed token's tier")
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
-    ports = MeshPorts(args.edge_port, args.orchestrator_port, args.router_port, args.first_engine_port)
-    return MeshConfig(ports=ports, engines=args.engines, engine_backend=args.engine_backend), args.run_dir
+    door = FrontDoorPorts(args.envoy_port, args.envoy_admin_port, args.envoy_internal_port, args.edge_port)
+    ports = MeshPorts(args.orchestrator_port, args.router_port, args.first_engine_port, door)
+    config = MeshConfig(
+        ports=ports, engines=args.engines, engine_backend=args.engine_backend, user=args.user, tier=args.tier
+    )
+    return config, args.run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,17 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with Launcher(run_dir) as launcher:
         try:
-            for spec in mesh_specs(config):
+            for spec in mesh_specs(config, run_dir):
                 if stop.is_set():
                     return 130
                 launcher.start(spec)
-        except (PortInUseError, ServiceFailedError) as exc:
+        except (PortInUseError, ServiceFailedError, InvalidEnvoyConfigError) as exc:
             print(f"\nERROR: {exc}", file=sys.stderr)
             return 1
+        token = ensure_keys().mint(config.user, config.tier)
         print(
             f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
-            f"  edge:         http://127.0.0.1:{config.ports.edge}/\n"
-            f"  orchestrator: 127.0.0.1:{config.ports.orchestrator} (gRPC ChatService)\n"
+            f"{welcome(config.ports.front_door, token, config.user, config.tier)}\n"
             "Press Ctrl-C to stop everything.",
             flush=True,
         )

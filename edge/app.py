@@ -1,16 +1,92 @@
-"""The edge's ASGI application: REST + SSE for browsers and the OpenAI-compatible API."""
+"""The edge's ASGI application: REST + SSE for the chat page, the OpenAI-compatible API, the page itself.
+
+Stateless: every API call becomes one ChatService call (``app.state.orchestrator``); the page is static
+files. Errors leave as OpenAI-shaped JSON with the matching status (see edge/errors.py).
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from edge import chats_api, openai_api
+from edge.errors import ApiError
+from edge.observability import ObservabilityMiddleware
+from edge.orchestrator import Orchestrator
+from edge.settings import EdgeSettings
+from edge.sse import Drain
+
+STATIC_DIR = Path(__file__).parent / "static"
+log = logging.getLogger(__name__)
 
 
-async def healthz(_: Request) -> JSONResponse:
+async def healthz(request: Request) -> JSONResponse:
+    # Draining: tell load balancers (Envoy's health checks) to stop sending new work here.
+    if request.app.state.drain.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-def create_app() -> Starlette:
-    return Starlette(routes=[Route("/healthz", healthz)])
+async def index(_: Request) -> FileResponse:
+    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+async def api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+        exc.status_code, "invalid_request_error"
+    )
+    return ApiError(exc.status_code, str(exc.detail), type=kind).response()
+
+
+async def unexpected_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return ApiError(
+        500, "internal error in the edge; retry, and report it if it persists", type="server_error"
+    ).response()
+
+
+def create_app(settings: EdgeSettings | None = None, drain: Drain | None = None) -> Starlette:
+    settings = settings or EdgeSettings()
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # The gRPC channel belongs to the server's event loop, so it is made here.
+        app.state.orchestrator = Orchestrator(
+            settings.orchestrator, settings.unary_timeout_s, settings.stream_timeout_s
+        )
+        try:
+            yield
+        finally:
+            await app.state.orchestrator.close()
+
+    app = Starlette(
+        routes=[
+            Route("/healthz", healthz, methods=["GET"]),
+            *chats_api.routes,
+            *openai_api.routes,
+            Route("/", index, methods=["GET"]),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ],
+        middleware=[Middleware(ObservabilityMiddleware)],
+        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: unexpected_error},
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.drain = drain or Drain()
+    return app

@@ -34,4 +34,20 @@ command -v mvn >/dev/null || fail "Maven is required to fetch Cassandra's jars. 
 echo "maven: ok"
 echo "envoy: $(.venv/bin/envoy --version 2>&1 | grep -o "[0-9]*\.[0-9]*\.[0-9]*/Clean" | cut -d/ -f1)"
 echo "buf: $(.venv/bin/buf --version)"
+# The browser tests drive Debian's Chromium headless through Playwright (no browser downloads here).
+if [ "${CHATMESH_SKIP_BROWSER_TESTS:-}" = 1 ]; then
+  echo "chromium: not checked (CHATMESH_SKIP_BROWSER_TESTS=1)"
+elif command -v chromium >/dev/null; then
+  echo "chromium: $(chromium --version 2>/dev/null | head -1)"
+elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  step "installing Debian's chromium for the browser tests (~250 MB)"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+    || fail "apt-get install chromium failed. Install Chromium yourself, or set CHATMESH_SKIP_BROWSER_TESTS=1 to skip the browser tests."
+  echo "chromium: $(chromium --version 2>/dev/null | head -1)"
+else
+  echo "WARNING: chromium is missing and cannot be installed here (needs root and apt-get)."
+  echo "         The browser tests will fail until you install it (Debian: sudo apt-get install chromium),"
+  echo "         point CHATMESH_CHROMIUM at a Chromium binary, or set CHATMESH_SKIP_BROWSER_TESTS=1."
+fi
 step "environment ready"

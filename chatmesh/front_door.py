@@ -1,0 +1,94 @@
+"""The front door of the local mesh (``make run``): the edge and Envoy, and what to tell the person.
+
+``front_door_specs`` renders and validates Envoy's config into the run directory and returns the launcher
+specs for the edge and Envoy (in that order; Envoy health-checks the edge). The edge reaches the
+orchestrator through Envoy's loopback-only internal listener, so its calls get the same ring hash on the
+chat id, retries and health checks as gRPC clients coming through the public port.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+from chatmesh.dev_jwt import DevKeys
+from chatmesh.envoy import EnvoyConfig, envoy_spec, write_config
+from chatmesh.launcher import HttpOk, ServiceSpec
+
+
+@dataclass(frozen=True)
+class FrontDoorPorts:
+    envoy: int = 8080
+    envoy_admin: int = 9901
+    envoy_internal: int = 8090
+    edge: int = 8081
+
+
+def otlp_from_env() -> tuple[str, int] | None:
+    """Envoy exports spans where the services do: OTEL_EXPORTER_OTLP_ENDPOINT (OTLP over gRPC)."""
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if not endpoint:
+        return None
+    parsed = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+    return parsed.hostname or "127.0.0.1", parsed.port or 4317
+
+
+def front_door_specs(
+    ports: FrontDoorPorts,
+    orchestrator_ports: list[int],
+    run_dir: Path,
+    keys: DevKeys,
+    python: str = sys.executable,
+) -> list[ServiceSpec]:
+    config = EnvoyConfig(
+        listen_port=ports.envoy,
+        admin_port=ports.envoy_admin,
+        internal_port=ports.envoy_internal,
+        jwks_path=keys.jwks_path,
+        edge_endpoints=(("127.0.0.1", ports.edge),),
+        orchestrator_endpoints=tuple(("127.0.0.1", port) for port in orchestrator_ports),
+        cors_origins=(f"http://127.0.0.1:{ports.envoy}", f"http://localhost:{ports.envoy}"),
+        otlp=otlp_from_env(),
+    )
+    config_path = write_config(config, run_dir / "envoy.yaml")
+    edge = ServiceSpec(
+        name="edge",
+        argv=[
+            python,
+            "-m",
+            "edge",
+            "--port",
+            str(ports.edge),
+            "--orchestrator",
+            f"127.0.0.1:{ports.envoy_internal}",
+        ],
+        ports=(ports.edge,),
+        ready=HttpOk(f"http://127.0.0.1:{ports.edge}/healthz"),
+    )
+    return [edge, envoy_spec(config, config_path)]
+
+
+def welcome(ports: FrontDoorPorts, token: str, user: str, tier: str) -> str:
+    """What `make run` prints once everything is healthy: where to go and how to call it."""
+    base = f"http://127.0.0.1:{ports.envoy}"
+    auth = "-H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json'"
+    completion = '{"stream": true, "messages": [{"role": "user", "content": "Hello!"}]}'
+    return "\n".join(
+        [
+            f"  Chat in your browser:   {base}/#token={token}",
+            f"  A token ({user}, {tier}):  export TOKEN={token}",
+            "  Another token:          make token USER=bob TIER=free",
+            "  Stream an answer (SSE, OpenAI-compatible):",
+            f"    curl -N {base}/v1/chat/completions {auth} -d {shlex.quote(completion)}",
+            "  Or with a stored chat:",
+            f"    CHAT=$(curl -s -X POST {base}/v1/chats {auth} -d '{{}}' | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"chat_id\"])')",
+            f'    curl -N {base}/v1/chats/$CHAT/messages {auth} -d \'{{"content": "Hello!"}}\'',
+            "  gRPC through Envoy:",
+            f'    .venv/bin/python examples/grpc_client.py --target 127.0.0.1:{ports.envoy} --token "$TOKEN" "Hello!"',
+            f"  Envoy admin (stats, health): http://127.0.0.1:{ports.envoy_admin}/",
+        ]
+    )

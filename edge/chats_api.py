@@ -1,0 +1,274 @@
+"""The chat page's REST + SSE API; every handler is one ChatService call.
+
+GET    /v1/me                                          who the edge was told the caller is (Envoy's headers)
+GET    /v1/usage                                       GetUsage
+GET    /v1/chats?page_size&page_token                  ListChats (newest activity first)
+POST   /v1/chats                                       CreateChat                     -> 201
+GET    /v1/chats/{chat_id}                             GetChat
+PATCH  /v1/chats/{chat_id}                             RenameChat
+DELETE /v1/chats/{chat_id}                             DeleteChat                     -> 204
+GET    /v1/chats/{chat_id}/messages?page_size&page_token   ListMessages (newest first)
+POST   /v1/chats/{chat_id}/messages                    SendMessage        -> text/event-stream
+POST   /v1/chats/{chat_id}/messages/{id}/regenerate    RegenerateMessage  -> text/event-stream
+GET    /v1/runs/{run_id}                               GetRun
+GET    /v1/runs/{run_id}/events   (Last-Event-ID)      StreamRun(after_seq)  -> text/event-stream
+POST   /v1/runs/{run_id}/cancel                        CancelRun
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.identity import CHAT_ID_HEADER, USER_ID_HEADER, identity_from_metadata
+from edge.bodies import read_model
+from edge.convert import chat_json, message_json, options_proto, run_json, timestamp
+from edge.errors import ApiError
+from edge.orchestrator import Caller, Orchestrator
+from edge.schemas import MAX_MESSAGE_BYTES, CreateChatIn, RegenerateIn, RenameChatIn, SendMessageIn
+from edge.settings import EdgeSettings
+from edge.sse import run_events_response
+
+# Ids are server-chosen and URL-safe; anything else cannot name a chat, so it is refused without a call.
+_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def caller_of(request: Request, chat_id: str = "") -> Caller:
+    """The caller as Envoy identified them. Without Envoy's headers there is no caller: 401."""
+    identity = identity_from_metadata(request.headers.items())
+    if identity is None:
+        raise ApiError(
+            401,
+            f"no verified identity (missing {USER_ID_HEADER}): call through Envoy with a bearer token",
+            type="authentication_error",
+            code="unauthenticated",
+        )
+    return Caller(identity=identity, chat_id=chat_id)
+
+
+def path_id(request: Request, name: str, what: str) -> str:
+    value = request.path_params[name]
+    if not _ID.match(value):
+        raise ApiError(404, f"{what} {value!r} not found", type="not_found_error", code="not_found")
+    return value
+
+
+def page_args(request: Request, max_size: int) -> tuple[int, str]:
+    raw_size = request.query_params.get("page_size", "0")
+    if not raw_size.isdigit() or int(raw_size) > max_size:
+        raise ApiError(
+            422, f"page_size must be an integer from 0 to {max_size}", code="invalid_value", param="page_size"
+        )
+    token = request.query_params.get("page_token", "")
+    if len(token) > 1024:
+        raise ApiError(422, "page_token is too long", code="invalid_value", param="page_token")
+    return int(raw_size), token
+
+
+def _app(request: Request) -> tuple[Orchestrator, EdgeSettings]:
+    return request.app.state.orchestrator, request.app.state.settings
+
+
+async def me(request: Request) -> JSONResponse:
+    caller = caller_of(request)
+    return JSONResponse({"user_id": caller.identity.user_id, "tier": caller.identity.tier})
+
+
+async def usage(request: Request) -> JSONResponse:
+    orchestrator, _ = _app(request)
+    reply = await orchestrator.unary("GetUsage", chat_pb2.GetUsageRequest(), caller_of(request))
+    return JSONResponse(
+        {
+            "tier": reply.tier,
+            "used_tokens": reply.used_tokens,
+            "limit_tokens": reply.limit_tokens,
+            "window_start_time": timestamp(reply.window_start_time),
+            "window_end_time": timestamp(reply.window_end_time),
+        }
+    )
+
+
+async def list_chats(request: Request) -> JSONResponse:
+    orchestrator, _ = _app(request)
+    caller = caller_of(request)
+    size, token = page_args(request, 100)
+    reply = await orchestrator.unary(
+        "ListChats", chat_pb2.ListChatsRequest(page_size=size, page_token=token), caller
+    )
+    return JSONResponse(
+        {"chats": [chat_json(c) for c in reply.chats], "next_page_token": reply.next_page_token or None}
+    )
+
+
+async def create_chat(request: Request) -> JSONResponse:
+    orchestrator, settings = _app(request)
+    caller = caller_of(request)
+    body = await read_model(request, CreateChatIn, settings.max_body_bytes)
+    reply = await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(title=body.title), caller)
+    return JSONResponse(chat_json(reply.chat), status_code=201)
+
+
+async def get_chat(request: Request) -> JSONResponse:
+    orchestrator, _ = _app(request)
+    chat_id = path_id(request, "chat_id", "chat")
+    reply = await orchestrator.unary(
+        "GetChat", chat_pb2.GetChatRequest(chat_id=chat_id), caller_of(request, chat_id)
+    )
+    return JSONResponse(chat_json(reply.chat))
+
+
+async def rename_chat(request: Request) -> JSONResponse:
+    orchestrator, settings = _app(request)
+    chat_id = path_id(request, "chat_id", "chat")
+    caller = caller_of(request, chat_id)
+    body = await read_model(request, RenameChatIn, settings.max_body_bytes)
+    reply = await orchestrator.unary(
+        "RenameChat", chat_pb2.RenameChatRequest(chat_id=chat_id, title=body.title), caller
+    )
+    return JSONResponse(chat_json(reply.chat))
+
+
+async def delete_chat(request: Request) -> Response:
+    orchestrator, _ = _app(request)
+    chat_id = path_id(request, "chat_id", "chat")
+    await orchestrator.unary(
+        "DeleteChat", chat_pb2.DeleteChatRequest(chat_id=chat_id), caller_of(request, chat_id)
+    )
+    return Response(status_code=204)
+
+
+async def list_messages(request: Request) -> JSONResponse:
+    orchestrator, _ = _app(request)
+    chat_id = path_id(request, "chat_id", "chat")
+    caller = caller_of(request, chat_id)
+    size, token = page_args(request, 200)
+    reply = await orchestrator.unary(
+        "ListMessages",
+        chat_pb2.ListMessagesRequest(chat_id=chat_id, page_size=size, page_token=token),
+        caller,
+    )
+    return JSONResponse(
+        {
+            "messages": [message_json(m) for m in reply.messages],
+            "next_page_token": reply.next_page_token or None,
+        }
+    )
+
+
+def _idempotency_key(request: Request, from_body: str) -> str:
+    key = from_body or request.headers.get("idempotency-key", "")
+    if len(key) > 128:
+        raise ApiError(422, "Idempotency-Key is longer than 128 characters", code="invalid_value")
+    return key
+
+
+async def send_message(request: Request) -> Response:
+    started = time.monotonic()
+    orchestrator, settings = _app(request)
+    chat_id = path_id(request, "chat_id", "chat")
+    caller = caller_of(request, chat_id)
+    body = await read_model(request, SendMessageIn, settings.max_body_bytes)
+    size = len(body.content.encode("utf-8"))
+    if size > MAX_MESSAGE_BYTES:
+        raise ApiError(
+            413,
+            f"message is {size} bytes of UTF-8; the limit is {MAX_MESSAGE_BYTES}",
+            code="payload_too_large",
+            param="content",
+        )
+    stream = orchestrator.stream(
+        "SendMessage",
+        chat_pb2.SendMessageRequest(
+            chat_id=chat_id,
+            content=body.content,
+            parent_message_id=body.parent_message_id,
+            idempotency_key=_idempotency_key(request, body.idempotency_key),
+            options=options_proto(body.options),
+        ),
+        caller,
+    )
+    return await run_events_response(stream, settings.streams, request.app.state.drain, started)
+
+
+async def regenerate(request: Request) -> Response:
+    started = time.monotonic()
+    orchestrator, settings = _app(request)
+    chat_id = path_id(request, "chat_id", "chat")
+    message_id = path_id(request, "message_id", "message")
+    caller = caller_of(request, chat_id)
+    body = await read_model(request, RegenerateIn, settings.max_body_bytes)
+    stream = orchestrator.stream(
+        "RegenerateMessage",
+        chat_pb2.RegenerateMessageRequest(
+            chat_id=chat_id,
+            message_id=message_id,
+            idempotency_key=_idempotency_key(request, body.idempotency_key),
+            options=options_proto(body.options),
+        ),
+        caller,
+    )
+    return await run_events_response(stream, settings.streams, request.app.state.drain, started)
+
+
+def _run_caller(request: Request) -> Caller:
+    # Runs belong to a chat; the page names it so Envoy's ring hash finds the replica running it.
+    chat_id = request.headers.get(CHAT_ID_HEADER) or request.query_params.get("chat_id", "")
+    return caller_of(request, chat_id if _ID.match(chat_id or "") else "")
+
+
+def _after_seq(request: Request) -> int:
+    raw = request.headers.get("last-event-id") or request.query_params.get("after_seq") or "0"
+    if not raw.strip().isdigit():
+        raise ApiError(
+            400, f"Last-Event-ID must be a sequence number, got {raw!r}", code="invalid_last_event_id"
+        )
+    return int(raw.strip())
+
+
+async def get_run(request: Request) -> JSONResponse:
+    orchestrator, _ = _app(request)
+    run_id = path_id(request, "run_id", "run")
+    reply = await orchestrator.unary("GetRun", chat_pb2.GetRunRequest(run_id=run_id), _run_caller(request))
+    return JSONResponse(run_json(reply.run))
+
+
+async def run_events(request: Request) -> Response:
+    started = time.monotonic()
+    orchestrator, settings = _app(request)
+    run_id = path_id(request, "run_id", "run")
+    caller = _run_caller(request)
+    stream = orchestrator.stream(
+        "StreamRun", chat_pb2.StreamRunRequest(run_id=run_id, after_seq=_after_seq(request)), caller
+    )
+    return await run_events_response(stream, settings.streams, request.app.state.drain, started)
+
+
+async def cancel_run(request: Request) -> JSONResponse:
+    orchestrator, _ = _app(request)
+    run_id = path_id(request, "run_id", "run")
+    reply = await orchestrator.unary(
+        "CancelRun", chat_pb2.CancelRunRequest(run_id=run_id), _run_caller(request)
+    )
+    return JSONResponse(run_json(reply.run))
+
+
+routes = [
+    Route("/v1/me", me, methods=["GET"]),
+    Route("/v1/usage", usage, methods=["GET"]),
+    Route("/v1/chats", list_chats, methods=["GET"]),
+    Route("/v1/chats", create_chat, methods=["POST"]),
+    Route("/v1/chats/{chat_id}", get_chat, methods=["GET"]),
+    Route("/v1/chats/{chat_id}", rename_chat, methods=["PATCH"]),
+    Route("/v1/chats/{chat_id}", delete_chat, methods=["DELETE"]),
+    Route("/v1/chats/{chat_id}/messages", list_messages, methods=["GET"]),
+    Route("/v1/chats/{chat_id}/messages", send_message, methods=["POST"]),
+    Route("/v1/chats/{chat_id}/messages/{message_id}/regenerate", regenerate, methods=["POST"]),
+    Route("/v1/runs/{run_id}", get_run, methods=["GET"]),
+    Route("/v1/runs/{run_id}/events", run_events, methods=["GET"]),
+    Route("/v1/runs/{run_id}/cancel", cancel_run, methods=["POST"]),
+]

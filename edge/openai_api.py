@@ -1,0 +1,225 @@
+"""OpenAI-compatible API: ``POST /v1/chat/completions`` (-> ChatService.Complete) and ``GET /v1/models``.
+
+Works with the official ``openai`` SDK unmodified (``base_url=<envoy>/v1``, ``api_key=<JWT>``): streaming
+``data:`` chunks ending in ``data: [DONE]``, ``stream_options.include_usage``, finish reasons, usage with
+cached prompt tokens, and errors in OpenAI's error-object shape.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+from sse_starlette import ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatmesh.chat.v1 import chat_pb2
+from edge.bodies import read_model
+from edge.chats_api import caller_of
+from edge.convert import FINISH_REASONS, options_proto
+from edge.errors import ApiError, from_rpc_error, from_run_error
+from edge.orchestrator import RunStream
+from edge.schemas import ChatCompletionIn
+from edge.sse import relay, sse_response
+
+ROLES = {
+    "system": chat_pb2.ROLE_SYSTEM,
+    "developer": chat_pb2.ROLE_SYSTEM,
+    "user": chat_pb2.ROLE_USER,
+    "assistant": chat_pb2.ROLE_ASSISTANT,
+}
+
+
+def openai_finish_reason(reason: int) -> str:
+    # OpenAI has no "cancelled": a stopped answer simply ended.
+    name = FINISH_REASONS.get(reason) or "stop"
+    return name if name in ("stop", "length", "content_filter") else "stop"
+
+
+def openai_usage(usage: chat_pb2.Usage) -> dict:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+def complete_request(body: ChatCompletionIn) -> chat_pb2.CompleteRequest:
+    return chat_pb2.CompleteRequest(
+        messages=[chat_pb2.PromptMessage(role=ROLES[m.role], content=m.text()) for m in body.messages],
+        options=options_proto(
+            model=body.model,
+            max_tokens=body.max_completion_tokens or body.max_tokens or 0,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            seed=body.seed,
+            stop=body.stop_list(),
+        ),
+    )
+
+
+class ChunkWriter:
+    """Turns run events into ``chat.completion.chunk`` objects."""
+
+    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+        self.base = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self.include_usage = include_usage
+        self.usage: chat_pb2.Usage | None = None
+
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> ServerSentEvent:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        body = {**self.base, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None  # as OpenAI does: present and null on every chunk but the last
+        return _data(body)
+
+    def events(self, event: chat_pb2.RunEvent) -> list[ServerSentEvent]:
+        kind = event.WhichOneof("kind")
+        if kind == "started":
+            return [self.chunk({"role": "assistant", "content": ""})]
+        if kind == "delta":
+            return [self.chunk({"content": event.delta.text})]
+        if kind == "usage":
+            self.usage = event.usage
+            return []
+        if kind == "done":
+            out = [self.chunk({}, openai_finish_reason(event.done.finish_reason))]
+            if self.include_usage:
+                out.append(
+                    _data({**self.base, "choices": [], "usage": openai_usage(self.usage or chat_pb2.Usage())})
+                )
+            return out
+        if kind == "error":
+            e = event.error
+            return self.error(from_run_error(e.code, e.message, e.retry_after_ms))
+        return []
+
+    @staticmethod
+    def error(error: ApiError) -> list[ServerSentEvent]:
+        # The SDK raises openai.APIError for a chunk holding "error".
+        return [_data(error.body())]
+
+
+def _data(body: dict) -> ServerSentEvent:
+    return ServerSentEvent(data=json.dumps(body, ensure_ascii=False, separators=(",", ":")))
+
+
+async def chat_completions(request: Request) -> Response:
+    started = time.monotonic()
+    orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
+    caller = caller_of(request)
+    body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
+    stream = orchestrator.stream("Complete", complete_request(body), caller)
+    first = await stream.first()
+    run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()
+    completion_id = f"chatcmpl-{run.run_id or int(started * 1e6)}"
+    model = run.model or body.model
+    if body.stream:
+        writer = ChunkWriter(
+            completion_id, model, bool(body.stream_options and body.stream_options.include_usage)
+        )
+        events = relay(
+            stream,
+            first,
+            "openai",
+            started,
+            request.app.state.drain,
+            writer.events,
+            writer.error,
+            closing=lambda: [ServerSentEvent(data="[DONE]")],
+            # OpenAI clients cannot resume a stream: tell them to retry rather than end it silently.
+            drained=lambda: writer.error(
+                ApiError(
+                    503, "the server is restarting; retry the request", type="server_error", code="draining"
+                )
+            ),
+        )
+        return sse_response(events, settings.streams)
+    return JSONResponse(await _collect(stream, first, completion_id, model))
+
+
+async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: str, model: str) -> dict:
+    """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
+    text: list[str] = []
+    usage, finish = chat_pb2.Usage(), chat_pb2.FINISH_REASON_STOP
+    try:
+        event = first
+        events = stream.rest()
+        while True:
+            kind = event.WhichOneof("kind")
+            if kind == "delta":
+                text.append(event.delta.text)
+            elif kind == "usage":
+                usage = event.usage
+            elif kind == "done":
+                finish = event.done.finish_reason
+            elif kind == "error":
+                raise from_run_error(event.error.code, event.error.message, event.error.retry_after_ms)
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                break
+    except grpc.RpcError as exc:
+        raise from_rpc_error(exc) from exc
+    finally:
+        stream.detach()
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(text), "refusal": None},
+                "logprobs": None,
+                "finish_reason": openai_finish_reason(finish),
+            }
+        ],
+        "usage": openai_usage(usage),
+    }
+
+
+def model_json(model: chat_pb2.Model) -> dict:
+    return {
+        "id": model.model_id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "chatmesh",
+        "context_length": model.context_length,
+        "engines": model.engines,
+    }
+
+
+async def list_models(request: Request) -> JSONResponse:
+    reply = await request.app.state.orchestrator.unary(
+        "ListModels", chat_pb2.ListModelsRequest(), caller_of(request)
+    )
+    return JSONResponse({"object": "list", "data": [model_json(m) for m in reply.models]})
+
+
+async def get_model(request: Request) -> JSONResponse:
+    model_id = request.path_params["model_id"]
+    reply = await request.app.state.orchestrator.unary(
+        "ListModels", chat_pb2.ListModelsRequest(), caller_of(request)
+    )
+    for model in reply.models:
+        if model.model_id == model_id:
+            return JSONResponse(model_json(model))
+    raise ApiError(404, f"model {model_id!r} not found", type="not_found_error", code="model_not_found")
+
+
+routes = [
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/models", list_models, methods=["GET"]),
+    Route("/v1/models/{model_id:path}", get_model, methods=["GET"]),
+]

@@ -1,0 +1,90 @@
+"""The edge's only dependency: ChatService over gRPC, called with the caller's identity as metadata.
+
+Unary calls carry a deadline. Streams carry a (long) deadline too, and are read event by event; the edge
+never buffers a run. Cancelling a stream call here only detaches this client: the orchestrator keeps the
+run going until it ends or someone calls CancelRun.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import Message
+
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER, Identity
+from chatmesh.serving import CHANNEL_OPTIONS
+from edge.errors import ApiError, from_rpc_error
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a call is for, and which chat it concerns (Envoy hashes on the chat id)."""
+
+    identity: Identity
+    chat_id: str = ""
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        pairs = [(USER_ID_HEADER, self.identity.user_id), (TIER_HEADER, self.identity.tier)]
+        if self.chat_id:
+            pairs.append((CHAT_ID_HEADER, self.chat_id))
+        # traceparent is added by the OpenTelemetry gRPC instrumentation from the request's span.
+        return tuple(pairs)
+
+
+class RunStream:
+    """An open server stream of RunEvents (SendMessage, RegenerateMessage, StreamRun, Complete)."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def first(self) -> chat_pb2.RunEvent:
+        """The first event; a call that fails before it raises ApiError (so the HTTP status can say why)."""
+        try:
+            response = await self._call.read()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        if response is grpc.aio.EOF:
+            raise ApiError(502, "the chat service ended the stream without any event", type="server_error")
+        return response.event
+
+    async def rest(self) -> AsyncIterator[chat_pb2.RunEvent]:
+        """The events after the first; a failure mid-stream raises grpc.RpcError."""
+        while True:
+            response = await self._call.read()
+            if response is grpc.aio.EOF:
+                return
+            yield response.event
+
+    def detach(self) -> None:
+        """Stops reading. The run itself goes on (only CancelRun stops it)."""
+        self._call.cancel()
+
+
+class Orchestrator:
+    """A ChatService client over one channel (HTTP/2 multiplexes every request and stream)."""
+
+    def __init__(self, target: str, unary_timeout_s: float, stream_timeout_s: float) -> None:
+        self.target = target
+        self.unary_timeout_s = unary_timeout_s
+        self.stream_timeout_s = stream_timeout_s
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = chat_pb2_grpc.ChatServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+    async def unary(self, method: str, request: Message, caller: Caller) -> Message:
+        """Calls ``method`` with a deadline; a failure raises the matching ApiError."""
+        try:
+            return await getattr(self._stub, method)(
+                request, metadata=caller.metadata(), timeout=self.unary_timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+
+    def stream(self, method: str, request: Message, caller: Caller) -> RunStream:
+        call = getattr(self._stub, method)(request, metadata=caller.metadata(), timeout=self.stream_timeout_s)
+        return RunStream(call)

@@ -1,0 +1,162 @@
+"""Run events as Server-Sent Events: ``id:`` is the event's sequence number, ``event:`` its kind.
+
+A client that loses the stream reconnects with ``Last-Event-ID: <seq>`` (GET /v1/runs/{id}/events) and
+gets every later event exactly once (StreamRun(after_seq)). The first event is awaited before the
+response starts, so a request the orchestrator refuses gets a real HTTP status, not a 200 with an
+error inside. Keep-alive comments flow while a run is quiet. A client that disconnects only detaches;
+the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import grpc
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from chatmesh.chat.v1 import chat_pb2
+from edge.convert import event_json
+from edge.errors import ApiError, from_rpc_error
+from edge.observability import FIRST_EVENT, OPEN_STREAMS, STREAM_EVENTS
+from edge.orchestrator import RunStream
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    ping_s: float = 15.0
+    # On SIGTERM, open streams get this long to finish; then they close and clients resume elsewhere.
+    drain_grace_s: float = 10.0
+    # Tells browsers how soon to reconnect (the SSE ``retry:`` field), in milliseconds.
+    retry_ms: int = 1000
+
+
+class Drain:
+    """Ends open streams cleanly when the edge shuts down.
+
+    ``start(grace_s)`` (on SIGTERM) sets a deadline; every stream waiting for its next event stops
+    waiting then and ends its response normally, without a final event, so clients resume with
+    Last-Event-ID on another replica while the run itself goes on.
+    """
+
+    def __init__(self) -> None:
+        self.deadline: float | None = None
+        self._waiting: set[asyncio.Timeout] = set()
+
+    @property
+    def draining(self) -> bool:
+        return self.deadline is not None
+
+    def start(self, grace_s: float) -> None:
+        self.deadline = asyncio.get_running_loop().time() + grace_s
+        for timeout in self._waiting:
+            timeout.reschedule(self.deadline)
+
+    @asynccontextmanager
+    async def bounded(self) -> AsyncIterator[None]:
+        """Raises TimeoutError inside if the drain deadline passes first."""
+        async with asyncio.timeout_at(self.deadline) as timeout:
+            self._waiting.add(timeout)
+            try:
+                yield
+            finally:
+                self._waiting.discard(timeout)
+
+
+def error_data(error: ApiError) -> dict:
+    """A mid-stream failure, in the same shape as a RunError event."""
+    return {
+        "code": (error.code or "unknown").upper(),
+        "message": error.message,
+        "retry_after_ms": round((error.retry_after_s or 0) * 1000),
+    }
+
+
+def _dumps(data: object) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def run_event_sse(event: chat_pb2.RunEvent, retry_ms: int | None = None) -> ServerSentEvent:
+    name, data = event_json(event)
+    return ServerSentEvent(data=_dumps(data), event=name, id=str(event.seq), retry=retry_ms)
+
+
+async def relay(
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    kind: str,
+    request_started: float,
+    drain: Drain,
+    to_sse: Callable[[chat_pb2.RunEvent], list[ServerSentEvent]],
+    on_error: Callable[[ApiError], list[ServerSentEvent]],
+    closing: Callable[[], list[ServerSentEvent]] = list,
+    drained: Callable[[], list[ServerSentEvent]] = list,
+) -> AsyncIterator[ServerSentEvent]:
+    """Relays ``first`` and the rest of ``stream`` through ``to_sse``; detaches when the client goes
+    or the edge drains (the run goes on either way)."""
+    OPEN_STREAMS.labels(kind).inc()
+    first_delta_seen = False
+    try:
+        event = first
+        events = stream.rest()
+        while True:
+            name = event.WhichOneof("kind") or "unknown"
+            STREAM_EVENTS.labels(kind, name).inc()
+            if name == "delta" and not first_delta_seen:
+                first_delta_seen = True
+                FIRST_EVENT.labels(kind).observe(time.monotonic() - request_started)
+            for item in to_sse(event):
+                yield item
+            try:
+                async with drain.bounded():
+                    event = await anext(events)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                # Draining: end the response cleanly (page clients resume with Last-Event-ID).
+                for item in drained():
+                    yield item
+                return
+        for item in closing():
+            yield item
+    except grpc.RpcError as exc:
+        for item in on_error(from_rpc_error(exc)):
+            yield item
+    finally:
+        stream.detach()
+        OPEN_STREAMS.labels(kind).dec()
+
+
+async def run_events_response(
+    stream: RunStream, settings: StreamSettings, drain: Drain, request_started: float
+) -> EventSourceResponse:
+    """The page's SSE response for a run: awaits the first event (errors become HTTP statuses)."""
+    first = await stream.first()
+    retry_sent = False
+
+    def to_sse(event: chat_pb2.RunEvent) -> list[ServerSentEvent]:
+        nonlocal retry_sent
+        item = run_event_sse(event, None if retry_sent else settings.retry_ms)
+        retry_sent = True
+        return [item]
+
+    def on_error(error: ApiError) -> list[ServerSentEvent]:
+        # No id: the client's Last-Event-ID stays at the last event it really got.
+        return [ServerSentEvent(data=_dumps(error_data(error)), event="error")]
+
+    return sse_response(relay(stream, first, "run", request_started, drain, to_sse, on_error), settings)
+
+
+def sse_response(events: AsyncIterator[ServerSentEvent], settings: StreamSettings) -> EventSourceResponse:
+    return EventSourceResponse(
+        events,
+        ping=settings.ping_s,
+        sep="\n",
+        headers={"Cache-Control": "no-store"},
+        # Drain ends streams cleanly just before this; sse-starlette's own cut-off is the backstop.
+        shutdown_grace_period=settings.drain_grace_s,
+    )

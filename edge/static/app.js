@@ -1,0 +1,524 @@
+// chatmesh chat page: plain JavaScript over the edge's REST + SSE API (see edge/chats_api.py).
+// Answers stream over fetch() (POST bodies and the Authorization header rule out EventSource). The run
+// being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
+
+const $ = (selector) => document.querySelector(selector);
+const RUN_KEY = "chatmesh.run";
+const TOKEN_KEY = "chatmesh.token";
+
+const state = {
+  token: null,
+  chats: [],
+  nextChats: null,
+  chatId: null,
+  messages: [],     // every message of the open chat (all branches)
+  leafId: null,     // the branch on screen ends here
+  live: null,       // {runId, chatId, lastSeq, text, usage, base: [messages before the answer], user: text|null}
+};
+
+class ApiError extends Error {
+  constructor(status, message, retryAfter) {
+    super(message);
+    this.status = status;
+    this.retryAfter = retryAfter;
+  }
+}
+
+// ---- API --------------------------------------------------------------------------------------------
+
+async function call(path, { method = "GET", body, headers = {}, signal } = {}) {
+  const response = await fetch(path, {
+    method,
+    signal,
+    headers: {
+      Authorization: `Bearer ${state.token}`,
+      ...(body !== undefined ? { "Content-Type": "application/json" } : {}),
+      ...(state.chatId ? { "x-chatmesh-chat-id": state.chatId } : {}),
+      ...headers,
+    },
+    body: body !== undefined ? JSON.stringify(body) : undefined,
+  });
+  if (!response.ok) throw await errorOf(response);
+  return response;
+}
+
+async function json(path, options) {
+  const response = await call(path, options);
+  return response.status === 204 ? null : response.json();
+}
+
+async function errorOf(response) {
+  let message = `${response.status} ${response.statusText}`;
+  try {
+    message = (await response.json()).error.message || message;
+  } catch { /* not JSON */ }
+  return new ApiError(response.status, message, Number(response.headers.get("retry-after")) || null);
+}
+
+// ---- notices ----------------------------------------------------------------------------------------
+
+function notice(text) {
+  const banner = $("#banner");
+  banner.textContent = text;
+  banner.hidden = !text;
+}
+
+function explain(error) {
+  if (!(error instanceof ApiError)) return `Connection problem: ${error.message}. Check the server and retry.`;
+  const wait = error.retryAfter ? ` Try again in ${error.retryAfter} s.` : " Try again shortly.";
+  switch (error.status) {
+    case 401: return "Your token is missing, invalid or expired. Paste a new one.";
+    case 429: return `You are sending requests too fast or your token budget is spent (rate limited).${wait}`;
+    case 503: return `chatmesh is at capacity right now and cannot take this request.${wait}`;
+    default: return error.message;
+  }
+}
+
+function fail(error) {
+  notice(explain(error));
+  if (error instanceof ApiError && error.status === 401) showSignin(true);
+}
+
+// ---- sign in ----------------------------------------------------------------------------------------
+
+function showSignin(show) {
+  $("#signin").hidden = !show;
+  $("#composer").hidden = show;
+}
+
+function takeTokenFromUrl() {
+  const match = location.hash.match(/token=([^&]+)/);
+  if (match) {
+    localStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
+    history.replaceState(null, "", location.pathname + location.search);
+  }
+  return localStorage.getItem(TOKEN_KEY);
+}
+
+// ---- chats sidebar ----------------------------------------------------------------------------------
+
+async function loadChats(more = false) {
+  const params = new URLSearchParams({ page_size: "30" });
+  if (more && state.nextChats) params.set("page_token", state.nextChats);
+  const page = await json(`/v1/chats?${params}`);
+  state.chats = more ? state.chats.concat(page.chats) : page.chats;
+  state.nextChats = page.next_page_token;
+  renderChats();
+}
+
+function renderChats() {
+  const list = $("#chat-list");
+  list.replaceChildren(...state.chats.map((chat) => {
+    const item = document.createElement("li");
+    item.setAttribute("aria-current", String(chat.chat_id === state.chatId));
+    const open = button(chat.title || "Untitled chat", () => openChat(chat.chat_id), "open");
+    const rename = button("✎", () => renameChat(chat), "icon");
+    rename.setAttribute("aria-label", `Rename ${chat.title}`);
+    const remove = button("×", () => deleteChat(chat), "icon");
+    remove.setAttribute("aria-label", `Delete ${chat.title}`);
+    item.append(open, rename, remove);
+    return item;
+  }));
+  $("#more-chats").hidden = !state.nextChats;
+}
+
+function button(label, onClick, className) {
+  const element = document.createElement("button");
+  element.type = "button";
+  element.textContent = label;
+  if (className) element.className = className;
+  element.addEventListener("click", () => onClick().catch(fail));
+  return element;
+}
+
+async function renameChat(chat) {
+  const title = prompt("New title", chat.title);
+  if (!title) return;
+  await json(`/v1/chats/${chat.chat_id}`, { method: "PATCH", body: { title } });
+  await loadChats();
+  if (chat.chat_id === state.chatId) $("#chat-title").textContent = title;
+}
+
+async function deleteChat(chat) {
+  if (!confirm(`Delete "${chat.title}"? This cannot be undone.`)) return;
+  await json(`/v1/chats/${chat.chat_id}`, { method: "DELETE" });
+  if (chat.chat_id === state.chatId) newChat();
+  await loadChats();
+}
+
+function newChat() {
+  state.chatId = null;
+  state.messages = [];
+  state.leafId = null;
+  $("#chat-title").textContent = "New chat";
+  history.replaceState(null, "", "/");
+  renderChats();
+  renderMessages();
+  $("#prompt").focus();
+}
+
+// ---- messages: a tree, shown one branch at a time --------------------------------------------------
+
+async function openChat(chatId, { resume = true } = {}) {
+  state.chatId = chatId;
+  state.leafId = null;
+  history.replaceState(null, "", `/?chat=${encodeURIComponent(chatId)}`);
+  const [chat] = await Promise.all([json(`/v1/chats/${chatId}`), loadMessages()]);
+  $("#chat-title").textContent = chat.title || "Untitled chat";
+  renderChats();
+  renderMessages();
+  if (resume && chat.active_run_id && !state.live) await resumeRun(chat.active_run_id);
+}
+
+async function loadMessages() {
+  const all = [];
+  let token = null;
+  do {
+    const params = new URLSearchParams({ page_size: "200" });
+    if (token) params.set("page_token", token);
+    const page = await json(`/v1/chats/${state.chatId}/messages?${params}`);
+    all.push(...page.messages);
+    token = page.next_page_token;
+  } while (token && all.length < 2000);
+  state.messages = all; // newest first
+}
+
+function children() {
+  const byParent = new Map();
+  for (const message of state.messages) {
+    const key = message.parent_id || "";
+    if (!byParent.has(key)) byParent.set(key, []);
+    byParent.get(key).push(message); // newest first
+  }
+  return byParent;
+}
+
+function branch() {
+  const byId = new Map(state.messages.map((m) => [m.message_id, m]));
+  let leaf = byId.get(state.leafId) || state.messages[0];
+  const path = [];
+  while (leaf) {
+    path.unshift(leaf);
+    leaf = byId.get(leaf.parent_id);
+  }
+  return path;
+}
+
+function newestLeaf(message, byParent) {
+  let current = message;
+  while (byParent.has(current.message_id)) current = byParent.get(current.message_id)[0];
+  return current;
+}
+
+function renderMessages() {
+  const byParent = children();
+  const path = state.live ? state.live.base : branch();
+  const items = path.map((message, index) => messageItem(message, byParent, index === path.length - 1));
+  if (state.live) {
+    if (state.live.user !== null) items.push(messageItem({ role: "user", content: state.live.user }, byParent, false));
+    items.push(liveItem());
+  }
+  $("#messages").replaceChildren(...items);
+  scrollDown();
+}
+
+function messageItem(message, byParent, isLast) {
+  const item = document.createElement("li");
+  item.className = `message ${message.role}`;
+  item.dataset.messageId = message.message_id || "";
+  const content = document.createElement("div");
+  content.className = "content";
+  content.textContent = message.content;
+  const meta = document.createElement("div");
+  meta.className = "meta muted";
+  item.append(content, meta);
+  if (!message.message_id) return item;
+
+  const siblings = byParent.get(message.parent_id || "") || [message];
+  if (siblings.length > 1) {
+    const position = siblings.length - siblings.indexOf(message); // oldest is 1
+    const show = (offset) => async () => {
+      const target = siblings[siblings.length - (position + offset)];
+      if (!target) return;
+      state.leafId = newestLeaf(target, byParent).message_id;
+      renderMessages();
+    };
+    const previous = button("‹", show(-1));
+    previous.setAttribute("aria-label", "Previous version");
+    const next = button("›", show(1));
+    next.setAttribute("aria-label", "Next version");
+    const label = document.createElement("span");
+    label.textContent = `${position} / ${siblings.length}`;
+    meta.append(previous, label, next);
+  }
+  if (message.role === "assistant") {
+    meta.append(usageLabel(message.usage, message.finish_reason));
+    if (isLast) meta.append(button("Regenerate", () => regenerate(message)));
+  } else if (message.parent_id) {
+    // Editing the first message would need a "no parent" branch point, which the API cannot express yet.
+    meta.append(button("Edit", async () => editMessage(item, message)));
+  }
+  return item;
+}
+
+function usageLabel(usage, finishReason) {
+  const label = document.createElement("span");
+  label.className = "usage";
+  if (usage) {
+    const cached = usage.cached_prompt_tokens ? ` (${usage.cached_prompt_tokens} cached)` : "";
+    label.textContent = `${usage.prompt_tokens} prompt${cached} + ${usage.completion_tokens} completion tokens`;
+  }
+  if (finishReason && finishReason !== "stop") label.textContent += ` · ${finishReason}`;
+  return label;
+}
+
+function liveItem() {
+  const item = document.createElement("li");
+  item.className = "message assistant";
+  item.id = "live";
+  item.dataset.streaming = "true";
+  const content = document.createElement("div");
+  content.className = "content";
+  content.textContent = state.live.text;
+  const meta = document.createElement("div");
+  meta.className = "meta muted";
+  item.append(content, meta);
+  return item;
+}
+
+function scrollDown() {
+  const list = $("#messages");
+  list.scrollTop = list.scrollHeight;
+}
+
+function editMessage(item, message) {
+  const editor = document.createElement("textarea");
+  editor.value = message.content;
+  editor.rows = 3;
+  editor.setAttribute("aria-label", "Edit message");
+  const save = button("Save & send", async () => {
+    const text = editor.value.trim();
+    if (text) await send(text, message.parent_id);
+  });
+  const cancel = button("Cancel", async () => renderMessages());
+  item.replaceChildren(editor, save, cancel);
+  editor.focus();
+}
+
+// ---- streaming answers ------------------------------------------------------------------------------
+
+async function* sseEvents(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.search(/\r?\n\r?\n/)) >= 0) {
+      const block = buffer.slice(0, end);
+      buffer = buffer.slice(end).replace(/^\r?\n\r?\n/, "");
+      const event = { event: "message", data: "", id: null };
+      for (const line of block.split(/\r?\n/)) {
+        if (line.startsWith(":")) continue; // keep-alive
+        const colon = line.indexOf(":");
+        const field = colon < 0 ? line : line.slice(0, colon);
+        const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+        if (field === "event") event.event = text;
+        else if (field === "data") event.data += (event.data ? "\n" : "") + text;
+        else if (field === "id") event.id = text;
+      }
+      if (event.data) yield event;
+    }
+  }
+}
+
+function remember() {
+  const { runId, chatId, lastSeq, text } = state.live;
+  if (runId) sessionStorage.setItem(RUN_KEY, JSON.stringify({ runId, chatId, lastSeq, text }));
+}
+
+// Reads one response's events into the live answer. Returns "done", "error" or "dropped".
+async function consume(response) {
+  try {
+    for await (const event of sseEvents(response)) {
+      const data = JSON.parse(event.data);
+      if (event.id) state.live.lastSeq = Number(event.id);
+      if (event.event === "started") {
+        state.live.runId = data.run_id;
+        state.live.chatId = data.chat_id;
+        $("#stop").disabled = false;
+      } else if (event.event === "delta") {
+        state.live.text += data.text;
+        const live = $("#live .content");
+        if (live) live.textContent = state.live.text;
+        scrollDown();
+      } else if (event.event === "usage") {
+        state.live.usage = data;
+      } else if (event.event === "done") {
+        return "done";
+      } else if (event.event === "error") {
+        notice(data.retry_after_ms ? `${data.message} (retry in ${Math.ceil(data.retry_after_ms / 1000)} s)` : data.message);
+        return "error";
+      }
+      remember();
+    }
+  } catch (error) {
+    if (error.name === "AbortError") return "done";
+  }
+  return "dropped";
+}
+
+// Streams a run to the end, resuming with Last-Event-ID whenever the connection drops.
+async function follow(firstResponse) {
+  let outcome = await consume(firstResponse);
+  for (let attempt = 1; outcome === "dropped" && state.live.runId && attempt <= 8; attempt++) {
+    await new Promise((resolve) => setTimeout(resolve, Math.min(250 * 2 ** attempt, 4000)));
+    try {
+      const response = await call(`/v1/runs/${state.live.runId}/events`, {
+        headers: { "Last-Event-ID": String(state.live.lastSeq) },
+      });
+      outcome = await consume(response);
+    } catch (error) {
+      if (error instanceof ApiError && error.status < 500 && error.status !== 429) break;
+    }
+  }
+  sessionStorage.removeItem(RUN_KEY);
+  return outcome;
+}
+
+function startLive(base, userText, seed = {}) {
+  state.live = { runId: null, chatId: state.chatId, lastSeq: 0, text: "", usage: null, base, user: userText, ...seed };
+  setBusy(true);
+  renderMessages();
+}
+
+async function finishLive() {
+  state.live = null;
+  setBusy(false);
+  state.leafId = null;
+  await Promise.all([loadMessages(), loadChats()]);
+  renderMessages();
+  showUsage();
+}
+
+// The token budget is shown for information; if it cannot be read, the label stays empty.
+async function showUsage() {
+  try {
+    const usage = await json("/v1/usage");
+    $("#usage").textContent =
+      `${usage.used_tokens.toLocaleString()} of ${usage.limit_tokens.toLocaleString()} tokens used (${usage.tier})`;
+  } catch {
+    $("#usage").textContent = "";
+  }
+}
+
+function setBusy(busy) {
+  $("#send").disabled = busy;
+  $("#stop").hidden = !busy;
+  $("#stop").disabled = !(state.live && state.live.runId);
+  $("#messages").setAttribute("aria-busy", String(busy));
+}
+
+// Returns false when the request was refused before any answer (the caller may restore the input).
+async function withLive(base, userText, request) {
+  startLive(base, userText);
+  let response = null;
+  try {
+    response = await request();
+    notice("");
+    await follow(response);
+  } catch (error) {
+    fail(error);
+  } finally {
+    await finishLive().catch(fail);
+  }
+  return response !== null;
+}
+
+async function send(text, parentId = "") {
+  if (!state.chatId) {
+    const chat = await json("/v1/chats", { method: "POST", body: {} });
+    state.chatId = chat.chat_id;
+    history.replaceState(null, "", `/?chat=${encodeURIComponent(chat.chat_id)}`);
+  }
+  const path = branch();
+  const base = parentId ? path.slice(0, path.findIndex((m) => m.message_id === parentId) + 1) : path;
+  const body = { content: text, parent_message_id: parentId, idempotency_key: crypto.randomUUID() };
+  return withLive(base, text, () => call(`/v1/chats/${state.chatId}/messages`, { method: "POST", body }));
+}
+
+async function regenerate(answer) {
+  const path = branch();
+  const base = path.slice(0, path.findIndex((m) => m.message_id === answer.message_id));
+  const body = { idempotency_key: crypto.randomUUID() };
+  await withLive(base, null, () =>
+    call(`/v1/chats/${state.chatId}/messages/${answer.message_id}/regenerate`, { method: "POST", body }));
+}
+
+async function resumeRun(runId) {
+  const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
+  const seed = saved && saved.runId === runId ? { runId, lastSeq: saved.lastSeq, text: saved.text } : { runId };
+  startLive(branch(), null, seed);
+  try {
+    const response = await call(`/v1/runs/${runId}/events`, { headers: { "Last-Event-ID": String(state.live.lastSeq) } });
+    await follow(response);
+  } catch (error) {
+    fail(error);
+  } finally {
+    await finishLive().catch(fail);
+  }
+}
+
+async function stop() {
+  if (!state.live || !state.live.runId) return;
+  $("#stop").disabled = true;
+  await json(`/v1/runs/${state.live.runId}/cancel`, { method: "POST" });
+}
+
+// ---- start ------------------------------------------------------------------------------------------
+
+async function start() {
+  state.token = takeTokenFromUrl();
+  $("#signin-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    localStorage.setItem(TOKEN_KEY, $("#token-input").value.trim());
+    location.reload();
+  });
+  if (!state.token) {
+    showSignin(true);
+    return;
+  }
+  $("#composer").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = $("#prompt").value.trim();
+    if (!text || state.live) return;
+    $("#prompt").value = "";
+    // A refused message goes back into the box, so nothing typed is lost.
+    send(text).then((sent) => { if (!sent && !$("#prompt").value) $("#prompt").value = text; }, fail);
+  });
+  $("#prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      $("#composer").requestSubmit();
+    }
+  });
+  $("#stop").addEventListener("click", () => stop().catch(fail));
+  $("#new-chat").addEventListener("click", newChat);
+  $("#more-chats").addEventListener("click", () => loadChats(true).catch(fail));
+  try {
+    const me = await json("/v1/me");
+    $("#whoami").textContent = `Signed in as ${me.user_id} (${me.tier})`;
+    showUsage();
+    await loadChats();
+    const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
+    const chatId = new URLSearchParams(location.search).get("chat") || (saved && saved.chatId);
+    if (chatId) await openChat(chatId);
+    else newChat();
+  } catch (error) {
+    fail(error);
+  }
+}
+
+start();

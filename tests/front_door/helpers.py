@@ -1,0 +1,30 @@
+"""Small helpers the front-door tests share."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import httpx
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "condition") -> T:
+    """The first truthy value of ``predicate()``, polled until ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def assert_json_error(reply: httpx.Response, status: int) -> dict:
+    """Asserts an error reply in the edge's (OpenAI-shaped) JSON form; returns its ``error`` object."""
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["message"]
+    return error

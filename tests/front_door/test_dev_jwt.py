@@ -1,0 +1,56 @@
+"""Dev JWT tooling: keys made once with a private key only the owner can read, tokens that verify
+against the published JWKS, and the CLI behind `make token`."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+
+import jwt
+import pytest
+
+from chatmesh.dev_jwt import AUDIENCE, ISSUER, ensure_keys
+
+
+def test_keys_are_made_once_and_the_private_key_is_private(tmp_path):
+    keys = ensure_keys(tmp_path / "keys")
+    assert stat.S_IMODE(keys.private_key_path.stat().st_mode) == 0o600
+    again = ensure_keys(tmp_path / "keys")
+    assert again.kid == keys.kid
+    assert again.private_key_path.read_bytes() == keys.private_key_path.read_bytes()
+
+
+def test_tokens_verify_against_the_jwks(tmp_path):
+    keys = ensure_keys(tmp_path)
+    token = keys.mint("alice", "pro", ttl_s=60)
+    (jwk,) = json.loads(keys.jwks_path.read_text())["keys"]
+    assert "d" not in jwk  # the JWKS holds the public key only
+    public = jwt.PyJWK(jwk).key
+    claims = jwt.decode(token, public, algorithms=["RS256"], audience=AUDIENCE, issuer=ISSUER)
+    assert (claims["sub"], claims["tier"]) == ("alice", "pro")
+    assert jwt.get_unverified_header(token)["kid"] == keys.kid
+    with pytest.raises(jwt.ExpiredSignatureError):
+        jwt.decode(keys.mint("alice", ttl_s=-60), public, algorithms=["RS256"], audience=AUDIENCE)
+
+
+def test_cli_prints_a_token_for_the_user_and_tier(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "chatmesh.dev_jwt",
+            "--user",
+            "bob",
+            "--tier",
+            "enterprise",
+            "--dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    claims = jwt.decode(out, options={"verify_signature": False})
+    assert (claims["sub"], claims["tier"]) == ("bob", "enterprise")

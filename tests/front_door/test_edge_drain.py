@@ -1,0 +1,71 @@
+"""The edge drains on SIGTERM: it stops taking connections, lets open answer streams finish within
+--drain-grace-s, and closes the rest without stopping their runs (clients resume elsewhere).
+Real edge processes against ScriptedChatService (not the orchestrator)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
+from chatmesh.launcher import Launcher
+from tests.fixtures.edge import start_edge
+from tests.front_door.conftest import FrontDoor
+from tests.front_door.helpers import wait_for
+from tests.front_door.sse_client import iter_events
+
+
+def drain_edge(launcher: Launcher, front_door: FrontDoor, grace_s: float):
+    return start_edge(
+        launcher,
+        f"127.0.0.1:{front_door.scripted_port}",
+        name="draining-edge",
+        extra_flags=("--drain-grace-s", str(grace_s)),
+    )
+
+
+@pytest.mark.parametrize(("tokens", "grace_s", "finishes"), [(20, 6.0, True), (80, 2.0, False)])
+def test_sigterm_drains_open_streams(front_door: FrontDoor, tmp_path, user: str, tokens, grace_s, finishes):
+    # Straight to the edge, as Envoy would call it: identity in headers.
+    headers = {USER_ID_HEADER: user, TIER_HEADER: "pro"}
+    with Launcher(tmp_path, echo=lambda _: None) as launcher:
+        edge = drain_edge(launcher, front_door, grace_s)
+        with httpx.Client(base_url=edge.url, headers=headers, timeout=20) as client:
+            chat_id = client.post("/v1/chats", json={}).json()["chat_id"]
+            events = []
+            body = {"content": f"drain !tokens {tokens} 50"}
+            with client.stream("POST", f"/v1/chats/{chat_id}/messages", json=body) as reply:
+                for event in iter_events(reply):
+                    events.append(event)
+                    if len(events) == 3:
+                        signalled = time.monotonic()
+                        launcher.signal("draining-edge", signal.SIGTERM)
+                        # No new connections once draining.
+                        wait_for(lambda: _refused(edge.url), timeout_s=5, what="the listener to close")
+            process = launcher.running["draining-edge"].process
+            # uvicorn re-raises the SIGTERM once it has shut down cleanly, hence -15 rather than 0.
+            assert process.wait(timeout=grace_s + 5) in (0, -signal.SIGTERM)
+            launcher.forget("draining-edge")
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    run_id = events[0].data["run_id"]
+    if finishes:
+        assert events[-1].event == "done" and events[-1].data["finish_reason"] == "stop"
+    else:
+        # Cut at the end of the grace period, without a final event: the client resumes elsewhere ...
+        assert events[-1].event == "delta"
+        assert time.monotonic() - signalled < grace_s + 3
+        # ... and the run went on regardless.
+        run = front_door.scripted.runs[run_id]
+        wait_for(lambda: run.finished, timeout_s=10, what="the run to finish after the edge left")
+        assert run.events[-1].done.finish_reason == 1  # FINISH_REASON_STOP
+
+
+def _refused(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/healthz", timeout=1)
+    except httpx.TransportError:
+        return True
+    return False

@@ -1,0 +1,349 @@
+"""The edge's HTTP <-> ChatService mapping, through the real Envoy and the real edge, against
+ScriptedChatService (a real gRPC server with scripted answers; these tests do not test the orchestrator):
+REST shapes, SSE framing and resume, cancel, status codes, and refusing bad input before any call."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import grpc
+import httpx
+import pytest
+
+from chatmesh.identity import CHAT_ID_HEADER
+from tests.front_door.conftest import FrontDoor
+from tests.front_door.helpers import assert_json_error, wait_for
+from tests.front_door.sse_client import Event, iter_events
+
+
+@pytest.fixture
+def client(front_door: FrontDoor, user: str):
+    with front_door.client(user) as client:
+        yield client
+
+
+@pytest.fixture
+def chat_id(client: httpx.Client) -> str:
+    reply = client.post("/v1/chats", json={"title": "test chat"})
+    assert reply.status_code == 201
+    return reply.json()["chat_id"]
+
+
+def answer(client: httpx.Client, chat_id: str, content: str, **body: object):
+    """The SSE response to sending ``content`` (a context manager, like ``client.stream``)."""
+    return client.stream("POST", f"/v1/chats/{chat_id}/messages", json={"content": content, **body})
+
+
+def send(client: httpx.Client, chat_id: str, content: str, **body: object) -> list[Event]:
+    with answer(client, chat_id, content, **body) as reply:
+        assert reply.status_code == 200, reply.read()
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        return list(iter_events(reply))
+
+
+# -- chats CRUD -------------------------------------------------------------------------------------
+
+
+def test_chat_crud_round_trip(client: httpx.Client):
+    created = client.post("/v1/chats", json={"title": "Plans"})
+    assert created.status_code == 201
+    chat = created.json()
+    assert chat["title"] == "Plans" and chat["chat_id"] and chat["create_time"].endswith("Z")
+
+    assert client.get(f"/v1/chats/{chat['chat_id']}").json()["title"] == "Plans"
+    renamed = client.patch(f"/v1/chats/{chat['chat_id']}", json={"title": "Holiday plans"})
+    assert renamed.status_code == 200 and renamed.json()["title"] == "Holiday plans"
+
+    assert client.delete(f"/v1/chats/{chat['chat_id']}").status_code == 204
+    assert_json_error(client.get(f"/v1/chats/{chat['chat_id']}"), 404)
+
+
+def test_chat_list_is_newest_activity_first_and_paginated(client: httpx.Client):
+    ids = [client.post("/v1/chats", json={"title": f"chat {i}"}).json()["chat_id"] for i in range(3)]
+    first = client.get("/v1/chats", params={"page_size": 2}).json()
+    assert [c["chat_id"] for c in first["chats"]] == [ids[2], ids[1]]
+    assert first["next_page_token"]
+    second = client.get("/v1/chats", params={"page_size": 2, "page_token": first["next_page_token"]}).json()
+    assert [c["chat_id"] for c in second["chats"]] == [ids[0]]
+    assert second["next_page_token"] is None
+
+
+def test_usage_reports_the_callers_budget(client: httpx.Client, chat_id: str):
+    send(client, chat_id, "count me !tokens 4 1")
+    usage = client.get("/v1/usage").json()
+    assert usage["tier"] == "pro" and usage["limit_tokens"] == 1_000_000
+    assert usage["used_tokens"] == 5 + 4  # prompt words + completion tokens, as scripted
+
+
+def test_another_users_chat_is_not_found(
+    front_door: FrontDoor, client: httpx.Client, chat_id: str, user: str
+):
+    with front_door.client(user + "-stranger") as stranger:
+        assert_json_error(stranger.get(f"/v1/chats/{chat_id}"), 404)
+        assert_json_error(stranger.post(f"/v1/chats/{chat_id}/messages", json={"content": "hi"}), 404)
+
+
+# -- SSE --------------------------------------------------------------------------------------------
+
+
+def test_sse_ids_are_sequence_numbers_and_events_arrive_token_by_token(client: httpx.Client, chat_id: str):
+    events = send(client, chat_id, "Hello there !tokens 20 50")
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    kinds = [e.event for e in events]
+    assert kinds[0] == "started" and kinds[-2:] == ["usage", "done"]
+    deltas = [e for e in events if e.event == "delta"]
+    assert len(deltas) == 20
+    # Streamed, not buffered: deltas arrive spread over the ~1 s the answer takes.
+    assert deltas[-1].at - deltas[0].at > 0.5
+    gaps = [b.at - a.at for a, b in itertools.pairwise(deltas)]
+    assert sorted(gaps)[len(gaps) // 2] > 0.02
+    assert events[-1].data["finish_reason"] == "stop"
+    assert events[-2].data["completion_tokens"] == 20
+
+    messages = client.get(f"/v1/chats/{chat_id}/messages").json()["messages"]
+    assert [m["role"] for m in messages] == ["assistant", "user"]
+    assert messages[0]["content"] == "".join(e.data["text"] for e in deltas)
+    assert messages[0]["usage"]["completion_tokens"] == 20
+
+
+def test_quiet_streams_get_keep_alive_comments(client: httpx.Client, chat_id: str):
+    # The test edge pings every second; one slow token makes the stream quiet for 2.5 s.
+    with answer(client, chat_id, "slow !tokens 1 2500") as reply:
+        lines = list(reply.iter_lines())
+    assert any(line.startswith(":") for line in lines)
+
+
+def test_resume_with_last_event_id_misses_nothing_and_repeats_nothing(
+    front_door: FrontDoor, client: httpx.Client, chat_id: str
+):
+    seen: list[Event] = []
+    with answer(client, chat_id, "resume me !tokens 30 40") as reply:
+        for event in iter_events(reply):
+            seen.append(event)
+            if len(seen) == 6:
+                break  # the browser went away mid-answer
+    run_id = seen[0].data["run_id"]
+    last = seen[-1].seq
+    with client.stream(
+        "GET", f"/v1/runs/{run_id}/events", headers={"Last-Event-ID": str(last), CHAT_ID_HEADER: chat_id}
+    ) as reply:
+        assert reply.status_code == 200
+        rest = list(iter_events(reply))
+    assert [e.seq for e in seen + rest] == list(range(1, len(seen) + len(rest) + 1))
+    assert rest[-1].event == "done" and rest[-1].data["finish_reason"] == "stop"
+    text = "".join(e.data["text"] for e in seen + rest if e.event == "delta")
+    stored = client.get(f"/v1/chats/{chat_id}/messages").json()["messages"][0]
+    assert stored["content"] == text
+    # The chat-id header rode along so Envoy's ring hash could find the run's replica.
+    assert front_door.scripted.calls_to("StreamRun")[-1].metadata[CHAT_ID_HEADER] == chat_id
+
+
+def test_client_disconnect_does_not_stop_the_run(front_door: FrontDoor, client: httpx.Client, chat_id: str):
+    with answer(client, chat_id, "keep going !tokens 15 40") as reply:
+        run_id = next(iter_events(reply)).data["run_id"]
+    run = wait_for(
+        lambda: (r := client.get(f"/v1/runs/{run_id}").json())["status"] != "in_progress" and r,
+        what="the detached run to finish",
+    )
+    assert run["status"] == "completed"
+    assert all(call.request.run_id != run_id for call in front_door.scripted.calls_to("CancelRun"))
+
+
+def test_cancel_stops_the_run_and_the_stream_ends_cancelled(client: httpx.Client, chat_id: str):
+    events: list[Event] = []
+    with answer(client, chat_id, "long !tokens 200 30") as reply:
+        for event in iter_events(reply):
+            events.append(event)
+            if event.event == "delta" and len(events) == 4:
+                run_id = events[0].data["run_id"]
+                threading.Thread(target=client.post, args=(f"/v1/runs/{run_id}/cancel",)).start()
+    assert events[-1].event == "done" and events[-1].data["finish_reason"] == "cancelled"
+    assert sum(e.event == "delta" for e in events) < 200
+    assert client.get(f"/v1/runs/{run_id}").json()["status"] == "cancelled"
+
+
+def test_run_error_event_ends_the_stream(client: httpx.Client, chat_id: str):
+    events = send(client, chat_id, "fail later !runerror UNAVAILABLE 3")
+    assert events[-1].event == "error" and events[-1].id is not None
+    assert events[-1].data == {
+        "code": "UNAVAILABLE",
+        "message": "scripted UNAVAILABLE",
+        "retry_after_ms": 2000,
+    }
+
+
+def test_stream_broken_mid_answer_ends_with_an_error_event_without_id(client: httpx.Client, chat_id: str):
+    events = send(client, chat_id, "break !abort UNAVAILABLE 2")
+    assert events[-1].event == "error" and events[-1].id is None
+    assert events[-1].data["code"] == "UNAVAILABLE"
+    assert [e.seq for e in events[:-1]] == list(range(1, len(events)))
+
+
+def test_regenerate_and_edit_create_sibling_branches(client: httpx.Client, chat_id: str):
+    first = send(client, chat_id, "first question !tokens 2 1")
+    first_answer = first[-1].data["assistant_message_id"]
+    second = send(client, chat_id, "second question !tokens 3 1")
+    answer_id = second[-1].data["assistant_message_id"]
+    question_id = second[0].data["user_message_id"]
+
+    with client.stream("POST", f"/v1/chats/{chat_id}/messages/{answer_id}/regenerate", json={}) as reply:
+        again = list(iter_events(reply))
+    assert again[-1].event == "done" and again[-1].data["assistant_message_id"] != answer_id
+    # Edit the second question: the new text follows the same parent (the first answer).
+    edited = send(client, chat_id, "second question, edited !tokens 2 1", parent_message_id=first_answer)
+
+    messages = {m["message_id"]: m for m in client.get(f"/v1/chats/{chat_id}/messages").json()["messages"]}
+    regenerated = messages[again[-1].data["assistant_message_id"]]
+    assert regenerated["parent_id"] == messages[answer_id]["parent_id"] == question_id
+    edit = messages[edited[0].data["user_message_id"]]
+    assert edit["parent_id"] == messages[question_id]["parent_id"] == first_answer
+
+
+def test_idempotency_key_header_is_forwarded(front_door: FrontDoor, client: httpx.Client, chat_id: str):
+    with client.stream(
+        "POST",
+        f"/v1/chats/{chat_id}/messages",
+        json={"content": "once !tokens 1 1"},
+        headers={"Idempotency-Key": "key-123"},
+    ) as reply:
+        list(iter_events(reply))
+    assert front_door.scripted.calls_to("SendMessage")[-1].request.idempotency_key == "key-123"
+
+
+# -- status codes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "extra", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, {}, 400),
+        (grpc.StatusCode.INVALID_ARGUMENT, {"bad_field": "title"}, 422),
+        (grpc.StatusCode.INVALID_ARGUMENT, {"error_reason": "PAYLOAD_TOO_LARGE"}, 413),
+        (grpc.StatusCode.UNAUTHENTICATED, {}, 401),
+        (grpc.StatusCode.PERMISSION_DENIED, {}, 403),
+        (grpc.StatusCode.NOT_FOUND, {}, 404),
+        (grpc.StatusCode.ALREADY_EXISTS, {}, 409),
+        (grpc.StatusCode.FAILED_PRECONDITION, {}, 409),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, {"retry_after_s": 7.2}, 429),
+        (grpc.StatusCode.UNAVAILABLE, {}, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, {}, 504),
+    ],
+    ids=lambda v: getattr(v, "name", None) or str(v),
+)
+def test_grpc_status_maps_to_http_status(front_door: FrontDoor, client: httpx.Client, code, extra, status):
+    with front_door.scripted.failing("CreateChat", code, f"scripted {code.name}", **extra):
+        reply = client.post("/v1/chats", json={})
+    error = assert_json_error(reply, status)
+    assert error["message"] == f"scripted {code.name}"
+    if status == 429:
+        assert reply.headers["retry-after"] == "8"  # 7.2 s, never rounded down
+    if extra.get("bad_field"):
+        assert error["param"] == "title"
+
+
+def test_internal_errors_do_not_leak_details(front_door: FrontDoor, client: httpx.Client):
+    with front_door.scripted.failing("CreateChat", grpc.StatusCode.INTERNAL, "NullPointer at db.py:12"):
+        reply = client.post("/v1/chats", json={})
+    assert "db.py" not in assert_json_error(reply, 500)["message"]
+
+
+def test_stream_refused_before_its_first_event_gets_an_http_status(
+    front_door: FrontDoor, client: httpx.Client, chat_id: str
+):
+    with front_door.scripted.failing(
+        "SendMessage", grpc.StatusCode.RESOURCE_EXHAUSTED, "budget spent", retry_after_s=30
+    ):
+        reply = client.post(f"/v1/chats/{chat_id}/messages", json={"content": "hi"})
+    assert assert_json_error(reply, 429)["message"] == "budget spent"
+    assert reply.headers["retry-after"] == "30"
+    assert reply.headers["content-type"].startswith("application/json")
+
+
+# -- bad input never reaches the chat service --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "says"),
+    [
+        (b'{"content": "hi"', {}, 400, "malformed JSON"),
+        (b'{"content": "\xff\xfe"}', {}, 400, "not valid UTF-8"),
+        (b'{"content": "\\ud800"}', {}, 400, "surrogate"),
+        (b"[1, 2]", {}, 400, "JSON object"),
+        (b"", {}, 400, "empty"),
+        (b'{"content": NaN}', {}, 400, "NaN"),
+        (b'{"content": 42}', {}, 422, "content"),
+        (b'{"content": ""}', {}, 422, "content"),
+        (b'{"content": "hi", "colour": "red"}', {}, 422, "colour"),
+        (b'{"content": "hi", "options": {"temperature": 3}}', {}, 422, "options.temperature"),
+        (b'{"content": "hi"}', {"Content-Type": "text/plain"}, 415, "content type"),
+        (b'{"content": "' + b"x" * (40 * 1024) + b'"}', {}, 413, "32768"),
+        (b'{"content": "' + b"x" * (70 * 1024) + b'"}', {}, 413, "limit of 65536 bytes"),
+    ],
+    ids=[
+        "truncated",
+        "invalid-utf8",
+        "lone-surrogate",
+        "not-object",
+        "empty",
+        "nan",
+        "wrong-type",
+        "empty-content",
+        "unknown-field",
+        "out-of-range",
+        "content-type",
+        "message-too-long",
+        "body-too-large",
+    ],
+)
+def test_bad_request_bodies_are_refused_without_calling_the_chat_service(
+    front_door: FrontDoor,
+    client: httpx.Client,
+    chat_id: str,
+    body: bytes,
+    headers: dict,
+    status: int,
+    says: str,
+):
+    before = len(front_door.scripted.calls_to("SendMessage"))
+    reply = client.post(
+        f"/v1/chats/{chat_id}/messages", content=body, headers={"Content-Type": "application/json", **headers}
+    )
+    assert says in assert_json_error(reply, status)["message"]
+    assert len(front_door.scripted.calls_to("SendMessage")) == before
+    assert client.get(f"/v1/chats/{chat_id}/messages").json()["messages"] == []
+
+
+def test_unknown_chat_id_is_404_and_nothing_is_stored(front_door: FrontDoor, client: httpx.Client):
+    reply = client.post("/v1/chats/chat_doesnotexist/messages", json={"content": "hello?"})
+    assert_json_error(reply, 404)
+    assert "chat_doesnotexist" not in front_door.scripted.messages
+
+
+def test_malformed_ids_and_cursors_are_refused_at_the_edge(front_door: FrontDoor, client: httpx.Client):
+    before = len(front_door.scripted.calls)
+    assert_json_error(client.get("/v1/chats/bad%20id"), 404)
+    assert_json_error(client.get("/v1/chats", params={"page_size": "-1"}), 422)
+    assert_json_error(client.get("/v1/chats", params={"page_size": "1000"}), 422)
+    assert_json_error(client.get("/v1/runs/run_x/events", headers={"Last-Event-ID": "abc"}), 400)
+    assert len(front_door.scripted.calls) == before
+
+
+def test_unknown_routes_and_methods_answer_json_errors(client: httpx.Client):
+    assert_json_error(client.get("/v1/nothing-here"), 404)
+    assert_json_error(client.put("/v1/chats"), 405)
+
+
+def test_edge_exports_prometheus_metrics(front_door: FrontDoor, client: httpx.Client, chat_id: str):
+    send(client, chat_id, "metrics !tokens 2 1")
+    metrics = httpx.get(front_door.edge.metrics_url).text
+    assert (
+        'chatmesh_edge_http_requests_total{method="POST",route="/v1/chats/{chat_id}/messages",status="200"}'
+        in metrics
+    )
+    assert 'chatmesh_edge_stream_events_total{event="delta",kind="run"}' in metrics
+    assert "chatmesh_edge_time_to_first_delta_seconds_bucket" in metrics
+    wait_for(
+        lambda: 'chatmesh_edge_open_streams{kind="run"} 0.0' in httpx.get(front_door.edge.metrics_url).text,
+        what="the open-streams gauge to return to 0",
+    )

@@ -1,0 +1,84 @@
+"""The Envoy config template renders to a config that `envoy --mode validate` accepts, and says what the
+front door promises (routes for every ChatService RPC, stream timeouts, identity stripping, limits)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.dev_jwt import DevKeys
+from chatmesh.envoy import EnvoyConfig, InvalidEnvoyConfigError, render_config, validate, write_config
+from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
+
+
+@pytest.fixture
+def config(dev_jwt_keys: DevKeys) -> EnvoyConfig:
+    return EnvoyConfig(
+        listen_port=18080,
+        admin_port=19901,
+        internal_port=18090,
+        jwks_path=dev_jwt_keys.jwks_path,
+        edge_endpoints=(("127.0.0.1", 18081),),
+        orchestrator_endpoints=(("127.0.0.1", 50050), ("127.0.0.1", 50060)),
+        cors_origins=("http://127.0.0.1:18080",),
+    )
+
+
+@pytest.mark.parametrize("otlp", [None, ("127.0.0.1", 4317)], ids=["no-tracing", "opentelemetry"])
+def test_rendered_config_passes_envoy_validate(config: EnvoyConfig, tmp_path, otlp):
+    write_config(replace(config, otlp=otlp), tmp_path / "envoy.yaml")  # raises if envoy rejects it
+
+
+def test_validate_rejects_a_broken_config(config: EnvoyConfig, tmp_path):
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_config(config).replace("lb_policy: RING_HASH", "lb_policy: RING_HASHISH"))
+    with pytest.raises(InvalidEnvoyConfigError, match="RING_HASHISH"):
+        validate(path)
+
+
+def routes(parsed: dict, listener: str) -> list[dict]:
+    (found,) = [item for item in parsed["static_resources"]["listeners"] if item["name"] == listener]
+    manager = found["filter_chains"][0]["filters"][0]["typed_config"]
+    return manager["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def test_every_chat_service_rpc_is_routed_with_the_right_timeouts(config: EnvoyConfig):
+    parsed = yaml.safe_load(render_config(config))
+    service = chat_pb2.DESCRIPTOR.services_by_name["ChatService"]
+    for listener in ("public", "internal"):
+        by_path = {r["match"].get("path"): r["route"] for r in routes(parsed, listener)}
+        for method in service.methods:
+            route = by_path[f"/{service.full_name}/{method.name}"]
+            assert route["cluster"] == "orchestrator"
+            assert route["hash_policy"] == [{"header": {"header_name": "x-chatmesh-chat-id"}}]
+            if method.server_streaming:
+                assert route["timeout"] == "0s" and route["idle_timeout"] == "300s"
+            else:
+                assert route["timeout"] == "30s"
+            retried = "unavailable" in route["retry_policy"]["retry_on"]
+            assert retried == (
+                method.name
+                in {"GetChat", "ListChats", "ListMessages", "GetRun", "CancelRun", "ListModels", "GetUsage"}
+            )
+
+
+def test_identity_headers_are_stripped_before_any_filter(config: EnvoyConfig):
+    parsed = yaml.safe_load(render_config(config))
+    public = parsed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    mutations = public["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    assert {m["remove"] for m in mutations} == {USER_ID_HEADER, TIER_HEADER}
+    filters = [f["name"] for f in public["http_filters"]]
+    assert filters.index("envoy.filters.http.jwt_authn") < filters.index("envoy.filters.http.local_ratelimit")
+    assert filters[-1] == "envoy.filters.http.router"
+
+
+def test_orchestrator_cluster_is_sized_for_streams(config: EnvoyConfig):
+    parsed = yaml.safe_load(render_config(config))
+    (cluster,) = [c for c in parsed["static_resources"]["clusters"] if c["name"] == "orchestrator"]
+    assert cluster["lb_policy"] == "RING_HASH"
+    assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] >= 10_000
+    assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == "chatmesh.chat.v1.ChatService"
+    assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
