@@ -176,8 +176,11 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self._watchers.add(wake)
         try:
             while True:
+                # Read the flag before the report: a drain that lands while the report is in flight must
+                # still be followed by one more report saying serving: false.
+                draining = self._draining
                 yield engine_pb2.WatchLoadResponse(load=self._load())
-                if self._draining:  # the last report said serving: false
+                if draining:
                     return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(wake.wait(), interval_ms / 1000)
