@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
+from chatmesh.gguf_metadata import read_gguf_metadata
 from chatmesh.model_files import bundled_model_path
 
 _CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
@@ -75,12 +75,7 @@ class ChatTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> ChatTokenizer:
-        reader = gguf.GGUFReader(str(path))
-
-        def field(key: str, default: object = None) -> object:
-            entry = reader.fields.get(key)
-            return entry.contents() if entry is not None else default
-
+        field = read_gguf_metadata(path).get
         tokens = field("tokenizer.ggml.tokens")
         if field("tokenizer.ggml.model") != "gpt2" or tokens is None:
             raise ValueError(f"{path}: only GGUF files with a byte-level BPE (gpt2) tokenizer are supported")
