@@ -34,4 +34,23 @@ command -v mvn >/dev/null || fail "Maven is required to fetch Cassandra's jars. 
 echo "maven: ok"
 echo "envoy: $(.venv/bin/envoy --version 2>&1 | grep -o "[0-9]*\.[0-9]*\.[0-9]*/Clean" | cut -d/ -f1)"
 echo "buf: $(.venv/bin/buf --version)"
+
+step "fetching Apache Cassandra into .cache/cassandra/lib with Maven (first run downloads ~70 MB of jars)"
+# The jars are pinned by memory_store/cassandra/pom.xml; a stamp of its hash skips Maven when up to date.
+cassandra_pom=memory_store/cassandra/pom.xml
+cassandra_lib=.cache/cassandra/lib
+cassandra_want=$(sha256sum "$cassandra_pom" | cut -d' ' -f1)
+if [ -f "$cassandra_lib/.pom.sha256" ] && [ "$(cat "$cassandra_lib/.pom.sha256")" = "$cassandra_want" ]; then
+  echo "cassandra jars: up to date ($(ls "$cassandra_lib"/*.jar | wc -l) jars)"
+else
+  rm -rf "$cassandra_lib.tmp"
+  mkdir -p .cache/cassandra
+  mvn -B -f "$cassandra_pom" dependency:copy-dependencies -DincludeScope=runtime \
+    -DoutputDirectory="$PWD/$cassandra_lib.tmp" >.cache/cassandra/maven.log 2>&1 \
+    || { tail -30 .cache/cassandra/maven.log; fail "Maven could not fetch Cassandra (log: .cache/cassandra/maven.log). Check access to repo.maven.apache.org."; }
+  rm -rf "$cassandra_lib" && mv "$cassandra_lib.tmp" "$cassandra_lib"
+  echo "$cassandra_want" >"$cassandra_lib/.pom.sha256"
+  echo "cassandra jars: $(ls "$cassandra_lib"/*.jar | wc -l) jars, $(du -sh "$cassandra_lib" | cut -f1)"
+fi
+
 step "environment ready"
