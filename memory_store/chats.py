@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from memory_store.base import StoreBase, id_str, micros, now, utc
 from memory_store.db import Cql, Row
 from memory_store.errors import InvalidArgument, NotFound
 from memory_store.ids import id_micros, new_id, parse_id
 from memory_store.models import Chat, ChatSummary, Page
+
+T = TypeVar("T")
 
 _CHAT_COLUMNS = "chat_id, title, created_at, activity_at, deleted_at, last_run_id, last_finished_run_id"
 
@@ -102,13 +104,12 @@ class ChatsMixin(StoreBase):
         at = now()
         chat_id = new_id(at)
         ts = micros(at)
-        batch = self._db.batch(
+        await self._db.execute_batch(
             [
                 ("chat_insert", (user_id, chat_id, title, at, at, ts)),
                 ("activity_insert", (user_id, at, chat_id, ts)),
             ]
         )
-        await self._db.execute(batch)
         return Chat(chat_id=str(chat_id), user_id=user_id, title=title, created_at=at, updated_at=at)
 
     async def get_chat(self, user_id: str, chat_id: str) -> Chat:
@@ -200,13 +201,12 @@ class ChatsMixin(StoreBase):
         key = uuid.UUID(chat.chat_id)
         # The index entry was written with its activity time as timestamp: delete it from above that.
         delete_ts = max(micros(at), micros(chat.updated_at) + 1)
-        batch = self._db.batch(
+        await self._db.execute_batch(
             [
                 ("chat_set_deleted", (at, user_id, key)),
                 ("activity_delete", (delete_ts, user_id, chat.updated_at, key)),
             ]
         )
-        await self._db.execute(batch)
 
     async def record_activity(self, user_id: str, chat_id: str) -> datetime:
         """Moves the chat to the top of the user's list; returns the new activity time."""
@@ -226,7 +226,7 @@ class ChatsMixin(StoreBase):
                 ("chat_set_activity", (ts, at, chat.user_id, key)),
             ]
         if statements:
-            await self._db.execute(self._db.batch(statements))
+            await self._db.execute_batch(statements)
         return max(at, chat.updated_at)
 
     async def set_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
@@ -268,6 +268,16 @@ class ChatsMixin(StoreBase):
         return ChatSummary(
             row["text"], row["token_count"], str(row["through_message_id"]), utc(row["updated_at"])
         )
+
+    async def _with_owner(self, user_id: str, chat_id: str, read: Awaitable[T]) -> tuple[Chat, T]:
+        """Runs ``read`` alongside the ownership check, saving a round trip; whatever ``read`` found
+        or failed with is only passed on once the chat is known to be the caller's."""
+        chat, result = await asyncio.gather(self._owned_chat(user_id, chat_id), read, return_exceptions=True)
+        if isinstance(chat, BaseException):
+            raise chat
+        if isinstance(result, BaseException):
+            raise result
+        return chat, result
 
     async def _owned_chat(self, user_id: str, chat_id: str) -> Chat:
         self._check_user(user_id)

@@ -9,16 +9,15 @@ Cursors hold the last message id returned; the next page is every message older 
 bucket and then in older buckets. Messages appended while a client pages are newer than any cursor, so
 pages neither skip nor repeat a message.
 
-A branch (the path from the root to a message) is found by scanning ids and parent ids only, newest
-to oldest, following parent links (a parent is always older than its child); then the messages on the
-path are fetched whole, one query per bucket.
+A branch (the path from the root to a message) is read in one pass over the chat, newest to oldest,
+following parent links: a parent is always older than its child, so the walk never goes back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -34,9 +33,8 @@ _FULL = (
     "message_id, parent_id, role, content, token_count, model, finish_reason, status, run_id, "
     "prompt_tokens, cached_prompt_tokens, completion_tokens"
 )
-_LINKS = "message_id, parent_id"
 _MAX_BUCKET = 2**31 - 1
-_LINK_SCAN_PAGE = 500
+_MIN_BRANCH_PAGE = 32
 _BUCKET_SCAN_PAGE = 32
 _KNOWN_BUCKETS_CAPACITY = 100_000
 
@@ -52,16 +50,9 @@ STATEMENTS = {
     "message_get": Cql(
         f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id = ?", True
     ),
-    "messages_in": Cql(
-        f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id IN ?", True
-    ),
-    "full_newest": Cql(f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? LIMIT ?", True),
-    "full_below": Cql(
+    "messages_newest": Cql(f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? LIMIT ?", True),
+    "messages_below": Cql(
         f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id < ? LIMIT ?", True
-    ),
-    "links_newest": Cql(f"SELECT {_LINKS} FROM messages WHERE chat_id = ? AND bucket = ? LIMIT ?", True),
-    "links_below": Cql(
-        f"SELECT {_LINKS} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id < ? LIMIT ?", True
     ),
 }
 
@@ -108,53 +99,63 @@ class MessagesMixin(StoreBase):
         )
         if len(message.content.encode()) > max_bytes:
             raise InvalidArgument(f"message content is larger than {max_bytes} bytes")
-        chat = await self._owned_chat(user_id, message.chat_id)
-        await self._store_message(chat, message)
-        await self._touch(chat, [])
+        chat, _ = await self._with_owner(user_id, message.chat_id, self._check_message(message))
+        await self._write_message(chat, message)
         return message
 
-    async def _store_message(self, chat: Chat, message: Message) -> None:
-        """Validates the message's shape and parent, registers its bucket, and writes it."""
+    async def _check_message(self, message: Message) -> None:
+        """Validates the message's fields, and that its parent is an older message of the chat."""
+        chat_key = parse_id(message.chat_id, "chat id")
         message_id = parse_id(message.message_id, "message id")
         parent_id = parse_optional_id(message.parent_id, "parent id")
-        run_id = parse_optional_id(message.run_id, "run id")
-        role = Role(message.role)
+        parse_optional_id(message.run_id, "run id")
+        if message.role not in tuple(Role) or message.status not in tuple(MessageStatus):
+            raise InvalidArgument(f"unknown role {message.role!r} or status {message.status!r}")
         if message.token_count < 0:
             raise InvalidArgument("token count must not be negative")
         if message.model is not None and len(message.model) > self.limits.max_model_chars:
             raise InvalidArgument(f"model name is longer than {self.limits.max_model_chars} characters")
-        made = id_time(message_id)
-        if made > datetime.now(UTC) + timedelta(seconds=self.limits.max_id_clock_skew_s):
+        if id_time(message_id) > datetime.now(UTC) + timedelta(seconds=self.limits.max_id_clock_skew_s):
             raise InvalidArgument("message id lies in the future; make ids with memory_store.ids.new_id()")
+        if parent_id is None:
+            return
+        if parent_id.time >= message_id.time:
+            raise FailedPrecondition("a message's parent must be older than the message")
+        if await self._message_row(chat_key, parent_id) is None:
+            raise FailedPrecondition(f"parent message {parent_id} is not in chat {chat_key}")
+
+    async def _write_message(self, chat: Chat, message: Message) -> None:
+        """Writes a checked message and moves its chat to the top of the owner's list.
+
+        The bucket is registered before the message is written, so a stored message is always
+        reachable (a bucket registered for a write that then fails stays empty and costs nothing).
+        """
         chat_key = uuid.UUID(chat.chat_id)
-        if parent_id is not None:
-            if parent_id.time >= message_id.time:
-                raise FailedPrecondition("a message's parent must be older than the message")
-            if await self._message_row(chat_key, parent_id) is None:
-                raise FailedPrecondition(f"parent message {parent_id} is not in chat {chat.chat_id}")
+        message_id = uuid.UUID(message.message_id)
         bucket = bucket_of(message_id)
         await self._register_bucket(chat_key, bucket)
         usage = message.usage
-        await self._db.execute(
+        insert = self._db.execute(
             "message_insert",
             (
                 chat_key,
                 bucket,
                 message_id,
-                unset(parent_id),
-                role.value,
+                unset(message.parent_id and uuid.UUID(message.parent_id)),
+                Role(message.role).value,
                 message.content,
                 message.token_count,
                 unset(message.model),
                 unset(message.finish_reason and FinishReason(message.finish_reason).value),
                 MessageStatus(message.status).value,
-                unset(run_id),
-                made,
+                unset(message.run_id and uuid.UUID(message.run_id)),
+                id_time(message_id),
                 unset(usage and usage.prompt_tokens),
                 unset(usage and usage.cached_prompt_tokens),
                 unset(usage and usage.completion_tokens),
             ),
         )
+        await asyncio.gather(insert, self._touch(chat, []))
 
     async def _register_bucket(self, chat_key: uuid.UUID, bucket: int) -> None:
         key = (chat_key, bucket)
@@ -167,8 +168,8 @@ class MessagesMixin(StoreBase):
             self._known_buckets.popitem(last=False)
 
     async def get_message(self, user_id: str, chat_id: str, message_id: str) -> Message:
-        chat = await self._owned_chat(user_id, chat_id)
-        row = await self._message_row(uuid.UUID(chat.chat_id), parse_id(message_id, "message id"))
+        chat_key, key = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
+        chat, row = await self._with_owner(user_id, chat_id, self._message_row(chat_key, key))
         if row is None:
             raise NotFound(f"message {message_id} not found")
         return _message(chat.chat_id, row)
@@ -190,14 +191,13 @@ class MessagesMixin(StoreBase):
 
         async def collect() -> list[Row]:
             rows: list[Row] = []
-            async for row in self._scan(chat_key, below, "full", limit + 1):
+            async for row in self._scan(chat_key, below, limit + 1):
                 rows.append(row)
                 if len(rows) > limit:
                     break
             return rows
 
-        # The ownership check and the first reads run together; nothing is returned unless it passes.
-        chat, rows = await asyncio.gather(self._owned_chat(user_id, chat_id), collect())
+        chat, rows = await self._with_owner(user_id, chat_id, collect())
         items = [_message(chat.chat_id, row) for row in rows[:limit]]
         next_cursor = None
         if len(rows) > limit:
@@ -209,11 +209,11 @@ class MessagesMixin(StoreBase):
         chat_key = parse_id(chat_id, "chat id")
 
         async def newest() -> Row | None:
-            async for row in self._scan(chat_key, None, "full", 1):
+            async for row in self._scan(chat_key, None, 1):
                 return row
             return None
 
-        chat, row = await asyncio.gather(self._owned_chat(user_id, chat_id), newest())
+        chat, row = await self._with_owner(user_id, chat_id, newest())
         return _message(chat.chat_id, row) if row is not None else None
 
     async def get_branch(
@@ -234,50 +234,35 @@ class MessagesMixin(StoreBase):
         limit = self._page_size(
             max_messages, self.limits.max_branch_messages, self.limits.max_branch_messages
         )
-        leaf_id = parse_id(message_id, "message id")
+        chat_key, leaf_id = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
         stop = parse_optional_id(stop_at, "stop_at")
-        chat = await self._owned_chat(user_id, chat_id)
-        chat_key = uuid.UUID(chat.chat_id)
-        leaf = await self._message_row(chat_key, leaf_id)
+        chat, leaf = await self._with_owner(user_id, chat_id, self._message_row(chat_key, leaf_id))
         if leaf is None:
             raise NotFound(f"message {message_id} not found")
         if leaf_id == stop:
             return Branch(messages=[], truncated=True, reached_stop=True)
-        path = [leaf_id]
+        path = [leaf]
         target = leaf["parent_id"]
         reached_stop = False
         if target is not None and len(path) < limit:
-            async for row in self._scan(chat_key, leaf_id, "links", _LINK_SCAN_PAGE):
+            # Whole rows, newest first: most rows before a leaf are on its path, so one pass of pages
+            # a little longer than the path usually reads the branch with no second query.
+            async for row in self._scan(chat_key, leaf_id, max(2 * limit, _MIN_BRANCH_PAGE)):
                 if row["message_id"] != target:
                     continue
                 if target == stop:
                     reached_stop = True
                     break
-                path.append(target)
+                path.append(row)
                 target = row["parent_id"]
                 if target is None or len(path) >= limit:
                     break
-        rows = {leaf_id: leaf, **await self._fetch_many(chat_key, path[1:])}
-        messages = [_message(chat.chat_id, rows[mid]) for mid in reversed(path) if mid in rows]
+        messages = [_message(chat.chat_id, row) for row in reversed(path)]
         return Branch(messages=messages, truncated=target is not None, reached_stop=reached_stop)
 
-    async def _fetch_many(self, chat_key: uuid.UUID, ids: list[uuid.UUID]) -> dict[uuid.UUID, Row]:
-        """Whole rows of ``ids``, one query per bucket."""
-        by_bucket: dict[int, list[uuid.UUID]] = defaultdict(list)
-        for message_id in ids:
-            by_bucket[bucket_of(message_id)].append(message_id)
-        results = await asyncio.gather(
-            *(self._db.execute("messages_in", (chat_key, b, group)) for b, group in by_bucket.items())
-        )
-        return {row["message_id"]: row for rows in results for row in rows}
-
-    async def _scan(
-        self, chat_key: uuid.UUID, below: uuid.UUID | None, columns: str, page: int
-    ) -> AsyncIterator[Row]:
-        """Rows of the chat older than ``below`` (all if None), newest first, across buckets.
-
-        ``columns`` is "full" or "links"; ``page`` rows are read per query.
-        """
+    async def _scan(self, chat_key: uuid.UUID, below: uuid.UUID | None, page: int) -> AsyncIterator[Row]:
+        """Rows of the chat older than ``below`` (all if None), newest first, across buckets;
+        ``page`` rows per query."""
         bucket_cap = bucket_of(below) if below is not None else _MAX_BUCKET
         while True:
             buckets = await self._db.execute("buckets_upto", (chat_key, bucket_cap, _BUCKET_SCAN_PAGE))
@@ -286,9 +271,9 @@ class MessagesMixin(StoreBase):
                 cursor = below if below is not None and bucket == bucket_of(below) else None
                 while True:
                     if cursor is None:
-                        rows = await self._db.execute(f"{columns}_newest", (chat_key, bucket, page))
+                        rows = await self._db.execute("messages_newest", (chat_key, bucket, page))
                     else:
-                        rows = await self._db.execute(f"{columns}_below", (chat_key, bucket, cursor, page))
+                        rows = await self._db.execute("messages_below", (chat_key, bucket, cursor, page))
                     for row in rows:
                         yield row
                     if len(rows) < page:

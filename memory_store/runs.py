@@ -208,9 +208,9 @@ class RunsMixin(StoreBase):
             raise InvalidArgument("a run needs an owner id and a model name of reasonable length")
         if parent.time >= assistant.time:
             raise FailedPrecondition("the assistant message id must be newer than the message it answers")
-        chat = await self._owned_chat(user_id, chat_id)
-        chat_key = uuid.UUID(chat.chat_id)
-        if await self._message_row(chat_key, parent) is None:
+        chat_key = parse_id(chat_id, "chat id")
+        _, parent_row = await self._with_owner(user_id, chat_id, self._message_row(chat_key, parent))
+        if parent_row is None:
             raise FailedPrecondition(f"message {parent_message_id} is not in chat {chat_id}")
         # Index first: a run that exists can always be found by the reaper.
         await self._db.execute("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
@@ -323,7 +323,7 @@ class RunsMixin(StoreBase):
             statements.append(
                 ("run_tail", (run_key, first_seq, texts, [d.token_count for d in outcome.tail]))
             )
-        applied = (await self._db.execute(self._db.batch(statements)))[0]["[applied]"]
+        applied = (await self._db.execute_batch(statements))[0]["[applied]"]
         final, rows = await self._read_run(run_key, serial=True)
         if final is None or final.user_id != run.user_id:
             raise NotFound(f"run {run.run_id} not found")
@@ -358,11 +358,10 @@ class RunsMixin(StoreBase):
             usage=usage,
         )
         try:
-            chat = await self._owned_chat(run.user_id, run.chat_id)
+            chat, _ = await self._with_owner(run.user_id, run.chat_id, self._check_message(message))
         except NotFound:
             return None  # the chat was deleted while the run went on: nothing to attach the answer to
-        await self._store_message(chat, message)
-        await self._touch(chat, [])
+        await self._write_message(chat, message)
         return message
 
     async def interrupt_run(self, run: Run) -> FinishedRun:

@@ -187,6 +187,7 @@ async def apply(db: Db, keyspace: str, replication: Mapping[str, str | int]) -> 
         raise ValueError(f"invalid keyspace name {keyspace!r}")
     await db.execute(
         _cql(f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = {replication_cql(replication)}"),
+        operation="schema",
         timeout_s=DDL_TIMEOUT_S,
     )
     await db.use_keyspace(keyspace)
@@ -197,18 +198,23 @@ async def apply(db: Db, keyspace: str, replication: Mapping[str, str | int]) -> 
                 description text,
                 applied_at timestamp)"""
         ),
+        operation="schema",
         timeout_s=DDL_TIMEOUT_S,
     )
-    done = {row["version"] for row in await db.execute(_cql("SELECT version FROM schema_migrations"))}
+    done = {
+        row["version"]
+        for row in await db.execute(_cql("SELECT version FROM schema_migrations"), operation="schema")
+    }
     applied = []
     for migration in MIGRATIONS:
         if migration.version in done:
             continue
         for statement in migration.statements:
-            await db.execute(_cql(statement), timeout_s=DDL_TIMEOUT_S)
+            await db.execute(_cql(statement), operation="schema", timeout_s=DDL_TIMEOUT_S)
         await db.execute(
             _cql("INSERT INTO schema_migrations (version, description, applied_at) VALUES (%s, %s, %s)"),
             (migration.version, migration.description, datetime.now(UTC)),
+            operation="schema",
         )
         applied.append(migration.version)
     return applied

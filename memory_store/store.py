@@ -62,5 +62,6 @@ async def _cursor_key(db: Db) -> bytes:
             is_idempotent=True,
         ),
         (created,),
+        operation="cursor_key",
     )
     return created if rows[0]["[applied]"] else rows[0]["value"]
