@@ -15,6 +15,7 @@ from pathlib import Path
 
 from chatmesh.launcher import GrpcHealthy, HttpOk, Launcher, ServiceFailedError, ServiceSpec
 from chatmesh.serving import PortInUseError
+from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class MeshPorts:
     orchestrator: int = 50050
     router: int = 50051
     first_engine: int = 50061
+    cassandra: int = 9042
+    cassandra_storage: int = 7000
+    cassandra_jmx: int = 7199
 
 
 @dataclass(frozen=True)
@@ -31,9 +35,20 @@ class MeshConfig:
     engines: int = 2
     engine_backend: str = "cpu"
     python: str = sys.executable
+    cassandra_data_dir: Path = Path(".run/mesh/cassandra")
 
     def engine_ports(self) -> list[int]:
         return [self.ports.first_engine + i for i in range(self.engines)]
+
+
+def cassandra_node_config(config: MeshConfig) -> NodeConfig:
+    """The mesh's Cassandra node: started first, before everything else; its data survives restarts."""
+    return NodeConfig(
+        data_dir=config.cassandra_data_dir.resolve(),
+        cql_port=config.ports.cassandra,
+        storage_port=config.ports.cassandra_storage,
+        jmx_port=config.ports.cassandra_jmx,
+    )
 
 
 def mesh_specs(config: MeshConfig) -> list[ServiceSpec]:
@@ -79,6 +94,8 @@ def mesh_specs(config: MeshConfig) -> list[ServiceSpec]:
                 str(ports.orchestrator),
                 "--router",
                 f"127.0.0.1:{ports.router}",
+                "--cassandra",
+                f"127.0.0.1:{ports.cassandra}",
             ],
             ports=(ports.orchestrator,),
             ready=GrpcHealthy(ports.orchestrator),
@@ -110,12 +127,25 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--orchestrator-port", type=int, default=defaults.orchestrator)
     parser.add_argument("--router-port", type=int, default=defaults.router)
     parser.add_argument("--first-engine-port", type=int, default=defaults.first_engine)
+    parser.add_argument("--cassandra-port", type=int, default=defaults.cassandra, help="CQL port")
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
-    ports = MeshPorts(args.edge_port, args.orchestrator_port, args.router_port, args.first_engine_port)
-    return MeshConfig(ports=ports, engines=args.engines, engine_backend=args.engine_backend), args.run_dir
+    ports = MeshPorts(
+        args.edge_port,
+        args.orchestrator_port,
+        args.router_port,
+        args.first_engine_port,
+        cassandra=args.cassandra_port,
+    )
+    config = MeshConfig(
+        ports=ports,
+        engines=args.engines,
+        engine_backend=args.engine_backend,
+        cassandra_data_dir=args.run_dir / "cassandra",
+    )
+    return config, args.run_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,17 +155,21 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with Launcher(run_dir) as launcher:
         try:
+            # Cassandra first: the orchestrator needs it. SIGTERM at shutdown drains it (flushes
+            # memtables) through Cassandra's own shutdown hook.
+            CassandraNode(cassandra_node_config(config), launcher).start()
             for spec in mesh_specs(config):
                 if stop.is_set():
                     return 130
                 launcher.start(spec)
-        except (PortInUseError, ServiceFailedError) as exc:
+        except (PortInUseError, ServiceFailedError, NodeSetupError) as exc:
             print(f"\nERROR: {exc}", file=sys.stderr)
             return 1
         print(
             f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
             f"  edge:         http://127.0.0.1:{config.ports.edge}/\n"
             f"  orchestrator: 127.0.0.1:{config.ports.orchestrator} (gRPC ChatService)\n"
+            f"  cassandra:    127.0.0.1:{config.ports.cassandra} (CQL; data in {config.cassandra_data_dir})\n"
             "Press Ctrl-C to stop everything.",
             flush=True,
         )

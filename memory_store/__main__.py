@@ -27,6 +27,7 @@ from chatmesh.serving import PortInUseError
 from memory_store import schema
 from memory_store.config import parse_replication
 from memory_store.db import Db
+from memory_store.errors import MemoryStoreError
 from memory_store.node import PROJECT_ROOT, CassandraNode, CqlAnswers, NodeConfig, NodeSetupError, rss_mib
 
 DEFAULT_DATA_DIR = PROJECT_ROOT / ".run" / "cassandra"
@@ -119,6 +120,9 @@ def start(config: NodeConfig, argv: list[str]) -> int:
             )
             return 1
         if ready() and _read_pids(config):
+            print(
+                next(line for line in log_path.read_text().splitlines() if "Cassandra up in" in line).strip()
+            )
             return status(config)
         time.sleep(0.5)
     print(f"ERROR: no CQL answer within the deadline; see {log_path}", file=sys.stderr)
@@ -196,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.command == "schema":
-        return asyncio.run(apply_schema(args))
+        try:
+            return asyncio.run(apply_schema(args))
+        except MemoryStoreError as exc:
+            print(f"ERROR: {exc}", file=sys.stderr)
+            return 1
     config = node_config(args)
     if args.action == "run":
         return run(config)

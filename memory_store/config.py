@@ -1,8 +1,8 @@
 """How a service reaches its Cassandra cluster: one dataclass, and the flags that fill it.
 
-Services add the flags with ``add_store_flags(args)`` (``--cassandra``, ``--cassandra-keyspace``, ...,
-each with a ``CHATMESH_<SERVICE>_<FLAG>`` environment default, like every chatmesh flag) and build the
-config with ``StoreConfig.from_args(namespace)``.
+Services add the flags with ``add_store_flags(args)`` (``--cassandra host:port``, repeatable, then
+``--cassandra-keyspace``, ``--cassandra-replication``, ...; each with a ``CHATMESH_<SERVICE>_<FLAG>``
+environment default, like every chatmesh flag) and build the config with ``StoreConfig.from_args``.
 """
 
 from __future__ import annotations
@@ -36,10 +36,16 @@ class StoreConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StoreConfig:
-        host, _, port = args.cassandra.rpartition(":")
+        hosts, ports = [], set()
+        for contact in args.cassandra:
+            host, _, port = contact.rpartition(":")
+            hosts.append(host or contact)
+            ports.add(int(port) if host else 9042)
+        if len(ports) != 1:
+            raise argparse.ArgumentTypeError("all --cassandra contact points must use the same port")
         return cls(
-            contact_points=tuple(h.strip() for h in (host or args.cassandra).split(",") if h.strip()),
-            port=int(port) if host else 9042,
+            contact_points=tuple(hosts),
+            port=ports.pop(),
             keyspace=args.cassandra_keyspace,
             replication=parse_replication(args.cassandra_replication),
             local_dc=args.cassandra_local_dc,
@@ -62,7 +68,7 @@ def parse_replication(text: str) -> dict[str, str | int]:
 
 
 def add_store_flags(args: ServiceArgs) -> None:
-    args.add("cassandra", "127.0.0.1:9042", "Cassandra contact points, host[,host...]:port")
+    args.add_list("cassandra", ["127.0.0.1:9042"], "Cassandra contact point host:port (repeatable)")
     args.add("cassandra-keyspace", "chatmesh", "keyspace holding chats, messages, runs and usage")
     args.add("cassandra-replication", "SimpleStrategy:1", "keyspace replication when it is created")
     args.add("cassandra-local-dc", "datacenter1", "the local datacenter (LOCAL_QUORUM is counted there)")

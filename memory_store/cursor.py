@@ -46,7 +46,9 @@ class CursorCodec:
             token = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         except ValueError:
             raise invalid from None
-        if len(token) <= 1 + _MAC_BYTES or token[0] != _VERSION:
+        # Base64 leaves spare bits in the last character: only the canonical spelling is accepted.
+        canonical = base64.urlsafe_b64encode(token).rstrip(b"=").decode()
+        if canonical != cursor or len(token) <= 1 + _MAC_BYTES or token[0] != _VERSION:
             raise invalid
         payload, mac = token[1:-_MAC_BYTES], token[-_MAC_BYTES:]
         if not hmac.compare_digest(mac, self._mac(kind, scope, payload)):
