@@ -8,6 +8,8 @@ so every acknowledged append is fsynced), then measures through the public ``Mem
 - last 50 turns: ``list_messages(limit=50)`` (a history page) and ``get_branch(max_messages=50)`` (what
   prompt assembly reads), on chats of 200 messages, one chat at a time and 50 chats at once.
 
+A warm-up of the same operations runs first and is not reported (a fresh JVM compiles as it goes).
+
 Run it alone (``flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_memory_store.py``): the
 numbers are the client's view, including the Python driver, and move with anything else on the box.
 """
@@ -19,6 +21,7 @@ import asyncio
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +34,8 @@ from memory_store.models import Message, Role
 from memory_store.node import CassandraNode, NodeConfig, rss_mib
 from memory_store.store import MemoryStore
 
+WARMUP_APPENDS = 1000
+WARMUP_READS = 400
 USER_TEXT = "How do I make my sourdough starter more active in a cold kitchen? " * 14  # ~0.9 KiB
 
 
@@ -100,7 +105,9 @@ async def run_workloads(
         for name in ("list_messages(limit=50)", "get_branch(max_messages=50)"):
             samples: list[float] = []
 
-            async def one_chat(user: str, chat_id: str, leaf: str, name: str = name) -> None:
+            async def one_chat(
+                user: str, chat_id: str, leaf: str, name: str = name, samples: list[float] = samples
+            ) -> None:
                 for _ in range(per_chat):
                     if name.startswith("list"):
                         op = lambda: store.list_messages(user, chat_id, limit=50)  # noqa: E731
@@ -114,6 +121,10 @@ async def run_workloads(
             )
             results.append((name, concurrency, samples, time.perf_counter() - started))
 
+    # Warm-up (not reported): a fresh JVM spends its first thousands of requests compiling.
+    await appenders(10, WARMUP_APPENDS // 10)
+    await readers(10, WARMUP_READS // 10)
+    results.clear()
     await appenders(1, appends)
     await appenders(50, max(1, appends // 10))
     await readers(1, reads)
@@ -155,6 +166,7 @@ async def bench(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

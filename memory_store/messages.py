@@ -35,6 +35,7 @@ _FULL = (
 )
 _MAX_BUCKET = 2**31 - 1
 _MIN_BRANCH_PAGE = 32
+_MAX_BRANCH_PAGE = 256
 _BUCKET_SCAN_PAGE = 32
 _KNOWN_BUCKETS_CAPACITY = 100_000
 
@@ -51,6 +52,9 @@ STATEMENTS = {
         f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id = ?", True
     ),
     "messages_newest": Cql(f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? LIMIT ?", True),
+    "messages_upto": Cql(
+        f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id <= ? LIMIT ?", True
+    ),
     "messages_below": Cql(
         f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id < ? LIMIT ?", True
     ),
@@ -236,49 +240,54 @@ class MessagesMixin(StoreBase):
         )
         chat_key, leaf_id = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
         stop = parse_optional_id(stop_at, "stop_at")
-        chat, leaf = await self._with_owner(user_id, chat_id, self._message_row(chat_key, leaf_id))
-        if leaf is None:
-            raise NotFound(f"message {message_id} not found")
-        if leaf_id == stop:
-            return Branch(messages=[], truncated=True, reached_stop=True)
-        path = [leaf]
-        target = leaf["parent_id"]
-        reached_stop = False
-        if target is not None and len(path) < limit:
-            # Whole rows, newest first: most rows before a leaf are on its path, so one pass of pages
-            # a little longer than the path usually reads the branch with no second query.
-            async for row in self._scan(chat_key, leaf_id, max(2 * limit, _MIN_BRANCH_PAGE)):
+        # Whole rows, newest first from the leaf itself: most rows before a leaf are on its path, so
+        # pages a little longer than the path usually read the whole branch in one query.
+        page = min(max(2 * limit, _MIN_BRANCH_PAGE), _MAX_BRANCH_PAGE)
+
+        async def walk() -> tuple[list[Row], uuid.UUID | None, bool]:
+            path: list[Row] = []
+            target: uuid.UUID | None = leaf_id  # the next message on the path
+            async for row in self._scan(chat_key, leaf_id, page, include_start=True):
+                if not path and target == leaf_id and row["message_id"] != leaf_id:
+                    break  # the leaf is not in the chat
                 if row["message_id"] != target:
                     continue
                 if target == stop:
-                    reached_stop = True
-                    break
+                    return path, target, True
                 path.append(row)
                 target = row["parent_id"]
                 if target is None or len(path) >= limit:
                     break
+            return path, target, False
+
+        chat, (path, target, reached_stop) = await self._with_owner(user_id, chat_id, walk())
+        if not path and not reached_stop:
+            raise NotFound(f"message {message_id} not found")
         messages = [_message(chat.chat_id, row) for row in reversed(path)]
         return Branch(messages=messages, truncated=target is not None, reached_stop=reached_stop)
 
-    async def _scan(self, chat_key: uuid.UUID, below: uuid.UUID | None, page: int) -> AsyncIterator[Row]:
-        """Rows of the chat older than ``below`` (all if None), newest first, across buckets;
-        ``page`` rows per query."""
-        bucket_cap = bucket_of(below) if below is not None else _MAX_BUCKET
+    async def _scan(
+        self, chat_key: uuid.UUID, start: uuid.UUID | None, page: int, include_start: bool = False
+    ) -> AsyncIterator[Row]:
+        """Rows of the chat older than ``start`` (or from it, with ``include_start``; all if None),
+        newest first, across buckets; ``page`` rows per query."""
+        bucket_cap = bucket_of(start) if start is not None else _MAX_BUCKET
         while True:
             buckets = await self._db.execute("buckets_upto", (chat_key, bucket_cap, _BUCKET_SCAN_PAGE))
             for entry in buckets:
                 bucket = entry["bucket"]
-                cursor = below if below is not None and bucket == bucket_of(below) else None
+                cursor = start if start is not None and bucket == bucket_of(start) else None
+                statement = "messages_upto" if include_start else "messages_below"
                 while True:
                     if cursor is None:
                         rows = await self._db.execute("messages_newest", (chat_key, bucket, page))
                     else:
-                        rows = await self._db.execute("messages_below", (chat_key, bucket, cursor, page))
+                        rows = await self._db.execute(statement, (chat_key, bucket, cursor, page))
                     for row in rows:
                         yield row
                     if len(rows) < page:
                         break
-                    cursor = rows[-1]["message_id"]
+                    cursor, statement = rows[-1]["message_id"], "messages_below"
             if len(buckets) < _BUCKET_SCAN_PAGE:
                 return
             bucket_cap = buckets[-1]["bucket"] - 1

@@ -405,10 +405,9 @@ class RunsMixin(StoreBase):
     async def find_orphaned_runs(
         self, stale_after_s: float = 30.0, max_run_age_s: float = 3600.0, at: datetime | None = None
     ) -> list[Run]:
-        """In-progress runs whose owner has not heartbeated for ``stale_after_s`` seconds.
-
-        Only runs started within ``max_run_age_s`` are considered (no run lives longer).
-        """
+        """In-progress runs whose owner has not heartbeated for ``stale_after_s`` seconds, for the
+        caller to ``interrupt_run``. Only runs started within ``max_run_age_s`` are considered (no run
+        lives longer). Silent replicas without such runs are forgotten."""
         at = at or now()
         replicas = await self._db.execute("replica_list", (ORCHESTRATOR,))
         stale = [
@@ -437,4 +436,8 @@ class RunsMixin(StoreBase):
         for key, rows in zip(run_keys, states, strict=True):
             if rows and rows[0]["status"] == RunStatus.IN_PROGRESS.value and rows[0]["owner_id"] in stale:
                 orphans.append(_run(key, rows[0]))
+        # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
+        # (if it was only paused, its next heartbeat brings it back).
+        done = set(stale) - {run.owner_id for run in orphans}
+        await asyncio.gather(*(self.forget_replica(owner) for owner in done))
         return orphans

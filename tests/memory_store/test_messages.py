@@ -140,6 +140,13 @@ async def test_branch_walks_parent_links_through_edits_and_regenerations(memory_
     # A summary of another branch is never met.
     elsewhere = await memory_store.get_branch(user, chat.chat_id, a2.message_id, stop_at=a1.message_id)
     assert len(elsewhere.messages) == 4 and not elsewhere.reached_stop
+    # A message that is not in this chat has no branch here.
+    other_chat = await memory_store.create_chat(user, "other")
+    for missing in (str(new_id()), a2.message_id):
+        with pytest.raises(NotFound):
+            await memory_store.get_branch(
+                user, other_chat.chat_id if missing == a2.message_id else chat.chat_id, missing
+            )
 
 
 async def test_branch_spans_buckets(memory_store):

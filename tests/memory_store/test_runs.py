@@ -189,7 +189,9 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     assert interrupted.message.status is MessageStatus.INCOMPLETE
     assert orphan.run_id not in {r.run_id for r in await memory_store.find_orphaned_runs(stale_after_s=30)}
     assert (await memory_store.get_run(user, healthy.run_id)).status is RunStatus.IN_PROGRESS
-    await memory_store.forget_replica(dead)
+    # The second pass found nothing left of the silent replica and forgot it: no more scans of it.
+    replicas = await memory_store._db.execute("replica_list", ("orchestrator",))
+    assert dead not in {r["replica_id"] for r in replicas} and alive in {r["replica_id"] for r in replicas}
 
 
 async def test_usage_is_per_run_and_idempotent(memory_store):
