@@ -1,0 +1,160 @@
+// Attention over the paged KV cache and the small per-token kernels around it (RMSNorm, RoPE, SwiGLU).
+//
+// KV cache, per layer: [num_blocks, block_size, num_kv_heads, head_dim] float32. A token at position
+// `pos` of its sequence attends to positions 0..pos, found through the sequence's block table; the
+// keys of the current step are written into the cache before this runs, so a prefill chunk attends to
+// the cached prefix and causally to itself in one pass. Work items are (token, kv head): the query
+// heads of a GQA group share each K/V load. Each item is computed alone, in a fixed order, so results
+// do not depend on batch composition or chunking.
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+
+// e^x with x clamped to [-87, 88]: Cody-Waite reduction, degree-6 polynomial, 2^n applied with scalef.
+// Relative error ~2 ulp.
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+enum { MAX_GROUP = 16, MAX_VEC = 16 };  // query heads per kv head; head_dim / 16
+
+// q: [T, q_stride] with query head h at q + t*q_stride + h*head_dim. out: [T, num_heads * head_dim].
+// token_seq[t]: row of block_tables ([num_seqs, max_blocks]) for token t; token_pos[t]: its position.
+void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_kv_heads, int head_dim,
+                  const float *k_cache, const float *v_cache, int block_size, const int *token_seq,
+                  const int *token_pos, const int *block_tables, int max_blocks, int max_len, float scale,
+                  float *out) {
+    const int G = num_heads / num_kv_heads, nv = head_dim / 16;
+    const long slot = (long)num_kv_heads * head_dim;
+#pragma omp parallel
+    {
+        float *scores = aligned_alloc(64, sizeof(float) * G * (((max_len + 15) / 16) * 16));
+#pragma omp for schedule(dynamic, 4)
+        for (long item = 0; item < (long)T * num_kv_heads; item++) {
+            const int t = (int)(item / num_kv_heads), g = (int)(item % num_kv_heads);
+            const int L = token_pos[t] + 1, Lp = ((L + 15) / 16) * 16;
+            const int *table = block_tables + (long)token_seq[t] * max_blocks;
+            __m512 qv[MAX_GROUP][MAX_VEC];
+            for (int h = 0; h < G; h++)
+                for (int v = 0; v < nv; v++)
+                    qv[h][v] = _mm512_loadu_ps(q + (long)t * q_stride + (long)(g * G + h) * head_dim + v * 16);
+            // scores[h][j] = q_h . k_j * scale
+            for (int j0 = 0; j0 < L; j0 += block_size) {
+                const float *kb = k_cache + (long)table[j0 / block_size] * block_size * slot + g * head_dim;
+                const int jn = L - j0 < block_size ? L - j0 : block_size;
+                for (int j = 0; j < jn; j++) {
+                    const float *kp = kb + j * slot;
+                    __m512 kvec[MAX_VEC];
+                    for (int v = 0; v < nv; v++) kvec[v] = _mm512_loadu_ps(kp + v * 16);
+                    for (int h = 0; h < G; h++) {
+                        __m512 acc = _mm512_mul_ps(qv[h][0], kvec[0]);
+                        for (int v = 1; v < nv; v++) acc = _mm512_fmadd_ps(qv[h][v], kvec[v], acc);
+                        scores[h * Lp + j0 + j] = _mm512_reduce_add_ps(acc) * scale;
+                    }
+                }
+            }
+            // softmax numerators in place; out = sum_j p_j v_j / sum_j p_j
+            float inv_sum[MAX_GROUP];
+            for (int h = 0; h < G; h++) {
+                float *s = scores + h * Lp;
+                __m512 mx = _mm512_set1_ps(-INFINITY);
+                for (int j = 0; j < L; j += 16)
+                    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(L - j), s + j));
+                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                __m512 sum = _mm512_setzero_ps();
+                for (int j = 0; j < L; j += 16) {
+                    const __mmask16 k = tail_mask(L - j);
+                    __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m)));
+                    _mm512_store_ps(s + j, e);
+                    sum = _mm512_add_ps(sum, e);
+                }
+                inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+            }
+            __m512 acc[MAX_GROUP][MAX_VEC];
+            for (int h = 0; h < G; h++)
+                for (int v = 0; v < nv; v++) acc[h][v] = _mm512_setzero_ps();
+            for (int j0 = 0; j0 < L; j0 += block_size) {
+                const float *vb = v_cache + (long)table[j0 / block_size] * block_size * slot + g * head_dim;
+                const int jn = L - j0 < block_size ? L - j0 : block_size;
+                for (int j = 0; j < jn; j++) {
+                    const float *vp = vb + j * slot;
+                    for (int v = 0; v < nv; v++) {
+                        const __m512 vv = _mm512_loadu_ps(vp + v * 16);
+                        for (int h = 0; h < G; h++)
+                            acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * Lp + j0 + j]), vv, acc[h][v]);
+                    }
+                }
+            }
+            for (int h = 0; h < G; h++) {
+                float *o = out + (long)t * num_heads * head_dim + (long)(g * G + h) * head_dim;
+                for (int v = 0; v < nv; v++)
+                    _mm512_storeu_ps(o + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])));
+            }
+        }
+        free(scores);
+    }
+}
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, rows of length H (a multiple of 16).
+void cm_rms_norm(const float *x, int T, int H, const float *w, float eps, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (long)t * H;
+        __m512 ss = _mm512_setzero_ps();
+        for (int i = 0; i < H; i += 16) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / H + eps));
+        for (int i = 0; i < H; i += 16)
+            _mm512_storeu_ps(out + (long)t * H + i,
+                             _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv), _mm512_loadu_ps(w + i)));
+    }
+}
+
+// Interleaved-pair RoPE in place on the first num_heads heads of each row (q heads then k heads).
+// cos/sin: [positions, head_dim / 2].
+void cm_rope(float *x, long stride, int T, int num_heads, int head_dim, const int *pos, const float *cos_t,
+             const float *sin_t) {
+    const int half = head_dim / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_t + (long)pos[t] * half, *s = sin_t + (long)pos[t] * half;
+        for (int h = 0; h < num_heads; h++) {
+            float *v = x + (long)t * stride + (long)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                const float a = v[2 * i], b = v[2 * i + 1];
+                v[2 * i] = a * c[i] - b * s[i];
+                v[2 * i + 1] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
+// out[t, f] = silu(gu[t, f]) * gu[t, F + f]: gate and up projections side by side in one [T, 2F] row.
+void cm_silu_mul(const float *gu, int T, int F, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (long)t * 2 * F, *u = g + F;
+        for (int f = 0; f < F; f += 16) {
+            const __mmask16 k = tail_mask(F - f);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + f);
+            const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                             _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_mask_storeu_ps(out + (long)t * F + f, k, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(k, u + f)));
+        }
+    }
+}
