@@ -6,8 +6,10 @@ Per layer: RMSNorm → one fused QKV GEMM → RoPE on q and k → K/V written in
 step → attention of each token over its own sequence's blocks → output GEMM → RMSNorm → one fused
 gate|up GEMM → SwiGLU → down GEMM. Logits are computed only for rows that need them.
 
-KV cache: one float32 array per layer and per K/V, ``[num_blocks, block_size, num_kv_heads, head_dim]``
-(the layout the engine core's block ids index). float32 keeps the runner numerically the reference.
+KV cache: float32 arrays per layer, indexed by the engine core's block ids on axis 0:
+K ``[num_blocks, num_kv_heads, head_dim, block_size]`` (a block's keys transposed, so attention scores a
+whole block with broadcast FMAs) and V ``[num_blocks, block_size, num_kv_heads, head_dim]``. float32 keeps
+the runner numerically the reference. block_size: at most 16, or a multiple of 16.
 """
 
 from __future__ import annotations
@@ -94,10 +96,13 @@ class CpuModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if block_size > 16 and block_size % 16:
+            raise ValueError(f"block_size must be at most 16 or a multiple of 16, got {block_size}")
+        k_shape = (num_blocks, cfg.num_kv_heads, cfg.head_dim, block_size)
+        v_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # np.zeros maps pages lazily: untouched blocks cost no memory until first written.
-        self._k_cache = [np.zeros(shape, dtype=np.float32) for _ in range(cfg.num_layers)]
-        self._v_cache = [np.zeros(shape, dtype=np.float32) for _ in range(cfg.num_layers)]
+        self._k_cache = [np.zeros(k_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
+        self._v_cache = [np.zeros(v_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
         self._block_size = block_size
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
@@ -107,15 +112,15 @@ class CpuModelRunner:
         batch = build_step_batch(chunks, self._block_size, cfg.context_length)
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_width, kv_width = heads * hd, kv_heads * hd
-        slots = batch.slots
+        slot_block, slot_offset = np.divmod(batch.slots, self._block_size)
 
         x = self._embedding.dequantize_rows(batch.token_ids)
         for layer, k_cache, v_cache in zip(self._layers, self._k_cache, self._v_cache, strict=True):
             h = ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = ops.linear(h, layer.qkv)
             ops.rope(qkv, heads + kv_heads, hd, batch.positions, self._cos, self._sin)
-            k_cache.reshape(-1, kv_width)[slots] = qkv[:, q_width : q_width + kv_width]
-            v_cache.reshape(-1, kv_width)[slots] = qkv[:, q_width + kv_width :]
+            k_cache[slot_block, :, :, slot_offset] = qkv[:, q_width : q_width + kv_width].reshape(-1, kv_heads, hd)
+            v_cache.reshape(-1, kv_width)[batch.slots] = qkv[:, q_width + kv_width :]
             attn = ops.attention(qkv, k_cache, v_cache, batch, heads, kv_heads, hd)
             x += ops.linear(attn, layer.wo)
             h = ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)

@@ -1,10 +1,13 @@
 // Attention over the paged KV cache and the small per-token kernels around it (RMSNorm, RoPE, SwiGLU).
 //
-// KV cache, per layer: [num_blocks, block_size, num_kv_heads, head_dim] float32. A token at position
-// `pos` of its sequence attends to positions 0..pos, found through the sequence's block table; the
-// keys of the current step are written into the cache before this runs, so a prefill chunk attends to
+// KV cache, per layer (see cpu_runner.py):
+//   K: [num_blocks, num_kv_heads, head_dim, block_size]  keys of a block transposed, so the scores of a
+//      whole block are head_dim broadcast-FMAs into one vector, with no horizontal sums;
+//   V: [num_blocks, block_size, num_kv_heads, head_dim]  one value row per position.
+// A token at position `pos` attends to positions 0..pos, found through its sequence's block table; the
+// K/V of the current step are written into the cache before this runs, so a prefill chunk attends to
 // the cached prefix and causally to itself in one pass. Work items are (token, kv head): the query
-// heads of a GQA group share each K/V load. Each item is computed alone, in a fixed order, so results
+// heads of a GQA group share every K/V load. Each item is computed alone, in a fixed order, so results
 // do not depend on batch composition or chunking.
 
 #include <immintrin.h>
@@ -36,52 +39,69 @@ enum { MAX_GROUP = 16, MAX_VEC = 16 };  // query heads per kv head; head_dim / 1
 
 // q: [T, q_stride] with query head h at q + t*q_stride + h*head_dim. out: [T, num_heads * head_dim].
 // token_seq[t]: row of block_tables ([num_seqs, max_blocks]) for token t; token_pos[t]: its position.
+// block_size: at most 16, or a multiple of 16. Keys are visited in segments of min(block_size, 16)
+// positions, each inside one block.
 void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_kv_heads, int head_dim,
                   const float *k_cache, const float *v_cache, int block_size, const int *token_seq,
                   const int *token_pos, const int *block_tables, int max_blocks, int max_len, float scale,
                   float *out) {
     const int G = num_heads / num_kv_heads, nv = head_dim / 16;
-    const long slot = (long)num_kv_heads * head_dim;
+    const int seg_len = block_size < 16 ? block_size : 16;
+    const long block_floats = (long)num_kv_heads * head_dim * block_size;  // K and V alike
+    const long v_row = (long)num_kv_heads * head_dim;
+    const int max_segs = (max_len + seg_len - 1) / seg_len;
 #pragma omp parallel
     {
-        float *scores = aligned_alloc(64, sizeof(float) * G * (((max_len + 15) / 16) * 16));
-#pragma omp for schedule(dynamic, 4)
+        // scores[h][seg][0..15]; lanes past a segment's keys hold 0 after the softmax.
+        float *scores = aligned_alloc(64, sizeof(float) * 16 * G * (max_segs + 1));
+#pragma omp for schedule(dynamic, 2)
         for (long item = 0; item < (long)T * num_kv_heads; item++) {
             const int t = (int)(item / num_kv_heads), g = (int)(item % num_kv_heads);
-            const int L = token_pos[t] + 1, Lp = ((L + 15) / 16) * 16;
+            const int L = token_pos[t] + 1;
+            const int nseg = (L + seg_len - 1) / seg_len;
             const int *table = block_tables + (long)token_seq[t] * max_blocks;
-            __m512 qv[MAX_GROUP][MAX_VEC];
-            for (int h = 0; h < G; h++)
-                for (int v = 0; v < nv; v++)
-                    qv[h][v] = _mm512_loadu_ps(q + (long)t * q_stride + (long)(g * G + h) * head_dim + v * 16);
-            // scores[h][j] = q_h . k_j * scale
-            for (int j0 = 0; j0 < L; j0 += block_size) {
-                const float *kb = k_cache + (long)table[j0 / block_size] * block_size * slot + g * head_dim;
-                const int jn = L - j0 < block_size ? L - j0 : block_size;
-                for (int j = 0; j < jn; j++) {
-                    const float *kp = kb + j * slot;
-                    __m512 kvec[MAX_VEC];
-                    for (int v = 0; v < nv; v++) kvec[v] = _mm512_loadu_ps(kp + v * 16);
+            const float *qh[MAX_GROUP];
+            float *sc[MAX_GROUP];
+            __m512 mx[MAX_GROUP];
+            for (int h = 0; h < G; h++) {
+                qh[h] = q + (long)t * q_stride + (long)(g * G + h) * head_dim;
+                sc[h] = scores + (long)h * 16 * nseg;
+                mx[h] = _mm512_set1_ps(-INFINITY);
+            }
+            // scores: for each segment, sum over d of q_h[d] * K[block][g][d][seg keys] (two chains).
+            for (int s = 0; s < nseg; s++) {
+                const int j0 = s * seg_len;  // first position of the segment
+                const __mmask16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
+                const float *kb = k_cache + (long)table[j0 / block_size] * block_floats +
+                                  (long)g * head_dim * block_size + j0 % block_size;
+                __m512 even[MAX_GROUP], odd[MAX_GROUP];
+                for (int h = 0; h < G; h++) even[h] = odd[h] = _mm512_setzero_ps();
+                for (int d = 0; d < head_dim; d += 2) {
+                    const __m512 k0 = _mm512_maskz_loadu_ps(valid, kb + (long)d * block_size);
+                    const __m512 k1 = _mm512_maskz_loadu_ps(valid, kb + (long)(d + 1) * block_size);
                     for (int h = 0; h < G; h++) {
-                        __m512 acc = _mm512_mul_ps(qv[h][0], kvec[0]);
-                        for (int v = 1; v < nv; v++) acc = _mm512_fmadd_ps(qv[h][v], kvec[v], acc);
-                        scores[h * Lp + j0 + j] = _mm512_reduce_add_ps(acc) * scale;
+                        even[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d]), k0, even[h]);
+                        odd[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d + 1]), k1, odd[h]);
                     }
+                }
+                for (int h = 0; h < G; h++) {
+                    __m512 v = _mm512_mul_ps(_mm512_add_ps(even[h], odd[h]), _mm512_set1_ps(scale));
+                    v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, v);
+                    _mm512_store_ps(sc[h] + s * 16, v);
+                    mx[h] = _mm512_max_ps(mx[h], v);
                 }
             }
             // softmax numerators in place; out = sum_j p_j v_j / sum_j p_j
             float inv_sum[MAX_GROUP];
             for (int h = 0; h < G; h++) {
-                float *s = scores + h * Lp;
-                __m512 mx = _mm512_set1_ps(-INFINITY);
-                for (int j = 0; j < L; j += 16)
-                    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, tail_mask(L - j), s + j));
-                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[h]));
                 __m512 sum = _mm512_setzero_ps();
-                for (int j = 0; j < L; j += 16) {
-                    const __mmask16 k = tail_mask(L - j);
-                    __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m)));
-                    _mm512_store_ps(s + j, e);
+                for (int s = 0; s < nseg; s++) {
+                    const __m512 x = _mm512_load_ps(sc[h] + s * 16);
+                    // exp512 clamps at -87, so masked lanes (-inf) are zeroed explicitly
+                    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                    const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, m)));
+                    _mm512_store_ps(sc[h] + s * 16, e);
                     sum = _mm512_add_ps(sum, e);
                 }
                 inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
@@ -89,15 +109,17 @@ void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_k
             __m512 acc[MAX_GROUP][MAX_VEC];
             for (int h = 0; h < G; h++)
                 for (int v = 0; v < nv; v++) acc[h][v] = _mm512_setzero_ps();
-            for (int j0 = 0; j0 < L; j0 += block_size) {
-                const float *vb = v_cache + (long)table[j0 / block_size] * block_size * slot + g * head_dim;
-                const int jn = L - j0 < block_size ? L - j0 : block_size;
-                for (int j = 0; j < jn; j++) {
-                    const float *vp = vb + j * slot;
+            for (int s = 0; s < nseg; s++) {
+                const int j0 = s * seg_len;
+                const int n = L - j0 < seg_len ? L - j0 : seg_len;
+                const float *vb = v_cache + (long)table[j0 / block_size] * block_floats +
+                                  (long)(j0 % block_size) * v_row + (long)g * head_dim;
+                for (int j = 0; j < n; j++) {
+                    const float *vp = vb + j * v_row;
                     for (int v = 0; v < nv; v++) {
                         const __m512 vv = _mm512_loadu_ps(vp + v * 16);
                         for (int h = 0; h < G; h++)
-                            acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * Lp + j0 + j]), vv, acc[h][v]);
+                            acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h][s * 16 + j]), vv, acc[h][v]);
                     }
                 }
             }

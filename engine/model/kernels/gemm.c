@@ -128,7 +128,8 @@ void cm_gemm(int fmt, const float *A, long lda, int M, int K, const void *W, int
     const int pairs = (panels + 1) / 2;
     const long panel_bytes = fmt == FMT_F32 ? (long)K * NR * 4 : (long)(K / QK) * block_bytes(fmt);
     const uint8_t *base = (const uint8_t *)W;
-#pragma omp parallel for schedule(static)
+// dynamic: on a shared machine one thread may be descheduled; the other then takes its panels.
+#pragma omp parallel for schedule(dynamic, 1)
     for (int pp = 0; pp < pairs; pp++) {
         const int p0 = 2 * pp, has_p1 = p0 + 1 < panels;
         const int p1 = has_p1 ? p0 + 1 : p0;

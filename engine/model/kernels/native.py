@@ -134,7 +134,7 @@ class NativeKernels:
             head_dim,
             _ptr(k_cache),
             _ptr(v_cache),
-            k_cache.shape[1],
+            v_cache.shape[1],  # block_size
             _ptr(batch.token_seq),
             _ptr(batch.positions),
             _ptr(batch.block_tables),

@@ -44,7 +44,7 @@ class NumpyKernels:
         head_dim: int,
     ) -> np.ndarray:
         group = num_heads // num_kv_heads
-        block_size = k_cache.shape[1]
+        block_size = v_cache.shape[1]
         scale = np.float32(1.0 / np.sqrt(head_dim))
         out = np.empty((batch.num_tokens, num_heads * head_dim), dtype=np.float32)
         for c in range(len(batch.chunk_starts) - 1):
@@ -52,7 +52,7 @@ class NumpyKernels:
             positions = batch.positions[r0:r1]
             span = int(positions[-1]) + 1
             blocks = batch.block_tables[c, : -(-span // block_size)]
-            keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:span]
+            keys = k_cache[blocks].transpose(0, 3, 1, 2).reshape(-1, num_kv_heads, head_dim)[:span]
             values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:span]
             q = qkv[r0:r1, : num_heads * head_dim].reshape(r1 - r0, num_kv_heads, group, head_dim)
             scores = np.einsum("nkgd,lkd->kgnl", q, keys) * scale
