@@ -1,3 +1,3 @@
 """Shared pytest setup. Fixtures that start real services live in tests/fixtures/, one module each."""
 
-pytest_plugins: list[str] = []
+pytest_plugins: list[str] = ["tests.fixtures.model"]

@@ -119,7 +119,9 @@ class CpuModelRunner:
             h = ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = ops.linear(h, layer.qkv)
             ops.rope(qkv, heads + kv_heads, hd, batch.positions, self._cos, self._sin)
-            k_cache[slot_block, :, :, slot_offset] = qkv[:, q_width : q_width + kv_width].reshape(-1, kv_heads, hd)
+            k_cache[slot_block, :, :, slot_offset] = qkv[:, q_width : q_width + kv_width].reshape(
+                -1, kv_heads, hd
+            )
             v_cache.reshape(-1, kv_width)[batch.slots] = qkv[:, q_width + kv_width :]
             attn = ops.attention(qkv, k_cache, v_cache, batch, heads, kv_heads, hd)
             x += ops.linear(attn, layer.wo)
@@ -141,8 +143,9 @@ def _stack(name: str, matrices: list[WeightMatrix]) -> WeightMatrix:
     first = matrices[0]
     rows = sum(m.shape[0] for m in matrices)
     if all(m.qtype == first.qtype and m.data.ndim == 2 for m in matrices):
-        return WeightMatrix(name, first.qtype, (rows, first.shape[1]), np.concatenate([m.data for m in matrices]))
+        return WeightMatrix(
+            name, first.qtype, (rows, first.shape[1]), np.concatenate([m.data for m in matrices])
+        )
     return WeightMatrix(
         name, QType.F32, (rows, first.shape[1]), np.concatenate([m.dequantize() for m in matrices])
     )
-

@@ -49,7 +49,10 @@ def build_step_batch(chunks: Sequence[SequenceChunk], block_size: int, context_l
 
     token_seq = np.repeat(np.arange(len(chunks), dtype=np.int32), lengths)
     positions = np.arange(total, dtype=np.int64) - np.repeat(chunk_starts[:-1] - starts, lengths)
-    slots = block_tables[token_seq, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = (
+        block_tables[token_seq, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
     needs = np.array([c.needs_logits for c in chunks], dtype=bool)
     return StepBatch(
         token_ids=np.concatenate([np.asarray(c.token_ids, dtype=np.int32) for c in chunks]),

@@ -34,7 +34,13 @@ class Kernels(Protocol):
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray: ...
 
     def rope(
-        self, qkv: np.ndarray, num_heads: int, head_dim: int, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray
+        self,
+        qkv: np.ndarray,
+        num_heads: int,
+        head_dim: int,
+        positions: np.ndarray,
+        cos: np.ndarray,
+        sin: np.ndarray,
     ) -> None:
         """Rotates, in place, the first ``num_heads`` heads of every row of ``qkv`` (the q and k heads)."""
         ...

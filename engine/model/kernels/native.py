@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import platform
 
 import numpy as np
 
@@ -27,12 +28,18 @@ _SIGNATURES = {
 
 
 class NativeUnavailable(RuntimeError):
-    pass
+    """The native kernels cannot be used: not built (no gcc, compile error) or not supported here."""
+
+
+class UnsupportedCpu(NativeUnavailable):
+    """This machine cannot run them at all (not x86-64, or no AVX-512): numpy is the right choice."""
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """The built library, checked against this CPU. Raises NativeUnavailable saying why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise UnsupportedCpu(f"the native kernels are for x86-64 with AVX-512; this is {platform.machine()}")
     try:
         lib = ctypes.CDLL(str(ensure_built()))
     except (KernelBuildError, OSError) as exc:
@@ -41,7 +48,7 @@ def load_library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     if not lib.cm_cpu_supported():
-        raise NativeUnavailable("this CPU lacks AVX-512 (F, BW, VL, DQ) or FMA")
+        raise UnsupportedCpu("this CPU lacks AVX-512 (F, BW, VL, DQ) or FMA")
     return lib
 
 
@@ -105,7 +112,13 @@ class NativeKernels:
         return out
 
     def rope(
-        self, qkv: np.ndarray, num_heads: int, head_dim: int, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray
+        self,
+        qkv: np.ndarray,
+        num_heads: int,
+        head_dim: int,
+        positions: np.ndarray,
+        cos: np.ndarray,
+        sin: np.ndarray,
     ) -> None:
         _f32(qkv)
         assert positions.dtype == np.int32

@@ -25,7 +25,13 @@ class NumpyKernels:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight
 
     def rope(
-        self, qkv: np.ndarray, num_heads: int, head_dim: int, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray
+        self,
+        qkv: np.ndarray,
+        num_heads: int,
+        head_dim: int,
+        positions: np.ndarray,
+        cos: np.ndarray,
+        sin: np.ndarray,
     ) -> None:
         x = qkv[:, : num_heads * head_dim].reshape(len(qkv), num_heads, head_dim // 2, 2)
         c, s = cos[positions][:, None, :], sin[positions][:, None, :]
