@@ -12,8 +12,9 @@
 
 #include <immintrin.h>
 #include <math.h>
-#include <omp.h>
 #include <stdlib.h>
+
+#include "pool.h"
 
 // e^x with x clamped to [-87, 88]: Cody-Waite reduction, degree-6 polynomial, 2^n applied with scalef.
 // Relative error ~2 ulp.
@@ -37,6 +38,119 @@ static inline __mmask16 tail_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : 
 
 enum { MAX_GROUP = 16, MAX_VEC = 16 };  // query heads per kv head; head_dim / 16
 
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int *token_seq, *token_pos, *block_tables;
+    float *out;
+    long q_stride;
+    int num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len;
+    float scale;
+} attention_job;
+
+// Per-thread scores buffer, grown as needed and kept: attention runs every layer of every step.
+static __thread float *scores_buf;
+static __thread size_t scores_cap;
+
+static float *scores_for(size_t floats) {
+    if (floats > scores_cap) {
+        free(scores_buf);
+        scores_cap = floats * 2;
+        scores_buf = aligned_alloc(64, sizeof(float) * scores_cap);
+    }
+    return scores_buf;
+}
+
+// One task: token t = item / num_kv_heads, kv head g = item % num_kv_heads, with its G query heads.
+static void attention_task(void *arg, long item) {
+    const attention_job *jb = arg;
+    const float *q = jb->q, *k_cache = jb->k_cache, *v_cache = jb->v_cache;
+    const long q_stride = jb->q_stride;
+    const int num_heads = jb->num_heads, num_kv_heads = jb->num_kv_heads, head_dim = jb->head_dim;
+    const int block_size = jb->block_size;
+    const float scale = jb->scale;
+    const int G = num_heads / num_kv_heads, nv = head_dim / 16;
+    const int seg_len = block_size < 16 ? block_size : 16;
+    const long block_floats = (long)num_kv_heads * head_dim * block_size;  // K and V alike
+    const long v_row = (long)num_kv_heads * head_dim;
+    float *scores = scores_for((size_t)16 * G * ((jb->max_len + seg_len - 1) / seg_len + 1));
+    float *out = jb->out;
+    const int *token_seq = jb->token_seq, *token_pos = jb->token_pos;
+    const int *block_tables = jb->block_tables;
+    const int max_blocks = jb->max_blocks;
+    const int t = (int)(item / num_kv_heads), g = (int)(item % num_kv_heads);
+    const int L = token_pos[t] + 1;
+    const int nseg = (L + seg_len - 1) / seg_len;
+    const int *table = block_tables + (long)token_seq[t] * max_blocks;
+    const float *qh[MAX_GROUP];
+    float *sc[MAX_GROUP];
+    __m512 mx[MAX_GROUP];
+    for (int h = 0; h < G; h++) {
+        qh[h] = q + (long)t * q_stride + (long)(g * G + h) * head_dim;
+        sc[h] = scores + (long)h * 16 * nseg;
+        mx[h] = _mm512_set1_ps(-INFINITY);
+    }
+    // scores: for each segment, sum over d of q_h[d] * K[block][g][d][seg keys] (two chains).
+    for (int s = 0; s < nseg; s++) {
+        const int j0 = s * seg_len;  // first position of the segment
+        const __mmask16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
+        const float *kb = k_cache + (long)table[j0 / block_size] * block_floats +
+                          (long)g * head_dim * block_size + j0 % block_size;
+        __m512 even[MAX_GROUP], odd[MAX_GROUP];
+        for (int h = 0; h < G; h++) even[h] = odd[h] = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += 2) {
+            const __m512 k0 = _mm512_maskz_loadu_ps(valid, kb + (long)d * block_size);
+            const __m512 k1 = _mm512_maskz_loadu_ps(valid, kb + (long)(d + 1) * block_size);
+            for (int h = 0; h < G; h++) {
+                even[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d]), k0, even[h]);
+                odd[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d + 1]), k1, odd[h]);
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            __m512 v = _mm512_mul_ps(_mm512_add_ps(even[h], odd[h]), _mm512_set1_ps(scale));
+            v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, v);
+            _mm512_store_ps(sc[h] + s * 16, v);
+            mx[h] = _mm512_max_ps(mx[h], v);
+        }
+    }
+    // softmax numerators in place; out = sum_j p_j v_j / sum_j p_j
+    float inv_sum[MAX_GROUP];
+    for (int h = 0; h < G; h++) {
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[h]));
+        __m512 sum = _mm512_setzero_ps();
+        for (int s = 0; s < nseg; s++) {
+            const __m512 x = _mm512_load_ps(sc[h] + s * 16);
+            // exp512 clamps at -87, so masked lanes (-inf) are zeroed explicitly
+            const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, m)));
+            _mm512_store_ps(sc[h] + s * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    __m512 acc[MAX_GROUP][MAX_VEC];
+    for (int h = 0; h < G; h++)
+        for (int v = 0; v < nv; v++) acc[h][v] = _mm512_setzero_ps();
+    for (int s = 0; s < nseg; s++) {
+        const int j0 = s * seg_len;
+        const int n = L - j0 < seg_len ? L - j0 : seg_len;
+        const float *vb = v_cache + (long)table[j0 / block_size] * block_floats +
+                          (long)(j0 % block_size) * v_row + (long)g * head_dim;
+        for (int j = 0; j < n; j++) {
+            const float *vp = vb + j * v_row;
+            for (int v = 0; v < nv; v++) {
+                const __m512 vv = _mm512_loadu_ps(vp + v * 16);
+                for (int h = 0; h < G; h++)
+                    acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h][s * 16 + j]), vv, acc[h][v]);
+            }
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        float *o = out + (long)t * num_heads * head_dim + (long)(g * G + h) * head_dim;
+        for (int v = 0; v < nv; v++)
+            _mm512_storeu_ps(o + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])));
+    }
+}
+
 // q: [T, q_stride] with query head h at q + t*q_stride + h*head_dim. out: [T, num_heads * head_dim].
 // token_seq[t]: row of block_tables ([num_seqs, max_blocks]) for token t; token_pos[t]: its position.
 // block_size: at most 16, or a multiple of 16. Keys are visited in segments of min(block_size, 16)
@@ -45,92 +159,10 @@ void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_k
                   const float *k_cache, const float *v_cache, int block_size, const int *token_seq,
                   const int *token_pos, const int *block_tables, int max_blocks, int max_len, float scale,
                   float *out) {
-    const int G = num_heads / num_kv_heads, nv = head_dim / 16;
-    const int seg_len = block_size < 16 ? block_size : 16;
-    const long block_floats = (long)num_kv_heads * head_dim * block_size;  // K and V alike
-    const long v_row = (long)num_kv_heads * head_dim;
-    const int max_segs = (max_len + seg_len - 1) / seg_len;
-#pragma omp parallel
-    {
-        // scores[h][seg][0..15]; lanes past a segment's keys hold 0 after the softmax.
-        float *scores = aligned_alloc(64, sizeof(float) * 16 * G * (max_segs + 1));
-#pragma omp for schedule(dynamic, 2)
-        for (long item = 0; item < (long)T * num_kv_heads; item++) {
-            const int t = (int)(item / num_kv_heads), g = (int)(item % num_kv_heads);
-            const int L = token_pos[t] + 1;
-            const int nseg = (L + seg_len - 1) / seg_len;
-            const int *table = block_tables + (long)token_seq[t] * max_blocks;
-            const float *qh[MAX_GROUP];
-            float *sc[MAX_GROUP];
-            __m512 mx[MAX_GROUP];
-            for (int h = 0; h < G; h++) {
-                qh[h] = q + (long)t * q_stride + (long)(g * G + h) * head_dim;
-                sc[h] = scores + (long)h * 16 * nseg;
-                mx[h] = _mm512_set1_ps(-INFINITY);
-            }
-            // scores: for each segment, sum over d of q_h[d] * K[block][g][d][seg keys] (two chains).
-            for (int s = 0; s < nseg; s++) {
-                const int j0 = s * seg_len;  // first position of the segment
-                const __mmask16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
-                const float *kb = k_cache + (long)table[j0 / block_size] * block_floats +
-                                  (long)g * head_dim * block_size + j0 % block_size;
-                __m512 even[MAX_GROUP], odd[MAX_GROUP];
-                for (int h = 0; h < G; h++) even[h] = odd[h] = _mm512_setzero_ps();
-                for (int d = 0; d < head_dim; d += 2) {
-                    const __m512 k0 = _mm512_maskz_loadu_ps(valid, kb + (long)d * block_size);
-                    const __m512 k1 = _mm512_maskz_loadu_ps(valid, kb + (long)(d + 1) * block_size);
-                    for (int h = 0; h < G; h++) {
-                        even[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d]), k0, even[h]);
-                        odd[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d + 1]), k1, odd[h]);
-                    }
-                }
-                for (int h = 0; h < G; h++) {
-                    __m512 v = _mm512_mul_ps(_mm512_add_ps(even[h], odd[h]), _mm512_set1_ps(scale));
-                    v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, v);
-                    _mm512_store_ps(sc[h] + s * 16, v);
-                    mx[h] = _mm512_max_ps(mx[h], v);
-                }
-            }
-            // softmax numerators in place; out = sum_j p_j v_j / sum_j p_j
-            float inv_sum[MAX_GROUP];
-            for (int h = 0; h < G; h++) {
-                const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[h]));
-                __m512 sum = _mm512_setzero_ps();
-                for (int s = 0; s < nseg; s++) {
-                    const __m512 x = _mm512_load_ps(sc[h] + s * 16);
-                    // exp512 clamps at -87, so masked lanes (-inf) are zeroed explicitly
-                    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                    const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, m)));
-                    _mm512_store_ps(sc[h] + s * 16, e);
-                    sum = _mm512_add_ps(sum, e);
-                }
-                inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
-            }
-            __m512 acc[MAX_GROUP][MAX_VEC];
-            for (int h = 0; h < G; h++)
-                for (int v = 0; v < nv; v++) acc[h][v] = _mm512_setzero_ps();
-            for (int s = 0; s < nseg; s++) {
-                const int j0 = s * seg_len;
-                const int n = L - j0 < seg_len ? L - j0 : seg_len;
-                const float *vb = v_cache + (long)table[j0 / block_size] * block_floats +
-                                  (long)(j0 % block_size) * v_row + (long)g * head_dim;
-                for (int j = 0; j < n; j++) {
-                    const float *vp = vb + j * v_row;
-                    for (int v = 0; v < nv; v++) {
-                        const __m512 vv = _mm512_loadu_ps(vp + v * 16);
-                        for (int h = 0; h < G; h++)
-                            acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h][s * 16 + j]), vv, acc[h][v]);
-                    }
-                }
-            }
-            for (int h = 0; h < G; h++) {
-                float *o = out + (long)t * num_heads * head_dim + (long)(g * G + h) * head_dim;
-                for (int v = 0; v < nv; v++)
-                    _mm512_storeu_ps(o + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])));
-            }
-        }
-        free(scores);
-    }
+    attention_job job = {q,         k_cache,      v_cache,  token_seq,  token_pos,  block_tables, out,
+                         q_stride,  num_heads,    num_kv_heads, head_dim, block_size, max_blocks, max_len,
+                         scale};
+    cm_parallel_for((long)T * num_kv_heads, attention_task, &job);
 }
 
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, rows of length H (a multiple of 16).

@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("gemm.c", "attention.c")
+SOURCES = ("gemm.c", "attention.c", "pool.c")
+HEADERS = ("pool.h",)
 # Compiled without ISA flags, so the library can be loaded and asked about the CPU on any x86-64.
 CPU_CHECK_SOURCE = "cpu_check.c"
 # -ffp-contract=off: a*b+c stays two roundings unless the code asks for an FMA (dequantization must
@@ -24,7 +25,7 @@ CPU_CHECK_SOURCE = "cpu_check.c"
 CFLAGS = (
     "-O3",
     "-fPIC",
-    "-fopenmp",
+    "-pthread",
     "-ffp-contract=off",
     "-mavx512f",
     "-mavx512bw",
@@ -52,7 +53,7 @@ def build_dir() -> Path:
 
 def library_path() -> Path:
     digest = hashlib.sha256(" ".join(CFLAGS).encode())
-    for name in (*SOURCES, CPU_CHECK_SOURCE):
+    for name in (*SOURCES, *HEADERS, CPU_CHECK_SOURCE):
         digest.update((SOURCE_DIR / name).read_bytes())
     return build_dir() / f"libchatmesh_kernels-{digest.hexdigest()[:12]}.so"
 
@@ -77,7 +78,7 @@ def ensure_built(verbose: bool = False) -> Path:
             _run([compiler, *flags, "-c", str(SOURCE_DIR / name), "-o", str(obj)])
             objects.append(str(obj))
         partial = Path(tmp) / target.name
-        _run([compiler, "-shared", "-fopenmp", *objects, "-o", str(partial)])
+        _run([compiler, "-shared", "-pthread", *objects, "-o", str(partial)])
         os.replace(partial, target)  # atomic: a concurrent builder or loader never sees half a file
     return target
 

@@ -12,8 +12,9 @@
 // is in the batch or on how its prompt was chunked.
 
 #include <immintrin.h>
-#include <omp.h>
 #include <stdint.h>
+
+#include "pool.h"
 
 enum { FMT_F32 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
 enum { NR = 16, QK = 32, KC = 128 };
@@ -121,37 +122,118 @@ static void rows(const float *A, long lda, int M, int kc, const float *w0, const
     }
 }
 
+// Few rows (decode of a handful of sequences): expand each pair of k rows of both panels in registers
+// and use it at once, skipping the scratch round trip. Same values, same FMA order per output as the
+// scratch path, so results are bit-identical whichever path a batch size takes.
+#define DEFINE_FUSED(R)                                                                                  \
+    static void fused_##R(int fmt, const float *A, long lda, int K, const uint8_t *p0, const uint8_t *p1, \
+                          float *C, long ldc, __mmask16 m0, __mmask16 m1) {                              \
+        __m512 c0[R], c1[R];                                                                             \
+        for (int r = 0; r < R; r++) c0[r] = c1[r] = _mm512_setzero_ps();                                 \
+        const long bb = block_bytes(fmt);                                                                \
+        const __m128i low4 = _mm_set1_epi8(0x0F);                                                        \
+        for (int kb = 0; kb < K; kb += QK) {                                                             \
+            const uint8_t *b0 = p0 + (kb / QK) * bb, *b1 = p1 + (kb / QK) * bb;                          \
+            const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b0));                 \
+            const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1));                 \
+            if (fmt == FMT_Q4_1) {                                                                       \
+                const __m512 n0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b0 + 32)));       \
+                const __m512 n1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b1 + 32)));       \
+                for (int j = 0; j < QK / 2; j++) {                                                       \
+                    const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + 64 + j * 16));             \
+                    const __m128i q1 = _mm_loadu_si128((const __m128i *)(b1 + 64 + j * 16));             \
+                    const __m512 w00 = _mm512_add_ps(                                                    \
+                        _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q0, low4)))), n0); \
+                    const __m512 w01 = _mm512_add_ps(                                                    \
+                        _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                       \
+                                              _mm_and_si128(_mm_srli_epi16(q0, 4), low4)))), n0);        \
+                    const __m512 w10 = _mm512_add_ps(                                                    \
+                        _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q1, low4)))), n1); \
+                    const __m512 w11 = _mm512_add_ps(                                                    \
+                        _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                       \
+                                              _mm_and_si128(_mm_srli_epi16(q1, 4), low4)))), n1);        \
+                    const int k = kb + 2 * j;                                                            \
+                    for (int r = 0; r < R; r++) {                                                        \
+                        const __m512 a0 = _mm512_set1_ps(A[r * lda + k]);                                \
+                        const __m512 a1 = _mm512_set1_ps(A[r * lda + k + 1]);                            \
+                        c0[r] = _mm512_fmadd_ps(a1, w01, _mm512_fmadd_ps(a0, w00, c0[r]));               \
+                        c1[r] = _mm512_fmadd_ps(a1, w11, _mm512_fmadd_ps(a0, w10, c1[r]));               \
+                    }                                                                                    \
+                }                                                                                        \
+            } else {                                                                                     \
+                for (int j = 0; j < QK; j++) {                                                           \
+                    const __m512 w0 = _mm512_mul_ps(                                                     \
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b0 + 32 + j * 16)))), d0); \
+                    const __m512 w1 = _mm512_mul_ps(                                                     \
+                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b1 + 32 + j * 16)))), d1); \
+                    for (int r = 0; r < R; r++) {                                                        \
+                        const __m512 a = _mm512_set1_ps(A[r * lda + kb + j]);                            \
+                        c0[r] = _mm512_fmadd_ps(a, w0, c0[r]);                                           \
+                        c1[r] = _mm512_fmadd_ps(a, w1, c1[r]);                                           \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) {                                                                    \
+            _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);                                               \
+            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                          \
+        }                                                                                                \
+    }
+
+DEFINE_FUSED(1)
+DEFINE_FUSED(2)
+DEFINE_FUSED(3)
+DEFINE_FUSED(4)
+
+typedef void (*fused_fn)(int, const float *, long, int, const uint8_t *, const uint8_t *, float *, long,
+                         __mmask16, __mmask16);
+static const fused_fn FUSED[5] = {0, fused_1, fused_2, fused_3, fused_4};
+enum { FUSED_MAX_ROWS = 4 };
+
+typedef struct {
+    int fmt, M, K, N, panels;
+    const float *A;
+    long lda, ldc, panel_bytes;
+    const uint8_t *W;
+    float *C;
+} gemm_job;
+
+// One task: the 32 outputs of panel pair `pp`, all M rows.
+static void gemm_task(void *arg, long pp) {
+    const gemm_job *j = arg;
+    const int p0 = 2 * (int)pp, has_p1 = p0 + 1 < j->panels;
+    const int p1 = has_p1 ? p0 + 1 : p0;
+    const __mmask16 m0 = valid_mask((long)p0 * NR, j->N);
+    const __mmask16 m1 = has_p1 ? valid_mask((long)p1 * NR, j->N) : 0;
+    float *Cp = j->C + (long)p0 * NR;
+    const uint8_t *w0 = j->W + p0 * j->panel_bytes, *w1 = j->W + p1 * j->panel_bytes;
+    if (j->fmt == FMT_F32) {
+        rows(j->A, j->lda, j->M, j->K, (const float *)w0, (const float *)w1, NR, Cp, j->ldc, 1, m0, m1);
+        return;
+    }
+    if (j->M <= FUSED_MAX_ROWS) {
+        FUSED[j->M](j->fmt, j->A, j->lda, j->K, w0, w1, Cp, j->ldc, m0, m1);
+        return;
+    }
+    float scratch[KC * 2 * NR] __attribute__((aligned(64)));
+    for (int k0 = 0; k0 < j->K; k0 += KC) {
+        const int kc = j->K - k0 < KC ? j->K - k0 : KC;
+        expand_panel(j->fmt, w0, k0, kc, scratch, 2 * NR);
+        // Without a second panel, tile computes panel 0 twice and m1 == 0 discards the copy.
+        if (has_p1) expand_panel(j->fmt, w1, k0, kc, scratch + NR, 2 * NR);
+        rows(j->A + k0, j->lda, j->M, kc, scratch, has_p1 ? scratch + NR : scratch, 2 * NR, Cp, j->ldc, k0 == 0,
+             m0, m1);
+    }
+}
+
 // W: packed panels, panel p at W + p * panel_bytes. N outputs (the last panel may be partial: its
 // padding rows are zero and masked out of C). A and C are row-major with leading dims lda, ldc.
 void cm_gemm(int fmt, const float *A, long lda, int M, int K, const void *W, int N, float *C, long ldc) {
+    if (M <= 0) return;
     const int panels = (N + NR - 1) / NR;
-    const int pairs = (panels + 1) / 2;
-    const long panel_bytes = fmt == FMT_F32 ? (long)K * NR * 4 : (long)(K / QK) * block_bytes(fmt);
-    const uint8_t *base = (const uint8_t *)W;
-// dynamic: on a shared machine one thread may be descheduled; the other then takes its panels.
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int pp = 0; pp < pairs; pp++) {
-        const int p0 = 2 * pp, has_p1 = p0 + 1 < panels;
-        const int p1 = has_p1 ? p0 + 1 : p0;
-        const __mmask16 m0 = valid_mask((long)p0 * NR, N);
-        const __mmask16 m1 = has_p1 ? valid_mask((long)p1 * NR, N) : 0;
-        float *Cp = C + (long)p0 * NR;
-        if (fmt == FMT_F32) {
-            const float *w0 = (const float *)(base + p0 * panel_bytes);
-            const float *w1 = (const float *)(base + p1 * panel_bytes);
-            rows(A, lda, M, K, w0, w1, NR, Cp, ldc, 1, m0, m1);
-            continue;
-        }
-        float scratch[KC * 2 * NR] __attribute__((aligned(64)));
-        for (int k0 = 0; k0 < K; k0 += KC) {
-            const int kc = K - k0 < KC ? K - k0 : KC;
-            expand_panel(fmt, base + p0 * panel_bytes, k0, kc, scratch, 2 * NR);
-            if (has_p1) expand_panel(fmt, base + p1 * panel_bytes, k0, kc, scratch + NR, 2 * NR);
-            // Without a second panel, tile computes panel 0 twice and m1 == 0 discards the copy.
-            rows(A + k0, lda, M, kc, scratch, has_p1 ? scratch + NR : scratch, 2 * NR, Cp, ldc, k0 == 0, m0,
-                 m1);
-        }
-    }
+    gemm_job job = {fmt, M, K, N, panels, A, lda, ldc, 0, (const uint8_t *)W, C};
+    job.panel_bytes = fmt == FMT_F32 ? (long)K * NR * 4 : (long)(K / QK) * block_bytes(fmt);
+    cm_parallel_for((panels + 1) / 2, gemm_task, &job);
 }
 
 // Expands a whole quantized panel set to float32 [N, K] (tests compare it with gguf's dequantize).
@@ -166,5 +248,3 @@ void cm_unpack(int fmt, const void *W, int K, int N, float *out) {
                 for (int k = 0; k < QK; k++) out[(long)(p * NR + n) * K + k0 + k] = tmp[k * NR + n];
         }
 }
-
-void cm_set_threads(int n) { omp_set_num_threads(n); }

@@ -18,6 +18,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "cm_cpu_supported": (ctypes.c_int, []),
     "cm_set_threads": (None, [_I]),
+    "cm_get_threads": (ctypes.c_int, []),
     "cm_gemm": (None, [_I, _P, _L, _I, _I, _P, _I, _P, _L]),
     "cm_unpack": (None, [_I, _P, _I, _I, _P]),
     "cm_attention": (None, [_P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _F, _P]),
