@@ -39,7 +39,7 @@ def main() -> None:
     tokenizer = load_tokenizer()
     prompts = [tokenizer.encode_chat(chat) for chat in CHATS] + [tokenizer.encode(text) for text in TEXTS]
     print(f"llama-cpp-python {__version__}: next-token logits for {len(prompts)} prompts of {path.name}")
-    llm = Llama(model_path=str(path), n_ctx=512, n_threads=2, n_batch=512, verbose=False)
+    llm = Llama(model_path=str(path), n_ctx=512, n_threads=2, n_batch=512, logits_all=True, verbose=False)
     cases = []
     for ids in prompts:
         llm.reset()
