@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chatmesh.model_files import bundled_model_path  # noqa: E402
-from engine.model.cpu_runner import CpuModelRunner  # noqa: E402
-from engine.model.runner import SequenceChunk  # noqa: E402
+from chatmesh.model_files import bundled_model_path
+from engine.model.cpu_runner import CpuModelRunner
+from engine.model.runner import SequenceChunk
 
 KERNELS = ("linear", "attention", "rms_norm", "rope", "silu_mul")
 

@@ -60,15 +60,16 @@ static float *scores_for(size_t floats) {
     return scores_buf;
 }
 
-// One task: token t = item / num_kv_heads, kv head g = item % num_kv_heads, with its G query heads.
-static void attention_task(void *arg, long item) {
-    const attention_job *jb = arg;
+// Token t = item / num_kv_heads, kv head g = item % num_kv_heads, with its G query heads. Always
+// inlined into callers with constant G and nv (head_dim / 16), so the per-head accumulators live in
+// registers; with runtime values they would sit on the stack and every FMA would wait on memory.
+static inline __attribute__((always_inline)) void attend(const attention_job *jb, long item, const int G,
+                                                         const int nv) {
     const float *q = jb->q, *k_cache = jb->k_cache, *v_cache = jb->v_cache;
     const long q_stride = jb->q_stride;
     const int num_heads = jb->num_heads, num_kv_heads = jb->num_kv_heads, head_dim = jb->head_dim;
     const int block_size = jb->block_size;
     const float scale = jb->scale;
-    const int G = num_heads / num_kv_heads, nv = head_dim / 16;
     const int seg_len = block_size < 16 ? block_size : 16;
     const long block_floats = (long)num_kv_heads * head_dim * block_size;  // K and V alike
     const long v_row = (long)num_kv_heads * head_dim;
@@ -149,6 +150,22 @@ static void attention_task(void *arg, long item) {
         for (int v = 0; v < nv; v++)
             _mm512_storeu_ps(o + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])));
     }
+}
+
+// One task per (token, kv head); the shapes of common models get their own register-resident copy.
+static void attention_task(void *arg, long item) {
+    const attention_job *jb = arg;
+    const int G = jb->num_heads / jb->num_kv_heads, nv = jb->head_dim / 16;
+    if (G == 3 && nv == 4)
+        attend(jb, item, 3, 4);  // SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64
+    else if (G == 4 && nv == 4)
+        attend(jb, item, 4, 4);
+    else if (G == 1 && nv == 4)
+        attend(jb, item, 1, 4);
+    else if (G == 4 && nv == 8)
+        attend(jb, item, 4, 8);
+    else
+        attend(jb, item, G, nv);
 }
 
 // q: [T, q_stride] with query head h at q + t*q_stride + h*head_dim. out: [T, num_heads * head_dim].
