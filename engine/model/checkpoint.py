@@ -95,12 +95,17 @@ class LlamaCheckpoint:
     lm_head: WeightMatrix  # [vocab, hidden]; the embedding itself when tied
 
 
-def rope_tables(config: LlamaConfig, length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin, float32 ``[length, head_dim // 2]``, of angle ``pos * theta ** (-2i / head_dim)``.
+@dataclass(frozen=True)
+class RopeTables:
+    """cos and sin, float32 ``[positions, head_dim // 2]``, of angle ``pos * theta ** (-2i / head_dim)``."""
 
-    Computed in float64 and rounded once, so every implementation that uses these tables rotates alike.
-    """
+    cos: np.ndarray
+    sin: np.ndarray
+
+
+def rope_tables(config: LlamaConfig, length: int | None = None) -> RopeTables:
+    """Computed in float64 and rounded once, so every implementation that uses them rotates alike."""
     length = length or config.context_length
     inv_freq = config.rope_theta ** (-np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
     angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    return RopeTables(np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))

@@ -65,7 +65,7 @@ class CpuModelRunner:
         ]
         self._output_norm = checkpoint.output_norm
         self._lm_head = pack(checkpoint.lm_head)
-        self._cos, self._sin = rope_tables(self.config)
+        self._rope = rope_tables(self.config)
         self._k_cache: list[np.ndarray] = []
         self._v_cache: list[np.ndarray] = []
         self._block_size = 0
@@ -118,12 +118,12 @@ class CpuModelRunner:
         for layer, k_cache, v_cache in zip(self._layers, self._k_cache, self._v_cache, strict=True):
             h = ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = ops.linear(h, layer.qkv)
-            ops.rope(qkv, heads + kv_heads, hd, batch.positions, self._cos, self._sin)
+            ops.rope(qkv, batch.positions, self._rope, cfg)
             k_cache[slot_block, :, :, slot_offset] = qkv[:, q_width : q_width + kv_width].reshape(
                 -1, kv_heads, hd
             )
             v_cache.reshape(-1, kv_width)[batch.slots] = qkv[:, q_width + kv_width :]
-            attn = ops.attention(qkv, k_cache, v_cache, batch, heads, kv_heads, hd)
+            attn = ops.attention(qkv, k_cache, v_cache, batch, cfg)
             x += ops.linear(attn, layer.wo)
             h = ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             x += ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.model.checkpoint import LlamaCheckpoint, rope_tables
+from engine.model.checkpoint import LlamaCheckpoint, RopeTables, rope_tables
 
 
 class ReferenceModel:
@@ -21,15 +21,15 @@ class ReferenceModel:
         cfg, ckpt = self.config, self.checkpoint
         n = len(token_ids)
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos, sin = rope_tables(cfg, n)
+        tables = rope_tables(cfg, n)
         causal = np.triu(np.full((n, n), -np.inf, dtype=np.float32), k=1)
         scale = np.float32(1.0 / np.sqrt(hd))
 
         x = ckpt.token_embedding.dequantize_rows(np.asarray(token_ids))
         for layer in ckpt.layers:
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q = _rope((h @ layer.wq.dequantize().T).reshape(n, heads, hd), cos, sin)
-            k = _rope((h @ layer.wk.dequantize().T).reshape(n, kv_heads, hd), cos, sin)
+            q = _rope((h @ layer.wq.dequantize().T).reshape(n, heads, hd), tables)
+            k = _rope((h @ layer.wk.dequantize().T).reshape(n, kv_heads, hd), tables)
             v = (h @ layer.wv.dequantize().T).reshape(n, kv_heads, hd)
             group = heads // kv_heads
             k = np.repeat(k, group, axis=1)  # query head j reads kv head j // group
@@ -64,10 +64,10 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight
 
 
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def _rope(x: np.ndarray, tables: RopeTables) -> np.ndarray:
     """Interleaved-pair rotation (GGUF layout): dims (2i, 2i+1) rotate by angle ``pos * freq_i``."""
     even, odd = x[..., 0::2], x[..., 1::2]
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = tables.cos[:, None, :], tables.sin[:, None, :]
     out = np.empty_like(x)
     out[..., 0::2] = even * c - odd * s
     out[..., 1::2] = even * s + odd * c

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import quants
 
 from engine.model import kernels as kernels_module
-from engine.model.checkpoint import WeightMatrix
+from engine.model.checkpoint import LlamaConfig, WeightMatrix, rope_tables
 from engine.model.kernels import select_kernels
 from engine.model.kernels.native import NativeKernels, NativeUnavailable
 from engine.model.kernels.numpy_kernels import NumpyKernels
@@ -18,6 +18,8 @@ from engine.model.step_batch import build_step_batch
 from tests.fixtures.model import require_native
 
 RNG = np.random.default_rng(1234)
+# SmolLM2's attention shape: 9 query heads in 3 GQA groups of head_dim 64.
+SHAPE = LlamaConfig("test", 1, 576, 1536, 9, 3, 64, 1000, 4096, 10000.0, 1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +66,9 @@ def test_native_linear_rows_do_not_depend_on_the_rest_of_the_batch(native):
         np.testing.assert_array_equal(native.linear(x[i : i + 1], packed)[0], together[i])
 
 
-def step_inputs(block_size: int, chunks: list[tuple[int, int]], heads=9, kv_heads=3, head_dim=64):
+def step_inputs(block_size: int, chunks: list[tuple[int, int]]):
     """A random paged cache and a step of (start_position, length) chunks on scattered blocks."""
-    num_blocks = 64
+    num_blocks, heads, kv_heads, head_dim = 64, SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim
     k_cache = RNG.standard_normal((num_blocks, kv_heads, head_dim, block_size)).astype(np.float32)
     v_cache = RNG.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
     free = list(RNG.permutation(num_blocks))
@@ -84,20 +86,20 @@ def step_inputs(block_size: int, chunks: list[tuple[int, int]], heads=9, kv_head
 def test_native_paged_attention_matches_numpy(native, block_size):
     # decode tokens, a first prefill chunk, and a later chunk over a cached prefix, in one step
     qkv, k_cache, v_cache, batch = step_inputs(block_size, [(0, 1), (40, 1), (0, 23), (70, 9), (5, 2)])
-    args = (qkv, k_cache, v_cache, batch, 9, 3, 64)
+    args = (qkv, k_cache, v_cache, batch, SHAPE)
     np.testing.assert_allclose(native.attention(*args), NumpyKernels().attention(*args), rtol=1e-5, atol=2e-6)
 
 
 def test_native_attention_ignores_cache_past_each_tokens_position(native):
     qkv, k_cache, v_cache, batch = step_inputs(16, [(0, 20), (3, 1)])
-    before = native.attention(qkv, k_cache, v_cache, batch, 9, 3, 64)
+    before = native.attention(qkv, k_cache, v_cache, batch, SHAPE)
     # Scribble over every position later than any token of the step: nothing may change.
     for row, last in ((0, 19), (1, 3)):
         for pos in range(last + 1, 32):
             block, offset = batch.block_tables[row, pos // 16], pos % 16
             k_cache[block, :, :, offset] = 1e3
             v_cache[block, offset] = -1e3
-    np.testing.assert_array_equal(native.attention(qkv, k_cache, v_cache, batch, 9, 3, 64), before)
+    np.testing.assert_array_equal(native.attention(qkv, k_cache, v_cache, batch, SHAPE), before)
 
 
 def test_native_elementwise_kernels_match_numpy(native):
@@ -112,12 +114,11 @@ def test_native_elementwise_kernels_match_numpy(native):
     np.testing.assert_allclose(native.silu_mul(gate_up), reference.silu_mul(gate_up), rtol=1e-5, atol=1e-6)
 
     positions = np.array([0, 1, 17, 300, 4095, 2, 9], dtype=np.int32)
-    angles = np.arange(4096)[:, None] * 10000.0 ** (-np.arange(0, 64, 2) / 64)
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    tables = rope_tables(SHAPE)
     qkv = RNG.standard_normal((7, 15 * 64)).astype(np.float32)
     ours, theirs = qkv.copy(), qkv.copy()
-    native.rope(ours, 12, 64, positions, cos, sin)
-    reference.rope(theirs, 12, 64, positions, cos, sin)
+    native.rope(ours, positions, tables, SHAPE)
+    reference.rope(theirs, positions, tables, SHAPE)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(ours[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v heads untouched
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.model.checkpoint import LlamaConfig, WeightMatrix
+from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
 from engine.model.step_batch import StepBatch
 
 log = logging.getLogger(__name__)
@@ -33,27 +33,12 @@ class Kernels(Protocol):
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray: ...
 
-    def rope(
-        self,
-        qkv: np.ndarray,
-        num_heads: int,
-        head_dim: int,
-        positions: np.ndarray,
-        cos: np.ndarray,
-        sin: np.ndarray,
-    ) -> None:
-        """Rotates, in place, the first ``num_heads`` heads of every row of ``qkv`` (the q and k heads)."""
+    def rope(self, qkv: np.ndarray, positions: np.ndarray, tables: RopeTables, config: LlamaConfig) -> None:
+        """Rotates, in place, the q and k heads (the leading ``num_heads + num_kv_heads``) of every row."""
         ...
 
     def attention(
-        self,
-        qkv: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        batch: StepBatch,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
+        self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
     ) -> np.ndarray:
         """Causal attention of every token's query heads (the leading columns of ``qkv``) over its own
         sequence's cached K/V, positions 0..pos. Returns [T, num_heads * head_dim]."""

@@ -65,6 +65,13 @@ static void expand_panel(int fmt, const uint8_t *panel, int k0, int kc, float *d
     }
 }
 
+// Both macros below keep accumulators c0[r], c1[r] (rows r, panels 0 and 1) and end by storing them.
+#define STORE_ROWS(R)                                         \
+    for (int r = 0; r < R; r++) {                             \
+        _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);        \
+        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);   \
+    }
+
 // R rows x 32 outputs (two panels at w0 and w1, k stride ws), k in [0, kc). first: start from zero
 // (else continue the chain from C). m0/m1 mask the outputs that exist.
 #define DEFINE_TILE(R)                                                                                   \
@@ -84,10 +91,7 @@ static void expand_panel(int fmt, const uint8_t *panel, int k0, int kc, float *d
                 c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);                                                   \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) {                                                                    \
-            _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);                                               \
-            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                          \
-        }                                                                                                \
+        STORE_ROWS(R);                                                                                   \
     }
 
 DEFINE_TILE(1)
@@ -174,10 +178,7 @@ static void rows(const float *A, long lda, int M, int kc, const float *w0, const
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) {                                                                    \
-            _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);                                               \
-            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);                                          \
-        }                                                                                                \
+        STORE_ROWS(R);                                                                                   \
     }
 
 DEFINE_FUSED(1)

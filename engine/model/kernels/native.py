@@ -9,7 +9,7 @@ import platform
 
 import numpy as np
 
-from engine.model.checkpoint import LlamaConfig, WeightMatrix
+from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
 from engine.model.kernels.build import KernelBuildError, ensure_built
 from engine.model.kernels.packing import PackedMatrix, pack
 from engine.model.step_batch import StepBatch
@@ -112,32 +112,26 @@ class NativeKernels:
         self.lib.cm_rms_norm(_ptr(x), x.shape[0], x.shape[1], _ptr(_f32(weight)), eps, _ptr(out))
         return out
 
-    def rope(
-        self,
-        qkv: np.ndarray,
-        num_heads: int,
-        head_dim: int,
-        positions: np.ndarray,
-        cos: np.ndarray,
-        sin: np.ndarray,
-    ) -> None:
+    def rope(self, qkv: np.ndarray, positions: np.ndarray, tables: RopeTables, config: LlamaConfig) -> None:
         _f32(qkv)
         assert positions.dtype == np.int32
+        heads = config.num_heads + config.num_kv_heads
         self.lib.cm_rope(
-            _ptr(qkv), qkv.shape[1], len(qkv), num_heads, head_dim, _ptr(positions), _ptr(cos), _ptr(sin)
+            _ptr(qkv),
+            qkv.shape[1],
+            len(qkv),
+            heads,
+            config.head_dim,
+            _ptr(positions),
+            _ptr(tables.cos),
+            _ptr(tables.sin),
         )
 
     def attention(
-        self,
-        qkv: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        batch: StepBatch,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
+        self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
     ) -> np.ndarray:
         _f32(qkv), _f32(k_cache), _f32(v_cache)
+        num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         out = np.empty((len(qkv), num_heads * head_dim), dtype=np.float32)
         self.lib.cm_attention(
             _ptr(qkv),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.model.checkpoint import WeightMatrix
+from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
 from engine.model.step_batch import StepBatch
 
 
@@ -24,31 +24,18 @@ class NumpyKernels:
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight
 
-    def rope(
-        self,
-        qkv: np.ndarray,
-        num_heads: int,
-        head_dim: int,
-        positions: np.ndarray,
-        cos: np.ndarray,
-        sin: np.ndarray,
-    ) -> None:
-        x = qkv[:, : num_heads * head_dim].reshape(len(qkv), num_heads, head_dim // 2, 2)
-        c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    def rope(self, qkv: np.ndarray, positions: np.ndarray, tables: RopeTables, config: LlamaConfig) -> None:
+        heads, hd = config.num_heads + config.num_kv_heads, config.head_dim
+        x = qkv[:, : heads * hd].reshape(len(qkv), heads, hd // 2, 2)
+        c, s = tables.cos[positions][:, None, :], tables.sin[positions][:, None, :]
         even, odd = x[..., 0].copy(), x[..., 1].copy()
         x[..., 0] = even * c - odd * s
         x[..., 1] = even * s + odd * c
 
     def attention(
-        self,
-        qkv: np.ndarray,
-        k_cache: np.ndarray,
-        v_cache: np.ndarray,
-        batch: StepBatch,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
+        self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
     ) -> np.ndarray:
+        num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         group = num_heads // num_kv_heads
         block_size = v_cache.shape[1]
         scale = np.float32(1.0 / np.sqrt(head_dim))
