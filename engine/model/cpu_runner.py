@@ -100,7 +100,8 @@ class CpuModelRunner:
             raise ValueError(f"block_size must be at most 16 or a multiple of 16, got {block_size}")
         k_shape = (num_blocks, cfg.num_kv_heads, cfg.head_dim, block_size)
         v_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # np.zeros maps pages lazily: untouched blocks cost no memory until first written.
+        # np.zeros maps memory lazily (in 2 MiB huge pages where numpy gets them): the pool becomes
+        # resident as blocks are first written, not at allocation.
         self._k_cache = [np.zeros(k_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
         self._v_cache = [np.zeros(v_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
         self._block_size = block_size
