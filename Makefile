@@ -52,8 +52,13 @@ token:
 	@$(MAKE) --no-print-directory setup >&2
 	@$(PY) -m chatmesh.dev_jwt --user "$(USER)" --tier "$(TIER)"
 
-bench: setup
-	@ls bench/*.py >/dev/null 2>&1 && for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+# Benchmarks take the machine-wide lock so two never run at once on a shared box.
+bench: setup $(VENV)/.bench-provisioned
+	@ls bench/*.py >/dev/null 2>&1 && for b in bench/bench_*.py; do flock /tmp/chatmesh-bench.lock $(PY) $$b || exit 1; done
+
+$(VENV)/.bench-provisioned: $(STAMP) scripts/provision_bench.sh
+	@scripts/provision_bench.sh
+	@touch $@
 
 clean:
 	rm -rf .run .pytest_cache .ruff_cache

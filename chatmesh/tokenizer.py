@@ -22,7 +22,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from chatmesh.gguf_metadata import read_gguf_metadata
+from chatmesh.gguf_header import read_gguf_metadata
 from chatmesh.model_files import bundled_model_path
 
 _CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
@@ -85,7 +85,7 @@ class ChatTokenizer:
         eos_ids += [tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokens]
         eos_ids = list(dict.fromkeys(eos_ids))
         return cls(
-            model_name=_model_name(field("general.basename"), field("general.size_label"), path),
+            model_name=model_name(field("general.basename"), field("general.size_label"), path),
             tokens=tokens,
             merges=field("tokenizer.ggml.merges"),
             control_token_ids=[i for i, kind in enumerate(token_types) if kind == _CONTROL_TOKEN_TYPE],
@@ -176,7 +176,8 @@ def _build_bpe(
     return tok
 
 
-def _model_name(basename: object, size_label: object, path: str | Path) -> str:
+def model_name(basename: object, size_label: object, path: str | Path) -> str:
+    """The served model's name from GGUF metadata; engines and the tokenizer must agree on it."""
     if basename == "smollm2" and size_label == "135M":
         return "SmolLM2-135M-Instruct"
     return Path(path).stem

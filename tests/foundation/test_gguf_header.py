@@ -3,7 +3,7 @@
 import gguf
 import pytest
 
-from chatmesh.gguf_metadata import read_gguf_metadata
+from chatmesh.gguf_header import read_gguf_header, read_gguf_metadata
 from chatmesh.model_files import bundled_model_path
 
 
@@ -23,3 +23,15 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     path.write_bytes(b"PK\x03\x04 not a model")
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_metadata(path)
+
+
+def test_tensor_directory_matches_the_gguf_package():
+    path = bundled_model_path()
+    ours = read_gguf_header(path).tensors
+    theirs = gguf.GGUFReader(str(path)).tensors
+    assert len(ours) == len(theirs) == 272
+    for tensor in theirs:
+        info = ours[tensor.name]
+        assert info.dims == tuple(int(d) for d in tensor.shape)
+        assert info.ggml_type == tensor.tensor_type
+        assert info.offset == tensor.data_offset

@@ -1,0 +1,152 @@
+"""The CPU model runner: a LLaMA forward over the paged KV cache, every sequence of a step in one batch.
+
+Per step, the tokens of all chunks (prefill chunks and decode tokens alike) are flattened into one
+``[T, hidden]`` activation, so each weight matrix is read once per step and applied with one GEMM.
+Per layer: RMSNorm → one fused QKV GEMM → RoPE on q and k → K/V written into the cache slots of this
+step → attention of each token over its own sequence's blocks → output GEMM → RMSNorm → one fused
+gate|up GEMM → SwiGLU → down GEMM. Logits are computed only for rows that need them.
+
+KV cache: float32 arrays per layer, indexed by the engine core's block ids on axis 0:
+K ``[num_blocks, num_kv_heads, head_dim, block_size]`` (a block's keys transposed, so attention scores a
+whole block with broadcast FMAs) and V ``[num_blocks, block_size, num_kv_heads, head_dim]``. float32 keeps
+the runner numerically the reference. block_size: at most 16, or a multiple of 16.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from engine.model.checkpoint import LlamaCheckpoint, LlamaConfig, WeightMatrix, rope_tables
+from engine.model.gguf_loader import load_gguf
+from engine.model.kernels import Kernels, select_kernels
+from engine.model.runner import SequenceChunk
+from engine.model.step_batch import build_step_batch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Layer:
+    attn_norm: np.ndarray
+    qkv: object  # packed [q | k | v] rows
+    wo: object
+    ffn_norm: np.ndarray
+    gate_up: object  # packed [gate | up] rows
+    down: object
+
+
+class CpuModelRunner:
+    backend = "cpu"
+    tensor_parallel_size = 1
+
+    def __init__(self, checkpoint: LlamaCheckpoint, kernels: Kernels) -> None:
+        self.config: LlamaConfig = checkpoint.config
+        self.spec = self.config.spec()
+        self.kernels = kernels
+        pack = kernels.pack
+        self._embedding = checkpoint.token_embedding
+        self._layers = [
+            _Layer(
+                attn_norm=layer.attn_norm,
+                qkv=pack(_stack("qkv", [layer.wq, layer.wk, layer.wv])),
+                wo=pack(layer.wo),
+                ffn_norm=layer.ffn_norm,
+                gate_up=pack(_stack("gate_up", [layer.w_gate, layer.w_up])),
+                down=pack(layer.w_down),
+            )
+            for layer in checkpoint.layers
+        ]
+        self._output_norm = checkpoint.output_norm
+        self._lm_head = pack(checkpoint.lm_head)
+        self._rope = rope_tables(self.config)
+        self._k_cache: list[np.ndarray] = []
+        self._v_cache: list[np.ndarray] = []
+        self._block_size = 0
+
+    @classmethod
+    def from_gguf(
+        cls, path: Path, num_threads: int | None = None, kernels: str | None = None
+    ) -> CpuModelRunner:
+        """Loads a GGUF LLaMA. ``kernels``: "native" | "numpy" | "auto" (default $CHATMESH_ENGINE_KERNELS
+        or auto); ``num_threads``: native kernel threads (default: the CPUs this process may use)."""
+        started = time.monotonic()
+        checkpoint = load_gguf(path)
+        runner = cls(checkpoint, select_kernels(kernels, num_threads, checkpoint.config))
+        log.info(
+            "loaded %s from %s with %s kernels in %.1f s",
+            runner.spec.name,
+            path,
+            runner.kernels.name,
+            time.monotonic() - started,
+        )
+        return runner
+
+    # -- ModelRunner ---------------------------------------------------------------------------------
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        cfg = self.config
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        cfg = self.config
+        if block_size > 16 and block_size % 16:
+            raise ValueError(f"block_size must be at most 16 or a multiple of 16, got {block_size}")
+        k_shape = (num_blocks, cfg.num_kv_heads, cfg.head_dim, block_size)
+        v_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # np.zeros maps memory lazily (in 2 MiB huge pages where numpy gets them): the pool becomes
+        # resident as blocks are first written, not at allocation.
+        self._k_cache = [np.zeros(k_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
+        self._v_cache = [np.zeros(v_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
+        self._block_size = block_size
+
+    def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        if not self._k_cache:
+            raise RuntimeError("allocate_kv_cache must be called before execute")
+        cfg, ops = self.config, self.kernels
+        batch = build_step_batch(chunks, self._block_size, cfg.context_length)
+        heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_width, kv_width = heads * hd, kv_heads * hd
+        slot_block, slot_offset = np.divmod(batch.slots, self._block_size)
+
+        x = self._embedding.dequantize_rows(batch.token_ids)
+        for layer, k_cache, v_cache in zip(self._layers, self._k_cache, self._v_cache, strict=True):
+            h = ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = ops.linear(h, layer.qkv)
+            ops.rope(qkv, batch.positions, self._rope, cfg)
+            k_cache[slot_block, :, :, slot_offset] = qkv[:, q_width : q_width + kv_width].reshape(
+                -1, kv_heads, hd
+            )
+            v_cache.reshape(-1, kv_width)[batch.slots] = qkv[:, q_width + kv_width :]
+            attn = ops.attention(qkv, k_cache, v_cache, batch, cfg)
+            x += ops.linear(attn, layer.wo)
+            h = ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            x += ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+        assert x.dtype == np.float32, "float64 crept into the activations"
+        if len(batch.logit_rows) == 0:
+            return np.empty((0, cfg.vocab_size), dtype=np.float32)
+        h = ops.rms_norm(np.ascontiguousarray(x[batch.logit_rows]), self._output_norm, cfg.rms_norm_eps)
+        return ops.linear(h, self._lm_head)
+
+    def close(self) -> None:
+        self._k_cache, self._v_cache = [], []
+
+
+def _stack(name: str, matrices: list[WeightMatrix]) -> WeightMatrix:
+    """Rows of several [out_i, in] matrices as one [sum out_i, in] matrix, kept in their stored format
+    when they share it, so one GEMM computes all of them."""
+    first = matrices[0]
+    rows = sum(m.shape[0] for m in matrices)
+    if all(m.qtype == first.qtype and m.data.ndim == 2 for m in matrices):
+        return WeightMatrix(
+            name, first.qtype, (rows, first.shape[1]), np.concatenate([m.data for m in matrices])
+        )
+    return WeightMatrix(
+        name, QType.F32, (rows, first.shape[1]), np.concatenate([m.dequantize() for m in matrices])
+    )

@@ -1,0 +1,75 @@
+"""Numeric kernels of the CPU runner, in two interchangeable implementations.
+
+``native``: C with AVX-512 (gemm.c, attention.c), built by gcc at `make setup` or first use, loaded with
+ctypes; batch-invariant (results per sequence are bit-identical whatever the batch). ``numpy``: plain
+numpy/OpenBLAS, correct on any CPU numpy runs on. ``select_kernels("auto")`` takes native when this CPU
+and build allow it, and otherwise numpy, logging why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Protocol
+
+import numpy as np
+
+from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
+from engine.model.step_batch import StepBatch
+
+log = logging.getLogger(__name__)
+
+
+class Kernels(Protocol):
+    name: str  # "native" | "numpy"
+
+    def pack(self, matrix: WeightMatrix) -> object:
+        """The matrix in this implementation's own layout (done once at load)."""
+        ...
+
+    def linear(self, x: np.ndarray, packed: object) -> np.ndarray:
+        """x [T, in] float32 → x @ W.T [T, out] float32."""
+        ...
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray: ...
+
+    def rope(self, qkv: np.ndarray, positions: np.ndarray, tables: RopeTables, config: LlamaConfig) -> None:
+        """Rotates, in place, the q and k heads (the leading ``num_heads + num_kv_heads``) of every row."""
+        ...
+
+    def attention(
+        self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
+    ) -> np.ndarray:
+        """Causal attention of every token's query heads (the leading columns of ``qkv``) over its own
+        sequence's cached K/V, positions 0..pos. Returns [T, num_heads * head_dim]."""
+        ...
+
+    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        """[T, 2F] (gate | up) → silu(gate) * up, [T, F]."""
+        ...
+
+
+def select_kernels(
+    name: str | None = None, num_threads: int | None = None, config: LlamaConfig | None = None
+) -> Kernels:
+    """``name``: "native", "numpy" or "auto" (default: $CHATMESH_ENGINE_KERNELS, else "auto").
+    ``config``: the model the kernels will run, checked against the native kernels' shape limits."""
+    from engine.model.kernels.numpy_kernels import NumpyKernels
+
+    name = name or os.environ.get("CHATMESH_ENGINE_KERNELS", "auto")
+    if name == "numpy":
+        return NumpyKernels()
+    if name not in ("native", "auto"):
+        raise ValueError(f"unknown kernels {name!r}: use native, numpy or auto")
+    from engine.model.kernels.native import NativeKernels, NativeUnavailable
+
+    try:
+        kernels = NativeKernels(num_threads)
+        if config is not None:
+            kernels.check_shapes(config)
+        return kernels
+    except NativeUnavailable as exc:
+        if name == "native":
+            raise
+        log.warning("native kernels unavailable (%s); using numpy kernels, several times slower", exc)
+        return NumpyKernels()

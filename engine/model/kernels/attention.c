@@ -1,0 +1,231 @@
+// Attention over the paged KV cache and the small per-token kernels around it (RMSNorm, RoPE, SwiGLU).
+//
+// KV cache, per layer (see cpu_runner.py):
+//   K: [num_blocks, num_kv_heads, head_dim, block_size]  keys of a block transposed, so the scores of a
+//      whole block are head_dim broadcast-FMAs into one vector, with no horizontal sums;
+//   V: [num_blocks, block_size, num_kv_heads, head_dim]  one value row per position.
+// A token at position `pos` attends to positions 0..pos, found through its sequence's block table; the
+// K/V of the current step are written into the cache before this runs, so a prefill chunk attends to
+// the cached prefix and causally to itself in one pass. Work items are (token, kv head): the query
+// heads of a GQA group share every K/V load. Each item is computed alone, in a fixed order, so results
+// do not depend on batch composition or chunking.
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "pool.h"
+
+// e^x with x clamped to [-87, 88]: Cody-Waite reduction, degree-6 polynomial, 2^n applied with scalef.
+// Relative error ~2 ulp.
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+enum { MAX_GROUP = 16, MAX_VEC = 16 };  // query heads per kv head; head_dim / 16
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int *token_seq, *token_pos, *block_tables;
+    float *out;
+    long q_stride;
+    int num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len;
+    float scale;
+} attention_job;
+
+// Per-thread scores buffer, grown as needed and kept: attention runs every layer of every step.
+static __thread float *scores_buf;
+static __thread size_t scores_cap;
+
+static float *scores_for(size_t floats) {
+    if (floats > scores_cap) {
+        free(scores_buf);
+        scores_cap = floats * 2;
+        scores_buf = aligned_alloc(64, sizeof(float) * scores_cap);
+    }
+    return scores_buf;
+}
+
+// Token t = item / num_kv_heads, kv head g = item % num_kv_heads, with its G query heads. Always
+// inlined into callers with constant G and nv (head_dim / 16), so the per-head accumulators live in
+// registers; with runtime values they would sit on the stack and every FMA would wait on memory.
+static inline __attribute__((always_inline)) void attend(const attention_job *jb, long item, const int G,
+                                                         const int nv) {
+    const float *q = jb->q, *k_cache = jb->k_cache, *v_cache = jb->v_cache;
+    const long q_stride = jb->q_stride;
+    const int num_heads = jb->num_heads, num_kv_heads = jb->num_kv_heads, head_dim = jb->head_dim;
+    const int block_size = jb->block_size;
+    const float scale = jb->scale;
+    const int seg_len = block_size < 16 ? block_size : 16;
+    const long block_floats = (long)num_kv_heads * head_dim * block_size;  // K and V alike
+    const long v_row = (long)num_kv_heads * head_dim;
+    float *scores = scores_for((size_t)16 * G * ((jb->max_len + seg_len - 1) / seg_len + 1));
+    float *out = jb->out;
+    const int *token_seq = jb->token_seq, *token_pos = jb->token_pos;
+    const int *block_tables = jb->block_tables;
+    const int max_blocks = jb->max_blocks;
+    const int t = (int)(item / num_kv_heads), g = (int)(item % num_kv_heads);
+    const int L = token_pos[t] + 1;
+    const int nseg = (L + seg_len - 1) / seg_len;
+    const int *table = block_tables + (long)token_seq[t] * max_blocks;
+    const float *qh[MAX_GROUP];
+    float *sc[MAX_GROUP];
+    __m512 mx[MAX_GROUP];
+    for (int h = 0; h < G; h++) {
+        qh[h] = q + (long)t * q_stride + (long)(g * G + h) * head_dim;
+        sc[h] = scores + (long)h * 16 * nseg;
+        mx[h] = _mm512_set1_ps(-INFINITY);
+    }
+    // scores: for each segment, sum over d of q_h[d] * K[block][g][d][seg keys] (two chains).
+    for (int s = 0; s < nseg; s++) {
+        const int j0 = s * seg_len;  // first position of the segment
+        const __mmask16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
+        const float *kb = k_cache + (long)table[j0 / block_size] * block_floats +
+                          (long)g * head_dim * block_size + j0 % block_size;
+        __m512 even[MAX_GROUP], odd[MAX_GROUP];
+        for (int h = 0; h < G; h++) even[h] = odd[h] = _mm512_setzero_ps();
+        for (int d = 0; d < head_dim; d += 2) {
+            const __m512 k0 = _mm512_maskz_loadu_ps(valid, kb + (long)d * block_size);
+            const __m512 k1 = _mm512_maskz_loadu_ps(valid, kb + (long)(d + 1) * block_size);
+            for (int h = 0; h < G; h++) {
+                even[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d]), k0, even[h]);
+                odd[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d + 1]), k1, odd[h]);
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            __m512 v = _mm512_mul_ps(_mm512_add_ps(even[h], odd[h]), _mm512_set1_ps(scale));
+            v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, v);
+            _mm512_store_ps(sc[h] + s * 16, v);
+            mx[h] = _mm512_max_ps(mx[h], v);
+        }
+    }
+    // softmax numerators in place; out = sum_j p_j v_j / sum_j p_j
+    float inv_sum[MAX_GROUP];
+    for (int h = 0; h < G; h++) {
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[h]));
+        __m512 sum = _mm512_setzero_ps();
+        for (int s = 0; s < nseg; s++) {
+            const __m512 x = _mm512_load_ps(sc[h] + s * 16);
+            // exp512 clamps at -87, so masked lanes (-inf) are zeroed explicitly
+            const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, m)));
+            _mm512_store_ps(sc[h] + s * 16, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    __m512 acc[MAX_GROUP][MAX_VEC];
+    for (int h = 0; h < G; h++)
+        for (int v = 0; v < nv; v++) acc[h][v] = _mm512_setzero_ps();
+    for (int s = 0; s < nseg; s++) {
+        const int j0 = s * seg_len;
+        const int n = L - j0 < seg_len ? L - j0 : seg_len;
+        const float *vb = v_cache + (long)table[j0 / block_size] * block_floats +
+                          (long)(j0 % block_size) * v_row + (long)g * head_dim;
+        for (int j = 0; j < n; j++) {
+            const float *vp = vb + j * v_row;
+            for (int v = 0; v < nv; v++) {
+                const __m512 vv = _mm512_loadu_ps(vp + v * 16);
+                for (int h = 0; h < G; h++)
+                    acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h][s * 16 + j]), vv, acc[h][v]);
+            }
+        }
+    }
+    for (int h = 0; h < G; h++) {
+        float *o = out + (long)t * num_heads * head_dim + (long)(g * G + h) * head_dim;
+        for (int v = 0; v < nv; v++)
+            _mm512_storeu_ps(o + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])));
+    }
+}
+
+// One task per (token, kv head); the shapes of common models get their own register-resident copy.
+static void attention_task(void *arg, long item) {
+    const attention_job *jb = arg;
+    const int G = jb->num_heads / jb->num_kv_heads, nv = jb->head_dim / 16;
+    if (G == 3 && nv == 4)
+        attend(jb, item, 3, 4);  // SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64
+    else if (G == 4 && nv == 4)
+        attend(jb, item, 4, 4);
+    else if (G == 1 && nv == 4)
+        attend(jb, item, 1, 4);
+    else if (G == 4 && nv == 8)
+        attend(jb, item, 4, 8);
+    else
+        attend(jb, item, G, nv);
+}
+
+// q: [T, q_stride] with query head h at q + t*q_stride + h*head_dim. out: [T, num_heads * head_dim].
+// token_seq[t]: row of block_tables ([num_seqs, max_blocks]) for token t; token_pos[t]: its position.
+// block_size: at most 16, or a multiple of 16. Keys are visited in segments of min(block_size, 16)
+// positions, each inside one block.
+void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_kv_heads, int head_dim,
+                  const float *k_cache, const float *v_cache, int block_size, const int *token_seq,
+                  const int *token_pos, const int *block_tables, int max_blocks, int max_len, float scale,
+                  float *out) {
+    attention_job job = {q,         k_cache,      v_cache,  token_seq,  token_pos,  block_tables, out,
+                         q_stride,  num_heads,    num_kv_heads, head_dim, block_size, max_blocks, max_len,
+                         scale};
+    cm_parallel_for((long)T * num_kv_heads, attention_task, &job);
+}
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, rows of length H (a multiple of 16).
+void cm_rms_norm(const float *x, int T, int H, const float *w, float eps, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (long)t * H;
+        __m512 ss = _mm512_setzero_ps();
+        for (int i = 0; i < H; i += 16) {
+            __m512 v = _mm512_loadu_ps(xr + i);
+            ss = _mm512_fmadd_ps(v, v, ss);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / H + eps));
+        for (int i = 0; i < H; i += 16)
+            _mm512_storeu_ps(out + (long)t * H + i,
+                             _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv), _mm512_loadu_ps(w + i)));
+    }
+}
+
+// Interleaved-pair RoPE in place on the first num_heads heads of each row (q heads then k heads).
+// cos/sin: [positions, head_dim / 2].
+void cm_rope(float *x, long stride, int T, int num_heads, int head_dim, const int *pos, const float *cos_t,
+             const float *sin_t) {
+    const int half = head_dim / 2;
+    for (int t = 0; t < T; t++) {
+        const float *c = cos_t + (long)pos[t] * half, *s = sin_t + (long)pos[t] * half;
+        for (int h = 0; h < num_heads; h++) {
+            float *v = x + (long)t * stride + (long)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                const float a = v[2 * i], b = v[2 * i + 1];
+                v[2 * i] = a * c[i] - b * s[i];
+                v[2 * i + 1] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
+// out[t, f] = silu(gu[t, f]) * gu[t, F + f]: gate and up projections side by side in one [T, 2F] row.
+void cm_silu_mul(const float *gu, int T, int F, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (long)t * 2 * F, *u = g + F;
+        for (int f = 0; f < F; f += 16) {
+            const __mmask16 k = tail_mask(F - f);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + f);
+            const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                             _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_mask_storeu_ps(out + (long)t * F + f, k, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(k, u + f)));
+        }
+    }
+}

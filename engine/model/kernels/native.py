@@ -1,0 +1,161 @@
+"""ctypes face of the native kernels (gemm.c, attention.c). Weights stay in GGUF's quantized numbers."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import platform
+
+import numpy as np
+
+from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
+from engine.model.kernels.build import KernelBuildError, ensure_built
+from engine.model.kernels.packing import PackedMatrix, pack
+from engine.model.step_batch import StepBatch
+
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "cm_cpu_supported": (ctypes.c_int, []),
+    "cm_set_threads": (None, [_I]),
+    "cm_get_threads": (ctypes.c_int, []),
+    "cm_gemm": (None, [_I, _P, _L, _I, _I, _P, _I, _P, _L]),
+    "cm_unpack": (None, [_I, _P, _I, _I, _P]),
+    "cm_attention": (None, [_P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _F, _P]),
+    "cm_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
+    "cm_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _P]),
+    "cm_silu_mul": (None, [_P, _I, _I, _P]),
+}
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot be used: not built (no gcc, compile error) or not supported here."""
+
+
+class UnsupportedCpu(NativeUnavailable):
+    """This machine cannot run them at all (not x86-64, or no AVX-512): numpy is the right choice."""
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The built library, checked against this CPU. Raises NativeUnavailable saying why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise UnsupportedCpu(f"the native kernels are for x86-64 with AVX-512; this is {platform.machine()}")
+    try:
+        lib = ctypes.CDLL(str(ensure_built()))
+    except (KernelBuildError, OSError) as exc:
+        raise NativeUnavailable(str(exc)) from exc
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    if not lib.cm_cpu_supported():
+        raise UnsupportedCpu("this CPU lacks AVX-512 (F, BW, VL, DQ) or FMA")
+    return lib
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    # The C side reads raw float32 rows: a float64 or strided array here would be silently misread.
+    assert a.dtype == np.float32 and a.flags.c_contiguous, (a.dtype, a.flags)
+    return a
+
+
+class NativeKernels:
+    name = "native"
+
+    def __init__(self, num_threads: int | None = None) -> None:
+        self.lib = load_library()
+        self.num_threads = num_threads or len(os.sched_getaffinity(0))
+        self.lib.cm_set_threads(self.num_threads)
+
+    def check_shapes(self, config: LlamaConfig) -> None:
+        """Raises NativeUnavailable for a model outside the C kernels' limits (see attention.c)."""
+        group = config.num_heads // config.num_kv_heads
+        if config.head_dim % 16 or config.head_dim > 256 or group > 16 or config.hidden_size % 16:
+            raise NativeUnavailable(
+                f"head_dim {config.head_dim}, {group} query heads per kv head and hidden size "
+                f"{config.hidden_size} are outside the native kernels' limits"
+            )
+
+    def pack(self, matrix: WeightMatrix) -> PackedMatrix:
+        return pack(matrix)
+
+    def linear(self, x: np.ndarray, packed: PackedMatrix) -> np.ndarray:
+        _f32(x)
+        rows = x.shape[0]
+        out = np.empty((rows, packed.out_features), dtype=np.float32)
+        self.lib.cm_gemm(
+            packed.fmt,
+            _ptr(x),
+            x.shape[1],
+            rows,
+            packed.in_features,
+            _ptr(packed.data),
+            packed.out_features,
+            _ptr(out),
+            packed.out_features,
+        )
+        return out
+
+    def unpack(self, packed: PackedMatrix) -> np.ndarray:
+        """float32 [out, in] as the GEMM sees it (quantized formats only; for tests)."""
+        out = np.empty((packed.out_features, packed.in_features), dtype=np.float32)
+        self.lib.cm_unpack(packed.fmt, _ptr(packed.data), packed.in_features, packed.out_features, _ptr(out))
+        return out
+
+    def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        _f32(x)
+        out = np.empty_like(x)
+        self.lib.cm_rms_norm(_ptr(x), x.shape[0], x.shape[1], _ptr(_f32(weight)), eps, _ptr(out))
+        return out
+
+    def rope(self, qkv: np.ndarray, positions: np.ndarray, tables: RopeTables, config: LlamaConfig) -> None:
+        _f32(qkv)
+        assert positions.dtype == np.int32
+        heads = config.num_heads + config.num_kv_heads
+        self.lib.cm_rope(
+            _ptr(qkv),
+            qkv.shape[1],
+            len(qkv),
+            heads,
+            config.head_dim,
+            _ptr(positions),
+            _ptr(tables.cos),
+            _ptr(tables.sin),
+        )
+
+    def attention(
+        self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
+    ) -> np.ndarray:
+        _f32(qkv), _f32(k_cache), _f32(v_cache)
+        num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        out = np.empty((len(qkv), num_heads * head_dim), dtype=np.float32)
+        self.lib.cm_attention(
+            _ptr(qkv),
+            qkv.shape[1],
+            len(qkv),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            _ptr(k_cache),
+            _ptr(v_cache),
+            v_cache.shape[1],  # block_size
+            _ptr(batch.token_seq),
+            _ptr(batch.positions),
+            _ptr(batch.block_tables),
+            batch.block_tables.shape[1],
+            batch.max_len,
+            1.0 / float(np.sqrt(head_dim)),
+            _ptr(out),
+        )
+        return out
+
+    def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        _f32(gate_up)
+        rows, width = gate_up.shape
+        out = np.empty((rows, width // 2), dtype=np.float32)
+        self.lib.cm_silu_mul(_ptr(gate_up), rows, width // 2, _ptr(out))
+        return out

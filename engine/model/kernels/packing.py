@@ -1,0 +1,79 @@
+"""Repacks GGUF weight rows into the native GEMM's panel layout (see gemm.c), once at load.
+
+A panel is 16 output rows, k-major. Per (panel, 32-k block):
+- Q4_1: f16 d[16], f16 m[16], then 16 code pairs of 16 bytes (byte n: low nibble = row k, high = k+1);
+- Q8_0: f16 d[16], then 32 rows of 16 int8 codes;
+- F32 (every other type, dequantized): the panel is simply float32 [K, 16].
+Quantized panels hold exactly GGUF's numbers, so no precision is lost and memory stays the file's size.
+N is padded to a multiple of 16 with zero rows that the kernel never writes out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from engine.model.checkpoint import WeightMatrix
+
+NR = 16  # outputs per panel
+QK = 32  # weights per quant block
+FORMAT_F32, FORMAT_Q4_1, FORMAT_Q8_0 = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PackedMatrix:
+    fmt: int
+    out_features: int
+    in_features: int
+    data: np.ndarray  # contiguous bytes or float32, panel after panel
+
+
+def pack(matrix: WeightMatrix) -> PackedMatrix:
+    n, k = matrix.shape
+    if matrix.qtype == QType.Q4_1:
+        return PackedMatrix(FORMAT_Q4_1, n, k, _pack_q4_1(matrix.data, n, k))
+    if matrix.qtype == QType.Q8_0:
+        return PackedMatrix(FORMAT_Q8_0, n, k, _pack_q8_0(matrix.data, n, k))
+    w = _pad_rows(matrix.dequantize(), NR)
+    panels = w.reshape(-1, NR, k).transpose(0, 2, 1)
+    return PackedMatrix(FORMAT_F32, n, k, np.ascontiguousarray(panels, dtype=np.float32))
+
+
+def _pad_rows(a: np.ndarray, multiple: int) -> np.ndarray:
+    extra = -a.shape[0] % multiple
+    return a if extra == 0 else np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])
+
+
+def _panel_major(a: np.ndarray) -> np.ndarray:
+    """[N, blocks, ...] → [panels, blocks, ..., 16]: the 16 rows of a panel become the last axis."""
+    a = _pad_rows(a, NR)
+    p = a.shape[0] // NR
+    a = a.reshape(p, NR, *a.shape[1:])
+    return np.moveaxis(a, 1, -1)
+
+
+def _pack_q4_1(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // QK, 20)
+    scales = _panel_major(blocks[..., 0:4].copy().view(np.float16).reshape(n, k // QK, 2))  # [P, B, 2, 16]
+    qs = blocks[..., 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, B, 32]: element j of the block
+    codes = _panel_major(codes)  # [P, B, 32, 16]
+    pairs = codes[:, :, 0::2, :] | (codes[:, :, 1::2, :] << 4)  # [P, B, 16, 16]
+    p, nb = pairs.shape[:2]
+    out = np.concatenate(
+        [np.ascontiguousarray(scales).view(np.uint8).reshape(p, nb, 64), pairs.reshape(p, nb, 256)], axis=-1
+    )
+    return np.ascontiguousarray(out)
+
+
+def _pack_q8_0(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // QK, 34)
+    scales = _panel_major(blocks[..., 0:2].copy().view(np.float16).reshape(n, k // QK))  # [P, B, 16]
+    codes = _panel_major(blocks[..., 2:])  # [P, B, 32, 16]
+    p, nb = codes.shape[:2]
+    out = np.concatenate(
+        [np.ascontiguousarray(scales).view(np.uint8).reshape(p, nb, 32), codes.reshape(p, nb, 512)], axis=-1
+    )
+    return np.ascontiguousarray(out)

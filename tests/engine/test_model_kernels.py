@@ -1,0 +1,134 @@
+"""The native kernels against the numpy kernels (and gguf's dequantization) on synthetic data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+from gguf import quants
+
+from engine.model import kernels as kernels_module
+from engine.model.checkpoint import LlamaConfig, WeightMatrix, rope_tables
+from engine.model.kernels import select_kernels
+from engine.model.kernels.native import NativeKernels, NativeUnavailable
+from engine.model.kernels.numpy_kernels import NumpyKernels
+from engine.model.kernels.packing import FORMAT_F32, FORMAT_Q4_1, FORMAT_Q8_0
+from engine.model.runner import SequenceChunk
+from engine.model.step_batch import build_step_batch
+from tests.fixtures.model import require_native
+
+RNG = np.random.default_rng(1234)
+# SmolLM2's attention shape: 9 query heads in 3 GQA groups of head_dim 64.
+SHAPE = LlamaConfig("test", 1, 576, 1536, 9, 3, 64, 1000, 4096, 10000.0, 1e-5)
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeKernels:
+    require_native()
+    return NativeKernels(num_threads=2)
+
+
+def random_matrix(qtype: QType, out_features: int, in_features: int) -> WeightMatrix:
+    values = RNG.standard_normal((out_features, in_features)).astype(np.float32)
+    if qtype == QType.F32:
+        return WeightMatrix("w", qtype, values.shape, values)
+    return WeightMatrix("w", qtype, values.shape, quants.quantize(values, qtype))
+
+
+@pytest.mark.parametrize(
+    ("qtype", "fmt"), [(QType.Q4_1, FORMAT_Q4_1), (QType.Q8_0, FORMAT_Q8_0), (QType.F16, FORMAT_F32)]
+)
+def test_packed_weights_expand_to_exactly_ggufs_dequantized_values(native, qtype, fmt):
+    matrix = random_matrix(qtype, 40, 96)  # 40 rows: two full panels and a partial one
+    packed = native.pack(matrix)
+    assert packed.fmt == fmt
+    if fmt == FORMAT_F32:
+        unpacked = packed.data.transpose(0, 2, 1).reshape(-1, 96)[:40]
+    else:
+        unpacked = native.unpack(packed)
+    np.testing.assert_array_equal(unpacked, matrix.dequantize())
+
+
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.F32])
+@pytest.mark.parametrize("rows", [1, 5, 13, 40])
+def test_native_linear_matches_float32_matmul(native, qtype, rows):
+    matrix = random_matrix(qtype, 200, 160)  # 200 outputs: an odd number of 16-row panels, one partial
+    x = RNG.standard_normal((rows, 160)).astype(np.float32)
+    expected = x.astype(np.float64) @ matrix.dequantize().T.astype(np.float64)
+    np.testing.assert_allclose(native.linear(x, native.pack(matrix)), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_native_linear_rows_do_not_depend_on_the_rest_of_the_batch(native):
+    packed = native.pack(random_matrix(QType.Q4_1, 96, 576))
+    x = RNG.standard_normal((37, 576)).astype(np.float32)
+    together = native.linear(x, packed)
+    for i in (0, 12, 36):
+        np.testing.assert_array_equal(native.linear(x[i : i + 1], packed)[0], together[i])
+
+
+def step_inputs(block_size: int, chunks: list[tuple[int, int]]):
+    """A random paged cache and a step of (start_position, length) chunks on scattered blocks."""
+    num_blocks, heads, kv_heads, head_dim = 64, SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim
+    k_cache = RNG.standard_normal((num_blocks, kv_heads, head_dim, block_size)).astype(np.float32)
+    v_cache = RNG.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    free = list(RNG.permutation(num_blocks))
+    seq_chunks = []
+    for start, length in chunks:
+        blocks = [int(free.pop()) for _ in range(-(-(start + length) // block_size))]
+        tokens = np.zeros(length, dtype=np.int32)
+        seq_chunks.append(SequenceChunk(tokens, start, np.array(blocks, dtype=np.int32), True))
+    batch = build_step_batch(seq_chunks, block_size, context_length=4096)
+    qkv = RNG.standard_normal((batch.num_tokens, (heads + 2 * kv_heads) * head_dim)).astype(np.float32)
+    return qkv, k_cache, v_cache, batch
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_native_paged_attention_matches_numpy(native, block_size):
+    # decode tokens, a first prefill chunk, and a later chunk over a cached prefix, in one step
+    qkv, k_cache, v_cache, batch = step_inputs(block_size, [(0, 1), (40, 1), (0, 23), (70, 9), (5, 2)])
+    args = (qkv, k_cache, v_cache, batch, SHAPE)
+    np.testing.assert_allclose(native.attention(*args), NumpyKernels().attention(*args), rtol=1e-5, atol=2e-6)
+
+
+def test_native_attention_ignores_cache_past_each_tokens_position(native):
+    qkv, k_cache, v_cache, batch = step_inputs(16, [(0, 20), (3, 1)])
+    before = native.attention(qkv, k_cache, v_cache, batch, SHAPE)
+    # Scribble over every position later than any token of the step: nothing may change.
+    for row, last in ((0, 19), (1, 3)):
+        for pos in range(last + 1, 32):
+            block, offset = batch.block_tables[row, pos // 16], pos % 16
+            k_cache[block, :, :, offset] = 1e3
+            v_cache[block, offset] = -1e3
+    np.testing.assert_array_equal(native.attention(qkv, k_cache, v_cache, batch, SHAPE), before)
+
+
+def test_native_elementwise_kernels_match_numpy(native):
+    reference = NumpyKernels()
+    x = RNG.standard_normal((7, 576)).astype(np.float32)
+    weight = RNG.standard_normal(576).astype(np.float32)
+    np.testing.assert_allclose(
+        native.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), rtol=1e-5
+    )
+
+    gate_up = (RNG.standard_normal((7, 2 * 1536)) * 8).astype(np.float32)
+    np.testing.assert_allclose(native.silu_mul(gate_up), reference.silu_mul(gate_up), rtol=1e-5, atol=1e-6)
+
+    positions = np.array([0, 1, 17, 300, 4095, 2, 9], dtype=np.int32)
+    tables = rope_tables(SHAPE)
+    qkv = RNG.standard_normal((7, 15 * 64)).astype(np.float32)
+    ours, theirs = qkv.copy(), qkv.copy()
+    native.rope(ours, positions, tables, SHAPE)
+    reference.rope(theirs, positions, tables, SHAPE)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(ours[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v heads untouched
+
+
+def test_auto_selection_falls_back_to_numpy_when_native_is_unavailable(monkeypatch):
+    def unavailable(num_threads=None):
+        raise NativeUnavailable("no compiler in this test")
+
+    monkeypatch.setattr("engine.model.kernels.native.NativeKernels", unavailable)
+    assert select_kernels("auto").name == "numpy"
+    with pytest.raises(NativeUnavailable):
+        select_kernels("native")
+    assert kernels_module.select_kernels("numpy").name == "numpy"

@@ -1,0 +1,112 @@
+"""The CPU runner on the real model, driven over a paged KV cache, against the plain reference forward.
+
+Tolerances: the native kernels compute every weight exactly as the reference does (bit-identical
+dequantization) but sum in another order, and the numpy kernels' BLAS may sum differently for different
+batch shapes; both move logits by float32 rounding only, measured at < 2e-3 on logits of size ~25.
+``LOGIT_TOL`` = 0.02 leaves a 10x margin. Greedy tokens must then be identical, except where the two
+best logits are within ``LOGIT_TOL`` of each other (a near-tie that rounding may legitimately flip).
+The native kernels are batch-invariant, so batching and chunking must not change a single bit there.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.model.cpu_runner import CpuModelRunner
+from engine.model.paged_driver import Generation, PagedDriver
+from engine.model.reference import ReferenceModel
+
+LOGIT_TOL = 0.02
+NEW_TOKENS = 12
+
+CHATS = [
+    "What is the capital of France?",
+    "Give me one tip for writing clear code.",
+    "Translate 'good morning' into Spanish.",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(chat_tokenizer) -> list[list[int]]:
+    return [chat_tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CHATS]
+
+
+def assert_greedy_matches_reference(gen: Generation, reference: ReferenceModel) -> None:
+    """Teacher-forced check of every generated token: the reference, given the same prefix, must pick
+    the same token unless its top two logits are within LOGIT_TOL; the runner's logits must be within
+    LOGIT_TOL of the reference's. Without a near-tie this is exactly "same greedy output"."""
+    expected = reference.logits(gen.prompt + gen.tokens[:-1])[len(gen.prompt) - 1 :]
+    for i, (token, ours, theirs) in enumerate(zip(gen.tokens, gen.logits, expected, strict=True)):
+        np.testing.assert_allclose(ours, theirs, atol=LOGIT_TOL, rtol=0, err_msg=f"logits of token {i}")
+        best = int(np.argmax(theirs))
+        if token != best:
+            margin = theirs[best] - theirs[token]
+            assert margin < LOGIT_TOL, f"token {i}: runner chose {token}, reference {best} by {margin:.4f}"
+
+
+def assert_same_generation(a: Generation, b: Generation, bit_exact: bool) -> None:
+    """Two runs of one sequence: identical tokens (up to a near-tie when not bit-exact) and logits."""
+    for i, (ta, tb, la, lb) in enumerate(zip(a.tokens, b.tokens, a.logits, b.logits, strict=False)):
+        if bit_exact:
+            np.testing.assert_array_equal(la, lb, err_msg=f"logits of token {i}")
+            assert ta == tb
+            continue
+        np.testing.assert_allclose(la, lb, atol=LOGIT_TOL, rtol=0, err_msg=f"logits of token {i}")
+        if ta != tb:
+            top2 = np.sort(la)[-2:]
+            assert top2[1] - top2[0] < LOGIT_TOL, f"token {i} differs without a near-tie"
+            return
+    assert a.tokens == b.tokens
+
+
+def test_paged_greedy_decoding_matches_the_reference_forward(cpu_runner, reference_model, prompts):
+    driver = PagedDriver(cpu_runner, num_blocks=64, block_size=16, shuffle_seed=7)
+    gens = driver.generate(prompts, NEW_TOKENS, keep_logits=True)
+    for gen in gens:
+        assert len(gen.tokens) == NEW_TOKENS
+        assert_greedy_matches_reference(gen, reference_model)
+
+
+def test_the_model_knows_the_capital_of_france(cpu_runner, chat_tokenizer, prompts):
+    driver = PagedDriver(cpu_runner, num_blocks=16, block_size=16)
+    [gen] = driver.generate(prompts[:1], 16, stop_ids=chat_tokenizer.eos_token_ids)
+    assert "Paris" in chat_tokenizer.decode(gen.tokens)
+
+
+def test_chunked_prefill_gives_the_same_tokens_as_one_shot_prefill(cpu_runner, prompts):
+    prompt = prompts[1]
+    one_shot = PagedDriver(cpu_runner, num_blocks=32, shuffle_seed=1).generate([prompt], 6, keep_logits=True)
+    for chunk in (5, 16, 23):  # below, at and across the block size
+        chunked = PagedDriver(cpu_runner, num_blocks=32, shuffle_seed=2).generate(
+            [prompt], 6, prefill_chunk=chunk, keep_logits=True
+        )
+        assert_same_generation(chunked[0], one_shot[0], bit_exact=cpu_runner.kernels.name == "native")
+
+
+def test_a_sequence_decodes_the_same_alone_and_in_a_batch_of_16(cpu_runner, chat_tokenizer, prompts):
+    target = prompts[2]
+    alone = PagedDriver(cpu_runner, num_blocks=16, shuffle_seed=3).generate([target], 6, keep_logits=True)
+    # 15 companions of different lengths, two still prefilling in chunks while the target decodes
+    others = [
+        chat_tokenizer.encode_chat([{"role": "user", "content": "count: " + "ab " * i}]) for i in range(15)
+    ]
+    others[3] = others[3] * 4
+    batch = PagedDriver(cpu_runner, num_blocks=256, shuffle_seed=4).generate(
+        [*others[:8], target, *others[8:]], 6, prefill_chunk=48, keep_logits=True
+    )
+    assert_same_generation(batch[8], alone[0], bit_exact=cpu_runner.kernels.name == "native")
+
+
+def test_only_chunks_that_need_logits_return_them(native_runner: CpuModelRunner, prompts):
+    from engine.model.runner import SequenceChunk
+
+    native_runner.allocate_kv_cache(16, 16)
+    prompt = np.asarray(prompts[0], dtype=np.int32)
+    chunks = [
+        SequenceChunk(prompt[:20], 0, np.array([0, 1], dtype=np.int32), needs_logits=False),
+        SequenceChunk(prompt, 0, np.array([2, 3, 4], dtype=np.int32), needs_logits=True),
+    ]
+    logits = native_runner.execute(chunks)
+    assert logits.shape == (1, native_runner.spec.vocab_size)
+    assert logits.dtype == np.float32
