@@ -1,3 +1,8 @@
 """Shared pytest setup. Fixtures that start real services live in tests/fixtures/, one module each."""
 
-pytest_plugins: list[str] = ["tests.fixtures.engines", "tests.fixtures.envoy", "tests.fixtures.browser"]
+pytest_plugins: list[str] = [
+    "tests.fixtures.engines",
+    "tests.fixtures.router",
+    "tests.fixtures.envoy",
+    "tests.fixtures.browser",
+]
