@@ -82,14 +82,15 @@ class Relay:
         self.deadline_s = deadline_s  # seconds the client allows, from arrival
         self.output: list[int] = []
         self.cancelled = False
-        self._cancel = asyncio.Event()
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None  # the engine call in progress
+        self._outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] | None = None  # frames to it
         self._first_token_at: float | None = None
 
     def cancel(self) -> None:
         """The client sent `cancel`: forward it to the engine now; no further attempts."""
         self.cancelled = True
-        self._cancel.set()
+        if self._outbox is not None:
+            self._outbox.put_nowait(_CANCEL)
 
     def close(self) -> None:
         """The client is gone: cancel the engine call (the engine frees the request's blocks)."""
@@ -150,8 +151,14 @@ class Relay:
         engine = placement.engine
         attempt_id = self.start.request_id if attempt == 1 else f"{self.start.request_id}#{attempt}"
         resumed = len(self.output)
-        call = engine.stub.Generate(self._outbound(engine, attempt_id), timeout=self._call_timeout())
-        self._call = call
+        # The request side is a queue, so a client's `cancel` goes out the moment it arrives; it ends
+        # with the attempt (an open request iterator would outlive the call inside gRPC).
+        outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] = asyncio.Queue(maxsize=3)
+        outbox.put_nowait(engine_pb2.GenerateRequest(start=self._engine_start(engine, attempt_id)))
+        if self.cancelled:
+            outbox.put_nowait(_CANCEL)
+        call = engine.stub.Generate(_drain(outbox), timeout=self._call_timeout())
+        self._call, self._outbox = call, outbox
         engine.dispatched(attempt_id, len(self.plan.prompt) + resumed)
         completed = False
         try:
@@ -177,29 +184,23 @@ class Relay:
                 else:
                     raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
         finally:
-            self._call = None
+            self._call = self._outbox = None
+            outbox.put_nowait(None)
             engine.ended(attempt_id, completed)
             if not completed:
                 call.cancel()
 
-    async def _outbound(
-        self, engine: EngineState, attempt_id: str
-    ) -> AsyncIterator[engine_pb2.GenerateRequest]:
-        """The frames to the engine: `start`, then `cancel` when the client cancels."""
+    def _engine_start(self, engine: EngineState, attempt_id: str) -> engine_pb2.GenerateStart:
         start, info = self.start, engine.info
-        yield engine_pb2.GenerateRequest(
-            start=engine_pb2.GenerateStart(
-                request_id=attempt_id,
-                prompt_token_ids=self.plan.prompt,
-                resumed_output_token_ids=self.output,
-                sampling=start.sampling,
-                priority=TIER_PRIORITY.get(start.tier, engine_pb2.PRIORITY_LOW),
-                model=info.model if info is not None else "",
-                tokenizer_fingerprint=start.tokenizer_fingerprint,
-            )
+        return engine_pb2.GenerateStart(
+            request_id=attempt_id,
+            prompt_token_ids=self.plan.prompt,
+            resumed_output_token_ids=self.output,
+            sampling=start.sampling,
+            priority=TIER_PRIORITY.get(start.tier, engine_pb2.PRIORITY_LOW),
+            model=info.model if info is not None else "",
+            tokenizer_fingerprint=start.tokenizer_fingerprint,
         )
-        await self._cancel.wait()
-        yield engine_pb2.GenerateRequest(cancel=engine_pb2.GenerateCancel())
 
     async def _read(
         self, call: grpc.aio.StreamStreamCall, timeout_s: float, waiting_for: str
@@ -277,3 +278,11 @@ class Relay:
         if self.deadline_s is None:
             return self.config.max_request_s
         return max(0.001, min(self.config.max_request_s, self.deadline_s - (time.monotonic() - self.arrival)))
+
+
+_CANCEL = engine_pb2.GenerateRequest(cancel=engine_pb2.GenerateCancel())
+
+
+async def _drain(outbox: asyncio.Queue) -> AsyncIterator[engine_pb2.GenerateRequest]:
+    while (frame := await outbox.get()) is not None:
+        yield frame
