@@ -114,19 +114,24 @@ class Relay:
             if failures:
                 self.metrics.failovers.labels(failures[-1][1].reason).inc()
             engine = placement.engine
-            yield router_pb2.GenerateResponse(
-                routed=router_pb2.GenerateRouted(
-                    engine_id=engine.engine_id,
-                    predicted_cached_tokens=placement.predicted_cached_tokens,
-                    attempt=attempt,
-                )
-            )
+            attempt_id = self.start.request_id if attempt == 1 else f"{self.start.request_id}#{attempt}"
+            # Counted on the engine before anything awaits, so the next placement already sees it.
+            engine.dispatched(attempt_id, len(self.plan.prompt) + len(self.output))
             try:
-                async for frame in self._stream(placement, attempt):
+                yield router_pb2.GenerateResponse(
+                    routed=router_pb2.GenerateRouted(
+                        engine_id=engine.engine_id,
+                        predicted_cached_tokens=placement.predicted_cached_tokens,
+                        attempt=attempt,
+                    )
+                )
+                async for frame in self._stream(placement, attempt_id):
                     yield frame
                 return
             except AttemptFailed as exc:
                 failures.append((engine.engine_id, exc))
+            finally:
+                engine.ended(attempt_id, completed=False)  # no-op when the attempt finished
         if self.cancelled:
             yield self._cancelled_here()
             return
@@ -147,10 +152,10 @@ class Relay:
 
     # -- one attempt ---------------------------------------------------------------------------------
 
-    async def _stream(self, placement: Placement, attempt: int) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _stream(
+        self, placement: Placement, attempt_id: str
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
         engine = placement.engine
-        attempt_id = self.start.request_id if attempt == 1 else f"{self.start.request_id}#{attempt}"
-        resumed = len(self.output)
         # The request side is a queue, so a client's `cancel` goes out the moment it arrives; it ends
         # with the attempt (an open request iterator would outlive the call inside gRPC).
         outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] = asyncio.Queue(maxsize=3)
@@ -159,7 +164,6 @@ class Relay:
             outbox.put_nowait(_CANCEL)
         call = engine.stub.Generate(_drain(outbox), timeout=self._call_timeout())
         self._call, self._outbox = call, outbox
-        engine.dispatched(attempt_id, len(self.plan.prompt) + resumed)
         completed = False
         try:
             frame = await self._read(call, self.config.accept_timeout_s, "`accepted`")
@@ -179,6 +183,7 @@ class Relay:
                         yield router_pb2.GenerateResponse(tokens=tokens)
                 elif kind == "finished":
                     completed = True
+                    engine.ended(attempt_id, completed=True)
                     yield router_pb2.GenerateResponse(finished=self._finished(frame.finished, placement))
                     return
                 else:
@@ -186,7 +191,6 @@ class Relay:
         finally:
             self._call = self._outbox = None
             outbox.put_nowait(None)
-            engine.ended(attempt_id, completed)
             if not completed:
                 call.cancel()
 

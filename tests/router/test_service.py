@@ -125,6 +125,18 @@ async def test_load_dominates_when_the_engine_holding_the_prefix_is_saturated(
     await wait_until(lambda: engine_idle(engine_stubs[home]), what="the heavy load to go away")
 
 
+async def test_a_burst_on_a_hot_prefix_spreads_once_the_holders_load_outweighs_the_hit(stub, tok):
+    system = "You summarise long documents for busy readers. " * 30
+    home = (await generate(stub, start_frame(chat(tok, system, "Warm up."), max_tokens=2))).engine_id
+    # Each request counts on its engine the moment it is placed, so a burst does not all pile onto
+    # the engine holding the prefix before its load shows up.
+    burst = await asyncio.gather(
+        *(generate(stub, start_frame(chat(tok, system, f"Document {i}."), max_tokens=30)) for i in range(10))
+    )
+    engines = [outcome.engine_id for outcome in burst]
+    assert home in engines and len(set(engines)) == 2, engines
+
+
 def direct_request(stub, request_id, prompt, max_tokens):
     """A Generate call straight to an engine, bypassing the router (cancel the call to end it)."""
 
