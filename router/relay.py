@@ -213,7 +213,9 @@ class Relay:
             async with asyncio.timeout(timeout_s):
                 frame = await call.read()
         except TimeoutError:
-            raise AttemptFailed("timeout", f"no {waiting_for} within {timeout_s:g}s") from None
+            raise AttemptFailed(
+                "timeout", f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
+            ) from None
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in _CALLER_ERRORS:
