@@ -17,7 +17,7 @@ help:
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/provision.sh
+$(STAMP): pyproject.toml scripts/provision.sh memory_store/cassandra/pom.xml
 	@scripts/provision.sh
 	@touch $@
 

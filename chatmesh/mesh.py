@@ -18,6 +18,7 @@ from chatmesh.envoy import InvalidEnvoyConfigError
 from chatmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from chatmesh.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec
 from chatmesh.serving import PortInUseError
+from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class MeshPorts:
     router: int = 50051
     first_engine: int = 50061
     front_door: FrontDoorPorts = field(default_factory=FrontDoorPorts)
+    cassandra: int = 9042
+    cassandra_storage: int = 7000
+    cassandra_jmx: int = 7199
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,20 @@ class MeshConfig:
     # Whom the dev token printed at start-up speaks for.
     user: str = "alice"
     tier: str = "pro"
+    cassandra_data_dir: Path = Path(".run/mesh/cassandra")
 
     def engine_ports(self) -> list[int]:
         return [self.ports.first_engine + i for i in range(self.engines)]
+
+
+def cassandra_node_config(config: MeshConfig) -> NodeConfig:
+    """The mesh's Cassandra node: started first, before everything else; its data survives restarts."""
+    return NodeConfig(
+        data_dir=config.cassandra_data_dir.resolve(),
+        cql_port=config.ports.cassandra,
+        storage_port=config.ports.cassandra_storage,
+        jmx_port=config.ports.cassandra_jmx,
+    )
 
 
 def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
@@ -90,6 +105,8 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 str(ports.orchestrator),
                 "--router",
                 f"127.0.0.1:{ports.router}",
+                "--cassandra",
+                f"127.0.0.1:{ports.cassandra}",
             ],
             ports=(ports.orchestrator,),
             ready=GrpcHealthy(ports.orchestrator),
@@ -113,14 +130,22 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--envoy-internal-port", type=int, default=door.envoy_internal)
     parser.add_argument("--user", default="alice", help="who the printed token is for")
     parser.add_argument("--tier", default="pro", help="the printed token's tier")
+    parser.add_argument("--cassandra-port", type=int, default=defaults.cassandra, help="CQL port")
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
     door = FrontDoorPorts(args.envoy_port, args.envoy_admin_port, args.envoy_internal_port, args.edge_port)
-    ports = MeshPorts(args.orchestrator_port, args.router_port, args.first_engine_port, door)
+    ports = MeshPorts(
+        args.orchestrator_port, args.router_port, args.first_engine_port, door, cassandra=args.cassandra_port
+    )
     config = MeshConfig(
-        ports=ports, engines=args.engines, engine_backend=args.engine_backend, user=args.user, tier=args.tier
+        ports=ports,
+        engines=args.engines,
+        engine_backend=args.engine_backend,
+        user=args.user,
+        tier=args.tier,
+        cassandra_data_dir=args.run_dir / "cassandra",
     )
     return config, args.run_dir
 
@@ -132,17 +157,21 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     with Launcher(run_dir) as launcher:
         try:
+            # Cassandra first: the orchestrator needs it. SIGTERM at shutdown drains it (flushes
+            # memtables) through Cassandra's own shutdown hook.
+            CassandraNode(cassandra_node_config(config), launcher).start()
             for spec in mesh_specs(config, run_dir):
                 if stop.is_set():
                     return 130
                 launcher.start(spec)
-        except (PortInUseError, ServiceFailedError, InvalidEnvoyConfigError) as exc:
+        except (PortInUseError, ServiceFailedError, InvalidEnvoyConfigError, NodeSetupError) as exc:
             print(f"\nERROR: {exc}", file=sys.stderr)
             return 1
         token = ensure_keys().mint(config.user, config.tier)
         print(
             f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
             f"{welcome(config.ports.front_door, token, config.user, config.tier)}\n"
+            f"  cassandra:    127.0.0.1:{config.ports.cassandra} (CQL; data in {config.cassandra_data_dir})\n"
             "Press Ctrl-C to stop everything.",
             flush=True,
         )

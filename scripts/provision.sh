@@ -50,4 +50,23 @@ else
   echo "         The browser tests will fail until you install it (Debian: sudo apt-get install chromium),"
   echo "         point CHATMESH_CHROMIUM at a Chromium binary, or set CHATMESH_SKIP_BROWSER_TESTS=1."
 fi
+
+step "fetching Apache Cassandra into .cache/cassandra/lib with Maven (first run downloads ~70 MB of jars)"
+# The jars are pinned by memory_store/cassandra/pom.xml; a stamp of its hash skips Maven when up to date.
+cassandra_pom=memory_store/cassandra/pom.xml
+cassandra_lib=.cache/cassandra/lib
+cassandra_want=$(sha256sum "$cassandra_pom" | cut -d' ' -f1)
+if [ -f "$cassandra_lib/.pom.sha256" ] && [ "$(cat "$cassandra_lib/.pom.sha256")" = "$cassandra_want" ]; then
+  echo "cassandra jars: up to date ($(ls "$cassandra_lib"/*.jar | wc -l) jars)"
+else
+  rm -rf "$cassandra_lib.tmp"
+  mkdir -p .cache/cassandra
+  mvn -B -f "$cassandra_pom" dependency:copy-dependencies -DincludeScope=runtime \
+    -DoutputDirectory="$PWD/$cassandra_lib.tmp" >.cache/cassandra/maven.log 2>&1 \
+    || { tail -30 .cache/cassandra/maven.log; fail "Maven could not fetch Cassandra (log: .cache/cassandra/maven.log). Check access to repo.maven.apache.org."; }
+  rm -rf "$cassandra_lib" && mv "$cassandra_lib.tmp" "$cassandra_lib"
+  echo "$cassandra_want" >"$cassandra_lib/.pom.sha256"
+  echo "cassandra jars: $(ls "$cassandra_lib"/*.jar | wc -l) jars, $(du -sh "$cassandra_lib" | cut -f1)"
+fi
+
 step "environment ready"

@@ -1,6 +1,7 @@
 """Shared pytest setup. Fixtures that start real services live in tests/fixtures/, one module each."""
 
 pytest_plugins: list[str] = [
+    "tests.fixtures.cassandra",
     "tests.fixtures.engines",
     "tests.fixtures.router",
     "tests.fixtures.envoy",

@@ -1,0 +1,65 @@
+"""What every part of the store shares: the session, the config, cursors, and small conversions."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from cassandra.query import UNSET_VALUE
+
+from memory_store.config import StoreConfig
+from memory_store.cursor import CursorCodec
+from memory_store.db import Db
+from memory_store.errors import InvalidArgument
+from memory_store.models import Limits
+
+
+class StoreBase:
+    """State shared by the parts of ``MemoryStore`` (chats, messages, runs, usage)."""
+
+    def __init__(self, db: Db, config: StoreConfig, cursors: CursorCodec) -> None:
+        self._db = db
+        self._config = config
+        self._cursors = cursors
+
+    @property
+    def limits(self) -> Limits:
+        return self._config.limits
+
+    def _check_user(self, user_id: str) -> str:
+        if not user_id or len(user_id) > self.limits.max_user_id_chars:
+            raise InvalidArgument(f"user id must be 1..{self.limits.max_user_id_chars} characters")
+        return user_id
+
+    def _page_size(self, requested: int | None, default: int, maximum: int) -> int:
+        if requested is None or requested == 0:
+            return default
+        if not 1 <= requested <= maximum:
+            raise InvalidArgument(f"page size must be between 1 and {maximum}, got {requested}")
+        return requested
+
+
+def now() -> datetime:
+    """The current UTC time at millisecond precision (what a CQL timestamp holds)."""
+    current = datetime.now(UTC)
+    return current.replace(microsecond=current.microsecond // 1000 * 1000)
+
+
+def micros(at: datetime) -> int:
+    """A datetime as microseconds since the epoch: a CQL write timestamp."""
+    return int(at.timestamp()) * 1_000_000 + at.microsecond
+
+
+def utc(value: datetime | None) -> datetime | None:
+    """The driver returns naive UTC datetimes; the API speaks timezone-aware ones."""
+    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
+
+
+def unset(value: Any) -> Any:
+    """None is left unset, never written as a null (which would be a tombstone)."""
+    return UNSET_VALUE if value is None else value
+
+
+def id_str(value: uuid.UUID | None) -> str | None:
+    return str(value) if value is not None else None

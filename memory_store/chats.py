@@ -1,0 +1,293 @@
+"""Chats: create, read, list by recent activity, rename, soft delete, activity, active run, summary.
+
+A chat row lives in its owner's partition (``chats``: ``((user_id), chat_id)``), so every read is
+scoped by the caller's user id and another user's chat is NOT_FOUND by construction.
+
+``chats_by_activity`` orders a user's chats by their latest activity. Moving a chat to the top deletes
+its old index entry and inserts the new one, together with ``chats.activity_at``, in one batch on one
+partition key (atomic, no batchlog). Every write carries the activity time as its write timestamp, so
+the newest activity wins whatever order concurrent writers land in. Readers trust ``chats`` over the
+index: an index entry that no longer matches its chat's ``activity_at`` (a lost race, a deleted chat)
+is skipped and removed.
+
+The active run uses the same idea without nulls: ``last_run_id`` and ``last_finished_run_id`` are
+written with the run id's time as write timestamp; the chat has an active run while they differ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+from memory_store.base import StoreBase, id_str, micros, now, utc
+from memory_store.db import Cql, Row
+from memory_store.errors import InvalidArgument, NotFound
+from memory_store.ids import id_micros, new_id, parse_id
+from memory_store.models import Chat, ChatSummary, Page
+
+T = TypeVar("T")
+
+_CHAT_COLUMNS = "chat_id, title, created_at, activity_at, deleted_at, last_run_id, last_finished_run_id"
+
+STATEMENTS = {
+    "chat_insert": Cql(
+        "INSERT INTO chats (user_id, chat_id, title, created_at, activity_at) VALUES (?, ?, ?, ?, ?) "
+        "USING TIMESTAMP ?",
+        idempotent=True,
+    ),
+    "chat_get": Cql(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE user_id = ? AND chat_id = ?", True),
+    "chat_get_many": Cql(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE user_id = ? AND chat_id IN ?", True),
+    "chat_set_activity": Cql(
+        "UPDATE chats USING TIMESTAMP ? SET activity_at = ? WHERE user_id = ? AND chat_id = ?", True
+    ),
+    "chat_set_title": Cql("UPDATE chats SET title = ? WHERE user_id = ? AND chat_id = ?", True),
+    "chat_set_deleted": Cql("UPDATE chats SET deleted_at = ? WHERE user_id = ? AND chat_id = ?", True),
+    "chat_set_last_run": Cql(
+        "UPDATE chats USING TIMESTAMP ? SET last_run_id = ? WHERE user_id = ? AND chat_id = ?", True
+    ),
+    "chat_set_last_finished_run": Cql(
+        "UPDATE chats USING TIMESTAMP ? SET last_finished_run_id = ? WHERE user_id = ? AND chat_id = ?",
+        True,
+    ),
+    "activity_insert": Cql(
+        "INSERT INTO chats_by_activity (user_id, activity_at, chat_id) VALUES (?, ?, ?) USING TIMESTAMP ?",
+        True,
+    ),
+    "activity_delete": Cql(
+        "DELETE FROM chats_by_activity USING TIMESTAMP ? "
+        "WHERE user_id = ? AND activity_at = ? AND chat_id = ?",
+        True,
+    ),
+    "activity_first": Cql(
+        "SELECT activity_at, chat_id FROM chats_by_activity WHERE user_id = ? LIMIT ?", True
+    ),
+    "activity_after": Cql(
+        "SELECT activity_at, chat_id FROM chats_by_activity "
+        "WHERE user_id = ? AND (activity_at, chat_id) < (?, ?) LIMIT ?",
+        True,
+    ),
+    "summary_put": Cql(
+        "INSERT INTO chat_summaries (chat_id, text, token_count, through_message_id, updated_at) "
+        "VALUES (?, ?, ?, ?, ?)",
+        True,
+    ),
+    "summary_get": Cql(
+        "SELECT text, token_count, through_message_id, updated_at FROM chat_summaries WHERE chat_id = ?",
+        True,
+    ),
+}
+
+
+def _chat(user_id: str, row: Row) -> Chat | None:
+    """A live chat from its row; None for a deleted chat or a row without a creation (never created)."""
+    if row["deleted_at"] is not None or row["created_at"] is None:
+        return None
+    last, finished = row["last_run_id"], row["last_finished_run_id"]
+    return Chat(
+        chat_id=str(row["chat_id"]),
+        user_id=user_id,
+        title=row["title"] or "",
+        created_at=utc(row["created_at"]),
+        updated_at=utc(row["activity_at"]),
+        active_run_id=id_str(last) if last is not None and last != finished else None,
+    )
+
+
+class ChatsMixin(StoreBase):
+    async def create_chat(self, user_id: str, title: str = "") -> Chat:
+        """A new empty chat owned by ``user_id`` (title may be empty: set it later with rename_chat)."""
+        self._check_user(user_id)
+        self._check_title(title, allow_empty=True)
+        at = now()
+        chat_id = new_id(at)
+        ts = micros(at)
+        await self._db.execute_batch(
+            [
+                ("chat_insert", (user_id, chat_id, title, at, at, ts)),
+                ("activity_insert", (user_id, at, chat_id, ts)),
+            ]
+        )
+        return Chat(chat_id=str(chat_id), user_id=user_id, title=title, created_at=at, updated_at=at)
+
+    async def get_chat(self, user_id: str, chat_id: str) -> Chat:
+        """The chat; NOT_FOUND if it does not exist, is deleted, or belongs to someone else."""
+        return await self._owned_chat(user_id, chat_id)
+
+    async def list_chats(
+        self, user_id: str, cursor: str | None = None, limit: int | None = None
+    ) -> Page[Chat]:
+        """The user's chats, most recent activity first, ``limit`` per page (default 20)."""
+        self._check_user(user_id)
+        limit = self._page_size(limit, 20, self.limits.max_chat_page)
+        after: tuple[datetime, uuid.UUID] | None = None
+        if cursor:
+            position = self._cursors.decode(cursor, "chats", user_id)
+            try:
+                after = (datetime.fromtimestamp(int(position[0]) / 1000, UTC), uuid.UUID(str(position[1])))
+            except (ValueError, IndexError, OverflowError):
+                raise InvalidArgument("page token is invalid; start again from the first page") from None
+        found: list[Chat] = []
+        exhausted = False
+        while len(found) <= limit and not exhausted:
+            want = limit + 1 - len(found)
+            if after is None:
+                rows = await self._db.execute("activity_first", (user_id, want))
+            else:
+                rows = await self._db.execute("activity_after", (user_id, *after, want))
+            exhausted = len(rows) < want
+            if not rows:
+                break
+            after = (rows[-1]["activity_at"], rows[-1]["chat_id"])
+            found.extend(await self._chats_for_index(user_id, rows))
+        page = found[:limit]
+        next_cursor = None
+        if len(found) > limit:
+            last = page[-1]
+            position = [micros(last.updated_at) // 1000, last.chat_id]
+            next_cursor = self._cursors.encode("chats", user_id, position)
+        return Page(items=page, next_cursor=next_cursor)
+
+    async def _chats_for_index(self, user_id: str, index_rows: Sequence[Row]) -> list[Chat]:
+        """The live chats an index page points to, in index order; stale entries are removed."""
+        ids = list(dict.fromkeys(row["chat_id"] for row in index_rows))
+        rows = await self._db.execute("chat_get_many", (user_id, ids))
+        by_id = {row["chat_id"]: row for row in rows}
+        chats, stale = [], []
+        for entry in index_rows:
+            row = by_id.get(entry["chat_id"])
+            chat = _chat(user_id, row) if row is not None else None
+            if chat is None or row["activity_at"] != entry["activity_at"]:
+                stale.append(entry)
+                continue
+            chats.append(chat)
+        if stale:
+            await asyncio.gather(
+                *(
+                    self._db.execute(
+                        "activity_delete",
+                        (
+                            micros(max(now(), utc(e["activity_at"]))) + 1,
+                            user_id,
+                            e["activity_at"],
+                            e["chat_id"],
+                        ),
+                    )
+                    for e in stale
+                )
+            )
+        return chats
+
+    async def rename_chat(self, user_id: str, chat_id: str, title: str) -> Chat:
+        """Sets the title (1..200 characters); a rename counts as activity."""
+        self._check_title(title, allow_empty=False)
+        chat = await self._owned_chat(user_id, chat_id)
+        at = await self._touch(chat, [("chat_set_title", (title, user_id, uuid.UUID(chat.chat_id)))])
+        return Chat(
+            chat_id=chat.chat_id,
+            user_id=user_id,
+            title=title,
+            created_at=chat.created_at,
+            updated_at=at,
+            active_run_id=chat.active_run_id,
+        )
+
+    async def delete_chat(self, user_id: str, chat_id: str) -> None:
+        """Soft delete: the chat vanishes from lists and reads at once; its rows stay for retention."""
+        chat = await self._owned_chat(user_id, chat_id)
+        at = now()
+        key = uuid.UUID(chat.chat_id)
+        # The index entry was written with its activity time as timestamp: delete it from above that.
+        delete_ts = max(micros(at), micros(chat.updated_at) + 1)
+        await self._db.execute_batch(
+            [
+                ("chat_set_deleted", (at, user_id, key)),
+                ("activity_delete", (delete_ts, user_id, chat.updated_at, key)),
+            ]
+        )
+
+    async def record_activity(self, user_id: str, chat_id: str) -> datetime:
+        """Moves the chat to the top of the user's list; returns the new activity time."""
+        return await self._touch(await self._owned_chat(user_id, chat_id), [])
+
+    async def _touch(self, chat: Chat, extra: list[tuple[str, Sequence[Any]]]) -> datetime:
+        """Sets the chat's activity to now (plus ``extra`` statements on the user's partition), atomically."""
+        at = now()
+        key = uuid.UUID(chat.chat_id)
+        statements = list(extra)
+        # A clock behind the last activity (another replica's) leaves the order as it is.
+        if at > chat.updated_at:
+            ts = micros(at)
+            statements += [
+                ("activity_delete", (ts, chat.user_id, chat.updated_at, key)),
+                ("activity_insert", (chat.user_id, at, key, ts)),
+                ("chat_set_activity", (ts, at, chat.user_id, key)),
+            ]
+        if statements:
+            await self._db.execute_batch(statements)
+        return max(at, chat.updated_at)
+
+    async def set_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
+        """Marks ``run_id`` as the chat's active run (the newest run by id wins)."""
+        run = parse_id(run_id, "run id")
+        await self._db.execute(
+            "chat_set_last_run",
+            (id_micros(run), run, self._check_user(user_id), parse_id(chat_id, "chat id")),
+        )
+
+    async def clear_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
+        """Marks ``run_id`` finished; the chat has no active run unless a newer run started since."""
+        run = parse_id(run_id, "run id")
+        await self._db.execute(
+            "chat_set_last_finished_run",
+            (id_micros(run), run, self._check_user(user_id), parse_id(chat_id, "chat id")),
+        )
+
+    async def put_summary(self, user_id: str, chat_id: str, summary: ChatSummary) -> ChatSummary:
+        """Stores the chat's rolling summary of older turns (replacing the previous one)."""
+        chat = await self._owned_chat(user_id, chat_id)
+        if len(summary.text.encode()) > self.limits.max_summary_bytes:
+            raise InvalidArgument(f"summary is larger than {self.limits.max_summary_bytes} bytes")
+        if summary.token_count < 0:
+            raise InvalidArgument("summary token count must not be negative")
+        through = parse_id(summary.through_message_id, "through message id")
+        at = now()
+        await self._db.execute(
+            "summary_put", (uuid.UUID(chat.chat_id), summary.text, summary.token_count, through, at)
+        )
+        return ChatSummary(summary.text, summary.token_count, str(through), at)
+
+    async def get_summary(self, user_id: str, chat_id: str) -> ChatSummary | None:
+        chat = await self._owned_chat(user_id, chat_id)
+        rows = await self._db.execute("summary_get", (uuid.UUID(chat.chat_id),))
+        if not rows:
+            return None
+        row = rows[0]
+        return ChatSummary(
+            row["text"], row["token_count"], str(row["through_message_id"]), utc(row["updated_at"])
+        )
+
+    async def _with_owner(self, user_id: str, chat_id: str, read: Awaitable[T]) -> tuple[Chat, T]:
+        """Runs ``read`` alongside the ownership check, saving a round trip; whatever ``read`` found
+        or failed with is only passed on once the chat is known to be the caller's."""
+        chat, result = await asyncio.gather(self._owned_chat(user_id, chat_id), read, return_exceptions=True)
+        if isinstance(chat, BaseException):
+            raise chat
+        if isinstance(result, BaseException):
+            raise result
+        return chat, result
+
+    async def _owned_chat(self, user_id: str, chat_id: str) -> Chat:
+        self._check_user(user_id)
+        rows = await self._db.execute("chat_get", (user_id, parse_id(chat_id, "chat id")))
+        chat = _chat(user_id, rows[0]) if rows else None
+        if chat is None:
+            raise NotFound(f"chat {chat_id} not found")
+        return chat
+
+    def _check_title(self, title: str, allow_empty: bool) -> None:
+        low = 0 if allow_empty else 1
+        if not low <= len(title) <= self.limits.max_title_chars:
+            raise InvalidArgument(f"title must be {low}..{self.limits.max_title_chars} characters")

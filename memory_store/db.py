@@ -1,0 +1,219 @@
+"""The driver seam: one Cassandra session, prepared statements, and an awaitable ``execute``.
+
+The DataStax driver is not asyncio-native. ``execute`` starts ``Session.execute_async`` and resolves an
+asyncio future from the driver's callbacks via ``loop.call_soon_threadsafe``, so servers stay async all
+the way down. The connection class is libev (bundled in the driver's wheel; it needs neither asyncore,
+removed in Python 3.12, nor a thread per connection).
+
+Every statement runs at LOCAL_QUORUM (LWTs at LOCAL_SERIAL) with a request timeout. Statements say
+whether they are idempotent, and only idempotent ones are ever retried by the driver (its default
+policy would retry any statement after a connection error). Timeouts and unavailable replicas
+surface as ``errors.Unavailable``. Each request is a client span and an observation of the
+``db_client_operation_duration_seconds`` histogram (OpenTelemetry's db.client.operation.duration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cassandra import (
+    ConsistencyLevel,
+    OperationTimedOut,
+    ReadTimeout,
+    WriteTimeout,
+)
+from cassandra import Unavailable as CassandraUnavailable
+from cassandra.cluster import (
+    EXEC_PROFILE_DEFAULT,
+    Cluster,
+    ExecutionProfile,
+    NoHostAvailable,
+    Session,
+)
+from cassandra.io.libevreactor import LibevConnection
+from cassandra.policies import (
+    DCAwareRoundRobinPolicy,
+    ExponentialReconnectionPolicy,
+    RetryPolicy,
+    TokenAwarePolicy,
+    WriteType,
+)
+from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement, dict_factory
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
+from prometheus_client import Histogram
+
+from memory_store.errors import Unavailable
+
+Row = dict[str, Any]
+
+# OpenTelemetry's db.client.operation.duration, labelled by statement name and error type.
+OPERATION_SECONDS = Histogram(
+    "db_client_operation_duration_seconds",
+    "Duration of Cassandra requests made by memory_store",
+    ["db_system_name", "db_operation_name", "error_type"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+_tracer = trace.get_tracer("memory_store")
+
+
+@dataclass(frozen=True)
+class Cql:
+    """A statement to prepare, and whether running it twice leaves the same state as running it once."""
+
+    text: str
+    idempotent: bool
+
+
+class IdempotentOnlyRetryPolicy(RetryPolicy):
+    """The driver's default policy, except that non-idempotent statements are never retried."""
+
+    def on_write_timeout(
+        self, query, consistency, write_type, required_responses, received_responses, retry_num
+    ):
+        # A CAS timeout leaves the outcome unknown: the caller decides (a claim re-runs its insert).
+        if query is not None and query.is_idempotent and retry_num == 0 and write_type != WriteType.CAS:
+            return self.RETRY, consistency
+        return self.RETHROW, None
+
+    def on_request_error(self, query, consistency, error, retry_num):
+        if query is not None and query.is_idempotent and retry_num == 0:
+            return self.RETRY_NEXT_HOST, None
+        return self.RETHROW, None
+
+
+_UNAVAILABLE = (CassandraUnavailable, ReadTimeout, WriteTimeout, OperationTimedOut, NoHostAvailable)
+
+
+class Db:
+    """A connected session plus the prepared statements of the store."""
+
+    serial = ConsistencyLevel.LOCAL_SERIAL
+
+    def __init__(self, cluster: Cluster, session: Session, request_timeout_s: float) -> None:
+        self.cluster = cluster
+        self.session = session
+        self.request_timeout_s = request_timeout_s
+        self.keyspace = ""
+        self.q: dict[str, PreparedStatement] = {}
+
+    @classmethod
+    async def connect(
+        cls, contact_points: Sequence[str], port: int, local_dc: str, request_timeout_s: float
+    ) -> Db:
+        profile = ExecutionProfile(
+            load_balancing_policy=TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=local_dc)),
+            retry_policy=IdempotentOnlyRetryPolicy(),
+            consistency_level=ConsistencyLevel.LOCAL_QUORUM,
+            serial_consistency_level=ConsistencyLevel.LOCAL_SERIAL,
+            request_timeout=request_timeout_s,
+            row_factory=dict_factory,
+        )
+        cluster = Cluster(
+            contact_points=list(contact_points),
+            port=port,
+            protocol_version=5,
+            connection_class=LibevConnection,
+            execution_profiles={EXEC_PROFILE_DEFAULT: profile},
+            connect_timeout=request_timeout_s,
+            # Pick a restarted node back up within seconds (the default backs off to 10 minutes).
+            reconnection_policy=ExponentialReconnectionPolicy(base_delay=0.5, max_delay=10.0),
+            control_connection_timeout=request_timeout_s,
+        )
+        try:
+            session = await asyncio.to_thread(cluster.connect)
+        except NoHostAvailable as exc:
+            await asyncio.to_thread(cluster.shutdown)
+            raise Unavailable(
+                f"cannot reach Cassandra at {', '.join(contact_points)}:{port} ({exc}); "
+                "is the node running? (`python -m memory_store node status`)"
+            ) from exc
+        return cls(cluster, session, request_timeout_s)
+
+    async def use_keyspace(self, keyspace: str) -> None:
+        await asyncio.to_thread(self.session.set_keyspace, keyspace)
+        self.keyspace = keyspace
+
+    async def prepare(self, statements: Mapping[str, Cql]) -> None:
+        """Prepares statements (in threads: the driver's prepare is blocking) and keeps them by name."""
+
+        def prepare_one(cql: Cql) -> PreparedStatement:
+            prepared = self.session.prepare(cql.text)
+            prepared.is_idempotent = cql.idempotent
+            return prepared
+
+        names = list(statements)
+        prepared = await asyncio.gather(*(asyncio.to_thread(prepare_one, statements[n]) for n in names))
+        self.q.update(zip(names, prepared, strict=True))
+
+    async def execute_batch(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Row]:
+        """Runs named prepared statements as one logged batch. The store batches only within one
+        partition key, where Cassandra applies a batch atomically as a single mutation (no batchlog
+        round trip). Every batch the store runs is idempotent (fixed values and write timestamps, or
+        a condition)."""
+        batch = BatchStatement(batch_type=BatchType.LOGGED)
+        for name, params in statements:
+            batch.add(self.q[name], params)
+        batch.is_idempotent = True
+        return await self.execute(batch, operation="+".join(name for name, _ in statements))
+
+    async def execute(
+        self,
+        statement: str | Statement,
+        params: Sequence[Any] = (),
+        *,
+        operation: str | None = None,
+        timeout_s: float | None = None,
+        consistency: int | None = None,
+    ) -> list[Row]:
+        """Runs a named prepared statement (or a given statement) and returns its rows.
+
+        ``operation`` names it in metrics and traces (default: the prepared statement's name).
+        """
+        if isinstance(statement, str):
+            name, query, params = operation or statement, self.q[statement].bind(params), ()
+        else:
+            name, query = operation or "cql", statement
+        if consistency is not None:
+            query.consistency_level = consistency
+        started = time.perf_counter()
+        error = ""
+        attributes = {"db.system.name": "cassandra", "db.operation.name": name, "db.namespace": self.keyspace}
+        with _tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes):
+            try:
+                return await self._execute(query, params, timeout_s or self.request_timeout_s)
+            except BaseException as exc:
+                error = type(exc).__name__
+                raise
+            finally:
+                OPERATION_SECONDS.labels("cassandra", name, error).observe(time.perf_counter() - started)
+
+    async def _execute(self, query: Statement, params: Sequence[Any], timeout_s: float) -> list[Row]:
+        """Bridges the driver's callbacks (on its event loop thread) to an asyncio future."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[list[Row]] = loop.create_future()
+
+        def settle(rows: Any, error: BaseException | None) -> None:
+            if done.done():  # the awaiting task was cancelled meanwhile
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(list(rows or ()))
+
+        try:
+            response = self.session.execute_async(query, params or None, timeout=timeout_s)
+            response.add_callbacks(
+                lambda rows: loop.call_soon_threadsafe(settle, rows, None),
+                lambda exc: loop.call_soon_threadsafe(settle, None, exc),
+            )
+            return await done
+        except _UNAVAILABLE as exc:
+            raise Unavailable(f"Cassandra did not answer in time; retry with backoff ({exc})") from exc
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.cluster.shutdown)

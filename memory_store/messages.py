@@ -1,0 +1,293 @@
+"""Messages: append, read one, list newest first across buckets, the newest, and branches of the tree.
+
+``messages`` is ``((chat_id, bucket), message_id)`` clustered newest first; ``bucket`` is the day of the
+writer-chosen time-sortable id, and ``message_buckets`` lists a chat's non-empty buckets. Appending is
+an upsert of the row named by its id: a retried append writes the same row again, never a second one.
+The bucket is registered before the message, so an acknowledged message is always reachable.
+
+Cursors hold the last message id returned; the next page is every message older than it, in its
+bucket and then in older buckets. Messages appended while a client pages are newer than any cursor, so
+pages neither skip nor repeat a message.
+
+A branch (the path from the root to a message) is read in one pass over the chat, newest to oldest,
+following parent links: a parent is always older than its child, so the walk never goes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from memory_store.base import StoreBase, id_str, unset
+from memory_store.db import Cql, Row
+from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
+from memory_store.ids import id_micros, id_time, parse_id, parse_optional_id
+from memory_store.models import Branch, Chat, FinishReason, Message, MessageStatus, Page, Role, Usage
+from memory_store.schema import BUCKET_SECONDS
+
+_FULL = (
+    "message_id, parent_id, role, content, token_count, model, finish_reason, status, run_id, "
+    "prompt_tokens, cached_prompt_tokens, completion_tokens"
+)
+_MAX_BUCKET = 2**31 - 1
+_MIN_BRANCH_PAGE = 32
+_MAX_BRANCH_PAGE = 256
+_BUCKET_SCAN_PAGE = 32
+_KNOWN_BUCKETS_CAPACITY = 100_000
+
+STATEMENTS = {
+    "message_insert": Cql(
+        "INSERT INTO messages (chat_id, bucket, message_id, parent_id, role, content, token_count, model, "
+        "finish_reason, status, run_id, created_at, prompt_tokens, cached_prompt_tokens, completion_tokens) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        idempotent=True,
+    ),
+    "bucket_insert": Cql("INSERT INTO message_buckets (chat_id, bucket) VALUES (?, ?)", True),
+    "buckets_upto": Cql("SELECT bucket FROM message_buckets WHERE chat_id = ? AND bucket <= ? LIMIT ?", True),
+    "message_get": Cql(
+        f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id = ?", True
+    ),
+    "messages_newest": Cql(f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? LIMIT ?", True),
+    "messages_upto": Cql(
+        f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id <= ? LIMIT ?", True
+    ),
+    "messages_below": Cql(
+        f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id < ? LIMIT ?", True
+    ),
+}
+
+
+def bucket_of(message_id: uuid.UUID) -> int:
+    """The partition bucket of a message: the day (since the Unix epoch) of its id."""
+    return id_micros(message_id) // 1_000_000 // BUCKET_SECONDS
+
+
+def _message(chat_id: str, row: Row) -> Message:
+    prompt, cached, completion = row["prompt_tokens"], row["cached_prompt_tokens"], row["completion_tokens"]
+    usage = Usage(prompt or 0, cached or 0, completion or 0) if completion is not None else None
+    return Message(
+        message_id=str(row["message_id"]),
+        chat_id=chat_id,
+        role=Role(row["role"]),
+        content=row["content"] or "",
+        parent_id=id_str(row["parent_id"]),
+        token_count=row["token_count"] or 0,
+        model=row["model"],
+        finish_reason=FinishReason(row["finish_reason"]) if row["finish_reason"] else None,
+        status=MessageStatus(row["status"]),
+        run_id=id_str(row["run_id"]),
+        usage=usage,
+    )
+
+
+class MessagesMixin(StoreBase):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # (chat_id, bucket) pairs this process has registered: saves a write per append.
+        self._known_buckets: OrderedDict[tuple[uuid.UUID, int], None] = OrderedDict()
+
+    async def append_message(self, user_id: str, message: Message) -> Message:
+        """Stores a message (an upsert of its id) and moves the chat to the top of the user's list.
+
+        The id is chosen by the writer (``ids.new_id()``); the parent must already be in the chat and
+        be older. Content is bounded by ``Limits`` (32 KiB for user messages).
+        """
+        max_bytes = (
+            self.limits.max_user_content_bytes
+            if message.role is Role.USER
+            else self.limits.max_assistant_content_bytes
+        )
+        if len(message.content.encode()) > max_bytes:
+            raise InvalidArgument(f"message content is larger than {max_bytes} bytes")
+        chat, _ = await self._with_owner(user_id, message.chat_id, self._check_message(message))
+        await self._write_message(chat, message)
+        return message
+
+    async def _check_message(self, message: Message) -> None:
+        """Validates the message's fields, and that its parent is an older message of the chat."""
+        chat_key = parse_id(message.chat_id, "chat id")
+        message_id = parse_id(message.message_id, "message id")
+        parent_id = parse_optional_id(message.parent_id, "parent id")
+        parse_optional_id(message.run_id, "run id")
+        if message.role not in tuple(Role) or message.status not in tuple(MessageStatus):
+            raise InvalidArgument(f"unknown role {message.role!r} or status {message.status!r}")
+        if message.token_count < 0:
+            raise InvalidArgument("token count must not be negative")
+        if message.model is not None and len(message.model) > self.limits.max_model_chars:
+            raise InvalidArgument(f"model name is longer than {self.limits.max_model_chars} characters")
+        if id_time(message_id) > datetime.now(UTC) + timedelta(seconds=self.limits.max_id_clock_skew_s):
+            raise InvalidArgument("message id lies in the future; make ids with memory_store.ids.new_id()")
+        if parent_id is None:
+            return
+        if parent_id.time >= message_id.time:
+            raise FailedPrecondition("a message's parent must be older than the message")
+        if await self._message_row(chat_key, parent_id) is None:
+            raise FailedPrecondition(f"parent message {parent_id} is not in chat {chat_key}")
+
+    async def _write_message(self, chat: Chat, message: Message) -> None:
+        """Writes a checked message and moves its chat to the top of the owner's list.
+
+        The bucket is registered before the message is written, so a stored message is always
+        reachable (a bucket registered for a write that then fails stays empty and costs nothing).
+        """
+        chat_key = uuid.UUID(chat.chat_id)
+        message_id = uuid.UUID(message.message_id)
+        bucket = bucket_of(message_id)
+        await self._register_bucket(chat_key, bucket)
+        usage = message.usage
+        insert = self._db.execute(
+            "message_insert",
+            (
+                chat_key,
+                bucket,
+                message_id,
+                unset(message.parent_id and uuid.UUID(message.parent_id)),
+                Role(message.role).value,
+                message.content,
+                message.token_count,
+                unset(message.model),
+                unset(message.finish_reason and FinishReason(message.finish_reason).value),
+                MessageStatus(message.status).value,
+                unset(message.run_id and uuid.UUID(message.run_id)),
+                id_time(message_id),
+                unset(usage and usage.prompt_tokens),
+                unset(usage and usage.cached_prompt_tokens),
+                unset(usage and usage.completion_tokens),
+            ),
+        )
+        await asyncio.gather(insert, self._touch(chat, []))
+
+    async def _register_bucket(self, chat_key: uuid.UUID, bucket: int) -> None:
+        key = (chat_key, bucket)
+        if key in self._known_buckets:
+            self._known_buckets.move_to_end(key)
+            return
+        await self._db.execute("bucket_insert", key)
+        self._known_buckets[key] = None
+        if len(self._known_buckets) > _KNOWN_BUCKETS_CAPACITY:
+            self._known_buckets.popitem(last=False)
+
+    async def get_message(self, user_id: str, chat_id: str, message_id: str) -> Message:
+        chat_key, key = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
+        chat, row = await self._with_owner(user_id, chat_id, self._message_row(chat_key, key))
+        if row is None:
+            raise NotFound(f"message {message_id} not found")
+        return _message(chat.chat_id, row)
+
+    async def _message_row(self, chat_key: uuid.UUID, message_id: uuid.UUID) -> Row | None:
+        rows = await self._db.execute("message_get", (chat_key, bucket_of(message_id), message_id))
+        return rows[0] if rows else None
+
+    async def list_messages(
+        self, user_id: str, chat_id: str, before: str | None = None, limit: int | None = None
+    ) -> Page[Message]:
+        """A page of the chat's messages (every branch), newest first; ``before`` is a page cursor."""
+        limit = self._page_size(limit, 50, self.limits.max_message_page)
+        below = None
+        if before:
+            position = self._cursors.decode(before, "messages", f"{user_id}/{chat_id}")
+            below = parse_id(str(position[0]), "page token")
+        chat_key = parse_id(chat_id, "chat id")
+
+        async def collect() -> list[Row]:
+            rows: list[Row] = []
+            async for row in self._scan(chat_key, below, limit + 1):
+                rows.append(row)
+                if len(rows) > limit:
+                    break
+            return rows
+
+        chat, rows = await self._with_owner(user_id, chat_id, collect())
+        items = [_message(chat.chat_id, row) for row in rows[:limit]]
+        next_cursor = None
+        if len(rows) > limit:
+            next_cursor = self._cursors.encode("messages", f"{user_id}/{chat_id}", [items[-1].message_id])
+        return Page(items=items, next_cursor=next_cursor)
+
+    async def get_latest_message(self, user_id: str, chat_id: str) -> Message | None:
+        """The chat's newest message on any branch, or None for an empty chat."""
+        chat_key = parse_id(chat_id, "chat id")
+
+        async def newest() -> Row | None:
+            async for row in self._scan(chat_key, None, 1):
+                return row
+            return None
+
+        chat, row = await self._with_owner(user_id, chat_id, newest())
+        return _message(chat.chat_id, row) if row is not None else None
+
+    async def get_branch(
+        self,
+        user_id: str,
+        chat_id: str,
+        message_id: str,
+        *,
+        stop_at: str | None = None,
+        max_messages: int | None = None,
+    ) -> Branch:
+        """The path from the root to ``message_id``, oldest first: what a prompt is assembled from.
+
+        At most ``max_messages`` messages (the newest ones of the path) are returned; the walk also
+        stops before ``stop_at`` (e.g. the newest message a summary covers), so the result is what
+        comes after it.
+        """
+        limit = self._page_size(
+            max_messages, self.limits.max_branch_messages, self.limits.max_branch_messages
+        )
+        chat_key, leaf_id = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
+        stop = parse_optional_id(stop_at, "stop_at")
+        # Whole rows, newest first from the leaf itself: most rows before a leaf are on its path, so
+        # pages a little longer than the path usually read the whole branch in one query.
+        page = min(max(2 * limit, _MIN_BRANCH_PAGE), _MAX_BRANCH_PAGE)
+
+        async def walk() -> tuple[list[Row], uuid.UUID | None, bool]:
+            path: list[Row] = []
+            target: uuid.UUID | None = leaf_id  # the next message on the path
+            async for row in self._scan(chat_key, leaf_id, page, include_start=True):
+                if not path and target == leaf_id and row["message_id"] != leaf_id:
+                    break  # the leaf is not in the chat
+                if row["message_id"] != target:
+                    continue
+                if target == stop:
+                    return path, target, True
+                path.append(row)
+                target = row["parent_id"]
+                if target is None or len(path) >= limit:
+                    break
+            return path, target, False
+
+        chat, (path, target, reached_stop) = await self._with_owner(user_id, chat_id, walk())
+        if not path and not reached_stop:
+            raise NotFound(f"message {message_id} not found")
+        messages = [_message(chat.chat_id, row) for row in reversed(path)]
+        return Branch(messages=messages, truncated=target is not None, reached_stop=reached_stop)
+
+    async def _scan(
+        self, chat_key: uuid.UUID, start: uuid.UUID | None, page: int, include_start: bool = False
+    ) -> AsyncIterator[Row]:
+        """Rows of the chat older than ``start`` (or from it, with ``include_start``; all if None),
+        newest first, across buckets; ``page`` rows per query."""
+        bucket_cap = bucket_of(start) if start is not None else _MAX_BUCKET
+        while True:
+            buckets = await self._db.execute("buckets_upto", (chat_key, bucket_cap, _BUCKET_SCAN_PAGE))
+            for entry in buckets:
+                bucket = entry["bucket"]
+                cursor = start if start is not None and bucket == bucket_of(start) else None
+                statement = "messages_upto" if include_start else "messages_below"
+                while True:
+                    if cursor is None:
+                        rows = await self._db.execute("messages_newest", (chat_key, bucket, page))
+                    else:
+                        rows = await self._db.execute(statement, (chat_key, bucket, cursor, page))
+                    for row in rows:
+                        yield row
+                    if len(rows) < page:
+                        break
+                    cursor, statement = rows[-1]["message_id"], "messages_below"
+            if len(buckets) < _BUCKET_SCAN_PAGE:
+                return
+            bucket_cap = buckets[-1]["bucket"] - 1

@@ -1,0 +1,231 @@
+"""What goes in and out of the memory store: plain dataclasses, never CQL rows.
+
+Ids are strings (the canonical form of a time-based UUID), times are timezone-aware UTC datetimes,
+and absent values are ``None`` (never stored as CQL nulls). The enums' values are what Cassandra
+stores, so a row read in cqlsh is readable.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+from memory_store.ids import id_time
+
+T = TypeVar("T")
+
+
+class Role(StrEnum):
+    USER = "user"
+    ASSISTANT = "assistant"
+
+
+class MessageStatus(StrEnum):
+    # The message is whole: a user message, or an answer that ended normally.
+    COMPLETE = "complete"
+    # An answer cut short (cancelled, failed, interrupted): the text is what was generated until then.
+    INCOMPLETE = "incomplete"
+
+
+class RunStatus(StrEnum):
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+    @property
+    def terminal(self) -> bool:
+        return self is not RunStatus.IN_PROGRESS
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    CONTENT_FILTER = "content_filter"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token accounting of one answer."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Chat:
+    chat_id: str
+    user_id: str
+    title: str
+    created_at: datetime
+    # Latest activity (message, rename): the order of list_chats.
+    updated_at: datetime
+    # The chat's newest run while it is in progress; None otherwise.
+    active_run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Message:
+    """One node of a chat's message tree. ``message_id`` is chosen by the writer (``ids.new_id``)."""
+
+    message_id: str
+    chat_id: str
+    role: Role
+    content: str
+    # The message this one follows; None for a chat's first message. Always older than the message.
+    parent_id: str | None = None
+    token_count: int = 0
+    model: str | None = None
+    finish_reason: FinishReason | None = None
+    status: MessageStatus = MessageStatus.COMPLETE
+    # For a user message, the run that answered it first; for an assistant message, the run that wrote it.
+    run_id: str | None = None
+    usage: Usage | None = None
+
+    @property
+    def created_at(self) -> datetime:
+        """When the message was made: the time in its id."""
+        return id_time(uuid.UUID(self.message_id))
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a listing. ``next_cursor`` is None on the last page."""
+
+    items: list[T]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A path through the message tree, oldest first, ending at the requested message."""
+
+    messages: list[Message]
+    # True when older ancestors exist that were not returned (max_messages or stop_at reached).
+    truncated: bool
+    # True when the walk met ``stop_at`` (so a summary covering stop_at applies to this branch).
+    reached_stop: bool = False
+
+
+@dataclass(frozen=True)
+class ChatSummary:
+    """A rolling summary of a chat's older turns."""
+
+    text: str
+    token_count: int
+    # The newest message the summary covers.
+    through_message_id: str
+    updated_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The ids an idempotency key reserves. The same key always yields the same ids."""
+
+    run_id: str
+    user_message_id: str
+    assistant_message_id: str
+    # True for the call that created the claim; False when the key was already claimed.
+    created: bool
+    # False when the key was claimed by a request with a different fingerprint (refuse it).
+    fingerprint_matches: bool
+
+
+@dataclass(frozen=True)
+class RunDelta:
+    """One text event of a run's output stream."""
+
+    seq: int
+    text: str
+    token_count: int = 0
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: str
+    user_id: str
+    chat_id: str
+    # The message the answer follows (the user message it answers).
+    parent_message_id: str
+    # Where the answer is stored when the run ends.
+    assistant_message_id: str
+    model: str
+    # The orchestrator replica generating it.
+    owner_id: str
+    status: RunStatus
+    created_at: datetime
+    # The user message a send stored; None for regenerations.
+    user_message_id: str | None = None
+    finish_reason: FinishReason | None = None
+    # Sequence number of the newest checkpointed event (of the final event once finished).
+    last_seq: int = 0
+    checkpointed_at: datetime | None = None
+    finished_at: datetime | None = None
+    usage: Usage | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """How a run ended. ``tail`` holds the output events not yet checkpointed."""
+
+    status: RunStatus
+    last_seq: int
+    finish_reason: FinishReason | None = None
+    tail: tuple[RunDelta, ...] = ()
+    usage: Usage | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+@dataclass(frozen=True)
+class FinishedRun:
+    run: Run
+    # The stored assistant message; None when the run ended without output (e.g. failed at once).
+    message: Message | None
+    # False when the run had already ended (another finish, a cancel or an interruption won).
+    applied: bool
+
+
+@dataclass(frozen=True)
+class UsageWindow:
+    """A user's token usage in one budget window [start, end)."""
+
+    user_id: str
+    start: datetime
+    end: datetime
+    usage: Usage
+    runs: int
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds every write and read is checked against; violations are INVALID_ARGUMENT."""
+
+    max_user_content_bytes: int = 32 * 1024
+    max_assistant_content_bytes: int = 256 * 1024
+    max_title_chars: int = 200
+    max_chat_page: int = 100
+    max_message_page: int = 200
+    max_branch_messages: int = 1000
+    max_idempotency_key_chars: int = 128
+    max_summary_bytes: int = 64 * 1024
+    max_checkpoint_deltas: int = 4096
+    max_checkpoint_bytes: int = 256 * 1024
+    max_model_chars: int = 200
+    max_error_message_chars: int = 2000
+    # How far in the future a writer-chosen id may be (clock skew between replicas).
+    max_id_clock_skew_s: float = 300.0
+    max_user_id_chars: int = 256

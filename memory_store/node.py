@@ -1,0 +1,363 @@
+"""The local Apache Cassandra node: configuration, start, readiness, drain, stop, crash.
+
+Cassandra runs from the jars that ``scripts/provision.sh`` fetched from Maven Central into
+``.cache/cassandra/lib`` (pinned by ``memory_store/cassandra/pom.xml``), as a plain
+``org.apache.cassandra.service.CassandraDaemon`` on Java 17 with the flags of Cassandra's own
+``conf/jvm17-server.options``. Each node gets its own data dir holding its ``conf/cassandra.yaml``,
+data, commitlog and hints, so a test node and a ``make run`` node never share anything.
+
+The node is durable: ``commitlog_sync: batch`` acknowledges a write only after the commitlog is fsynced,
+so a write that Cassandra acknowledged survives ``kill -9`` (tests prove it). Stopping drains first
+(``nodetool drain`` flushes memtables, so the next start replays nothing), then sends SIGTERM.
+
+Used by ``python -m memory_store node ...``, ``chatmesh/mesh.py`` (``make run``) and the test fixture
+``tests/fixtures/cassandra.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from chatmesh.launcher import Launcher, ServiceSpec
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_LIB_DIR = PROJECT_ROOT / ".cache" / "cassandra" / "lib"
+LOGBACK_XML = Path(__file__).resolve().parent / "cassandra" / "logback.xml"
+MAIN_CLASS = "org.apache.cassandra.service.CassandraDaemon"
+NODETOOL_CLASS = "org.apache.cassandra.tools.NodeTool"
+
+# Module access Cassandra needs on Java 17 (conf/jvm17-server.options, "JPMS").
+JPMS_FLAGS = (
+    "-Djdk.attach.allowAttachSelf=true",
+    *(
+        f"--add-exports={module}=ALL-UNNAMED"
+        for module in (
+            "java.base/jdk.internal.misc",
+            "java.management.rmi/com.sun.jmx.remote.internal.rmi",
+            "java.rmi/sun.rmi.registry",
+            "java.rmi/sun.rmi.server",
+            "java.sql/java.sql",
+            "java.base/java.lang.ref",
+            "jdk.unsupported/sun.misc",
+            "jdk.compiler/com.sun.tools.javac.file",
+            "jdk.attach/sun.tools.attach",
+        )
+    ),
+    *(
+        f"--add-opens={module}=ALL-UNNAMED"
+        for module in (
+            "java.base/java.lang.module",
+            "java.base/jdk.internal.loader",
+            "java.base/jdk.internal.ref",
+            "java.base/jdk.internal.reflect",
+            "java.base/jdk.internal.math",
+            "java.base/jdk.internal.module",
+            "java.base/jdk.internal.util.jar",
+            "jdk.management/com.sun.management.internal",
+            "java.base/sun.nio.ch",
+            "java.base/java.io",
+            "java.base/java.lang.reflect",
+            "jdk.compiler/com.sun.tools.javac",
+            "java.base/java.lang",
+            "java.base/java.util",
+        )
+    ),
+)
+
+# GC and general flags of conf/jvm17-server.options and conf/jvm-server.options. Left out on purpose:
+# -XX:+AlwaysPreTouch (it would fault in the whole heap at start), -XX:+UseNUMA, heap dumps.
+SERVER_FLAGS = (
+    "-ea",
+    "-da:net.openhft...",
+    "-XX:+UseThreadPriorities",
+    "-Xss256k",
+    "-XX:+UseTLAB",
+    "-XX:+ResizeTLAB",
+    "-XX:+PerfDisableSharedMem",
+    "-XX:+ExitOnOutOfMemoryError",
+    "-Djava.net.preferIPv4Stack=true",
+    "-XX:+UseG1GC",
+    "-XX:+ParallelRefProcEnabled",
+    "-XX:MaxTenuringThreshold=1",
+    "-XX:G1HeapRegionSize=16m",
+    "-XX:G1RSetUpdatingPauseTimePercent=5",
+    "-XX:MaxGCPauseMillis=300",
+    "-XX:InitiatingHeapOccupancyPercent=70",
+    "-Dio.netty.tryReflectionSetAccessible=true",
+    "-Dio.netty.allocator.useCacheForAllThreads=true",
+    "-Dio.netty.allocator.maxOrder=11",
+)
+
+# A single node has no peers to tell about its start or shutdown: skip the waits meant for them.
+SINGLE_NODE_FLAGS = (
+    "-Dcassandra.skip_wait_for_gossip_to_settle=0",
+    "-Dcassandra.shutdown_announce_in_ms=0",
+    "-Dchronicle.announcer.disable=true",
+)
+
+
+class NodeSetupError(RuntimeError):
+    """Java or the Cassandra jars are missing; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One local single-node cluster bound to 127.0.0.1."""
+
+    data_dir: Path
+    cql_port: int = 9042
+    storage_port: int = 7000
+    jmx_port: int = 7199
+    heap_min: str = "256m"
+    heap_max: str = "1g"
+    lib_dir: Path = DEFAULT_LIB_DIR
+    java: str = "java"
+    # The stock launcher loads jamm as a javaagent so memtables are sized by instrumentation; without
+    # it Cassandra 5.0 falls back to estimating sizes. Start time and RSS measured the same either way.
+    jamm_agent: bool = True
+    ready_timeout_s: float = 180.0
+
+    @property
+    def conf_dir(self) -> Path:
+        return self.data_dir / "conf"
+
+    @property
+    def yaml_path(self) -> Path:
+        return self.conf_dir / "cassandra.yaml"
+
+    def classpath(self) -> str:
+        return f"{self.conf_dir}:{self.lib_dir}/*"
+
+    def jamm_jar(self) -> Path | None:
+        return next(iter(sorted(self.lib_dir.glob("jamm-*.jar"))), None)
+
+
+def cassandra_yaml(config: NodeConfig) -> str:
+    """A single-node cassandra.yaml (5.0 key names and units); everything else keeps its default."""
+    data = config.data_dir
+    return f"""\
+# Written by memory_store/node.py for a local single-node cluster; regenerated at every start.
+cluster_name: chatmesh
+num_tokens: 1
+initial_token: 0
+partitioner: org.apache.cassandra.dht.Murmur3Partitioner
+endpoint_snitch: SimpleSnitch
+listen_address: 127.0.0.1
+rpc_address: 127.0.0.1
+storage_port: {config.storage_port}
+native_transport_port: {config.cql_port}
+start_native_transport: true
+seed_provider:
+  - class_name: org.apache.cassandra.locator.SimpleSeedProvider
+    parameters:
+      - seeds: "127.0.0.1:{config.storage_port}"
+data_file_directories:
+  - {data}/data
+commitlog_directory: {data}/commitlog
+hints_directory: {data}/hints
+saved_caches_directory: {data}/saved_caches
+cdc_raw_directory: {data}/cdc_raw
+# Durability: acknowledge a write only after its commitlog entry is fsynced (periodic, the default,
+# may lose up to 10 s of acknowledged writes on a crash). Concurrent writes share one fsync.
+commitlog_sync: batch
+commitlog_segment_size: 32MiB
+commitlog_total_space: 512MiB
+# A small footprint for a laptop or CI box.
+memtable_heap_space: 128MiB
+memtable_offheap_space: 128MiB
+file_cache_size: 64MiB
+key_cache_size: 16MiB
+concurrent_compactors: 1
+# A new cluster: no 4.x nodes to stay compatible with; Paxos v2 (fewer round trips per LWT).
+storage_compatibility_mode: NONE
+paxos_variant: v2
+auto_snapshot: false
+"""
+
+
+def jvm_argv(config: NodeConfig) -> list[str]:
+    """The java command line of the node."""
+    agent = config.jamm_jar() if config.jamm_agent else None
+    return [
+        config.java,
+        f"-Xms{config.heap_min}",
+        f"-Xmx{config.heap_max}",
+        *SERVER_FLAGS,
+        *JPMS_FLAGS,
+        *SINGLE_NODE_FLAGS,
+        *([f"-javaagent:{agent}"] if agent else []),
+        f"-Dcassandra.config=file://{config.yaml_path}",
+        f"-Dcassandra.storagedir={config.data_dir}",
+        f"-Dcassandra.logdir={config.data_dir / 'logs'}",
+        f"-Dlogback.configurationFile={LOGBACK_XML}",
+        f"-Dcassandra.jmx.local.port={config.jmx_port}",
+        "-Dcassandra-foreground=yes",
+        "-cp",
+        config.classpath(),
+        MAIN_CLASS,
+    ]
+
+
+def check_prerequisites(config: NodeConfig) -> None:
+    """Raises NodeSetupError with what to do when Java or the jars are missing."""
+    if shutil.which(config.java) is None:
+        raise NodeSetupError(
+            "Java 17 is needed to run Cassandra but `java` is not on PATH. "
+            "Install it (Debian: apt-get install openjdk-17-jre-headless), then run `make setup`."
+        )
+    if not any(config.lib_dir.glob("cassandra-all-*.jar")):
+        raise NodeSetupError(
+            f"Cassandra's jars are not in {config.lib_dir}. Run `make setup` (scripts/provision.sh "
+            "fetches them with Maven; install Maven first if it is missing: apt-get install maven)."
+        )
+
+
+def write_conf(config: NodeConfig) -> None:
+    config.conf_dir.mkdir(parents=True, exist_ok=True)
+    (config.data_dir / "logs").mkdir(exist_ok=True)
+    config.yaml_path.write_text(cassandra_yaml(config))
+
+
+@dataclass(frozen=True)
+class CqlAnswers:
+    """Ready when the native transport answers a CQL OPTIONS request with SUPPORTED.
+
+    An open port is not enough: Cassandra opens it last, but a CQL answer is what clients need.
+    """
+
+    port: int
+
+    # Protocol v4 frame header: version, flags, stream id, opcode, body length.
+    _OPTIONS = struct.pack(">BBhBi", 0x04, 0, 1, 0x05, 0)
+    _SUPPORTED = 0x06
+
+    def __call__(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as sock:
+                sock.sendall(self._OPTIONS)
+                header = sock.recv(9)
+        except OSError:
+            return False
+        return len(header) >= 5 and header[0] == 0x84 and header[4] == self._SUPPORTED
+
+    def describe(self) -> str:
+        return f"CQL on 127.0.0.1:{self.port}"
+
+
+def service_spec(config: NodeConfig, name: str = "cassandra") -> ServiceSpec:
+    """How the launcher starts the node (writes its conf first). SIGTERM drains it (shutdown hook)."""
+    check_prerequisites(config)
+    write_conf(config)
+    return ServiceSpec(
+        name=name,
+        argv=jvm_argv(config),
+        ports=(config.cql_port, config.storage_port, config.jmx_port),
+        ready=CqlAnswers(config.cql_port),
+        ready_timeout_s=config.ready_timeout_s,
+        stop_timeout_s=90.0,
+    )
+
+
+def rss_mib(pid: int) -> float | None:
+    """Resident set size of a process in MiB (Linux), or None if it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class StartReport:
+    startup_s: float
+    rss_mib: float | None
+    pid: int
+
+
+class CassandraNode:
+    """A local node supervised by a ``Launcher``: start, drain, stop, and crash (for tests)."""
+
+    def __init__(self, config: NodeConfig, launcher: Launcher, name: str = "cassandra") -> None:
+        self.config = config
+        self.launcher = launcher
+        self.name = name
+
+    @property
+    def contact(self) -> tuple[str, int]:
+        return ("127.0.0.1", self.config.cql_port)
+
+    @property
+    def pid(self) -> int | None:
+        running = self.launcher.running.get(self.name)
+        return running.pid if running else None
+
+    def start(self) -> StartReport:
+        """Starts the node and blocks until CQL answers; prints startup time and RSS."""
+        started = time.monotonic()
+        running = self.launcher.start(service_spec(self.config, self.name))
+        report = StartReport(time.monotonic() - started, rss_mib(running.pid), running.pid)
+        rss = f"{report.rss_mib:.0f} MiB" if report.rss_mib is not None else "unknown"
+        print(
+            f"  {self.name}: Cassandra up in {report.startup_s:.1f}s, RSS {rss}, "
+            f"CQL 127.0.0.1:{self.config.cql_port}, data {self.config.data_dir}",
+            flush=True,
+        )
+        return report
+
+    def nodetool(self, *args: str, timeout_s: float = 120.0) -> str:
+        """Runs nodetool (from the same jars) against this node's local JMX port."""
+        argv = [
+            self.config.java,
+            "-Xmx128m",
+            *JPMS_FLAGS,
+            f"-Dcassandra.logdir={self.config.data_dir / 'logs'}",
+            f"-Dlogback.configurationFile={LOGBACK_XML}",
+            # nodetool keeps a history file under ~/.cassandra: keep it with the node's data instead.
+            f"-Duser.home={self.config.data_dir}",
+            "-cp",
+            self.config.classpath(),
+            NODETOOL_CLASS,
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(self.config.jmx_port),
+            *args,
+        ]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"nodetool {' '.join(args)} failed: {done.stdout}{done.stderr}".strip())
+        return done.stdout
+
+    def drain(self) -> None:
+        """Flushes memtables and stops accepting writes (the node must still be stopped after)."""
+        self.nodetool("drain")
+
+    def stop(self) -> int | None:
+        """Drain, then SIGTERM. Returns the exit code (None if it was not running)."""
+        if self.pid is None:
+            return None
+        started = time.monotonic()
+        try:
+            self.drain()
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            # SIGTERM still drains through Cassandra's shutdown hook; say why the explicit drain failed.
+            print(f"  {self.name}: drain failed ({exc}); stopping with SIGTERM", flush=True)
+        code = self.launcher.stop(self.name)
+        print(f"  {self.name}: drained and stopped in {time.monotonic() - started:.1f}s", flush=True)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the node, as a crash would (tests restart it with ``start()`` on the same data)."""
+        self.launcher.signal(self.name, signal.SIGKILL)
+        with contextlib.suppress(KeyError):
+            self.launcher.forget(self.name)

@@ -1,0 +1,443 @@
+"""Runs: idempotent send claims, run lifecycle with output checkpoints, and finding orphaned runs.
+
+Idempotency: ``claim_idempotency_key`` is one conditional insert (``IF NOT EXISTS``) of the ids a send
+will use. The first claim of a key writes its freshly made ids; every later claim, concurrent or
+retried, gets the stored ids back, plus whether its request fingerprint matches. Retrying the insert
+after a timeout is safe: if the first attempt landed, the retry reads back our own ids.
+
+A run's partition holds its state in static columns and its output as checkpoint rows
+``(first_seq, texts, token_counts)``. Writes that may race carry write timestamps that order them:
+creation uses the run id's time, a checkpoint that time plus its last sequence number (so a late,
+older checkpoint never overwrites a newer one), and the finish is a Paxos write (later still).
+
+Finishing is one conditional batch: the last output rows and the terminal status land together, and
+only if the run is still in progress. Whoever wins (the owner, a cancel from another replica, or the
+reaper marking it interrupted), the assistant message is then written from the stored output up to
+the final sequence number under the id reserved at claim time: a retried finish rewrites the same
+row with the same content, so it is stored exactly once.
+
+Orphans: replicas heartbeat into ``replicas``; ``runs_by_owner`` lists each replica's in-progress runs
+by start minute. ``find_orphaned_runs`` returns the in-progress runs of replicas whose heartbeat is
+stale, for another replica to ``interrupt_run``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+from memory_store.base import StoreBase, id_str, micros, now, unset, utc
+from memory_store.db import Cql, Row
+from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
+from memory_store.models import (
+    Claim,
+    FinishedRun,
+    FinishReason,
+    Message,
+    MessageStatus,
+    Role,
+    Run,
+    RunDelta,
+    RunOutcome,
+    RunStatus,
+    Usage,
+)
+from memory_store.schema import RUN_INDEX_BUCKET_SECONDS
+
+ORCHESTRATOR = "orchestrator"
+REPLICA_TTL_S = 86_400
+_CLAIM_ATTEMPTS = 6
+_MAX_FINGERPRINT_BYTES = 64
+_RUN_STATE = (
+    "user_id, chat_id, user_message_id, parent_message_id, assistant_message_id, model, owner_id, status, "
+    "finish_reason, last_seq, checkpointed_at, finished_at, prompt_tokens, cached_prompt_tokens, "
+    "completion_tokens, error_code, error_message"
+)
+
+STATEMENTS = {
+    "claim": Cql(
+        "INSERT INTO idempotency_keys (user_id, key, fingerprint, run_id, user_message_id, "
+        "assistant_message_id) VALUES (?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
+        # Running it again leaves the same row: the first claim's. The caller recognises its own ids.
+        idempotent=True,
+    ),
+    "run_insert": Cql(
+        "INSERT INTO runs (run_id, user_id, chat_id, user_message_id, parent_message_id, "
+        "assistant_message_id, model, owner_id, status, last_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0) "
+        "USING TIMESTAMP ?",
+        True,
+    ),
+    "run_checkpoint": Cql(
+        "INSERT INTO runs (run_id, first_seq, texts, token_counts, last_seq, checkpointed_at) "
+        "VALUES (?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+        True,
+    ),
+    "run_tail": Cql("INSERT INTO runs (run_id, first_seq, texts, token_counts) VALUES (?, ?, ?, ?)", True),
+    "run_finish": Cql(
+        "UPDATE runs SET status = ?, finish_reason = ?, last_seq = ?, finished_at = ?, prompt_tokens = ?, "
+        "cached_prompt_tokens = ?, completion_tokens = ?, error_code = ?, error_message = ? "
+        "WHERE run_id = ? IF status = 'in_progress'",
+        True,
+    ),
+    "run_get": Cql(f"SELECT {_RUN_STATE} FROM runs WHERE run_id = ? LIMIT 1", True),
+    "run_read": Cql(f"SELECT {_RUN_STATE}, first_seq, texts, token_counts FROM runs WHERE run_id = ?", True),
+    "owner_index_insert": Cql("INSERT INTO runs_by_owner (owner_id, bucket, run_id) VALUES (?, ?, ?)", True),
+    "owner_index_delete": Cql(
+        "DELETE FROM runs_by_owner WHERE owner_id = ? AND bucket = ? AND run_id = ?", True
+    ),
+    "owner_index_scan": Cql("SELECT run_id FROM runs_by_owner WHERE owner_id = ? AND bucket = ?", True),
+    "replica_heartbeat": Cql(
+        "INSERT INTO replicas (service, replica_id, heartbeat_at) VALUES (?, ?, ?) USING TTL ?", True
+    ),
+    "replica_list": Cql("SELECT replica_id, heartbeat_at FROM replicas WHERE service = ?", True),
+    "replica_forget": Cql("DELETE FROM replicas WHERE service = ? AND replica_id = ?", True),
+}
+
+
+def _owner_bucket(run_id: uuid.UUID) -> int:
+    return id_micros(run_id) // 1_000_000 // RUN_INDEX_BUCKET_SECONDS
+
+
+def _run(run_id: uuid.UUID, row: Row) -> Run:
+    completion = row["completion_tokens"]
+    usage = None
+    if completion is not None:
+        usage = Usage(row["prompt_tokens"] or 0, row["cached_prompt_tokens"] or 0, completion)
+    return Run(
+        run_id=str(run_id),
+        user_id=row["user_id"],
+        chat_id=str(row["chat_id"]),
+        parent_message_id=str(row["parent_message_id"]),
+        assistant_message_id=str(row["assistant_message_id"]),
+        model=row["model"] or "",
+        owner_id=row["owner_id"] or "",
+        status=RunStatus(row["status"]),
+        created_at=id_time(run_id),
+        user_message_id=id_str(row["user_message_id"]),
+        finish_reason=FinishReason(row["finish_reason"]) if row["finish_reason"] else None,
+        last_seq=row["last_seq"] or 0,
+        checkpointed_at=utc(row["checkpointed_at"]),
+        finished_at=utc(row["finished_at"]),
+        usage=usage,
+        error_code=row["error_code"],
+        error_message=row["error_message"],
+    )
+
+
+def _deltas(rows: Sequence[Row], after_seq: int, upto_seq: int | None) -> list[RunDelta]:
+    """The output events in checkpoint rows with after_seq < seq <= upto_seq, in order."""
+    out = []
+    for row in sorted((r for r in rows if r["first_seq"] is not None), key=lambda r: r["first_seq"]):
+        for i, (text, tokens) in enumerate(zip(row["texts"] or (), row["token_counts"] or (), strict=True)):
+            seq = row["first_seq"] + i
+            if seq > after_seq and (upto_seq is None or seq <= upto_seq):
+                out.append(RunDelta(seq, text, tokens))
+    return out
+
+
+class RunsMixin(StoreBase):
+    async def claim_idempotency_key(self, user_id: str, key: str, fingerprint: bytes) -> Claim:
+        """Reserves the ids of a send (run, user message, assistant message) for ``(user_id, key)``.
+
+        The same key always returns the same ids, however many callers race; ``fingerprint`` (a hash
+        of the request) tells a true retry from a different request reusing the key.
+        """
+        self._check_user(user_id)
+        if not 1 <= len(key) <= self.limits.max_idempotency_key_chars:
+            raise InvalidArgument(
+                f"idempotency key must be 1..{self.limits.max_idempotency_key_chars} characters"
+            )
+        if not 1 <= len(fingerprint) <= _MAX_FINGERPRINT_BYTES:
+            raise InvalidArgument(f"request fingerprint must be 1..{_MAX_FINGERPRINT_BYTES} bytes")
+        user_message_id, run_id, assistant_message_id = new_id(), new_id(), new_id()
+        params = (
+            user_id,
+            key,
+            fingerprint,
+            run_id,
+            user_message_id,
+            assistant_message_id,
+            self._config.idempotency_ttl_s,
+        )
+        for attempt in range(_CLAIM_ATTEMPTS):
+            try:
+                row = (await self._db.execute("claim", params))[0]
+                break
+            except Unavailable:
+                # Contention on one key or a slow node: the outcome is unknown, and retrying is safe.
+                if attempt == _CLAIM_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(random.uniform(0.01, 0.05) * 2**attempt)
+        mine = row["[applied]"] or row["run_id"] == run_id
+        return Claim(
+            run_id=str(row["run_id"] if not row["[applied]"] else run_id),
+            user_message_id=str(row["user_message_id"] if not row["[applied]"] else user_message_id),
+            assistant_message_id=str(
+                row["assistant_message_id"] if not row["[applied]"] else assistant_message_id
+            ),
+            created=mine,
+            fingerprint_matches=mine or row["fingerprint"] == fingerprint,
+        )
+
+    async def create_run(
+        self,
+        user_id: str,
+        chat_id: str,
+        *,
+        run_id: str,
+        parent_message_id: str,
+        assistant_message_id: str,
+        model: str,
+        owner_id: str,
+        user_message_id: str | None = None,
+    ) -> Run:
+        """Starts a run (in progress, owned by replica ``owner_id``) and makes it the chat's active run.
+
+        The ids come from ``claim_idempotency_key``. Creating the same run again is harmless: it never
+        moves a run that has progressed or finished back to its start.
+        """
+        run_key = parse_id(run_id, "run id")
+        parent = parse_id(parent_message_id, "parent message id")
+        assistant = parse_id(assistant_message_id, "assistant message id")
+        user_message = parse_optional_id(user_message_id, "user message id")
+        if not owner_id or len(model) > self.limits.max_model_chars:
+            raise InvalidArgument("a run needs an owner id and a model name of reasonable length")
+        if parent.time >= assistant.time:
+            raise FailedPrecondition("the assistant message id must be newer than the message it answers")
+        chat_key = parse_id(chat_id, "chat id")
+        _, parent_row = await self._with_owner(user_id, chat_id, self._message_row(chat_key, parent))
+        if parent_row is None:
+            raise FailedPrecondition(f"message {parent_message_id} is not in chat {chat_id}")
+        # Index first: a run that exists can always be found by the reaper.
+        await self._db.execute("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
+        await asyncio.gather(
+            self._db.execute(
+                "run_insert",
+                (
+                    run_key,
+                    user_id,
+                    chat_key,
+                    unset(user_message),
+                    parent,
+                    assistant,
+                    model,
+                    owner_id,
+                    RunStatus.IN_PROGRESS.value,
+                    id_micros(run_key),
+                ),
+            ),
+            self.set_active_run(user_id, chat_id, run_id),
+        )
+        return Run(
+            run_id=str(run_key),
+            user_id=user_id,
+            chat_id=str(chat_key),
+            parent_message_id=str(parent),
+            assistant_message_id=str(assistant),
+            model=model,
+            owner_id=owner_id,
+            status=RunStatus.IN_PROGRESS,
+            created_at=id_time(run_key),
+            user_message_id=id_str(user_message),
+        )
+
+    async def checkpoint_run(self, run: Run, deltas: Sequence[RunDelta]) -> None:
+        """Stores output events (consecutive sequence numbers) so any replica can replay them."""
+        first_seq = self._check_deltas(deltas)
+        if first_seq is None:
+            return
+        run_key = parse_id(run.run_id, "run id")
+        last_seq = deltas[-1].seq
+        await self._db.execute(
+            "run_checkpoint",
+            (
+                run_key,
+                first_seq,
+                [d.text for d in deltas],
+                [d.token_count for d in deltas],
+                last_seq,
+                now(),
+                id_micros(run_key) + last_seq,
+            ),
+        )
+
+    def _check_deltas(self, deltas: Sequence[RunDelta]) -> int | None:
+        """Validates a checkpoint's events; returns the first sequence number (None if empty)."""
+        if not deltas:
+            return None
+        if len(deltas) > self.limits.max_checkpoint_deltas:
+            raise InvalidArgument(f"at most {self.limits.max_checkpoint_deltas} events per checkpoint")
+        first = deltas[0].seq
+        if first < 1 or any(d.seq != first + i for i, d in enumerate(deltas)):
+            raise InvalidArgument("checkpointed events must have consecutive sequence numbers from 1 up")
+        if sum(len(d.text.encode()) for d in deltas) > self.limits.max_checkpoint_bytes:
+            raise InvalidArgument(
+                f"a checkpoint holds at most {self.limits.max_checkpoint_bytes} bytes of text"
+            )
+        return first
+
+    async def finish_run(self, run: Run, outcome: RunOutcome) -> FinishedRun:
+        """Ends the run (if it is still in progress) and stores its assistant message exactly once.
+
+        Safe to retry, and safe to race: the first finish wins; later ones return ``applied=False``
+        with the run as it ended, and still make sure its message, usage and chat state are stored.
+        """
+        status = RunStatus(outcome.status)
+        if not status.terminal:
+            raise InvalidArgument("a run can only finish as completed, cancelled, failed or interrupted")
+        if outcome.tail and outcome.tail[-1].seq > outcome.last_seq:
+            raise InvalidArgument("last_seq must be at least the sequence number of the last event")
+        if (
+            outcome.error_message is not None
+            and len(outcome.error_message) > self.limits.max_error_message_chars
+        ):
+            raise InvalidArgument(
+                f"error message is longer than {self.limits.max_error_message_chars} characters"
+            )
+        run_key = parse_id(run.run_id, "run id")
+        usage = outcome.usage
+        statements = [
+            (
+                "run_finish",
+                (
+                    status.value,
+                    unset(outcome.finish_reason and FinishReason(outcome.finish_reason).value),
+                    outcome.last_seq,
+                    now(),
+                    unset(usage and usage.prompt_tokens),
+                    unset(usage and usage.cached_prompt_tokens),
+                    unset(usage and usage.completion_tokens),
+                    unset(outcome.error_code),
+                    unset(outcome.error_message),
+                    run_key,
+                ),
+            )
+        ]
+        first_seq = self._check_deltas(outcome.tail)
+        if first_seq is not None:
+            texts = [d.text for d in outcome.tail]
+            statements.append(
+                ("run_tail", (run_key, first_seq, texts, [d.token_count for d in outcome.tail]))
+            )
+        applied = (await self._db.execute_batch(statements))[0]["[applied]"]
+        final, rows = await self._read_run(run_key, serial=True)
+        if final is None or final.user_id != run.user_id:
+            raise NotFound(f"run {run.run_id} not found")
+        if not final.status.terminal:
+            raise Unavailable(f"run {run.run_id} did not finish; retry")
+        message = await self._store_answer(final, _deltas(rows, 0, final.last_seq))
+        if final.usage is not None:
+            await self.record_usage(final.user_id, final.run_id, final.usage)
+        await asyncio.gather(
+            self.clear_active_run(final.user_id, final.chat_id, final.run_id),
+            self._db.execute("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key)),
+        )
+        return FinishedRun(run=final, message=message, applied=applied)
+
+    async def _store_answer(self, run: Run, deltas: list[RunDelta]) -> Message | None:
+        """Writes the run's assistant message from its stored output (None if there is nothing to store)."""
+        content = "".join(d.text for d in deltas)
+        if not content and run.status is not RunStatus.COMPLETED:
+            return None
+        usage = run.usage
+        message = Message(
+            message_id=run.assistant_message_id,
+            chat_id=run.chat_id,
+            role=Role.ASSISTANT,
+            content=content,
+            parent_id=run.parent_message_id,
+            token_count=usage.completion_tokens if usage else sum(d.token_count for d in deltas),
+            model=run.model or None,
+            finish_reason=run.finish_reason,
+            status=MessageStatus.COMPLETE if run.status is RunStatus.COMPLETED else MessageStatus.INCOMPLETE,
+            run_id=run.run_id,
+            usage=usage,
+        )
+        try:
+            chat, _ = await self._with_owner(run.user_id, run.chat_id, self._check_message(message))
+        except NotFound:
+            return None  # the chat was deleted while the run went on: nothing to attach the answer to
+        await self._write_message(chat, message)
+        return message
+
+    async def interrupt_run(self, run: Run) -> FinishedRun:
+        """Marks an orphaned run interrupted, keeping the output checkpointed so far."""
+        return await self.finish_run(run, RunOutcome(status=RunStatus.INTERRUPTED, last_seq=run.last_seq))
+
+    async def get_run(self, user_id: str, run_id: str) -> Run:
+        self._check_user(user_id)
+        run_key = parse_id(run_id, "run id")
+        rows = await self._db.execute("run_get", (run_key,))
+        if not rows or rows[0]["user_id"] != user_id or rows[0]["status"] is None:
+            raise NotFound(f"run {run_id} not found")
+        return _run(run_key, rows[0])
+
+    async def read_run_output(self, user_id: str, run_id: str, after_seq: int = 0) -> list[RunDelta]:
+        """The run's stored output events with seq > after_seq (up to the final one once it ended)."""
+        self._check_user(user_id)
+        run, rows = await self._read_run(parse_id(run_id, "run id"), serial=False)
+        if run is None or run.user_id != user_id:
+            raise NotFound(f"run {run_id} not found")
+        return _deltas(rows, after_seq, run.last_seq if run.status.terminal else None)
+
+    async def _read_run(self, run_key: uuid.UUID, serial: bool) -> tuple[Run | None, list[Row]]:
+        # A serial read completes any Paxos round in flight, so it sees who won a finish race.
+        rows = await self._db.execute("run_read", (run_key,), consistency=self._db.serial if serial else None)
+        if not rows or rows[0]["status"] is None:
+            return None, rows
+        return _run(run_key, rows[0]), rows
+
+    async def heartbeat_replica(self, replica_id: str, at: datetime | None = None) -> None:
+        """Says that orchestrator replica ``replica_id`` is alive at ``at`` (default now; call every few
+        seconds). Its row expires a day after its last heartbeat."""
+        if not replica_id:
+            raise InvalidArgument("replica id must not be empty")
+        await self._db.execute("replica_heartbeat", (ORCHESTRATOR, replica_id, at or now(), REPLICA_TTL_S))
+
+    async def forget_replica(self, replica_id: str) -> None:
+        """Drops a replica's heartbeat (after its orphaned runs were interrupted, or at clean shutdown)."""
+        await self._db.execute("replica_forget", (ORCHESTRATOR, replica_id))
+
+    async def find_orphaned_runs(
+        self, stale_after_s: float = 30.0, max_run_age_s: float = 3600.0, at: datetime | None = None
+    ) -> list[Run]:
+        """In-progress runs whose owner has not heartbeated for ``stale_after_s`` seconds, for the
+        caller to ``interrupt_run``. Only runs started within ``max_run_age_s`` are considered (no run
+        lives longer). Silent replicas without such runs are forgotten."""
+        at = at or now()
+        replicas = await self._db.execute("replica_list", (ORCHESTRATOR,))
+        stale = [
+            r["replica_id"]
+            for r in replicas
+            if utc(r["heartbeat_at"]) < at - timedelta(seconds=stale_after_s)
+        ]
+        last = micros(at) // 1_000_000 // RUN_INDEX_BUCKET_SECONDS
+        first = (micros(at) // 1_000_000 - int(max_run_age_s)) // RUN_INDEX_BUCKET_SECONDS
+        limit = asyncio.Semaphore(16)
+
+        async def bounded(statement: str, params: tuple) -> list[Row]:
+            async with limit:
+                return await self._db.execute(statement, params)
+
+        scans = await asyncio.gather(
+            *(
+                bounded("owner_index_scan", (owner, bucket))
+                for owner in stale
+                for bucket in range(first, last + 1)
+            )
+        )
+        run_keys = list(dict.fromkeys(row["run_id"] for rows in scans for row in rows))
+        states = await asyncio.gather(*(bounded("run_get", (key,)) for key in run_keys))
+        orphans = []
+        for key, rows in zip(run_keys, states, strict=True):
+            if rows and rows[0]["status"] == RunStatus.IN_PROGRESS.value and rows[0]["owner_id"] in stale:
+                orphans.append(_run(key, rows[0]))
+        # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
+        # (if it was only paused, its next heartbeat brings it back).
+        done = set(stale) - {run.owner_id for run in orphans}
+        await asyncio.gather(*(self.forget_replica(owner) for owner in done))
+        return orphans

@@ -1,0 +1,220 @@
+"""The keyspace and its tables, as versioned migrations applied idempotently at start.
+
+Each migration is a list of statements that are safe to run again (``IF NOT EXISTS``); applied
+versions are recorded in ``schema_migrations``, so a start applies only what is new, and a start that
+died half way through a migration simply runs it again. In a multi-replica deployment run migrations
+from one place (``python -m memory_store schema`` as a deploy job): concurrent DDL from several
+clients can race in Cassandra 5.0.
+
+Why the tables look the way they do (see docs/memory_store.md for the full story):
+
+- ``messages``: ``((chat_id, bucket), message_id)`` newest first, like Discord. ``bucket`` is the day of
+  the message id (``BUCKET_SECONDS``), so a partition holds one chat's messages of one day: bounded by
+  the per-user rate limit and token budget, and a "last 50 turns" read usually touches one partition.
+  ``message_buckets`` lists a chat's non-empty buckets, so paging never probes empty days.
+- ``chats`` lives in the user's partition, so ownership is the key itself: another user's chat is simply
+  not there. ``chats_by_activity`` orders them by recent activity; moving a chat is a delete + insert
+  in one single-partition batch. The delete leaves a tombstone, so the table keeps them only an hour
+  (``gc_grace_seconds``); readers check each entry against ``chats.activity_at``, so a stale or
+  resurrected entry is skipped, never shown.
+- ``runs``: run state in static columns, output checkpoints as clustering rows of the same partition,
+  so a finish can atomically append the last output and move the status in one conditional batch.
+- Lists are ``frozen`` (an unfrozen collection write first deletes the old one: a tombstone).
+- No statement ever binds a null: absent values are left unset.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from cassandra.query import SimpleStatement
+
+from memory_store.db import Db
+
+BUCKET_SECONDS = 86_400
+RUN_INDEX_BUCKET_SECONDS = 60
+
+DDL_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "chats, messages, runs, idempotency keys, usage, summaries",
+        (
+            """CREATE TABLE IF NOT EXISTS store_secrets (
+                name text PRIMARY KEY,
+                value blob)""",
+            """CREATE TABLE IF NOT EXISTS chats (
+                user_id text,
+                chat_id timeuuid,
+                title text,
+                created_at timestamp,
+                activity_at timestamp,
+                deleted_at timestamp,
+                last_run_id timeuuid,
+                last_finished_run_id timeuuid,
+                PRIMARY KEY ((user_id), chat_id))
+              WITH CLUSTERING ORDER BY (chat_id DESC)""",
+            """CREATE TABLE IF NOT EXISTS chats_by_activity (
+                user_id text,
+                activity_at timestamp,
+                chat_id timeuuid,
+                PRIMARY KEY ((user_id), activity_at, chat_id))
+              WITH CLUSTERING ORDER BY (activity_at DESC, chat_id DESC)
+              AND gc_grace_seconds = 3600
+              AND compaction = {'class': 'LeveledCompactionStrategy'}""",
+            """CREATE TABLE IF NOT EXISTS messages (
+                chat_id timeuuid,
+                bucket int,
+                message_id timeuuid,
+                parent_id timeuuid,
+                role text,
+                content text,
+                token_count int,
+                model text,
+                finish_reason text,
+                status text,
+                run_id timeuuid,
+                created_at timestamp,
+                prompt_tokens int,
+                cached_prompt_tokens int,
+                completion_tokens int,
+                PRIMARY KEY ((chat_id, bucket), message_id))
+              WITH CLUSTERING ORDER BY (message_id DESC)""",
+            """CREATE TABLE IF NOT EXISTS message_buckets (
+                chat_id timeuuid,
+                bucket int,
+                PRIMARY KEY ((chat_id), bucket))
+              WITH CLUSTERING ORDER BY (bucket DESC)""",
+            """CREATE TABLE IF NOT EXISTS chat_summaries (
+                chat_id timeuuid PRIMARY KEY,
+                text text,
+                token_count int,
+                through_message_id timeuuid,
+                updated_at timestamp)""",
+            """CREATE TABLE IF NOT EXISTS idempotency_keys (
+                user_id text,
+                key text,
+                fingerprint blob,
+                run_id timeuuid,
+                user_message_id timeuuid,
+                assistant_message_id timeuuid,
+                PRIMARY KEY ((user_id, key)))""",
+            """CREATE TABLE IF NOT EXISTS runs (
+                run_id timeuuid,
+                first_seq bigint,
+                texts frozen<list<text>>,
+                token_counts frozen<list<int>>,
+                user_id text static,
+                chat_id timeuuid static,
+                user_message_id timeuuid static,
+                parent_message_id timeuuid static,
+                assistant_message_id timeuuid static,
+                model text static,
+                owner_id text static,
+                status text static,
+                finish_reason text static,
+                last_seq bigint static,
+                checkpointed_at timestamp static,
+                finished_at timestamp static,
+                prompt_tokens int static,
+                cached_prompt_tokens int static,
+                completion_tokens int static,
+                error_code text static,
+                error_message text static,
+                PRIMARY KEY ((run_id), first_seq))""",
+            # In-progress runs by owning replica and start minute; a row is deleted when its run ends.
+            """CREATE TABLE IF NOT EXISTS runs_by_owner (
+                owner_id text,
+                bucket bigint,
+                run_id timeuuid,
+                PRIMARY KEY ((owner_id, bucket), run_id))
+              WITH gc_grace_seconds = 3600
+              AND default_time_to_live = 86400""",
+            """CREATE TABLE IF NOT EXISTS replicas (
+                service text,
+                replica_id text,
+                heartbeat_at timestamp,
+                PRIMARY KEY ((service), replica_id))
+              WITH gc_grace_seconds = 3600""",
+            # One row per run and budget window: recording the same run twice is an upsert, not a
+            # double count (counters would double count a retried increment).
+            """CREATE TABLE IF NOT EXISTS usage_by_run (
+                user_id text,
+                window_start timestamp,
+                run_id timeuuid,
+                prompt_tokens bigint,
+                cached_prompt_tokens bigint,
+                completion_tokens bigint,
+                PRIMARY KEY ((user_id, window_start), run_id))
+              WITH default_time_to_live = 3024000""",
+        ),
+    ),
+)
+
+_KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+
+
+def replication_cql(replication: Mapping[str, str | int]) -> str:
+    """A CQL replication map, e.g. {'class': 'SimpleStrategy', 'replication_factor': '1'}."""
+    parts = []
+    for key, value in replication.items():
+        if not re.fullmatch(r"[A-Za-z0-9_.]+", str(key)) or not re.fullmatch(r"[A-Za-z0-9_.]+", str(value)):
+            raise ValueError(f"invalid replication setting {key!r}: {value!r}")
+        parts.append(f"'{key}': '{value}'")
+    return "{" + ", ".join(parts) + "}"
+
+
+def _cql(text: str) -> SimpleStatement:
+    # Every schema statement is IF NOT EXISTS or an upsert: safe to retry.
+    return SimpleStatement(text, is_idempotent=True)
+
+
+async def apply(db: Db, keyspace: str, replication: Mapping[str, str | int]) -> list[int]:
+    """Creates the keyspace if needed and applies new migrations; returns the versions applied."""
+    if not _KEYSPACE_NAME.match(keyspace):
+        raise ValueError(f"invalid keyspace name {keyspace!r}")
+    await db.execute(
+        _cql(f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = {replication_cql(replication)}"),
+        operation="schema",
+        timeout_s=DDL_TIMEOUT_S,
+    )
+    await db.use_keyspace(keyspace)
+    await db.execute(
+        _cql(
+            """CREATE TABLE IF NOT EXISTS schema_migrations (
+                version int PRIMARY KEY,
+                description text,
+                applied_at timestamp)"""
+        ),
+        operation="schema",
+        timeout_s=DDL_TIMEOUT_S,
+    )
+    done = {
+        row["version"]
+        for row in await db.execute(_cql("SELECT version FROM schema_migrations"), operation="schema")
+    }
+    applied = []
+    for migration in MIGRATIONS:
+        if migration.version in done:
+            continue
+        for statement in migration.statements:
+            await db.execute(_cql(statement), operation="schema", timeout_s=DDL_TIMEOUT_S)
+        await db.execute(
+            _cql("INSERT INTO schema_migrations (version, description, applied_at) VALUES (%s, %s, %s)"),
+            (migration.version, migration.description, datetime.now(UTC)),
+            operation="schema",
+        )
+        applied.append(migration.version)
+    return applied

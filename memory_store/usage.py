@@ -1,0 +1,71 @@
+"""Token usage per user and budget window, idempotent per run.
+
+Each run's usage is one row of the user's window partition, keyed by run id, so recording the same run
+again (a retried finish, or an estimate at start replaced by the actual count at the end) overwrites
+it instead of adding to it. Cassandra counters would double count a retried increment. Reading a
+user's usage is one single-partition aggregate; a window holds at most the runs the user's budget and
+rate limits allowed in it.
+
+A run's window is the one its id was made in, so every record of one run lands in the same window.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from memory_store.base import StoreBase, micros, now
+from memory_store.db import Cql
+from memory_store.errors import InvalidArgument
+from memory_store.ids import id_time, parse_id
+from memory_store.models import Usage, UsageWindow
+
+STATEMENTS = {
+    "usage_put": Cql(
+        "INSERT INTO usage_by_run (user_id, window_start, run_id, prompt_tokens, cached_prompt_tokens, "
+        "completion_tokens) VALUES (?, ?, ?, ?, ?, ?)",
+        idempotent=True,
+    ),
+    "usage_sum": Cql(
+        "SELECT sum(prompt_tokens) AS prompt, sum(cached_prompt_tokens) AS cached, "
+        "sum(completion_tokens) AS completion, count(*) AS runs "
+        "FROM usage_by_run WHERE user_id = ? AND window_start = ?",
+        True,
+    ),
+}
+
+
+class UsageMixin(StoreBase):
+    def _window_start(self, at: datetime) -> datetime:
+        seconds = micros(at) // 1_000_000
+        return datetime.fromtimestamp(seconds - seconds % self._config.usage_window_s, UTC)
+
+    async def record_usage(self, user_id: str, run_id: str, usage: Usage) -> None:
+        """Sets the tokens of ``run_id`` in the user's window (replacing an earlier record of the run)."""
+        self._check_user(user_id)
+        run_key = parse_id(run_id, "run id")
+        if min(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) < 0:
+            raise InvalidArgument("token counts must not be negative")
+        await self._db.execute(
+            "usage_put",
+            (
+                user_id,
+                self._window_start(id_time(run_key)),
+                run_key,
+                usage.prompt_tokens,
+                usage.cached_prompt_tokens,
+                usage.completion_tokens,
+            ),
+        )
+
+    async def get_usage(self, user_id: str, at: datetime | None = None) -> UsageWindow:
+        """The user's usage in the window containing ``at`` (default: now)."""
+        self._check_user(user_id)
+        start = self._window_start(at or now())
+        row = (await self._db.execute("usage_sum", (user_id, start)))[0]
+        return UsageWindow(
+            user_id=user_id,
+            start=start,
+            end=start + timedelta(seconds=self._config.usage_window_s),
+            usage=Usage(row["prompt"] or 0, row["cached"] or 0, row["completion"] or 0),
+            runs=row["runs"] or 0,
+        )

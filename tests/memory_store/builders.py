@@ -1,0 +1,58 @@
+"""Small builders for memory_store tests: unique users, messages, a chat with a run."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+from memory_store.ids import new_id
+from memory_store.models import Message, Role, Run
+from memory_store.store import MemoryStore
+
+
+def new_user() -> str:
+    """A user id no other test uses, so tests share one keyspace without seeing each other's data."""
+    return f"user-{uuid.uuid4().hex[:12]}"
+
+
+def message(
+    chat_id: str,
+    content: str,
+    parent: Message | None = None,
+    role: Role = Role.USER,
+    at: datetime | None = None,
+    message_id: str | None = None,
+) -> Message:
+    return Message(
+        message_id=message_id or str(new_id(at)),
+        chat_id=chat_id,
+        role=role,
+        content=content,
+        parent_id=parent.message_id if parent else None,
+    )
+
+
+async def start_run(
+    store: MemoryStore,
+    user: str,
+    chat_id: str,
+    question: str,
+    parent: Message | None = None,
+    owner: str = "replica-a",
+) -> tuple[Run, Message]:
+    """Claims a key, stores the user message and opens a run answering it: what a send does."""
+    claim = await store.claim_idempotency_key(user, f"key-{uuid.uuid4().hex}", b"fingerprint")
+    asked = await store.append_message(
+        user, message(chat_id, question, parent, message_id=claim.user_message_id)
+    )
+    run = await store.create_run(
+        user,
+        chat_id,
+        run_id=claim.run_id,
+        parent_message_id=asked.message_id,
+        assistant_message_id=claim.assistant_message_id,
+        model="smollm2-135m",
+        owner_id=owner,
+        user_message_id=asked.message_id,
+    )
+    return run, asked

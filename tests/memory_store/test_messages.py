@@ -1,0 +1,238 @@
+"""Messages on a real Cassandra node: paging across buckets, round trips, trees, limits, no null writes."""
+
+import asyncio
+import uuid
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
+from memory_store.ids import new_id
+from memory_store.messages import bucket_of
+from memory_store.models import FinishReason, Message, MessageStatus, Role, Usage
+from tests.memory_store.builders import message, new_user
+
+
+async def read_all_pages(store, user, chat_id, page_size):
+    ids, cursor = [], None
+    while True:
+        page = await store.list_messages(user, chat_id, before=cursor, limit=page_size)
+        ids += [m.message_id for m in page.items]
+        cursor = page.next_cursor
+        if cursor is None:
+            return ids
+        await asyncio.sleep(0)  # let concurrent appends interleave with the paging
+
+
+async def test_pages_cross_buckets_without_gaps_or_repeats_during_concurrent_appends(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "spanning days")
+    today = datetime.now(UTC) - timedelta(minutes=5)
+    # Five days, two of them empty, 9 messages on each of the other three.
+    days = [today - timedelta(days=4), today - timedelta(days=2), today]
+    existing = [
+        message(chat.chat_id, f"day {d} #{i}", at=day + timedelta(seconds=i))
+        for d, day in enumerate(days)
+        for i in range(9)
+    ]
+    await asyncio.gather(*(memory_store.append_message(user, m) for m in existing))
+    assert len({bucket_of(uuid.UUID(m.message_id)) for m in existing}) == 3
+
+    appended: list[Message] = []
+
+    async def keep_appending():
+        for i in range(20):
+            appended.append(await memory_store.append_message(user, message(chat.chat_id, f"live {i}")))
+
+    listed, _ = await asyncio.gather(read_all_pages(memory_store, user, chat.chat_id, 4), keep_appending())
+
+    assert len(listed) == len(set(listed)), "a message was listed twice"
+    assert set(m.message_id for m in existing) <= set(listed), "an existing message was skipped"
+    assert set(listed) <= {m.message_id for m in existing + appended}
+    assert [uuid.UUID(i).time for i in listed] == sorted((uuid.UUID(i).time for i in listed), reverse=True)
+    # Once appends stop, one pass sees everything, newest first.
+    everything = await read_all_pages(memory_store, user, chat.chat_id, 7)
+    expected = sorted(existing + appended, key=lambda m: uuid.UUID(m.message_id).time, reverse=True)
+    assert everything == [m.message_id for m in expected]
+
+
+async def test_latest_message_is_the_newest_across_buckets(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "latest")
+    assert await memory_store.get_latest_message(user, chat.chat_id) is None
+    old = await memory_store.append_message(
+        user, message(chat.chat_id, "old", at=datetime.now(UTC) - timedelta(days=3))
+    )
+    new = await memory_store.append_message(user, message(chat.chat_id, "new", old))
+    assert (await memory_store.get_latest_message(user, chat.chat_id)).message_id == new.message_id
+
+
+async def test_unicode_and_large_content_round_trip_exactly(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "round trip")
+    samples = [
+        "emoji 👩‍👩‍👧‍👦🚀, CJK 漢字かなカナ, RTL עברית العربية, combining é (e\u0301), zero width \u200d\u200b",
+        "a NUL \x00 in the middle, tabs\tand\nnewlines\r\n",
+        "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 beyond the BMP: 𐍈 🀄 \U0010fffd",  # noqa: RUF001 - look-alike letters on purpose
+        "x" * (32 * 1024),  # exactly the user limit
+    ]
+    stored = []
+    parent = None
+    for text in samples:
+        parent = await memory_store.append_message(user, message(chat.chat_id, text, parent))
+        stored.append(parent)
+    big = "é" * (128 * 1024)  # 256 KiB of UTF-8: the assistant limit
+    answer = Message(
+        message_id=str(new_id()),
+        chat_id=chat.chat_id,
+        role=Role.ASSISTANT,
+        content=big,
+        parent_id=parent.message_id,
+        token_count=70_000,
+        model="smollm2-135m",
+        finish_reason=FinishReason.LENGTH,
+        status=MessageStatus.INCOMPLETE,
+        usage=Usage(prompt_tokens=100, cached_prompt_tokens=64, completion_tokens=70_000),
+    )
+    await memory_store.append_message(user, answer)
+
+    for original in [*stored, answer]:
+        assert await memory_store.get_message(user, chat.chat_id, original.message_id) == original
+    with pytest.raises(InvalidArgument, match="32768 bytes"):
+        await memory_store.append_message(user, message(chat.chat_id, "x" * (32 * 1024 + 1)))
+    with pytest.raises(InvalidArgument, match="262144 bytes"):
+        await memory_store.append_message(
+            user, message(chat.chat_id, "é" * (128 * 1024) + "!", role=Role.ASSISTANT)
+        )
+
+
+async def test_branch_walks_parent_links_through_edits_and_regenerations(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "tree")
+    add = lambda text, parent=None, role=Role.USER: memory_store.append_message(  # noqa: E731
+        user, message(chat.chat_id, text, parent, role)
+    )
+    q1 = await add("q1")
+    a1 = await add("a1", q1, Role.ASSISTANT)
+    a1_again = await add("a1 regenerated", q1, Role.ASSISTANT)  # sibling of a1
+    q2 = await add("q2", a1_again)
+    a2 = await add("a2", q2, Role.ASSISTANT)
+    q2_edited = await add("q2 edited", a1_again)  # sibling of q2
+    a2_edited = await add("a2 for the edit", q2_edited, Role.ASSISTANT)
+    await add("q3 on the first branch", a1)
+
+    branch = await memory_store.get_branch(user, chat.chat_id, a2_edited.message_id)
+    assert [m.content for m in branch.messages] == ["q1", "a1 regenerated", "q2 edited", "a2 for the edit"]
+    assert not branch.truncated
+    other = await memory_store.get_branch(user, chat.chat_id, a2.message_id)
+    assert [m.content for m in other.messages] == ["q1", "a1 regenerated", "q2", "a2"]
+
+    newest_two = await memory_store.get_branch(user, chat.chat_id, a2.message_id, max_messages=2)
+    assert [m.content for m in newest_two.messages] == ["q2", "a2"]
+    assert newest_two.truncated
+
+    # A summary covering up to a1_again: the walk returns what comes after it on this branch.
+    after_summary = await memory_store.get_branch(
+        user, chat.chat_id, a2.message_id, stop_at=a1_again.message_id
+    )
+    assert [m.content for m in after_summary.messages] == ["q2", "a2"]
+    assert after_summary.reached_stop
+    # A summary of another branch is never met.
+    elsewhere = await memory_store.get_branch(user, chat.chat_id, a2.message_id, stop_at=a1.message_id)
+    assert len(elsewhere.messages) == 4 and not elsewhere.reached_stop
+    # A message that is not in this chat has no branch here.
+    other_chat = await memory_store.create_chat(user, "other")
+    for missing in (str(new_id()), a2.message_id):
+        with pytest.raises(NotFound):
+            await memory_store.get_branch(
+                user, other_chat.chat_id if missing == a2.message_id else chat.chat_id, missing
+            )
+
+
+async def test_branch_spans_buckets(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "slow chat")
+    start = datetime.now(UTC) - timedelta(days=6)
+    parent = None
+    chain = []
+    for day in range(6):
+        for i in range(3):
+            at = start + timedelta(days=day, minutes=i)
+            parent = await memory_store.append_message(
+                user, message(chat.chat_id, f"d{day}m{i}", parent, at=at)
+            )
+            chain.append(parent.content)
+        # Noise on another branch of the same day.
+        await memory_store.append_message(
+            user, message(chat.chat_id, "noise", at=start + timedelta(days=day, minutes=9))
+        )
+    branch = await memory_store.get_branch(user, chat.chat_id, parent.message_id)
+    assert [m.content for m in branch.messages] == chain
+
+
+async def test_retried_append_stores_one_row(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "retries")
+    once = message(chat.chat_id, "sent once, retried five times")
+    await asyncio.gather(*(memory_store.append_message(user, once) for _ in range(6)))
+    assert [m.message_id for m in (await memory_store.list_messages(user, chat.chat_id)).items] == [
+        once.message_id
+    ]
+
+
+async def test_parent_must_be_in_the_chat_and_older(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "parents")
+    other_chat = await memory_store.create_chat(user, "elsewhere")
+    elsewhere = await memory_store.append_message(user, message(other_chat.chat_id, "elsewhere"))
+    with pytest.raises(FailedPrecondition, match="not in chat"):
+        await memory_store.append_message(user, message(chat.chat_id, "orphan", elsewhere))
+    later = message(chat.chat_id, "made later")
+    earlier = Message(
+        str(new_id(datetime.now(UTC) - timedelta(seconds=5))), chat.chat_id, Role.USER, "x", later.message_id
+    )
+    await memory_store.append_message(user, later)
+    with pytest.raises(FailedPrecondition, match="older"):
+        await memory_store.append_message(user, earlier)
+    with pytest.raises(InvalidArgument, match="future"):
+        await memory_store.append_message(
+            user, message(chat.chat_id, "from the future", at=datetime.now(UTC) + timedelta(hours=1))
+        )
+    with pytest.raises(NotFound):
+        await memory_store.get_message(user, chat.chat_id, str(new_id()))
+
+
+async def test_message_cursor_is_bound_to_its_chat(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "a")
+    other = await memory_store.create_chat(user, "b")
+    for i in range(3):
+        await memory_store.append_message(user, message(chat.chat_id, f"m{i}"))
+    cursor = (await memory_store.list_messages(user, chat.chat_id, limit=1)).next_cursor
+    with pytest.raises(InvalidArgument, match="page token"):
+        await memory_store.list_messages(user, other.chat_id, before=cursor)
+    with pytest.raises(InvalidArgument, match="page token"):
+        await memory_store.list_messages(
+            user, chat.chat_id, before=cursor.replace(cursor[5], "_" if cursor[5] != "_" else "-")
+        )
+    with pytest.raises(InvalidArgument, match="page size"):
+        await memory_store.list_messages(user, chat.chat_id, limit=201)
+
+
+async def test_messages_without_optional_fields_write_no_tombstones(memory_store):
+    """Absent fields are left unset, not written as nulls: a read of the partition meets no tombstone."""
+    user = new_user()
+    chat = await memory_store.create_chat(user, "tombstones")
+    root = await memory_store.append_message(user, message(chat.chat_id, "root: no parent, model or usage"))
+    key = uuid.UUID(root.message_id)
+    session = memory_store._db.session
+    result = await asyncio.to_thread(
+        session.execute,
+        "SELECT * FROM chatmesh_test.messages WHERE chat_id = %s AND bucket = %s",
+        (uuid.UUID(chat.chat_id), bucket_of(key)),
+        trace=True,
+    )
+    events = [e.description for e in result.get_query_trace(max_wait_sec=10).events]
+    read = [e for e in events if "live rows and" in e]
+    assert read, events
+    assert all(e.endswith("and 0 tombstone cells") for e in read), read

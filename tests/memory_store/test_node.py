@@ -1,0 +1,61 @@
+"""The local node's configuration and tooling: durable commitlog, Java 17 flags, clear setup errors."""
+
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from memory_store.node import (
+    CqlAnswers,
+    NodeConfig,
+    NodeSetupError,
+    cassandra_yaml,
+    check_prerequisites,
+    jvm_argv,
+)
+
+
+def test_yaml_binds_loopback_with_a_durable_commitlog(tmp_path):
+    config = NodeConfig(data_dir=tmp_path, cql_port=19042, storage_port=17000, jmx_port=17199)
+    settings = yaml.safe_load(cassandra_yaml(config))
+    assert settings["commitlog_sync"] == "batch"
+    assert settings["listen_address"] == settings["rpc_address"] == "127.0.0.1"
+    assert settings["native_transport_port"] == 19042 and settings["storage_port"] == 17000
+    assert settings["seed_provider"][0]["parameters"][0]["seeds"] == "127.0.0.1:17000"
+    assert settings["data_file_directories"] == [f"{tmp_path}/data"]
+    assert settings["commitlog_directory"] == f"{tmp_path}/commitlog"
+
+
+def test_jvm_runs_the_daemon_with_java17_module_flags_and_its_own_ports(tmp_path):
+    config = NodeConfig(data_dir=tmp_path, jmx_port=17199, heap_max="1g")
+    argv = jvm_argv(config)
+    assert argv[-1] == "org.apache.cassandra.service.CassandraDaemon"
+    assert "-Xmx1g" in argv and "-Dcassandra.jmx.local.port=17199" in argv
+    assert "--add-opens=java.base/sun.nio.ch=ALL-UNNAMED" in argv
+    assert "-Djdk.attach.allowAttachSelf=true" in argv
+    assert f"-Dcassandra.config=file://{tmp_path}/conf/cassandra.yaml" in argv
+
+
+def test_missing_jars_say_how_to_fetch_them(tmp_path):
+    with pytest.raises(NodeSetupError, match="make setup"):
+        check_prerequisites(NodeConfig(data_dir=tmp_path, lib_dir=tmp_path / "nothing-here"))
+
+
+def test_missing_java_says_how_to_install_it(tmp_path):
+    with pytest.raises(NodeSetupError, match="Java 17"):
+        check_prerequisites(NodeConfig(data_dir=tmp_path, java=str(Path(tmp_path) / "no-java")))
+
+
+def test_cql_check_is_false_for_a_port_that_does_not_speak_cql():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert not CqlAnswers(port)()
+
+
+def test_running_node_answers_cql_and_nodetool(cassandra_node):
+    assert CqlAnswers(cassandra_node.node.config.cql_port)()
+    status = cassandra_node.node.nodetool("status")
+    assert "UN  127.0.0.1" in status

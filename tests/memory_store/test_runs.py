@@ -1,0 +1,213 @@
+"""Runs on a real Cassandra node: idempotent sends, checkpoints, exactly-once answers, orphans, usage."""
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from memory_store.base import now
+from memory_store.errors import InvalidArgument, NotFound
+from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
+from tests.memory_store.builders import message, new_user, start_run
+
+
+def deltas(first_seq, *texts):
+    return [RunDelta(first_seq + i, text, 1) for i, text in enumerate(texts)]
+
+
+async def test_fifty_concurrent_sends_with_one_key_store_one_message_and_one_run(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "double clicks")
+
+    async def send():
+        claim = await memory_store.claim_idempotency_key(user, "send-1", b"same request")
+        asked = await memory_store.append_message(
+            user, message(chat.chat_id, "only once please", message_id=claim.user_message_id)
+        )
+        await memory_store.create_run(
+            user,
+            chat.chat_id,
+            run_id=claim.run_id,
+            parent_message_id=asked.message_id,
+            assistant_message_id=claim.assistant_message_id,
+            model="smollm2-135m",
+            owner_id="replica-a",
+            user_message_id=asked.message_id,
+        )
+        return claim
+
+    claims = await asyncio.gather(*(send() for _ in range(50)))
+
+    assert len({(c.run_id, c.user_message_id, c.assistant_message_id) for c in claims}) == 1
+    assert sum(c.created for c in claims) == 1
+    assert all(c.fingerprint_matches for c in claims)
+    stored = (await memory_store.list_messages(user, chat.chat_id)).items
+    assert [m.message_id for m in stored] == [claims[0].user_message_id]
+    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id == claims[0].run_id
+    assert (await memory_store.get_run(user, claims[0].run_id)).status is RunStatus.IN_PROGRESS
+
+
+async def test_reused_key_with_another_request_is_reported(memory_store):
+    user, other_user = new_user(), new_user()
+    first = await memory_store.claim_idempotency_key(user, "k", b"request A")
+    again = await memory_store.claim_idempotency_key(user, "k", b"request A")
+    different = await memory_store.claim_idempotency_key(user, "k", b"request B")
+    someone_else = await memory_store.claim_idempotency_key(other_user, "k", b"request A")
+
+    assert (first.created, again.created, again.fingerprint_matches) == (True, False, True)
+    assert again.run_id == first.run_id == different.run_id
+    assert not different.fingerprint_matches
+    assert someone_else.created and someone_else.run_id != first.run_id
+    with pytest.raises(InvalidArgument, match="idempotency key"):
+        await memory_store.claim_idempotency_key(user, "k" * 129, b"x")
+
+
+async def test_checkpointed_output_replays_from_any_sequence_number(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "resume")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "tell me a story")
+    await memory_store.checkpoint_run(run, deltas(2, "Once", " upon"))
+    await memory_store.checkpoint_run(run, deltas(4, " a", " time", " 🌙"))
+    # A stale retry of the first checkpoint does not move the run back.
+    await memory_store.checkpoint_run(run, deltas(2, "Once", " upon"))
+
+    assert (await memory_store.get_run(user, run.run_id)).last_seq == 6
+    for after, expected in [(0, "Once upon a time 🌙"), (3, " a time 🌙"), (6, "")]:
+        replay = await memory_store.read_run_output(user, run.run_id, after)
+        assert "".join(d.text for d in replay) == expected
+        assert [d.seq for d in replay] == list(range(after + 1 if after else 2, 7))
+    with pytest.raises(InvalidArgument, match="consecutive"):
+        await memory_store.checkpoint_run(run, [RunDelta(7, "a"), RunDelta(9, "b")])
+    with pytest.raises(NotFound):
+        await memory_store.read_run_output(new_user(), run.run_id)
+    with pytest.raises(NotFound):
+        await memory_store.get_run(new_user(), run.run_id)
+
+
+async def test_retried_finish_stores_the_answer_once_and_counts_usage_once(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "finish twice")
+    run, asked = await start_run(memory_store, user, chat.chat_id, "2+2?")
+    await memory_store.checkpoint_run(run, deltas(2, "It", " is"))
+    outcome = RunOutcome(
+        status=RunStatus.COMPLETED,
+        last_seq=6,
+        finish_reason=FinishReason.STOP,
+        tail=tuple(deltas(4, " 4", ".")),
+        usage=Usage(prompt_tokens=12, cached_prompt_tokens=8, completion_tokens=4),
+    )
+    first, second = await memory_store.finish_run(run, outcome), await memory_store.finish_run(run, outcome)
+
+    assert (first.applied, second.applied) == (True, False)
+    assert first.message == second.message
+    assert first.message.content == "It is 4."
+    assert (first.message.role, first.message.parent_id, first.message.status) == (
+        Role.ASSISTANT,
+        asked.message_id,
+        MessageStatus.COMPLETE,
+    )
+    stored = (await memory_store.list_messages(user, chat.chat_id)).items
+    assert [m.message_id for m in stored] == [run.assistant_message_id, asked.message_id]
+    assert stored[0] == first.message
+    usage = await memory_store.get_usage(user)
+    assert (usage.usage, usage.runs) == (Usage(12, 8, 4), 1)
+    final = await memory_store.get_run(user, run.run_id)
+    assert (final.status, final.finish_reason, final.last_seq) == (RunStatus.COMPLETED, FinishReason.STOP, 6)
+    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id is None
+
+
+async def test_racing_finishes_have_one_winner_and_one_answer(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "cancel vs complete")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "long answer please")
+    await memory_store.checkpoint_run(run, deltas(2, "Partial"))
+    complete = RunOutcome(RunStatus.COMPLETED, 4, FinishReason.STOP, tail=tuple(deltas(3, " and", " done")))
+    cancel = RunOutcome(RunStatus.CANCELLED, 2, FinishReason.CANCELLED)
+
+    results = await asyncio.gather(*(memory_store.finish_run(run, o) for o in [complete, cancel] * 3))
+
+    winners = [r for r in results if r.applied]
+    assert len(winners) == 1
+    final = winners[0].run
+    assert all(r.run == final and r.message == winners[0].message for r in results)
+    expected = "Partial and done" if final.status is RunStatus.COMPLETED else "Partial"
+    stored = await memory_store.get_message(user, chat.chat_id, run.assistant_message_id)
+    assert stored.content == expected
+
+
+async def test_late_checkpoint_does_not_change_a_finished_answer(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "zombie owner")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "hi")
+    await memory_store.checkpoint_run(run, deltas(2, "Hel"))
+    finished = await memory_store.finish_run(run, RunOutcome(RunStatus.CANCELLED, 2, FinishReason.CANCELLED))
+    await memory_store.checkpoint_run(run, deltas(3, "lo from a zombie"))
+
+    again = await memory_store.finish_run(run, RunOutcome(RunStatus.COMPLETED, 3, FinishReason.STOP))
+    assert not again.applied and again.message == finished.message
+    assert finished.message.content == "Hel" and finished.message.status is MessageStatus.INCOMPLETE
+    assert [d.text for d in await memory_store.read_run_output(user, run.run_id)] == ["Hel"]
+    assert (await memory_store.get_run(user, run.run_id)).last_seq == 2
+
+
+async def test_failed_run_without_output_stores_no_message(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "engine down")
+    run, asked = await start_run(memory_store, user, chat.chat_id, "hello?")
+    failed = await memory_store.finish_run(
+        run,
+        RunOutcome(
+            RunStatus.FAILED, 1, FinishReason.ERROR, error_code="UNAVAILABLE", error_message="no engine"
+        ),
+    )
+    assert failed.message is None
+    assert (failed.run.error_code, failed.run.error_message) == ("UNAVAILABLE", "no engine")
+    assert [m.message_id for m in (await memory_store.list_messages(user, chat.chat_id)).items] == [
+        asked.message_id
+    ]
+    with pytest.raises(InvalidArgument):
+        await memory_store.finish_run(run, RunOutcome(RunStatus.IN_PROGRESS, 1))
+
+
+async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
+    user = new_user()
+    dead, alive = f"replica-dead-{user}", f"replica-alive-{user}"
+    await memory_store.heartbeat_replica(dead, at=now() - timedelta(seconds=120))
+    await memory_store.heartbeat_replica(alive)
+    chat = await memory_store.create_chat(user, "lost replica")
+    orphan, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=dead)
+    healthy, _ = await start_run(memory_store, user, chat.chat_id, "q2", owner=alive)
+    await memory_store.checkpoint_run(orphan, deltas(2, "half an ", "answer"))
+
+    found = [r for r in await memory_store.find_orphaned_runs(stale_after_s=30) if r.user_id == user]
+    assert [r.run_id for r in found] == [orphan.run_id]
+    assert found[0].last_seq == 3
+
+    interrupted = await memory_store.interrupt_run(found[0])
+    assert interrupted.applied and interrupted.run.status is RunStatus.INTERRUPTED
+    assert interrupted.message.content == "half an answer"
+    assert interrupted.message.status is MessageStatus.INCOMPLETE
+    assert orphan.run_id not in {r.run_id for r in await memory_store.find_orphaned_runs(stale_after_s=30)}
+    assert (await memory_store.get_run(user, healthy.run_id)).status is RunStatus.IN_PROGRESS
+    # The second pass found nothing left of the silent replica and forgot it: no more scans of it.
+    replicas = await memory_store._db.execute("replica_list", ("orchestrator",))
+    assert dead not in {r["replica_id"] for r in replicas} and alive in {r["replica_id"] for r in replicas}
+
+
+async def test_usage_is_per_run_and_idempotent(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "budget")
+    first, _ = await start_run(memory_store, user, chat.chat_id, "a")
+    second, _ = await start_run(memory_store, user, chat.chat_id, "b")
+    # An estimate at start, replaced by the actual count at the end; retried records change nothing.
+    await memory_store.record_usage(user, first.run_id, Usage(100, 0, 512))
+    for _ in range(3):
+        await memory_store.record_usage(user, first.run_id, Usage(100, 50, 20))
+    await memory_store.record_usage(user, second.run_id, Usage(30, 0, 7))
+
+    window = await memory_store.get_usage(user)
+    assert window.usage == Usage(130, 50, 27)
+    assert window.usage.total_tokens == 157 and window.runs == 2
+    assert window.start <= now() < window.end
+    assert (await memory_store.get_usage(user, at=now() - timedelta(days=1))).runs == 0
+    assert (await memory_store.get_usage(new_user())).usage == Usage()
