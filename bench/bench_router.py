@@ -525,8 +525,7 @@ def main() -> None:
     print(
         f"workload: {len(workload)} conversations x {args.turns} turns, Poisson arrivals at {args.rate}/s, think time "
         f"~exp({args.think_s} s), {args.system_prompts} system prompts, first prompts {min(firsts)}-{max(firsts)} "
-        f"tokens, +{args.user_words} words per user turn, {args.output_tokens} greedy output tokens per turn; "
-        f"router overlap weight {args.overlap_weight}"
+        f"tokens, +{args.user_words} words per user turn, {args.output_tokens} greedy output tokens per turn"
     )
     summaries, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
