@@ -131,7 +131,7 @@ async def test_a_burst_on_a_hot_prefix_spreads_once_the_holders_load_outweighs_t
     # Each request counts on its engine the moment it is placed, so a burst does not all pile onto
     # the engine holding the prefix before its load shows up.
     burst = await asyncio.gather(
-        *(generate(stub, start_frame(chat(tok, system, f"Document {i}."), max_tokens=30)) for i in range(10))
+        *(generate(stub, start_frame(chat(tok, system, f"Document {i}."), max_tokens=30)) for i in range(24))
     )
     engines = [outcome.engine_id for outcome in burst]
     assert home in engines and len(set(engines)) == 2, engines
