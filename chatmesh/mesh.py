@@ -80,7 +80,12 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
         )
         for i, port in enumerate(config.engine_ports())
     ]
-    engine_flags = [flag for port in config.engine_ports() for flag in ("--engine", f"127.0.0.1:{port}")]
+    # Named like the engines' --engine-id, so `routed` frames, logs and metrics agree on engine names.
+    engine_flags = [
+        flag
+        for i, port in enumerate(config.engine_ports())
+        for flag in ("--engine", f"engine-{i}=127.0.0.1:{port}")
+    ]
     specs.append(
         ServiceSpec(
             name="router",

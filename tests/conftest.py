@@ -4,6 +4,7 @@ pytest_plugins: list[str] = [
     "tests.fixtures.cassandra",
     "tests.fixtures.engines",
     "tests.fixtures.model",
+    "tests.fixtures.router",
     "tests.fixtures.envoy",
     "tests.fixtures.browser",
 ]

@@ -29,8 +29,11 @@ class RouterServiceStub:
     """RouterService places requests on engines and relays their token streams.
 
     Errors (gRPC status on the call):
-    INVALID_ARGUMENT     malformed request.
+    INVALID_ARGUMENT     malformed request (or refused as such by the engine), or no model named while the
+    router serves several.
     NOT_FOUND            no engine serves the requested model.
+    FAILED_PRECONDITION  no engine of the model uses the tokenizer the prompt was tokenized with.
+    ALREADY_EXISTS       the request_id is already in use by a live request on this router.
     RESOURCE_EXHAUSTED   shed under overload (lower tiers first); google.rpc.RetryInfo says when to retry.
     UNAVAILABLE          no healthy engine, or every failover attempt failed.
     """
@@ -57,8 +60,11 @@ class RouterServiceServicer:
     """RouterService places requests on engines and relays their token streams.
 
     Errors (gRPC status on the call):
-    INVALID_ARGUMENT     malformed request.
+    INVALID_ARGUMENT     malformed request (or refused as such by the engine), or no model named while the
+    router serves several.
     NOT_FOUND            no engine serves the requested model.
+    FAILED_PRECONDITION  no engine of the model uses the tokenizer the prompt was tokenized with.
+    ALREADY_EXISTS       the request_id is already in use by a live request on this router.
     RESOURCE_EXHAUSTED   shed under overload (lower tiers first); google.rpc.RetryInfo says when to retry.
     UNAVAILABLE          no healthy engine, or every failover attempt failed.
     """
@@ -68,9 +74,10 @@ class RouterServiceServicer:
         `cancel` frame. The router answers `routed` each time it places the request (again after a
         failover), `tokens` frames with contiguous indexes across failovers, and one `finished` frame.
 
-        Contract on client loss: a client that half-closes or disconnects without a `cancel` frame does
-        NOT cancel the engine work when it half-closes; only a `cancel` frame (or cancelling the RPC)
-        does. The orchestrator owns the decision to keep a run alive for a dropped browser.
+        Contract on client loss: half-closing the request side is NOT a cancel (generation goes on and
+        every frame is still sent); only a `cancel` frame, or the RPC ending (cancelled, deadline, or the
+        connection lost, which gRPC reports as a cancelled RPC), stops the engine work. The orchestrator
+        owns the decision to keep a run alive for a dropped browser: it keeps this stream open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,8 +115,11 @@ class RouterService:
     """RouterService places requests on engines and relays their token streams.
 
     Errors (gRPC status on the call):
-    INVALID_ARGUMENT     malformed request.
+    INVALID_ARGUMENT     malformed request (or refused as such by the engine), or no model named while the
+    router serves several.
     NOT_FOUND            no engine serves the requested model.
+    FAILED_PRECONDITION  no engine of the model uses the tokenizer the prompt was tokenized with.
+    ALREADY_EXISTS       the request_id is already in use by a live request on this router.
     RESOURCE_EXHAUSTED   shed under overload (lower tiers first); google.rpc.RetryInfo says when to retry.
     UNAVAILABLE          no healthy engine, or every failover attempt failed.
     """

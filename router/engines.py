@@ -1,0 +1,110 @@
+"""The router's view of one engine: what it serves, its last load report, its health, and the requests
+this router has in flight there.
+
+The engine's load report is periodic (and a request that just finished still counts in it); the
+router's own bookkeeping is exact for its own requests. Placement combines them, like Dynamo's
+predicted active blocks: load = this router's in-flight requests (each one's context so far in
+blocks; queued ones count as waiting until their first token) plus the *foreign* load the last
+report showed beyond them (other router replicas, direct clients), which is 0 with one router.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+
+from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from router.admission import QueueView
+
+
+@dataclass
+class _Inflight:
+    blocks: int = 0  # context blocks so far
+    started: bool = False  # a token came back (until then it counts as waiting)
+
+
+@dataclass(eq=False)
+class EngineState:
+    engine_id: str
+    address: str
+    channel: grpc.aio.Channel
+    stub: engine_pb2_grpc.EngineServiceStub
+    info: engine_pb2.GetModelInfoResponse | None = None  # kept across disconnects: which pool it is in
+    load: engine_pb2.EngineLoad | None = None
+    connected: bool = False  # its KvEvents and WatchLoad streams are up
+    inflight: dict[str, _Inflight] = field(default_factory=dict)  # this router's requests, by request id
+    inflight_blocks: int = 0
+    inflight_waiting: int = 0  # of those, not started yet
+    foreign_blocks: int = 0  # blocks in use at the last report beyond this router's requests
+    foreign_waiting: int = 0  # queued at the last report beyond this router's requests
+    finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    removed: bool = False  # gone from DNS; kept only while its streams finish
+
+    @property
+    def healthy(self) -> bool:
+        return self.connected and self.load is not None and self.load.serving and not self.removed
+
+    @property
+    def block_size(self) -> int:
+        assert self.info is not None
+        return self.info.block_size
+
+    def disconnect(self) -> None:
+        self.connected = False
+        self.load = None
+
+    def report(self, load: engine_pb2.EngineLoad) -> None:
+        self.load = load
+        self.foreign_blocks = max(0, load.kv_blocks_used - self.inflight_blocks)
+        self.foreign_waiting = max(0, load.waiting_requests - self.inflight_waiting)
+
+    # -- this router's requests ----------------------------------------------------------------------
+
+    def dispatched(self, request_id: str, context_tokens: int) -> None:
+        self.inflight[request_id] = _Inflight()
+        self.inflight_waiting += 1
+        self._resize(request_id, context_tokens)
+
+    def progressed(self, request_id: str, context_tokens: int) -> None:
+        """A token came back; the request's context on this engine is now ``context_tokens`` long."""
+        request = self.inflight.get(request_id)
+        if request is not None and not request.started:
+            request.started = True
+            self.inflight_waiting -= 1
+        self._resize(request_id, context_tokens)
+
+    def ended(self, request_id: str, completed: bool) -> None:
+        request = self.inflight.pop(request_id, None)
+        if request is not None:
+            self.inflight_blocks -= request.blocks
+            self.inflight_waiting -= not request.started
+        if completed:
+            self.finish_times.append(time.monotonic())
+
+    def _resize(self, request_id: str, context_tokens: int) -> None:
+        if (request := self.inflight.get(request_id)) is not None:
+            blocks = math.ceil(context_tokens / self.block_size)
+            self.inflight_blocks += blocks - request.blocks
+            request.blocks = blocks
+
+    # -- what placement and admission read -----------------------------------------------------------
+
+    def decode_blocks(self) -> float:
+        return float(self.inflight_blocks + self.foreign_blocks)
+
+    def drain_rate(self) -> float:
+        """Requests this router saw finish here per second, lately (0: not enough to tell)."""
+        times = self.finish_times
+        if len(times) < 2 or times[-1] <= times[0]:
+            return 0.0
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def queue_view(self) -> QueueView:
+        max_waiting = self.load.max_waiting_requests if self.load is not None else 0
+        return QueueView(
+            self.engine_id, self.inflight_waiting + self.foreign_waiting, max_waiting, self.drain_rate()
+        )

@@ -1,0 +1,109 @@
+"""Which engine holds which KV block: ``block hash → engines``, fed only by the engines' KV events.
+
+Block hashes are chained (``chatmesh.block_hash``): a hash names a whole prefix, so a flat map does
+what a radix tree over tokens would, and a request's cached prefix on an engine is the leading run of
+its block hashes that the engine holds. Engines are bits of an int per hash, so one lookup per block
+answers for every engine at once.
+
+Nothing is guessed: a block enters the index when its engine says it stored it and leaves when the
+engine says it evicted it (or when the engine's stream breaks: then everything of that engine goes
+until a fresh snapshot). Memory is bounded per engine by ``max_blocks`` (the engine's own pool size
+caps what a correct engine can report); blocks beyond the bound are not indexed, which only costs
+affinity, never correctness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._engines: dict[int, int] = {}  # block hash → bitmask of engine slots holding it
+        self._blocks: dict[str, set[int]] = {}  # engine → hashes it holds
+        self._slots: dict[str, int] = {}  # engine → its bit
+        self._limits: dict[str, int] = {}
+        self.dropped = 0  # stored blocks not indexed because their engine was at its bound
+
+    def add_engine(self, engine_id: str, max_blocks: int) -> None:
+        """Makes ``engine_id`` indexable (holding nothing yet), with at most ``max_blocks`` entries."""
+        if engine_id not in self._slots:
+            used = set(self._slots.values())
+            self._slots[engine_id] = next(slot for slot in range(len(used) + 1) if slot not in used)
+            self._blocks[engine_id] = set()
+        self._limits[engine_id] = max_blocks
+
+    def remove_engine(self, engine_id: str) -> None:
+        self.clear(engine_id)
+        self._blocks.pop(engine_id, None)
+        self._slots.pop(engine_id, None)
+        self._limits.pop(engine_id, None)
+
+    def store(self, engine_id: str, block_hashes: Iterable[int]) -> None:
+        held = self._blocks[engine_id]
+        bit = 1 << self._slots[engine_id]
+        room = self._limits[engine_id] - len(held)
+        for block_hash in block_hashes:
+            if block_hash in held:
+                continue
+            if room <= 0:
+                self.dropped += 1
+                continue
+            held.add(block_hash)
+            self._engines[block_hash] = self._engines.get(block_hash, 0) | bit
+            room -= 1
+
+    def remove(self, engine_id: str, block_hashes: Iterable[int]) -> None:
+        held = self._blocks[engine_id]
+        keep = ~(1 << self._slots[engine_id])
+        for block_hash in block_hashes:
+            if block_hash in held:
+                held.discard(block_hash)
+                self._drop_bits(block_hash, keep)
+
+    def clear(self, engine_id: str) -> None:
+        """Forgets everything ``engine_id`` held (stream broken, cache cleared, before a snapshot)."""
+        held = self._blocks.get(engine_id)
+        if not held:
+            return
+        keep = ~(1 << self._slots[engine_id])
+        for block_hash in held:
+            self._drop_bits(block_hash, keep)
+        held.clear()
+
+    def replace(self, engine_id: str, block_hashes: Iterable[int]) -> None:
+        """Sets what ``engine_id`` holds to exactly ``block_hashes`` (a snapshot)."""
+        self.clear(engine_id)
+        self.store(engine_id, block_hashes)
+
+    def _drop_bits(self, block_hash: int, keep: int) -> None:
+        remaining = self._engines[block_hash] & keep
+        if remaining:
+            self._engines[block_hash] = remaining
+        else:
+            del self._engines[block_hash]
+
+    def size(self, engine_id: str) -> int:
+        return len(self._blocks.get(engine_id, ()))
+
+    def holds(self, engine_id: str, block_hash: int) -> bool:
+        return block_hash in self._blocks.get(engine_id, ())
+
+    def match(self, block_hashes: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:
+        """For each of ``engine_ids``: how many leading ``block_hashes`` it holds (its cached prefix)."""
+        slots = {engine_id: self._slots[engine_id] for engine_id in engine_ids if engine_id in self._slots}
+        result = dict.fromkeys(slots, 0)
+        alive = sum(1 << slot for slot in slots.values())
+        for depth, block_hash in enumerate(block_hashes):
+            still = alive & self._engines.get(block_hash, 0)
+            if still != alive:
+                for engine_id, slot in slots.items():
+                    if alive >> slot & 1 and not still >> slot & 1:
+                        result[engine_id] = depth
+                alive = still
+            if not alive:
+                return result
+        for engine_id, slot in slots.items():
+            if alive >> slot & 1:
+                result[engine_id] = len(block_hashes)
+        return result

@@ -1,0 +1,294 @@
+"""One request through the router: place it, stream from the engine, and fail over when the engine fails.
+
+    place ──► routed ──► engine Generate: start ─► accepted ─► tokens … ─► finished ──► done
+                 ▲                                    │ error, timeout, or the stream just ends
+                 └──── place elsewhere (attempt + 1), resuming with the tokens already sent ◄┘
+
+Each attempt sends the original prompt plus every token the client already has as
+``resumed_output_token_ids``: the engine treats them as context, counts them toward max_tokens, does
+not send them again, and draws position i's sample from (seed, i), so a greedy or seeded stream goes
+on exactly as it would have. Token ``index`` values continue across attempts; ``routed`` is sent for
+each placement. An error that is the request's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) is
+returned as is; a full engine queue (RESOURCE_EXHAUSTED) or a failing engine means another attempt,
+up to ``max_attempts``, then UNAVAILABLE naming what each engine said.
+
+Every engine call has a deadline (the client's, or ``max_request_s``), and every read a timeout:
+``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for the first token
+(queueing included), ``idle_timeout_s`` between later frames. Frames are relayed one at a time as they
+are read, so gRPC flow control, not a buffer here, absorbs a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.errors import retry_after_s
+from chatmesh.router.v1 import router_pb2
+from router.config import RouterConfig
+from router.engines import EngineState
+from router.metrics import RouterMetrics
+from router.placement import Placement, Placer, RequestPlan, RouteError
+
+TIER_PRIORITY = {
+    router_pb2.TIER_UNSPECIFIED: engine_pb2.PRIORITY_LOW,
+    router_pb2.TIER_FREE: engine_pb2.PRIORITY_LOW,
+    router_pb2.TIER_PRO: engine_pb2.PRIORITY_NORMAL,
+    router_pb2.TIER_ENTERPRISE: engine_pb2.PRIORITY_HIGH,
+}
+
+# Engine answers that are the request's fault: another engine would say the same.
+_CALLER_ERRORS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+    }
+)
+
+
+class AttemptFailed(Exception):
+    """This engine did not finish the request; another one may."""
+
+    def __init__(self, reason: str, detail: str, retry_after_s: float | None = None) -> None:
+        super().__init__(detail)
+        self.reason = reason  # metric label: unavailable, timeout, exhausted, error, ...
+        self.retry_after_s = retry_after_s  # set when the engine's queue was full
+
+
+class Relay:
+    def __init__(
+        self,
+        start: router_pb2.GenerateStart,
+        plan: RequestPlan,
+        placer: Placer,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        deadline_s: float | None = None,
+    ) -> None:
+        self.start = start
+        self.plan = plan
+        self.placer = placer
+        self.config = config
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.deadline_s = deadline_s  # seconds the client allows, from arrival
+        self.output: list[int] = []
+        self.cancelled = False
+        self._call: grpc.aio.StreamStreamCall | None = None  # the engine call in progress
+        self._outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] | None = None  # frames to it
+        self._first_token_at: float | None = None
+
+    def cancel(self) -> None:
+        """The client sent `cancel`: forward it to the engine now; no further attempts."""
+        self.cancelled = True
+        if self._outbox is not None:
+            self._outbox.put_nowait(_CANCEL)
+
+    def close(self) -> None:
+        """The client is gone: cancel the engine call (the engine frees the request's blocks)."""
+        if self._call is not None:
+            self._call.cancel()
+
+    async def run(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+        failures: list[tuple[str, AttemptFailed]] = []  # (engine id, what went wrong there)
+        for attempt in range(1, self.config.max_attempts + 1):
+            if self.cancelled:
+                yield self._cancelled_here()
+                return
+            try:
+                placement = self.placer.place(
+                    self.plan, {engine_id for engine_id, _ in failures}, attempt == 1
+                )
+            except RouteError as exc:
+                if not failures:
+                    raise
+                raise self._give_up(failures, exc) from None
+            if failures:
+                self.metrics.failovers.labels(failures[-1][1].reason).inc()
+            engine = placement.engine
+            attempt_id = self.start.request_id if attempt == 1 else f"{self.start.request_id}#{attempt}"
+            # Counted on the engine before anything awaits, so the next placement already sees it.
+            engine.dispatched(attempt_id, len(self.plan.prompt) + len(self.output))
+            try:
+                yield router_pb2.GenerateResponse(
+                    routed=router_pb2.GenerateRouted(
+                        engine_id=engine.engine_id,
+                        predicted_cached_tokens=placement.predicted_cached_tokens,
+                        attempt=attempt,
+                    )
+                )
+                async for frame in self._stream(placement, attempt_id):
+                    yield frame
+                return
+            except AttemptFailed as exc:
+                failures.append((engine.engine_id, exc))
+            finally:
+                engine.ended(attempt_id, completed=False)  # no-op when the attempt finished
+        if self.cancelled:
+            yield self._cancelled_here()
+            return
+        raise self._give_up(failures)
+
+    @staticmethod
+    def _give_up(failures: list[tuple[str, AttemptFailed]], last: RouteError | None = None) -> RouteError:
+        said = "; ".join(f"{engine_id}: {exc}" for engine_id, exc in failures)
+        delays = [exc.retry_after_s for _, exc in failures]
+        if all(delay is not None for delay in delays):  # every engine tried had a full queue
+            return RouteError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"every engine tried is full ({said})", min(delays)
+            )
+        then = f"; then: {last.message}" if last is not None else ""
+        return RouteError(
+            grpc.StatusCode.UNAVAILABLE, f"the request failed on {len(failures)} engine(s): {said}{then}"
+        )
+
+    # -- one attempt ---------------------------------------------------------------------------------
+
+    async def _stream(
+        self, placement: Placement, attempt_id: str
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        engine = placement.engine
+        # The request side is a queue, so a client's `cancel` goes out the moment it arrives; it ends
+        # with the attempt (an open request iterator would outlive the call inside gRPC).
+        outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] = asyncio.Queue(maxsize=3)
+        outbox.put_nowait(engine_pb2.GenerateRequest(start=self._engine_start(engine, attempt_id)))
+        if self.cancelled:
+            outbox.put_nowait(_CANCEL)
+        call = engine.stub.Generate(_drain(outbox), timeout=self._call_timeout())
+        self._call, self._outbox = call, outbox
+        completed = False
+        try:
+            frame = await self._read(call, self.config.accept_timeout_s, "`accepted`")
+            if frame.WhichOneof("kind") != "accepted":
+                raise AttemptFailed(
+                    "protocol", f"the engine sent {frame.WhichOneof('kind')} before `accepted`"
+                )
+            timeout, waiting_for = self.config.first_token_timeout_s, "the first token"
+            while True:
+                frame = await self._read(call, timeout, waiting_for)
+                kind = frame.WhichOneof("kind")
+                if kind == "tokens":
+                    tokens = self._new_tokens(frame.tokens)
+                    engine.progressed(attempt_id, len(self.plan.prompt) + len(self.output))
+                    timeout, waiting_for = self.config.idle_timeout_s, "the next token"
+                    if tokens is not None:
+                        yield router_pb2.GenerateResponse(tokens=tokens)
+                elif kind == "finished":
+                    completed = True
+                    engine.ended(attempt_id, completed=True)
+                    yield router_pb2.GenerateResponse(finished=self._finished(frame.finished, placement))
+                    return
+                else:
+                    raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
+        finally:
+            self._call = self._outbox = None
+            outbox.put_nowait(None)
+            if not completed:
+                call.cancel()
+
+    def _engine_start(self, engine: EngineState, attempt_id: str) -> engine_pb2.GenerateStart:
+        start, info = self.start, engine.info
+        return engine_pb2.GenerateStart(
+            request_id=attempt_id,
+            prompt_token_ids=self.plan.prompt,
+            resumed_output_token_ids=self.output,
+            sampling=start.sampling,
+            priority=TIER_PRIORITY.get(start.tier, engine_pb2.PRIORITY_LOW),
+            model=info.model if info is not None else "",
+            tokenizer_fingerprint=start.tokenizer_fingerprint,
+        )
+
+    async def _read(
+        self, call: grpc.aio.StreamStreamCall, timeout_s: float, waiting_for: str
+    ) -> engine_pb2.GenerateResponse:
+        try:
+            async with asyncio.timeout(timeout_s):
+                frame = await call.read()
+        except TimeoutError:
+            raise AttemptFailed(
+                "timeout", f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
+            ) from None
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in _CALLER_ERRORS:
+                raise RouteError(code, exc.details() or code.name) from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise AttemptFailed(
+                    "exhausted", exc.details() or "queue full", retry_after_s(exc) or 1.0
+                ) from None
+            raise AttemptFailed(code.name.lower(), f"{code.name}: {exc.details()}") from None
+        if frame is grpc.aio.EOF:
+            raise AttemptFailed("protocol", "the stream ended without `finished`")
+        return frame
+
+    def _new_tokens(self, tokens: engine_pb2.GenerateTokens) -> engine_pb2.GenerateTokens | None:
+        """Appends a frame's tokens to the output; drops any the client already has (never expected)."""
+        have = len(self.output)
+        if tokens.index > have:
+            raise AttemptFailed("protocol", f"the engine skipped output positions {have}..{tokens.index - 1}")
+        if tokens.index < have:
+            skip = have - tokens.index
+            if skip >= len(tokens.token_ids):
+                return None
+            tokens = engine_pb2.GenerateTokens(
+                index=have, token_ids=tokens.token_ids[skip:], text=tokens.text
+            )
+        self.output.extend(tokens.token_ids)
+        if self._first_token_at is None:
+            self._first_token_at = time.monotonic()
+            self.metrics.time_to_first_token.observe(self._first_token_at - self.arrival)
+        return tokens
+
+    def _finished(
+        self, finished: engine_pb2.GenerateFinished, placement: Placement
+    ) -> engine_pb2.GenerateFinished:
+        """The engine's `finished`, with usage for the whole request: the original prompt, all output."""
+        usage = finished.usage
+        metrics = self.metrics
+        metrics.prompt_tokens.inc(usage.prompt_tokens)
+        metrics.predicted_cached_tokens.inc(placement.predicted_cached_tokens)
+        metrics.cached_tokens.inc(usage.cached_prompt_tokens)
+        reason = engine_pb2.FinishReason.Name(finished.finish_reason).removeprefix("FINISH_REASON_").lower()
+        metrics.request_duration.labels(reason).observe(time.monotonic() - self.arrival)
+        return engine_pb2.GenerateFinished(
+            finish_reason=finished.finish_reason,
+            text=finished.text,
+            matched_stop=finished.matched_stop,
+            usage=engine_pb2.Usage(
+                prompt_tokens=len(self.plan.prompt),
+                cached_prompt_tokens=min(usage.cached_prompt_tokens, len(self.plan.prompt)),
+                completion_tokens=len(self.output),
+            ),
+        )
+
+    def _cancelled_here(self) -> router_pb2.GenerateResponse:
+        """Cancelled between attempts: no engine holds the request, so the router says `finished` itself."""
+        return router_pb2.GenerateResponse(
+            finished=engine_pb2.GenerateFinished(
+                finish_reason=engine_pb2.FINISH_REASON_CANCELLED,
+                usage=engine_pb2.Usage(
+                    prompt_tokens=len(self.plan.prompt), completion_tokens=len(self.output)
+                ),
+            )
+        )
+
+    def _call_timeout(self) -> float:
+        if self.deadline_s is None:
+            return self.config.max_request_s
+        return max(0.001, min(self.config.max_request_s, self.deadline_s - (time.monotonic() - self.arrival)))
+
+
+_CANCEL = engine_pb2.GenerateRequest(cancel=engine_pb2.GenerateCancel())
+
+
+async def _drain(outbox: asyncio.Queue) -> AsyncIterator[engine_pb2.GenerateRequest]:
+    while (frame := await outbox.get()) is not None:
+        yield frame

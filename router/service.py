@@ -1,0 +1,135 @@
+"""RouterService: the router's gRPC face (see protos/chatmesh/router/v1/router.proto for the contract).
+
+Stream contract with the caller (the orchestrator):
+- the first frame is `start`; at most one `cancel` may follow. A `cancel` is forwarded to the engine at
+  once and the stream ends with `finished` (reason CANCELLED) carrying the usage so far;
+- half-closing the request side is not a cancel: generation goes on and every frame is still sent;
+- cancelling the RPC (or the connection dropping) cancels the engine call, which frees its KV blocks.
+  So a client that goes away without a `cancel` frame must keep its end of the stream open if it wants
+  the run to continue: the orchestrator owns that choice (it keeps relaying into its run buffer when
+  a browser drops, and cancels only when the user says so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from chatmesh.errors import abort_with_retry
+from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.placement import Placer, RequestPlan, RouteError
+from router.registry import EngineRegistry
+from router.relay import TIER_PRIORITY, Relay
+
+log = logging.getLogger(__name__)
+
+# An engine appends "#<attempt>" to request ids on failover and accepts at most 256 characters.
+MAX_REQUEST_ID_CHARS = 200
+
+
+class RouterService(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, registry: EngineRegistry, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self.registry = registry
+        self.config = config
+        self.metrics = metrics
+        self.placer = Placer(registry, config, metrics)
+        self._live: set[str] = set()
+        self._draining = False
+
+    async def drain(self) -> None:
+        self._draining = True
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        frames = aiter(request_iterator)
+        first = await anext(frames, None)
+        if first is None or first.WhichOneof("kind") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be `start`")
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; use another replica")
+        start = first.start
+        if problem := _invalid(start):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if start.request_id in self._live:
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request id {start.request_id!r} is already in use"
+            )
+        plan = RequestPlan(
+            request_id=start.request_id,
+            prompt=list(start.prompt_token_ids),
+            model=start.model,
+            tokenizer_fingerprint=start.tokenizer_fingerprint,
+            tier=start.tier or router_pb2.TIER_FREE,
+            session_id=start.session_id,
+        )
+        relay = Relay(start, plan, self.placer, self.config, self.metrics, context.time_remaining())
+        self._live.add(start.request_id)
+        misuse: list[str] = []
+        reader = asyncio.create_task(_read_cancel(frames, relay, misuse))
+        try:
+            async for frame in relay.run():
+                yield frame
+        except RouteError as exc:
+            if exc.retry_after_s is not None:
+                await abort_with_retry(context, exc.code, exc.message, exc.retry_after_s)
+            await context.abort(exc.code, exc.message)
+        finally:
+            reader.cancel()
+            relay.close()
+            self._live.discard(start.request_id)
+        if misuse:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, misuse[0])
+
+    async def ListEngines(
+        self, request: router_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ListEnginesResponse:
+        statuses = []
+        for engine in self.registry.engines():
+            info = engine.info
+            if request.model and (info is None or info.model != request.model):
+                continue
+            status = router_pb2.EngineStatus(
+                engine_id=engine.engine_id,
+                address=engine.address,
+                model=info.model if info else "",
+                healthy=engine.healthy,
+                indexed_blocks=self.registry.index.size(engine.engine_id),
+                backend=info.backend if info else "",
+                inflight_requests=len(engine.inflight),
+            )
+            if engine.load is not None:
+                status.load.CopyFrom(engine.load)
+            statuses.append(status)
+        return router_pb2.ListEnginesResponse(engines=statuses)
+
+
+async def _read_cancel(
+    frames: AsyncIterator[router_pb2.GenerateRequest], relay: Relay, misuse: list[str]
+) -> None:
+    """Reads the frames after `start`. A half-close just ends this loop: it is not a cancel."""
+    with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+        async for frame in frames:
+            if frame.WhichOneof("kind") != "cancel":
+                misuse.append("only one `start` frame per stream; send `cancel` to stop")
+            relay.cancel()
+            return
+
+
+def _invalid(start: router_pb2.GenerateStart) -> str:
+    """What is wrong with a `start` frame, or "" (the engine checks the rest: vocabulary, context, sampling)."""
+    if not start.request_id or len(start.request_id) > MAX_REQUEST_ID_CHARS:
+        return f"request_id must have 1 to {MAX_REQUEST_ID_CHARS} characters"
+    if not start.prompt_token_ids:
+        return "prompt_token_ids must not be empty"
+    if start.sampling.max_tokens <= 0:
+        return "sampling.max_tokens must be > 0"
+    if start.tier not in TIER_PRIORITY:
+        return f"unknown tier {start.tier}"
+    return ""

@@ -1,0 +1,143 @@
+"""Failover: an engine that dies (kill -9) or hangs (SIGSTOP) mid-stream or before its first token, and
+the stream goes on elsewhere with no token lost or repeated.
+
+Null-backend engines emit a deterministic token per sequence position, so an unbroken run of the same
+prompt is the reference an interrupted stream must equal (the greedy real-model version of this test is
+in test_failover_cpu.py).
+"""
+
+import signal
+
+import grpc
+import pytest
+
+from chatmesh.router.v1 import router_pb2_grpc
+from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from tests.engine.service_client import wait_until
+from tests.router.router_client import Stream, generate, list_engines, start_frame
+
+TOKENS_PER_S = 50  # slow enough that a stream is still running when the test strikes
+STALL_TIMEOUT_S = 2.0  # the router's accept and idle timeouts here
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def cluster(start_engines, start_router):
+    engines = start_engines(4, "null", null_tokens_per_s=TOKENS_PER_S)
+    router = start_router(engines, accept_timeout_s=STALL_TIMEOUT_S, idle_timeout_s=STALL_TIMEOUT_S)
+    return router
+
+
+@pytest.fixture
+async def stub(cluster):
+    async with grpc.aio.insecure_channel(cluster.address) as channel:
+        yield router_pb2_grpc.RouterServiceStub(channel)
+
+
+@pytest.fixture
+def stopped(engine_launcher):
+    """Engines the test SIGSTOPs; they are continued afterwards whatever happens."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        engine_launcher.signal(name, signal.SIGCONT)
+
+
+def prompt_for(tok, topic: str) -> list[int]:
+    return tok.encode_chat(
+        [ChatMessage("system", f"You write about {topic}. " * 10), ChatMessage("user", "Go.")]
+    )
+
+
+async def live_engines_healthy(stub, cluster, engine_launcher) -> bool:
+    """Every engine of the cluster that is still running (not killed) is healthy in the router's view."""
+    engines = await list_engines(stub)
+    return all(engines[e.name].healthy for e in cluster.engines if e.name in engine_launcher.running)
+
+
+def kill(engine_launcher, name: str) -> None:
+    engine_launcher.signal(name, signal.SIGKILL)
+    engine_launcher.forget(name)
+
+
+async def test_kill_9_mid_stream_continues_on_another_engine_without_gaps_or_repeats(
+    stub, tok, cluster, engine_launcher
+):
+    prompt = prompt_for(tok, "rivers")
+    reference = await generate(stub, start_frame(prompt, max_tokens=120))
+    stream = Stream.start(stub, start_frame(prompt, max_tokens=120, session_id="river-chat"))
+    victim = (await stream.until("routed")).routed.engine_id
+    await stream.until("tokens")
+    kill(engine_launcher, victim)
+    # Marked unhealthy from its broken streams, well before the stale-load timeout (5 s).
+    await wait_until(lambda: _unhealthy(stub, victim), timeout_s=2.0, what=f"{victim} marked unhealthy")
+    outcome = await stream.rest()
+    assert [r.attempt for r in outcome.routed] == [1, 2]
+    assert outcome.routed[1].engine_id != victim
+    assert all(count > 0 for count in outcome.tokens_after_routed), "tokens came from both engines"
+    assert outcome.token_ids == reference.token_ids
+    assert outcome.text == reference.text
+    usage = outcome.finished.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 120)
+    assert (await list_engines(stub))[victim].indexed_blocks == 0, "a dead engine's blocks leave the index"
+
+
+async def _unhealthy(stub, engine_id: str) -> bool:
+    return not (await list_engines(stub))[engine_id].healthy
+
+
+async def test_a_hung_engine_mid_stream_times_out_and_the_stream_continues(
+    stub, tok, cluster, engine_launcher, stopped
+):
+    await wait_until(
+        lambda: live_engines_healthy(stub, cluster, engine_launcher), what="live engines healthy"
+    )
+    prompt = prompt_for(tok, "mountains")
+    reference = await generate(stub, start_frame(prompt, max_tokens=100))
+    stream = Stream.start(stub, start_frame(prompt, max_tokens=100))
+    hung = (await stream.until("routed")).routed.engine_id
+    await stream.until("tokens")
+    engine_launcher.signal(hung, signal.SIGSTOP)
+    stopped.append(hung)
+    outcome = await stream.rest()
+    assert [r.engine_id != hung for r in outcome.routed] == [False, True]
+    assert outcome.token_ids == reference.token_ids
+
+
+async def test_before_the_first_token_the_request_is_just_retried_elsewhere(
+    stub, tok, cluster, engine_launcher, stopped
+):
+    await wait_until(
+        lambda: live_engines_healthy(stub, cluster, engine_launcher), what="live engines healthy"
+    )
+    prompt = prompt_for(tok, "deserts")
+    home = (await generate(stub, start_frame(prompt, max_tokens=2))).engine_id
+    # The router still thinks `home` is fine (its load reports are not stale yet) and it holds the prefix.
+    engine_launcher.signal(home, signal.SIGSTOP)
+    stopped.append(home)
+    outcome = await generate(stub, start_frame(prompt, max_tokens=30))
+    assert [r.engine_id == home for r in outcome.routed] == [True, False]
+    assert outcome.tokens_after_routed == [0, 30]
+    assert outcome.finished.usage.completion_tokens == 30
+
+
+async def test_attempts_are_bounded_then_the_request_fails_with_a_clear_unavailable(
+    tok, start_engines, start_router, engine_launcher
+):
+    [engine] = start_engines(1, "null", null_tokens_per_s=TOKENS_PER_S)
+    router = start_router([engine])
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        stream = Stream.start(stub, start_frame(prompt_for(tok, "oceans"), max_tokens=500))
+        await stream.until("tokens")
+        kill(engine_launcher, engine.name)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream.rest()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert engine.name in err.value.details() and "no healthy engine" in err.value.details()
+    assert stream.outcome.token_ids, "the client had tokens before the failure"
+    assert stream.outcome.finished is None

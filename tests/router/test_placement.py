@@ -1,0 +1,130 @@
+"""Placement glue without processes: per-model pools, tokenizer checks, health, admission by tier,
+and each engine's cached prefix taken from the index with that engine's own block size."""
+
+import random
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.router.v1 import router_pb2
+from router.config import RouterConfig
+from router.engines import EngineState
+from router.index import PrefixIndex
+from router.metrics import RouterMetrics
+from router.placement import Placer, RequestPlan, RouteError
+
+PROMPT = list(range(200, 200 + 100))
+
+
+class Registry:
+    """What Placer reads of the real registry: the engines and the index."""
+
+    def __init__(self, *engines: EngineState) -> None:
+        self._engines = list(engines)
+        self.index = PrefixIndex()
+        for engine in engines:
+            self.index.add_engine(engine.engine_id, 10_000)
+
+    def engines(self) -> list[EngineState]:
+        return self._engines
+
+
+def engine(
+    engine_id: str,
+    model: str = "small",
+    fingerprint: str = "tok-a",
+    block_size: int = 16,
+    waiting: int = 0,
+    max_waiting: int = 8,
+    healthy: bool = True,
+    reachable: bool = True,
+) -> EngineState:
+    state = EngineState(engine_id, f"{engine_id}:1", channel=None, stub=None)
+    if reachable:
+        state.info = engine_pb2.GetModelInfoResponse(
+            model=model,
+            tokenizer_fingerprint=fingerprint,
+            block_size=block_size,
+            block_hash_seed=BLOCK_HASH_SEED,
+        )
+        state.connected = True
+        state.report(
+            engine_pb2.EngineLoad(waiting_requests=waiting, max_waiting_requests=max_waiting, serving=healthy)
+        )
+    return state
+
+
+def placer(registry: Registry, **config) -> Placer:
+    return Placer(registry, RouterConfig(**config), RouterMetrics(CollectorRegistry()), random.Random(0))
+
+
+def place(placer: Placer, tier=router_pb2.TIER_FREE, admit=True, exclude=(), **plan) -> str:
+    request = RequestPlan("r", PROMPT, tier=tier, **plan)
+    return placer.place(request, set(exclude), admit).engine.engine_id
+
+
+def refused(placer: Placer, **kwargs) -> RouteError:
+    with pytest.raises(RouteError) as err:
+        place(placer, **kwargs)
+    return err.value
+
+
+def test_a_request_goes_only_to_engines_of_its_model():
+    registry = Registry(engine("a1", "small"), engine("b1", "large"), engine("b2", "large"))
+    chooser = placer(registry)
+    assert {place(chooser, model="large") for _ in range(20)} == {"b1", "b2"}
+    assert place(chooser, model="small") == "a1"
+    assert refused(chooser, model="huge").code == grpc.StatusCode.NOT_FOUND
+
+
+def test_without_a_model_the_default_or_the_only_model_served_is_used():
+    two_models = Registry(engine("a1", "small"), engine("b1", "large"))
+    err = refused(placer(two_models))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "large, small" in err.message
+    assert place(placer(two_models, default_model="large")) == "b1"
+    assert place(placer(Registry(engine("a1"), engine("a2")))) in {"a1", "a2"}
+
+
+def test_an_unknown_model_is_unavailable_until_every_engine_has_been_reached():
+    registry = Registry(engine("a1", "small"), engine("x", reachable=False))
+    err = refused(placer(registry), model="large")
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "1 of 2 engines not reached" in err.message
+
+
+def test_engines_with_another_tokenizer_are_not_candidates():
+    registry = Registry(engine("a1", fingerprint="tok-a"), engine("a2", fingerprint="tok-b"))
+    chooser = placer(registry)
+    assert {place(chooser, tokenizer_fingerprint="tok-b") for _ in range(10)} == {"a2"}
+    assert refused(chooser, tokenizer_fingerprint="tok-c").code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_unhealthy_and_already_tried_engines_are_skipped():
+    registry = Registry(engine("a1", healthy=False), engine("a2"), engine("a3"))
+    chooser = placer(registry)
+    assert place(chooser, exclude={"a3"}) == "a2"
+    err = refused(chooser, exclude={"a2", "a3"})
+    assert err.code == grpc.StatusCode.UNAVAILABLE and "already tried: a2, a3" in err.message
+
+
+def test_free_is_shed_beyond_safe_depth_but_a_failover_goes_wherever_there_is_headroom():
+    registry = Registry(engine("a1", waiting=4, max_waiting=8), engine("a2", waiting=7, max_waiting=8))
+    chooser = placer(registry, free_queue_fraction=0.5)
+    err = refused(chooser, tier=router_pb2.TIER_FREE)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s is not None
+    assert place(chooser, tier=router_pb2.TIER_PRO) in {"a1", "a2"}
+    assert place(chooser, tier=router_pb2.TIER_FREE, admit=False) in {"a1", "a2"}
+    assert (
+        chooser.metrics.registry.get_sample_value("chatmesh_router_shed_requests_total", {"tier": "free"})
+        == 1
+    )
+
+
+def test_each_engine_is_matched_with_hashes_of_its_own_block_size():
+    registry = Registry(engine("bs16", block_size=16), engine("bs32", block_size=32))
+    registry.index.store("bs32", block_hashes(PROMPT, 32))  # all 3 full 32-token blocks
+    registry.index.store("bs16", block_hashes(PROMPT, 16)[:2])
+    placement = placer(registry).place(RequestPlan("r", PROMPT), set(), admit=True)
+    assert placement.engine.engine_id == "bs32" and placement.predicted_cached_tokens == 96

@@ -1,0 +1,57 @@
+"""The relay's own rules, without engines: token positions across attempts, and what a request that
+failed everywhere is told."""
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.router.v1 import router_pb2
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.placement import RequestPlan
+from router.relay import AttemptFailed, Relay
+
+
+def relay() -> Relay:
+    start = router_pb2.GenerateStart(request_id="r", prompt_token_ids=[1, 2, 3])
+    return Relay(start, RequestPlan("r", [1, 2, 3]), None, RouterConfig(), RouterMetrics(CollectorRegistry()))
+
+
+def tokens(index: int, *ids: int) -> engine_pb2.GenerateTokens:
+    return engine_pb2.GenerateTokens(index=index, token_ids=ids, text="x")
+
+
+def test_tokens_continue_from_what_the_client_has_and_repeats_are_dropped():
+    r = relay()
+    assert list(r._new_tokens(tokens(0, 10, 11)).token_ids) == [10, 11]
+    assert r._new_tokens(tokens(1, 11)) is None  # already sent
+    trimmed = r._new_tokens(tokens(1, 11, 12, 13))
+    assert (trimmed.index, list(trimmed.token_ids)) == (2, [12, 13])
+    assert r.output == [10, 11, 12, 13]
+
+
+def test_a_gap_in_token_positions_fails_the_attempt():
+    r = relay()
+    r._new_tokens(tokens(0, 10))
+    with pytest.raises(AttemptFailed, match=r"skipped output positions 1\.\.2"):
+        r._new_tokens(tokens(3, 13))
+
+
+def test_giving_up_says_what_every_engine_said():
+    failures = [
+        ("e0", AttemptFailed("unavailable", "UNAVAILABLE: Socket closed")),
+        ("e1", AttemptFailed("timeout", "nothing within 30s (waiting for the next token)")),
+    ]
+    err = Relay._give_up(failures)
+    assert err.code == grpc.StatusCode.UNAVAILABLE and err.retry_after_s is None
+    assert "failed on 2 engine(s): e0: UNAVAILABLE: Socket closed; e1: nothing within 30s" in err.message
+
+
+def test_when_every_engine_tried_was_full_the_answer_is_resource_exhausted_with_the_soonest_retry():
+    failures = [
+        ("e0", AttemptFailed("exhausted", "queue full", retry_after_s=2.0)),
+        ("e1", AttemptFailed("exhausted", "queue full", retry_after_s=0.7)),
+    ]
+    err = Relay._give_up(failures)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s == 0.7
