@@ -3,6 +3,7 @@
 pytest_plugins: list[str] = [
     "tests.fixtures.cassandra",
     "tests.fixtures.engines",
+    "tests.fixtures.orchestrator",
     "tests.fixtures.envoy",
     "tests.fixtures.browser",
 ]

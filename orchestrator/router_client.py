@@ -1,0 +1,126 @@
+"""The orchestrator's side of ``chatmesh.router.v1.RouterService``.
+
+A generation is one bidirectional ``Generate`` stream: a ``start`` frame with the prompt's token ids
+(tokenized once, here, with ``chatmesh.tokenizer``), then at most one ``cancel`` frame. The request
+side stays open while the run lives: neither a half-close nor a dropped browser stops engine work;
+only ``cancel()`` (CancelRun, output moderation) or ``abort()`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from chatmesh.serving import CHANNEL_OPTIONS
+from orchestrator.errors import from_rpc_error, unavailable
+from orchestrator.limits import Generation
+
+log = logging.getLogger(__name__)
+
+TIERS = {
+    "free": router_pb2.TIER_FREE,
+    "pro": router_pb2.TIER_PRO,
+    "enterprise": router_pb2.TIER_ENTERPRISE,
+}
+
+
+def start_frame(
+    request_id: str,
+    prompt: list[int],
+    generation: Generation,
+    tier: str,
+    session_id: str,
+    fingerprint: str,
+) -> router_pb2.GenerateStart:
+    sampling = engine_pb2.SamplingParams(
+        temperature=generation.temperature,
+        top_p=generation.top_p,
+        max_tokens=generation.max_tokens,
+        stop=list(generation.stop),
+    )
+    if generation.seed is not None:
+        sampling.seed = generation.seed
+    return router_pb2.GenerateStart(
+        request_id=request_id,
+        model=generation.model,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        tier=TIERS.get(tier, router_pb2.TIER_FREE),
+        session_id=session_id,
+        tokenizer_fingerprint=fingerprint,
+    )
+
+
+class GenerateStream:
+    """One Generate call. ``open`` sends the start frame and waits for the router to place it."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+        self._cancel_sent = False
+        self.routed: router_pb2.GenerateRouted | None = None
+
+    async def open(self, start: router_pb2.GenerateStart, placement_timeout_s: float) -> None:
+        """Sends ``start`` and returns once the router placed the request; a refusal (shed under
+        load, no engine for the model) raises ServiceError with the router's status and retry delay."""
+        try:
+            await self._call.write(router_pb2.GenerateRequest(start=start))
+            async with asyncio.timeout(placement_timeout_s):
+                frame = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "the router") from exc
+        except TimeoutError:
+            self.abort()
+            raise unavailable("the router did not place the request in time; retry", 1.0) from None
+        if frame is grpc.aio.EOF or frame.WhichOneof("kind") != "routed":
+            self.abort()
+            raise unavailable("the router ended the stream before placing the request; retry", 1.0)
+        self.routed = frame.routed
+
+    async def frames(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """The frames after the first placement until the stream ends (raises grpc.aio.AioRpcError)."""
+        while True:
+            frame = await self._call.read()
+            if frame is grpc.aio.EOF:
+                return
+            if frame.WhichOneof("kind") == "routed":
+                self.routed = frame.routed
+            yield frame
+
+    async def cancel(self) -> None:
+        """Asks the router to stop and free the engine work; it answers with a final `finished`."""
+        if self._cancel_sent:
+            return
+        self._cancel_sent = True
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            await self._call.write(router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel()))
+
+    def abort(self) -> None:
+        """Cancels the RPC itself: the router cancels the engine call at once."""
+        self._call.cancel()
+
+
+class RouterClient:
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+    def generate(self, deadline_s: float) -> GenerateStream:
+        return GenerateStream(self._stub.Generate(timeout=deadline_s))
+
+    async def list_engines(self) -> list[router_pb2.EngineStatus]:
+        try:
+            reply = await self._stub.ListEngines(router_pb2.ListEnginesRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "the router") from exc
+        return list(reply.engines)
