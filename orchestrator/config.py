@@ -94,7 +94,7 @@ class RunConfig:
     placement_timeout_s: float = 30.0
     # How long a cancel waits for the router's final frame before abandoning the stream.
     cancel_timeout_s: float = 5.0
-    max_subscribers_per_run: int = 16
+    max_subscribers_per_run: int = 64
     # A finished run stays in memory this long for fast replays, then replays come from Cassandra.
     finished_ttl_s: float = 30.0
     # Replicas that do not own a run follow its checkpoints this often.

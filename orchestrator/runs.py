@@ -183,8 +183,12 @@ class Runs:
         run = await self._stored(user_id, run_id)
         if run.status.terminal:
             return convert.run(run)
-        # Another replica generates it: ending it here wins the run's one conditional finish, and
-        # that replica sees the end within seconds and stops its engine work.
+        # Another replica generates it. Its next checkpoint holds what it streamed until now; then
+        # ending the run here wins the run's one conditional finish, and the owner sees the end
+        # within about a second and stops its engine work.
+        run = await self._next_checkpoint(run)
+        if run.status.terminal:
+            return convert.run(run)
         ended = await self.store.finish_run(
             run,
             RunOutcome(
@@ -192,6 +196,18 @@ class Runs:
             ),
         )
         return convert.run(ended.run)
+
+    async def _next_checkpoint(self, run: Run) -> Run:
+        """The run once its owner checkpointed again (or ended), or as it is if no checkpoint comes
+        within a few checkpoint intervals (nothing new was generated)."""
+        interval_s = self.config.checkpoint_interval_ms / 1000
+        deadline = time.monotonic() + max(1.0, 3 * interval_s)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(interval_s / 2)
+            latest = await self.store.get_run(run.user_id, run.run_id)
+            if latest.last_seq > run.last_seq or latest.status.terminal:
+                return latest
+        return run
 
     async def cancel_chat(self, user_id: str, chat_id: str) -> None:
         """Stops this replica's runs of a chat (it was deleted)."""
