@@ -128,8 +128,10 @@ class Answers:
         arrived_at: float,
     ) -> str:
         user, chat_id = identity.user_id, request.chat_id
-        chat, parent_id = await asyncio.gather(
-            self.store.get_chat(user, chat_id), self._parent(identity, request)
+        chat, parent_id, summary = await asyncio.gather(
+            self.store.get_chat(user, chat_id),
+            self._parent(identity, request),
+            self.store.get_summary(user, chat_id),
         )
         if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(claim.user_message_id).time:
             raise ServiceError(
@@ -146,7 +148,7 @@ class Answers:
                 reason="CONTENT_FILTER",
             )
         history = await load_history(
-            self.store, user, chat_id, parent_id, self.config.prompt.max_history_messages
+            self.store, user, chat_id, parent_id, self.config.prompt.max_history_messages, summary
         )
         prompt = self._fit(
             [*turns(history.messages), ChatMessage("user", request.content)],
@@ -237,7 +239,10 @@ class Answers:
     ) -> str:
         user, chat_id = identity.user_id, request.chat_id
         try:
-            answer = await self.store.get_message(user, chat_id, request.message_id)
+            answer, summary = await asyncio.gather(
+                self.store.get_message(user, chat_id, request.message_id),
+                self.store.get_summary(user, chat_id),
+            )
         except MemoryStoreError as exc:
             if exc.code == "NOT_FOUND":
                 raise not_found("message", request.message_id) from None
@@ -250,7 +255,7 @@ class Answers:
             )
         question_id = answer.parent_id
         history = await load_history(
-            self.store, user, chat_id, question_id, self.config.prompt.max_history_messages
+            self.store, user, chat_id, question_id, self.config.prompt.max_history_messages, summary
         )
         prompt = self._fit(
             turns(history.messages), options, history.summary.text if history.summary else None, "message_id"

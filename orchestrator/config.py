@@ -181,6 +181,12 @@ def add_flags(args: ServiceArgs) -> None:
 
 
 def from_args(ns: argparse.Namespace) -> OrchestratorConfig:
+    if ns.orphan_after_s < 3 * ns.heartbeat_interval_s:
+        # Replicas would take each other's ordinary heartbeat gaps for deaths and interrupt live runs.
+        raise argparse.ArgumentTypeError(
+            f"--orphan-after-s ({ns.orphan_after_s}) must be at least 3 x --heartbeat-interval-s "
+            f"({ns.heartbeat_interval_s}), the same on every replica"
+        )
     store = StoreConfig.from_args(ns)
     return OrchestratorConfig(
         replica_id=ns.replica_id or default_replica_id(),
@@ -233,4 +239,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, Orchestrat
     args = ServiceArgs("orchestrator", "Serves ChatService: chats, messages and streamed answers.")
     add_flags(args)
     ns = args.parse(argv)
-    return ns, from_args(ns)
+    try:
+        return ns, from_args(ns)
+    except argparse.ArgumentTypeError as exc:
+        args.parser.error(str(exc))

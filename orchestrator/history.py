@@ -24,12 +24,17 @@ class History:
 
 
 async def load_history(
-    store: MemoryStore, user_id: str, chat_id: str, leaf_id: str | None, max_messages: int
+    store: MemoryStore,
+    user_id: str,
+    chat_id: str,
+    leaf_id: str | None,
+    max_messages: int,
+    summary: ChatSummary | None,
 ) -> History:
-    """The branch ending at ``leaf_id`` (None: an empty history, e.g. a chat's first message)."""
+    """The branch ending at ``leaf_id`` (None: an empty history, e.g. a chat's first message), after
+    the chat's ``summary`` (read by the caller, alongside its other reads) if it covers this branch."""
     if leaf_id is None:
         return History([], None)
-    summary = await store.get_summary(user_id, chat_id)
     branch = await store.get_branch(
         user_id,
         chat_id,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -33,9 +34,10 @@ def router_required() -> None:
 
 
 @pytest.fixture(scope="module")
-def replica_b(mesh: Mesh) -> OrchestratorProcess:
+def replica_b(mesh: Mesh) -> Iterator[OrchestratorProcess]:
     """A second replica over the same Cassandra and router: it never holds the shared mesh's runs."""
-    return mesh.start_orchestrator()
+    with mesh.replica() as replica:
+        yield replica
 
 
 def long_send(
