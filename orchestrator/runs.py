@@ -32,7 +32,7 @@ from orchestrator.generation import Generation, RunDeps, RunEnd, Stop
 from orchestrator.limits import Generation as GenerationOptions
 from orchestrator.live_run import LiveRun, RunInfo
 from orchestrator.prompt import Prompt
-from orchestrator.router_client import RouterClient, start_frame
+from orchestrator.router_client import GenerateStream, RouterClient, start_frame
 
 log = logging.getLogger(__name__)
 
@@ -81,27 +81,11 @@ class Runs:
         identity, info = request.identity, request.info
         self.slots.acquire(identity)
         try:
-            estimate = Usage(
-                prompt_tokens=len(request.prompt.token_ids), completion_tokens=request.options.max_tokens
-            )
-            await self.budgets.reserve(identity, info.run_id, estimate)
+            stream = await self._admit(request)
             try:
-                stream = self.router.generate(self.config.max_run_s)
-                start = start_frame(
-                    info.run_id,
-                    request.prompt.token_ids,
-                    request.options,
-                    identity.tier,
-                    info.chat_id or identity.user_id,
-                    self.fingerprint,
-                )
-                await stream.open(start, self.config.placement_timeout_s)
-                try:
-                    stored_run = await request.persist()
-                except BaseException:
-                    stream.abort()
-                    raise
+                stored_run = await request.persist()
             except BaseException:
+                stream.abort()
                 with contextlib.suppress(MemoryStoreError, TimeoutError):
                     await self.budgets.release(identity.user_id, info.run_id)
                 raise
@@ -131,6 +115,39 @@ class Runs:
         self._generations[info.run_id] = generation
         generation.start()
         return live
+
+    async def _admit(self, request: RunRequest) -> GenerateStream:
+        """Reserves the budget and has the router place the request, both at once (a refusal of either
+        undoes the other): returns the placed stream."""
+        identity, info = request.identity, request.info
+        estimate = Usage(
+            prompt_tokens=len(request.prompt.token_ids), completion_tokens=request.options.max_tokens
+        )
+        stream = self.router.generate(self.config.max_run_s)
+        start = start_frame(
+            info.run_id,
+            request.prompt.token_ids,
+            request.options,
+            identity.tier,
+            info.chat_id or identity.user_id,
+            self.fingerprint,
+        )
+        reserve = asyncio.ensure_future(self.budgets.reserve(identity, info.run_id, estimate))
+        place = asyncio.ensure_future(stream.open(start, self.config.placement_timeout_s))
+        try:
+            await asyncio.gather(reserve, place)
+        except BaseException:
+            stream.abort()  # ends the placement (or the placed request) at once
+            # The budget's verdict is the more useful one to report, so wait for both.
+            await asyncio.wait([reserve, place])
+            if reserve.done() and not reserve.cancelled() and reserve.exception() is None:
+                with contextlib.suppress(MemoryStoreError, TimeoutError):
+                    await self.budgets.release(identity.user_id, info.run_id)
+            for step in (reserve, place):
+                if step.done() and not step.cancelled() and step.exception() is not None:
+                    raise step.exception() from None
+            raise
+        return stream
 
     def is_live(self, run_id: str) -> bool:
         return run_id in self._live
