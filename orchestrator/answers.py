@@ -128,10 +128,9 @@ class Answers:
         arrived_at: float,
     ) -> str:
         user, chat_id = identity.user_id, request.chat_id
-        chat, parent_id, summary = await asyncio.gather(
-            self.store.get_chat(user, chat_id),
-            self._parent(identity, request),
-            self.store.get_summary(user, chat_id),
+        # Both reads check that the chat is the caller's (NOT_FOUND otherwise).
+        parent_id, summary = await asyncio.gather(
+            self._parent(identity, request), self.store.get_summary(user, chat_id)
         )
         if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(claim.user_message_id).time:
             raise ServiceError(
@@ -184,8 +183,8 @@ class Answers:
             return await self._create_run(info, claim.user_message_id, claim.user_message_id)
 
         async def on_end(end: RunEnd) -> None:
-            first_exchange = parent_id is None and not chat.title
-            if first_exchange and end.status is RunStatus.COMPLETED and self.upkeep.titler is not None:
+            # A first exchange (of the chat, or of a new root branch): the job keeps a title already set.
+            if parent_id is None and end.status is RunStatus.COMPLETED and self.upkeep.titler is not None:
                 titler = self.upkeep.titler
                 self.upkeep.jobs.submit(
                     "title",

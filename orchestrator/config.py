@@ -82,8 +82,8 @@ class SummaryConfig:
 @dataclass(frozen=True)
 class RunConfig:
     # Checkpoint partial output every this many events or this many milliseconds, whichever comes first.
-    checkpoint_events: int = 16
-    checkpoint_interval_ms: int = 250
+    checkpoint_events: int = 32
+    checkpoint_interval_ms: int = 500
     heartbeat_interval_s: float = 3.0
     # A replica silent this long has its in-progress runs marked interrupted by another replica.
     orphan_after_s: float = 15.0

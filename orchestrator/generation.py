@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 # How long storing a run's end is retried before the replica gives up on it (and logs it).
 FINISH_RETRY_S = 120.0
 # How often the owner of a stored run checks whether someone else ended it (a cancel on another replica).
-REMOTE_END_POLL_S = 1.0
+REMOTE_END_POLL_S = 2.0
 
 
 class Stop(StrEnum):

@@ -16,6 +16,7 @@ text (``chatmesh.tokenizer``), so the markers cannot forge a turn; refusing them
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -65,10 +66,15 @@ class Rule:
     pattern: re.Pattern[str]
     on_input: Action
     on_output: Action
+    # Lower-case strings of which every match contains at least one: a substring test far cheaper
+    # than the pattern rules most text out before the pattern runs (output is checked per delta).
+    anchors: tuple[str, ...] = ()
     # Confirms a match (e.g. a card number's Luhn checksum) to cut false positives.
     confirm: Callable[[str], bool] | None = None
 
-    def matches(self, text: str) -> bool:
+    def matches(self, text: str, lowered: str) -> bool:
+        if self.anchors and not any(anchor in lowered for anchor in self.anchors):
+            return False
         for match in self.pattern.finditer(text):
             if self.confirm is None or self.confirm(match.group(0)):
                 return True
@@ -93,6 +99,7 @@ def _words(*alternatives: str) -> str:
 
 _I = re.IGNORECASE
 _HOW_TO = _words("how (?:do i|to|can i|would i)", "instructions? (?:for|to|on)", "steps? to", "recipe for")
+_DIGITS = tuple("0123456789")
 _MAKE = _words("make", "build", "assemble", "synthesi[sz]e", "produce", "manufacture")
 
 DEFAULT_RULES: tuple[Rule, ...] = (
@@ -108,6 +115,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         ),
         Action.BLOCK,
         Action.BLOCK,
+        anchors=("bomb", "explosive", "nerve agent", "sarin", "ricin", "napalm"),
     ),
     Rule(
         "malware",
@@ -119,6 +127,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         ),
         Action.BLOCK,
         Action.BLOCK,
+        anchors=("ransomware", "keylogger", "botnet", "credential stealer"),
     ),
     Rule(
         "self_harm",
@@ -130,6 +139,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         ),
         Action.BLOCK,
         Action.BLOCK,
+        anchors=("kill myself", "commit suicide", "end my life"),
     ),
     Rule(
         "sexual_minors",
@@ -141,6 +151,7 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         ),
         Action.BLOCK,
         Action.BLOCK,
+        anchors=("explicit", "nude", "naked", "pornographic", "erotic"),
     ),
     Rule(
         "prompt_injection",
@@ -157,22 +168,36 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         ),
         Action.FLAG,
         Action.ALLOW,
+        anchors=("ignore", "disregard", "you are now", "system prompt", "<|", "inst]", "<<sys>>", "<</sys>>"),
     ),
     Rule(
-        "pii.email", re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[a-z]{2,}\b", _I), Action.FLAG, Action.FLAG
+        "pii.email",
+        re.compile(r"\b[\w.+-]+@[\w-]+(?:\.[\w-]+)*\.[a-z]{2,}\b", _I),
+        Action.FLAG,
+        Action.FLAG,
+        anchors=("@",),
     ),
     Rule(
         "pii.phone",
         re.compile(r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?\(?\d{3}\)?[ .-]\d{3}[ .-]\d{4}\b"),
         Action.FLAG,
         Action.FLAG,
+        anchors=_DIGITS,
     ),
-    Rule("pii.card", re.compile(r"\b(?:\d[ -]?){12,18}\d\b"), Action.FLAG, Action.BLOCK, confirm=_luhn),
+    Rule(
+        "pii.card",
+        re.compile(r"\b(?:\d[ -]?){12,18}\d\b"),
+        Action.FLAG,
+        Action.BLOCK,
+        anchors=_DIGITS,
+        confirm=_luhn,
+    ),
     Rule(
         "pii.ssn",
         re.compile(r"\b(?!000|666|9\d\d)\d{3}-(?!00)\d{2}-(?!0000)\d{4}\b"),
         Action.FLAG,
         Action.BLOCK,
+        anchors=_DIGITS,
     ),
 )
 
@@ -188,13 +213,13 @@ class RuleBasedPolicy:
         rules = []
         for rule in DEFAULT_RULES:
             if rule.category == "prompt_injection" and config.block_injection:
-                rule = Rule(rule.category, rule.pattern, Action.BLOCK, rule.on_output)
+                rule = dataclasses.replace(rule, on_input=Action.BLOCK)
             rules.append(rule)
         if config.blocked_terms:
             terms = "|".join(re.escape(term) for term in config.blocked_terms)
-            rules.append(
-                Rule("blocked_term", re.compile(rf"\b(?:{terms})\b", _I), Action.BLOCK, Action.BLOCK)
-            )
+            anchors = tuple(term.lower() for term in config.blocked_terms)
+            pattern = re.compile(rf"\b(?:{terms})\b", _I)
+            rules.append(Rule("blocked_term", pattern, Action.BLOCK, Action.BLOCK, anchors))
         return cls(rules)
 
     def check_input(self, text: str) -> Decision:
@@ -205,9 +230,10 @@ class RuleBasedPolicy:
 
     def _check(self, text: str, output: bool) -> Decision:
         worst = ALLOWED
+        lowered = text.lower()
         for rule in self.rules:
             action = rule.on_output if output else rule.on_input
-            if action > worst.action and rule.matches(text):
+            if action > worst.action and rule.matches(text, lowered):
                 worst = Decision(action, rule.category)
                 if action is Action.BLOCK:
                     break
@@ -248,7 +274,8 @@ class OutputScreen:
     """Checks a streamed answer delta by delta. Patterns may straddle deltas, so each check covers the
     new text plus the tail of what came before; each category is recorded once per answer."""
 
-    TAIL_CHARS = 512
+    # Longer than any default pattern's longest match (about 130 characters).
+    TAIL_CHARS = 256
 
     def __init__(self, moderator: Moderator, who: str) -> None:
         self._moderator = moderator

@@ -202,7 +202,7 @@ class Runs:
             return convert.run(run)
         # Another replica generates it. Its next checkpoint holds what it streamed until now; then
         # ending the run here wins the run's one conditional finish, and the owner sees the end
-        # within about a second and stops its engine work.
+        # within a couple of seconds and stops its engine work.
         run = await self._next_checkpoint(run)
         if run.status.terminal:
             return convert.run(run)

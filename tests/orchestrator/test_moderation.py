@@ -90,7 +90,7 @@ async def test_blocked_output_stops_the_answer_with_content_filter_and_keeps_the
     assert run[-1].done.finish_reason == chat_pb2.FINISH_REASON_CONTENT_FILTER
     text = answer_text(run)
     # The delta that completed the blocked term was never sent; the text before it was.
-    assert BLOCKED not in text and text.rstrip().endswith("silver")
+    assert BLOCKED not in text and "every cloud has a" in text
     assert run[-2].usage.completion_tokens < 300
     page = await strict_client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
     answer = page.messages[0]

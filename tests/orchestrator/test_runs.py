@@ -184,7 +184,7 @@ async def test_a_cancel_reaching_another_replica_stops_the_owner(
     assert rest[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
     assert (head + rest)[-2].usage.completion_tokens < 3000
     # Stored: everything streamed before the cancel arrived (the owner may stream a little more
-    # until it learns of the cancel, about a second later).
+    # until it learns of the cancel, a couple of seconds later).
     answer = (await chat_messages(client, chat.chat_id))[-1]
     assert answer.role == chat_pb2.ROLE_ASSISTANT
     assert answer.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
