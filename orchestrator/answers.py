@@ -35,7 +35,7 @@ from chatmesh.identity import Identity
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 from memory_store.errors import MemoryStoreError
 from memory_store.ids import new_id
-from memory_store.models import Claim, Message, Role, Run, RunStatus
+from memory_store.models import ChatSummary, Claim, Message, Role, Run, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator import limits
 from orchestrator.background import BackgroundJobs
@@ -146,26 +146,10 @@ class Answers:
                 field="content",
                 reason="CONTENT_FILTER",
             )
-        history = await load_history(
-            self.store, user, chat_id, parent_id, self.config.prompt.max_history_messages, summary
+        prompt = await self._branch_prompt(
+            user, chat_id, parent_id, summary, options, [ChatMessage("user", request.content)], "content"
         )
-        prompt = self._fit(
-            [*turns(history.messages), ChatMessage("user", request.content)],
-            options,
-            history.summary.text if history.summary else None,
-            "content",
-        )
-        info = RunInfo(
-            run_id=claim.run_id,
-            user_id=user,
-            tier=identity.tier,
-            kind="send",
-            model=options.model,
-            max_tokens=options.max_tokens,
-            chat_id=chat_id,
-            user_message_id=claim.user_message_id,
-            assistant_message_id=claim.assistant_message_id,
-        )
+        info = _chat_run(identity, claim, "send", options, chat_id, claim.user_message_id)
 
         async def persist() -> Run:
             await self.store.append_message(
@@ -253,22 +237,8 @@ class Answers:
                 "(to change a question, send the new text with its parent_message_id)",
             )
         question_id = answer.parent_id
-        history = await load_history(
-            self.store, user, chat_id, question_id, self.config.prompt.max_history_messages, summary
-        )
-        prompt = self._fit(
-            turns(history.messages), options, history.summary.text if history.summary else None, "message_id"
-        )
-        info = RunInfo(
-            run_id=claim.run_id,
-            user_id=user,
-            tier=identity.tier,
-            kind="regenerate",
-            model=options.model,
-            max_tokens=options.max_tokens,
-            chat_id=chat_id,
-            assistant_message_id=claim.assistant_message_id,
-        )
+        prompt = await self._branch_prompt(user, chat_id, question_id, summary, options, [], "message_id")
+        info = _chat_run(identity, claim, "regenerate", options, chat_id)
 
         async def on_end(end: RunEnd) -> None:
             self._maybe_summarize(user, chat_id, prompt, end)
@@ -408,6 +378,23 @@ class Answers:
                 return self.runs.is_live(run_id)
             await asyncio.sleep(0.1)
 
+    async def _branch_prompt(
+        self,
+        user_id: str,
+        chat_id: str,
+        leaf_id: str | None,
+        summary: ChatSummary | None,
+        options: limits.Generation,
+        new: list[ChatMessage],
+        field: str,
+    ) -> Prompt:
+        """The prompt continuing the branch that ends at ``leaf_id`` with the ``new`` turns."""
+        history = await load_history(
+            self.store, user_id, chat_id, leaf_id, self.config.prompt.max_history_messages, summary
+        )
+        summary_text = history.summary.text if history.summary else None
+        return self._fit([*turns(history.messages), *new], options, summary_text, field)
+
     def _fit(
         self,
         conversation: list[ChatMessage],
@@ -489,6 +476,27 @@ class Answers:
         self.upkeep.jobs.submit(
             "summary", chat_id, lambda: summarizer.refresh(user_id, chat_id, leaf, prompt.budget)
         )
+
+
+def _chat_run(
+    identity: Identity,
+    claim: Claim,
+    kind: str,
+    options: limits.Generation,
+    chat_id: str,
+    user_message_id: str = "",
+) -> RunInfo:
+    return RunInfo(
+        run_id=claim.run_id,
+        user_id=identity.user_id,
+        tier=identity.tier,
+        kind=kind,
+        model=options.model,
+        max_tokens=options.max_tokens,
+        chat_id=chat_id,
+        user_message_id=user_message_id,
+        assistant_message_id=claim.assistant_message_id,
+    )
 
 
 def _limit(error: ServiceError) -> ServiceError:

@@ -1,16 +1,35 @@
-"""Fixtures of the orchestrator tests: a ChatService client for a fresh user on the shared mesh."""
+"""Fixtures of the orchestrator tests: ChatService clients for fresh users, closed after each test."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from tests.fixtures.orchestrator import ChatClient, Mesh
+from tests.fixtures.orchestrator import ChatClient, Mesh, needs_router
 
 
 @pytest.fixture
-async def client(mesh: Mesh) -> AsyncIterator[ChatClient]:
-    client = ChatClient(mesh.orchestrator.address)
-    yield client
-    await client.close()
+async def connect() -> AsyncIterator[Callable[..., ChatClient]]:
+    """``connect(address, user=None)``: a client (a fresh user unless named), closed after the test."""
+    made: list[ChatClient] = []
+
+    def make(address: str, user: str | None = None) -> ChatClient:
+        made.append(ChatClient(address, user))
+        return made[-1]
+
+    yield make
+    for client in made:
+        await client.close()
+
+
+@pytest.fixture
+def client(mesh: Mesh, connect: Callable[..., ChatClient]) -> ChatClient:
+    """A fresh user on the shared mesh's orchestrator."""
+    return connect(mesh.orchestrator.address)
+
+
+@pytest.fixture
+def router_required() -> None:
+    """For modules whose tests generate answers: ``pytestmark = pytest.mark.usefixtures(...)``."""
+    needs_router()

@@ -12,14 +12,9 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT
-from tests.fixtures.orchestrator import ChatClient, answer_text, collect, kinds, needs_router
+from tests.fixtures.orchestrator import ChatClient, answer_text, collect, kinds
 
 pytestmark = pytest.mark.usefixtures("router_required")
-
-
-@pytest.fixture
-def router_required() -> None:
-    needs_router()
 
 
 def options(max_tokens: int = 8, **fields: object) -> chat_pb2.GenerationOptions:

@@ -12,14 +12,9 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT
-from tests.fixtures.orchestrator import ChatClient, answer_text, collect, needs_router
+from tests.fixtures.orchestrator import ChatClient, answer_text, collect
 
 pytestmark = pytest.mark.usefixtures("router_required")
-
-
-@pytest.fixture
-def router_required() -> None:
-    needs_router()
 
 
 def opts(max_tokens: int = 6) -> chat_pb2.GenerationOptions:

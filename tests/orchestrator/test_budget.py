@@ -5,24 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import retry_after_s
-from tests.fixtures.orchestrator import ChatClient, Mesh, OrchestratorProcess, collect, events, needs_router
+from tests.fixtures.orchestrator import ChatClient, Mesh, OrchestratorProcess, collect, events
 
 WINDOW_S = 5
 BUDGET = 300
 
 pytestmark = pytest.mark.usefixtures("router_required")
-
-
-@pytest.fixture
-def router_required() -> None:
-    needs_router()
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +27,8 @@ def budgeted(mesh: Mesh) -> Iterator[OrchestratorProcess]:
 
 
 @pytest.fixture
-async def budget_client(budgeted: OrchestratorProcess) -> AsyncIterator[ChatClient]:
-    client = ChatClient(budgeted.address)
-    yield client
-    await client.close()
+def budget_client(budgeted: OrchestratorProcess, connect: Callable[..., ChatClient]) -> ChatClient:
+    return connect(budgeted.address)
 
 
 def opts(max_tokens: int) -> chat_pb2.GenerationOptions:

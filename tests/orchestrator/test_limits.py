@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -54,10 +54,8 @@ def small(mesh: Mesh) -> Iterator[OrchestratorProcess]:
 
 
 @pytest.fixture
-async def small_client(small: OrchestratorProcess) -> AsyncIterator[ChatClient]:
-    client = ChatClient(small.address)
-    yield client
-    await client.close()
+def small_client(small: OrchestratorProcess, connect: Callable[..., ChatClient]) -> ChatClient:
+    return connect(small.address)
 
 
 async def test_a_message_over_32_kib_is_too_large_and_nothing_is_stored(client: ChatClient) -> None:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 import urllib.request
+from collections.abc import Callable
 
 from chatmesh.chat.v1 import chat_pb2
 from memory_store.store import MemoryStore
-from tests.fixtures.orchestrator import ChatClient, Mesh, OrchestratorProcess, collect, needs_router
+from tests.fixtures.orchestrator import ChatClient, Mesh, collect, needs_router
 
 WINDOW = 512
 MAX_TOKENS = 24
@@ -24,16 +25,11 @@ def counter(url: str, name: str, label: str) -> float:
 
 
 async def test_a_sixty_turn_chat_stays_inside_the_window_with_a_summary(
-    mesh: Mesh, memory_store: MemoryStore
+    mesh: Mesh, memory_store: MemoryStore, connect: Callable[..., ChatClient]
 ) -> None:
     needs_router()
     with mesh.replica(context_window=WINDOW, summary_max_tokens=64, titles=False) as replica:
-        await chat_for_sixty_turns(replica, memory_store)
-
-
-async def chat_for_sixty_turns(replica: OrchestratorProcess, memory_store: MemoryStore) -> None:
-    client = ChatClient(replica.address)
-    try:
+        client = connect(replica.address)
         chat = await client.create_chat("long")
         options = chat_pb2.GenerationOptions(max_tokens=MAX_TOKENS)
         prompts, branch = [], []
@@ -46,9 +42,9 @@ async def chat_for_sixty_turns(replica: OrchestratorProcess, memory_store: Memor
             assert run[-1].HasField("done"), run[-1]
             prompts.append(run[-2].usage.prompt_tokens)
             branch += [run[0].started.user_message_id, run[-1].done.assistant_message_id]
+        # Sixty exchanges of ~45 tokens are five times the window, yet every prompt fit it.
         assert max(prompts) <= WINDOW - MAX_TOKENS
-        # History outgrew the window early on, and the prompt stopped growing.
-        assert prompts[-1] > prompts[0] and max(prompts[30:]) <= WINDOW - MAX_TOKENS
+        assert prompts[-1] > prompts[0]
 
         summary = await memory_store.get_summary(client.user, chat.chat_id)
         deadline = time.monotonic() + 30
@@ -70,5 +66,3 @@ async def chat_for_sixty_turns(replica: OrchestratorProcess, memory_store: Memor
             'kind="summary",outcome="done"',
         )
         assert summaries >= 2
-    finally:
-        await client.close()

@@ -4,7 +4,7 @@ output stops the stream with finish_reason CONTENT_FILTER; decisions are counted
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -32,10 +32,8 @@ def strict(mesh: Mesh) -> Iterator[OrchestratorProcess]:
 
 
 @pytest.fixture
-async def strict_client(strict: OrchestratorProcess) -> AsyncIterator[ChatClient]:
-    client = ChatClient(strict.address)
-    yield client
-    await client.close()
+def strict_client(strict: OrchestratorProcess, connect: Callable[..., ChatClient]) -> ChatClient:
+    return connect(strict.address)
 
 
 def metric(url: str, name: str, **labels: str) -> float:

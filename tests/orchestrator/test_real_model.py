@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 
 import pytest
 
@@ -23,10 +23,8 @@ def real_mesh(start_mesh: MeshFactory) -> Mesh:
 
 
 @pytest.fixture
-async def real_client(real_mesh: Mesh) -> AsyncIterator[ChatClient]:
-    client = ChatClient(real_mesh.orchestrator.address)
-    yield client
-    await client.close()
+def real_client(real_mesh: Mesh, connect: Callable[..., ChatClient]) -> ChatClient:
+    return connect(real_mesh.orchestrator.address)
 
 
 async def test_the_real_model_answers_a_question_and_titles_the_chat(real_client: ChatClient) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Callable
 
 from chatmesh.chat.v1 import chat_pb2
 from tests.fixtures.orchestrator import ChatClient, Mesh, answer_text, collect, events, needs_router
@@ -12,12 +13,14 @@ from tests.fixtures.orchestrator import ChatClient, Mesh, answer_text, collect, 
 FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
 
 
-async def test_a_run_whose_replica_is_killed_is_interrupted_with_its_checkpointed_output(mesh: Mesh) -> None:
+async def test_a_run_whose_replica_is_killed_is_interrupted_with_its_checkpointed_output(
+    mesh: Mesh, connect: Callable[..., ChatClient]
+) -> None:
     needs_router()
     victim = mesh.start_orchestrator(**FAST_REAPING)
     survivor = mesh.start_orchestrator(**FAST_REAPING)
-    on_victim = ChatClient(victim.address)
-    on_survivor = ChatClient(survivor.address, on_victim.user)
+    on_victim = connect(victim.address)
+    on_survivor = connect(survivor.address, on_victim.user)
     try:
         chat = await on_victim.create_chat()
         call = on_victim.send(
@@ -53,7 +56,5 @@ async def test_a_run_whose_replica_is_killed_is_interrupted_with_its_checkpointe
         replay = await collect(on_survivor.stream_run(run_id))
         assert answer_text(replay) == answer.content and replay[-1].error.code == "ABORTED"
     finally:
-        await on_victim.close()
-        await on_survivor.close()
         # Its fast reaping would take the shared mesh's slower heartbeats for deaths.
         mesh.stop_orchestrator(survivor)

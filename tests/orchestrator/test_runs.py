@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -21,16 +21,10 @@ from tests.fixtures.orchestrator import (
     collect,
     events,
     kinds,
-    needs_router,
     new_user,
 )
 
 pytestmark = pytest.mark.usefixtures("router_required")
-
-
-@pytest.fixture
-def router_required() -> None:
-    needs_router()
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +88,7 @@ async def test_a_client_that_drops_mid_stream_does_not_stop_the_answer_and_it_is
 
 
 async def test_stream_run_resumes_from_any_seq_with_no_gap_or_duplicate_live_and_after_the_end(
-    client: ChatClient, replica_b: OrchestratorProcess
+    client: ChatClient, replica_b: OrchestratorProcess, connect: Callable[..., ChatClient]
 ) -> None:
     chat = await client.create_chat()
     call = long_send(client, chat.chat_id, 120)
@@ -109,28 +103,22 @@ async def test_stream_run_resumes_from_any_seq_with_no_gap_or_duplicate_live_and
         assert got == reference[after:]
 
     # After the end: from memory on the same replica, and rebuilt from Cassandra on another one.
-    other = ChatClient(replica_b.address, client.user)
-    try:
-        for after in (0, 2, len(reference) - 3, len(reference) - 1, len(reference)):
-            assert await collect(client.stream_run(run_id, after)) == reference[after:]
-            assert await collect(other.stream_run(run_id, after)) == reference[after:]
-    finally:
-        await other.close()
+    other = connect(replica_b.address, client.user)
+    for after in (0, 2, len(reference) - 3, len(reference) - 1, len(reference)):
+        assert await collect(client.stream_run(run_id, after)) == reference[after:]
+        assert await collect(other.stream_run(run_id, after)) == reference[after:]
 
 
 async def test_another_replica_follows_a_run_in_progress_from_its_checkpoints(
-    client: ChatClient, replica_b: OrchestratorProcess
+    client: ChatClient, replica_b: OrchestratorProcess, connect: Callable[..., ChatClient]
 ) -> None:
     chat = await client.create_chat()
     call = long_send(client, chat.chat_id, 150)
     head = await read_until(call, 2)
-    other = ChatClient(replica_b.address, client.user)
-    try:
-        followed = asyncio.create_task(collect(other.stream_run(head[0].started.run_id, 1)))
-        reference = head + await collect(call)
-        assert await followed == reference[1:]
-    finally:
-        await other.close()
+    other = connect(replica_b.address, client.user)
+    followed = asyncio.create_task(collect(other.stream_run(head[0].started.run_id, 1)))
+    reference = head + await collect(call)
+    assert await followed == reference[1:]
 
 
 async def engine_running_requests(mesh: Mesh) -> int:
@@ -169,17 +157,14 @@ async def test_cancel_stops_the_run_at_once_frees_the_engine_and_keeps_what_was_
 
 
 async def test_a_cancel_reaching_another_replica_stops_the_owner(
-    client: ChatClient, replica_b: OrchestratorProcess
+    client: ChatClient, replica_b: OrchestratorProcess, connect: Callable[..., ChatClient]
 ) -> None:
     chat = await client.create_chat()
     call = long_send(client, chat.chat_id, 3000)
     head = await read_until(call, 3)
-    other = ChatClient(replica_b.address, client.user)
-    try:
-        cancelled = await other.call("CancelRun", chat_pb2.CancelRunRequest(run_id=head[0].started.run_id))
-        assert cancelled.run.status == chat_pb2.RUN_STATUS_CANCELLED
-    finally:
-        await other.close()
+    other = connect(replica_b.address, client.user)
+    cancelled = await other.call("CancelRun", chat_pb2.CancelRunRequest(run_id=head[0].started.run_id))
+    assert cancelled.run.status == chat_pb2.RUN_STATUS_CANCELLED
     rest = await asyncio.wait_for(collect(call), 15)
     assert rest[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
     assert (head + rest)[-2].usage.completion_tokens < 3000
