@@ -87,6 +87,9 @@ async def generate_text(
             elif kind == "finished":
                 parts.append(frame.finished.text)
                 break
-    finally:
+    except BaseException:
         stream.abort()
+        raise
+    finally:
+        stream.close()
     return "".join(parts)

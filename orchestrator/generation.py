@@ -122,7 +122,7 @@ class Generation:
         if self.stop_reason is not None or self.live.finished:
             return
         self.stop_reason = reason
-        await self.stream.cancel()
+        self.stream.cancel()
         # The router confirms with a final frame; if it does not, the call is cut.
         asyncio.get_running_loop().call_later(self.deps.config.cancel_timeout_s, self.stream.abort)
 
@@ -171,6 +171,7 @@ class Generation:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            self.stream.close()
         if finished is None and error is None and self.stop_reason is None:
             error = unavailable("the router ended the stream before the answer finished; retry", 1.0)
         try:

@@ -9,7 +9,6 @@ only ``cancel()`` (CancelRun, output moderation) or ``abort()`` does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -58,21 +57,33 @@ def start_frame(
 
 
 class GenerateStream:
-    """One Generate call. ``open`` sends the start frame and waits for the router to place it."""
+    """One Generate call. ``open`` sends the start frame and waits for the router to place it.
 
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
-        self._call = call
+    Frames go out through a queue the call reads as its request stream, so sending a cancel or
+    half-closing never waits, and ``abort`` ends the request side along with the call (a request
+    side left open would keep the call's sending task alive after the call ended).
+    """
+
+    def __init__(self, stub: router_pb2_grpc.RouterServiceStub, deadline_s: float) -> None:
+        self._outbox: asyncio.Queue[router_pb2.GenerateRequest | None] = asyncio.Queue()
+        self._call = stub.Generate(self._requests(), timeout=deadline_s)
         self._cancel_sent = False
+        self._closed = False
         self.routed: router_pb2.GenerateRouted | None = None
+
+    async def _requests(self) -> AsyncIterator[router_pb2.GenerateRequest]:
+        while (frame := await self._outbox.get()) is not None:
+            yield frame
 
     async def open(self, start: router_pb2.GenerateStart, placement_timeout_s: float) -> None:
         """Sends ``start`` and returns once the router placed the request; a refusal (shed under
         load, no engine for the model) raises ServiceError with the router's status and retry delay."""
+        self._outbox.put_nowait(router_pb2.GenerateRequest(start=start))
         try:
-            await self._call.write(router_pb2.GenerateRequest(start=start))
             async with asyncio.timeout(placement_timeout_s):
                 frame = await self._call.read()
         except grpc.aio.AioRpcError as exc:
+            self.abort()
             raise from_rpc_error(exc, "the router") from exc
         except TimeoutError:
             self.abort()
@@ -92,16 +103,21 @@ class GenerateStream:
                 self.routed = frame.routed
             yield frame
 
-    async def cancel(self) -> None:
+    def cancel(self) -> None:
         """Asks the router to stop and free the engine work; it answers with a final `finished`."""
-        if self._cancel_sent:
-            return
-        self._cancel_sent = True
-        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
-            await self._call.write(router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel()))
+        if not self._cancel_sent and not self._closed:
+            self._cancel_sent = True
+            self._outbox.put_nowait(router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel()))
+
+    def close(self) -> None:
+        """Half-closes the request side (once the stream has ended: a half-close is not a cancel)."""
+        if not self._closed:
+            self._closed = True
+            self._outbox.put_nowait(None)
 
     def abort(self) -> None:
         """Cancels the RPC itself: the router cancels the engine call at once."""
+        self.close()
         self._call.cancel()
 
 
@@ -116,7 +132,7 @@ class RouterClient:
         await self._channel.close(grace=None)
 
     def generate(self, deadline_s: float) -> GenerateStream:
-        return GenerateStream(self._stub.Generate(timeout=deadline_s))
+        return GenerateStream(self._stub, deadline_s)
 
     async def list_engines(self) -> list[router_pb2.EngineStatus]:
         try:
