@@ -3,11 +3,13 @@
 A send, step by step (each step is idempotent, so a retry with the same key resumes where an
 earlier attempt stopped):
 
-    limits ─► claim the idempotency key (same key + same request → same ids; + other request → ALREADY_EXISTS)
+    limits, input moderation
+    ─► claim the idempotency key (same key + same request → same ids; + other request → ALREADY_EXISTS)
     ─► a run for the key exists? join it
-    ─► chat ownership ∥ parent (explicit, the newest message, or none for a new root branch)
-    ─► input moderation ─► history (branch + summary) ─► prompt fitted to window - max_tokens
-    ─► runs.start: run slot, budget reservation, router placement, then persist the user message
+    ─► parent (explicit, the newest message, or none for a new root branch) ∥ the chat's summary
+       (both reads check the chat is the caller's)
+    ─► history (the branch after the summary) ─► prompt fitted to window - max_tokens
+    ─► runs.start: run slot, budget reservation ∥ router placement, then persist the user message
        and the run, then `started` and the generation task
 
 Nothing is persisted before the router has placed the request, so a refusal (limits, moderation,
@@ -112,6 +114,7 @@ class Answers:
         _checked(limits.check_idempotency_key, request.idempotency_key, self.limits)
         if request.branch_from_root and request.parent_message_id:
             raise invalid("parent_message_id", "parent_message_id must be empty with branch_from_root")
+        self._moderate(identity, request.content, "content")
         return await self._once(
             identity,
             request.idempotency_key,
@@ -135,16 +138,9 @@ class Answers:
         if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(claim.user_message_id).time:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "this idempotency key was first used before the message it would now follow was "
-                "written; send the message with a new idempotency key",
-            )
-        decision = self.moderator.check_input(request.content, f"user {user}")
-        if decision.blocked:
-            raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"the message was refused by the content policy ({decision.category})",
-                field="content",
-                reason="CONTENT_FILTER",
+                "the message this one would follow was written after this send began (another send "
+                "to this chat at the same time, or a retry of an old idempotency key); send it again "
+                "with a new idempotency key",
             )
         prompt = await self._branch_prompt(
             user, chat_id, parent_id, summary, options, [ChatMessage("user", request.content)], "content"
@@ -309,18 +305,22 @@ class Answers:
             if last or len(message.content.encode()) > self.limits.max_message_bytes:
                 _checked(limits.check_content, message.content, self.limits, field)
             if role == "user":
-                decision = self.moderator.check_input(message.content, f"user {identity.user_id}")
-                if decision.blocked:
-                    raise ServiceError(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"the conversation was refused by the content policy ({decision.category})",
-                        field=field,
-                        reason="CONTENT_FILTER",
-                    )
+                self._moderate(identity, message.content, field)
             out.append(ChatMessage(role, message.content))
         return out
 
     # -- shared steps ---------------------------------------------------------------------------
+
+    def _moderate(self, identity: Identity, text: str, field: str) -> None:
+        """Input moderation: a blocked text is refused before anything is read or written."""
+        decision = self.moderator.check_input(text, f"user {identity.user_id}")
+        if decision.blocked:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the message was refused by the content policy ({decision.category})",
+                field=field,
+                reason="CONTENT_FILTER",
+            )
 
     async def _once(
         self,
