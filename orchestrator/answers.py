@@ -337,9 +337,13 @@ class Answers:
         if task is None:
             task = asyncio.create_task(self._claimed(identity, key, request_fingerprint, pipeline))
             self._inflight[slot] = task
-            task.add_done_callback(
-                lambda done: (self._inflight.pop(slot, None), done.cancelled() or done.exception())
-            )
+
+            def forget(done: asyncio.Task[str]) -> None:
+                self._inflight.pop(slot, None)
+                if not done.cancelled():
+                    done.exception()  # seen here too: callers that went away must not leave it unread
+
+            task.add_done_callback(forget)
         return await asyncio.shield(task)
 
     async def _claimed(
