@@ -8,19 +8,49 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf import duration_pb2
+from google.protobuf.message import Message as ProtoMessage
 from google.rpc import error_details_pb2, status_pb2
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 
 
-def retry_trailer(code: grpc.StatusCode, message: str, retry_after_s: float) -> tuple[tuple[str, bytes], ...]:
-    """Trailing metadata carrying a google.rpc.Status with a RetryInfo detail."""
+# ErrorInfo.reason of an INVALID_ARGUMENT caused by a size limit (the edge answers HTTP 413).
+PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
+ERROR_DOMAIN = "chatmesh"
+
+
+def status_trailer(
+    code: grpc.StatusCode, message: str, *details: ProtoMessage
+) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata carrying a google.rpc.Status with ``details`` (RetryInfo, ErrorInfo, ...)."""
+    status = status_pb2.Status(code=code.value[0], message=message)
+    for detail in details:
+        status.details.add().Pack(detail)
+    return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+
+
+def retry_info(retry_after_s: float) -> error_details_pb2.RetryInfo:
     delay = duration_pb2.Duration()
     delay.FromMilliseconds(max(0, round(retry_after_s * 1000)))
-    detail = error_details_pb2.RetryInfo(retry_delay=delay)
-    status = status_pb2.Status(code=code.value[0], message=message)
-    status.details.add().Pack(detail)
-    return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+    return error_details_pb2.RetryInfo(retry_delay=delay)
+
+
+def payload_too_large_info(field: str, limit: str) -> error_details_pb2.ErrorInfo:
+    """The ErrorInfo that marks an INVALID_ARGUMENT as "too large" (HTTP 413 at the edge)."""
+    return error_details_pb2.ErrorInfo(
+        reason=PAYLOAD_TOO_LARGE, domain=ERROR_DOMAIN, metadata={"field": field, "limit": limit}
+    )
+
+
+def bad_request(field: str, description: str) -> error_details_pb2.BadRequest:
+    """A BadRequest naming the offending field (HTTP 422 at the edge, with ``param`` = field)."""
+    violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+    return error_details_pb2.BadRequest(field_violations=[violation])
+
+
+def retry_trailer(code: grpc.StatusCode, message: str, retry_after_s: float) -> tuple[tuple[str, bytes], ...]:
+    """Trailing metadata carrying a google.rpc.Status with a RetryInfo detail."""
+    return status_trailer(code, message, retry_info(retry_after_s))
 
 
 async def abort_with_retry(

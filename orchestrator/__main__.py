@@ -1,33 +1,168 @@
-"""``python -m orchestrator``: the ChatService (history, prompt assembly, budgets, runs)."""
+"""``python -m orchestrator``: the ChatService (history, prompt assembly, budgets, runs, resume).
+
+Start-up, each step logged: tokenizer and chat template loaded, Cassandra connected (schema applied),
+router reachable, first heartbeat; then it serves. SIGTERM: health NOT_SERVING, new answers refused,
+running answers get ``--drain-grace-s`` to finish and are then stored as interrupted (their output so
+far kept), the heartbeat is dropped.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
 
 import grpc
 
 from chatmesh import serving, telemetry
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
-from chatmesh.config import ServiceArgs
+from chatmesh.gguf_metadata import read_gguf_metadata
+from chatmesh.model_files import bundled_model_path
+from chatmesh.tokenizer import load_tokenizer
+from memory_store.errors import Unavailable
+from memory_store.store import MemoryStore
+from orchestrator import config as configuration
+from orchestrator.admission import Budgets, RunSlots
+from orchestrator.answers import Answers, Upkeep
+from orchestrator.background import BackgroundJobs
+from orchestrator.config import OrchestratorConfig
+from orchestrator.generation import RunDeps
+from orchestrator.limits import Generation
+from orchestrator.moderation import create_moderator
+from orchestrator.replica import Replica
+from orchestrator.router_client import RouterClient
+from orchestrator.runs import Runs
+from orchestrator.service import ChatService
+from orchestrator.summaries import Summarizer
+from orchestrator.titles import Titler
+
+log = logging.getLogger("orchestrator")
+
+CASSANDRA_WAIT_S = 120.0
 
 
-def parse_args(argv: list[str] | None = None):
-    args = ServiceArgs("orchestrator", "Serves ChatService: chats, messages and streamed answers.")
-    args.add_server_flags(port=50050)
-    args.add("router", "127.0.0.1:50051", "router address host:port")
-    args.add_list("cassandra", ["127.0.0.1:9042"], "Cassandra contact point host:port (repeatable)")
-    return args.parse(argv)
+def model_context_length(path: Path) -> int:
+    metadata = read_gguf_metadata(path)
+    return int(metadata.get(f"{metadata.get('general.architecture', 'llama')}.context_length") or 2048)
 
 
-def add_services(server: grpc.aio.Server) -> list[str]:
-    chat_pb2_grpc.add_ChatServiceServicer_to_server(chat_pb2_grpc.ChatServiceServicer(), server)
-    return [chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name]
+async def connect_store(config: OrchestratorConfig) -> MemoryStore:
+    """Connects to Cassandra, waiting for it while it starts (the mesh starts it first, but a node
+    restarting or a slow start must not crash the orchestrator)."""
+    deadline = time.monotonic() + CASSANDRA_WAIT_S
+    while True:
+        try:
+            return await MemoryStore.connect(config.store)
+        except Unavailable as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.info("Cassandra not reachable yet (%s); retrying", exc)
+            await asyncio.sleep(2.0)
+
+
+async def serve(args: Namespace, config: OrchestratorConfig) -> None:
+    model_path = Path(config.model_file) if config.model_file else bundled_model_path()
+    tokenizer = load_tokenizer(str(model_path))
+    model_window = model_context_length(model_path)
+    context_window = min(config.prompt.context_window or model_window, model_window)
+    log.info(
+        "tokenizer loaded: %s (fingerprint %s, context window %d tokens)",
+        tokenizer.model_name,
+        tokenizer.fingerprint,
+        context_window,
+    )
+    store_config = config.store
+    log.info(
+        "connecting to Cassandra at %s:%d (keyspace %s)",
+        ",".join(store_config.contact_points),
+        store_config.port,
+        store_config.keyspace,
+    )
+    store = await connect_store(config)
+    log.info("Cassandra connected%s", ", schema applied" if store_config.apply_schema else "")
+    router = RouterClient(config.router, config.router_timeout_s)
+    try:
+        engines = await router.list_engines()
+        log.info(
+            "router reachable at %s: %d engines, %d healthy",
+            config.router,
+            len(engines),
+            sum(e.healthy for e in engines),
+        )
+    except Exception as exc:
+        log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
+
+    model = config.default_model or tokenizer.model_name
+    deps = RunDeps(store, create_moderator(config.moderation), config.runs)
+    budgets = Budgets(store, config.budgets)
+    runs = Runs(store, router, deps, budgets, RunSlots(config.limits.concurrent_runs), tokenizer.fingerprint)
+    summary_config = config.summaries
+    jobs = BackgroundJobs(summary_config.concurrency, summary_config.queue, summary_config.timeout_s)
+    summary_generation = Generation(
+        model=model, max_tokens=summary_config.max_tokens, temperature=0.0, top_p=0.0, seed=None, stop=()
+    )
+    upkeep = Upkeep(
+        jobs=jobs,
+        titler=Titler(
+            store,
+            router,
+            tokenizer,
+            Generation(model, summary_config.title_max_tokens, 0.0, 0.0, None, ()),
+            summary_config.timeout_s,
+        )
+        if summary_config.titles
+        else None,
+        summarizer=Summarizer(
+            store,
+            router,
+            tokenizer,
+            summary_config,
+            summary_generation,
+            context_window - summary_config.max_tokens,
+            config.prompt.max_history_messages,
+            summary_config.timeout_s,
+        )
+        if summary_config.enabled
+        else None,
+    )
+    answers = Answers(config, store, runs, tokenizer, deps.moderator, context_window, upkeep)
+    service = ChatService(store, answers, runs, budgets, router, config.limits, context_window, model)
+    replica = Replica(config.replica_id, store, runs, config.runs)
+    await replica.join()
+    log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
+
+    def add_services(server: grpc.aio.Server) -> list[str]:
+        chat_pb2_grpc.add_ChatServiceServicer_to_server(service, server)
+        return [chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name]
+
+    shutdown: list[asyncio.Task[None]] = []
+
+    async def on_drain() -> None:
+        # Runs get most of the grace period; what is left lets their last events reach clients.
+        shutdown.append(asyncio.create_task(runs.shutdown(max(0.0, args.drain_grace_s - 1.0))))
+
+    try:
+        await serving.serve("orchestrator", args, add_services, on_drain=on_drain)
+    finally:
+        await asyncio.gather(*shutdown, return_exceptions=True)
+        await runs.shutdown(0.0)
+        await jobs.close()
+        await replica.leave()
+        await router.close()
+        await store.close()
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, config = configuration.parse(argv)
     telemetry.setup("orchestrator")
-    asyncio.run(serving.serve("orchestrator", args, add_services))
+    try:
+        asyncio.run(serve(args, config))
+    except serving.PortInUseError as exc:
+        log.error("%s", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ pytest_plugins: list[str] = [
     "tests.fixtures.engines",
     "tests.fixtures.model",
     "tests.fixtures.router",
+    "tests.fixtures.orchestrator",
     "tests.fixtures.envoy",
     "tests.fixtures.browser",
 ]

@@ -1,0 +1,319 @@
+"""Orchestrator overhead: time to first token and per-token latency through the orchestrator and router,
+side by side with the same streams straight to the engine (and straight to the router).
+
+Starts a Cassandra node, null engines paced at ``--tokens-per-s`` per stream (no model compute, so
+every millisecond measured is the mesh's own), a router and an orchestrator, all as processes
+(``python -m ...``), then drives the same streams, C at a time, along each path:
+
+  engine    EngineService.Generate straight to an engine (round robin over the engines)
+  router    RouterService.Generate
+  complete  ChatService.Complete: limits, budget reservation and reconciliation in Cassandra, moderation,
+            prompt assembly, router (nothing else stored)
+  send      ChatService.SendMessage, each in a chat of its own: idempotency claim, history read, user
+            message, run, checkpoints and the stored answer in Cassandra
+
+Reported per path and concurrency: TTFT p50/p99 (request sent to first text), TPOT p50/p99 ((last text -
+first text) / (tokens - 1)), the largest gap between two pieces of text (p99 over streams), and the
+TTFT/TPOT p50 ratios to engine-direct. Prompts are the same token ids on every path (the chat template
+of a system prompt and one user message), as is the answer length.
+
+    flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_orchestrator.py \
+        [--concurrency 1 100] [--requests 30] [--tokens 32] [--tokens-per-s 50] [--engines 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc  # noqa: E402
+from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+from chatmesh.identity import TIER_HEADER, USER_ID_HEADER  # noqa: E402
+from chatmesh.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
+from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
+from memory_store.node import CassandraNode, NodeConfig  # noqa: E402
+from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
+
+QUESTION = "Summarize the plot of a novel about a lighthouse keeper in three sentences."
+PATHS = ("engine", "router", "complete", "send")
+_ids = itertools.count()
+
+
+def machine() -> str:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
+    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, Python {platform.python_version()}"
+
+
+@dataclass
+class Stream:
+    ttft: float
+    tpot: float
+    max_gap: float
+
+
+async def timed(texts: AsyncIterator[int], began: float) -> Stream:
+    """Times a stream of text pieces (each yields its token count)."""
+    first = last = None
+    tokens = 0
+    max_gap = 0.0
+    async for count in texts:
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        else:
+            max_gap = max(max_gap, now - last)
+        last = now
+        tokens += count
+    assert first is not None and last is not None and tokens > 1, "the stream carried no text"
+    return Stream(first - began, (last - first) / (tokens - 1), max_gap)
+
+
+def sampling(tokens: int) -> engine_pb2.SamplingParams:
+    return engine_pb2.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+
+class Paths:
+    """One client per path; ``stream(path)`` runs one request and times it."""
+
+    def __init__(
+        self, engines: list[str], router: str, orchestrator: str, prompt: list[int], tokens: int
+    ) -> None:
+        self.prompt, self.tokens = prompt, tokens
+        self.channels = [grpc.aio.insecure_channel(a) for a in (*engines, router, orchestrator)]
+        self.engines = [engine_pb2_grpc.EngineServiceStub(c) for c in self.channels[: len(engines)]]
+        self.router = router_pb2_grpc.RouterServiceStub(self.channels[-2])
+        self.chat = chat_pb2_grpc.ChatServiceStub(self.channels[-1])
+        self.fingerprint = load_tokenizer().fingerprint
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()
+
+    @staticmethod
+    def identity(i: int) -> tuple[tuple[str, str], ...]:
+        # One user per stream: per-user concurrent-run limits must not shape the benchmark.
+        return ((USER_ID_HEADER, f"bench-user-{i}"), (TIER_HEADER, "enterprise"))
+
+    async def stream(self, path: str, i: int, chat_id: str = "") -> Stream:
+        began = time.perf_counter()
+        return await timed(getattr(self, f"_{path}")(i, chat_id), began)
+
+    async def _engine(self, i: int, chat_id: str) -> AsyncIterator[int]:
+        start = engine_pb2.GenerateStart(
+            request_id=f"bench-{next(_ids)}", prompt_token_ids=self.prompt, sampling=sampling(self.tokens)
+        )
+        stub = self.engines[i % len(self.engines)]
+        async for frame in stub.Generate(iter([engine_pb2.GenerateRequest(start=start)]), timeout=600):
+            if frame.WhichOneof("kind") == "tokens" and frame.tokens.text:
+                yield len(frame.tokens.token_ids)
+
+    async def _router(self, i: int, chat_id: str) -> AsyncIterator[int]:
+        start = router_pb2.GenerateStart(
+            request_id=f"bench-{next(_ids)}",
+            prompt_token_ids=self.prompt,
+            sampling=sampling(self.tokens),
+            tier=router_pb2.TIER_ENTERPRISE,
+            tokenizer_fingerprint=self.fingerprint,
+        )
+        async for frame in self.router.Generate(iter([router_pb2.GenerateRequest(start=start)]), timeout=600):
+            if frame.WhichOneof("kind") == "tokens" and frame.tokens.text:
+                yield len(frame.tokens.token_ids)
+
+    async def _complete(self, i: int, chat_id: str) -> AsyncIterator[int]:
+        request = chat_pb2.CompleteRequest(
+            messages=[chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content=QUESTION)],
+            options=chat_pb2.GenerationOptions(max_tokens=self.tokens, temperature=0.0),
+        )
+        async for response in self.chat.Complete(request, metadata=self.identity(i), timeout=600):
+            if response.event.WhichOneof("kind") == "delta":
+                yield response.event.delta.token_count
+
+    async def _send(self, i: int, chat_id: str) -> AsyncIterator[int]:
+        request = chat_pb2.SendMessageRequest(
+            chat_id=chat_id,
+            content=QUESTION,
+            options=chat_pb2.GenerationOptions(max_tokens=self.tokens, temperature=0.0),
+        )
+        async for response in self.chat.SendMessage(request, metadata=self.identity(i), timeout=600):
+            if response.event.WhichOneof("kind") == "delta":
+                yield response.event.delta.token_count
+
+    async def new_chats(self, count: int) -> list[str]:
+        replies = await asyncio.gather(
+            *(
+                self.chat.CreateChat(chat_pb2.CreateChatRequest(), metadata=self.identity(i), timeout=30)
+                for i in range(count)
+            )
+        )
+        return [reply.chat.chat_id for reply in replies]
+
+
+async def measure(paths: Paths, path: str, concurrency: int, requests: int) -> list[Stream]:
+    """``requests`` streams, ``concurrency`` at a time (in waves)."""
+    results: list[Stream] = []
+    while len(results) < requests:
+        wave = min(concurrency, requests - len(results))
+        chats = await paths.new_chats(wave) if path == "send" else [""] * wave
+        results += await asyncio.gather(*(paths.stream(path, i, chats[i]) for i in range(wave)))
+    return results
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def service(module: str, name: str, port: int, *flags: str) -> ServiceSpec:
+    argv = [sys.executable, "-m", module, "--port", str(port), *flags]
+    return ServiceSpec(name=name, argv=argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT)
+
+
+def start_mesh(launcher: Launcher, args: argparse.Namespace, run_dir: Path) -> tuple[list[str], str, str]:
+    cql_port = free_port()
+    CassandraNode(
+        NodeConfig(
+            data_dir=run_dir / "cassandra", cql_port=cql_port, storage_port=free_port(), jmx_port=free_port()
+        ),
+        launcher,
+    ).start()
+    engines = []
+    for i in range(args.engines):
+        port = free_port()
+        launcher.start(
+            service(
+                "engine",
+                f"engine-{i}",
+                port,
+                *(
+                    "--engine-id",
+                    f"engine-{i}",
+                    "--backend",
+                    "null",
+                    "--null-tokens-per-s",
+                    str(args.tokens_per_s),
+                ),
+                *(
+                    "--max-running-requests",
+                    "512",
+                    "--max-batched-tokens",
+                    "4096",
+                    "--max-waiting-requests",
+                    "2048",
+                ),
+            )
+        )
+        engines.append(f"127.0.0.1:{port}")
+    router_port, orchestrator_port = free_port(), free_port()
+    engine_flags = [flag for i, a in enumerate(engines) for flag in ("--engine", f"engine-{i}={a}")]
+    launcher.start(service("router", "router", router_port, *engine_flags))
+    launcher.start(
+        service(
+            "orchestrator",
+            "orchestrator",
+            orchestrator_port,
+            *("--router", f"127.0.0.1:{router_port}", "--cassandra", f"127.0.0.1:{cql_port}"),
+            *(
+                "--cassandra-keyspace",
+                "chatmesh_bench",
+                "--concurrent-runs-enterprise",
+                "10000",
+                "--titles",
+                "false",
+            ),
+        )
+    )
+    return engines, f"127.0.0.1:{router_port}", f"127.0.0.1:{orchestrator_port}"
+
+
+async def wait_for_engines(router: str, count: int) -> None:
+    async with grpc.aio.insecure_channel(router) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        for _ in range(300):
+            engines = (await stub.ListEngines(router_pb2.ListEnginesRequest(), timeout=5)).engines
+            if sum(e.healthy for e in engines) >= count:
+                return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"the router never saw {count} healthy engines")
+
+
+def ms(value: float) -> str:
+    return f"{value * 1000:,.1f}"
+
+
+async def bench(args: argparse.Namespace, addresses: tuple[list[str], str, str]) -> None:
+    engines, router, orchestrator = addresses
+    await wait_for_engines(router, len(engines))
+    tokenizer = load_tokenizer()
+    prompt = tokenizer.encode_chat(
+        [ChatMessage("system", DEFAULT_SYSTEM_PROMPT), ChatMessage("user", QUESTION)]
+    )
+    paths = Paths(engines, router, orchestrator, prompt, args.tokens)
+    try:
+        print(
+            f"workload: prompt {len(prompt)} tokens, {args.tokens} output tokens per stream, null engines x"
+            f"{len(engines)} paced at {args.tokens_per_s:g} tokens/s per stream, {args.requests} streams per row"
+        )
+        for path in PATHS:  # warm-up: connections, prepared statements, first-call costs
+            await measure(paths, path, 4, 4)
+        header = (
+            f"{'path':<9} {'streams':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+            f"{'max gap p99':>11} {'TTFT x':>7} {'TPOT x':>7}"
+        )
+        print(f"\n{header}  (milliseconds; x = ratio to engine-direct p50)\n{'-' * len(header)}")
+        for concurrency in args.concurrency:
+            base: tuple[float, float] | None = None
+            for path in PATHS:
+                results = await measure(paths, path, concurrency, max(args.requests, concurrency))
+                ttft = [r.ttft for r in results]
+                tpot = [r.tpot for r in results]
+                p50 = (statistics.median(ttft), statistics.median(tpot))
+                base = base or p50
+                print(
+                    f"{path:<9} {concurrency:>7} {ms(p50[0]):>9} {ms(percentile(ttft, 0.99)):>9} "
+                    f"{ms(p50[1]):>9} {ms(percentile(tpot, 0.99)):>9} "
+                    f"{ms(percentile([r.max_gap for r in results], 0.99)):>11} "
+                    f"{p50[0] / base[0]:>7.2f} {p50[1] / base[1]:>7.2f}"
+                )
+    finally:
+        await paths.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 100])
+    parser.add_argument("--requests", type=int, default=30, help="streams per row (at least the concurrency)")
+    parser.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
+    parser.add_argument("--tokens-per-s", type=float, default=50.0, help="null engines' pace per stream")
+    parser.add_argument("--engines", type=int, default=2)
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-orchestrator-") as tmp,
+        Launcher(Path(tmp), echo=print) as launcher,
+    ):
+        print("starting Cassandra, engines, router and orchestrator ...", flush=True)
+        addresses = start_mesh(launcher, args, Path(tmp))
+        asyncio.run(bench(args, addresses))
+
+
+if __name__ == "__main__":
+    main()

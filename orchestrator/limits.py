@@ -1,0 +1,93 @@
+"""Request limits, checked before any work: each violation is INVALID_ARGUMENT naming the field.
+
+Pure functions of a request and ``Limits``; the budget and concurrent-run limits live in ``budget.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from chatmesh.chat.v1 import chat_pb2
+from orchestrator.config import Limits
+from orchestrator.errors import invalid, too_large
+
+# Sampling defaults when a request leaves them unset (the proto's "absent selects the default").
+DEFAULT_TEMPERATURE = 0.7
+
+
+@dataclass(frozen=True)
+class Generation:
+    """How to generate one answer, validated and with defaults applied."""
+
+    model: str
+    max_tokens: int
+    temperature: float
+    # 0 disables nucleus sampling.
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+
+
+def check_content(content: str, limits: Limits, field: str = "content") -> None:
+    size = len(content.encode("utf-8"))
+    if size > limits.max_message_bytes:
+        raise too_large(
+            field,
+            f"{field} is {size} bytes of UTF-8; the limit is {limits.max_message_bytes}",
+            f"{limits.max_message_bytes} bytes",
+        )
+    if not content.strip():
+        raise invalid(field, f"{field} must not be empty")
+
+
+def generation(options: chat_pb2.GenerationOptions, limits: Limits, default_model: str) -> Generation:
+    if len(options.model) > limits.max_model_chars:
+        raise invalid("options.model", f"model names have at most {limits.max_model_chars} characters")
+    max_tokens = options.max_tokens or limits.default_max_tokens
+    if max_tokens > limits.max_tokens:
+        raise invalid("options.max_tokens", f"max_tokens is {max_tokens}; the limit is {limits.max_tokens}")
+    temperature = options.temperature if options.HasField("temperature") else DEFAULT_TEMPERATURE
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+        raise invalid("options.temperature", "temperature must be in [0, 2]")
+    top_p = options.top_p if options.HasField("top_p") else 0.0
+    if options.HasField("top_p") and not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise invalid("options.top_p", "top_p must be in (0, 1]")
+    if len(options.stop) > limits.max_stop_sequences:
+        raise invalid("options.stop", f"at most {limits.max_stop_sequences} stop sequences")
+    for stop in options.stop:
+        if not 1 <= len(stop) <= limits.max_stop_chars:
+            raise invalid("options.stop", f"stop sequences have 1..{limits.max_stop_chars} characters")
+    return Generation(
+        model=options.model or default_model,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=0.0 if top_p == 1.0 else top_p,
+        seed=options.seed if options.HasField("seed") else None,
+        stop=tuple(options.stop),
+    )
+
+
+def page_size(requested: int, default: int, maximum: int) -> int:
+    if requested > maximum:
+        raise invalid("page_size", f"page_size must be 1..{maximum} (0 selects {default})")
+    return requested or default
+
+
+def check_title(title: str, limits: Limits, allow_empty: bool) -> None:
+    low = 0 if allow_empty else 1
+    if not low <= len(title) <= limits.max_title_chars:
+        raise invalid("title", f"title must have {low}..{limits.max_title_chars} characters")
+
+
+def check_idempotency_key(key: str, limits: Limits) -> None:
+    if len(key) > limits.max_idempotency_key_chars:
+        raise invalid(
+            "idempotency_key",
+            f"idempotency_key has at most {limits.max_idempotency_key_chars} characters",
+        )
+
+
+def check_id(value: str, field: str) -> None:
+    if not value:
+        raise invalid(field, f"{field} is required")

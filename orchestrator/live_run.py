@@ -1,0 +1,110 @@
+"""A run in memory on the replica generating it: its events in order, and the streams following them.
+
+Events are numbered from 1 (``started``), then ``delta``s, then ``usage`` and ``done`` (or one
+``error``). The buffer is append-only and bounded by the run's ``max_tokens`` (at most one delta per
+token), so any follower can start from any sequence number. Followers read it at their own pace: the
+writer never waits for them, so a slow stream slows neither the run nor the other streams, and a
+stream that falls behind simply reads on from where it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from chatmesh.chat.v1 import chat_pb2
+from orchestrator.errors import exhausted
+from orchestrator.metrics import SUBSCRIBERS
+
+# started + usage + done, or started + error.
+_FRAME_EVENTS = 3
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What a run is about. Empty ids where a kind has none (Complete stores nothing)."""
+
+    run_id: str
+    user_id: str
+    tier: str
+    kind: str  # "send" | "regenerate" | "complete"
+    model: str
+    max_tokens: int
+    chat_id: str = ""
+    user_message_id: str = ""
+    assistant_message_id: str = ""
+
+    @property
+    def stored(self) -> bool:
+        return self.kind != "complete"
+
+
+class LiveRun:
+    def __init__(self, info: RunInfo, max_subscribers: int) -> None:
+        self.info = info
+        self.max_events = info.max_tokens + _FRAME_EVENTS
+        self.max_subscribers = max_subscribers
+        self.events: list[chat_pb2.RunEvent] = []
+        self.status = chat_pb2.RUN_STATUS_IN_PROGRESS
+        self.created_at = time.time()
+        self.finished_at: float | None = None
+        self.subscribers = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def last_seq(self) -> int:
+        return len(self.events)
+
+    def append(self, **kind: object) -> chat_pb2.RunEvent:
+        """Adds the next event (``started=...``, ``delta=...``, ...) and wakes every follower."""
+        if self.finished:
+            raise RuntimeError(f"run {self.info.run_id} has ended; no event may follow")
+        if len(self.events) >= self.max_events:
+            raise RuntimeError(f"run {self.info.run_id} exceeded its {self.max_events} events")
+        event = chat_pb2.RunEvent(seq=len(self.events) + 1, **kind)
+        self.events.append(event)
+        self._notify()
+        return event
+
+    def finish(self, status: int) -> None:
+        """The run has ended: followers get the remaining events, then their streams end."""
+        self.status = status
+        self.finished_at = time.monotonic()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after_seq: int) -> AsyncIterator[chat_pb2.RunEvent]:
+        """Events with seq > after_seq, then live ones until the run ends."""
+        if self.subscribers >= self.max_subscribers:
+            raise exhausted(
+                f"run {self.info.run_id} already has {self.max_subscribers} streams attached; "
+                "close one or retry later",
+                1.0,
+            )
+        self.subscribers += 1
+        SUBSCRIBERS.inc()
+        try:
+            position = after_seq
+            while True:
+                changed = self._changed
+                while position < len(self.events):
+                    position += 1
+                    yield self.events[position - 1]
+                if self.finished:
+                    return
+                await changed.wait()
+        finally:
+            self.subscribers -= 1
+            SUBSCRIBERS.dec()
+
+    def text(self) -> str:
+        return "".join(e.delta.text for e in self.events if e.WhichOneof("kind") == "delta")

@@ -1,0 +1,102 @@
+"""Prompt assembly: system prompt + rolling summary + newest turns verbatim, fitted to the window.
+
+The prompt is rendered with the model's own chat template and counted with its own tokenizer
+(``chatmesh.tokenizer``), so what is counted here is exactly what the engine receives: the prompt's
+token ids travel to the router as they are. ``budget`` is the context window minus ``max_tokens``;
+the newest turns that fit are found by binary search over the number of turns kept, each probe an
+exact count of the whole rendered prompt (token counts of a template are not simply additive).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from chatmesh.tokenizer import ChatMessage, ChatTokenizer
+
+SUMMARY_HEADING = "Summary of the earlier conversation:"
+
+
+class PromptTooLong(ValueError):
+    """Even the system prompt and the newest message alone exceed the budget."""
+
+    def __init__(self, needed: int, budget: int) -> None:
+        super().__init__(f"the prompt needs {needed} tokens but only {budget} fit")
+        self.needed = needed
+        self.budget = budget
+
+
+@dataclass(frozen=True)
+class Prompt:
+    token_ids: list[int]
+    # What was rendered: the system message (with the summary, if used), then the turns kept.
+    messages: list[ChatMessage]
+    # Turns available (after the summary, if one applies) and how many of the newest were kept.
+    turns_available: int
+    turns_kept: int
+    summary_used: bool
+    # Tokens the prompt would need with every available turn (what the summary trigger looks at).
+    full_tokens: int
+    budget: int
+
+    @property
+    def history(self) -> str:
+        """How history was fitted: verbatim, summary (+ verbatim), or truncated (oldest turns dropped)."""
+        if self.turns_kept < self.turns_available:
+            return "truncated"
+        return "summary" if self.summary_used else "verbatim"
+
+
+def system_message(system_prompt: str, summary: str | None) -> ChatMessage:
+    if not summary:
+        return ChatMessage("system", system_prompt)
+    return ChatMessage("system", f"{system_prompt}\n\n{SUMMARY_HEADING}\n{summary}")
+
+
+def fit_prompt(
+    tokenizer: ChatTokenizer,
+    system: Sequence[ChatMessage],
+    turns: Sequence[ChatMessage],
+    budget: int,
+    summary: str | None = None,
+) -> Prompt:
+    """The longest prompt of ``system`` + the newest ``turns`` that fits ``budget`` tokens.
+
+    ``system`` are the leading system messages (the summary is appended to the first); the last turn
+    (the message being answered) is always kept. Raises PromptTooLong if not even that fits.
+    """
+    if not turns:
+        raise ValueError("a prompt needs at least one turn")
+
+    def head(with_summary: bool) -> list[ChatMessage]:
+        if not with_summary or not summary:
+            return list(system)
+        first = system[0] if system else ChatMessage("system", "")
+        return [system_message(first.content, summary), *system[1:]]
+
+    def render(kept: int, with_summary: bool) -> tuple[list[ChatMessage], list[int]]:
+        messages = head(with_summary) + list(turns[len(turns) - kept :])
+        return messages, tokenizer.encode_chat(messages)
+
+    with_summary = bool(summary)
+    messages, ids = render(len(turns), with_summary)
+    full_tokens = len(ids)
+    if full_tokens <= budget:
+        return Prompt(ids, messages, len(turns), len(turns), with_summary, full_tokens, budget)
+    smallest_messages, smallest = render(1, with_summary)
+    if len(smallest) > budget and with_summary:
+        # The summary itself does not fit next to the message: answer without it.
+        with_summary = False
+        smallest_messages, smallest = render(1, False)
+    if len(smallest) > budget:
+        raise PromptTooLong(len(smallest), budget)
+    low, high = 1, len(turns) - 1  # `low` turns fit; all of them do not
+    best = (smallest_messages, smallest)
+    while low < high:
+        middle = (low + high + 1) // 2
+        candidate = render(middle, with_summary)
+        if len(candidate[1]) <= budget:
+            low, best = middle, candidate
+        else:
+            high = middle - 1
+    return Prompt(best[1], best[0], len(turns), low, with_summary, full_tokens, budget)

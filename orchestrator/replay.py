@@ -1,0 +1,99 @@
+"""A run's events rebuilt from Cassandra, for streams on a replica that does not hold the run in memory.
+
+The generating replica numbers events ``started`` = 1, one per delta, then ``usage`` and ``done`` (or
+one ``error``), and checkpoints every delta with its sequence number. From the stored run and its
+deltas, any replica rebuilds exactly the same events for a run its owner finished: started from the
+run's ids, the deltas as stored, and the terminal events right after the last delta.
+
+A run ended by someone else (a cancel on another replica, or interruption after its replica was lost)
+may have streamed deltas that were never checkpointed; its terminal events then follow the last
+stored delta, or the client's ``after_seq`` if that is further, so a client that saw more still gets
+the end of the run and never a repeated sequence number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from chatmesh.chat.v1 import chat_pb2
+from memory_store.models import Run, RunDelta, RunStatus
+from memory_store.store import MemoryStore
+from orchestrator import convert
+
+INTERRUPTED_CODE = "ABORTED"
+INTERRUPTED_MESSAGE = (
+    "the replica generating this answer was lost; the part generated until then is kept. "
+    "Regenerate the answer to get a complete one"
+)
+
+
+def started_event(run: Run) -> chat_pb2.RunEvent:
+    return chat_pb2.RunEvent(
+        seq=1,
+        started=chat_pb2.RunStarted(
+            run_id=run.run_id,
+            chat_id=run.chat_id,
+            user_message_id=run.user_message_id or "",
+            assistant_message_id=run.assistant_message_id,
+            model=run.model,
+        ),
+    )
+
+
+def delta_event(delta: RunDelta) -> chat_pb2.RunEvent:
+    return chat_pb2.RunEvent(
+        seq=delta.seq, delta=chat_pb2.Delta(text=delta.text, token_count=delta.token_count)
+    )
+
+
+def terminal_events(run: Run, deltas: Sequence[RunDelta], after_seq: int) -> list[chat_pb2.RunEvent]:
+    """The events with seq > after_seq that end a finished run."""
+    last_delta = deltas[-1].seq if deltas else 1
+    kinds: list[dict] = []
+    if run.status is RunStatus.INTERRUPTED:
+        kinds.append({"error": chat_pb2.RunError(code=INTERRUPTED_CODE, message=INTERRUPTED_MESSAGE)})
+    elif run.status is RunStatus.FAILED:
+        kinds.append(
+            {"error": chat_pb2.RunError(code=run.error_code or "UNKNOWN", message=run.error_message or "")}
+        )
+    else:
+        if run.usage is not None:
+            kinds.append({"usage": convert.usage(run.usage)})
+        stored = any(d.text for d in deltas) or run.status is RunStatus.COMPLETED
+        done = chat_pb2.Done(
+            finish_reason=convert.FINISH_REASONS[run.finish_reason] if run.finish_reason else 0,
+            assistant_message_id=run.assistant_message_id if stored else "",
+        )
+        kinds.append({"done": done})
+    base = last_delta
+    if run.last_seq < last_delta + len(kinds):
+        # Ended without its owner (whose last_seq always covers its terminal events): the client may
+        # have seen deltas that were never checkpointed.
+        base = max(last_delta, after_seq)
+    events = [chat_pb2.RunEvent(seq=base + i + 1, **kind) for i, kind in enumerate(kinds)]
+    return [event for event in events if event.seq > after_seq]
+
+
+async def follow_stored(
+    store: MemoryStore, user_id: str, run: Run, after_seq: int, poll_s: float
+) -> AsyncIterator[chat_pb2.RunEvent]:
+    """Events with seq > after_seq of a run this replica does not hold: replayed from its checkpoints,
+    followed while its owner (elsewhere) keeps checkpointing, until the run ends."""
+    position = after_seq
+    if position < 1:
+        yield started_event(run)
+        position = 1
+    while True:
+        ended = run.status.terminal
+        deltas = await store.read_run_output(user_id, run.run_id, after_seq=0)
+        for delta in deltas:
+            if delta.seq > position:
+                position = delta.seq
+                yield delta_event(delta)
+        if ended:
+            for event in terminal_events(run, deltas, position):
+                yield event
+            return
+        await asyncio.sleep(poll_s)
+        run = await store.get_run(user_id, run.run_id)

@@ -1,0 +1,142 @@
+"""The orchestrator's side of ``chatmesh.router.v1.RouterService``.
+
+A generation is one bidirectional ``Generate`` stream: a ``start`` frame with the prompt's token ids
+(tokenized once, here, with ``chatmesh.tokenizer``), then at most one ``cancel`` frame. The request
+side stays open while the run lives: neither a half-close nor a dropped browser stops engine work;
+only ``cancel()`` (CancelRun, output moderation) or ``abort()`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from chatmesh.serving import CHANNEL_OPTIONS
+from orchestrator.errors import from_rpc_error, unavailable
+from orchestrator.limits import Generation
+
+log = logging.getLogger(__name__)
+
+TIERS = {
+    "free": router_pb2.TIER_FREE,
+    "pro": router_pb2.TIER_PRO,
+    "enterprise": router_pb2.TIER_ENTERPRISE,
+}
+
+
+def start_frame(
+    request_id: str,
+    prompt: list[int],
+    generation: Generation,
+    tier: str,
+    session_id: str,
+    fingerprint: str,
+) -> router_pb2.GenerateStart:
+    sampling = engine_pb2.SamplingParams(
+        temperature=generation.temperature,
+        top_p=generation.top_p,
+        max_tokens=generation.max_tokens,
+        stop=list(generation.stop),
+    )
+    if generation.seed is not None:
+        sampling.seed = generation.seed
+    return router_pb2.GenerateStart(
+        request_id=request_id,
+        model=generation.model,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        tier=TIERS.get(tier, router_pb2.TIER_FREE),
+        session_id=session_id,
+        tokenizer_fingerprint=fingerprint,
+    )
+
+
+class GenerateStream:
+    """One Generate call. ``open`` sends the start frame and waits for the router to place it.
+
+    Frames go out through a queue the call reads as its request stream, so sending a cancel or
+    half-closing never waits, and ``abort`` ends the request side along with the call (a request
+    side left open would keep the call's sending task alive after the call ended).
+    """
+
+    def __init__(self, stub: router_pb2_grpc.RouterServiceStub, deadline_s: float) -> None:
+        self._outbox: asyncio.Queue[router_pb2.GenerateRequest | None] = asyncio.Queue()
+        self._call = stub.Generate(self._requests(), timeout=deadline_s)
+        self._cancel_sent = False
+        self._closed = False
+        self.routed: router_pb2.GenerateRouted | None = None
+
+    async def _requests(self) -> AsyncIterator[router_pb2.GenerateRequest]:
+        while (frame := await self._outbox.get()) is not None:
+            yield frame
+
+    async def open(self, start: router_pb2.GenerateStart, placement_timeout_s: float) -> None:
+        """Sends ``start`` and returns once the router placed the request; a refusal (shed under
+        load, no engine for the model) raises ServiceError with the router's status and retry delay."""
+        self._outbox.put_nowait(router_pb2.GenerateRequest(start=start))
+        try:
+            async with asyncio.timeout(placement_timeout_s):
+                frame = await self._call.read()
+        except grpc.aio.AioRpcError as exc:
+            self.abort()
+            raise from_rpc_error(exc, "the router") from exc
+        except TimeoutError:
+            self.abort()
+            raise unavailable("the router did not place the request in time; retry", 1.0) from None
+        if frame is grpc.aio.EOF or frame.WhichOneof("kind") != "routed":
+            self.abort()
+            raise unavailable("the router ended the stream before placing the request; retry", 1.0)
+        self.routed = frame.routed
+
+    async def frames(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """The frames after the first placement until the stream ends (raises grpc.aio.AioRpcError)."""
+        while True:
+            frame = await self._call.read()
+            if frame is grpc.aio.EOF:
+                return
+            if frame.WhichOneof("kind") == "routed":
+                self.routed = frame.routed
+            yield frame
+
+    def cancel(self) -> None:
+        """Asks the router to stop and free the engine work; it answers with a final `finished`."""
+        if not self._cancel_sent and not self._closed:
+            self._cancel_sent = True
+            self._outbox.put_nowait(router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel()))
+
+    def close(self) -> None:
+        """Half-closes the request side (once the stream has ended: a half-close is not a cancel)."""
+        if not self._closed:
+            self._closed = True
+            self._outbox.put_nowait(None)
+
+    def abort(self) -> None:
+        """Cancels the RPC itself: the router cancels the engine call at once."""
+        self.close()
+        self._call.cancel()
+
+
+class RouterClient:
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+    def generate(self, deadline_s: float) -> GenerateStream:
+        return GenerateStream(self._stub, deadline_s)
+
+    async def list_engines(self) -> list[router_pb2.EngineStatus]:
+        try:
+            reply = await self._stub.ListEngines(router_pb2.ListEnginesRequest(), timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, "the router") from exc
+        return list(reply.engines)

@@ -1,0 +1,216 @@
+"""ChatService: each RPC is a few lines over memory_store, ``Answers`` (starting runs) and ``Runs``.
+
+Every call needs the identity Envoy set (``x-chatmesh-user-id``, ``x-chatmesh-tier``), else
+UNAUTHENTICATED; every chat and run is looked up under that user, so another user's is NOT_FOUND.
+Errors become statuses in one place (``errors.from_exception``), with their details as trailers. A
+client that cancels a streaming call only detaches: the run goes on (only CancelRun stops it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.identity import Identity, identity_from_metadata
+from memory_store.store import MemoryStore
+from orchestrator import convert, limits
+from orchestrator.admission import Budgets
+from orchestrator.answers import Answers
+from orchestrator.config import Limits
+from orchestrator.errors import from_exception
+from orchestrator.router_client import RouterClient
+from orchestrator.runs import Runs
+
+# Unary calls without a client deadline get this one (every call ends, one way or another).
+DEFAULT_UNARY_DEADLINE_S = 30.0
+
+
+async def _identity(context: grpc.aio.ServicerContext) -> Identity:
+    identity = identity_from_metadata(context.invocation_metadata())
+    if identity is None:
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED,
+            "no verified identity: call ChatService through Envoy with a bearer token",
+        )
+    return identity  # type: ignore[return-value]
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    error = from_exception(exc)
+    await context.abort(error.code, error.message, trailing_metadata=error.trailer())
+
+
+def unary(method: Callable[[Any, Identity, Any], Awaitable[Any]]):
+    @functools.wraps(method)
+    async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        identity = await _identity(context)
+        remaining = context.time_remaining()
+        try:
+            async with asyncio.timeout(min(remaining or DEFAULT_UNARY_DEADLINE_S, DEFAULT_UNARY_DEADLINE_S)):
+                return await method(self, identity, request)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return handler
+
+
+def streaming(response: type):
+    """A run-event stream: ``method`` yields RunEvents, the client gets them wrapped in ``response``."""
+
+    def wrap(method: Callable[[Any, Identity, Any], AsyncIterator[chat_pb2.RunEvent]]):
+        @functools.wraps(method)
+        async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext):
+            identity = await _identity(context)
+            try:
+                async for event in method(self, identity, request):
+                    yield response(event=event)
+            except Exception as exc:
+                await _abort(context, exc)
+
+        return handler
+
+    return wrap
+
+
+class ChatService(chat_pb2_grpc.ChatServiceServicer):
+    def __init__(
+        self,
+        store: MemoryStore,
+        answers: Answers,
+        runs: Runs,
+        budgets: Budgets,
+        router: RouterClient,
+        limits_: Limits,
+        context_window: int,
+        model: str,
+    ) -> None:
+        self.store = store
+        self.answers = answers
+        self.runs = runs
+        self.budgets = budgets
+        self.router = router
+        self.limits = limits_
+        self.context_window = context_window
+        self.model = model
+
+    # -- chats ----------------------------------------------------------------------------------
+
+    @unary
+    async def CreateChat(self, identity: Identity, request: chat_pb2.CreateChatRequest):
+        limits.check_title(request.title, self.limits, allow_empty=True)
+        chat = await self.store.create_chat(identity.user_id, request.title)
+        return chat_pb2.CreateChatResponse(chat=convert.chat(chat))
+
+    @unary
+    async def GetChat(self, identity: Identity, request: chat_pb2.GetChatRequest):
+        limits.check_id(request.chat_id, "chat_id")
+        chat = await self.store.get_chat(identity.user_id, request.chat_id)
+        return chat_pb2.GetChatResponse(chat=convert.chat(chat))
+
+    @unary
+    async def ListChats(self, identity: Identity, request: chat_pb2.ListChatsRequest):
+        size = limits.page_size(request.page_size, self.limits.default_chat_page, self.limits.max_chat_page)
+        page = await self.store.list_chats(identity.user_id, request.page_token or None, size)
+        return chat_pb2.ListChatsResponse(
+            chats=[convert.chat(c) for c in page.items], next_page_token=page.next_cursor or ""
+        )
+
+    @unary
+    async def RenameChat(self, identity: Identity, request: chat_pb2.RenameChatRequest):
+        limits.check_id(request.chat_id, "chat_id")
+        limits.check_title(request.title, self.limits, allow_empty=False)
+        chat = await self.store.rename_chat(identity.user_id, request.chat_id, request.title)
+        return chat_pb2.RenameChatResponse(chat=convert.chat(chat))
+
+    @unary
+    async def DeleteChat(self, identity: Identity, request: chat_pb2.DeleteChatRequest):
+        limits.check_id(request.chat_id, "chat_id")
+        await self.store.delete_chat(identity.user_id, request.chat_id)
+        # Nobody can read the answer any more: free its engine work.
+        await self.runs.cancel_chat(identity.user_id, request.chat_id)
+        return chat_pb2.DeleteChatResponse()
+
+    @unary
+    async def ListMessages(self, identity: Identity, request: chat_pb2.ListMessagesRequest):
+        limits.check_id(request.chat_id, "chat_id")
+        size = limits.page_size(
+            request.page_size, self.limits.default_message_page, self.limits.max_message_page
+        )
+        page = await self.store.list_messages(
+            identity.user_id, request.chat_id, before=request.page_token or None, limit=size
+        )
+        return chat_pb2.ListMessagesResponse(
+            messages=[convert.message(m) for m in page.items], next_page_token=page.next_cursor or ""
+        )
+
+    # -- answers --------------------------------------------------------------------------------
+
+    @streaming(chat_pb2.SendMessageResponse)
+    async def SendMessage(self, identity: Identity, request: chat_pb2.SendMessageRequest):
+        run_id = await self.answers.send(identity, request)
+        async for event in self.runs.stream(identity.user_id, run_id, 0):
+            yield event
+
+    @streaming(chat_pb2.RegenerateMessageResponse)
+    async def RegenerateMessage(self, identity: Identity, request: chat_pb2.RegenerateMessageRequest):
+        run_id = await self.answers.regenerate(identity, request)
+        async for event in self.runs.stream(identity.user_id, run_id, 0):
+            yield event
+
+    @streaming(chat_pb2.CompleteResponse)
+    async def Complete(self, identity: Identity, request: chat_pb2.CompleteRequest):
+        live = await self.answers.complete(identity, request)
+        async for event in live.follow(0):
+            yield event
+
+    @streaming(chat_pb2.StreamRunResponse)
+    async def StreamRun(self, identity: Identity, request: chat_pb2.StreamRunRequest):
+        limits.check_id(request.run_id, "run_id")
+        async for event in self.runs.stream(identity.user_id, request.run_id, request.after_seq):
+            yield event
+
+    @unary
+    async def GetRun(self, identity: Identity, request: chat_pb2.GetRunRequest):
+        limits.check_id(request.run_id, "run_id")
+        return chat_pb2.GetRunResponse(run=await self.runs.get(identity.user_id, request.run_id))
+
+    @unary
+    async def CancelRun(self, identity: Identity, request: chat_pb2.CancelRunRequest):
+        limits.check_id(request.run_id, "run_id")
+        return chat_pb2.CancelRunResponse(run=await self.runs.cancel(identity.user_id, request.run_id))
+
+    # -- models and usage -----------------------------------------------------------------------
+
+    @unary
+    async def ListModels(self, identity: Identity, request: chat_pb2.ListModelsRequest):
+        healthy: dict[str, int] = {}
+        for engine in await self.router.list_engines():
+            if engine.model:
+                healthy[engine.model] = healthy.get(engine.model, 0) + int(engine.healthy)
+        return chat_pb2.ListModelsResponse(
+            models=[
+                chat_pb2.Model(
+                    model_id=model,
+                    # Only the model whose tokenizer this replica prompts with has a known window here.
+                    context_length=self.context_window if model == self.model else 0,
+                    engines=count,
+                )
+                for model, count in sorted(healthy.items())
+            ]
+        )
+
+    @unary
+    async def GetUsage(self, identity: Identity, request: chat_pb2.GetUsageRequest):
+        window = await self.budgets.window(identity.user_id)
+        return chat_pb2.GetUsageResponse(
+            tier=identity.tier,
+            used_tokens=window.usage.total_tokens,
+            limit_tokens=self.budgets.limit(identity.tier),
+            window_start_time=convert.timestamp(window.start),
+            window_end_time=convert.timestamp(window.end),
+        )

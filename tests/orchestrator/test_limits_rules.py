@@ -1,0 +1,76 @@
+"""Request limits and generation defaults (pure logic, no services)."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.identity import Identity
+from orchestrator.admission import RunSlots
+from orchestrator.config import Limits
+from orchestrator.errors import ServiceError
+from orchestrator.limits import DEFAULT_TEMPERATURE, check_content, generation, page_size
+
+LIMITS = Limits()
+
+
+def test_unset_options_take_the_defaults_and_an_empty_model_the_default_model() -> None:
+    gen = generation(chat_pb2.GenerationOptions(), LIMITS, "SmolLM2")
+    assert (gen.model, gen.max_tokens, gen.temperature, gen.top_p, gen.seed, gen.stop) == (
+        "SmolLM2",
+        LIMITS.default_max_tokens,
+        DEFAULT_TEMPERATURE,
+        0.0,
+        None,
+        (),
+    )
+    explicit = generation(
+        chat_pb2.GenerationOptions(model="m", max_tokens=5, temperature=0.0, top_p=1.0, seed=7, stop=["x"]),
+        LIMITS,
+        "SmolLM2",
+    )
+    assert (explicit.model, explicit.max_tokens, explicit.temperature, explicit.seed) == ("m", 5, 0.0, 7)
+    assert explicit.top_p == 0.0  # 1.0 keeps every token: nucleus sampling off
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        (chat_pb2.GenerationOptions(max_tokens=LIMITS.max_tokens + 1), "options.max_tokens"),
+        (chat_pb2.GenerationOptions(temperature=2.5), "options.temperature"),
+        (chat_pb2.GenerationOptions(top_p=0.0), "options.top_p"),
+        (chat_pb2.GenerationOptions(stop=["a", "b", "c", "d", "e"]), "options.stop"),
+        (chat_pb2.GenerationOptions(stop=[""]), "options.stop"),
+        (chat_pb2.GenerationOptions(model="m" * 200), "options.model"),
+    ],
+)
+def test_each_bad_option_is_refused_naming_its_field(options: chat_pb2.GenerationOptions, field: str) -> None:
+    with pytest.raises(ServiceError) as caught:
+        generation(options, LIMITS, "SmolLM2")
+    assert caught.value.code.name == "INVALID_ARGUMENT" and caught.value.field == field
+
+
+def test_message_size_is_counted_in_utf8_bytes_and_marked_too_large() -> None:
+    check_content("é" * (LIMITS.max_message_bytes // 2), LIMITS)
+    with pytest.raises(ServiceError) as caught:
+        check_content("é" * (LIMITS.max_message_bytes // 2 + 1), LIMITS)
+    assert caught.value.too_large == f"{LIMITS.max_message_bytes} bytes" and caught.value.field == "content"
+
+
+def test_page_sizes_default_and_are_bounded() -> None:
+    assert page_size(0, 20, 100) == 20 and page_size(100, 20, 100) == 100
+    with pytest.raises(ServiceError):
+        page_size(101, 20, 100)
+
+
+def test_concurrent_runs_are_bounded_per_user_by_tier() -> None:
+    slots = RunSlots({"free": 1, "pro": 2, "enterprise": 4})
+    alice, bob = Identity("alice", "free"), Identity("bob", "pro")
+    slots.acquire(alice)
+    with pytest.raises(ServiceError) as caught:
+        slots.acquire(alice)
+    assert caught.value.code.name == "RESOURCE_EXHAUSTED" and caught.value.retry_after_s
+    slots.acquire(bob)
+    slots.acquire(bob)
+    slots.release("alice")
+    slots.acquire(alice)

@@ -1,0 +1,116 @@
+"""The in-memory run buffer and the events rebuilt from Cassandra (pure logic, no services)."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2
+from memory_store.models import FinishReason, Run, RunDelta, RunStatus, Usage
+from orchestrator.errors import ServiceError
+from orchestrator.live_run import LiveRun, RunInfo
+from orchestrator.replay import INTERRUPTED_CODE, delta_event, started_event, terminal_events
+
+
+def live_run(max_tokens: int = 100, max_subscribers: int = 4) -> LiveRun:
+    info = RunInfo("run-1", "user-1", "pro", "send", "model", max_tokens, chat_id="chat-1")
+    run = LiveRun(info, max_subscribers)
+    run.append(started=chat_pb2.RunStarted(run_id="run-1"))
+    return run
+
+
+async def drain(stream) -> list[int]:
+    return [event.seq async for event in stream]
+
+
+async def test_followers_from_any_seq_get_every_later_event_once_then_the_live_ones() -> None:
+    run = live_run()
+    for i in range(5):
+        run.append(delta=chat_pb2.Delta(text=f"t{i}", token_count=1))
+    followers = [asyncio.create_task(drain(run.follow(after))) for after in (0, 1, 3, 6)]
+    await asyncio.sleep(0)
+    for i in range(5, 8):
+        run.append(delta=chat_pb2.Delta(text=f"t{i}", token_count=1))
+        await asyncio.sleep(0)
+    run.append(done=chat_pb2.Done())
+    run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+    seen = await asyncio.gather(*followers)
+    for after, seqs in zip((0, 1, 3, 6), seen, strict=True):
+        assert seqs == list(range(after + 1, 11))
+
+
+async def test_a_follower_that_does_not_read_never_holds_up_the_writer_or_other_followers() -> None:
+    run = live_run(max_tokens=1000)
+    stalled = run.follow(0)
+    assert (await anext(stalled)).seq == 1  # attached, then never reads again
+    reader = asyncio.create_task(drain(run.follow(0)))
+    for _ in range(1000):
+        run.append(delta=chat_pb2.Delta(text="x", token_count=1))
+    run.append(done=chat_pb2.Done())
+    run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+    assert len(await asyncio.wait_for(reader, 5)) == 1002
+    # The stalled one resumes from where it was, with nothing missing.
+    assert [e.seq async for e in stalled] == list(range(2, 1003))
+
+
+async def test_the_buffer_is_bounded_by_max_tokens_and_followers_by_the_subscriber_limit() -> None:
+    run = live_run(max_tokens=3, max_subscribers=1)
+    for _ in range(3):
+        run.append(delta=chat_pb2.Delta(text="x", token_count=1))
+    run.append(usage=chat_pb2.Usage())
+    run.append(done=chat_pb2.Done())
+    with pytest.raises(RuntimeError):
+        run.append(delta=chat_pb2.Delta(text="too many"))
+    first = run.follow(0)
+    await anext(first)
+    with pytest.raises(ServiceError) as caught:
+        await anext(run.follow(0))
+    assert caught.value.code.name == "RESOURCE_EXHAUSTED"
+
+
+def stored_run(status: RunStatus, last_seq: int, **fields: object) -> Run:
+    return Run(
+        run_id="r",
+        user_id="u",
+        chat_id="c",
+        parent_message_id="p",
+        assistant_message_id="a",
+        model="m",
+        owner_id="o",
+        status=status,
+        created_at=datetime.now(UTC),
+        last_seq=last_seq,
+        **fields,
+    )
+
+
+def deltas(count: int) -> list[RunDelta]:
+    return [RunDelta(seq, f"t{seq}", 1) for seq in range(2, count + 2)]
+
+
+def test_a_run_its_owner_finished_replays_with_the_owners_numbering() -> None:
+    # started 1, deltas 2..6, usage 7, done 8: the owner stored last_seq 8.
+    run = stored_run(RunStatus.COMPLETED, 8, finish_reason=FinishReason.STOP, usage=Usage(10, 0, 5))
+    events = [started_event(run), *map(delta_event, deltas(5)), *terminal_events(run, deltas(5), 0)]
+    assert [e.seq for e in events] == list(range(1, 9))
+    assert events[-2].usage.completion_tokens == 5
+    assert events[-1].done.finish_reason == chat_pb2.FINISH_REASON_STOP
+    assert events[-1].done.assistant_message_id == "a"
+    # A client that saw the usage event gets only the done event.
+    assert [e.seq for e in terminal_events(run, deltas(5), 7)] == [8]
+    assert terminal_events(run, deltas(5), 8) == []
+
+
+def test_an_interrupted_run_ends_after_whatever_the_client_saw() -> None:
+    # Checkpointed through seq 6; the client had seen seq 9 before the owner was lost.
+    run = stored_run(RunStatus.INTERRUPTED, 6, finish_reason=FinishReason.ERROR)
+    assert [(e.seq, e.error.code) for e in terminal_events(run, deltas(5), 9)] == [(10, INTERRUPTED_CODE)]
+    assert [e.seq for e in terminal_events(run, deltas(5), 3)] == [7]
+
+
+def test_a_failed_run_without_output_has_no_answer_to_point_to() -> None:
+    run = stored_run(RunStatus.CANCELLED, 1, finish_reason=FinishReason.CANCELLED)
+    [done] = terminal_events(run, [], 0)
+    assert done.seq == 2 and done.done.assistant_message_id == ""
