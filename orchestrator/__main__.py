@@ -19,7 +19,7 @@ import grpc
 
 from chatmesh import serving, telemetry
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
-from chatmesh.gguf_metadata import read_gguf_metadata
+from chatmesh.gguf_header import read_gguf_metadata
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
 from memory_store.errors import Unavailable
