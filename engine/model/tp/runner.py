@@ -106,6 +106,11 @@ class TensorParallelRunner:
             ),
         )
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return [worker.process.pid for worker in self._workers]
+
     # -- ModelRunner ---------------------------------------------------------------------------------
 
     def kv_bytes_per_block(self, block_size: int) -> int:
