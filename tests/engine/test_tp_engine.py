@@ -41,6 +41,10 @@ def worker_ranks(engine_pid: int) -> list[int]:
     return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
+def any_alive(pids: list[int]) -> bool:
+    return any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
 async def test_an_engine_with_two_ranks_serves_the_greedy_answer_of_one_process(
     tp_engine, prompt, native_runner: CpuModelRunner, chat_tokenizer
 ):
@@ -84,3 +88,28 @@ async def test_killing_a_rank_mid_stream_ends_the_stream_unavailable_and_health_
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await Stream.start(stub, start_frame("tp-late", prompt, max_tokens=4)).rest()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_sigterm_to_the_process_group_drains_streams_and_stops_every_rank(start_engines, prompt):
+    """Ctrl-C or a process-group SIGTERM reaches the ranks too: they must keep computing until rank 0,
+    draining, has finished the open streams, and then exit with it."""
+    require_native()
+    [engine] = start_engines(1, "cpu", tensor_parallel_size=2, threads=1, num_kv_blocks=64, drain_grace_s=30)
+    launcher = start_engines.launcher
+    process = launcher.running[engine.name].process
+    ranks = worker_ranks(process.pid)
+    async with grpc.aio.insecure_channel(engine.address) as channel:
+        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        stream = Stream.start(stub, start_frame("tp-drained", prompt, max_tokens=24))
+        await stream.read()  # accepted
+        launcher.signal(engine.name, signal.SIGTERM)
+        outcome = await asyncio.wait_for(stream.rest(), TIMEOUT_S)
+    assert outcome.finished.finish_reason in (engine_pb2.FINISH_REASON_LENGTH, engine_pb2.FINISH_REASON_STOP)
+    assert outcome.token_ids
+    assert await asyncio.to_thread(process.wait, TIMEOUT_S) == 0
+    launcher.forget(engine.name)
+
+    async def ranks_gone() -> bool:
+        return not any_alive(ranks)
+
+    await wait_until(ranks_gone, DEADLINE_S, "the ranks to exit with their engine")

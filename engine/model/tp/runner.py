@@ -18,6 +18,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ import numpy as np
 from engine.model.cpu_runner import CpuModelRunner
 from engine.model.gguf_loader import load_gguf
 from engine.model.kernels import select_kernels
-from engine.model.kernels.native import load_library
+from engine.model.kernels.native import NativeUnavailable, load_library
 from engine.model.runner import SequenceChunk
 from engine.model.tp.collective import (
     PEER_CHECK_INTERVAL_MS,
@@ -52,14 +53,14 @@ WORKER_START_TIMEOUT_S = 300.0  # loading and packing a shard of a small model t
 class TensorParallelRunner:
     backend = "cpu"
 
-    def __init__(
-        self, path: Path, world_size: int, threads_per_rank: int = 1, kernels: str | None = None
-    ) -> None:
+    def __init__(self, path: Path, world_size: int, threads_per_rank: int = 1) -> None:
         """Loads ``path`` over ``world_size`` ranks, each running ``threads_per_rank`` kernel threads.
 
-        Needs the native kernels (the barrier is part of them)."""
-        if (kernels or "native") not in ("native", "auto"):
-            raise ValueError("tensor parallelism runs on the native kernels only")
+        Needs the native kernels (the barrier is part of their library)."""
+        try:
+            library = load_library()
+        except NativeUnavailable as exc:
+            raise NativeUnavailable(f"tensor parallelism needs the native kernels: {exc}") from exc
         started = time.monotonic()
         self.tensor_parallel_size = world_size
         checkpoint = load_gguf(path)
@@ -70,7 +71,7 @@ class TensorParallelRunner:
         self.on_failure: Callable[[str], None] | None = None  # called (from a watcher thread) on failure
         self._workers: list[_Worker] = []
         self._collective = ShmCollective(
-            load_library(),
+            library,
             world_size,
             0,
             self.config.hidden_size,
@@ -248,6 +249,11 @@ def _worker_main(
     conn: Connection, path: str, world_size: int, rank: int, threads: int, parent_pid: int
 ) -> None:
     """A worker rank: loads its shard, then runs the steps rank 0 sends until told to stop."""
+
+    # Rank 0 decides when ranks stop: a Ctrl-C or SIGTERM sent to the whole process group must not
+    # kill a rank while the engine drains its open streams. Rank 0 exiting closes our pipe instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def check_parent() -> None:
         if os.getppid() != parent_pid:
