@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,12 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_engine import machine, text_tokens  # noqa: E402
+from bench_engine import DECODE_NEW, DECODE_PROMPT, greedy_decode_rate, machine, run_worker, text_tokens  # noqa: E402
 
 from chatmesh.model_files import bundled_model_path  # noqa: E402
 
-PREFILL_TOKENS = 256
-DECODE_PROMPT, DECODE_NEW = 64, 32
+PREFILL_TOKENS = 256  # decode: bench_engine's workload (64-token prompts, 32 new tokens)
 STREAMS = (1, 32)
 CONFIGS = {"tp1": (1, 2), "tp2": (2, 1)}  # name: (ranks, kernel threads per rank)
 
@@ -69,33 +67,15 @@ def run_config(name: str) -> dict[str, float]:
 
     def decode(streams: int) -> float:
         per_seq = -(-(DECODE_PROMPT + DECODE_NEW) // bs)
-        tables = [table(s * per_seq, DECODE_PROMPT + DECODE_NEW) for s in range(streams)]
-        prompts = [np.asarray(text_tokens(DECODE_PROMPT, salt=s), np.int32) for s in range(streams)]
-        logits = runner.execute([SequenceChunk(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)])
-        next_tokens = logits.argmax(axis=1)
-        start = time.perf_counter()
-        for step in range(DECODE_NEW):
-            chunks = [
-                SequenceChunk(np.array([tok], np.int32), DECODE_PROMPT + step, t, True)
-                for tok, t in zip(next_tokens, tables, strict=True)
-            ]
-            next_tokens = runner.execute(chunks).argmax(axis=1)
-        return streams * DECODE_NEW / (time.perf_counter() - start)
+        return greedy_decode_rate(
+            runner, [table(s * per_seq, DECODE_PROMPT + DECODE_NEW) for s in range(streams)]
+        )
 
     decode(4)  # warm-up
     for streams in STREAMS:
         out[f"decode_b{streams}"] = decode(streams)
     runner.close()
     return out
-
-
-def run_worker(name: str) -> dict[str, float]:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--worker", name], capture_output=True, text=True, cwd=ROOT, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} worker failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -117,7 +97,7 @@ def main() -> None:
     for rep in range(args.reps):
         for name in CONFIGS:
             print(f"  rep {rep + 1}/{args.reps}: {name} ...", flush=True)
-            runs[name].append(run_worker(name))
+            runs[name].append(run_worker(name, __file__))
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
     rows = [("prefill, 256-token prompt (tok/s)", "prefill")] + [
         (f"decode, {b} stream{'s' * (b > 1)} (aggregate tok/s)", f"decode_b{b}") for b in STREAMS
