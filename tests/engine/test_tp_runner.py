@@ -43,8 +43,16 @@ def tp_prompts(chat_tokenizer) -> list[list[int]]:
     return chats + [long] + [chats[0]] * 13
 
 
-def own_memfds() -> list[str]:
-    return [line for line in Path("/proc/self/maps").read_text().splitlines() if "chatmesh-tp" in line]
+def own_segments() -> list[str]:
+    """This process's mappings of, and descriptors on, the TP segment (a memfd: never in /dev/shm)."""
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if "chatmesh-tp" in line]
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the descriptor listdir itself used
+            continue
+    return maps + [target for target in fds if "chatmesh-tp" in target]
 
 
 def pid_exists(pid: int) -> bool:
@@ -61,17 +69,16 @@ def tp_runner() -> Iterator[TensorParallelRunner]:
     require_native()
     library = load_library()
     threads = library.cm_get_threads()  # the kernel thread pool is per process: rank 0 resizes it
-    shm_before = set(os.listdir("/dev/shm"))
     runner = TensorParallelRunner(bundled_model_path(), 2, threads_per_rank=1)
     pids = runner.worker_pids
+    assert own_segments(), "the segment should be mapped while the runner is open"
     try:
         yield runner
     finally:
         runner.close()
         library.cm_set_threads(threads)
     assert not any(pid_exists(pid) for pid in pids), "a worker rank outlived close()"
-    assert own_memfds() == [], "the shared segment is still mapped after close()"
-    assert set(os.listdir("/dev/shm")) <= shm_before, "close() left files in /dev/shm"
+    assert own_segments() == [], "the shared segment is still mapped or open after close()"
 
 
 def test_two_ranks_match_one_process_within_tolerance_and_greedy_up_to_a_near_tie(
