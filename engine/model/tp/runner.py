@@ -138,10 +138,11 @@ class TensorParallelRunner:
                 worker.conn.send(("step", batch))
             logits = self._rank0.forward(batch)
         except Exception as exc:
-            # The ranks may now be out of step with each other: this group never computes again.
-            self._set_failure(
-                str(exc) if isinstance(exc, RankFailure) else f"tensor-parallel rank 0 failed: {exc}"
-            )
+            # The ranks may now be out of step with each other: this group never computes again. A dead
+            # worker is the likeliest cause of any error here (a broken pipe, say): name it if so.
+            with contextlib.suppress(RankFailure):
+                self._check_workers()
+            self._set_failure(f"tensor-parallel rank 0 failed: {exc}")  # unless already set
             raise RankFailure(self.failure) from exc
         assert logits is not None
         return logits
