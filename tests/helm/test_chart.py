@@ -338,23 +338,21 @@ def _allowed_paths(chart: Rendered) -> set[tuple[str, str, int]]:
     return paths
 
 
+# The mesh's calls: anyone → Envoy → edge → orchestrator → router → engines.
+CALL_GRAPH = {
+    ("*", "envoy", 8080),
+    ("envoy", "edge", 8081),
+    ("envoy", "orchestrator", 50050),
+    ("edge", "orchestrator", 50050),
+    ("orchestrator", "router", 50051),
+    ("router", "engine", 50061),
+}
+
+
 def test_network_policies_allow_exactly_the_call_graph(rendered):
-    assert _allowed_paths(rendered["defaults"]) == {
-        ("*", "envoy", 8080),
-        ("envoy", "edge", 8081),
-        ("envoy", "orchestrator", 50050),
-        ("edge", "orchestrator", 50050),
-        ("orchestrator", "router", 50051),
-        ("router", "engine", 50061),
-    }
-    full = _allowed_paths(rendered["full"])
-    assert full == {
-        ("*", "envoy", 8080),  # from networkPolicy.envoyFrom (an ipBlock)
-        ("envoy", "edge", 8081),
-        ("envoy", "orchestrator", 50050),
-        ("edge", "orchestrator", 50050),
-        ("orchestrator", "router", 50051),
-        ("router", "engine", 50061),
+    assert _allowed_paths(rendered["defaults"]) == CALL_GRAPH
+    assert _allowed_paths(rendered["full"]) == CALL_GRAPH | {
+        # Bundled Cassandra: the orchestrators and the schema Job.
         ("orchestrator", "cassandra", 9042),
         ("schema", "cassandra", 9042),
         # Multi-node engines: MPI/NCCL among the group's own pods, on ports they pick.
@@ -362,6 +360,7 @@ def test_network_policies_allow_exactly_the_call_graph(rendered):
         # Prometheus (networkPolicy.metricsFrom) scrapes the services' metrics ports.
         *{("*", c, 9090) for c in ("edge", "orchestrator", "router", "engine")},
     }
+    # Envoy's callers in values-full are networkPolicy.envoyFrom (an ipBlock).
     envoy_policy = rendered["full"].get("NetworkPolicy", f"{FULL}-envoy")
     assert envoy_policy["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
 
