@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None):
     args.add(
         "backend",
         d.backend,
-        "cpu (the real model) | null (no compute: mesh load tests) | trtllm | triton (GPU: docs/gpu.md)",
+        "cpu (the real model) | null (no compute: mesh load tests) | cuda | trtllm | triton (GPU: docs/gpu.md)",
     )
     args.add("threads", d.num_threads, "compute threads of the cpu backend (0: its default)")
     args.add("num-kv-blocks", d.num_kv_blocks, "KV blocks in the pool (0: as many as --kv-memory-gib holds)")

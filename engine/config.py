@@ -8,7 +8,7 @@ from pathlib import Path
 
 from chatmesh.block_hash import BLOCK_HASH_SEED, DEFAULT_BLOCK_SIZE
 
-BACKENDS = ("cpu", "null", "trtllm", "triton")
+BACKENDS = ("cpu", "null", "cuda", "trtllm", "triton")
 HOSTED_BACKENDS = ("trtllm", "triton")  # engines with their own scheduler and KV cache (engine.backends)
 
 

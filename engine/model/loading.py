@@ -58,6 +58,12 @@ def create_runner(
         log.info("loading %s on the cpu backend", model_path)
         checkpoint = load_checkpoint(model_path)
         return CpuModelRunner(checkpoint, select_kernels(None, num_threads, checkpoint.config))
+    if backend == "cuda":
+        from engine.model.cuda_runner import create_cuda_runner, import_torch
+
+        import_torch()  # fails with instructions before the weights are read
+        log.info("loading %s on the cuda backend", model_path)
+        return create_cuda_runner(load_checkpoint(model_path))
     if backend == "null":
         log.info("null backend: no model computed; tokens are paced at %.0f/s per stream", null_tokens_per_s)
         spec = ModelSpec(
@@ -69,4 +75,4 @@ def create_runner(
             context_length=NULL_CONTEXT_LENGTH,
         )
         return NullModelRunner(spec, tokenizer.encode(NULL_TEXT), null_tokens_per_s)
-    raise ValueError(f"unknown backend {backend!r}: expected cpu or null")
+    raise ValueError(f"unknown backend {backend!r}: expected cpu, cuda or null")
