@@ -166,13 +166,13 @@ class CudaModelRunner:
     def _allocate(self, num_blocks: int, block_size: int) -> None:
         torch, cfg = self._torch, self.config
         shape = (num_blocks, block_size, self.kv_heads, cfg.head_dim)
-        self._k_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
-        ]
-        self._v_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
-        ]
+        with torch.inference_mode():  # inference tensors: every step writes them in place
+            self._k_cache = [self._zeros(shape) for _ in range(cfg.num_layers)]
+            self._v_cache = [self._zeros(shape) for _ in range(cfg.num_layers)]
         self._block_size = block_size
+
+    def _zeros(self, shape: tuple[int, ...]):
+        return self._torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _forward(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         if not self._k_cache:
