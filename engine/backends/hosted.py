@@ -69,6 +69,7 @@ class GenerationBackend(Protocol):
 
     name: str  # "trtllm", "triton": what GetModelInfo reports as the backend
     tensor_parallel_size: int
+    context_limit: int | None  # the backend's own longest sequence, once started (None: the model's)
 
     async def start(self, events: KvEventLog) -> None:
         """Connects or loads the model. A backend with KV events records them into ``events``
@@ -156,6 +157,7 @@ class HostedEngine:
         self._stopping = False
         self._live: dict[str, _Live] = {}  # loop
         self._counters = _Counters()  # loop
+        self._load_warned = False  # loop
         self._loop = asyncio.new_event_loop()
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
@@ -228,10 +230,15 @@ class HostedEngine:
         try:
             await self.backend.start(self.events)
         except Exception as exc:
-            log.exception("the %s backend failed to start", self.backend.name)
+            log.debug("the %s backend failed to start", self.backend.name, exc_info=True)
             errors.append(exc)
+            with contextlib.suppress(Exception):  # release whatever it did start
+                await self.backend.close()
             ready.set()
             return
+        if self.backend.context_limit:  # longer requests must be refused by the service, not fail here
+            self.context_length = min(self.context_length, self.backend.context_limit)
+        await self._poll_load()  # GetModelInfo's pool size is known from the first moment
         ready.set()
         try:
             while not self._stop.is_set():
@@ -250,9 +257,13 @@ class HostedEngine:
     async def _poll_load(self) -> None:
         try:
             usage = await self.backend.kv_usage()
-        except Exception as exc:
-            self._fail(f"{self.backend.name} backend failed: {exc}")
-            return
+        except Exception as exc:  # load reports go stale; serving goes on
+            if not self._load_warned:
+                log.warning(
+                    "the %s backend's KV usage cannot be read (%s); reporting none", self.backend.name, exc
+                )
+                self._load_warned = True
+            usage = None
         if usage is not None:
             self._counters.kv = usage
         self._publish_stats()

@@ -120,6 +120,7 @@ class TritonBackend:
     """``GenerationBackend`` over a Triton server's decoupled ``tensorrt_llm`` model."""
 
     name = "triton"
+    context_limit = None  # the server's engine limit is not exposed over gRPC: the model's is used
 
     def __init__(
         self,

@@ -66,6 +66,7 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Collection[int], max_new_to
     """Keyword arguments of ``tensorrt_llm.SamplingParams`` for one request.
 
     Greedy (temperature 0) is ``top_k=1``: TensorRT-LLM's samplers do not take a temperature of 0.
+    ``end_id``/``pad_id`` are always given: with ``skip_tokenizer_init`` nothing else supplies them.
     EOS and stop token ids are passed so TensorRT-LLM stops by itself; our stop rule sees the same
     tokens and ends the request first anyway. Stop strings stay ours (they need our detokenizer).
     """
@@ -77,7 +78,8 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Collection[int], max_new_to
         "top_k": 1 if greedy else (params.top_k or None),
         "top_p": None if greedy or params.top_p >= 1.0 else params.top_p,
         "seed": params.seed,
-        "end_id": None if params.ignore_eos else min(eos_ids),
+        "end_id": min(eos_ids),  # required without a tokenizer; ignore_eos makes it inert
+        "pad_id": min(eos_ids),
         "stop_token_ids": sorted(stop_ids) or None,
         "ignore_eos": params.ignore_eos,
         "detokenize": False,
@@ -231,6 +233,7 @@ class TrtllmBackend:
         self.eos_ids = tuple(eos_ids)
         self.gpu_memory_fraction = gpu_memory_fraction
         self.translator = KvEventTranslator(block_size, block_hash_seed)
+        self.context_limit: int | None = None
         self._llm = None
         self._events_task: asyncio.Task | None = None
 
@@ -258,6 +261,7 @@ class TrtllmBackend:
             kv_cache_config=kv_cache_config,
             enable_iter_perf_stats=True,
         )
+        self.context_limit = getattr(self._llm.args, "max_seq_len", None)
         self._events_task = asyncio.create_task(self._pump_events(events))
 
     async def _pump_events(self, events: KvEventLog) -> None:

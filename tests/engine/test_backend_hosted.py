@@ -54,6 +54,7 @@ class ScriptedBackend:
 
     name = "scripted"
     tensor_parallel_size = 2
+    context_limit = 4096
 
     def __init__(self, per_delta: int = 2, stop_after: int | None = None, cached: int | None = None) -> None:
         self.per_delta = per_delta
@@ -115,6 +116,7 @@ async def test_hosted_engine_streams_backend_tokens_and_reports_itself():
     async with served(hosted(backend)) as (stub, _, _):
         info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=TIMEOUT_S)
         assert (info.backend, info.tensor_parallel_size, info.kv_blocks_total) == ("scripted", 2, 100)
+        assert info.context_length == 4096  # the backend's limit, below the model's 8192
         outcome = await Stream.start(stub, start_frame("r1", prompt(20), max_tokens=7)).rest()
     words = word_tokens()
     assert outcome.token_ids == [words[i] for i in range(7)]
@@ -185,6 +187,18 @@ async def test_a_backend_failure_fails_the_engine_and_its_requests():
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await Stream.start(stub, start_frame("r2", prompt(20), max_tokens=5)).rest()
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_unreadable_kv_usage_does_not_stop_serving():
+    class NoStats(ScriptedBackend):
+        async def kv_usage(self) -> KvUsage | None:
+            raise RuntimeError("iteration stats are off")
+
+    async with served(hosted(NoStats())) as (stub, service, _):
+        outcome = await Stream.start(stub, start_frame("r1", prompt(20), max_tokens=3)).rest()
+        load = (await stub.GetLoad(engine_pb2.GetLoadRequest(), timeout=TIMEOUT_S)).load
+    assert outcome.finished.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    assert load.serving and load.kv_blocks_total == 0 and not service.failed.is_set()
 
 
 async def test_kv_events_of_a_hosted_engine_carry_our_chained_block_hashes():

@@ -135,6 +135,7 @@ def test_greedy_requests_ask_for_top_k_one_without_detokenizing():
         "top_p": None,
         "seed": 7,
         "end_id": 0,
+        "pad_id": 0,
         "stop_token_ids": [0, 2, 5],
         "ignore_eos": False,
         "detokenize": False,
@@ -146,7 +147,7 @@ def test_sampled_requests_pass_temperature_top_p_top_k_and_may_ignore_eos():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1, ignore_eos=True)
     kwargs = sampling_kwargs(params, EOS, 8)
     assert (kwargs["temperature"], kwargs["top_p"], kwargs["top_k"]) == (0.7, 0.9, 40)
-    assert (kwargs["end_id"], kwargs["stop_token_ids"], kwargs["ignore_eos"]) == (None, None, True)
+    assert (kwargs["stop_token_ids"], kwargs["ignore_eos"]) == (None, True)
 
 
 def request_output(
