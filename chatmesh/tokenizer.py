@@ -113,7 +113,9 @@ class ChatTokenizer:
         tokens = [by_id[i] for i in range(len(by_id))]
         control_ids = [added["id"] for added in spec.get("added_tokens", []) if added.get("special")]
         merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-        ours = json.loads(_build_bpe(tokens, merges, control_ids).to_str())["pre_tokenizer"]
+        probe = tokenizers.Tokenizer(models.BPE())
+        probe.pre_tokenizer = _pre_tokenizer()
+        ours = json.loads(probe.to_str())["pre_tokenizer"]
         if _without_offsets(spec.get("pre_tokenizer")) != _without_offsets(ours):
             raise ValueError(
                 f"{path}/tokenizer.json: pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))} differs from "
@@ -229,13 +231,7 @@ def _build_bpe(
         merges=[tuple(merge.split(" ", 1)) for merge in merges],
     )
     tok = tokenizers.Tokenizer(bpe)
-    # SmolLM's pre-tokenizer (llama.cpp "smollm"): digits one by one, then GPT-2 byte-level splitting.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control_ids])
     return tok
@@ -258,6 +254,16 @@ def hf_model_name(path: str | Path, config: Mapping[str, object]) -> str:
     """The served name of a Hugging Face directory: the last part of ``config.json``'s
     ``_name_or_path`` when set, else the directory's name. Engines and the tokenizer must agree on it."""
     return Path(str(config.get("_name_or_path") or Path(path).resolve().name)).name
+
+
+def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """SmolLM's pre-tokenizer (llama.cpp "smollm"): digits one by one, then GPT-2 byte-level splitting."""
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
 
 
 def model_name(basename: object, size_label: object, path: str | Path) -> str:

@@ -137,6 +137,16 @@ def test_directory_tokenizer_is_the_ggufs(hf_dir, chat_tokenizer):
     assert load_tokenizer(str(hf_dir)).fingerprint == chat_tokenizer.fingerprint
 
 
+def test_a_tokenizer_with_another_pre_tokenizer_is_refused(hf_dir, tmp_path):
+    for name in ("tokenizer_config.json", "config.json"):
+        (tmp_path / name).write_text((hf_dir / name).read_text())
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Whitespace"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="pre-tokenizer"):
+        ChatTokenizer.from_hf_dir(tmp_path)
+
+
 def test_hugging_face_tokenizers_read_the_written_tokenizer_json(hf_dir, chat_tokenizer):
     text = "Zürich has 400000 people; naïve café ☕"
     hf = tokenizers.Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
