@@ -260,16 +260,18 @@ class _PagedAttention:
     def __call__(self, q, k_cache, v_cache):
         torch = self.torch
         num_chunks = self.block_tables.shape[0]
-        group = self.heads // self.kv_heads
         q_pad = q.new_zeros((num_chunks, self.max_q, self.heads, self.head_dim))
         q_pad[self.token_seq, self.token_row] = q
         keys = k_cache[self.block_tables].reshape(num_chunks, self.span, self.kv_heads, self.head_dim)
         values = v_cache[self.block_tables].reshape(num_chunks, self.span, self.kv_heads, self.head_dim)
-        # Query head j reads KV head j // group (GQA), as the reference's np.repeat does.
-        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)
-        values = values.repeat_interleave(group, dim=2).transpose(1, 2)
+        # enable_gqa: query head j reads KV head j // (heads / kv_heads), as the reference's np.repeat
+        # does, without materialising the repeated K/V.
         out = torch.nn.functional.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys, values, attn_mask=self.mask
+            q_pad.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=self.mask,
+            enable_gqa=True,
         )
         return out.transpose(1, 2)[self.token_seq, self.token_row].reshape(len(q), -1)
 
