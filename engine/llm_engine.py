@@ -33,6 +33,7 @@ from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput, Usa
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import EngineRequest, Sequence
+from engine.stopping import check_token
 
 log = logging.getLogger(__name__)
 
@@ -302,14 +303,7 @@ class LLMEngine:
     def _check_token(self, live: _Live, token: int, num_output: int) -> tuple[FinishReason | None, str, str]:
         """Detokenizes output token number ``num_output``: (finish reason or None, matched stop, text)."""
         params = live.seq.request.sampling
-        if token in params.stop_token_ids or (token in self._eos and not params.ignore_eos):
-            return FinishReason.STOP, self.tokenizer.decode([token], skip_control=False), ""
-        text = live.detokenizer.push(token)
-        if live.detokenizer.matched_stop is not None:
-            return FinishReason.STOP, live.detokenizer.matched_stop, text
-        if num_output >= params.max_tokens:
-            return FinishReason.LENGTH, "", text
-        return None, "", text
+        return check_token(params, self._eos, self.tokenizer, live.detokenizer, token, num_output)
 
     def _finish(self, live: _Live, reason: FinishReason, matched_stop: str = "") -> Finish:
         """Ends a request: its blocks go back to the pool now."""

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from engine.model.cpu_runner import CpuModelRunner
-from engine.model.gguf_loader import load_gguf
 from engine.model.kernels import select_kernels
 from engine.model.kernels.native import NativeUnavailable, load_library
+from engine.model.loading import load_checkpoint
 from engine.model.runner import SequenceChunk
 from engine.model.tp.collective import (
     PEER_CHECK_INTERVAL_MS,
@@ -54,7 +54,7 @@ class TensorParallelRunner:
     backend = "cpu"
 
     def __init__(self, path: Path, world_size: int, threads_per_rank: int = 1) -> None:
-        """Loads ``path`` over ``world_size`` ranks, each running ``threads_per_rank`` kernel threads.
+        """Loads ``path`` (a GGUF file or a Hugging Face directory) over ``world_size`` ranks, each running ``threads_per_rank`` kernel threads.
 
         Needs the native kernels (the barrier is part of their library)."""
         try:
@@ -63,7 +63,7 @@ class TensorParallelRunner:
             raise NativeUnavailable(f"tensor parallelism needs the native kernels: {exc}") from exc
         started = time.monotonic()
         self.tensor_parallel_size = world_size
-        checkpoint = load_gguf(path)
+        checkpoint = load_checkpoint(path)
         self.config = checkpoint.config
         self.spec = self.config.spec()
         self.plan: TpPlan = plan_tensor_parallel(self.config, world_size)
@@ -261,7 +261,7 @@ def _worker_main(
             raise SystemExit(f"rank {rank}: rank 0 (pid {parent_pid}) is gone")
 
     try:
-        checkpoint = load_gguf(path)
+        checkpoint = load_checkpoint(Path(path))
         config = checkpoint.config
         collective = ShmCollective(
             load_library(), world_size, rank, config.hidden_size, config.vocab_size, check_parent
