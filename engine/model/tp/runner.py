@@ -69,6 +69,7 @@ class TensorParallelRunner:
         self.plan: TpPlan = plan_tensor_parallel(self.config, world_size)
         self.failure = ""  # why the group cannot compute any more, once it cannot
         self.on_failure: Callable[[str], None] | None = None  # called (from a watcher thread) on failure
+        self._failure_lock = threading.Lock()  # the step thread and the watcher may both see a death
         self._workers: list[_Worker] = []
         self._collective = ShmCollective(
             library,
@@ -142,7 +143,8 @@ class TensorParallelRunner:
             # worker is the likeliest cause of any error here (a broken pipe, say): name it if so.
             with contextlib.suppress(RankFailure):
                 self._check_workers()
-            self._set_failure(f"tensor-parallel rank 0 failed: {exc}")  # unless already set
+            message = f"tensor-parallel rank 0 failed: {exc}"
+            self._set_failure(lambda: message)  # unless a dead rank was found first
             raise RankFailure(self.failure) from exc
         assert logits is not None
         return logits
@@ -187,7 +189,7 @@ class TensorParallelRunner:
     def _check_workers(self) -> None:
         for worker in self._workers:
             if not worker.process.is_alive():
-                self._set_failure(worker.death_notice())
+                self._set_failure(worker.death_notice)
                 raise RankFailure(self.failure)
 
     def _watch(self) -> None:
@@ -196,15 +198,17 @@ class TensorParallelRunner:
         ready = wait([*sentinels, self._stop_watch_r])
         dead = [sentinels[s] for s in ready if s in sentinels]
         if dead:
-            self._set_failure(dead[0].death_notice())
+            self._set_failure(dead[0].death_notice)
 
-    def _set_failure(self, message: str) -> None:
-        if self.failure:
-            return
-        self.failure = message
-        log.error("tensor parallelism failed: %s", message)
+    def _set_failure(self, reason: Callable[[], str]) -> None:
+        """Records and reports the first failure only; ``reason`` is asked once (it may read a pipe)."""
+        with self._failure_lock:
+            if self.failure:
+                return
+            self.failure = reason()
+        log.error("tensor parallelism failed: %s", self.failure)
         if self.on_failure is not None:
-            self.on_failure(message)
+            self.on_failure(self.failure)
 
 
 class _Worker:
