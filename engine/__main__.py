@@ -40,7 +40,12 @@ def parse_args(argv: list[str] | None = None):
         d.backend,
         "cpu (the real model) | null (no compute: mesh load tests) | cuda | trtllm | triton (GPU: docs/gpu.md)",
     )
-    args.add("threads", d.num_threads, "compute threads of the cpu backend (0: its default)")
+    args.add("threads", d.num_threads, "compute threads of the cpu backend, per rank (0: its default)")
+    args.add(
+        "tensor-parallel-size",
+        d.tensor_parallel_size,
+        "cpu backend: shard the model over this many ranks (processes; at most the model's KV heads)",
+    )
     args.add("num-kv-blocks", d.num_kv_blocks, "KV blocks in the pool (0: as many as --kv-memory-gib holds)")
     args.add("kv-memory-gib", d.kv_memory_gib, "memory for KV blocks when --num-kv-blocks is 0")
     args.add("block-size", d.block_size, "tokens per KV block (the unit of prefix caching and block hashes)")
@@ -71,7 +76,12 @@ def build_engine(config: EngineConfig) -> LLMEngine | HostedEngine:
         return load_hosted_engine(config, model_path, tokenizer, EngineMetrics())
     log.info("loading the %s model runner", config.backend)
     runner = create_runner(
-        config.backend, model_path, tokenizer, config.num_threads or None, config.null_tokens_per_s
+        config.backend,
+        model_path,
+        tokenizer,
+        config.num_threads or None,
+        config.null_tokens_per_s,
+        config.tensor_parallel_size,
     )
     engine = LLMEngine(config, runner, tokenizer, metrics=EngineMetrics())
     log.info(

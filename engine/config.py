@@ -17,7 +17,8 @@ class EngineConfig:
     engine_id: str = "engine-0"
     backend: str = "cpu"
     model_path: Path | None = None  # None: the bundled SmolLM2 GGUF
-    num_threads: int = 0  # compute threads of the cpu runner; 0: its own default
+    num_threads: int = 0  # compute threads of the cpu runner (per rank); 0: its own default
+    tensor_parallel_size: int = 1  # cpu backend: ranks (processes) the model is sharded over
     null_tokens_per_s: float = 50.0  # null backend: decode steps (tokens per stream) per second; 0: unpaced
     gpu_memory_fraction: float = 0.9  # trtllm: share of free GPU memory its KV cache takes
     triton_url: str = "127.0.0.1:8001"  # triton: the server's gRPC endpoint
@@ -42,6 +43,10 @@ class EngineConfig:
         problems = []
         if self.backend not in BACKENDS:
             problems.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.tensor_parallel_size < 1 or (self.tensor_parallel_size > 1 and self.backend != "cpu"):
+            problems.append(
+                f"tensor parallel size must be 1, or > 1 on the cpu backend, got {self.tensor_parallel_size}"
+            )
         if self.block_size <= 0:
             problems.append("block size must be positive")
         if self.num_kv_blocks < 0 or self.kv_memory_gib <= 0:
@@ -68,6 +73,7 @@ class EngineConfig:
             backend=args.backend,
             model_path=Path(args.model) if args.model else None,
             num_threads=args.threads,
+            tensor_parallel_size=args.tensor_parallel_size,
             null_tokens_per_s=args.null_tokens_per_s,
             gpu_memory_fraction=args.gpu_memory_fraction,
             triton_url=args.triton_url,

@@ -45,6 +45,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self.failed = asyncio.Event()  # set when the engine reports a failure; health should go NOT_SERVING
         self._router = OutputRouter(self._loop, on_error=lambda message: self.failed.set())
         engine.on_outputs = self._router.submit
+        engine.on_failure = lambda message: self._loop.call_soon_threadsafe(self.failed.set)
         self._draining = False
         self._watchers: set[asyncio.Event] = set()  # wake-ups of the open KvEvents / WatchLoad streams
         self._model = ServedModel(

@@ -7,6 +7,7 @@ one class implementing ``engine.model.runner.ModelRunner``; scheduler and KV cac
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from chatmesh.tokenizer import ChatTokenizer
@@ -42,8 +43,16 @@ def create_runner(
     tokenizer: ChatTokenizer,
     num_threads: int | None = None,
     null_tokens_per_s: float = 0.0,
+    tensor_parallel_size: int = 1,
 ) -> ModelRunner:
-    """The runner for ``backend`` serving ``model_path`` (whose tokenizer is ``tokenizer``)."""
+    """The runner for ``backend`` serving ``model_path`` (whose tokenizer is ``tokenizer``).
+    ``num_threads``: compute threads per rank (default: this process's CPUs shared among the ranks)."""
+    if backend == "cpu" and tensor_parallel_size > 1:
+        from engine.model.tp.runner import TensorParallelRunner
+
+        threads = num_threads or max(1, len(os.sched_getaffinity(0)) // tensor_parallel_size)
+        log.info("loading %s over %d tensor-parallel ranks", model_path, tensor_parallel_size)
+        return TensorParallelRunner(model_path, tensor_parallel_size, threads)
     if backend == "cpu":
         try:
             from engine.model.cpu_runner import CpuModelRunner
