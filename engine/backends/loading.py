@@ -27,8 +27,7 @@ def load_hosted_engine(
             "safetensors, tokenizer.json); convert a GGUF with `python -m engine.model.convert_gguf_to_hf`"
         )
     spec = hf_llama_config(model_path).spec()
-    # EngineConfig.tensor_parallel_size arrives with the CPU tensor-parallel work (--tensor-parallel-size).
-    tp = getattr(config, "tensor_parallel_size", 1)
+    tp = config.tensor_parallel_size
     backend: GenerationBackend
     if config.backend == "trtllm":
         backend = TrtllmBackend(

@@ -14,12 +14,12 @@ so each weight is read once per step: RMSNorm → fused QKV GEMM → interleaved
 KV cache: per layer K and V of ``[num_blocks, block_size, kv_heads_per_rank, head_dim]`` in the model
 dtype (bfloat16 by default), indexed by the engine core's block ids.
 
-Tensor parallelism (``torchrun --nproc-per-node N python -m engine --backend cuda``), Megatron's plan:
-QKV and gate|up are column-parallel (each rank holds ``heads/N`` query heads, ``kv_heads/N`` KV heads
-and ``intermediate/N`` FFN rows), the output and down projections row-parallel followed by an NCCL
-all-reduce; embeddings, norms and the LM head are replicated. Rank 0 runs the engine; it broadcasts
-each command (allocate, execute, close) to the other ranks, which only compute. The CPU tensor-parallel
-runner shards the same way (engine/model/tp/); once both are in, they should share its plan module.
+Tensor parallelism (``torchrun --nproc-per-node N python -m engine --backend cuda``) follows the CPU
+engine's plan (``engine/model/tp/plan.py``): QKV and gate|up are column-parallel (each rank holds whole
+GQA groups — its KV heads and their query heads — and a balanced share of FFN rows), the output and down
+projections row-parallel followed by an NCCL all-reduce; embeddings, norms and the LM head are
+replicated. Rank 0 runs the engine; it broadcasts each command (allocate, execute, close) to the other
+ranks, which only compute.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 from engine.model.checkpoint import LlamaCheckpoint, rope_tables
 from engine.model.runner import SequenceChunk
 from engine.model.step_batch import build_step_batch
+from engine.model.tp.plan import Span, plan_tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +48,9 @@ def import_torch():
     return torch
 
 
-def shard_rows(matrix: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """Column-parallel share: this rank's contiguous slice of output rows."""
-    rows = matrix.shape[0] // world
-    return matrix[rank * rows : (rank + 1) * rows]
-
-
-def shard_columns(matrix: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """Row-parallel share: this rank's contiguous slice of input columns."""
-    cols = matrix.shape[1] // world
-    return matrix[:, rank * cols : (rank + 1) * cols]
+def head_rows(heads: Span, head_dim: int) -> slice:
+    """The rows of a Q/K/V projection (or columns of the attention output) that ``heads`` own."""
+    return slice(heads.start * head_dim, heads.stop * head_dim)
 
 
 class CudaModelRunner:
@@ -72,38 +66,40 @@ class CudaModelRunner:
     ) -> None:
         torch = self._torch = import_torch()
         cfg = self.config = checkpoint.config
-        if cfg.num_heads % world or cfg.num_kv_heads % world or cfg.intermediate_size % world:
-            raise ValueError(
-                f"tensor parallel size {world} must divide the {cfg.num_heads} query heads, "
-                f"{cfg.num_kv_heads} KV heads and {cfg.intermediate_size} FFN rows"
-            )
+        # The CPU engine's plan (whole GQA groups per rank, balanced FFN columns); the weights here are
+        # dequantized, so any column is a valid cut.
+        shard = plan_tensor_parallel(cfg, world, quant_block=1).shards[rank]
+        q_rows, kv_rows = head_rows(shard.q_heads, cfg.head_dim), head_rows(shard.kv_heads, cfg.head_dim)
+        ffn = shard.ffn_columns.as_slice()
         self.spec = cfg.spec()
         self.tensor_parallel_size = world
         self.rank, self.world = rank, world
         self.device = torch.device(device)
         self.dtype = getattr(torch, dtype)
-        self.heads, self.kv_heads = cfg.num_heads // world, cfg.num_kv_heads // world
+        self.heads, self.kv_heads = shard.q_heads.size, shard.kv_heads.size
 
         def put(array: np.ndarray):
             return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(self.device, self.dtype)
 
         def qkv(layer) -> np.ndarray:
             return np.concatenate(
-                [shard_rows(m.dequantize(), rank, world) for m in (layer.wq, layer.wk, layer.wv)]
+                [
+                    layer.wq.dequantize()[q_rows],
+                    layer.wk.dequantize()[kv_rows],
+                    layer.wv.dequantize()[kv_rows],
+                ]
             )
 
         self._layers = [
             {
                 "attn_norm": put(layer.attn_norm),
                 "qkv": put(qkv(layer)),
-                "wo": put(shard_columns(layer.wo.dequantize(), rank, world)),
+                "wo": put(layer.wo.dequantize()[:, q_rows]),
                 "ffn_norm": put(layer.ffn_norm),
                 "gate_up": put(
-                    np.concatenate(
-                        [shard_rows(m.dequantize(), rank, world) for m in (layer.w_gate, layer.w_up)]
-                    )
+                    np.concatenate([layer.w_gate.dequantize()[ffn], layer.w_up.dequantize()[ffn]])
                 ),
-                "down": put(shard_columns(layer.w_down.dequantize(), rank, world)),
+                "down": put(layer.w_down.dequantize()[:, ffn]),
             }
             for layer in checkpoint.layers
         ]

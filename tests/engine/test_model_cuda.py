@@ -14,8 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from engine.model.cuda_runner import shard_columns, shard_rows
+from engine.model.cuda_runner import head_rows
 from engine.model.paged_driver import PagedDriver
+from engine.model.tp.plan import plan_tensor_parallel
 from tests.engine.test_model_parity import assert_greedy_matches_reference
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -41,28 +42,31 @@ def test_engine_process_with_cuda_but_no_torch_exits_with_instructions():
     assert "needs PyTorch" in done.stderr and "docs/gpu.md" in done.stderr
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_tensor_parallel_shards_sum_to_the_unsharded_layer(model_checkpoint, world):
-    # Column-parallel gate|up and row-parallel down: each rank computes its share of the FFN from the
-    # full input; the all-reduce (a sum) of the shares is the unsharded FFN output.
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_tensor_parallel_shares_sum_to_the_unsharded_layer(model_checkpoint, world):
+    # The CUDA runner cuts the dequantized weights by the CPU engine's plan. Column-parallel gate|up and
+    # row-parallel down: each rank computes its share of the FFN from the full input; the all-reduce (a
+    # sum) of the shares is the unsharded FFN output. Same for attention's output projection per head.
+    cfg = model_checkpoint.config
     layer = model_checkpoint.layers[3]
-    x = np.random.default_rng(0).standard_normal((4, model_checkpoint.config.hidden_size)).astype(np.float32)
+    x = np.random.default_rng(0).standard_normal((4, cfg.hidden_size)).astype(np.float32)
     gate, up, down = layer.w_gate.dequantize(), layer.w_up.dequantize(), layer.w_down.dequantize()
+    wo = layer.wo.dequantize()
+    attn = np.random.default_rng(1).standard_normal((4, cfg.num_heads * cfg.head_dim)).astype(np.float32)
 
     def ffn(g, u, d):
         a = x @ g.T
         return (a / (1 + np.exp(-a)) * (x @ u.T)) @ d.T
 
-    shares = [
-        ffn(shard_rows(gate, r, world), shard_rows(up, r, world), shard_columns(down, r, world))
-        for r in range(world)
-    ]
-    np.testing.assert_allclose(sum(shares), ffn(gate, up, down), atol=2e-4, rtol=1e-4)
-    # Query heads stay whole: rank r holds heads [r * heads / world, (r + 1) * heads / world).
-    head_rows = model_checkpoint.config.head_dim * model_checkpoint.config.num_heads // world
-    np.testing.assert_array_equal(
-        shard_rows(layer.wq.dequantize(), world - 1, world), layer.wq.dequantize()[-head_rows:]
-    )
+    shards = plan_tensor_parallel(cfg, world, quant_block=1).shards
+    ffn_shares, out_shares = [], []
+    for shard in shards:
+        cols, q = shard.ffn_columns.as_slice(), head_rows(shard.q_heads, cfg.head_dim)
+        ffn_shares.append(ffn(gate[cols], up[cols], down[:, cols]))
+        out_shares.append(attn[:, q] @ wo[:, q].T)
+    np.testing.assert_allclose(sum(ffn_shares), ffn(gate, up, down), atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(sum(out_shares), attn @ wo.T, atol=2e-4, rtol=1e-4)
+    assert sum(s.q_heads.size for s in shards) == cfg.num_heads
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (it is an optional extra; docs/gpu.md)")
