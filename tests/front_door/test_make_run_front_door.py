@@ -16,7 +16,7 @@ import pytest
 from chatmesh.dev_jwt import DevKeys
 from chatmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from chatmesh.launcher import Launcher, PortInUseError, free_port
-from tests.front_door.conftest import FrontDoor
+from tests.front_door.conftest import ScriptedFrontDoor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def fresh_ports() -> FrontDoorPorts:
     )
 
 
-def test_printed_instructions_work(front_door: FrontDoor, dev_jwt_keys: DevKeys, tmp_path):
+def test_printed_instructions_work(front_door: ScriptedFrontDoor, dev_jwt_keys: DevKeys, tmp_path):
     ports = fresh_ports()
     with Launcher(tmp_path, echo=lambda _: None) as launcher:
         for spec in front_door_specs(ports, [front_door.scripted_port], tmp_path, dev_jwt_keys):
@@ -57,7 +57,7 @@ def test_printed_instructions_work(front_door: FrontDoor, dev_jwt_keys: DevKeys,
     assert "FINISH_REASON_STOP" in result.stdout  # the gRPC example client
 
 
-def test_taken_port_is_a_clear_error(front_door: FrontDoor, dev_jwt_keys: DevKeys, tmp_path):
+def test_taken_port_is_a_clear_error(front_door: ScriptedFrontDoor, dev_jwt_keys: DevKeys, tmp_path):
     ports = fresh_ports()
     with socket.socket() as squatter, Launcher(tmp_path, echo=lambda _: None) as launcher:
         squatter.bind(("127.0.0.1", ports.envoy))
