@@ -185,6 +185,17 @@ def service(module: str, name: str, port: int, *flags: str) -> ServiceSpec:
     return ServiceSpec(name=name, argv=argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT)
 
 
+def null_engine(i: int, port: int, tokens_per_s: float) -> ServiceSpec:
+    """Null engine ``engine-<i>`` paced at ``tokens_per_s`` per stream, with room for 2,560 streams."""
+    return service(
+        "engine",
+        f"engine-{i}",
+        port,
+        *("--engine-id", f"engine-{i}", "--backend", "null", "--null-tokens-per-s", str(tokens_per_s)),
+        *("--max-running-requests", "512", "--max-batched-tokens", "4096", "--max-waiting-requests", "2048"),
+    )
+
+
 def start_mesh(launcher: Launcher, args: argparse.Namespace, run_dir: Path) -> tuple[list[str], str, str]:
     cql_port = free_port()
     CassandraNode(
@@ -196,29 +207,7 @@ def start_mesh(launcher: Launcher, args: argparse.Namespace, run_dir: Path) -> t
     engines = []
     for i in range(args.engines):
         port = free_port()
-        launcher.start(
-            service(
-                "engine",
-                f"engine-{i}",
-                port,
-                *(
-                    "--engine-id",
-                    f"engine-{i}",
-                    "--backend",
-                    "null",
-                    "--null-tokens-per-s",
-                    str(args.tokens_per_s),
-                ),
-                *(
-                    "--max-running-requests",
-                    "512",
-                    "--max-batched-tokens",
-                    "4096",
-                    "--max-waiting-requests",
-                    "2048",
-                ),
-            )
-        )
+        launcher.start(null_engine(i, port, args.tokens_per_s))
         engines.append(f"127.0.0.1:{port}")
     router_port, orchestrator_port = free_port(), free_port()
     engine_flags = [flag for i, a in enumerate(engines) for flag in ("--engine", f"engine-{i}={a}")]

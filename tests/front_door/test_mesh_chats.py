@@ -20,7 +20,6 @@ from tests.fixtures.orchestrator import MESH_TOKENS_PER_S
 from tests.front_door.helpers import answer, assert_json_error, send, wait_for
 from tests.front_door.sse_client import Event, iter_events
 
-
 # A well-formed id (a time UUID, as the orchestrator makes them) that names no chat and no message.
 UNKNOWN_ID = str(uuid.uuid1())
 
