@@ -94,7 +94,7 @@ def welcome(ports: FrontDoorPorts, token: str, user: str, tier: str) -> str:
             f"    CHAT=$(curl -s -X POST {base}/v1/chats {auth} -d '{{}}' | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"chat_id\"])')",
             f"    curl -N {base}/v1/chats/$CHAT/messages {auth} -d {shlex.quote(message)}",
             "  gRPC through Envoy:",
-            f"    .venv/bin/python examples/grpc_client.py --target 127.0.0.1:{ports.envoy} --token \"$TOKEN\" "
+            f'    .venv/bin/python examples/grpc_client.py --target 127.0.0.1:{ports.envoy} --token "$TOKEN" '
             f"--temperature 0 {shlex.quote(question)}",
             f"  Envoy admin (stats, health): http://127.0.0.1:{ports.envoy_admin}/",
         ]
