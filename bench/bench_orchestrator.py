@@ -185,14 +185,16 @@ def service(module: str, name: str, port: int, *flags: str) -> ServiceSpec:
     return ServiceSpec(name=name, argv=argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT)
 
 
-def null_engine(i: int, port: int, tokens_per_s: float) -> ServiceSpec:
-    """Null engine ``engine-<i>`` paced at ``tokens_per_s`` per stream, with room for 2,560 streams."""
+def null_engine(i: int, port: int, tokens_per_s: float, max_running: int = 512) -> ServiceSpec:
+    """Null engine ``engine-<i>`` paced at ``tokens_per_s`` per stream, decoding ``max_running`` streams
+    at once with 2,048 more waiting."""
     return service(
         "engine",
         f"engine-{i}",
         port,
         *("--engine-id", f"engine-{i}", "--backend", "null", "--null-tokens-per-s", str(tokens_per_s)),
-        *("--max-running-requests", "512", "--max-batched-tokens", "4096", "--max-waiting-requests", "2048"),
+        *("--max-running-requests", str(max_running), "--max-batched-tokens", str(max(4096, max_running))),
+        *("--max-waiting-requests", "2048"),
     )
 
 
