@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from chatmesh.dev_jwt import DevKeys
@@ -58,3 +59,11 @@ def front_door(
 def user(request: pytest.FixtureRequest) -> str:
     """A user of one's own per test, so per-user rate limits and chat lists never mix between tests."""
     return f"u{os.getpid()}-{next(_users)}-{request.node.name[:40]}"
+
+
+@pytest.fixture
+def chat_id(client: httpx.Client) -> str:
+    """A new chat of the test's ``client`` (each module says which front door its client goes through)."""
+    reply = client.post("/v1/chats", json={"title": "test chat"})
+    assert reply.status_code == 201, reply.text
+    return reply.json()["chat_id"]

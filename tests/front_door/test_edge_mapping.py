@@ -19,13 +19,6 @@ def client(front_door: ScriptedFrontDoor, user: str):
         yield client
 
 
-@pytest.fixture
-def chat_id(client: httpx.Client) -> str:
-    reply = client.post("/v1/chats", json={"title": "test chat"})
-    assert reply.status_code == 201
-    return reply.json()["chat_id"]
-
-
 # -- chats CRUD -------------------------------------------------------------------------------------
 
 

@@ -30,13 +30,6 @@ def client(mesh_front_door: MeshFrontDoor, user: str):
         yield client
 
 
-@pytest.fixture
-def chat_id(client: httpx.Client) -> str:
-    reply = client.post("/v1/chats", json={"title": "mesh chat"})
-    assert reply.status_code == 201, reply.text
-    return reply.json()["chat_id"]
-
-
 def messages(client: httpx.Client, chat_id: str) -> list[dict]:
     """The chat's stored messages, newest first (ListMessages through Envoy, edge and orchestrator)."""
     reply = client.get(f"/v1/chats/{chat_id}/messages")
