@@ -296,7 +296,7 @@ async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys) -> list[H
     try:
         # The restarted engines are back in the router once a few short streams get through.
         for _ in range(60):
-            if (await hold_level(door, 4, 2)).held:
+            if not (await hold_level(door, 4, 2)).errors:
                 break
             await asyncio.sleep(0.5)
         for streams in levels:
