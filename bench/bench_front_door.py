@@ -237,6 +237,7 @@ async def latency(
 @dataclass
 class Held:
     streams: int
+    failed: int
     errors: list[str]
     peak_open: int
     open_s: float
@@ -261,7 +262,8 @@ async def hold_level(door: Door, streams: int, tokens: int) -> Held:
         spans.append((first, time.perf_counter()))
 
     outcomes = await asyncio.gather(*(one(i) for i in range(streams)), return_exceptions=True)
-    errors = sorted({f"{type(e).__name__}: {e}"[:200] for e in outcomes if isinstance(e, BaseException)})
+    failures = [e for e in outcomes if isinstance(e, BaseException)]
+    errors = sorted({f"{type(e).__name__}: {e}"[:200] for e in failures})
     # The most streams open at one moment: +1 at each first chunk, -1 at each end.
     edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
     open_now = peak = 0
@@ -271,6 +273,7 @@ async def hold_level(door: Door, streams: int, tokens: int) -> Held:
     firsts = [start - began for start, _ in spans] or [0.0]
     return Held(
         streams,
+        len(failures),
         errors,
         peak,
         max(firsts),
@@ -307,7 +310,7 @@ async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys) -> list[H
             print(
                 f"{streams:>7} {'yes' if result.held else 'NO':>5} {result.peak_open:>9} "
                 f"{result.open_s:>14.1f}s {result.first_p50:>9.1f}s / {result.first_p99:.1f}s  "
-                f"{len(result.errors)} kinds {result.errors[:3]}",
+                f"{result.failed} failed {result.errors[:3]}",
                 flush=True,
             )
             if not result.held:
