@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", default="", help="an existing chat id (default: a new chat)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline for the whole answer")
     parser.add_argument(
-        "--temperature", type=float, default=None, help="sampling temperature (default: the server's; 0: greedy)"
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default: the server's; 0: greedy)",
     )
     args = parser.parse_args(argv)
     if not args.token:
