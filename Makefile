@@ -56,10 +56,11 @@ protos-baseline: setup
 
 # A signed dev JWT that the local Envoy accepts (keys are made on first use in .cache/dev-jwt/).
 # Only the token goes to stdout, so TOKEN=$$(make -s token) works even when setup has work to do.
+# USER defaults to the login name; where none is set (containers, CI), to alice.
 TIER ?= pro
 token:
 	@$(MAKE) --no-print-directory setup >&2
-	@$(PY) -m chatmesh.dev_jwt --user "$(USER)" --tier "$(TIER)"
+	@$(PY) -m chatmesh.dev_jwt --user "$(or $(USER),alice)" --tier "$(TIER)"
 
 # Benchmarks take the machine-wide lock so two never run at once on a shared box.
 bench: setup $(VENV)/.bench-provisioned

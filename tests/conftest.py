@@ -13,6 +13,7 @@ pytest_plugins: list[str] = [
     "tests.fixtures.router",
     "tests.fixtures.orchestrator",
     "tests.fixtures.envoy",
+    "tests.fixtures.front_door",
     "tests.fixtures.browser",
 ]
 
