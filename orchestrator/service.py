@@ -28,6 +28,9 @@ from orchestrator.runs import Runs
 
 # Unary calls without a client deadline get this one (every call ends, one way or another).
 DEFAULT_UNARY_DEADLINE_S = 30.0
+# A stream ends itself with DEADLINE_EXCEEDED this long before its deadline: left to the transport, the
+# deadline resets the HTTP/2 stream, which a proxy in between (Envoy) turns into INTERNAL for the client.
+DEADLINE_MARGIN_S = 0.1
 
 
 async def _identity(context: grpc.aio.ServicerContext) -> Identity:
@@ -66,9 +69,25 @@ def streaming(response: type):
         @functools.wraps(method)
         async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext):
             identity = await _identity(context)
+            events = method(self, identity, request)
+            remaining = context.time_remaining()
+            end = (
+                None
+                if remaining is None
+                else asyncio.get_running_loop().time() + remaining - DEADLINE_MARGIN_S
+            )
             try:
-                async for event in method(self, identity, request):
+                while True:
+                    async with asyncio.timeout_at(end):
+                        event = await anext(events)
                     yield response(event=event)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "the call's deadline passed; the run goes on: resume it with StreamRun(run_id, after_seq)",
+                )
             except Exception as exc:
                 await _abort(context, exc)
 
