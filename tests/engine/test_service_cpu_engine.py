@@ -10,23 +10,18 @@ import math
 import grpc
 import pytest
 
-from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-from chatmesh.tokenizer import ChatMessage
-from tests.engine.service_client import TIMEOUT_S, Stream, start_frame
-
-
-@pytest.fixture(scope="module")
-def prompt(chat_tokenizer):
-    return chat_tokenizer.encode_chat([ChatMessage("user", "What is the capital of France?")])
+from chatmesh.engine.v1 import engine_pb2
+from tests.engine.service_client import TIMEOUT_S, Stream, capital_question, engine_stub, start_frame
 
 
 @pytest.fixture
 async def stub(cpu_engine):
-    async with grpc.aio.insecure_channel(cpu_engine.address) as channel:
-        yield engine_pb2_grpc.EngineServiceStub(channel)
+    async with engine_stub(cpu_engine.address) as stub:
+        yield stub
 
 
-async def test_the_real_model_answers_paris(stub, prompt, chat_tokenizer):
+async def test_the_real_model_answers_paris(stub, chat_tokenizer):
+    prompt = capital_question(chat_tokenizer)
     outcome = await Stream.start(stub, start_frame("paris", prompt, max_tokens=16)).rest()
     assert "Paris" in outcome.text
     assert outcome.text == chat_tokenizer.decode(outcome.token_ids)
@@ -34,7 +29,8 @@ async def test_the_real_model_answers_paris(stub, prompt, chat_tokenizer):
     assert outcome.finished.usage.prompt_tokens == len(prompt)
 
 
-async def test_prompt_plus_max_tokens_may_fill_the_context_window_but_not_exceed_it(stub, prompt):
+async def test_prompt_plus_max_tokens_may_fill_the_context_window_but_not_exceed_it(stub, chat_tokenizer):
+    prompt = capital_question(chat_tokenizer)
     info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=TIMEOUT_S)
     room = info.context_length - len(prompt)
     with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -58,7 +54,8 @@ BAD_SAMPLING = {
 
 
 @pytest.mark.parametrize("case", BAD_SAMPLING, ids=list(BAD_SAMPLING))
-async def test_bad_sampling_values_are_invalid_arguments(stub, prompt, case):
+async def test_bad_sampling_values_are_invalid_arguments(stub, chat_tokenizer, case):
+    prompt = capital_question(chat_tokenizer)
     change, mentions = BAD_SAMPLING[case]
     start = start_frame("bad-sampling", prompt, max_tokens=4)
     for name, value in change.items():
