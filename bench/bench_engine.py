@@ -64,6 +64,12 @@ def text_tokens(n: int, salt: int = 0) -> list[int]:
     return [*words[start:], *words][:n]
 
 
+def distinct_tokens(n: int, salt: int) -> list[int]:
+    """n tokens whose first block no other salt shares (``text_tokens`` repeats one text, so two salts
+    can start at the same word): the salt is written out first."""
+    return (load_tokenizer().encode(f"Note {salt}:") + text_tokens(n, salt))[:n]
+
+
 # -- chatmesh (runner level) ---------------------------------------------------------------------------
 
 
@@ -330,7 +336,7 @@ def run_chatmesh_engine() -> dict[str, float]:
     for rep in range(3):
         for caching in (True, False) if rep % 2 else (False, True):
             engine, firsts, finished = make_engine(caching)
-            prompts = [text_tokens(DECODE_PROMPT, salt=100 * rep + s) for s in range(32)]  # no shared block
+            prompts = [distinct_tokens(DECODE_PROMPT, 100 * rep + s) for s in range(32)]
             reqs = [request(f"r{rep}-{s}", p, DECODE_NEW) for s, p in enumerate(prompts)]
             timed_runner = _ThreadTimedRunner(runner)
             engine.runner = timed_runner
@@ -350,6 +356,11 @@ def run_chatmesh_engine() -> dict[str, float]:
                 model_s.append(timed_runner.thread_cpu_s / steps)
     out["engine_b32_prefix_on"] = statistics.median(rates[True])
     out["engine_b32_prefix_off"] = statistics.median(rates[False])
+    costs = [
+        (on - off) / (off + model)
+        for on, off, model in zip(host_s[True], host_s[False], model_s, strict=True)
+    ]
+    out["engine_host_cost_min"], out["engine_host_cost_max"] = min(costs), max(costs)
     out["engine_host_cpu_on_s"] = statistics.median(host_s[True])
     out["engine_host_cpu_off_s"] = statistics.median(host_s[False])
     out["engine_model_cpu_s"] = statistics.median(model_s)
@@ -524,7 +535,10 @@ def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
             f"{e['engine_ttft_cached_s'] * 1e3:.0f} ms; b=32 with prefix caching on {e['engine_b32_prefix_on']:.1f} "
             f"vs off {e['engine_b32_prefix_off']:.1f} tok/s; host CPU per step on "
             f"{e['engine_host_cpu_on_s'] * 1e3:.2f} ms vs off {e['engine_host_cpu_off_s'] * 1e3:.2f} ms, model "
-            f"{e['engine_model_cpu_s'] * 1e3:.1f} ms (step-thread CPU); peak RSS {e['engine_peak_rss_mib']:.0f} MiB"
+            f"{e['engine_model_cpu_s'] * 1e3:.1f} ms (step-thread CPU); host-CPU cost per on/off pair from "
+            f"{min(r['engine_host_cost_min'] for r in runs['chatmesh-engine']):+.2%} to "
+            f"{max(r['engine_host_cost_max'] for r in runs['chatmesh-engine']):+.2%}; "
+            f"peak RSS {e['engine_peak_rss_mib']:.0f} MiB"
         )
     else:
         print(
