@@ -5,19 +5,19 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.provisioned
 
-.PHONY: setup run test lint protos check-protos protos-baseline bench clean help token
+.PHONY: setup run test lint helm-lint protos check-protos protos-baseline bench clean help token
 
 help:
 	@echo "make run      start the local mesh on 127.0.0.1 and print the URL"
 	@echo "make test     provision and run every test"
-	@echo "make lint     ruff + buf lint + buf breaking"
+	@echo "make lint     ruff + buf lint + buf breaking + helm-lint"
 	@echo "make protos   regenerate Python code from protos/"
 	@echo "make bench    run the benchmarks in bench/"
 	@echo "make token    print a dev JWT (make token USER=alice TIER=pro)"
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/provision.sh memory_store/cassandra/pom.xml
+$(STAMP): pyproject.toml scripts/provision.sh scripts/provision_helm.sh memory_store/cassandra/pom.xml
 	@scripts/provision.sh
 	@touch $@
 
@@ -33,6 +33,15 @@ lint: setup
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf breaking --against protos/baseline.binpb
 	$(PY) -m chatmesh.envoy
+	@$(MAKE) --no-print-directory helm-lint
+
+# The Helm chart: lint --strict, and render it with the test values (tests/helm checks what it renders).
+HELM := .cache/helm/helm
+HELM_REQUIRED := --set 'cassandra.contactPoints[0]=cassandra' --set envoy.jwt.existingSecret=jwks
+helm-lint: setup
+	$(HELM) lint --strict helm/chatmesh $(HELM_REQUIRED)
+	$(HELM) lint --strict helm/chatmesh -f tests/helm/values-full.yaml
+	$(HELM) lint --strict helm/chatmesh -f tests/helm/values-gpu.yaml
 
 protos: setup
 	@PY=$(PY) scripts/gen_protos.sh
@@ -47,10 +56,11 @@ protos-baseline: setup
 
 # A signed dev JWT that the local Envoy accepts (keys are made on first use in .cache/dev-jwt/).
 # Only the token goes to stdout, so TOKEN=$$(make -s token) works even when setup has work to do.
+# USER defaults to the login name; where none is set (containers, CI), to alice.
 TIER ?= pro
 token:
 	@$(MAKE) --no-print-directory setup >&2
-	@$(PY) -m chatmesh.dev_jwt --user "$(USER)" --tier "$(TIER)"
+	@$(PY) -m chatmesh.dev_jwt --user "$(or $(USER),alice)" --tier "$(TIER)"
 
 # Benchmarks take the machine-wide lock so two never run at once on a shared box.
 bench: setup $(VENV)/.bench-provisioned

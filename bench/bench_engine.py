@@ -110,21 +110,9 @@ def run_chatmesh() -> dict[str, float]:
     )
 
     def decode(batch: int, contiguous: bool = False) -> float:
-        prompts = [text_tokens(DECODE_PROMPT, salt=s) for s in range(batch)]
         per_seq = -(-(DECODE_PROMPT + DECODE_NEW) // bs)
         tables = [blocks(s * per_seq, DECODE_PROMPT + DECODE_NEW, contiguous) for s in range(batch)]
-        logits = runner.execute(
-            [SequenceChunk(np.asarray(p, np.int32), 0, t, True) for p, t in zip(prompts, tables, strict=True)]
-        )
-        next_tokens = logits.argmax(axis=1)
-        start = time.perf_counter()
-        for step in range(DECODE_NEW):
-            chunks = [
-                SequenceChunk(np.array([tok], np.int32), DECODE_PROMPT + step, table, True)
-                for tok, table in zip(next_tokens, tables, strict=True)
-            ]
-            next_tokens = runner.execute(chunks).argmax(axis=1)
-        return batch * DECODE_NEW / (time.perf_counter() - start)
+        return greedy_decode_rate(runner, tables)
 
     decode(4)  # warm-up
     for b in BATCHES[:-1]:
@@ -175,6 +163,26 @@ def paged_vs_dense_long(runner) -> dict[str, float]:
         "long_step_cpu_paged_s": statistics.median(p[0] for p in pairs),
         "long_step_cpu_dense_s": statistics.median(p[1] for p in pairs),
     }
+
+
+def greedy_decode_rate(runner, tables: list[np.ndarray]) -> float:
+    """Aggregate greedy decode tok/s of one stream per block table: each stream's DECODE_PROMPT-token
+    prompt is prefilled (untimed), then DECODE_NEW steps decode every stream together."""
+    from engine.model.runner import SequenceChunk
+
+    prompts = [text_tokens(DECODE_PROMPT, salt=s) for s in range(len(tables))]
+    logits = runner.execute(
+        [SequenceChunk(np.asarray(p, np.int32), 0, t, True) for p, t in zip(prompts, tables, strict=True)]
+    )
+    next_tokens = logits.argmax(axis=1)
+    start = time.perf_counter()
+    for step in range(DECODE_NEW):
+        chunks = [
+            SequenceChunk(np.array([tok], np.int32), DECODE_PROMPT + step, table, True)
+            for tok, table in zip(next_tokens, tables, strict=True)
+        ]
+        next_tokens = runner.execute(chunks).argmax(axis=1)
+    return len(tables) * DECODE_NEW / (time.perf_counter() - start)
 
 
 # -- llama.cpp through llama-cpp-python's low-level batch API ---------------------------------------------
@@ -395,9 +403,10 @@ def engine_core_available() -> bool:
 WORKERS = {"chatmesh": run_chatmesh, "llama.cpp": run_llamacpp, "chatmesh-engine": run_chatmesh_engine}
 
 
-def run_worker(name: str) -> dict[str, float]:
+def run_worker(name: str, script: str = __file__) -> dict[str, float]:
+    """Runs ``script --worker name`` in a fresh process; the JSON dict on its last output line."""
     proc = subprocess.run(
-        [sys.executable, __file__, "--worker", name], capture_output=True, text=True, cwd=ROOT, check=False
+        [sys.executable, script, "--worker", name], capture_output=True, text=True, cwd=ROOT, check=False
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{name} worker failed:\n{proc.stderr[-3000:]}")

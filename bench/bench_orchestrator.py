@@ -185,6 +185,19 @@ def service(module: str, name: str, port: int, *flags: str) -> ServiceSpec:
     return ServiceSpec(name=name, argv=argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT)
 
 
+def null_engine(i: int, port: int, tokens_per_s: float, max_running: int = 512) -> ServiceSpec:
+    """Null engine ``engine-<i>`` paced at ``tokens_per_s`` per stream, decoding ``max_running`` streams
+    at once with 2,048 more waiting."""
+    return service(
+        "engine",
+        f"engine-{i}",
+        port,
+        *("--engine-id", f"engine-{i}", "--backend", "null", "--null-tokens-per-s", str(tokens_per_s)),
+        *("--max-running-requests", str(max_running), "--max-batched-tokens", str(max(4096, max_running))),
+        *("--max-waiting-requests", "2048"),
+    )
+
+
 def start_mesh(launcher: Launcher, args: argparse.Namespace, run_dir: Path) -> tuple[list[str], str, str]:
     cql_port = free_port()
     CassandraNode(
@@ -196,29 +209,7 @@ def start_mesh(launcher: Launcher, args: argparse.Namespace, run_dir: Path) -> t
     engines = []
     for i in range(args.engines):
         port = free_port()
-        launcher.start(
-            service(
-                "engine",
-                f"engine-{i}",
-                port,
-                *(
-                    "--engine-id",
-                    f"engine-{i}",
-                    "--backend",
-                    "null",
-                    "--null-tokens-per-s",
-                    str(args.tokens_per_s),
-                ),
-                *(
-                    "--max-running-requests",
-                    "512",
-                    "--max-batched-tokens",
-                    "4096",
-                    "--max-waiting-requests",
-                    "2048",
-                ),
-            )
-        )
+        launcher.start(null_engine(i, port, args.tokens_per_s))
         engines.append(f"127.0.0.1:{port}")
     router_port, orchestrator_port = free_port(), free_port()
     engine_flags = [flag for i, a in enumerate(engines) for flag in ("--engine", f"engine-{i}={a}")]

@@ -50,6 +50,9 @@ class DevKeys:
         audience: str = AUDIENCE,
     ) -> str:
         """A signed token for ``user`` (the ``sub`` claim) with ``tier``; a negative ttl makes an expired one."""
+        if not user:
+            # Envoy would accept it and forward no identity: every call would then fail as unauthenticated.
+            raise ValueError("a token needs a user (the sub claim)")
         issued = int(now if now is not None else time.time())
         claims = {
             "iss": issuer,
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttl-s", type=float, default=DEFAULT_TTL_S, help="seconds until the token expires")
     parser.add_argument("--dir", type=Path, default=None, help=f"key directory [env {DIR_ENV}]")
     args = parser.parse_args(argv)
+    if not args.user.strip():
+        parser.error("--user is empty: name who the token speaks for (make token USER=alice)")
     keys = ensure_keys(args.dir)
     print(keys.mint(args.user, args.tier, args.ttl_s))
     return 0

@@ -8,10 +8,12 @@ and by ``make run`` never share hot-restart memory.
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import jinja2
@@ -130,6 +132,30 @@ class EnvoyConfig:
     otlp: tuple[str, int] | None = None
     trace_sampling_percent: float = 100.0
 
+    @classmethod
+    def from_dict(cls, data: dict) -> EnvoyConfig:
+        """From JSON-shaped settings (the Helm chart's ConfigMap): lists for tuples, dicts for limits."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Envoy settings: {', '.join(sorted(unknown))}")
+        values = dict(data)
+        values["jwks_path"] = Path(values["jwks_path"])
+        for name in ("edge_endpoints", "orchestrator_endpoints"):
+            values[name] = tuple((str(host), int(port)) for host, port in values[name])
+        values["cors_origins"] = tuple(values.get("cors_origins", ()))
+        if values.get("otlp"):
+            values["otlp"] = (str(values["otlp"][0]), int(values["otlp"][1]))
+        if "rate_limits" in values:
+            values["rate_limits"] = {
+                name: RouteLimits(
+                    tiers={tier: TierBucket(**bucket) for tier, bucket in limits["tiers"].items()},
+                    **{k: v for k, v in limits.items() if k != "tiers"},
+                )
+                for name, limits in values["rate_limits"].items()
+            }
+        return cls(**values)
+
 
 def render_config(config: EnvoyConfig) -> str:
     """The Envoy bootstrap YAML for ``config``."""
@@ -148,6 +174,8 @@ def render_config(config: EnvoyConfig) -> str:
         jwt_audience=config.jwt_audience,
         edge_endpoints=config.edge_endpoints,
         orchestrator_endpoints=config.orchestrator_endpoints,
+        edge_cluster_type=_cluster_type(config.edge_endpoints),
+        orchestrator_cluster_type=_cluster_type(config.orchestrator_endpoints),
         identity_headers=(USER_ID_HEADER, TIER_HEADER),
         cors_origins=config.cors_origins,
         rate_limits=config.rate_limits,
@@ -163,6 +191,17 @@ def render_config(config: EnvoyConfig) -> str:
     )
     yaml.safe_load(text)  # a template mistake fails here, with a line number, before Envoy sees it
     return text
+
+
+def _cluster_type(endpoints: tuple[tuple[str, int], ...]) -> str:
+    """STATIC for IP addresses; STRICT_DNS for names (in Kubernetes, a headless Service resolves to every
+    ready pod, so ring hashing still sees each orchestrator replica)."""
+    try:
+        for host, _ in endpoints:
+            ipaddress.ip_address(host)
+    except ValueError:
+        return "STRICT_DNS"
+    return "STATIC"
 
 
 def _seconds(value: float) -> str:
@@ -250,13 +289,26 @@ def envoy_spec(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m chatmesh.envoy --check``: renders the template with sample values and validates it."""
+    """``python -m chatmesh.envoy``: renders the template with sample values and validates it;
+    ``--settings FILE --out FILE`` renders a deployment's config from JSON settings (the Helm chart's
+    init container does this, so the cluster's Envoy config comes from this same template)."""
     import argparse
     import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m chatmesh.envoy", description=main.__doc__)
-    parser.add_argument("--out", type=Path, help="write the rendered sample config here")
+    parser.add_argument("--out", type=Path, help="write the rendered config here")
+    parser.add_argument("--settings", type=Path, help="JSON object of EnvoyConfig fields to render")
+    parser.add_argument(
+        "--validate", action="store_true", help="with --settings: also run `envoy --mode validate`"
+    )
     args = parser.parse_args(argv)
+    if args.settings:
+        if not args.out:
+            parser.error("--settings needs --out")
+        config = EnvoyConfig.from_dict(json.loads(args.settings.read_text()))
+        write_config(config, args.out, check=args.validate)
+        print(f"{TEMPLATE.name} rendered from {args.settings} to {args.out}")
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         jwks = generate_keys(Path(tmp) / "keys").jwks_path
         for otlp in (None, ("127.0.0.1", 4317)):

@@ -8,6 +8,7 @@ chat id, retries and health checks as gRPC clients coming through the public por
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
@@ -76,7 +77,12 @@ def welcome(ports: FrontDoorPorts, token: str, user: str, tier: str) -> str:
     """What `make run` prints once everything is healthy: where to go and how to call it."""
     base = f"http://127.0.0.1:{ports.envoy}"
     auth = "-H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json'"
-    completion = '{"stream": true, "messages": [{"role": "user", "content": "Hello!"}]}'
+    # A question with one right answer, greedy: the examples show the model answering, not sampling noise.
+    question = "What is the capital of France?"
+    completion = json.dumps(
+        {"stream": True, "temperature": 0, "messages": [{"role": "user", "content": question}]}
+    )
+    message = json.dumps({"content": question, "options": {"temperature": 0}})
     return "\n".join(
         [
             f"  Chat in your browser:   {base}/#token={token}",
@@ -86,9 +92,10 @@ def welcome(ports: FrontDoorPorts, token: str, user: str, tier: str) -> str:
             f"    curl -N {base}/v1/chat/completions {auth} -d {shlex.quote(completion)}",
             "  Or with a stored chat:",
             f"    CHAT=$(curl -s -X POST {base}/v1/chats {auth} -d '{{}}' | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"chat_id\"])')",
-            f'    curl -N {base}/v1/chats/$CHAT/messages {auth} -d \'{{"content": "Hello!"}}\'',
+            f"    curl -N {base}/v1/chats/$CHAT/messages {auth} -d {shlex.quote(message)}",
             "  gRPC through Envoy:",
-            f'    .venv/bin/python examples/grpc_client.py --target 127.0.0.1:{ports.envoy} --token "$TOKEN" "Hello!"',
+            f'    .venv/bin/python examples/grpc_client.py --target 127.0.0.1:{ports.envoy} --token "$TOKEN" '
+            f"--temperature 0 {shlex.quote(question)}",
             f"  Envoy admin (stats, health): http://127.0.0.1:{ports.envoy_admin}/",
         ]
     )

@@ -131,13 +131,21 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--user", default="alice", help="who the printed token is for")
     parser.add_argument("--tier", default="pro", help="the printed token's tier")
     parser.add_argument("--cassandra-port", type=int, default=defaults.cassandra, help="CQL port")
+    parser.add_argument("--cassandra-storage-port", type=int, default=defaults.cassandra_storage)
+    parser.add_argument("--cassandra-jmx-port", type=int, default=defaults.cassandra_jmx)
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
     door = FrontDoorPorts(args.envoy_port, args.envoy_admin_port, args.envoy_internal_port, args.edge_port)
     ports = MeshPorts(
-        args.orchestrator_port, args.router_port, args.first_engine_port, door, cassandra=args.cassandra_port
+        args.orchestrator_port,
+        args.router_port,
+        args.first_engine_port,
+        door,
+        cassandra=args.cassandra_port,
+        cassandra_storage=args.cassandra_storage_port,
+        cassandra_jmx=args.cassandra_jmx_port,
     )
     config = MeshConfig(
         ports=ports,

@@ -1,7 +1,10 @@
 """The model's tokenizer and chat template: defined once, imported by the orchestrator and every engine.
 
-Built from a GGUF file's own metadata (vocab, merges, control tokens, Jinja chat template), so the
-orchestrator renders and counts prompts exactly as the engine will see them. The ``fingerprint``
+Built from a GGUF file's own metadata (vocab, merges, control tokens, Jinja chat template), or from a
+Hugging Face model directory (``tokenizer.json``, ``tokenizer_config.json``'s ``chat_template``,
+``generation_config.json``), so the orchestrator renders and counts prompts exactly as the engine will
+see them. A directory converted from a GGUF (``engine.model.convert_gguf_to_hf``) yields the same
+tokenizer, the same model name and the same fingerprint as the GGUF. The ``fingerprint``
 identifies vocab + merges + template; engines advertise it and refuse prompts tokenized with another.
 
 Prompt-injection safety: text from users is tokenized with special-token matching off, so typing
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -94,6 +98,69 @@ class ChatTokenizer:
             eos_token_ids=eos_ids,
         )
 
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ChatTokenizer:
+        """The tokenizer of a Hugging Face model directory (byte-level BPE ``tokenizer.json`` only)."""
+        path = Path(path)
+        spec = json.loads((path / "tokenizer.json").read_text())
+        settings = _read_json(path / "tokenizer_config.json")
+        config = _read_json(path / "config.json")
+        generation = {**config, **_read_json(path / "generation_config.json")}
+        if spec.get("model", {}).get("type") != "BPE" or spec.get("decoder", {}).get("type") != "ByteLevel":
+            raise ValueError(f"{path}/tokenizer.json: only byte-level BPE tokenizers are supported")
+        by_id = {i: token for token, i in spec["model"]["vocab"].items()}
+        by_id.update({added["id"]: added["content"] for added in spec.get("added_tokens", [])})
+        tokens = [by_id[i] for i in range(len(by_id))]
+        control_ids = [added["id"] for added in spec.get("added_tokens", []) if added.get("special")]
+        merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+        probe = tokenizers.Tokenizer(models.BPE())
+        probe.pre_tokenizer = _pre_tokenizer()
+        ours = json.loads(probe.to_str())["pre_tokenizer"]
+        if _without_offsets(spec.get("pre_tokenizer")) != _without_offsets(ours):
+            raise ValueError(
+                f"{path}/tokenizer.json: pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))} differs from "
+                "the one chatmesh implements (digits split one by one, then GPT-2 byte-level)"
+            )
+        template = settings.get("chat_template")
+        if not isinstance(template, str):
+            raise ValueError(f"{path}/tokenizer_config.json: chat_template (a Jinja string) is missing")
+
+        def token_id(key: str) -> list[int]:
+            value = generation.get(f"{key}_token_id")
+            if value is None and isinstance(settings.get(f"{key}_token"), str):
+                value = tokens.index(settings[f"{key}_token"])
+            return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+        bos = token_id("bos")
+        # The GGUF rule: ChatML models end a turn with <|im_end|> and a document with <|endoftext|>.
+        eos_ids = token_id("eos") + [tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokens]
+        return cls(
+            model_name=hf_model_name(path, config),
+            tokens=tokens,
+            merges=merges,
+            control_token_ids=control_ids,
+            chat_template=template,
+            bos_token_id=bos[0] if bos else eos_ids[0],
+            eos_token_ids=list(dict.fromkeys(eos_ids)),
+        )
+
+    def save_hf_files(self, directory: str | Path) -> None:
+        """Writes ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) so that
+        ``from_hf_dir`` (and Hugging Face's own loaders) rebuild this tokenizer."""
+        directory = Path(directory)
+        (directory / "tokenizer.json").write_text(self._markup.to_str(pretty=True))
+        name = self._markup.id_to_token
+        settings = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "chat_template": self.chat_template,
+            "bos_token": name(self.bos_token_id),
+            "eos_token": name(self.eos_token_ids[0]),
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
+        (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False))
+
     # -- text <-> ids --------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
@@ -164,16 +231,39 @@ def _build_bpe(
         merges=[tuple(merge.split(" ", 1)) for merge in merges],
     )
     tok = tokenizers.Tokenizer(bpe)
-    # SmolLM's pre-tokenizer (llama.cpp "smollm"): digits one by one, then GPT-2 byte-level splitting.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
+    tok.pre_tokenizer = _pre_tokenizer()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control_ids])
+    return tok
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _without_offsets(spec: object) -> object:
+    """A pre-tokenizer spec without ``trim_offsets``, which changes offsets but never token ids."""
+    if isinstance(spec, dict):
+        return {k: _without_offsets(v) for k, v in spec.items() if k != "trim_offsets"}
+    if isinstance(spec, list):
+        return [_without_offsets(v) for v in spec]
+    return spec
+
+
+def hf_model_name(path: str | Path, config: Mapping[str, object]) -> str:
+    """The served name of a Hugging Face directory: the last part of ``config.json``'s
+    ``_name_or_path`` when set, else the directory's name. Engines and the tokenizer must agree on it."""
+    return Path(str(config.get("_name_or_path") or Path(path).resolve().name)).name
+
+
+def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """SmolLM's pre-tokenizer (llama.cpp "smollm"): digits one by one, then GPT-2 byte-level splitting."""
+    return pre_tokenizers.Sequence(
         [
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control_ids])
-    return tok
 
 
 def model_name(basename: object, size_label: object, path: str | Path) -> str:
@@ -185,5 +275,8 @@ def model_name(basename: object, size_label: object, path: str | Path) -> str:
 
 @functools.cache
 def load_tokenizer(path: str | None = None) -> ChatTokenizer:
-    """The tokenizer of the GGUF at ``path`` (default: the bundled SmolLM2), loaded once per process."""
+    """The tokenizer of the GGUF file or Hugging Face directory at ``path`` (default: the bundled
+    SmolLM2 GGUF), loaded once per process."""
+    if path is not None and Path(path).is_dir():
+        return ChatTokenizer.from_hf_dir(path)
     return ChatTokenizer.from_gguf(path or bundled_model_path())

@@ -14,7 +14,9 @@ from chatmesh.config import ServiceArgs
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
-from engine.config import EngineConfig
+from engine.backends.hosted import HostedEngine
+from engine.backends.loading import load_hosted_engine
+from engine.config import HOSTED_BACKENDS, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.model.loading import create_runner
@@ -28,9 +30,22 @@ def parse_args(argv: list[str] | None = None):
     args = ServiceArgs("engine", "Serves a model with a paged KV cache and continuous batching.")
     args.add_server_flags(port=50061)
     args.add("engine-id", d.engine_id, "name of this replica in logs and metrics")
-    args.add("model", "", "model path (GGUF file); empty: the bundled SmolLM2-135M-Instruct")
-    args.add("backend", d.backend, "model runner: cpu (the real model) | null (no compute: mesh load tests)")
-    args.add("threads", d.num_threads, "compute threads of the cpu backend (0: its default)")
+    args.add(
+        "model",
+        "",
+        "model path: a GGUF file or a Hugging Face directory; empty: the bundled SmolLM2-135M-Instruct",
+    )
+    args.add(
+        "backend",
+        d.backend,
+        "cpu (the real model) | null (no compute: mesh load tests) | cuda | trtllm | triton (GPU: docs/gpu.md)",
+    )
+    args.add("threads", d.num_threads, "compute threads of the cpu backend, per rank (0: its default)")
+    args.add(
+        "tensor-parallel-size",
+        d.tensor_parallel_size,
+        "cpu backend: shard the model over this many ranks (processes; at most the model's KV heads)",
+    )
     args.add("num-kv-blocks", d.num_kv_blocks, "KV blocks in the pool (0: as many as --kv-memory-gib holds)")
     args.add("kv-memory-gib", d.kv_memory_gib, "memory for KV blocks when --num-kv-blocks is 0")
     args.add("block-size", d.block_size, "tokens per KV block (the unit of prefix caching and block hashes)")
@@ -42,18 +57,31 @@ def parse_args(argv: list[str] | None = None):
     args.add(
         "null-tokens-per-s", d.null_tokens_per_s, "null backend: tokens per second per stream (0: unpaced)"
     )
+    args.add(
+        "gpu-memory-fraction", d.gpu_memory_fraction, "trtllm: share of free GPU memory for the KV cache"
+    )
+    args.add("triton-url", d.triton_url, "triton: the Triton server's gRPC host:port")
+    args.add("triton-model", d.triton_model, "triton: name of the decoupled TensorRT-LLM model")
+    args.add("triton-timeout-s", d.triton_timeout_s, "triton: longest wait for the next streamed response")
     return args.parse(argv)
 
 
-def build_engine(config: EngineConfig) -> LLMEngine:
+def build_engine(config: EngineConfig) -> LLMEngine | HostedEngine:
     """Loads the tokenizer and the model runner, and sizes the KV cache (logging each step)."""
     model_path = config.model_path or bundled_model_path()
     started = time.monotonic()
     log.info("loading tokenizer and chat template from %s", model_path)
     tokenizer = load_tokenizer(str(model_path))
+    if config.backend in HOSTED_BACKENDS:
+        return load_hosted_engine(config, model_path, tokenizer, EngineMetrics())
     log.info("loading the %s model runner", config.backend)
     runner = create_runner(
-        config.backend, model_path, tokenizer, config.num_threads or None, config.null_tokens_per_s
+        config.backend,
+        model_path,
+        tokenizer,
+        config.num_threads or None,
+        config.null_tokens_per_s,
+        config.tensor_parallel_size,
     )
     engine = LLMEngine(config, runner, tokenizer, metrics=EngineMetrics())
     log.info(
@@ -66,7 +94,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
-async def serve(engine: LLMEngine, args) -> None:
+async def serve(engine: LLMEngine | HostedEngine, args) -> None:
     service = EngineService(engine)
 
     def add_services(server: grpc.aio.Server) -> list[str]:

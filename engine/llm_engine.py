@@ -33,6 +33,7 @@ from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput, Usa
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import EngineRequest, Sequence
+from engine.stopping import check_token
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,8 @@ class LLMEngine:
         self._eos = frozenset(tokenizer.eos_token_ids)
         # Receives each step's outputs, in the step thread (the service routes them to their streams).
         self.on_outputs = on_outputs or (lambda outputs: None)
+        # Called once, in the step thread, when the engine stops serving (even with no request open).
+        self.on_failure: Callable[[str], None] = lambda message: None
         self._metrics = metrics
         self._clock = clock
         self._live: dict[str, _Live] = {}  # step thread only
@@ -126,7 +129,10 @@ class LLMEngine:
         self._ids: set[str] = set()  # every request in the inbox or live
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._failing = ""  # a failure reported from another thread, for the step thread to act on
         self.failure = ""  # why the engine stopped serving, if it did
+        if hasattr(runner, "on_failure"):  # a runner whose workers can die between steps tells us
+            runner.on_failure = self.fail
         self.stats = self._current_stats()
 
     # -- any thread ----------------------------------------------------------------------------------
@@ -152,6 +158,12 @@ class LLMEngine:
                 self._cancels.append(request_id)
                 self._wakeup.notify()
 
+    def fail(self, message: str) -> None:
+        """Stops serving, from any thread: the step loop ends every request with ``message``."""
+        with self._wakeup:
+            self._failing = self._failing or message
+            self._wakeup.notify()
+
     def has_unfinished_requests(self) -> bool:
         with self._wakeup:
             return bool(self._ids)
@@ -176,7 +188,7 @@ class LLMEngine:
         idle = False
         while True:
             with self._wakeup:
-                while not (self._stopping or self._new or self._cancels):
+                while not (self._stopping or self._failing or self._new or self._cancels):
                     if not self.scheduler.has_work():
                         self._wakeup.wait()
                     elif idle:  # the last step could run nothing: look again soon, without spinning
@@ -186,13 +198,18 @@ class LLMEngine:
                         break
                 if self._stopping:
                     return
-            try:
-                idle = not self.step()
-            except Exception as exc:
-                log.exception("engine step failed; the engine stops serving")
-                outputs: list[RequestOutput] = []
-                self._fail(f"engine step failed: {exc}", outputs)
+                failing = self._failing
+            outputs: list[RequestOutput] = []
+            if failing:
+                self._fail(failing, outputs)
                 self.on_outputs(outputs)
+            else:
+                try:
+                    idle = not self.step()
+                except Exception as exc:
+                    log.exception("engine step failed; the engine stops serving")
+                    self._fail(f"engine step failed: {exc}", outputs)
+                    self.on_outputs(outputs)
             if self.failure:
                 log.error("the step loop stopped: %s", self.failure)
                 return
@@ -286,14 +303,7 @@ class LLMEngine:
     def _check_token(self, live: _Live, token: int, num_output: int) -> tuple[FinishReason | None, str, str]:
         """Detokenizes output token number ``num_output``: (finish reason or None, matched stop, text)."""
         params = live.seq.request.sampling
-        if token in params.stop_token_ids or (token in self._eos and not params.ignore_eos):
-            return FinishReason.STOP, self.tokenizer.decode([token], skip_control=False), ""
-        text = live.detokenizer.push(token)
-        if live.detokenizer.matched_stop is not None:
-            return FinishReason.STOP, live.detokenizer.matched_stop, text
-        if num_output >= params.max_tokens:
-            return FinishReason.LENGTH, "", text
-        return None, "", text
+        return check_token(params, self._eos, self.tokenizer, live.detokenizer, token, num_output)
 
     def _finish(self, live: _Live, reason: FinishReason, matched_stop: str = "") -> Finish:
         """Ends a request: its blocks go back to the pool now."""
@@ -336,6 +346,7 @@ class LLMEngine:
             finish = Finish(FinishReason.CANCELLED, self._usage(live.seq), error=message)
             outputs.append(RequestOutput(live.seq.request_id, live.seq.num_output_tokens, [], "", finish))
         self._live.clear()
+        self.on_failure(message)
 
     def _retry_after_s(self) -> float:
         """About when a queue slot frees up: the mean time between recent finishes."""

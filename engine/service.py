@@ -11,6 +11,7 @@ import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.errors import abort_with_retry
+from engine.backends.hosted import HostedEngine
 from engine.kv_events import BlocksStored, KvEventBatch, SubscriberOverflow
 from engine.llm_engine import (
     DuplicateRequestError,
@@ -35,14 +36,16 @@ _FINISH_REASONS = {
 
 
 class EngineService(engine_pb2_grpc.EngineServiceServicer):
-    """Serves one ``LLMEngine``. Create it on the event loop that serves it, then ``engine.start()``."""
+    """Serves one ``LLMEngine`` (or a ``HostedEngine``: TensorRT-LLM, Triton). Create it on the event loop
+    that serves it, then ``engine.start()``."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine | HostedEngine) -> None:
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self.failed = asyncio.Event()  # set when the engine reports a failure; health should go NOT_SERVING
         self._router = OutputRouter(self._loop, on_error=lambda message: self.failed.set())
         engine.on_outputs = self._router.submit
+        engine.on_failure = lambda message: self._loop.call_soon_threadsafe(self.failed.set)
         self._draining = False
         self._watchers: set[asyncio.Event] = set()  # wake-ups of the open KvEvents / WatchLoad streams
         self._model = ServedModel(
@@ -207,7 +210,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             backend=engine.runner.backend,
             tensor_parallel_size=engine.runner.tensor_parallel_size,
             engine_instance_id=engine.instance_id,
-            kv_blocks_total=engine.kv.num_blocks,
+            kv_blocks_total=engine.stats.kv_blocks_total,
         )
 
     def _load(self) -> engine_pb2.EngineLoad:

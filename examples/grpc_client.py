@@ -29,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token", default=os.environ.get("TOKEN"), help="a JWT (default: $TOKEN)")
     parser.add_argument("--chat", default="", help="an existing chat id (default: a new chat)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="deadline for the whole answer")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sampling temperature (default: the server's; 0: greedy)",
+    )
     args = parser.parse_args(argv)
     if not args.token:
         parser.error("no token: pass --token or set TOKEN (make token USER=alice TIER=pro prints one)")
@@ -41,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
                 args.chat
                 or stub.CreateChat(chat_pb2.CreateChatRequest(), metadata=auth, timeout=10).chat.chat_id
             )
+            options = chat_pb2.GenerationOptions()
+            if args.temperature is not None:
+                options.temperature = args.temperature
             request = chat_pb2.SendMessageRequest(
-                chat_id=chat_id, content=args.message, idempotency_key=str(uuid.uuid4())
+                chat_id=chat_id, content=args.message, idempotency_key=str(uuid.uuid4()), options=options
             )
             # The chat id header lets Envoy keep this chat on one orchestrator replica.
             for response in stub.SendMessage(

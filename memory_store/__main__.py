@@ -5,6 +5,7 @@
     python -m memory_store node status
     python -m memory_store node stop      # drain, then SIGTERM
     python -m memory_store schema         # apply schema migrations (a deploy job in production)
+    python -m memory_store schema --check # exit 0 when every migration is applied, 3 when some are not
 
 The node keeps its data in ``.run/cassandra`` unless ``--data-dir`` says otherwise; ``make run`` starts
 its own node in ``.run/mesh/cassandra``.
@@ -162,6 +163,11 @@ def status(config: NodeConfig) -> int:
 async def apply_schema(args: argparse.Namespace) -> int:
     db = await Db.connect(args.hosts.split(","), args.cql_port, args.local_dc, 30.0)
     try:
+        if args.check:
+            # Replicas wait on this (the Helm chart's init container) while the schema Job applies them.
+            missing = await schema.pending(db, args.keyspace)
+            print(f"keyspace {args.keyspace}: {f'migrations {missing} pending' if missing else 'up to date'}")
+            return 3 if missing else 0
         applied = await schema.apply(db, args.keyspace, parse_replication(args.replication))
     finally:
         await db.close()
@@ -193,6 +199,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="SimpleStrategy:<rf> or NetworkTopologyStrategy:<dc>=<rf>,...",
     )
     migrate.add_argument("--local-dc", default="datacenter1")
+    migrate.add_argument(
+        "--check", action="store_true", help="apply nothing; exit 3 while migrations are pending"
+    )
     return parser.parse_args(argv)
 
 

@@ -218,3 +218,15 @@ async def apply(db: Db, keyspace: str, replication: Mapping[str, str | int]) -> 
         )
         applied.append(migration.version)
     return applied
+
+
+async def pending(db: Db, keyspace: str) -> list[int]:
+    """Migration versions not yet applied to ``keyspace`` (all of them when it does not exist); reads only."""
+    if not _KEYSPACE_NAME.match(keyspace):
+        raise ValueError(f"invalid keyspace name {keyspace!r}")
+    meta = db.cluster.metadata.keyspaces.get(keyspace)
+    if meta is None or "schema_migrations" not in meta.tables:
+        return [migration.version for migration in MIGRATIONS]
+    rows = await db.execute(_cql(f"SELECT version FROM {keyspace}.schema_migrations"), operation="schema")
+    done = {row["version"] for row in rows}
+    return [migration.version for migration in MIGRATIONS if migration.version not in done]

@@ -86,7 +86,6 @@ async def generate_text(
                 parts.append(frame.tokens.text)
             elif kind == "finished":
                 parts.append(frame.finished.text)
-                break
     except BaseException:
         stream.abort()
         raise

@@ -158,7 +158,6 @@ class Generation:
                     elif kind == "finished":
                         finished = frame.finished
                         await self._emit(finished.text, 0)
-                        break
         except grpc.aio.AioRpcError as exc:
             if self.stop_reason is None:
                 error = from_rpc_error(exc, "the router")

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from chatmesh.calls import read_to_end
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.serving import CHANNEL_OPTIONS
@@ -94,14 +95,23 @@ class GenerateStream:
         self.routed = frame.routed
 
     async def frames(self) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """The frames after the first placement until the stream ends (raises grpc.aio.AioRpcError)."""
+        """The frames after the first placement, through ``finished`` (raises grpc.aio.AioRpcError).
+
+        After ``finished`` it half-closes and reads the call's end, so the RPC completes now.
+        """
         while True:
             frame = await self._call.read()
             if frame is grpc.aio.EOF:
                 return
-            if frame.WhichOneof("kind") == "routed":
+            kind = frame.WhichOneof("kind")
+            if kind == "routed":
                 self.routed = frame.routed
             yield frame
+            if kind == "finished":
+                # The answer is complete: how the call itself ends no longer matters to it.
+                self.close()
+                await read_to_end(self._call)
+                return
 
     def cancel(self) -> None:
         """Asks the router to stop and free the engine work; it answers with a final `finished`."""

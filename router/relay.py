@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from chatmesh.calls import read_to_end
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import retry_after_s
 from chatmesh.router.v1 import router_pb2
@@ -191,7 +192,9 @@ class Relay:
         finally:
             self._call = self._outbox = None
             outbox.put_nowait(None)
-            if not completed:
+            if completed:
+                await read_to_end(call)
+            else:
                 call.cancel()
 
     def _engine_start(self, engine: EngineState, attempt_id: str) -> engine_pb2.GenerateStart:

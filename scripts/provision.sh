@@ -72,4 +72,7 @@ else
   echo "cassandra jars: $(ls "$cassandra_lib"/*.jar | wc -l) jars, $(du -sh "$cassandra_lib" | cut -f1)"
 fi
 
+step "fetching the helm binary into .cache/helm (make helm-lint, tests/helm)"
+scripts/provision_helm.sh
+
 step "environment ready"

@@ -1,5 +1,11 @@
 """Shared pytest setup. Fixtures that start real services live in tests/fixtures/, one module each."""
 
+import os
+import tempfile
+from pathlib import Path
+
+from chatmesh.telemetry import TRACE_FILE_ENV
+
 pytest_plugins: list[str] = [
     "tests.fixtures.cassandra",
     "tests.fixtures.engines",
@@ -7,5 +13,13 @@ pytest_plugins: list[str] = [
     "tests.fixtures.router",
     "tests.fixtures.orchestrator",
     "tests.fixtures.envoy",
+    "tests.fixtures.front_door",
     "tests.fixtures.browser",
 ]
+
+
+def pytest_configure(config) -> None:
+    # Every service the tests start inherits this, so a test can follow one trace across processes
+    # (tests/orchestrator/test_tracing.py). A run that sets its own file keeps it.
+    if TRACE_FILE_ENV not in os.environ:
+        os.environ[TRACE_FILE_ENV] = str(Path(tempfile.mkdtemp(prefix="chatmesh-traces-")) / "spans.jsonl")

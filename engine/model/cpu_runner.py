@@ -27,7 +27,10 @@ from engine.model.checkpoint import LlamaCheckpoint, LlamaConfig, WeightMatrix, 
 from engine.model.gguf_loader import load_gguf
 from engine.model.kernels import Kernels, select_kernels
 from engine.model.runner import SequenceChunk
-from engine.model.step_batch import build_step_batch
+from engine.model.step_batch import StepBatch, build_step_batch
+from engine.model.tp.collective import Collective, SingleRank
+from engine.model.tp.plan import RankShard, Span, plan_tensor_parallel
+from engine.model.tp.shard import take_columns, take_rows
 
 log = logging.getLogger(__name__)
 
@@ -46,25 +49,49 @@ class CpuModelRunner:
     backend = "cpu"
     tensor_parallel_size = 1
 
-    def __init__(self, checkpoint: LlamaCheckpoint, kernels: Kernels) -> None:
+    def __init__(
+        self,
+        checkpoint: LlamaCheckpoint,
+        kernels: Kernels,
+        shard: RankShard | None = None,
+        collective: Collective | None = None,
+    ) -> None:
+        """``shard`` and ``collective``: this process is one rank of a tensor-parallel group (see
+        ``engine.model.tp``) holding only its shard's weights and KV heads; default: the whole model."""
         self.config: LlamaConfig = checkpoint.config
         self.spec = self.config.spec()
         self.kernels = kernels
+        shard = shard or plan_tensor_parallel(self.config, 1).shards[0]
+        self._local = shard.local_config(self.config)  # the heads and FFN columns this rank computes
+        self._collective = collective or SingleRank()
+        self._vocab = shard.vocab
         pack = kernels.pack
+        hd = self.config.head_dim
+        q_rows, kv_rows = _scaled(shard.q_heads, hd), _scaled(shard.kv_heads, hd)
+        ffn = shard.ffn_columns
         self._embedding = checkpoint.token_embedding
         self._layers = [
             _Layer(
                 attn_norm=layer.attn_norm,
-                qkv=pack(_stack("qkv", [layer.wq, layer.wk, layer.wv])),
-                wo=pack(layer.wo),
+                qkv=pack(
+                    _stack(
+                        "qkv",
+                        [
+                            take_rows(layer.wq, q_rows),
+                            take_rows(layer.wk, kv_rows),
+                            take_rows(layer.wv, kv_rows),
+                        ],
+                    )
+                ),
+                wo=pack(take_columns(layer.wo, q_rows)),
                 ffn_norm=layer.ffn_norm,
-                gate_up=pack(_stack("gate_up", [layer.w_gate, layer.w_up])),
-                down=pack(layer.w_down),
+                gate_up=pack(_stack("gate_up", [take_rows(layer.w_gate, ffn), take_rows(layer.w_up, ffn)])),
+                down=pack(take_columns(layer.w_down, ffn)),
             )
             for layer in checkpoint.layers
         ]
         self._output_norm = checkpoint.output_norm
-        self._lm_head = pack(checkpoint.lm_head)
+        self._lm_head = pack(take_rows(checkpoint.lm_head, shard.vocab))
         self._rope = rope_tables(self.config)
         self._k_cache: list[np.ndarray] = []
         self._v_cache: list[np.ndarray] = []
@@ -91,11 +118,11 @@ class CpuModelRunner:
     # -- ModelRunner ---------------------------------------------------------------------------------
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        cfg = self.config
+        cfg = self._local
         return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        cfg = self.config
+        cfg = self._local
         if block_size > 16 and block_size % 16:
             raise ValueError(f"block_size must be at most 16 or a multiple of 16, got {block_size}")
         k_shape = (num_blocks, cfg.num_kv_heads, cfg.head_dim, block_size)
@@ -107,10 +134,16 @@ class CpuModelRunner:
         self._block_size = block_size
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
+        return self.forward(self.step_batch(chunks))
+
+    def step_batch(self, chunks: Sequence[SequenceChunk]) -> StepBatch:
         if not self._k_cache:
             raise RuntimeError("allocate_kv_cache must be called before execute")
-        cfg, ops = self.config, self.kernels
-        batch = build_step_batch(chunks, self._block_size, cfg.context_length)
+        return build_step_batch(chunks, self._block_size, self.config.context_length)
+
+    def forward(self, batch: StepBatch) -> np.ndarray | None:
+        """The step's logits (on a tensor-parallel rank other than 0: None, its share went to rank 0)."""
+        cfg, ops, reduce = self._local, self.kernels, self._collective.all_reduce
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_width, kv_width = heads * hd, kv_heads * hd
         slot_block, slot_offset = np.divmod(batch.slots, self._block_size)
@@ -125,17 +158,22 @@ class CpuModelRunner:
             )
             v_cache.reshape(-1, kv_width)[batch.slots] = qkv[:, q_width + kv_width :]
             attn = ops.attention(qkv, k_cache, v_cache, batch, cfg)
-            x += ops.linear(attn, layer.wo)
+            x += reduce(ops.linear(attn, layer.wo))
             h = ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            x += ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down)
+            x += reduce(ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down))
         assert x.dtype == np.float32, "float64 crept into the activations"
         if len(batch.logit_rows) == 0:
             return np.empty((0, cfg.vocab_size), dtype=np.float32)
         h = ops.rms_norm(np.ascontiguousarray(x[batch.logit_rows]), self._output_norm, cfg.rms_norm_eps)
-        return ops.linear(h, self._lm_head)
+        return self._collective.gather_logits(ops.linear(h, self._lm_head), self._vocab)
 
     def close(self) -> None:
         self._k_cache, self._v_cache = [], []
+
+
+def _scaled(heads: Span, head_dim: int) -> Span:
+    """Rows (or columns) of a range of heads."""
+    return Span(heads.start * head_dim, heads.stop * head_dim)
 
 
 def _stack(name: str, matrices: list[WeightMatrix]) -> WeightMatrix:

@@ -7,9 +7,13 @@ one class implementing ``engine.model.runner.ModelRunner``; scheduler and KV cac
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from chatmesh.tokenizer import ChatTokenizer
+from engine.model.checkpoint import LlamaCheckpoint
+from engine.model.gguf_loader import load_gguf
+from engine.model.hf_loader import is_hf_dir, load_hf_dir
 from engine.model.null_runner import NullModelRunner
 from engine.model.runner import ModelRunner, ModelSpec
 
@@ -24,17 +28,35 @@ NULL_TEXT = (
 )
 
 
+def load_checkpoint(model_path: Path) -> LlamaCheckpoint:
+    """A GGUF file, or a Hugging Face directory (config.json + safetensors)."""
+    if is_hf_dir(model_path):
+        return load_hf_dir(model_path)
+    if model_path.is_dir():
+        raise ValueError(f"{model_path} is a directory without config.json: not a Hugging Face model")
+    return load_gguf(model_path)
+
+
 def create_runner(
     backend: str,
     model_path: Path,
     tokenizer: ChatTokenizer,
     num_threads: int | None = None,
     null_tokens_per_s: float = 0.0,
+    tensor_parallel_size: int = 1,
 ) -> ModelRunner:
-    """The runner for ``backend`` serving ``model_path`` (whose tokenizer is ``tokenizer``)."""
+    """The runner for ``backend`` serving ``model_path`` (whose tokenizer is ``tokenizer``).
+    ``num_threads``: compute threads per rank (default: this process's CPUs shared among the ranks)."""
+    if backend == "cpu" and tensor_parallel_size > 1:
+        from engine.model.tp.runner import TensorParallelRunner
+
+        threads = num_threads or max(1, len(os.sched_getaffinity(0)) // tensor_parallel_size)
+        log.info("loading %s over %d tensor-parallel ranks", model_path, tensor_parallel_size)
+        return TensorParallelRunner(model_path, tensor_parallel_size, threads)
     if backend == "cpu":
         try:
             from engine.model.cpu_runner import CpuModelRunner
+            from engine.model.kernels import select_kernels
         except ModuleNotFoundError as exc:
             if exc.name != "engine.model.cpu_runner":
                 raise
@@ -43,7 +65,14 @@ def create_runner(
                 "use --backend null to run without a model"
             ) from exc
         log.info("loading %s on the cpu backend", model_path)
-        return CpuModelRunner.from_gguf(model_path, num_threads=num_threads)
+        checkpoint = load_checkpoint(model_path)
+        return CpuModelRunner(checkpoint, select_kernels(None, num_threads, checkpoint.config))
+    if backend == "cuda":
+        from engine.model.cuda_runner import create_cuda_runner, import_torch
+
+        import_torch()  # fails with instructions before the weights are read
+        log.info("loading %s on the cuda backend", model_path)
+        return create_cuda_runner(load_checkpoint(model_path))
     if backend == "null":
         log.info("null backend: no model computed; tokens are paced at %.0f/s per stream", null_tokens_per_s)
         spec = ModelSpec(
@@ -55,4 +84,4 @@ def create_runner(
             context_length=NULL_CONTEXT_LENGTH,
         )
         return NullModelRunner(spec, tokenizer.encode(NULL_TEXT), null_tokens_per_s)
-    raise ValueError(f"unknown backend {backend!r}: expected cpu or null")
+    raise ValueError(f"unknown backend {backend!r}: expected cpu, cuda or null")

@@ -63,3 +63,7 @@ class ModelRunner(Protocol):
     def close(self) -> None:
         """Releases workers, shared memory and device memory."""
         ...
+
+    # Optional: a runner whose workers can die between steps (tensor parallelism) has an attribute
+    # ``on_failure: Callable[[str], None] | None``; the engine sets it to ``LLMEngine.fail`` and the
+    # runner calls it, from any thread, when it can no longer compute.

@@ -292,3 +292,33 @@ def test_the_step_thread_serves_requests_and_stops_cleanly():
     with pytest.raises(EngineUnavailableError):
         test.engine.add_request(request("late", prompt(4)))
     assert {o.request_id for o in outputs if o.finish} == {"r0", "r1", "r2"}
+
+
+def test_a_failure_reported_from_another_thread_stops_the_step_loop_and_ends_requests():
+    import threading
+
+    test = make_engine()
+    failed = threading.Event()
+    reasons: list[str] = []
+    test.engine.on_failure = lambda message: (reasons.append(message), failed.set())
+    ended = threading.Event()
+    outputs = []
+
+    def collect(batch):
+        outputs.extend(batch)
+        if any(o.finish is not None and o.finish.error for o in batch):
+            ended.set()
+
+    test.engine.on_outputs = collect
+    test.engine.start()
+    try:
+        test.engine.add_request(request("open", prompt(5), max_tokens=10_000, ignore_eos=True))
+        test.engine.fail("rank 1 exited")  # as a backend's watcher thread does when a worker dies
+        assert failed.wait(10) and ended.wait(10)
+    finally:
+        test.engine.stop(timeout_s=5)
+    assert reasons == ["rank 1 exited"] and test.engine.failure == "rank 1 exited"
+    [finish] = [o.finish for o in outputs if o.finish is not None]
+    assert finish.error == "rank 1 exited"
+    with pytest.raises(EngineUnavailableError, match="rank 1 exited"):
+        test.engine.add_request(request("late", prompt(4)))

@@ -17,6 +17,7 @@ from chatmesh.launcher import (
     ServiceSpec,
     TcpOpen,
     free_port,
+    port_is_free,
 )
 
 # A service that forks a grandchild (to prove the whole group is stopped), writes the grandchild's pid
@@ -89,6 +90,21 @@ def test_taken_port_is_refused_with_a_clear_error(tmp_path):
     holder.close()
     assert f"port {port}" in str(err.value) and "router" in str(err.value)
     assert not (tmp_path / "logs" / "router.log").exists(), "nothing may be started when a port is taken"
+
+
+def test_a_port_whose_server_stopped_is_free_despite_connections_in_time_wait():
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    assert not port_is_free(port)
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()  # the server side closes first: its end of the connection waits in TIME_WAIT
+    server.close()
+    client.close()
+    assert port_is_free(port)
 
 
 def test_service_that_exits_early_reports_its_log(tmp_path):

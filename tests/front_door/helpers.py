@@ -8,6 +8,8 @@ from typing import TypeVar
 
 import httpx
 
+from tests.front_door.sse_client import Event, iter_events
+
 T = TypeVar("T")
 
 
@@ -28,3 +30,16 @@ def assert_json_error(reply: httpx.Response, status: int) -> dict:
     error = reply.json()["error"]
     assert error["message"]
     return error
+
+
+def answer(client: httpx.Client, chat_id: str, content: str, **body: object):
+    """The SSE response to sending ``content`` (a context manager, like ``client.stream``)."""
+    return client.stream("POST", f"/v1/chats/{chat_id}/messages", json={"content": content, **body})
+
+
+def send(client: httpx.Client, chat_id: str, content: str, **body: object) -> list[Event]:
+    """Every SSE event of the answer to ``content``, to its end."""
+    with answer(client, chat_id, content, **body) as reply:
+        assert reply.status_code == 200, reply.read()
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        return list(iter_events(reply))

@@ -4,14 +4,18 @@ against the published JWKS, and the CLI behind `make token`."""
 from __future__ import annotations
 
 import json
+import os
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import jwt
 import pytest
 
-from chatmesh.dev_jwt import AUDIENCE, ISSUER, ensure_keys
+from chatmesh.dev_jwt import AUDIENCE, DIR_ENV, ISSUER, ensure_keys
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_keys_are_made_once_and_the_private_key_is_private(tmp_path):
@@ -54,3 +58,30 @@ def test_cli_prints_a_token_for_the_user_and_tier(tmp_path):
     ).stdout.strip()
     claims = jwt.decode(out, options={"verify_signature": False})
     assert (claims["sub"], claims["tier"]) == ("bob", "enterprise")
+
+
+def test_a_token_for_nobody_is_refused(tmp_path):
+    # Envoy would accept it but forward no identity, so every call would fail as unauthenticated.
+    with pytest.raises(ValueError, match="needs a user"):
+        ensure_keys(tmp_path).mint("", "pro")
+    cli = subprocess.run(
+        [sys.executable, "-m", "chatmesh.dev_jwt", "--user", "", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert cli.returncode == 2 and "--user is empty" in cli.stderr
+
+
+def test_make_token_without_a_login_name_speaks_for_alice(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("USER", "MAKEFLAGS", "MFLAGS")}
+    out = subprocess.run(
+        ["make", "-s", "token", "TIER=free"],
+        cwd=REPO_ROOT,
+        env={**env, DIR_ENV: str(tmp_path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    claims = jwt.decode(out, options={"verify_signature": False})
+    assert (claims["sub"], claims["tier"]) == ("alice", "free")

@@ -13,12 +13,12 @@ import pytest
 from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
 from chatmesh.launcher import Launcher
 from tests.fixtures.edge import start_edge
-from tests.front_door.conftest import FrontDoor
+from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.helpers import wait_for
 from tests.front_door.sse_client import iter_events
 
 
-def drain_edge(launcher: Launcher, front_door: FrontDoor, grace_s: float):
+def drain_edge(launcher: Launcher, front_door: ScriptedFrontDoor, grace_s: float):
     return start_edge(
         launcher,
         f"127.0.0.1:{front_door.scripted_port}",
@@ -28,7 +28,9 @@ def drain_edge(launcher: Launcher, front_door: FrontDoor, grace_s: float):
 
 
 @pytest.mark.parametrize(("tokens", "grace_s", "finishes"), [(20, 6.0, True), (80, 2.0, False)])
-def test_sigterm_drains_open_streams(front_door: FrontDoor, tmp_path, user: str, tokens, grace_s, finishes):
+def test_sigterm_drains_open_streams(
+    front_door: ScriptedFrontDoor, tmp_path, user: str, tokens, grace_s, finishes
+):
     # Straight to the edge, as Envoy would call it: identity in headers.
     headers = {USER_ID_HEADER: user, TIER_HEADER: "pro"}
     with Launcher(tmp_path, echo=lambda _: None) as launcher:

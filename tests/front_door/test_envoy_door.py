@@ -15,13 +15,13 @@ from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.dev_jwt import generate_keys
 from chatmesh.errors import retry_after_s
 from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER
-from tests.front_door.conftest import UNARY_TIMEOUT_S, FrontDoor
+from tests.front_door.conftest import UNARY_TIMEOUT_S, ScriptedFrontDoor
 from tests.front_door.helpers import assert_json_error, wait_for
 
 # -- authentication ---------------------------------------------------------------------------------
 
 
-def test_request_without_token_is_401_and_never_reaches_the_edge(front_door: FrontDoor):
+def test_request_without_token_is_401_and_never_reaches_the_edge(front_door: ScriptedFrontDoor):
     before = len(front_door.scripted.calls)
     reply = httpx.get(f"{front_door.url}/v1/chats")
     error = assert_json_error(reply, 401)
@@ -31,7 +31,7 @@ def test_request_without_token_is_401_and_never_reaches_the_edge(front_door: Fro
 
 
 @pytest.mark.parametrize("problem", ["foreign key", "expired", "garbage"])
-def test_bad_token_is_401(front_door: FrontDoor, tmp_path, problem: str):
+def test_bad_token_is_401(front_door: ScriptedFrontDoor, tmp_path, problem: str):
     keys = front_door.envoy.keys
     token = {
         "foreign key": lambda: generate_keys(tmp_path / "other").mint("mallory", "enterprise"),
@@ -42,18 +42,18 @@ def test_bad_token_is_401(front_door: FrontDoor, tmp_path, problem: str):
     assert_json_error(reply, 401)
 
 
-def test_genuine_token_for_another_audience_is_403(front_door: FrontDoor):
+def test_genuine_token_for_another_audience_is_403(front_door: ScriptedFrontDoor):
     token = front_door.envoy.keys.mint("alice", "pro", audience="someone-else")
     reply = httpx.get(f"{front_door.url}/v1/me", headers={"Authorization": f"Bearer {token}"})
     assert "Audiences" in assert_json_error(reply, 403)["message"]
 
 
-def test_valid_token_identity_reaches_the_edge(front_door: FrontDoor, user: str):
+def test_valid_token_identity_reaches_the_edge(front_door: ScriptedFrontDoor, user: str):
     with front_door.client(user, "enterprise") as client:
         assert client.get("/v1/me").json() == {"user_id": user, "tier": "enterprise"}
 
 
-def test_forged_identity_headers_with_a_valid_token_are_overwritten(front_door: FrontDoor, user: str):
+def test_forged_identity_headers_with_a_valid_token_are_overwritten(front_door: ScriptedFrontDoor, user: str):
     forged = {USER_ID_HEADER: "victim", TIER_HEADER: "enterprise"}
     with front_door.client(user, "free") as client:
         assert client.get("/v1/me", headers=forged).json() == {"user_id": user, "tier": "free"}
@@ -64,12 +64,12 @@ def test_forged_identity_headers_with_a_valid_token_are_overwritten(front_door: 
     assert front_door.scripted.chats[chat["chat_id"]][0] == user
 
 
-def test_forged_identity_header_without_a_token_is_401(front_door: FrontDoor):
+def test_forged_identity_header_without_a_token_is_401(front_door: ScriptedFrontDoor):
     reply = httpx.get(f"{front_door.url}/v1/me", headers={USER_ID_HEADER: "victim", TIER_HEADER: "pro"})
     assert_json_error(reply, 401)
 
 
-def test_edge_refuses_requests_that_did_not_come_through_envoy(front_door: FrontDoor):
+def test_edge_refuses_requests_that_did_not_come_through_envoy(front_door: ScriptedFrontDoor):
     # Defence in depth: the edge itself reached without identity headers answers 401.
     assert_json_error(httpx.get(f"{front_door.edge.url}/v1/chats"), 401)
 
@@ -77,7 +77,7 @@ def test_edge_refuses_requests_that_did_not_come_through_envoy(front_door: Front
 # -- rate limits --------------------------------------------------------------------------------------
 
 
-def test_rate_limit_per_user_answers_429_with_retry_after(front_door: FrontDoor, user: str):
+def test_rate_limit_per_user_answers_429_with_retry_after(front_door: ScriptedFrontDoor, user: str):
     with front_door.client(user, "free") as client:
         statuses = [client.get("/v1/me").status_code for _ in range(12)]
         limited = client.get("/v1/me")
@@ -94,7 +94,7 @@ def test_rate_limit_per_user_answers_429_with_retry_after(front_door: FrontDoor,
         assert {pro.get("/v1/me").status_code for _ in range(12)} == {200}
 
 
-def test_generation_routes_have_their_own_tighter_limit(front_door: FrontDoor, user: str):
+def test_generation_routes_have_their_own_tighter_limit(front_door: ScriptedFrontDoor, user: str):
     with front_door.client(user, "free") as client:
         chat_id = client.post("/v1/chats", json={}).json()["chat_id"]
         statuses = [
@@ -109,7 +109,7 @@ def test_generation_routes_have_their_own_tighter_limit(front_door: FrontDoor, u
 # -- CORS, health, access log -------------------------------------------------------------------------
 
 
-def test_cors_preflight_is_answered_without_a_token_for_allowed_origins(front_door: FrontDoor):
+def test_cors_preflight_is_answered_without_a_token_for_allowed_origins(front_door: ScriptedFrontDoor):
     preflight = {
         "Origin": "http://app.example.test",
         "Access-Control-Request-Method": "POST",
@@ -125,7 +125,7 @@ def test_cors_preflight_is_answered_without_a_token_for_allowed_origins(front_do
     assert "access-control-allow-origin" not in denied.headers
 
 
-def test_cors_headers_on_actual_responses_expose_retry_after(front_door: FrontDoor, user: str):
+def test_cors_headers_on_actual_responses_expose_retry_after(front_door: ScriptedFrontDoor, user: str):
     reply = httpx.get(
         f"{front_door.url}/v1/me", headers={**front_door.auth(user), "Origin": "http://app.example.test"}
     )
@@ -133,7 +133,7 @@ def test_cors_headers_on_actual_responses_expose_retry_after(front_door: FrontDo
     assert "retry-after" in reply.headers["access-control-expose-headers"]
 
 
-def test_envoy_answers_its_own_health_endpoint(front_door: FrontDoor):
+def test_envoy_answers_its_own_health_endpoint(front_door: ScriptedFrontDoor):
     reply = httpx.get(f"{front_door.url}/healthz")
     assert reply.status_code == 200
     assert reply.headers["server"] == "envoy"
@@ -141,7 +141,7 @@ def test_envoy_answers_its_own_health_endpoint(front_door: FrontDoor):
     assert "x-envoy-upstream-service-time" not in reply.headers
 
 
-def test_access_log_records_user_status_and_trace(front_door: FrontDoor, user: str):
+def test_access_log_records_user_status_and_trace(front_door: ScriptedFrontDoor, user: str):
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     with front_door.client(user) as client:
         client.get("/v1/me", headers={"traceparent": traceparent})
@@ -157,7 +157,7 @@ def test_access_log_records_user_status_and_trace(front_door: FrontDoor, user: s
     assert logged["traceparent"] == traceparent
 
 
-def test_w3c_trace_context_reaches_the_chat_service(front_door: FrontDoor, user: str):
+def test_w3c_trace_context_reaches_the_chat_service(front_door: ScriptedFrontDoor, user: str):
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     with front_door.client(user) as client:
         client.post("/v1/chats", json={}, headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"})
@@ -169,23 +169,23 @@ def test_w3c_trace_context_reaches_the_chat_service(front_door: FrontDoor, user:
 
 
 @pytest.fixture
-def grpc_stub(front_door: FrontDoor):
+def grpc_stub(front_door: ScriptedFrontDoor):
     with grpc.insecure_channel(front_door.envoy.grpc_target) as channel:
         yield chat_pb2_grpc.ChatServiceStub(channel)
 
 
-def bearer(front_door: FrontDoor, user: str, tier: str = "pro") -> tuple[tuple[str, str], ...]:
+def bearer(front_door: ScriptedFrontDoor, user: str, tier: str = "pro") -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {front_door.envoy.token(user, tier)}"),)
 
 
-def test_grpc_call_without_token_is_unauthenticated(front_door: FrontDoor, grpc_stub):
+def test_grpc_call_without_token_is_unauthenticated(front_door: ScriptedFrontDoor, grpc_stub):
     with pytest.raises(grpc.RpcError) as failure:
         grpc_stub.ListChats(chat_pb2.ListChatsRequest(), timeout=5)
     assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_grpc_identity_comes_from_the_token_not_from_client_metadata(
-    front_door: FrontDoor, grpc_stub, user: str
+    front_door: ScriptedFrontDoor, grpc_stub, user: str
 ):
     forged = ((USER_ID_HEADER, "victim"), (TIER_HEADER, "enterprise"))
     reply = grpc_stub.CreateChat(
@@ -199,7 +199,7 @@ def test_grpc_identity_comes_from_the_token_not_from_client_metadata(
     assert "authorization" not in call.metadata  # the token stops at Envoy
 
 
-def test_grpc_deadline_is_enforced_through_envoy(front_door: FrontDoor, grpc_stub, user: str):
+def test_grpc_deadline_is_enforced_through_envoy(front_door: ScriptedFrontDoor, grpc_stub, user: str):
     chat = grpc_stub.CreateChat(
         chat_pb2.CreateChatRequest(), metadata=bearer(front_door, user), timeout=5
     ).chat
@@ -214,7 +214,7 @@ def test_grpc_deadline_is_enforced_through_envoy(front_door: FrontDoor, grpc_stu
     assert elapsed < 1.2
 
 
-def test_grpc_stream_outlives_the_unary_route_timeout(front_door: FrontDoor, grpc_stub, user: str):
+def test_grpc_stream_outlives_the_unary_route_timeout(front_door: ScriptedFrontDoor, grpc_stub, user: str):
     metadata = bearer(front_door, user)
     chat = grpc_stub.CreateChat(chat_pb2.CreateChatRequest(), metadata=metadata, timeout=5).chat
     tokens = int((UNARY_TIMEOUT_S + 1.0) / 0.05)
@@ -233,7 +233,7 @@ def test_grpc_stream_outlives_the_unary_route_timeout(front_door: FrontDoor, grp
     assert events[-1].done.finish_reason == chat_pb2.FINISH_REASON_STOP
 
 
-def test_envoy_retries_idempotent_calls_only(front_door: FrontDoor, grpc_stub, user: str):
+def test_envoy_retries_idempotent_calls_only(front_door: ScriptedFrontDoor, grpc_stub, user: str):
     metadata = bearer(front_door, user)
     chat = grpc_stub.CreateChat(chat_pb2.CreateChatRequest(), metadata=metadata, timeout=5).chat
     service = front_door.scripted
@@ -250,7 +250,7 @@ def test_envoy_retries_idempotent_calls_only(front_door: FrontDoor, grpc_stub, u
         assert len(service.calls_to("CreateChat")) == before + 1  # never replayed: it is not idempotent
 
 
-def test_grpc_retry_info_passes_through_envoy(front_door: FrontDoor, grpc_stub, user: str):
+def test_grpc_retry_info_passes_through_envoy(front_door: ScriptedFrontDoor, grpc_stub, user: str):
     with (
         front_door.scripted.failing(
             "ListModels", grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", retry_after_s=4

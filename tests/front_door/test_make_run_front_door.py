@@ -1,22 +1,28 @@
-"""The front door as `make run` starts it (chatmesh.front_door), and the instructions it prints: the page
-URL, the curl SSE examples and the gRPC example client all work as printed. The chat service behind it is
-ScriptedChatService (not the orchestrator)."""
+"""`make run` and the instructions it prints: the page URL, the curl SSE examples and the gRPC example
+client all work as printed, first against the front door alone (chatmesh.front_door in front of
+ScriptedChatService), then against the whole mesh as `make run` starts it (``python -m chatmesh.mesh``:
+Cassandra, the real model on the cpu backend, router, orchestrator, edge, Envoy), where the printed
+examples must stream the model's answer through Envoy and Ctrl-C must leave no process behind."""
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from chatmesh.dev_jwt import DevKeys
+from chatmesh.dev_jwt import DIR_ENV, DevKeys
 from chatmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from chatmesh.launcher import Launcher, PortInUseError, free_port
-from tests.front_door.conftest import FrontDoor
+from tests.front_door.conftest import ScriptedFrontDoor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +33,22 @@ def fresh_ports() -> FrontDoorPorts:
     )
 
 
-def test_printed_instructions_work(front_door: FrontDoor, dev_jwt_keys: DevKeys, tmp_path):
+def run_printed_commands(text: str, token: str) -> subprocess.CompletedProcess:
+    """Runs the example commands in the text `make run` printed (its indented lines), as printed."""
+    commands = [line.strip() for line in text.splitlines() if line.startswith("    ")]
+    assert len(commands) == 4  # curl completions, create chat, curl messages, gRPC client
+    return subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + "\n".join(commands)],
+        env={**os.environ, "TOKEN": token},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_printed_instructions_work(front_door: ScriptedFrontDoor, dev_jwt_keys: DevKeys, tmp_path):
     ports = fresh_ports()
     with Launcher(tmp_path, echo=lambda _: None) as launcher:
         for spec in front_door_specs(ports, [front_door.scripted_port], tmp_path, dev_jwt_keys):
@@ -40,24 +61,14 @@ def test_printed_instructions_work(front_door: FrontDoor, dev_jwt_keys: DevKeys,
         assert httpx.get(f"{page_url.group(1)}/healthz").status_code == 200
         assert "<title>chatmesh</title>" in httpx.get(page_url.group(1) + "/").text
 
-        commands = [line.strip() for line in text.splitlines() if line.startswith("    ")]
-        assert len(commands) == 4  # curl completions, create chat, curl messages, gRPC client
-        result = subprocess.run(
-            ["bash", "-c", "set -euo pipefail\n" + "\n".join(commands)],
-            env={**os.environ, "TOKEN": token},
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        result = run_printed_commands(text, token)
     assert result.returncode == 0, result.stderr
     assert "data: [DONE]" in result.stdout  # OpenAI-compatible stream
     assert "event: done" in result.stdout  # the page's SSE stream
     assert "FINISH_REASON_STOP" in result.stdout  # the gRPC example client
 
 
-def test_taken_port_is_a_clear_error(front_door: FrontDoor, dev_jwt_keys: DevKeys, tmp_path):
+def test_taken_port_is_a_clear_error(front_door: ScriptedFrontDoor, dev_jwt_keys: DevKeys, tmp_path):
     ports = fresh_ports()
     with socket.socket() as squatter, Launcher(tmp_path, echo=lambda _: None) as launcher:
         squatter.bind(("127.0.0.1", ports.envoy))
@@ -66,3 +77,74 @@ def test_taken_port_is_a_clear_error(front_door: FrontDoor, dev_jwt_keys: DevKey
         launcher.start(edge)
         with pytest.raises(PortInUseError, match=f"port {ports.envoy} needed by envoy"):
             launcher.start(envoy)
+
+
+class Output:
+    """The lines a process prints, read on a thread so a test can wait for one with a deadline."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self._thread.start()
+
+    def _read(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, marker: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while marker not in self.text:
+            assert time.monotonic() < deadline, f"no {marker!r} within {timeout_s}s:\n{self.text[-3000:]}"
+            assert self._thread.is_alive(), f"the process ended before {marker!r}:\n{self.text[-3000:]}"
+            time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_everything(tmp_path):
+    names = "envoy envoy-admin envoy-internal edge orchestrator router first-engine cassandra"
+    flags = [f"--{name}-port" for name in (*names.split(), "cassandra-storage", "cassandra-jmx")]
+    argv = [sys.executable, "-m", "chatmesh.mesh", "--engines", "1", "--run-dir", str(tmp_path / "run")]
+    argv += [part for flag in flags for part in (flag, str(free_port()))]
+    mesh = subprocess.Popen(
+        argv,
+        cwd=REPO_ROOT,
+        env={**os.environ, DIR_ENV: str(tmp_path / "dev-jwt"), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    output = Output(mesh)
+    try:
+        output.wait_for("Press Ctrl-C to stop everything.", timeout_s=300)
+        token = re.search(r"export TOKEN=(\S+)", output.text).group(1)
+        result = run_printed_commands(output.text, token)
+        assert result.returncode == 0, result.stderr
+        # Each example streamed the real model's greedy answer through Envoy: completions, the stored
+        # chat's SSE, and the gRPC client.
+        completion, _, rest = result.stdout.partition("data: [DONE]")
+        stored, _, grpc_client = rest.rpartition("event: done")
+        assert '"content":" Paris"' in completion and rest, completion
+        assert '"text":" Paris"' in stored, stored
+        assert "Paris" in grpc_client and "FINISH_REASON_STOP" in grpc_client, grpc_client
+    finally:
+        # Ctrl-C: the terminal sends SIGINT to the foreground process group.
+        os.killpg(mesh.pid, signal.SIGINT)
+        code = mesh.wait(timeout=120)
+    services = [int(pid) for pid in re.findall(r"ready .* pid (\d+)", output.text)]
+    assert len(services) == 6  # cassandra, engine, router, orchestrator, edge, envoy
+    assert code == 0, output.text[-3000:]
+    assert "stopping chatmesh" in output.text
+    assert [pid for pid in services if _alive(pid)] == []

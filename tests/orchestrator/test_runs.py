@@ -12,7 +12,6 @@ import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from tests.fixtures.orchestrator import (
     ChatClient,
     Mesh,
@@ -121,17 +120,6 @@ async def test_another_replica_follows_a_run_in_progress_from_its_checkpoints(
     assert await followed == reference[1:]
 
 
-async def engine_running_requests(mesh: Mesh) -> int:
-    total = 0
-    for engine in mesh.engines:
-        async with grpc.aio.insecure_channel(engine.address) as channel:
-            load = await engine_pb2_grpc.EngineServiceStub(channel).GetLoad(
-                engine_pb2.GetLoadRequest(), timeout=5
-            )
-            total += load.load.running_requests + load.load.waiting_requests
-    return total
-
-
 async def test_cancel_stops_the_run_at_once_frees_the_engine_and_keeps_what_was_said(
     client: ChatClient, mesh: Mesh
 ) -> None:
@@ -147,7 +135,7 @@ async def test_cancel_stops_the_run_at_once_frees_the_engine_and_keeps_what_was_
     assert kinds(run)[-2:] == ["usage", "done"]
     assert run[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
     assert run[-2].usage.completion_tokens < 3000
-    assert await engine_running_requests(mesh) == 0
+    assert mesh.engine_requests() == 0
 
     answer = (await chat_messages(client, chat.chat_id))[-1]
     assert answer.content == answer_text(run) and answer.finish_reason == chat_pb2.FINISH_REASON_CANCELLED

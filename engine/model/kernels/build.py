@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("gemm.c", "attention.c", "pool.c")
+SOURCES = ("gemm.c", "attention.c", "pool.c", "tp_barrier.c")
 HEADERS = ("pool.h",)
 # Compiled without ISA flags, so the library can be loaded and asked about the CPU on any x86-64.
 CPU_CHECK_SOURCE = "cpu_check.c"

@@ -1,4 +1,4 @@
-"""ctypes face of the native kernels (gemm.c, attention.c). Weights stay in GGUF's quantized numbers."""
+"""ctypes face of the native kernels (gemm.c, attention.c; tp_barrier.c for tensor parallelism). Weights stay in GGUF's quantized numbers."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ _SIGNATURES = {
     "cm_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
     "cm_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _P]),
     "cm_silu_mul": (None, [_P, _I, _I, _P]),
+    "cm_tp_arrive": (ctypes.c_uint32, [_P, _I]),
+    "cm_tp_wait": (ctypes.c_int, [_P, ctypes.c_uint32, _I]),
 }
 
 

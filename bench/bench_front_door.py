@@ -1,0 +1,433 @@
+"""Front-door overhead: time to first token and per-token latency end to end through Envoy, side by side
+with the same streams straight to an engine; then how many streams the front door holds open at once.
+
+Starts the whole mesh as processes on 127.0.0.1 (a Cassandra node, null engines paced at
+``--tokens-per-s`` per stream, a router, an orchestrator, the edge and Envoy with the ``make run``
+config) and drives the same answers, C at a time, along three paths:
+
+  engine  EngineService.Generate straight to an engine (round robin): the floor
+  openai  POST /v1/chat/completions (stream) through Envoy (JWT, rate limit) -> edge -> Envoy's internal
+          listener -> orchestrator Complete (limits, budget in Cassandra, prompt) -> router -> engine
+  chat    POST /v1/chats/{id}/messages (SSE, the chat page's path) through the same hops, with the
+          exchange stored in Cassandra (idempotency claim, history, run, checkpoints, the answer)
+
+The null engine computes nothing, so every millisecond above the engine row is the mesh's own
+("mesh overhead, null engine"). Reported per path and concurrency: TTFT p50/p99 (request sent to first
+text), TPOT p50/p99 ((last text - first text) / (tokens - 1)), and the ratios to engine-direct.
+
+Then the hold ramp: the engines restart paced at ``--hold-tokens-per-s`` (slow streams cost little CPU,
+so what is measured is holding streams, not relaying tokens) with room to decode every stream of the
+largest level at once, and N OpenAI streams of ``--hold-tokens`` tokens are opened at once through
+Envoy, for N = 250, 500, 1000, ... up to ``--hold-cap``. A level is held when every stream got its first
+token while all N were open, and every one then finished with all its tokens and no error. The ramp
+stops at the first level that is not held.
+
+    flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_front_door.py \
+        [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] [--hold-cap 2000] \
+        [--plot docs/front_door_latency.png]
+
+The plot needs matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.bench_orchestrator import (  # noqa: E402
+    QUESTION,
+    Paths,
+    Stream,
+    machine,
+    ms,
+    null_engine,
+    percentile,
+    start_mesh,
+    timed,
+    wait_for_engines,
+)
+from chatmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
+from chatmesh.front_door import FrontDoorPorts, front_door_specs  # noqa: E402
+from chatmesh.launcher import Launcher, free_port  # noqa: E402
+from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
+from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
+
+PATHS = ("engine", "openai", "chat")
+
+
+class StreamFailedError(RuntimeError):
+    """A stream through the door ended with an error (HTTP status, error event, or a short answer)."""
+
+
+class Door:
+    """HTTP clients of the front door: one enterprise user per stream index (per-user limits must not
+    shape the benchmark), each with a JWT of its own."""
+
+    def __init__(self, url: str, keys: DevKeys, tokens: int) -> None:
+        self.tokens = tokens
+        self.keys = keys
+        self.http = httpx.AsyncClient(
+            base_url=url,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+            timeout=httpx.Timeout(600.0, connect=120.0, pool=None),
+        )
+        self._auth: dict[int, dict[str, str]] = {}
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def auth(self, i: int) -> dict[str, str]:
+        if i not in self._auth:
+            self._auth[i] = {"Authorization": f"Bearer {self.keys.mint(f'bench-user-{i}', 'enterprise')}"}
+        return self._auth[i]
+
+    async def stream(self, path: str, i: int, chat_id: str = "") -> Stream:
+        began = time.perf_counter()
+        return await timed(getattr(self, f"_{path}")(i, chat_id), began)
+
+    async def openai_chunks(self, i: int, tokens: int) -> AsyncIterator[int]:
+        """1 per content chunk of a streamed completion, then the tokens the usage chunk counts beyond
+        that (a chunk can carry two tokens: OpenAI chunks have no token count of their own)."""
+        body = {
+            "messages": [
+                {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
+                {"role": "user", "content": QUESTION},
+            ],
+            "max_tokens": tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        chunks = completion_tokens = 0
+        async with self.http.stream("POST", "/v1/chat/completions", json=body, headers=self.auth(i)) as reply:
+            if reply.status_code != 200:
+                raise StreamFailedError(f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}")
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise StreamFailedError(chunk["error"]["message"])
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    chunks += 1
+                    yield 1
+                elif chunk.get("usage"):
+                    completion_tokens = chunk["usage"]["completion_tokens"]
+                    if completion_tokens > chunks:
+                        yield completion_tokens - chunks
+        if completion_tokens != tokens:
+            raise StreamFailedError(f"the answer ended after {completion_tokens} of {tokens} tokens")
+
+    async def _openai(self, i: int, chat_id: str) -> AsyncIterator[int]:
+        async for count in self.openai_chunks(i, self.tokens):
+            yield count
+
+    async def _chat(self, i: int, chat_id: str) -> AsyncIterator[int]:
+        body = {"content": QUESTION, "options": {"max_tokens": self.tokens, "temperature": 0}}
+        event = ""
+        async with self.http.stream(
+            "POST", f"/v1/chats/{chat_id}/messages", json=body, headers=self.auth(i)
+        ) as reply:
+            if reply.status_code != 200:
+                raise StreamFailedError(f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}")
+            async for line in reply.aiter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and event == "delta":
+                    yield json.loads(line[6:])["token_count"]
+                elif line.startswith("data: ") and event == "error":
+                    raise StreamFailedError(line[6:])
+
+    async def new_chats(self, count: int) -> list[str]:
+        async def create(i: int) -> str:
+            reply = await self.http.post("/v1/chats", json={}, headers=self.auth(i))
+            reply.raise_for_status()
+            return reply.json()["chat_id"]
+
+        return list(await asyncio.gather(*(create(i) for i in range(count))))
+
+
+async def measure(engine: Paths, door: Door, path: str, concurrency: int, requests: int) -> list[Stream]:
+    """``requests`` streams along ``path``, ``concurrency`` at a time (in waves)."""
+    results: list[Stream] = []
+    for i in range(concurrency):
+        door.auth(i)  # sign the JWTs before the clock starts: that is the client's work, not the door's
+    while len(results) < requests:
+        wave = min(concurrency, requests - len(results))
+        if path == "engine":
+            results += await asyncio.gather(*(engine.stream("engine", i) for i in range(wave)))
+            continue
+        chats = await door.new_chats(wave) if path == "chat" else [""] * wave
+        results += await asyncio.gather(*(door.stream(path, i, chats[i]) for i in range(wave)))
+    return results
+
+
+@dataclass
+class Row:
+    path: str
+    concurrency: int
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+
+
+async def latency(
+    args: argparse.Namespace, engines: list[str], router: str, orchestrator: str, url: str, keys: DevKeys
+) -> list[Row]:
+    prompt = load_tokenizer().encode_chat(
+        [ChatMessage("system", DEFAULT_SYSTEM_PROMPT), ChatMessage("user", QUESTION)]
+    )
+    engine = Paths(engines, router, orchestrator, prompt, args.tokens)
+    door = Door(url, keys, args.tokens)
+    rows: list[Row] = []
+    try:
+        print(
+            f"workload: prompt {len(prompt)} tokens, {args.tokens} output tokens per stream, null engines x"
+            f"{len(engines)} paced at {args.tokens_per_s:g} tokens/s per stream (mesh overhead, null engine), "
+            f"{args.requests} streams per row (at least the concurrency)"
+        )
+        for path in PATHS:  # warm-up: connections, prepared statements, first-call costs
+            await measure(engine, door, path, 4, 4)
+        header = (
+            f"{'path':<7} {'streams':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} "
+            f"{'TTFT x':>7} {'TPOT x':>7}"
+        )
+        print(f"\n{header}  (milliseconds; x = ratio to engine-direct p50)\n{'-' * len(header)}", flush=True)
+        for concurrency in args.concurrency:
+            base: Row | None = None
+            for path in PATHS:
+                results = await measure(engine, door, path, concurrency, max(args.requests, concurrency))
+                ttft, tpot = [r.ttft for r in results], [r.tpot for r in results]
+                row = Row(
+                    path,
+                    concurrency,
+                    statistics.median(ttft),
+                    percentile(ttft, 0.99),
+                    statistics.median(tpot),
+                    percentile(tpot, 0.99),
+                )
+                base = base or row
+                rows.append(row)
+                print(
+                    f"{path:<7} {concurrency:>7} {ms(row.ttft_p50):>9} {ms(row.ttft_p99):>9} "
+                    f"{ms(row.tpot_p50):>9} {ms(row.tpot_p99):>9} "
+                    f"{row.ttft_p50 / base.ttft_p50:>7.2f} {row.tpot_p50 / base.tpot_p50:>7.2f}",
+                    flush=True,
+                )
+    finally:
+        await engine.close()
+        await door.close()
+    return rows
+
+
+@dataclass
+class Held:
+    streams: int
+    failed: int
+    errors: list[str]
+    peak_open: int
+    open_s: float
+    first_p50: float
+    first_p99: float
+
+    @property
+    def held(self) -> bool:
+        return not self.errors and self.peak_open == self.streams
+
+
+async def hold_level(door: Door, streams: int, tokens: int) -> Held:
+    """Opens ``streams`` OpenAI streams at once; each is timed from its first chunk to its end."""
+    began = time.perf_counter()
+    spans: list[tuple[float, float]] = []
+
+    async def one(i: int) -> None:
+        first = None
+        async for _ in door.openai_chunks(i, tokens):
+            first = first or time.perf_counter()
+        assert first is not None
+        spans.append((first, time.perf_counter()))
+
+    outcomes = await asyncio.gather(*(one(i) for i in range(streams)), return_exceptions=True)
+    failures = [e for e in outcomes if isinstance(e, BaseException)]
+    errors = sorted({f"{type(e).__name__}: {e}"[:200] for e in failures})
+    # The most streams open at one moment: +1 at each first chunk, -1 at each end.
+    edges = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    open_now = peak = 0
+    for _, step in edges:
+        open_now += step
+        peak = max(peak, open_now)
+    firsts = [start - began for start, _ in spans] or [0.0]
+    return Held(
+        streams,
+        len(failures),
+        errors,
+        peak,
+        max(firsts),
+        statistics.median(firsts),
+        percentile(firsts, 0.99),
+    )
+
+
+async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys) -> list[Held]:
+    door = Door(url, keys, args.hold_tokens)
+    levels, level = [], args.hold_start
+    while level < args.hold_cap:
+        levels.append(level)
+        level *= 2
+    levels.append(args.hold_cap)
+    print(
+        f"\nhold ramp: OpenAI streams of {args.hold_tokens} tokens through Envoy, null engines paced at "
+        f"{args.hold_tokens_per_s:g} tokens/s per stream, cap {args.hold_cap}\n"
+        f"{'streams':>7} {'held':>5} {'peak open':>9} {'all answered by':>15} {'first chunk p50/p99':>20}  errors",
+        flush=True,
+    )
+    results: list[Held] = []
+    try:
+        # The restarted engines are back in the router once a few short streams get through.
+        for _ in range(60):
+            if not (await hold_level(door, 4, 2)).errors:
+                break
+            await asyncio.sleep(0.5)
+        for streams in levels:
+            for i in range(streams):
+                door.auth(i)  # mint the tokens before the clock starts
+            result = await hold_level(door, streams, args.hold_tokens)
+            results.append(result)
+            print(
+                f"{streams:>7} {'yes' if result.held else 'NO':>5} {result.peak_open:>9} "
+                f"{result.open_s:>14.1f}s {result.first_p50:>9.1f}s / {result.first_p99:.1f}s  "
+                f"{result.failed} failed {result.errors[:3]}",
+                flush=True,
+            )
+            if not result.held:
+                break
+    finally:
+        await door.close()
+    return results
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no plot: matplotlib is not installed; `.venv/bin/pip install matplotlib==3.11.2`)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, metric, label in (
+        (axes[0], "ttft", "time to first token (ms)"),
+        (axes[1], "tpot", "time per output token (ms)"),
+    ):
+        for name, colour in zip(PATHS, ("tab:gray", "tab:blue", "tab:orange"), strict=True):
+            mine = [r for r in rows if r.path == name]
+            xs = [r.concurrency for r in mine]
+            ax.plot(
+                xs,
+                [getattr(r, f"{metric}_p50") * 1000 for r in mine],
+                "o-",
+                color=colour,
+                label=f"{name} p50",
+            )
+            ax.plot(
+                xs,
+                [getattr(r, f"{metric}_p99") * 1000 for r in mine],
+                "x--",
+                color=colour,
+                alpha=0.6,
+                label=f"{name} p99",
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def start_door(launcher: Launcher, orchestrator: str, run_dir: Path) -> tuple[str, DevKeys]:
+    """The edge and Envoy with ``make run``'s config (default rate limits) in front of ``orchestrator``."""
+    keys = generate_keys(run_dir / "dev-jwt")
+    ports = FrontDoorPorts(
+        envoy=free_port(), envoy_admin=free_port(), envoy_internal=free_port(), edge=free_port()
+    )
+    for spec in front_door_specs(ports, [int(orchestrator.rsplit(":", 1)[1])], run_dir, keys):
+        launcher.start(spec)
+    return f"http://127.0.0.1:{ports.envoy}", keys
+
+
+def restart_engines(launcher: Launcher, engines: list[str], tokens_per_s: float, max_running: int) -> None:
+    """The same engines on the same ports, paced anew (the router reconnects to them)."""
+    for i, address in enumerate(engines):
+        launcher.stop(f"engine-{i}")
+        launcher.start(null_engine(i, int(address.rsplit(":", 1)[1]), tokens_per_s, max_running))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 50, 500])
+    parser.add_argument("--requests", type=int, default=20, help="streams per row (at least the concurrency)")
+    parser.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
+    parser.add_argument("--tokens-per-s", type=float, default=50.0, help="null engines' pace per stream")
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--hold-cap", type=int, default=2000, help="most streams the ramp opens (0: no ramp)")
+    parser.add_argument("--hold-start", type=int, default=250, help="the ramp's first level (then doubling)")
+    parser.add_argument("--hold-tokens", type=int, default=60, help="tokens per stream in the ramp")
+    parser.add_argument("--hold-tokens-per-s", type=float, default=1.0, help="engines' pace in the ramp")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "front_door_latency.png")
+    parser.add_argument(
+        "--run-dir", type=Path, help="keep the services' data and logs here (default: a temp dir)"
+    )
+    args = parser.parse_args()
+    print(f"machine: {machine()}")
+    with tempfile.TemporaryDirectory(prefix="bench-front-door-") as tmp:
+        run(args, args.run_dir or Path(tmp))
+
+
+def run(args: argparse.Namespace, run_dir: Path) -> None:
+    with Launcher(run_dir, echo=print) as launcher:
+        print("starting Cassandra, engines, router, orchestrator, edge and Envoy ...", flush=True)
+        engines, router, orchestrator = start_mesh(launcher, args, run_dir)
+        url, keys = start_door(launcher, orchestrator, run_dir)
+        asyncio.run(wait_for_engines(router, len(engines)))
+        if args.concurrency:
+            rows = asyncio.run(latency(args, engines, router, orchestrator, url, keys))
+            plot(
+                rows,
+                args.plot,
+                f"chatmesh front door: mesh overhead, null engine ({args.tokens_per_s:g} tok/s per stream, "
+                f"{args.tokens} tokens); shared 2-core machine: provisional",
+            )
+        if args.hold_cap:
+            print(f"\nrestarting the engines paced at {args.hold_tokens_per_s:g} tokens/s ...", flush=True)
+            # Every stream of the largest level decodes at once: the ramp measures the door, not a queue.
+            restart_engines(launcher, engines, args.hold_tokens_per_s, -(-args.hold_cap // len(engines)))
+            asyncio.run(wait_for_engines(router, len(engines)))
+            asyncio.run(hold_ramp(args, url, keys))
+        print(f"\nmachine at the end: {machine()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The other two doors end to end through the real mesh (Envoy -> orchestrator -> router -> paced null
+engines, Cassandra): the official ``openai`` SDK, unmodified, against the OpenAI-compatible API, and
+gRPC ChatService clients with a JWT and deadlines."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import openai
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.identity import CHAT_ID_HEADER, USER_ID_HEADER
+from tests.fixtures.front_door import MeshFrontDoor
+
+PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture
+def sdk(mesh_front_door: MeshFrontDoor, user: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{mesh_front_door.url}/v1", api_key=mesh_front_door.envoy.token(user), max_retries=0
+    )
+
+
+# -- the openai SDK ---------------------------------------------------------------------------------------
+
+
+def test_openai_sdk_non_streaming_and_streaming_get_the_same_answer(
+    mesh_front_door: MeshFrontDoor, sdk: openai.OpenAI
+):
+    [model] = [m.id for m in sdk.models.list().data]
+    assert sdk.models.retrieve(model).id == model
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("no-such-model")
+    reply = sdk.chat.completions.create(model=model, messages=PROMPT, max_tokens=12)
+    assert reply.object == "chat.completion" and reply.id.startswith("chatcmpl-") and reply.model == model
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens > 0
+    assert reply.choices[0].message.content
+
+    chunks = list(
+        sdk.chat.completions.create(
+            model=model,
+            messages=PROMPT,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    # The null engines' text depends only on the prompt's length: the same prompt, the same answer.
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    assert sum(bool(c.choices and c.choices[0].delta.content) for c in chunks) > 1  # token by token
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    assert chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == reply.usage.prompt_tokens
+
+
+def test_openai_completions_are_not_stored_as_chats(mesh_front_door: MeshFrontDoor, sdk, user: str):
+    sdk.chat.completions.create(model="", messages=PROMPT, max_tokens=2)
+    with mesh_front_door.client(user) as client:
+        assert client.get("/v1/chats").json()["chats"] == []
+
+
+def test_openai_sdk_errors_from_the_real_mesh_are_typed(sdk: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="no-such-model", messages=PROMPT, max_tokens=2)
+    with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
+        sdk.chat.completions.create(model="", messages=PROMPT, max_tokens=100_000)
+
+
+# -- gRPC through Envoy -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stub(mesh_front_door: MeshFrontDoor):
+    with grpc.insecure_channel(mesh_front_door.envoy.grpc_target) as channel:
+        yield chat_pb2_grpc.ChatServiceStub(channel)
+
+
+def test_grpc_needs_a_jwt_and_takes_identity_from_it(mesh_front_door: MeshFrontDoor, stub, user: str):
+    with pytest.raises(grpc.RpcError) as failure:
+        stub.ListChats(chat_pb2.ListChatsRequest(), timeout=5)
+    assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    auth = mesh_front_door.grpc_auth(user)
+    chat = stub.CreateChat(
+        chat_pb2.CreateChatRequest(title="grpc"), metadata=(*auth, (USER_ID_HEADER, "victim")), timeout=5
+    ).chat
+    listed = stub.ListChats(chat_pb2.ListChatsRequest(), metadata=auth, timeout=5).chats
+    assert [c.chat_id for c in listed] == [chat.chat_id]
+
+
+def test_grpc_stream_deadline_is_honoured_and_the_run_goes_on(
+    mesh_front_door: MeshFrontDoor, stub, user: str
+):
+    auth = mesh_front_door.grpc_auth(user)
+    chat_id = stub.CreateChat(chat_pb2.CreateChatRequest(), metadata=auth, timeout=5).chat.chat_id
+    routed = (*auth, (CHAT_ID_HEADER, chat_id))
+    request = chat_pb2.SendMessageRequest(
+        chat_id=chat_id, content="Take your time.", options=chat_pb2.GenerationOptions(max_tokens=400)
+    )
+    seen: list[chat_pb2.RunEvent] = []
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as failure:
+        for response in stub.SendMessage(request, metadata=routed, timeout=1.0):
+            seen.append(response.event)
+    elapsed = time.monotonic() - started
+    assert failure.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert elapsed < 1.8, elapsed  # the answer takes 2 s; the call ended at its deadline
+    assert seen and seen[0].WhichOneof("kind") == "started"
+
+    # A deadline is the client leaving, not a cancel: the run finishes, and StreamRun picks it up.
+    run_id = seen[0].started.run_id
+    rest = [
+        r.event
+        for r in stub.StreamRun(
+            chat_pb2.StreamRunRequest(run_id=run_id, after_seq=seen[-1].seq), metadata=routed, timeout=30
+        )
+    ]
+    whole = seen + rest
+    assert [e.seq for e in whole] == list(range(1, len(whole) + 1))
+    assert whole[-1].done.finish_reason == chat_pb2.FINISH_REASON_LENGTH
+    stored = stub.ListMessages(chat_pb2.ListMessagesRequest(chat_id=chat_id), metadata=routed, timeout=5)
+    assert stored.messages[0].content == "".join(
+        e.delta.text for e in whole if e.WhichOneof("kind") == "delta"
+    )

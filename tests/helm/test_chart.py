@@ -1,0 +1,513 @@
+"""The Helm chart: it lints, renders valid Kubernetes objects, and wires the services the way the code
+expects (ports, flags, discovery, network paths, GPUs, drain). Rendered with the real helm binary; the
+services' own flag parsers and Envoy's own validator judge what it renders."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from chatmesh.dev_jwt import generate_keys
+from chatmesh.envoy import EnvoyConfig, chat_service_methods, write_config
+from engine.config import BACKENDS as ENGINE_BACKENDS
+from tests.helm.chart import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    REQUIRED_SETS,
+    HelmError,
+    Rendered,
+    component_of,
+    env_of,
+    helm,
+    labels_match,
+    render,
+    value_args,
+)
+
+# The minimum Kubernetes the chart supports (grpc probes are GA in 1.27) and the newest schemas shipped.
+K8S_VERSIONS = ("1.27.0", "1.37.0")
+CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1"}
+SCENARIOS = {
+    "defaults": (),
+    "full": ("values-full.yaml",),
+    "gpu": ("values-gpu.yaml",),
+}
+FULL = "cm-chatmesh"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, Rendered]:
+    return {name: render(files, REQUIRED_SETS if not files else ()) for name, files in SCENARIOS.items()}
+
+
+# -- lint and schema -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_chart_lints_strict(scenario):
+    sets = REQUIRED_SETS if scenario == "defaults" else ()
+    out = helm("lint", "--strict", str(CHART), *value_args(SCENARIOS[scenario], sets))
+    assert "0 chart(s) failed" in out
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_rendered_objects_pass_kubernetes_validate_strict(rendered, scenario):
+    objects = rendered[scenario].objects
+    core = [o for o in objects if o["kind"] not in CRD_KINDS]
+    assert len(core) > 20
+    for version in K8S_VERSIONS:
+        for obj in core:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{obj['kind']} {obj['metadata']['name']} (k8s {version}): {exc.message}")
+
+
+def test_crd_objects_have_their_apis_shape_and_valid_pod_templates(rendered):
+    objects = rendered["full"].objects
+    crds = [o for o in objects if o["kind"] in CRD_KINDS]
+    assert {o["kind"] for o in crds} == set(CRD_KINDS)
+    for obj in crds:
+        assert obj["apiVersion"] == CRD_KINDS[obj["kind"]]
+    # Each ServiceMonitor selects exactly the Service of its component, on a port named `metrics`.
+    services = rendered["full"].of_kind("Service")
+    for monitor in rendered["full"].of_kind("ServiceMonitor"):
+        spec = monitor["spec"]
+        assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+        assert [e["port"] for e in spec["endpoints"]] == ["metrics"]
+        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        matching = [
+            s for s in services if labels_match(spec["selector"]["matchLabels"], s["metadata"]["labels"])
+        ]
+        assert [s["metadata"]["name"] for s in matching] == [monitor["metadata"]["name"]]
+        assert "metrics" in {p["name"] for p in matching[0]["spec"]["ports"]}
+    assert {m["metadata"]["name"] for m in rendered["full"].of_kind("ServiceMonitor")} == {
+        f"{FULL}-{c}" for c in ("orchestrator", "router", "engine", "edge")
+    }
+    # The LeaderWorkerSet's templates are Pods Kubernetes would accept.
+    lws = rendered["full"].get("LeaderWorkerSet", f"{FULL}-engine")
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2
+    assert template["restartPolicy"] == "RecreateGroupOnPodRestart"
+    for role in ("leaderTemplate", "workerTemplate"):
+        pod = {"apiVersion": "v1", "kind": "Pod", **template[role]}
+        pod["metadata"] = {"name": f"lws-{role.lower()}", **template[role]["metadata"]}
+        kubernetes_validate.validate(pod, K8S_VERSIONS[0], strict=True)
+
+
+def test_values_schema_rejects_a_misspelt_key_and_an_unknown_backend():
+    with pytest.raises(HelmError, match="backnd"):
+        helm("template", "x", str(CHART), *value_args((), (*REQUIRED_SETS, "engine.backnd=cuda")))
+    with pytest.raises(HelmError, match="backend"):
+        helm("template", "x", str(CHART), *value_args((), (*REQUIRED_SETS, "engine.backend=vllm")))
+
+
+def test_missing_cassandra_or_jwks_fails_saying_what_to_set():
+    with pytest.raises(HelmError, match=r"cassandra\.contactPoints.*bundled\.enabled"):
+        render(sets=("envoy.jwt.existingSecret=s",))
+    with pytest.raises(HelmError, match=r"envoy\.jwt: set existingSecret"):
+        render(sets=("cassandra.contactPoints[0]=c",))
+
+
+def test_multi_node_needs_trtllm_and_an_even_gpu_split():
+    base = ("values-full.yaml",)
+    with pytest.raises(HelmError, match=r"needs engine\.backend=trtllm"):
+        render(base, ("engine.backend=cuda",))
+    with pytest.raises(HelmError, match=r"tensorParallelSize \(6\) must divide evenly over .*nodes \(4\)"):
+        render(base, ("engine.tensorParallelSize=6", "engine.multiNode.nodes=4"))
+
+
+# -- probes, flags, discovery --------------------------------------------------------------------
+
+
+def _port_flag(env: dict[str, str | None], service: str) -> int:
+    return int(env[f"CHATMESH_{service.upper()}_PORT"])
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "full"])
+def test_every_probe_hits_the_port_its_service_listens_on(rendered, scenario):
+    chart = rendered[scenario]
+    probed = set()
+    for component, _, spec in chart.pod_specs():
+        for container in spec["containers"]:
+            ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+            env = env_of(container)
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = container.get(kind)
+                if probe is None:
+                    continue
+                probed.add(component)
+                if component in ("orchestrator", "router", "engine"):
+                    # grpc.health.v1 on the service's own gRPC port (the port its flag sets).
+                    assert probe["grpc"]["port"] == ports["grpc"] == _port_flag(env, component)
+                elif component == "edge":
+                    assert probe["httpGet"]["path"] == "/healthz"
+                    assert ports[probe["httpGet"]["port"]] == _port_flag(env, "edge")
+                elif component == "envoy":
+                    http = probe.get("httpGet") or probe["tcpSocket"]
+                    assert ports[http["port"]] == envoy_settings(chart)["listen_port"]
+    assert {"orchestrator", "router", "engine", "edge", "envoy"} <= probed
+
+
+def test_edge_health_path_is_a_route_the_edge_serves():
+    from edge.app import create_app
+    from edge.settings import EdgeSettings
+    from edge.sse import Drain
+
+    app = create_app(EdgeSettings(orchestrator="127.0.0.1:1"), Drain())
+    assert "/healthz" in {getattr(route, "path", None) for route in app.routes}
+
+
+def _flag_envs(parse) -> set[str]:
+    """Every CHATMESH_* variable a service's real parser reads (from its --help)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        parse(["--help"])
+    return set(re.findall(r"\[env\s+(CHATMESH_[A-Z0-9_]+)\]", out.getvalue()))
+
+
+def _parsers():
+    from edge.__main__ import parse_args as edge_args
+    from edge.__main__ import settings_from
+    from engine.__main__ import parse_args as engine_args
+    from engine.config import EngineConfig
+    from orchestrator import config as orchestrator_config
+    from router.__main__ import parse_args as router_args
+    from router.config import RouterConfig
+
+    # Each: (argv → namespace, and the service's own checks on top of argparse).
+    return {
+        "engine": (engine_args, EngineConfig.from_args),
+        "router": (router_args, RouterConfig.from_args),
+        "orchestrator": (lambda argv: orchestrator_config.parse(argv)[0], lambda ns: None),
+        "edge": (edge_args, settings_from),
+    }
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "full", "gpu"])
+def test_every_chatmesh_variable_is_a_real_flag_and_the_service_accepts_its_value(
+    rendered, scenario, monkeypatch
+):
+    chart = rendered[scenario]
+    for service, (parse, check) in _parsers().items():
+        env = env_of(chart.container(service, service))
+        ours = {name for name in env if name.startswith("CHATMESH_")}
+        unknown = ours - _flag_envs(parse)
+        assert not unknown, f"{service}: the chart sets variables no flag reads: {sorted(unknown)}"
+        # The service parses the chart's values (types, list syntax, cross-flag checks) without error.
+        for name in list(os.environ):
+            if name.startswith("CHATMESH_"):
+                monkeypatch.delenv(name)
+        for name, value in env.items():
+            if name.startswith("CHATMESH_"):
+                monkeypatch.setenv(name, value if value is not None else "from-the-pod")
+        args = parse([])
+        if service != "engine" or args.backend in ENGINE_BACKENDS:
+            # (GPU backends land separately: until this build has one, the engine refuses its name.)
+            check(args)
+        assert args.host == "0.0.0.0"
+        assert args.port == _port_flag(env, service)
+
+
+def test_user_config_reaches_the_services_as_typed_flags(rendered, monkeypatch):
+    """values-full sets a few flags per service; the parsed values are what the values file says."""
+    chart = rendered["full"]
+    parsers = _parsers()
+
+    def parsed(service):
+        for name, value in env_of(chart.container(service, service)).items():
+            monkeypatch.setenv(name, value or "pod")
+        return parsers[service][0]([])
+
+    orchestrator = parsed("orchestrator")
+    assert orchestrator.budget_free_tokens == 50000
+    assert orchestrator.moderation_blocked_term == ["foo", "bar"]
+    assert orchestrator.summaries is False
+    assert orchestrator.cassandra_apply_schema is False
+    assert parsed("router").overlap_weight == 1.0
+    assert parsed("edge").max_body_bytes == 2097152
+    engine = parsed("engine")
+    assert engine.kv_memory_gib == 40.5
+    assert engine.backend == "trtllm"
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "full"])
+def test_router_resolves_the_engines_headless_service(rendered, scenario):
+    chart = rendered[scenario]
+    dns = env_of(chart.container("router", "router"))["CHATMESH_ROUTER_ENGINE_DNS"]
+    host, port = dns.rsplit(":", 1)
+    service_name, namespace, *_ = host.split(".")
+    assert host == f"{service_name}.{NAMESPACE}.svc.cluster.local" and namespace == NAMESPACE
+    service = chart.get("Service", service_name)
+    assert service["spec"]["clusterIP"] == "None"  # one DNS answer per ready engine
+    assert int(port) in {p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc"}
+    # It selects exactly the pods that serve EngineService (with multi-node TP, only the leaders).
+    selected = [
+        (component, meta["labels"].get("chatmesh.io/engine-role"))
+        for component, meta, _ in chart.pod_specs()
+        if labels_match(service["spec"]["selector"], meta["labels"])
+    ]
+    expected = [("engine", "leader")] if scenario == "full" else [("engine", None)]
+    assert selected == expected
+    engine = chart.container("engine", "engine")
+    assert int(port) == next(p["containerPort"] for p in engine["ports"] if p["name"] == "grpc")
+
+
+def test_services_point_at_each_other_and_at_cassandra(rendered):
+    chart = rendered["full"]
+    orchestrator = env_of(chart.container("orchestrator", "orchestrator"))
+    assert (
+        orchestrator["CHATMESH_ORCHESTRATOR_ROUTER"] == f"{FULL}-router.{NAMESPACE}.svc.cluster.local:50051"
+    )
+    assert env_of(chart.container("edge", "edge"))["CHATMESH_EDGE_ORCHESTRATOR"] == (
+        f"{FULL}-orchestrator.{NAMESPACE}.svc.cluster.local:50050"
+    )
+    # Bundled Cassandra: its Service, one replica in the local DC; the Job creates what replicas read.
+    cassandra = f"{FULL}-cassandra.{NAMESPACE}.svc.cluster.local"
+    assert orchestrator["CHATMESH_ORCHESTRATOR_CASSANDRA"] == f"{cassandra}:9042"
+    assert chart.get("StatefulSet", f"{FULL}-cassandra")["spec"]["replicas"] == 1
+    job = chart.get("Job", f"{FULL}-schema-r1")["spec"]["template"]["spec"]["containers"][0]
+    assert job["args"][:2] == ["memory_store", "schema"]
+    assert _opt(job["args"], "--hosts") == cassandra
+    assert _opt(job["args"], "--replication") == orchestrator["CHATMESH_ORCHESTRATOR_CASSANDRA_REPLICATION"]
+    assert _opt(job["args"], "--replication") == "NetworkTopologyStrategy:datacenter1=1"
+
+
+def test_external_cassandra_gets_network_topology_replication_and_one_port(rendered):
+    # Default: three replicas in the local datacenter.
+    default = env_of(rendered["defaults"].container("orchestrator", "orchestrator"))
+    assert default["CHATMESH_ORCHESTRATOR_CASSANDRA_REPLICATION"] == "NetworkTopologyStrategy:datacenter1=3"
+    # Set: exactly the datacenters given (not merged with the default), one port for every contact point.
+    chart = rendered["gpu"]
+    env = env_of(chart.container("orchestrator", "orchestrator"))
+    assert env["CHATMESH_ORCHESTRATOR_CASSANDRA"] == "cassandra-dc1-service.k8ssandra:9142,10.0.0.12:9142"
+    assert env["CHATMESH_ORCHESTRATOR_CASSANDRA_REPLICATION"] == "NetworkTopologyStrategy:dc1=3,dc2=3"
+    assert env["CHATMESH_ORCHESTRATOR_CASSANDRA_LOCAL_DC"] == "dc1"
+    assert env["CHATMESH_ORCHESTRATOR_CASSANDRA_APPLY_SCHEMA"] == "false"
+    assert not chart.of_kind("StatefulSet") or all(
+        component_of(s["spec"]["template"]["metadata"]) != "cassandra" for s in chart.of_kind("StatefulSet")
+    )
+    # Replicas wait for the schema the Job applies, against the same hosts and keyspace.
+    orch_pod = next(spec for c, _, spec in chart.pod_specs() if c == "orchestrator")
+    wait = orch_pod["initContainers"][0]
+    job = chart.get("Job", f"{FULL}-schema-r1")["spec"]["template"]["spec"]["containers"][0]
+    assert "schema --check" in wait["args"][0]
+    for option in ("--hosts", "--cql-port", "--keyspace", "--local-dc"):
+        assert _opt(wait["args"], option) == _opt(job["args"], option)
+    assert _opt(job["args"], "--hosts") == "cassandra-dc1-service.k8ssandra,10.0.0.12"
+    assert _opt(job["args"], "--cql-port") == "9142"
+
+
+def _opt(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+# -- network paths ---------------------------------------------------------------------------------
+
+
+def _allowed_paths(chart: Rendered) -> set[tuple[str, str, int]]:
+    """(caller, callee, port) for every NetworkPolicy rule naming chatmesh pods; '*' = any caller."""
+    pod_labels = {component: meta["labels"] for component, meta, _ in chart.pod_specs()}
+
+    def components(selector: dict) -> list[str]:
+        return sorted(
+            {c for c, labels in pod_labels.items() if labels_match(selector["matchLabels"], labels)}
+        )
+
+    paths = set()
+    for policy in chart.of_kind("NetworkPolicy"):
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        for callee in components(spec["podSelector"]):
+            for rule in spec["ingress"]:
+                ports = [p["port"] for p in rule.get("ports", [])] or [0]
+                callers = []
+                for peer in rule.get("from", [{}]):
+                    callers += components(peer["podSelector"]) if "podSelector" in peer else ["*"]
+                paths |= {(caller, callee, port) for caller in callers for port in ports}
+    return paths
+
+
+# The mesh's calls: anyone → Envoy → edge → orchestrator → router → engines.
+CALL_GRAPH = {
+    ("*", "envoy", 8080),
+    ("envoy", "edge", 8081),
+    ("envoy", "orchestrator", 50050),
+    ("edge", "orchestrator", 50050),
+    ("orchestrator", "router", 50051),
+    ("router", "engine", 50061),
+}
+
+
+def test_network_policies_allow_exactly_the_call_graph(rendered):
+    assert _allowed_paths(rendered["defaults"]) == CALL_GRAPH
+    assert _allowed_paths(rendered["full"]) == CALL_GRAPH | {
+        # Bundled Cassandra: the orchestrators and the schema Job.
+        ("orchestrator", "cassandra", 9042),
+        ("schema", "cassandra", 9042),
+        # Multi-node engines: MPI/NCCL among the group's own pods, on ports they pick.
+        ("engine", "engine", 0),
+        # Prometheus (networkPolicy.metricsFrom) scrapes the services' metrics ports.
+        *{("*", c, 9090) for c in ("edge", "orchestrator", "router", "engine")},
+    }
+    # Envoy's callers in values-full are networkPolicy.envoyFrom (an ipBlock).
+    envoy_policy = rendered["full"].get("NetworkPolicy", f"{FULL}-envoy")
+    assert envoy_policy["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+
+
+# -- GPUs, drain, scaling --------------------------------------------------------------------------
+
+
+def _gpus(container: dict) -> int | None:
+    return container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+
+
+def test_engine_gpus_equal_the_tensor_parallel_size(rendered):
+    assert _gpus(rendered["defaults"].container("engine", "engine")) is None  # cpu backend
+    single = rendered["gpu"]
+    assert _gpus(single.container("engine", "engine")) == 4
+    args = single.container("engine", "engine")["args"]
+    assert args == ["engine", "--tensor-parallel-size", "4"]  # extraArgs are templates over values
+    assert env_of(single.container("engine", "engine"))["CHATMESH_ENGINE_BACKEND"] == "cuda"
+    # Multi-node: TP 8 over 2 nodes is 4 GPUs per pod, and MPI starts 8 ranks, 4 slots per host.
+    multi = rendered["full"]
+    leader, worker = multi.container("engine", "engine"), multi.container("engine", "worker")
+    assert _gpus(leader) == _gpus(worker) == 4
+    script = leader["args"][0]
+    assert "mpirun --allow-run-as-root -np 8" in script
+    assert script.count(":4") == 2
+    assert "trtllm-llmapi-launch python -m engine" in script
+    assert leader["args"][1:] == ["engine", "--model", "/models/llama-70b"]
+    pod = next(spec for c, meta, spec in multi.pod_specs() if c == "engine")
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert {"name": "shm", "mountPath": "/dev/shm"} in leader["volumeMounts"]
+
+
+def test_sigterm_drain_fits_in_the_termination_grace_period(rendered):
+    chart = rendered["full"]
+    checked = set()
+    pre_stop_sleep = 5
+    for component, _, spec in chart.pod_specs():
+        if component not in ("orchestrator", "router", "engine", "edge", "envoy"):
+            continue
+        container = spec["containers"][0]
+        if component == "envoy":
+            drain = float(container["command"][container["command"].index("--drain-time-s") + 1])
+            hook = container["lifecycle"]["preStop"]["exec"]["command"][-1]
+            assert f"sleep {pre_stop_sleep + math.ceil(drain)}" in hook and "drain_listeners?graceful" in hook
+        elif container["name"] == "worker":
+            continue
+        else:
+            drain = float(env_of(container)[f"CHATMESH_{component.upper()}_DRAIN_GRACE_S"])
+            assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(pre_stop_sleep)]
+            # Liveness never kills a draining pod (its health is NOT_SERVING during the drain).
+            live = container["livenessProbe"]
+            assert live["periodSeconds"] * live["failureThreshold"] > pre_stop_sleep + drain
+        # preStop sleep + the drain (and its half-second NOT_SERVING notice) + time to shut down.
+        assert spec["terminationGracePeriodSeconds"] >= pre_stop_sleep + drain + 5, component
+        checked.add(component)
+    assert checked == {"orchestrator", "router", "engine", "edge", "envoy"}
+
+
+def test_longer_drain_values_lengthen_the_grace_period():
+    chart = render(sets=(*REQUIRED_SETS, "orchestrator.drainGraceSeconds=300", "preStopSleepSeconds=10"))
+    spec = next(s for c, _, s in chart.pod_specs() if c == "orchestrator")
+    assert env_of(spec["containers"][0])["CHATMESH_ORCHESTRATOR_DRAIN_GRACE_S"] == "300"
+    assert spec["terminationGracePeriodSeconds"] >= 310
+
+
+def test_orchestrator_and_edge_autoscale_and_every_service_has_a_disruption_budget(rendered):
+    chart = rendered["defaults"]
+    hpas = {h["spec"]["scaleTargetRef"]["name"]: h["spec"] for h in chart.of_kind("HorizontalPodAutoscaler")}
+    assert set(hpas) == {f"{FULL}-orchestrator", f"{FULL}-edge"}
+    for name, spec in hpas.items():
+        assert "replicas" not in chart.get("Deployment", name)["spec"]  # the HPA owns the count
+        assert spec["minReplicas"] >= 2
+    pdbs = {p["metadata"]["name"]: p["spec"] for p in chart.of_kind("PodDisruptionBudget")}
+    assert set(pdbs) == {f"{FULL}-{c}" for c in ("orchestrator", "router", "engine", "edge", "envoy")}
+    assert pdbs[f"{FULL}-orchestrator"]["minAvailable"] == 2
+    # With autoscaling off, replicas is the values' number.
+    assert rendered["full"].get("Deployment", f"{FULL}-orchestrator")["spec"]["replicas"] == 4
+
+
+# -- Envoy ---------------------------------------------------------------------------------------
+
+
+def envoy_settings(chart: Rendered) -> dict:
+    return json.loads(chart.get("ConfigMap", f"{FULL}-envoy")["data"]["settings.json"])
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "full"])
+def test_envoy_config_renders_from_the_chart_settings_and_envoy_accepts_it(rendered, scenario, tmp_path):
+    settings = envoy_settings(rendered[scenario])
+    # The JWKS the pod mounts from the Secret; here, a real one.
+    pod = next(spec for c, _, spec in rendered[scenario].pod_specs() if c == "envoy")
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert settings["jwks_path"] == f"{mounts['jwks']}/jwks.json"
+    settings["jwks_path"] = str(generate_keys(tmp_path / "keys").jwks_path)
+    config = EnvoyConfig.from_dict(settings)
+    path = write_config(config, tmp_path / "envoy.yaml", check=True)  # envoy --mode validate
+    bootstrap = yaml.safe_load(path.read_text())
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    # Upstreams are the headless Services, resolved by DNS (every ready pod is a host).
+    orchestrator = clusters["orchestrator"]
+    assert orchestrator["type"] == "STRICT_DNS" and orchestrator["lb_policy"] == "RING_HASH"
+    address = orchestrator["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+    assert address["socket_address"] == {
+        "address": f"{FULL}-orchestrator-headless.{NAMESPACE}.svc.cluster.local",
+        "port_value": 50050,
+    }
+    assert rendered[scenario].get("Service", f"{FULL}-orchestrator-headless")["spec"]["clusterIP"] == "None"
+    assert clusters["edge"]["type"] == "STRICT_DNS"
+    assert ("otel_collector" in clusters) == (scenario == "full")
+    # Same routes as the local mesh: one per ChatService RPC, plus the edge's.
+    listener = bootstrap["static_resources"]["listeners"][0]
+    assert listener["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 8080}
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    grpc_paths = {r["match"].get("path") for r in routes if "path" in r["match"]}
+    assert grpc_paths == {m.path for m in chat_service_methods()}
+    jwt = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.jwt_authn")
+    provider = jwt["typed_config"]["providers"]["chatmesh"]
+    assert provider["issuer"] == "chatmesh-dev" and provider["audiences"] == ["chatmesh"]
+
+
+def test_envoy_rate_limits_and_cors_come_from_values(tmp_path):
+    chart = render(
+        sets=(
+            "cassandra.contactPoints[0]=c",
+            "envoy.rateLimits.generate.free.burst=3",
+            "envoy.corsOrigins[0]=https://chat.example.com",
+            'json:envoy.jwt.jwks="{\\"keys\\": []}"',
+        )
+    )
+    settings = envoy_settings(chart)
+    assert settings["rate_limits"]["generate"]["tiers"]["free"] == {
+        "burst": 3,
+        "refill": 1,
+        "fill_interval_s": 6,
+    }
+    settings["jwks_path"] = str(tmp_path / "jwks.json")
+    text = Path(write_config(EnvoyConfig.from_dict(settings), tmp_path / "e.yaml", check=False)).read_text()
+    assert "token_bucket: {max_tokens: 3, tokens_per_fill: 1, fill_interval: 6s}" in text
+    assert '- exact: "https://chat.example.com"' in text
+    # existingSecret unset: the chart makes the Secret from the inline JWKS.
+    secret = chart.get("Secret", f"{FULL}-envoy-jwks")
+    assert json.loads(secret["stringData"]["jwks.json"]) == {"keys": []}
+
+
+def test_release_name_containing_chatmesh_is_not_repeated():
+    out = helm("template", "chatmesh", str(CHART), *value_args((), REQUIRED_SETS))
+    names = {d["metadata"]["name"] for d in yaml.safe_load_all(out) if d}
+    assert "chatmesh-router" in names
+    assert RELEASE not in {n.split("-")[0] for n in names}
