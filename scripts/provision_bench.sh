@@ -19,9 +19,11 @@ CMAKE_ARGS+=" $(ggml AVX512_VNNI avx512_vnni) $(ggml AVX512_BF16 avx512_bf16)"
 export CMAKE_ARGS
 printf '\n==> %s\n' "installing the [bench] extra (llama-cpp-python builds llama.cpp from source: up to ~8 min)"
 .venv/bin/python -m pip install --progress-bar off -q -e ".[bench]"
+# Loading alone does not reach the matrix kernels (where an AMX build dies): evaluate a ~60-token batch.
 check='import llama_cpp, sys
 from chatmesh.model_files import bundled_model_path
-llama_cpp.Llama(model_path=str(bundled_model_path()), n_ctx=64, verbose=False)'
+llm = llama_cpp.Llama(model_path=str(bundled_model_path()), n_ctx=128, n_batch=128, verbose=False)
+llm.eval(llm.tokenize(b"The quick brown fox jumps over the lazy dog. " * 6))'
 if ! .venv/bin/python -c "$check" 2>/dev/null; then
   printf '\n==> %s\n' "the installed llama-cpp-python does not run on this CPU; rebuilding it from source"
   .venv/bin/python -m pip install --progress-bar off -q --no-cache-dir --force-reinstall --no-deps \

@@ -1,4 +1,4 @@
-"""Helpers for the engine-core tests: an engine on the token-function runner, driven step by step."""
+"""Helpers for the engine-core tests: an engine (on the token-function runner unless given another), driven step by step."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.model.runner import ModelRunner
 from engine.outputs import Finish, RequestOutput
 from engine.sequence import EngineRequest, Priority, SamplingParams
 from tests.engine.token_function_runner import TokenFunctionRunner
@@ -86,7 +87,7 @@ def results(outputs: list[RequestOutput]) -> dict[str, Result]:
     return found
 
 
-def make_engine(runner: TokenFunctionRunner | None = None, **config: object) -> DrivenEngine:
+def make_engine(runner: ModelRunner | None = None, **config: object) -> DrivenEngine:
     tok = tokenizer()
     runner = runner or TokenFunctionRunner(tok.vocab_size, word_tokens())
     base = EngineConfig(num_kv_blocks=256, block_size=4, max_batched_tokens=64, max_running_requests=16)

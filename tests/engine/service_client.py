@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -10,8 +11,20 @@ from dataclasses import dataclass, field
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 
 TIMEOUT_S = 30
+
+
+def capital_question(tokenizer: ChatTokenizer) -> list[int]:
+    """The prompt the service tests send: one user turn, chat template applied."""
+    return tokenizer.encode_chat([ChatMessage("user", "What is the capital of France?")])
+
+
+@contextlib.asynccontextmanager
+async def engine_stub(address: str) -> AsyncIterator[engine_pb2_grpc.EngineServiceStub]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        yield engine_pb2_grpc.EngineServiceStub(channel)
 
 
 def start_frame(

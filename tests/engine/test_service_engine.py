@@ -12,7 +12,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
-from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until
+from tests.engine.service_client import (
+    TIMEOUT_S,
+    Stream,
+    capital_question,
+    engine_stub,
+    start_frame,
+    wait_until,
+)
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 
@@ -24,13 +31,13 @@ def tok():
 
 @pytest.fixture(scope="module")
 def prompt(tok):
-    return tok.encode_chat([ChatMessage("user", "What is the capital of France?")])
+    return capital_question(tok)
 
 
 @pytest.fixture
 async def stub(null_engine):
-    async with grpc.aio.insecure_channel(null_engine.address) as channel:
-        yield engine_pb2_grpc.EngineServiceStub(channel)
+    async with engine_stub(null_engine.address) as stub:
+        yield stub
 
 
 async def load(stub) -> engine_pb2.EngineLoad:

@@ -96,9 +96,16 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
         const __mmask16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
         const float *kb = k_cache + (long)table[j0 / block_size] * block_floats +
                           (long)g * head_dim * block_size + j0 % block_size;
+        // The next segment's keys, fetched while this one is scored: its block lies anywhere in the
+        // pool, where the hardware prefetcher cannot follow.
+        const int j1 = s + 1 < nseg ? j0 + seg_len : j0;
+        const float *kn = k_cache + (long)table[j1 / block_size] * block_floats +
+                          (long)g * head_dim * block_size + j1 % block_size;
         __m512 even[MAX_GROUP], odd[MAX_GROUP];
         for (int h = 0; h < G; h++) even[h] = odd[h] = _mm512_setzero_ps();
         for (int d = 0; d < head_dim; d += 2) {
+            _mm_prefetch((const char *)(kn + (long)d * block_size), _MM_HINT_T0);
+            _mm_prefetch((const char *)(kn + (long)(d + 1) * block_size), _MM_HINT_T0);
             const __m512 k0 = _mm512_maskz_loadu_ps(valid, kb + (long)d * block_size);
             const __m512 k1 = _mm512_maskz_loadu_ps(valid, kb + (long)(d + 1) * block_size);
             for (int h = 0; h < G; h++) {
@@ -136,9 +143,13 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
         const int n = L - j0 < seg_len ? L - j0 : seg_len;
         const float *vb = v_cache + (long)table[j0 / block_size] * block_floats +
                           (long)(j0 % block_size) * v_row + (long)g * head_dim;
+        const int j1 = s + 1 < nseg ? j0 + seg_len : j0;  // the next segment's values, as for keys
+        const float *vn = v_cache + (long)table[j1 / block_size] * block_floats +
+                          (long)(j1 % block_size) * v_row + (long)g * head_dim;
         for (int j = 0; j < n; j++) {
             const float *vp = vb + j * v_row;
             for (int v = 0; v < nv; v++) {
+                _mm_prefetch((const char *)(vn + j * v_row + v * 16), _MM_HINT_T0);
                 const __m512 vv = _mm512_loadu_ps(vp + v * 16);
                 for (int h = 0; h < G; h++)
                     acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h][s * 16 + j]), vv, acc[h][v]);
