@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -46,27 +47,33 @@ def machine() -> str:
     )
 
 
-async def one_stream(stub, request_id: str, prompt: list[int], tokens: int) -> tuple[float, list[float], int]:
-    """(time to first token, gaps between token frames, tokens received)."""
-    start = engine_pb2.GenerateStart(
-        request_id=request_id,
-        prompt_token_ids=prompt,
-        sampling=engine_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True),
-    )
-    began = time.perf_counter()
-    first, last, gaps, received = None, None, [], 0
-    call = stub.Generate(iter([engine_pb2.GenerateRequest(start=start)]), timeout=600)
-    async for frame in call:
-        if frame.WhichOneof("kind") != "tokens":
+@dataclass
+class StreamTimes:
+    ttft_s: float
+    gaps_s: list[float]  # between token frames
+    tokens: int
+
+
+async def timed_stream(stub, frame) -> StreamTimes:
+    """One Generate call (engine or router: the frames have the same shape), timed at the client."""
+    sent, last, gaps, tokens, first = time.perf_counter(), None, [], 0, None
+    async for reply in stub.Generate(iter([frame]), timeout=600):
+        if reply.WhichOneof("kind") != "tokens":
             continue
         now = time.perf_counter()
-        if first is None:
-            first = now - began
+        if last is None:
+            first = now - sent
         else:
             gaps.append(now - last)
-        last = now
-        received += len(frame.tokens.token_ids)
-    return first or 0.0, gaps, received
+        last, tokens = now, tokens + len(reply.tokens.token_ids)
+    return StreamTimes(first or 0.0, gaps, tokens)
+
+
+def start_frame(request_id: str, prompt: list[int], tokens: int) -> engine_pb2.GenerateRequest:
+    sampling = engine_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True)
+    return engine_pb2.GenerateRequest(
+        start=engine_pb2.GenerateStart(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+    )
 
 
 async def grpc_run(address: str, prompt: list[int], concurrency: int, tokens: int) -> dict[str, float]:
@@ -75,14 +82,14 @@ async def grpc_run(address: str, prompt: list[int], concurrency: int, tokens: in
         began = time.perf_counter()
         results = await asyncio.gather(
             *(
-                one_stream(stub, f"c{concurrency}-{i}-{time.monotonic_ns()}", prompt, tokens)
+                timed_stream(stub, start_frame(f"c{concurrency}-{i}-{time.monotonic_ns()}", prompt, tokens))
                 for i in range(concurrency)
             )
         )
         elapsed = time.perf_counter() - began
-    ttfts = sorted(r[0] for r in results)
-    gaps = sorted(g for r in results for g in r[1])
-    total = sum(r[2] for r in results)
+    ttfts = sorted(r.ttft_s for r in results)
+    gaps = sorted(g for r in results for g in r.gaps_s)
+    total = sum(r.tokens for r in results)
     assert total == concurrency * tokens, f"expected {concurrency * tokens} tokens, got {total}"
     return {
         "tok_s": total / elapsed,

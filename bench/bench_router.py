@@ -41,6 +41,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_engine_overhead import StreamTimes, timed_stream  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from chatmesh.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
@@ -320,27 +321,6 @@ def run_policy(
 
 
 # -- router overhead --------------------------------------------------------------------------------------
-
-
-@dataclass
-class StreamTimes:
-    ttft_s: float
-    gaps_s: list[float]  # between token frames
-    tokens: int
-
-
-async def timed_stream(stub, frame) -> StreamTimes:
-    sent, last, gaps, tokens, first = time.perf_counter(), None, [], 0, None
-    async for reply in stub.Generate(iter([frame]), timeout=600):
-        if reply.WhichOneof("kind") != "tokens":
-            continue
-        now = time.perf_counter()
-        if last is None:
-            first = now - sent
-        else:
-            gaps.append(now - last)
-        last, tokens = now, tokens + len(reply.tokens.token_ids)
-    return StreamTimes(first or 0.0, gaps, tokens)
 
 
 async def compare(
