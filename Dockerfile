@@ -2,7 +2,7 @@
 # One image for every chatmesh service; the first argument picks it:
 #   docker run IMAGE engine | router | orchestrator | edge [flags...]
 #   docker run IMAGE memory_store schema --hosts ...       (schema migrations, the chart's Job)
-#   docker run IMAGE python -m chatmesh.envoy --settings S --out F   (Envoy's config, the chart's init container)
+#   docker run IMAGE python -m meshkit.envoy --settings S --out F   (Envoy's config, the chart's init container)
 # Flags can also come from CHATMESH_<SERVICE>_<FLAG> environment variables (what the Helm chart sets).
 # Build: docker build -t chatmesh:0.1.0 .
 FROM python:3.11-slim AS build
@@ -16,6 +16,7 @@ WORKDIR /app
 ENV CHATMESH_KERNEL_BUILD_DIR=/opt/chatmesh/kernels
 COPY pyproject.toml README.md ./
 COPY chatmesh chatmesh
+COPY meshkit meshkit
 COPY engine engine
 COPY router router
 COPY orchestrator orchestrator

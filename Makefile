@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml scripts/provision.sh scripts/provision_helm.sh memory_s
 	@touch $@
 
 run: setup
-	$(PY) -m chatmesh.mesh $(ARGS)
+	$(PY) -m localmesh.mesh $(ARGS)
 
 test: setup check-protos
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -32,7 +32,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf breaking --against protos/baseline.binpb
-	$(PY) -m chatmesh.envoy
+	$(PY) -m localmesh.front_door
 	@$(MAKE) --no-print-directory helm-lint
 
 # The Helm chart: lint --strict, and render it with the test values (tests/helm checks what it renders).
@@ -60,7 +60,7 @@ protos-baseline: setup
 TIER ?= pro
 token:
 	@$(MAKE) --no-print-directory setup >&2
-	@$(PY) -m chatmesh.dev_jwt --user "$(or $(USER),alice)" --tier "$(TIER)"
+	@$(PY) -m localmesh.dev_jwt --user "$(or $(USER),alice)" --tier "$(TIER)"
 
 # Benchmarks take the machine-wide lock so two never run at once on a shared box.
 bench: setup $(VENV)/.bench-provisioned

@@ -59,10 +59,10 @@ from bench.bench_orchestrator import (  # noqa: E402
     timed,
     wait_for_engines,
 )
-from chatmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
-from chatmesh.front_door import FrontDoorPorts, front_door_specs  # noqa: E402
-from chatmesh.launcher import Launcher, free_port  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
+from localmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
+from localmesh.front_door import FrontDoorPorts, front_door_specs  # noqa: E402
+from meshkit.launcher import Launcher, free_port  # noqa: E402
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 
 PATHS = ("engine", "openai", "chat")

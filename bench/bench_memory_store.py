@@ -27,12 +27,12 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from chatmesh.launcher import Launcher, free_port
 from memory_store.config import StoreConfig
 from memory_store.ids import new_id
 from memory_store.models import Message, Role
 from memory_store.node import CassandraNode, NodeConfig, rss_mib
 from memory_store.store import MemoryStore
+from meshkit.launcher import Launcher, free_port
 
 WARMUP_APPENDS = 1000
 WARMUP_READS = 400

@@ -44,10 +44,10 @@ sys.path.insert(0, str(ROOT))
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from chatmesh.identity import TIER_HEADER, USER_ID_HEADER  # noqa: E402
-from chatmesh.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from memory_store.node import CassandraNode, NodeConfig  # noqa: E402
+from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 
 QUESTION = "Summarize the plot of a novel about a lighthouse keeper in three sentences."

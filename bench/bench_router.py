@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_engine_overhead import StreamTimes, timed_stream  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
-from chatmesh.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer, load_tokenizer  # noqa: E402
+from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 
 WORDS = [
     "river",

@@ -1,9 +1,14 @@
-"""Contracts shared by chatmesh's services, and nothing else.
+"""The contracts chatmesh's services share, and nothing else: what two services must agree on lives here,
+once, and every service imports it.
 
 - ``chatmesh.{chat,router,engine}.v1``: Python generated from ``protos/`` (``make protos``).
 - ``block_hash``: the chained KV block hash engines publish and routers index.
+- ``tokenizer``, ``gguf_header``, ``model_files``: the model's tokenizer and chat template, read from the
+  model file both the orchestrator and the engine load.
 - ``identity``: the metadata Envoy sets after verifying a JWT.
 - ``errors``: gRPC statuses with retry hints.
-- ``serving``, ``telemetry``, ``config``: how every service starts, drains and reports.
-- ``launcher``, ``mesh``: the local process supervisor behind ``make run`` and the test fixtures.
+- ``streams``: helpers for the bidi streaming calls between services.
+
+How a service runs (serving, telemetry, config, the process launcher, Envoy's config) is ``meshkit``;
+the local mesh behind ``make run`` and its dev JWTs are ``localmesh``.
 """

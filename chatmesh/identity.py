@@ -16,6 +16,8 @@ TIERS = ("free", "pro", "enterprise")
 # replica; the edge sets it for chat-scoped calls, gRPC clients may set it themselves. Never trusted.
 CHAT_ID_HEADER = "x-chatmesh-chat-id"
 DEFAULT_TIER = "free"
+# The audience of every token meant for chatmesh; Envoy refuses tokens minted for anything else.
+JWT_AUDIENCE = "chatmesh"
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ from types import FrameType
 
 import uvicorn
 
-from chatmesh import telemetry
-from chatmesh.config import ServiceArgs
 from edge.app import create_app
 from edge.settings import EdgeSettings
 from edge.sse import Drain, StreamSettings
+from meshkit import telemetry
+from meshkit.config import ServiceArgs
 
 
 def parse_args(argv: list[str] | None = None):

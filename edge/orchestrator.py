@@ -15,8 +15,8 @@ from google.protobuf.message import Message
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER, Identity
-from chatmesh.serving import CHANNEL_OPTIONS
 from edge.errors import ApiError, from_rpc_error
+from meshkit.serving import CHANNEL_OPTIONS
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,6 @@ import time
 
 import grpc
 
-from chatmesh import serving, telemetry
-from chatmesh.config import ServiceArgs
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
@@ -21,6 +19,8 @@ from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.model.loading import create_runner
 from engine.service import EngineService
+from meshkit import serving, telemetry
+from meshkit.config import ServiceArgs
 
 log = logging.getLogger("engine")
 

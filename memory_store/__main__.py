@@ -23,13 +23,13 @@ import threading
 import time
 from pathlib import Path
 
-from chatmesh.launcher import Launcher, ServiceFailedError
-from chatmesh.serving import PortInUseError
 from memory_store import schema
 from memory_store.config import parse_replication
 from memory_store.db import Db
 from memory_store.errors import MemoryStoreError
 from memory_store.node import PROJECT_ROOT, CassandraNode, CqlAnswers, NodeConfig, NodeSetupError, rss_mib
+from meshkit.launcher import Launcher, ServiceFailedError
+from meshkit.serving import PortInUseError
 
 DEFAULT_DATA_DIR = PROJECT_ROOT / ".run" / "cassandra"
 

@@ -11,8 +11,8 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from chatmesh.config import ServiceArgs
 from memory_store.models import Limits
+from meshkit.config import ServiceArgs
 
 LOCAL_REPLICATION: Mapping[str, str | int] = {"class": "SimpleStrategy", "replication_factor": 1}
 

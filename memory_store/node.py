@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from chatmesh.launcher import Launcher, ServiceSpec
+from meshkit.launcher import Launcher, ServiceSpec
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_LIB_DIR = PROJECT_ROOT / ".cache" / "cassandra" / "lib"

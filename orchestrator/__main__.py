@@ -17,13 +17,13 @@ from pathlib import Path
 
 import grpc
 
-from chatmesh import serving, telemetry
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.gguf_header import read_gguf_metadata
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
 from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
+from meshkit import serving, telemetry
 from orchestrator import config as configuration
 from orchestrator.admission import Budgets, RunSlots
 from orchestrator.answers import Answers, Upkeep

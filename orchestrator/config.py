@@ -1,6 +1,6 @@
 """The orchestrator's configuration: one dataclass per concern, filled from ``python -m orchestrator`` flags.
 
-Every flag has a ``CHATMESH_ORCHESTRATOR_<FLAG>`` environment default (``chatmesh.config.ServiceArgs``);
+Every flag has a ``CHATMESH_ORCHESTRATOR_<FLAG>`` environment default (``meshkit.config.ServiceArgs``);
 the Cassandra flags are memory_store's own (``memory_store.config.add_store_flags``).
 """
 
@@ -13,9 +13,9 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
-from chatmesh.config import ServiceArgs
 from chatmesh.identity import TIERS
 from memory_store.config import StoreConfig, add_store_flags
+from meshkit.config import ServiceArgs
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful, honest assistant. Answer clearly and concisely."
 

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from chatmesh.calls import read_to_end
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.serving import CHANNEL_OPTIONS
+from chatmesh.streams import read_to_end
+from meshkit.serving import CHANNEL_OPTIONS
 from orchestrator.errors import from_rpc_error, unavailable
 from orchestrator.limits import Generation
 

@@ -8,9 +8,9 @@ import sys
 
 import grpc
 
-from chatmesh import serving, telemetry
-from chatmesh.config import ServiceArgs
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from meshkit import serving, telemetry
+from meshkit.config import ServiceArgs
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.policy import POLICIES

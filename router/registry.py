@@ -16,7 +16,7 @@ import socket
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2_grpc
-from chatmesh.serving import CHANNEL_OPTIONS
+from meshkit.serving import CHANNEL_OPTIONS
 from router.config import EngineAddress, RouterConfig
 from router.engines import EngineState
 from router.index import PrefixIndex

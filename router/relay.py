@@ -26,10 +26,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from chatmesh.calls import read_to_end
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import retry_after_s
 from chatmesh.router.v1 import router_pb2
+from chatmesh.streams import read_to_end
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.metrics import RouterMetrics

@@ -5,7 +5,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from chatmesh.telemetry import TRACE_FILE_ENV
+from meshkit.telemetry import TRACE_FILE_ENV
 
 pytest_plugins: list[str] = [
     "tests.fixtures.cassandra",

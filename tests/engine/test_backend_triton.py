@@ -19,12 +19,12 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import InferInput, InferResult, model_config_pb2, service_pb2, service_pb2_grpc
 
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.launcher import free_port
 from engine.backends.hosted import HostedEngine
 from engine.backends.triton import TritonBackend, build_inputs, delta_from_result, stop_words_list
 from engine.config import EngineConfig
 from engine.model.runner import ModelSpec
 from engine.sequence import SamplingParams
+from meshkit.launcher import free_port
 from tests.engine.core_helpers import prompt, tokenizer, word_tokens
 from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until
 from tests.engine.test_service_inprocess import served

@@ -8,14 +8,14 @@ import pytest
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.errors import retry_after_s
-from chatmesh.launcher import free_port
-from chatmesh.serving import start_grpc_server
 from chatmesh.tokenizer import ChatMessage
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loading import create_runner
 from engine.sequence import EngineRequest, SamplingParams
 from engine.service import EngineService
+from meshkit.launcher import free_port
+from meshkit.serving import start_grpc_server
 from tests.engine.core_helpers import make_engine, prompt, tokenizer
 from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until
 

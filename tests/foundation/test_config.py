@@ -1,5 +1,5 @@
-from chatmesh.config import ServiceArgs
 from chatmesh.identity import identity_from_metadata
+from meshkit.config import ServiceArgs
 
 
 def make(monkeypatch, env):

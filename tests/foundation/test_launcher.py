@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from chatmesh.launcher import (
+from meshkit.launcher import (
     GrpcHealthy,
     HttpOk,
     Launcher,

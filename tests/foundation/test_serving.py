@@ -9,8 +9,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.errors import abort_with_retry, retry_after_s
-from chatmesh.launcher import free_port
-from chatmesh.serving import PortInUseError, start_grpc_server
+from meshkit.launcher import free_port
+from meshkit.serving import PortInUseError, start_grpc_server
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from chatmesh.dev_jwt import DevKeys
-from chatmesh.launcher import Launcher
+from localmesh.dev_jwt import DevKeys
+from meshkit.launcher import Launcher
 from tests.fixtures.front_door import TEST_RATE_LIMITS, FrontDoor, start_front_door
 from tests.front_door.scripted_chat_service import ScriptedChatServer, ScriptedChatService
 

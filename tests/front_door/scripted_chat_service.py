@@ -30,7 +30,7 @@ from google.rpc import error_details_pb2, status_pb2
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.errors import STATUS_DETAILS_KEY, abort_with_retry
 from chatmesh.identity import Identity, identity_from_metadata
-from chatmesh.serving import GrpcServer, start_grpc_server
+from meshkit.serving import GrpcServer, start_grpc_server
 
 MODEL = "scripted-model"
 WORDS = [

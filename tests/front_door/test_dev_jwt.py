@@ -13,7 +13,8 @@ from pathlib import Path
 import jwt
 import pytest
 
-from chatmesh.dev_jwt import AUDIENCE, DIR_ENV, ISSUER, ensure_keys
+from chatmesh.identity import JWT_AUDIENCE
+from localmesh.dev_jwt import DIR_ENV, ISSUER, ensure_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,11 +33,11 @@ def test_tokens_verify_against_the_jwks(tmp_path):
     (jwk,) = json.loads(keys.jwks_path.read_text())["keys"]
     assert "d" not in jwk  # the JWKS holds the public key only
     public = jwt.PyJWK(jwk).key
-    claims = jwt.decode(token, public, algorithms=["RS256"], audience=AUDIENCE, issuer=ISSUER)
+    claims = jwt.decode(token, public, algorithms=["RS256"], audience=JWT_AUDIENCE, issuer=ISSUER)
     assert (claims["sub"], claims["tier"]) == ("alice", "pro")
     assert jwt.get_unverified_header(token)["kid"] == keys.kid
     with pytest.raises(jwt.ExpiredSignatureError):
-        jwt.decode(keys.mint("alice", ttl_s=-60), public, algorithms=["RS256"], audience=AUDIENCE)
+        jwt.decode(keys.mint("alice", ttl_s=-60), public, algorithms=["RS256"], audience=JWT_AUDIENCE)
 
 
 def test_cli_prints_a_token_for_the_user_and_tier(tmp_path):
@@ -44,7 +45,7 @@ def test_cli_prints_a_token_for_the_user_and_tier(tmp_path):
         [
             sys.executable,
             "-m",
-            "chatmesh.dev_jwt",
+            "localmesh.dev_jwt",
             "--user",
             "bob",
             "--tier",
@@ -65,7 +66,7 @@ def test_a_token_for_nobody_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs a user"):
         ensure_keys(tmp_path).mint("", "pro")
     cli = subprocess.run(
-        [sys.executable, "-m", "chatmesh.dev_jwt", "--user", "", "--dir", str(tmp_path)],
+        [sys.executable, "-m", "localmesh.dev_jwt", "--user", "", "--dir", str(tmp_path)],
         capture_output=True,
         text=True,
         check=False,

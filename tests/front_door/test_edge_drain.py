@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
-from chatmesh.launcher import Launcher
+from meshkit.launcher import Launcher
 from tests.fixtures.edge import start_edge
 from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.helpers import wait_for

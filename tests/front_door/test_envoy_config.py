@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.dev_jwt import DevKeys
-from chatmesh.envoy import EnvoyConfig, InvalidEnvoyConfigError, render_config, validate, write_config
 from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
+from localmesh.dev_jwt import ISSUER, DevKeys
+from meshkit.envoy import EnvoyConfig, InvalidEnvoyConfigError, render_config, validate, write_config
 
 
 @pytest.fixture
@@ -23,6 +23,7 @@ def config(dev_jwt_keys: DevKeys) -> EnvoyConfig:
         jwks_path=dev_jwt_keys.jwks_path,
         edge_endpoints=(("127.0.0.1", 18081),),
         orchestrator_endpoints=(("127.0.0.1", 50050), ("127.0.0.1", 50060)),
+        jwt_issuer=ISSUER,
         cors_origins=("http://127.0.0.1:18080",),
     )
 

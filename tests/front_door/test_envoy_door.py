@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
-from chatmesh.dev_jwt import generate_keys
 from chatmesh.errors import retry_after_s
 from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER
+from localmesh.dev_jwt import generate_keys
 from tests.front_door.conftest import UNARY_TIMEOUT_S, ScriptedFrontDoor
 from tests.front_door.helpers import assert_json_error, wait_for
 

@@ -1,6 +1,6 @@
 """`make run` and the instructions it prints: the page URL, the curl SSE examples and the gRPC example
-client all work as printed, first against the front door alone (chatmesh.front_door in front of
-ScriptedChatService), then against the whole mesh as `make run` starts it (``python -m chatmesh.mesh``:
+client all work as printed, first against the front door alone (localmesh.front_door in front of
+ScriptedChatService), then against the whole mesh as `make run` starts it (``python -m localmesh.mesh``:
 Cassandra, the real model on the cpu backend, router, orchestrator, edge, Envoy), where the printed
 examples must stream the model's answer through Envoy and Ctrl-C must leave no process behind."""
 
@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from chatmesh.dev_jwt import DIR_ENV, DevKeys
-from chatmesh.front_door import FrontDoorPorts, front_door_specs, welcome
-from chatmesh.launcher import Launcher, PortInUseError, free_port
+from localmesh.dev_jwt import DIR_ENV, DevKeys
+from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
+from meshkit.launcher import Launcher, PortInUseError, free_port
 from tests.front_door.conftest import ScriptedFrontDoor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def _alive(pid: int) -> bool:
 def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_everything(tmp_path):
     names = "envoy envoy-admin envoy-internal edge orchestrator router first-engine cassandra"
     flags = [f"--{name}-port" for name in (*names.split(), "cassandra-storage", "cassandra-jmx")]
-    argv = [sys.executable, "-m", "chatmesh.mesh", "--engines", "1", "--run-dir", str(tmp_path / "run")]
+    argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "1", "--run-dir", str(tmp_path / "run")]
     argv += [part for flag in flags for part in (flag, str(free_port()))]
     mesh = subprocess.Popen(
         argv,

@@ -16,9 +16,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from chatmesh.dev_jwt import generate_keys
-from chatmesh.envoy import EnvoyConfig, chat_service_methods, write_config
 from engine.config import BACKENDS as ENGINE_BACKENDS
+from localmesh.dev_jwt import generate_keys
+from meshkit.envoy import EnvoyConfig, chat_service_methods, write_config
 from tests.helm.chart import (
     CHART,
     NAMESPACE,

@@ -5,12 +5,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from chatmesh.config import ServiceArgs
 from memory_store.config import StoreConfig, add_store_flags, parse_replication
 from memory_store.cursor import CursorCodec
 from memory_store.errors import InvalidArgument
 from memory_store.ids import id_time, new_id, parse_id
 from memory_store.messages import bucket_of
+from meshkit.config import ServiceArgs
 
 
 def test_ids_made_now_are_unique_and_strictly_increasing_in_time():

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.telemetry import TRACE_FILE_ENV
+from meshkit.telemetry import TRACE_FILE_ENV
 from tests.fixtures.orchestrator import ChatClient, collect
 
 

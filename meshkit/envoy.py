@@ -2,7 +2,7 @@
 
 The config is data: a YAML template plus the values in ``EnvoyConfig`` (ports, upstreams, JWKS, rate
 limits, timeouts). ``make run`` and the test fixtures render it, check it with ``envoy --mode validate``,
-and start Envoy under ``chatmesh.launcher`` with a ``--base-id`` of its own, so Envoys started by tests
+and start Envoy under ``meshkit.launcher`` with a ``--base-id`` of its own, so Envoys started by tests
 and by ``make run`` never share hot-restart memory.
 """
 
@@ -20,9 +20,8 @@ import jinja2
 import yaml
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.dev_jwt import AUDIENCE, ISSUER, generate_keys
-from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
-from chatmesh.launcher import HttpOk, ServiceSpec
+from chatmesh.identity import JWT_AUDIENCE, TIER_HEADER, USER_ID_HEADER
+from meshkit.launcher import HttpOk, ServiceSpec
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
 
@@ -115,11 +114,12 @@ class EnvoyConfig:
     jwks_path: Path
     edge_endpoints: tuple[tuple[str, int], ...]
     orchestrator_endpoints: tuple[tuple[str, int], ...]
+    # The issuer whose tokens Envoy accepts (the dev key pair's locally, your identity provider's in a cluster).
+    jwt_issuer: str
     # Loopback listener for the edge's own gRPC calls (0: none).
     internal_port: int = 0
     listen_host: str = "127.0.0.1"
-    jwt_issuer: str = ISSUER
-    jwt_audience: str = AUDIENCE
+    jwt_audience: str = JWT_AUDIENCE
     cors_origins: tuple[str, ...] = ()
     rate_limits: dict[str, RouteLimits] = field(default_factory=lambda: dict(DEFAULT_RATE_LIMITS))
     unary_timeout_s: float = 30.0
@@ -289,43 +289,21 @@ def envoy_spec(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m chatmesh.envoy``: renders the template with sample values and validates it;
-    ``--settings FILE --out FILE`` renders a deployment's config from JSON settings (the Helm chart's
-    init container does this, so the cluster's Envoy config comes from this same template)."""
+    """``python -m meshkit.envoy --settings FILE --out FILE``: renders a deployment's config from JSON
+    settings (the Helm chart's init container does this, so the cluster's Envoy config comes from this same
+    template as the local mesh's)."""
     import argparse
-    import tempfile
 
-    parser = argparse.ArgumentParser(prog="python -m chatmesh.envoy", description=main.__doc__)
-    parser.add_argument("--out", type=Path, help="write the rendered config here")
-    parser.add_argument("--settings", type=Path, help="JSON object of EnvoyConfig fields to render")
+    parser = argparse.ArgumentParser(prog="python -m meshkit.envoy", description=main.__doc__)
+    parser.add_argument("--out", type=Path, required=True, help="write the rendered config here")
     parser.add_argument(
-        "--validate", action="store_true", help="with --settings: also run `envoy --mode validate`"
+        "--settings", type=Path, required=True, help="JSON object of EnvoyConfig fields to render"
     )
+    parser.add_argument("--validate", action="store_true", help="also run `envoy --mode validate`")
     args = parser.parse_args(argv)
-    if args.settings:
-        if not args.out:
-            parser.error("--settings needs --out")
-        config = EnvoyConfig.from_dict(json.loads(args.settings.read_text()))
-        write_config(config, args.out, check=args.validate)
-        print(f"{TEMPLATE.name} rendered from {args.settings} to {args.out}")
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        jwks = generate_keys(Path(tmp) / "keys").jwks_path
-        for otlp in (None, ("127.0.0.1", 4317)):
-            sample = EnvoyConfig(
-                listen_port=8080,
-                admin_port=9901,
-                internal_port=8090,
-                jwks_path=jwks,
-                edge_endpoints=(("127.0.0.1", 8081),),
-                orchestrator_endpoints=(("127.0.0.1", 50050),),
-                cors_origins=("http://127.0.0.1:8080",),
-                otlp=otlp,
-            )
-            path = write_config(sample, args.out or Path(tmp) / "envoy.yaml")
-            print(
-                f"{TEMPLATE.name} renders and validates ({'with' if otlp else 'without'} OpenTelemetry): {path}"
-            )
+    config = EnvoyConfig.from_dict(json.loads(args.settings.read_text()))
+    write_config(config, args.out, check=args.validate)
+    print(f"{TEMPLATE.name} rendered from {args.settings} to {args.out}")
     return 0
 
 

@@ -12,13 +12,14 @@ import json
 import os
 import shlex
 import sys
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
-from chatmesh.dev_jwt import DevKeys
-from chatmesh.envoy import EnvoyConfig, envoy_spec, write_config
-from chatmesh.launcher import HttpOk, ServiceSpec
+from localmesh.dev_jwt import ISSUER, DevKeys, generate_keys
+from meshkit.envoy import EnvoyConfig, envoy_spec, write_config
+from meshkit.launcher import HttpOk, ServiceSpec
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,20 @@ def otlp_from_env() -> tuple[str, int] | None:
     return parsed.hostname or "127.0.0.1", parsed.port or 4317
 
 
+def _envoy_config(ports: FrontDoorPorts, orchestrator_ports: list[int], keys: DevKeys) -> EnvoyConfig:
+    return EnvoyConfig(
+        listen_port=ports.envoy,
+        admin_port=ports.envoy_admin,
+        internal_port=ports.envoy_internal,
+        jwks_path=keys.jwks_path,
+        edge_endpoints=(("127.0.0.1", ports.edge),),
+        orchestrator_endpoints=tuple(("127.0.0.1", port) for port in orchestrator_ports),
+        jwt_issuer=ISSUER,
+        cors_origins=(f"http://127.0.0.1:{ports.envoy}", f"http://localhost:{ports.envoy}"),
+        otlp=otlp_from_env(),
+    )
+
+
 def front_door_specs(
     ports: FrontDoorPorts,
     orchestrator_ports: list[int],
@@ -45,16 +60,7 @@ def front_door_specs(
     keys: DevKeys,
     python: str = sys.executable,
 ) -> list[ServiceSpec]:
-    config = EnvoyConfig(
-        listen_port=ports.envoy,
-        admin_port=ports.envoy_admin,
-        internal_port=ports.envoy_internal,
-        jwks_path=keys.jwks_path,
-        edge_endpoints=(("127.0.0.1", ports.edge),),
-        orchestrator_endpoints=tuple(("127.0.0.1", port) for port in orchestrator_ports),
-        cors_origins=(f"http://127.0.0.1:{ports.envoy}", f"http://localhost:{ports.envoy}"),
-        otlp=otlp_from_env(),
-    )
+    config = _envoy_config(ports, orchestrator_ports, keys)
     config_path = write_config(config, run_dir / "envoy.yaml")
     edge = ServiceSpec(
         name="edge",
@@ -99,3 +105,22 @@ def welcome(ports: FrontDoorPorts, token: str, user: str, tier: str) -> str:
             f"  Envoy admin (stats, health): http://127.0.0.1:{ports.envoy_admin}/",
         ]
     )
+
+
+def check() -> int:
+    """``python -m localmesh.front_door`` (``make lint``): renders the local mesh's Envoy config, without and
+    with OpenTelemetry, and has ``envoy --mode validate`` check both."""
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = generate_keys(Path(tmp) / "keys")
+        for otlp in (None, ("127.0.0.1", 4317)):
+            ports = FrontDoorPorts()
+            config = replace(_envoy_config(ports, [50050], keys), otlp=otlp)
+            path = write_config(config, Path(tmp) / "envoy.yaml")
+            print(
+                f"the local Envoy config renders and validates ({'with' if otlp else 'without'} OpenTelemetry): {path}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(check())

@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from chatmesh.serving import PortInUseError
+from meshkit.serving import PortInUseError
 
 __all__ = [
     "GrpcHealthy",

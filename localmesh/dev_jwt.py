@@ -1,6 +1,6 @@
 """Dev JWTs: an RS256 key pair and its JWKS, made on first use, and a CLI that prints a signed token.
 
-``make token USER=alice TIER=pro`` (``python -m chatmesh.dev_jwt --user alice --tier pro``) prints a token
+``make token USER=alice TIER=pro`` (``python -m localmesh.dev_jwt --user alice --tier pro``) prints a token
 that the local Envoy accepts. The key pair lives in a gitignored directory (``.cache/dev-jwt/`` by
 default, ``CHATMESH_DEV_JWT_DIR`` to move it) and is never committed. In production Envoy verifies tokens
 from your identity provider's JWKS instead; nothing else changes, since services only read the identity
@@ -22,13 +22,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from chatmesh.identity import TIERS
+from chatmesh.identity import JWT_AUDIENCE, TIERS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = REPO_ROOT / ".cache" / "dev-jwt"
 DIR_ENV = "CHATMESH_DEV_JWT_DIR"
 ISSUER = "chatmesh-dev"
-AUDIENCE = "chatmesh"
 DEFAULT_TTL_S = 12 * 3600
 
 
@@ -47,7 +46,7 @@ class DevKeys:
         ttl_s: float = DEFAULT_TTL_S,
         now: float | None = None,
         issuer: str = ISSUER,
-        audience: str = AUDIENCE,
+        audience: str = JWT_AUDIENCE,
     ) -> str:
         """A signed token for ``user`` (the ``sub`` claim) with ``tier``; a negative ttl makes an expired one."""
         if not user:
@@ -105,7 +104,7 @@ def ensure_keys(directory: Path | None = None) -> DevKeys:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m chatmesh.dev_jwt", description="Print a signed dev JWT that the local Envoy accepts."
+        prog="python -m localmesh.dev_jwt", description="Print a signed dev JWT that the local Envoy accepts."
     )
     parser.add_argument("--user", default="alice", help="the sub claim: who the token speaks for")
     parser.add_argument("--tier", default="pro", choices=TIERS, help="the tier claim")

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from chatmesh import telemetry
+from meshkit import telemetry
 
 log = logging.getLogger(__name__)
 

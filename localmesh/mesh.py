@@ -1,4 +1,4 @@
-"""``python -m chatmesh.mesh`` (``make run``): the whole mesh on 127.0.0.1 under one supervisor.
+"""``python -m localmesh.mesh`` (``make run``): the whole mesh on 127.0.0.1 under one supervisor.
 
 Starts the services in dependency order, waits for each to be healthy, prints where to connect, and
 stops everything on Ctrl-C. Logs go to ``.run/mesh/logs/<service>.log``.
@@ -13,12 +13,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chatmesh.dev_jwt import ensure_keys
-from chatmesh.envoy import InvalidEnvoyConfigError
-from chatmesh.front_door import FrontDoorPorts, front_door_specs, welcome
-from chatmesh.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec
-from chatmesh.serving import PortInUseError
+from localmesh.dev_jwt import ensure_keys
+from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
+from meshkit.envoy import InvalidEnvoyConfigError
+from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec
+from meshkit.serving import PortInUseError
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
 def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     defaults = MeshPorts()
     door = defaults.front_door
-    parser = argparse.ArgumentParser(prog="python -m chatmesh.mesh", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m localmesh.mesh", description=__doc__)
     parser.add_argument("--edge-port", type=int, default=door.edge)
     parser.add_argument("--orchestrator-port", type=int, default=defaults.orchestrator)
     parser.add_argument("--router-port", type=int, default=defaults.router)
