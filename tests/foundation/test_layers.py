@@ -42,4 +42,3 @@ def test_a_package_imports_only_the_layers_below_it(package: str):
         if extra:
             wrong[str(path.relative_to(ROOT))] = sorted(extra)
     assert not wrong, f"{package} imports packages above its layer: {wrong}"
-
