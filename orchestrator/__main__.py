@@ -25,19 +25,21 @@ from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
 from meshkit import serving, telemetry
 from orchestrator import config as configuration
-from orchestrator.admission import Budgets, RunSlots
-from orchestrator.answers import Answers, Upkeep
-from orchestrator.background import BackgroundJobs
+from orchestrator.api.service import ChatService
 from orchestrator.config import OrchestratorConfig
-from orchestrator.generation import RunDeps
 from orchestrator.limits import Generation
-from orchestrator.moderation import create_moderator
-from orchestrator.replica import Replica
+from orchestrator.policy.admission import Budgets, RunSlots
+from orchestrator.policy.moderation import create_moderator
+from orchestrator.prompting.prompter import Prompter
 from orchestrator.router_client import RouterClient
-from orchestrator.runs import Runs
-from orchestrator.service import ChatService
-from orchestrator.summaries import Summarizer
-from orchestrator.titles import Titler
+from orchestrator.runs.answer_run import RunContext
+from orchestrator.runs.lifecycle import Runs
+from orchestrator.runs.relay import RelayDeps
+from orchestrator.upkeep.after_runs import Upkeep
+from orchestrator.upkeep.jobs import BackgroundJobs
+from orchestrator.upkeep.replica import Replica
+from orchestrator.upkeep.summaries import Summarizer
+from orchestrator.upkeep.titles import Titler
 
 log = logging.getLogger("orchestrator")
 
@@ -96,7 +98,7 @@ async def serve(args: Namespace, config: OrchestratorConfig) -> None:
         log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
 
     model = config.default_model or tokenizer.model_name
-    deps = RunDeps(store, create_moderator(config.moderation), config.runs)
+    deps = RelayDeps(store, create_moderator(config.moderation), config.runs)
     budgets = Budgets(store, config.budgets)
     runs = Runs(store, router, deps, budgets, RunSlots(config.limits.concurrent_runs), tokenizer.fingerprint)
     summary_config = config.summaries
@@ -128,8 +130,9 @@ async def serve(args: Namespace, config: OrchestratorConfig) -> None:
         if summary_config.enabled
         else None,
     )
-    answers = Answers(config, store, runs, tokenizer, deps.moderator, context_window, upkeep)
-    service = ChatService(store, answers, runs, budgets, router, config.limits, context_window, model)
+    prompter = Prompter(store, tokenizer, config.prompt, context_window)
+    ctx = RunContext(config, store, runs, prompter, deps.moderator, upkeep, model)
+    service = ChatService(ctx, budgets, router, context_window)
     replica = Replica(config.replica_id, store, runs, config.runs)
     await replica.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)

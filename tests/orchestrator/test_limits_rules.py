@@ -6,10 +6,10 @@ import pytest
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.identity import Identity
-from orchestrator.admission import RunSlots
 from orchestrator.config import Limits
 from orchestrator.errors import ServiceError
 from orchestrator.limits import DEFAULT_TEMPERATURE, check_content, generation, page_size
+from orchestrator.policy.admission import RunSlots
 
 LIMITS = Limits()
 

@@ -10,8 +10,8 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from memory_store.models import FinishReason, Run, RunDelta, RunStatus, Usage
 from orchestrator.errors import ServiceError
-from orchestrator.live_run import LiveRun, RunInfo
-from orchestrator.replay import INTERRUPTED_CODE, delta_event, started_event, terminal_events
+from orchestrator.runs.live_run import LiveRun, RunInfo
+from orchestrator.runs.replay import INTERRUPTED_CODE, delta_event, started_event, terminal_events
 
 
 def live_run(max_tokens: int = 100, max_subscribers: int = 4) -> LiveRun:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.config import ModerationConfig
-from orchestrator.moderation import Action, Moderator, RuleBasedPolicy
+from orchestrator.policy.moderation import Action, Moderator, RuleBasedPolicy
 
 POLICY = RuleBasedPolicy()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
-from orchestrator.prompt import SUMMARY_HEADING, PromptTooLong, fit_prompt
+from orchestrator.prompting.prompt import SUMMARY_HEADING, PromptTooLong, fit_prompt
 
 SYSTEM = [ChatMessage("system", "You are terse.")]
 

@@ -24,8 +24,8 @@ from memory_store.models import FinishReason, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator.config import RunConfig
 from orchestrator.metrics import ORPHANS_REAPED
-from orchestrator.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
-from orchestrator.runs import Runs
+from orchestrator.runs.lifecycle import Runs
+from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 
 log = logging.getLogger(__name__)
 

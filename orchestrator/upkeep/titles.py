@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 from memory_store.store import MemoryStore
-from orchestrator.background import generate_text
 from orchestrator.limits import Generation
 from orchestrator.router_client import RouterClient
+from orchestrator.upkeep.jobs import generate_text
 
 TITLE_SYSTEM = "You write short, specific titles for conversations."
 TITLE_REQUEST = (

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 from memory_store.models import ChatSummary, Message
 from memory_store.store import MemoryStore
-from orchestrator.background import generate_text
 from orchestrator.config import SummaryConfig
-from orchestrator.history import load_history
 from orchestrator.limits import Generation
-from orchestrator.prompt import Prompt
+from orchestrator.prompting.history import load_history
+from orchestrator.prompting.prompt import Prompt
 from orchestrator.router_client import RouterClient
+from orchestrator.upkeep.jobs import generate_text
 
 SUMMARY_SYSTEM = (
     "You maintain a running summary of a conversation between a user and an assistant. Keep names, "

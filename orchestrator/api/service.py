@@ -1,4 +1,4 @@
-"""ChatService: each RPC is a few lines over memory_store, ``Answers`` (starting runs) and ``Runs``.
+"""ChatService: each RPC is a few lines over memory_store, the kinds of run, and ``Runs``.
 
 Every call needs the identity Envoy set (``x-chatmesh-user-id``, ``x-chatmesh-tier``), else
 UNAUTHENTICATED; every chat and run is looked up under that user, so another user's is NOT_FOUND.
@@ -19,12 +19,14 @@ from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.identity import Identity, identity_from_metadata
 from memory_store.store import MemoryStore
 from orchestrator import convert, limits
-from orchestrator.admission import Budgets
-from orchestrator.answers import Answers
 from orchestrator.config import Limits
 from orchestrator.errors import from_exception
+from orchestrator.policy.admission import Budgets
 from orchestrator.router_client import RouterClient
-from orchestrator.runs import Runs
+from orchestrator.runs.answer_run import RunContext
+from orchestrator.runs.complete import CompleteRun
+from orchestrator.runs.regenerate import RegenerateRun
+from orchestrator.runs.send import SendRun
 
 # Unary calls without a client deadline get this one (every call ends, one way or another).
 DEFAULT_UNARY_DEADLINE_S = 30.0
@@ -97,25 +99,14 @@ def streaming(response: type):
 
 
 class ChatService(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(
-        self,
-        store: MemoryStore,
-        answers: Answers,
-        runs: Runs,
-        budgets: Budgets,
-        router: RouterClient,
-        limits_: Limits,
-        context_window: int,
-        model: str,
-    ) -> None:
-        self.store = store
-        self.answers = answers
-        self.runs = runs
+    def __init__(self, ctx: RunContext, budgets: Budgets, router: RouterClient, context_window: int) -> None:
+        self.ctx = ctx
+        self.store: MemoryStore = ctx.store
+        self.runs = ctx.runs
         self.budgets = budgets
         self.router = router
-        self.limits = limits_
+        self.limits: Limits = ctx.config.limits
         self.context_window = context_window
-        self.model = model
 
     # -- chats ----------------------------------------------------------------------------------
 
@@ -169,22 +160,25 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
 
     # -- answers --------------------------------------------------------------------------------
 
+    # A run's request is checked when its object is made (a refusal costs no read or write); the
+    # run then goes on as a task of this replica, and the call follows its events.
+
     @streaming(chat_pb2.SendMessageResponse)
     async def SendMessage(self, identity: Identity, request: chat_pb2.SendMessageRequest):
-        run_id = await self.answers.send(identity, request)
+        run_id = await self.runs.start(SendRun(self.ctx, identity, request))
         async for event in self.runs.stream(identity.user_id, run_id, 0):
             yield event
 
     @streaming(chat_pb2.RegenerateMessageResponse)
     async def RegenerateMessage(self, identity: Identity, request: chat_pb2.RegenerateMessageRequest):
-        run_id = await self.answers.regenerate(identity, request)
+        run_id = await self.runs.start(RegenerateRun(self.ctx, identity, request))
         async for event in self.runs.stream(identity.user_id, run_id, 0):
             yield event
 
     @streaming(chat_pb2.CompleteResponse)
     async def Complete(self, identity: Identity, request: chat_pb2.CompleteRequest):
-        live = await self.answers.complete(identity, request)
-        async for event in live.follow(0):
+        run_id = await self.runs.start(CompleteRun(self.ctx, identity, request))
+        async for event in self.runs.stream(identity.user_id, run_id, 0):
             yield event
 
     @streaming(chat_pb2.StreamRunResponse)
@@ -216,7 +210,7 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
                 chat_pb2.Model(
                     model_id=model,
                     # Only the model whose tokenizer this replica prompts with has a known window here.
-                    context_length=self.context_window if model == self.model else 0,
+                    context_length=self.context_window if model == self.ctx.default_model else 0,
                     engines=count,
                 )
                 for model, count in sorted(healthy.items())

@@ -1,11 +1,12 @@
-"""One run's generation: router frames in, run events out, and the run's end stored exactly once.
+"""The relay of one run: router frames in, run events out, and the run's end stored exactly once.
 
     router tokens ─► output moderation ─► delta event (seq n) ─► LiveRun (streams follow it)
                                                           └──► Checkpointer ─► Cassandra (behind)
     router finished / error / cancel ─► finish_run (tail + usage + status, one conditional batch)
                                      ─► usage + done (or error) events ─► LiveRun ends
 
-The task belongs to the replica, not to a client: streams attach and detach freely. It stops early
+It runs in the run's task, which belongs to the replica, not to a client: streams attach and detach
+freely. It stops early
 only for ``cancel()`` (CancelRun), output moderation, a run ended elsewhere (a cancel that reached
 another replica), or replica shutdown. Each of those sends the router a cancel frame, so engine work
 is freed at once; if the router does not confirm in time, the call itself is cancelled.
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -28,10 +28,8 @@ from memory_store.errors import MemoryStoreError
 from memory_store.models import FinishedRun, FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator import convert
-from orchestrator.checkpoints import Checkpointer
 from orchestrator.config import RunConfig
 from orchestrator.errors import ServiceError, from_exception, from_rpc_error, unavailable
-from orchestrator.live_run import LiveRun
 from orchestrator.metrics import (
     ACTIVE_RUNS,
     REQUEST_DURATION,
@@ -40,9 +38,11 @@ from orchestrator.metrics import (
     TIME_TO_FIRST_TOKEN,
     TOKEN_USAGE,
 )
-from orchestrator.moderation import Moderator
-from orchestrator.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
+from orchestrator.policy.moderation import Moderator
 from orchestrator.router_client import GenerateStream
+from orchestrator.runs.checkpoints import Checkpointer
+from orchestrator.runs.live_run import LiveRun
+from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ _STOPPED = {
 
 @dataclass(frozen=True)
 class RunEnd:
-    """How a run ended, for whoever started it (titles, summaries, budgets of unstored runs)."""
+    """How a run ended, for its last step (titles, summaries, the usage of unstored runs)."""
 
     live: LiveRun
     status: RunStatus
@@ -80,22 +80,21 @@ class RunEnd:
 
 
 @dataclass(frozen=True)
-class RunDeps:
+class RelayDeps:
     store: MemoryStore
     moderator: Moderator
     config: RunConfig
 
 
-class Generation:
+class Relay:
     def __init__(
         self,
-        deps: RunDeps,
+        deps: RelayDeps,
         live: LiveRun,
         stream: GenerateStream,
         prompt_tokens: int,
         stored_run: Run | None,
         arrived_at: float,
-        on_end: Callable[[RunEnd], Awaitable[None]],
     ) -> None:
         self.deps = deps
         self.live = live
@@ -103,7 +102,6 @@ class Generation:
         self.prompt_tokens = prompt_tokens
         self.stored_run = stored_run
         self.arrived_at = arrived_at
-        self.on_end = on_end
         who = f"user {live.info.user_id}, run {live.info.run_id}"
         self.screen = deps.moderator.output_screen(who)
         # Set when the run must stop early; no output is emitted after it.
@@ -112,10 +110,7 @@ class Generation:
         self._tokens_unsent = 0
         self._first_delta_at: float | None = None
         self._checkpointer: Checkpointer | None = None
-        self.task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._run(), name=f"run-{self.live.info.run_id}")
+        self._ended = asyncio.Event()
 
     async def stop(self, reason: Stop) -> None:
         """Stops the run now: no output is emitted after this, and the router is told to stop."""
@@ -127,13 +122,16 @@ class Generation:
         asyncio.get_running_loop().call_later(self.deps.config.cancel_timeout_s, self.stream.abort)
 
     async def wait(self, timeout_s: float) -> None:
-        if self.task is not None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self.task), timeout_s)
+        """Waits up to ``timeout_s`` for the run's end to be stored and published."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._ended.wait()
 
     # -- the relay ------------------------------------------------------------------------------
 
-    async def _run(self) -> None:
+    async def run(self) -> RunEnd:
+        """Relays the router's frames into the run's events until the run ends; stores and publishes
+        the end, and returns it."""
         ACTIVE_RUNS.inc()
         watcher = None
         if self.stored_run is not None:
@@ -174,9 +172,10 @@ class Generation:
         if finished is None and error is None and self.stop_reason is None:
             error = unavailable("the router ended the stream before the answer finished; retry", 1.0)
         try:
-            await self._finish(finished, error)
+            return await self._finish(finished, error)
         finally:
             ACTIVE_RUNS.dec()
+            self._ended.set()
 
     async def _emit(self, text: str, tokens: int) -> None:
         """Turns released text into a delta event (tokens without text yet ride on the next one)."""
@@ -212,7 +211,7 @@ class Generation:
 
     # -- the end --------------------------------------------------------------------------------
 
-    async def _finish(self, finished, error: ServiceError | None) -> None:
+    async def _finish(self, finished, error: ServiceError | None) -> RunEnd:
         status, reason = self._status(finished, error)
         if finished is not None and finished.HasField("usage"):
             u = finished.usage
@@ -237,10 +236,7 @@ class Generation:
                 message_id = ended.message.message_id if ended.message else ""
         self._publish_end(status, reason, usage, error, message_id)
         self._observe(status, reason, usage)
-        try:
-            await self.on_end(RunEnd(self.live, status, reason, usage, message_id))
-        except Exception:
-            log.exception("after-run work of run %s failed", self.live.info.run_id)
+        return RunEnd(self.live, status, reason, usage, message_id)
 
     def _status(self, finished, error: ServiceError | None) -> tuple[RunStatus, FinishReason | None]:
         if self.stop_reason is not None:

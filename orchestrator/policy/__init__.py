@@ -1,0 +1,1 @@
+"""What a user may do: token budgets and concurrent runs by tier, content moderation, limit refusals."""

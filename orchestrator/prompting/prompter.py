@@ -1,0 +1,113 @@
+"""The prompt of a run: read the branch, fit it to the context window, refuse what cannot fit.
+
+``continue_branch`` serves stored chats (the branch ending at a message, after the chat's summary, then
+the new turns); ``conversation`` serves Complete (a caller-supplied conversation, nothing read). Both end
+in ``fit``: the window minus max_tokens is the budget, ``prompt.fit_prompt`` keeps the newest turns that
+fit, and a prompt that cannot fit is INVALID_ARGUMENT naming the field at fault.
+"""
+
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+
+from chatmesh.tokenizer import ChatMessage, ChatTokenizer
+from memory_store.models import ChatSummary
+from memory_store.store import MemoryStore
+from orchestrator.config import PromptConfig
+from orchestrator.errors import invalid
+from orchestrator.limits import Generation
+from orchestrator.metrics import PROMPT_ASSEMBLY, PROMPT_HISTORY
+from orchestrator.policy.refusals import refused
+from orchestrator.prompting.history import load_history, turns
+from orchestrator.prompting.prompt import Prompt, PromptTooLong, fit_prompt
+
+tracer = trace.get_tracer("orchestrator")
+
+
+class Prompter:
+    def __init__(
+        self, store: MemoryStore, tokenizer: ChatTokenizer, config: PromptConfig, context_window: int
+    ) -> None:
+        self.store = store
+        self.tokenizer = tokenizer
+        self.config = config
+        self.context_window = context_window
+
+    async def continue_branch(
+        self,
+        user_id: str,
+        chat_id: str,
+        leaf_id: str | None,
+        summary: ChatSummary | None,
+        options: Generation,
+        new: list[ChatMessage],
+        field: str,
+    ) -> Prompt:
+        """The prompt continuing the branch that ends at ``leaf_id`` with the ``new`` turns."""
+        history = await load_history(
+            self.store, user_id, chat_id, leaf_id, self.config.max_history_messages, summary
+        )
+        summary_text = history.summary.text if history.summary else None
+        return self.fit([*turns(history.messages), *new], options, summary_text, field)
+
+    def conversation(
+        self, system: list[ChatMessage], messages: list[ChatMessage], options: Generation
+    ) -> Prompt:
+        """A caller's whole conversation: it must fit as it is (nothing of it is dropped silently)."""
+        prompt = self.fit(messages, options, None, "messages", system=system or None)
+        if prompt.history == "truncated":
+            raise refused(
+                invalid(
+                    "messages",
+                    f"the conversation needs {prompt.full_tokens} tokens; {prompt.budget} fit in the "
+                    f"{self.context_window}-token context window with max_tokens={options.max_tokens}",
+                )
+            )
+        return prompt
+
+    def fit(
+        self,
+        conversation: list[ChatMessage],
+        options: Generation,
+        summary: str | None,
+        field: str,
+        system: list[ChatMessage] | None = None,
+    ) -> Prompt:
+        budget = self.context_window - options.max_tokens
+        if budget <= 0:
+            raise refused(
+                invalid(
+                    "options.max_tokens",
+                    f"max_tokens={options.max_tokens} leaves no room for a prompt in the "
+                    f"{self.context_window}-token context window",
+                )
+            )
+        started = time.monotonic()
+        with tracer.start_as_current_span("assemble prompt") as span:
+            try:
+                prompt = fit_prompt(
+                    self.tokenizer,
+                    system or [ChatMessage("system", self.config.system_prompt)],
+                    conversation,
+                    budget,
+                    summary,
+                )
+            except PromptTooLong as exc:
+                raise refused(
+                    invalid(
+                        field,
+                        f"the prompt needs {exc.needed} tokens but {exc.budget} fit in the "
+                        f"{self.context_window}-token context window with max_tokens={options.max_tokens}; "
+                        "shorten the message or lower max_tokens",
+                    )
+                ) from None
+            span.set_attribute("chatmesh.prompt.tokens", len(prompt.token_ids))
+            span.set_attribute("chatmesh.prompt.budget", budget)
+            span.set_attribute("chatmesh.prompt.turns_kept", prompt.turns_kept)
+            span.set_attribute("chatmesh.prompt.turns_available", prompt.turns_available)
+            span.set_attribute("chatmesh.prompt.history", prompt.history)
+        PROMPT_ASSEMBLY.observe(time.monotonic() - started)
+        PROMPT_HISTORY.labels(prompt.history).inc()
+        return prompt

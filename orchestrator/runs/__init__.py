@@ -1,0 +1,1 @@
+"""Runs: one object per kind of run (send, regenerate, complete) and the lifecycle steps they share."""

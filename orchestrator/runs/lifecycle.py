@@ -1,0 +1,336 @@
+"""The runs of this replica: the steps every kind of run shares, and the runs in memory.
+
+Each kind of run (``send.py``, ``regenerate.py``, ``complete.py``) is one object whose ``execute`` reads
+top to bottom; these are the steps it calls, in this order:
+
+    start    the run becomes a task of this replica; the caller waits until it is live (or refused)
+    admit    a run slot, then the budget reserved while the router places the request (both at once)
+    ...      the kind persists what it stores (user message, run row)
+    generate `started` (the caller is released), then the relay until the end, stored once
+
+A refusal at any step before ``generate`` undoes the steps before it (the reservation is returned, the
+router stream cancelled, the slot freed) and nothing is persisted, so a refused send leaves no trace and
+can be retried with the same idempotency key. Streams attach to the LiveRun while this replica holds it
+(and for ``finished_ttl_s`` after it ends); otherwise they are served from Cassandra (``replay.py``),
+which works on every replica, for finished runs and for runs another replica is generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from opentelemetry import trace
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.identity import Identity
+from memory_store.errors import MemoryStoreError, NotFound
+from memory_store.models import FinishReason, Run, RunOutcome, RunStatus, Usage
+from memory_store.store import MemoryStore
+from orchestrator import convert
+from orchestrator.config import RunConfig
+from orchestrator.errors import not_found, unavailable
+from orchestrator.limits import Generation
+from orchestrator.policy.admission import Budgets, RunSlots
+from orchestrator.prompting.prompt import Prompt
+from orchestrator.router_client import GenerateStream, RouterClient, start_frame
+from orchestrator.runs import replay
+from orchestrator.runs.answer_run import AnswerRun
+from orchestrator.runs.live_run import LiveRun, RunInfo
+from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("orchestrator")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A run admitted to generate: its slot, its budget reservation and the router's placed stream."""
+
+    identity: Identity
+    info: RunInfo
+    prompt: Prompt
+    stream: GenerateStream
+
+
+class Runs:
+    def __init__(
+        self,
+        store: MemoryStore,
+        router: RouterClient,
+        deps: RelayDeps,
+        budgets: Budgets,
+        slots: RunSlots,
+        tokenizer_fingerprint: str,
+    ) -> None:
+        self.store = store
+        self.router = router
+        self.deps = deps
+        self.config: RunConfig = deps.config
+        self.budgets = budgets
+        self.slots = slots
+        self.fingerprint = tokenizer_fingerprint
+        self.draining = False
+        self._live: dict[str, LiveRun] = {}
+        self._relays: dict[str, Relay] = {}
+        # Every run task, from `start` to its last step: the replica holds them, no client does.
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Runs on their way to going live, by (user, idempotency key): a duplicate waits for the same one.
+        self._starting: dict[tuple[str, str], asyncio.Future[str]] = {}
+
+    # -- the steps of a run, in order ------------------------------------------------------------
+
+    async def start(self, run: AnswerRun) -> str:
+        """Runs ``run`` as a task of this replica and returns its run id once it is live (or joined an
+        earlier run of its idempotency key); a refusal before that is raised here. A duplicate of a run
+        still starting (same user and key) waits for that one instead of starting its own.
+
+        A stored run outlives a caller who goes away; a run nothing could ever attach to (Complete,
+        whose client never learnt its run id) is abandoned with a caller who leaves before it is live.
+        """
+        key = (run.identity.user_id, run.idempotency_key) if run.idempotency_key else None
+        started = self._starting.get(key) if key else None
+        task = None
+        if started is None:
+            started = run.started
+            task = asyncio.create_task(self._execute(run), name=f"{run.kind}-run")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            if key is not None:
+                self._starting[key] = started
+                started.add_done_callback(lambda _: self._starting.pop(key, None))
+        try:
+            return await asyncio.shield(started)
+        except asyncio.CancelledError:
+            if task is not None and not run.outlives_caller and not started.done():
+                task.cancel()
+            raise
+
+    async def _execute(self, run: AnswerRun) -> None:
+        try:
+            await run.execute()
+        except BaseException as exc:
+            if run.started.done():
+                if not isinstance(exc, Exception):
+                    raise
+                log.exception("the last step of a %s run failed", run.kind)
+            elif isinstance(exc, asyncio.CancelledError):
+                run.started.cancel()
+            else:
+                run.started.set_exception(exc)
+
+    @contextlib.asynccontextmanager
+    async def admit(
+        self, identity: Identity, info: RunInfo, prompt: Prompt, options: Generation
+    ) -> AsyncIterator[Admission]:
+        """A run slot, then the budget reserved while the router places the request (a refusal of
+        either undoes the other). The block persists what the run stores; if it fails, everything is
+        undone, and after it the admission belongs to ``generate``."""
+        if self.draining:
+            raise unavailable("this replica is shutting down; retry (another replica will answer)", 0.5)
+        with tracer.start_as_current_span("start run") as span:
+            span.set_attribute("chatmesh.run_id", info.run_id)
+            self.slots.acquire(identity)
+            try:
+                stream = await self._place(identity, info, prompt, options)
+                admission = Admission(identity, info, prompt, stream)
+                try:
+                    yield admission
+                except BaseException:
+                    stream.abort()
+                    with contextlib.suppress(MemoryStoreError, TimeoutError):
+                        await self.budgets.release(identity.user_id, info.run_id)
+                    raise
+            except BaseException:
+                self.slots.release(identity.user_id)
+                raise
+
+    async def _place(
+        self, identity: Identity, info: RunInfo, prompt: Prompt, options: Generation
+    ) -> GenerateStream:
+        """Reserves the budget and has the router place the request, both at once (a refusal of either
+        undoes the other): returns the placed stream."""
+        estimate = Usage(prompt_tokens=len(prompt.token_ids), completion_tokens=options.max_tokens)
+        stream = self.router.generate(self.config.max_run_s)
+        start = start_frame(
+            info.run_id,
+            prompt.token_ids,
+            options,
+            identity.tier,
+            info.chat_id or identity.user_id,
+            self.fingerprint,
+        )
+        reserve = asyncio.ensure_future(self.budgets.reserve(identity, info.run_id, estimate))
+        place = asyncio.ensure_future(stream.open(start, self.config.placement_timeout_s))
+        try:
+            await asyncio.gather(reserve, place)
+        except BaseException:
+            stream.abort()  # ends the placement (or the placed request) at once
+            # The budget's verdict is the more useful one to report, so wait for both.
+            await asyncio.wait([reserve, place])
+            if reserve.done() and not reserve.cancelled() and reserve.exception() is None:
+                with contextlib.suppress(MemoryStoreError, TimeoutError):
+                    await self.budgets.release(identity.user_id, info.run_id)
+            for step in (reserve, place):
+                if step.done() and not step.cancelled() and step.exception() is not None:
+                    raise step.exception() from None
+            raise
+        return stream
+
+    async def generate(self, run: AnswerRun, admission: Admission, stored_run: Run | None) -> RunEnd:
+        """The run goes live with its `started` event (whoever waits in ``start`` is released), then the
+        relay streams the answer until it ends and stores the end once. Returns how it ended."""
+        info = admission.info
+        live = LiveRun(info, self.config.max_subscribers_per_run)
+        live.append(
+            started=chat_pb2.RunStarted(
+                run_id=info.run_id,
+                chat_id=info.chat_id,
+                user_message_id=info.user_message_id,
+                assistant_message_id=info.assistant_message_id,
+                model=info.model,
+            )
+        )
+        relay = Relay(
+            self.deps, live, admission.stream, len(admission.prompt.token_ids), stored_run, run.arrived_at
+        )
+        self._live[info.run_id] = live
+        self._relays[info.run_id] = relay
+        run.started.set_result(info.run_id)
+        try:
+            return await relay.run()
+        finally:
+            self.slots.release(info.user_id)
+            self._relays.pop(info.run_id, None)
+
+    def is_live(self, run_id: str) -> bool:
+        return run_id in self._live
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _local(self, user_id: str, run_id: str) -> LiveRun | None:
+        live = self._live.get(run_id)
+        if live is None or live.info.user_id != user_id:
+            return None
+        return live
+
+    async def stream(self, user_id: str, run_id: str, after_seq: int) -> AsyncIterator[chat_pb2.RunEvent]:
+        """Events with seq > after_seq, then live ones until the run ends (from memory or Cassandra)."""
+        live = self._local(user_id, run_id)
+        if live is not None:
+            async for event in live.follow(after_seq):
+                yield event
+            return
+        run = await self._stored(user_id, run_id)
+        poll_s = self.config.follow_poll_ms / 1000
+        async for event in replay.follow_stored(self.store, user_id, run, after_seq, poll_s):
+            yield event
+
+    async def get(self, user_id: str, run_id: str) -> chat_pb2.Run:
+        live = self._local(user_id, run_id)
+        if live is not None:
+            return _live_proto(live)
+        return convert.run(await self._stored(user_id, run_id))
+
+    async def _stored(self, user_id: str, run_id: str) -> Run:
+        try:
+            return await self.store.get_run(user_id, run_id)
+        except NotFound:
+            raise not_found("run", run_id) from None
+
+    # -- cancelling -----------------------------------------------------------------------------
+
+    async def cancel(self, user_id: str, run_id: str) -> chat_pb2.Run:
+        """Stops the run at once; a finished run is left as it is."""
+        live = self._local(user_id, run_id)
+        if live is not None:
+            relay = self._relays.get(run_id)
+            if relay is not None:
+                await relay.stop(Stop.CANCELLED)
+                await relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)
+            return _live_proto(live)
+        run = await self._stored(user_id, run_id)
+        if run.status.terminal:
+            return convert.run(run)
+        # Another replica generates it. Its next checkpoint holds what it streamed until now; then
+        # ending the run here wins the run's one conditional finish, and the owner sees the end
+        # within a couple of seconds and stops its engine work.
+        run = await self._next_checkpoint(run)
+        if run.status.terminal:
+            return convert.run(run)
+        ended = await self.store.finish_run(
+            run,
+            RunOutcome(
+                status=RunStatus.CANCELLED, last_seq=run.last_seq, finish_reason=FinishReason.CANCELLED
+            ),
+        )
+        return convert.run(ended.run)
+
+    async def _next_checkpoint(self, run: Run) -> Run:
+        """The run once its owner checkpointed again (or ended), or as it is if no checkpoint comes
+        within a few checkpoint intervals (nothing new was generated)."""
+        interval_s = self.config.checkpoint_interval_ms / 1000
+        deadline = time.monotonic() + max(1.0, 3 * interval_s)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(interval_s / 2)
+            latest = await self.store.get_run(run.user_id, run.run_id)
+            if latest.last_seq > run.last_seq or latest.status.terminal:
+                return latest
+        return run
+
+    async def cancel_chat(self, user_id: str, chat_id: str) -> None:
+        """Stops this replica's runs of a chat (it was deleted)."""
+        for live in list(self._live.values()):
+            if live.info.user_id == user_id and live.info.chat_id == chat_id and not live.finished:
+                await self.cancel(user_id, live.info.run_id)
+
+    # -- upkeep ---------------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Forgets finished runs older than ``finished_ttl_s`` (Cassandra serves them from then on)."""
+        horizon = time.monotonic() - self.config.finished_ttl_s
+        for run_id, live in list(self._live.items()):
+            if live.finished_at is not None and live.finished_at < horizon and not live.subscribers:
+                del self._live[run_id]
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Lets runs finish for ``grace_s``, then stops the rest as interrupted (their output so far is
+        stored, so a client resuming elsewhere gets it and the end of the run)."""
+        self.draining = True
+        relays = list(self._relays.values())
+        if relays:
+            log.info("waiting up to %.0fs for %d runs to finish", grace_s, len(relays))
+            await asyncio.gather(*(relay.wait(grace_s) for relay in relays))
+            left = [relay for relay in relays if not relay.live.finished]
+            if left:
+                log.warning("interrupting %d runs still generating", len(left))
+                for relay in left:
+                    await relay.stop(Stop.INTERRUPTED)
+                await asyncio.gather(
+                    *(
+                        relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)
+                        for relay in left
+                    )
+                )
+        # Ended runs finish their last step (usage, titles); runs still on their way to going live
+        # (placement, persistence) end with the replica, as refusals their callers may retry elsewhere.
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.config.store_deadline_s)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _live_proto(live: LiveRun) -> chat_pb2.Run:
+    return chat_pb2.Run(
+        run_id=live.info.run_id,
+        chat_id=live.info.chat_id,
+        status=live.status,
+        last_seq=live.last_seq,
+        assistant_message_id=live.info.assistant_message_id,
+        create_time=convert.timestamp(live.created_at),
+    )

@@ -1,0 +1,63 @@
+"""RegenerateMessage: a new answer to the question an earlier answer answered (a sibling of that answer)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.identity import Identity
+from memory_store.errors import NotFound
+from memory_store.models import Role
+from orchestrator import limits
+from orchestrator.errors import ServiceError, not_found
+from orchestrator.policy.refusals import checked
+from orchestrator.runs.answer_run import ChatRun, RunContext
+
+
+class RegenerateRun(ChatRun):
+    kind = "regenerate"
+
+    def __init__(
+        self, ctx: RunContext, identity: Identity, request: chat_pb2.RegenerateMessageRequest
+    ) -> None:
+        checked(limits.check_id, request.chat_id, "chat_id")
+        checked(limits.check_id, request.message_id, "message_id")
+        options = checked(limits.generation, request.options, ctx.config.limits, ctx.default_model)
+        checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
+        super().__init__(ctx, identity, request, request.idempotency_key, options)
+        self.request = request
+
+    async def execute(self) -> None:
+        store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id
+        # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it).
+        claim = await self.claim()
+        if claim is None:
+            return
+        # 2. The answer to redo, and the chat's summary (both reads check the chat is the caller's).
+        try:
+            answer, summary = await asyncio.gather(
+                store.get_message(user, chat_id, self.request.message_id), store.get_summary(user, chat_id)
+            )
+        except NotFound:
+            raise not_found("message", self.request.message_id) from None
+        if answer.role is not Role.ASSISTANT or answer.parent_id is None:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"message {self.request.message_id} is not an answer; only assistant messages can be "
+                "regenerated (to change a question, send the new text with its parent_message_id)",
+            )
+        # 3. The prompt: the branch up to the question, after the summary, fitted to the window.
+        question_id = answer.parent_id
+        prompt = await self.ctx.prompter.continue_branch(
+            user, chat_id, question_id, summary, self.options, [], "message_id"
+        )
+        info = self.run_info(claim, chat_id)
+        # 4. Admission, then the run persisted (the question is stored already).
+        async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
+            stored_run = await self.create_run(info, question_id, None)
+        # 5. Live: `started`, then the answer streamed until it ends; the end is stored once.
+        end = await self.ctx.runs.generate(self, admission, stored_run)
+        # 6. Upkeep: a long history gets a fresher summary.
+        self.refresh_summary(chat_id, prompt, end)

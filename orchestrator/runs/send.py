@@ -1,0 +1,97 @@
+"""SendMessage: a new user message in a chat, and the answer to it.
+
+Every step is idempotent, so a retry with the same key resumes where an earlier attempt stopped; nothing
+is persisted before the router has placed the request, so a refusal (limits, moderation, budget, no
+capacity) leaves no message behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import grpc
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.identity import Identity
+from chatmesh.tokenizer import ChatMessage
+from memory_store.errors import NotFound
+from memory_store.models import Message, Role, RunStatus
+from orchestrator import limits
+from orchestrator.errors import ServiceError, invalid, not_found
+from orchestrator.policy.refusals import checked
+from orchestrator.runs.answer_run import ChatRun, RunContext
+
+
+class SendRun(ChatRun):
+    kind = "send"
+
+    def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.SendMessageRequest) -> None:
+        checked(limits.check_id, request.chat_id, "chat_id")
+        checked(limits.check_content, request.content, ctx.config.limits)
+        options = checked(limits.generation, request.options, ctx.config.limits, ctx.default_model)
+        checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
+        if request.branch_from_root and request.parent_message_id:
+            raise invalid("parent_message_id", "parent_message_id must be empty with branch_from_root")
+        super().__init__(ctx, identity, request, request.idempotency_key, options)
+        self.request = request
+        self.moderate(request.content, "content")
+
+    async def execute(self) -> None:
+        store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id
+        # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it).
+        claim = await self.claim()
+        if claim is None:
+            return
+        # 2. The message this one follows, and the chat's summary (both reads check the chat is the caller's).
+        parent_id, summary = await asyncio.gather(self._parent(), store.get_summary(user, chat_id))
+        if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(claim.user_message_id).time:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the message this one would follow was written after this send began (another send "
+                "to this chat at the same time, or a retry of an old idempotency key); send it again "
+                "with a new idempotency key",
+            )
+        # 3. The prompt: the branch after the summary, then the new message, fitted to the window.
+        question = ChatMessage("user", self.request.content)
+        prompt = await self.ctx.prompter.continue_branch(
+            user, chat_id, parent_id, summary, self.options, [question], "content"
+        )
+        info = self.run_info(claim, chat_id, claim.user_message_id)
+        # 4. Admission (a run slot; the budget reserved while the router places the request), then the
+        #    user message and the run persisted, now that the answer will be generated.
+        async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
+            await store.append_message(
+                user,
+                Message(
+                    message_id=claim.user_message_id,
+                    chat_id=chat_id,
+                    role=Role.USER,
+                    content=self.request.content,
+                    parent_id=parent_id,
+                    token_count=len(self.ctx.prompter.tokenizer.encode(self.request.content)),
+                    run_id=claim.run_id,
+                ),
+            )
+            stored_run = await self.create_run(info, claim.user_message_id, claim.user_message_id)
+        # 5. Live: `started`, then the answer streamed until it ends; the end is stored once.
+        end = await self.ctx.runs.generate(self, admission, stored_run)
+        # 6. Upkeep: the first exchange of a chat (or of a new root branch) names it; a long history
+        #    gets a fresher summary.
+        if parent_id is None and end.status is RunStatus.COMPLETED:
+            self.ctx.upkeep.name_chat(user, chat_id, self.request.content, end.live.text())
+        self.refresh_summary(chat_id, prompt, end)
+
+    async def _parent(self) -> str | None:
+        """The message the new one follows: the one named, the chat's newest, or none (a new root)."""
+        request, user = self.request, self.identity.user_id
+        if request.branch_from_root:
+            return None
+        if request.parent_message_id:
+            try:
+                message = await self.ctx.store.get_message(user, request.chat_id, request.parent_message_id)
+            except NotFound:
+                raise not_found("message", request.parent_message_id) from None
+            return message.message_id
+        latest = await self.ctx.store.get_latest_message(user, request.chat_id)
+        return latest.message_id if latest else None

@@ -1,0 +1,1 @@
+"""Background upkeep: titles and rolling summaries after runs, and the replica's membership and reaper."""
