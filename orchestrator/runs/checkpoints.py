@@ -50,9 +50,6 @@ class Checkpointer:
             await self._task
         return self._pending
 
-    def abandon(self) -> None:
-        self._task.cancel()
-
     async def _loop(self) -> None:
         while not self._closing:
             with contextlib.suppress(TimeoutError):
