@@ -32,7 +32,7 @@ from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.policy.moderation import create_moderator
 from orchestrator.prompting.prompter import Prompter
 from orchestrator.router_client import RouterClient
-from orchestrator.runs.answer_run import RunContext
+from orchestrator.runs.context import RunContext
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.runs.relay import RelayDeps
 from orchestrator.upkeep.after_runs import Upkeep

@@ -23,8 +23,8 @@ from orchestrator.config import Limits
 from orchestrator.errors import from_exception
 from orchestrator.policy.admission import Budgets
 from orchestrator.router_client import RouterClient
-from orchestrator.runs.answer_run import RunContext
 from orchestrator.runs.complete import CompleteRun
+from orchestrator.runs.context import RunContext
 from orchestrator.runs.regenerate import RegenerateRun
 from orchestrator.runs.send import SendRun
 

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
 
+import grpc
+
 from orchestrator.config import ModerationConfig
+from orchestrator.errors import ServiceError
 from orchestrator.metrics import MODERATION_DECISIONS
 
 log = logging.getLogger(__name__)
@@ -256,8 +259,17 @@ class Moderator:
     def __init__(self, policy: ModerationPolicy) -> None:
         self.policy = policy
 
-    def check_input(self, text: str, who: str) -> Decision:
-        return self.record("input", self.policy.check_input(text), who)
+    def screen_input(self, text: str, field: str, who: str) -> None:
+        """Refuses a blocked input text (INVALID_ARGUMENT naming ``field``, reason CONTENT_FILTER),
+        before anything is read or written for it."""
+        decision = self.record("input", self.policy.check_input(text), who)
+        if decision.blocked:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the message was refused by the content policy ({decision.category})",
+                field=field,
+                reason="CONTENT_FILTER",
+            )
 
     def output_screen(self, who: str) -> OutputScreen:
         return OutputScreen(self, who)

@@ -14,7 +14,8 @@ from memory_store.ids import new_id
 from orchestrator import limits
 from orchestrator.errors import invalid
 from orchestrator.policy.refusals import checked, refused
-from orchestrator.runs.answer_run import AnswerRun, RunContext
+from orchestrator.runs.answer_run import AnswerRun
+from orchestrator.runs.context import RunContext
 from orchestrator.runs.live_run import RunInfo
 
 _PROMPT_ROLES = {
@@ -29,7 +30,8 @@ class CompleteRun(AnswerRun):
     outlives_caller = False
 
     def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.CompleteRequest) -> None:
-        super().__init__(ctx, identity)
+        super().__init__(identity)
+        self.ctx = ctx
         self.options = checked(limits.generation, request.options, ctx.config.limits, ctx.default_model)
         messages = self._conversation(request)
         self.system: list[ChatMessage] = []
@@ -56,7 +58,7 @@ class CompleteRun(AnswerRun):
             if last or len(message.content.encode()) > limits_.max_message_bytes:
                 checked(limits.check_content, message.content, limits_, field)
             if role == "user":
-                self.moderate(message.content, field)
+                self.ctx.moderator.screen_input(message.content, field, f"user {self.identity.user_id}")
             out.append(ChatMessage(role, message.content))
         return out
 

@@ -13,7 +13,8 @@ from memory_store.models import Role
 from orchestrator import limits
 from orchestrator.errors import ServiceError, not_found
 from orchestrator.policy.refusals import checked
-from orchestrator.runs.answer_run import ChatRun, RunContext
+from orchestrator.runs.chat_run import ChatRun
+from orchestrator.runs.context import RunContext
 
 
 class RegenerateRun(ChatRun):

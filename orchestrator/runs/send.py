@@ -20,7 +20,8 @@ from memory_store.models import Message, Role, RunStatus
 from orchestrator import limits
 from orchestrator.errors import ServiceError, invalid, not_found
 from orchestrator.policy.refusals import checked
-from orchestrator.runs.answer_run import ChatRun, RunContext
+from orchestrator.runs.chat_run import ChatRun
+from orchestrator.runs.context import RunContext
 
 
 class SendRun(ChatRun):
@@ -35,7 +36,7 @@ class SendRun(ChatRun):
             raise invalid("parent_message_id", "parent_message_id must be empty with branch_from_root")
         super().__init__(ctx, identity, request, request.idempotency_key, options)
         self.request = request
-        self.moderate(request.content, "content")
+        ctx.moderator.screen_input(request.content, "content", f"user {identity.user_id}")
 
     async def execute(self) -> None:
         store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id

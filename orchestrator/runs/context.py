@@ -1,0 +1,24 @@
+"""The replica's parts a run works with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memory_store.store import MemoryStore
+from orchestrator.config import OrchestratorConfig
+from orchestrator.policy.moderation import Moderator
+from orchestrator.prompting.prompter import Prompter
+from orchestrator.runs.lifecycle import Runs
+from orchestrator.upkeep.after_runs import Upkeep
+
+
+@dataclass(frozen=True)
+class RunContext:
+    config: OrchestratorConfig
+    store: MemoryStore
+    runs: Runs
+    prompter: Prompter
+    moderator: Moderator
+    upkeep: Upkeep
+    # The model of requests that name none.
+    default_model: str
