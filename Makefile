@@ -5,12 +5,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.provisioned
 
-.PHONY: setup run test lint helm-lint protos check-protos protos-baseline bench clean help token
+.PHONY: setup run test lint typecheck helm-lint protos check-protos protos-baseline bench clean help token
 
 help:
 	@echo "make run      start the local mesh on 127.0.0.1 and print the URL"
 	@echo "make test     provision and run every test"
-	@echo "make lint     ruff + buf lint + buf breaking + helm-lint"
+	@echo "make lint     ruff + mypy + buf lint + buf breaking + helm-lint"
 	@echo "make protos   regenerate Python code from protos/"
 	@echo "make bench    run the benchmarks in bench/"
 	@echo "make token    print a dev JWT (make token USER=alice TIER=pro)"
@@ -27,13 +27,17 @@ run: setup
 test: setup check-protos
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-lint: setup
+lint: setup typecheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf breaking --against protos/baseline.binpb
 	$(PY) -m localmesh.front_door
 	@$(MAKE) --no-print-directory helm-lint
+
+# mypy over every package (pyproject.toml [tool.mypy]): private calls across mixins and protocol drift.
+typecheck: setup
+	$(VENV)/bin/mypy
 
 # The Helm chart: lint --strict, and render it with the test values (tests/helm checks what it renders).
 HELM := .cache/helm/helm

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -79,22 +80,30 @@ class ChatTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> ChatTokenizer:
-        field = read_gguf_metadata(path).get
-        tokens = field("tokenizer.ggml.tokens")
-        if field("tokenizer.ggml.model") != "gpt2" or tokens is None:
+        metadata = read_gguf_metadata(path)
+        field = metadata.get
+        if field("tokenizer.ggml.model") != "gpt2" or field("tokenizer.ggml.tokens") is None:
             raise ValueError(f"{path}: only GGUF files with a byte-level BPE (gpt2) tokenizer are supported")
-        token_types = field("tokenizer.ggml.token_type")
+
+        def required(key: str) -> Any:
+            value = metadata.get(key)
+            if value is None:
+                raise ValueError(f"{path}: the tokenizer needs {key}, which the file lacks")
+            return value
+
+        tokens = required("tokenizer.ggml.tokens")
+        token_types = required("tokenizer.ggml.token_type")
         # ChatML models end a turn with <|im_end|> and a document with <|endoftext|>; GGUFs name only one.
-        eos_ids = [field("tokenizer.ggml.eos_token_id")]
+        eos_ids = [required("tokenizer.ggml.eos_token_id")]
         eos_ids += [tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokens]
         eos_ids = list(dict.fromkeys(eos_ids))
         return cls(
             model_name=model_name(field("general.basename"), field("general.size_label"), path),
             tokens=tokens,
-            merges=field("tokenizer.ggml.merges"),
+            merges=required("tokenizer.ggml.merges"),
             control_token_ids=[i for i, kind in enumerate(token_types) if kind == _CONTROL_TOKEN_TYPE],
-            chat_template=field("tokenizer.chat_template"),
-            bos_token_id=field("tokenizer.ggml.bos_token_id"),
+            chat_template=required("tokenizer.chat_template"),
+            bos_token_id=required("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
         )
 
@@ -228,7 +237,7 @@ def _build_bpe(
 ) -> tokenizers.Tokenizer:
     bpe = models.BPE(
         vocab={token: i for i, token in enumerate(tokens)},
-        merges=[tuple(merge.split(" ", 1)) for merge in merges],
+        merges=[(left, right) for left, right in (merge.split(" ", 1) for merge in merges)],
     )
     tok = tokenizers.Tokenizer(bpe)
     tok.pre_tokenizer = _pre_tokenizer()

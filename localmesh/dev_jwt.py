@@ -62,6 +62,7 @@ class DevKeys:
             "exp": issued + int(ttl_s),
         }
         key = serialization.load_pem_private_key(self.private_key_path.read_bytes(), password=None)
+        assert isinstance(key, rsa.RSAPrivateKey), "the dev key pair is RSA"
         return jwt.encode(claims, key, algorithm="RS256", headers={"kid": self.kid})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, overload
 
 from cassandra.query import UNSET_VALUE
 
@@ -51,6 +51,10 @@ def micros(at: datetime) -> int:
     return int(at.timestamp()) * 1_000_000 + at.microsecond
 
 
+@overload
+def utc(value: datetime) -> datetime: ...
+@overload
+def utc(value: None) -> None: ...
 def utc(value: datetime | None) -> datetime | None:
     """The driver returns naive UTC datetimes; the API speaks timezone-aware ones."""
     return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value

@@ -159,7 +159,7 @@ class ChatsMixin(StoreBase):
         for entry in index_rows:
             row = by_id.get(entry["chat_id"])
             chat = _chat(user_id, row) if row is not None else None
-            if chat is None or row["activity_at"] != entry["activity_at"]:
+            if row is None or chat is None or row["activity_at"] != entry["activity_at"]:
                 stale.append(entry)
                 continue
             chats.append(chat)

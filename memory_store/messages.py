@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from memory_store.base import StoreBase, id_str, unset
+from memory_store.base import id_str, unset
+from memory_store.chats import ChatsMixin
 from memory_store.db import Cql, Row
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import id_micros, id_time, parse_id, parse_optional_id
@@ -84,7 +85,7 @@ def _message(chat_id: str, row: Row) -> Message:
     )
 
 
-class MessagesMixin(StoreBase):
+class MessagesMixin(ChatsMixin):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # (chat_id, bucket) pairs this process has registered: saves a write per append.

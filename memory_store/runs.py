@@ -28,11 +28,13 @@ import random
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from typing import Any
 
-from memory_store.base import StoreBase, id_str, micros, now, unset, utc
+from memory_store.base import id_str, micros, now, unset, utc
 from memory_store.db import Cql, Row
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
+from memory_store.messages import MessagesMixin
 from memory_store.models import (
     Claim,
     FinishedRun,
@@ -47,6 +49,7 @@ from memory_store.models import (
     Usage,
 )
 from memory_store.schema import RUN_INDEX_BUCKET_SECONDS
+from memory_store.usage import UsageMixin
 
 ORCHESTRATOR = "orchestrator"
 REPLICA_TTL_S = 86_400
@@ -139,7 +142,7 @@ def _deltas(rows: Sequence[Row], after_seq: int, upto_seq: int | None) -> list[R
     return out
 
 
-class RunsMixin(StoreBase):
+class RunsMixin(MessagesMixin, UsageMixin):
     async def claim_idempotency_key(self, user_id: str, key: str, fingerprint: bytes) -> Claim:
         """Reserves the ids of a send (run, user message, assistant message) for ``(user_id, key)``.
 
@@ -300,7 +303,7 @@ class RunsMixin(StoreBase):
             )
         run_key = parse_id(run.run_id, "run id")
         usage = outcome.usage
-        statements = [
+        statements: list[tuple[str, tuple[Any, ...]]] = [
             (
                 "run_finish",
                 (

@@ -18,18 +18,15 @@ import secrets
 from cassandra.query import SimpleStatement
 
 from memory_store import chats, messages, runs, schema, usage
-from memory_store.chats import ChatsMixin
 from memory_store.config import StoreConfig
 from memory_store.cursor import CursorCodec
 from memory_store.db import Db
-from memory_store.messages import MessagesMixin
 from memory_store.runs import RunsMixin
-from memory_store.usage import UsageMixin
 
 _STATEMENTS = {**chats.STATEMENTS, **messages.STATEMENTS, **runs.STATEMENTS, **usage.STATEMENTS}
 
 
-class MemoryStore(RunsMixin, MessagesMixin, ChatsMixin, UsageMixin):
+class MemoryStore(RunsMixin):
     """Chats, messages, runs and usage on Cassandra. Create with ``await MemoryStore.connect(config)``."""
 
     @classmethod

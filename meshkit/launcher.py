@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -99,7 +100,12 @@ class TcpOpen:
         return f"TCP port {self.port}"
 
 
-ReadyCheck = GrpcHealthy | HttpOk | TcpOpen
+class ReadyCheck(Protocol):
+    """How the launcher knows a service is ready: called until it answers True."""
+
+    def __call__(self) -> bool: ...
+
+    def describe(self) -> str: ...
 
 
 @dataclass

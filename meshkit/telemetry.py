@@ -41,6 +41,8 @@ class JsonLinesSpanExporter(SpanExporter):
         lines = []
         for span in spans:
             ctx = span.get_span_context()
+            if ctx is None:  # only spans that never started lack one; none reach an exporter
+                continue
             lines.append(
                 json.dumps(
                     {

@@ -33,6 +33,10 @@ ENGINE_FINISH = {
 }
 
 
+def finish_reason(reason: models.FinishReason | None) -> chat_pb2.FinishReason:
+    return FINISH_REASONS[reason] if reason else chat_pb2.FINISH_REASON_UNSPECIFIED
+
+
 def timestamp(at: datetime | float | None) -> Timestamp | None:
     if at is None:
         return None
@@ -73,7 +77,7 @@ def message(m: models.Message) -> chat_pb2.Message:
         content=m.content,
         token_count=m.token_count,
         model=m.model or "",
-        finish_reason=FINISH_REASONS[m.finish_reason] if m.finish_reason else 0,
+        finish_reason=finish_reason(m.finish_reason),
         create_time=timestamp(m.created_at),
         run_id=m.run_id or "",
         usage=usage(m.usage),

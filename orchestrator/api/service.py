@@ -42,7 +42,7 @@ async def _identity(context: grpc.aio.ServicerContext) -> Identity:
             grpc.StatusCode.UNAUTHENTICATED,
             "no verified identity: call ChatService through Envoy with a bearer token",
         )
-    return identity  # type: ignore[return-value]
+    return identity
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -176,8 +176,9 @@ class Runs:
                 with contextlib.suppress(MemoryStoreError, TimeoutError):
                     await self.budgets.release(identity.user_id, info.run_id)
             for step in (reserve, place):
-                if step.done() and not step.cancelled() and step.exception() is not None:
-                    raise step.exception() from None
+                failure = step.exception() if step.done() and not step.cancelled() else None
+                if failure is not None:
+                    raise failure from None
             raise
         return stream
 

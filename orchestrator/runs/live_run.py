@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from chatmesh.chat.v1 import chat_pb2
 from orchestrator.errors import exhausted
@@ -47,7 +48,7 @@ class LiveRun:
         self.max_events = info.max_tokens + _FRAME_EVENTS
         self.max_subscribers = max_subscribers
         self.events: list[chat_pb2.RunEvent] = []
-        self.status = chat_pb2.RUN_STATUS_IN_PROGRESS
+        self.status: chat_pb2.RunStatus = chat_pb2.RUN_STATUS_IN_PROGRESS
         self.created_at = time.time()
         self.finished_at: float | None = None
         self.subscribers = 0
@@ -61,7 +62,7 @@ class LiveRun:
     def last_seq(self) -> int:
         return len(self.events)
 
-    def append(self, **kind: object) -> chat_pb2.RunEvent:
+    def append(self, **kind: Any) -> chat_pb2.RunEvent:
         """Adds the next event (``started=...``, ``delta=...``, ...) and wakes every follower."""
         if self.finished:
             raise RuntimeError(f"run {self.info.run_id} has ended; no event may follow")
@@ -72,7 +73,7 @@ class LiveRun:
         self._notify()
         return event
 
-    def finish(self, status: int) -> None:
+    def finish(self, status: chat_pb2.RunStatus) -> None:
         """The run has ended: followers get the remaining events, then their streams end."""
         self.status = status
         self.finished_at = time.monotonic()

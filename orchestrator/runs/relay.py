@@ -318,7 +318,7 @@ class Relay:
             live.append(usage=convert.usage(usage))
             live.append(
                 done=chat_pb2.Done(
-                    finish_reason=convert.FINISH_REASONS[reason] if reason else 0,
+                    finish_reason=convert.finish_reason(reason),
                     assistant_message_id=message_id,
                 )
             )

@@ -62,7 +62,7 @@ def terminal_events(run: Run, deltas: Sequence[RunDelta], after_seq: int) -> lis
             kinds.append({"usage": convert.usage(run.usage)})
         stored = any(d.text for d in deltas) or run.status is RunStatus.COMPLETED
         done = chat_pb2.Done(
-            finish_reason=convert.FINISH_REASONS[run.finish_reason] if run.finish_reason else 0,
+            finish_reason=convert.finish_reason(run.finish_reason),
             assistant_message_id=run.assistant_message_id if stored else "",
         )
         kinds.append({"done": done})
