@@ -61,7 +61,6 @@ class ChatTokenizer:
         # Same vocabulary, but control-token strings in the input stay plain text.
         self._plain = _build_bpe(tokens, merges, control_token_ids)
         self._plain.encode_special_tokens = True
-        self._control_ids = frozenset(control_token_ids)
         self._template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
             chat_template
         )
@@ -180,13 +179,6 @@ class ChatTokenizer:
         """Text of ``token_ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
         return self._markup.decode(list(token_ids), skip_special_tokens=skip_control)
 
-    def token_bytes_length(self, token_id: int) -> int:
-        """How many UTF-8 bytes a token decodes to (byte-level BPE: one symbol per byte)."""
-        return len(self._markup.id_to_token(token_id) or "")
-
-    def is_control(self, token_id: int) -> bool:
-        return token_id in self._control_ids
-
     # -- chat template -------------------------------------------------------------------------------
 
     def render(
@@ -221,9 +213,6 @@ class ChatTokenizer:
             ids += self.encode(_as_dict(message)["content"])
         ids += self._markup.encode(skeleton, add_special_tokens=False).ids
         return ids
-
-    def count_chat_tokens(self, messages: Sequence[ChatMessage | Mapping[str, str]]) -> int:
-        return len(self.encode_chat(messages))
 
 
 def _as_dict(message: ChatMessage | Mapping[str, str]) -> dict[str, str]:
