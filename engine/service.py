@@ -5,23 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.errors import abort_with_retry
-from engine.backends.hosted import HostedEngine
-from engine.kv_events import BlocksStored, KvEventBatch, SubscriberOverflow
-from engine.llm_engine import (
-    DuplicateRequestError,
-    EngineUnavailableError,
-    LLMEngine,
-    QueueFullError,
-)
-from engine.outputs import Finish, FinishReason
-from engine.requests import InvalidRequestError, ServedModel, request_from_proto
+from chatmesh.tokenizer import ChatTokenizer
+from engine.config import EngineConfig
+from engine.kv_events import BlocksStored, KvEventBatch, KvEventLog, SubscriberOverflow
+from engine.model.runner import ModelSpec
+from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput
+from engine.request import EngineRequest
+from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from engine.streams import OutputRouter
+from engine.validation import InvalidRequestError, ServedModel, request_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +34,34 @@ _FINISH_REASONS = {
 }
 
 
-class EngineService(engine_pb2_grpc.EngineServiceServicer):
-    """Serves one ``LLMEngine`` (or a ``HostedEngine``: TensorRT-LLM, Triton). Create it on the event loop
-    that serves it, then ``engine.start()``."""
+class ServedEngine(Protocol):
+    """What EngineService serves: ``LLMEngine``, or a ``HostedEngine`` (TensorRT-LLM, Triton)."""
 
-    def __init__(self, engine: LLMEngine | HostedEngine) -> None:
+    config: EngineConfig
+    tokenizer: ChatTokenizer
+    spec: ModelSpec
+    backend: str  # what computes: "cpu", "null", "cuda", "trtllm", "triton", ...
+    tensor_parallel_size: int
+    instance_id: str
+    context_length: int  # the longest request it takes (prompt + max_tokens)
+    events: KvEventLog
+    stats: EngineStats  # the load after the last step
+    failure: str  # why it stopped serving, if it did
+    on_outputs: Callable[[list[RequestOutput]], None]  # called with each step's outputs
+    on_failure: Callable[[str], None]  # called once when it stops serving
+
+    def add_request(self, request: EngineRequest) -> None: ...
+    def cancel(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def start(self) -> None: ...
+    def stop(self, timeout_s: float = 30.0) -> None: ...
+    def close(self) -> None: ...
+
+
+class EngineService(engine_pb2_grpc.EngineServiceServicer):
+    """Serves one engine. Create it on the event loop that serves it, then ``engine.start()``."""
+
+    def __init__(self, engine: ServedEngine) -> None:
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self.failed = asyncio.Event()  # set when the engine reports a failure; health should go NOT_SERVING
@@ -51,7 +73,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self._model = ServedModel(
             name=engine.tokenizer.model_name,
             tokenizer_fingerprint=engine.tokenizer.fingerprint,
-            vocab_size=engine.runner.spec.vocab_size,
+            vocab_size=engine.spec.vocab_size,
             context_length=engine.context_length,
         )
 
@@ -207,8 +229,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             context_length=engine.context_length,
             vocab_size=self._model.vocab_size,
             eos_token_ids=engine.tokenizer.eos_token_ids,
-            backend=engine.runner.backend,
-            tensor_parallel_size=engine.runner.tensor_parallel_size,
+            backend=engine.backend,
+            tensor_parallel_size=engine.tensor_parallel_size,
             engine_instance_id=engine.instance_id,
             kv_blocks_total=engine.stats.kv_blocks_total,
         )

@@ -21,7 +21,7 @@ from engine.backends.trtllm import KvEventTranslator
 from engine.config import EngineConfig
 from engine.kv_events import KvEventLog
 from engine.model.runner import ModelSpec
-from engine.sequence import SamplingParams
+from engine.request import SamplingParams
 from tests.engine.core_helpers import prompt, tokenizer, word_tokens
 from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until
 from tests.engine.test_service_inprocess import served
