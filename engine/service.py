@@ -19,7 +19,7 @@ from engine.model.runner import ModelSpec
 from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput
 from engine.request import EngineRequest
 from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
-from engine.streams import OutputRouter
+from engine.streams import OutputDispatcher
 from engine.validation import InvalidRequestError, ServedModel, request_from_proto
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self.failed = asyncio.Event()  # set when the engine reports a failure; health should go NOT_SERVING
-        self._router = OutputRouter(self._loop, on_error=lambda message: self.failed.set())
-        engine.on_outputs = self._router.submit
+        self._dispatcher = OutputDispatcher(self._loop, on_error=lambda message: self.failed.set())
+        engine.on_outputs = self._dispatcher.submit
         engine.on_failure = lambda message: self._loop.call_soon_threadsafe(self.failed.set)
         self._draining = False
         self._watchers: set[asyncio.Event] = set()  # wake-ups of the open KvEvents / WatchLoad streams
@@ -111,7 +111,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
         request_id = request.request_id
-        stream = self._router.open(request_id)  # before any await: no output can be delivered earlier
+        stream = self._dispatcher.open(request_id)  # before any await: no output can be delivered earlier
         misuse: list[str] = []
         reader = asyncio.create_task(self._read_cancel(frames, request_id, misuse))
         done = False
@@ -135,7 +135,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                     yield engine_pb2.GenerateResponse(finished=_finished_proto(finish))
         finally:
             reader.cancel()
-            self._router.close(request_id)
+            self._dispatcher.close(request_id)
             if not done:  # the client cancelled the RPC or went away: free the request's blocks
                 self._engine.cancel(request_id)
 
