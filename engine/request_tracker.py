@@ -10,7 +10,9 @@ around that is the same, and happens here (vLLM splits its EngineCore from an Ou
     replay_resumed output an earlier engine delivered (failover) goes through the stop rule without
                    being sent again; it may end the request at once
     add_tokens     new tokens: the stop rule (``engine.stopping``), released text, the output to send
-    end / fail     the finish, with usage (context, prefix-cache hits, new output) and metrics
+    finish / end   the finish (after a token / between tokens), with usage (context, prefix-cache
+                   hits, new output) and metrics
+    fail           every unfinished request ends with the engine's error
 
 ``admit`` and the queries under "any thread" may be called from any thread; everything else runs on
 the engine's one thread (``LLMEngine``'s step thread, ``HostedEngine``'s io loop). The engine keeps
