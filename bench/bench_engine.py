@@ -287,7 +287,7 @@ def run_chatmesh_engine() -> dict[str, float]:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.model.cpu_runner import CpuModelRunner
-    from engine.sequence import EngineRequest, SamplingParams
+    from engine.request import EngineRequest, SamplingParams
 
     runner = CpuModelRunner.from_gguf(bundled_model_path(), num_threads=THREADS, kernels="native")
     tokenizer = load_tokenizer()

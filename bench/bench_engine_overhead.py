@@ -32,7 +32,7 @@ from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.loading import create_runner  # noqa: E402
-from engine.sequence import EngineRequest, SamplingParams  # noqa: E402
+from engine.request import EngineRequest, SamplingParams  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 
 MAX_RUNNING = 512

@@ -12,13 +12,12 @@ import grpc
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
-from engine.backends.hosted import HostedEngine
 from engine.backends.loading import load_hosted_engine
 from engine.config import HOSTED_BACKENDS, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.model.loading import create_runner
-from engine.service import EngineService
+from engine.service import EngineService, ServedEngine
 from meshkit import serving, telemetry
 from meshkit.config import ServiceArgs
 
@@ -66,7 +65,7 @@ def parse_args(argv: list[str] | None = None):
     return args.parse(argv)
 
 
-def build_engine(config: EngineConfig) -> LLMEngine | HostedEngine:
+def build_engine(config: EngineConfig) -> ServedEngine:
     """Loads the tokenizer and the model runner, and sizes the KV cache (logging each step)."""
     model_path = config.model_path or bundled_model_path()
     started = time.monotonic()
@@ -94,7 +93,7 @@ def build_engine(config: EngineConfig) -> LLMEngine | HostedEngine:
     return engine
 
 
-async def serve(engine: LLMEngine | HostedEngine, args) -> None:
+async def serve(engine: ServedEngine, args) -> None:
     service = EngineService(engine)
 
     def add_services(server: grpc.aio.Server) -> list[str]:
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         asyncio.run(serve(engine, args))
     finally:
         engine.stop()
-        engine.runner.close()
+        engine.close()
         log.info("step loop stopped")
 
 

@@ -8,13 +8,13 @@ its KV, so a prefix hit never points at KV that is still being written.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 
 from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes
 from engine.block_pool import BlockPool, KVBlock
 from engine.config import EngineConfig
 from engine.kv_events import KvEventLog
-from engine.sequence import Sequence
+from engine.request import Request
 
 
 def size_kv_pool(config: EngineConfig, context_length: int, bytes_per_block: int) -> int:
@@ -40,8 +40,6 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
         self.pool = BlockPool(num_blocks, events)
-        self.prefix_queried_tokens = 0
-        self.prefix_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -51,68 +49,66 @@ class KVCacheManager:
     def num_used_blocks(self) -> int:
         return self.pool.num_used_blocks
 
-    def get_computed_blocks(self, seq: Sequence) -> list[KVBlock]:
-        """The longest cached prefix of ``seq``'s tokens, in whole blocks.
+    def get_computed_blocks(self, req: Request) -> list[KVBlock]:
+        """The longest cached prefix of ``req``'s tokens, in whole blocks.
 
         At least the last token is always left to compute: its logits pick the next token.
         """
-        self.prefix_queried_tokens += seq.num_tokens
         if not self.enable_prefix_caching:
             return []
         hits = []
-        count = (seq.num_tokens - 1) // self.block_size
-        for block_hash in self._hashes(seq, count)[:count]:
+        count = (req.num_tokens - 1) // self.block_size
+        for block_hash in self._hashes(req, count)[:count]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
-        self.prefix_hit_tokens += len(hits) * self.block_size
         return hits
 
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, computed: Seq[KVBlock] = (), reserve: int = 0
+        self, req: Request, num_new_tokens: int, computed: Sequence[KVBlock] = (), reserve: int = 0
     ) -> bool:
-        """Gives ``seq`` blocks for ``num_new_tokens`` more tokens after its computed ones (and the
-        prefix hits ``computed``, only for a sequence that holds no blocks yet). False, and nothing
+        """Gives ``req`` blocks for ``num_new_tokens`` more tokens after its computed ones (and the
+        prefix hits ``computed``, only for a request that holds no blocks yet). False, and nothing
         changed, when that would leave fewer than ``reserve`` blocks free."""
-        if computed and seq.block_table:
-            raise ValueError("prefix hits are taken only by a sequence without blocks")
-        num_tokens = seq.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        needed = math.ceil(num_tokens / self.block_size) - len(seq.block_table) - len(computed)
+        if computed and req.block_table:
+            raise ValueError("prefix hits are taken only by a request without blocks")
+        num_tokens = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        needed = math.ceil(num_tokens / self.block_size) - len(req.block_table) - len(computed)
         free = self.pool.num_free_blocks - sum(1 for block in computed if block.ref_count == 0)
         if needed > free - reserve:
             return False
         if computed:
             self.pool.touch(computed)
-            seq.block_table = [block.block_id for block in computed]
-            seq.num_cached_blocks = len(computed)
+            req.block_table = [block.block_id for block in computed]
+            req.num_stored_blocks = len(computed)
         if needed > 0:
-            seq.block_table += [block.block_id for block in self.pool.allocate(needed)]
+            req.block_table += [block.block_id for block in self.pool.allocate(needed)]
         return True
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
-        """After a step: ``seq``'s full blocks whose KV is now computed become prefix-cache entries."""
-        full = seq.num_computed_tokens // self.block_size
-        start = seq.num_cached_blocks
+    def cache_computed_blocks(self, req: Request) -> None:
+        """After a step: ``req``'s full blocks whose KV is now computed become prefix-cache entries."""
+        full = req.num_computed_tokens // self.block_size
+        start = req.num_stored_blocks
         if not self.enable_prefix_caching or full <= start:
             return
-        hashes = self._hashes(seq, full)
-        blocks = [self.pool.blocks[i] for i in seq.block_table[start:full]]
+        hashes = self._hashes(req, full)
+        blocks = [self.pool.blocks[i] for i in req.block_table[start:full]]
         self.pool.cache(blocks, hashes[start:full], hashes[start - 1] if start else None)
-        seq.num_cached_blocks = full
+        req.num_stored_blocks = full
 
-    def free(self, seq: Sequence) -> None:
-        """Releases all of ``seq``'s blocks, last block first: its tail is the least likely to be shared,
+    def free(self, req: Request) -> None:
+        """Releases all of ``req``'s blocks, last block first: its tail is the least likely to be shared,
         so it should be evicted first."""
-        self.pool.release(self.pool.blocks[i] for i in reversed(seq.block_table))
-        seq.block_table = []
-        seq.num_cached_blocks = 0
+        self.pool.release(self.pool.blocks[i] for i in reversed(req.block_table))
+        req.block_table = []
+        req.num_stored_blocks = 0
 
-    def _hashes(self, seq: Sequence, count: int) -> list[int]:
-        """``seq.block_hashes`` extended to cover its first ``count`` full blocks."""
-        have, size = len(seq.block_hashes), self.block_size
+    def _hashes(self, req: Request, count: int) -> list[int]:
+        """``req.block_hashes`` extended to cover its first ``count`` full blocks."""
+        have, size = len(req.block_hashes), self.block_size
         if have < count:
-            parent = seq.block_hashes[-1] if have else None
-            tokens = seq.token_ids[have * size : count * size]
-            seq.block_hashes += block_hashes(tokens, size, self.hash_seed, parent)
-        return seq.block_hashes
+            parent = req.block_hashes[-1] if have else None
+            tokens = req.token_ids[have * size : count * size]
+            req.block_hashes += block_hashes(tokens, size, self.hash_seed, parent)
+        return req.block_hashes

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.sequence import SamplingParams
+from engine.request import SamplingParams
 
 # top-p without top-k looks for the nucleus among this many best tokens first, widening as needed.
 _NUCLEUS_PROBE = 64

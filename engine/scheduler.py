@@ -6,7 +6,7 @@ prefix-cache hit and a single decode token are all that one rule. Running reques
 before prefill chunks, so a long new prompt never stalls streams already talking), then waiting ones
 in priority order while budget, blocks and running slots last.
 
-Priority with aging is a static key (``Sequence.sort_key``): the waiting queue is a heap on it. When
+Priority with aging is a static key (``Request.sort_key``): the waiting queue is a heap on it. When
 blocks run out, the running request with the worst key (lowest priority, newest) is preempted by
 recompute: its blocks are freed (the full ones stay in the prefix cache, so recomputing is often
 cheap) and it waits again with its old key. A waiting request with a better key than a running one
@@ -20,13 +20,13 @@ import heapq
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
-from engine.sequence import Sequence, SequenceStatus
+from engine.request import Request, RequestStatus
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: dict[Sequence, int] = field(default_factory=dict)  # tokens to compute, in batch order
-    preempted: list[Sequence] = field(default_factory=list)
+    scheduled: dict[Request, int] = field(default_factory=dict)  # tokens to compute, in batch order
+    preempted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -42,108 +42,108 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         # Blocks kept free when admitting new requests, so running ones can grow without preemptions.
         self.watermark_blocks = watermark_blocks
-        self._waiting: list[tuple[tuple[float, int], Sequence]] = []  # heap; finished entries are stale
+        self._waiting: list[tuple[tuple[float, int], Request]] = []  # heap; finished entries are stale
         self.num_waiting = 0
-        self.running: list[Sequence] = []
+        self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
-    def add(self, seq: Sequence) -> None:
-        seq.status = SequenceStatus.WAITING
-        heapq.heappush(self._waiting, (seq.sort_key, seq))
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        heapq.heappush(self._waiting, (req.sort_key, req))
         self.num_waiting += 1
 
     def has_work(self) -> bool:
         return bool(self.num_waiting or self.running)
 
-    def finish(self, seq: Sequence) -> None:
-        """Takes ``seq`` out of the scheduler (done, cancelled or failed) and frees its blocks at once."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+    def finish(self, req: Request) -> None:
+        """Takes ``req`` out of the scheduler (done, cancelled or failed) and frees its blocks at once."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
             self.num_waiting -= 1  # its heap entry is skipped when it surfaces
-        self.kv.free(seq)
-        seq.status = SequenceStatus.FINISHED
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_batched_tokens
-        for seq in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.sort_key)):
+        for req in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.sort_key)):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(seq, num_new):
+            num_new = min(req.num_uncomputed_tokens, budget)
+            while not self.kv.allocate_slots(req, num_new):
                 victim = max(self.running, key=lambda s: s.sort_key)
                 budget += self._preempt(victim, out)
-                if victim is seq:
+                if victim is req:
                     break
             else:
-                out.scheduled[seq] = num_new
+                out.scheduled[req] = num_new
                 budget -= num_new
         # Memory is short: admitting more now would only preempt again.
         if out.preempted:
             return out
 
-        while budget > 0 and (seq := self._peek_waiting()) is not None and seq not in out.preempted:
+        while budget > 0 and (req := self._peek_waiting()) is not None and req not in out.preempted:
             if len(self.running) >= self.max_running_requests:
-                if (refund := self._displace_for(seq, out)) is None:
+                if (refund := self._displace_for(req, out)) is None:
                     break
                 budget += refund
-            computed = self.kv.get_computed_blocks(seq)
+            computed = self.kv.get_computed_blocks(req)
             num_computed = len(computed) * self.kv.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
+            num_new = min(req.num_tokens - num_computed, budget)
             reserve = self.watermark_blocks if self.running else 0
-            if not self.kv.allocate_slots(seq, num_new, computed, reserve):
-                if (refund := self._displace_for(seq, out)) is None:
+            if not self.kv.allocate_slots(req, num_new, computed, reserve):
+                if (refund := self._displace_for(req, out)) is None:
                     break
                 budget += refund
                 continue
             heapq.heappop(self._waiting)
             self.num_waiting -= 1
-            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += num_computed
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = min(num_computed, seq.num_context_tokens)
-            seq.num_computed_tokens = num_computed
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled[seq] = num_new
+            if req.num_prefix_hit_tokens is None:
+                req.num_prefix_hit_tokens = min(num_computed, req.num_context_tokens)
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled[req] = num_new
             budget -= num_new
         return out
 
     def update(self, out: SchedulerOutput) -> None:
         """After the step ran: the scheduled tokens now have KV; their full blocks join the prefix cache."""
-        for seq, num_new in out.scheduled.items():
-            seq.num_computed_tokens += num_new
-            self.kv.cache_computed_blocks(seq)
+        for req, num_new in out.scheduled.items():
+            req.num_computed_tokens += num_new
+            self.kv.cache_computed_blocks(req)
 
-    def _peek_waiting(self) -> Sequence | None:
+    def _peek_waiting(self) -> Request | None:
         while self._waiting:
-            seq = self._waiting[0][1]
-            if seq.status is SequenceStatus.WAITING:
-                return seq
+            req = self._waiting[0][1]
+            if req.status is RequestStatus.WAITING:
+                return req
             heapq.heappop(self._waiting)  # finished while waiting
         return None
 
-    def _displace_for(self, seq: Sequence, out: SchedulerOutput) -> int | None:
-        """Preempts the worst running request if ``seq`` outranks it and returns the budget that frees;
-        None if nobody running ranks below ``seq``."""
+    def _displace_for(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Preempts the worst running request if ``req`` outranks it and returns the budget that frees;
+        None if nobody running ranks below ``req``."""
         if not self.running:
             return None
         victim = max(self.running, key=lambda s: s.sort_key)
-        if victim.sort_key < seq.sort_key:
+        if victim.sort_key < req.sort_key:
             return None
         return self._preempt(victim, out)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+    def _preempt(self, req: Request, out: SchedulerOutput) -> int:
         """Back to waiting with its blocks freed; returns the budget it had been given this step."""
-        self.running.remove(seq)
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
-        self.add(seq)
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        self.add(req)
         self.num_preemptions += 1
-        out.preempted.append(seq)
-        return out.scheduled.pop(seq, 0)
+        out.preempted.append(req)
+        return out.scheduled.pop(req, 0)

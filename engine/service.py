@@ -5,23 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.errors import abort_with_retry
-from engine.backends.hosted import HostedEngine
-from engine.kv_events import BlocksStored, KvEventBatch, SubscriberOverflow
-from engine.llm_engine import (
-    DuplicateRequestError,
-    EngineUnavailableError,
-    LLMEngine,
-    QueueFullError,
-)
-from engine.outputs import Finish, FinishReason
-from engine.requests import InvalidRequestError, ServedModel, request_from_proto
-from engine.streams import OutputRouter
+from chatmesh.tokenizer import ChatTokenizer
+from engine.config import EngineConfig
+from engine.kv_events import BlocksStored, KvEventBatch, KvEventLog, SubscriberOverflow
+from engine.model.runner import ModelSpec
+from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput
+from engine.request import EngineRequest
+from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
+from engine.streams import OutputDispatcher
+from engine.validation import InvalidRequestError, ServedModel, request_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +34,46 @@ _FINISH_REASONS = {
 }
 
 
-class EngineService(engine_pb2_grpc.EngineServiceServicer):
-    """Serves one ``LLMEngine`` (or a ``HostedEngine``: TensorRT-LLM, Triton). Create it on the event loop
-    that serves it, then ``engine.start()``."""
+class ServedEngine(Protocol):
+    """What EngineService serves: ``LLMEngine``, or a ``HostedEngine`` (TensorRT-LLM, Triton)."""
 
-    def __init__(self, engine: LLMEngine | HostedEngine) -> None:
+    config: EngineConfig
+    tokenizer: ChatTokenizer
+    spec: ModelSpec
+    backend: str  # what computes: "cpu", "null", "cuda", "trtllm", "triton", ...
+    tensor_parallel_size: int
+    instance_id: str
+    context_length: int  # the longest request it takes (prompt + max_tokens)
+    events: KvEventLog
+    stats: EngineStats  # the load after the last step
+    failure: str  # why it stopped serving, if it did
+    on_outputs: Callable[[list[RequestOutput]], None]  # called with each step's outputs
+    on_failure: Callable[[str], None]  # called once when it stops serving
+
+    def add_request(self, request: EngineRequest) -> None: ...
+    def cancel(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def start(self) -> None: ...
+    def stop(self, timeout_s: float = 30.0) -> None: ...
+    def close(self) -> None: ...
+
+
+class EngineService(engine_pb2_grpc.EngineServiceServicer):
+    """Serves one engine. Create it on the event loop that serves it, then ``engine.start()``."""
+
+    def __init__(self, engine: ServedEngine) -> None:
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self.failed = asyncio.Event()  # set when the engine reports a failure; health should go NOT_SERVING
-        self._router = OutputRouter(self._loop, on_error=lambda message: self.failed.set())
-        engine.on_outputs = self._router.submit
+        self._dispatcher = OutputDispatcher(self._loop, on_error=lambda message: self.failed.set())
+        engine.on_outputs = self._dispatcher.submit
         engine.on_failure = lambda message: self._loop.call_soon_threadsafe(self.failed.set)
         self._draining = False
         self._watchers: set[asyncio.Event] = set()  # wake-ups of the open KvEvents / WatchLoad streams
         self._model = ServedModel(
             name=engine.tokenizer.model_name,
             tokenizer_fingerprint=engine.tokenizer.fingerprint,
-            vocab_size=engine.runner.spec.vocab_size,
+            vocab_size=engine.spec.vocab_size,
             context_length=engine.context_length,
         )
 
@@ -89,7 +111,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
         request_id = request.request_id
-        stream = self._router.open(request_id)  # before any await: no output can be delivered earlier
+        stream = self._dispatcher.open(request_id)  # before any await: no output can be delivered earlier
         misuse: list[str] = []
         reader = asyncio.create_task(self._read_cancel(frames, request_id, misuse))
         done = False
@@ -113,7 +135,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                     yield engine_pb2.GenerateResponse(finished=_finished_proto(finish))
         finally:
             reader.cancel()
-            self._router.close(request_id)
+            self._dispatcher.close(request_id)
             if not done:  # the client cancelled the RPC or went away: free the request's blocks
                 self._engine.cancel(request_id)
 
@@ -207,8 +229,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             context_length=engine.context_length,
             vocab_size=self._model.vocab_size,
             eos_token_ids=engine.tokenizer.eos_token_ids,
-            backend=engine.runner.backend,
-            tensor_parallel_size=engine.runner.tensor_parallel_size,
+            backend=engine.backend,
+            tensor_parallel_size=engine.tensor_parallel_size,
             engine_instance_id=engine.instance_id,
             kv_blocks_total=engine.stats.kv_blocks_total,
         )

@@ -12,7 +12,7 @@ from collections.abc import Collection
 from chatmesh.tokenizer import ChatTokenizer
 from engine.detokenizer import Detokenizer
 from engine.outputs import FinishReason
-from engine.sequence import SamplingParams
+from engine.request import SamplingParams
 
 
 def check_token(

@@ -1,6 +1,6 @@
 """Engine outputs on their way to gRPC streams: from the step thread onto the event loop.
 
-The step thread hands over each step's outputs in one call (``OutputRouter.submit``); at most one
+The step thread hands over each step's outputs in one call (``OutputDispatcher.submit``); at most one
 delivery is ever scheduled on the event loop, however far behind the loop is. On the loop, each
 request's ``RequestStream`` merges the frames its client has not read yet into one, so a slow reader
 costs memory in proportion to its own output (bounded by max_tokens) and never slows the engine.
@@ -50,8 +50,8 @@ class RequestStream:
         return tokens, self._finish
 
 
-class OutputRouter:
-    """Routes each step's outputs to the streams of their requests."""
+class OutputDispatcher:
+    """Hands each step's outputs to the streams of their requests."""
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, on_error: Callable[[str], None] | None = None

@@ -39,7 +39,7 @@ import numpy as np
 
 from engine.backends.hosted import KvUsage, TokenDelta
 from engine.kv_events import KvEventLog
-from engine.sequence import SamplingParams
+from engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from chatmesh.block_hash import hash_block
 from engine.backends.hosted import KvUsage, TokenDelta
 from engine.kv_events import KvEventLog
-from engine.sequence import SamplingParams
+from engine.request import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,7 @@ import os
 from pathlib import Path
 
 from chatmesh.tokenizer import ChatTokenizer
-from engine.model.checkpoint import LlamaCheckpoint
-from engine.model.gguf_loader import load_gguf
-from engine.model.hf_loader import is_hf_dir, load_hf_dir
+from engine.model.checkpoint_loader import load_checkpoint
 from engine.model.null_runner import NullModelRunner
 from engine.model.runner import ModelRunner, ModelSpec
 
@@ -26,15 +24,6 @@ NULL_TEXT = (
     " The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single"
     " step. All that glitters is not gold, and every cloud has a silver lining."
 )
-
-
-def load_checkpoint(model_path: Path) -> LlamaCheckpoint:
-    """A GGUF file, or a Hugging Face directory (config.json + safetensors)."""
-    if is_hf_dir(model_path):
-        return load_hf_dir(model_path)
-    if model_path.is_dir():
-        raise ValueError(f"{model_path} is a directory without config.json: not a Hugging Face model")
-    return load_gguf(model_path)
 
 
 def create_runner(

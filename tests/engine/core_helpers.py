@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.runner import ModelRunner
 from engine.outputs import Finish, RequestOutput
-from engine.sequence import EngineRequest, Priority, SamplingParams
+from engine.request import EngineRequest, Priority, SamplingParams
 from tests.engine.token_function_runner import TokenFunctionRunner
 
 WORDS = " the cat sat on a mat while one dog ran far after birds and then it slept under old trees by rivers"

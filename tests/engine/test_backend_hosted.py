@@ -21,7 +21,7 @@ from engine.backends.trtllm import KvEventTranslator
 from engine.config import EngineConfig
 from engine.kv_events import KvEventLog
 from engine.model.runner import ModelSpec
-from engine.sequence import SamplingParams
+from engine.request import SamplingParams
 from tests.engine.core_helpers import prompt, tokenizer, word_tokens
 from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until
 from tests.engine.test_service_inprocess import served
@@ -172,6 +172,17 @@ async def test_resumed_output_is_context_for_the_backend_and_not_sent_again():
         outcome = await Stream.start(stub, frame).rest()
     assert backend.contexts["r1"] == prompt(20) + resumed
     assert outcome.first_index == 3 and len(outcome.token_ids) == 2  # max_tokens counts resumed output
+
+
+async def test_resumed_output_that_already_reached_max_tokens_finishes_without_the_backend():
+    backend = ScriptedBackend(per_delta=2)
+    resumed = word_tokens()[:4]
+    async with served(hosted(backend)) as (stub, _, _):
+        frame = start_frame("r1", prompt(20), max_tokens=4, resumed_output_token_ids=resumed)
+        outcome = await Stream.start(stub, frame).rest()
+    assert outcome.token_ids == [] and outcome.finished.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    assert (outcome.finished.usage.prompt_tokens, outcome.finished.usage.completion_tokens) == (24, 0)
+    assert "r1" not in backend.contexts
 
 
 async def test_a_backend_failure_fails_the_engine_and_its_requests():

@@ -23,7 +23,7 @@ from engine.backends.hosted import HostedEngine
 from engine.backends.triton import TritonBackend, build_inputs, delta_from_result, stop_words_list
 from engine.config import EngineConfig
 from engine.model.runner import ModelSpec
-from engine.sequence import SamplingParams
+from engine.request import SamplingParams
 from meshkit.launcher import free_port
 from tests.engine.core_helpers import prompt, tokenizer, word_tokens
 from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until

@@ -30,7 +30,7 @@ from engine.backends.trtllm import (
 from engine.kv_events import BlocksRemoved, BlocksStored, KvEventLog
 from engine.model.convert_gguf_to_hf import hf_config
 from engine.model.gguf_loader import load_gguf
-from engine.sequence import SamplingParams
+from engine.request import SamplingParams
 from tests.engine.core_helpers import prompt
 from tests.engine.test_backend_hosted import trtllm_stored_event
 

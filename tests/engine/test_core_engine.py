@@ -3,9 +3,9 @@
 import pytest
 
 from engine.kv_events import apply_events
-from engine.llm_engine import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from engine.outputs import FinishReason
-from engine.sequence import Priority
+from engine.request import Priority
+from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from tests.engine.core_helpers import make_engine, prompt, request, results, tokenizer
 
 

@@ -6,18 +6,18 @@ from chatmesh.block_hash import block_hashes
 from engine.block_pool import BlockPool
 from engine.kv_cache import KVCacheManager
 from engine.kv_events import BlocksRemoved, BlocksStored, KvEventLog, SubscriberOverflow, apply_events
-from engine.sequence import EngineRequest, Sequence
+from engine.request import EngineRequest, Request
 
 BS = 4
 
 
-def seq(tokens: list[int]) -> Sequence:
-    return Sequence(EngineRequest("r", tuple(tokens)), arrival=0.0, aging_s=10.0)
+def make_request(tokens: list[int]) -> Request:
+    return Request(EngineRequest("r", tuple(tokens)), arrival=0.0, aging_s=10.0)
 
 
-def computed(kv: KVCacheManager, tokens: list[int]) -> Sequence:
+def computed(kv: KVCacheManager, tokens: list[int]) -> Request:
     """A sequence whose whole prompt was computed in one step (prefix hits taken first)."""
-    s = seq(tokens)
+    s = make_request(tokens)
     hits = kv.get_computed_blocks(s)
     assert kv.allocate_slots(s, len(tokens) - len(hits) * BS, hits)
     s.num_computed_tokens = len(tokens)
@@ -32,7 +32,7 @@ def manager(num_blocks: int = 8) -> KVCacheManager:
 def test_shared_prefix_blocks_are_reused_and_ref_counted():
     kv = manager()
     a = computed(kv, list(range(10)))  # blocks [0-3], [4-7], partial [8, 9]
-    b = seq([*list(range(8)), 50, 51, 52])
+    b = make_request([*list(range(8)), 50, 51, 52])
     hits = kv.get_computed_blocks(b)
     assert [blk.block_id for blk in hits] == a.block_table[:2]
     assert kv.allocate_slots(b, 3, hits)
@@ -46,16 +46,16 @@ def test_the_hash_chain_stops_at_the_first_different_block():
     kv = manager()
     computed(kv, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13])
     # Same second block, different first block: no reuse at all (chained hashes cover the prefix).
-    assert kv.get_computed_blocks(seq([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
-    assert len(kv.get_computed_blocks(seq([1, 2, 3, 4, 5, 6, 7, 0, 9]))) == 1
+    assert kv.get_computed_blocks(make_request([0, 2, 3, 4, 5, 6, 7, 8, 9])) == []
+    assert len(kv.get_computed_blocks(make_request([1, 2, 3, 4, 5, 6, 7, 0, 9]))) == 1
 
 
 def test_the_last_prompt_token_is_always_left_to_compute():
     kv = manager()
     tokens = list(range(12))  # exactly three blocks
     computed(kv, tokens)
-    assert len(kv.get_computed_blocks(seq(tokens))) == 2
-    assert len(kv.get_computed_blocks(seq([*tokens, 99]))) == 3
+    assert len(kv.get_computed_blocks(make_request(tokens))) == 2
+    assert len(kv.get_computed_blocks(make_request([*tokens, 99]))) == 3
 
 
 def test_hashes_are_the_shared_contracts_block_hashes():
@@ -76,7 +76,7 @@ def test_eviction_takes_the_least_recently_freed_cached_block_first():
     kv.free(first)
     kv.free(second)
     # Uncached partial blocks go first, then A (freed before B).
-    third = seq([3] * 9)
+    third = make_request([3] * 9)
     assert kv.allocate_slots(third, 9)
     assert kv.pool.cached_hashes() == {hash_b}
     assert hash_a not in kv.pool.cached_hashes()
@@ -86,31 +86,31 @@ def test_a_prefix_hit_on_a_free_block_takes_it_out_of_the_free_queue():
     kv = manager(num_blocks=3)
     first = computed(kv, [7] * 8)  # two cached blocks
     kv.free(first)
-    again = seq([7] * 8 + [1])
+    again = make_request([7] * 8 + [1])
     hits = kv.get_computed_blocks(again)
     assert len(hits) == 2
     assert kv.allocate_slots(again, 1, hits)
     assert kv.num_used_blocks == 3
-    assert not kv.allocate_slots(seq([5] * 4), 4), "nothing free: the hit blocks are in use again"
+    assert not kv.allocate_slots(make_request([5] * 4), 4), "nothing free: the hit blocks are in use again"
 
 
 def test_allocation_fails_without_side_effects_when_blocks_are_short():
     kv = manager(num_blocks=4)
-    s = seq(list(range(20)))
+    s = make_request(list(range(20)))
     assert not kv.allocate_slots(s, 20)
     assert s.block_table == [] and kv.num_used_blocks == 0
 
 
 def test_reserve_keeps_blocks_free_for_running_requests():
     kv = manager(num_blocks=4)
-    assert not kv.allocate_slots(seq(list(range(16))), 16, reserve=1)
-    assert kv.allocate_slots(seq(list(range(12))), 12, reserve=1)
+    assert not kv.allocate_slots(make_request(list(range(16))), 16, reserve=1)
+    assert kv.allocate_slots(make_request(list(range(12))), 12, reserve=1)
 
 
 def test_two_blocks_with_one_hash_keep_the_first_and_the_duplicate_is_reused_first():
     log = KvEventLog()
     kv = KVCacheManager(8, BS, log)
-    a, b = seq([4] * 4 + [1]), seq([4] * 4 + [2])
+    a, b = make_request([4] * 4 + [1]), make_request([4] * 4 + [2])
     assert kv.allocate_slots(a, 5) and kv.allocate_slots(b, 5)  # both prefill in the same step
     a.num_computed_tokens = b.num_computed_tokens = 5
     kv.cache_computed_blocks(a)
@@ -120,7 +120,7 @@ def test_two_blocks_with_one_hash_keep_the_first_and_the_duplicate_is_reused_fir
     kv.free(a)
     kv.free(b)
     # Every uncached free block (b's duplicate included) goes before the one cached block.
-    assert kv.allocate_slots(seq(list(range(28))), 28)
+    assert kv.allocate_slots(make_request(list(range(28))), 28)
     assert kv.pool.cached_hashes() == {shared_hash}
 
 
@@ -144,7 +144,9 @@ def test_events_report_stored_chains_and_evictions_in_step_batches():
     assert log.flush().events == (BlocksStored((h3,), h[1]),)
 
     kv.free(s)
-    assert kv.allocate_slots(seq([9] * 8), 8)  # evicts the two least recently freed: blocks 3, then 2
+    assert kv.allocate_slots(
+        make_request([9] * 8), 8
+    )  # evicts the two least recently freed: blocks 3, then 2
     removed = log.flush()
     assert removed.sequence_number == 3
     assert removed.events == (BlocksRemoved((h3, h[1])),)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
+from engine.request import SamplingParams
 from engine.sampler import sample, sample_one, uniform
-from engine.sequence import SamplingParams
 
 VOCAB = 1000
 

@@ -6,8 +6,8 @@ import pytest
 
 from engine.kv_cache import KVCacheManager
 from engine.kv_events import KvEventLog
+from engine.request import EngineRequest, Priority, Request, RequestStatus
 from engine.scheduler import Scheduler
-from engine.sequence import EngineRequest, Priority, Sequence, SequenceStatus
 
 BS = 4
 AGING_S = 10.0
@@ -18,37 +18,37 @@ def scheduler(num_blocks: int = 64, budget: int = 32, max_running: int = 8, wate
     return Scheduler(KVCacheManager(num_blocks, BS, KvEventLog()), budget, max_running, watermark)
 
 
-def new_seq(
+def new_request(
     prompt_len: int, priority: Priority = Priority.NORMAL, arrival: float = 0.0, name: str = ""
-) -> Sequence:
+) -> Request:
     tokens = tuple(next(_ids) % 1000 + 3 for _ in range(prompt_len))  # unique: no accidental prefix hits
     request = EngineRequest(name or f"r{next(_ids)}", tokens, priority=priority)
-    return Sequence(request, arrival, AGING_S)
+    return Request(request, arrival, AGING_S)
 
 
 def step(s: Scheduler) -> dict[str, int]:
     """One step: schedule, 'compute', and sample a token for every sequence that reached its end."""
     out = s.schedule()
     s.update(out)
-    for seq in out.scheduled:
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(1)
-    return {seq.request.request_id: n for seq, n in out.scheduled.items()}
+    for req in out.scheduled:
+        if req.num_computed_tokens == req.num_tokens:
+            req.token_ids.append(1)
+    return {req.request.request_id: n for req, n in out.scheduled.items()}
 
 
 def test_each_step_hands_out_the_token_budget_decodes_first():
     s = scheduler(budget=32)
-    running = [new_seq(4, name=f"d{i}") for i in range(3)]
-    for seq in running:
-        s.add(seq)
+    running = [new_request(4, name=f"d{i}") for i in range(3)]
+    for req in running:
+        s.add(req)
     step(s)  # three 4-token prefills
-    s.add(new_seq(100, name="long"))
+    s.add(new_request(100, name="long"))
     assert step(s) == {"d0": 1, "d1": 1, "d2": 1, "long": 29}
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget():
     s = scheduler(budget=16)
-    s.add(new_seq(50, name="long"))
+    s.add(new_request(50, name="long"))
     chunks = [step(s)["long"] for _ in range(4)]
     assert chunks == [16, 16, 16, 2]
     assert step(s) == {"long": 1}, "then it decodes"
@@ -56,51 +56,51 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_budget():
 
 def test_decodes_are_scheduled_before_a_running_prefill_chunk_even_of_higher_priority():
     s = scheduler(budget=8)
-    s.add(new_seq(3, Priority.NORMAL, arrival=0.0, name="talking"))
+    s.add(new_request(3, Priority.NORMAL, arrival=0.0, name="talking"))
     assert step(s) == {"talking": 3}
-    s.add(new_seq(40, Priority.HIGH, arrival=1.0, name="long"))
+    s.add(new_request(40, Priority.HIGH, arrival=1.0, name="long"))
     assert step(s) == {"talking": 1, "long": 7}
     assert step(s) == {"talking": 1, "long": 7}, "a long prompt never stalls a stream already talking"
 
 
 def test_new_requests_join_a_running_batch():
     s = scheduler()
-    s.add(new_seq(4, name="a"))
+    s.add(new_request(4, name="a"))
     step(s)
     step(s)
-    s.add(new_seq(5, name="b"))
+    s.add(new_request(5, name="b"))
     assert step(s) == {"a": 1, "b": 5}
 
 
 def test_running_requests_are_capped():
     s = scheduler(max_running=2)
     for i in range(3):
-        s.add(new_seq(4, name=f"r{i}"))
+        s.add(new_request(4, name=f"r{i}"))
     assert set(step(s)) == {"r0", "r1"}
     assert s.num_waiting == 1
 
 
 def test_higher_priority_waits_less():
     s = scheduler(max_running=1)
-    s.add(new_seq(4, Priority.LOW, arrival=0.0, name="low"))
-    s.add(new_seq(4, Priority.NORMAL, arrival=1.0, name="normal"))
-    s.add(new_seq(4, Priority.HIGH, arrival=2.0, name="high"))
+    s.add(new_request(4, Priority.LOW, arrival=0.0, name="low"))
+    s.add(new_request(4, Priority.NORMAL, arrival=1.0, name="normal"))
+    s.add(new_request(4, Priority.HIGH, arrival=2.0, name="high"))
     assert set(step(s)) == {"high"}
 
 
 def test_aging_lets_a_long_waiting_low_request_go_before_a_new_high_one():
     s = scheduler(max_running=1)
-    s.add(new_seq(4, Priority.LOW, arrival=0.0, name="low"))
-    s.add(new_seq(4, Priority.HIGH, arrival=2 * AGING_S + 1, name="high"))
+    s.add(new_request(4, Priority.LOW, arrival=0.0, name="low"))
+    s.add(new_request(4, Priority.HIGH, arrival=2 * AGING_S + 1, name="high"))
     assert set(step(s)) == {"low"}
 
 
 def test_a_low_request_is_not_starved_by_a_stream_of_high_ones():
     s = scheduler(max_running=1)
-    s.add(new_seq(4, Priority.LOW, arrival=0.0, name="low"))
+    s.add(new_request(4, Priority.LOW, arrival=0.0, name="low"))
     order = []
     for t in range(60):  # a HIGH request arrives every second; each one runs for one step
-        s.add(new_seq(4, Priority.HIGH, arrival=float(t), name=f"high@{t}"))
+        s.add(new_request(4, Priority.HIGH, arrival=float(t), name=f"high@{t}"))
         [name] = step(s)
         order.append(name)
         s.finish(s.running[0])
@@ -111,52 +111,52 @@ def test_a_low_request_is_not_starved_by_a_stream_of_high_ones():
 
 def test_when_blocks_run_out_the_lowest_priority_newest_request_is_preempted():
     s = scheduler(num_blocks=7, budget=64)
-    a = new_seq(7, Priority.NORMAL, arrival=0.0, name="a")
-    b = new_seq(7, Priority.LOW, arrival=1.0, name="b")
-    c = new_seq(7, Priority.NORMAL, arrival=2.0, name="c")
-    for seq in (a, b, c):
-        s.add(seq)
+    a = new_request(7, Priority.NORMAL, arrival=0.0, name="a")
+    b = new_request(7, Priority.LOW, arrival=1.0, name="b")
+    c = new_request(7, Priority.NORMAL, arrival=2.0, name="c")
+    for req in (a, b, c):
+        s.add(req)
     step(s)  # 6 blocks used: each holds 8 token slots, 7 used + 1 sampled
     assert s.kv.num_used_blocks == 6
     step(s)  # every one needs a 3rd block on the next token; only one is free
     out = s.schedule()
     assert out.preempted[0] is b
-    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert b.status is RequestStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
     assert s.num_preemptions >= 1
 
 
 def test_between_equal_priorities_the_newest_is_preempted():
     s = scheduler(num_blocks=4, budget=64)
-    old, new = new_seq(7, arrival=0.0, name="old"), new_seq(7, arrival=1.0, name="new")
+    old, new = new_request(7, arrival=0.0, name="old"), new_request(7, arrival=1.0, name="new")
     s.add(old)
     s.add(new)
     step(s)  # prompts: 2 blocks each, all 4 used
     step(s)  # the sampled 8th token still fits
     step(s)  # both need a third block for the 9th; the old one gets the new one's
-    assert old.status is SequenceStatus.RUNNING and new.status is SequenceStatus.WAITING
+    assert old.status is RequestStatus.RUNNING and new.status is RequestStatus.WAITING
 
 
 def test_nothing_new_is_admitted_in_a_step_that_preempted():
     s = scheduler(num_blocks=4, budget=64)
-    old, new = new_seq(7, arrival=0.0, name="old"), new_seq(7, arrival=1.0, name="new")
+    old, new = new_request(7, arrival=0.0, name="old"), new_request(7, arrival=1.0, name="new")
     s.add(old)
     s.add(new)
     step(s)
     step(s)
-    s.add(new_seq(1, Priority.HIGH, arrival=2.0, name="tiny"))  # would fit in the block `new` frees
+    s.add(new_request(1, Priority.HIGH, arrival=2.0, name="tiny"))  # would fit in the block `new` frees
     out = s.schedule()
     assert out.preempted == [new]
-    assert {seq.request.request_id for seq in out.scheduled} == {"old"}
+    assert {req.request.request_id for req in out.scheduled} == {"old"}
 
 
 def test_a_preempted_request_resumes_and_completes_its_prompt_again():
     s = scheduler(num_blocks=4, budget=64)
-    old, new = new_seq(7, arrival=0.0, name="old"), new_seq(7, arrival=1.0, name="new")
+    old, new = new_request(7, arrival=0.0, name="old"), new_request(7, arrival=1.0, name="new")
     s.add(old)
     s.add(new)
     for _ in range(3):
         step(s)
-    assert new.status is SequenceStatus.WAITING
+    assert new.status is RequestStatus.WAITING
     s.finish(old)
     # Preemption evicted its last block for `old`; its first block is still cached, the rest is recomputed
     # (prompt and the two tokens it had sampled: 9 tokens known, 4 of them cached).
@@ -166,25 +166,25 @@ def test_a_preempted_request_resumes_and_completes_its_prompt_again():
 
 def test_a_higher_priority_request_displaces_a_running_lower_one_when_slots_are_full():
     s = scheduler(max_running=1)
-    low = new_seq(4, Priority.LOW, arrival=0.0, name="low")
+    low = new_request(4, Priority.LOW, arrival=0.0, name="low")
     s.add(low)
     step(s)
-    s.add(new_seq(4, Priority.HIGH, arrival=1.0, name="high"))
+    s.add(new_request(4, Priority.HIGH, arrival=1.0, name="high"))
     assert step(s) == {"high": 4}
-    assert low.status is SequenceStatus.WAITING and low.block_table == []
+    assert low.status is RequestStatus.WAITING and low.block_table == []
 
 
 def test_an_equal_priority_newcomer_does_not_displace_anyone():
     s = scheduler(max_running=1)
-    s.add(new_seq(4, arrival=0.0, name="first"))
+    s.add(new_request(4, arrival=0.0, name="first"))
     step(s)
-    s.add(new_seq(4, arrival=1.0, name="second"))
+    s.add(new_request(4, arrival=1.0, name="second"))
     assert step(s) == {"first": 1}
 
 
 def test_finish_frees_blocks_at_once_from_running_or_waiting():
     s = scheduler(max_running=1)
-    running, waiting = new_seq(9, name="running"), new_seq(9, name="waiting")
+    running, waiting = new_request(9, name="running"), new_request(9, name="waiting")
     s.add(running)
     s.add(waiting)
     step(s)
@@ -197,19 +197,19 @@ def test_finish_frees_blocks_at_once_from_running_or_waiting():
 
 def test_the_first_request_may_use_every_block_despite_the_watermark():
     s = scheduler(num_blocks=4, watermark=1)
-    s.add(new_seq(16, name="first"))
+    s.add(new_request(16, name="first"))
     assert step(s) == {"first": 16}
 
 
 @pytest.mark.parametrize(("watermark", "admitted"), [(1, False), (0, True)])
 def test_the_watermark_keeps_blocks_free_for_running_requests(watermark, admitted):
     s = scheduler(num_blocks=6, watermark=watermark)
-    s.add(new_seq(3, name="a"))
+    s.add(new_request(3, name="a"))
     step(s)
-    s.add(new_seq(8, name="b"))
+    s.add(new_request(8, name="b"))
     step(s)
     step(s)  # a and b each grew by a block: 5 used, 1 free, and the next tokens fit in their blocks
-    s.add(new_seq(4, name="c"))  # needs that last free block
+    s.add(new_request(4, name="c"))  # needs that last free block
     out = s.schedule()
     assert not out.preempted
-    assert ("c" in {seq.request.request_id for seq in out.scheduled}) is admitted
+    assert ("c" in {req.request.request_id for req in out.scheduled}) is admitted

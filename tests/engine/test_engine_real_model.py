@@ -26,8 +26,8 @@ from engine.model.cpu_runner import CpuModelRunner
 from engine.model.kernels import select_kernels
 from engine.model.runner import SequenceChunk
 from engine.outputs import FinishReason
+from engine.request import SamplingParams
 from engine.sampler import sample_one, uniform
-from engine.sequence import SamplingParams
 from router.index import PrefixIndex
 from tests.engine.core_helpers import DrivenEngine, Result, make_engine, request, results
 from tests.engine.test_model_parity import LOGIT_TOL

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from engine.model.cuda_runner import head_rows
-from engine.model.paged_driver import PagedDriver
 from engine.model.tp.plan import plan_tensor_parallel
+from tests.engine.paged_driver import PagedDriver
 from tests.engine.test_model_parity import assert_greedy_matches_reference
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None

@@ -22,13 +22,13 @@ from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer, load_tokenizer
 from engine.model.checkpoint import LlamaCheckpoint, rope_tables
+from engine.model.checkpoint_loader import load_checkpoint
 from engine.model.convert_gguf_to_hf import convert
 from engine.model.cpu_runner import CpuModelRunner
 from engine.model.hf_loader import load_hf_dir, read_safetensors, to_half_split, to_interleaved
 from engine.model.kernels import select_kernels
-from engine.model.loading import load_checkpoint
-from engine.model.paged_driver import PagedDriver
-from engine.model.reference import ReferenceModel, _rope
+from tests.engine.paged_driver import PagedDriver
+from tests.engine.reference_model import ReferenceModel, _rope
 from tests.engine.service_client import TIMEOUT_S, Stream, start_frame
 from tests.engine.test_model_parity import LOGIT_TOL, assert_greedy_matches_reference
 

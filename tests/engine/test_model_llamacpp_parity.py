@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from chatmesh.model_files import bundled_model_path
-from engine.model.paged_driver import PagedDriver
+from tests.engine.paged_driver import PagedDriver
 
 FIXTURE = Path(__file__).resolve().parent.parent / "data" / "llamacpp_logits.json"
 LOGIT_TOL = 1.0

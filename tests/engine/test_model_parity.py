@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from engine.model.cpu_runner import CpuModelRunner
-from engine.model.paged_driver import Generation, PagedDriver
-from engine.model.reference import ReferenceModel
+from tests.engine.paged_driver import GreedyRun, PagedDriver
+from tests.engine.reference_model import ReferenceModel
 
 LOGIT_TOL = 0.02
 NEW_TOKENS = 12
@@ -32,7 +32,7 @@ def prompts(chat_tokenizer) -> list[list[int]]:
     return [chat_tokenizer.encode_chat([{"role": "user", "content": text}]) for text in CHATS]
 
 
-def assert_greedy_matches_reference(gen: Generation, reference: ReferenceModel) -> None:
+def assert_greedy_matches_reference(gen: GreedyRun, reference: ReferenceModel) -> None:
     """Teacher-forced check of every generated token: the reference, given the same prefix, must pick
     the same token unless its top two logits are within LOGIT_TOL; the runner's logits must be within
     LOGIT_TOL of the reference's. Without a near-tie this is exactly "same greedy output"."""
@@ -45,7 +45,7 @@ def assert_greedy_matches_reference(gen: Generation, reference: ReferenceModel) 
             assert margin < LOGIT_TOL, f"token {i}: runner chose {token}, reference {best} by {margin:.4f}"
 
 
-def assert_same_generation(a: Generation, b: Generation, bit_exact: bool) -> None:
+def assert_same_generation(a: GreedyRun, b: GreedyRun, bit_exact: bool) -> None:
     """Two runs of one sequence: identical tokens (up to a near-tie when not bit-exact) and logits."""
     for i, (ta, tb, la, lb) in enumerate(zip(a.tokens, b.tokens, a.logits, b.logits, strict=False)):
         if bit_exact:

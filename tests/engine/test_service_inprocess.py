@@ -12,7 +12,7 @@ from chatmesh.tokenizer import ChatMessage
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model.loading import create_runner
-from engine.sequence import EngineRequest, SamplingParams
+from engine.request import EngineRequest, SamplingParams
 from engine.service import EngineService
 from meshkit.launcher import free_port
 from meshkit.serving import start_grpc_server

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from engine.model.cpu_runner import CpuModelRunner
-from engine.model.paged_driver import PagedDriver
+from tests.engine.paged_driver import PagedDriver
 from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until
 from tests.fixtures.engines import EngineProcess
 from tests.fixtures.model import require_native

@@ -21,10 +21,10 @@ import pytest
 from chatmesh.model_files import bundled_model_path
 from engine.model.cpu_runner import CpuModelRunner
 from engine.model.kernels.native import load_library
-from engine.model.paged_driver import PagedDriver
 from engine.model.runner import SequenceChunk
 from engine.model.tp.collective import RankFailure
 from engine.model.tp.runner import TensorParallelRunner
+from tests.engine.paged_driver import PagedDriver
 from tests.engine.test_model_parity import CHATS, assert_same_generation
 from tests.fixtures.model import require_native
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.model.checkpoint_loader import load_checkpoint
 from engine.model.cpu_runner import CpuModelRunner
 from engine.model.kernels import select_kernels
 from engine.model.kernels.native import NativeUnavailable, load_library
-from engine.model.loading import load_checkpoint
 from engine.model.runner import SequenceChunk
 from engine.model.tp.collective import (
     PEER_CHECK_INTERVAL_MS,

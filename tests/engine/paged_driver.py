@@ -1,4 +1,4 @@
-"""A minimal greedy driver over a runner's paged KV cache, for runner tests and benchmarks.
+"""A minimal greedy driver over a runner's paged KV cache, for the runner tests.
 
 It allocates blocks from a free list (optionally shuffled, so sequences get scattered, non-contiguous
 blocks), feeds prompts in chunks and decodes every running sequence together each step. It is *not* the
@@ -18,7 +18,7 @@ from engine.model.runner import ModelRunner, SequenceChunk
 
 
 @dataclass
-class Generation:
+class GreedyRun:
     prompt: list[int]
     max_new_tokens: int
     tokens: list[int] = field(default_factory=list)  # generated so far
@@ -46,9 +46,9 @@ class PagedDriver:
         prefill_chunk: int | None = None,
         stop_ids: Sequence[int] = (),
         keep_logits: bool = False,
-    ) -> list[Generation]:
+    ) -> list[GreedyRun]:
         """Greedy-decodes all prompts together; prompts are fed ``prefill_chunk`` tokens per step."""
-        gens = [Generation(list(p), max_new_tokens) for p in prompts]
+        gens = [GreedyRun(list(p), max_new_tokens) for p in prompts]
         while not all(g.done for g in gens):
             running = [g for g in gens if not g.done]
             chunks = [self._next_chunk(g, prefill_chunk) for g in running]
@@ -66,12 +66,12 @@ class PagedDriver:
                     self.release(gen)
         return gens
 
-    def release(self, gen: Generation) -> None:
+    def release(self, gen: GreedyRun) -> None:
         gen.done = True
         self.free_blocks.extend(gen.blocks)
         gen.blocks = []
 
-    def _next_chunk(self, gen: Generation, prefill_chunk: int | None) -> SequenceChunk:
+    def _next_chunk(self, gen: GreedyRun, prefill_chunk: int | None) -> SequenceChunk:
         known = gen.prompt + gen.tokens
         end = len(known) if prefill_chunk is None else min(len(known), gen.computed + prefill_chunk)
         while len(gen.blocks) * self.block_size < end:

@@ -1,4 +1,4 @@
-"""One request inside the engine: what was asked (``EngineRequest``) and how far it got (``Sequence``)."""
+"""One request inside the engine: what was asked (``EngineRequest``) and how far it got (``Request``)."""
 
 from __future__ import annotations
 
@@ -37,17 +37,17 @@ class EngineRequest:
     priority: Priority = Priority.NORMAL
 
 
-class SequenceStatus(Enum):
+class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
 
 
-_seq_ids = itertools.count()
+_serials = itertools.count()
 
 
 @dataclass(eq=False)
-class Sequence:
+class Request:
     """A request's scheduling state: its tokens, how many of them have KV computed, the blocks holding it.
 
     ``token_ids`` is the prompt followed by every output token (resumed ones included). The scheduler
@@ -60,20 +60,20 @@ class Sequence:
     # so a LOW request that has waited 2·aging_s longer than a HIGH one goes first. The key never
     # changes, so queue order is stable and a heap works.
     aging_s: float
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    serial: int = field(default_factory=lambda: next(_serials))  # breaks ties of equal keys: first come first
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)  # physical block ids, one per block_size tokens
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, filled lazily
-    num_cached_blocks: int = 0  # leading blocks already offered to the prefix cache
-    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule; -1: not yet
-    status: SequenceStatus = SequenceStatus.WAITING
+    num_stored_blocks: int = 0  # leading blocks that are prefix-cache entries (hits, or stored after a step)
+    num_prefix_hit_tokens: int | None = None  # context tokens the prefix cache served at first schedule
+    status: RequestStatus = RequestStatus.WAITING
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.request.prompt_token_ids, *self.request.resumed_output_token_ids]
         self.num_prompt_tokens = len(self.request.prompt_token_ids)
         self.num_context_tokens = len(self.token_ids)  # prompt + resumed output: what Usage calls prompt
-        self.sort_key = (self.arrival - int(self.priority) * self.aging_s, self.seq_id)
+        self.sort_key = (self.arrival - int(self.priority) * self.aging_s, self.serial)
 
     @property
     def request_id(self) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2
-from engine.sequence import EngineRequest, Priority, SamplingParams
+from engine.request import EngineRequest, Priority, SamplingParams
 
 # Bounds on what one request may ask for; beyond them the request is refused, not truncated.
 MAX_REQUEST_ID_CHARS = 256
