@@ -216,9 +216,9 @@ class LLMEngine:
             cancels, self._cancels = self._cancels, []
             # Into the scheduler under the lock, so the waiting count admission reads is never short.
             for tracked in new:
-                req = Request(tracked.request, tracked.arrival, self.config.priority_aging_s)
-                self._requests[req.request_id] = req
-                self.scheduler.add(req)
+                scheduled = Request(tracked.request, tracked.arrival, self.config.priority_aging_s)
+                self._requests[scheduled.request_id] = scheduled
+                self.scheduler.add(scheduled)
         for tracked in new:
             if (ended := self.tracker.replay_resumed(tracked)) is not None:
                 outputs.append(ended)

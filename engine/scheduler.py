@@ -69,19 +69,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_batched_tokens
-        for req in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.sort_key)):
+        for running in sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.sort_key)):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+            if running.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(req.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(req, num_new):
+            num_new = min(running.num_uncomputed_tokens, budget)
+            while not self.kv.allocate_slots(running, num_new):
                 victim = max(self.running, key=lambda s: s.sort_key)
                 budget += self._preempt(victim, out)
-                if victim is req:
+                if victim is running:
                     break
             else:
-                out.scheduled[req] = num_new
+                out.scheduled[running] = num_new
                 budget -= num_new
         # Memory is short: admitting more now would only preempt again.
         if out.preempted:

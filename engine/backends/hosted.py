@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,7 +77,7 @@ class GenerationBackend(Protocol):
 
     def generate(
         self, request_id: str, context: Sequence[int], params: SamplingParams, max_new_tokens: int
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta]:
         """Streams the output for ``context``. Closing the iterator early must abort the request
         in the backend (its KV blocks are freed there)."""
         ...

@@ -33,7 +33,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -120,7 +121,9 @@ class TritonBackend:
     """``GenerationBackend`` over a Triton server's decoupled ``tensorrt_llm`` model."""
 
     name = "triton"
-    context_limit = None  # the server's engine limit is not exposed over gRPC: the model's is used
+    context_limit: int | None = (
+        None  # the server's engine limit is not exposed over gRPC: the model's is used
+    )
 
     def __init__(
         self,
@@ -137,7 +140,8 @@ class TritonBackend:
         self.eos_ids = tuple(eos_ids)
         self.tensor_parallel_size = tensor_parallel_size  # the server's engine's; reported, not used
         self.response_timeout_s = response_timeout_s
-        self._grpc = None
+        # tritonclient.grpc once started (imported only where the backend runs).
+        self._grpc: Any = None
 
     async def start(self, events: KvEventLog) -> None:
         self._grpc = import_triton_grpc()
@@ -164,7 +168,7 @@ class TritonBackend:
 
     async def generate(
         self, request_id: str, context: Sequence[int], params: SamplingParams, max_new_tokens: int
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta]:
         loop = asyncio.get_running_loop()
         responses: asyncio.Queue = asyncio.Queue()  # at most max_new_tokens + 1 responses
 

@@ -31,9 +31,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from chatmesh.block_hash import hash_block
 from engine.backends.hosted import KvUsage, TokenDelta
@@ -87,7 +88,7 @@ def sampling_kwargs(params: SamplingParams, eos_ids: Collection[int], max_new_to
     }
 
 
-def delta_from_output(output: object, sent: int, block_size: int, context_tokens: int) -> TokenDelta:
+def delta_from_output(output: Any, sent: int, block_size: int, context_tokens: int) -> TokenDelta:
     """The news in one streamed ``RequestOutput`` after ``sent`` output tokens were forwarded."""
     completion = output.outputs[0]
     finished = bool(output.finished)
@@ -195,7 +196,7 @@ class KvEventTranslator:
         if parent_trt is not None and parent is None:  # a chain we could not follow
             self.stats.skipped += len(data["blocks"])
             return
-        first_parent, hashes = parent, []
+        first_parent, hashes = parent, list[int]()
         for block in data["blocks"]:
             tokens = block["tokens"]
             if len(tokens) != self.block_size or any(t.get("token_extra_id", 0) for t in tokens):
@@ -234,7 +235,8 @@ class TrtllmBackend:
         self.gpu_memory_fraction = gpu_memory_fraction
         self.translator = KvEventTranslator(block_size, block_hash_seed)
         self.context_limit: int | None = None
-        self._llm = None
+        # tensorrt_llm.LLM once started (the library is imported only on GPU nodes).
+        self._llm: Any = None
         self._events_task: asyncio.Task | None = None
 
     async def start(self, events: KvEventLog) -> None:
@@ -273,7 +275,7 @@ class TrtllmBackend:
 
     async def generate(
         self, request_id: str, context: Sequence[int], params: SamplingParams, max_new_tokens: int
-    ) -> AsyncIterator[TokenDelta]:
+    ) -> AsyncGenerator[TokenDelta]:
         from tensorrt_llm import SamplingParams as TrtSamplingParams
 
         sampling = TrtSamplingParams(**sampling_kwargs(params, self.eos_ids, max_new_tokens))

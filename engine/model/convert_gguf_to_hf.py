@@ -28,7 +28,7 @@ from engine.model.hf_loader import to_half_split
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": np.float32, "float16": np.float16}
+DTYPES: dict[str, type[np.floating]] = {"float32": np.float32, "float16": np.float16}
 
 
 def hf_tensors(checkpoint: LlamaCheckpoint, dtype: type[np.floating] = np.float32) -> dict[str, np.ndarray]:

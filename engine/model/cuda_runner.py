@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -153,7 +154,7 @@ class CudaModelRunner:
             self._torch.distributed.broadcast_object_list([command], src=0)
 
     def _receive(self) -> tuple:
-        box = [None]
+        box: list[Any] = [None]
         self._torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 

@@ -7,6 +7,7 @@ the tokenizer lives in ``chatmesh.tokenizer``. Tensor payloads, types and dequan
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -22,7 +23,7 @@ def load_gguf(path: str | Path) -> LlamaCheckpoint:
     if arch != "llama":
         raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
 
-    def meta(key: str, default: object = None) -> object:
+    def meta(key: str, default: Any = None) -> Any:
         value = fields.get(f"llama.{key}", default)
         if value is None:
             raise ValueError(f"{path}: GGUF metadata llama.{key} is missing")

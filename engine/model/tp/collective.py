@@ -142,6 +142,6 @@ class ShmCollective:
         if self._map is None:
             return
         # The numpy views export the mapping's buffer: drop them before closing it.
-        self._reduce = self._logits = None
+        del self._reduce, self._logits
         self._map.close()
         self._map = None
