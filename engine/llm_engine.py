@@ -20,8 +20,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
+from chatmesh.errors import ServiceError
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import Detokenizer
@@ -41,22 +43,20 @@ log = logging.getLogger(__name__)
 _DEFAULT_RETRY_AFTER_S = 1.0
 
 
-class AdmissionError(Exception):
-    """The engine did not take the request."""
-
-
-class QueueFullError(AdmissionError):
+class QueueFullError(ServiceError):
     def __init__(self, waiting: int, retry_after_s: float) -> None:
-        super().__init__(f"the engine's waiting queue is full ({waiting} requests); retry later")
-        self.retry_after_s = retry_after_s
+        message = f"the engine's waiting queue is full ({waiting} requests); retry later"
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s)
 
 
-class DuplicateRequestError(AdmissionError):
-    pass
+class DuplicateRequestError(ServiceError):
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.ALREADY_EXISTS, message)
 
 
-class EngineUnavailableError(AdmissionError):
-    pass
+class EngineUnavailableError(ServiceError):
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
 @dataclass
@@ -138,7 +138,8 @@ class LLMEngine:
     # -- any thread ----------------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queues a validated request; raises an ``AdmissionError`` if the engine does not take it."""
+        """Queues a validated request; raises a ``ServiceError`` (full, duplicate, unavailable) if the
+        engine does not take it."""
         with self._wakeup:
             if self.failure or self._stopping:
                 raise EngineUnavailableError(self.failure or "the engine is stopping")

@@ -10,17 +10,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-from chatmesh.errors import abort_with_retry
+from chatmesh.errors import ServiceError, abort
 from engine.backends.hosted import HostedEngine
 from engine.kv_events import BlocksStored, KvEventBatch, SubscriberOverflow
-from engine.llm_engine import (
-    DuplicateRequestError,
-    EngineUnavailableError,
-    LLMEngine,
-    QueueFullError,
-)
+from engine.llm_engine import LLMEngine
 from engine.outputs import Finish, FinishReason
-from engine.requests import InvalidRequestError, ServedModel, request_from_proto
+from engine.requests import ServedModel, request_from_proto
 from engine.streams import OutputRouter
 
 log = logging.getLogger(__name__)
@@ -79,14 +74,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         try:
             request = request_from_proto(first.start, self._model)
             self._engine.add_request(request)
-        except InvalidRequestError as exc:
-            await context.abort(exc.code, exc.message)
-        except QueueFullError as exc:
-            await abort_with_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s)
-        except DuplicateRequestError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except EngineUnavailableError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ServiceError as exc:  # an invalid request, or one the engine did not take
+            await abort(context, exc)
 
         request_id = request.request_id
         stream = self._router.open(request_id)  # before any await: no output can be delivered earlier

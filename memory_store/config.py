@@ -11,7 +11,8 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from memory_store.models import Limits
+from chatmesh.limits import Limits
+from memory_store.models import StoreBounds
 from meshkit.config import ServiceArgs
 
 LOCAL_REPLICATION: Mapping[str, str | int] = {"class": "SimpleStrategy", "replication_factor": 1}
@@ -32,7 +33,9 @@ class StoreConfig:
     usage_window_s: int = 86_400
     # How long an idempotency key keeps mapping to its run.
     idempotency_ttl_s: int = 7 * 86_400
+    # The request limits, as the orchestrator's flags set them; the store checks writes against them too.
     limits: Limits = field(default_factory=Limits)
+    bounds: StoreBounds = field(default_factory=StoreBounds)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> StoreConfig:

@@ -19,11 +19,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
+from chatmesh.errors import exhausted, invalid
 from chatmesh.identity import Identity
 from memory_store.models import Usage, UsageWindow
 from memory_store.store import MemoryStore
 from orchestrator.config import BudgetConfig
-from orchestrator.errors import exhausted, invalid
 from orchestrator.metrics import BUDGET_REJECTIONS
 
 # Concurrent-run limits answer with this retry delay: runs take seconds, not hours.

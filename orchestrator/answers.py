@@ -21,6 +21,7 @@ it runs does not stop it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 import uuid
@@ -32,17 +33,17 @@ import grpc
 from google.protobuf.message import Message as ProtoMessage
 from opentelemetry import trace
 
+from chatmesh import limits
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError, invalid, not_found
 from chatmesh.identity import Identity
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
-from memory_store.errors import MemoryStoreError
+from memory_store.errors import NotFound
 from memory_store.ids import new_id
 from memory_store.models import ChatSummary, Claim, Message, Role, Run, RunStatus
 from memory_store.store import MemoryStore
-from orchestrator import limits
 from orchestrator.background import BackgroundJobs
 from orchestrator.config import OrchestratorConfig
-from orchestrator.errors import ServiceError, invalid, not_found
 from orchestrator.generation import RunEnd
 from orchestrator.history import load_history, turns
 from orchestrator.live_run import LiveRun, RunInfo
@@ -184,10 +185,8 @@ class Answers:
                 message = await self.store.get_message(
                     identity.user_id, request.chat_id, request.parent_message_id
                 )
-            except MemoryStoreError as exc:
-                if exc.code == "NOT_FOUND":
-                    raise not_found("message", request.parent_message_id) from None
-                raise
+            except NotFound:
+                raise not_found("message", request.parent_message_id) from None
             return message.message_id
         latest = await self.store.get_latest_message(identity.user_id, request.chat_id)
         return latest.message_id if latest else None
@@ -222,10 +221,8 @@ class Answers:
                 self.store.get_message(user, chat_id, request.message_id),
                 self.store.get_summary(user, chat_id),
             )
-        except MemoryStoreError as exc:
-            if exc.code == "NOT_FOUND":
-                raise not_found("message", request.message_id) from None
-            raise
+        except NotFound:
+            raise not_found("message", request.message_id) from None
         if answer.role is not Role.ASSISTANT or answer.parent_id is None:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -372,12 +369,9 @@ class Answers:
             return True
         deadline = time.monotonic() + self.config.runs.claim_wait_s
         while True:
-            try:
+            with contextlib.suppress(NotFound):
                 await self.store.get_run(user_id, run_id)
                 return True
-            except MemoryStoreError as exc:
-                if exc.code != "NOT_FOUND":
-                    raise
             if time.monotonic() > deadline or self.runs.is_live(run_id):
                 return self.runs.is_live(run_id)
             await asyncio.sleep(0.1)

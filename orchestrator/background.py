@@ -14,7 +14,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
-from orchestrator.limits import Generation
+from chatmesh.limits import Generation
 from orchestrator.metrics import BACKGROUND_JOBS
 from orchestrator.router_client import RouterClient, start_frame
 

@@ -13,7 +13,8 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 
-from chatmesh.identity import TIERS
+from chatmesh.limits import Limits
+from chatmesh.tiers import TIERS
 from memory_store.config import StoreConfig, add_store_flags
 from meshkit.config import ServiceArgs
 
@@ -21,35 +22,15 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful, honest assistant. Answer clearly and
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Request limits; each violation is a clear INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for runs)."""
-
-    max_message_bytes: int = 32 * 1024
-    default_max_tokens: int = 512
-    max_tokens: int = 4096
-    max_stop_sequences: int = 4
-    max_stop_chars: int = 64
-    max_title_chars: int = 200
-    max_idempotency_key_chars: int = 128
-    max_model_chars: int = 128
-    max_chat_page: int = 100
-    default_chat_page: int = 20
-    max_message_page: int = 200
-    default_message_page: int = 50
-    # Complete: a caller-supplied conversation.
-    max_prompt_messages: int = 1000
-    # Concurrent runs of one user on one replica, by tier.
-    concurrent_runs: dict[str, int] = field(default_factory=lambda: {"free": 2, "pro": 4, "enterprise": 16})
-
-
-@dataclass(frozen=True)
 class BudgetConfig:
-    """Tokens (prompt + completion) each tier may use per window; 0 means unlimited."""
+    """Tokens (prompt + completion) each tier may use per window (0 means unlimited), and the runs of
+    one user each tier may have at once on one replica."""
 
     window_s: int = 86_400
     tokens: dict[str, int] = field(
         default_factory=lambda: {"free": 100_000, "pro": 2_000_000, "enterprise": 0}
     )
+    concurrent_runs: dict[str, int] = field(default_factory=lambda: {"free": 2, "pro": 4, "enterprise": 16})
 
 
 @dataclass(frozen=True)
@@ -137,7 +118,7 @@ def default_replica_id() -> str:
 
 
 def add_flags(args: ServiceArgs) -> None:
-    limits, budgets, prompt = Limits(), BudgetConfig(), PromptConfig()
+    budgets, prompt = BudgetConfig(), PromptConfig()
     summaries, runs = SummaryConfig(), RunConfig()
     args.add_server_flags(port=50050)
     args.add("router", "127.0.0.1:50051", "router address host:port")
@@ -153,11 +134,11 @@ def add_flags(args: ServiceArgs) -> None:
     args.add(
         "max-history-messages", prompt.max_history_messages, "newest messages of a branch read per prompt"
     )
-    args.add("max-message-bytes", limits.max_message_bytes, "largest user message (UTF-8 bytes)")
-    args.add("default-max-tokens", limits.default_max_tokens, "answer length when a request sets none")
-    args.add("max-tokens", limits.max_tokens, "largest max_tokens a request may ask for")
+    for setting in dataclasses.fields(Limits):
+        if "help" in setting.metadata:
+            args.add(setting.name.replace("_", "-"), setting.default, setting.metadata["help"])
     for tier in TIERS:
-        args.add(f"concurrent-runs-{tier}", limits.concurrent_runs[tier], f"runs at once per {tier} user")
+        args.add(f"concurrent-runs-{tier}", budgets.concurrent_runs[tier], f"runs at once per {tier} user")
         args.add(f"budget-{tier}-tokens", budgets.tokens[tier], f"{tier} tokens per window (0: unlimited)")
     args.add("budget-window-s", budgets.window_s, "length of a token budget window (aligned to the epoch)")
     args.add("summaries", summaries.enabled, "keep rolling summaries of long chats")
@@ -187,23 +168,22 @@ def from_args(ns: argparse.Namespace) -> OrchestratorConfig:
             f"--orphan-after-s ({ns.orphan_after_s}) must be at least 3 x --heartbeat-interval-s "
             f"({ns.heartbeat_interval_s}), the same on every replica"
         )
-    store = StoreConfig.from_args(ns)
+    limits = Limits(
+        **{s.name: getattr(ns, s.name) for s in dataclasses.fields(Limits) if "help" in s.metadata}
+    )
+    store = dataclasses.replace(StoreConfig.from_args(ns), usage_window_s=ns.budget_window_s, limits=limits)
     return OrchestratorConfig(
         replica_id=ns.replica_id or default_replica_id(),
         router=ns.router,
         router_timeout_s=ns.router_timeout_s,
         model_file=ns.model_file,
         default_model=ns.default_model,
-        store=dataclasses.replace(store, usage_window_s=ns.budget_window_s),
-        limits=Limits(
-            max_message_bytes=ns.max_message_bytes,
-            default_max_tokens=ns.default_max_tokens,
-            max_tokens=ns.max_tokens,
-            concurrent_runs={tier: getattr(ns, f"concurrent_runs_{tier}") for tier in TIERS},
-        ),
+        store=store,
+        limits=limits,
         budgets=BudgetConfig(
             window_s=ns.budget_window_s,
             tokens={tier: getattr(ns, f"budget_{tier}_tokens") for tier in TIERS},
+            concurrent_runs={tier: getattr(ns, f"concurrent_runs_{tier}") for tier in TIERS},
         ),
         prompt=PromptConfig(
             system_prompt=ns.system_prompt,

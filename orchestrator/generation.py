@@ -24,13 +24,14 @@ from enum import StrEnum
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2
-from memory_store.errors import MemoryStoreError
+from chatmesh.errors import ServiceError, unavailable
+from memory_store.errors import MemoryStoreError, Unavailable
 from memory_store.models import FinishedRun, FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator import convert
 from orchestrator.checkpoints import Checkpointer
 from orchestrator.config import RunConfig
-from orchestrator.errors import ServiceError, from_exception, from_rpc_error, unavailable
+from orchestrator.errors import from_exception, from_rpc_error
 from orchestrator.live_run import LiveRun
 from orchestrator.metrics import (
     ACTIVE_RUNS,
@@ -282,9 +283,7 @@ class Generation:
                 async with asyncio.timeout(self.deps.config.store_deadline_s):
                     return await self.deps.store.finish_run(self.stored_run, outcome)
             except Exception as exc:
-                retryable = isinstance(exc, TimeoutError) or (
-                    isinstance(exc, MemoryStoreError) and exc.code == "UNAVAILABLE"
-                )
+                retryable = isinstance(exc, (TimeoutError, Unavailable))
                 if not retryable:
                     log.error("run %s could not be finished: %s", self.live.info.run_id, exc, exc_info=exc)
                     return None

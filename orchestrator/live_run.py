@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from chatmesh.chat.v1 import chat_pb2
-from orchestrator.errors import exhausted
+from chatmesh.errors import exhausted
 from orchestrator.metrics import SUBSCRIBERS
 
 # started + usage + done, or started + error.

@@ -15,19 +15,15 @@ from collections.abc import AsyncIterator
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.errors import unavailable
+from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.streams import read_to_end
+from chatmesh.tiers import tier_named
 from meshkit.serving import CHANNEL_OPTIONS
-from orchestrator.errors import from_rpc_error, unavailable
-from orchestrator.limits import Generation
+from orchestrator.errors import from_rpc_error
 
 log = logging.getLogger(__name__)
-
-TIERS = {
-    "free": router_pb2.TIER_FREE,
-    "pro": router_pb2.TIER_PRO,
-    "enterprise": router_pb2.TIER_ENTERPRISE,
-}
 
 
 def start_frame(
@@ -51,7 +47,7 @@ def start_frame(
         model=generation.model,
         prompt_token_ids=prompt,
         sampling=sampling,
-        tier=TIERS.get(tier, router_pb2.TIER_FREE),
+        tier=tier_named(tier).proto,
         session_id=session_id,
         tokenizer_fingerprint=fingerprint,
     )

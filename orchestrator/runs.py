@@ -20,16 +20,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import not_found, unavailable
 from chatmesh.identity import Identity
-from memory_store.errors import MemoryStoreError
+from chatmesh.limits import Generation as GenerationOptions
+from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import FinishReason, Run, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator import convert, replay
 from orchestrator.admission import Budgets, RunSlots
 from orchestrator.config import RunConfig
-from orchestrator.errors import not_found, unavailable
 from orchestrator.generation import Generation, RunDeps, RunEnd, Stop
-from orchestrator.limits import Generation as GenerationOptions
 from orchestrator.live_run import LiveRun, RunInfo
 from orchestrator.prompt import Prompt
 from orchestrator.router_client import GenerateStream, RouterClient, start_frame
@@ -181,10 +181,8 @@ class Runs:
     async def _stored(self, user_id: str, run_id: str) -> Run:
         try:
             return await self.store.get_run(user_id, run_id)
-        except MemoryStoreError as exc:
-            if exc.code == "NOT_FOUND":
-                raise not_found("run", run_id) from None
-            raise
+        except NotFound:
+            raise not_found("run", run_id) from None
 
     # -- cancelling -----------------------------------------------------------------------------
 

@@ -15,13 +15,15 @@ from typing import Any
 
 import grpc
 
+from chatmesh import limits
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.errors import abort
 from chatmesh.identity import Identity, identity_from_metadata
+from chatmesh.limits import Limits
 from memory_store.store import MemoryStore
-from orchestrator import convert, limits
+from orchestrator import convert
 from orchestrator.admission import Budgets
 from orchestrator.answers import Answers
-from orchestrator.config import Limits
 from orchestrator.errors import from_exception
 from orchestrator.router_client import RouterClient
 from orchestrator.runs import Runs
@@ -44,8 +46,7 @@ async def _identity(context: grpc.aio.ServicerContext) -> Identity:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    error = from_exception(exc)
-    await context.abort(error.code, error.message, trailing_metadata=error.trailer())
+    await abort(context, from_exception(exc))
 
 
 def unary(method: Callable[[Any, Identity, Any], Awaitable[Any]]):

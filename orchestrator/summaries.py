@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chatmesh.limits import Generation
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 from memory_store.models import ChatSummary, Message
 from memory_store.store import MemoryStore
 from orchestrator.background import generate_text
 from orchestrator.config import SummaryConfig
 from orchestrator.history import load_history
-from orchestrator.limits import Generation
 from orchestrator.prompt import Prompt
 from orchestrator.router_client import RouterClient
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from chatmesh.limits import Generation
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 from memory_store.store import MemoryStore
 from orchestrator.background import generate_text
-from orchestrator.limits import Generation
 from orchestrator.router_client import RouterClient
 
 TITLE_SYSTEM = "You write short, specific titles for conversations."

@@ -19,13 +19,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from chatmesh.errors import abort_with_retry
+from chatmesh.errors import ServiceError, abort
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from chatmesh.tiers import is_tier_proto
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.placement import Placer, RequestPlan, RouteError
+from router.placement import Placer, RequestPlan
 from router.registry import EngineRegistry
-from router.relay import TIER_PRIORITY, Relay
+from router.relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         try:
             async for frame in relay.run():
                 yield frame
-        except RouteError as exc:
-            if exc.retry_after_s is not None:
-                await abort_with_retry(context, exc.code, exc.message, exc.retry_after_s)
-            await context.abort(exc.code, exc.message)
+        except ServiceError as exc:
+            await abort(context, exc)
         finally:
             reader.cancel()
             relay.close()
@@ -130,6 +129,6 @@ def _invalid(start: router_pb2.GenerateStart) -> str:
         return "prompt_token_ids must not be empty"
     if start.sampling.max_tokens <= 0:
         return "sampling.max_tokens must be > 0"
-    if start.tier not in TIER_PRIORITY:
+    if not is_tier_proto(start.tier):
         return f"unknown tier {start.tier}"
     return ""
