@@ -29,7 +29,7 @@ import grpc
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, parse
 from chatmesh.router.v1 import router_pb2
-from chatmesh.streams import read_to_end
+from chatmesh.streams import Outbox, read_to_end
 from chatmesh.tiers import tier_of_proto
 from router.config import RouterConfig
 from router.engines import EngineState
@@ -79,14 +79,14 @@ class Relay:
         self.output: list[int] = []
         self.cancelled = False
         self._call: grpc.aio.StreamStreamCall | None = None  # the engine call in progress
-        self._outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] | None = None  # frames to it
+        self._outbox: Outbox[engine_pb2.GenerateRequest] | None = None  # its request side
         self._first_token_at: float | None = None
 
     def cancel(self) -> None:
         """The client sent `cancel`: forward it to the engine now; no further attempts."""
         self.cancelled = True
         if self._outbox is not None:
-            self._outbox.put_nowait(_CANCEL)
+            self._outbox.cancel()
 
     def close(self) -> None:
         """The client is gone: cancel the engine call (the engine frees the request's blocks)."""
@@ -152,13 +152,12 @@ class Relay:
         self, placement: Placement, attempt_id: str
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         engine = placement.engine
-        # The request side is a queue, so a client's `cancel` goes out the moment it arrives; it ends
-        # with the attempt (an open request iterator would outlive the call inside gRPC).
-        outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] = asyncio.Queue(maxsize=3)
-        outbox.put_nowait(engine_pb2.GenerateRequest(start=self._engine_start(engine, attempt_id)))
+        # A client's `cancel` goes out the moment it arrives; the request side ends with the attempt.
+        outbox = Outbox(_CANCEL)
+        outbox.start(engine_pb2.GenerateRequest(start=self._engine_start(engine, attempt_id)))
         if self.cancelled:
-            outbox.put_nowait(_CANCEL)
-        call = engine.stub.Generate(_drain(outbox), timeout=self._call_timeout())
+            outbox.cancel()
+        call = engine.stub.Generate(outbox.frames(), timeout=self._call_timeout())
         self._call, self._outbox = call, outbox
         completed = False
         try:
@@ -186,7 +185,7 @@ class Relay:
                     raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
         finally:
             self._call = self._outbox = None
-            outbox.put_nowait(None)
+            outbox.close()
             if completed:
                 await read_to_end(call)
             else:
@@ -286,8 +285,3 @@ class Relay:
 
 
 _CANCEL = engine_pb2.GenerateRequest(cancel=engine_pb2.GenerateCancel())
-
-
-async def _drain(outbox: asyncio.Queue) -> AsyncIterator[engine_pb2.GenerateRequest]:
-    while (frame := await outbox.get()) is not None:
-        yield frame

@@ -12,8 +12,6 @@ Stream contract with the caller (the orchestrator):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -21,6 +19,7 @@ import grpc
 
 from chatmesh.errors import ServiceError, abort
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from chatmesh.streams import StartThenCancel
 from chatmesh.tiers import is_tier_proto
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -49,13 +48,10 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def Generate(
         self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        frames = aiter(request_iterator)
-        first = await anext(frames, None)
-        if first is None or first.WhichOneof("kind") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be `start`")
+        requests = StartThenCancel(request_iterator)
+        start = await requests.start(context)
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; use another replica")
-        start = first.start
         if problem := _invalid(start):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if start.request_id in self._live:
@@ -72,19 +68,17 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         )
         relay = Relay(start, plan, self.placer, self.config, self.metrics, context.time_remaining())
         self._live.add(start.request_id)
-        misuse: list[str] = []
-        reader = asyncio.create_task(_read_cancel(frames, relay, misuse))
+        requests.watch(on_cancel=relay.cancel)
         try:
             async for frame in relay.run():
                 yield frame
         except ServiceError as exc:
             await abort(context, exc)
         finally:
-            reader.cancel()
+            requests.stop()
             relay.close()
             self._live.discard(start.request_id)
-        if misuse:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, misuse[0])
+        await requests.check(context)
 
     async def ListEngines(
         self, request: router_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
@@ -107,18 +101,6 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 status.load.CopyFrom(engine.load)
             statuses.append(status)
         return router_pb2.ListEnginesResponse(engines=statuses)
-
-
-async def _read_cancel(
-    frames: AsyncIterator[router_pb2.GenerateRequest], relay: Relay, misuse: list[str]
-) -> None:
-    """Reads the frames after `start`. A half-close just ends this loop: it is not a cancel."""
-    with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-        async for frame in frames:
-            if frame.WhichOneof("kind") != "cancel":
-                misuse.append("only one `start` frame per stream; send `cancel` to stop")
-            relay.cancel()
-            return
 
 
 def _invalid(start: router_pb2.GenerateStart) -> str:
