@@ -24,13 +24,18 @@ from edge.convert import event_json
 from edge.errors import ApiError, from_rpc_error
 from edge.observability import FIRST_EVENT, OPEN_STREAMS, STREAM_EVENTS
 from edge.orchestrator import RunStream
+from meshkit.config import setting
 
 
 @dataclass(frozen=True)
 class StreamSettings:
-    ping_s: float = 15.0
+    ping_s: float = setting(
+        15.0, "seconds between SSE keep-alive comments on a quiet stream", flag="sse-ping-s"
+    )
     # On SIGTERM, open streams get this long to finish; then they close and clients resume elsewhere.
-    drain_grace_s: float = 10.0
+    drain_grace_s: float = setting(
+        10.0, "seconds open streams get to finish after SIGTERM (then clients resume)"
+    )
     # Tells browsers how soon to reconnect (the SSE ``retry:`` field), in milliseconds.
     retry_ms: int = 1000
 
