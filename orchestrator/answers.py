@@ -47,7 +47,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.generation import RunEnd
 from orchestrator.history import load_history, turns
 from orchestrator.live_run import LiveRun, RunInfo
-from orchestrator.metrics import LIMIT_REJECTIONS, PROMPT_ASSEMBLY, PROMPT_HISTORY
+from orchestrator.metrics import METRICS
 from orchestrator.moderation import Moderator
 from orchestrator.prompt import Prompt, PromptTooLong, fit_prompt
 from orchestrator.runs import RunRequest, Runs
@@ -434,8 +434,8 @@ class Answers:
             span.set_attribute("chatmesh.prompt.turns_kept", prompt.turns_kept)
             span.set_attribute("chatmesh.prompt.turns_available", prompt.turns_available)
             span.set_attribute("chatmesh.prompt.history", prompt.history)
-        PROMPT_ASSEMBLY.observe(time.monotonic() - started)
-        PROMPT_HISTORY.labels(prompt.history).inc()
+        METRICS.prompt_assembly.observe(time.monotonic() - started)
+        METRICS.prompt_history.labels(prompt.history).inc()
         return prompt
 
     async def _create_run(self, info: RunInfo, parent_id: str, user_message_id: str | None) -> Run:
@@ -498,7 +498,7 @@ def _chat_run(
 
 
 def _limit(error: ServiceError) -> ServiceError:
-    LIMIT_REJECTIONS.labels(error.field or "request").inc()
+    METRICS.limit_rejections.labels(error.field or "request").inc()
     return error
 
 

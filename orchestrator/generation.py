@@ -33,14 +33,7 @@ from orchestrator.checkpoints import Checkpointer
 from orchestrator.config import RunConfig
 from orchestrator.errors import from_exception, from_rpc_error
 from orchestrator.live_run import LiveRun
-from orchestrator.metrics import (
-    ACTIVE_RUNS,
-    REQUEST_DURATION,
-    RUNS,
-    TIME_PER_OUTPUT_TOKEN,
-    TIME_TO_FIRST_TOKEN,
-    TOKEN_USAGE,
-)
+from orchestrator.metrics import METRICS
 from orchestrator.moderation import Moderator
 from orchestrator.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 from orchestrator.router_client import GenerateStream
@@ -135,7 +128,7 @@ class Generation:
     # -- the relay ------------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        ACTIVE_RUNS.inc()
+        METRICS.active_runs.inc()
         watcher = None
         if self.stored_run is not None:
             config = self.deps.config
@@ -177,7 +170,7 @@ class Generation:
         try:
             await self._finish(finished, error)
         finally:
-            ACTIVE_RUNS.dec()
+            METRICS.active_runs.dec()
 
     async def _emit(self, text: str, tokens: int) -> None:
         """Turns released text into a delta event (tokens without text yet ride on the next one)."""
@@ -193,7 +186,7 @@ class Generation:
         self._tokens_unsent = 0
         if self._first_delta_at is None:
             self._first_delta_at = time.monotonic()
-            TIME_TO_FIRST_TOKEN.labels(self.live.info.model, self.live.info.kind).observe(
+            METRICS.time_to_first_token.labels(self.live.info.model, self.live.info.kind).observe(
                 self._first_delta_at - self.arrived_at
             )
         if self._checkpointer is not None:
@@ -330,11 +323,11 @@ class Generation:
     def _observe(self, status: RunStatus, reason: FinishReason | None, usage: Usage) -> None:
         info = self.live.info
         now = time.monotonic()
-        RUNS.labels(info.kind, status.value, reason.value if reason else "none").inc()
-        REQUEST_DURATION.labels(info.model, status.value).observe(now - self.arrived_at)
-        TOKEN_USAGE.labels(info.model, "input").observe(usage.prompt_tokens)
-        TOKEN_USAGE.labels(info.model, "output").observe(usage.completion_tokens)
+        METRICS.runs.labels(info.kind, status.value, reason.value if reason else "none").inc()
+        METRICS.run_duration.labels(info.model, status.value).observe(now - self.arrived_at)
+        METRICS.token_usage.labels(info.model, "input").observe(usage.prompt_tokens)
+        METRICS.token_usage.labels(info.model, "output").observe(usage.completion_tokens)
         if self._first_delta_at is not None and usage.completion_tokens > 1:
-            TIME_PER_OUTPUT_TOKEN.labels(info.model).observe(
+            METRICS.time_per_output_token.labels(info.model).observe(
                 (now - self._first_delta_at) / (usage.completion_tokens - 1)
             )

@@ -25,7 +25,7 @@ from enum import IntEnum
 from typing import Protocol
 
 from orchestrator.config import ModerationConfig
-from orchestrator.metrics import MODERATION_DECISIONS
+from orchestrator.metrics import METRICS
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class Moderator:
 
     def record(self, stage: str, decision: Decision, who: str) -> Decision:
         if decision.action is not Action.ALLOW:
-            MODERATION_DECISIONS.labels(stage, decision.category, decision.action.name.lower()).inc()
+            METRICS.moderation_decisions.labels(stage, decision.category, decision.action.name.lower()).inc()
             # The category, never the text: logs must not become a copy of users' PII.
             log.info("moderation %s %s: %s (%s)", stage, decision.action.name, decision.category, who)
         return decision
