@@ -181,7 +181,7 @@ class ChatsMixin(StoreBase):
         return chats
 
     async def rename_chat(self, user_id: str, chat_id: str, title: str) -> Chat:
-        """Sets the title (1..200 characters); a rename counts as activity."""
+        """Sets the title (1..``limits.max_title_chars`` characters); a rename counts as activity."""
         self._check_title(title, allow_empty=False)
         chat = await self._owned_chat(user_id, chat_id)
         at = await self._touch(chat, [("chat_set_title", (title, user_id, uuid.UUID(chat.chat_id)))])
