@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from chatmesh.tiers import DEFAULT_TIER, TIERS
+
 USER_ID_HEADER = "x-chatmesh-user-id"
 TIER_HEADER = "x-chatmesh-tier"
-TIERS = ("free", "pro", "enterprise")
 # Not identity but routing: the chat a call concerns. Envoy's ring hash keeps one chat on one orchestrator
 # replica; the edge sets it for chat-scoped calls, gRPC clients may set it themselves. Never trusted.
 CHAT_ID_HEADER = "x-chatmesh-chat-id"
-DEFAULT_TIER = "free"
 # The audience of every token meant for chatmesh; Envoy refuses tokens minted for anything else.
 JWT_AUDIENCE = "chatmesh"
 

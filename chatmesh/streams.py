@@ -1,13 +1,103 @@
-"""Client-side helpers for streaming gRPC calls, shared by the services that make them."""
+"""The bidirectional ``Generate`` stream protocol of engine.v1 and router.v1, for servers and clients:
+the request side is one ``start`` frame, then at most one ``cancel`` frame. A half-close is not a cancel.
+
+Server side (engine and router services)::
+
+    requests = StartThenCancel(request_iterator)
+    start = await requests.start(context)          # INVALID_ARGUMENT unless the first frame is `start`
+    requests.watch(on_cancel=...)                  # the one `cancel`; anything else is misuse
+    ...
+    await requests.check(context)                  # misuse -> INVALID_ARGUMENT
+    requests.stop()
+
+Client side (router relay, orchestrator): an ``Outbox`` is the call's request iterator; ``start`` once,
+``cancel`` at most once, ``close`` ends the request side. Sending never waits.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, TypeVar
 
 import grpc
 
 # How long a peer may take to end a call after its last meaningful frame.
 END_OF_CALL_TIMEOUT_S = 5.0
+
+Frame = TypeVar("Frame")
+MISUSE = "only one `start` frame per stream; send `cancel` to stop"
+
+
+class StartThenCancel:
+    """The request side of a ``Generate`` call, as its server reads it."""
+
+    def __init__(self, request_iterator: AsyncIterator[Any]) -> None:
+        self._frames = aiter(request_iterator)
+        self._reader: asyncio.Task[None] | None = None
+        # Set when the client sent something other than one `cancel` after `start`.
+        self.misuse: str | None = None
+
+    async def start(self, context: grpc.aio.ServicerContext) -> Any:
+        """The `start` frame's payload; ends the call with INVALID_ARGUMENT if the first frame is not one."""
+        first = await anext(self._frames, None)
+        if first is None or first.WhichOneof("kind") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be `start`")
+        return first.start
+
+    def watch(self, on_cancel: Callable[[], None]) -> None:
+        """Reads the frames after `start` in the background: the first one calls ``on_cancel`` (a frame
+        other than `cancel` is misuse, and cancels too). A half-close just ends the reading."""
+        self._reader = asyncio.create_task(self._read(on_cancel))
+
+    async def _read(self, on_cancel: Callable[[], None]) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+            async for frame in self._frames:
+                if frame.WhichOneof("kind") != "cancel":
+                    self.misuse = MISUSE
+                on_cancel()
+                return
+
+    async def check(self, context: grpc.aio.ServicerContext) -> None:
+        """Ends the call with INVALID_ARGUMENT if the client misused the stream."""
+        if self.misuse:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.misuse)
+
+    def stop(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+
+
+class Outbox(Generic[Frame]):
+    """The request side of a ``Generate`` call, as its client writes it: pass ``frames()`` as the call's
+    request iterator. A queue, so a cancel goes out the moment it is asked for; ``close`` ends the
+    iterator (a request iterator left open would outlive the call inside gRPC)."""
+
+    def __init__(self, cancel_frame: Frame) -> None:
+        self._queue: asyncio.Queue[Frame | None] = asyncio.Queue()
+        self._cancel_frame = cancel_frame
+        self._cancelled = False
+        self._closed = False
+
+    async def frames(self) -> AsyncIterator[Frame]:
+        while (frame := await self._queue.get()) is not None:
+            yield frame
+
+    def start(self, frame: Frame) -> None:
+        self._queue.put_nowait(frame)
+
+    def cancel(self) -> None:
+        """Sends the `cancel` frame, once, unless the request side is closed."""
+        if not (self._cancelled or self._closed):
+            self._cancelled = True
+            self._queue.put_nowait(self._cancel_frame)
+
+    def close(self) -> None:
+        """Half-closes the request side (once)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put_nowait(None)
 
 
 async def read_to_end(call: grpc.aio.StreamStreamCall, timeout_s: float = END_OF_CALL_TIMEOUT_S) -> None:

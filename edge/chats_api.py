@@ -30,12 +30,12 @@ from edge.bodies import read_model
 from edge.convert import chat_json, message_json, options_proto, run_json, timestamp
 from edge.errors import ApiError
 from edge.orchestrator import Caller, Orchestrator
-from edge.schemas import MAX_MESSAGE_BYTES, CreateChatIn, RegenerateIn, RenameChatIn, SendMessageIn
+from edge.schemas import API, CreateChatIn, RegenerateIn, RenameChatIn, SendMessageIn
 from edge.settings import EdgeSettings
 from edge.sse import run_events_response
 
 # Ids are server-chosen and URL-safe; anything else cannot name a chat, so it is refused without a call.
-_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_ID = re.compile(rf"^[A-Za-z0-9_.:-]{{1,{API.max_id_chars}}}$")
 
 
 def caller_of(request: Request, chat_id: str = "") -> Caller:
@@ -96,7 +96,7 @@ async def usage(request: Request) -> JSONResponse:
 async def list_chats(request: Request) -> JSONResponse:
     orchestrator, _ = _app(request)
     caller = caller_of(request)
-    size, token = page_args(request, 100)
+    size, token = page_args(request, API.max_chat_page)
     reply = await orchestrator.unary(
         "ListChats", chat_pb2.ListChatsRequest(page_size=size, page_token=token), caller
     )
@@ -146,7 +146,7 @@ async def list_messages(request: Request) -> JSONResponse:
     orchestrator, _ = _app(request)
     chat_id = path_id(request, "chat_id", "chat")
     caller = caller_of(request, chat_id)
-    size, token = page_args(request, 200)
+    size, token = page_args(request, API.max_message_page)
     reply = await orchestrator.unary(
         "ListMessages",
         chat_pb2.ListMessagesRequest(chat_id=chat_id, page_size=size, page_token=token),
@@ -162,8 +162,12 @@ async def list_messages(request: Request) -> JSONResponse:
 
 def _idempotency_key(request: Request, from_body: str) -> str:
     key = from_body or request.headers.get("idempotency-key", "")
-    if len(key) > 128:
-        raise ApiError(422, "Idempotency-Key is longer than 128 characters", code="invalid_value")
+    if len(key) > API.max_idempotency_key_chars:
+        raise ApiError(
+            422,
+            f"Idempotency-Key is longer than {API.max_idempotency_key_chars} characters",
+            code="invalid_value",
+        )
     return key
 
 
@@ -172,15 +176,8 @@ async def send_message(request: Request) -> Response:
     orchestrator, settings = _app(request)
     chat_id = path_id(request, "chat_id", "chat")
     caller = caller_of(request, chat_id)
+    # The message's size limit is the orchestrator's to check (its flag sets it): a refusal is a 413.
     body = await read_model(request, SendMessageIn, settings.max_body_bytes)
-    size = len(body.content.encode("utf-8"))
-    if size > MAX_MESSAGE_BYTES:
-        raise ApiError(
-            413,
-            f"message is {size} bytes of UTF-8; the limit is {MAX_MESSAGE_BYTES}",
-            code="payload_too_large",
-            param="content",
-        )
     stream = orchestrator.stream(
         "SendMessage",
         chat_pb2.SendMessageRequest(

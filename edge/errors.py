@@ -11,13 +11,9 @@ import math
 from dataclasses import dataclass
 
 import grpc
-from google.rpc import error_details_pb2, status_pb2
 from starlette.responses import JSONResponse
 
-from chatmesh.errors import STATUS_DETAILS_KEY, retry_after_s
-
-# ErrorInfo.reason the orchestrator attaches to INVALID_ARGUMENT when a size limit was exceeded.
-PAYLOAD_TOO_LARGE_REASON = "PAYLOAD_TOO_LARGE"
+from chatmesh.errors import parse, public_message
 
 
 @dataclass(eq=False)  # exceptions must stay hashable
@@ -56,43 +52,15 @@ _GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.CANCELLED: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
-# Messages of these codes may hold internals; clients get a generic one (the details are in our logs).
-_OPAQUE = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
-
-
-def _details(error: grpc.RpcError) -> list:
-    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    for key, value in trailers or ():
-        if key == STATUS_DETAILS_KEY:
-            return list(status_pb2.Status.FromString(value).details)
-    return []
-
-
-def _refine_invalid_argument(error: grpc.RpcError, base: ApiError) -> ApiError:
-    """INVALID_ARGUMENT becomes 413 for a size limit (ErrorInfo reason) or 422 naming the field (BadRequest)."""
-    for detail in _details(error):
-        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
-            if info.reason == PAYLOAD_TOO_LARGE_REASON:
-                base.status, base.code = 413, "payload_too_large"
-        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR) and base.status == 400:
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            if bad.field_violations:
-                base.status, base.code = 422, "invalid_value"
-                base.param = bad.field_violations[0].field
-    return base
 
 
 def from_status(code: grpc.StatusCode, message: str, retry_after: float | None = None) -> ApiError:
     """The HTTP error for a gRPC status code (from a failed call or a RunError event)."""
     status, kind = _GRPC_TO_HTTP.get(code, (500, "server_error"))
-    if code in _OPAQUE:
-        message = "internal error in the chat service; retry later, and report it if it persists"
     if retry_after is None and status == 429:
         retry_after = 1.0  # RESOURCE_EXHAUSTED without a hint: still tell clients to back off
-    return ApiError(status, message or code.name.lower(), kind, code.name.lower(), retry_after_s=retry_after)
+    message = public_message(code, message) or code.name.lower()
+    return ApiError(status, message, kind, code.name.lower(), retry_after_s=retry_after)
 
 
 def from_run_error(code_name: str, message: str, retry_after_ms: int) -> ApiError:
@@ -102,10 +70,14 @@ def from_run_error(code_name: str, message: str, retry_after_ms: int) -> ApiErro
 
 
 def from_rpc_error(error: grpc.RpcError) -> ApiError:
-    """The HTTP error for a failed orchestrator call, with Retry-After from its RetryInfo detail."""
-    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-    message = (error.details() if hasattr(error, "details") else None) or ""
-    api_error = from_status(code, message, retry_after_s(error))
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        api_error = _refine_invalid_argument(error, api_error)
+    """The HTTP error for a failed orchestrator call: Retry-After from its retry delay, and an
+    INVALID_ARGUMENT refined to 413 for a size limit or 422 naming the field at fault."""
+    parsed = parse(error)
+    api_error = from_status(parsed.code, parsed.message, parsed.retry_after_s)
+    if parsed.code != grpc.StatusCode.INVALID_ARGUMENT:
+        return api_error
+    if parsed.too_large is not None:
+        api_error.status, api_error.code = 413, "payload_too_large"
+    elif parsed.field:
+        api_error.status, api_error.code, api_error.param = 422, "invalid_value", parsed.field
     return api_error

@@ -11,29 +11,41 @@ import time
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-HTTP_REQUESTS = Counter(
-    "chatmesh_edge_http_requests_total", "HTTP requests by route and status", ["method", "route", "status"]
-)
-HTTP_DURATION = Histogram(
-    "chatmesh_edge_http_request_duration_seconds",
-    "Time from request to the end of the response (the whole stream for SSE)",
-    ["method", "route"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
-)
-OPEN_STREAMS = Gauge("chatmesh_edge_open_streams", "SSE responses open now", ["kind"])
-STREAM_EVENTS = Counter(
-    "chatmesh_edge_stream_events_total", "Run events relayed to clients", ["kind", "event"]
-)
-FIRST_EVENT = Histogram(
-    "chatmesh_edge_time_to_first_delta_seconds",
-    "From the request to the first text delta relayed (TTFT as the edge sees it)",
-    ["kind"],
-    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
-)
+from meshkit.metrics import ComponentMetrics
+
+
+class EdgeMetrics(ComponentMetrics):
+    component = "edge"
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        super().__init__(registry)
+        self.http_requests = self.counter(
+            "http_requests_total", "HTTP requests by route and status", ["method", "route", "status"]
+        )
+        self.http_duration = self.histogram(
+            "http_request_duration_seconds",
+            "Time from request to the end of the response (the whole stream for SSE)",
+            ["method", "route"],
+            (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+        )
+        self.open_streams = self.gauge("open_streams", "SSE responses open now", ["kind"])
+        self.stream_events = self.counter(
+            "stream_events_total", "Run events relayed to clients", ["kind", "event"]
+        )
+        self.first_event = self.histogram(
+            "time_to_first_delta_seconds",
+            "From the request to the first text delta relayed (TTFT as the edge sees it)",
+            ["kind"],
+            (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+        )
+
+
+# The process's instance.
+METRICS = EdgeMetrics()
 
 tracer = trace.get_tracer("edge")
 
@@ -78,5 +90,5 @@ class ObservabilityMiddleware:
                 span.set_attribute("http.response.status_code", status)
                 if status >= 500:
                     span.set_status(Status(StatusCode.ERROR))
-                HTTP_REQUESTS.labels(method, route, str(status)).inc()
-                HTTP_DURATION.labels(method, route).observe(time.monotonic() - started)
+                METRICS.http_requests.labels(method, route, str(status)).inc()
+                METRICS.http_duration.labels(method, route).observe(time.monotonic() - started)

@@ -10,11 +10,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# Limits from protos/chatmesh/chat/v1/chat.proto.
-MAX_TITLE_CHARS = 200
-MAX_IDEMPOTENCY_KEY_CHARS = 128
-MAX_STOP_SEQUENCES = 4
-MAX_MESSAGE_BYTES = 32 * 1024
+from chatmesh.limits import Limits
+
+# The limits the API fixes. Those an operator sets (message size, model-name length, max_tokens) are the
+# orchestrator's flags: the edge leaves them to the orchestrator, whose refusals it maps (413, 422).
+API = Limits()
+UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
@@ -27,31 +28,31 @@ class Strict(BaseModel):
 
 
 class GenerationOptionsIn(Strict):
-    model: str = Field("", max_length=128)
-    max_tokens: int = Field(0, ge=0, le=1_000_000)
+    model: str = ""
+    max_tokens: int = Field(0, ge=0, le=UINT32_MAX)
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: Seed | None = None
-    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    stop: list[str] = Field(default_factory=list, max_length=API.max_stop_sequences)
 
 
 class CreateChatIn(Strict):
-    title: str = Field("", max_length=MAX_TITLE_CHARS)
+    title: str = Field("", max_length=API.max_title_chars)
 
 
 class RenameChatIn(Strict):
-    title: str = Field(min_length=1, max_length=MAX_TITLE_CHARS)
+    title: str = Field(min_length=1, max_length=API.max_title_chars)
 
 
 class SendMessageIn(Strict):
     content: str = Field(min_length=1)
-    parent_message_id: str = Field("", max_length=128)
-    idempotency_key: str = Field("", max_length=MAX_IDEMPOTENCY_KEY_CHARS)
+    parent_message_id: str = Field("", max_length=API.max_id_chars)
+    idempotency_key: str = Field("", max_length=API.max_idempotency_key_chars)
     options: GenerationOptionsIn = Field(default_factory=GenerationOptionsIn)
 
 
 class RegenerateIn(Strict):
-    idempotency_key: str = Field("", max_length=MAX_IDEMPOTENCY_KEY_CHARS)
+    idempotency_key: str = Field("", max_length=API.max_idempotency_key_chars)
     options: GenerationOptionsIn = Field(default_factory=GenerationOptionsIn)
 
 
@@ -81,17 +82,17 @@ class StreamOptionsIn(BaseModel):
 class ChatCompletionIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     # Empty: the server's default model (OpenAI requires it; we do not, so curl examples stay short).
-    model: str = Field("", max_length=128)
-    messages: list[ChatMessageIn] = Field(min_length=1, max_length=1000)
+    model: str = ""
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=API.max_prompt_messages)
     stream: bool = False
     stream_options: StreamOptionsIn | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
     seed: Seed | None = None
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    stop: str | Annotated[list[str], Field(max_length=API.max_stop_sequences)] | None = None
+    max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     # OpenAI's newer name for max_tokens; wins when both are given.
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     # One choice per request is all chatmesh generates.
     n: Literal[1] | None = None
 

@@ -22,15 +22,20 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from chatmesh.chat.v1 import chat_pb2
 from edge.convert import event_json
 from edge.errors import ApiError, from_rpc_error
-from edge.observability import FIRST_EVENT, OPEN_STREAMS, STREAM_EVENTS
+from edge.observability import METRICS
 from edge.orchestrator import RunStream
+from meshkit.config import setting
 
 
 @dataclass(frozen=True)
 class StreamSettings:
-    ping_s: float = 15.0
+    ping_s: float = setting(
+        15.0, "seconds between SSE keep-alive comments on a quiet stream", flag="sse-ping-s"
+    )
     # On SIGTERM, open streams get this long to finish; then they close and clients resume elsewhere.
-    drain_grace_s: float = 10.0
+    drain_grace_s: float = setting(
+        10.0, "seconds open streams get to finish after SIGTERM (then clients resume)"
+    )
     # Tells browsers how soon to reconnect (the SSE ``retry:`` field), in milliseconds.
     retry_ms: int = 1000
 
@@ -98,17 +103,17 @@ async def relay(
 ) -> AsyncIterator[ServerSentEvent]:
     """Relays ``first`` and the rest of ``stream`` through ``to_sse``; detaches when the client goes
     or the edge drains (the run goes on either way)."""
-    OPEN_STREAMS.labels(kind).inc()
+    METRICS.open_streams.labels(kind).inc()
     first_delta_seen = False
     try:
         event = first
         events = stream.rest()
         while True:
             name = event.WhichOneof("kind") or "unknown"
-            STREAM_EVENTS.labels(kind, name).inc()
+            METRICS.stream_events.labels(kind, name).inc()
             if name == "delta" and not first_delta_seen:
                 first_delta_seen = True
-                FIRST_EVENT.labels(kind).observe(time.monotonic() - request_started)
+                METRICS.first_event.labels(kind).observe(time.monotonic() - request_started)
             for item in to_sse(event):
                 yield item
             try:
@@ -128,7 +133,7 @@ async def relay(
             yield item
     finally:
         stream.detach()
-        OPEN_STREAMS.labels(kind).dec()
+        METRICS.open_streams.labels(kind).dec()
 
 
 async def run_events_response(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import sys
@@ -24,45 +25,11 @@ from meshkit.config import ServiceArgs
 log = logging.getLogger("engine")
 
 
-def parse_args(argv: list[str] | None = None):
-    d = EngineConfig()
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig]:
     args = ServiceArgs("engine", "Serves a model with a paged KV cache and continuous batching.")
     args.add_server_flags(port=50061)
-    args.add("engine-id", d.engine_id, "name of this replica in logs and metrics")
-    args.add(
-        "model",
-        "",
-        "model path: a GGUF file or a Hugging Face directory; empty: the bundled SmolLM2-135M-Instruct",
-    )
-    args.add(
-        "backend",
-        d.backend,
-        "cpu (the real model) | null (no compute: mesh load tests) | cuda | trtllm | triton (GPU: docs/gpu.md)",
-    )
-    args.add("threads", d.num_threads, "compute threads of the cpu backend, per rank (0: its default)")
-    args.add(
-        "tensor-parallel-size",
-        d.tensor_parallel_size,
-        "cpu backend: shard the model over this many ranks (processes; at most the model's KV heads)",
-    )
-    args.add("num-kv-blocks", d.num_kv_blocks, "KV blocks in the pool (0: as many as --kv-memory-gib holds)")
-    args.add("kv-memory-gib", d.kv_memory_gib, "memory for KV blocks when --num-kv-blocks is 0")
-    args.add("block-size", d.block_size, "tokens per KV block (the unit of prefix caching and block hashes)")
-    args.add("enable-prefix-caching", d.enable_prefix_caching, "reuse cached KV blocks of equal prefixes")
-    args.add("max-batched-tokens", d.max_batched_tokens, "token budget of one scheduler step")
-    args.add("max-running-requests", d.max_running_requests, "requests decoded together at most")
-    args.add("max-waiting-requests", d.max_waiting_requests, "queue bound; beyond it RESOURCE_EXHAUSTED")
-    args.add("priority-aging-s", d.priority_aging_s, "waiting this long counts as one priority level")
-    args.add(
-        "null-tokens-per-s", d.null_tokens_per_s, "null backend: tokens per second per stream (0: unpaced)"
-    )
-    args.add(
-        "gpu-memory-fraction", d.gpu_memory_fraction, "trtllm: share of free GPU memory for the KV cache"
-    )
-    args.add("triton-url", d.triton_url, "triton: the Triton server's gRPC host:port")
-    args.add("triton-model", d.triton_model, "triton: name of the decoupled TensorRT-LLM model")
-    args.add("triton-timeout-s", d.triton_timeout_s, "triton: longest wait for the next streamed response")
-    return args.parse(argv)
+    args.add_config(EngineConfig)
+    return args.config(EngineConfig, argv)
 
 
 def build_engine(config: EngineConfig) -> ServedEngine:
@@ -118,10 +85,10 @@ async def serve(engine: ServedEngine, args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args, config = parse_args(argv)
     telemetry.setup("engine")
     try:
-        engine = build_engine(EngineConfig.from_args(args))
+        engine = build_engine(config)
     except (ValueError, RuntimeError, OSError) as exc:
         log.error("cannot start the engine: %s", exc)
         sys.exit(2)

@@ -1,43 +1,62 @@
-"""Engine configuration: one dataclass, filled from the ``python -m engine`` flags (see ``__main__``)."""
+"""Engine configuration: one dataclass whose settings are the ``python -m engine`` flags (meshkit.config)."""
 
 from __future__ import annotations
 
-from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 
 from chatmesh.block_hash import BLOCK_HASH_SEED, DEFAULT_BLOCK_SIZE
+from meshkit.config import setting
 
 BACKENDS = ("cpu", "null", "cuda", "trtllm", "triton")
 HOSTED_BACKENDS = ("trtllm", "triton")  # engines with their own scheduler and KV cache (engine.backends)
 
 
+def _model_path(flag: str) -> Path | None:
+    return Path(flag) if flag else None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    engine_id: str = "engine-0"
-    backend: str = "cpu"
-    model_path: Path | None = None  # None: the bundled SmolLM2 GGUF
-    num_threads: int = 0  # compute threads of the cpu runner (per rank); 0: its own default
-    tensor_parallel_size: int = 1  # cpu backend: ranks (processes) the model is sharded over
-    null_tokens_per_s: float = 50.0  # null backend: decode steps (tokens per stream) per second; 0: unpaced
-    gpu_memory_fraction: float = 0.9  # trtllm: share of free GPU memory its KV cache takes
-    triton_url: str = "127.0.0.1:8001"  # triton: the server's gRPC endpoint
-    triton_model: str = "tensorrt_llm"  # triton: the decoupled TensorRT-LLM model to call
-    triton_timeout_s: float = 60.0  # triton: longest wait for the next streamed response
+    engine_id: str = setting("engine-0", "name of this replica in logs and metrics")
+    backend: str = setting(
+        "cpu",
+        "cpu (the real model) | null (no compute: mesh load tests) | cuda | trtllm | triton (GPU: docs/gpu.md)",
+    )
+    model_path: Path | None = setting(
+        None,
+        "model path: a GGUF file or a Hugging Face directory; empty: the bundled SmolLM2-135M-Instruct",
+        flag="model",
+        flag_default="",
+        parse=_model_path,
+    )
+    num_threads: int = setting(
+        0, "compute threads of the cpu backend, per rank (0: its default)", flag="threads"
+    )
+    tensor_parallel_size: int = setting(
+        1, "cpu backend: shard the model over this many ranks (processes; at most the model's KV heads)"
+    )
+    null_tokens_per_s: float = setting(50.0, "null backend: tokens per second per stream (0: unpaced)")
+    gpu_memory_fraction: float = setting(0.9, "trtllm: share of free GPU memory for the KV cache")
+    triton_url: str = setting("127.0.0.1:8001", "triton: the Triton server's gRPC host:port")
+    triton_model: str = setting("tensorrt_llm", "triton: name of the decoupled TensorRT-LLM model")
+    triton_timeout_s: float = setting(60.0, "triton: longest wait for the next streamed response")
 
     # KV cache
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int = setting(
+        DEFAULT_BLOCK_SIZE, "tokens per KV block (the unit of prefix caching and block hashes)"
+    )
     block_hash_seed: int = BLOCK_HASH_SEED
-    num_kv_blocks: int = 0  # 0: as many as kv_memory_gib holds
-    kv_memory_gib: float = 0.5
-    enable_prefix_caching: bool = True
+    num_kv_blocks: int = setting(0, "KV blocks in the pool (0: as many as --kv-memory-gib holds)")
+    kv_memory_gib: float = setting(0.5, "memory for KV blocks when --num-kv-blocks is 0")
+    enable_prefix_caching: bool = setting(True, "reuse cached KV blocks of equal prefixes")
     kv_events_buffer: int = 1024  # batches a KvEvents subscriber may lag before its stream is ended
 
     # Scheduler
-    max_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
-    max_running_requests: int = 64
-    max_waiting_requests: int = 256  # beyond it new requests get RESOURCE_EXHAUSTED
-    priority_aging_s: float = 10.0  # a request outranks one priority level above it after this much waiting
+    max_batched_tokens: int = setting(512, "token budget of one scheduler step (prefill chunks + decodes)")
+    max_running_requests: int = setting(64, "requests decoded together at most")
+    max_waiting_requests: int = setting(256, "queue bound; beyond it RESOURCE_EXHAUSTED")
+    priority_aging_s: float = setting(10.0, "waiting this long counts as one priority level")
 
     def __post_init__(self) -> None:
         problems = []
@@ -65,26 +84,3 @@ class EngineConfig:
             problems.append("priority aging, null token rate and KV event buffer must be positive")
         if problems:
             raise ValueError("invalid engine configuration: " + "; ".join(problems))
-
-    @classmethod
-    def from_args(cls, args: Namespace) -> EngineConfig:
-        return cls(
-            engine_id=args.engine_id,
-            backend=args.backend,
-            model_path=Path(args.model) if args.model else None,
-            num_threads=args.threads,
-            tensor_parallel_size=args.tensor_parallel_size,
-            null_tokens_per_s=args.null_tokens_per_s,
-            gpu_memory_fraction=args.gpu_memory_fraction,
-            triton_url=args.triton_url,
-            triton_model=args.triton_model,
-            triton_timeout_s=args.triton_timeout_s,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_memory_gib=args.kv_memory_gib,
-            enable_prefix_caching=args.enable_prefix_caching,
-            max_batched_tokens=args.max_batched_tokens,
-            max_running_requests=args.max_running_requests,
-            max_waiting_requests=args.max_waiting_requests,
-            priority_aging_s=args.priority_aging_s,
-        )

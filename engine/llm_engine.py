@@ -117,7 +117,8 @@ class LLMEngine:
     # -- any thread ----------------------------------------------------------------------------------
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queues a validated request; raises an ``AdmissionError`` if the engine does not take it."""
+        """Queues a validated request; raises a ``ServiceError`` (full, duplicate, unavailable) if the
+        engine does not take it."""
         with self._wakeup:
             # Read under the lock that also guards moving admitted requests into the scheduler, so the
             # count is never short.

@@ -1,66 +1,43 @@
-"""Prometheus metrics of one engine, named after the OpenTelemetry GenAI conventions where one exists."""
+"""Prometheus metrics of one engine: the GenAI server, so its latencies are ``gen_ai_server_*``."""
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from engine.outputs import EngineStats
-
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-_PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5)
+from meshkit.metrics import PER_TOKEN_BUCKETS, ComponentMetrics
 
 
-class EngineMetrics:
+class EngineMetrics(ComponentMetrics):
+    component = "engine"
+
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        self.time_to_first_token = Histogram(
+        super().__init__(registry)
+        self.time_to_first_token = self.histogram(
             "gen_ai_server_time_to_first_token_seconds",
             "Time from a request's arrival to its first output token.",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.time_per_output_token = Histogram(
+        self.time_per_output_token = self.histogram(
             "gen_ai_server_time_per_output_token_seconds",
             "Mean time per output token after the first, per request.",
-            buckets=_PER_TOKEN_BUCKETS,
-            registry=registry,
+            buckets=PER_TOKEN_BUCKETS,
         )
-        self.request_duration = Histogram(
+        self.request_duration = self.histogram(
             "gen_ai_server_request_duration_seconds",
             "Time from a request's arrival to its last token.",
             ["finish_reason"],
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
         )
-        self.waiting = Gauge(
-            "chatmesh_engine_waiting_requests", "Requests queued, preempted ones included.", registry=registry
-        )
-        self.running = Gauge(
-            "chatmesh_engine_running_requests", "Requests holding KV blocks.", registry=registry
-        )
-        self.kv_usage = Gauge(
-            "chatmesh_engine_kv_cache_usage_ratio",
-            "KV blocks in use / blocks in the pool.",
-            registry=registry,
-        )
-        self.prefix_hit_ratio = Gauge(
-            "chatmesh_engine_prefix_cache_hit_ratio",
+        self.waiting = self.gauge("waiting_requests", "Requests queued, preempted ones included.")
+        self.running = self.gauge("running_requests", "Requests holding KV blocks.")
+        self.kv_usage = self.gauge("kv_cache_usage_ratio", "KV blocks in use / blocks in the pool.")
+        self.prefix_hit_ratio = self.gauge(
+            "prefix_cache_hit_ratio",
             "Prompt tokens served from the prefix cache / prompt tokens looked up, since start.",
-            registry=registry,
         )
-        self.prefix_queried = Counter(
-            "chatmesh_engine_prefix_cache_queried_tokens", "Prompt tokens looked up.", registry=registry
-        )
-        self.prefix_hits = Counter(
-            "chatmesh_engine_prefix_cache_hit_tokens",
-            "Prompt tokens served from the cache.",
-            registry=registry,
-        )
-        self.preemptions = Counter(
-            "chatmesh_engine_preemptions", "Requests preempted (recomputed later).", registry=registry
-        )
-        self.generated_tokens = Counter(
-            "chatmesh_engine_generated_tokens", "Output tokens sampled.", registry=registry
-        )
+        self.prefix_queried = self.counter("prefix_cache_queried_tokens", "Prompt tokens looked up.")
+        self.prefix_hits = self.counter("prefix_cache_hit_tokens", "Prompt tokens served from the cache.")
+        self.preemptions = self.counter("preemptions", "Requests preempted (recomputed later).")
+        self.generated_tokens = self.counter("generated_tokens", "Output tokens sampled.")
         self._last = EngineStats()
 
     def observe_step(self, stats: EngineStats) -> None:

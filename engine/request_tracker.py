@@ -28,6 +28,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import grpc
+
+from chatmesh.errors import ServiceError
 from chatmesh.tokenizer import ChatTokenizer
 from engine.detokenizer import Detokenizer
 from engine.metrics import EngineMetrics
@@ -39,22 +42,20 @@ from engine.stopping import check_token
 DEFAULT_RETRY_AFTER_S = 1.0
 
 
-class AdmissionError(Exception):
-    """The engine did not take the request."""
-
-
-class QueueFullError(AdmissionError):
+class QueueFullError(ServiceError):
     def __init__(self, waiting: int, retry_after_s: float) -> None:
-        super().__init__(f"the engine's waiting queue is full ({waiting} requests); retry later")
-        self.retry_after_s = retry_after_s
+        message = f"the engine's waiting queue is full ({waiting} requests); retry later"
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s)
 
 
-class DuplicateRequestError(AdmissionError):
-    pass
+class DuplicateRequestError(ServiceError):
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.ALREADY_EXISTS, message)
 
 
-class EngineUnavailableError(AdmissionError):
-    pass
+class EngineUnavailableError(ServiceError):
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
 @dataclass(eq=False)
@@ -112,7 +113,7 @@ class RequestTracker:
 
     def admit(self, request: EngineRequest, limit: int, queued: int | None = None) -> None:
         """Takes ``request`` unless ``queued`` requests (default: every unfinished one) reach ``limit``;
-        raises an ``AdmissionError`` otherwise."""
+        raises a ``ServiceError`` (full, duplicate, unavailable) otherwise."""
         with self._lock:
             if self.failure or self._stopping:
                 raise EngineUnavailableError(self.failure or "the engine is stopping")

@@ -11,16 +11,16 @@ from typing import Protocol
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-from chatmesh.errors import abort_with_retry
+from chatmesh.errors import ServiceError, abort
+from chatmesh.streams import StartThenCancel
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_events import BlocksStored, KvEventBatch, KvEventLog, SubscriberOverflow
 from engine.model.runner import ModelSpec
 from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput
 from engine.request import EngineRequest
-from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from engine.streams import OutputDispatcher
-from engine.validation import InvalidRequestError, ServedModel, request_from_proto
+from engine.validation import ServedModel, request_from_proto
 
 log = logging.getLogger(__name__)
 
@@ -92,28 +92,19 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def Generate(
         self, request_iterator: AsyncIterator[engine_pb2.GenerateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        frames = aiter(request_iterator)
-        first = await anext(frames, None)
-        if first is None or first.WhichOneof("kind") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be `start`")
+        requests = StartThenCancel(request_iterator)
+        start = await requests.start(context)
         if not self.serving:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._engine.failure or "the engine is draining")
         try:
-            request = request_from_proto(first.start, self._model)
+            request = request_from_proto(start, self._model)
             self._engine.add_request(request)
-        except InvalidRequestError as exc:
-            await context.abort(exc.code, exc.message)
-        except QueueFullError as exc:
-            await abort_with_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after_s)
-        except DuplicateRequestError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        except EngineUnavailableError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except ServiceError as exc:  # an invalid request, or one the engine did not take
+            await abort(context, exc)
 
         request_id = request.request_id
         stream = self._dispatcher.open(request_id)  # before any await: no output can be delivered earlier
-        misuse: list[str] = []
-        reader = asyncio.create_task(self._read_cancel(frames, request_id, misuse))
+        requests.watch(on_cancel=lambda: self._engine.cancel(request_id))
         done = False
         try:
             yield engine_pb2.GenerateResponse(
@@ -130,25 +121,13 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                     done = True
                     if finish.error:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, finish.error)
-                    if misuse:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, misuse[0])
+                    await requests.check(context)
                     yield engine_pb2.GenerateResponse(finished=_finished_proto(finish))
         finally:
-            reader.cancel()
+            requests.stop()
             self._dispatcher.close(request_id)
             if not done:  # the client cancelled the RPC or went away: free the request's blocks
                 self._engine.cancel(request_id)
-
-    async def _read_cancel(
-        self, frames: AsyncIterator[engine_pb2.GenerateRequest], request_id: str, misuse: list[str]
-    ) -> None:
-        """Reads frames after `start`. A half-close just ends this loop: it is not a cancel."""
-        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-            async for frame in frames:
-                if frame.WhichOneof("kind") != "cancel":
-                    misuse.append("only one `start` frame per stream; send `cancel` to stop")
-                self._engine.cancel(request_id)
-                return
 
     # -- KV events -----------------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.errors import ServiceError
+from chatmesh.tiers import engine_priority
 from engine.request import EngineRequest, Priority, SamplingParams
 
 # Bounds on what one request may ask for; beyond them the request is refused, not truncated.
@@ -16,13 +18,6 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-
-_PRIORITIES = {
-    engine_pb2.PRIORITY_UNSPECIFIED: Priority.NORMAL,
-    engine_pb2.PRIORITY_LOW: Priority.LOW,
-    engine_pb2.PRIORITY_NORMAL: Priority.NORMAL,
-    engine_pb2.PRIORITY_HIGH: Priority.HIGH,
-}
 
 
 @dataclass(frozen=True)
@@ -35,25 +30,18 @@ class ServedModel:
     context_length: int
 
 
-class InvalidRequestError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def _invalid(message: str) -> InvalidRequestError:
-    return InvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def _invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def request_from_proto(start: engine_pb2.GenerateStart, model: ServedModel) -> EngineRequest:
     if start.model and start.model != model.name:
-        raise InvalidRequestError(
+        raise ServiceError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"this engine serves {model.name!r}, not {start.model!r}",
         )
     if start.tokenizer_fingerprint and start.tokenizer_fingerprint != model.tokenizer_fingerprint:
-        raise InvalidRequestError(
+        raise ServiceError(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"the prompt was tokenized with {start.tokenizer_fingerprint!r}, but this engine's tokenizer is "
             f"{model.tokenizer_fingerprint!r}: re-tokenize with the engine's model",
@@ -68,7 +56,8 @@ def request_from_proto(start: engine_pb2.GenerateStart, model: ServedModel) -> E
     ):
         if ids and max(ids) >= model.vocab_size:
             raise _invalid(f"{name} holds token id {max(ids)}, beyond the vocabulary of {model.vocab_size}")
-    if start.priority not in _PRIORITIES:
+    priority = engine_priority(start.priority)
+    if priority is None:
         raise _invalid(f"unknown priority {start.priority}")
     sampling = _sampling_from_proto(start.sampling, model)
     if len(start.resumed_output_token_ids) > sampling.max_tokens:
@@ -85,7 +74,7 @@ def request_from_proto(start: engine_pb2.GenerateStart, model: ServedModel) -> E
         prompt_token_ids=tuple(start.prompt_token_ids),
         sampling=sampling,
         resumed_output_token_ids=tuple(start.resumed_output_token_ids),
-        priority=_PRIORITIES[start.priority],
+        priority=Priority(priority),  # Priority values are engine.v1 Priority values
     )
 
 

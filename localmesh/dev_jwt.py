@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from chatmesh.identity import JWT_AUDIENCE, TIERS
+from chatmesh.identity import JWT_AUDIENCE
+from chatmesh.tiers import TIERS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = REPO_ROOT / ".cache" / "dev-jwt"

@@ -8,11 +8,12 @@ from typing import Any, overload
 
 from cassandra.query import UNSET_VALUE
 
+from chatmesh.limits import Limits
 from memory_store.config import StoreConfig
 from memory_store.cursor import CursorCodec
 from memory_store.db import Db
 from memory_store.errors import InvalidArgument
-from memory_store.models import Limits
+from memory_store.models import StoreBounds
 
 
 class StoreBase:
@@ -27,9 +28,13 @@ class StoreBase:
     def limits(self) -> Limits:
         return self._config.limits
 
+    @property
+    def bounds(self) -> StoreBounds:
+        return self._config.bounds
+
     def _check_user(self, user_id: str) -> str:
-        if not user_id or len(user_id) > self.limits.max_user_id_chars:
-            raise InvalidArgument(f"user id must be 1..{self.limits.max_user_id_chars} characters")
+        if not user_id or len(user_id) > self.bounds.max_user_id_chars:
+            raise InvalidArgument(f"user id must be 1..{self.bounds.max_user_id_chars} characters")
         return user_id
 
     def _page_size(self, requested: int | None, default: int, maximum: int) -> int:

@@ -121,7 +121,7 @@ class ChatsMixin(StoreBase):
     ) -> Page[Chat]:
         """The user's chats, most recent activity first, ``limit`` per page (default 20)."""
         self._check_user(user_id)
-        limit = self._page_size(limit, 20, self.limits.max_chat_page)
+        limit = self._page_size(limit, self.limits.default_chat_page, self.limits.max_chat_page)
         after: tuple[datetime, uuid.UUID] | None = None
         if cursor:
             position = self._cursors.decode(cursor, "chats", user_id)
@@ -181,7 +181,7 @@ class ChatsMixin(StoreBase):
         return chats
 
     async def rename_chat(self, user_id: str, chat_id: str, title: str) -> Chat:
-        """Sets the title (1..200 characters); a rename counts as activity."""
+        """Sets the title (1..``limits.max_title_chars`` characters); a rename counts as activity."""
         self._check_title(title, allow_empty=False)
         chat = await self._owned_chat(user_id, chat_id)
         at = await self._touch(chat, [("chat_set_title", (title, user_id, uuid.UUID(chat.chat_id)))])
@@ -248,8 +248,8 @@ class ChatsMixin(StoreBase):
     async def put_summary(self, user_id: str, chat_id: str, summary: ChatSummary) -> ChatSummary:
         """Stores the chat's rolling summary of older turns (replacing the previous one)."""
         chat = await self._owned_chat(user_id, chat_id)
-        if len(summary.text.encode()) > self.limits.max_summary_bytes:
-            raise InvalidArgument(f"summary is larger than {self.limits.max_summary_bytes} bytes")
+        if len(summary.text.encode()) > self.bounds.max_summary_bytes:
+            raise InvalidArgument(f"summary is larger than {self.bounds.max_summary_bytes} bytes")
         if summary.token_count < 0:
             raise InvalidArgument("summary token count must not be negative")
         through = parse_id(summary.through_message_id, "through message id")

@@ -95,12 +95,12 @@ class MessagesMixin(ChatsMixin):
         """Stores a message (an upsert of its id) and moves the chat to the top of the user's list.
 
         The id is chosen by the writer (``ids.new_id()``); the parent must already be in the chat and
-        be older. Content is bounded by ``Limits`` (32 KiB for user messages).
+        be older. User content is bounded by ``limits.max_message_bytes``, answers by ``bounds``.
         """
         max_bytes = (
-            self.limits.max_user_content_bytes
+            self.limits.max_message_bytes
             if message.role is Role.USER
-            else self.limits.max_assistant_content_bytes
+            else self.bounds.max_assistant_content_bytes
         )
         if len(message.content.encode()) > max_bytes:
             raise InvalidArgument(f"message content is larger than {max_bytes} bytes")
@@ -120,7 +120,7 @@ class MessagesMixin(ChatsMixin):
             raise InvalidArgument("token count must not be negative")
         if message.model is not None and len(message.model) > self.limits.max_model_chars:
             raise InvalidArgument(f"model name is longer than {self.limits.max_model_chars} characters")
-        if id_time(message_id) > datetime.now(UTC) + timedelta(seconds=self.limits.max_id_clock_skew_s):
+        if id_time(message_id) > datetime.now(UTC) + timedelta(seconds=self.bounds.max_id_clock_skew_s):
             raise InvalidArgument("message id lies in the future; make ids with memory_store.ids.new_id()")
         if parent_id is None:
             return
@@ -187,7 +187,7 @@ class MessagesMixin(ChatsMixin):
         self, user_id: str, chat_id: str, before: str | None = None, limit: int | None = None
     ) -> Page[Message]:
         """A page of the chat's messages (every branch), newest first; ``before`` is a page cursor."""
-        limit = self._page_size(limit, 50, self.limits.max_message_page)
+        limit = self._page_size(limit, self.limits.default_message_page, self.limits.max_message_page)
         below = None
         if before:
             position = self._cursors.decode(before, "messages", f"{user_id}/{chat_id}")
@@ -237,7 +237,7 @@ class MessagesMixin(ChatsMixin):
         comes after it.
         """
         limit = self._page_size(
-            max_messages, self.limits.max_branch_messages, self.limits.max_branch_messages
+            max_messages, self.bounds.max_branch_messages, self.bounds.max_branch_messages
         )
         chat_key, leaf_id = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
         stop = parse_optional_id(stop_at, "stop_at")

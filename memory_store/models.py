@@ -211,20 +211,15 @@ class UsageWindow:
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Bounds every write and read is checked against; violations are INVALID_ARGUMENT."""
+class StoreBounds:
+    """Bounds of what only the store sees (the limits on requests are ``chatmesh.limits.Limits``);
+    violations are INVALID_ARGUMENT."""
 
-    max_user_content_bytes: int = 32 * 1024
     max_assistant_content_bytes: int = 256 * 1024
-    max_title_chars: int = 200
-    max_chat_page: int = 100
-    max_message_page: int = 200
     max_branch_messages: int = 1000
-    max_idempotency_key_chars: int = 128
     max_summary_bytes: int = 64 * 1024
     max_checkpoint_deltas: int = 4096
     max_checkpoint_bytes: int = 256 * 1024
-    max_model_chars: int = 200
     max_error_message_chars: int = 2000
     # How far in the future a writer-chosen id may be (clock skew between replicas).
     max_id_clock_skew_s: float = 300.0

@@ -272,14 +272,14 @@ class RunsMixin(MessagesMixin, UsageMixin):
         """Validates a checkpoint's events; returns the first sequence number (None if empty)."""
         if not deltas:
             return None
-        if len(deltas) > self.limits.max_checkpoint_deltas:
-            raise InvalidArgument(f"at most {self.limits.max_checkpoint_deltas} events per checkpoint")
+        if len(deltas) > self.bounds.max_checkpoint_deltas:
+            raise InvalidArgument(f"at most {self.bounds.max_checkpoint_deltas} events per checkpoint")
         first = deltas[0].seq
         if first < 1 or any(d.seq != first + i for i, d in enumerate(deltas)):
             raise InvalidArgument("checkpointed events must have consecutive sequence numbers from 1 up")
-        if sum(len(d.text.encode()) for d in deltas) > self.limits.max_checkpoint_bytes:
+        if sum(len(d.text.encode()) for d in deltas) > self.bounds.max_checkpoint_bytes:
             raise InvalidArgument(
-                f"a checkpoint holds at most {self.limits.max_checkpoint_bytes} bytes of text"
+                f"a checkpoint holds at most {self.bounds.max_checkpoint_bytes} bytes of text"
             )
         return first
 
@@ -296,10 +296,10 @@ class RunsMixin(MessagesMixin, UsageMixin):
             raise InvalidArgument("last_seq must be at least the sequence number of the last event")
         if (
             outcome.error_message is not None
-            and len(outcome.error_message) > self.limits.max_error_message_chars
+            and len(outcome.error_message) > self.bounds.max_error_message_chars
         ):
             raise InvalidArgument(
-                f"error message is longer than {self.limits.max_error_message_chars} characters"
+                f"error message is longer than {self.bounds.max_error_message_chars} characters"
             )
         run_key = parse_id(run.run_id, "run id")
         usage = outcome.usage

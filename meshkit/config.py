@@ -1,15 +1,77 @@
-"""Command-line flags whose defaults come from environment variables.
+"""One configuration pattern for every service: a dataclass field, declared once, is its flag.
 
-Every service reads its configuration the same way: ``--flag`` beats ``CHATMESH_<SERVICE>_<FLAG>`` beats
-the built-in default. Helm sets the variables; people and tests pass flags.
+A field declared with ``setting(default, help)`` (or, where meshkit cannot be imported, with
+``metadata={"help": ...}``) is the flag ``--<field-name>`` and the environment variable
+``CHATMESH_<SERVICE>_<FLAG>``: ``--flag`` beats the variable beats the field's default. Helm sets the
+variables; people and tests pass flags. A ``nested(Config)`` field contributes that dataclass's flags. ``ServiceArgs.config(Config)`` parses and builds the config, and the dataclasses'
+``__post_init__`` are the one place values are validated (a ValueError is a usage error, exit code 2)::
+
+    @dataclass(frozen=True)
+    class RouterConfig:
+        max_attempts: int = setting(3, "placements per request: the first one plus failovers")
+
+    args = ServiceArgs("router", "...")
+    args.add_config(RouterConfig)
+    ns, config = args.config(RouterConfig, argv)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+    flag: str | None = None,
+    parse: Callable[[Any], Any] | None = None,
+    flag_default: Any = dataclasses.MISSING,
+    repeat: bool = False,
+    per: tuple[str, ...] = (),
+) -> Any:
+    """A config field that is a flag.
+
+    ``flag``: its name when it is not the field's (with dashes); a field with ``flag`` and no ``help``
+    reads a flag another field declares. ``parse``: the flag's value to the field's (``flag_default``
+    is then the flag's default). ``repeat``: a repeatable flag, a comma-separated variable. ``per``: a
+    dict field with one flag per key, ``flag`` and ``help`` holding ``{key}``.
+    """
+    metadata = {"help": help, "flag": flag, "parse": parse, "repeat": repeat, "per": per}
+    if flag_default is not dataclasses.MISSING:
+        metadata["flag_default"] = flag_default
+    if not help:
+        del metadata["help"]
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def nested(config: type) -> Any:
+    """A config field holding another config dataclass, whose settings are flags too."""
+    return dataclasses.field(default_factory=config, metadata={"nested": True})
+
+
+def _flag_name(item: dataclasses.Field) -> str:
+    return item.metadata.get("flag") or item.name.replace("_", "-")
+
+
+def _default(item: dataclasses.Field) -> Any:
+    if "flag_default" in item.metadata:
+        return item.metadata["flag_default"]
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    return item.default
+
+
+def _nested(item: dataclasses.Field) -> type | None:
+    """The config dataclass a ``nested`` field holds, or None."""
+    return item.default_factory if item.metadata.get("nested") else None  # type: ignore[return-value]
 
 
 class ServiceArgs:
@@ -43,6 +105,31 @@ class ServiceArgs:
         self.parser.add_argument(f"--{flag}", action="append", default=None, help=f"{help} [env {env}]")
         self.parser.set_defaults(**{f"_{flag}_default".replace("-", "_"): value})
 
+    def add_config(self, config: type) -> None:
+        """A flag for every setting of ``config`` and of the config dataclasses it holds."""
+        for item in dataclasses.fields(config):
+            if (nested := _nested(item)) is not None:
+                self.add_config(nested)
+                continue
+            if "help" not in item.metadata:
+                continue
+            name, help, default = _flag_name(item), item.metadata["help"], _default(item)
+            if item.metadata.get("per"):
+                for key in item.metadata["per"]:
+                    self.add(name.format(key=key), default[key], help.format(key=key))
+            elif item.metadata.get("repeat"):
+                self.add_list(name, list(default), help)
+            else:
+                self.add(name, default, help)
+
+    def config(self, config: type[T], argv: list[str] | None = None) -> tuple[argparse.Namespace, T]:
+        """The parsed flags, and ``config`` built from them; an invalid value exits with a usage error."""
+        ns = self.parse(argv)
+        try:
+            return ns, from_flags(config, ns)
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            self.parser.error(str(exc))
+
     def add_server_flags(self, port: int) -> None:
         """The flags every gRPC service has: where to listen, where to expose metrics, how long to drain."""
         self.add("host", "127.0.0.1", "address to listen on")
@@ -59,6 +146,24 @@ class ServiceArgs:
                     setattr(args, flag, getattr(args, name))
                 delattr(args, name)
         return args
+
+
+def from_flags(config: type[T], ns: argparse.Namespace) -> T:
+    """``config`` built from parsed flags (its ``__post_init__`` validates; ValueError if invalid)."""
+    values: dict[str, Any] = {}
+    for item in dataclasses.fields(config):
+        if (nested := _nested(item)) is not None:
+            values[item.name] = from_flags(nested, ns)
+            continue
+        if "help" not in item.metadata and "flag" not in item.metadata:
+            continue
+        name = _flag_name(item).replace("-", "_")
+        if item.metadata.get("per"):
+            value: Any = {key: getattr(ns, name.format(key=key)) for key in item.metadata["per"]}
+        else:
+            value = getattr(ns, name)
+        values[item.name] = item.metadata["parse"](value) if item.metadata.get("parse") else value
+    return config(**values)
 
 
 def _parse_bool(raw: str) -> bool:

@@ -19,6 +19,7 @@ import grpc
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.gguf_header import read_gguf_metadata
+from chatmesh.limits import Generation
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
 from memory_store.errors import Unavailable
@@ -27,7 +28,6 @@ from meshkit import serving, telemetry
 from orchestrator import config as configuration
 from orchestrator.api.service import ChatService
 from orchestrator.config import OrchestratorConfig
-from orchestrator.limits import Generation
 from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.policy.moderation import create_moderator
 from orchestrator.prompting.prompter import Prompter
@@ -100,7 +100,7 @@ async def serve(args: Namespace, config: OrchestratorConfig) -> None:
     model = config.default_model or tokenizer.model_name
     deps = RelayDeps(store, create_moderator(config.moderation), config.runs)
     budgets = Budgets(store, config.budgets)
-    runs = Runs(store, router, deps, budgets, RunSlots(config.limits.concurrent_runs), tokenizer.fingerprint)
+    runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs), tokenizer.fingerprint)
     summary_config = config.summaries
     jobs = BackgroundJobs(summary_config.concurrency, summary_config.queue, summary_config.timeout_s)
     summary_generation = Generation(

@@ -1,7 +1,7 @@
-"""The orchestrator's configuration: one dataclass per concern, filled from ``python -m orchestrator`` flags.
-
-Every flag has a ``CHATMESH_ORCHESTRATOR_<FLAG>`` environment default (``meshkit.config.ServiceArgs``);
-the Cassandra flags are memory_store's own (``memory_store.config.add_store_flags``).
+"""The orchestrator's configuration: one dataclass per concern, whose settings are the
+``python -m orchestrator`` flags (meshkit.config: each with a ``CHATMESH_ORCHESTRATOR_<FLAG>`` environment
+default). The Cassandra flags are memory_store's own (``StoreConfig``); the request limits are
+``chatmesh.limits.Limits``, set here and nowhere else.
 """
 
 from __future__ import annotations
@@ -11,70 +11,63 @@ import dataclasses
 import os
 import secrets
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from chatmesh.identity import TIERS
-from memory_store.config import StoreConfig, add_store_flags
-from meshkit.config import ServiceArgs
+from chatmesh.limits import Limits
+from chatmesh.tiers import TIERS
+from memory_store.config import StoreConfig
+from meshkit.config import ServiceArgs, nested, setting
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful, honest assistant. Answer clearly and concisely."
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Request limits; each violation is a clear INVALID_ARGUMENT (or RESOURCE_EXHAUSTED for runs)."""
-
-    max_message_bytes: int = 32 * 1024
-    default_max_tokens: int = 512
-    max_tokens: int = 4096
-    max_stop_sequences: int = 4
-    max_stop_chars: int = 64
-    max_title_chars: int = 200
-    max_idempotency_key_chars: int = 128
-    max_model_chars: int = 128
-    max_chat_page: int = 100
-    default_chat_page: int = 20
-    max_message_page: int = 200
-    default_message_page: int = 50
-    # Complete: a caller-supplied conversation.
-    max_prompt_messages: int = 1000
-    # Concurrent runs of one user on one replica, by tier.
-    concurrent_runs: dict[str, int] = field(default_factory=lambda: {"free": 2, "pro": 4, "enterprise": 16})
-
-
-@dataclass(frozen=True)
 class BudgetConfig:
-    """Tokens (prompt + completion) each tier may use per window; 0 means unlimited."""
+    """Tokens (prompt + completion) each tier may use per window (0 means unlimited), and the runs of
+    one user each tier may have at once on one replica."""
 
-    window_s: int = 86_400
-    tokens: dict[str, int] = field(
-        default_factory=lambda: {"free": 100_000, "pro": 2_000_000, "enterprise": 0}
+    window_s: int = setting(
+        86_400, "length of a token budget window (aligned to the epoch)", flag="budget-window-s"
+    )
+    tokens: dict[str, int] = setting(
+        default_factory=lambda: {"free": 100_000, "pro": 2_000_000, "enterprise": 0},
+        help="{key} tokens per window (0: unlimited)",
+        flag="budget-{key}-tokens",
+        per=TIERS,
+    )
+    concurrent_runs: dict[str, int] = setting(
+        default_factory=lambda: {"free": 2, "pro": 4, "enterprise": 16},
+        help="runs at once per {key} user",
+        flag="concurrent-runs-{key}",
+        per=TIERS,
     )
 
 
 @dataclass(frozen=True)
 class PromptConfig:
-    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    system_prompt: str = setting(DEFAULT_SYSTEM_PROMPT, "system prompt of stored chats")
     # The model's context window used for prompts; 0 takes it from the model file.
-    context_window: int = 0
+    context_window: int = setting(0, "context window in tokens (0: the model's)")
     # Newest messages of a branch read for a prompt (older turns live in the summary).
-    max_history_messages: int = 400
+    max_history_messages: int = setting(400, "newest messages of a branch read per prompt")
 
 
 @dataclass(frozen=True)
 class SummaryConfig:
     """Rolling summaries and titles, generated in the background at low priority."""
 
-    enabled: bool = True
+    enabled: bool = setting(True, "keep rolling summaries of long chats", flag="summaries")
     # Refresh the summary when the verbatim history after it exceeds this share of the prompt budget.
-    trigger_fraction: float = 0.6
+    trigger_fraction: float = setting(
+        0.6, "refresh when history exceeds this share", flag="summary-trigger-fraction"
+    )
     # A refreshed summary leaves about this share of the prompt budget as verbatim newest turns.
-    keep_fraction: float = 0.3
-    max_tokens: int = 192
-    titles: bool = True
+    keep_fraction: float = setting(0.3, "share of the budget kept verbatim", flag="summary-keep-fraction")
+    max_tokens: int = setting(192, "length of a summary", flag="summary-max-tokens")
+    titles: bool = setting(True, "generate chat titles after the first exchange")
     title_max_tokens: int = 24
     # Background generations at once, and queued ones; beyond that new jobs are dropped (and counted).
-    concurrency: int = 2
+    concurrency: int = setting(2, "summaries and titles generated at once", flag="background-concurrency")
     queue: int = 256
     timeout_s: float = 120.0
 
@@ -82,19 +75,19 @@ class SummaryConfig:
 @dataclass(frozen=True)
 class RunConfig:
     # Checkpoint partial output every this many events or this many milliseconds, whichever comes first.
-    checkpoint_events: int = 32
-    checkpoint_interval_ms: int = 500
-    heartbeat_interval_s: float = 3.0
+    checkpoint_events: int = setting(32, "checkpoint partial output every N events")
+    checkpoint_interval_ms: int = setting(500, "... or every N milliseconds")
+    heartbeat_interval_s: float = setting(3.0, "replica heartbeat period")
     # A replica silent this long has its in-progress runs marked interrupted by another replica.
-    orphan_after_s: float = 15.0
-    reap_interval_s: float = 5.0
+    orphan_after_s: float = setting(15.0, "a replica silent this long loses its runs")
+    reap_interval_s: float = setting(5.0, "how often to look for orphaned runs")
     # Deadline of one generation through the router.
-    max_run_s: float = 600.0
+    max_run_s: float = setting(600.0, "deadline of one generation")
     # Time the router gets to admit and place a request before the send fails.
     placement_timeout_s: float = 30.0
     # How long a cancel waits for the router's final frame before abandoning the stream.
     cancel_timeout_s: float = 5.0
-    max_subscribers_per_run: int = 64
+    max_subscribers_per_run: int = setting(64, "streams attached to one run")
     # A finished run stays in memory this long for fast replays, then replays come from Cassandra.
     finished_ttl_s: float = 30.0
     # Replicas that do not own a run follow its checkpoints this often.
@@ -104,142 +97,70 @@ class RunConfig:
     # Sends waiting for the same idempotency key on other replicas look for its run this long.
     claim_wait_s: float = 5.0
 
+    def __post_init__(self) -> None:
+        if self.orphan_after_s < 3 * self.heartbeat_interval_s:
+            # Replicas would take each other's ordinary heartbeat gaps for deaths and interrupt live runs.
+            raise ValueError(
+                f"--orphan-after-s ({self.orphan_after_s}) must be at least 3 x --heartbeat-interval-s "
+                f"({self.heartbeat_interval_s}), the same on every replica"
+            )
+
 
 @dataclass(frozen=True)
 class ModerationConfig:
-    enabled: bool = True
+    enabled: bool = setting(
+        True, "check input and output with the rule-based moderation policy", flag="moderation"
+    )
     # Extra terms (case-insensitive, whole words) blocked in input and output, e.g. a site's blocklist.
-    blocked_terms: tuple[str, ...] = ()
+    blocked_terms: tuple[str, ...] = setting(
+        (),
+        "an extra blocked term (repeatable)",
+        flag="moderation-blocked-term",
+        flag_default=[],
+        parse=tuple,
+        repeat=True,
+    )
     # Prompt-injection markers are logged and counted; with this they are refused.
-    block_injection: bool = False
+    block_injection: bool = setting(
+        False, "refuse prompt-injection markers instead of flagging", flag="moderation-block-injection"
+    )
+
+
+def _replica_id(flag: str) -> str:
+    """Unique per process unless set: a restarted replica is a new one (its predecessor's runs get reaped)."""
+    return flag or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    replica_id: str
-    router: str = "127.0.0.1:50051"
-    router_timeout_s: float = 5.0
-    model_file: str = ""
+    replica_id: str = setting(
+        "",
+        "this replica's id in run ownership and heartbeats (default: host-pid-random)",
+        parse=_replica_id,
+    )
+    router: str = setting("127.0.0.1:50051", "router address host:port")
+    router_timeout_s: float = setting(5.0, "deadline of unary router calls (ListEngines)")
+    model_file: str = setting(
+        "", "GGUF whose tokenizer and chat template prompts use (default: the bundled model)"
+    )
     # Model used when a request names none; empty: the model of the tokenizer.
-    default_model: str = ""
-    store: StoreConfig = field(default_factory=StoreConfig)
-    limits: Limits = field(default_factory=Limits)
-    budgets: BudgetConfig = field(default_factory=BudgetConfig)
-    prompt: PromptConfig = field(default_factory=PromptConfig)
-    summaries: SummaryConfig = field(default_factory=SummaryConfig)
-    runs: RunConfig = field(default_factory=RunConfig)
-    moderation: ModerationConfig = field(default_factory=ModerationConfig)
+    default_model: str = setting("", "model for requests that name none (default: the tokenizer's model)")
+    store: StoreConfig = nested(StoreConfig)
+    limits: Limits = nested(Limits)
+    budgets: BudgetConfig = nested(BudgetConfig)
+    prompt: PromptConfig = nested(PromptConfig)
+    summaries: SummaryConfig = nested(SummaryConfig)
+    runs: RunConfig = nested(RunConfig)
+    moderation: ModerationConfig = nested(ModerationConfig)
 
-
-def default_replica_id() -> str:
-    """Unique per process: a restarted replica is a new one (its predecessor's runs get reaped)."""
-    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-
-
-def add_flags(args: ServiceArgs) -> None:
-    limits, budgets, prompt = Limits(), BudgetConfig(), PromptConfig()
-    summaries, runs = SummaryConfig(), RunConfig()
-    args.add_server_flags(port=50050)
-    args.add("router", "127.0.0.1:50051", "router address host:port")
-    args.add("router-timeout-s", 5.0, "deadline of unary router calls (ListEngines)")
-    args.add("replica-id", "", "this replica's id in run ownership and heartbeats (default: host-pid-random)")
-    add_store_flags(args)
-    args.add(
-        "model-file", "", "GGUF whose tokenizer and chat template prompts use (default: the bundled model)"
-    )
-    args.add("default-model", "", "model for requests that name none (default: the tokenizer's model)")
-    args.add("system-prompt", prompt.system_prompt, "system prompt of stored chats")
-    args.add("context-window", prompt.context_window, "context window in tokens (0: the model's)")
-    args.add(
-        "max-history-messages", prompt.max_history_messages, "newest messages of a branch read per prompt"
-    )
-    args.add("max-message-bytes", limits.max_message_bytes, "largest user message (UTF-8 bytes)")
-    args.add("default-max-tokens", limits.default_max_tokens, "answer length when a request sets none")
-    args.add("max-tokens", limits.max_tokens, "largest max_tokens a request may ask for")
-    for tier in TIERS:
-        args.add(f"concurrent-runs-{tier}", limits.concurrent_runs[tier], f"runs at once per {tier} user")
-        args.add(f"budget-{tier}-tokens", budgets.tokens[tier], f"{tier} tokens per window (0: unlimited)")
-    args.add("budget-window-s", budgets.window_s, "length of a token budget window (aligned to the epoch)")
-    args.add("summaries", summaries.enabled, "keep rolling summaries of long chats")
-    args.add(
-        "summary-trigger-fraction", summaries.trigger_fraction, "refresh when history exceeds this share"
-    )
-    args.add("summary-keep-fraction", summaries.keep_fraction, "share of the budget kept verbatim")
-    args.add("summary-max-tokens", summaries.max_tokens, "length of a summary")
-    args.add("titles", summaries.titles, "generate chat titles after the first exchange")
-    args.add("background-concurrency", summaries.concurrency, "summaries and titles generated at once")
-    args.add("checkpoint-events", runs.checkpoint_events, "checkpoint partial output every N events")
-    args.add("checkpoint-interval-ms", runs.checkpoint_interval_ms, "... or every N milliseconds")
-    args.add("heartbeat-interval-s", runs.heartbeat_interval_s, "replica heartbeat period")
-    args.add("orphan-after-s", runs.orphan_after_s, "a replica silent this long loses its runs")
-    args.add("reap-interval-s", runs.reap_interval_s, "how often to look for orphaned runs")
-    args.add("max-run-s", runs.max_run_s, "deadline of one generation")
-    args.add("max-subscribers-per-run", runs.max_subscribers_per_run, "streams attached to one run")
-    args.add("moderation", True, "check input and output with the rule-based moderation policy")
-    args.add_list("moderation-blocked-term", [], "an extra blocked term (repeatable)")
-    args.add("moderation-block-injection", False, "refuse prompt-injection markers instead of flagging")
-
-
-def from_args(ns: argparse.Namespace) -> OrchestratorConfig:
-    if ns.orphan_after_s < 3 * ns.heartbeat_interval_s:
-        # Replicas would take each other's ordinary heartbeat gaps for deaths and interrupt live runs.
-        raise argparse.ArgumentTypeError(
-            f"--orphan-after-s ({ns.orphan_after_s}) must be at least 3 x --heartbeat-interval-s "
-            f"({ns.heartbeat_interval_s}), the same on every replica"
-        )
-    store = StoreConfig.from_args(ns)
-    return OrchestratorConfig(
-        replica_id=ns.replica_id or default_replica_id(),
-        router=ns.router,
-        router_timeout_s=ns.router_timeout_s,
-        model_file=ns.model_file,
-        default_model=ns.default_model,
-        store=dataclasses.replace(store, usage_window_s=ns.budget_window_s),
-        limits=Limits(
-            max_message_bytes=ns.max_message_bytes,
-            default_max_tokens=ns.default_max_tokens,
-            max_tokens=ns.max_tokens,
-            concurrent_runs={tier: getattr(ns, f"concurrent_runs_{tier}") for tier in TIERS},
-        ),
-        budgets=BudgetConfig(
-            window_s=ns.budget_window_s,
-            tokens={tier: getattr(ns, f"budget_{tier}_tokens") for tier in TIERS},
-        ),
-        prompt=PromptConfig(
-            system_prompt=ns.system_prompt,
-            context_window=ns.context_window,
-            max_history_messages=ns.max_history_messages,
-        ),
-        summaries=SummaryConfig(
-            enabled=ns.summaries,
-            trigger_fraction=ns.summary_trigger_fraction,
-            keep_fraction=ns.summary_keep_fraction,
-            max_tokens=ns.summary_max_tokens,
-            titles=ns.titles,
-            concurrency=ns.background_concurrency,
-        ),
-        runs=RunConfig(
-            checkpoint_events=ns.checkpoint_events,
-            checkpoint_interval_ms=ns.checkpoint_interval_ms,
-            heartbeat_interval_s=ns.heartbeat_interval_s,
-            orphan_after_s=ns.orphan_after_s,
-            reap_interval_s=ns.reap_interval_s,
-            max_run_s=ns.max_run_s,
-            max_subscribers_per_run=ns.max_subscribers_per_run,
-        ),
-        moderation=ModerationConfig(
-            enabled=ns.moderation,
-            blocked_terms=tuple(ns.moderation_blocked_term),
-            block_injection=ns.moderation_block_injection,
-        ),
-    )
+    def __post_init__(self) -> None:
+        # The store checks writes against the same limits, and counts usage in the same windows.
+        store = dataclasses.replace(self.store, limits=self.limits, usage_window_s=self.budgets.window_s)
+        object.__setattr__(self, "store", store)
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, OrchestratorConfig]:
     args = ServiceArgs("orchestrator", "Serves ChatService: chats, messages and streamed answers.")
-    add_flags(args)
-    ns = args.parse(argv)
-    try:
-        return ns, from_args(ns)
-    except argparse.ArgumentTypeError as exc:
-        args.parser.error(str(exc))
+    args.add_server_flags(port=50050)
+    args.add_config(OrchestratorConfig)
+    return args.config(OrchestratorConfig, argv)

@@ -15,19 +15,15 @@ from collections.abc import AsyncIterator
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.errors import unavailable
+from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.streams import read_to_end
+from chatmesh.streams import Outbox, read_to_end
+from chatmesh.tiers import tier_named
 from meshkit.serving import CHANNEL_OPTIONS
-from orchestrator.errors import from_rpc_error, unavailable
-from orchestrator.limits import Generation
+from orchestrator.errors import from_rpc_error
 
 log = logging.getLogger(__name__)
-
-TIERS = {
-    "free": router_pb2.TIER_FREE,
-    "pro": router_pb2.TIER_PRO,
-    "enterprise": router_pb2.TIER_ENTERPRISE,
-}
 
 
 def start_frame(
@@ -51,7 +47,7 @@ def start_frame(
         model=generation.model,
         prompt_token_ids=prompt,
         sampling=sampling,
-        tier=TIERS.get(tier, router_pb2.TIER_FREE),
+        tier=tier_named(tier).proto,
         session_id=session_id,
         tokenizer_fingerprint=fingerprint,
     )
@@ -60,26 +56,19 @@ def start_frame(
 class GenerateStream:
     """One Generate call. ``open`` sends the start frame and waits for the router to place it.
 
-    Frames go out through a queue the call reads as its request stream, so sending a cancel or
-    half-closing never waits, and ``abort`` ends the request side along with the call (a request
-    side left open would keep the call's sending task alive after the call ended).
+    Frames go out through an ``Outbox``, so sending a cancel or half-closing never waits, and ``abort``
+    ends the request side along with the call.
     """
 
     def __init__(self, stub: router_pb2_grpc.RouterServiceStub, deadline_s: float) -> None:
-        self._outbox: asyncio.Queue[router_pb2.GenerateRequest | None] = asyncio.Queue()
-        self._call = stub.Generate(self._requests(), timeout=deadline_s)
-        self._cancel_sent = False
-        self._closed = False
+        self._outbox = Outbox(router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel()))
+        self._call = stub.Generate(self._outbox.frames(), timeout=deadline_s)
         self.routed: router_pb2.GenerateRouted | None = None
-
-    async def _requests(self) -> AsyncIterator[router_pb2.GenerateRequest]:
-        while (frame := await self._outbox.get()) is not None:
-            yield frame
 
     async def open(self, start: router_pb2.GenerateStart, placement_timeout_s: float) -> None:
         """Sends ``start`` and returns once the router placed the request; a refusal (shed under
         load, no engine for the model) raises ServiceError with the router's status and retry delay."""
-        self._outbox.put_nowait(router_pb2.GenerateRequest(start=start))
+        self._outbox.start(router_pb2.GenerateRequest(start=start))
         try:
             async with asyncio.timeout(placement_timeout_s):
                 frame = await self._call.read()
@@ -115,15 +104,11 @@ class GenerateStream:
 
     def cancel(self) -> None:
         """Asks the router to stop and free the engine work; it answers with a final `finished`."""
-        if not self._cancel_sent and not self._closed:
-            self._cancel_sent = True
-            self._outbox.put_nowait(router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel()))
+        self._outbox.cancel()
 
     def close(self) -> None:
         """Half-closes the request side (once the stream has ended: a half-close is not a cancel)."""
-        if not self._closed:
-            self._closed = True
-            self._outbox.put_nowait(None)
+        self._outbox.close()
 
     def abort(self) -> None:
         """Cancels the RPC itself: the router cancels the engine call at once."""

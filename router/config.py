@@ -1,11 +1,11 @@
-"""Router configuration: one dataclass, filled from the ``python -m router`` flags (see ``__main__``)."""
+"""Router configuration: one dataclass whose settings are the ``python -m router`` flags (meshkit.config)."""
 
 from __future__ import annotations
 
 import re
-from argparse import Namespace
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from meshkit.config import nested, setting
 from router.policy import POLICIES, CostWeights
 
 _ADDRESS = re.compile(
@@ -29,29 +29,44 @@ class EngineAddress:
         return cls(match["name"] or address, address)
 
 
+def _engines(specs: list[str]) -> tuple[EngineAddress, ...]:
+    return tuple(EngineAddress.parse(spec) for spec in specs)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    engines: tuple[EngineAddress, ...] = ()
+    engines: tuple[EngineAddress, ...] = setting(
+        (),
+        "engine [name=]host:port (repeat the flag for each engine)",
+        flag="engine",
+        flag_default=[],
+        parse=_engines,
+        repeat=True,
+    )
     # host:port names re-resolved every dns_refresh_s; each address is an engine (Kubernetes headless Services).
-    engine_dns: tuple[str, ...] = ()
-    dns_refresh_s: float = 10.0
-    default_model: str = ""  # for requests that name none; empty: the only model served
+    engine_dns: tuple[str, ...] = setting(
+        (), "host:port whose addresses are all engines, re-resolved (repeatable)", parse=tuple, repeat=True
+    )
+    dns_refresh_s: float = setting(10.0, "how often --engine-dns names are resolved again")
+    default_model: str = setting("", "model for requests that name none (empty: the only one served)")
 
     # Placement
-    policy: str = "kv_aware"
-    weights: CostWeights = field(default_factory=CostWeights)
+    policy: str = setting("kv_aware", f"placement policy: {' | '.join(POLICIES)}")
+    weights: CostWeights = nested(CostWeights)
     # Admission: the free tier is shed when every engine's queue is at least this fraction of its bound.
-    free_queue_fraction: float = 0.5
+    free_queue_fraction: float = setting(0.5, "free tier is shed when every queue is this full")
 
     # Engine streams and calls
-    load_interval_ms: int = 100  # WatchLoad period asked of engines
+    load_interval_ms: int = setting(100, "engine load report period")
     rpc_timeout_s: float = 5.0  # unary calls (GetModelInfo)
-    accept_timeout_s: float = 10.0  # Generate: from dispatch to the engine's `accepted`
-    first_token_timeout_s: float = 120.0  # from `accepted` to the first token (queueing included)
-    idle_timeout_s: float = 30.0  # between two frames of a stream that has started
-    max_request_s: float = 3600.0  # deadline of one engine Generate call when the client set none
-    max_attempts: int = 3  # placements of one request: the first plus failovers
-    index_max_blocks_per_engine: int = 1 << 20  # index memory bound (also capped by the engine's pool size)
+    accept_timeout_s: float = setting(10.0, "an engine must accept a request within this")
+    first_token_timeout_s: float = setting(120.0, "first token after accept (queueing included)")
+    idle_timeout_s: float = setting(30.0, "longest silence between two frames of a started stream")
+    max_request_s: float = setting(3600.0, "deadline of an engine call when the client set none")
+    max_attempts: int = setting(3, "placements per request: the first one plus failovers")
+    index_max_blocks_per_engine: int = setting(
+        1 << 20, "bound on indexed blocks per engine (also capped by the engine's pool size)"
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -81,22 +96,3 @@ class RouterConfig:
                 problems.append(f"--engine-dns takes host:port without a name, got {name!r}")
         if problems:
             raise ValueError("invalid router configuration: " + "; ".join(problems))
-
-    @classmethod
-    def from_args(cls, args: Namespace) -> RouterConfig:
-        return cls(
-            engines=tuple(EngineAddress.parse(spec) for spec in args.engine),
-            engine_dns=tuple(args.engine_dns),
-            dns_refresh_s=args.dns_refresh_s,
-            default_model=args.default_model,
-            policy=args.policy,
-            weights=CostWeights(overlap=args.overlap_weight, temperature=args.temperature),
-            free_queue_fraction=args.free_queue_fraction,
-            load_interval_ms=args.load_interval_ms,
-            accept_timeout_s=args.accept_timeout_s,
-            first_token_timeout_s=args.first_token_timeout_s,
-            idle_timeout_s=args.idle_timeout_s,
-            max_request_s=args.max_request_s,
-            max_attempts=args.max_attempts,
-            index_max_blocks_per_engine=args.index_max_blocks_per_engine,
-        )

@@ -15,30 +15,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from chatmesh.block_hash import block_hashes
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
+from chatmesh.tiers import tier_of_proto
 from router import admission
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.metrics import RouterMetrics
 from router.policy import Candidate, choose, predicted_cached_tokens
 from router.registry import EngineRegistry
-
-_TIER_NAMES = {
-    router_pb2.TIER_UNSPECIFIED: "free",
-    router_pb2.TIER_FREE: "free",
-    router_pb2.TIER_PRO: "pro",
-    router_pb2.TIER_ENTERPRISE: "enterprise",
-}
-
-
-class RouteError(Exception):
-    """The request cannot be (or could not be) served; ends the call with ``code``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -86,14 +71,14 @@ class Placer:
         rule (a new request); otherwise (a failover) any engine with headroom will do."""
         healthy = [e for e in self.pool(plan) if e.healthy and e.engine_id not in exclude]
         if not healthy:
-            raise RouteError(grpc.StatusCode.UNAVAILABLE, self._nothing_healthy(plan, exclude))
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._nothing_healthy(plan, exclude))
         tier = plan.tier if admit else router_pb2.TIER_ENTERPRISE
         queues = [e.queue_view() for e in healthy]
         allowed = set(admission.admissible(queues, tier, self.config.free_queue_fraction))
         if not allowed:
-            tier_name = _TIER_NAMES.get(plan.tier, "free")
+            tier_name = tier_of_proto(plan.tier).name
             self.metrics.shed.labels(tier_name).inc()
-            raise RouteError(
+            raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"every engine is overloaded for the {tier_name} tier; retry later",
                 admission.retry_after_s(queues, tier, self.config.free_queue_fraction),
@@ -135,7 +120,7 @@ class Placer:
         """The engines serving the request's model with its tokenizer, healthy or not."""
         everyone = self.registry.engines()
         if not everyone:
-            raise RouteError(
+            raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
                 "no engines are configured: start the router with --engine host:port or --engine-dns host:port",
             )
@@ -143,18 +128,18 @@ class Placer:
         served = sorted({e.info.model for e in known})
         model = plan.model or self.config.default_model
         if not model and len(served) > 1:
-            raise RouteError(
+            raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"this router serves several models ({', '.join(served)}): name one in `model`",
             )
         pool = [e for e in known if not model or e.info.model == model]
         if not pool:
             if len(known) == len(everyone):
-                raise RouteError(
+                raise ServiceError(
                     grpc.StatusCode.NOT_FOUND,
                     f"no engine serves model {model!r}; served: {', '.join(served) or 'none'}",
                 )
-            raise RouteError(
+            raise ServiceError(
                 grpc.StatusCode.UNAVAILABLE,
                 f"no reachable engine serves {model or 'a model'} yet "
                 f"({len(everyone) - len(known)} of {len(everyone)} engines not reached)",
@@ -162,7 +147,7 @@ class Placer:
         if plan.tokenizer_fingerprint:
             pool = [e for e in pool if e.info.tokenizer_fingerprint == plan.tokenizer_fingerprint]
             if not pool:
-                raise RouteError(
+                raise ServiceError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"no engine of {model or served[0]} uses tokenizer {plan.tokenizer_fingerprint!r}: "
                     "re-tokenize with the served model's tokenizer",

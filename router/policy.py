@@ -35,6 +35,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshkit.config import setting
+
 POLICIES = ("kv_aware", "round_robin", "random", "oracle")
 
 DEFAULT_OVERLAP_WEIGHT = 16.0
@@ -45,8 +47,13 @@ _TIE = 1e-9
 
 @dataclass(frozen=True)
 class CostWeights:
-    overlap: float = DEFAULT_OVERLAP_WEIGHT  # prefill blocks against decode blocks (Dynamo's default: 1)
-    temperature: float = 0.0  # 0: cheapest engine; > 0: softmax sampling over normalized costs
+    # Prefill blocks against decode blocks (Dynamo's default: 1).
+    overlap: float = setting(
+        DEFAULT_OVERLAP_WEIGHT,
+        "kv_aware: weight of blocks to prefill against active blocks",
+        flag="overlap-weight",
+    )
+    temperature: float = setting(0.0, "kv_aware: 0 picks the cheapest engine; > 0 samples (softmax)")
 
 
 @dataclass(frozen=True)

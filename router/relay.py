@@ -27,20 +27,14 @@ from collections.abc import AsyncIterator
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.errors import retry_after_s
+from chatmesh.errors import ServiceError, parse
 from chatmesh.router.v1 import router_pb2
-from chatmesh.streams import read_to_end
+from chatmesh.streams import Outbox, read_to_end
+from chatmesh.tiers import tier_of_proto
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.metrics import RouterMetrics
-from router.placement import Placement, Placer, RequestPlan, RouteError
-
-TIER_PRIORITY = {
-    router_pb2.TIER_UNSPECIFIED: engine_pb2.PRIORITY_LOW,
-    router_pb2.TIER_FREE: engine_pb2.PRIORITY_LOW,
-    router_pb2.TIER_PRO: engine_pb2.PRIORITY_NORMAL,
-    router_pb2.TIER_ENTERPRISE: engine_pb2.PRIORITY_HIGH,
-}
+from router.placement import Placement, Placer, RequestPlan
 
 # Engine answers that are the request's fault: another engine would say the same.
 _CALLER_ERRORS = frozenset(
@@ -55,13 +49,14 @@ _CALLER_ERRORS = frozenset(
 )
 
 
-class AttemptFailed(Exception):
-    """This engine did not finish the request; another one may."""
+class AttemptFailed(ServiceError):
+    """This engine did not finish the request; another one may. RESOURCE_EXHAUSTED with the engine's
+    retry delay when its queue was full, UNAVAILABLE otherwise."""
 
-    def __init__(self, reason: str, detail: str, retry_after_s: float | None = None) -> None:
-        super().__init__(detail)
-        self.reason = reason  # metric label: unavailable, timeout, exhausted, error, ...
-        self.retry_after_s = retry_after_s  # set when the engine's queue was full
+    def __init__(self, failure: str, detail: str, retry_after_s: float | None = None) -> None:
+        code = grpc.StatusCode.UNAVAILABLE if retry_after_s is None else grpc.StatusCode.RESOURCE_EXHAUSTED
+        super().__init__(code, detail, retry_after_s)
+        self.failure = failure  # metric label: unavailable, timeout, exhausted, error, ...
 
 
 class Relay:
@@ -84,14 +79,14 @@ class Relay:
         self.output: list[int] = []
         self.cancelled = False
         self._call: grpc.aio.StreamStreamCall | None = None  # the engine call in progress
-        self._outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] | None = None  # frames to it
+        self._outbox: Outbox[engine_pb2.GenerateRequest] | None = None  # its request side
         self._first_token_at: float | None = None
 
     def cancel(self) -> None:
         """The client sent `cancel`: forward it to the engine now; no further attempts."""
         self.cancelled = True
         if self._outbox is not None:
-            self._outbox.put_nowait(_CANCEL)
+            self._outbox.cancel()
 
     def close(self) -> None:
         """The client is gone: cancel the engine call (the engine frees the request's blocks)."""
@@ -108,12 +103,12 @@ class Relay:
                 placement = self.placer.place(
                     self.plan, {engine_id for engine_id, _ in failures}, attempt == 1
                 )
-            except RouteError as exc:
+            except ServiceError as exc:
                 if not failures:
                     raise
                 raise self._give_up(failures, exc) from None
             if failures:
-                self.metrics.failovers.labels(failures[-1][1].reason).inc()
+                self.metrics.failovers.labels(failures[-1][1].failure).inc()
             engine = placement.engine
             attempt_id = self.start.request_id if attempt == 1 else f"{self.start.request_id}#{attempt}"
             # Counted on the engine before anything awaits, so the next placement already sees it.
@@ -139,15 +134,15 @@ class Relay:
         raise self._give_up(failures)
 
     @staticmethod
-    def _give_up(failures: list[tuple[str, AttemptFailed]], last: RouteError | None = None) -> RouteError:
-        said = "; ".join(f"{engine_id}: {exc}" for engine_id, exc in failures)
+    def _give_up(failures: list[tuple[str, AttemptFailed]], last: ServiceError | None = None) -> ServiceError:
+        said = "; ".join(f"{engine_id}: {exc.message}" for engine_id, exc in failures)
         delays = [exc.retry_after_s for _, exc in failures]
         if all(delay is not None for delay in delays):  # every engine tried had a full queue
-            return RouteError(
+            return ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"every engine tried is full ({said})", min(delays)
             )
         then = f"; then: {last.message}" if last is not None else ""
-        return RouteError(
+        return ServiceError(
             grpc.StatusCode.UNAVAILABLE, f"the request failed on {len(failures)} engine(s): {said}{then}"
         )
 
@@ -157,13 +152,12 @@ class Relay:
         self, placement: Placement, attempt_id: str
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         engine = placement.engine
-        # The request side is a queue, so a client's `cancel` goes out the moment it arrives; it ends
-        # with the attempt (an open request iterator would outlive the call inside gRPC).
-        outbox: asyncio.Queue[engine_pb2.GenerateRequest | None] = asyncio.Queue(maxsize=3)
-        outbox.put_nowait(engine_pb2.GenerateRequest(start=self._engine_start(engine, attempt_id)))
+        # A client's `cancel` goes out the moment it arrives; the request side ends with the attempt.
+        outbox = Outbox(_CANCEL)
+        outbox.start(engine_pb2.GenerateRequest(start=self._engine_start(engine, attempt_id)))
         if self.cancelled:
-            outbox.put_nowait(_CANCEL)
-        call = engine.stub.Generate(_drain(outbox), timeout=self._call_timeout())
+            outbox.cancel()
+        call = engine.stub.Generate(outbox.frames(), timeout=self._call_timeout())
         self._call, self._outbox = call, outbox
         completed = False
         try:
@@ -191,7 +185,7 @@ class Relay:
                     raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
         finally:
             self._call = self._outbox = None
-            outbox.put_nowait(None)
+            outbox.close()
             if completed:
                 await read_to_end(call)
             else:
@@ -204,7 +198,7 @@ class Relay:
             prompt_token_ids=self.plan.prompt,
             resumed_output_token_ids=self.output,
             sampling=start.sampling,
-            priority=TIER_PRIORITY.get(start.tier, engine_pb2.PRIORITY_LOW),
+            priority=tier_of_proto(start.tier).priority,
             model=info.model if info is not None else "",
             tokenizer_fingerprint=start.tokenizer_fingerprint,
         )
@@ -220,14 +214,15 @@ class Relay:
                 "timeout", f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
             ) from None
         except grpc.aio.AioRpcError as exc:
-            code = exc.code()
+            error = parse(exc)
+            code = error.code
             if code in _CALLER_ERRORS:
-                raise RouteError(code, exc.details() or code.name) from None
+                raise ServiceError(code, error.message or code.name) from None
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise AttemptFailed(
-                    "exhausted", exc.details() or "queue full", retry_after_s(exc) or 1.0
+                    "exhausted", error.message or "queue full", error.retry_after_s or 1.0
                 ) from None
-            raise AttemptFailed(code.name.lower(), f"{code.name}: {exc.details()}") from None
+            raise AttemptFailed(code.name.lower(), f"{code.name}: {error.message}") from None
         if frame is grpc.aio.EOF:
             raise AttemptFailed("protocol", "the stream ended without `finished`")
         return frame
@@ -290,8 +285,3 @@ class Relay:
 
 
 _CANCEL = engine_pb2.GenerateRequest(cancel=engine_pb2.GenerateCancel())
-
-
-async def _drain(outbox: asyncio.Queue) -> AsyncIterator[engine_pb2.GenerateRequest]:
-    while (frame := await outbox.get()) is not None:
-        yield frame

@@ -12,20 +12,20 @@ Stream contract with the caller (the orchestrator):
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 
-from chatmesh.errors import abort_with_retry
+from chatmesh.errors import ServiceError, abort
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from chatmesh.streams import StartThenCancel
+from chatmesh.tiers import is_tier_proto
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.placement import Placer, RequestPlan, RouteError
+from router.placement import Placer, RequestPlan
 from router.registry import EngineRegistry
-from router.relay import TIER_PRIORITY, Relay
+from router.relay import Relay
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,10 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def Generate(
         self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        frames = aiter(request_iterator)
-        first = await anext(frames, None)
-        if first is None or first.WhichOneof("kind") != "start":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first frame must be `start`")
+        requests = StartThenCancel(request_iterator)
+        start = await requests.start(context)
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is draining; use another replica")
-        start = first.start
         if problem := _invalid(start):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if start.request_id in self._live:
@@ -71,21 +68,17 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         )
         relay = Relay(start, plan, self.placer, self.config, self.metrics, context.time_remaining())
         self._live.add(start.request_id)
-        misuse: list[str] = []
-        reader = asyncio.create_task(_read_cancel(frames, relay, misuse))
+        requests.watch(on_cancel=relay.cancel)
         try:
             async for frame in relay.run():
                 yield frame
-        except RouteError as exc:
-            if exc.retry_after_s is not None:
-                await abort_with_retry(context, exc.code, exc.message, exc.retry_after_s)
-            await context.abort(exc.code, exc.message)
+        except ServiceError as exc:
+            await abort(context, exc)
         finally:
-            reader.cancel()
+            requests.stop()
             relay.close()
             self._live.discard(start.request_id)
-        if misuse:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, misuse[0])
+        await requests.check(context)
 
     async def ListEngines(
         self, request: router_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext
@@ -110,18 +103,6 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         return router_pb2.ListEnginesResponse(engines=statuses)
 
 
-async def _read_cancel(
-    frames: AsyncIterator[router_pb2.GenerateRequest], relay: Relay, misuse: list[str]
-) -> None:
-    """Reads the frames after `start`. A half-close just ends this loop: it is not a cancel."""
-    with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-        async for frame in frames:
-            if frame.WhichOneof("kind") != "cancel":
-                misuse.append("only one `start` frame per stream; send `cancel` to stop")
-            relay.cancel()
-            return
-
-
 def _invalid(start: router_pb2.GenerateStart) -> str:
     """What is wrong with a `start` frame, or "" (the engine checks the rest: vocabulary, context, sampling)."""
     if not start.request_id or len(start.request_id) > MAX_REQUEST_ID_CHARS:
@@ -130,6 +111,6 @@ def _invalid(start: router_pb2.GenerateStart) -> str:
         return "prompt_token_ids must not be empty"
     if start.sampling.max_tokens <= 0:
         return "sampling.max_tokens must be > 0"
-    if start.tier not in TIER_PRIORITY:
+    if not is_tier_proto(start.tier):
         return f"unknown tier {start.tier}"
     return ""

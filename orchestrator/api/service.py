@@ -15,11 +15,13 @@ from typing import Any
 
 import grpc
 
+from chatmesh import limits
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.errors import abort
 from chatmesh.identity import Identity, identity_from_metadata
+from chatmesh.limits import Limits
 from memory_store.store import MemoryStore
-from orchestrator import convert, limits
-from orchestrator.config import Limits
+from orchestrator import convert
 from orchestrator.errors import from_exception
 from orchestrator.policy.admission import Budgets
 from orchestrator.router_client import RouterClient
@@ -46,8 +48,7 @@ async def _identity(context: grpc.aio.ServicerContext) -> Identity:
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
-    error = from_exception(exc)
-    await context.abort(error.code, error.message, trailing_metadata=error.trailer())
+    await abort(context, from_exception(exc))
 
 
 def unary(method: Callable[[Any, Identity, Any], Awaitable[Any]]):

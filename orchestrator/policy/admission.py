@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 
+from chatmesh.errors import exhausted, invalid
 from chatmesh.identity import Identity
 from memory_store.models import Usage, UsageWindow
 from memory_store.store import MemoryStore
 from orchestrator.config import BudgetConfig
-from orchestrator.errors import exhausted, invalid
-from orchestrator.metrics import BUDGET_REJECTIONS
+from orchestrator.metrics import METRICS
 
 # Concurrent-run limits answer with this retry delay: runs take seconds, not hours.
 RUN_SLOT_RETRY_S = 2.0
@@ -58,7 +58,7 @@ class Budgets:
                 window = await self.window(identity.user_id)
                 used = window.usage.total_tokens
                 if used + estimate.total_tokens > limit:
-                    BUDGET_REJECTIONS.labels(identity.tier, "tokens").inc()
+                    METRICS.budget_rejections.labels(identity.tier, "tokens").inc()
                     wait_s = (window.end - datetime.now(UTC)).total_seconds()
                     raise exhausted(
                         f"token budget spent: {used} of {limit} tokens used in this window and this "
@@ -98,7 +98,7 @@ class RunSlots:
     def acquire(self, identity: Identity) -> None:
         limit = self._limits.get(identity.tier, self._limits["free"])
         if self._active[identity.user_id] >= limit:
-            BUDGET_REJECTIONS.labels(identity.tier, "concurrent_runs").inc()
+            METRICS.budget_rejections.labels(identity.tier, "concurrent_runs").inc()
             raise exhausted(
                 f"{limit} answers are already being generated for you (the {identity.tier} tier's "
                 "limit); wait for one to finish or cancel it",

@@ -26,9 +26,9 @@ from typing import Protocol
 
 import grpc
 
+from chatmesh.errors import ServiceError
 from orchestrator.config import ModerationConfig
-from orchestrator.errors import ServiceError
-from orchestrator.metrics import MODERATION_DECISIONS
+from orchestrator.metrics import METRICS
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +276,7 @@ class Moderator:
 
     def record(self, stage: str, decision: Decision, who: str) -> Decision:
         if decision.action is not Action.ALLOW:
-            MODERATION_DECISIONS.labels(stage, decision.category, decision.action.name.lower()).inc()
+            METRICS.moderation_decisions.labels(stage, decision.category, decision.action.name.lower()).inc()
             # The category, never the text: logs must not become a copy of users' PII.
             log.info("moderation %s %s: %s (%s)", stage, decision.action.name, decision.category, who)
         return decision

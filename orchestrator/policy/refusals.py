@@ -5,15 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from orchestrator.errors import ServiceError
-from orchestrator.metrics import LIMIT_REJECTIONS
+from chatmesh.errors import ServiceError
+from orchestrator.metrics import METRICS
 
 T = TypeVar("T")
 
 
 def refused(error: ServiceError) -> ServiceError:
     """Counts ``error`` as a limit refusal and returns it, to be raised."""
-    LIMIT_REJECTIONS.labels(error.field or "request").inc()
+    METRICS.limit_rejections.labels(error.field or "request").inc()
     return error
 
 

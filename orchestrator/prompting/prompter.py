@@ -12,13 +12,13 @@ import time
 
 from opentelemetry import trace
 
+from chatmesh.errors import invalid
+from chatmesh.limits import Generation
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 from memory_store.models import ChatSummary
 from memory_store.store import MemoryStore
 from orchestrator.config import PromptConfig
-from orchestrator.errors import invalid
-from orchestrator.limits import Generation
-from orchestrator.metrics import PROMPT_ASSEMBLY, PROMPT_HISTORY
+from orchestrator.metrics import METRICS
 from orchestrator.policy.refusals import refused
 from orchestrator.prompting.history import load_history, turns
 from orchestrator.prompting.prompt import Prompt, PromptTooLong, fit_prompt
@@ -108,6 +108,6 @@ class Prompter:
             span.set_attribute("chatmesh.prompt.turns_kept", prompt.turns_kept)
             span.set_attribute("chatmesh.prompt.turns_available", prompt.turns_available)
             span.set_attribute("chatmesh.prompt.history", prompt.history)
-        PROMPT_ASSEMBLY.observe(time.monotonic() - started)
-        PROMPT_HISTORY.labels(prompt.history).inc()
+        METRICS.prompt_assembly.observe(time.monotonic() - started)
+        METRICS.prompt_history.labels(prompt.history).inc()
         return prompt

@@ -12,11 +12,11 @@ import grpc
 from google.protobuf.message import Message as ProtoMessage
 from opentelemetry import trace
 
+from chatmesh.errors import ServiceError
 from chatmesh.identity import Identity
+from chatmesh.limits import Generation
 from memory_store.errors import NotFound
 from memory_store.models import Claim, Run
-from orchestrator.errors import ServiceError
-from orchestrator.limits import Generation
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.context import RunContext

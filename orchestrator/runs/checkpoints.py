@@ -15,7 +15,7 @@ import logging
 
 from memory_store.models import Run, RunDelta
 from memory_store.store import MemoryStore
-from orchestrator.metrics import CHECKPOINTS
+from orchestrator.metrics import METRICS
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,8 @@ class Checkpointer:
                     await self._store.checkpoint_run(self._run, batch)
             except Exception as exc:
                 # The deltas stay pending: the next write (or the finish) carries them.
-                CHECKPOINTS.labels("failed").inc()
+                METRICS.checkpoints.labels("failed").inc()
                 log.warning("checkpoint of run %s failed: %s", self._run.run_id, exc)
                 continue
-            CHECKPOINTS.labels("written").inc()
+            METRICS.checkpoints.labels("written").inc()
             del self._pending[: len(batch)]

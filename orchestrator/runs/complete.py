@@ -7,12 +7,12 @@ attach to it (the caller never learnt its run id) and nothing of it is stored.
 
 from __future__ import annotations
 
+from chatmesh import limits
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import invalid
 from chatmesh.identity import Identity
 from chatmesh.tokenizer import ChatMessage
 from memory_store.ids import new_id
-from orchestrator import limits
-from orchestrator.errors import invalid
 from orchestrator.policy.refusals import checked, refused
 from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.context import RunContext

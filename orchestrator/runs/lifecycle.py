@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import not_found, unavailable
 from chatmesh.identity import Identity
+from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import FinishReason, Run, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator import convert
 from orchestrator.config import RunConfig
-from orchestrator.errors import not_found, unavailable
-from orchestrator.limits import Generation
 from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.router_client import GenerateStream, RouterClient, start_frame

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatmesh.chat.v1 import chat_pb2
-from orchestrator.errors import exhausted
-from orchestrator.metrics import SUBSCRIBERS
+from chatmesh.errors import exhausted
+from orchestrator.metrics import METRICS
 
 # started + usage + done, or started + error.
 _FRAME_EVENTS = 3
@@ -92,7 +92,7 @@ class LiveRun:
                 1.0,
             )
         self.subscribers += 1
-        SUBSCRIBERS.inc()
+        METRICS.subscribers.inc()
         try:
             position = after_seq
             while True:
@@ -105,7 +105,7 @@ class LiveRun:
                 await changed.wait()
         finally:
             self.subscribers -= 1
-            SUBSCRIBERS.dec()
+            METRICS.subscribers.dec()
 
     def text(self) -> str:
         return "".join(e.delta.text for e in self.events if e.WhichOneof("kind") == "delta")

@@ -6,12 +6,12 @@ import asyncio
 
 import grpc
 
+from chatmesh import limits
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError, not_found
 from chatmesh.identity import Identity
 from memory_store.errors import NotFound
 from memory_store.models import Role
-from orchestrator import limits
-from orchestrator.errors import ServiceError, not_found
 from orchestrator.policy.refusals import checked
 from orchestrator.runs.chat_run import ChatRun
 from orchestrator.runs.context import RunContext

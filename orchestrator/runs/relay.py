@@ -24,20 +24,14 @@ from enum import StrEnum
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2
-from memory_store.errors import MemoryStoreError
+from chatmesh.errors import ServiceError, unavailable
+from memory_store.errors import MemoryStoreError, Unavailable
 from memory_store.models import FinishedRun, FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator import convert
 from orchestrator.config import RunConfig
-from orchestrator.errors import ServiceError, from_exception, from_rpc_error, unavailable
-from orchestrator.metrics import (
-    ACTIVE_RUNS,
-    REQUEST_DURATION,
-    RUNS,
-    TIME_PER_OUTPUT_TOKEN,
-    TIME_TO_FIRST_TOKEN,
-    TOKEN_USAGE,
-)
+from orchestrator.errors import from_exception, from_rpc_error
+from orchestrator.metrics import METRICS
 from orchestrator.policy.moderation import Moderator
 from orchestrator.router_client import GenerateStream
 from orchestrator.runs.checkpoints import Checkpointer
@@ -132,7 +126,7 @@ class Relay:
     async def run(self) -> RunEnd:
         """Relays the router's frames into the run's events until the run ends; stores and publishes
         the end, and returns it."""
-        ACTIVE_RUNS.inc()
+        METRICS.active_runs.inc()
         watcher = None
         if self.stored_run is not None:
             config = self.deps.config
@@ -174,7 +168,7 @@ class Relay:
         try:
             return await self._finish(finished, error)
         finally:
-            ACTIVE_RUNS.dec()
+            METRICS.active_runs.dec()
             self._ended.set()
 
     async def _emit(self, text: str, tokens: int) -> None:
@@ -191,7 +185,7 @@ class Relay:
         self._tokens_unsent = 0
         if self._first_delta_at is None:
             self._first_delta_at = time.monotonic()
-            TIME_TO_FIRST_TOKEN.labels(self.live.info.model, self.live.info.kind).observe(
+            METRICS.time_to_first_token.labels(self.live.info.model, self.live.info.kind).observe(
                 self._first_delta_at - self.arrived_at
             )
         if self._checkpointer is not None:
@@ -278,9 +272,7 @@ class Relay:
                 async with asyncio.timeout(self.deps.config.store_deadline_s):
                     return await self.deps.store.finish_run(self.stored_run, outcome)
             except Exception as exc:
-                retryable = isinstance(exc, TimeoutError) or (
-                    isinstance(exc, MemoryStoreError) and exc.code == "UNAVAILABLE"
-                )
+                retryable = isinstance(exc, (TimeoutError, Unavailable))
                 if not retryable:
                     log.error("run %s could not be finished: %s", self.live.info.run_id, exc, exc_info=exc)
                     return None
@@ -327,11 +319,11 @@ class Relay:
     def _observe(self, status: RunStatus, reason: FinishReason | None, usage: Usage) -> None:
         info = self.live.info
         now = time.monotonic()
-        RUNS.labels(info.kind, status.value, reason.value if reason else "none").inc()
-        REQUEST_DURATION.labels(info.model, status.value).observe(now - self.arrived_at)
-        TOKEN_USAGE.labels(info.model, "input").observe(usage.prompt_tokens)
-        TOKEN_USAGE.labels(info.model, "output").observe(usage.completion_tokens)
+        METRICS.runs.labels(info.kind, status.value, reason.value if reason else "none").inc()
+        METRICS.run_duration.labels(info.model, status.value).observe(now - self.arrived_at)
+        METRICS.token_usage.labels(info.model, "input").observe(usage.prompt_tokens)
+        METRICS.token_usage.labels(info.model, "output").observe(usage.completion_tokens)
         if self._first_delta_at is not None and usage.completion_tokens > 1:
-            TIME_PER_OUTPUT_TOKEN.labels(info.model).observe(
+            METRICS.time_per_output_token.labels(info.model).observe(
                 (now - self._first_delta_at) / (usage.completion_tokens - 1)
             )

@@ -12,13 +12,13 @@ import uuid
 
 import grpc
 
+from chatmesh import limits
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError, invalid, not_found
 from chatmesh.identity import Identity
 from chatmesh.tokenizer import ChatMessage
 from memory_store.errors import NotFound
 from memory_store.models import Message, Role, RunStatus
-from orchestrator import limits
-from orchestrator.errors import ServiceError, invalid, not_found
 from orchestrator.policy.refusals import checked
 from orchestrator.runs.chat_run import ChatRun
 from orchestrator.runs.context import RunContext

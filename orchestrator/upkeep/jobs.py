@@ -14,8 +14,8 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
-from orchestrator.limits import Generation
-from orchestrator.metrics import BACKGROUND_JOBS
+from chatmesh.limits import Generation
+from orchestrator.metrics import METRICS
 from orchestrator.router_client import RouterClient, start_frame
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class BackgroundJobs:
         if key in self._tasks:
             return False
         if len(self._tasks) >= self._limit:
-            BACKGROUND_JOBS.labels(kind, "dropped").inc()
+            METRICS.background_jobs.labels(kind, "dropped").inc()
             return False
         self._tasks[key] = asyncio.create_task(self._run(kind, key, job), name=key)
         return True
@@ -44,12 +44,12 @@ class BackgroundJobs:
             async with self._slots:
                 async with asyncio.timeout(self._timeout_s):
                     await job()
-            BACKGROUND_JOBS.labels(kind, "done").inc()
+            METRICS.background_jobs.labels(kind, "done").inc()
         except asyncio.CancelledError:
-            BACKGROUND_JOBS.labels(kind, "cancelled").inc()
+            METRICS.background_jobs.labels(kind, "cancelled").inc()
             raise
         except Exception as exc:
-            BACKGROUND_JOBS.labels(kind, "failed").inc()
+            METRICS.background_jobs.labels(kind, "failed").inc()
             log.warning("background %s failed: %s", key, exc)
         finally:
             self._tasks.pop(key, None)

@@ -23,7 +23,7 @@ import logging
 from memory_store.models import FinishReason, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator.config import RunConfig
-from orchestrator.metrics import ORPHANS_REAPED
+from orchestrator.metrics import METRICS
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 
@@ -89,7 +89,7 @@ class Replica:
             ended = await self.store.finish_run(run, outcome)
             if ended.applied:
                 reaped += 1
-                ORPHANS_REAPED.inc()
+                METRICS.orphans_reaped.inc()
                 log.warning(
                     "run %s of lost replica %s marked interrupted (%d events kept)",
                     run.run_id,

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chatmesh.limits import Generation
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 from memory_store.models import ChatSummary, Message
 from memory_store.store import MemoryStore
 from orchestrator.config import SummaryConfig
-from orchestrator.limits import Generation
 from orchestrator.prompting.history import load_history
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.router_client import RouterClient

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from chatmesh.limits import Generation
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 from memory_store.store import MemoryStore
-from orchestrator.limits import Generation
 from orchestrator.router_client import RouterClient
 from orchestrator.upkeep.jobs import generate_text
 

@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-from chatmesh.errors import abort_with_retry, retry_after_s
+from chatmesh.errors import ServiceError, abort, retry_after_s
 from meshkit.launcher import free_port
 from meshkit.serving import PortInUseError, start_grpc_server
 
@@ -24,7 +24,7 @@ class SlowLoad(engine_pb2_grpc.EngineServiceServicer):
             await asyncio.sleep(0.1)
 
     async def GetLoad(self, request, context):
-        await abort_with_retry(context, grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 1.5)
+        await abort(context, ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 1.5))
 
 
 def add(server):

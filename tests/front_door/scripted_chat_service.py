@@ -28,7 +28,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2, status_pb2
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
-from chatmesh.errors import STATUS_DETAILS_KEY, abort_with_retry
+from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort
 from chatmesh.identity import Identity, identity_from_metadata
 from meshkit.serving import GrpcServer, start_grpc_server
 
@@ -218,7 +218,7 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, failure: Failure) -> None:
         if failure.retry_after_s is not None:
-            await abort_with_retry(context, failure.code, failure.message, failure.retry_after_s)
+            await abort(context, ServiceError(failure.code, failure.message, failure.retry_after_s))
         status = status_pb2.Status(code=failure.code.value[0], message=failure.message)
         if failure.error_reason:
             status.details.add().Pack(

@@ -5,12 +5,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from memory_store.config import StoreConfig, add_store_flags, parse_replication
+from memory_store.config import StoreConfig, parse_replication
 from memory_store.cursor import CursorCodec
 from memory_store.errors import InvalidArgument
 from memory_store.ids import id_time, new_id, parse_id
 from memory_store.messages import bucket_of
-from meshkit.config import ServiceArgs
+from meshkit.config import ServiceArgs, from_flags
 
 
 def test_ids_made_now_are_unique_and_strictly_increasing_in_time():
@@ -60,8 +60,9 @@ def test_every_single_character_change_to_a_cursor_is_refused():
 
 def test_store_flags_read_contact_points_and_replication():
     args = ServiceArgs("orchestrator", "test")
-    add_store_flags(args)
-    config = StoreConfig.from_args(
+    args.add_config(StoreConfig)
+    config = from_flags(
+        StoreConfig,
         args.parse(
             [
                 "--cassandra",
@@ -71,9 +72,9 @@ def test_store_flags_read_contact_points_and_replication():
                 "--cassandra-replication",
                 "NetworkTopologyStrategy:dc1=3,dc2=3",
             ]
-        )
+        ),
     )
     assert (config.contact_points, config.port) == (("10.0.0.1", "10.0.0.2"), 9142)
     assert config.replication == {"class": "NetworkTopologyStrategy", "dc1": 3, "dc2": 3}
-    assert StoreConfig.from_args(args.parse([])).contact_points == ("127.0.0.1",)
+    assert from_flags(StoreConfig, args.parse([])).contact_points == ("127.0.0.1",)
     assert parse_replication("SimpleStrategy:1") == {"class": "SimpleStrategy", "replication_factor": 1}

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError
 from chatmesh.identity import Identity
-from orchestrator.config import Limits
-from orchestrator.errors import ServiceError
-from orchestrator.limits import DEFAULT_TEMPERATURE, check_content, generation, page_size
+from chatmesh.limits import DEFAULT_TEMPERATURE, Limits, check_content, generation, page_size
 from orchestrator.policy.admission import RunSlots
 
 LIMITS = Limits()

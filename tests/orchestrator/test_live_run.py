@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError
 from memory_store.models import FinishReason, Run, RunDelta, RunStatus, Usage
-from orchestrator.errors import ServiceError
 from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.replay import INTERRUPTED_CODE, delta_event, started_event, terminal_events
 

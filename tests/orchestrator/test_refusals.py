@@ -12,7 +12,7 @@ import pytest
 from grpc.aio import AioRpcError, Metadata
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import retry_trailer
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from memory_store.errors import InvalidArgument, NotFound, Unavailable
 from orchestrator.errors import from_exception, from_rpc_error
@@ -22,7 +22,9 @@ from tests.fixtures.orchestrator import ChatClient, MeshFactory, collect
 
 def router_error(code: grpc.StatusCode, retry_after_s: float | None = None) -> AioRpcError:
     trailers = (
-        Metadata(*retry_trailer(code, "no", retry_after_s)) if retry_after_s is not None else Metadata()
+        Metadata(*ServiceError(code, "no", retry_after_s).trailer())
+        if retry_after_s is not None
+        else Metadata()
     )
     return AioRpcError(code, Metadata(), trailers, "no")
 
@@ -49,6 +51,7 @@ def test_memory_store_errors_become_the_status_they_name() -> None:
     assert from_exception(Unavailable("slow")).code == grpc.StatusCode.UNAVAILABLE
     unexpected = from_exception(KeyError("secret internals"))
     assert unexpected.code == grpc.StatusCode.INTERNAL and "secret" not in unexpected.message
+    assert "secret internals" in unexpected.private
 
 
 async def until_no_healthy_engine(router: str, timeout_s: float = 30.0) -> None:

@@ -9,12 +9,13 @@ from prometheus_client import CollectorRegistry
 
 from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.index import PrefixIndex
 from router.metrics import RouterMetrics
-from router.placement import Placer, RequestPlan, RouteError
+from router.placement import Placer, RequestPlan
 
 PROMPT = list(range(200, 200 + 100))
 
@@ -66,8 +67,8 @@ def place(placer: Placer, tier=router_pb2.TIER_FREE, admit=True, exclude=(), **p
     return placer.place(request, set(exclude), admit).engine.engine_id
 
 
-def refused(placer: Placer, **kwargs) -> RouteError:
-    with pytest.raises(RouteError) as err:
+def refused(placer: Placer, **kwargs) -> ServiceError:
+    with pytest.raises(ServiceError) as err:
         place(placer, **kwargs)
     return err.value
 

@@ -258,6 +258,6 @@ async def test_metrics_count_decisions_and_predicted_and_actual_prefix_hits(stub
     assert samples['chatmesh_router_decisions_total{policy="kv_aware"}'] >= 2
     assert samples["chatmesh_router_cached_tokens_total"] > 0
     assert samples["chatmesh_router_predicted_cached_tokens_total"] > 0
-    assert samples["gen_ai_server_time_to_first_token_seconds_count"] >= 2
+    assert samples["chatmesh_router_time_to_first_token_seconds_count"] >= 2
     for engine in router.engines:
         assert samples[f'chatmesh_router_engine_healthy{{engine="{engine.name}"}}'] == 1

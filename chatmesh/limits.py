@@ -1,16 +1,52 @@
-"""Request limits, checked before any work: each violation is INVALID_ARGUMENT naming the field.
+"""The limits every layer enforces, defined once, and the pure checks of a request against them.
 
-Pure functions of a request and ``Limits``; the budget and concurrent-run limits live in ``budget.py``.
+``Limits`` is the one definition. Its fields with a ``help`` are the ones an operator sets, and the
+orchestrator's flags are the one place to set them (``--max-message-bytes``, ``--max-model-chars``, ...,
+derived from these fields): the orchestrator checks requests against them and hands them to
+memory_store, and the edge leaves those checks to the orchestrator. The others are fixed by the API
+(chat.proto) and every layer reads them from here. Each violation is INVALID_ARGUMENT naming the field.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from chatmesh.chat.v1 import chat_pb2
-from orchestrator.config import Limits
-from orchestrator.errors import invalid, too_large
+from chatmesh.errors import invalid, too_large
+
+
+def _setting(default: int, help: str) -> Any:
+    """A limit the operator sets (a field with help text becomes an orchestrator flag)."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_message_bytes: int = _setting(32 * 1024, "largest user message (UTF-8 bytes)")
+    max_model_chars: int = _setting(128, "longest model name a request may give")
+    default_max_tokens: int = _setting(512, "answer length when a request sets none")
+    max_tokens: int = _setting(4096, "largest max_tokens a request may ask for")
+    # Fixed by the API.
+    max_stop_sequences: int = 4
+    max_stop_chars: int = 64
+    max_title_chars: int = 200
+    max_idempotency_key_chars: int = 128
+    # Chat, message and run ids (server-chosen, URL-safe).
+    max_id_chars: int = 128
+    max_chat_page: int = 100
+    default_chat_page: int = 20
+    max_message_page: int = 200
+    default_message_page: int = 50
+    # Complete: a caller-supplied conversation.
+    max_prompt_messages: int = 1000
+
+    def __post_init__(self) -> None:
+        for name in ("max_message_bytes", "max_model_chars", "default_max_tokens", "max_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
 
 # Sampling defaults when a request leaves them unset (the proto's "absent selects the default").
 DEFAULT_TEMPERATURE = 0.7

@@ -1,0 +1,53 @@
+"""Service tiers: the one table of a tier's name (JWT claim, budgets, flags, metric labels), its
+``router.v1.Tier`` on the wire, and the ``engine.v1.Priority`` the router asks engines to schedule it at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.router.v1 import router_pb2
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    proto: int  # router_pb2.Tier
+    priority: int  # engine_pb2.Priority
+
+
+_TABLE = (
+    Tier("free", router_pb2.TIER_FREE, engine_pb2.PRIORITY_LOW),
+    Tier("pro", router_pb2.TIER_PRO, engine_pb2.PRIORITY_NORMAL),
+    Tier("enterprise", router_pb2.TIER_ENTERPRISE, engine_pb2.PRIORITY_HIGH),
+)
+TIERS = tuple(tier.name for tier in _TABLE)
+# The lowest tier: what an unknown or unset tier is treated as, never trusted higher.
+DEFAULT_TIER = "free"
+_BY_NAME = {tier.name: tier for tier in _TABLE}
+_BY_PROTO = {tier.proto: tier for tier in _TABLE} | {router_pb2.TIER_UNSPECIFIED: _BY_NAME[DEFAULT_TIER]}
+# engine.v1 says PRIORITY_UNSPECIFIED is treated as PRIORITY_NORMAL.
+_PRIORITIES = {tier.priority: tier.priority for tier in _TABLE} | {
+    engine_pb2.PRIORITY_UNSPECIFIED: engine_pb2.PRIORITY_NORMAL
+}
+
+
+def tier_named(name: str) -> Tier:
+    """The tier of a name; an unknown name is the default (lowest) tier."""
+    return _BY_NAME.get(name, _BY_NAME[DEFAULT_TIER])
+
+
+def tier_of_proto(value: int) -> Tier:
+    """The tier of a ``router.v1.Tier`` value; UNSPECIFIED (or unknown) is the default (lowest) tier."""
+    return _BY_PROTO.get(value, _BY_NAME[DEFAULT_TIER])
+
+
+def is_tier_proto(value: int) -> bool:
+    """Whether a ``router.v1.Tier`` value is one this version knows (UNSPECIFIED included)."""
+    return value in _BY_PROTO
+
+
+def engine_priority(value: int) -> int | None:
+    """An ``engine.v1.Priority`` as the engine schedules it (UNSPECIFIED is NORMAL); None if unknown."""
+    return _PRIORITIES.get(value)
