@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
@@ -93,7 +94,7 @@ def parse(error: grpc.RpcError) -> ServiceError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = (error.details() if hasattr(error, "details") else None) or ""
     parsed = ServiceError(code, message)
-    trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    trailers: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     for key, value in trailers or ():
         if key != STATUS_DETAILS_KEY:
             continue

@@ -13,8 +13,8 @@ from chatmesh.router.v1 import router_pb2
 @dataclass(frozen=True)
 class Tier:
     name: str
-    proto: int  # router_pb2.Tier
-    priority: int  # engine_pb2.Priority
+    proto: router_pb2.Tier
+    priority: engine_pb2.Priority
 
 
 _TABLE = (
@@ -26,9 +26,9 @@ TIERS = tuple(tier.name for tier in _TABLE)
 # The lowest tier: what an unknown or unset tier is treated as, never trusted higher.
 DEFAULT_TIER = "free"
 _BY_NAME = {tier.name: tier for tier in _TABLE}
-_BY_PROTO = {tier.proto: tier for tier in _TABLE} | {router_pb2.TIER_UNSPECIFIED: _BY_NAME[DEFAULT_TIER]}
+_BY_PROTO: dict[int, Tier] = {int(tier.proto): tier for tier in _TABLE} | {router_pb2.TIER_UNSPECIFIED: _BY_NAME[DEFAULT_TIER]}
 # engine.v1 says PRIORITY_UNSPECIFIED is treated as PRIORITY_NORMAL.
-_PRIORITIES = {tier.priority: tier.priority for tier in _TABLE} | {
+_PRIORITIES: dict[int, engine_pb2.Priority] = {int(tier.priority): tier.priority for tier in _TABLE} | {
     engine_pb2.PRIORITY_UNSPECIFIED: engine_pb2.PRIORITY_NORMAL
 }
 
@@ -48,6 +48,6 @@ def is_tier_proto(value: int) -> bool:
     return value in _BY_PROTO
 
 
-def engine_priority(value: int) -> int | None:
+def engine_priority(value: int) -> engine_pb2.Priority | None:
     """An ``engine.v1.Priority`` as the engine schedules it (UNSPECIFIED is NORMAL); None if unknown."""
     return _PRIORITIES.get(value)

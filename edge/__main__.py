@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 from types import FrameType
 
 import uvicorn
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         create_app(settings, drain),
         host=args.host,
         port=args.port,
-        timeout_graceful_shutdown=settings.streams.drain_grace_s,
+        timeout_graceful_shutdown=math.ceil(settings.streams.drain_grace_s),
         log_level="warning",
         access_log=False,  # Envoy writes the access log
         proxy_headers=False,

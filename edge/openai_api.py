@@ -33,7 +33,7 @@ ROLES = {
 }
 
 
-def openai_finish_reason(reason: int) -> str:
+def openai_finish_reason(reason: chat_pb2.FinishReason) -> str:
     # OpenAI has no "cancelled": a stopped answer simply ended.
     name = FINISH_REASONS.get(reason) or "stop"
     return name if name in ("stop", "length", "content_filter") else "stop"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf.message import Message
@@ -43,7 +44,7 @@ class RunStream:
     async def first(self) -> chat_pb2.RunEvent:
         """The first event; a call that fails before it raises ApiError (so the HTTP status can say why)."""
         try:
-            response = await self._call.read()
+            response: Any = await self._call.read()
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
         if response is grpc.aio.EOF:
@@ -53,7 +54,7 @@ class RunStream:
     async def rest(self) -> AsyncIterator[chat_pb2.RunEvent]:
         """The events after the first; a failure mid-stream raises grpc.RpcError."""
         while True:
-            response = await self._call.read()
+            response: Any = await self._call.read()
             if response is grpc.aio.EOF:
                 return
             yield response.event
@@ -76,8 +77,10 @@ class Orchestrator:
     async def close(self) -> None:
         await self._channel.close(grace=None)
 
-    async def unary(self, method: str, request: Message, caller: Caller) -> Message:
-        """Calls ``method`` with a deadline; a failure raises the matching ApiError."""
+    async def unary(self, method: str, request: Message, caller: Caller) -> Any:
+        """Calls ``method`` with a deadline and returns its response message; a failure raises the
+        matching ApiError. (The stub's method is looked up by name, so the response type is the caller's
+        to know.)"""
         try:
             return await getattr(self._stub, method)(
                 request, metadata=caller.metadata(), timeout=self.unary_timeout_s

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -39,16 +39,21 @@ class ServedEngine(Protocol):
 
     config: EngineConfig
     tokenizer: ChatTokenizer
-    spec: ModelSpec
-    backend: str  # what computes: "cpu", "null", "cuda", "trtllm", "triton", ...
-    tensor_parallel_size: int
     instance_id: str
     context_length: int  # the longest request it takes (prompt + max_tokens)
     events: KvEventLog
     stats: EngineStats  # the load after the last step
-    failure: str  # why it stopped serving, if it did
-    on_outputs: Callable[[list[RequestOutput]], None]  # called with each step's outputs
-    on_failure: Callable[[str], None]  # called once when it stops serving
+    on_outputs: Callable[[list[RequestOutput]], Any]  # called with each step's outputs
+    on_failure: Callable[[str], Any]  # called once when it stops serving
+
+    @property
+    def spec(self) -> ModelSpec: ...
+    @property
+    def backend(self) -> str: ...  # what computes: "cpu", "null", "cuda", "trtllm", "triton", ...
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    @property
+    def failure(self) -> str: ...  # why it stopped serving, if it did
 
     def add_request(self, request: EngineRequest) -> None: ...
     def cancel(self, request_id: str) -> None: ...

@@ -151,7 +151,7 @@ class ServiceArgs:
 def from_flags(config: type[T], ns: argparse.Namespace) -> T:
     """``config`` built from parsed flags (its ``__post_init__`` validates; ValueError if invalid)."""
     values: dict[str, Any] = {}
-    for item in dataclasses.fields(config):
+    for item in dataclasses.fields(config):  # type: ignore[arg-type]  # T is a dataclass by contract
         if (nested := _nested(item)) is not None:
             values[item.name] = from_flags(nested, ns)
             continue

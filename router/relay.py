@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -136,8 +137,8 @@ class Relay:
     @staticmethod
     def _give_up(failures: list[tuple[str, AttemptFailed]], last: ServiceError | None = None) -> ServiceError:
         said = "; ".join(f"{engine_id}: {exc.message}" for engine_id, exc in failures)
-        delays = [exc.retry_after_s for _, exc in failures]
-        if all(delay is not None for delay in delays):  # every engine tried had a full queue
+        delays = [exc.retry_after_s for _, exc in failures if exc.retry_after_s is not None]
+        if failures and len(delays) == len(failures):  # every engine tried had a full queue
             return ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"every engine tried is full ({said})", min(delays)
             )
@@ -208,7 +209,7 @@ class Relay:
     ) -> engine_pb2.GenerateResponse:
         try:
             async with asyncio.timeout(timeout_s):
-                frame = await call.read()
+                frame: Any = await call.read()
         except TimeoutError:
             raise AttemptFailed(
                 "timeout", f"nothing within {timeout_s:g}s (waiting for {waiting_for})"

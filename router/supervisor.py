@@ -120,7 +120,7 @@ class EngineSupervisor:
                     exc.code() != grpc.StatusCode.ABORTED
                 ):  # ABORTED: we fell behind; anything else: the engine
                     raise
-                reason, detail = "overflow", exc.details()
+                reason, detail = "overflow", exc.details() or "the engine's event buffer overflowed"
             finally:
                 call.cancel()
             log.warning("engine %s: resyncing its KV index (%s)", self.state.engine_id, detail)
@@ -138,7 +138,7 @@ class EngineSupervisor:
                 expected = response.snapshot.sequence_number + 1
                 continue
             batch = response.batch
-            if batch.sequence_number != expected:
+            if expected is None or batch.sequence_number != expected:
                 raise _Resync(f"expected KV event batch {expected}, got {batch.sequence_number}")
             expected += 1
             for event in batch.events:
