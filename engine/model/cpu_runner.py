@@ -6,10 +6,12 @@ Per layer: RMSNorm → one fused QKV GEMM → RoPE on q and k → K/V written in
 step → attention of each token over its own sequence's blocks → output GEMM → RMSNorm → one fused
 gate|up GEMM → SwiGLU → down GEMM. Logits are computed only for rows that need them.
 
-KV cache: float32 arrays per layer, indexed by the engine core's block ids on axis 0:
+KV cache: float16 arrays per layer (``KV_DTYPE``), indexed by the engine core's block ids on axis 0:
 K ``[num_blocks, num_kv_heads, head_dim, block_size]`` (a block's keys transposed, so attention scores a
-whole block with broadcast FMAs) and V ``[num_blocks, block_size, num_kv_heads, head_dim]``. float32 keeps
-the runner numerically the reference. block_size: at most 16, or a multiple of 16.
+whole block with broadcast FMAs) and V ``[num_blocks, block_size, num_kv_heads, head_dim]``. float16, as
+llama.cpp stores its cache, halves KV memory per token against float32: K/V are rounded to nearest once,
+when written, and attention computes in float32. The rounding is per token, so it does not depend on the
+batch or the chunking. block_size: at most 16, or a multiple of 16.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from engine.model.tp.plan import RankShard, Span, plan_tensor_parallel
 from engine.model.tp.shard import take_columns, take_rows
 
 log = logging.getLogger(__name__)
+
+KV_DTYPE = np.dtype(np.float16)
 
 
 @dataclass(eq=False)
@@ -119,7 +123,7 @@ class CpuModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         cfg = self._local
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * KV_DTYPE.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self._local
@@ -129,8 +133,8 @@ class CpuModelRunner:
         v_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # np.zeros maps memory lazily (in 2 MiB huge pages where numpy gets them): the pool becomes
         # resident as blocks are first written, not at allocation.
-        self._k_cache = [np.zeros(k_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
-        self._v_cache = [np.zeros(v_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
+        self._k_cache = [np.zeros(k_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
+        self._v_cache = [np.zeros(v_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._block_size = block_size
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:

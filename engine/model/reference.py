@@ -2,6 +2,8 @@
 
 It recomputes the whole prefix for every call, so it is slow by design; it exists to be obviously right.
 Tests hold every runner (any kernels, any batch mix, any chunking, any block layout) to it.
+``kv_dtype``: the precision a runner stores K/V in (the CPU runner: float16); K and V are rounded to it
+here too, so the comparison measures the runner's arithmetic, not its storage format.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from engine.model.checkpoint import LlamaCheckpoint, RopeTables, rope_tables
 
 
 class ReferenceModel:
-    def __init__(self, checkpoint: LlamaCheckpoint) -> None:
+    def __init__(self, checkpoint: LlamaCheckpoint, kv_dtype: np.dtype = np.float32) -> None:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
+        self.kv_dtype = np.dtype(kv_dtype)
 
     def logits(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """float32 ``[len(token_ids), vocab]``: next-token logits after every prefix of ``token_ids``."""
@@ -31,6 +34,7 @@ class ReferenceModel:
             q = _rope((h @ layer.wq.dequantize().T).reshape(n, heads, hd), tables)
             k = _rope((h @ layer.wk.dequantize().T).reshape(n, kv_heads, hd), tables)
             v = (h @ layer.wv.dequantize().T).reshape(n, kv_heads, hd)
+            k, v = (a.astype(self.kv_dtype).astype(np.float32) for a in (k, v))
             group = heads // kv_heads
             k = np.repeat(k, group, axis=1)  # query head j reads kv head j // group
             v = np.repeat(v, group, axis=1)

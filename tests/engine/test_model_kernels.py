@@ -69,8 +69,8 @@ def test_native_linear_rows_do_not_depend_on_the_rest_of_the_batch(native):
 def step_inputs(block_size: int, chunks: list[tuple[int, int]]):
     """A random paged cache and a step of (start_position, length) chunks on scattered blocks."""
     num_blocks, heads, kv_heads, head_dim = 64, SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim
-    k_cache = RNG.standard_normal((num_blocks, kv_heads, head_dim, block_size)).astype(np.float32)
-    v_cache = RNG.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    k_cache = RNG.standard_normal((num_blocks, kv_heads, head_dim, block_size)).astype(np.float16)
+    v_cache = RNG.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float16)
     free = list(RNG.permutation(num_blocks))
     seq_chunks = []
     for start, length in chunks:

@@ -2,8 +2,13 @@
 
 Tolerances: the native kernels compute every weight exactly as the reference does (bit-identical
 dequantization) but sum in another order, and the numpy kernels' BLAS may sum differently for different
-batch shapes; both move logits by float32 rounding only, measured at < 2e-3 on logits of size ~25.
-``LOGIT_TOL`` = 0.02 leaves a 10x margin. Greedy tokens must then be identical, except where the two
+batch shapes; with a float32 KV cache both moved logits (size ~25) by < 2e-3. The cache now stores K/V in
+float16 (``KV_DTYPE``) and the reference rounds K/V to float16 likewise, so storage is not what is
+compared; but a float32 rounding difference that straddles a float16 rounding boundary moves that K/V
+element by a whole float16 step (8,192 float32 steps), and those flips carry through 30 layers:
+measured max |logit difference| 0.032 (native) and 0.021 (numpy) over these prompts' 36 tokens (against
+0.024 and 0.029 for the float16 cache vs a float32 reference). ``LOGIT_TOL`` = 0.05.
+Greedy tokens must then be identical, except where the two
 best logits are within ``LOGIT_TOL`` of each other (a near-tie that rounding may legitimately flip).
 The native kernels are batch-invariant, so batching and chunking must not change a single bit there.
 """
@@ -13,11 +18,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.model.cpu_runner import CpuModelRunner
+from engine.model.checkpoint import LlamaCheckpoint
+from engine.model.cpu_runner import KV_DTYPE, CpuModelRunner
 from engine.model.paged_driver import Generation, PagedDriver
 from engine.model.reference import ReferenceModel
 
-LOGIT_TOL = 0.02
+LOGIT_TOL = 0.05
 NEW_TOKENS = 12
 
 CHATS = [
@@ -25,6 +31,11 @@ CHATS = [
     "Give me one tip for writing clear code.",
     "Translate 'good morning' into Spanish.",
 ]
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(model_checkpoint: LlamaCheckpoint) -> ReferenceModel:
+    return ReferenceModel(model_checkpoint, kv_dtype=KV_DTYPE)
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +71,12 @@ def assert_same_generation(a: Generation, b: Generation, bit_exact: bool) -> Non
     assert a.tokens == b.tokens
 
 
-def test_paged_greedy_decoding_matches_the_reference_forward(cpu_runner, reference_model, prompts):
+def test_paged_greedy_decoding_matches_the_reference_forward(cpu_runner, cpu_reference, prompts):
     driver = PagedDriver(cpu_runner, num_blocks=64, block_size=16, shuffle_seed=7)
     gens = driver.generate(prompts, NEW_TOKENS, keep_logits=True)
     for gen in gens:
         assert len(gen.tokens) == NEW_TOKENS
-        assert_greedy_matches_reference(gen, reference_model)
+        assert_greedy_matches_reference(gen, cpu_reference)
 
 
 def test_the_model_knows_the_capital_of_france(cpu_runner, chat_tokenizer, prompts):

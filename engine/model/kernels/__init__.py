@@ -41,7 +41,7 @@ class Kernels(Protocol):
         self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
     ) -> np.ndarray:
         """Causal attention of every token's query heads (the leading columns of ``qkv``) over its own
-        sequence's cached K/V, positions 0..pos. Returns [T, num_heads * head_dim]."""
+        sequence's cached K/V (float16), positions 0..pos. Returns [T, num_heads * head_dim]."""
         ...
 
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:

@@ -65,6 +65,11 @@ def _f32(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _f16(a: np.ndarray) -> np.ndarray:
+    assert a.dtype == np.float16 and a.flags.c_contiguous, (a.dtype, a.flags)
+    return a
+
+
 class NativeKernels:
     name = "native"
 
@@ -132,7 +137,7 @@ class NativeKernels:
     def attention(
         self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
     ) -> np.ndarray:
-        _f32(qkv), _f32(k_cache), _f32(v_cache)
+        _f32(qkv), _f16(k_cache), _f16(v_cache)
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         out = np.empty((len(qkv), num_heads * head_dim), dtype=np.float32)
         self.lib.cm_attention(

@@ -47,6 +47,7 @@ class NumpyKernels:
             blocks = batch.block_tables[c, : -(-span // block_size)]
             keys = k_cache[blocks].transpose(0, 3, 1, 2).reshape(-1, num_kv_heads, head_dim)[:span]
             values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:span]
+            keys, values = keys.astype(np.float32), values.astype(np.float32)  # float16 in the cache
             q = qkv[r0:r1, : num_heads * head_dim].reshape(r1 - r0, num_kv_heads, group, head_dim)
             scores = np.einsum("nkgd,lkd->kgnl", q, keys) * scale
             scores[..., np.arange(span)[None, :] > positions[:, None]] = -np.inf
