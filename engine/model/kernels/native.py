@@ -1,4 +1,4 @@
-"""ctypes face of the native kernels (gemm.c, attention.c; tp_barrier.c for tensor parallelism). Weights stay in GGUF's quantized numbers."""
+"""ctypes face of the native kernels (gemm.c, gemm_q8.c, attention.c; tp_barrier.c for tensor parallelism). Weights stay in GGUF's quantized numbers."""
 
 from __future__ import annotations
 
@@ -11,16 +11,19 @@ import numpy as np
 
 from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
 from engine.model.kernels.build import KernelBuildError, ensure_built
-from engine.model.kernels.packing import PackedMatrix, pack
+from engine.model.kernels.packing import VNNI_FORMATS, PackedMatrix, pack
 from engine.model.step_batch import StepBatch
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "cm_cpu_supported": (ctypes.c_int, []),
+    "cm_cpu_supports_vnni": (ctypes.c_int, []),
     "cm_set_threads": (None, [_I]),
     "cm_get_threads": (ctypes.c_int, []),
     "cm_gemm": (None, [_I, _P, _L, _I, _I, _P, _I, _P, _L]),
     "cm_unpack": (None, [_I, _P, _I, _I, _P]),
+    "cm_gemm_q8": (None, [_I, _P, _L, _I, _I, _P, _I, _P, _L]),
+    "cm_unpack_q8": (None, [_I, _P, _I, _I, _P]),
     "cm_attention": (None, [_P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _F, _P]),
     "cm_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
     "cm_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _P]),
@@ -71,10 +74,14 @@ def _f16(a: np.ndarray) -> np.ndarray:
 
 
 class NativeKernels:
-    name = "native"
-
-    def __init__(self, num_threads: int | None = None) -> None:
+    def __init__(self, num_threads: int | None = None, q8_activations: bool = False) -> None:
+        """``q8_activations``: Q4_1/Q8_0 weights multiply activations rounded to 8 bits, with VNNI
+        ("native-int8"); else float32 activations (the reference's numbers)."""
+        self.q8_activations = q8_activations
+        self.name = "native-int8" if q8_activations else "native"
         self.lib = load_library()
+        if q8_activations and not self.lib.cm_cpu_supports_vnni():
+            raise NativeUnavailable("native-int8 needs AVX-512 VNNI, which this CPU lacks")
         self.num_threads = num_threads or len(os.sched_getaffinity(0))
         self.lib.cm_set_threads(self.num_threads)
 
@@ -88,13 +95,14 @@ class NativeKernels:
             )
 
     def pack(self, matrix: WeightMatrix) -> PackedMatrix:
-        return pack(matrix)
+        return pack(matrix, int8=self.q8_activations)
 
     def linear(self, x: np.ndarray, packed: PackedMatrix) -> np.ndarray:
         _f32(x)
         rows = x.shape[0]
         out = np.empty((rows, packed.out_features), dtype=np.float32)
-        self.lib.cm_gemm(
+        gemm = self.lib.cm_gemm_q8 if packed.fmt in VNNI_FORMATS else self.lib.cm_gemm
+        gemm(
             packed.fmt,
             _ptr(x),
             x.shape[1],
@@ -110,7 +118,8 @@ class NativeKernels:
     def unpack(self, packed: PackedMatrix) -> np.ndarray:
         """float32 [out, in] as the GEMM sees it (quantized formats only; for tests)."""
         out = np.empty((packed.out_features, packed.in_features), dtype=np.float32)
-        self.lib.cm_unpack(packed.fmt, _ptr(packed.data), packed.in_features, packed.out_features, _ptr(out))
+        unpack = self.lib.cm_unpack_q8 if packed.fmt in VNNI_FORMATS else self.lib.cm_unpack
+        unpack(packed.fmt, _ptr(packed.data), packed.in_features, packed.out_features, _ptr(out))
         return out
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -14,6 +14,7 @@ from engine.model.step_batch import StepBatch
 
 class NumpyKernels:
     name = "numpy"
+    q8_activations = False
 
     def pack(self, matrix: WeightMatrix) -> np.ndarray:
         return matrix.dequantize().T  # [in, out] view: x @ w is a plain GEMM
