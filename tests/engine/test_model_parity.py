@@ -151,3 +151,38 @@ def test_only_chunks_that_need_logits_return_them(native_runner: CpuModelRunner,
     logits = native_runner.execute(chunks)
     assert logits.shape == (1, native_runner.spec.vocab_size)
     assert logits.dtype == np.float32
+
+
+@pytest.mark.parametrize("kernels", ["native", "native_int8"])
+def test_the_native_layer_stack_equals_the_per_kernel_loop_bit_for_bit(
+    request, kernels, prompts, monkeypatch
+):
+    """One C call for all layers (layer_stack.c) against the runner's loop of kernel calls, which tensor-
+    parallel ranks use: same logits, same KV cache, over a prefill step and a mixed prefill+decode step."""
+    runner: CpuModelRunner = request.getfixturevalue(f"{kernels}_runner")
+    from engine.model.runner import SequenceChunk
+
+    def run() -> tuple[list[np.ndarray], list[np.ndarray]]:
+        runner.allocate_kv_cache(32, 16)
+        first = np.asarray(prompts[0], dtype=np.int32)
+        second = np.asarray(prompts[1], dtype=np.int32)
+        logits = [runner.execute([SequenceChunk(first, 0, np.array([7, 3, 12], dtype=np.int32), True)])]
+        logits.append(
+            runner.execute(
+                [
+                    SequenceChunk(first[:1], len(first), np.array([7, 3, 12], dtype=np.int32), True),
+                    SequenceChunk(second, 0, np.array([20, 1, 9], dtype=np.int32), True),
+                ]
+            )
+        )
+        return logits, [*runner._k_cache, *runner._v_cache]
+
+    stacked_logits, stacked_cache = run()
+    assert runner._layer_stack, "the native kernels run the layer stack in one call"
+    monkeypatch.setattr(runner.kernels, "layer_stack", lambda *args: None)
+    looped_logits, looped_cache = run()
+    assert not runner._layer_stack
+    monkeypatch.undo()
+    runner.allocate_kv_cache(32, 16)  # the session's runner gets its layer stack back
+    for a, b in zip(stacked_logits + stacked_cache, looped_logits + looped_cache, strict=True):
+        np.testing.assert_array_equal(a, b)

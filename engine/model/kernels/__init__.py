@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -33,6 +34,13 @@ class Kernels(Protocol):
 
     def linear(self, x: np.ndarray, packed: object) -> np.ndarray:
         """x [T, in] float32 → x @ W.T [T, out] float32."""
+        ...
+
+    def layer_stack(
+        self, layers: list, k_cache: list, v_cache: list, tables: RopeTables, config: LlamaConfig
+    ) -> Callable[[np.ndarray, StepBatch], None] | None:
+        """Every decoder layer of a step in one call, ``stack(x, batch)`` updating x [T, hidden] in
+        place, bit-identical to the runner's per-kernel loop; or None: the runner runs that loop."""
         ...
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray: ...

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("gemm.c", "gemm_q8.c", "attention.c", "pool.c", "tp_barrier.c")
+SOURCES = ("gemm.c", "gemm_q8.c", "attention.c", "layer_stack.c", "pool.c", "tp_barrier.c")
 # Only the int8 GEMM may use VNNI: the rest of the library must run on AVX-512 CPUs without it.
 EXTRA_FLAGS = {"gemm_q8.c": ("-mavx512vnni",)}
 HEADERS = ("pool.h",)

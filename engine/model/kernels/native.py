@@ -28,9 +28,39 @@ _SIGNATURES = {
     "cm_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
     "cm_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _P]),
     "cm_silu_mul": (None, [_P, _I, _I, _P]),
+    "cm_layer_stack": (ctypes.c_int, [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I]),
     "cm_tp_arrive": (ctypes.c_uint32, [_P, _I]),
     "cm_tp_wait": (ctypes.c_int, [_P, ctypes.c_uint32, _I]),
 }
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int), ("out_features", ctypes.c_int), ("data", _P)]
+
+
+class _Layer(ctypes.Structure):  # layer_stack.c: cm_layer
+    _fields_ = [
+        ("attn_norm", _P),
+        ("ffn_norm", _P),
+        ("qkv", _Matrix),
+        ("wo", _Matrix),
+        ("gate_up", _Matrix),
+        ("down", _Matrix),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
+
+
+class _Model(ctypes.Structure):  # layer_stack.c: cm_model
+    _fields_ = [
+        *((name, ctypes.c_int) for name in ("num_layers", "hidden", "ffn", "num_heads", "num_kv_heads")),
+        ("head_dim", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("eps", _F),
+        ("scale", _F),
+        ("rope_cos", _P),
+        ("rope_sin", _P),
+    ]
 
 
 class NativeUnavailable(RuntimeError):
@@ -71,6 +101,73 @@ def _f32(a: np.ndarray) -> np.ndarray:
 def _f16(a: np.ndarray) -> np.ndarray:
     assert a.dtype == np.float16 and a.flags.c_contiguous, (a.dtype, a.flags)
     return a
+
+
+class NativeLayerStack:
+    """All decoder layers of a step in one C call (layer_stack.c). Holds pointers into the weights, the
+    norms, the RoPE tables and the KV cache it was built over: they must outlive it, unchanged."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layers: list,
+        k_cache: list,
+        v_cache: list,
+        tables: RopeTables,
+        config: LlamaConfig,
+    ) -> None:
+        def matrix(m: PackedMatrix) -> _Matrix:
+            return _Matrix(m.fmt, m.out_features, _ptr(m.data))
+
+        self._lib = lib
+        self._keep = (layers, k_cache, v_cache, tables)
+        self._layers = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    _ptr(_f32(layer.attn_norm)),
+                    _ptr(_f32(layer.ffn_norm)),
+                    matrix(layer.qkv),
+                    matrix(layer.wo),
+                    matrix(layer.gate_up),
+                    matrix(layer.down),
+                    _ptr(_f16(k)),
+                    _ptr(_f16(v)),
+                )
+                for layer, k, v in zip(layers, k_cache, v_cache, strict=True)
+            )
+        )
+        self._model = _Model(
+            len(layers),
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            v_cache[0].shape[1],
+            config.rms_norm_eps,
+            1.0 / float(np.sqrt(config.head_dim)),
+            _ptr(_f32(tables.cos)),
+            _ptr(_f32(tables.sin)),
+        )
+
+    def __call__(self, x: np.ndarray, batch: StepBatch) -> None:
+        """Runs every layer over x [T, hidden] in place."""
+        _f32(x)
+        assert batch.slots.dtype == np.int64 and batch.token_seq.dtype == np.int32
+        status = self._lib.cm_layer_stack(
+            ctypes.byref(self._model),
+            self._layers,
+            _ptr(x),
+            len(x),
+            _ptr(batch.positions),
+            _ptr(batch.slots),
+            _ptr(batch.token_seq),
+            _ptr(batch.block_tables),
+            batch.block_tables.shape[1],
+            batch.max_len,
+        )
+        if status != 0:
+            raise MemoryError("the layer stack could not allocate its scratch buffers")
 
 
 class NativeKernels:
@@ -114,6 +211,11 @@ class NativeKernels:
             packed.out_features,
         )
         return out
+
+    def layer_stack(
+        self, layers: list, k_cache: list, v_cache: list, tables: RopeTables, config: LlamaConfig
+    ) -> NativeLayerStack:
+        return NativeLayerStack(self.lib, layers, k_cache, v_cache, tables, config)
 
     def unpack(self, packed: PackedMatrix) -> np.ndarray:
         """float32 [out, in] as the GEMM sees it (quantized formats only; for tests)."""
