@@ -140,9 +140,10 @@ class CpuModelRunner:
         self._v_cache = [np.zeros(v_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._block_size = block_size
         # A tensor-parallel rank all-reduces between kernels: it runs the per-kernel loop.
-        single = isinstance(self._collective, SingleRank)
-        self._layer_stack = single and self.kernels.layer_stack(
-            self._layers, self._k_cache, self._v_cache, self._rope, cfg
+        self._layer_stack = (
+            self.kernels.layer_stack(self._layers, self._k_cache, self._v_cache, self._rope, cfg)
+            if isinstance(self._collective, SingleRank)
+            else None
         )
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
