@@ -1,8 +1,11 @@
 """Where a CPU runner step spends its time: each kernel call timed, per step, for a few workloads.
 
-    flock /tmp/chatmesh-bench.lock .venv/bin/python bench/profile_runner.py [--kernels native|numpy] [--threads 2]
+    flock /tmp/chatmesh-bench.lock .venv/bin/python bench/profile_runner.py [--kernels native|native-int8|numpy] [--threads 2]
 
 "other" is everything outside the kernels: Python, batch assembly, KV writes, the embedding lookup.
+Kernel calls can only be timed one by one in the runner's per-kernel loop, so the native kernels' layer
+stack (all layers in one C call, bench_engine's configuration) is switched off here: "other" is larger
+than in a real step by what the one-call stack saves.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     runner = CpuModelRunner.from_gguf(bundled_model_path(), num_threads=args.threads, kernels=args.kernels)
+    runner.kernels.layer_stack = lambda *args: None  # the per-kernel loop, whose calls can be timed
     runner.allocate_kv_cache(4096, 16)
     spent: collections.Counter[str] = collections.Counter()
     for name in KERNELS:

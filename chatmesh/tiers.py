@@ -26,7 +26,9 @@ TIERS = tuple(tier.name for tier in _TABLE)
 # The lowest tier: what an unknown or unset tier is treated as, never trusted higher.
 DEFAULT_TIER = "free"
 _BY_NAME = {tier.name: tier for tier in _TABLE}
-_BY_PROTO: dict[int, Tier] = {int(tier.proto): tier for tier in _TABLE} | {router_pb2.TIER_UNSPECIFIED: _BY_NAME[DEFAULT_TIER]}
+_BY_PROTO: dict[int, Tier] = {int(tier.proto): tier for tier in _TABLE} | {
+    router_pb2.TIER_UNSPECIFIED: _BY_NAME[DEFAULT_TIER]
+}
 # engine.v1 says PRIORITY_UNSPECIFIED is treated as PRIORITY_NORMAL.
 _PRIORITIES: dict[int, engine_pb2.Priority] = {int(tier.priority): tier.priority for tier in _TABLE} | {
     engine_pb2.PRIORITY_UNSPECIFIED: engine_pb2.PRIORITY_NORMAL

@@ -4,12 +4,16 @@ Per step, the tokens of all chunks (prefill chunks and decode tokens alike) are 
 ``[T, hidden]`` activation, so each weight matrix is read once per step and applied with one GEMM.
 Per layer: RMSNorm → one fused QKV GEMM → RoPE on q and k → K/V written into the cache slots of this
 step → attention of each token over its own sequence's blocks → output GEMM → RMSNorm → one fused
-gate|up GEMM → SwiGLU → down GEMM. Logits are computed only for rows that need them.
+gate|up GEMM → SwiGLU → down GEMM. Logits are computed only for rows that need them. The native kernels
+run the whole layer stack in one C call (``layer_stack``); the numpy kernels and tensor-parallel ranks
+(which all-reduce between kernels) run the same sequence one kernel call at a time (``_run_layers``).
 
-KV cache: float32 arrays per layer, indexed by the engine core's block ids on axis 0:
+KV cache: float16 arrays per layer (``KV_DTYPE``), indexed by the engine core's block ids on axis 0:
 K ``[num_blocks, num_kv_heads, head_dim, block_size]`` (a block's keys transposed, so attention scores a
-whole block with broadcast FMAs) and V ``[num_blocks, block_size, num_kv_heads, head_dim]``. float32 keeps
-the runner numerically the reference. block_size: at most 16, or a multiple of 16.
+whole block with broadcast FMAs) and V ``[num_blocks, block_size, num_kv_heads, head_dim]``. float16, as
+llama.cpp stores its cache, halves KV memory per token against float32: K/V are rounded to nearest once,
+when written, and attention computes in float32. The rounding is per token, so it does not depend on the
+batch or the chunking. block_size: at most 16, or a multiple of 16.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from engine.model.tp.plan import RankShard, Span, plan_tensor_parallel
 from engine.model.tp.shard import take_columns, take_rows
 
 log = logging.getLogger(__name__)
+
+KV_DTYPE = np.dtype(np.float16)
 
 
 @dataclass(eq=False)
@@ -96,6 +102,7 @@ class CpuModelRunner:
         self._k_cache: list[np.ndarray] = []
         self._v_cache: list[np.ndarray] = []
         self._block_size = 0
+        self._layer_stack = None  # every layer in one kernel call, where the kernels offer it
 
     @classmethod
     def from_gguf(
@@ -119,7 +126,7 @@ class CpuModelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         cfg = self._local
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * KV_DTYPE.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         cfg = self._local
@@ -129,9 +136,15 @@ class CpuModelRunner:
         v_shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # np.zeros maps memory lazily (in 2 MiB huge pages where numpy gets them): the pool becomes
         # resident as blocks are first written, not at allocation.
-        self._k_cache = [np.zeros(k_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
-        self._v_cache = [np.zeros(v_shape, dtype=np.float32) for _ in range(cfg.num_layers)]
+        self._k_cache = [np.zeros(k_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
+        self._v_cache = [np.zeros(v_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._block_size = block_size
+        # A tensor-parallel rank all-reduces between kernels: it runs the per-kernel loop.
+        self._layer_stack = (
+            self.kernels.layer_stack(self._layers, self._k_cache, self._v_cache, self._rope, cfg)
+            if isinstance(self._collective, SingleRank)
+            else None
+        )
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         return self.forward(self.step_batch(chunks))
@@ -143,12 +156,24 @@ class CpuModelRunner:
 
     def forward(self, batch: StepBatch) -> np.ndarray | None:
         """The step's logits (on a tensor-parallel rank other than 0: None, its share went to rank 0)."""
+        cfg, ops = self._local, self.kernels
+        x = self._embedding.dequantize_rows(batch.token_ids)
+        if self._layer_stack:
+            self._layer_stack(x, batch)
+        else:
+            self._run_layers(x, batch)
+        assert x.dtype == np.float32, "float64 crept into the activations"
+        if len(batch.logit_rows) == 0:
+            return np.empty((0, cfg.vocab_size), dtype=np.float32)
+        h = ops.rms_norm(np.ascontiguousarray(x[batch.logit_rows]), self._output_norm, cfg.rms_norm_eps)
+        return self._collective.gather_logits(ops.linear(h, self._lm_head), self._vocab)
+
+    def _run_layers(self, x: np.ndarray, batch: StepBatch) -> None:
+        """Every decoder layer over x in place, one kernel call at a time."""
         cfg, ops, reduce = self._local, self.kernels, self._collective.all_reduce
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_width, kv_width = heads * hd, kv_heads * hd
         slot_block, slot_offset = np.divmod(batch.slots, self._block_size)
-
-        x = self._embedding.dequantize_rows(batch.token_ids)
         for layer, k_cache, v_cache in zip(self._layers, self._k_cache, self._v_cache, strict=True):
             h = ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = ops.linear(h, layer.qkv)
@@ -161,14 +186,9 @@ class CpuModelRunner:
             x += reduce(ops.linear(attn, layer.wo))
             h = ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             x += reduce(ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down))
-        assert x.dtype == np.float32, "float64 crept into the activations"
-        if len(batch.logit_rows) == 0:
-            return np.empty((0, cfg.vocab_size), dtype=np.float32)
-        h = ops.rms_norm(np.ascontiguousarray(x[batch.logit_rows]), self._output_norm, cfg.rms_norm_eps)
-        return self._collective.gather_logits(ops.linear(h, self._lm_head), self._vocab)
 
     def close(self) -> None:
-        self._k_cache, self._v_cache = [], []
+        self._k_cache, self._v_cache, self._layer_stack = [], [], None
 
 
 def _scaled(heads: Span, head_dim: int) -> Span:

@@ -2,19 +2,28 @@
 
 It recomputes the whole prefix for every call, so it is slow by design; it exists to be obviously right.
 Tests hold every runner (any kernels, any batch mix, any chunking, any block layout) to it.
+Two options model a runner's deliberate roundings, so that the comparison measures its arithmetic:
+``kv_dtype``, the precision it stores K/V in (the CPU runner: float16), and ``q8_activations``: the input
+of every Q4_1/Q8_0 matrix is rounded to Q8 blocks first (``engine.model.q8_activations``), as the CPU
+runner's int8 GEMM (and llama.cpp) does. The defaults are the plain float32 forward.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from engine.model.checkpoint import LlamaCheckpoint, RopeTables, rope_tables
+from engine.model.checkpoint import LlamaCheckpoint, RopeTables, WeightMatrix, rope_tables
+from engine.model.q8_activations import Q8_ACTIVATION_TYPES, round_to_q8
 
 
 class ReferenceModel:
-    def __init__(self, checkpoint: LlamaCheckpoint) -> None:
+    def __init__(
+        self, checkpoint: LlamaCheckpoint, kv_dtype: np.dtype = np.float32, q8_activations: bool = False
+    ) -> None:
         self.checkpoint = checkpoint
         self.config = checkpoint.config
+        self.kv_dtype = np.dtype(kv_dtype)
+        self.q8_activations = q8_activations
 
     def logits(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
         """float32 ``[len(token_ids), vocab]``: next-token logits after every prefix of ``token_ids``."""
@@ -28,9 +37,10 @@ class ReferenceModel:
         x = ckpt.token_embedding.dequantize_rows(np.asarray(token_ids))
         for layer in ckpt.layers:
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q = _rope((h @ layer.wq.dequantize().T).reshape(n, heads, hd), tables)
-            k = _rope((h @ layer.wk.dequantize().T).reshape(n, kv_heads, hd), tables)
-            v = (h @ layer.wv.dequantize().T).reshape(n, kv_heads, hd)
+            q = _rope(self._linear(h, layer.wq).reshape(n, heads, hd), tables)
+            k = _rope(self._linear(h, layer.wk).reshape(n, kv_heads, hd), tables)
+            v = self._linear(h, layer.wv).reshape(n, kv_heads, hd)
+            k, v = (a.astype(self.kv_dtype).astype(np.float32) for a in (k, v))
             group = heads // kv_heads
             k = np.repeat(k, group, axis=1)  # query head j reads kv head j // group
             v = np.repeat(v, group, axis=1)
@@ -38,14 +48,19 @@ class ReferenceModel:
             probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)
             attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * hd)
-            x = x + attn @ layer.wo.dequantize().T
+            x = x + self._linear(attn, layer.wo)
             h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate = h @ layer.w_gate.dequantize().T
-            up = h @ layer.w_up.dequantize().T
-            x = x + (gate / (1.0 + np.exp(-gate)) * up) @ layer.w_down.dequantize().T
+            gate = self._linear(h, layer.w_gate)
+            up = self._linear(h, layer.w_up)
+            x = x + self._linear(gate / (1.0 + np.exp(-gate)) * up, layer.w_down)
             assert x.dtype == np.float32, "float64 crept into the activations"
         x = _rms_norm(x, ckpt.output_norm, cfg.rms_norm_eps)
-        return x @ ckpt.lm_head.dequantize().T
+        return self._linear(x, ckpt.lm_head)
+
+    def _linear(self, x: np.ndarray, matrix: WeightMatrix) -> np.ndarray:
+        if self.q8_activations and matrix.qtype in Q8_ACTIVATION_TYPES:
+            x = round_to_q8(x)
+        return x @ matrix.dequantize().T
 
     def greedy(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> list[int]:
         """Greedy continuation of ``prompt`` (at most ``max_new_tokens``, ending early at a stop id)."""

@@ -12,7 +12,14 @@ from engine.model.checkpoint import LlamaConfig, WeightMatrix, rope_tables
 from engine.model.kernels import select_kernels
 from engine.model.kernels.native import NativeKernels, NativeUnavailable
 from engine.model.kernels.numpy_kernels import NumpyKernels
-from engine.model.kernels.packing import FORMAT_F32, FORMAT_Q4_1, FORMAT_Q8_0
+from engine.model.kernels.packing import (
+    FORMAT_F32,
+    FORMAT_Q4_1,
+    FORMAT_Q4_1_VNNI,
+    FORMAT_Q8_0,
+    FORMAT_Q8_0_VNNI,
+)
+from engine.model.q8_activations import round_to_q8
 from engine.model.runner import SequenceChunk
 from engine.model.step_batch import build_step_batch
 from tests.fixtures.model import require_native
@@ -28,6 +35,12 @@ def native() -> NativeKernels:
     return NativeKernels(num_threads=2)
 
 
+@pytest.fixture(scope="module")
+def native_int8() -> NativeKernels:
+    require_native()
+    return NativeKernels(num_threads=2, q8_activations=True)
+
+
 def random_matrix(qtype: QType, out_features: int, in_features: int) -> WeightMatrix:
     values = RNG.standard_normal((out_features, in_features)).astype(np.float32)
     if qtype == QType.F32:
@@ -36,16 +49,24 @@ def random_matrix(qtype: QType, out_features: int, in_features: int) -> WeightMa
 
 
 @pytest.mark.parametrize(
-    ("qtype", "fmt"), [(QType.Q4_1, FORMAT_Q4_1), (QType.Q8_0, FORMAT_Q8_0), (QType.F16, FORMAT_F32)]
+    ("qtype", "fmt", "int8"),
+    [
+        (QType.Q4_1, FORMAT_Q4_1, False),
+        (QType.Q8_0, FORMAT_Q8_0, False),
+        (QType.F16, FORMAT_F32, False),
+        (QType.Q4_1, FORMAT_Q4_1_VNNI, True),
+        (QType.Q8_0, FORMAT_Q8_0_VNNI, True),
+    ],
 )
-def test_packed_weights_expand_to_exactly_ggufs_dequantized_values(native, qtype, fmt):
+def test_packed_weights_expand_to_exactly_ggufs_dequantized_values(native, native_int8, qtype, fmt, int8):
+    kernels = native_int8 if int8 else native
     matrix = random_matrix(qtype, 40, 96)  # 40 rows: two full panels and a partial one
-    packed = native.pack(matrix)
+    packed = kernels.pack(matrix)
     assert packed.fmt == fmt
     if fmt == FORMAT_F32:
         unpacked = packed.data.transpose(0, 2, 1).reshape(-1, 96)[:40]
     else:
-        unpacked = native.unpack(packed)
+        unpacked = kernels.unpack(packed)
     np.testing.assert_array_equal(unpacked, matrix.dequantize())
 
 
@@ -58,19 +79,45 @@ def test_native_linear_matches_float32_matmul(native, qtype, rows):
     np.testing.assert_allclose(native.linear(x, native.pack(matrix)), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_native_linear_rows_do_not_depend_on_the_rest_of_the_batch(native):
-    packed = native.pack(random_matrix(QType.Q4_1, 96, 576))
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.F32])
+@pytest.mark.parametrize("rows", [1, 5, 13, 40])
+def test_int8_linear_matches_float32_matmul_of_q8_rounded_activations(native_int8, qtype, rows):
+    # Q4_1/Q8_0: int8 codes of x times the weights' codes; exact integer sums, so within float32
+    # rounding of round_to_q8(x) @ W.T. Other formats: float32 x @ W.T, as in the float32 kernels.
+    matrix = random_matrix(qtype, 200, 160)
+    x = RNG.standard_normal((rows, 160)).astype(np.float32)
+    seen = x if qtype == QType.F32 else round_to_q8(x)
+    expected = seen.astype(np.float64) @ matrix.dequantize().T.astype(np.float64)
+    np.testing.assert_allclose(
+        native_int8.linear(x, native_int8.pack(matrix)), expected, rtol=1e-4, atol=1e-4
+    )
+
+
+def test_q8_rounding_keeps_each_block_within_half_a_code():
+    x = RNG.standard_normal((3, 96)).astype(np.float32) * np.float32(10)
+    x[1, 32:64] = 0  # an all-zero block stays zero
+    rounded = round_to_q8(x)
+    step = np.abs(x).reshape(3, 3, 32).max(axis=-1, keepdims=True) / 127
+    assert (np.abs(rounded - x).reshape(3, 3, 32) <= step / 2 * (1 + 1e-5)).all()
+    assert (rounded[1, 32:64] == 0).all()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+def test_native_linear_rows_do_not_depend_on_the_rest_of_the_batch(native, native_int8, qtype, int8):
+    kernels = native_int8 if int8 else native
+    packed = kernels.pack(random_matrix(qtype, 96, 576))
     x = RNG.standard_normal((37, 576)).astype(np.float32)
-    together = native.linear(x, packed)
+    together = kernels.linear(x, packed)
     for i in (0, 12, 36):
-        np.testing.assert_array_equal(native.linear(x[i : i + 1], packed)[0], together[i])
+        np.testing.assert_array_equal(kernels.linear(x[i : i + 1], packed)[0], together[i])
 
 
 def step_inputs(block_size: int, chunks: list[tuple[int, int]]):
     """A random paged cache and a step of (start_position, length) chunks on scattered blocks."""
     num_blocks, heads, kv_heads, head_dim = 64, SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim
-    k_cache = RNG.standard_normal((num_blocks, kv_heads, head_dim, block_size)).astype(np.float32)
-    v_cache = RNG.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float32)
+    k_cache = RNG.standard_normal((num_blocks, kv_heads, head_dim, block_size)).astype(np.float16)
+    v_cache = RNG.standard_normal((num_blocks, block_size, kv_heads, head_dim)).astype(np.float16)
     free = list(RNG.permutation(num_blocks))
     seq_chunks = []
     for start, length in chunks:
@@ -124,7 +171,7 @@ def test_native_elementwise_kernels_match_numpy(native):
 
 
 def test_auto_selection_falls_back_to_numpy_when_native_is_unavailable(monkeypatch):
-    def unavailable(num_threads=None):
+    def unavailable(num_threads=None, q8_activations=False):
         raise NativeUnavailable("no compiler in this test")
 
     monkeypatch.setattr("engine.model.kernels.native.NativeKernels", unavailable)

@@ -22,8 +22,8 @@ def test_spec_describes_smollm2(native_runner: CpuModelRunner, chat_tokenizer):
     )
     assert native_runner.spec.name == chat_tokenizer.model_name
     assert (native_runner.backend, native_runner.tensor_parallel_size) == ("cpu", 1)
-    # K and V, 30 layers, 16 positions, 3 kv heads of 64 float32 values
-    assert native_runner.kv_bytes_per_block(16) == 2 * 30 * 16 * 3 * 64 * 4
+    # K and V, 30 layers, 16 positions, 3 kv heads of 64 float16 values
+    assert native_runner.kv_bytes_per_block(16) == 2 * 30 * 16 * 3 * 64 * 2
 
 
 def test_header_reader_agrees_with_ggufs_reader():

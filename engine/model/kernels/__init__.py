@@ -1,15 +1,19 @@
 """Numeric kernels of the CPU runner, in two interchangeable implementations.
 
 ``native``: C with AVX-512 (gemm.c, attention.c), built by gcc at `make setup` or first use, loaded with
-ctypes; batch-invariant (results per sequence are bit-identical whatever the batch). ``numpy``: plain
-numpy/OpenBLAS, correct on any CPU numpy runs on. ``select_kernels("auto")`` takes native when this CPU
-and build allow it, and otherwise numpy, logging why.
+ctypes; batch-invariant (results per sequence are bit-identical whatever the batch); float32 activations,
+the reference forward's numbers. ``native-int8``: the same, but Q4_1/Q8_0 weights multiply activations
+rounded to 8 bits (gemm_q8.c, AVX-512 VNNI; ``engine.model.q8_activations``), as llama.cpp does: about
+twice the throughput, and greedy answers that differ from float32's on near-ties. Opt-in. ``numpy``:
+plain numpy/OpenBLAS, float32, correct on any CPU numpy runs on. ``select_kernels("auto")`` takes native
+when this CPU and build allow it, and otherwise numpy, logging why.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -21,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class Kernels(Protocol):
-    name: str  # "native" | "numpy"
+    name: str  # "native" | "native-int8" | "numpy"
+    q8_activations: bool  # Q4_1/Q8_0 weights see their input rounded to Q8 blocks
 
     def pack(self, matrix: WeightMatrix) -> object:
         """The matrix in this implementation's own layout (done once at load)."""
@@ -29,6 +34,13 @@ class Kernels(Protocol):
 
     def linear(self, x: np.ndarray, packed: object) -> np.ndarray:
         """x [T, in] float32 → x @ W.T [T, out] float32."""
+        ...
+
+    def layer_stack(
+        self, layers: list, k_cache: list, v_cache: list, tables: RopeTables, config: LlamaConfig
+    ) -> Callable[[np.ndarray, StepBatch], None] | None:
+        """Every decoder layer of a step in one call, ``stack(x, batch)`` updating x [T, hidden] in
+        place, bit-identical to the runner's per-kernel loop; or None: the runner runs that loop."""
         ...
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray: ...
@@ -41,7 +53,7 @@ class Kernels(Protocol):
         self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
     ) -> np.ndarray:
         """Causal attention of every token's query heads (the leading columns of ``qkv``) over its own
-        sequence's cached K/V, positions 0..pos. Returns [T, num_heads * head_dim]."""
+        sequence's cached K/V (float16), positions 0..pos. Returns [T, num_heads * head_dim]."""
         ...
 
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
@@ -52,24 +64,25 @@ class Kernels(Protocol):
 def select_kernels(
     name: str | None = None, num_threads: int | None = None, config: LlamaConfig | None = None
 ) -> Kernels:
-    """``name``: "native", "numpy" or "auto" (default: $CHATMESH_ENGINE_KERNELS, else "auto").
+    """``name``: "native", "native-int8", "numpy" or "auto" (default: $CHATMESH_ENGINE_KERNELS, else
+    "auto", which never picks native-int8).
     ``config``: the model the kernels will run, checked against the native kernels' shape limits."""
     from engine.model.kernels.numpy_kernels import NumpyKernels
 
     name = name or os.environ.get("CHATMESH_ENGINE_KERNELS", "auto")
     if name == "numpy":
         return NumpyKernels()
-    if name not in ("native", "auto"):
-        raise ValueError(f"unknown kernels {name!r}: use native, numpy or auto")
+    if name not in ("native", "native-int8", "auto"):
+        raise ValueError(f"unknown kernels {name!r}: use native, native-int8, numpy or auto")
     from engine.model.kernels.native import NativeKernels, NativeUnavailable
 
     try:
-        kernels = NativeKernels(num_threads)
+        kernels = NativeKernels(num_threads, q8_activations=name == "native-int8")
         if config is not None:
             kernels.check_shapes(config)
         return kernels
     except NativeUnavailable as exc:
-        if name == "native":
+        if name != "auto":
             raise
         log.warning("native kernels unavailable (%s); using numpy kernels, several times slower", exc)
         return NumpyKernels()

@@ -1,6 +1,6 @@
 // Attention over the paged KV cache and the small per-token kernels around it (RMSNorm, RoPE, SwiGLU).
 //
-// KV cache, per layer (see cpu_runner.py):
+// KV cache, per layer (see cpu_runner.py), IEEE float16 (converted to float32 as it is loaded):
 //   K: [num_blocks, num_kv_heads, head_dim, block_size]  keys of a block transposed, so the scores of a
 //      whole block are head_dim broadcast-FMAs into one vector, with no horizontal sums;
 //   V: [num_blocks, block_size, num_kv_heads, head_dim]  one value row per position.
@@ -12,6 +12,7 @@
 
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #include "pool.h"
@@ -36,10 +37,16 @@ static inline __m512 exp512(__m512 x) {
 
 static inline __mmask16 tail_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
+// 16 float16 values (lanes outside `valid` read as 0) as float32; the conversion is exact.
+static inline __m512 load_f16(__mmask16 valid, const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
+}
+
 enum { MAX_GROUP = 16, MAX_VEC = 16 };  // query heads per kv head; head_dim / 16
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const uint16_t *k_cache, *v_cache;  // float16
     const int *token_seq, *token_pos, *block_tables;
     float *out;
     long q_stride;
@@ -65,13 +72,14 @@ static float *scores_for(size_t floats) {
 // registers; with runtime values they would sit on the stack and every FMA would wait on memory.
 static inline __attribute__((always_inline)) void attend(const attention_job *jb, long item, const int G,
                                                          const int nv) {
-    const float *q = jb->q, *k_cache = jb->k_cache, *v_cache = jb->v_cache;
+    const float *q = jb->q;
+    const uint16_t *k_cache = jb->k_cache, *v_cache = jb->v_cache;
     const long q_stride = jb->q_stride;
     const int num_heads = jb->num_heads, num_kv_heads = jb->num_kv_heads, head_dim = jb->head_dim;
     const int block_size = jb->block_size;
     const float scale = jb->scale;
     const int seg_len = block_size < 16 ? block_size : 16;
-    const long block_floats = (long)num_kv_heads * head_dim * block_size;  // K and V alike
+    const long block_elems = (long)num_kv_heads * head_dim * block_size;  // K and V alike
     const long v_row = (long)num_kv_heads * head_dim;
     float *scores = scores_for((size_t)16 * G * ((jb->max_len + seg_len - 1) / seg_len + 1));
     float *out = jb->out;
@@ -94,20 +102,20 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
     for (int s = 0; s < nseg; s++) {
         const int j0 = s * seg_len;  // first position of the segment
         const __mmask16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
-        const float *kb = k_cache + (long)table[j0 / block_size] * block_floats +
+        const uint16_t *kb = k_cache + (long)table[j0 / block_size] * block_elems +
                           (long)g * head_dim * block_size + j0 % block_size;
         // The next segment's keys, fetched while this one is scored: its block lies anywhere in the
         // pool, where the hardware prefetcher cannot follow.
         const int j1 = s + 1 < nseg ? j0 + seg_len : j0;
-        const float *kn = k_cache + (long)table[j1 / block_size] * block_floats +
+        const uint16_t *kn = k_cache + (long)table[j1 / block_size] * block_elems +
                           (long)g * head_dim * block_size + j1 % block_size;
         __m512 even[MAX_GROUP], odd[MAX_GROUP];
         for (int h = 0; h < G; h++) even[h] = odd[h] = _mm512_setzero_ps();
         for (int d = 0; d < head_dim; d += 2) {
             _mm_prefetch((const char *)(kn + (long)d * block_size), _MM_HINT_T0);
             _mm_prefetch((const char *)(kn + (long)(d + 1) * block_size), _MM_HINT_T0);
-            const __m512 k0 = _mm512_maskz_loadu_ps(valid, kb + (long)d * block_size);
-            const __m512 k1 = _mm512_maskz_loadu_ps(valid, kb + (long)(d + 1) * block_size);
+            const __m512 k0 = load_f16(valid, kb + (long)d * block_size);
+            const __m512 k1 = load_f16(valid, kb + (long)(d + 1) * block_size);
             for (int h = 0; h < G; h++) {
                 even[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d]), k0, even[h]);
                 odd[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d + 1]), k1, odd[h]);
@@ -141,16 +149,16 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
     for (int s = 0; s < nseg; s++) {
         const int j0 = s * seg_len;
         const int n = L - j0 < seg_len ? L - j0 : seg_len;
-        const float *vb = v_cache + (long)table[j0 / block_size] * block_floats +
+        const uint16_t *vb = v_cache + (long)table[j0 / block_size] * block_elems +
                           (long)(j0 % block_size) * v_row + (long)g * head_dim;
         const int j1 = s + 1 < nseg ? j0 + seg_len : j0;  // the next segment's values, as for keys
-        const float *vn = v_cache + (long)table[j1 / block_size] * block_floats +
+        const uint16_t *vn = v_cache + (long)table[j1 / block_size] * block_elems +
                           (long)(j1 % block_size) * v_row + (long)g * head_dim;
         for (int j = 0; j < n; j++) {
-            const float *vp = vb + j * v_row;
+            const uint16_t *vp = vb + j * v_row;
             for (int v = 0; v < nv; v++) {
                 _mm_prefetch((const char *)(vn + j * v_row + v * 16), _MM_HINT_T0);
-                const __m512 vv = _mm512_loadu_ps(vp + v * 16);
+                const __m512 vv = load_f16(0xFFFF, vp + v * 16);
                 for (int h = 0; h < G; h++)
                     acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h][s * 16 + j]), vv, acc[h][v]);
             }
@@ -184,7 +192,7 @@ static void attention_task(void *arg, long item) {
 // block_size: at most 16, or a multiple of 16. Keys are visited in segments of min(block_size, 16)
 // positions, each inside one block.
 void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_kv_heads, int head_dim,
-                  const float *k_cache, const float *v_cache, int block_size, const int *token_seq,
+                  const uint16_t *k_cache, const uint16_t *v_cache, int block_size, const int *token_seq,
                   const int *token_pos, const int *block_tables, int max_blocks, int max_len, float scale,
                   float *out) {
     attention_job job = {q,         k_cache,      v_cache,  token_seq,  token_pos,  block_tables, out,

@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("gemm.c", "attention.c", "pool.c", "tp_barrier.c")
+SOURCES = ("gemm.c", "gemm_q8.c", "attention.c", "layer_stack.c", "pool.c", "tp_barrier.c")
+# Only the int8 GEMM may use VNNI: the rest of the library must run on AVX-512 CPUs without it.
+EXTRA_FLAGS = {"gemm_q8.c": ("-mavx512vnni",)}
 HEADERS = ("pool.h",)
 # Compiled without ISA flags, so the library can be loaded and asked about the CPU on any x86-64.
 CPU_CHECK_SOURCE = "cpu_check.c"
@@ -52,7 +54,7 @@ def build_dir() -> Path:
 
 
 def library_path() -> Path:
-    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    digest = hashlib.sha256(" ".join(CFLAGS + sum(EXTRA_FLAGS.values(), ())).encode())
     for name in (*SOURCES, *HEADERS, CPU_CHECK_SOURCE):
         digest.update((SOURCE_DIR / name).read_bytes())
     return build_dir() / f"libchatmesh_kernels-{digest.hexdigest()[:12]}.so"
@@ -73,7 +75,9 @@ def ensure_built(verbose: bool = False) -> Path:
         print(f"compiling native kernels with {compiler} -> {target}", flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = []
-        for name, flags in [(n, CFLAGS) for n in SOURCES] + [(CPU_CHECK_SOURCE, ("-O2", "-fPIC"))]:
+        for name, flags in [(n, CFLAGS + EXTRA_FLAGS.get(n, ())) for n in SOURCES] + [
+            (CPU_CHECK_SOURCE, ("-O2", "-fPIC"))
+        ]:
             obj = Path(tmp) / (name + ".o")
             _run([compiler, *flags, "-c", str(SOURCE_DIR / name), "-o", str(obj)])
             objects.append(str(obj))

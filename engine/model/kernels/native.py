@@ -1,4 +1,4 @@
-"""ctypes face of the native kernels (gemm.c, attention.c; tp_barrier.c for tensor parallelism). Weights stay in GGUF's quantized numbers."""
+"""ctypes face of the native kernels (gemm.c, gemm_q8.c, attention.c; tp_barrier.c for tensor parallelism). Weights stay in GGUF's quantized numbers."""
 
 from __future__ import annotations
 
@@ -11,23 +11,56 @@ import numpy as np
 
 from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
 from engine.model.kernels.build import KernelBuildError, ensure_built
-from engine.model.kernels.packing import PackedMatrix, pack
+from engine.model.kernels.packing import VNNI_FORMATS, PackedMatrix, pack
 from engine.model.step_batch import StepBatch
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "cm_cpu_supported": (ctypes.c_int, []),
+    "cm_cpu_supports_vnni": (ctypes.c_int, []),
     "cm_set_threads": (None, [_I]),
     "cm_get_threads": (ctypes.c_int, []),
     "cm_gemm": (None, [_I, _P, _L, _I, _I, _P, _I, _P, _L]),
     "cm_unpack": (None, [_I, _P, _I, _I, _P]),
+    "cm_gemm_q8": (None, [_I, _P, _L, _I, _I, _P, _I, _P, _L]),
+    "cm_unpack_q8": (None, [_I, _P, _I, _I, _P]),
     "cm_attention": (None, [_P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _F, _P]),
     "cm_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
     "cm_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _P]),
     "cm_silu_mul": (None, [_P, _I, _I, _P]),
+    "cm_layer_stack": (ctypes.c_int, [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I]),
     "cm_tp_arrive": (ctypes.c_uint32, [_P, _I]),
     "cm_tp_wait": (ctypes.c_int, [_P, ctypes.c_uint32, _I]),
 }
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int), ("out_features", ctypes.c_int), ("data", _P)]
+
+
+class _Layer(ctypes.Structure):  # layer_stack.c: cm_layer
+    _fields_ = [
+        ("attn_norm", _P),
+        ("ffn_norm", _P),
+        ("qkv", _Matrix),
+        ("wo", _Matrix),
+        ("gate_up", _Matrix),
+        ("down", _Matrix),
+        ("k_cache", _P),
+        ("v_cache", _P),
+    ]
+
+
+class _Model(ctypes.Structure):  # layer_stack.c: cm_model
+    _fields_ = [
+        *((name, ctypes.c_int) for name in ("num_layers", "hidden", "ffn", "num_heads", "num_kv_heads")),
+        ("head_dim", ctypes.c_int),
+        ("block_size", ctypes.c_int),
+        ("eps", _F),
+        ("scale", _F),
+        ("rope_cos", _P),
+        ("rope_sin", _P),
+    ]
 
 
 class NativeUnavailable(RuntimeError):
@@ -65,11 +98,87 @@ def _f32(a: np.ndarray) -> np.ndarray:
     return a
 
 
-class NativeKernels:
-    name = "native"
+def _f16(a: np.ndarray) -> np.ndarray:
+    assert a.dtype == np.float16 and a.flags.c_contiguous, (a.dtype, a.flags)
+    return a
 
-    def __init__(self, num_threads: int | None = None) -> None:
+
+class NativeLayerStack:
+    """All decoder layers of a step in one C call (layer_stack.c). Holds pointers into the weights, the
+    norms, the RoPE tables and the KV cache it was built over: they must outlive it, unchanged."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layers: list,
+        k_cache: list,
+        v_cache: list,
+        tables: RopeTables,
+        config: LlamaConfig,
+    ) -> None:
+        def matrix(m: PackedMatrix) -> _Matrix:
+            return _Matrix(m.fmt, m.out_features, _ptr(m.data))
+
+        self._lib = lib
+        self._keep = (layers, k_cache, v_cache, tables)
+        self._layers = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    _ptr(_f32(layer.attn_norm)),
+                    _ptr(_f32(layer.ffn_norm)),
+                    matrix(layer.qkv),
+                    matrix(layer.wo),
+                    matrix(layer.gate_up),
+                    matrix(layer.down),
+                    _ptr(_f16(k)),
+                    _ptr(_f16(v)),
+                )
+                for layer, k, v in zip(layers, k_cache, v_cache, strict=True)
+            )
+        )
+        self._model = _Model(
+            len(layers),
+            config.hidden_size,
+            config.intermediate_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            v_cache[0].shape[1],
+            config.rms_norm_eps,
+            1.0 / float(np.sqrt(config.head_dim)),
+            _ptr(_f32(tables.cos)),
+            _ptr(_f32(tables.sin)),
+        )
+
+    def __call__(self, x: np.ndarray, batch: StepBatch) -> None:
+        """Runs every layer over x [T, hidden] in place."""
+        _f32(x)
+        assert batch.slots.dtype == np.int64 and batch.token_seq.dtype == np.int32
+        status = self._lib.cm_layer_stack(
+            ctypes.byref(self._model),
+            self._layers,
+            _ptr(x),
+            len(x),
+            _ptr(batch.positions),
+            _ptr(batch.slots),
+            _ptr(batch.token_seq),
+            _ptr(batch.block_tables),
+            batch.block_tables.shape[1],
+            batch.max_len,
+        )
+        if status != 0:
+            raise MemoryError("the layer stack could not allocate its scratch buffers")
+
+
+class NativeKernels:
+    def __init__(self, num_threads: int | None = None, q8_activations: bool = False) -> None:
+        """``q8_activations``: Q4_1/Q8_0 weights multiply activations rounded to 8 bits, with VNNI
+        ("native-int8"); else float32 activations (the reference's numbers)."""
+        self.q8_activations = q8_activations
+        self.name = "native-int8" if q8_activations else "native"
         self.lib = load_library()
+        if q8_activations and not self.lib.cm_cpu_supports_vnni():
+            raise NativeUnavailable("native-int8 needs AVX-512 VNNI, which this CPU lacks")
         self.num_threads = num_threads or len(os.sched_getaffinity(0))
         self.lib.cm_set_threads(self.num_threads)
 
@@ -83,13 +192,14 @@ class NativeKernels:
             )
 
     def pack(self, matrix: WeightMatrix) -> PackedMatrix:
-        return pack(matrix)
+        return pack(matrix, int8=self.q8_activations)
 
     def linear(self, x: np.ndarray, packed: PackedMatrix) -> np.ndarray:
         _f32(x)
         rows = x.shape[0]
         out = np.empty((rows, packed.out_features), dtype=np.float32)
-        self.lib.cm_gemm(
+        gemm = self.lib.cm_gemm_q8 if packed.fmt in VNNI_FORMATS else self.lib.cm_gemm
+        gemm(
             packed.fmt,
             _ptr(x),
             x.shape[1],
@@ -102,10 +212,16 @@ class NativeKernels:
         )
         return out
 
+    def layer_stack(
+        self, layers: list, k_cache: list, v_cache: list, tables: RopeTables, config: LlamaConfig
+    ) -> NativeLayerStack:
+        return NativeLayerStack(self.lib, layers, k_cache, v_cache, tables, config)
+
     def unpack(self, packed: PackedMatrix) -> np.ndarray:
         """float32 [out, in] as the GEMM sees it (quantized formats only; for tests)."""
         out = np.empty((packed.out_features, packed.in_features), dtype=np.float32)
-        self.lib.cm_unpack(packed.fmt, _ptr(packed.data), packed.in_features, packed.out_features, _ptr(out))
+        unpack = self.lib.cm_unpack_q8 if packed.fmt in VNNI_FORMATS else self.lib.cm_unpack
+        unpack(packed.fmt, _ptr(packed.data), packed.in_features, packed.out_features, _ptr(out))
         return out
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -132,7 +248,7 @@ class NativeKernels:
     def attention(
         self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
     ) -> np.ndarray:
-        _f32(qkv), _f32(k_cache), _f32(v_cache)
+        _f32(qkv), _f16(k_cache), _f16(v_cache)
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         out = np.empty((len(qkv), num_heads * head_dim), dtype=np.float32)
         self.lib.cm_attention(

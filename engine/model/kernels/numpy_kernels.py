@@ -14,12 +14,16 @@ from engine.model.step_batch import StepBatch
 
 class NumpyKernels:
     name = "numpy"
+    q8_activations = False
 
     def pack(self, matrix: WeightMatrix) -> np.ndarray:
         return matrix.dequantize().T  # [in, out] view: x @ w is a plain GEMM
 
     def linear(self, x: np.ndarray, packed: np.ndarray) -> np.ndarray:
         return x @ packed
+
+    def layer_stack(self, layers, k_cache, v_cache, tables, config) -> None:
+        return None  # the runner's per-kernel loop it is
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps)) * weight
@@ -47,6 +51,7 @@ class NumpyKernels:
             blocks = batch.block_tables[c, : -(-span // block_size)]
             keys = k_cache[blocks].transpose(0, 3, 1, 2).reshape(-1, num_kv_heads, head_dim)[:span]
             values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:span]
+            keys, values = keys.astype(np.float32), values.astype(np.float32)  # float16 in the cache
             q = qkv[r0:r1, : num_heads * head_dim].reshape(r1 - r0, num_kv_heads, group, head_dim)
             scores = np.einsum("nkgd,lkd->kgnl", q, keys) * scale
             scores[..., np.arange(span)[None, :] > positions[:, None]] = -np.inf

@@ -1,9 +1,15 @@
-"""Repacks GGUF weight rows into the native GEMM's panel layout (see gemm.c), once at load.
+"""Repacks GGUF weight rows into the native GEMMs' panel layouts, once at load.
 
-A panel is 16 output rows, k-major. Per (panel, 32-k block):
+A panel is 16 output rows. For the float32 GEMM (gemm.c), k-major, per (panel, 32-k block):
 - Q4_1: f16 d[16], f16 m[16], then 16 code pairs of 16 bytes (byte n: low nibble = row k, high = k+1);
 - Q8_0: f16 d[16], then 32 rows of 16 int8 codes;
 - F32 (every other type, dequantized): the panel is simply float32 [K, 16].
+For the int8 GEMM (gemm_q8.c, ``int8=True``), laid out for VPDPBUSD (4 consecutive k of one row in each
+32-bit lane), per (panel, 32-k block):
+- Q4_1_VNNI: f16 d[16], f16 m[16], then 4 vectors of 64 code bytes: in vector v, byte 4n + i holds row
+  n's code for k = 4v + i in its low nibble and for k = 16 + 4v + i in its high nibble;
+- Q8_0_VNNI: f16 d[16], then 8 vectors of 64 bytes: in vector g, byte 4n + i is row n's code for
+  k = 4g + i plus 128 (unsigned, as VPDPBUSD wants it; the kernel takes the 128 back out exactly).
 Quantized panels hold exactly GGUF's numbers, so no precision is lost and memory stays the file's size.
 N is padded to a multiple of 16 with zero rows that the kernel never writes out.
 """
@@ -19,7 +25,8 @@ from engine.model.checkpoint import WeightMatrix
 
 NR = 16  # outputs per panel
 QK = 32  # weights per quant block
-FORMAT_F32, FORMAT_Q4_1, FORMAT_Q8_0 = 0, 1, 2
+FORMAT_F32, FORMAT_Q4_1, FORMAT_Q8_0, FORMAT_Q4_1_VNNI, FORMAT_Q8_0_VNNI = 0, 1, 2, 3, 4
+VNNI_FORMATS = (FORMAT_Q4_1_VNNI, FORMAT_Q8_0_VNNI)
 
 
 @dataclass(frozen=True)
@@ -30,11 +37,16 @@ class PackedMatrix:
     data: np.ndarray  # contiguous bytes or float32, panel after panel
 
 
-def pack(matrix: WeightMatrix) -> PackedMatrix:
+def pack(matrix: WeightMatrix, int8: bool = False) -> PackedMatrix:
+    """``int8``: Q4_1/Q8_0 in the int8 GEMM's layout (every other type is float32 either way)."""
     n, k = matrix.shape
     if matrix.qtype == QType.Q4_1:
+        if int8:
+            return PackedMatrix(FORMAT_Q4_1_VNNI, n, k, _pack_q4_1_vnni(matrix.data, n, k))
         return PackedMatrix(FORMAT_Q4_1, n, k, _pack_q4_1(matrix.data, n, k))
     if matrix.qtype == QType.Q8_0:
+        if int8:
+            return PackedMatrix(FORMAT_Q8_0_VNNI, n, k, _pack_q8_0_vnni(matrix.data, n, k))
         return PackedMatrix(FORMAT_Q8_0, n, k, _pack_q8_0(matrix.data, n, k))
     w = _pad_rows(matrix.dequantize(), NR)
     panels = w.reshape(-1, NR, k).transpose(0, 2, 1)
@@ -72,6 +84,38 @@ def _pack_q8_0(raw: np.ndarray, n: int, k: int) -> np.ndarray:
     blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // QK, 34)
     scales = _panel_major(blocks[..., 0:2].copy().view(np.float16).reshape(n, k // QK))  # [P, B, 16]
     codes = _panel_major(blocks[..., 2:])  # [P, B, 32, 16]
+    p, nb = codes.shape[:2]
+    out = np.concatenate(
+        [np.ascontiguousarray(scales).view(np.uint8).reshape(p, nb, 32), codes.reshape(p, nb, 512)], axis=-1
+    )
+    return np.ascontiguousarray(out)
+
+
+def _vnni_lanes(codes: np.ndarray) -> np.ndarray:
+    """[P, B, 32, 16] codes (block element k, panel row n) → [P, B, 8, 64]: group g of 4 k, byte 4n + i
+    = code (k = 4g + i, row n)."""
+    p, nb = codes.shape[:2]
+    return codes.reshape(p, nb, 8, 4, NR).transpose(0, 1, 2, 4, 3).reshape(p, nb, 8, 4 * NR)
+
+
+def _pack_q4_1_vnni(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // QK, 20)
+    scales = _panel_major(blocks[..., 0:4].copy().view(np.float16).reshape(n, k // QK, 2))  # [P, B, 2, 16]
+    qs = blocks[..., 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, B, 32]: element j of the block
+    groups = _vnni_lanes(_panel_major(codes))  # [P, B, 8, 64]
+    nibbles = groups[:, :, :4] | (groups[:, :, 4:] << 4)  # k 0..15 low, k 16..31 high: [P, B, 4, 64]
+    p, nb = nibbles.shape[:2]
+    out = np.concatenate(
+        [np.ascontiguousarray(scales).view(np.uint8).reshape(p, nb, 64), nibbles.reshape(p, nb, 256)], axis=-1
+    )
+    return np.ascontiguousarray(out)
+
+
+def _pack_q8_0_vnni(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // QK, 34)
+    scales = _panel_major(blocks[..., 0:2].copy().view(np.float16).reshape(n, k // QK))  # [P, B, 16]
+    codes = _vnni_lanes(_panel_major(blocks[..., 2:] ^ 0x80))  # int8 + 128 as uint8: [P, B, 8, 64]
     p, nb = codes.shape[:2]
     out = np.concatenate(
         [np.ascontiguousarray(scales).view(np.uint8).reshape(p, nb, 32), codes.reshape(p, nb, 512)], axis=-1

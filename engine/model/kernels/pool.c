@@ -96,11 +96,16 @@ void cm_parallel_for(long n, task_fn fn, void *ctx) {
         return;
     }
     pthread_mutex_lock(&pool_lock);
+    // Close the previous job before overwriting fn, ctx and n: a worker may still hold that job's state
+    // word, and would otherwise claim "its" next task and run it with this job's fn and n (and count it
+    // in this job's done, letting the caller return while a task still runs). Closed, the old state
+    // word no longer matches, so that worker's claim fails. The closed generation has no tasks.
+    const uint64_t gen = (atomic_load(&pool.state) >> 32) + 2;
+    atomic_store(&pool.state, ((gen - 1) << 32) | 0xFFFFFFFFu);
     pool.fn = fn;
     pool.ctx = ctx;
     pool.n = n;
     atomic_store(&pool.done, 0);
-    const uint64_t gen = (atomic_load(&pool.state) >> 32) + 1;
     const uint64_t start = gen << 32;
     atomic_store(&pool.state, start);  // publishes fn, ctx, n (seq_cst store after plain writes)
     atomic_fetch_add(&pool.futex_word, 1);

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from engine.model.checkpoint_loader import load_checkpoint
-from engine.model.cpu_runner import CpuModelRunner
+from engine.model.cpu_runner import KV_DTYPE, CpuModelRunner
 from engine.model.kernels import select_kernels
 from engine.model.kernels.native import NativeUnavailable, load_library
 from engine.model.runner import SequenceChunk
@@ -117,7 +117,7 @@ class TensorParallelRunner:
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         cfg = self.config
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * 4
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * KV_DTYPE.itemsize
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._rank0.allocate_kv_cache(num_blocks, block_size)

@@ -1,0 +1,232 @@
+// The int8 weight GEMM ("native-int8" kernels): C[M, N] = A[M, K] · W[N, K]^T, A float32, W GGUF Q4_1 or
+// Q8_0 in a VNNI panel layout. (gemm.c is the float32 GEMM the default "native" kernels use.)
+//
+// Quantized weights (GGUF Q4_1, Q8_0) are multiplied in int8 with AVX-512 VNNI, as llama.cpp does: each
+// row of A is first rounded to int8 codes per 32-k block (scale a = max|x| / 127, code = rint(x / a),
+// "Q8 activations"), then one VPDPBUSD multiplies 4 weight codes by 4 activation codes for each of 16
+// outputs. Per (output n, block b), with weight scale d, weight min m (Q4_1) and activation code sum s:
+//   C[r, n] += (d * a) * sum_k(qw_k * qa_k) + m * (a * s)
+// The integer sum is exact, so the only rounding beyond float32's is the activations' to 8 bits, which
+// the reference forward (engine/model/reference.py) reproduces. Weights keep GGUF's own numbers.
+//
+// W is repacked once at load (packing.py) into panels of 16 output rows. Per (panel, 32-k block):
+//   Q4_1: f16 d[16], f16 m[16], 4 x 64 code bytes: in vector v, byte 4n + i holds row n's code for
+//         k = 4v + i in its low nibble and for k = 4(v + 4) + i in its high nibble;
+//   Q8_0: f16 d[16], 8 x 64 code bytes: in vector g, byte 4n + i is row n's code for k = 4g + i, plus
+//         128 (VPDPBUSD takes unsigned weights; the kernel subtracts 128 * s again, exactly).
+//
+// Determinism: every output element is one chain over k blocks 0..K/32-1 in order, and each activation
+// row is quantized on its own, whatever M, the row tile it lands in, or the thread that computes it. A
+// sequence's results therefore do not depend on what else is in the batch or on how its prompt was
+// chunked.
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool.h"
+
+enum { FMT_Q4_1 = 3, FMT_Q8_0 = 4 };  // packing.py: FORMAT_Q4_1_VNNI, FORMAT_Q8_0_VNNI
+enum { NR = 16, QK = 32 };
+
+// Bytes of one packed (panel, 32-k block).
+static inline long block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 32 + 32 + 256 : 32 + 512; }
+
+// Rows of A as Q8 blocks: codes qa[r * K + k]; per block b (of nb = K / 32): scale sa[r * nb + b], code
+// sum s[r * nb + b] and ma = scale * sum (the factor of Q4_1's min).
+typedef struct {
+    int8_t *qa;
+    float *sa, *ma;
+    int32_t *s;
+} q8_rows;
+
+static inline int32_t load4(const int8_t *p) {  // 4 activation codes, for one VPDPBUSD broadcast
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static void quantize_row(const float *x, int K, int8_t *q, float *scale, int32_t *sum, float *scaled_sum) {
+    for (int b = 0; b < K / QK; b++) {
+        const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float a = amax / 127.0f, inv = amax > 0.0f ? 1.0f / a : 0.0f;
+        // cvtps_epi32 rounds to nearest even, as numpy's rint in the reference
+        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)));
+        const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(c0));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(c1));
+        scale[b] = a;
+        sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        scaled_sum[b] = a * (float)sum[b];
+    }
+}
+
+// R rows x 32 outputs (panels p0, p1), all K. m0/m1 mask the outputs that exist.
+#define DEFINE_QTILE(R)                                                                                   \
+    static void qtile_##R(int fmt, const q8_rows *A, int K, const uint8_t *p0, const uint8_t *p1,        \
+                          float *C, long ldc, __mmask16 m0, __mmask16 m1) {                              \
+        const int nb = K / QK;                                                                           \
+        const long bb = block_bytes(fmt);                                                                \
+        const __m512i low4 = _mm512_set1_epi8(0x0F);                                                     \
+        __m512 f0[R], f1[R];                                                                             \
+        for (int r = 0; r < R; r++) f0[r] = f1[r] = _mm512_setzero_ps();                                 \
+        for (int b = 0; b < nb; b++) {                                                                   \
+            const uint8_t *b0 = p0 + b * bb, *b1 = p1 + b * bb;                                          \
+            __m512i i0[R], i1[R];                                                                        \
+            for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm512_setzero_si512();                          \
+            if (fmt == FMT_Q4_1) {                                                                       \
+                for (int v = 0; v < 4; v++) {                                                            \
+                    const __m512i c0 = _mm512_loadu_si512(b0 + 64 + 64 * v);                             \
+                    const __m512i c1 = _mm512_loadu_si512(b1 + 64 + 64 * v);                             \
+                    const __m512i lo0 = _mm512_and_si512(c0, low4);                                      \
+                    const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(c0, 4), low4);                \
+                    const __m512i lo1 = _mm512_and_si512(c1, low4);                                      \
+                    const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(c1, 4), low4);                \
+                    for (int r = 0; r < R; r++) {                                                        \
+                        const int8_t *q = A->qa + (long)r * K + b * QK;                                  \
+                        const __m512i alo = _mm512_set1_epi32(load4(q + 4 * v));                        \
+                        const __m512i ahi = _mm512_set1_epi32(load4(q + 4 * v + 16));                   \
+                        i0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i0[r], lo0, alo), hi0, ahi);     \
+                        i1[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(i1[r], lo1, alo), hi1, ahi);     \
+                    }                                                                                    \
+                }                                                                                        \
+            } else {                                                                                     \
+                for (int g = 0; g < 8; g++) {                                                            \
+                    const __m512i c0 = _mm512_loadu_si512(b0 + 32 + 64 * g);                             \
+                    const __m512i c1 = _mm512_loadu_si512(b1 + 32 + 64 * g);                             \
+                    for (int r = 0; r < R; r++) {                                                        \
+                        const __m512i a = _mm512_set1_epi32(load4(A->qa + (long)r * K + b * QK + 4 * g));        \
+                        i0[r] = _mm512_dpbusd_epi32(i0[r], c0, a);                                       \
+                        i1[r] = _mm512_dpbusd_epi32(i1[r], c1, a);                                       \
+                    }                                                                                    \
+                }                                                                                        \
+            }                                                                                            \
+            const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b0));                 \
+            const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1));                 \
+            for (int r = 0; r < R; r++) {                                                                \
+                const long ab = (long)r * nb + b;                                                        \
+                const __m512 sa = _mm512_set1_ps(A->sa[ab]);                                             \
+                if (fmt == FMT_Q8_0) { /* the codes were stored + 128: remove 128 * sum(qa) */           \
+                    const __m512i bias = _mm512_set1_epi32(128 * A->s[ab]);                              \
+                    i0[r] = _mm512_sub_epi32(i0[r], bias);                                               \
+                    i1[r] = _mm512_sub_epi32(i1[r], bias);                                               \
+                }                                                                                        \
+                f0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0[r]), _mm512_mul_ps(d0, sa), f0[r]);        \
+                f1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[r]), _mm512_mul_ps(d1, sa), f1[r]);        \
+                if (fmt == FMT_Q4_1) {                                                                   \
+                    const __m512 ma = _mm512_set1_ps(A->ma[ab]);                                         \
+                    f0[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b0 + 32))), ma, f0[r]); \
+                    f1[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b1 + 32))), ma, f1[r]); \
+                }                                                                                        \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < R; r++) {                                                                    \
+            _mm512_mask_storeu_ps(C + r * ldc, m0, f0[r]);                                               \
+            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, f1[r]);                                          \
+        }                                                                                                \
+    }
+
+DEFINE_QTILE(1)
+DEFINE_QTILE(2)
+DEFINE_QTILE(3)
+DEFINE_QTILE(4)
+
+typedef void (*qtile_fn)(int, const q8_rows *, int, const uint8_t *, const uint8_t *, float *, long,
+                         __mmask16, __mmask16);
+static const qtile_fn QTILES[5] = {0, qtile_1, qtile_2, qtile_3, qtile_4};
+enum { MRQ = 4 };
+
+typedef struct {
+    int fmt, M, K, N, panels;
+    const float *A;
+    long lda, ldc, panel_bytes;
+    const uint8_t *W;
+    float *C;
+    q8_rows q;  // A as Q8 blocks
+} gemm_job;
+
+static inline __mmask16 valid_mask(long n0, long N) {
+    long v = N - n0;
+    return v >= 16 ? (__mmask16)0xFFFF : v <= 0 ? (__mmask16)0 : (__mmask16)((1u << v) - 1);
+}
+
+// One task: the 32 outputs of panel pair `pp`, all M rows.
+static void gemm_task(void *arg, long pp) {
+    const gemm_job *j = arg;
+    const int p0 = 2 * (int)pp, has_p1 = p0 + 1 < j->panels;
+    const int p1 = has_p1 ? p0 + 1 : p0;  // without a second panel, compute panel 0 twice; m1 == 0 drops it
+    const __mmask16 m0 = valid_mask((long)p0 * NR, j->N);
+    const __mmask16 m1 = has_p1 ? valid_mask((long)p1 * NR, j->N) : 0;
+    float *Cp = j->C + (long)p0 * NR;
+    const uint8_t *w0 = j->W + p0 * j->panel_bytes, *w1 = j->W + p1 * j->panel_bytes;
+    const int nb = j->K / QK;
+    for (int i = 0; i < j->M; i += MRQ) {
+        const int r = j->M - i < MRQ ? j->M - i : MRQ;
+        const q8_rows rows = {j->q.qa + (long)i * j->K, j->q.sa + (long)i * nb, j->q.ma + (long)i * nb,
+                              j->q.s + (long)i * nb};
+        QTILES[r](j->fmt, &rows, j->K, w0, w1, Cp + (long)i * j->ldc, j->ldc, m0, m1);
+    }
+}
+
+enum { QUANTIZE_ROWS = 16 };  // rows per quantization task
+
+static void quantize_task(void *arg, long task) {
+    const gemm_job *j = arg;
+    const int nb = j->K / QK;
+    for (long r = task * QUANTIZE_ROWS; r < j->M && r < (task + 1) * QUANTIZE_ROWS; r++)
+        quantize_row(j->A + r * j->lda, j->K, j->q.qa + r * j->K, j->q.sa + r * nb, j->q.s + r * nb,
+                     j->q.ma + r * nb);
+}
+
+// Per-thread Q8 buffers, grown as needed and kept: every linear of every step quantizes its input.
+static __thread void *q8_buf;
+static __thread size_t q8_cap;
+
+static void *q8_buffer(size_t bytes) {
+    if (bytes > q8_cap) {
+        free(q8_buf);
+        q8_cap = bytes * 2;
+        q8_buf = aligned_alloc(64, (q8_cap + 63) / 64 * 64);
+    }
+    return q8_buf;
+}
+
+// W: packed panels, panel p at W + p * panel_bytes. N outputs (the last panel may be partial: its
+// padding rows are zero and masked out of C). A and C are row-major with leading dims lda, ldc. K: a
+// multiple of 32.
+void cm_gemm_q8(int fmt, const float *A, long lda, int M, int K, const void *W, int N, float *C, long ldc) {
+    if (M <= 0) return;
+    const int panels = (N + NR - 1) / NR;
+    const long nb = (long)M * (K / QK);
+    uint8_t *buf = q8_buffer((size_t)M * K + nb * 12);
+    const q8_rows q = {(int8_t *)(buf + nb * 12), (float *)buf, (float *)(buf + nb * 4), (int32_t *)(buf + nb * 8)};
+    gemm_job job = {fmt, M, K, N, panels, A, lda, ldc, (long)(K / QK) * block_bytes(fmt), (const uint8_t *)W, C, q};
+    cm_parallel_for((M + QUANTIZE_ROWS - 1) / QUANTIZE_ROWS, quantize_task, &job);
+    cm_parallel_for((panels + 1) / 2, gemm_task, &job);
+}
+
+// Expands a whole quantized panel set to float32 [N, K] (tests compare it with gguf's dequantize): d * q + m
+// with a separate multiply and add, as gguf does (this file is compiled with -ffp-contract=off).
+void cm_unpack_q8(int fmt, const void *W, int K, int N, float *out) {
+    const long panel_bytes = (long)(K / QK) * block_bytes(fmt);
+    for (int n = 0; n < N; n++) {
+        const uint8_t *panel = (const uint8_t *)W + (n / NR) * panel_bytes;
+        const int lane = n % NR;
+        for (int k = 0; k < K; k++) {
+            const uint8_t *blk = panel + (k / QK) * block_bytes(fmt);
+            const int kk = k % QK;
+            const float d = _cvtsh_ss(((const uint16_t *)blk)[lane]);
+            float w;
+            if (fmt == FMT_Q4_1) {
+                const uint8_t byte = blk[64 + 64 * (kk / 4 % 4) + 4 * lane + kk % 4];
+                const int q = kk < 16 ? byte & 0x0F : byte >> 4;
+                w = d * (float)q + _cvtsh_ss(((const uint16_t *)(blk + 32))[lane]);
+            } else {
+                w = (float)((int)blk[32 + 64 * (kk / 4) + 4 * lane + kk % 4] - 128) * d;
+            }
+            out[(long)n * K + k] = w;
+        }
+    }
+}

@@ -1,0 +1,26 @@
+"""Q8 activations: how the CPU engine rounds a quantized matrix's input, which the reference reproduces.
+
+Before a weight matrix stored as Q4_1 or Q8_0 multiplies an activation row, the native GEMM rounds that
+row to int8 codes per block of 32 values (scale = max|x| / 127, code = round-half-even(x / scale)) and
+multiplies codes by codes with VNNI, as llama.cpp does for these formats. Every row is rounded on its own,
+so the result does not depend on the batch. ``round_to_q8`` gives the values those codes stand for; the
+reference forward (``q8_activations=True``) multiplies them in float32 to compute the same model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+QK = 32  # values per activation block (= the weights' quant block)
+Q8_ACTIVATION_TYPES = frozenset({QType.Q4_1, QType.Q8_0})
+
+
+def round_to_q8(x: np.ndarray) -> np.ndarray:
+    """float32 ``[T, K]`` (K a multiple of 32) → the same shape, each 32-block rounded to its Q8 codes."""
+    rows, k = x.shape
+    blocks = x.reshape(rows, k // QK, QK)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    scale = amax / np.float32(127)
+    inverse = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=amax > 0)
+    return (np.rint(blocks * inverse) * scale).reshape(rows, k)
