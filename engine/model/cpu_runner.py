@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +102,8 @@ class CpuModelRunner:
         self._k_cache: list[np.ndarray] = []
         self._v_cache: list[np.ndarray] = []
         self._block_size = 0
-        self._layer_stack = None  # every layer in one kernel call, where the kernels offer it
+        # Every layer in one kernel call, where the kernels offer it.
+        self._layer_stack: Callable[[np.ndarray, StepBatch], None] | None = None
 
     @classmethod
     def from_gguf(
@@ -147,7 +148,9 @@ class CpuModelRunner:
         )
 
     def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
-        return self.forward(self.step_batch(chunks))
+        logits = self.forward(self.step_batch(chunks))
+        assert logits is not None, "the engine executes on rank 0, which gathers the logits"
+        return logits
 
     def step_batch(self, chunks: Sequence[SequenceChunk]) -> StepBatch:
         if not self._k_cache:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,7 +32,7 @@ class Kernels(Protocol):
         """The matrix in this implementation's own layout (done once at load)."""
         ...
 
-    def linear(self, x: np.ndarray, packed: object) -> np.ndarray:
+    def linear(self, x: np.ndarray, packed: Any) -> np.ndarray:
         """x [T, in] float32 → x @ W.T [T, out] float32."""
         ...
 

@@ -111,7 +111,7 @@ class TensorParallelRunner:
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of ranks 1..N-1."""
-        return [worker.process.pid for worker in self._workers]
+        return [worker.process.pid for worker in self._workers if worker.process.pid is not None]
 
     # -- ModelRunner ---------------------------------------------------------------------------------
 
