@@ -14,6 +14,7 @@ affinity, never correctness.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 
 
@@ -85,6 +86,12 @@ class PrefixIndex:
 
     def size(self, engine_id: str) -> int:
         return len(self._blocks.get(engine_id, ()))
+
+    def footprint_bytes(self) -> int:
+        """Bytes the index holds: its maps and sets, the engine bitmasks, and one hash int per entry (each
+        event's hashes arrive as new ints). Walks every entry: for capacity figures, not the serving path."""
+        sets = sum(sys.getsizeof(held) + sum(map(sys.getsizeof, held)) for held in self._blocks.values())
+        return sys.getsizeof(self._engines) + sum(map(sys.getsizeof, self._engines.values())) + sets
 
     def holds(self, engine_id: str, block_hash: int) -> bool:
         return block_hash in self._blocks.get(engine_id, ())
