@@ -29,6 +29,7 @@ from chatmesh.engine.v1 import engine_pb2
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.index import PrefixIndex
+from router.loads import LoadTable
 from router.metrics import RouterMetrics
 from router.placement import Placer, RequestPlan, RouteError
 from router.sim.costs import EngineCosts
@@ -52,10 +53,12 @@ class Setup:
 
 
 class RouterReplica:
-    """One router's placement state; ``engines()`` and ``index`` are what ``Placer`` reads of a registry."""
+    """One router's placement state: ``engines()``, ``index`` and ``loads`` are what ``Placer`` reads of
+    its registry."""
 
     def __init__(self, setup: Setup, engine_ids: list[str], seed: int) -> None:
         self.index = PrefixIndex()
+        self.loads = LoadTable()
         info = engine_pb2.GetModelInfoResponse(
             model=MODEL, block_size=setup.costs.block_size, block_hash_seed=BLOCK_HASH_SEED
         )
@@ -64,6 +67,7 @@ class RouterReplica:
             state = EngineState(engine_id, engine_id, channel=None, stub=None, info=info, connected=True)
             self.states[engine_id] = state
             self.index.add_engine(engine_id, setup.costs.kv_blocks)
+            state.attach(self.loads, self.index.slot(engine_id))
         self._sorted = sorted(self.states.values(), key=lambda s: s.engine_id)
         config = RouterConfig(policy=setup.policy)
         self.placer = Placer(self, config, RouterMetrics(CollectorRegistry()), random.Random(seed))
