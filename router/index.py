@@ -3,7 +3,9 @@
 Block hashes are chained (``chatmesh.block_hash``): a hash names a whole prefix, so a flat map does
 what a radix tree over tokens would, and a request's cached prefix on an engine is the leading run of
 its block hashes that the engine holds. Engines are bits of an int per hash, so one lookup per block
-answers for every engine at once.
+answers for every engine at once. A block held by one engine (most are: a chat's history lives on one)
+is stored as ``~slot``, a small negative int, rather than as a mask as wide as the fleet (a 1,000-bit
+int is 160 bytes); blocks held by several engines (system prompts) are masks.
 
 ``leading_blocks`` answers for every engine at once as an array by slot (what placement reads, so a
 decision over a thousand engines stays a few vector operations); ``match`` is the same by engine name.
@@ -25,7 +27,7 @@ import numpy as np
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._engines: dict[int, int] = {}  # block hash → bitmask of engine slots holding it
+        self._engines: dict[int, int] = {}  # block hash → ~slot of its one holder, or a bitmask of slots
         self._blocks: dict[str, set[int]] = {}  # engine → hashes it holds
         self._slots: dict[str, int] = {}  # engine → its bit
         self._limits: dict[str, int] = {}
@@ -47,7 +49,8 @@ class PrefixIndex:
 
     def store(self, engine_id: str, block_hashes: Iterable[int]) -> None:
         held = self._blocks[engine_id]
-        bit = 1 << self._slots[engine_id]
+        slot = self._slots[engine_id]
+        bit = 1 << slot
         room = self._limits[engine_id] - len(held)
         for block_hash in block_hashes:
             if block_hash in held:
@@ -56,7 +59,8 @@ class PrefixIndex:
                 self.dropped += 1
                 continue
             held.add(block_hash)
-            self._engines[block_hash] = self._engines.get(block_hash, 0) | bit
+            holders = self._engines.get(block_hash)
+            self._engines[block_hash] = ~slot if holders is None else _pack(_mask(holders) | bit)
             room -= 1
 
     def remove(self, engine_id: str, block_hashes: Iterable[int]) -> None:
@@ -83,9 +87,9 @@ class PrefixIndex:
         self.store(engine_id, block_hashes)
 
     def _drop_bits(self, block_hash: int, keep: int) -> None:
-        remaining = self._engines[block_hash] & keep
+        remaining = _mask(self._engines[block_hash]) & keep
         if remaining:
-            self._engines[block_hash] = remaining
+            self._engines[block_hash] = _pack(remaining)
         else:
             del self._engines[block_hash]
 
@@ -113,8 +117,10 @@ class PrefixIndex:
         """For every slot below ``size``: how many leading ``block_hashes`` its engine holds."""
         depth = np.zeros(size, dtype=np.int64)
         alive = (1 << size) - 1
+        engines = self._engines
         for position, block_hash in enumerate(block_hashes):
-            still = alive & self._engines.get(block_hash, 0)
+            holders = engines.get(block_hash, 0)
+            still = alive & (1 << ~holders if holders < 0 else holders)
             if still != alive:
                 if position:  # engines that drop out here hold ``position`` blocks (0 is the default)
                     depth[_bits(alive & ~still, size)] = position
@@ -129,6 +135,15 @@ class PrefixIndex:
         known = [engine_id for engine_id in engine_ids if engine_id in self._slots]
         depth = self.leading_blocks(block_hashes, self.slots())
         return {engine_id: int(depth[self._slots[engine_id]]) for engine_id in known}
+
+
+def _mask(holders: int) -> int:
+    return 1 << ~holders if holders < 0 else holders
+
+
+def _pack(mask: int) -> int:
+    """``~slot`` for a mask of one engine, else the mask."""
+    return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
 
 
 def _bits(mask: int, size: int) -> np.ndarray:

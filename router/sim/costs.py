@@ -21,7 +21,7 @@ engine's shape cannot stand for it: on a CPU every decoding sequence costs real 
 attention), so a batch barely amortizes and 120 streams an engine would need 120 x our step rate. A GPU's
 batched decode is memory-bound instead: a step reads the weights once (the fixed term) and each
 sequence's KV (the per-context-token term). The values are chosen so that 1,000 such engines carry the
-seeds' peak, 20 prompts/s and ~120 streams each at ~70 % busy, with ~4k-token contexts: 5 ms a step,
+seeds' peak, 20 prompts/s and ~120 streams each, with ~4k-token contexts: 6.5 ms a step,
 25 µs a sequence, 20 ns a context token (about an 8B model's fp8 KV read at H100 bandwidth), 15 µs a
 prefill token (~65k tokens/s), 40,000 blocks of 64 tokens (2.56M tokens of KV). The simulation's
 placement figures (µs per decision, index memory, event rates) do not depend on these; its TTFT and
@@ -59,7 +59,7 @@ SMOLLM2_CPU = EngineCosts()
 
 # 64-token blocks (llm-d's size) keep the router's index a quarter of what 16-token blocks would need.
 SEEDS_GPU = EngineCosts(
-    fixed_ms=5.0,
+    fixed_ms=6.5,
     per_sequence_ms=0.025,
     per_prefill_token_ms=0.015,
     per_context_token_ms=0.00002,

@@ -51,7 +51,6 @@ class Request:
     first_token: float = -1.0
     finished: float = -1.0
     attempts: int = 0
-    warm: bool = False  # its chat had a turn earlier in the run (so its history may be cached)
     prefill_left: int = 0
     own_blocks: int = 0  # blocks of the chain beyond the system prompt this request holds
     cached_own: int = 0
@@ -171,6 +170,21 @@ class SimEngine:
         self.hit_tokens += request.cached_tokens
         self.queried_tokens += request.prompt_tokens
         return True
+
+    def adopt(self, chat: Chat) -> None:
+        """Caches ``chat``'s history as if its earlier turns had run here (a fleet already warm)."""
+        sb = self.system_blocks
+        own = len(chat.hashes) - sb
+        new_system = chat.system not in self.systems
+        need = own + (sb if new_system else 0)
+        if need > self.free_blocks + self.cached_blocks:
+            return
+        self._evict(need - self.free_blocks)
+        self.free_blocks -= need
+        self.systems.add(chat.system)
+        self.cache[chat.key] = _Chain(chat.hashes, own)
+        self.cached_blocks += own
+        self.events(self.engine_id, True, chat.hashes if new_system else chat.hashes[sb:])
 
     def _evict(self, blocks: int) -> None:
         sb = self.system_blocks

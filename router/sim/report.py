@@ -38,8 +38,6 @@ class Report:
     measure_from: float
     tiers: dict[str, TierStats] = field(default_factory=lambda: {t: TierStats() for t in TIERS})
     decision_s: list[float] = field(default_factory=list)
-    warm_prompt_tokens: int = 0  # finished requests of chats already seen in this run (history cacheable)
-    warm_cached_tokens: int = 0
     predicted_exact: int = 0
     failovers: int = 0
     # Filled by finish():
@@ -47,7 +45,7 @@ class Report:
     simulated_s: float = 0.0
     lost: int = 0
     peak_streams: int = 0
-    index_bytes: int = 0
+    index_bytes: int = 0  # when arrivals stopped (the index at its fullest)
     indexed_blocks: int = 0
     ingest: list[tuple[float, int, int]] = field(default_factory=list)  # per replica: seconds, blocks, events
     replicas_agree: bool = True
@@ -57,9 +55,8 @@ class Report:
     def _tier(self, request: Request) -> TierStats:
         return self.tiers["paid" if is_premium(request.tier) else "free"]
 
-    def arrived(self, request: Request, warm: bool) -> None:
+    def arrived(self, request: Request) -> None:
         self._tier(request).arrived += 1
-        request.warm = warm
 
     def decision(self, seconds: float) -> None:
         self.decision_s.append(seconds)
@@ -82,9 +79,6 @@ class Report:
         tier.prompt_tokens += request.prompt_tokens
         tier.cached_tokens += request.cached_tokens
         self.predicted_exact += request.predicted_cached_tokens == request.cached_tokens
-        if request.warm:
-            self.warm_prompt_tokens += request.prompt_tokens
-            self.warm_cached_tokens += request.cached_tokens
 
     def finish(self, simulation: Simulation, wall_s: float) -> None:
         self.wall_s = wall_s
@@ -92,9 +86,6 @@ class Report:
         arrived = sum(t.arrived for t in self.tiers.values())
         done = sum(t.finished + t.shed for t in self.tiers.values())
         self.lost = arrived - done
-        first = simulation.routers[0].index
-        self.index_bytes = first.footprint_bytes()
-        self.indexed_blocks = sum(first.size(e) for e in simulation.engines)
         self.ingest = [(r.ingest_s, r.ingested_blocks, r.ingested_events) for r in simulation.routers]
         sizes = [[r.index.size(e) for e in simulation.engines] for r in simulation.routers]
         self.replicas_agree = all(s == sizes[0] for s in sizes)
@@ -105,10 +96,6 @@ class Report:
     def hit_rate(self) -> float:
         prompt = sum(t.prompt_tokens for t in self.tiers.values())
         return sum(t.cached_tokens for t in self.tiers.values()) / prompt if prompt else 0.0
-
-    @property
-    def warm_hit_rate(self) -> float:
-        return self.warm_cached_tokens / self.warm_prompt_tokens if self.warm_prompt_tokens else 0.0
 
     def decision_us(self, q: float) -> float:
         return percentile(self.decision_s, q) * 1e6
@@ -143,7 +130,6 @@ class Report:
             "decision_us_p99": self.decision_us(0.99),
             "decision_us_mean": statistics.fmean(self.decision_s) * 1e6 if self.decision_s else 0.0,
             "hit_rate": self.hit_rate,
-            "warm_hit_rate": self.warm_hit_rate,
             "predicted_exact": self.predicted_exact / max(1, sum(len(t.ttft_s) for t in self.tiers.values())),
             "index_mib": self.index_bytes / 2**20,
             "indexed_blocks": self.indexed_blocks,

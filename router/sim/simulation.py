@@ -49,7 +49,9 @@ class Setup:
     workload: Workload = field(default_factory=Workload)
     load_interval_s: float = 0.1  # the router's default --load-interval-ms
     fail_engine_at_s: float = -1.0  # < 0: no failure; else engine 0 dies then (its requests fail over)
-    measure_from_s: float = -1.0  # requests arriving before are not in the latency figures (< 0: the ramp)
+    # Requests arriving before this are not in the figures (< 0: 1.5 ramps, when the chats that joined
+    # cold during the ramp have come back at least once).
+    measure_from_s: float = -1.0
 
 
 class RouterReplica:
@@ -98,7 +100,7 @@ class Simulation:
         rng = random.Random(setup.workload.seed)
         self.rng = rng
         self.conversations = Conversations(setup.workload, setup.costs.block_size, rng)
-        ids = [f"engine-{i:04d}" for i in range(setup.engines)]
+        ids = self.engine_ids = [f"engine-{i:04d}" for i in range(setup.engines)]
         self.engines = {
             engine_id: SimEngine(
                 engine_id,
@@ -129,6 +131,7 @@ class Simulation:
         started = time.perf_counter()
         self._report_loads(0.0)
         self._at(0.0, self._arrival)
+        self._at(self.setup.workload.duration_s, self._measure_index)
         if self.setup.fail_engine_at_s >= 0:
             self._at(self.setup.fail_engine_at_s, self._fail_engine)
         while self._queue:
@@ -136,6 +139,12 @@ class Simulation:
             action(self.now)
         self.report.finish(self, time.perf_counter() - started)
         return self.report
+
+    def _measure_index(self, now: float) -> None:
+        """The index at its fullest: when arrivals stop (walks every entry, outside the timed calls)."""
+        index = self.routers[0].index
+        self.report.index_bytes = index.footprint_bytes()
+        self.report.indexed_blocks = sum(index.size(engine_id) for engine_id in self.engines)
 
     def _report_loads(self, now: float) -> None:
         """Every engine's load report reaches every replica (WatchLoad)."""
@@ -169,7 +178,10 @@ class Simulation:
                 del self.ready[: self._ready_head]
                 self._ready_head = 0
             return chat
-        return self.conversations.new_chat(mid_conversation=now < self.setup.workload.ramp_s)
+        chat = self.conversations.new_chat()
+        if self.setup.workload.warm_start:
+            self.engines[self.rng.choice(self.engine_ids)].adopt(chat)
+        return chat
 
     def _think(self, chat, now: float) -> None:
         if chat.turns_left <= 0:
@@ -192,8 +204,7 @@ class Simulation:
             self.conversations.answer_length(),
             replica=serial % len(self.routers),
         )
-        self.report.arrived(request, warm=chat.seen)
-        chat.seen = True
+        self.report.arrived(request)
         self._place(request, now, exclude=set(), admit=True)
 
     def _place(self, request: Request, now: float, exclude: set[str], admit: bool) -> None:

@@ -6,9 +6,12 @@ last turn's. When the next turn would not fit the context window, the orchestrat
 replaces the history (system prompt + summary): a new prefix, which no engine holds yet.
 
 Prompts arrive open-loop at the load's rate: each arrival is the next turn of the chat that has been
-ready longest (done thinking); a new chat starts when none is ready. Chats that exist when the run
-starts are mid-conversation (a uniformly drawn number of earlier turns, already in their history but in
-no engine's cache: a cold fleet); later ones start at their first turn.
+ready longest (done thinking); when none is ready, a chat joins. A run lasts seconds, far less than a
+conversation, so joining chats are drawn mid-conversation (a uniform number of earlier turns, already in
+their history). With ``warm_start`` (the default) that history is already cached on one engine drawn at
+random, as in a fleet that has been serving for a while (the simulation announces it with the usual KV
+events, so the router's index knows it as it would); without it, every chat's first turn in the run is
+cold everywhere, and at the seeds' rate that cold prefill alone overloads the fleet until chats come back.
 
 Token ids only need to make each block distinct: a message's first tokens name its chat, epoch and turn
 (the chained hash makes every later block distinct too). Block hashes are ``chatmesh.block_hash``'s,
@@ -41,6 +44,7 @@ class Workload:
     context_window: int = 8192  # SmolLM2's; beyond it the history is summarized
     summary_tokens: int = 512
     paid_fraction: float = 0.2  # chats on the pro tier; the rest are free
+    warm_start: bool = True  # a joining chat's history is cached on a random engine
     seed: int = 0
 
     def rate(self, now: float) -> float:
@@ -56,7 +60,6 @@ class Chat:
     __slots__ = (
         "epoch",
         "hashes",
-        "seen",
         "serial",
         "system",
         "tail",
@@ -76,7 +79,6 @@ class Chat:
         self.hashes: list[int] = []
         self.tail: list[int] = []
         self.tokens = 0
-        self.seen = False  # a turn of it was already placed in this run (its history may be cached)
 
     @property
     def key(self) -> tuple[int, int]:
@@ -104,17 +106,16 @@ class Conversations:
         self.system_blocks = workload.system_tokens // block_size
         self.started = 0
 
-    def new_chat(self, mid_conversation: bool) -> Chat:
+    def new_chat(self) -> Chat:
         w = self.workload
         tier = router_pb2.TIER_PRO if self.rng.random() < w.paid_fraction else router_pb2.TIER_FREE
         turns = self.rng.randint(1, w.max_turns)
         chat = Chat(self.started, tier, self.rng.randrange(w.system_prompts), turns)
         self.started += 1
         self._reset(chat)
-        if mid_conversation:  # a chat already under way: its earlier turns are history
-            for _ in range(self.rng.randrange(turns)):
-                self.add_user_message(chat)
-                self.add_answer(chat, self.answer_length())
+        for _ in range(self.rng.randrange(turns)):  # its earlier turns: history
+            self.add_user_message(chat)
+            self.add_answer(chat, self.answer_length())
         return chat
 
     def _reset(self, chat: Chat) -> None:
