@@ -23,7 +23,8 @@ batched decode is memory-bound instead: a step reads the weights once (the fixed
 sequence's KV (the per-context-token term). The values are chosen so that 1,000 such engines carry the
 seeds' peak, 20 prompts/s and ~120 streams each, with ~4k-token contexts: 6.5 ms a step,
 25 µs a sequence, 20 ns a context token (about an 8B model's fp8 KV read at H100 bandwidth), 15 µs a
-prefill token (~65k tokens/s), 40,000 blocks of 64 tokens (2.56M tokens of KV). The simulation's
+prefill token (~65k tokens/s), 40,000 blocks of 64 tokens (2.56M tokens of KV), a waiting queue of 24
+(about a second of arrivals: the bound admission derives its thresholds from). The simulation's
 placement figures (µs per decision, index memory, event rates) do not depend on these; its TTFT and
 shed figures do.
 """
@@ -67,5 +68,7 @@ SEEDS_GPU = EngineCosts(
     block_size=64,
     max_running_requests=256,
     max_batched_tokens=8192,
-    max_waiting_requests=256,
+    # A queue drains at ~20 prompts/s: 24 waiting is ~1 s, so the free tier (shed at half the bound) is
+    # refused before its wait alone breaks the 500 ms TTFT target. The engine's default, 256, is ~13 s.
+    max_waiting_requests=24,
 )
