@@ -8,7 +8,7 @@ users and engines (router/sim/__init__.py). What it reports:
 1. Decision cost vs engine count: µs per ``Placer.place`` call (real clock) at the seeds' per-engine
    rate (20 prompts/s an engine), for growing fleets.
 2. The seeds' point (1,000 engines, 20k prompts/s at 1x, 60k at 3x): kv_aware and round_robin against
-   the oracle at 1x, kv_aware at 3x (longest cached prefix, ignoring load): prefix hit rate, TTFT p50/p99 and shed rate by
+   the oracle (longest cached prefix, ignoring load): prefix hit rate, TTFT p50/p99 and shed rate by
    tier, open streams, requests lost, the index's memory and the KV event ingestion per router core.
 3. Router replicas: several replicas each following every engine's events; their indexes agree, and
    the fan-out costs each replica the whole event stream.
