@@ -90,6 +90,7 @@ def main() -> None:
     parser.add_argument(
         "--seconds", type=float, default=0, help="seconds of arrivals per run (default 8; quick 4)"
     )
+    parser.add_argument("--fleets-only", action="store_true", help="only the decision cost vs engine count")
     parser.add_argument("--json", type=Path, help="write every run's figures here")
     parser.add_argument(
         "--plots", type=Path, help="write decision-cost and TTFT-vs-load PNGs into this folder"
@@ -133,6 +134,11 @@ def main() -> None:
     print("\n1. decision cost vs engine count (kv_aware, 1x)")
     for count in fleets:  # the fleet of the seeds' point runs in full below; the others for half as long
         results["fleets"].append(run(setup(count, share=1.0 if count == engines else 0.5)))
+    if args.fleets_only:
+        report_fleets(results)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+        return
 
     print("\n2. the seeds' point")
     for load in (1.0, 3.0):
@@ -165,6 +171,11 @@ def main() -> None:
 
 
 def report(results: dict, engines: int, hash_us: float, kv_blocks: int, block_size: int) -> None:
+    report_fleets(results)
+    report_seeds(results, engines, hash_us, kv_blocks, block_size)
+
+
+def report_fleets(results: dict) -> None:
     print("\n## Decision cost vs engine count (µs per Placer.place, real clock)\n")
     print("| engines | prompts/s | decisions | p50 µs | p99 µs | mean µs | decisions/s per core |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
@@ -175,6 +186,8 @@ def report(results: dict, engines: int, hash_us: float, kv_blocks: int, block_si
             f"{1e6 / r['decision_us_mean']:,.0f} |"
         )
 
+
+def report_seeds(results: dict, engines: int, hash_us: float, kv_blocks: int, block_size: int) -> None:
     print(f"\n## The seeds' point: {engines:,} engines\n")
     print(
         "| load | policy | hit rate | vs oracle | TTFT free p50 / p99 s | TTFT paid p50 / p99 s | shed free | "

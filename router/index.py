@@ -127,7 +127,20 @@ class PrefixIndex:
                 alive = still
                 if not alive:
                     return depth
+                if not alive & (alive - 1):  # one engine left (a chat's history): follow it cheaply
+                    return self._follow(block_hashes, position + 1, alive.bit_length() - 1, depth)
         depth[_bits(alive, size)] = len(block_hashes)
+        return depth
+
+    def _follow(self, block_hashes: Sequence[int], start: int, slot: int, depth: np.ndarray) -> np.ndarray:
+        """The rest of the walk for one engine, comparing small ints instead of fleet-wide masks."""
+        engines, mine = self._engines, ~slot
+        for position in range(start, len(block_hashes)):
+            holders = engines.get(block_hashes[position], 0)
+            if holders != mine and (holders <= 0 or not holders >> slot & 1):
+                depth[slot] = position
+                return depth
+        depth[slot] = len(block_hashes)
         return depth
 
     def match(self, block_hashes: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:

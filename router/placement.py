@@ -82,6 +82,7 @@ class Placer:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self._turn = 0  # decisions made: round_robin's position
+        self._decisions = metrics.decisions.labels(config.policy)
 
     def place(self, plan: RequestPlan, exclude: set[str], admit: bool) -> Placement:
         """Picks an engine for ``plan``, not one of ``exclude``. ``admit``: apply the tier's admission
@@ -110,7 +111,7 @@ class Placer:
             self._turn,
         )
         self._turn += 1
-        self.metrics.decisions.labels(self.config.policy).inc()
+        self._decisions.inc()
         engine = loads.states[self.registry.index.slot(choice.engine_id)]
         predicted = predicted_cached_tokens(len(plan.prompt), choice.cached_blocks, engine.block_size)
         return Placement(engine, predicted)

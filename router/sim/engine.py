@@ -22,6 +22,7 @@ the end of the request), removed events when blocks are evicted; ``events`` rece
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -88,7 +89,8 @@ class SimEngine:
         self.systems: set[int] = set()
         self.waiting: dict[bool, deque[Request]] = {True: deque(), False: deque()}  # paid?, FIFO
         self.prefilling: deque[Request] = deque()
-        self.decoding: list[tuple[int, int, Request]] = []  # (finishing step, tie, request)
+        self.decoding: list[tuple[int, int, Request]] = []  # (finishing step, admission order, request)
+        self._order = itertools.count()
         self.used_blocks = 0  # held by admitted requests
         self.step_no = 0
         self.context_tokens = 0  # over decoding requests
@@ -248,7 +250,7 @@ class SimEngine:
         if stored:
             self.events(self.engine_id, True, stored)
         self.on_first_token(request, now)
-        heapq.heappush(self.decoding, (self.step_no + request.answer_tokens - 1, id(request), request))
+        heapq.heappush(self.decoding, (self.step_no + request.answer_tokens - 1, next(self._order), request))
         self.context_tokens += request.prompt_tokens + 1
 
     def _finish(self, request: Request, now: float) -> None:
