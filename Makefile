@@ -46,6 +46,7 @@ helm-lint: setup
 	$(HELM) lint --strict helm/chatmesh $(HELM_REQUIRED)
 	$(HELM) lint --strict helm/chatmesh -f tests/helm/values-full.yaml
 	$(HELM) lint --strict helm/chatmesh -f tests/helm/values-gpu.yaml
+	$(HELM) lint --strict helm/chatmesh -f helm/chatmesh/values-seeds-scale.yaml
 
 protos: setup
 	@PY=$(PY) scripts/gen_protos.sh

@@ -19,6 +19,7 @@ import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from router.admission import QueueView
+from router.loads import LoadTable
 
 
 @dataclass
@@ -43,6 +44,23 @@ class EngineState:
     foreign_waiting: int = 0  # queued at the last report beyond this router's requests
     finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     removed: bool = False  # gone from DNS; kept only while its streams finish
+    table: LoadTable | None = None  # where placement reads it (its row is rewritten on every change)
+    slot: int = -1
+
+    def attach(self, table: LoadTable, slot: int) -> None:
+        self.table, self.slot = table, slot
+        table.attach(self, slot)
+        self._publish()
+
+    def detach(self) -> None:
+        """Leaves the table (the engine is gone; its row may go to another engine)."""
+        if self.table is not None:
+            self.table.detach(self.slot)
+            self.table = None
+
+    def _publish(self) -> None:
+        if self.table is not None:
+            self.table.write(self.slot, self)
 
     @property
     def healthy(self) -> bool:
@@ -56,11 +74,13 @@ class EngineState:
     def disconnect(self) -> None:
         self.connected = False
         self.load = None
+        self._publish()
 
     def report(self, load: engine_pb2.EngineLoad) -> None:
         self.load = load
         self.foreign_blocks = max(0, load.kv_blocks_used - self.inflight_blocks)
         self.foreign_waiting = max(0, load.waiting_requests - self.inflight_waiting)
+        self._publish()
 
     # -- this router's requests ----------------------------------------------------------------------
 
@@ -68,14 +88,17 @@ class EngineState:
         self.inflight[request_id] = _Inflight()
         self.inflight_waiting += 1
         self._resize(request_id, context_tokens)
+        self._publish()
 
     def progressed(self, request_id: str, context_tokens: int) -> None:
         """A token came back; the request's context on this engine is now ``context_tokens`` long."""
         request = self.inflight.get(request_id)
+        started = False
         if request is not None and not request.started:
-            request.started = True
+            request.started = started = True
             self.inflight_waiting -= 1
-        self._resize(request_id, context_tokens)
+        if self._resize(request_id, context_tokens) or started:  # most tokens change neither
+            self._publish()
 
     def ended(self, request_id: str, completed: bool) -> None:
         request = self.inflight.pop(request_id, None)
@@ -84,12 +107,17 @@ class EngineState:
             self.inflight_waiting -= not request.started
         if completed:
             self.finish_times.append(time.monotonic())
+        self._publish()
 
-    def _resize(self, request_id: str, context_tokens: int) -> None:
-        if (request := self.inflight.get(request_id)) is not None:
-            blocks = math.ceil(context_tokens / self.block_size)
-            self.inflight_blocks += blocks - request.blocks
-            request.blocks = blocks
+    def _resize(self, request_id: str, context_tokens: int) -> bool:
+        """Sets the request's context; says whether its block count changed."""
+        request = self.inflight.get(request_id)
+        if request is None:
+            return False
+        blocks = math.ceil(context_tokens / self.block_size)
+        self.inflight_blocks += blocks - request.blocks
+        changed, request.blocks = blocks != request.blocks, blocks
+        return changed
 
     # -- what placement and admission read -----------------------------------------------------------
 

@@ -4,15 +4,18 @@ This is the glue between the live state (registry, index, loads) and the pure de
 ``policy`` and ``admission``. A request's pool is the engines serving its model with its tokenizer;
 of those, the healthy ones not already tried are the candidates; admission narrows them by tier; the
 policy picks one from each candidate's cached prefix (from the index, hashed with that engine's block
-size and seed) and its load.
+size and seed) and its load. Every step reads the registry's ``LoadTable`` columns, so a decision
+costs a few vector operations however many engines there are (bench/bench_scale_sim.py).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
+import numpy as np
 
 from chatmesh.block_hash import block_hashes
 from chatmesh.errors import ServiceError
@@ -21,9 +24,19 @@ from chatmesh.tiers import tier_of_proto
 from router import admission
 from router.config import RouterConfig
 from router.engines import EngineState
+from router.index import PrefixIndex
+from router.loads import LoadTable
 from router.metrics import RouterMetrics
-from router.policy import Candidate, choose, predicted_cached_tokens
-from router.registry import EngineRegistry
+from router.policy import Pool, choose_in, predicted_cached_tokens
+
+
+class PlacementState(Protocol):
+    """What placement reads of a router's registry: the real one, or a simulated router's (router/sim)."""
+
+    index: PrefixIndex
+    loads: LoadTable
+
+    def engines(self) -> list[EngineState]: ...
 
 
 @dataclass
@@ -55,7 +68,7 @@ class Placement:
 class Placer:
     def __init__(
         self,
-        registry: EngineRegistry,
+        registry: PlacementState,
         config: RouterConfig,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
@@ -65,56 +78,76 @@ class Placer:
         self.metrics = metrics
         self.rng = rng or random.Random()
         self._turn = 0  # decisions made: round_robin's position
+        self._decisions = metrics.decisions.labels(config.policy)
 
     def place(self, plan: RequestPlan, exclude: set[str], admit: bool) -> Placement:
         """Picks an engine for ``plan``, not one of ``exclude``. ``admit``: apply the tier's admission
         rule (a new request); otherwise (a failover) any engine with headroom will do."""
-        healthy = [e for e in self.pool(plan) if e.healthy and e.engine_id not in exclude]
-        if not healthy:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._nothing_healthy(plan, exclude))
+        loads = self.registry.loads
+        rows = self._healthy_rows(plan, exclude)
         tier = plan.tier if admit else router_pb2.TIER_ENTERPRISE
-        queues = [e.queue_view() for e in healthy]
-        allowed = set(admission.admissible(queues, tier, self.config.free_queue_fraction))
-        if not allowed:
+        fraction = self.config.free_queue_fraction
+        waiting, max_waiting = loads.waiting[rows], loads.max_waiting[rows]
+        allowed = admission.admissible_rows(waiting, max_waiting, tier, fraction)
+        if not allowed.any():
             tier_name = tier_of_proto(plan.tier).name
             self.metrics.shed.labels(tier_name).inc()
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"every engine is overloaded for the {tier_name} tier; retry later",
-                admission.retry_after_s(queues, tier, self.config.free_queue_fraction),
+                admission.retry_after_rows(waiting, max_waiting, loads.drain_rate[rows], tier, fraction),
             )
-        engines = {e.engine_id: e for e in healthy if e.engine_id in allowed}
-        candidates = self._candidates(plan, list(engines.values()))
-        choice = choose(
+        choice = choose_in(
             self.config.policy,
             len(plan.prompt),
-            candidates,
+            self._candidates(plan, rows[allowed]),
             self.config.weights,
             plan.session_id,
             self.rng,
             self._turn,
         )
         self._turn += 1
-        self.metrics.decisions.labels(self.config.policy).inc()
-        engine = engines[choice.engine_id]
+        self._decisions.inc()
+        engine = loads.states[self.registry.index.slot(choice.engine_id)]
+        assert engine is not None, "a chosen row belongs to an attached engine"
         predicted = predicted_cached_tokens(len(plan.prompt), choice.cached_blocks, engine.block_size)
         return Placement(engine, predicted)
 
-    def _candidates(self, plan: RequestPlan, engines: list[EngineState]) -> list[Candidate]:
-        """Each engine's cached prefix of the prompt, hashed with that engine's block size and seed."""
-        cached: dict[str, int] = {}
-        groups: dict[tuple[int, int], list[str]] = {}
-        for engine in engines:
-            assert engine.info is not None
-            groups.setdefault((engine.info.block_size, engine.info.block_hash_seed), []).append(
-                engine.engine_id
-            )
-        for (block_size, seed), ids in groups.items():
-            cached |= self.registry.index.match(plan.block_hashes(block_size, seed), ids)
-        return [
-            Candidate(e.engine_id, e.block_size, cached.get(e.engine_id, 0), e.decode_blocks())
-            for e in engines
-        ]
+    def _healthy_rows(self, plan: RequestPlan, exclude: set[str]) -> np.ndarray:
+        """The load-table rows of the request's pool that are healthy and not excluded, in engine-id order."""
+        loads = self.registry.loads
+        model = plan.model or self.config.default_model
+        if not model and len(served := loads.models()) == 1:
+            model = next(iter(served))
+        usable = loads.pool_mask(model, plan.tokenizer_fingerprint) & loads.healthy
+        rows = loads.order[usable[loads.order]]
+        if exclude:
+            rows = rows[~np.isin(loads.engine_ids[rows], list(exclude))]
+        if not len(rows):
+            self.pool(plan)  # raises what is wrong with the request's pool, if anything is
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._nothing_healthy(plan, exclude))
+        return rows
+
+    def _candidates(self, plan: RequestPlan, rows: np.ndarray) -> Pool:
+        """The rows' columns with each engine's cached prefix, hashed with its block size and seed."""
+        loads = self.registry.loads
+        hashing = loads.hashing[rows]
+        if (hashing == hashing[0]).all():  # one block size and seed: the usual pool
+            block_size, seed = loads.hashing_of(int(hashing[0]))
+            depth = self.registry.index.leading_blocks(plan.block_hashes(block_size, seed), loads.capacity)
+            cached, block_sizes = depth[rows], block_size
+        else:
+            cached, block_sizes = np.zeros(len(rows), dtype=np.int64), loads.block_size[rows]
+            for group in np.unique(hashing):
+                block_size, seed = loads.hashing_of(int(group))
+                depth = self.registry.index.leading_blocks(
+                    plan.block_hashes(block_size, seed), loads.capacity
+                )
+                same = hashing == group
+                cached[same] = depth[rows[same]]
+        return Pool(
+            rows, loads.engine_ids, loads.rendezvous_key, block_sizes, cached, loads.decode_blocks[rows]
+        )
 
     def pool(self, plan: RequestPlan) -> list[EngineState]:
         """The engines serving the request's model with its tokenizer, healthy or not."""
@@ -125,14 +158,14 @@ class Placer:
                 "no engines are configured: start the router with --engine host:port or --engine-dns host:port",
             )
         known = [e for e in everyone if e.info is not None]
-        served = sorted({e.info.model for e in known})
+        served = sorted({e.info.model for e in known if e.info is not None})
         model = plan.model or self.config.default_model
         if not model and len(served) > 1:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"this router serves several models ({', '.join(served)}): name one in `model`",
             )
-        pool = [e for e in known if not model or e.info.model == model]
+        pool = [e for e in known if e.info is not None and (not model or e.info.model == model)]
         if not pool:
             if len(known) == len(everyone):
                 raise ServiceError(
@@ -145,7 +178,11 @@ class Placer:
                 f"({len(everyone) - len(known)} of {len(everyone)} engines not reached)",
             )
         if plan.tokenizer_fingerprint:
-            pool = [e for e in pool if e.info.tokenizer_fingerprint == plan.tokenizer_fingerprint]
+            pool = [
+                e
+                for e in pool
+                if e.info is not None and e.info.tokenizer_fingerprint == plan.tokenizer_fingerprint
+            ]
             if not pool:
                 raise ServiceError(
                     grpc.StatusCode.FAILED_PRECONDITION,

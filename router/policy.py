@@ -20,8 +20,13 @@ README): weight 1 moved a third of follow-up turns away from their cached histor
 the oracle's 89 %); weight 16 kept 89 % and had the lowest TTFT. Use ``--overlap-weight 1`` for GPU
 engines.
 
-Ties are broken without herding: by rendezvous hashing of the session id (one chat keeps going to the
+Ties are broken without herding: by rendezvous hashing of the session id (splitmix64 over the XOR of
+the session's and each engine's 64-bit keys, vectorized) (one chat keeps going to the
 same engine while costs are equal; different chats spread evenly), or at random without a session.
+
+The policies are computed over columns (``Pool``: one row per engine, in engine-id order), so that a
+decision over a thousand engines is a few vector operations; ``choose`` takes ``Candidate`` records and
+says the same.
 
 ``round_robin`` and ``random`` ignore the cache (baselines); ``oracle`` always takes the longest cached
 prefix, ignoring load (the benchmark's reference for the hit rate a placement could reach).
@@ -30,10 +35,11 @@ prefix, ignoring load (the benchmark's reference for the hit rate a placement co
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from meshkit.config import setting
 
@@ -67,18 +73,44 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Pool:
+    """The candidates as columns, one entry per engine, in engine-id order. Names and rendezvous keys are
+    looked up through ``rows`` (so a caller holding them for many engines passes them whole)."""
+
+    rows: np.ndarray  # each candidate's position in ``engine_ids`` and ``rendezvous_keys``
+    engine_ids: np.ndarray  # of str
+    rendezvous_keys: np.ndarray  # engine_key of each engine id (uint64)
+    block_size: np.ndarray | int
+    cached_blocks: np.ndarray
+    decode_blocks: np.ndarray
+
+    @classmethod
+    def of(cls, candidates: Sequence[Candidate]) -> Pool:
+        ordered = sorted(candidates, key=lambda c: c.engine_id)
+        return cls(
+            np.arange(len(ordered)),
+            np.array([c.engine_id for c in ordered], dtype=object),
+            np.array([engine_key(c.engine_id) for c in ordered], dtype=np.uint64),
+            np.array([c.block_size for c in ordered], dtype=np.int64),
+            np.array([c.cached_blocks for c in ordered], dtype=np.int64),
+            np.array([c.decode_blocks for c in ordered], dtype=np.float64),
+        )
+
+
+@dataclass(frozen=True)
 class Choice:
     engine_id: str
     cached_blocks: int
     cost: float  # the kv_aware cost of the chosen engine (computed for every policy, for the metrics)
 
 
-def prefill_blocks(prompt_tokens: int, cached_blocks: int, block_size: int) -> float:
-    """Blocks still to compute on an engine holding ``cached_blocks`` of the prompt."""
-    return max(prompt_tokens - cached_blocks * block_size, 0) / block_size
+def prefill_blocks(prompt_tokens: int, cached_blocks, block_size):
+    """Blocks still to compute on an engine holding ``cached_blocks`` of the prompt (numbers or arrays)."""
+    return np.maximum(prompt_tokens - cached_blocks * block_size, 0) / block_size
 
 
-def cost(prefill: float, decode: float, weights: CostWeights) -> float:
+def cost(prefill, decode, weights: CostWeights):
+    """The kv_aware cost (numbers or arrays)."""
     return weights.overlap * prefill + decode
 
 
@@ -98,53 +130,68 @@ def choose(
     turn: int = 0,
 ) -> Choice:
     """The engine ``policy`` places the request on. ``turn`` counts earlier decisions (round_robin)."""
-    if not candidates:
+    return choose_in(policy, prompt_tokens, Pool.of(candidates), weights, session_id, rng, turn)
+
+
+def choose_in(
+    policy: str,
+    prompt_tokens: int,
+    pool: Pool,
+    weights: CostWeights,
+    session_id: str = "",
+    rng: random.Random | None = None,
+    turn: int = 0,
+) -> Choice:
+    """``choose`` over columns."""
+    if not len(pool.rows):
         raise ValueError("no candidates to choose from")
     rng = rng or random.Random()
-    costs = {
-        c.engine_id: cost(
-            prefill_blocks(prompt_tokens, c.cached_blocks, c.block_size), c.decode_blocks, weights
-        )
-        for c in candidates
-    }
-    ordered = sorted(candidates, key=lambda c: c.engine_id)
+    costs = cost(
+        prefill_blocks(prompt_tokens, pool.cached_blocks, pool.block_size), pool.decode_blocks, weights
+    )
     if policy == "kv_aware":
-        picked = _cheapest(ordered, costs, weights.temperature, session_id, rng)
+        picked = _cheapest(pool, costs, weights.temperature, session_id, rng)
     elif policy == "round_robin":
-        picked = ordered[turn % len(ordered)]
+        picked = turn % len(costs)
     elif policy == "random":
-        picked = rng.choice(ordered)
+        picked = rng.randrange(len(costs))
     elif policy == "oracle":
-        longest = max(c.cached_blocks for c in ordered)
-        holders = [c for c in ordered if c.cached_blocks == longest]
-        least = min(c.decode_blocks for c in holders)
-        picked = tie_break([c for c in holders if c.decode_blocks == least], session_id, rng)
+        holders = np.flatnonzero(pool.cached_blocks == pool.cached_blocks.max())
+        load = pool.decode_blocks[holders]
+        picked = tie_break(pool, holders[load == load.min()], session_id, rng)
     else:
         raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
-    return Choice(picked.engine_id, picked.cached_blocks, costs[picked.engine_id])
+    return Choice(pool.engine_ids[pool.rows[picked]], int(pool.cached_blocks[picked]), float(costs[picked]))
 
 
-def _cheapest(
-    ordered: list[Candidate], costs: dict[str, float], temperature: float, session_id: str, rng: random.Random
-) -> Candidate:
-    low = min(costs.values())
+def _cheapest(pool: Pool, costs: np.ndarray, temperature: float, session_id: str, rng: random.Random) -> int:
+    low = costs.min()
     if temperature > 0:
-        high = max(costs.values())
+        high = costs.max()
         if high - low > _TIE:
             # Dynamo's softmax sampling: costs scaled to [0, 1], cheaper engines exponentially likelier.
-            weights = [math.exp(-(costs[c.engine_id] - low) / (high - low) / temperature) for c in ordered]
-            return rng.choices(ordered, weights)[0]
-    return tie_break([c for c in ordered if costs[c.engine_id] - low <= _TIE], session_id, rng)
+            weights = np.exp(-(costs - low) / (high - low) / temperature)
+            return rng.choices(range(len(costs)), weights.tolist())[0]
+    return tie_break(pool, np.flatnonzero(costs - low <= _TIE), session_id, rng)
 
 
-def tie_break(tied: list[Candidate], session_id: str, rng: random.Random) -> Candidate:
-    """One of equally good engines: the session's rendezvous-hash favourite, or a random one."""
+def tie_break(pool: Pool, tied: np.ndarray, session_id: str, rng: random.Random) -> int:
+    """One of equally good rows: the session's rendezvous-hash favourite, or a random one."""
     if len(tied) == 1:
-        return tied[0]
+        return int(tied[0])
     if session_id:
-        return max(tied, key=lambda c: _rendezvous(session_id, c.engine_id))
-    return rng.choice(tied)
+        scores = _mix(pool.rendezvous_keys[pool.rows[tied]] ^ np.uint64(engine_key(session_id)))
+        return int(tied[np.argmax(scores)])
+    return int(rng.choice(tied))
 
 
-def _rendezvous(session_id: str, engine_id: str) -> bytes:
-    return hashlib.blake2b(f"{session_id}\0{engine_id}".encode(), digest_size=8).digest()
+def engine_key(name: str) -> int:
+    """A stable 64-bit hash of an engine id or a session id (the rendezvous hash mixes the two)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def _mix(keys: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: every bit of the result depends on every bit of the key."""
+    keys = (keys ^ (keys >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    keys = (keys ^ (keys >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return keys ^ (keys >> np.uint64(31))

@@ -20,6 +20,7 @@ from meshkit.serving import CHANNEL_OPTIONS
 from router.config import EngineAddress, RouterConfig
 from router.engines import EngineState
 from router.index import PrefixIndex
+from router.loads import LoadTable
 from router.metrics import RouterMetrics
 from router.supervisor import EngineSupervisor
 
@@ -39,6 +40,7 @@ class EngineRegistry:
         self.config = config
         self.metrics = metrics
         self.index = PrefixIndex()
+        self.loads = LoadTable()
         self._engines: dict[str, EngineState] = {}
         self._supervisors: dict[str, asyncio.Task] = {}
         self._dns_members: dict[str, set[str]] = {}  # DNS name → engine ids it resolved to
@@ -69,6 +71,8 @@ class EngineRegistry:
         channel = grpc.aio.insecure_channel(address, options=_ENGINE_CHANNEL_OPTIONS)
         state = EngineState(engine_id, address, channel, engine_pb2_grpc.EngineServiceStub(channel))
         self._engines[engine_id] = state
+        self.index.add_engine(engine_id, self.config.index_max_blocks_per_engine)  # its slot (bound: later)
+        state.attach(self.loads, self.index.slot(engine_id))
         supervisor = EngineSupervisor(state, self.index, self.config, self.metrics)
         self._supervisors[engine_id] = asyncio.create_task(supervisor.run(), name=f"supervise {engine_id}")
         log.info("watching engine %s at %s", engine_id, address)
@@ -79,6 +83,7 @@ class EngineRegistry:
         self._supervisors.pop(engine_id).cancel()
         state.removed = True
         state.disconnect()
+        state.detach()
         self.index.remove_engine(engine_id)
         self._spawn(state.channel.close(grace=self.config.max_request_s))
         log.info("engine %s at %s is gone from DNS", engine_id, state.address)

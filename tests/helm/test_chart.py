@@ -40,6 +40,7 @@ SCENARIOS = {
     "defaults": (),
     "full": ("values-full.yaml",),
     "gpu": ("values-gpu.yaml",),
+    "seeds": ("../../helm/chatmesh/values-seeds-scale.yaml",),  # one cell of docs/capacity.md
 }
 FULL = "cm-chatmesh"
 
@@ -190,7 +191,7 @@ def _parsers():
     }
 
 
-@pytest.mark.parametrize("scenario", ["defaults", "full", "gpu"])
+@pytest.mark.parametrize("scenario", ["defaults", "full", "gpu", "seeds"])
 def test_every_chatmesh_variable_is_a_real_flag_and_the_service_accepts_its_value(
     rendered, scenario, monkeypatch
 ):
@@ -210,6 +211,19 @@ def test_every_chatmesh_variable_is_a_real_flag_and_the_service_accepts_its_valu
         args, _ = parse([])  # the service parses and checks the chart's values (exit 2 if it refuses)
         assert args.host == "0.0.0.0"
         assert args.port == _port_flag(env, service)
+
+
+def test_the_seeds_cell_has_the_shape_of_the_capacity_model(rendered):
+    """docs/capacity.md: a cell is 110 engines of block size 64, 125 routers, 70 orchestrators and edges."""
+    chart = rendered["seeds"]
+    assert chart.get("StatefulSet", f"{FULL}-engine")["spec"]["replicas"] == 110
+    assert env_of(chart.container("engine", "engine"))["CHATMESH_ENGINE_BLOCK_SIZE"] == "64"
+    replicas = {
+        name: chart.get("Deployment", f"{FULL}-{name}")["spec"]["replicas"] for name in ("router", "envoy")
+    }
+    assert replicas == {"router": 125, "envoy": 7}
+    for name in ("orchestrator", "edge"):
+        assert chart.get("HorizontalPodAutoscaler", f"{FULL}-{name}")["spec"]["minReplicas"] == 70
 
 
 def test_user_config_reaches_the_services_as_typed_flags(rendered, monkeypatch):

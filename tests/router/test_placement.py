@@ -14,6 +14,7 @@ from chatmesh.router.v1 import router_pb2
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.index import PrefixIndex
+from router.loads import LoadTable
 from router.metrics import RouterMetrics
 from router.placement import Placer, RequestPlan
 
@@ -21,13 +22,15 @@ PROMPT = list(range(200, 200 + 100))
 
 
 class Registry:
-    """What Placer reads of the real registry: the engines and the index."""
+    """What Placer reads of the real registry: the engines, the index and the load table."""
 
     def __init__(self, *engines: EngineState) -> None:
         self._engines = list(engines)
         self.index = PrefixIndex()
+        self.loads = LoadTable()
         for engine in engines:
             self.index.add_engine(engine.engine_id, 10_000)
+            engine.attach(self.loads, self.index.slot(engine.engine_id))
 
     def engines(self) -> list[EngineState]:
         return self._engines

@@ -1,0 +1,115 @@
+"""What placement reads of every engine, as columns: one row per engine, at its index slot.
+
+Placement weighs every engine of a pool for every request. Reading a thousand ``EngineState`` objects
+in Python costs milliseconds a decision; reading these columns costs a few vector operations. Each
+``EngineState`` writes its row whenever what placement reads of it changes (a load report, a dispatch,
+a first token, an end, a disconnect), so the columns are never stale. Rows share the ``PrefixIndex``'s
+slot numbers, so the index's answer for every slot lines up with them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from router.policy import engine_key
+
+if TYPE_CHECKING:
+    from router.engines import EngineState
+
+_NO_POOL = -1
+
+
+class LoadTable:
+    def __init__(self, capacity: int = 64) -> None:
+        self.states: list[EngineState | None] = [None] * capacity
+        self.engine_ids = np.full(capacity, "", dtype=object)
+        self.healthy = np.zeros(capacity, dtype=bool)
+        self.pool = np.full(capacity, _NO_POOL, dtype=np.int64)  # id of (model, tokenizer) served
+        self.hashing = np.zeros(capacity, dtype=np.int64)  # id of (block size, hash seed)
+        self.block_size = np.ones(capacity, dtype=np.int64)
+        self.decode_blocks = np.zeros(capacity, dtype=np.float64)
+        self.waiting = np.zeros(capacity, dtype=np.int64)
+        self.max_waiting = np.zeros(capacity, dtype=np.int64)
+        self.drain_rate = np.zeros(capacity, dtype=np.float64)
+        self.rendezvous_key = np.zeros(capacity, dtype=np.uint64)
+        self.order = np.zeros(0, dtype=np.int64)  # attached rows in engine-id order
+        self._pools: dict[tuple[str, str], int] = {}
+        self._hashings: dict[tuple[int, int], int] = {}
+        self._hashing_keys: list[tuple[int, int]] = []
+
+    @property
+    def capacity(self) -> int:
+        return len(self.states)
+
+    def attach(self, state: EngineState, slot: int) -> None:
+        while slot >= self.capacity:
+            self._grow()
+        self.states[slot] = state
+        self.engine_ids[slot] = state.engine_id
+        self.rendezvous_key[slot] = engine_key(state.engine_id)
+        self._reorder()
+
+    def detach(self, slot: int) -> None:
+        self.states[slot] = None
+        self.engine_ids[slot] = ""
+        self.healthy[slot] = False
+        self.pool[slot] = _NO_POOL
+        self._reorder()
+
+    def hashing_of(self, hashing: int) -> tuple[int, int]:
+        """The (block size, seed) behind a ``hashing`` id."""
+        return self._hashing_keys[hashing]
+
+    def pool_mask(self, model: str, tokenizer_fingerprint: str) -> np.ndarray:
+        """Which rows serve ``model`` (with ``tokenizer_fingerprint``, unless it is empty)."""
+        pools = self.pool_ids(model, tokenizer_fingerprint)
+        return self.pool == pools[0] if len(pools) == 1 else np.isin(self.pool, pools)
+
+    def pool_ids(self, model: str, tokenizer_fingerprint: str) -> list[int]:
+        """The pool ids serving ``model`` (any tokenizer when ``tokenizer_fingerprint`` is empty)."""
+        return [
+            pool
+            for (served, fingerprint), pool in self._pools.items()
+            if served == model and (not tokenizer_fingerprint or fingerprint == tokenizer_fingerprint)
+        ]
+
+    def models(self) -> set[str]:
+        """The models the attached engines serve."""
+        present = set(np.unique(self.pool[self.order]).tolist())
+        return {model for (model, _), pool in self._pools.items() if pool in present}
+
+    def write(self, slot: int, state: EngineState) -> None:
+        """``state``'s row, from what it knows now."""
+        info = state.info
+        if info is not None:
+            self.pool[slot] = self._pools.setdefault(
+                (info.model, info.tokenizer_fingerprint), len(self._pools)
+            )
+            key = (info.block_size, info.block_hash_seed)
+            if key not in self._hashings:
+                self._hashings[key] = len(self._hashing_keys)
+                self._hashing_keys.append(key)
+            self.hashing[slot] = self._hashings[key]
+            self.block_size[slot] = info.block_size
+        self.healthy[slot] = state.healthy
+        self.decode_blocks[slot] = state.decode_blocks()
+        view = state.queue_view()
+        self.waiting[slot] = view.waiting
+        self.max_waiting[slot] = view.max_waiting
+        self.drain_rate[slot] = view.drain_rate
+
+    def _reorder(self) -> None:
+        rows = [slot for slot, state in enumerate(self.states) if state is not None]
+        self.order = np.array(sorted(rows, key=lambda slot: self.engine_ids[slot]), dtype=np.int64)
+
+    def _grow(self) -> None:
+        size = self.capacity
+        self.states += [None] * size
+        for name, column in list(vars(self).items()):
+            if isinstance(column, np.ndarray) and name != "order":
+                setattr(self, name, np.concatenate([column, np.zeros_like(column)]))
+        self.pool[size:] = _NO_POOL
+        self.block_size[size:] = 1
+        self.engine_ids[size:] = ""
