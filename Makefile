@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml scripts/provision.sh scripts/provision_helm.sh memory_s
 run: setup
 	$(PY) -m localmesh.mesh $(ARGS)
 
-test: setup check-protos
+test: setup check-protos typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: setup typecheck
