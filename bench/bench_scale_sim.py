@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from chatmesh.block_hash import block_hashes  # noqa: E402
 from router.sim.costs import SEEDS_GPU  # noqa: E402
-from router.sim.simulation import Setup, Simulation  # noqa: E402
+from router.sim.setup import Setup  # noqa: E402
+from router.sim.simulation import Simulation  # noqa: E402
 from router.sim.workload import Workload  # noqa: E402
 
 PER_ENGINE_PROMPTS_PER_S = 20.0  # the seeds: 20k prompts/s over 1,000 engines

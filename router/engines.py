@@ -44,10 +44,12 @@ class EngineState:
     foreign_waiting: int = 0  # queued at the last report beyond this router's requests
     finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     removed: bool = False  # gone from DNS; kept only while its streams finish
-    table: LoadTable | None = None  # where placement reads it (its row is rewritten on every change)
+    table: LoadTable[EngineState] | None = (
+        None  # where placement reads it (its row is rewritten on every change)
+    )
     slot: int = -1
 
-    def attach(self, table: LoadTable, slot: int) -> None:
+    def attach(self, table: LoadTable[EngineState], slot: int) -> None:
         self.table, self.slot = table, slot
         table.attach(self, slot)
         self._publish()

@@ -9,21 +9,37 @@ slot numbers, so the index's answer for every slot lines up with them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
+from chatmesh.engine.v1 import engine_pb2
+from router.admission import QueueView
 from router.policy import engine_key
-
-if TYPE_CHECKING:
-    from router.engines import EngineState
 
 _NO_POOL = -1
 
 
-class LoadTable:
+class EngineRow(Protocol):
+    """What a row is written from: the router's state of one engine (``router.engines.EngineState``)."""
+
+    engine_id: str
+    info: engine_pb2.GetModelInfoResponse | None
+
+    @property
+    def healthy(self) -> bool: ...
+    def decode_blocks(self) -> float: ...
+    def queue_view(self) -> QueueView: ...
+
+
+State = TypeVar("State", bound=EngineRow)
+
+
+class LoadTable(Generic[State]):
+    """The columns, and the engine state each attached row belongs to (placement answers with it)."""
+
     def __init__(self, capacity: int = 64) -> None:
-        self.states: list[EngineState | None] = [None] * capacity
+        self.states: list[State | None] = [None] * capacity
         self.engine_ids = np.full(capacity, "", dtype=object)
         self.healthy = np.zeros(capacity, dtype=bool)
         self.pool = np.full(capacity, _NO_POOL, dtype=np.int64)  # id of (model, tokenizer) served
@@ -43,7 +59,7 @@ class LoadTable:
     def capacity(self) -> int:
         return len(self.states)
 
-    def attach(self, state: EngineState, slot: int) -> None:
+    def attach(self, state: State, slot: int) -> None:
         while slot >= self.capacity:
             self._grow()
         self.states[slot] = state
@@ -80,7 +96,7 @@ class LoadTable:
         present = set(np.unique(self.pool[self.order]).tolist())
         return {model for (model, _), pool in self._pools.items() if pool in present}
 
-    def write(self, slot: int, state: EngineState) -> None:
+    def write(self, slot: int, state: State) -> None:
         """``state``'s row, from what it knows now."""
         info = state.info
         if info is not None:

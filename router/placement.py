@@ -34,7 +34,7 @@ class PlacementState(Protocol):
     """What placement reads of a router's registry: the real one, or a simulated router's (router/sim)."""
 
     index: PrefixIndex
-    loads: LoadTable
+    loads: LoadTable[EngineState]
 
     def engines(self) -> list[EngineState]: ...
 

@@ -40,7 +40,7 @@ class EngineRegistry:
         self.config = config
         self.metrics = metrics
         self.index = PrefixIndex()
-        self.loads = LoadTable()
+        self.loads: LoadTable[EngineState] = LoadTable()
         self._engines: dict[str, EngineState] = {}
         self._supervisors: dict[str, asyncio.Task] = {}
         self._dns_members: dict[str, set[str]] = {}  # DNS name → engine ids it resolved to

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from router.admission import is_premium
+from router.sim.setup import Setup
 
 if TYPE_CHECKING:
     from router.sim.engine import Request
-    from router.sim.simulation import Setup, Simulation
 
 TIERS = ("free", "paid")
 
@@ -80,15 +80,22 @@ class Report:
         tier.cached_tokens += request.cached_tokens
         self.predicted_exact += request.predicted_cached_tokens == request.cached_tokens
 
-    def finish(self, simulation: Simulation, wall_s: float) -> None:
+    def finish(
+        self,
+        simulated_s: float,
+        wall_s: float,
+        ingest: list[tuple[float, int, int]],
+        replicas_agree: bool,
+    ) -> None:
+        """The run's end: how long it took, each router's KV event ingestion (seconds, blocks, events),
+        and whether every router's index ended the same."""
         self.wall_s = wall_s
-        self.simulated_s = simulation.now
+        self.simulated_s = simulated_s
         arrived = sum(t.arrived for t in self.tiers.values())
         done = sum(t.finished + t.shed for t in self.tiers.values())
         self.lost = arrived - done
-        self.ingest = [(r.ingest_s, r.ingested_blocks, r.ingested_events) for r in simulation.routers]
-        sizes = [[r.index.size(e) for e in simulation.engines] for r in simulation.routers]
-        self.replicas_agree = all(s == sizes[0] for s in sizes)
+        self.ingest = ingest
+        self.replicas_agree = replicas_agree
 
     # -- figures --------------------------------------------------------------------------------------
 

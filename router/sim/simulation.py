@@ -19,7 +19,6 @@ import itertools
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -33,26 +32,12 @@ from router.index import PrefixIndex
 from router.loads import LoadTable
 from router.metrics import RouterMetrics
 from router.placement import Placer, RequestPlan
-from router.sim.costs import EngineCosts
 from router.sim.engine import Request, SimEngine
 from router.sim.report import Report
-from router.sim.workload import Chat, Conversations, Workload
+from router.sim.setup import Setup
+from router.sim.workload import Chat, Conversations
 
 MODEL = "sim"
-
-
-@dataclass(frozen=True)
-class Setup:
-    engines: int = 1000
-    routers: int = 1  # replicas, each following every engine's events
-    policy: str = "kv_aware"
-    costs: EngineCosts = field(default_factory=EngineCosts)
-    workload: Workload = field(default_factory=Workload)
-    load_interval_s: float = 0.1  # the router's default --load-interval-ms
-    fail_engine_at_s: float = -1.0  # < 0: no failure; else engine 0 dies then (its requests fail over)
-    # Requests arriving before this are not in the figures (< 0: 1.5 ramps, when the chats that joined
-    # cold during the ramp have come back at least once).
-    measure_from_s: float = -1.0
 
 
 class RouterReplica:
@@ -61,7 +46,7 @@ class RouterReplica:
 
     def __init__(self, setup: Setup, engine_ids: list[str], seed: int) -> None:
         self.index = PrefixIndex()
-        self.loads = LoadTable()
+        self.loads: LoadTable[EngineState] = LoadTable()
         info = engine_pb2.GetModelInfoResponse(
             model=MODEL, block_size=setup.costs.block_size, block_hash_seed=BLOCK_HASH_SEED
         )
@@ -141,7 +126,13 @@ class Simulation:
         while self._queue:
             self.now, _, action = heapq.heappop(self._queue)
             action(self.now)
-        self.report.finish(self, time.perf_counter() - started)
+        sizes = [[r.index.size(e) for e in self.engines] for r in self.routers]
+        self.report.finish(
+            simulated_s=self.now,
+            wall_s=time.perf_counter() - started,
+            ingest=[(r.ingest_s, r.ingested_blocks, r.ingested_events) for r in self.routers],
+            replicas_agree=all(s == sizes[0] for s in sizes),
+        )
         return self.report
 
     def _measure_index(self, now: float) -> None:

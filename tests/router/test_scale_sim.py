@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 
 from router.sim.costs import SEEDS_GPU
-from router.sim.simulation import Setup, Simulation
+from router.sim.setup import Setup
+from router.sim.simulation import Simulation
 from router.sim.workload import Workload
 
 ENGINES = 20

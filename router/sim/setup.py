@@ -1,0 +1,22 @@
+"""What one simulation run is: the fleet, the routers, the policy, the engines' costs and the workload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from router.sim.costs import EngineCosts
+from router.sim.workload import Workload
+
+
+@dataclass(frozen=True)
+class Setup:
+    engines: int = 1000
+    routers: int = 1  # replicas, each following every engine's events
+    policy: str = "kv_aware"
+    costs: EngineCosts = field(default_factory=EngineCosts)
+    workload: Workload = field(default_factory=Workload)
+    load_interval_s: float = 0.1  # the router's default --load-interval-ms
+    fail_engine_at_s: float = -1.0  # < 0: no failure; else engine 0 dies then (its requests fail over)
+    # Requests arriving before this are not in the figures (< 0: 1.5 ramps, when the chats that joined
+    # cold during the ramp have come back at least once).
+    measure_from_s: float = -1.0
