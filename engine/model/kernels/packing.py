@@ -66,12 +66,18 @@ def _panel_major(a: np.ndarray) -> np.ndarray:
     return np.moveaxis(a, 1, -1)
 
 
-def _pack_q4_1(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+def _q4_1_panels(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_1 blocks in panel-major order: scales (d, m) [P, B, 2, 16] and codes [P, B, 32, 16] (element j of
+    each block, unpacked from its nibble)."""
     blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // QK, 20)
-    scales = _panel_major(blocks[..., 0:4].copy().view(np.float16).reshape(n, k // QK, 2))  # [P, B, 2, 16]
+    scales = _panel_major(blocks[..., 0:4].copy().view(np.float16).reshape(n, k // QK, 2))
     qs = blocks[..., 4:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, B, 32]: element j of the block
-    codes = _panel_major(codes)  # [P, B, 32, 16]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, B, 32]
+    return scales, _panel_major(codes)
+
+
+def _pack_q4_1(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    scales, codes = _q4_1_panels(raw, n, k)
     pairs = codes[:, :, 0::2, :] | (codes[:, :, 1::2, :] << 4)  # [P, B, 16, 16]
     p, nb = pairs.shape[:2]
     out = np.concatenate(
@@ -99,11 +105,8 @@ def _vnni_lanes(codes: np.ndarray) -> np.ndarray:
 
 
 def _pack_q4_1_vnni(raw: np.ndarray, n: int, k: int) -> np.ndarray:
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // QK, 20)
-    scales = _panel_major(blocks[..., 0:4].copy().view(np.float16).reshape(n, k // QK, 2))  # [P, B, 2, 16]
-    qs = blocks[..., 4:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [N, B, 32]: element j of the block
-    groups = _vnni_lanes(_panel_major(codes))  # [P, B, 8, 64]
+    scales, codes = _q4_1_panels(raw, n, k)
+    groups = _vnni_lanes(codes)  # [P, B, 8, 64]
     nibbles = groups[:, :, :4] | (groups[:, :, 4:] << 4)  # k 0..15 low, k 16..31 high: [P, B, 4, 64]
     p, nb = nibbles.shape[:2]
     out = np.concatenate(
