@@ -93,6 +93,7 @@ class Prompter:
                     conversation,
                     budget,
                     summary,
+                    int(self.config.truncation_step * budget),
                 )
             except PromptTooLong as exc:
                 raise refused(
