@@ -59,6 +59,18 @@ class RunStream:
                 return
             yield response.event
 
+    async def events(self, first: chat_pb2.RunEvent) -> AsyncIterator[chat_pb2.RunEvent]:
+        """``first`` and the events after it; a failure mid-stream raises ApiError. Detaches when closed
+        (read it inside ``contextlib.aclosing`` to stop early)."""
+        try:
+            yield first
+            async for event in self.rest():
+                yield event
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        finally:
+            self.detach()
+
     def detach(self) -> None:
         """Stops reading. The run itself goes on (only CancelRun stops it)."""
         self._call.cancel()

@@ -34,7 +34,7 @@ def response_id(run_id: str) -> str:
     return RESPONSE_PREFIX + uuid.UUID(run_id).hex
 
 
-def run_id_of(value: str, param: str) -> str:
+def run_id_of(value: str, param: str | None) -> str:
     """The run id a response id names; 404 (naming ``param``) for anything that is not one of ours."""
     try:
         run_id = uuid.UUID(hex=value.removeprefix(RESPONSE_PREFIX))

@@ -21,7 +21,6 @@ import functools
 import time
 from collections.abc import Awaitable, Callable
 
-import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,7 +29,7 @@ from chatmesh.chat.v1 import chat_pb2
 from edge.bodies import read_model
 from edge.chats_api import caller_of
 from edge.convert import options_proto
-from edge.errors import ApiError, from_rpc_error
+from edge.errors import ApiError
 from edge.openai_api import ROLES
 from edge.orchestrator import Caller, Orchestrator, RunStream
 from edge.response_events import ResponseEvents
@@ -105,12 +104,6 @@ def _complete_request(body: ResponseCreateIn) -> chat_pb2.CompleteRequest:
 
 def _stored_input(body: ResponseCreateIn) -> str:
     """A stored response adds one user message to its chat; earlier turns are the chat's own."""
-    if body.instructions is not None:
-        raise _bad(
-            "instructions",
-            "instructions are supported with store: false only; a stored response uses the server's "
-            "system prompt",
-        )
     messages = body.messages()
     if len(messages) != 1 or messages[0].role != "user":
         raise _bad(
@@ -121,10 +114,13 @@ def _stored_input(body: ResponseCreateIn) -> str:
     return messages[0].text()
 
 
-async def _stored_run(request: Request, orchestrator: Orchestrator, caller: Caller) -> chat_pb2.Run:
-    """The run a response id in the path names: 404 if it is not the caller's, was not stored, or its
-    conversation was deleted."""
-    return await _owned_run(orchestrator, caller, request.path_params["response_id"], None)
+async def _stored_run(request: Request) -> tuple[Orchestrator, Caller, chat_pb2.Run]:
+    """The run the response id in the path names (404 if it is not the caller's, was not stored, or its
+    conversation was deleted), and the caller routed to the replica that holds it, if it lives."""
+    orchestrator = request.app.state.orchestrator
+    caller = caller_of(request)
+    run = await _owned_run(orchestrator, caller, request.path_params["response_id"], None)
+    return orchestrator, Caller(caller.identity, run.chat_id), run
 
 
 async def _owned_run(
@@ -162,7 +158,11 @@ async def _send(
         chat_id, parent_id = chat.chat_id, ""
     routed = Caller(caller.identity, chat_id)
     send = chat_pb2.SendMessageRequest(
-        chat_id=chat_id, content=content, parent_message_id=parent_id, options=_options(body)
+        chat_id=chat_id,
+        content=content,
+        parent_message_id=parent_id,
+        options=_options(body),
+        instructions=body.instructions or "",
     )
     stream = orchestrator.stream("SendMessage", send, routed)
     try:
@@ -181,20 +181,11 @@ async def _fold(
 ) -> None:
     """Applies ``first`` and the events after it to ``record`` until the run ends (or, with
     ``until_seq``, until that event: the state of a run still generating)."""
-    try:
-        event = first
-        events = stream.rest()
-        while True:
+    async with contextlib.aclosing(stream.events(first)) as events:
+        async for event in events:
             record.apply(event)
             if record.ended or (until_seq and event.seq >= until_seq):
                 return
-            event = await anext(events)
-    except StopAsyncIteration:
-        return
-    except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from exc
-    finally:
-        stream.detach()
 
 
 def _stream_response(
@@ -276,11 +267,8 @@ async def _response_at(orchestrator: Orchestrator, caller: Caller, run: chat_pb2
 
 @openai_errors
 async def retrieve_response(request: Request) -> Response:
-    orchestrator = request.app.state.orchestrator
-    caller = caller_of(request)
     streamed, starting_after = _query_bool(request, "stream"), _query_int(request, "starting_after", -1)
-    run = await _stored_run(request, orchestrator, caller)
-    routed = Caller(caller.identity, run.chat_id)  # to the replica that holds the run, if it lives
+    orchestrator, routed, run = await _stored_run(request)
     if not streamed:
         return JSONResponse(await _response_at(orchestrator, routed, run))
     # Every event from the first, renumbered the same way; those up to starting_after are not sent.
@@ -291,10 +279,7 @@ async def retrieve_response(request: Request) -> Response:
 
 @openai_errors
 async def cancel_response(request: Request) -> Response:
-    orchestrator = request.app.state.orchestrator
-    caller = caller_of(request)
-    run = await _stored_run(request, orchestrator, caller)
-    routed = Caller(caller.identity, run.chat_id)
+    orchestrator, routed, run = await _stored_run(request)
     # Cancelling an ended response leaves it as it is (CancelRun is a no-op then).
     reply = await orchestrator.unary("CancelRun", chat_pb2.CancelRunRequest(run_id=run.run_id), routed)
     return JSONResponse(await _response_at(orchestrator, routed, reply.run))
@@ -302,10 +287,7 @@ async def cancel_response(request: Request) -> Response:
 
 @openai_errors
 async def delete_response(request: Request) -> Response:
-    orchestrator = request.app.state.orchestrator
-    caller = caller_of(request)
-    run = await _stored_run(request, orchestrator, caller)
-    routed = Caller(caller.identity, run.chat_id)
+    orchestrator, routed, run = await _stored_run(request)
     await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=run.chat_id), routed)
     return JSONResponse({"id": request.path_params["response_id"], "object": "response", "deleted": True})
 

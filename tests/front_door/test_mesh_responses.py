@@ -120,6 +120,17 @@ def test_previous_response_id_continues_the_conversation(
     assert messages[2]["content"] == "What is my name?" and messages[3]["content"] == second.output_text
 
 
+def test_instructions_replace_the_system_prompt_for_one_response(sdk: openai.OpenAI):
+    plain = sdk.responses.create(input=QUESTION, max_output_tokens=2)
+    instructions = "Answer in the voice of a ship's captain, in one sentence. " * 20
+    instructed = sdk.responses.create(input=QUESTION, instructions=instructions, max_output_tokens=2)
+    assert instructed.instructions == instructions
+    assert instructed.usage.input_tokens > plain.usage.input_tokens + 150
+    # As OpenAI's, instructions do not carry over to the next response of the conversation.
+    after = sdk.responses.create(input=QUESTION, previous_response_id=instructed.id, max_output_tokens=2)
+    assert after.usage.input_tokens < instructed.usage.input_tokens
+
+
 def test_background_response_is_retrieved_and_cancelled(sdk: openai.OpenAI):
     # No max_output_tokens: the door's default (800 tokens, 4 s at the engines' pace).
     response = sdk.responses.create(input=QUESTION, background=True)
@@ -197,7 +208,6 @@ def test_bad_requests_name_the_parameter(sdk: openai.OpenAI):
         ({"input": QUESTION, "max_output_tokens": 100_000}, "max_output_tokens"),
         ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "tools"),
         ({"input": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "input"),
-        ({"input": QUESTION, "instructions": "Be brief."}, "instructions"),
         ({"input": QUESTION, "store": False, "background": True}, "background"),
         ({"input": [{"role": "robot", "content": "a"}]}, "input"),
         ({"input": ""}, "input"),
@@ -207,6 +217,9 @@ def test_bad_requests_name_the_parameter(sdk: openai.OpenAI):
             sdk.responses.create(**fields)
         assert refused.value.param == param, (fields, refused.value.body)
         assert refused.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.APIStatusError) as too_large:
+        sdk.responses.create(input=QUESTION, instructions="x" * 33_000)
+    assert too_large.value.status_code == 413
 
 
 def test_unknown_and_other_users_responses_are_not_found(
