@@ -7,7 +7,7 @@ run going until it ends or someone calls CancelRun.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +59,7 @@ class RunStream:
                 return
             yield response.event
 
-    async def events(self, first: chat_pb2.RunEvent) -> AsyncIterator[chat_pb2.RunEvent]:
+    async def events(self, first: chat_pb2.RunEvent) -> AsyncGenerator[chat_pb2.RunEvent, None]:
         """``first`` and the events after it; a failure mid-stream raises ApiError. Detaches when closed
         (read it inside ``contextlib.aclosing`` to stop early)."""
         try:
