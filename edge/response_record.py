@@ -83,7 +83,6 @@ class ResponseRecord:
     status: str = "in_progress"
     incomplete_reason: str | None = None
     error: dict | None = None
-    completed_at: float | None = None
 
     @property
     def id(self) -> str:
@@ -106,14 +105,12 @@ class ResponseRecord:
             self.usage = event.usage
         elif kind == "done":
             self.status, self.incomplete_reason = _ENDINGS.get(event.done.finish_reason, ("completed", None))
-            self.completed_at = time.time()
         elif kind == "error":
             self.fail(event.error.code, event.error.message)
 
     def fail(self, code: str, message: str) -> None:
         self.status = "failed"
         self.error = {"code": _ERROR_CODES.get(code.upper(), "server_error"), "message": message}
-        self.completed_at = time.time()
 
     def output_text(self) -> str:
         return "".join(self.text)
@@ -138,7 +135,6 @@ class ResponseRecord:
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
-            "completed_at": self.completed_at,
             "status": self.status,
             "background": self.background,
             "error": self.error,
