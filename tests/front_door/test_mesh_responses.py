@@ -4,6 +4,7 @@ they are retrieved, resumed and cancelled from any replica."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -32,14 +33,15 @@ def sdk(mesh_front_door: MeshFrontDoor, user: str) -> openai.OpenAI:
     return sdk_for(mesh_front_door, user)
 
 
-@pytest.fixture(scope="module")
-def second_door(
+@contextlib.contextmanager
+def door_over_another_replica(
     tmp_path_factory: pytest.TempPathFactory, dev_jwt_keys: DevKeys, mesh_front_door: MeshFrontDoor
 ) -> Iterator[FrontDoor]:
-    """Another front door over another orchestrator replica of the same mesh (same Cassandra, router)."""
+    """Another front door over another orchestrator replica of the same mesh (same Cassandra, router),
+    both stopped when the block ends."""
     with (
         mesh_front_door.mesh.replica(**MESH_DOOR_ORCHESTRATOR_FLAGS) as orchestrator,
-        Launcher(tmp_path_factory.mktemp("second-door"), echo=lambda line: None) as launcher,
+        Launcher(tmp_path_factory.mktemp("another-door"), echo=lambda line: None) as launcher,
     ):
         yield start_front_door(
             launcher,
@@ -48,6 +50,14 @@ def second_door(
             edge_flags=("--sse-ping-s", "1"),
             rate_limits=TEST_RATE_LIMITS,
         )
+
+
+@pytest.fixture(scope="module")
+def second_door(
+    tmp_path_factory: pytest.TempPathFactory, dev_jwt_keys: DevKeys, mesh_front_door: MeshFrontDoor
+) -> Iterator[FrontDoor]:
+    with door_over_another_replica(tmp_path_factory, dev_jwt_keys, mesh_front_door) as door:
+        yield door
 
 
 def wait_until_ended(sdk: openai.OpenAI, response_id: str, timeout_s: float = 20.0):
@@ -180,6 +190,25 @@ def test_any_replica_retrieves_and_resumes_a_response(
     assert rest[-1].response.output_text == ended.output_text
     assert there.responses.retrieve(response.id).output_text == ended.output_text
     assert ended.usage.output_tokens == 300
+
+
+def test_a_response_outlives_the_replica_that_generated_it(
+    tmp_path_factory: pytest.TempPathFactory, dev_jwt_keys: DevKeys, mesh_front_door: MeshFrontDoor, user: str
+):
+    with door_over_another_replica(tmp_path_factory, dev_jwt_keys, mesh_front_door) as door:
+        there = sdk_for(door, user)
+        made = wait_until_ended(
+            there, there.responses.create(input=QUESTION, background=True, max_output_tokens=40).id
+        )
+        assert made.status == "incomplete" and made.usage.output_tokens == 40
+    # That replica (and its edge and Envoy) are gone; the response is not.
+    here = sdk_for(mesh_front_door, user)
+    kept = here.responses.retrieve(made.id)
+    assert (kept.status, kept.output_text, kept.usage.output_tokens) == ("incomplete", made.output_text, 40)
+    rest = list(here.responses.retrieve(made.id, stream=True, starting_after=3))
+    assert rest[0].sequence_number == 4 and deltas(rest) == made.output_text
+    later = here.responses.create(input=QUESTION, previous_response_id=made.id, max_output_tokens=2)
+    assert later.usage.input_tokens > made.usage.input_tokens
 
 
 def test_unstored_responses_take_a_conversation_and_are_not_kept(
