@@ -193,6 +193,7 @@ def _stream_response(
     stream: RunStream,
     first: chat_pb2.RunEvent,
     record: ResponseRecord,
+    request_started: float,
     starting_after: int = -1,
 ) -> Response:
     writer = ResponseEvents(record, starting_after)
@@ -200,7 +201,7 @@ def _stream_response(
         stream,
         first,
         "responses",
-        time.monotonic(),
+        request_started,
         request.app.state.drain,
         writer.sse,
         writer.error,
@@ -211,6 +212,7 @@ def _stream_response(
 
 @openai_errors
 async def create_response(request: Request) -> Response:
+    started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
     caller = caller_of(request)
     body = await read_model(request, ResponseCreateIn, settings.max_body_bytes)
@@ -230,7 +232,7 @@ async def create_response(request: Request) -> Response:
         stream = orchestrator.stream("Complete", _complete_request(body), caller)
         first = await stream.first()
     if body.stream:
-        return _stream_response(request, stream, first, record)
+        return _stream_response(request, stream, first, record, started)
     if body.background:
         # The run goes on without us (a stored run outlives its caller): retrieve or stream it later.
         record.apply(first)
@@ -267,6 +269,7 @@ async def _response_at(orchestrator: Orchestrator, caller: Caller, run: chat_pb2
 
 @openai_errors
 async def retrieve_response(request: Request) -> Response:
+    started = time.monotonic()
     streamed, starting_after = _query_bool(request, "stream"), _query_int(request, "starting_after", -1)
     orchestrator, routed, run = await _stored_run(request)
     if not streamed:
@@ -274,7 +277,7 @@ async def retrieve_response(request: Request) -> Response:
     # Every event from the first, renumbered the same way; those up to starting_after are not sent.
     stream = orchestrator.stream("StreamRun", chat_pb2.StreamRunRequest(run_id=run.run_id), routed)
     record = ResponseRecord(created_at=run.create_time.ToMicroseconds() / 1e6)
-    return _stream_response(request, stream, await stream.first(), record, starting_after)
+    return _stream_response(request, stream, await stream.first(), record, started, starting_after)
 
 
 @openai_errors
