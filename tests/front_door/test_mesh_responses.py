@@ -231,7 +231,7 @@ def test_unstored_responses_take_a_conversation_and_are_not_kept(
         assert client.get("/v1/chats").json()["chats"] == []
 
 
-def test_bad_requests_name_the_parameter(sdk: openai.OpenAI):
+def test_bad_requests_name_the_parameter(mesh_front_door: MeshFrontDoor, sdk: openai.OpenAI, user: str):
     cases = [
         ({"input": QUESTION, "temperature": 5}, "temperature"),
         ({"input": QUESTION, "max_output_tokens": 100_000}, "max_output_tokens"),
@@ -249,6 +249,29 @@ def test_bad_requests_name_the_parameter(sdk: openai.OpenAI):
     with pytest.raises(openai.APIStatusError) as too_large:
         sdk.responses.create(input=QUESTION, instructions="x" * 33_000)
     assert too_large.value.status_code == 413
+    # Those the orchestrator refused (after their conversation was made) left none behind.
+    with mesh_front_door.client(user) as client:
+        assert client.get("/v1/chats").json()["chats"] == []
+
+
+def test_garbage_is_a_clear_400(mesh_front_door: MeshFrontDoor, sdk: openai.OpenAI, user: str):
+    response = sdk.responses.create(input=QUESTION, max_output_tokens=2)
+    with mesh_front_door.client(user) as client:
+        for body in (
+            b"{not json",
+            b"[]",
+            b'{"input": 5}',
+            b'{"input": []}',
+            b'{"input": "hi", "stream": "x"}',
+        ):
+            reply = client.post("/v1/responses", content=body, headers={"content-type": "application/json"})
+            assert reply.status_code == 400, (body, reply.text)
+            assert reply.json()["error"]["type"] == "invalid_request_error"
+        for query, param in (("starting_after=x", "starting_after"), ("stream=maybe", "stream")):
+            reply = client.get(f"/v1/responses/{response.id}?{query}")
+            assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+        # Nothing refused left a conversation behind.
+        assert [c["title"] for c in client.get("/v1/chats").json()["chats"]] == [QUESTION]
 
 
 def test_unknown_and_other_users_responses_are_not_found(
