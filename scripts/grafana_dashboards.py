@@ -143,7 +143,10 @@ def router() -> Dashboard:
                         f"sum(rate({hits.format(kind)}[{RATE}])) / sum(rate({hits.format('prompt_tokens')}[{RATE}]))",
                         legend,
                     )
-                    for kind, legend in (("predicted_cached_tokens", "predicted"), ("cached_tokens", "actual"))
+                    for kind, legend in (
+                        ("predicted_cached_tokens", "predicted"),
+                        ("cached_tokens", "actual"),
+                    )
                 ),
             ),
             Panel(
@@ -380,7 +383,9 @@ def main() -> int:
     files = rendered()
     if args.check:
         stale = sorted(
-            name for name, text in files.items() if not (OUT / name).exists() or (OUT / name).read_text() != text
+            name
+            for name, text in files.items()
+            if not (OUT / name).exists() or (OUT / name).read_text() != text
         )
         extra = sorted(p.name for p in OUT.glob("*.json") if p.name not in files)
         if stale or extra:

@@ -29,7 +29,9 @@ _MATCHER = re.compile(
 KEYWORDS = {"and", "or", "unless", "offset", "bool", "inf", "nan", "atan2"}
 # Followed by a parenthesised label list rather than an expression.
 GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-_LABEL_VALUES = re.compile(r"^\s*label_values\((?:(?P<selector>.+),)?\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$")
+_LABEL_VALUES = re.compile(
+    r"^\s*label_values\((?:(?P<selector>.+),)?\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$"
+)
 
 
 @dataclass(frozen=True)
@@ -112,11 +114,3 @@ def _check_balanced(expr: str, tokens: list[tuple[str | None, str]]) -> None:
             break
     if depth != 0:
         raise PromQLError(f"unbalanced parentheses in {expr!r}")
-
-
-def strip_histogram_suffix(name: str, histograms: set[str]) -> str:
-    """``x_bucket``/``x_sum``/``x_count`` -> ``x`` when ``x`` is one of ``histograms``."""
-    for suffix in ("_bucket", "_sum", "_count"):
-        if name.endswith(suffix) and name[: -len(suffix)] in histograms:
-            return name[: -len(suffix)]
-    return name

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helm.promql import Matcher, PromQLError, parse, strip_histogram_suffix
+from tests.helm.promql import Matcher, PromQLError, parse
 
 
 def test_a_histogram_quantile_reads_the_bucket_series_its_matchers_and_grouping():
@@ -53,10 +53,3 @@ def test_grafana_label_values_queries():
 def test_what_it_cannot_read_is_an_error_not_a_silent_pass(bad):
     with pytest.raises(PromQLError):
         parse(bad)
-
-
-def test_histogram_suffixes_strip_only_for_histograms():
-    histograms = {"h_seconds"}
-    assert strip_histogram_suffix("h_seconds_bucket", histograms) == "h_seconds"
-    assert strip_histogram_suffix("h_seconds_count", histograms) == "h_seconds"
-    assert strip_histogram_suffix("jobs_count", histograms) == "jobs_count"
