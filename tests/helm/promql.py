@@ -26,16 +26,18 @@ _TOKEN = re.compile(
 _MATCHER = re.compile(
     r"""\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*(?P<op>=~|!~|!=|=)\s*(?P<value>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*')\s*,?"""
 )
-KEYWORDS = {"and", "or", "unless", "offset", "bool", "inf", "nan", "atan2"}
-# Followed by a parenthesised label list rather than an expression.
-GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 _LABEL_VALUES = re.compile(
     r"^\s*label_values\((?:(?P<selector>.+),)?\s*(?P<label>[A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$"
 )
+KEYWORDS = {"and", "or", "unless", "offset", "bool", "inf", "nan", "atan2"}
+# Followed by a parenthesised label list rather than an expression.
+GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 
 
 @dataclass(frozen=True)
 class Matcher:
+    """One label matcher of a selector: ``label op "value"`` (op: =, !=, =~, !~)."""
+
     label: str
     op: str
     value: str
