@@ -70,8 +70,10 @@ def test_openai_completions_are_not_stored_as_chats(mesh_front_door: MeshFrontDo
 def test_openai_sdk_errors_from_the_real_mesh_are_typed(sdk: openai.OpenAI):
     with pytest.raises(openai.NotFoundError):
         sdk.chat.completions.create(model="no-such-model", messages=PROMPT, max_tokens=2)
-    with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
+    # Past the orchestrator's max_tokens limit: its INVALID_ARGUMENT naming the field, as OpenAI's 400.
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as refused:
         sdk.chat.completions.create(model="", messages=PROMPT, max_tokens=100_000)
+    assert (refused.value.type, refused.value.param) == ("invalid_request_error", "max_tokens")
 
 
 # -- gRPC through Envoy -------------------------------------------------------------------------------------
