@@ -136,6 +136,9 @@ def test_dropped_sse_client_leaves_the_run_going_and_last_event_id_resumes_it(
     assert [(e.seq, e.event, e.data) for e in resume(client, chat_id, run_id, middle)] == [
         (e.seq, e.event, e.data) for e in whole[middle:]
     ]
+    # From its last event (or past it), there is nothing more: an empty stream, not an error.
+    assert resume(client, chat_id, run_id, whole[-1].seq) == []
+    assert resume(client, chat_id, run_id, whole[-1].seq + 7) == []
 
 
 def test_explicit_cancel_stops_the_run_and_frees_the_engines(
