@@ -45,16 +45,16 @@ async def _refuse(context: grpc.aio.ServicerContext, method: str) -> None:
 class RejectMalformed(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None or handler.request_streaming:
             return handler
         method = handler_call_details.method
         deserializer = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
-            unary = handler.unary_unary
+            unary: Any = handler.unary_unary
 
             async def checked_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if request is MALFORMED:
@@ -65,7 +65,7 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
                 checked_unary, deserializer, handler.response_serializer
             )
         if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            stream = handler.unary_stream
+            stream: Any = handler.unary_stream
 
             async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if request is MALFORMED:

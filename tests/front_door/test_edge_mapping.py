@@ -243,7 +243,10 @@ def test_malformed_ids_and_cursors_are_refused_at_the_edge(
         error = assert_json_error(client.get("/v1/chats", params={"page_size": page_size}), 400)
         assert (error["type"], error["param"]) == ("invalid_request_error", "page_size")
     for last_event_id in ("abc", "²", str(2**64), "9" * 5000, "-1"):
-        reply = client.get("/v1/runs/run_x/events", headers={"Last-Event-ID": last_event_id})
+        # Latin-1 on the wire, as a client may send "²".
+        reply = client.get(
+            "/v1/runs/run_x/events", headers={"Last-Event-ID": last_event_id.encode("latin-1")}
+        )
         assert assert_json_error(reply, 400)["param"] == "Last-Event-ID"
     reply = client.get("/v1/runs/run_x/events", params={"after_seq": str(2**64)})
     assert assert_json_error(reply, 400)["param"] == "after_seq"
