@@ -64,8 +64,8 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
             return grpc.unary_unary_rpc_method_handler(
                 checked_unary, deserializer, handler.response_serializer
             )
-        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
-            stream: Any = handler.unary_stream
+        stream: Any = handler.unary_stream
+        if stream is not None and inspect.isasyncgenfunction(stream):
 
             async def checked_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 if request is MALFORMED:
@@ -75,5 +75,15 @@ class RejectMalformed(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 checked_stream, deserializer, handler.response_serializer
+            )
+        if stream is not None and inspect.iscoroutinefunction(stream):  # a stream written with context.write
+
+            async def checked_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+                if request is MALFORMED:
+                    await _refuse(context, method)
+                await stream(request, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                checked_writer, deserializer, handler.response_serializer
             )
         return handler
