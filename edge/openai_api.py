@@ -62,6 +62,14 @@ def complete_request(body: ChatCompletionIn) -> chat_pb2.CompleteRequest:
     )
 
 
+def openai_names(error: ApiError) -> ApiError:
+    """``error`` naming the body's field as OpenAI's API does: CompleteRequest nests the sampling fields
+    in ``options``, OpenAI's body has them at the top (``options.max_tokens`` is ``max_tokens``)."""
+    if error.param:
+        error.param = error.param.removeprefix("options.")
+    return error
+
+
 class ChunkWriter:
     """Turns run events into ``chat.completion.chunk`` objects."""
 
@@ -119,7 +127,12 @@ async def chat_completions(request: Request) -> Response:
     caller = caller_of(request)
     body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
     stream = orchestrator.stream("Complete", complete_request(body), caller)
-    first = await stream.first()
+    try:
+        first = await stream.first()
+    except ApiError as error:
+        raise openai_names(error) from None
+    if first is None:  # a Complete always starts with `started`
+        raise ApiError(502, "the chat service ended the stream without any event", type="server_error")
     run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()
     completion_id = f"chatcmpl-{run.run_id or int(started * 1e6)}"
     model = run.model or body.model

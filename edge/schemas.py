@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from chatmesh.limits import Limits
 
 # The limits the API fixes. Those an operator sets (message size, model-name length, max_tokens) are the
-# orchestrator's flags: the edge leaves them to the orchestrator, whose refusals it maps (413, 422).
+# orchestrator's flags: the edge leaves them to the orchestrator, whose refusals it maps (413, 400).
 API = Limits()
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
