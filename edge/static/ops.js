@@ -1,19 +1,13 @@
 // The operations page: polls /v1/ops/overview with an operator token and draws it; looks a run's trace up.
 // Plain DOM and SVG: no libraries, nothing fetched from elsewhere.
+import { takeTokenFromUrl } from "./token.js";
+
+// Its own key: an operator token never replaces the chat page's token.
 const TOKEN_KEY = "chatmesh.opsToken";
 const POLL_MS = 2000;
 const $ = (selector) => document.querySelector(selector);
 let token = null;
 let timer = null;
-
-function takeTokenFromUrl() {
-  const match = location.hash.match(/token=([^&]+)/);
-  if (match) {
-    localStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
-    history.replaceState(null, "", location.pathname + location.search);
-  }
-  return localStorage.getItem(TOKEN_KEY);
-}
 
 function showBanner(text) {
   $("#banner").textContent = text;
@@ -241,6 +235,6 @@ $("#signin-form").addEventListener("submit", (event) => {
   start();
 });
 $("#trace-form").addEventListener("submit", showTrace);
-token = takeTokenFromUrl();
+token = takeTokenFromUrl(TOKEN_KEY);
 if (token) start();
 else showSignin(true);
