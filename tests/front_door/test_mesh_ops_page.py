@@ -227,6 +227,12 @@ def test_an_operator_watches_the_mesh_under_load_and_follows_a_run(
             what="the page to show the load's decisions, latencies and tokens",
         )
         assert "kv_aware" in after["decisions"], after
+        # ... and the engines are idle again.
+        wait_for(
+            lambda: _when(numbers(page), lambda now: sum(e["running"] for e in now["engines"]) == 0),
+            timeout_s=20,
+            what="the page to show the engines idle after the load",
+        )
         assert "prompt tokens" in page.text_content("#router-predicted")
         ttft_p50 = float(page.get_attribute("#chart-ttft", "data-p50"))
         assert 0 < ttft_p50 < 5, ttft_p50
