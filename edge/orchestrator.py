@@ -1,4 +1,4 @@
-"""The edge's only dependency: ChatService over gRPC, called with the caller's identity as metadata.
+"""The edge's only dependency: ChatService over gRPC, called with the caller's own token as metadata.
 
 Unary calls carry a deadline. Streams carry a (long) deadline too, and are read event by event; the edge
 never buffers a run. Cancelling a stream call here only detaches this client: the orchestrator keeps the
@@ -15,20 +15,22 @@ import grpc
 from google.protobuf.message import Message
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
-from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER, Identity
+from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
 from edge.errors import ApiError, from_rpc_error
 from meshkit.serving import CHANNEL_OPTIONS
 
 
 @dataclass(frozen=True)
 class Caller:
-    """Who a call is for, and which chat it concerns (Envoy hashes on the chat id)."""
+    """Who a call is for, proven by their token, and which chat it concerns (Envoy hashes on the chat id)."""
 
     identity: Identity
+    # The caller's `Authorization` value, verified here and passed on: the orchestrator verifies it again.
+    authorization: str
     chat_id: str = ""
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        pairs = [(USER_ID_HEADER, self.identity.user_id), (TIER_HEADER, self.identity.tier)]
+        pairs = [(AUTHORIZATION_HEADER, self.authorization)]
         if self.chat_id:
             pairs.append((CHAT_ID_HEADER, self.chat_id))
         # traceparent is added by the OpenTelemetry gRPC instrumentation from the request's span.

@@ -72,6 +72,7 @@ def front_door_specs(
             str(ports.edge),
             "--orchestrator",
             f"127.0.0.1:{ports.envoy_internal}",
+            *keys.service_flags(),
         ],
         ports=(ports.edge,),
         ready=HttpOk(f"http://127.0.0.1:{ports.edge}/healthz"),

@@ -60,6 +60,8 @@ def cassandra_node_config(config: MeshConfig) -> NodeConfig:
 def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     """The services of the local mesh, in start order."""
     py, ports = config.python, config.ports
+    # One key pair: Envoy, the edge and the orchestrator each verify the tokens it signs.
+    keys = ensure_keys()
     specs = [
         ServiceSpec(
             name=f"engine-{i}",
@@ -107,13 +109,14 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 f"127.0.0.1:{ports.router}",
                 "--cassandra",
                 f"127.0.0.1:{ports.cassandra}",
+                *keys.service_flags(),
             ],
             ports=(ports.orchestrator,),
             ready=GrpcHealthy(ports.orchestrator),
         )
     )
     # The front door: the edge, then Envoy in front of it and the orchestrator.
-    specs.extend(front_door_specs(ports.front_door, [ports.orchestrator], run_dir, ensure_keys(), py))
+    specs.extend(front_door_specs(ports.front_door, [ports.orchestrator], run_dir, keys, py))
     return specs
 
 

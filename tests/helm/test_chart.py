@@ -160,11 +160,15 @@ def test_every_probe_hits_the_port_its_service_listens_on(rendered, scenario):
 
 
 def test_edge_health_path_is_a_route_the_edge_serves():
+    from chatmesh.identity import TokenVerifier
     from edge.app import create_app
     from edge.settings import EdgeSettings
     from edge.sse import Drain
+    from localmesh.dev_jwt import ISSUER
+    from tests.fixtures.identity import session_keys
 
-    app = create_app(EdgeSettings(orchestrator="127.0.0.1:1"), Drain())
+    verifier = TokenVerifier(session_keys().jwks_path, ISSUER)
+    app = create_app(EdgeSettings(orchestrator="127.0.0.1:1"), verifier, Drain())
     assert "/healthz" in {getattr(route, "path", None) for route in app.routes}
 
 
