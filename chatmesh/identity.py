@@ -50,7 +50,7 @@ class Identity:
 class IdentityConfig:
     """Where a service finds the keys that prove who calls it (the same JWKS and issuer as Envoy's).
 
-    Flags of every service that serves users (``--jwks-file``, ``--jwt-issuer``); declared with plain
+    Flags of every service that serves users (``--jwks-file``, ``--jwt-issuer``, ``--jwt-audience``); plain
     metadata because contracts cannot import meshkit.
     """
 
@@ -58,6 +58,7 @@ class IdentityConfig:
         default="", metadata={"help": "JWKS file to verify callers' tokens with (Envoy's); required"}
     )
     jwt_issuer: str = field(default="chatmesh-dev", metadata={"help": "issuer callers' tokens must carry"})
+    jwt_audience: str = field(default=JWT_AUDIENCE, metadata={"help": "audience callers' tokens must carry"})
 
 
 class Unauthenticated(Exception):
@@ -82,7 +83,7 @@ class TokenVerifier:
                 "(`make run` passes the dev one; in Kubernetes the chart mounts Envoy's Secret)"
             )
         try:
-            return cls(Path(config.jwks_file), config.jwt_issuer)
+            return cls(Path(config.jwks_file), config.jwt_issuer, config.jwt_audience)
         except (OSError, ValueError, jwt.PyJWKSetError) as exc:
             raise ValueError(f"--jwks-file {config.jwks_file}: {exc}") from exc
 

@@ -522,3 +522,25 @@ def test_release_name_containing_chatmesh_is_not_repeated():
     names = {d["metadata"]["name"] for d in yaml.safe_load_all(out) if d}
     assert "chatmesh-router" in names
     assert RELEASE not in {n.split("-")[0] for n in names}
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "full"])
+def test_edge_and_orchestrator_verify_tokens_with_envoys_jwks(rendered, scenario):
+    """Identity cannot be forged behind Envoy: the services that serve users mount the same JWKS Secret
+    and check the same issuer and audience as Envoy, so a direct call needs a token Envoy would accept."""
+    chart = rendered[scenario]
+    settings = envoy_settings(chart)
+    secrets = {}
+    for component, _, spec in chart.pod_specs():
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        if "jwks" in volumes:
+            secrets[component] = volumes["jwks"]["secret"]["secretName"]
+    assert secrets["edge"] == secrets["orchestrator"] == secrets["envoy"]
+    for component in ("edge", "orchestrator"):
+        container = chart.container(component, component)
+        env = env_of(container)
+        prefix = f"CHATMESH_{component.upper()}"
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "jwks")
+        assert mount["readOnly"] and env[f"{prefix}_JWKS_FILE"] == f"{mount['mountPath']}/jwks.json"
+        assert env[f"{prefix}_JWT_ISSUER"] == settings["jwt_issuer"]
+        assert env[f"{prefix}_JWT_AUDIENCE"] == settings["jwt_audience"]

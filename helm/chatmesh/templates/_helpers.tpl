@@ -140,6 +140,28 @@ securityContext:
   {{- toYaml .Values.securityContext | nindent 2 }}
 {{- end -}}
 
+{{/*
+The JWKS Envoy verifies tokens with (envoy.jwt): the edge and the orchestrator mount the same Secret and
+verify each caller's forwarded token themselves, so identity cannot be forged by reaching them directly.
+A Secret volume (no subPath) follows the Secret's updates; the services re-read the file when it changes.
+*/}}
+{{- define "chatmesh.jwksSecret" -}}
+{{- default (printf "%s-jwks" (include "chatmesh.component" (dict "root" . "component" "envoy"))) .Values.envoy.jwt.existingSecret -}}
+{{- end -}}
+{{- define "chatmesh.jwksVolume" -}}
+- name: jwks
+  secret:
+    secretName: {{ include "chatmesh.jwksSecret" . }}
+    items: [{key: jwks.json, path: jwks.json}]
+{{- end -}}
+{{- define "chatmesh.jwksMount" -}}
+- {name: jwks, mountPath: /etc/chatmesh/jwks, readOnly: true}
+{{- end -}}
+{{/* The identity flags of a service that verifies callers' tokens (chatmesh.identity.IdentityConfig). */}}
+{{- define "chatmesh.identityWiring" -}}
+{{- toJson (dict "jwks-file" "/etc/chatmesh/jwks/jwks.json" "jwt-issuer" .Values.envoy.jwt.issuer "jwt-audience" .Values.envoy.jwt.audience) -}}
+{{- end -}}
+
 {{/* A writable /tmp (the root filesystem is read-only). */}}
 {{- define "chatmesh.tmpVolume" -}}
 - name: tmp
