@@ -544,3 +544,57 @@ def test_edge_and_orchestrator_verify_tokens_with_envoys_jwks(rendered, scenario
         assert mount["readOnly"] and env[f"{prefix}_JWKS_FILE"] == f"{mount['mountPath']}/jwks.json"
         assert env[f"{prefix}_JWT_ISSUER"] == settings["jwt_issuer"]
         assert env[f"{prefix}_JWT_AUDIENCE"] == settings["jwt_audience"]
+
+
+def _mounted(container: dict, volumes: dict[str, dict], path: str) -> dict:
+    """The Secret volume ``path`` lies in (through ``container``'s mounts)."""
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    assert mount["readOnly"]
+    return volumes[mount["name"]]["secret"]
+
+
+def test_cassandra_credentials_and_tls_come_from_secrets_for_everything_that_connects(rendered, monkeypatch):
+    """The seeds cell logs in to its Cassandra over TLS with a client certificate: the orchestrator, its
+    wait-for-schema init container and the schema Job each get the username from the auth Secret, the
+    password as a file from it, and the CA and client certificate as files from the TLS Secret; the
+    settings parse as memory_store's own flags."""
+    from memory_store.__main__ import parse_args as memory_store_args
+    from memory_store.security import CassandraSecurity
+    from meshkit.config import from_flags
+    from orchestrator.config import parse as orchestrator_args
+
+    chart = rendered["seeds"]
+    checked = []
+    for _, _, spec in chart.pod_specs():
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            env = {item["name"]: item for item in container.get("env", [])}
+            users = [name for name in env if name.endswith("_CASSANDRA_USERNAME")]
+            if not users:
+                continue
+            prefix = users[0].removesuffix("_USERNAME")
+            assert env[users[0]]["valueFrom"]["secretKeyRef"] == {
+                "name": "chatmesh-cassandra-auth",
+                "key": "username",
+            }
+            password = env[f"{prefix}_PASSWORD_FILE"]["value"]
+            assert _mounted(container, volumes, password)["secretName"] == "chatmesh-cassandra-auth"
+            for name in ("TLS_CA_FILE", "TLS_CERT_FILE", "TLS_KEY_FILE"):
+                path = env[f"{prefix}_{name}"]["value"]
+                assert _mounted(container, volumes, path)["secretName"] == "chatmesh-cassandra-tls"
+            for name in list(os.environ):
+                if name.startswith("CHATMESH_"):
+                    monkeypatch.delenv(name)
+            for name, item in env.items():
+                monkeypatch.setenv(name, item.get("value", "from-the-secret"))
+            if prefix.startswith("CHATMESH_ORCHESTRATOR"):
+                security = orchestrator_args([])[1].store.security
+            else:
+                security = from_flags(CassandraSecurity, memory_store_args(["schema"]))
+            assert security.username and security.password_file and security.tls_cert_file
+            checked.append(container["name"])
+    assert sorted(checked) == ["orchestrator", "schema", "wait-for-schema"]
+    # A dev install (bundled node, no Secrets) sets none of it.
+    assert not any(
+        "CASSANDRA_USERNAME" in name for name in env_of(rendered["full"].container("orchestrator"))
+    )
