@@ -93,7 +93,13 @@ class Paths:
     """One client per path; ``stream(path)`` runs one request and times it."""
 
     def __init__(
-        self, engines: list[str], router: str, orchestrator: str, prompt: list[int], tokens: int, keys: DevKeys
+        self,
+        engines: list[str],
+        router: str,
+        orchestrator: str,
+        prompt: list[int],
+        tokens: int,
+        keys: DevKeys,
     ) -> None:
         self.prompt, self.tokens, self.keys = prompt, tokens, keys
         self._tokens: dict[int, str] = {}

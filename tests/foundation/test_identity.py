@@ -108,7 +108,9 @@ def test_a_rotated_jwks_is_picked_up_without_a_restart(
     with pytest.raises(Unauthenticated):
         verifier.identity(bearer(new.mint("alice")))
     # Rotation: publish both keys, as a Secret update does (the file is replaced, not edited).
-    both = {"keys": json.loads(keys.jwks_path.read_text())["keys"] + json.loads(new.jwks_path.read_text())["keys"]}
+    both = {
+        "keys": json.loads(keys.jwks_path.read_text())["keys"] + json.loads(new.jwks_path.read_text())["keys"]
+    }
     staged = keys.jwks_path.with_suffix(".new")
     staged.write_text(json.dumps(both))
     os.replace(staged, keys.jwks_path)

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from meshkit.launcher import Launcher
-from tests.fixtures.identity import session_keys
 from tests.fixtures.edge import start_edge
+from tests.fixtures.identity import session_keys
 from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.helpers import wait_for
 from tests.front_door.sse_client import iter_events

@@ -166,7 +166,9 @@ def test_another_users_things_over_grpc_are_not_found_as_if_they_never_were(
     metadata = mesh_front_door.grpc_auth(stranger)
     with grpc.insecure_channel(mesh_front_door.envoy.grpc_target) as channel:
         stub = chat_pb2_grpc.ChatServiceStub(channel)
-        for (method, request), (_, random_request) in zip(_grpc_calls(target), _grpc_calls(nothing), strict=True):
+        for (method, request), (_, random_request) in zip(
+            _grpc_calls(target), _grpc_calls(nothing), strict=True
+        ):
             got = _grpc_reply(stub, method, request, metadata, target)
             assert got == _grpc_reply(stub, method, random_request, metadata, nothing), method
             assert got[0] == grpc.StatusCode.NOT_FOUND and SECRET not in got[1], (method, got)
@@ -182,7 +184,9 @@ def test_a_deleted_chats_answers_are_gone_for_its_owner_too(mesh_front_door: Mes
             ("GET", f"/v1/chats/{deleted.chat_id}/messages"),
         ):
             status, text = _http_reply(client, method, path, None, deleted)
-            random_path = path.replace(deleted.run_id, nothing.run_id).replace(deleted.chat_id, nothing.chat_id)
+            random_path = path.replace(deleted.run_id, nothing.run_id).replace(
+                deleted.chat_id, nothing.chat_id
+            )
             assert (status, text) == _http_reply(client, method, random_path, None, nothing), path
             assert status == 404 and SECRET not in text
 

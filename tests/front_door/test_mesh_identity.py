@@ -69,7 +69,9 @@ def test_a_direct_grpc_call_with_forged_metadata_is_unauthenticated(
 ):
     victim, chat_id = victim_chat
     target = (
-        mesh_front_door.orchestrator.address if door == "orchestrator" else mesh_front_door.envoy.internal_target
+        mesh_front_door.orchestrator.address
+        if door == "orchestrator"
+        else mesh_front_door.envoy.internal_target
     )
     with grpc.insecure_channel(target) as channel:
         stub = chat_pb2_grpc.ChatServiceStub(channel)
@@ -85,7 +87,9 @@ def test_a_direct_grpc_call_with_forged_metadata_is_unauthenticated(
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, why
                 assert "secret" not in (refused.value.details() or "")
             with pytest.raises(grpc.RpcError) as refused:
-                next(iter(stub.StreamRun(chat_pb2.StreamRunRequest(run_id="r"), metadata=metadata, timeout=10)))
+                next(
+                    iter(stub.StreamRun(chat_pb2.StreamRunRequest(run_id="r"), metadata=metadata, timeout=10))
+                )
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, why
         # The same door with the victim's real token works: the refusal was the proof, not the path.
         proof = mesh_front_door.grpc_auth(victim)
