@@ -8,7 +8,7 @@ run going until it ends or someone calls CancelRun.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
@@ -20,7 +20,7 @@ from edge.errors import ApiError, from_rpc_error
 from meshkit.serving import CHANNEL_OPTIONS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Caller:
     """Who a call is for, proven by their token, and which chat it concerns (Envoy hashes on the chat id)."""
 
@@ -28,6 +28,10 @@ class Caller:
     # The caller's `Authorization` value, verified here and passed on: the orchestrator verifies it again.
     authorization: str
     chat_id: str = ""
+
+    def for_chat(self, chat_id: str) -> Caller:
+        """The same caller, for a call about ``chat_id``."""
+        return replace(self, chat_id=chat_id)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         pairs = [(AUTHORIZATION_HEADER, self.authorization)]
