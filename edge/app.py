@@ -20,7 +20,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from chatmesh.identity import TokenVerifier
-from edge import chats_api, openai_api
+from edge import chats_api, openai_api, responses_api
 from edge.errors import ApiError
 from edge.observability import ObservabilityMiddleware
 from edge.orchestrator import Orchestrator
@@ -80,6 +80,7 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
             Route("/healthz", healthz, methods=["GET"]),
             *chats_api.routes,
             *openai_api.routes,
+            *responses_api.routes,
             Route("/", index, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],

@@ -7,7 +7,7 @@ run going until it ends or someone calls CancelRun.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -64,6 +64,18 @@ class RunStream:
             if response is grpc.aio.EOF:
                 return
             yield response.event
+
+    async def events(self, first: chat_pb2.RunEvent) -> AsyncGenerator[chat_pb2.RunEvent, None]:
+        """``first`` and the events after it; a failure mid-stream raises ApiError. Detaches when closed
+        (read it inside ``contextlib.aclosing`` to stop early)."""
+        try:
+            yield first
+            async for event in self.rest():
+                yield event
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        finally:
+            self.detach()
 
     def detach(self) -> None:
         """Stops reading. The run itself goes on (only CancelRun stops it)."""

@@ -1,5 +1,5 @@
 """Another user's chat, message or run, in every state (live, finished, deleted), over every HTTP route
-and every ChatService method, through the real mesh: always 404 / NOT_FOUND, and the reply is the one a
+(the chat page's API and the Responses API) and every ChatService method, through the real mesh: always 404 / NOT_FOUND, and the reply is the one a
 random id gets, byte for byte once the id itself is masked (no title, no text, no existence signal).
 The owner's things are untouched afterwards. A deleted chat's runs are NOT_FOUND to their owner too.
 
@@ -81,6 +81,7 @@ def _random(owned: Owned) -> Owned:
 def _http_calls(own_chat: str, target: Owned) -> list[tuple[str, str, dict | None]]:
     """Every HTTP route that takes a chat, message or run id, aimed at ``target``."""
     chat, run = f"/v1/chats/{target.chat_id}", f"/v1/runs/{target.run_id}"
+    response = f"/v1/responses/resp_{uuid.UUID(target.run_id).hex}"
     return [
         ("GET", chat, None),
         ("PATCH", chat, {"title": "mine now"}),
@@ -94,13 +95,19 @@ def _http_calls(own_chat: str, target: Owned) -> list[tuple[str, str, dict | Non
         ("GET", run, None),
         ("GET", f"{run}/events", None),
         ("POST", f"{run}/cancel", None),
+        # The Responses API: a stored response is the run, `resp_` + its id in hex.
+        ("GET", response, None),
+        ("GET", f"{response}?stream=true", None),
+        ("POST", "/v1/responses", {"input": "hi", "previous_response_id": response.rpartition("/")[2]}),
+        ("POST", f"{response}/cancel", None),
+        ("DELETE", response, None),
         ("DELETE", chat, None),
     ]
 
 
 def _masked(text: str, target: Owned) -> str:
     for value in (target.chat_id, target.question_id, target.answer_id, target.run_id):
-        text = text.replace(value, "<id>")
+        text = text.replace(value, "<id>").replace(uuid.UUID(value).hex, "<id>")
     return text
 
 
