@@ -96,6 +96,8 @@ def cassandra_node_config(config: MeshConfig) -> NodeConfig:
 def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     """The services of the local mesh, in start order."""
     py, ports = config.python, config.ports
+    # One key pair: Envoy, the edge and the orchestrator each verify the tokens it signs.
+    keys = ensure_keys()
     spans = span_file(run_dir)
     collector = ServiceSpec(
         name="span-collector",
@@ -163,6 +165,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 f"127.0.0.1:{ports.cassandra}",
                 "--metrics-port",
                 str(ports.orchestrator_metrics),
+                *keys.service_flags(),
             ],
             ports=(ports.orchestrator, ports.orchestrator_metrics),
             ready=GrpcHealthy(ports.orchestrator),
@@ -182,7 +185,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
             ports.front_door,
             [ports.orchestrator],
             run_dir,
-            ensure_keys(),
+            keys,
             py,
             edge_flags=edge_flags,
             otlp=("127.0.0.1", ports.otlp),
