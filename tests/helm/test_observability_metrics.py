@@ -136,7 +136,7 @@ async def _answers_through_the_edge(edge: EdgeHandle) -> None:
         )
         assert completion.status_code == 200
         bad = await http.post("/v1/chat/completions", json={"messages": "not a list"})
-        assert bad.status_code == 422  # the OpenAI error shape, for a body of the wrong type
+        assert bad.status_code == 400  # the OpenAI error shape, for a body of the wrong type
 
 
 async def _refusals_at_the_orchestrator(orchestrator: OrchestratorProcess) -> None:
@@ -253,7 +253,7 @@ def test_the_drive_made_the_labelled_series_the_chart_reads(scraped: Scrape):
     assert scraped.series["chatmesh_router_failovers_total"]["reason"]
     rejections = scraped.series["chatmesh_orchestrator_budget_rejections_total"]
     assert "free" in rejections["tier"] and "concurrent_runs" in rejections["limit"]
-    assert "422" in scraped.series["chatmesh_edge_http_requests_total"]["status"]
+    assert "400" in scraped.series["chatmesh_edge_http_requests_total"]["status"]
     assert "" in scraped.series["db_client_operation_duration_seconds_count"]["error_type"]
 
 
