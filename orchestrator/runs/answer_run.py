@@ -18,7 +18,7 @@ from chatmesh.identity import Identity
 
 class AnswerRun(ABC):
     kind: ClassVar[str]
-    # Whether the run goes on when the caller that started it goes away before it is live.
+    # Whether the run goes on when the caller that started it goes away (else it is cancelled).
     outlives_caller: ClassVar[bool]
 
     def __init__(self, identity: Identity) -> None:
