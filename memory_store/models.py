@@ -175,6 +175,9 @@ class Run:
     usage: Usage | None = None
     error_code: str | None = None
     error_message: str | None = None
+    # The prompt's tokens, stored at creation: what a run ended without its owner's count is charged
+    # for its prompt (0 for runs created before it was stored).
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

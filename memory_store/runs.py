@@ -70,8 +70,8 @@ STATEMENTS = {
     ),
     "run_insert": Cql(
         "INSERT INTO runs (run_id, user_id, chat_id, user_message_id, parent_message_id, "
-        "assistant_message_id, model, owner_id, status, last_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0) "
-        "USING TIMESTAMP ?",
+        "assistant_message_id, model, owner_id, status, prompt_tokens, last_seq) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
         True,
     ),
     "run_checkpoint": Cql(
@@ -128,6 +128,7 @@ def _run(run_id: uuid.UUID, row: Row) -> Run:
         usage=usage,
         error_code=row["error_code"],
         error_message=row["error_message"],
+        prompt_tokens=row["prompt_tokens"] or 0,
     )
 
 
@@ -197,11 +198,13 @@ class RunsMixin(MessagesMixin, UsageMixin):
         model: str,
         owner_id: str,
         user_message_id: str | None = None,
+        prompt_tokens: int = 0,
     ) -> Run:
         """Starts a run (in progress, owned by replica ``owner_id``) and makes it the chat's active run.
 
         The ids come from ``claim_idempotency_key``. Creating the same run again is harmless: it never
-        moves a run that has progressed or finished back to its start.
+        moves a run that has progressed or finished back to its start. ``prompt_tokens`` is what the
+        run is charged for its prompt if it ends without its owner's count (``finish_run``).
         """
         run_key = parse_id(run_id, "run id")
         parent = parse_id(parent_message_id, "parent message id")
@@ -230,6 +233,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                     model,
                     owner_id,
                     RunStatus.IN_PROGRESS.value,
+                    prompt_tokens,
                     id_micros(run_key),
                 ),
             ),
@@ -246,6 +250,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             status=RunStatus.IN_PROGRESS,
             created_at=id_time(run_key),
             user_message_id=id_str(user_message),
+            prompt_tokens=prompt_tokens,
         )
 
     async def checkpoint_run(self, run: Run, deltas: Sequence[RunDelta]) -> None:
@@ -332,9 +337,15 @@ class RunsMixin(MessagesMixin, UsageMixin):
             raise NotFound(f"run {run.run_id} not found")
         if not final.status.terminal:
             raise Unavailable(f"run {run.run_id} did not finish; retry")
-        message = await self._store_answer(final, _deltas(rows, 0, final.last_seq))
-        if final.usage is not None:
-            await self.record_usage(final.user_id, final.run_id, final.usage)
+        output = _deltas(rows, 0, final.last_seq)
+        message = await self._store_answer(final, output)
+        # The user's budget holds the run's reservation (prompt + max_tokens) until now; a run ended
+        # without its owner's count (interrupted, orphaned, cancelled elsewhere) is charged what it
+        # stored. An owner that is still alive overwrites this with its own count.
+        charged = final.usage or Usage(
+            prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in output)
+        )
+        await self.record_usage(final.user_id, final.run_id, charged)
         await asyncio.gather(
             self.clear_active_run(final.user_id, final.chat_id, final.run_id),
             self._db.execute("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key)),

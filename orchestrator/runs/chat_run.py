@@ -93,7 +93,9 @@ class ChatRun(AnswerRun):
             assistant_message_id=claim.assistant_message_id,
         )
 
-    async def create_run(self, info: RunInfo, parent_id: str, user_message_id: str | None) -> Run:
+    async def create_run(
+        self, info: RunInfo, prompt: Prompt, parent_id: str, user_message_id: str | None
+    ) -> Run:
         """The run's row, owned by this replica: from here on the answer is stored, once."""
         return await self.ctx.store.create_run(
             info.user_id,
@@ -104,6 +106,7 @@ class ChatRun(AnswerRun):
             model=info.model,
             owner_id=self.ctx.config.replica_id,
             user_message_id=user_message_id,
+            prompt_tokens=len(prompt.token_ids),
         )
 
     def refresh_summary(self, chat_id: str, prompt: Prompt, end: RunEnd) -> None:

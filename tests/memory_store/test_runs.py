@@ -175,9 +175,11 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     await memory_store.heartbeat_replica(dead, at=now() - timedelta(seconds=120))
     await memory_store.heartbeat_replica(alive)
     chat = await memory_store.create_chat(user, "lost replica")
-    orphan, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=dead)
+    orphan, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=dead, prompt_tokens=40)
     healthy, _ = await start_run(memory_store, user, chat.chat_id, "q2", owner=alive)
     await memory_store.checkpoint_run(orphan, deltas(2, "half an ", "answer"))
+    # The orphan's owner reserved prompt + max_tokens when it started.
+    await memory_store.record_usage(user, orphan.run_id, Usage(40, 0, 512))
 
     found = [r for r in await memory_store.find_orphaned_runs(stale_after_s=30) if r.user_id == user]
     assert [r.run_id for r in found] == [orphan.run_id]
@@ -187,6 +189,9 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     assert interrupted.applied and interrupted.run.status is RunStatus.INTERRUPTED
     assert interrupted.message.content == "half an answer"
     assert interrupted.message.status is MessageStatus.INCOMPLETE
+    # The reservation is reconciled to what the run stored: its prompt and the output kept.
+    charged = Usage(40, 0, sum(d.token_count for d in deltas(2, "half an ", "answer")))
+    assert (await memory_store.get_usage(user)).usage == charged
     assert orphan.run_id not in {r.run_id for r in await memory_store.find_orphaned_runs(stale_after_s=30)}
     assert (await memory_store.get_run(user, healthy.run_id)).status is RunStatus.IN_PROGRESS
     # The second pass found nothing left of the silent replica and forgot it: no more scans of it.
