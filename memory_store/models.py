@@ -140,6 +140,8 @@ class Claim:
     created: bool
     # False when the key was claimed by a request with a different fingerprint (refuse it).
     fingerprint_matches: bool
+    # The start lease the creating call holds (``take_start_lease``); None when the key was claimed already.
+    start_lease: datetime | None = None
 
 
 @dataclass(frozen=True)

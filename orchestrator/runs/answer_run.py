@@ -39,6 +39,10 @@ class AnswerRun(ABC):
     async def execute(self) -> None:
         """The whole run, step by step: raises a refusal before it is live."""
 
+    async def abandoned(self) -> None:
+        """Undoes what the run holds outside this replica when it is refused before going live."""
+        return  # Complete holds nothing outside the replica
+
 
 def _observe_refusal(started: asyncio.Future[str]) -> None:
     # A refusal nobody waits for any more (the caller left) must not be reported as never retrieved.

@@ -136,6 +136,7 @@ class Runs:
                 run.started.cancel()
             else:
                 run.started.set_exception(exc)
+                await run.abandoned()
 
     @contextlib.asynccontextmanager
     async def admit(

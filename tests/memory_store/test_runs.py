@@ -62,6 +62,26 @@ async def test_reused_key_with_another_request_is_reported(memory_store):
         await memory_store.claim_idempotency_key(user, "k" * 129, b"x")
 
 
+async def test_only_one_attempt_at_a_time_holds_a_keys_start_lease(memory_store):
+    user = new_user()
+    first = await memory_store.claim_idempotency_key(user, "k", b"request", start_lease_s=30)
+    retry = await memory_store.claim_idempotency_key(user, "k", b"request", start_lease_s=30)
+    assert first.start_lease is not None and retry.start_lease is None
+    # While the first attempt holds it, nobody else may start the run.
+    assert await memory_store.take_start_lease(user, "k", 30) is None
+    # Refused, it gives the lease up: one retry takes it, and holds it against the others.
+    await memory_store.release_start_lease(user, "k", first.start_lease)
+    taken = await memory_store.take_start_lease(user, "k", 0.5)
+    assert taken is not None
+    assert await memory_store.take_start_lease(user, "k", 30) is None
+    # A lease whose holder was lost expires; a late release of an old lease takes nothing away.
+    await asyncio.sleep(0.6)
+    latest = await memory_store.take_start_lease(user, "k", 30)
+    assert latest is not None
+    await memory_store.release_start_lease(user, "k", taken)
+    assert await memory_store.take_start_lease(user, "k", 30) is None
+
+
 async def test_checkpointed_output_replays_from_any_sequence_number(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "resume")
