@@ -46,6 +46,7 @@ class ChatRun(AnswerRun):
         self.options = options
         # A request without a key is its own run: only retries that carry a key can join.
         self._key = key or f"auto:{uuid.uuid4().hex}"
+        self._retryable = bool(key)
         self._fingerprint = _fingerprint(self.kind, request)
         # The key's start lease while this attempt holds it (``claim``), and when it was taken.
         self._lease: datetime | None = None
@@ -102,8 +103,9 @@ class ChatRun(AnswerRun):
             return False
 
     async def abandoned(self) -> None:
-        """Refused before going live: a retry with the key may start the run at once."""
-        if self._lease is not None:
+        """Refused before going live: a retry with the key may start the run at once (a key of our own
+        making is never retried: nothing to release)."""
+        if self._lease is not None and self._retryable:
             with contextlib.suppress(MemoryStoreError, TimeoutError):
                 await self.ctx.store.release_start_lease(self.identity.user_id, self._key, self._lease)
 

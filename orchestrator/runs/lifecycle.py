@@ -135,8 +135,10 @@ class Runs:
             elif isinstance(exc, asyncio.CancelledError):
                 run.started.cancel()
             else:
-                run.started.set_exception(exc)
-                await run.abandoned()
+                try:
+                    await run.abandoned()  # first, so that the caller's retry finds nothing held
+                finally:
+                    run.started.set_exception(exc)
 
     @contextlib.asynccontextmanager
     async def admit(

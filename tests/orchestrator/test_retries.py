@@ -9,6 +9,9 @@ import time
 import uuid
 from collections.abc import Callable
 
+import grpc
+import pytest
+
 from chatmesh.chat.v1 import chat_pb2
 from tests.fixtures.orchestrator import ChatClient, MeshFactory, answer_text, collect
 
@@ -53,3 +56,24 @@ async def test_a_retry_on_another_replica_during_a_slow_placement_joins_the_run_
     page = await on_first.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
     assert [m.role for m in reversed(page.messages)] == [chat_pb2.ROLE_USER, chat_pb2.ROLE_ASSISTANT]
     assert page.messages[0].content == answer_text(runs[0])
+
+
+async def test_a_refused_send_can_be_retried_with_its_key_at_once(client: ChatClient) -> None:
+    # A free user has two run slots: two long answers hold them, so a third send is refused after
+    # it claimed its key.
+    free = client.as_user(client.user, tier="free")
+    chat = await free.create_chat()
+    long = chat_pb2.GenerationOptions(max_tokens=2000)
+    holders = [free.send(chat.chat_id, "Tell me a story.", options=long) for _ in range(2)]
+    runs = [(await anext(aiter(call))).event.started.run_id for call in holders]
+    key = f"key-{uuid.uuid4().hex}"
+    short = chat_pb2.GenerationOptions(max_tokens=4)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(free.send(chat.chat_id, "And a short one.", options=short, idempotency_key=key))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for run_id in runs:
+        await free.call("CancelRun", chat_pb2.CancelRunRequest(run_id=run_id))
+    # The refused attempt left nothing holding the key: the retry starts its answer at once.
+    started = time.monotonic()
+    again = await collect(free.send(chat.chat_id, "And a short one.", options=short, idempotency_key=key))
+    assert again[-1].HasField("done") and time.monotonic() - started < 5
