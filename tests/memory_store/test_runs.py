@@ -4,6 +4,7 @@ import asyncio
 from datetime import timedelta
 
 import pytest
+from cassandra.query import SimpleStatement
 
 from memory_store.base import now
 from memory_store.errors import InvalidArgument, NotFound
@@ -80,6 +81,20 @@ async def test_only_one_attempt_at_a_time_holds_a_keys_start_lease(memory_store)
     assert latest is not None
     await memory_store.release_start_lease(user, "k", taken)
     assert await memory_store.take_start_lease(user, "k", 30) is None
+
+
+async def test_a_key_claimed_before_start_leases_existed_can_be_leased_once(memory_store):
+    user = new_user()
+    claim = await memory_store.claim_idempotency_key(user, "old", b"request")
+    # What a claim written by the previous schema looks like: no lease at all.
+    await memory_store._db.execute(
+        SimpleStatement("DELETE starting_until FROM idempotency_keys WHERE user_id = %s AND key = %s"),
+        (user, "old"),
+    )
+    assert await memory_store.take_start_lease(user, "old", 30) is not None
+    assert await memory_store.take_start_lease(user, "old", 30) is None
+    again = await memory_store.claim_idempotency_key(user, "old", b"request")
+    assert again.run_id == claim.run_id and again.start_lease is None
 
 
 async def test_checkpointed_output_replays_from_any_sequence_number(memory_store):
