@@ -85,7 +85,7 @@ class RunStream:
             self.detach()
 
     def detach(self) -> None:
-        """Stops reading. The run itself goes on (only CancelRun stops it)."""
+        """Stops reading. A chat's run goes on (only CancelRun stops it); a Complete is cancelled."""
         self._call.cancel()
 
 

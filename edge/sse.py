@@ -4,7 +4,7 @@ A client that loses the stream reconnects with ``Last-Event-ID: <seq>`` (GET /v1
 gets every later event exactly once (StreamRun(after_seq)). The first event is awaited before the
 response starts, so a request the orchestrator refuses gets a real HTTP status, not a 200 with an
 error inside. Keep-alive comments flow while a run is quiet. A client that disconnects only detaches;
-the run goes on.
+a chat's run goes on (the orchestrator cancels an OpenAI completion, which nobody could resume).
 """
 
 from __future__ import annotations

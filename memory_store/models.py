@@ -140,6 +140,8 @@ class Claim:
     created: bool
     # False when the key was claimed by a request with a different fingerprint (refuse it).
     fingerprint_matches: bool
+    # The start lease the creating call holds (``take_start_lease``); None when the key was claimed already.
+    start_lease: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,9 @@ class Run:
     usage: Usage | None = None
     error_code: str | None = None
     error_message: str | None = None
+    # The prompt's tokens, stored at creation: what a run ended without its owner's count is charged
+    # for its prompt (0 for runs created before it was stored).
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)

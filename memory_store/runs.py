@@ -3,7 +3,10 @@
 Idempotency: ``claim_idempotency_key`` is one conditional insert (``IF NOT EXISTS``) of the ids a send
 will use. The first claim of a key writes its freshly made ids; every later claim, concurrent or
 retried, gets the stored ids back, plus whether its request fingerprint matches. Retrying the insert
-after a timeout is safe: if the first attempt landed, the retry reads back our own ids.
+after a timeout is safe: if the first attempt landed, the retry reads back our own ids. The first claim
+also holds the key's start lease: only a lease holder starts the key's run, so a retry that lands on
+another replica while the first attempt is still placing its run waits for it instead of running it
+again (``take_start_lease``).
 
 A run's partition holds its state in static columns and its output as checkpoint rows
 ``(first_seq, texts, token_counts)``. Writes that may race carry write timestamps that order them:
@@ -64,14 +67,31 @@ _RUN_STATE = (
 STATEMENTS = {
     "claim": Cql(
         "INSERT INTO idempotency_keys (user_id, key, fingerprint, run_id, user_message_id, "
-        "assistant_message_id) VALUES (?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
+        "assistant_message_id, starting_until) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
         # Running it again leaves the same row: the first claim's. The caller recognises its own ids.
         idempotent=True,
     ),
+    # Conditional: the outcome of a timed-out attempt is unknown, and a retry could take a lease twice.
+    "lease_take": Cql(
+        "UPDATE idempotency_keys USING TTL ? SET starting_until = ? WHERE user_id = ? AND key = ? "
+        "IF starting_until < ?",
+        False,
+    ),
+    # Keys claimed before leases existed have none: the first retry may take one.
+    "lease_take_unleased": Cql(
+        "UPDATE idempotency_keys USING TTL ? SET starting_until = ? WHERE user_id = ? AND key = ? "
+        "IF starting_until = null",
+        False,
+    ),
+    "lease_release": Cql(
+        "UPDATE idempotency_keys USING TTL ? SET starting_until = ? WHERE user_id = ? AND key = ? "
+        "IF starting_until = ?",
+        True,
+    ),
     "run_insert": Cql(
         "INSERT INTO runs (run_id, user_id, chat_id, user_message_id, parent_message_id, "
-        "assistant_message_id, model, owner_id, status, last_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0) "
-        "USING TIMESTAMP ?",
+        "assistant_message_id, model, owner_id, status, prompt_tokens, last_seq) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
         True,
     ),
     "run_checkpoint": Cql(
@@ -128,6 +148,7 @@ def _run(run_id: uuid.UUID, row: Row) -> Run:
         usage=usage,
         error_code=row["error_code"],
         error_message=row["error_message"],
+        prompt_tokens=row["prompt_tokens"] or 0,
     )
 
 
@@ -143,11 +164,14 @@ def _deltas(rows: Sequence[Row], after_seq: int, upto_seq: int | None) -> list[R
 
 
 class RunsMixin(MessagesMixin, UsageMixin):
-    async def claim_idempotency_key(self, user_id: str, key: str, fingerprint: bytes) -> Claim:
+    async def claim_idempotency_key(
+        self, user_id: str, key: str, fingerprint: bytes, start_lease_s: float = 0.0
+    ) -> Claim:
         """Reserves the ids of a send (run, user message, assistant message) for ``(user_id, key)``.
 
         The same key always returns the same ids, however many callers race; ``fingerprint`` (a hash
-        of the request) tells a true retry from a different request reusing the key.
+        of the request) tells a true retry from a different request reusing the key. The call that
+        creates the claim also holds its start lease for ``start_lease_s`` (``take_start_lease``).
         """
         self._check_user(user_id)
         if not 1 <= len(key) <= self.limits.max_idempotency_key_chars:
@@ -157,6 +181,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         if not 1 <= len(fingerprint) <= _MAX_FINGERPRINT_BYTES:
             raise InvalidArgument(f"request fingerprint must be 1..{_MAX_FINGERPRINT_BYTES} bytes")
         user_message_id, run_id, assistant_message_id = new_id(), new_id(), new_id()
+        lease = now() + timedelta(seconds=start_lease_s)
         params = (
             user_id,
             key,
@@ -164,6 +189,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             run_id,
             user_message_id,
             assistant_message_id,
+            lease,
             self._config.idempotency_ttl_s,
         )
         for attempt in range(_CLAIM_ATTEMPTS):
@@ -184,7 +210,32 @@ class RunsMixin(MessagesMixin, UsageMixin):
             ),
             created=mine,
             fingerprint_matches=mine or row["fingerprint"] == fingerprint,
+            start_lease=lease if mine else None,
         )
+
+    async def take_start_lease(self, user_id: str, key: str, lease_s: float) -> datetime | None:
+        """Takes the start lease of a claimed key if nobody holds it: its expiry if taken, else None.
+
+        Only the holder of a key's lease may start its run; an attempt that finds the run not started
+        and the lease held by another (an attempt still placing it, maybe on another replica) waits
+        for that run instead of generating it a second time. A lease ends when it expires or its
+        holder releases it (refused, the run never started).
+        """
+        self._check_user(user_id)
+        at = now()
+        lease = at + timedelta(seconds=lease_s)
+        ttl = self._config.idempotency_ttl_s
+        row = (await self._db.execute("lease_take", (ttl, lease, user_id, key, at)))[0]
+        if not row["[applied]"] and "starting_until" in row and row["starting_until"] is None:
+            row = (await self._db.execute("lease_take_unleased", (ttl, lease, user_id, key)))[0]
+        return lease if row["[applied]"] else None
+
+    async def release_start_lease(self, user_id: str, key: str, lease: datetime) -> None:
+        """Gives up a start lease taken with ``claim_idempotency_key`` or ``take_start_lease`` (a no-op
+        if it expired and someone else holds the key's lease now)."""
+        self._check_user(user_id)
+        ttl = self._config.idempotency_ttl_s
+        await self._db.execute("lease_release", (ttl, now() - timedelta(seconds=1), user_id, key, lease))
 
     async def create_run(
         self,
@@ -197,11 +248,13 @@ class RunsMixin(MessagesMixin, UsageMixin):
         model: str,
         owner_id: str,
         user_message_id: str | None = None,
+        prompt_tokens: int = 0,
     ) -> Run:
         """Starts a run (in progress, owned by replica ``owner_id``) and makes it the chat's active run.
 
         The ids come from ``claim_idempotency_key``. Creating the same run again is harmless: it never
-        moves a run that has progressed or finished back to its start.
+        moves a run that has progressed or finished back to its start. ``prompt_tokens`` is what the
+        run is charged for its prompt if it ends without its owner's count (``finish_run``).
         """
         run_key = parse_id(run_id, "run id")
         parent = parse_id(parent_message_id, "parent message id")
@@ -230,6 +283,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                     model,
                     owner_id,
                     RunStatus.IN_PROGRESS.value,
+                    prompt_tokens,
                     id_micros(run_key),
                 ),
             ),
@@ -246,6 +300,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             status=RunStatus.IN_PROGRESS,
             created_at=id_time(run_key),
             user_message_id=id_str(user_message),
+            prompt_tokens=prompt_tokens,
         )
 
     async def checkpoint_run(self, run: Run, deltas: Sequence[RunDelta]) -> None:
@@ -332,9 +387,15 @@ class RunsMixin(MessagesMixin, UsageMixin):
             raise NotFound(f"run {run.run_id} not found")
         if not final.status.terminal:
             raise Unavailable(f"run {run.run_id} did not finish; retry")
-        message = await self._store_answer(final, _deltas(rows, 0, final.last_seq))
-        if final.usage is not None:
-            await self.record_usage(final.user_id, final.run_id, final.usage)
+        output = _deltas(rows, 0, final.last_seq)
+        message = await self._store_answer(final, output)
+        # The user's budget holds the run's reservation (prompt + max_tokens) until now; a run ended
+        # without its owner's count (interrupted, orphaned, cancelled elsewhere) is charged what it
+        # stored. An owner that is still alive overwrites this with its own count.
+        charged = final.usage or Usage(
+            prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in output)
+        )
+        await self.record_usage(final.user_id, final.run_id, charged)
         await asyncio.gather(
             self.clear_active_run(final.user_id, final.chat_id, final.run_id),
             self._db.execute("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key)),

@@ -161,6 +161,15 @@ MIGRATIONS: tuple[Migration, ...] = (
               WITH default_time_to_live = 3024000""",
         ),
     ),
+    Migration(
+        2,
+        "idempotency keys: the start lease of the attempt starting their run",
+        (
+            # Until when the attempt that holds it may start the key's run: a retry on another replica
+            # waits for that run instead of starting a second one (runs.py, take_start_lease).
+            "ALTER TABLE idempotency_keys ADD IF NOT EXISTS starting_until timestamp",
+        ),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

@@ -105,8 +105,12 @@ class RunConfig:
     follow_poll_ms: int = 200
     # Every Cassandra call of a send has this deadline on top of the driver's own request timeout.
     store_deadline_s: float = 10.0
-    # Sends waiting for the same idempotency key on other replicas look for its run this long.
-    claim_wait_s: float = 5.0
+
+    @property
+    def start_lease_s(self) -> float:
+        """How long the attempt that claimed an idempotency key may take to start its run (reads,
+        placement, persistence): retries of the key on other replicas wait for that run meanwhile."""
+        return self.placement_timeout_s + 3 * self.store_deadline_s
 
     def __post_init__(self) -> None:
         if self.orphan_after_s < 3 * self.heartbeat_interval_s:

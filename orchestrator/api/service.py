@@ -3,7 +3,8 @@
 Every call needs a bearer token this replica verifies itself (``authorization`` metadata: the token
 Envoy verified, forwarded by Envoy or the edge), else UNAUTHENTICATED; every chat and run is looked up under that user, so another user's is NOT_FOUND.
 Errors become statuses in one place (``errors.from_exception``), with their details as trailers. A
-client that cancels a streaming call only detaches: the run goes on (only CancelRun stops it).
+client that cancels a streaming call of a stored chat only detaches: the run goes on (only CancelRun
+stops it); a Complete whose client cancels is cancelled with it (nobody could resume it).
 """
 
 from __future__ import annotations
@@ -172,20 +173,17 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
 
     @streaming(chat_pb2.SendMessageResponse)
     async def SendMessage(self, identity: Identity, request: chat_pb2.SendMessageRequest):
-        run_id = await self.runs.start(SendRun(self.ctx, identity, request))
-        async for event in self.runs.stream(identity.user_id, run_id, 0):
+        async for event in self.runs.answer(SendRun(self.ctx, identity, request)):
             yield event
 
     @streaming(chat_pb2.RegenerateMessageResponse)
     async def RegenerateMessage(self, identity: Identity, request: chat_pb2.RegenerateMessageRequest):
-        run_id = await self.runs.start(RegenerateRun(self.ctx, identity, request))
-        async for event in self.runs.stream(identity.user_id, run_id, 0):
+        async for event in self.runs.answer(RegenerateRun(self.ctx, identity, request)):
             yield event
 
     @streaming(chat_pb2.CompleteResponse)
     async def Complete(self, identity: Identity, request: chat_pb2.CompleteRequest):
-        run_id = await self.runs.start(CompleteRun(self.ctx, identity, request))
-        async for event in self.runs.stream(identity.user_id, run_id, 0):
+        async for event in self.runs.answer(CompleteRun(self.ctx, identity, request)):
             yield event
 
     @streaming(chat_pb2.StreamRunResponse)

@@ -3,7 +3,8 @@
 Budget: each tier has a number of tokens (prompt + completion) per window; the window is memory_store's
 usage window (aligned to the epoch). A run reserves its estimate, prompt tokens + max_tokens, before
 it starts; when it ends, memory_store replaces the estimate with the actual count (usage is stored per
-run, so this is an overwrite, never a double count). A request that does not fit the rest of the window
+run, so this is an overwrite, never a double count), or, for a run ended without its owner (lost
+replica, cancel elsewhere), with its prompt and the output it stored. A request that does not fit the rest of the window
 is RESOURCE_EXHAUSTED with the time until the window resets as retry delay.
 
 Check and reserve are serialized per user on this replica, so concurrent sends of one user cannot both

@@ -18,7 +18,7 @@ from chatmesh.identity import Identity
 
 class AnswerRun(ABC):
     kind: ClassVar[str]
-    # Whether the run goes on when the caller that started it goes away before it is live.
+    # Whether the run goes on when the caller that started it goes away (else it is cancelled).
     outlives_caller: ClassVar[bool]
 
     def __init__(self, identity: Identity) -> None:
@@ -38,6 +38,10 @@ class AnswerRun(ABC):
     @abstractmethod
     async def execute(self) -> None:
         """The whole run, step by step: raises a refusal before it is live."""
+
+    async def abandoned(self) -> None:
+        """Undoes what the run holds outside this replica when it is refused before going live."""
+        return  # Complete holds nothing outside the replica
 
 
 def _observe_refusal(started: asyncio.Future[str]) -> None:

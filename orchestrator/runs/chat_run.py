@@ -4,18 +4,20 @@ key, their run row and answer stored, their chat's summary kept fresh."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 import uuid
+from datetime import datetime
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
 from opentelemetry import trace
 
-from chatmesh.errors import ServiceError
+from chatmesh.errors import ServiceError, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
-from memory_store.errors import NotFound
+from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import Claim, Run
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.runs.answer_run import AnswerRun
@@ -24,6 +26,11 @@ from orchestrator.runs.live_run import RunInfo
 from orchestrator.runs.relay import RunEnd
 
 tracer = trace.get_tracer("orchestrator")
+
+# How often a retry looks for the run an earlier attempt is starting.
+LEASE_POLL_S = 0.2
+# A lease holder starts its run only with this much of the lease left (clocks and a last write).
+LEASE_MARGIN_S = 5.0
 
 
 class ChatRun(AnswerRun):
@@ -39,46 +46,68 @@ class ChatRun(AnswerRun):
         self.options = options
         # A request without a key is its own run: only retries that carry a key can join.
         self._key = key or f"auto:{uuid.uuid4().hex}"
+        self._retryable = bool(key)
         self._fingerprint = _fingerprint(self.kind, request)
+        # The key's start lease while this attempt holds it (``claim``), and when it was taken.
+        self._lease: datetime | None = None
+        self._leased_at = 0.0
 
     @property
     def idempotency_key(self) -> str:
         return self._key
 
     async def claim(self) -> Claim | None:
-        """Claims the idempotency key: the ids of this run. None when an earlier attempt with the key
-        already started its run (here or on another replica): this one joins it and is live at once."""
+        """Claims the idempotency key: the ids of this run. None when an attempt with the key started
+        its run, or is starting it (here or on another replica): this one joins that run, live at once.
+
+        Only the attempt holding the key's start lease starts its run (the first one, or a retry once
+        an earlier attempt was refused or lost), so a retry never generates the answer a second time.
+        """
+        store, user = self.ctx.store, self.identity.user_id
+        lease_s = self.ctx.config.runs.start_lease_s
         with tracer.start_as_current_span("claim idempotency key"):
-            claim = await self.ctx.store.claim_idempotency_key(
-                self.identity.user_id, self._key, self._fingerprint
-            )
+            claim = await store.claim_idempotency_key(user, self._key, self._fingerprint, lease_s)
         if not claim.fingerprint_matches:
             raise ServiceError(
                 grpc.StatusCode.ALREADY_EXISTS,
                 "this idempotency key was already used for a different request; "
                 "use a new key for a new message",
             )
-        if not claim.created and await self._run_exists(claim.run_id):
-            self.started.set_result(claim.run_id)
-            return None
+        self._lease = claim.start_lease
+        deadline = time.monotonic() + lease_s
+        while self._lease is None:
+            if await self._run_exists(claim.run_id):
+                self.started.set_result(claim.run_id)
+                return None
+            self._lease = await store.take_start_lease(user, self._key, lease_s)
+            if self._lease is None:
+                if time.monotonic() > deadline:
+                    raise unavailable(
+                        "an earlier attempt of this request is still starting its answer; retry", 1.0
+                    )
+                await asyncio.sleep(LEASE_POLL_S)
+            elif await self._run_exists(claim.run_id):
+                # The earlier attempt started the run just before its lease ran out.
+                self.started.set_result(claim.run_id)
+                return None
+        self._leased_at = time.monotonic()
         return claim
 
     async def _run_exists(self, run_id: str) -> bool:
-        """Whether an earlier attempt with this key started its run. An attempt on another replica may
-        still be on its way to starting it, so look for a moment before concluding it never will."""
-        runs = self.ctx.runs
-        if runs.is_live(run_id):
+        if self.ctx.runs.is_live(run_id):
             return True
-        deadline = time.monotonic() + self.ctx.config.runs.claim_wait_s
-        while True:
-            try:
-                await self.ctx.store.get_run(self.identity.user_id, run_id)
-                return True
-            except NotFound:
-                pass
-            if time.monotonic() > deadline or runs.is_live(run_id):
-                return runs.is_live(run_id)
-            await asyncio.sleep(0.1)
+        try:
+            await self.ctx.store.get_run(self.identity.user_id, run_id)
+            return True
+        except NotFound:
+            return False
+
+    async def abandoned(self) -> None:
+        """Refused before going live: a retry with the key may start the run at once (a key of our own
+        making is never retried: nothing to release)."""
+        if self._lease is not None and self._retryable:
+            with contextlib.suppress(MemoryStoreError, TimeoutError):
+                await self.ctx.store.release_start_lease(self.identity.user_id, self._key, self._lease)
 
     def run_info(self, claim: Claim, chat_id: str, user_message_id: str = "") -> RunInfo:
         return RunInfo(
@@ -93,8 +122,13 @@ class ChatRun(AnswerRun):
             assistant_message_id=claim.assistant_message_id,
         )
 
-    async def create_run(self, info: RunInfo, parent_id: str, user_message_id: str | None) -> Run:
+    async def create_run(
+        self, info: RunInfo, prompt: Prompt, parent_id: str, user_message_id: str | None
+    ) -> Run:
         """The run's row, owned by this replica: from here on the answer is stored, once."""
+        if time.monotonic() - self._leased_at > self.ctx.config.runs.start_lease_s - LEASE_MARGIN_S:
+            # A retry elsewhere may hold the key's lease by now and start the run itself.
+            raise unavailable("starting the answer took too long; retry", 1.0)
         return await self.ctx.store.create_run(
             info.user_id,
             info.chat_id,
@@ -104,6 +138,7 @@ class ChatRun(AnswerRun):
             model=info.model,
             owner_id=self.ctx.config.replica_id,
             user_message_id=user_message_id,
+            prompt_tokens=len(prompt.token_ids),
         )
 
     def refresh_summary(self, chat_id: str, prompt: Prompt, end: RunEnd) -> None:

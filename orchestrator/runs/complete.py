@@ -1,8 +1,9 @@
 """Complete: an answer to a caller-supplied conversation (the OpenAI-compatible route); nothing is stored
 but its token usage.
 
-Unlike a stored run, a Complete whose caller leaves before it is live is abandoned: nothing could ever
-attach to it (the caller never learnt its run id) and nothing of it is stored.
+Unlike a stored run, a Complete whose caller leaves is cancelled, whenever it leaves: an OpenAI client
+cannot resume a stream and nothing of it is stored, so generating on would only spend the engine, the
+caller's budget and one of their run slots. It is charged what was generated until then.
 """
 
 from __future__ import annotations

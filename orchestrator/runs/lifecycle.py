@@ -90,7 +90,8 @@ class Runs:
         still starting (same user and key) waits for that one instead of starting its own.
 
         A stored run outlives a caller who goes away; a run nothing could ever attach to (Complete,
-        whose client never learnt its run id) is abandoned with a caller who leaves before it is live.
+        whose client never learnt its run id) is abandoned with a caller who leaves before it is live
+        (and, through ``answer``, after).
         """
         key = (run.identity.user_id, run.idempotency_key) if run.idempotency_key else None
         started = self._starting.get(key) if key else None
@@ -110,6 +111,19 @@ class Runs:
                 task.cancel()
             raise
 
+    async def answer(self, run: AnswerRun) -> AsyncIterator[chat_pb2.RunEvent]:
+        """Starts ``run`` and follows its events to the end. A run that does not outlive its caller
+        (Complete: nobody else could ever follow it) is cancelled when the caller leaves, so its engine
+        work, its run slot and the rest of its budget are freed at once."""
+        run_id = await self.start(run)
+        try:
+            async for event in self.stream(run.identity.user_id, run_id, 0):
+                yield event
+        finally:
+            relay = self._relays.get(run_id)
+            if relay is not None and not run.outlives_caller:
+                relay.stop(Stop.CANCELLED)  # a no-op once the run has ended
+
     async def _execute(self, run: AnswerRun) -> None:
         try:
             await run.execute()
@@ -121,7 +135,10 @@ class Runs:
             elif isinstance(exc, asyncio.CancelledError):
                 run.started.cancel()
             else:
-                run.started.set_exception(exc)
+                try:
+                    await run.abandoned()  # first, so that the caller's retry finds nothing held
+                finally:
+                    run.started.set_exception(exc)
 
     @contextlib.asynccontextmanager
     async def admit(
@@ -272,7 +289,7 @@ class Runs:
         if live is not None:
             relay = self._relays.get(run_id)
             if relay is not None:
-                await relay.stop(Stop.CANCELLED)
+                relay.stop(Stop.CANCELLED)
                 await relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)
             return _live_proto(live)
         run = await self._stored(user_id, run_id)
@@ -331,7 +348,7 @@ class Runs:
             if left:
                 log.warning("interrupting %d runs still generating", len(left))
                 for relay in left:
-                    await relay.stop(Stop.INTERRUPTED)
+                    relay.stop(Stop.INTERRUPTED)
                 await asyncio.gather(
                     *(
                         relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)

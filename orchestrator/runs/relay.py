@@ -106,7 +106,7 @@ class Relay:
         self._checkpointer: Checkpointer | None = None
         self._ended = asyncio.Event()
 
-    async def stop(self, reason: Stop) -> None:
+    def stop(self, reason: Stop) -> None:
         """Stops the run now: no output is emitted after this, and the router is told to stop."""
         if self.stop_reason is not None or self.live.finished:
             return
@@ -179,7 +179,7 @@ class Relay:
         if not text:
             return
         if self.screen.check(text).blocked:
-            await self.stop(Stop.CONTENT_FILTER)
+            self.stop(Stop.CONTENT_FILTER)
             return
         event = self.live.append(delta=chat_pb2.Delta(text=text, token_count=self._tokens_unsent))
         self._tokens_unsent = 0
@@ -200,7 +200,7 @@ class Relay:
                 async with asyncio.timeout(self.deps.config.store_deadline_s):
                     run = await self.deps.store.get_run(self.live.info.user_id, self.live.info.run_id)
                 if run.status.terminal:
-                    await self.stop(Stop.CANCELLED)
+                    self.stop(Stop.CANCELLED)
                     return
 
     # -- the end --------------------------------------------------------------------------------

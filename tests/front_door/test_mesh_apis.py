@@ -76,6 +76,29 @@ def test_openai_sdk_errors_from_the_real_mesh_are_typed(sdk: openai.OpenAI):
     assert (refused.value.type, refused.value.param) == ("invalid_request_error", "max_tokens")
 
 
+def test_a_closed_openai_stream_stops_its_answer_and_frees_the_free_users_slot(
+    mesh_front_door: MeshFrontDoor, user: str
+):
+    # The door's replica lets a free user have one answer at a time; this one would take 10 s.
+    body = {"model": "", "messages": PROMPT, "max_tokens": 2000, "stream": True}
+    with mesh_front_door.client(user, "free") as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+            assert reply.status_code == 200
+            for line in reply.iter_lines():
+                if '"content"' in line:
+                    break  # the answer has started; the client goes away
+        # Charged what was generated until it left, not prompt + max_tokens (polled slowly: a free
+        # user's API bucket holds 8 requests).
+        deadline = time.monotonic() + 5
+        while (used := client.get("/v1/usage").json()["used_tokens"]) >= 1000:
+            assert time.monotonic() < deadline, f"still charged {used} tokens"
+            time.sleep(1.0)
+        # Its run slot is free again: the next completion is answered, not refused with 429.
+        again = client.post("/v1/chat/completions", json={"model": "", "messages": PROMPT, "max_tokens": 4})
+        assert again.status_code == 200, again.text
+        assert again.json()["usage"]["completion_tokens"] == 4
+
+
 # -- gRPC through Envoy -------------------------------------------------------------------------------------
 
 

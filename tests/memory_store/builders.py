@@ -39,6 +39,7 @@ async def start_run(
     question: str,
     parent: Message | None = None,
     owner: str = "replica-a",
+    prompt_tokens: int = 0,
 ) -> tuple[Run, Message]:
     """Claims a key, stores the user message and opens a run answering it: what a send does."""
     claim = await store.claim_idempotency_key(user, f"key-{uuid.uuid4().hex}", b"fingerprint")
@@ -54,5 +55,6 @@ async def start_run(
         model="smollm2-135m",
         owner_id=owner,
         user_message_id=asked.message_id,
+        prompt_tokens=prompt_tokens,
     )
     return run, asked

@@ -4,6 +4,7 @@ import asyncio
 from datetime import timedelta
 
 import pytest
+from cassandra.query import SimpleStatement
 
 from memory_store.base import now
 from memory_store.errors import InvalidArgument, NotFound
@@ -60,6 +61,40 @@ async def test_reused_key_with_another_request_is_reported(memory_store):
     assert someone_else.created and someone_else.run_id != first.run_id
     with pytest.raises(InvalidArgument, match="idempotency key"):
         await memory_store.claim_idempotency_key(user, "k" * 129, b"x")
+
+
+async def test_only_one_attempt_at_a_time_holds_a_keys_start_lease(memory_store):
+    user = new_user()
+    first = await memory_store.claim_idempotency_key(user, "k", b"request", start_lease_s=30)
+    retry = await memory_store.claim_idempotency_key(user, "k", b"request", start_lease_s=30)
+    assert first.start_lease is not None and retry.start_lease is None
+    # While the first attempt holds it, nobody else may start the run.
+    assert await memory_store.take_start_lease(user, "k", 30) is None
+    # Refused, it gives the lease up: one retry takes it, and holds it against the others.
+    await memory_store.release_start_lease(user, "k", first.start_lease)
+    taken = await memory_store.take_start_lease(user, "k", 0.5)
+    assert taken is not None
+    assert await memory_store.take_start_lease(user, "k", 30) is None
+    # A lease whose holder was lost expires; a late release of an old lease takes nothing away.
+    await asyncio.sleep(0.6)
+    latest = await memory_store.take_start_lease(user, "k", 30)
+    assert latest is not None
+    await memory_store.release_start_lease(user, "k", taken)
+    assert await memory_store.take_start_lease(user, "k", 30) is None
+
+
+async def test_a_key_claimed_before_start_leases_existed_can_be_leased_once(memory_store):
+    user = new_user()
+    claim = await memory_store.claim_idempotency_key(user, "old", b"request")
+    # What a claim written by the previous schema looks like: no lease at all.
+    await memory_store._db.execute(
+        SimpleStatement("DELETE starting_until FROM idempotency_keys WHERE user_id = %s AND key = %s"),
+        (user, "old"),
+    )
+    assert await memory_store.take_start_lease(user, "old", 30) is not None
+    assert await memory_store.take_start_lease(user, "old", 30) is None
+    again = await memory_store.claim_idempotency_key(user, "old", b"request")
+    assert again.run_id == claim.run_id and again.start_lease is None
 
 
 async def test_checkpointed_output_replays_from_any_sequence_number(memory_store):
@@ -175,9 +210,11 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     await memory_store.heartbeat_replica(dead, at=now() - timedelta(seconds=120))
     await memory_store.heartbeat_replica(alive)
     chat = await memory_store.create_chat(user, "lost replica")
-    orphan, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=dead)
+    orphan, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=dead, prompt_tokens=40)
     healthy, _ = await start_run(memory_store, user, chat.chat_id, "q2", owner=alive)
     await memory_store.checkpoint_run(orphan, deltas(2, "half an ", "answer"))
+    # The orphan's owner reserved prompt + max_tokens when it started.
+    await memory_store.record_usage(user, orphan.run_id, Usage(40, 0, 512))
 
     found = [r for r in await memory_store.find_orphaned_runs(stale_after_s=30) if r.user_id == user]
     assert [r.run_id for r in found] == [orphan.run_id]
@@ -187,6 +224,9 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     assert interrupted.applied and interrupted.run.status is RunStatus.INTERRUPTED
     assert interrupted.message.content == "half an answer"
     assert interrupted.message.status is MessageStatus.INCOMPLETE
+    # The reservation is reconciled to what the run stored: its prompt and the output kept.
+    charged = Usage(40, 0, sum(d.token_count for d in deltas(2, "half an ", "answer")))
+    assert (await memory_store.get_usage(user)).usage == charged
     assert orphan.run_id not in {r.run_id for r in await memory_store.find_orphaned_runs(stale_after_s=30)}
     assert (await memory_store.get_run(user, healthy.run_id)).status is RunStatus.IN_PROGRESS
     # The second pass found nothing left of the silent replica and forgot it: no more scans of it.

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
@@ -48,6 +51,33 @@ async def test_complete_streams_an_answer_stores_nothing_and_counts_its_tokens(c
     assert list(chats.chats) == []
     after = await client.call("GetUsage", chat_pb2.GetUsageRequest())
     assert after.used_tokens - before.used_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+async def test_a_complete_whose_caller_leaves_is_cancelled_and_charged_what_it_generated(
+    client: ChatClient, mesh: Mesh
+) -> None:
+    # A free user has two run slots; two abandoned answers of 10 s each must not hold them.
+    free = client.as_user(client.user, tier="free")
+    request = chat_pb2.CompleteRequest(
+        messages=[prompt_message(chat_pb2.ROLE_USER, "A long answer, please")],
+        options=chat_pb2.GenerationOptions(max_tokens=2000),
+    )
+    for _ in range(2):
+        call = free.stream("Complete", request)
+        async for response in call:
+            if response.event.HasField("delta"):
+                break
+        call.cancel()
+    # The engine work stops at once, and the caller is charged what was generated, not the estimate.
+    deadline = time.monotonic() + 5
+    while (used := (await free.call("GetUsage", chat_pb2.GetUsageRequest())).used_tokens) >= 1000:
+        assert time.monotonic() < deadline, f"still charged {used} tokens"
+        await asyncio.sleep(0.1)
+    assert mesh.engine_requests() == 0
+    # Both slots are free: a third answer is generated, not refused.
+    request.options.max_tokens = 4
+    run = await collect(free.stream("Complete", request))
+    assert run[-1].HasField("done")
 
 
 async def test_a_callers_system_message_replaces_the_default(client: ChatClient) -> None:

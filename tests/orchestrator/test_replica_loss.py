@@ -51,6 +51,9 @@ async def test_a_run_whose_replica_is_killed_is_interrupted_with_its_checkpointe
         assert answer.content == answer_text(seen + rest)
         got = (await on_survivor.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat.chat_id))).chat
         assert got.active_run_id == ""
+        # The budget's reservation (prompt + 3000) is reconciled to the prompt and the output kept.
+        usage = await on_survivor.call("GetUsage", chat_pb2.GetUsageRequest())
+        assert 0 < usage.used_tokens - answer.token_count < 100, (usage.used_tokens, answer.token_count)
         # And a fresh replay from the start is the stored answer with the same end.
         replay = await collect(on_survivor.stream_run(run_id))
         assert answer_text(replay) == answer.content and replay[-1].error.code == "ABORTED"

@@ -1,0 +1,79 @@
+"""A retried send that lands on another replica while its first attempt is still starting the run
+(placement may take up to ``placement_timeout_s``): the retry joins that run, it is generated once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2
+from tests.fixtures.orchestrator import ChatClient, MeshFactory, answer_text, collect
+
+
+async def test_a_retry_on_another_replica_during_a_slow_placement_joins_the_run_and_it_runs_once(
+    start_mesh: MeshFactory, connect: Callable[..., ChatClient]
+) -> None:
+    # A mesh of its own: its router is paused below, so every placement waits. Its engine's load reports
+    # may pause that long without the engine being taken for dead (50 intervals: 15 s).
+    mesh = start_mesh(
+        1, "null", engine_flags={"null_tokens_per_s": 200}, router_flags={"load_interval_ms": 300}
+    )
+    first_replica, other_replica = mesh.orchestrator, mesh.start_orchestrator()
+    on_first = connect(first_replica.address)
+    on_other = connect(other_replica.address, on_first.user)
+    chat = await on_first.create_chat()
+    key = f"key-{uuid.uuid4().hex}"
+    options = chat_pb2.GenerationOptions(max_tokens=1000)  # 5 s of answer
+
+    def send(client: ChatClient) -> asyncio.Future[list[chat_pb2.RunEvent]]:
+        call = client.send(chat.chat_id, "Tell me a story.", options=options, idempotency_key=key)
+        return asyncio.ensure_future(collect(call))
+
+    mesh.launcher.signal(mesh.router_name, signal.SIGSTOP)
+    try:
+        first = send(on_first)
+        await asyncio.sleep(1.0)  # the first attempt has claimed the key and waits for placement
+        retry = send(on_other)
+        await asyncio.sleep(7.0)  # longer than a retry used to wait for the first attempt's run (5 s)
+    finally:
+        mesh.launcher.signal(mesh.router_name, signal.SIGCONT)
+    # Generated once: the engine never holds two requests for it.
+    most = 0
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        most = max(most, mesh.engine_requests())
+        await asyncio.sleep(0.1)
+    assert most == 1
+    runs = await asyncio.wait_for(asyncio.gather(first, retry), 60)
+    assert runs[0][0].started.run_id == runs[1][0].started.run_id
+    assert answer_text(runs[0]) == answer_text(runs[1]) and runs[0][-1].HasField("done")
+    page = await on_first.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert [m.role for m in reversed(page.messages)] == [chat_pb2.ROLE_USER, chat_pb2.ROLE_ASSISTANT]
+    assert page.messages[0].content == answer_text(runs[0])
+
+
+async def test_a_refused_send_can_be_retried_with_its_key_at_once(client: ChatClient) -> None:
+    # A free user has two run slots: two long answers hold them, so a third send is refused after
+    # it claimed its key.
+    free = client.as_user(client.user, tier="free")
+    chat = await free.create_chat()
+    long = chat_pb2.GenerationOptions(max_tokens=2000)
+    holders = [free.send(chat.chat_id, "Tell me a story.", options=long) for _ in range(2)]
+    runs = [(await anext(aiter(call))).event.started.run_id for call in holders]
+    key = f"key-{uuid.uuid4().hex}"
+    short = chat_pb2.GenerationOptions(max_tokens=4)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(free.send(chat.chat_id, "And a short one.", options=short, idempotency_key=key))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for run_id in runs:
+        await free.call("CancelRun", chat_pb2.CancelRunRequest(run_id=run_id))
+    # The refused attempt left nothing holding the key: the retry starts its answer at once.
+    started = time.monotonic()
+    again = await collect(free.send(chat.chat_id, "And a short one.", options=short, idempotency_key=key))
+    assert again[-1].HasField("done") and time.monotonic() - started < 5
