@@ -111,6 +111,7 @@ def event_json(event: chat_pb2.RunEvent) -> tuple[str, dict]:
             "user_message_id": s.user_message_id or None,
             "assistant_message_id": s.assistant_message_id or None,
             "model": s.model,
+            "degraded": s.degraded,
         }
     if kind == "delta":
         return kind, {"text": event.delta.text, "token_count": event.delta.token_count}

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chatmesh.tokenizer import load_tokenizer
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
@@ -32,10 +33,19 @@ class MeshPorts:
     cassandra_jmx: int = 7199
 
 
+# The cheaper pool a free request is degraded to when the primary pool is past the free tier's
+# threshold. Honestly named: the same SmolLM2-135M Q4_1 weights as the primary pool, served under
+# another name by an engine with one compute thread, 1/8 of the KV memory and 8 running requests at
+# most, so it costs a fraction of a primary engine (and answers more slowly under load).
+LITE_SUFFIX = "-lite"
+LITE_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.0625", "--max-running-requests", "8")
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     ports: MeshPorts = MeshPorts()
     engines: int = 2
+    lite_engines: int = 1  # engines of the cheaper pool (0: the free tier is shed, never degraded)
     engine_backend: str = "cpu"
     python: str = sys.executable
     # Whom the dev token printed at start-up speaks for.
@@ -44,7 +54,8 @@ class MeshConfig:
     cassandra_data_dir: Path = Path(".run/mesh/cassandra")
 
     def engine_ports(self) -> list[int]:
-        return [self.ports.first_engine + i for i in range(self.engines)]
+        """The primary engines' ports, then the cheaper pool's."""
+        return [self.ports.first_engine + i for i in range(self.engines + self.lite_engines)]
 
 
 def cassandra_node_config(config: MeshConfig) -> NodeConfig:
@@ -60,36 +71,33 @@ def cassandra_node_config(config: MeshConfig) -> NodeConfig:
 def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     """The services of the local mesh, in start order."""
     py, ports = config.python, config.ports
-    specs = [
-        ServiceSpec(
-            name=f"engine-{i}",
-            argv=[
-                py,
-                "-m",
-                "engine",
-                "--port",
-                str(port),
-                "--engine-id",
-                f"engine-{i}",
-                "--backend",
-                config.engine_backend,
-            ],
-            ports=(port,),
-            ready=GrpcHealthy(port),
-            ready_timeout_s=180,
+    model = load_tokenizer().model_name  # the bundled weights' name: the primary pool's model
+    lite_model = model + LITE_SUFFIX
+    specs = []
+    for i, port in enumerate(config.engine_ports()):
+        lite = i >= config.engines
+        pool_flags = ("--served-model-name", lite_model, *LITE_ENGINE_FLAGS) if lite else ()
+        argv = [py, "-m", "engine", "--port", str(port), "--engine-id", f"engine-{i}", *pool_flags]
+        specs.append(
+            ServiceSpec(
+                name=f"engine-{i}",
+                argv=[*argv, "--backend", config.engine_backend],
+                ports=(port,),
+                ready=GrpcHealthy(port),
+                ready_timeout_s=180,
+            )
         )
-        for i, port in enumerate(config.engine_ports())
-    ]
     # Named like the engines' --engine-id, so `routed` frames, logs and metrics agree on engine names.
     engine_flags = [
         flag
         for i, port in enumerate(config.engine_ports())
         for flag in ("--engine", f"engine-{i}=127.0.0.1:{port}")
     ]
+    degrade_flags = ("--degrade", f"{model}={lite_model}") if config.lite_engines else ()
     specs.append(
         ServiceSpec(
             name="router",
-            argv=[py, "-m", "router", "--port", str(ports.router), *engine_flags],
+            argv=[py, "-m", "router", "--port", str(ports.router), *engine_flags, *degrade_flags],
             ports=(ports.router,),
             ready=GrpcHealthy(ports.router),
         )
@@ -134,6 +142,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--cassandra-storage-port", type=int, default=defaults.cassandra_storage)
     parser.add_argument("--cassandra-jmx-port", type=int, default=defaults.cassandra_jmx)
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
+    parser.add_argument(
+        "--lite-engines", type=int, default=1, help="engines of the cheaper pool free requests degrade to"
+    )
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
@@ -150,6 +161,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     config = MeshConfig(
         ports=ports,
         engines=args.engines,
+        lite_engines=args.lite_engines,
         engine_backend=args.engine_backend,
         user=args.user,
         tier=args.tier,

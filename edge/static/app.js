@@ -13,7 +13,7 @@ const state = {
   chatId: null,
   messages: [],     // every message of the open chat (all branches)
   leafId: null,     // the branch on screen ends here
-  live: null,       // {runId, chatId, lastSeq, text, usage, base: [messages before the answer], user: text|null}
+  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, base: [messages before], user: text|null}
 };
 
 class ApiError extends Error {
@@ -252,6 +252,7 @@ function messageItem(message, byParent, isLast) {
     meta.append(previous, label, next);
   }
   if (message.role === "assistant") {
+    if (message.model) meta.append(modelLabel(message.model));
     meta.append(usageLabel(message.usage, message.finish_reason));
     if (isLast) meta.append(button("Regenerate", () => regenerate(message)));
   } else if (message.parent_id) {
@@ -259,6 +260,14 @@ function messageItem(message, byParent, isLast) {
     meta.append(button("Edit", async () => editMessage(item, message)));
   }
   return item;
+}
+
+// Which model wrote an answer: under load a free-tier answer may come from a cheaper model.
+function modelLabel(model, degraded = false) {
+  const label = document.createElement("span");
+  label.className = "model";
+  label.textContent = degraded ? `${model} (a lighter model: our servers are busy)` : model;
+  return label;
 }
 
 function usageLabel(usage, finishReason) {
@@ -282,6 +291,7 @@ function liveItem() {
   content.textContent = state.live.text;
   const meta = document.createElement("div");
   meta.className = "meta muted";
+  if (state.live.model) meta.append(modelLabel(state.live.model, state.live.degraded));
   item.append(content, meta);
   return item;
 }
@@ -348,6 +358,10 @@ async function consume(response) {
       if (event.event === "started") {
         state.live.runId = data.run_id;
         state.live.chatId = data.chat_id;
+        state.live.model = data.model;
+        state.live.degraded = data.degraded;
+        const meta = $("#live .meta");
+        if (meta) meta.replaceChildren(modelLabel(data.model, data.degraded));
         $("#stop").disabled = false;
       } else if (event.event === "delta") {
         state.live.text += data.text;

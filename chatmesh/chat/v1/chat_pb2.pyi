@@ -118,18 +118,20 @@ class GenerationOptions(_message.Message):
     def __init__(self, model: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunStarted(_message.Message):
-    __slots__ = ("run_id", "chat_id", "user_message_id", "assistant_message_id", "model")
+    __slots__ = ("run_id", "chat_id", "user_message_id", "assistant_message_id", "model", "degraded")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     USER_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     chat_id: str
     user_message_id: str
     assistant_message_id: str
     model: str
-    def __init__(self, run_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., user_message_id: _Optional[str] = ..., assistant_message_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    degraded: bool
+    def __init__(self, run_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., user_message_id: _Optional[str] = ..., assistant_message_id: _Optional[str] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class Delta(_message.Message):
     __slots__ = ("text", "token_count")
