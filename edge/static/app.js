@@ -6,8 +6,15 @@ const $ = (selector) => document.querySelector(selector);
 const RUN_KEY = "chatmesh.run";
 const TOKEN_KEY = "chatmesh.token";
 
+// Busy servers (429, 503): the page retries a send by itself, waiting at least the server's Retry-After.
+// Paid tiers back off linearly (1, 2, 3 … s), the free tier exponentially (1, 2, 4 … s), as the server
+// asks the free tier to yield first; after RETRIES.attempts retries it gives up and says so. A wait
+// longer than RETRIES.maxS (a spent token budget) is not a busy server: it is reported at once.
+const RETRIES = { attempts: 4, baseS: 1, maxS: 60 };
+
 const state = {
   token: null,
+  tier: "free",     // from /v1/me: how this page backs off when the servers are busy
   chats: [],
   nextChats: null,
   chatId: null,
@@ -69,9 +76,39 @@ function explain(error) {
   switch (error.status) {
     case 401: return "Your token is missing, invalid or expired. Paste a new one.";
     case 429: return `You are sending requests too fast or your token budget is spent (rate limited).${wait}`;
-    case 503: return `chatmesh is at capacity right now and cannot take this request.${wait}`;
+    case 503: return `Our servers are busy and cannot take this request right now.${wait}`;
     default: return error.message;
   }
+}
+
+function isBusy(error) {
+  return error instanceof ApiError && (error.status === 429 || error.status === 503);
+}
+
+// Seconds to wait before retry number `attempt` (from 1): the tier's backoff, never less than Retry-After.
+function backoffS(tier, attempt, retryAfterS) {
+  const grown = tier === "free" ? RETRIES.baseS * 2 ** (attempt - 1) : RETRIES.baseS * attempt;
+  return Math.min(RETRIES.maxS, Math.max(retryAfterS || 0, grown));
+}
+
+// Runs `request`, retrying it while the servers are busy, with a countdown in the banner.
+async function withRetries(request) {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await request();
+    } catch (error) {
+      if (!isBusy(error) || attempt > RETRIES.attempts || error.retryAfter > RETRIES.maxS) throw error;
+      await countdown(Math.ceil(backoffS(state.tier, attempt, error.retryAfter)), attempt);
+    }
+  }
+}
+
+async function countdown(seconds, attempt) {
+  for (let left = seconds; left > 0; left--) {
+    notice(`Our servers are busy. Retrying in ${left} s (retry ${attempt} of ${RETRIES.attempts}).`);
+    await new Promise((resolve) => setTimeout(resolve, 1000));
+  }
+  notice("Our servers are busy. Retrying now…");
 }
 
 function fail(error) {
@@ -440,7 +477,7 @@ async function withLive(base, userText, request) {
   startLive(base, userText);
   let response = null;
   try {
-    response = await request();
+    response = await withRetries(request);
     notice("");
     await follow(response);
   } catch (error) {
@@ -523,6 +560,7 @@ async function start() {
   $("#more-chats").addEventListener("click", () => loadChats(true).catch(fail));
   try {
     const me = await json("/v1/me");
+    state.tier = me.tier;
     $("#whoami").textContent = `Signed in as ${me.user_id} (${me.tier})`;
     showUsage();
     await loadChats();
