@@ -37,6 +37,8 @@ class Limits:
     max_id_chars: int = 128
     max_chat_page: int = 100
     default_chat_page: int = 20
+    max_search_page: int = 50
+    default_search_page: int = 20
     max_message_page: int = 200
     default_message_page: int = 50
     # Complete: a caller-supplied conversation.
