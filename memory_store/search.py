@@ -145,6 +145,7 @@ class SearchMixin(StoreBase):
             if not more or len(hits) > limit:
                 break
         page = hits[:limit]
+        position: list[str | int]
         if len(hits) > limit:
             last = page[-1]
             position = [last.chat_id, last.message_id or last.chat_id]

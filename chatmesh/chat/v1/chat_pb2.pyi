@@ -410,3 +410,37 @@ class GetUsageResponse(_message.Message):
     window_start_time: _timestamp_pb2.Timestamp
     window_end_time: _timestamp_pb2.Timestamp
     def __init__(self, tier: _Optional[str] = ..., used_tokens: _Optional[int] = ..., limit_tokens: _Optional[int] = ..., window_start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class SearchChatsRequest(_message.Message):
+    __slots__ = ("query", "page_size", "page_token")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    page_size: int
+    page_token: str
+    def __init__(self, query: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class SearchHit(_message.Message):
+    __slots__ = ("chat_id", "chat_title", "message_id", "role", "snippet", "create_time")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TITLE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SNIPPET_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    chat_title: str
+    message_id: str
+    role: Role
+    snippet: str
+    create_time: _timestamp_pb2.Timestamp
+    def __init__(self, chat_id: _Optional[str] = ..., chat_title: _Optional[str] = ..., message_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., snippet: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class SearchChatsResponse(_message.Message):
+    __slots__ = ("hits", "next_page_token")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    hits: _containers.RepeatedCompositeFieldContainer[SearchHit]
+    next_page_token: str
+    def __init__(self, hits: _Optional[_Iterable[_Union[SearchHit, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
