@@ -17,6 +17,7 @@ const state = {
   tier: "free",     // from /v1/me: how this page backs off when the servers are busy
   chats: [],
   nextChats: null,
+  search: null,     // {query, hits, next} while the sidebar shows search results
   chatId: null,
   messages: [],     // every message of the open chat (all branches)
   leafId: null,     // the branch on screen ends here
@@ -156,7 +157,50 @@ function renderChats() {
     item.append(open, rename, remove);
     return item;
   }));
-  $("#more-chats").hidden = !state.nextChats;
+  $("#more-chats").hidden = !state.nextChats || state.search !== null;
+}
+
+// ---- search -----------------------------------------------------------------------------------------
+
+// Searches the caller's chats (titles and messages, every word); an empty box shows the chats again.
+async function searchChats(more = false) {
+  const query = $("#search-input").value.trim();
+  if (!query) {
+    state.search = null;
+  } else {
+    const params = new URLSearchParams({ q: query, page_size: "20" });
+    if (more && state.search) params.set("page_token", state.search.next);
+    const page = await json(`/v1/search?${params}`);
+    const earlier = more && state.search ? state.search.hits : [];
+    state.search = { query, hits: earlier.concat(page.hits), next: page.next_page_token };
+  }
+  renderSearch();
+}
+
+function renderSearch() {
+  const searching = state.search !== null;
+  $("#chat-list").hidden = searching;
+  $("#search-results").hidden = !searching;
+  $("#more-results").hidden = !searching || !state.search.next;
+  $("#more-chats").hidden = searching || !state.nextChats;
+  if (!searching) return;
+  const items = state.search.hits.map((hit) => {
+    const item = document.createElement("li");
+    const open = button(hit.chat_title || "Untitled chat", () => openChat(hit.chat_id), "open");
+    const snippet = document.createElement("span");
+    snippet.className = "snippet muted";
+    snippet.textContent = hit.role === "title" ? "matched the title" : `${hit.role}: ${hit.snippet}`;
+    open.append(snippet);
+    item.append(open);
+    return item;
+  });
+  if (!items.length) {
+    const none = document.createElement("li");
+    none.className = "muted";
+    none.textContent = `No chats match "${state.search.query}".`;
+    items.push(none);
+  }
+  $("#search-results").replaceChildren(...items);
 }
 
 function button(label, onClick, className) {
@@ -558,6 +602,14 @@ async function start() {
   $("#stop").addEventListener("click", () => stop().catch(fail));
   $("#new-chat").addEventListener("click", newChat);
   $("#more-chats").addEventListener("click", () => loadChats(true).catch(fail));
+  $("#search").addEventListener("submit", (event) => {
+    event.preventDefault();
+    searchChats().catch(fail);
+  });
+  $("#search-input").addEventListener("input", () => {
+    if (!$("#search-input").value.trim() && state.search) searchChats().catch(fail);
+  });
+  $("#more-results").addEventListener("click", () => searchChats(true).catch(fail));
   try {
     const me = await json("/v1/me");
     state.tier = me.tier;
