@@ -23,6 +23,7 @@ search reads one partition, intersecting one posting list per query word (docs/m
 
 from __future__ import annotations
 
+import asyncio
 import re
 import unicodedata
 import uuid
@@ -33,7 +34,7 @@ from memory_store.base import StoreBase, utc
 from memory_store.db import Cql, Row
 from memory_store.errors import InvalidArgument
 from memory_store.ids import id_time
-from memory_store.models import Page, SearchHit
+from memory_store.models import Chat, Message, Page, Role, SearchHit
 
 # Words in one query (each is one more posting list to intersect), and their length.
 MAX_QUERY_TERMS = 5
@@ -43,6 +44,8 @@ MAX_DOCUMENT_TERMS = 2000
 SNIPPET_CHARS = 160
 # Index pages read to fill one result page when hits belong to deleted chats.
 _MAX_ROUNDS = 4
+# Writes in flight at once while a backfill indexes one chat.
+_BACKFILL_CONCURRENCY = 64
 
 _WORD = re.compile(r"\w+")
 _COLUMNS = "chat_id, item_id, role, text"
@@ -63,6 +66,11 @@ def _search_statements() -> dict[str, Cql]:
             True,
         ),
         "search_delete_chat": Cql("DELETE FROM chat_search WHERE user_id = ? AND chat_id = ?", True),
+        # The backfill walks every user with a chat, in token order (a full scan, run once per keyspace).
+        "users_first": Cql("SELECT DISTINCT user_id, token(user_id) AS t FROM chats LIMIT ?", True),
+        "users_after": Cql(
+            "SELECT DISTINCT user_id, token(user_id) AS t FROM chats WHERE token(user_id) > ? LIMIT ?", True
+        ),
     }
     for count in range(1, MAX_QUERY_TERMS + 1):
         contains = " AND ".join(["terms CONTAINS ?"] * count)
@@ -116,6 +124,29 @@ def snippet(text: str, terms: Sequence[str]) -> str:
 
 
 class SearchMixin(StoreBase):
+    async def users_with_chats(self, after: int | None, limit: int) -> tuple[list[str], int | None]:
+        """A page of the users who have chats, in token order, and where the next page starts (None:
+        the last page). For the search backfill: a full scan of ``chats``' partitions."""
+        if after is None:
+            rows = await self._db.execute("users_first", (limit,))
+        else:
+            rows = await self._db.execute("users_after", (after, limit))
+        return [row["user_id"] for row in rows], (rows[-1]["t"] if len(rows) == limit else None)
+
+    async def index_for_search(self, user_id: str, chat: Chat, messages: Sequence[Message]) -> None:
+        """Makes a chat written before search existed searchable: its title and ``messages`` (upserts,
+        so running it again changes nothing)."""
+        chat_key = uuid.UUID(chat.chat_id)
+        writes = [title_statement(user_id, chat_key, chat.title)] if chat.title else []
+        writes += [
+            index_statement(user_id, chat_key, uuid.UUID(m.message_id), Role(m.role).value, m.content)
+            for m in messages
+        ]
+        for start in range(0, len(writes), _BACKFILL_CONCURRENCY):
+            await asyncio.gather(
+                *(self._db.execute(*w) for w in writes[start : start + _BACKFILL_CONCURRENCY])
+            )
+
     async def search_chats(
         self, user_id: str, query: str, cursor: str | None = None, limit: int | None = None
     ) -> Page[SearchHit]:

@@ -3,10 +3,12 @@ chats, never a deleted one, newest first, every word of the query, and cursors t
 repeat."""
 
 import pytest
+from cassandra.query import SimpleStatement
 
 from memory_store.errors import InvalidArgument
 from memory_store.models import Role
 from memory_store.search import search_terms, snippet
+from memory_store.search_backfill import backfill_search
 from tests.memory_store.builders import message, new_user
 
 
@@ -110,3 +112,25 @@ def test_words_are_normalized_case_folded_and_distinct():
     assert "x" * 200 not in search_terms(long)
     text = "a" * 300 + " needle " + "b" * 300
     assert "needle" in snippet(text, ["needle"]) and len(snippet(text, ["needle"])) <= 162
+
+
+async def test_the_backfill_indexes_chats_written_before_search_existed(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "Old walrus notes")
+    old = await memory_store.append_message(user, message(chat.chat_id, "tusks and whiskers"))
+    deleted = await memory_store.create_chat(user, "Old walrus drafts")
+    await memory_store.append_message(user, message(deleted.chat_id, "tusks too"))
+    await memory_store.delete_chat(user, deleted.chat_id)
+    # As a keyspace from before migration 2 would be: none of it in the search table.
+    await memory_store._db.execute(
+        SimpleStatement("DELETE FROM chat_search WHERE user_id = %s"), (user,), operation="test"
+    )
+    assert await everything(memory_store, user, "tusks") == []
+
+    chats, messages = await backfill_search(memory_store)
+    assert chats >= 1 and messages >= 1
+    assert [h.message_id for h in await everything(memory_store, user, "tusks")] == [old.message_id]
+    assert [h.chat_id for h in await everything(memory_store, user, "walrus")] == [chat.chat_id]
+    # Running it again changes nothing.
+    await backfill_search(memory_store)
+    assert [h.message_id for h in await everything(memory_store, user, "tusks")] == [old.message_id]
