@@ -35,10 +35,11 @@ class MeshPorts:
 
 # The cheaper pool a free request is degraded to when the primary pool is past the free tier's
 # threshold. Honestly named: the same SmolLM2-135M Q4_1 weights as the primary pool, served under
-# another name by an engine with one compute thread, 1/8 of the KV memory and 8 running requests at
-# most, so it costs a fraction of a primary engine (and answers more slowly under load).
+# another name by an engine with one compute thread, 3/8 of the KV memory (0.1875 GiB of float16 KV:
+# still one full 8,192-token context, so every prompt the orchestrator builds fits) and 8 running
+# requests at most: it costs a fraction of a primary engine and answers more slowly under load.
 LITE_SUFFIX = "-lite"
-LITE_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.0625", "--max-running-requests", "8")
+LITE_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.1875", "--max-running-requests", "8")
 
 
 @dataclass(frozen=True)
