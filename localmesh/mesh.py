@@ -2,24 +2,32 @@
 
 Starts the services in dependency order, waits for each to be healthy, prints where to connect, and
 stops everything on Ctrl-C. Logs go to ``.run/mesh/logs/<service>.log``.
+
+Every service exposes Prometheus ``/metrics`` on a fixed port (printed at start), and every span lands in
+``.run/mesh/spans.jsonl``: the Python services write it themselves (``CHATMESH_TRACE_FILE``), Envoy sends
+its spans over OTLP to a small collector that appends them (localmesh/span_collector.py). The edge scrapes
+the metrics and reads the spans for the operations page (``/ops``, for an operator token).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chatmesh.identity import OPERATOR_ROLE
 from chatmesh.tokenizer import load_tokenizer
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
 from meshkit.envoy import InvalidEnvoyConfigError
-from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec
+from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec, TcpOpen
 from meshkit.serving import PortInUseError
+from meshkit.telemetry import TRACE_FILE_ENV
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,13 @@ class MeshPorts:
     cassandra: int = 9042
     cassandra_storage: int = 7000
     cassandra_jmx: int = 7199
+    # Prometheus /metrics of each service (Envoy's: its admin port's /stats/prometheus).
+    orchestrator_metrics: int = 9450
+    router_metrics: int = 9451
+    first_engine_metrics: int = 9461
+    edge_metrics: int = 9481
+    # OTLP/gRPC: the span collector Envoy exports to.
+    otlp: int = 4317
 
 
 # The cheaper pool a free request is degraded to when the primary pool is past the free tier's
@@ -58,6 +73,27 @@ class MeshConfig:
         """The primary engines' ports, then the cheaper pool's."""
         return [self.ports.first_engine + i for i in range(self.engines + self.lite_engines)]
 
+    def metrics_endpoints(self) -> dict[str, str]:
+        """Every service's Prometheus endpoint by service name (an engine's name is its engine id)."""
+        ports = self.ports
+        endpoints = {
+            f"engine-{i}": f"http://127.0.0.1:{ports.first_engine_metrics + i}/metrics"
+            for i in range(self.engines + self.lite_engines)
+        }
+        endpoints["router"] = f"http://127.0.0.1:{ports.router_metrics}/metrics"
+        endpoints["orchestrator"] = f"http://127.0.0.1:{ports.orchestrator_metrics}/metrics"
+        endpoints["edge"] = f"http://127.0.0.1:{ports.edge_metrics}/metrics"
+        return endpoints
+
+    def ops_targets(self) -> list[str]:
+        """The edge's --ops-metrics-target flags: every service but the edge itself."""
+        return [
+            flag
+            for name, url in self.metrics_endpoints().items()
+            if name != "edge"
+            for flag in ("--ops-metrics-target", f"{name}={url}")
+        ]
+
 
 def cassandra_node_config(config: MeshConfig) -> NodeConfig:
     """The mesh's Cassandra node: started first, before everything else; its data survives restarts."""
@@ -74,16 +110,24 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     py, ports = config.python, config.ports
     model = load_tokenizer().model_name  # the bundled weights' name: the primary pool's model
     lite_model = model + LITE_SUFFIX
-    specs = []
+    spans = span_file(run_dir)
+    collector = ServiceSpec(
+        name="span-collector",
+        argv=[py, "-m", "localmesh.span_collector", "--port", str(ports.otlp), "--file", str(spans)],
+        ports=(ports.otlp,),
+        ready=TcpOpen(ports.otlp),
+    )
+    specs = [collector]
     for i, port in enumerate(config.engine_ports()):
         lite = i >= config.engines
         pool_flags = ("--served-model-name", lite_model, *LITE_ENGINE_FLAGS) if lite else ()
+        metrics_port = ports.first_engine_metrics + i
         argv = [py, "-m", "engine", "--port", str(port), "--engine-id", f"engine-{i}", *pool_flags]
         specs.append(
             ServiceSpec(
                 name=f"engine-{i}",
-                argv=[*argv, "--backend", config.engine_backend],
-                ports=(port,),
+                argv=[*argv, "--backend", config.engine_backend, "--metrics-port", str(metrics_port)],
+                ports=(port, metrics_port),
                 ready=GrpcHealthy(port),
                 ready_timeout_s=180,
             )
@@ -98,8 +142,18 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     specs.append(
         ServiceSpec(
             name="router",
-            argv=[py, "-m", "router", "--port", str(ports.router), *engine_flags, *degrade_flags],
-            ports=(ports.router,),
+            argv=[
+                py,
+                "-m",
+                "router",
+                "--port",
+                str(ports.router),
+                "--metrics-port",
+                str(ports.router_metrics),
+                *engine_flags,
+                *degrade_flags,
+            ],
+            ports=(ports.router, ports.router_metrics),
             ready=GrpcHealthy(ports.router),
         )
     )
@@ -116,14 +170,38 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 f"127.0.0.1:{ports.router}",
                 "--cassandra",
                 f"127.0.0.1:{ports.cassandra}",
+                "--metrics-port",
+                str(ports.orchestrator_metrics),
             ],
-            ports=(ports.orchestrator,),
+            ports=(ports.orchestrator, ports.orchestrator_metrics),
             ready=GrpcHealthy(ports.orchestrator),
         )
     )
     # The front door: the edge, then Envoy in front of it and the orchestrator.
-    specs.extend(front_door_specs(ports.front_door, [ports.orchestrator], run_dir, ensure_keys(), py))
+    # The edge serves the operations page from every other service's metrics and the span file.
+    edge_flags = [
+        "--metrics-port",
+        str(ports.edge_metrics),
+        *config.ops_targets(),
+        "--ops-trace-file",
+        str(spans),
+    ]
+    specs.extend(
+        front_door_specs(
+            ports.front_door,
+            [ports.orchestrator],
+            run_dir,
+            ensure_keys(),
+            py,
+            edge_flags=edge_flags,
+            otlp=("127.0.0.1", ports.otlp),
+        )
+    )
     return specs
+
+
+def span_file(run_dir: Path) -> Path:
+    return (run_dir / "spans.jsonl").resolve()
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
@@ -142,6 +220,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--cassandra-port", type=int, default=defaults.cassandra, help="CQL port")
     parser.add_argument("--cassandra-storage-port", type=int, default=defaults.cassandra_storage)
     parser.add_argument("--cassandra-jmx-port", type=int, default=defaults.cassandra_jmx)
+    parser.add_argument("--orchestrator-metrics-port", type=int, default=defaults.orchestrator_metrics)
+    parser.add_argument("--router-metrics-port", type=int, default=defaults.router_metrics)
+    parser.add_argument("--first-engine-metrics-port", type=int, default=defaults.first_engine_metrics)
+    parser.add_argument("--edge-metrics-port", type=int, default=defaults.edge_metrics)
+    parser.add_argument("--otlp-port", type=int, default=defaults.otlp, help="the span collector (OTLP/gRPC)")
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
     parser.add_argument(
         "--lite-engines", type=int, default=1, help="engines of the cheaper pool free requests degrade to"
@@ -158,6 +241,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
         cassandra=args.cassandra_port,
         cassandra_storage=args.cassandra_storage_port,
         cassandra_jmx=args.cassandra_jmx_port,
+        orchestrator_metrics=args.orchestrator_metrics_port,
+        router_metrics=args.router_metrics_port,
+        first_engine_metrics=args.first_engine_metrics_port,
+        edge_metrics=args.edge_metrics_port,
+        otlp=args.otlp_port,
     )
     config = MeshConfig(
         ports=ports,
@@ -171,11 +259,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     return config, args.run_dir
 
 
+def observability(config: MeshConfig, run_dir: Path, operator_token: str) -> str:
+    """Where to see the mesh: the operations page, every /metrics endpoint, the span file."""
+    ports = config.ports
+    lines = [
+        "  Operations page (operator token; make token ROLE=operator prints another):",
+        f"  http://127.0.0.1:{ports.front_door.envoy}/ops#token={operator_token}",
+        "  Prometheus metrics:",
+        *(f"  {name + ':':14}{url}" for name, url in config.metrics_endpoints().items()),
+        f"  {'envoy:':14}http://127.0.0.1:{ports.front_door.envoy_admin}/stats/prometheus",
+        f"  Traces: {span_file(run_dir)} (JSON lines; Envoy's via OTLP on 127.0.0.1:{ports.otlp})",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     config, run_dir = parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # Every service this starts writes its spans to the one span file, fresh for each run.
+    span_file(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    span_file(run_dir).unlink(missing_ok=True)
+    os.environ[TRACE_FILE_ENV] = str(span_file(run_dir))
     with Launcher(run_dir) as launcher:
         try:
             # Cassandra first: the orchestrator needs it. SIGTERM at shutdown drains it (flushes
@@ -188,11 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         except (PortInUseError, ServiceFailedError, InvalidEnvoyConfigError, NodeSetupError) as exc:
             print(f"\nERROR: {exc}", file=sys.stderr)
             return 1
-        token = ensure_keys().mint(config.user, config.tier)
+        keys = ensure_keys()
+        token = keys.mint(config.user, config.tier)
+        operator = keys.mint("operator", config.tier, role=OPERATOR_ROLE)
         print(
             f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
             f"{welcome(config.ports.front_door, token, config.user, config.tier)}\n"
             f"  cassandra:    127.0.0.1:{config.ports.cassandra} (CQL; data in {config.cassandra_data_dir})\n"
+            f"{observability(config, run_dir, operator)}\n"
             "Press Ctrl-C to stop everything.",
             flush=True,
         )

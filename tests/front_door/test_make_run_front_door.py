@@ -23,6 +23,7 @@ from localmesh.dev_jwt import DIR_ENV, DevKeys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from meshkit.launcher import Launcher, PortInUseError, free_port
 from tests.front_door.conftest import ScriptedFrontDoor
+from tests.front_door.helpers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,8 +114,11 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_everything(tmp_path):
-    names = "envoy envoy-admin envoy-internal edge orchestrator router first-engine cassandra"
-    flags = [f"--{name}-port" for name in (*names.split(), "cassandra-storage", "cassandra-jmx")]
+    names = "envoy envoy-admin envoy-internal edge orchestrator router first-engine cassandra otlp"
+    metrics = "orchestrator-metrics router-metrics first-engine-metrics edge-metrics"
+    flags = [
+        f"--{name}-port" for name in (*names.split(), *metrics.split(), "cassandra-storage", "cassandra-jmx")
+    ]
     argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "1", "--run-dir", str(tmp_path / "run")]
     argv += [part for flag in flags for part in (flag, str(free_port()))]
     mesh = subprocess.Popen(
@@ -139,13 +143,34 @@ def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_every
         assert '"content":" Paris"' in completion and rest, completion
         assert '"text":" Paris"' in stored, stored
         assert "Paris" in grpc_client and "FINISH_REASON_STOP" in grpc_client, grpc_client
+
+        # Every printed /metrics endpoint answers with its service's metrics; the printed operations page
+        # URL signs an operator in, whose token the ops API accepts; the answers above left their spans.
+        endpoints = dict(re.findall(r"^  ([\w-]+): +(http://\S+)$", output.text, re.MULTILINE))
+        assert set(endpoints) == {"engine-0", "router", "orchestrator", "edge", "envoy"}, output.text
+        expected = {"engine-0": "gen_ai_server_", "router": "chatmesh_router_", "envoy": "envoy_"}
+        expected |= {"orchestrator": "chatmesh_orchestrator_", "edge": "chatmesh_edge_"}
+        for name, url in endpoints.items():
+            assert expected[name] in httpx.get(url, timeout=10).text, name
+        ops_url, operator = re.search(r"(http://\S+/ops)#token=(\S+)", output.text).groups()
+        assert "chatmesh operations" in httpx.get(ops_url).text
+        overview = httpx.get(
+            ops_url.replace("/ops", "/v1/ops/overview"), headers={"Authorization": f"Bearer {operator}"}
+        )
+        assert overview.status_code == 200 and overview.json()["engines"][0]["engine"] == "engine-0"
+        spans = Path(re.search(r"Traces: (\S+)", output.text).group(1))
+        wait_for(  # Envoy exports its spans every few seconds
+            lambda: '"service": "envoy"' in spans.read_text() and '"service": "engine"' in spans.read_text(),
+            timeout_s=30,
+            what="Envoy's and the engine's spans in the span file",
+        )
     finally:
         # Ctrl-C: the terminal sends SIGINT to the foreground process group.
         os.killpg(mesh.pid, signal.SIGINT)
         code = mesh.wait(timeout=120)
     services = [int(pid) for pid in re.findall(r"ready .* pid (\d+)", output.text)]
-    # cassandra, engine, the cheaper pool's engine, router, orchestrator, edge, envoy
-    assert len(services) == 7
+    # cassandra, span collector, engine, the cheaper pool's engine, router, orchestrator, edge, envoy
+    assert len(services) == 8
     assert code == 0, output.text[-3000:]
     assert "stopping chatmesh" in output.text
     assert [pid for pid in services if _alive(pid)] == []
