@@ -37,6 +37,9 @@ class Limits:
     max_id_chars: int = 128
     max_chat_page: int = 100
     default_chat_page: int = 20
+    max_search_query_chars: int = 200
+    max_search_page: int = 50
+    default_search_page: int = 20
     max_message_page: int = 200
     default_message_page: int = 50
     # Complete: a caller-supplied conversation.
@@ -114,6 +117,11 @@ def check_title(title: str, limits: Limits, allow_empty: bool) -> None:
     low = 0 if allow_empty else 1
     if not low <= len(title) <= limits.max_title_chars:
         raise invalid("title", f"title must have {low}..{limits.max_title_chars} characters")
+
+
+def check_search_query(query: str, limits: Limits) -> None:
+    if not query.strip() or len(query) > limits.max_search_query_chars:
+        raise invalid("query", f"a search query must have 1..{limits.max_search_query_chars} characters")
 
 
 def check_idempotency_key(key: str, limits: Limits) -> None:

@@ -3,6 +3,7 @@
 GET    /v1/me                                          who the caller's bearer token says they are
 GET    /v1/usage                                       GetUsage
 GET    /v1/chats?page_size&page_token                  ListChats (newest activity first)
+GET    /v1/search?q&page_size&page_token               SearchChats (newest chat first)
 POST   /v1/chats                                       CreateChat                     -> 201
 GET    /v1/chats/{chat_id}                             GetChat
 PATCH  /v1/chats/{chat_id}                             RenameChat
@@ -27,7 +28,7 @@ from starlette.routing import Route
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, TokenVerifier, Unauthenticated
 from edge.bodies import read_model
-from edge.convert import chat_json, message_json, options_proto, run_json, timestamp
+from edge.convert import chat_json, message_json, options_proto, run_json, search_hit_json, timestamp
 from edge.errors import ApiError
 from edge.orchestrator import Caller, Orchestrator
 from edge.params import unsigned
@@ -98,6 +99,23 @@ async def list_chats(request: Request) -> JSONResponse:
     )
     return JSONResponse(
         {"chats": [chat_json(c) for c in reply.chats], "next_page_token": reply.next_page_token or None}
+    )
+
+
+async def search_chats(request: Request) -> JSONResponse:
+    orchestrator, _ = _app(request)
+    caller = caller_of(request)
+    size, token = page_args(request, API.max_search_page)
+    query = request.query_params.get("q", "")
+    if not query.strip() or len(query) > API.max_search_query_chars:
+        raise ApiError(
+            422, f"q must have 1..{API.max_search_query_chars} characters", code="invalid_value", param="q"
+        )
+    reply = await orchestrator.unary(
+        "SearchChats", chat_pb2.SearchChatsRequest(query=query, page_size=size, page_token=token), caller
+    )
+    return JSONResponse(
+        {"hits": [search_hit_json(h) for h in reply.hits], "next_page_token": reply.next_page_token or None}
     )
 
 
@@ -255,6 +273,7 @@ routes = [
     Route("/v1/usage", usage, methods=["GET"]),
     Route("/v1/chats", list_chats, methods=["GET"]),
     Route("/v1/chats", create_chat, methods=["POST"]),
+    Route("/v1/search", search_chats, methods=["GET"]),
     Route("/v1/chats/{chat_id}", get_chat, methods=["GET"]),
     Route("/v1/chats/{chat_id}", rename_chat, methods=["PATCH"]),
     Route("/v1/chats/{chat_id}", delete_chat, methods=["DELETE"]),

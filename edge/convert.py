@@ -89,6 +89,17 @@ def message_json(message: chat_pb2.Message) -> dict:
     }
 
 
+def search_hit_json(hit: chat_pb2.SearchHit) -> dict:
+    return {
+        "chat_id": hit.chat_id,
+        "chat_title": hit.chat_title,
+        "message_id": hit.message_id or None,
+        "role": ROLES.get(hit.role, "title") if hit.message_id else "title",
+        "snippet": hit.snippet,
+        "create_time": timestamp(hit.create_time),
+    }
+
+
 def run_json(run: chat_pb2.Run) -> dict:
     return {
         "run_id": run.run_id,
@@ -111,6 +122,7 @@ def event_json(event: chat_pb2.RunEvent) -> tuple[str, dict]:
             "user_message_id": s.user_message_id or None,
             "assistant_message_id": s.assistant_message_id or None,
             "model": s.model,
+            "degraded": s.degraded,
         }
     if kind == "delta":
         return kind, {"text": event.delta.text, "token_count": event.delta.token_count}

@@ -30,6 +30,11 @@ class EngineConfig:
         flag_default="",
         parse=_model_path,
     )
+    served_model_name: str = setting(
+        "",
+        "the model name this engine serves under (its pool at the router); empty: the weights' own name. "
+        "Name a cheaper configuration of the same weights apart, e.g. SmolLM2-135M-Instruct-lite",
+    )
     num_threads: int = setting(
         0, "compute threads of the cpu backend, per rank (0: its default)", flag="threads"
     )

@@ -76,7 +76,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self._draining = False
         self._watchers: set[asyncio.Event] = set()  # wake-ups of the open KvEvents / WatchLoad streams
         self._model = ServedModel(
-            name=engine.tokenizer.model_name,
+            name=engine.config.served_model_name or engine.tokenizer.model_name,
             tokenizer_fingerprint=engine.tokenizer.fingerprint,
             vocab_size=engine.spec.vocab_size,
             context_length=engine.context_length,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatmesh.identity import OPERATOR_ROLE
+from chatmesh.tokenizer import load_tokenizer
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
@@ -47,10 +48,20 @@ class MeshPorts:
     otlp: int = 4317
 
 
+# The cheaper pool a free request is degraded to when the primary pool is past the free tier's
+# threshold. Honestly named: the same SmolLM2-135M Q4_1 weights as the primary pool, served under
+# another name by an engine with one compute thread, 3/8 of the KV memory (0.1875 GiB of float16 KV:
+# still one full 8,192-token context, so every prompt the orchestrator builds fits) and 8 running
+# requests at most: it costs a fraction of a primary engine and answers more slowly under load.
+LITE_SUFFIX = "-lite"
+LITE_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.1875", "--max-running-requests", "8")
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     ports: MeshPorts = MeshPorts()
     engines: int = 2
+    lite_engines: int = 1  # engines of the cheaper pool (0: the free tier is shed, never degraded)
     engine_backend: str = "cpu"
     python: str = sys.executable
     # Whom the dev token printed at start-up speaks for.
@@ -59,14 +70,15 @@ class MeshConfig:
     cassandra_data_dir: Path = Path(".run/mesh/cassandra")
 
     def engine_ports(self) -> list[int]:
-        return [self.ports.first_engine + i for i in range(self.engines)]
+        """The primary engines' ports, then the cheaper pool's."""
+        return [self.ports.first_engine + i for i in range(self.engines + self.lite_engines)]
 
     def metrics_endpoints(self) -> dict[str, str]:
         """Every service's Prometheus endpoint by service name (an engine's name is its engine id)."""
         ports = self.ports
         endpoints = {
             f"engine-{i}": f"http://127.0.0.1:{ports.first_engine_metrics + i}/metrics"
-            for i in range(self.engines)
+            for i in range(self.engines + self.lite_engines)
         }
         endpoints["router"] = f"http://127.0.0.1:{ports.router_metrics}/metrics"
         endpoints["orchestrator"] = f"http://127.0.0.1:{ports.orchestrator_metrics}/metrics"
@@ -98,6 +110,8 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     py, ports = config.python, config.ports
     # One key pair: Envoy, the edge and the orchestrator each verify the tokens it signs.
     keys = ensure_keys()
+    model = load_tokenizer().model_name  # the bundled weights' name: the primary pool's model
+    lite_model = model + LITE_SUFFIX
     spans = span_file(run_dir)
     collector = ServiceSpec(
         name="span-collector",
@@ -105,34 +119,28 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
         ports=(ports.otlp,),
         ready=TcpOpen(ports.otlp),
     )
-    specs = [collector] + [
-        ServiceSpec(
-            name=f"engine-{i}",
-            argv=[
-                py,
-                "-m",
-                "engine",
-                "--port",
-                str(port),
-                "--engine-id",
-                f"engine-{i}",
-                "--backend",
-                config.engine_backend,
-                "--metrics-port",
-                str(ports.first_engine_metrics + i),
-            ],
-            ports=(port, ports.first_engine_metrics + i),
-            ready=GrpcHealthy(port),
-            ready_timeout_s=180,
+    specs = [collector]
+    for i, port in enumerate(config.engine_ports()):
+        lite = i >= config.engines
+        pool_flags = ("--served-model-name", lite_model, *LITE_ENGINE_FLAGS) if lite else ()
+        metrics_port = ports.first_engine_metrics + i
+        argv = [py, "-m", "engine", "--port", str(port), "--engine-id", f"engine-{i}", *pool_flags]
+        specs.append(
+            ServiceSpec(
+                name=f"engine-{i}",
+                argv=[*argv, "--backend", config.engine_backend, "--metrics-port", str(metrics_port)],
+                ports=(port, metrics_port),
+                ready=GrpcHealthy(port),
+                ready_timeout_s=180,
+            )
         )
-        for i, port in enumerate(config.engine_ports())
-    ]
     # Named like the engines' --engine-id, so `routed` frames, logs and metrics agree on engine names.
     engine_flags = [
         flag
         for i, port in enumerate(config.engine_ports())
         for flag in ("--engine", f"engine-{i}=127.0.0.1:{port}")
     ]
+    degrade_flags = ("--degrade", f"{model}={lite_model}") if config.lite_engines else ()
     specs.append(
         ServiceSpec(
             name="router",
@@ -145,6 +153,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 "--metrics-port",
                 str(ports.router_metrics),
                 *engine_flags,
+                *degrade_flags,
             ],
             ports=(ports.router, ports.router_metrics),
             ready=GrpcHealthy(ports.router),
@@ -220,6 +229,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--edge-metrics-port", type=int, default=defaults.edge_metrics)
     parser.add_argument("--otlp-port", type=int, default=defaults.otlp, help="the span collector (OTLP/gRPC)")
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
+    parser.add_argument(
+        "--lite-engines", type=int, default=1, help="engines of the cheaper pool free requests degrade to"
+    )
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
@@ -241,6 +253,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     config = MeshConfig(
         ports=ports,
         engines=args.engines,
+        lite_engines=args.lite_engines,
         engine_backend=args.engine_backend,
         user=args.user,
         tier=args.tier,

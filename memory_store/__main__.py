@@ -6,6 +6,7 @@
     python -m memory_store node stop      # drain, then SIGTERM
     python -m memory_store schema         # apply schema migrations (a deploy job in production)
     python -m memory_store schema --check # exit 0 when every migration is applied, 3 when some are not
+    python -m memory_store search-backfill  # index chats written before search existed (once, re-runnable)
 
 The node keeps its data in ``.run/cassandra`` unless ``--data-dir`` says otherwise; ``make run`` starts
 its own node in ``.run/mesh/cassandra``.
@@ -24,11 +25,13 @@ import time
 from pathlib import Path
 
 from memory_store import schema
-from memory_store.config import parse_replication
+from memory_store.config import StoreConfig, parse_replication
 from memory_store.db import Db
 from memory_store.errors import MemoryStoreError
 from memory_store.node import PROJECT_ROOT, CassandraNode, CqlAnswers, NodeConfig, NodeSetupError, rss_mib
+from memory_store.search_backfill import backfill_search
 from memory_store.security import CassandraSecurity
+from memory_store.store import MemoryStore
 from meshkit.config import ServiceArgs, from_flags
 from meshkit.launcher import Launcher, ServiceFailedError
 from meshkit.serving import PortInUseError
@@ -178,6 +181,24 @@ async def apply_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+async def search_backfill(args: argparse.Namespace) -> int:
+    config = StoreConfig(
+        contact_points=tuple(args.hosts.split(",")),
+        port=args.cql_port,
+        keyspace=args.keyspace,
+        local_dc=args.local_dc,
+        apply_schema=False,
+        security=from_flags(CassandraSecurity, args),
+    )
+    store = await MemoryStore.connect(config)
+    try:
+        chats, messages = await backfill_search(store)
+    finally:
+        await store.close()
+    print(f"keyspace {args.keyspace}: indexed {chats} chats and {messages} messages for search")
+    return 0
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m memory_store",
@@ -193,29 +214,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     node.add_argument("--jmx-port", type=int, default=7199)
     node.add_argument("--heap", default="1g", help="maximum Java heap")
     migrate = commands.add_parser("schema", help="apply schema migrations")
-    migrate.add_argument("--hosts", default="127.0.0.1")
-    migrate.add_argument("--cql-port", type=int, default=9042)
-    migrate.add_argument("--keyspace", default="chatmesh")
+    backfill = commands.add_parser("search-backfill", help="index chats written before search existed")
+    for command in (migrate, backfill):
+        command.add_argument("--hosts", default="127.0.0.1")
+        command.add_argument("--cql-port", type=int, default=9042)
+        command.add_argument("--keyspace", default="chatmesh")
+        command.add_argument("--local-dc", default="datacenter1")
     migrate.add_argument(
         "--replication",
         default="SimpleStrategy:1",
         help="SimpleStrategy:<rf> or NetworkTopologyStrategy:<dc>=<rf>,...",
     )
-    migrate.add_argument("--local-dc", default="datacenter1")
     migrate.add_argument(
         "--check", action="store_true", help="apply nothing; exit 3 while migrations are pending"
     )
     # Credentials and TLS as every service takes them (env CHATMESH_MEMORY_STORE_CASSANDRA_...).
-    ServiceArgs("memory_store", "", parser=migrate).add_config(CassandraSecurity)
+    for command in (migrate, backfill):
+        ServiceArgs("memory_store", "", parser=command).add_config(CassandraSecurity)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.command == "schema":
+    if args.command in ("schema", "search-backfill"):
         try:
-            return asyncio.run(apply_schema(args))
+            return asyncio.run((apply_schema if args.command == "schema" else search_backfill)(args))
         except (MemoryStoreError, ValueError, OSError) as exc:
             print(f"ERROR: {exc}", file=sys.stderr)
             return 1

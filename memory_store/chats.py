@@ -27,6 +27,7 @@ from memory_store.db import Cql, Row
 from memory_store.errors import InvalidArgument, NotFound
 from memory_store.ids import id_micros, new_id, parse_id
 from memory_store.models import Chat, ChatSummary, Page
+from memory_store.search import delete_statement, title_statement
 
 T = TypeVar("T")
 
@@ -104,12 +105,13 @@ class ChatsMixin(StoreBase):
         at = now()
         chat_id = new_id(at)
         ts = micros(at)
-        await self._db.execute_batch(
-            [
-                ("chat_insert", (user_id, chat_id, title, at, at, ts)),
-                ("activity_insert", (user_id, at, chat_id, ts)),
-            ]
-        )
+        statements = [
+            ("chat_insert", (user_id, chat_id, title, at, at, ts)),
+            ("activity_insert", (user_id, at, chat_id, ts)),
+        ]
+        if title:
+            statements.append(title_statement(user_id, chat_id, title))
+        await self._db.execute_batch(statements)
         return Chat(chat_id=str(chat_id), user_id=user_id, title=title, created_at=at, updated_at=at)
 
     async def get_chat(self, user_id: str, chat_id: str) -> Chat:
@@ -184,7 +186,10 @@ class ChatsMixin(StoreBase):
         """Sets the title (1..``limits.max_title_chars`` characters); a rename counts as activity."""
         self._check_title(title, allow_empty=False)
         chat = await self._owned_chat(user_id, chat_id)
-        at = await self._touch(chat, [("chat_set_title", (title, user_id, uuid.UUID(chat.chat_id)))])
+        key = uuid.UUID(chat.chat_id)
+        at = await self._touch(
+            chat, [("chat_set_title", (title, user_id, key)), title_statement(user_id, key, title)]
+        )
         return Chat(
             chat_id=chat.chat_id,
             user_id=user_id,
@@ -205,6 +210,7 @@ class ChatsMixin(StoreBase):
             [
                 ("chat_set_deleted", (at, user_id, key)),
                 ("activity_delete", (delete_ts, user_id, chat.updated_at, key)),
+                delete_statement(user_id, key),
             ]
         )
 

@@ -29,6 +29,7 @@ from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import id_micros, id_time, parse_id, parse_optional_id
 from memory_store.models import Branch, Chat, FinishReason, Message, MessageStatus, Page, Role, Usage
 from memory_store.schema import BUCKET_SECONDS
+from memory_store.search import index_statement
 
 _FULL = (
     "message_id, parent_id, role, content, token_count, model, finish_reason, status, run_id, "
@@ -160,7 +161,10 @@ class MessagesMixin(ChatsMixin):
                 unset(usage and usage.completion_tokens),
             ),
         )
-        await asyncio.gather(insert, self._touch(chat, []))
+        searchable = index_statement(
+            chat.user_id, chat_key, message_id, Role(message.role).value, message.content
+        )
+        await asyncio.gather(insert, self._db.execute(*searchable), self._touch(chat, []))
 
     async def _register_bucket(self, chat_key: uuid.UUID, bucket: int) -> None:
         key = (chat_key, bucket)

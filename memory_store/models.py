@@ -76,6 +76,18 @@ class Chat:
 
 
 @dataclass(frozen=True)
+class SearchHit:
+    """One match of a chat search: the chat's title (``message_id`` None) or one of its messages."""
+
+    chat_id: str
+    chat_title: str  # the chat's current title
+    message_id: str | None  # None: the title matched
+    role: str  # "title", "user" or "assistant"
+    snippet: str  # the matched text around its first matching term
+    created_at: datetime  # of the message (or of the chat, for a title)
+
+
+@dataclass(frozen=True)
 class Message:
     """One node of a chat's message tree. ``message_id`` is chosen by the writer (``ids.new_id``)."""
 

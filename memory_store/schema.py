@@ -170,6 +170,25 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE idempotency_keys ADD IF NOT EXISTS starting_until timestamp",
         ),
     ),
+    Migration(
+        3,
+        "chat search: chat_search and its SAI index on the words of titles and messages",
+        (
+            # memory_store/search.py: one row per message and per title, in the owner's partition.
+            """CREATE TABLE IF NOT EXISTS chat_search (
+                user_id text,
+                chat_id timeuuid,
+                item_id timeuuid,
+                role text,
+                text text,
+                terms set<text>,
+                PRIMARY KEY ((user_id), chat_id, item_id))
+              WITH CLUSTERING ORDER BY (chat_id DESC, item_id DESC)""",
+            """CREATE CUSTOM INDEX IF NOT EXISTS chat_search_terms ON chat_search (values(terms))
+              USING 'StorageAttachedIndex'
+              WITH OPTIONS = {'case_sensitive': 'false', 'normalize': 'true'}""",
+        ),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

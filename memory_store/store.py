@@ -8,7 +8,7 @@
 
 Every method is async, named for what it does, takes the caller's user id, and speaks dataclasses
 (``memory_store.models``) and typed errors (``memory_store.errors``). The parts live in their own
-modules: ``chats``, ``messages``, ``runs``, ``usage``. Nothing above this package sees CQL.
+modules: ``chats``, ``messages``, ``runs``, ``usage``, ``search``. Nothing above this package sees CQL.
 """
 
 from __future__ import annotations
@@ -17,16 +17,23 @@ import secrets
 
 from cassandra.query import SimpleStatement
 
-from memory_store import chats, messages, runs, schema, usage
+from memory_store import chats, messages, runs, schema, search, usage
 from memory_store.config import StoreConfig
 from memory_store.cursor import CursorCodec
 from memory_store.db import Db
 from memory_store.runs import RunsMixin
+from memory_store.search import SearchMixin
 
-_STATEMENTS = {**chats.STATEMENTS, **messages.STATEMENTS, **runs.STATEMENTS, **usage.STATEMENTS}
+_STATEMENTS = {
+    **chats.STATEMENTS,
+    **messages.STATEMENTS,
+    **runs.STATEMENTS,
+    **usage.STATEMENTS,
+    **search.STATEMENTS,
+}
 
 
-class MemoryStore(RunsMixin):
+class MemoryStore(RunsMixin, SearchMixin):
     """Chats, messages, runs and usage on Cassandra. Create with ``await MemoryStore.connect(config)``."""
 
     @classmethod

@@ -58,6 +58,17 @@ def chat(c: models.Chat) -> chat_pb2.Chat:
     )
 
 
+def search_hit(h: models.SearchHit) -> chat_pb2.SearchHit:
+    return chat_pb2.SearchHit(
+        chat_id=h.chat_id,
+        chat_title=h.chat_title,
+        message_id=h.message_id or "",
+        role=ROLES.get(models.Role(h.role), chat_pb2.ROLE_UNSPECIFIED) if h.message_id else None,
+        snippet=h.snippet,
+        create_time=timestamp(h.created_at),
+    )
+
+
 def usage(u: models.Usage | None) -> chat_pb2.Usage | None:
     if u is None:
         return None

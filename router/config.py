@@ -33,6 +33,16 @@ def _engines(specs: list[str]) -> tuple[EngineAddress, ...]:
     return tuple(EngineAddress.parse(spec) for spec in specs)
 
 
+def _degrades(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for spec in specs:
+        model, sep, cheaper = spec.partition("=")
+        if not sep or not model.strip() or not cheaper.strip():
+            raise ValueError(f"--degrade must look like MODEL=CHEAPER_MODEL, got {spec!r}")
+        pairs.append((model.strip(), cheaper.strip()))
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     engines: tuple[EngineAddress, ...] = setting(
@@ -55,6 +65,14 @@ class RouterConfig:
     weights: CostWeights = nested(CostWeights)
     # Admission: the free tier is shed when every engine's queue is at least this fraction of its bound.
     free_queue_fraction: float = setting(0.5, "free tier is shed when every queue is this full")
+    # Degrade: a free request its model's pool refuses goes to that model's cheaper model instead.
+    degrade: tuple[tuple[str, str], ...] = setting(
+        (),
+        "MODEL=CHEAPER: under load, free requests for MODEL go to CHEAPER's pool before being shed (repeatable)",
+        flag_default=[],
+        parse=_degrades,
+        repeat=True,
+    )
 
     # Engine streams and calls
     load_interval_ms: int = setting(100, "engine load report period")
@@ -91,8 +109,15 @@ class RouterConfig:
         ids = [engine.engine_id for engine in self.engines]
         if len(set(ids)) != len(ids):
             problems.append(f"engine names must be unique, got {', '.join(ids)}")
+        cheaper = self.cheaper_models()
+        if len(cheaper) != len(self.degrade) or any(model in cheaper for model in cheaper.values()):
+            problems.append("--degrade names each model once, and a cheaper model degrades no further")
         for name in self.engine_dns:
             if EngineAddress.parse(name).engine_id != name:
                 problems.append(f"--engine-dns takes host:port without a name, got {name!r}")
         if problems:
             raise ValueError("invalid router configuration: " + "; ".join(problems))
+
+    def cheaper_models(self) -> dict[str, str]:
+        """Each degradable model's cheaper model (``--degrade``)."""
+        return dict(self.degrade)

@@ -39,6 +39,12 @@ class RouterMetrics(ComponentMetrics):
         self.shed = self.counter(
             "shed_requests", "Requests refused with RESOURCE_EXHAUSTED under overload, by tier.", ["tier"]
         )
+        self.degraded = self.counter(
+            "degraded_requests",
+            "Free-tier requests sent to a cheaper model's pool because their model's pool was past the "
+            "free tier's threshold, by model asked for and model served.",
+            ["model", "served_model"],
+        )
         self.kv_resyncs = self.counter(
             "kv_resyncs",
             "Times an engine's index was rebuilt from a snapshot, by cause (gap, overflow).",

@@ -4,7 +4,12 @@ This is the glue between the live state (registry, index, loads) and the pure de
 ``policy`` and ``admission``. A request's pool is the engines serving its model with its tokenizer;
 of those, the healthy ones not already tried are the candidates; admission narrows them by tier; the
 policy picks one from each candidate's cached prefix (from the index, hashed with that engine's block
-size and seed) and its load. Every step reads the registry's ``LoadTable`` columns, so a decision
+size and seed) and its load.
+
+A free request its pool refuses is *degraded* when the router has a cheaper model for its model
+(``--degrade MODEL=CHEAPER``): it goes to the cheaper model's pool, which takes it while any of its
+engines has headroom (the pool exists for it), and is shed only when that pool is saturated too. Paid
+tiers are never degraded. Every step reads the registry's ``LoadTable`` columns, so a decision
 costs a few vector operations however many engines there are (bench/bench_scale_sim.py).
 """
 
@@ -63,6 +68,8 @@ class RequestPlan:
 class Placement:
     engine: EngineState
     predicted_cached_tokens: int
+    model: str  # the pool's model: the request's, or the cheaper one it was degraded to
+    degraded: bool = False
 
 
 class Placer:
@@ -79,28 +86,59 @@ class Placer:
         self.rng = rng or random.Random()
         self._turn = 0  # decisions made: round_robin's position
         self._decisions = metrics.decisions.labels(config.policy)
+        self._cheaper = config.cheaper_models()
 
     def place(self, plan: RequestPlan, exclude: set[str], admit: bool) -> Placement:
         """Picks an engine for ``plan``, not one of ``exclude``. ``admit``: apply the tier's admission
-        rule (a new request); otherwise (a failover) any engine with headroom will do."""
-        loads = self.registry.loads
-        rows = self._healthy_rows(plan, exclude)
+        rule (a new request), degrading a free one its pool refuses; otherwise (a failover) any engine
+        of its pool with headroom will do."""
+        model = self._model_of(plan)
+        rows = self._healthy_rows(plan, model, exclude)
         tier = plan.tier if admit else router_pb2.TIER_ENTERPRISE
-        fraction = self.config.free_queue_fraction
-        waiting, max_waiting = loads.waiting[rows], loads.max_waiting[rows]
-        allowed = admission.admissible_rows(waiting, max_waiting, tier, fraction)
-        if not allowed.any():
-            tier_name = tier_of_proto(plan.tier).name
-            self.metrics.shed.labels(tier_name).inc()
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"every engine is overloaded for the {tier_name} tier; retry later",
-                admission.retry_after_rows(waiting, max_waiting, loads.drain_rate[rows], tier, fraction),
-            )
+        allowed = self._admissible(rows, tier)
+        if allowed.any():
+            return self._choose(plan, rows[allowed], model)
+        cheaper = self._cheaper.get(model) if admit and not admission.is_premium(plan.tier) else None
+        cheaper_rows = self._pool_rows(cheaper, plan.tokenizer_fingerprint, exclude) if cheaper else rows[:0]
+        # The cheaper pool exists for the requests degraded to it: any engine with headroom takes one.
+        cheaper_allowed = self._admissible(cheaper_rows, router_pb2.TIER_ENTERPRISE)
+        if cheaper and cheaper_allowed.any():
+            self.metrics.degraded.labels(model, cheaper).inc()
+            return self._choose(plan, cheaper_rows[cheaper_allowed], cheaper, degraded=True)
+        tier_name = tier_of_proto(plan.tier).name
+        self.metrics.shed.labels(tier_name).inc()
+        retry_after = self._retry_after_s(rows, tier)
+        if len(cheaper_rows):
+            retry_after = min(retry_after, self._retry_after_s(cheaper_rows, router_pb2.TIER_ENTERPRISE))
+        raise ServiceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"every engine is overloaded for the {tier_name} tier; retry later",
+            retry_after,
+        )
+
+    def _admissible(self, rows: np.ndarray, tier: int) -> np.ndarray:
+        loads = self.registry.loads
+        return admission.admissible_rows(
+            loads.waiting[rows], loads.max_waiting[rows], tier, self.config.free_queue_fraction
+        )
+
+    def _retry_after_s(self, rows: np.ndarray, tier: int) -> float:
+        loads = self.registry.loads
+        return admission.retry_after_rows(
+            loads.waiting[rows],
+            loads.max_waiting[rows],
+            loads.drain_rate[rows],
+            tier,
+            self.config.free_queue_fraction,
+        )
+
+    def _choose(self, plan: RequestPlan, rows: np.ndarray, model: str, degraded: bool = False) -> Placement:
+        """The policy's pick among admitted ``rows``."""
+        loads = self.registry.loads
         choice = choose_in(
             self.config.policy,
             len(plan.prompt),
-            self._candidates(plan, rows[allowed]),
+            self._candidates(plan, rows),
             self.config.weights,
             plan.session_id,
             self.rng,
@@ -111,18 +149,27 @@ class Placer:
         engine = loads.states[self.registry.index.slot(choice.engine_id)]
         assert engine is not None, "a chosen row belongs to an attached engine"
         predicted = predicted_cached_tokens(len(plan.prompt), choice.cached_blocks, engine.block_size)
-        return Placement(engine, predicted)
+        return Placement(engine, predicted, model, degraded)
 
-    def _healthy_rows(self, plan: RequestPlan, exclude: set[str]) -> np.ndarray:
-        """The load-table rows of the request's pool that are healthy and not excluded, in engine-id order."""
-        loads = self.registry.loads
+    def _model_of(self, plan: RequestPlan) -> str:
+        """The model asked for: the plan's, the router's default, or the only one served ("" if none)."""
         model = plan.model or self.config.default_model
-        if not model and len(served := loads.models()) == 1:
+        if not model and len(served := self.registry.loads.models()) == 1:
             model = next(iter(served))
-        usable = loads.pool_mask(model, plan.tokenizer_fingerprint) & loads.healthy
+        return model
+
+    def _pool_rows(self, model: str, tokenizer_fingerprint: str, exclude: set[str]) -> np.ndarray:
+        """The load-table rows of a model's pool that are healthy and not excluded, in engine-id order."""
+        loads = self.registry.loads
+        usable = loads.pool_mask(model, tokenizer_fingerprint) & loads.healthy
         rows = loads.order[usable[loads.order]]
         if exclude:
             rows = rows[~np.isin(loads.engine_ids[rows], list(exclude))]
+        return rows
+
+    def _healthy_rows(self, plan: RequestPlan, model: str, exclude: set[str]) -> np.ndarray:
+        """The request's pool's usable rows; none raises what is wrong with the pool."""
+        rows = self._pool_rows(model, plan.tokenizer_fingerprint, exclude)
         if not len(rows):
             self.pool(plan)  # raises what is wrong with the request's pool, if anything is
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._nothing_healthy(plan, exclude))

@@ -79,6 +79,7 @@ class Relay:
         self.deadline_s = deadline_s  # seconds the client allows, from arrival
         self.output: list[int] = []
         self.cancelled = False
+        self.degraded = False  # placed in a cheaper model's pool (free tier under load)
         self._call: grpc.aio.StreamStreamCall | None = None  # the engine call in progress
         self._outbox: Outbox[engine_pb2.GenerateRequest] | None = None  # its request side
         self._first_token_at: float | None = None
@@ -110,6 +111,9 @@ class Relay:
                 raise self._give_up(failures, exc) from None
             if failures:
                 self.metrics.failovers.labels(failures[-1][1].failure).inc()
+            if placement.degraded:
+                # Failovers stay in the cheaper pool: the output so far continues on the same weights.
+                self.plan.model, self.degraded = placement.model, True
             engine = placement.engine
             attempt_id = self.start.request_id if attempt == 1 else f"{self.start.request_id}#{attempt}"
             # Counted on the engine before anything awaits, so the next placement already sees it.
@@ -120,6 +124,8 @@ class Relay:
                         engine_id=engine.engine_id,
                         predicted_cached_tokens=placement.predicted_cached_tokens,
                         attempt=attempt,
+                        model=placement.model,
+                        degraded=self.degraded,
                     )
                 )
                 async for frame in self._stream(placement, attempt_id):

@@ -7,14 +7,22 @@ const $ = (selector) => document.querySelector(selector);
 const RUN_KEY = "chatmesh.run";
 const TOKEN_KEY = "chatmesh.token";
 
+// Busy servers (429, 503): the page retries a send by itself, waiting at least the server's Retry-After.
+// Paid tiers back off linearly (1, 2, 3 … s), the free tier exponentially (1, 2, 4 … s), as the server
+// asks the free tier to yield first; after RETRIES.attempts retries it gives up and says so. A wait
+// longer than RETRIES.maxS (a spent token budget) is not a busy server: it is reported at once.
+const RETRIES = { attempts: 4, baseS: 1, maxS: 60 };
+
 const state = {
   token: null,
+  tier: "free",     // from /v1/me: how this page backs off when the servers are busy
   chats: [],
   nextChats: null,
+  search: null,     // {query, hits, next} while the sidebar shows search results
   chatId: null,
   messages: [],     // every message of the open chat (all branches)
   leafId: null,     // the branch on screen ends here
-  live: null,       // {runId, chatId, lastSeq, text, usage, base: [messages before the answer], user: text|null}
+  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, base: [messages before], user: text|null}
 };
 
 class ApiError extends Error {
@@ -70,9 +78,39 @@ function explain(error) {
   switch (error.status) {
     case 401: return "Your token is missing, invalid or expired. Paste a new one.";
     case 429: return `You are sending requests too fast or your token budget is spent (rate limited).${wait}`;
-    case 503: return `chatmesh is at capacity right now and cannot take this request.${wait}`;
+    case 503: return `Our servers are busy and cannot take this request right now.${wait}`;
     default: return error.message;
   }
+}
+
+function isBusy(error) {
+  return error instanceof ApiError && (error.status === 429 || error.status === 503);
+}
+
+// Seconds to wait before retry number `attempt` (from 1): the tier's backoff, never less than Retry-After.
+function backoffS(tier, attempt, retryAfterS) {
+  const grown = tier === "free" ? RETRIES.baseS * 2 ** (attempt - 1) : RETRIES.baseS * attempt;
+  return Math.min(RETRIES.maxS, Math.max(retryAfterS || 0, grown));
+}
+
+// Runs `request`, retrying it while the servers are busy, with a countdown in the banner.
+async function withRetries(request) {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await request();
+    } catch (error) {
+      if (!isBusy(error) || attempt > RETRIES.attempts || error.retryAfter > RETRIES.maxS) throw error;
+      await countdown(Math.ceil(backoffS(state.tier, attempt, error.retryAfter)), attempt);
+    }
+  }
+}
+
+async function countdown(seconds, attempt) {
+  for (let left = seconds; left > 0; left--) {
+    notice(`Our servers are busy. Retrying in ${left} s (retry ${attempt} of ${RETRIES.attempts}).`);
+    await new Promise((resolve) => setTimeout(resolve, 1000));
+  }
+  notice("Our servers are busy. Retrying now…");
 }
 
 function fail(error) {
@@ -111,7 +149,50 @@ function renderChats() {
     item.append(open, rename, remove);
     return item;
   }));
-  $("#more-chats").hidden = !state.nextChats;
+  $("#more-chats").hidden = !state.nextChats || state.search !== null;
+}
+
+// ---- search -----------------------------------------------------------------------------------------
+
+// Searches the caller's chats (titles and messages, every word); an empty box shows the chats again.
+async function searchChats(more = false) {
+  const query = $("#search-input").value.trim();
+  if (!query) {
+    state.search = null;
+  } else {
+    const params = new URLSearchParams({ q: query, page_size: "20" });
+    if (more && state.search) params.set("page_token", state.search.next);
+    const page = await json(`/v1/search?${params}`);
+    const earlier = more && state.search ? state.search.hits : [];
+    state.search = { query, hits: earlier.concat(page.hits), next: page.next_page_token };
+  }
+  renderSearch();
+}
+
+function renderSearch() {
+  const searching = state.search !== null;
+  $("#chat-list").hidden = searching;
+  $("#search-results").hidden = !searching;
+  $("#more-results").hidden = !searching || !state.search.next;
+  $("#more-chats").hidden = searching || !state.nextChats;
+  if (!searching) return;
+  const items = state.search.hits.map((hit) => {
+    const item = document.createElement("li");
+    const open = button(hit.chat_title || "Untitled chat", () => openChat(hit.chat_id), "open");
+    const snippet = document.createElement("span");
+    snippet.className = "snippet muted";
+    snippet.textContent = hit.role === "title" ? "matched the title" : `${hit.role}: ${hit.snippet}`;
+    open.append(snippet);
+    item.append(open);
+    return item;
+  });
+  if (!items.length) {
+    const none = document.createElement("li");
+    none.className = "muted";
+    none.textContent = `No chats match "${state.search.query}".`;
+    items.push(none);
+  }
+  $("#search-results").replaceChildren(...items);
 }
 
 function button(label, onClick, className) {
@@ -244,6 +325,7 @@ function messageItem(message, byParent, isLast) {
     meta.append(previous, label, next);
   }
   if (message.role === "assistant") {
+    if (message.model) meta.append(modelLabel(message.model));
     meta.append(usageLabel(message.usage, message.finish_reason));
     if (isLast) meta.append(button("Regenerate", () => regenerate(message)));
   } else if (message.parent_id) {
@@ -251,6 +333,14 @@ function messageItem(message, byParent, isLast) {
     meta.append(button("Edit", async () => editMessage(item, message)));
   }
   return item;
+}
+
+// Which model wrote an answer: under load a free-tier answer may come from a cheaper model.
+function modelLabel(model, degraded = false) {
+  const label = document.createElement("span");
+  label.className = "model";
+  label.textContent = degraded ? `${model} (a lighter model: our servers are busy)` : model;
+  return label;
 }
 
 function usageLabel(usage, finishReason) {
@@ -274,6 +364,7 @@ function liveItem() {
   content.textContent = state.live.text;
   const meta = document.createElement("div");
   meta.className = "meta muted";
+  if (state.live.model) meta.append(modelLabel(state.live.model, state.live.degraded));
   item.append(content, meta);
   return item;
 }
@@ -340,6 +431,10 @@ async function consume(response) {
       if (event.event === "started") {
         state.live.runId = data.run_id;
         state.live.chatId = data.chat_id;
+        state.live.model = data.model;
+        state.live.degraded = data.degraded;
+        const meta = $("#live .meta");
+        if (meta) meta.replaceChildren(modelLabel(data.model, data.degraded));
         $("#stop").disabled = false;
       } else if (event.event === "delta") {
         state.live.text += data.text;
@@ -418,7 +513,7 @@ async function withLive(base, userText, request) {
   startLive(base, userText);
   let response = null;
   try {
-    response = await request();
+    response = await withRetries(request);
     notice("");
     await follow(response);
   } catch (error) {
@@ -499,8 +594,17 @@ async function start() {
   $("#stop").addEventListener("click", () => stop().catch(fail));
   $("#new-chat").addEventListener("click", newChat);
   $("#more-chats").addEventListener("click", () => loadChats(true).catch(fail));
+  $("#search").addEventListener("submit", (event) => {
+    event.preventDefault();
+    searchChats().catch(fail);
+  });
+  $("#search-input").addEventListener("input", () => {
+    if (!$("#search-input").value.trim() && state.search) searchChats().catch(fail);
+  });
+  $("#more-results").addEventListener("click", () => searchChats(true).catch(fail));
   try {
     const me = await json("/v1/me");
+    state.tier = me.tier;
     $("#whoami").textContent = `Signed in as ${me.user_id} (${me.tier})`;
     showUsage();
     await loadChats();

@@ -139,6 +139,19 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         )
 
     @unary
+    async def SearchChats(self, identity: Identity, request: chat_pb2.SearchChatsRequest):
+        limits.check_search_query(request.query, self.limits)
+        size = limits.page_size(
+            request.page_size, self.limits.default_search_page, self.limits.max_search_page
+        )
+        page = await self.store.search_chats(
+            identity.user_id, request.query, request.page_token or None, size
+        )
+        return chat_pb2.SearchChatsResponse(
+            hits=[convert.search_hit(h) for h in page.items], next_page_token=page.next_cursor or ""
+        )
+
+    @unary
     async def RenameChat(self, identity: Identity, request: chat_pb2.RenameChatRequest):
         limits.check_id(request.chat_id, "chat_id")
         limits.check_title(request.title, self.limits, allow_empty=False)

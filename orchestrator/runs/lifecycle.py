@@ -4,7 +4,8 @@ Each kind of run (``send.py``, ``regenerate.py``, ``complete.py``) is one object
 top to bottom; these are the steps it calls, in this order:
 
     start    the run becomes a task of this replica; the caller waits until it is live (or refused)
-    admit    a run slot, then the budget reserved while the router places the request (both at once)
+    admit    a run slot, then the budget reserved while the router places the request (both at once);
+             the run's model is then the one the router placed it with (a cheaper one if degraded)
     ...      the kind persists what it stores (user message, run row)
     generate `started` (the caller is released), then the relay until the end, stored once
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -30,6 +32,7 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import not_found, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
+from chatmesh.router.v1 import router_pb2
 from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import FinishReason, Run, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
@@ -154,7 +157,7 @@ class Runs:
             self.slots.acquire(identity)
             try:
                 stream = await self._place(identity, info, prompt, options)
-                admission = Admission(identity, info, prompt, stream)
+                admission = Admission(identity, _as_placed(info, stream.routed), prompt, stream)
                 try:
                     yield admission
                 except BaseException:
@@ -211,6 +214,7 @@ class Runs:
                 user_message_id=info.user_message_id,
                 assistant_message_id=info.assistant_message_id,
                 model=info.model,
+                degraded=info.degraded,
             )
         )
         relay = Relay(
@@ -362,6 +366,13 @@ class Runs:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _as_placed(info: RunInfo, routed: router_pb2.GenerateRouted | None) -> RunInfo:
+    """The run as the router placed it: its model is the pool's (a cheaper one when degraded)."""
+    if routed is None or not routed.model:
+        return info
+    return dataclasses.replace(info, model=routed.model, degraded=routed.degraded)
 
 
 def _live_proto(live: LiveRun) -> chat_pb2.Run:

@@ -36,6 +36,8 @@ class RunInfo:
     chat_id: str = ""
     user_message_id: str = ""
     assistant_message_id: str = ""
+    # The router placed it in a cheaper model's pool (free tier under load); ``model`` is that model.
+    degraded: bool = False
 
     @property
     def stored(self) -> bool:

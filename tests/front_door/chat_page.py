@@ -17,15 +17,15 @@ LIVE = "#live .content"
 
 @contextmanager
 def chat_page(
-    door: FrontDoor, browser_context, user: str, tmp_path: Path, shot_name: str
+    door: FrontDoor, browser_context, user: str, tmp_path: Path, shot_name: str, tier: str = "pro"
 ) -> Iterator[object]:
-    """A page signed in as ``user``; on the way out a full-page screenshot is kept as a test artifact
+    """A page signed in as ``user`` of ``tier``; on the way out a full-page screenshot is kept as a test artifact
     (``<artifacts>/<shot_name>.png``) and any JavaScript error fails the test."""
     page = browser_context.new_page()
     page.set_default_timeout(15_000)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(f"{door.url}/#token={door.envoy.token(user)}")
+    page.goto(f"{door.url}/#token={door.envoy.token(user, tier)}")
     page.wait_for_selector(f"#whoami:has-text('{user}')")
     yield page
     shot = tmp_path / "chat-page.png"

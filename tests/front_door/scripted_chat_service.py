@@ -10,6 +10,7 @@ Scripts, in the text of a user message (SendMessage) or the last message (Comple
     !tokens N MS          answer with N tokens, one every MS milliseconds (default: 12 tokens, 20 ms)
     !runerror CODE K      after K deltas, end the run with a RunError event (code, message, retry 2 s)
     !abort CODE K         after K deltas, abort the RPC itself with CODE
+    !degraded MODEL       answer as the router degrading a free request would: from MODEL, degraded
 Unary failures are injected with ``failing(method, code, ...)``; ``delay(method, seconds)`` slows one.
 """
 
@@ -97,6 +98,7 @@ class Script:
     interval_s: float = 0.02
     run_error: tuple[str, int] | None = None
     abort: tuple[grpc.StatusCode, int] | None = None
+    degraded_to: str = ""
 
     @classmethod
     def parse(cls, text: str) -> Script:
@@ -110,6 +112,8 @@ class Script:
                 script.run_error = (args[0], int(args[1]))
             elif word == "!abort":
                 script.abort = (grpc.StatusCode[args[0]], int(args[1]))
+            elif word == "!degraded":
+                script.degraded_to = args[0]
         return script
 
 
@@ -118,6 +122,7 @@ class Call:
     method: str
     request: object
     metadata: dict[str, str]
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -293,7 +298,8 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
             chat_id=run.proto.chat_id,
             user_message_id=parent.message_id if parent and parent.role == chat_pb2.ROLE_USER else "",
             assistant_message_id=run.proto.assistant_message_id,
-            model=options.model or MODEL,
+            model=script.degraded_to or options.model or MODEL,
+            degraded=bool(script.degraded_to),
         )
         await run.publish(started=started)
         text: list[str] = []

@@ -62,7 +62,16 @@ def test_every_chat_service_rpc_is_routed_with_the_right_timeouts(config: EnvoyC
             retried = "unavailable" in route["retry_policy"]["retry_on"]
             assert retried == (
                 method.name
-                in {"GetChat", "ListChats", "ListMessages", "GetRun", "CancelRun", "ListModels", "GetUsage"}
+                in {
+                    "GetChat",
+                    "ListChats",
+                    "ListMessages",
+                    "GetRun",
+                    "CancelRun",
+                    "ListModels",
+                    "GetUsage",
+                    "SearchChats",
+                }
             )
 
 

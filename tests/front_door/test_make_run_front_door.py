@@ -147,8 +147,11 @@ def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_every
         # Every printed /metrics endpoint answers with its service's metrics; the printed operations page
         # URL signs an operator in, whose token the ops API accepts; the answers above left their spans.
         endpoints = dict(re.findall(r"^  ([\w-]+): +(http://\S+)$", output.text, re.MULTILINE))
-        assert set(endpoints) == {"engine-0", "router", "orchestrator", "edge", "envoy"}, output.text
-        expected = {"engine-0": "gen_ai_server_", "router": "chatmesh_router_", "envoy": "envoy_"}
+        assert set(endpoints) == {"engine-0", "engine-1", "router", "orchestrator", "edge", "envoy"}, (
+            output.text
+        )
+        expected = {"engine-0": "gen_ai_server_", "engine-1": "gen_ai_server_", "router": "chatmesh_router_"}
+        expected |= {"envoy": "envoy_"}
         expected |= {"orchestrator": "chatmesh_orchestrator_", "edge": "chatmesh_edge_"}
         for name, url in endpoints.items():
             assert expected[name] in httpx.get(url, timeout=10).text, name
@@ -169,7 +172,8 @@ def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_every
         os.killpg(mesh.pid, signal.SIGINT)
         code = mesh.wait(timeout=120)
     services = [int(pid) for pid in re.findall(r"ready .* pid (\d+)", output.text)]
-    assert len(services) == 7  # cassandra, span collector, engine, router, orchestrator, edge, envoy
+    # cassandra, span collector, engine, the cheaper pool's engine, router, orchestrator, edge, envoy
+    assert len(services) == 8
     assert code == 0, output.text[-3000:]
     assert "stopping chatmesh" in output.text
     assert [pid for pid in services if _alive(pid)] == []

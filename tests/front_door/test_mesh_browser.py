@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tests.fixtures.front_door import MESH_DOOR_DEFAULT_MAX_TOKENS, MeshFrontDoor
 from tests.front_door.chat_page import LIVE, chat_page, last_answer, live_text, send, watch_stream
+from tests.front_door.helpers import send as send_rest
 from tests.front_door.helpers import wait_for
 
 
@@ -59,3 +60,32 @@ def test_send_stream_stop_and_reload_mid_answer_resumes(
         # The reloaded page resumed through GET /v1/runs/{id}/events (Envoy's access log shows it).
         path = f"/v1/runs/{finished['run_id']}/events"
         wait_for(lambda: path in mesh_front_door.access_log(), what="the resume in Envoy's access log")
+
+
+def test_search_in_the_sidebar_finds_titles_and_messages_and_opens_the_chat(
+    mesh_front_door: MeshFrontDoor, browser_context, user: str, tmp_path
+):
+    with mesh_front_door.client(user) as client:
+        kept = client.post("/v1/chats", json={"title": "Walrus facts"}).json()["chat_id"]
+        talk = client.post("/v1/chats", json={"title": "Zoo"}).json()["chat_id"]
+        send_rest(client, talk, "Do walruses sleep in water?", options={"max_tokens": 2})
+        gone = client.post("/v1/chats", json={"title": "Walrus drafts"}).json()["chat_id"]
+        assert client.delete(f"/v1/chats/{gone}").status_code == 204
+    with mesh_front_door.client(f"{user}-other") as other:
+        other.post("/v1/chats", json={"title": "Walrus secrets"})
+    with chat_page(mesh_front_door, browser_context, user, tmp_path, "mesh-search") as page:
+        page.fill("#search-input", "walrus")
+        page.press("#search-input", "Enter")
+        page.wait_for_selector("#search-results li")
+        results = page.locator("#search-results li").all_text_contents()
+        assert len(results) == 1 and "Walrus facts" in results[0] and "matched the title" in results[0]
+        assert page.is_hidden("#chat-list")
+        page.fill("#search-input", "walruses water")
+        page.press("#search-input", "Enter")
+        page.wait_for_selector("#search-results li:has-text('Do walruses sleep in water?')")
+        page.locator("#search-results li button").first.click()
+        page.wait_for_selector("li.message.user:has-text('Do walruses sleep in water?')")
+        assert page.url.endswith(f"chat={talk}")
+        page.fill("#search-input", "")
+        page.wait_for_selector("#chat-list li:has-text('Walrus facts')")
+        assert page.is_hidden("#search-results") and kept

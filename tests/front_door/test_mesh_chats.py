@@ -261,3 +261,22 @@ def test_orchestrator_and_envoy_429s_both_say_when_to_retry(mesh_front_door: Mes
         stored = messages(client, chat_id)
         assert [(m["role"], m["content"]) for m in stored][1:] == [("user", "A long one.")]
         assert stored[0]["finish_reason"] == "cancelled"
+
+
+# -- search -------------------------------------------------------------------------------------------
+
+
+def test_search_over_rest_finds_the_callers_message_and_only_theirs(
+    client: httpx.Client, chat_id: str, mesh_front_door: MeshFrontDoor
+):
+    send(client, chat_id, "Where do narwhals live?", options={"max_tokens": 4})
+    reply = client.get("/v1/search", params={"q": "Narwhals"})
+    assert reply.status_code == 200, reply.text
+    [hit] = reply.json()["hits"]
+    assert (hit["chat_id"], hit["role"], hit["snippet"]) == (chat_id, "user", "Where do narwhals live?")
+    assert reply.json()["next_page_token"] is None
+    # Only the caller's chats are searched.
+    with mesh_front_door.client(f"{uuid.uuid4().hex[:8]}-stranger") as stranger:
+        assert stranger.get("/v1/search", params={"q": "narwhals"}).json()["hits"] == []
+    assert_json_error(client.get("/v1/search"), 422)
+    assert_json_error(client.get("/v1/search", params={"q": "one two three four five six"}), 400)

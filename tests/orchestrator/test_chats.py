@@ -117,3 +117,42 @@ async def test_a_call_without_identity_metadata_is_unauthenticated(mesh: Mesh) -
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.SendMessage(chat_pb2.SendMessageRequest(chat_id="x", content="hi"), timeout=10).read()
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def search(
+    client: ChatClient, query: str, page_size: int = 0, token: str = ""
+) -> chat_pb2.SearchChatsResponse:
+    request = chat_pb2.SearchChatsRequest(query=query, page_size=page_size, page_token=token)
+    return await client.call("SearchChats", request)
+
+
+async def test_search_finds_the_callers_titles_and_messages_never_another_users_or_deleted_ones(
+    client: ChatClient, mesh: Mesh, connect
+) -> None:
+    trip = await client.create_chat("Lisbon trip")
+    other = await client.create_chat("Groceries")
+    await client.call(
+        "RenameChat", chat_pb2.RenameChatRequest(chat_id=other.chat_id, title="Lisbon groceries")
+    )
+    hits = (await search(client, "LISBON")).hits
+    assert [(h.chat_id, h.chat_title, h.message_id) for h in hits] == [
+        (other.chat_id, "Lisbon groceries", ""),
+        (trip.chat_id, "Lisbon trip", ""),
+    ]
+    first = await search(client, "lisbon", page_size=1)
+    assert [h.chat_id for h in first.hits] == [other.chat_id] and first.next_page_token
+    second = await search(client, "lisbon", page_size=1, token=first.next_page_token)
+    assert [h.chat_id for h in second.hits] == [trip.chat_id] and not second.next_page_token
+
+    stranger = connect(mesh.orchestrator.address)
+    assert (await search(stranger, "lisbon")).hits == []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await search(stranger, "lisbon", page_size=1, token=first.next_page_token)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    await client.call("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=other.chat_id))
+    assert [h.chat_id for h in (await search(client, "lisbon")).hits] == [trip.chat_id]
+    for bad in ("", "?!", "a b c d e f"):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await search(client, bad)
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad

@@ -132,3 +132,72 @@ def test_each_engine_is_matched_with_hashes_of_its_own_block_size():
     registry.index.store("bs16", block_hashes(PROMPT, 16)[:2])
     placement = placer(registry).place(RequestPlan("r", PROMPT), set(), admit=True)
     assert placement.engine.engine_id == "bs32" and placement.predicted_cached_tokens == 96
+
+
+# Degrade: "small" has a cheaper model, "small-lite"; its pool takes free requests "small" refuses.
+DEGRADE = {"degrade": (("small", "small-lite"),), "free_queue_fraction": 0.5}
+
+
+def busy_primary_and_lite(lite_waiting: int, lite_fingerprint: str = "tok-a") -> Registry:
+    return Registry(
+        engine("a1", "small", waiting=4, max_waiting=8),  # at the free tier's safe depth
+        engine("lite1", "small-lite", fingerprint=lite_fingerprint, waiting=lite_waiting, max_waiting=8),
+    )
+
+
+def degraded(chooser: Placer) -> float | None:
+    return chooser.metrics.registry.get_sample_value(
+        "chatmesh_router_degraded_requests_total", {"model": "small", "served_model": "small-lite"}
+    )
+
+
+def test_a_free_request_its_pool_refuses_is_degraded_to_the_cheaper_pool():
+    chooser = placer(busy_primary_and_lite(lite_waiting=0), **DEGRADE)
+    placement = chooser.place(RequestPlan("r", PROMPT, model="small"), set(), admit=True)
+    assert (placement.engine.engine_id, placement.model, placement.degraded) == ("lite1", "small-lite", True)
+    assert degraded(chooser) == 1
+    # With headroom left for it, a free request stays on its own model.
+    calm = placer(Registry(engine("a1", "small"), engine("lite1", "small-lite")), **DEGRADE)
+    placement = calm.place(RequestPlan("r", PROMPT, model="small"), set(), admit=True)
+    assert (placement.engine.engine_id, placement.model, placement.degraded) == ("a1", "small", False)
+
+
+def test_paid_tiers_are_never_degraded():
+    registry = Registry(
+        engine("a1", "small", waiting=8, max_waiting=8), engine("lite1", "small-lite", max_waiting=8)
+    )
+    chooser = placer(registry, **DEGRADE)
+    for tier in (router_pb2.TIER_PRO, router_pb2.TIER_ENTERPRISE):
+        err = refused(chooser, tier=tier, model="small")
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert degraded(chooser) is None
+
+
+def test_the_cheaper_pool_takes_free_requests_up_to_its_bound_then_they_are_shed():
+    # Past the free tier's safe depth of the cheaper pool (4 of 8) it still takes them: it exists for them.
+    assert place(placer(busy_primary_and_lite(lite_waiting=7), **DEGRADE), model="small") == "lite1"
+    chooser = placer(busy_primary_and_lite(lite_waiting=8), **DEGRADE)
+    err = refused(chooser, model="small")
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s is not None
+    assert degraded(chooser) is None
+    shed = chooser.metrics.registry.get_sample_value("chatmesh_router_shed_requests_total", {"tier": "free"})
+    assert shed == 1
+
+
+def test_no_degrade_without_a_cheaper_model_or_to_another_tokenizer_or_on_failover():
+    assert refused(placer(busy_primary_and_lite(0)), model="small").code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    other_tokenizer = placer(busy_primary_and_lite(0, lite_fingerprint="tok-b"), **DEGRADE)
+    err = refused(other_tokenizer, model="small", tokenizer_fingerprint="tok-a")
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A failover goes wherever its own pool has headroom; it is never moved to another model's pool.
+    failover = placer(busy_primary_and_lite(0), **DEGRADE).place(
+        RequestPlan("r", PROMPT, model="small"), set(), admit=False
+    )
+    assert (failover.engine.engine_id, failover.degraded) == ("a1", False)
+
+
+def test_degrade_pairs_are_checked():
+    assert RouterConfig(degrade=(("a", "a-lite"),)).cheaper_models() == {"a": "a-lite"}
+    for pairs in ((("a", "b"), ("a", "c")), (("a", "b"), ("b", "c"))):
+        with pytest.raises(ValueError, match="--degrade"):
+            RouterConfig(degrade=pairs)

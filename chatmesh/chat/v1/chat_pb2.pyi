@@ -118,18 +118,20 @@ class GenerationOptions(_message.Message):
     def __init__(self, model: _Optional[str] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunStarted(_message.Message):
-    __slots__ = ("run_id", "chat_id", "user_message_id", "assistant_message_id", "model")
+    __slots__ = ("run_id", "chat_id", "user_message_id", "assistant_message_id", "model", "degraded")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     USER_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     ASSISTANT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     chat_id: str
     user_message_id: str
     assistant_message_id: str
     model: str
-    def __init__(self, run_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., user_message_id: _Optional[str] = ..., assistant_message_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    degraded: bool
+    def __init__(self, run_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., user_message_id: _Optional[str] = ..., assistant_message_id: _Optional[str] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class Delta(_message.Message):
     __slots__ = ("text", "token_count")
@@ -410,3 +412,37 @@ class GetUsageResponse(_message.Message):
     window_start_time: _timestamp_pb2.Timestamp
     window_end_time: _timestamp_pb2.Timestamp
     def __init__(self, tier: _Optional[str] = ..., used_tokens: _Optional[int] = ..., limit_tokens: _Optional[int] = ..., window_start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., window_end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class SearchChatsRequest(_message.Message):
+    __slots__ = ("query", "page_size", "page_token")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    page_size: int
+    page_token: str
+    def __init__(self, query: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class SearchHit(_message.Message):
+    __slots__ = ("chat_id", "chat_title", "message_id", "role", "snippet", "create_time")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TITLE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SNIPPET_FIELD_NUMBER: _ClassVar[int]
+    CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    chat_title: str
+    message_id: str
+    role: Role
+    snippet: str
+    create_time: _timestamp_pb2.Timestamp
+    def __init__(self, chat_id: _Optional[str] = ..., chat_title: _Optional[str] = ..., message_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., snippet: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class SearchChatsResponse(_message.Message):
+    __slots__ = ("hits", "next_page_token")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    hits: _containers.RepeatedCompositeFieldContainer[SearchHit]
+    next_page_token: str
+    def __init__(self, hits: _Optional[_Iterable[_Union[SearchHit, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

@@ -121,6 +121,11 @@ class ChatServiceStub:
                 request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetUsageResponse.FromString,
                 _registered_method=True)
+        self.SearchChats = channel.unary_unary(
+                '/chatmesh.chat.v1.ChatService/SearchChats',
+                request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsResponse.FromString,
+                _registered_method=True)
 
 
 class ChatServiceServicer:
@@ -243,6 +248,14 @@ class ChatServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SearchChats(self, request, context):
+        """SearchChats finds the caller's chats whose title or messages contain every word of a query.
+        Deleted chats never appear; another user's chats are never searched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChatServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -315,6 +328,11 @@ def add_ChatServiceServicer_to_server(servicer, server):
                     servicer.GetUsage,
                     request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetUsageRequest.FromString,
                     response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetUsageResponse.SerializeToString,
+            ),
+            'SearchChats': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchChats,
+                    request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsRequest.FromString,
+                    response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -712,6 +730,33 @@ class ChatService:
             '/chatmesh.chat.v1.ChatService/GetUsage',
             chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetUsageRequest.SerializeToString,
             chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchChats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.chat.v1.ChatService/SearchChats',
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsRequest.SerializeToString,
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsResponse.FromString,
             options,
             channel_credentials,
             insecure,

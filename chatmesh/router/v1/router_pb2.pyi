@@ -50,14 +50,18 @@ class GenerateRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[GenerateStart, _Mapping]] = ..., cancel: _Optional[_Union[GenerateCancel, _Mapping]] = ...) -> None: ...
 
 class GenerateRouted(_message.Message):
-    __slots__ = ("engine_id", "predicted_cached_tokens", "attempt")
+    __slots__ = ("engine_id", "predicted_cached_tokens", "attempt", "model", "degraded")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     predicted_cached_tokens: int
     attempt: int
-    def __init__(self, engine_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., attempt: _Optional[int] = ...) -> None: ...
+    model: str
+    degraded: bool
+    def __init__(self, engine_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("routed", "tokens", "finished")

@@ -34,7 +34,8 @@ class RouterServiceStub:
     NOT_FOUND            no engine serves the requested model.
     FAILED_PRECONDITION  no engine of the model uses the tokenizer the prompt was tokenized with.
     ALREADY_EXISTS       the request_id is already in use by a live request on this router.
-    RESOURCE_EXHAUSTED   shed under overload (lower tiers first); google.rpc.RetryInfo says when to retry.
+    RESOURCE_EXHAUSTED   shed under overload (lower tiers first; a free request only once the cheaper pool
+    it would be degraded to is saturated too); google.rpc.RetryInfo says when to retry.
     UNAVAILABLE          no healthy engine, or every failover attempt failed.
     """
 
@@ -65,7 +66,8 @@ class RouterServiceServicer:
     NOT_FOUND            no engine serves the requested model.
     FAILED_PRECONDITION  no engine of the model uses the tokenizer the prompt was tokenized with.
     ALREADY_EXISTS       the request_id is already in use by a live request on this router.
-    RESOURCE_EXHAUSTED   shed under overload (lower tiers first); google.rpc.RetryInfo says when to retry.
+    RESOURCE_EXHAUSTED   shed under overload (lower tiers first; a free request only once the cheaper pool
+    it would be degraded to is saturated too); google.rpc.RetryInfo says when to retry.
     UNAVAILABLE          no healthy engine, or every failover attempt failed.
     """
 
@@ -120,7 +122,8 @@ class RouterService:
     NOT_FOUND            no engine serves the requested model.
     FAILED_PRECONDITION  no engine of the model uses the tokenizer the prompt was tokenized with.
     ALREADY_EXISTS       the request_id is already in use by a live request on this router.
-    RESOURCE_EXHAUSTED   shed under overload (lower tiers first); google.rpc.RetryInfo says when to retry.
+    RESOURCE_EXHAUSTED   shed under overload (lower tiers first; a free request only once the cheaper pool
+    it would be degraded to is saturated too); google.rpc.RetryInfo says when to retry.
     UNAVAILABLE          no healthy engine, or every failover attempt failed.
     """
 
