@@ -23,13 +23,13 @@ class OrchestratorMetrics(ComponentMetrics):
         self.time_to_first_token = self.histogram(
             "time_to_first_token_seconds",
             "From a request's arrival to its first answer text",
-            ["gen_ai_request_model", "kind"],
+            ["gen_ai_request_model", "kind", "tier"],
             _LATENCY_BUCKETS,
         )
         self.time_per_output_token = self.histogram(
             "time_per_output_token_seconds",
             "Mean time per output token after the first, per run",
-            ["gen_ai_request_model"],
+            ["gen_ai_request_model", "tier"],
             (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1),
         )
         self.run_duration = self.histogram(

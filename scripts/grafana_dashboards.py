@@ -89,10 +89,22 @@ def door() -> Dashboard:
                 quantiles("chatmesh_orchestrator_time_to_first_token_seconds", "kind"),
             ),
             Panel(
+                "TTFT by tier (orchestrator)",
+                "From a send's arrival to its first answer text, by the caller's tier: paid tiers first.",
+                "s",
+                quantiles("chatmesh_orchestrator_time_to_first_token_seconds", "tier"),
+            ),
+            Panel(
                 "TPOT by model (orchestrator)",
                 "Mean time per output token after the first, per run, by model.",
                 "s",
                 quantiles("chatmesh_orchestrator_time_per_output_token_seconds", "gen_ai_request_model"),
+            ),
+            Panel(
+                "TPOT by tier (orchestrator)",
+                "Mean time per output token after the first, per run, by the caller's tier.",
+                "s",
+                quantiles("chatmesh_orchestrator_time_per_output_token_seconds", "tier"),
             ),
             Panel(
                 "TTFT at the edge",
@@ -293,6 +305,13 @@ def budgets() -> Dashboard:
                         "{{tier}} {{limit}}",
                     ),
                 ),
+                stacked=True,
+            ),
+            Panel(
+                "Budget usage by tier",
+                "Tokens (prompt + answer) that ended runs charged to users' budgets, per second, by tier.",
+                "short",
+                (rate_by("chatmesh_orchestrator_budget_tokens_total", "tier"),),
                 stacked=True,
             ),
             Panel(

@@ -185,7 +185,8 @@ class Relay:
         self._tokens_unsent = 0
         if self._first_delta_at is None:
             self._first_delta_at = time.monotonic()
-            METRICS.time_to_first_token.labels(self.live.info.model, self.live.info.kind).observe(
+            info = self.live.info
+            METRICS.time_to_first_token.labels(info.model, info.kind, info.tier).observe(
                 self._first_delta_at - self.arrived_at
             )
         if self._checkpointer is not None:
@@ -325,6 +326,6 @@ class Relay:
         METRICS.token_usage.labels(info.model, "output").observe(usage.completion_tokens)
         METRICS.budget_tokens.labels(info.tier).inc(usage.total_tokens)
         if self._first_delta_at is not None and usage.completion_tokens > 1:
-            METRICS.time_per_output_token.labels(info.model).observe(
+            METRICS.time_per_output_token.labels(info.model, info.tier).observe(
                 (now - self._first_delta_at) / (usage.completion_tokens - 1)
             )
