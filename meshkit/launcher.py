@@ -114,7 +114,10 @@ class ServiceSpec:
 
     name: str
     argv: list[str]
+    # Ports it listens on at 127.0.0.1, and (address, port) pairs on other loopback addresses
+    # (a local Cassandra cluster's members are 127.0.0.2, 127.0.0.3, ...): all must be free to start.
     ports: tuple[int, ...] = ()
+    addresses: tuple[tuple[str, int], ...] = ()
     ready: ReadyCheck | None = None
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
@@ -196,12 +199,19 @@ class Launcher:
 
     def start(self, spec: ServiceSpec) -> Running:
         """Starts ``spec`` and blocks until it is ready; raises with the log's tail if it is not."""
+        self.spawn(spec)
+        return self.wait_ready(spec.name)
+
+    def spawn(self, spec: ServiceSpec) -> Running:
+        """Starts ``spec`` without waiting for it to be ready (``wait_ready`` does): services spawned
+        one after another then start side by side. Call it from a thread that outlives the service:
+        Linux sends the parent-death signal when the spawning *thread* exits."""
         if spec.name in self._running:
             raise ValueError(f"service {spec.name!r} is already running")
-        for port in spec.ports:
-            if not port_is_free(port):
+        for host, port in [*(("127.0.0.1", port) for port in spec.ports), *spec.addresses]:
+            if not port_is_free(port, host):
                 raise PortInUseError(
-                    f"port {port} needed by {spec.name} is already in use on 127.0.0.1. "
+                    f"port {port} needed by {spec.name} is already in use on {host}. "
                     f"Stop the process holding it (ss -ltnp 'sport = :{port}') or choose another port."
                 )
         log_path = self.log_dir / f"{spec.name}.log"
@@ -224,10 +234,15 @@ class Launcher:
             log_file.close()
         running = Running(spec=spec, process=process, log_path=log_path, started_at=time.monotonic())
         self._running[spec.name] = running
+        return running
+
+    def wait_ready(self, name: str) -> Running:
+        """Blocks until the spawned service ``name`` is ready; stops it and raises if it is not."""
+        running = self._running[name]
         try:
             self._wait_ready(running)
         except BaseException:
-            self.stop(spec.name)
+            self.stop(name)
             raise
         return running
 
