@@ -1,7 +1,14 @@
 """``python -m localmesh.mesh`` (``make run``): the whole mesh on 127.0.0.1 under one supervisor.
 
-Starts the services in dependency order, waits for each to be healthy, prints where to connect, and
-stops everything on Ctrl-C. Logs go to ``.run/mesh/logs/<service>.log``.
+Starts the services in dependency order, waits for each to be healthy, prints where to connect, then
+restarts any service that dies (with backoff, logged: ``meshkit/supervisor.py``) until Ctrl-C stops
+everything. Logs go to ``.run/mesh/logs/<service>.log``.
+
+Each tier can run several replicas (``--orchestrators 2 --routers 2 --engines 3 --cassandra-nodes 3``).
+Replica i of the orchestrator and router tiers listens ``REPLICA_PORT_STRIDE * i`` above the first one's
+port; engines take consecutive ports. Every router follows every engine; orchestrator i uses router
+i mod R; Envoy spreads chats over the orchestrators (ring hash on the chat id). Cassandra members listen
+on 127.0.0.1 ... 127.0.0.N with the keyspace replicated to three of them (``memory_store/cluster.py``).
 """
 
 from __future__ import annotations
@@ -15,10 +22,15 @@ from pathlib import Path
 
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
-from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
+from memory_store.cluster import CassandraCluster, ClusterConfig
+from memory_store.node import NodeSetupError
 from meshkit.envoy import InvalidEnvoyConfigError
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec
 from meshkit.serving import PortInUseError
+from meshkit.supervisor import Supervisor
+
+# Replica i of the orchestrator and router tiers listens this far above replica i - 1.
+REPLICA_PORT_STRIDE = 100
 
 
 @dataclass(frozen=True)
@@ -32,10 +44,18 @@ class MeshPorts:
     cassandra_jmx: int = 7199
 
 
+def replica_name(tier: str, index: int, replicas: int) -> str:
+    """``router`` when the tier has one replica, ``router-0``, ``router-1``, ... when it has more."""
+    return tier if replicas == 1 else f"{tier}-{index}"
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     ports: MeshPorts = MeshPorts()
     engines: int = 2
+    orchestrators: int = 1
+    routers: int = 1
+    cassandra_nodes: int = 1
     engine_backend: str = "cpu"
     python: str = sys.executable
     # Whom the dev token printed at start-up speaks for.
@@ -46,15 +66,21 @@ class MeshConfig:
     def engine_ports(self) -> list[int]:
         return [self.ports.first_engine + i for i in range(self.engines)]
 
+    def orchestrator_ports(self) -> list[int]:
+        return [self.ports.orchestrator + REPLICA_PORT_STRIDE * i for i in range(self.orchestrators)]
 
-def cassandra_node_config(config: MeshConfig) -> NodeConfig:
-    """The mesh's Cassandra node: started first, before everything else; its data survives restarts."""
-    return NodeConfig(
-        data_dir=config.cassandra_data_dir.resolve(),
-        cql_port=config.ports.cassandra,
-        storage_port=config.ports.cassandra_storage,
-        jmx_port=config.ports.cassandra_jmx,
-    )
+    def router_ports(self) -> list[int]:
+        return [self.ports.router + REPLICA_PORT_STRIDE * i for i in range(self.routers)]
+
+    def cassandra_cluster(self) -> ClusterConfig:
+        """The mesh's Cassandra: started first, before everything else; its data survives restarts."""
+        return ClusterConfig(
+            data_dir=self.cassandra_data_dir.resolve(),
+            size=self.cassandra_nodes,
+            cql_port=self.ports.cassandra,
+            storage_port=self.ports.cassandra_storage,
+            first_jmx_port=self.ports.cassandra_jmx,
+        )
 
 
 def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
@@ -81,39 +107,47 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
         for i, port in enumerate(config.engine_ports())
     ]
     # Named like the engines' --engine-id, so `routed` frames, logs and metrics agree on engine names.
+    # Every router follows every engine (their KV events included).
     engine_flags = [
         flag
         for i, port in enumerate(config.engine_ports())
         for flag in ("--engine", f"engine-{i}=127.0.0.1:{port}")
     ]
-    specs.append(
+    router_ports = config.router_ports()
+    specs.extend(
         ServiceSpec(
-            name="router",
-            argv=[py, "-m", "router", "--port", str(ports.router), *engine_flags],
-            ports=(ports.router,),
-            ready=GrpcHealthy(ports.router),
+            name=replica_name("router", i, config.routers),
+            argv=[py, "-m", "router", "--port", str(port), *engine_flags],
+            ports=(port,),
+            ready=GrpcHealthy(port),
         )
+        for i, port in enumerate(router_ports)
     )
-    specs.append(
+    cassandra = config.cassandra_cluster()
+    cassandra_flags = [
+        *(flag for contact in cassandra.contact_points() for flag in ("--cassandra", contact)),
+        *("--cassandra-replication", cassandra.replication_flag()),
+    ]
+    specs.extend(
         ServiceSpec(
-            name="orchestrator",
+            name=replica_name("orchestrator", i, config.orchestrators),
             argv=[
                 py,
                 "-m",
                 "orchestrator",
                 "--port",
-                str(ports.orchestrator),
+                str(port),
                 "--router",
-                f"127.0.0.1:{ports.router}",
-                "--cassandra",
-                f"127.0.0.1:{ports.cassandra}",
+                f"127.0.0.1:{router_ports[i % len(router_ports)]}",
+                *cassandra_flags,
             ],
-            ports=(ports.orchestrator,),
-            ready=GrpcHealthy(ports.orchestrator),
+            ports=(port,),
+            ready=GrpcHealthy(port),
         )
+        for i, port in enumerate(config.orchestrator_ports())
     )
     # The front door: the edge, then Envoy in front of it and the orchestrator.
-    specs.extend(front_door_specs(ports.front_door, [ports.orchestrator], run_dir, ensure_keys(), py))
+    specs.extend(front_door_specs(ports.front_door, config.orchestrator_ports(), run_dir, ensure_keys(), py))
     return specs
 
 
@@ -134,6 +168,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--cassandra-storage-port", type=int, default=defaults.cassandra_storage)
     parser.add_argument("--cassandra-jmx-port", type=int, default=defaults.cassandra_jmx)
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
+    parser.add_argument("--orchestrators", type=int, default=1, help="number of orchestrator replicas")
+    parser.add_argument("--routers", type=int, default=1, help="number of router replicas")
+    parser.add_argument(
+        "--cassandra-nodes", type=int, default=1, help="Cassandra cluster size (127.0.0.1 ... 127.0.0.N)"
+    )
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
@@ -150,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     config = MeshConfig(
         ports=ports,
         engines=args.engines,
+        orchestrators=args.orchestrators,
+        routers=args.routers,
+        cassandra_nodes=args.cassandra_nodes,
         engine_backend=args.engine_backend,
         user=args.user,
         tier=args.tier,
@@ -164,10 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     with Launcher(run_dir) as launcher:
+        cassandra = CassandraCluster(config.cassandra_cluster(), launcher)
         try:
-            # Cassandra first: the orchestrator needs it. SIGTERM at shutdown drains it (flushes
-            # memtables) through Cassandra's own shutdown hook.
-            CassandraNode(cassandra_node_config(config), launcher).start()
+            # Cassandra first: the orchestrators need it. SIGTERM at shutdown drains each member
+            # (flushes memtables) through Cassandra's own shutdown hook.
+            cassandra.start()
             for spec in mesh_specs(config, run_dir):
                 if stop.is_set():
                     return 130
@@ -176,22 +219,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nERROR: {exc}", file=sys.stderr)
             return 1
         token = ensure_keys().mint(config.user, config.tier)
+        contacts = ", ".join(config.cassandra_cluster().contact_points())
         print(
             f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
             f"{welcome(config.ports.front_door, token, config.user, config.tier)}\n"
-            f"  cassandra:    127.0.0.1:{config.ports.cassandra} (CQL; data in {config.cassandra_data_dir})\n"
-            "Press Ctrl-C to stop everything.",
+            f"  cassandra:    {contacts} (CQL; data in {config.cassandra_data_dir})\n"
+            "A service that dies is restarted. Press Ctrl-C to stop everything.",
             flush=True,
         )
+        supervisor = Supervisor(launcher)
+        supervisor.watch_all()
         while not stop.wait(1.0):
-            for name, running in launcher.running.items():
-                if running.process.poll() is not None:
-                    print(
-                        f"\nERROR: {name} exited with code {running.process.returncode}; "
-                        f"see {running.log_path}. Stopping the mesh.",
-                        file=sys.stderr,
-                    )
-                    return 1
+            supervisor.tick()
         print("\nstopping chatmesh ...", flush=True)
     return 0
 

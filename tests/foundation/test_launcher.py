@@ -1,6 +1,8 @@
 """The launcher starts process groups, waits for health, and stops everything it started."""
 
 import os
+import re
+import signal
 import socket
 import sys
 import textwrap
@@ -19,6 +21,7 @@ from meshkit.launcher import (
     free_port,
     port_is_free,
 )
+from meshkit.supervisor import Supervisor
 
 # A service that forks a grandchild (to prove the whole group is stopped), writes the grandchild's pid
 # where the test can read it, and listens on a port.
@@ -159,3 +162,33 @@ def test_grpc_health_check_waits_for_serving(tmp_path):
         code = launcher.stop("router")
     assert code == 0, "SIGTERM must drain and exit cleanly"
     assert not GrpcHealthy(port)()
+
+
+def tick_until(supervisor: Supervisor, done, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the supervisor did not get there in time"
+        supervisor.tick()
+        time.sleep(0.1)
+
+
+def test_supervisor_restarts_a_killed_service_with_growing_backoff_and_logs_it(tmp_path):
+    spec, port, _ = family_spec(tmp_path)
+    lines: list[str] = []
+    with Launcher(tmp_path / "run", echo=lambda _: None) as launcher:
+        first = launcher.start(spec)
+        supervisor = Supervisor(launcher, echo=lines.append)
+        supervisor.watch_all()
+        pids = [first.pid]
+        for restart in (1, 2):
+            launcher.signal("family", signal.SIGKILL)  # a crash of the whole service
+            assert wait_gone(pids[-1])
+            tick_until(supervisor, lambda n=restart: sum("ready again" in line for line in lines) == n)
+            pids.append(launcher.running["family"].pid)
+            assert supervisor.restarts("family") == restart
+        assert len(set(pids)) == 3
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0):
+            pass  # it serves again on its port
+    exits = [line for line in lines if "exited with code -9" in line]
+    assert [re.search(r"restarting it in (\d+)s", line).group(1) for line in exits] == ["1", "2"]
+    assert all("family.log" in line for line in exits)
