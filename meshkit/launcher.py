@@ -38,7 +38,9 @@ __all__ = [
     "ServiceFailedError",
     "ServiceSpec",
     "TcpOpen",
+    "free_consecutive_ports",
     "free_port",
+    "free_port_on_every",
     "port_is_free",
 ]
 
@@ -154,6 +156,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_port_on_every(addresses: list[str]) -> int:
+    """A port free on all of ``addresses`` (the members of a local cluster share their ports)."""
+    while True:
+        port = free_port()
+        if all(port_is_free(port, address) for address in addresses):
+            return port
+
+
+def free_consecutive_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 (engines, a cluster's JMX ports)."""
+    while True:
+        first = free_port()
+        if all(port_is_free(first + i) for i in range(count)):
+            return first
 
 
 def _die_with_parent() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from localmesh.dev_jwt import DIR_ENV, DevKeys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
-from meshkit.launcher import Launcher, PortInUseError, free_port
+from meshkit.launcher import Launcher, PortInUseError, free_consecutive_ports, free_port
 from tests.front_door.conftest import ScriptedFrontDoor
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -112,11 +112,12 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_everything(tmp_path):
-    names = "envoy envoy-admin envoy-internal edge orchestrator router first-engine cassandra"
+def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stops_everything(tmp_path):
+    names = "envoy envoy-admin envoy-internal edge orchestrator router cassandra"
     flags = [f"--{name}-port" for name in (*names.split(), "cassandra-storage", "cassandra-jmx")]
-    argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "1", "--run-dir", str(tmp_path / "run")]
+    argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "2", "--run-dir", str(tmp_path / "run")]
     argv += [part for flag in flags for part in (flag, str(free_port()))]
+    argv += ["--first-engine-port", str(free_consecutive_ports(2))]
     mesh = subprocess.Popen(
         argv,
         cwd=REPO_ROOT,
@@ -129,8 +130,9 @@ def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_every
     output = Output(mesh)
     try:
         output.wait_for("Press Ctrl-C to stop everything.", timeout_s=300)
-        token = re.search(r"export TOKEN=(\S+)", output.text).group(1)
-        result = run_printed_commands(output.text, token)
+        printed = output.text
+        token = re.search(r"export TOKEN=(\S+)", printed).group(1)
+        result = run_printed_commands(printed, token)
         assert result.returncode == 0, result.stderr
         # Each example streamed the real model's greedy answer through Envoy: completions, the stored
         # chat's SSE, and the gRPC client.
@@ -139,12 +141,22 @@ def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_every
         assert '"content":" Paris"' in completion and rest, completion
         assert '"text":" Paris"' in stored, stored
         assert "Paris" in grpc_client and "FINISH_REASON_STOP" in grpc_client, grpc_client
+
+        # kill -9 of an engine: the mesh keeps answering on the other one and restarts it.
+        engine = int(re.search(r"engine-0 ready .* pid (\d+)", output.text).group(1))
+        os.kill(engine, signal.SIGKILL)
+        output.wait_for("engine-0 exited with code -9; restarting it in 1s", timeout_s=30)
+        again = run_printed_commands(printed, token)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.count("Paris") == result.stdout.count("Paris"), again.stdout
+        output.wait_for("engine-0 ready again", timeout_s=240)
     finally:
         # Ctrl-C: the terminal sends SIGINT to the foreground process group.
         os.killpg(mesh.pid, signal.SIGINT)
         code = mesh.wait(timeout=120)
     services = [int(pid) for pid in re.findall(r"ready .* pid (\d+)", output.text)]
-    assert len(services) == 6  # cassandra, engine, router, orchestrator, edge, envoy
+    # cassandra, two engines, router, orchestrator, edge, envoy, and the restarted engine
+    assert len(services) == 8
     assert code == 0, output.text[-3000:]
     assert "stopping chatmesh" in output.text
     assert [pid for pid in services if _alive(pid)] == []
