@@ -5,6 +5,7 @@ import asyncio
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 from cassandra import ConsistencyLevel
@@ -51,23 +52,22 @@ def status_pattern(state: str, peer: CassandraNode) -> re.Pattern[str]:
     return re.compile(rf"^{state}\s+{re.escape(peer.config.address)}\b", re.MULTILINE)
 
 
-def wait_until_seen(state: str, observers: list[CassandraNode], peers: list[CassandraNode]) -> None:
-    """Waits until every observer's ``nodetool status`` shows every peer in ``state``."""
-    deadline = time.monotonic() + 60.0
-    for observer in observers:
-        patterns = [status_pattern(state, peer) for peer in peers]
-        while not all(pattern.search(observer.nodetool("status")) for pattern in patterns):
-            assert time.monotonic() < deadline, f"{observer.name} did not see {state} in time"
-            time.sleep(1.0)
-
-
-def wait_until_no_hints(nodes: list[CassandraNode], deadline_s: float) -> float:
-    """Waits until no node keeps hints for a peer (they were all replayed); returns the seconds it took."""
+def eventually(condition: Callable[[], bool], deadline_s: float, failure: str) -> float:
+    """Polls ``condition`` until it holds; returns the seconds that took."""
     started = time.monotonic()
-    while any(node.holds_hints() for node in nodes):
-        assert time.monotonic() - started < deadline_s, "hints were not replayed in time"
-        time.sleep(1.0)
+    while not condition():
+        assert time.monotonic() - started < deadline_s, failure
+        time.sleep(0.5)
     return time.monotonic() - started
+
+
+def seen(state: str, observers: list[CassandraNode], peers: list[CassandraNode]) -> bool:
+    """Whether every observer's ``nodetool status`` shows every peer in ``state``."""
+    return all(
+        status_pattern(state, peer).search(observer.nodetool("status"))
+        for observer in observers
+        for peer in peers
+    )
 
 
 @pytest.mark.slow
@@ -102,15 +102,21 @@ async def test_kill_9_of_one_member_under_load_loses_nothing_and_it_catches_up(c
     finally:
         await store.close()
 
+    peers = [seed, second]
+
+    # The others keep what the victim missed as hints (on disk within hints_flush_period, 1 s) ...
+    def hinted() -> bool:
+        return any(peer.holds_hints() for peer in peers)
+
+    await asyncio.to_thread(eventually, hinted, 10.0, "the missed writes were not hinted")
     await asyncio.to_thread(victim.start)
-    # The others replay their hints to the victim once they see it up again.
-    assert seed.holds_hints() or second.holds_hints(), "the victim's missed writes were not hinted"
-    await asyncio.to_thread(wait_until_seen, "UN", [seed, second], [victim])
-    caught_up_s = await asyncio.to_thread(wait_until_no_hints, [seed, second], 90.0)
-    print(f"  {len(acknowledged)} acknowledged writes, hints replayed {caught_up_s:.1f}s after restart")
+    # ... and replay them to it once they see it up again.
+    await asyncio.to_thread(eventually, lambda: seen("UN", peers, [victim]), 60.0, "victim not seen up")
+    replay_s = await asyncio.to_thread(eventually, lambda: not hinted(), 90.0, "hints not replayed")
+    print(f"  {len(acknowledged)} acknowledged writes; hints replayed {replay_s:.1f}s after it was seen up")
     # The others stop: what the victim answers now, it holds itself.
-    await asyncio.gather(asyncio.to_thread(seed.stop), asyncio.to_thread(second.stop))
-    await asyncio.to_thread(wait_until_seen, "DN", [victim], [seed, second])
+    await asyncio.gather(*(asyncio.to_thread(peer.stop) for peer in peers))
+    await asyncio.to_thread(eventually, lambda: seen("DN", [victim], peers), 60.0, "peers not seen down")
     buckets = {bucket_of(uuid.UUID(message_id)) for message_id in acknowledged}
     held = await asyncio.to_thread(read_at_one, victim, chat.chat_id, buckets)
     missing = set(acknowledged) - held
