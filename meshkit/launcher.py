@@ -204,6 +204,8 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._echo = echo or (lambda line: print(line, flush=True))
         self._running: dict[str, Running] = {}
+        # Start order by name, kept across restarts: a restarted service still stops in its place.
+        self._order: dict[str, int] = {}
 
     def __enter__(self) -> Launcher:
         return self
@@ -252,6 +254,7 @@ class Launcher:
             log_file.close()
         running = Running(spec=spec, process=process, log_path=log_path, started_at=time.monotonic())
         self._running[spec.name] = running
+        self._order.setdefault(spec.name, len(self._order))
         return running
 
     def wait_ready(self, name: str) -> Running:
@@ -336,6 +339,6 @@ class Launcher:
         return process.returncode
 
     def stop_all(self) -> None:
-        for name in reversed(list(self._running)):
+        for name in sorted(self._running, key=self._order.__getitem__, reverse=True):
             code = self.stop(name)
             self._echo(f"stopped {name} (exit code {code})")

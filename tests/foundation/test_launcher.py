@@ -192,3 +192,18 @@ def test_supervisor_restarts_a_killed_service_with_growing_backoff_and_logs_it(t
     exits = [line for line in lines if "exited with code -9" in line]
     assert [re.search(r"restarting it in (\d+)s", line).group(1) for line in exits] == ["1", "2"]
     assert all("family.log" in line for line in exits)
+
+
+def test_a_restarted_service_still_stops_in_its_start_order(tmp_path):
+    first, _, _ = family_spec(tmp_path, "first")
+    second, _, _ = family_spec(tmp_path, "second")
+    lines: list[str] = []
+    with Launcher(tmp_path / "run", echo=lines.append) as launcher:
+        launcher.start(first)
+        launcher.start(second)
+        supervisor = Supervisor(launcher, echo=lines.append)
+        supervisor.watch_all()
+        launcher.signal("first", signal.SIGKILL)
+        tick_until(supervisor, lambda: any("first ready again" in line for line in lines))
+    stopped = [line.split()[1] for line in lines if line.startswith("stopped ")]
+    assert stopped == ["second", "first"]  # reverse start order: dependents stop before what they use
