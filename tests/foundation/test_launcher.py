@@ -207,3 +207,29 @@ def test_a_restarted_service_still_stops_in_its_start_order(tmp_path):
         tick_until(supervisor, lambda: any("first ready again" in line for line in lines))
     stopped = [line.split()[1] for line in lines if line.startswith("stopped ")]
     assert stopped == ["second", "first"]  # reverse start order: dependents stop before what they use
+
+
+def test_backoff_starts_over_once_a_restarted_service_has_been_ready_for_a_minute(tmp_path):
+    spec, _, _ = family_spec(tmp_path)
+    now = [0.0]
+    lines: list[str] = []
+    with Launcher(tmp_path / "run", echo=lambda _: None) as launcher:
+        launcher.start(spec)
+        supervisor = Supervisor(launcher, echo=lines.append, clock=lambda: now[0])
+        supervisor.watch_all()
+
+        def crash_and_recover(at: float) -> None:
+            now[0] = at
+            pid = launcher.running["family"].pid
+            launcher.signal("family", signal.SIGKILL)
+            assert wait_gone(pid)
+            supervisor.tick()  # sees the exit and schedules the restart
+            now[0] = at + 30.0  # past any backoff
+            ready = sum("ready again" in line for line in lines)
+            tick_until(supervisor, lambda: sum("ready again" in line for line in lines) > ready)
+
+        crash_and_recover(at=10.0)  # ready since 0 for only 10 s: first backoff, 1 s
+        crash_and_recover(at=50.0)  # back for 10 s: the backoff doubles
+        crash_and_recover(at=200.0)  # ready for two minutes: it starts over
+    backoffs = [re.search(r"restarting it in (\d+)s", line).group(1) for line in lines if "exited" in line]
+    assert backoffs == ["1", "2", "1"]
