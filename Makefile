@@ -13,7 +13,7 @@ help:
 	@echo "make lint     ruff + mypy + buf lint + buf breaking + helm-lint"
 	@echo "make protos   regenerate Python code from protos/"
 	@echo "make bench    run the benchmarks in bench/"
-	@echo "make token    print a dev JWT (make token USER=alice TIER=pro)"
+	@echo "make token    print a dev JWT (make token USER=alice TIER=pro; ROLE=operator opens /ops)"
 
 setup: $(STAMP)
 
@@ -61,11 +61,13 @@ protos-baseline: setup
 
 # A signed dev JWT that the local Envoy accepts (keys are made on first use in .cache/dev-jwt/).
 # Only the token goes to stdout, so TOKEN=$$(make -s token) works even when setup has work to do.
-# USER defaults to the login name; where none is set (containers, CI), to alice.
+# USER defaults to the login name; where none is set (containers, CI), to alice. ROLE=operator: a token
+# for the operations page (/ops).
 TIER ?= pro
+ROLE ?=
 token:
 	@$(MAKE) --no-print-directory setup >&2
-	@$(PY) -m localmesh.dev_jwt --user "$(or $(USER),alice)" --tier "$(TIER)"
+	@$(PY) -m localmesh.dev_jwt --user "$(or $(USER),alice)" --tier "$(TIER)" --role "$(ROLE)"
 
 # Benchmarks take the machine-wide lock so two never run at once on a shared box.
 bench: setup $(VENV)/.bench-provisioned

@@ -5,7 +5,7 @@ A ``ServiceError`` is a gRPC status plus what the caller acts on, carried the st
 (and our HTTP edge) can read:
 
 - ``retry_after_s``: ``RetryInfo`` (``Retry-After`` at the edge);
-- ``field``: ``BadRequest`` naming the request field at fault (HTTP 422 with ``param``);
+- ``field``: ``BadRequest`` naming the request field at fault (HTTP 400 with ``param``);
 - ``too_large``: ``ErrorInfo`` reason ``PAYLOAD_TOO_LARGE`` with the limit (HTTP 413);
 - ``reason``: another machine-readable ``ErrorInfo`` reason (e.g. ``CONTENT_FILTER``).
 
@@ -34,6 +34,9 @@ ERROR_DOMAIN = "chatmesh"
 # Statuses whose messages may hold internals: clients get GENERIC_MESSAGE, our logs keep the detail.
 OPAQUE_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
 GENERIC_MESSAGE = "internal error in the chat service; retry later, and report it if it persists"
+# A status message travels in a header (grpc-message): one that quotes a huge input (a 40 KB id) is more
+# than a proxy takes, and Envoy would answer UNAVAILABLE in its place. Messages are cut to this length.
+MAX_MESSAGE_CHARS = 512
 
 
 @dataclass(eq=False)  # exceptions must stay hashable
@@ -50,6 +53,10 @@ class ServiceError(Exception):
     reason: str | None = None
     # For logs and traces only; never sent to the caller.
     private: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.message) > MAX_MESSAGE_CHARS:
+            self.message = self.message[: MAX_MESSAGE_CHARS - 1] + "…"
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -116,6 +123,14 @@ def parse(error: grpc.RpcError) -> ServiceError:
                 if bad.field_violations:
                     parsed.field = bad.field_violations[0].field
     return parsed
+
+
+def from_a_service(error: grpc.RpcError) -> bool:
+    """Whether a failed call was ended by one of our services (``abort`` always sends status details).
+    Without them the status came from gRPC itself or a proxy (a refused connection, a reset stream): its
+    text names addresses and transport errors, which are for our logs, not for users."""
+    trailers: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    return any(key == STATUS_DETAILS_KEY for key, _ in trailers or ())
 
 
 def retry_after_s(error: grpc.RpcError) -> float | None:

@@ -1,7 +1,7 @@
 """Who is calling: set by Envoy after JWT verification, read by the orchestrator.
 
-Envoy strips any inbound copy of these headers, verifies the JWT, and copies its ``sub`` and ``tier``
-claims into them. Services trust only these headers, never a user id in a request body.
+Envoy strips any inbound copy of these headers, verifies the JWT, and copies its ``sub``, ``tier`` and
+``role`` claims into them. Services trust only these headers, never a user id in a request body.
 """
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ from chatmesh.tiers import DEFAULT_TIER, TIERS
 
 USER_ID_HEADER = "x-chatmesh-user-id"
 TIER_HEADER = "x-chatmesh-tier"
+# The token's ``role`` claim, when it has one. Only the edge reads it: the operations page is for
+# OPERATOR_ROLE alone.
+ROLE_HEADER = "x-chatmesh-role"
+OPERATOR_ROLE = "operator"
+# Every header Envoy derives from a verified token (and strips from what clients send).
+IDENTITY_HEADERS = (USER_ID_HEADER, TIER_HEADER, ROLE_HEADER)
 # Not identity but routing: the chat a call concerns. Envoy's ring hash keeps one chat on one orchestrator
 # replica; the edge sets it for chat-scoped calls, gRPC clients may set it themselves. Never trusted.
 CHAT_ID_HEADER = "x-chatmesh-chat-id"

@@ -6,6 +6,7 @@ files. Errors leave as OpenAI-shaped JSON with the matching status (see edge/err
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,9 +20,11 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from edge import chats_api, openai_api
+from edge import chats_api, openai_api, responses_api
 from edge.errors import ApiError
 from edge.observability import ObservabilityMiddleware
+from edge.ops import api as ops_api
+from edge.ops.scrape import Scraper
 from edge.orchestrator import Orchestrator
 from edge.settings import EdgeSettings
 from edge.sse import Drain
@@ -70,9 +73,11 @@ def create_app(settings: EdgeSettings | None = None, drain: Drain | None = None)
         app.state.orchestrator = Orchestrator(
             settings.orchestrator, settings.unary_timeout_s, settings.stream_timeout_s
         )
+        scraping = asyncio.create_task(app.state.ops_scraper.run())
         try:
             yield
         finally:
+            scraping.cancel()
             await app.state.orchestrator.close()
 
     app = Starlette(
@@ -80,6 +85,8 @@ def create_app(settings: EdgeSettings | None = None, drain: Drain | None = None)
             Route("/healthz", healthz, methods=["GET"]),
             *chats_api.routes,
             *openai_api.routes,
+            *responses_api.routes,
+            *ops_api.routes,
             Route("/", index, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
@@ -88,5 +95,6 @@ def create_app(settings: EdgeSettings | None = None, drain: Drain | None = None)
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.ops_scraper = Scraper(settings.ops)
     app.state.drain = drain or Drain()
     return app

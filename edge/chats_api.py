@@ -30,7 +30,8 @@ from edge.bodies import read_model
 from edge.convert import chat_json, message_json, options_proto, run_json, timestamp
 from edge.errors import ApiError
 from edge.orchestrator import Caller, Orchestrator
-from edge.schemas import API, CreateChatIn, RegenerateIn, RenameChatIn, SendMessageIn
+from edge.params import unsigned
+from edge.schemas import API, UINT64_MAX, CreateChatIn, RegenerateIn, RenameChatIn, SendMessageIn
 from edge.settings import EdgeSettings
 from edge.sse import run_events_response
 
@@ -59,15 +60,11 @@ def path_id(request: Request, name: str, what: str) -> str:
 
 
 def page_args(request: Request, max_size: int) -> tuple[int, str]:
-    raw_size = request.query_params.get("page_size", "0")
-    if not raw_size.isdigit() or int(raw_size) > max_size:
-        raise ApiError(
-            422, f"page_size must be an integer from 0 to {max_size}", code="invalid_value", param="page_size"
-        )
+    size = unsigned(request.query_params.get("page_size", "0"), "page_size", max_size)
     token = request.query_params.get("page_token", "")
     if len(token) > 1024:
-        raise ApiError(422, "page_token is too long", code="invalid_value", param="page_token")
-    return int(raw_size), token
+        raise ApiError(400, "page_token is too long", code="invalid_value", param="page_token")
+    return size, token
 
 
 def _app(request: Request) -> tuple[Orchestrator, EdgeSettings]:
@@ -164,9 +161,10 @@ def _idempotency_key(request: Request, from_body: str) -> str:
     key = from_body or request.headers.get("idempotency-key", "")
     if len(key) > API.max_idempotency_key_chars:
         raise ApiError(
-            422,
+            400,
             f"Idempotency-Key is longer than {API.max_idempotency_key_chars} characters",
             code="invalid_value",
+            param="Idempotency-Key",
         )
     return key
 
@@ -219,12 +217,11 @@ def _run_caller(request: Request) -> Caller:
 
 
 def _after_seq(request: Request) -> int:
-    raw = request.headers.get("last-event-id") or request.query_params.get("after_seq") or "0"
-    if not raw.strip().isdigit():
-        raise ApiError(
-            400, f"Last-Event-ID must be a sequence number, got {raw!r}", code="invalid_last_event_id"
-        )
-    return int(raw.strip())
+    header = request.headers.get("last-event-id", "")
+    param, raw = (
+        ("Last-Event-ID", header) if header else ("after_seq", request.query_params.get("after_seq", "0"))
+    )
+    return unsigned(raw, param, UINT64_MAX, code="invalid_last_event_id")
 
 
 async def get_run(request: Request) -> JSONResponse:

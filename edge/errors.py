@@ -7,13 +7,20 @@ Envoy's own replies (401, 429, 503) use the same shape (see envoy/envoy.yaml.j2,
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import grpc
 from starlette.responses import JSONResponse
 
-from chatmesh.errors import parse, public_message
+from chatmesh.errors import from_a_service, parse, public_message
+
+log = logging.getLogger(__name__)
+# A chat service that cannot be reached (no replica up, a connection reset): what users read instead of
+# the transport's text, and how soon to retry.
+UNREACHABLE_MESSAGE = "the chat service cannot be reached right now; retry in a moment"
+UNREACHABLE_RETRY_S = 1.0
 
 
 @dataclass(eq=False)  # exceptions must stay hashable
@@ -71,13 +78,16 @@ def from_run_error(code_name: str, message: str, retry_after_ms: int) -> ApiErro
 
 def from_rpc_error(error: grpc.RpcError) -> ApiError:
     """The HTTP error for a failed orchestrator call: Retry-After from its retry delay, and an
-    INVALID_ARGUMENT refined to 413 for a size limit or 422 naming the field at fault."""
+    INVALID_ARGUMENT refined to 413 for a size limit or to name the field at fault (``param``)."""
     parsed = parse(error)
+    if parsed.code == grpc.StatusCode.UNAVAILABLE and not from_a_service(error):
+        log.warning("chat service unreachable: %s", parsed.message)
+        parsed.message, parsed.retry_after_s = UNREACHABLE_MESSAGE, UNREACHABLE_RETRY_S
     api_error = from_status(parsed.code, parsed.message, parsed.retry_after_s)
     if parsed.code != grpc.StatusCode.INVALID_ARGUMENT:
         return api_error
     if parsed.too_large is not None:
         api_error.status, api_error.code = 413, "payload_too_large"
     elif parsed.field:
-        api_error.status, api_error.code, api_error.param = 422, "invalid_value", parsed.field
+        api_error.code, api_error.param = "invalid_value", parsed.field
     return api_error

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import aclosing
 
-import grpc
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -20,7 +20,7 @@ from chatmesh.chat.v1 import chat_pb2
 from edge.bodies import read_model
 from edge.chats_api import caller_of
 from edge.convert import FINISH_REASONS, options_proto
-from edge.errors import ApiError, from_rpc_error, from_run_error
+from edge.errors import ApiError, from_run_error
 from edge.orchestrator import RunStream
 from edge.schemas import ChatCompletionIn
 from edge.sse import relay, sse_response
@@ -60,6 +60,14 @@ def complete_request(body: ChatCompletionIn) -> chat_pb2.CompleteRequest:
             stop=body.stop_list(),
         ),
     )
+
+
+def openai_names(error: ApiError) -> ApiError:
+    """``error`` naming the body's field as OpenAI's API does: CompleteRequest nests the sampling fields
+    in ``options``, OpenAI's body has them at the top (``options.max_tokens`` is ``max_tokens``)."""
+    if error.param:
+        error.param = error.param.removeprefix("options.")
+    return error
 
 
 class ChunkWriter:
@@ -119,7 +127,12 @@ async def chat_completions(request: Request) -> Response:
     caller = caller_of(request)
     body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
     stream = orchestrator.stream("Complete", complete_request(body), caller)
-    first = await stream.first()
+    try:
+        first = await stream.first()
+    except ApiError as error:
+        raise openai_names(error) from None
+    if first is None:  # a Complete always starts with `started`
+        raise ApiError(502, "the chat service ended the stream without any event", type="server_error")
     run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()
     completion_id = f"chatcmpl-{run.run_id or int(started * 1e6)}"
     model = run.model or body.model
@@ -151,10 +164,8 @@ async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: s
     """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
     text: list[str] = []
     usage, finish = chat_pb2.Usage(), chat_pb2.FINISH_REASON_STOP
-    try:
-        event = first
-        events = stream.rest()
-        while True:
+    async with aclosing(stream.events(first)) as events:
+        async for event in events:
             kind = event.WhichOneof("kind")
             if kind == "delta":
                 text.append(event.delta.text)
@@ -164,14 +175,6 @@ async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: s
                 finish = event.done.finish_reason
             elif kind == "error":
                 raise from_run_error(event.error.code, event.error.message, event.error.retry_after_ms)
-            try:
-                event = await anext(events)
-            except StopAsyncIteration:
-                break
-    except grpc.RpcError as exc:
-        raise from_rpc_error(exc) from exc
-    finally:
-        stream.detach()
     return {
         "id": completion_id,
         "object": "chat.completion",

@@ -7,7 +7,7 @@ run going until it ends or someone calls CancelRun.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,7 @@ from google.protobuf.message import Message
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER, Identity
-from edge.errors import ApiError, from_rpc_error
+from edge.errors import from_rpc_error
 from meshkit.serving import CHANNEL_OPTIONS
 
 
@@ -41,15 +41,14 @@ class RunStream:
     def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self._call = call
 
-    async def first(self) -> chat_pb2.RunEvent:
-        """The first event; a call that fails before it raises ApiError (so the HTTP status can say why)."""
+    async def first(self) -> chat_pb2.RunEvent | None:
+        """The first event, or None for a stream that ended without one (StreamRun after a finished run's
+        last event); a call that fails before it raises ApiError (so the HTTP status can say why)."""
         try:
             response: Any = await self._call.read()
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
-        if response is grpc.aio.EOF:
-            raise ApiError(502, "the chat service ended the stream without any event", type="server_error")
-        return response.event
+        return None if response is grpc.aio.EOF else response.event
 
     async def rest(self) -> AsyncIterator[chat_pb2.RunEvent]:
         """The events after the first; a failure mid-stream raises grpc.RpcError."""
@@ -58,6 +57,18 @@ class RunStream:
             if response is grpc.aio.EOF:
                 return
             yield response.event
+
+    async def events(self, first: chat_pb2.RunEvent) -> AsyncGenerator[chat_pb2.RunEvent, None]:
+        """``first`` and the events after it; a failure mid-stream raises ApiError. Detaches when closed
+        (read it inside ``contextlib.aclosing`` to stop early)."""
+        try:
+            yield first
+            async for event in self.rest():
+                yield event
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        finally:
+            self.detach()
 
     def detach(self) -> None:
         """Stops reading. The run itself goes on (only CancelRun stops it)."""

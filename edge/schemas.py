@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from chatmesh.limits import Limits
 
 # The limits the API fixes. Those an operator sets (message size, model-name length, max_tokens) are the
-# orchestrator's flags: the edge leaves them to the orchestrator, whose refusals it maps (413, 422).
+# orchestrator's flags: the edge leaves them to the orchestrator, whose refusals it maps (413, 400).
 API = Limits()
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
@@ -58,11 +58,16 @@ class RegenerateIn(Strict):
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
+    # "text" in chat completions; the Responses API's input items say "input_text", and an assistant
+    # turn given back as input carries its "output_text".
+    type: Literal["text", "input_text", "output_text"]
     text: str
 
 
 class ChatMessageIn(BaseModel):
+    """A message of chat completions, and an input message item of the Responses API (whose ``type``,
+    "message", is ignored as any unknown field)."""
+
     model_config = ConfigDict(extra="ignore")
     # "developer" is OpenAI's newer name for "system".
     role: Literal["system", "developer", "user", "assistant"]
@@ -100,3 +105,27 @@ class ChatCompletionIn(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ResponseCreateIn(BaseModel):
+    """``POST /v1/responses``: the text subset of OpenAI's Responses API (no tools, files or images)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = ""
+    input: str | Annotated[list[ChatMessageIn], Field(min_length=1, max_length=API.max_prompt_messages)]
+    instructions: str | None = None
+    previous_response_id: str | None = Field(None, max_length=API.max_id_chars)
+    # Stored responses are runs of a chat (retrievable, resumable, chainable); unstored ones are not kept.
+    store: bool = True
+    background: bool = False
+    stream: bool = False
+    max_output_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    # Tools are not served here: refusing them beats answering as if they had been offered.
+    tools: Annotated[list[dict], Field(max_length=0)] = Field(default_factory=list)
+
+    def messages(self) -> list[ChatMessageIn]:
+        if isinstance(self.input, str):
+            return [ChatMessageIn(role="user", content=self.input)]
+        return list(self.input)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chatmesh.limits import Limits
+from edge.ops.settings import OpsSettings
 from edge.sse import StreamSettings
 from meshkit.config import nested, setting
 
@@ -22,6 +23,7 @@ class EdgeSettings:
     # only: the message limits are the orchestrator's, and this must stay above them.
     max_body_bytes: int = setting(1024 * 1024, "largest request body accepted (413 above it)")
     streams: StreamSettings = nested(StreamSettings)
+    ops: OpsSettings = nested(OpsSettings)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < Limits().max_message_bytes:

@@ -141,6 +141,9 @@ async def run_events_response(
 ) -> EventSourceResponse:
     """The page's SSE response for a run: awaits the first event (errors become HTTP statuses)."""
     first = await stream.first()
+    if first is None:  # nothing after the client's Last-Event-ID: the run had ended there
+        stream.detach()
+        return sse_response(_nothing(), settings)
     retry_sent = False
 
     def to_sse(event: chat_pb2.RunEvent) -> list[ServerSentEvent]:
@@ -154,6 +157,11 @@ async def run_events_response(
         return [ServerSentEvent(data=_dumps(error_data(error)), event="error")]
 
     return sse_response(relay(stream, first, "run", request_started, drain, to_sse, on_error), settings)
+
+
+async def _nothing() -> AsyncIterator[ServerSentEvent]:
+    return
+    yield  # an async generator that ends at once
 
 
 def sse_response(events: AsyncIterator[ServerSentEvent], settings: StreamSettings) -> EventSourceResponse:

@@ -1,10 +1,11 @@
 """Dev JWTs: an RS256 key pair and its JWKS, made on first use, and a CLI that prints a signed token.
 
 ``make token USER=alice TIER=pro`` (``python -m localmesh.dev_jwt --user alice --tier pro``) prints a token
-that the local Envoy accepts. The key pair lives in a gitignored directory (``.cache/dev-jwt/`` by
+that the local Envoy accepts; ``ROLE=operator`` (``--role operator``) adds the role that opens the
+operations page (``/ops``). The key pair lives in a gitignored directory (``.cache/dev-jwt/`` by
 default, ``CHATMESH_DEV_JWT_DIR`` to move it) and is never committed. In production Envoy verifies tokens
 from your identity provider's JWKS instead; nothing else changes, since services only read the identity
-headers Envoy derives from the ``sub`` and ``tier`` claims.
+headers Envoy derives from the ``sub``, ``tier`` and ``role`` claims.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from jwt.algorithms import RSAAlgorithm
 
-from chatmesh.identity import JWT_AUDIENCE
+from chatmesh.identity import JWT_AUDIENCE, OPERATOR_ROLE
 from chatmesh.tiers import TIERS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -48,8 +49,10 @@ class DevKeys:
         now: float | None = None,
         issuer: str = ISSUER,
         audience: str = JWT_AUDIENCE,
+        role: str = "",
     ) -> str:
-        """A signed token for ``user`` (the ``sub`` claim) with ``tier``; a negative ttl makes an expired one."""
+        """A signed token for ``user`` (the ``sub`` claim) with ``tier`` and, if given, ``role``; a negative
+        ttl makes an expired one."""
         if not user:
             # Envoy would accept it and forward no identity: every call would then fail as unauthenticated.
             raise ValueError("a token needs a user (the sub claim)")
@@ -62,6 +65,8 @@ class DevKeys:
             "iat": issued,
             "exp": issued + int(ttl_s),
         }
+        if role:
+            claims["role"] = role
         key = serialization.load_pem_private_key(self.private_key_path.read_bytes(), password=None)
         assert isinstance(key, rsa.RSAPrivateKey), "the dev key pair is RSA"
         return jwt.encode(claims, key, algorithm="RS256", headers={"kid": self.kid})
@@ -110,13 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--user", default="alice", help="the sub claim: who the token speaks for")
     parser.add_argument("--tier", default="pro", choices=TIERS, help="the tier claim")
+    parser.add_argument(
+        "--role", default="", choices=("", OPERATOR_ROLE), help="the role claim (operator: the /ops page)"
+    )
     parser.add_argument("--ttl-s", type=float, default=DEFAULT_TTL_S, help="seconds until the token expires")
     parser.add_argument("--dir", type=Path, default=None, help=f"key directory [env {DIR_ENV}]")
     args = parser.parse_args(argv)
     if not args.user.strip():
         parser.error("--user is empty: name who the token speaks for (make token USER=alice)")
     keys = ensure_keys(args.dir)
-    print(keys.mint(args.user, args.tier, args.ttl_s))
+    print(keys.mint(args.user, args.tier, args.ttl_s, role=args.role))
     return 0
 
 

@@ -39,7 +39,12 @@ def otlp_from_env() -> tuple[str, int] | None:
     return parsed.hostname or "127.0.0.1", parsed.port or 4317
 
 
-def _envoy_config(ports: FrontDoorPorts, orchestrator_ports: list[int], keys: DevKeys) -> EnvoyConfig:
+def _envoy_config(
+    ports: FrontDoorPorts,
+    orchestrator_ports: list[int],
+    keys: DevKeys,
+    otlp: tuple[str, int] | None = None,
+) -> EnvoyConfig:
     return EnvoyConfig(
         listen_port=ports.envoy,
         admin_port=ports.envoy_admin,
@@ -49,7 +54,7 @@ def _envoy_config(ports: FrontDoorPorts, orchestrator_ports: list[int], keys: De
         orchestrator_endpoints=tuple(("127.0.0.1", port) for port in orchestrator_ports),
         jwt_issuer=ISSUER,
         cors_origins=(f"http://127.0.0.1:{ports.envoy}", f"http://localhost:{ports.envoy}"),
-        otlp=otlp_from_env(),
+        otlp=otlp or otlp_from_env(),
     )
 
 
@@ -59,8 +64,12 @@ def front_door_specs(
     run_dir: Path,
     keys: DevKeys,
     python: str = sys.executable,
+    edge_flags: list[str] | None = None,
+    otlp: tuple[str, int] | None = None,
 ) -> list[ServiceSpec]:
-    config = _envoy_config(ports, orchestrator_ports, keys)
+    """``edge_flags``: more ``python -m edge`` flags; ``otlp``: where Envoy sends its spans (default:
+    OTEL_EXPORTER_OTLP_ENDPOINT, else nowhere)."""
+    config = _envoy_config(ports, orchestrator_ports, keys, otlp)
     config_path = write_config(config, run_dir / "envoy.yaml")
     edge = ServiceSpec(
         name="edge",
@@ -72,6 +81,7 @@ def front_door_specs(
             str(ports.edge),
             "--orchestrator",
             f"127.0.0.1:{ports.envoy_internal}",
+            *(edge_flags or []),
         ],
         ports=(ports.edge,),
         ready=HttpOk(f"http://127.0.0.1:{ports.edge}/healthz"),

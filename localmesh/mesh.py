@@ -5,29 +5,38 @@ restarts any service that dies (with backoff, logged: ``meshkit/supervisor.py``)
 everything. Logs go to ``.run/mesh/logs/<service>.log``.
 
 Each tier can run several replicas (``--orchestrators 2 --routers 2 --engines 3 --cassandra-nodes 3``).
-Replica i of the orchestrator and router tiers listens ``REPLICA_PORT_STRIDE * i`` above the first one's
-port; engines take consecutive ports. Every router follows every engine; orchestrator i uses router
-i mod R; Envoy spreads chats over the orchestrators (ring hash on the chat id). Cassandra members listen
-on 127.0.0.1 ... 127.0.0.N with the keyspace replicated to three of them (``memory_store/cluster.py``).
+Replica i of the orchestrator and router tiers listens (and serves metrics) ``REPLICA_PORT_STRIDE * i``
+above the first one's ports; engines take consecutive ports. Every router follows every engine;
+orchestrator i uses router i mod R; Envoy spreads chats over the orchestrators (ring hash on the chat
+id). Cassandra members listen on 127.0.0.1 ... 127.0.0.N with the keyspace replicated to three of them
+(``memory_store/cluster.py``).
+
+Every service exposes Prometheus ``/metrics`` on a fixed port (printed at start), and every span lands in
+``.run/mesh/spans.jsonl``: the Python services write it themselves (``CHATMESH_TRACE_FILE``), Envoy sends
+its spans over OTLP to a small collector that appends them (localmesh/span_collector.py). The edge scrapes
+the metrics and reads the spans for the operations page (``/ops``, for an operator token).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from chatmesh.identity import OPERATOR_ROLE
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from memory_store.cluster import CassandraCluster, ClusterConfig
 from memory_store.node import NodeSetupError
 from meshkit.envoy import InvalidEnvoyConfigError
-from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec
+from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec, TcpOpen
 from meshkit.serving import PortInUseError
 from meshkit.supervisor import Supervisor
+from meshkit.telemetry import TRACE_FILE_ENV
 
 # Replica i of the orchestrator and router tiers listens this far above replica i - 1.
 REPLICA_PORT_STRIDE = 100
@@ -42,11 +51,22 @@ class MeshPorts:
     cassandra: int = 9042
     cassandra_storage: int = 7000
     cassandra_jmx: int = 7199
+    # Prometheus /metrics of each service (Envoy's: its admin port's /stats/prometheus).
+    orchestrator_metrics: int = 9450
+    router_metrics: int = 9451
+    first_engine_metrics: int = 9461
+    edge_metrics: int = 9481
+    # OTLP/gRPC: the span collector Envoy exports to.
+    otlp: int = 4317
 
 
 def replica_name(tier: str, index: int, replicas: int) -> str:
     """``router`` when the tier has one replica, ``router-0``, ``router-1``, ... when it has more."""
     return tier if replicas == 1 else f"{tier}-{index}"
+
+
+def replica_ports(first: int, replicas: int) -> list[int]:
+    return [first + REPLICA_PORT_STRIDE * i for i in range(replicas)]
 
 
 @dataclass(frozen=True)
@@ -67,10 +87,10 @@ class MeshConfig:
         return [self.ports.first_engine + i for i in range(self.engines)]
 
     def orchestrator_ports(self) -> list[int]:
-        return [self.ports.orchestrator + REPLICA_PORT_STRIDE * i for i in range(self.orchestrators)]
+        return replica_ports(self.ports.orchestrator, self.orchestrators)
 
     def router_ports(self) -> list[int]:
-        return [self.ports.router + REPLICA_PORT_STRIDE * i for i in range(self.routers)]
+        return replica_ports(self.ports.router, self.routers)
 
     def cassandra_cluster(self) -> ClusterConfig:
         """The mesh's Cassandra: started first, before everything else; its data survives restarts."""
@@ -82,11 +102,43 @@ class MeshConfig:
             first_jmx_port=self.ports.cassandra_jmx,
         )
 
+    def metrics_endpoints(self) -> dict[str, str]:
+        """Every service's Prometheus endpoint by service name (an engine's name is its engine id)."""
+        ports = self.ports
+        endpoints = {
+            f"engine-{i}": f"http://127.0.0.1:{ports.first_engine_metrics + i}/metrics"
+            for i in range(self.engines)
+        }
+        for tier, first, replicas in (
+            ("router", ports.router_metrics, self.routers),
+            ("orchestrator", ports.orchestrator_metrics, self.orchestrators),
+        ):
+            for i, port in enumerate(replica_ports(first, replicas)):
+                endpoints[replica_name(tier, i, replicas)] = f"http://127.0.0.1:{port}/metrics"
+        endpoints["edge"] = f"http://127.0.0.1:{ports.edge_metrics}/metrics"
+        return endpoints
+
+    def ops_targets(self) -> list[str]:
+        """The edge's --ops-metrics-target flags: every service but the edge itself."""
+        return [
+            flag
+            for name, url in self.metrics_endpoints().items()
+            if name != "edge"
+            for flag in ("--ops-metrics-target", f"{name}={url}")
+        ]
+
 
 def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     """The services of the local mesh, in start order."""
     py, ports = config.python, config.ports
-    specs = [
+    spans = span_file(run_dir)
+    collector = ServiceSpec(
+        name="span-collector",
+        argv=[py, "-m", "localmesh.span_collector", "--port", str(ports.otlp), "--file", str(spans)],
+        ports=(ports.otlp,),
+        ready=TcpOpen(ports.otlp),
+    )
+    specs = [collector] + [
         ServiceSpec(
             name=f"engine-{i}",
             argv=[
@@ -99,8 +151,10 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 f"engine-{i}",
                 "--backend",
                 config.engine_backend,
+                "--metrics-port",
+                str(ports.first_engine_metrics + i),
             ],
-            ports=(port,),
+            ports=(port, ports.first_engine_metrics + i),
             ready=GrpcHealthy(port),
             ready_timeout_s=180,
         )
@@ -114,20 +168,22 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
         for flag in ("--engine", f"engine-{i}=127.0.0.1:{port}")
     ]
     router_ports = config.router_ports()
+    router_metrics = replica_ports(ports.router_metrics, config.routers)
     specs.extend(
         ServiceSpec(
             name=replica_name("router", i, config.routers),
-            argv=[py, "-m", "router", "--port", str(port), *engine_flags],
-            ports=(port,),
+            argv=[py, "-m", "router", "--port", str(port), "--metrics-port", str(metrics), *engine_flags],
+            ports=(port, metrics),
             ready=GrpcHealthy(port),
         )
-        for i, port in enumerate(router_ports)
+        for i, (port, metrics) in enumerate(zip(router_ports, router_metrics, strict=True))
     )
     cassandra = config.cassandra_cluster()
     cassandra_flags = [
         *(flag for contact in cassandra.contact_points() for flag in ("--cassandra", contact)),
         *("--cassandra-replication", cassandra.replication_flag()),
     ]
+    orchestrator_metrics = replica_ports(ports.orchestrator_metrics, config.orchestrators)
     specs.extend(
         ServiceSpec(
             name=replica_name("orchestrator", i, config.orchestrators),
@@ -140,15 +196,41 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 "--router",
                 f"127.0.0.1:{router_ports[i % len(router_ports)]}",
                 *cassandra_flags,
+                "--metrics-port",
+                str(metrics),
             ],
-            ports=(port,),
+            ports=(port, metrics),
             ready=GrpcHealthy(port),
         )
-        for i, port in enumerate(config.orchestrator_ports())
+        for i, (port, metrics) in enumerate(
+            zip(config.orchestrator_ports(), orchestrator_metrics, strict=True)
+        )
     )
     # The front door: the edge, then Envoy in front of it and the orchestrator.
-    specs.extend(front_door_specs(ports.front_door, config.orchestrator_ports(), run_dir, ensure_keys(), py))
+    # The edge serves the operations page from every other service's metrics and the span file.
+    edge_flags = [
+        "--metrics-port",
+        str(ports.edge_metrics),
+        *config.ops_targets(),
+        "--ops-trace-file",
+        str(spans),
+    ]
+    specs.extend(
+        front_door_specs(
+            ports.front_door,
+            config.orchestrator_ports(),
+            run_dir,
+            ensure_keys(),
+            py,
+            edge_flags=edge_flags,
+            otlp=("127.0.0.1", ports.otlp),
+        )
+    )
     return specs
+
+
+def span_file(run_dir: Path) -> Path:
+    return (run_dir / "spans.jsonl").resolve()
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
@@ -167,6 +249,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--cassandra-port", type=int, default=defaults.cassandra, help="CQL port")
     parser.add_argument("--cassandra-storage-port", type=int, default=defaults.cassandra_storage)
     parser.add_argument("--cassandra-jmx-port", type=int, default=defaults.cassandra_jmx)
+    parser.add_argument("--orchestrator-metrics-port", type=int, default=defaults.orchestrator_metrics)
+    parser.add_argument("--router-metrics-port", type=int, default=defaults.router_metrics)
+    parser.add_argument("--first-engine-metrics-port", type=int, default=defaults.first_engine_metrics)
+    parser.add_argument("--edge-metrics-port", type=int, default=defaults.edge_metrics)
+    parser.add_argument("--otlp-port", type=int, default=defaults.otlp, help="the span collector (OTLP/gRPC)")
     parser.add_argument("--engines", type=int, default=2, help="number of engine replicas")
     parser.add_argument("--orchestrators", type=int, default=1, help="number of orchestrator replicas")
     parser.add_argument("--routers", type=int, default=1, help="number of router replicas")
@@ -185,6 +272,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
         cassandra=args.cassandra_port,
         cassandra_storage=args.cassandra_storage_port,
         cassandra_jmx=args.cassandra_jmx_port,
+        orchestrator_metrics=args.orchestrator_metrics_port,
+        router_metrics=args.router_metrics_port,
+        first_engine_metrics=args.first_engine_metrics_port,
+        edge_metrics=args.edge_metrics_port,
+        otlp=args.otlp_port,
     )
     config = MeshConfig(
         ports=ports,
@@ -200,11 +292,29 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     return config, args.run_dir
 
 
+def observability(config: MeshConfig, run_dir: Path, operator_token: str) -> str:
+    """Where to see the mesh: the operations page, every /metrics endpoint, the span file."""
+    ports = config.ports
+    lines = [
+        "  Operations page (operator token; make token ROLE=operator prints another):",
+        f"  http://127.0.0.1:{ports.front_door.envoy}/ops#token={operator_token}",
+        "  Prometheus metrics:",
+        *(f"  {name + ':':14}{url}" for name, url in config.metrics_endpoints().items()),
+        f"  {'envoy:':14}http://127.0.0.1:{ports.front_door.envoy_admin}/stats/prometheus",
+        f"  Traces: {span_file(run_dir)} (JSON lines; Envoy's via OTLP on 127.0.0.1:{ports.otlp})",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     config, run_dir = parse_args(argv)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    # Every service this starts writes its spans to the one span file, fresh for each run.
+    span_file(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    span_file(run_dir).unlink(missing_ok=True)
+    os.environ[TRACE_FILE_ENV] = str(span_file(run_dir))
     with Launcher(run_dir) as launcher:
         cassandra = CassandraCluster(config.cassandra_cluster(), launcher)
         try:
@@ -218,12 +328,15 @@ def main(argv: list[str] | None = None) -> int:
         except (PortInUseError, ServiceFailedError, InvalidEnvoyConfigError, NodeSetupError) as exc:
             print(f"\nERROR: {exc}", file=sys.stderr)
             return 1
-        token = ensure_keys().mint(config.user, config.tier)
+        keys = ensure_keys()
+        token = keys.mint(config.user, config.tier)
+        operator = keys.mint("operator", config.tier, role=OPERATOR_ROLE)
         contacts = ", ".join(config.cassandra_cluster().contact_points())
         print(
             f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
             f"{welcome(config.ports.front_door, token, config.user, config.tier)}\n"
             f"  cassandra:    {contacts} (CQL; data in {config.cassandra_data_dir})\n"
+            f"{observability(config, run_dir, operator)}\n"
             "A service that dies is restarted. Press Ctrl-C to stop everything.",
             flush=True,
         )

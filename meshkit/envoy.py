@@ -20,7 +20,7 @@ import jinja2
 import yaml
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.identity import JWT_AUDIENCE, TIER_HEADER, USER_ID_HEADER
+from chatmesh.identity import IDENTITY_HEADERS, JWT_AUDIENCE
 from meshkit.launcher import HttpOk, ServiceSpec
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
@@ -80,6 +80,7 @@ EDGE_GENERATE_ROUTES = (
     {"method": "POST", "regex": r"^/v1/chats/[^/]+/messages$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/chats/[^/]+/messages/[^/]+/regenerate$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/chat/completions$", "limit": "generate"},
+    {"method": "POST", "regex": r"^/v1/responses$", "limit": "generate"},
 )
 
 
@@ -176,7 +177,7 @@ def render_config(config: EnvoyConfig) -> str:
         orchestrator_endpoints=config.orchestrator_endpoints,
         edge_cluster_type=_cluster_type(config.edge_endpoints),
         orchestrator_cluster_type=_cluster_type(config.orchestrator_endpoints),
-        identity_headers=(USER_ID_HEADER, TIER_HEADER),
+        identity_headers=IDENTITY_HEADERS,
         cors_origins=config.cors_origins,
         rate_limits=config.rate_limits,
         grpc_methods=chat_service_methods(),

@@ -20,6 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from meshkit import telemetry
+from meshkit.malformed import RejectMalformed
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,9 @@ async def start_grpc_server(
     host: str = "127.0.0.1",
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
 ) -> GrpcServer:
-    """Creates, binds and starts a server. ``add_services`` registers servicers and returns their full names."""
-    server = grpc.aio.server(interceptors=list(interceptors), options=SERVER_OPTIONS)
+    """Creates, binds and starts a server. ``add_services`` registers servicers and returns their full names.
+    Requests that do not parse are refused INVALID_ARGUMENT before any servicer sees them (RejectMalformed)."""
+    server = grpc.aio.server(interceptors=[RejectMalformed(), *interceptors], options=SERVER_OPTIONS)
     names = tuple(add_services(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -9,12 +9,14 @@ conventions) and exposes them on ``--metrics-port``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -30,6 +32,33 @@ TRACE_FILE_ENV = "CHATMESH_TRACE_FILE"
 _configured = False
 
 
+@dataclass(frozen=True)
+class SpanRecord:
+    """One finished span, one JSON line of the span file: what the services' exporter below and the local
+    mesh's OTLP collector (Envoy's spans) write, and what the edge's operations page reads back."""
+
+    service: str | None
+    name: str
+    kind: str  # SERVER, CLIENT, INTERNAL, PRODUCER, CONSUMER
+    trace_id: str  # 32 hex digits
+    span_id: str  # 16 hex digits
+    parent_span_id: str | None
+    start_ns: int | None
+    end_ns: int | None
+    status: str  # UNSET, OK, ERROR
+    attributes: dict[str, object]
+
+    def line(self) -> str:
+        return json.dumps(dataclasses.asdict(self)) + "\n"
+
+
+def append_spans(path: str, records: Sequence[SpanRecord]) -> None:
+    """Appends ``records`` to the span file in one write (processes share the file; O_APPEND keeps each
+    write whole)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(record.line() for record in records))
+
+
 class JsonLinesSpanExporter(SpanExporter):
     """Appends one JSON object per finished span to a file shared by all local services."""
 
@@ -38,29 +67,27 @@ class JsonLinesSpanExporter(SpanExporter):
         self._lock = threading.Lock()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = []
+        records = []
         for span in spans:
             ctx = span.get_span_context()
             if ctx is None:  # only spans that never started lack one; none reach an exporter
                 continue
-            lines.append(
-                json.dumps(
-                    {
-                        "service": span.resource.attributes.get("service.name"),
-                        "name": span.name,
-                        "kind": span.kind.name,
-                        "trace_id": f"{ctx.trace_id:032x}",
-                        "span_id": f"{ctx.span_id:016x}",
-                        "parent_span_id": f"{span.parent.span_id:016x}" if span.parent else None,
-                        "start_ns": span.start_time,
-                        "end_ns": span.end_time,
-                        "status": span.status.status_code.name,
-                        "attributes": {k: _jsonable(v) for k, v in (span.attributes or {}).items()},
-                    }
+            records.append(
+                SpanRecord(
+                    service=str(span.resource.attributes.get("service.name")),
+                    name=span.name,
+                    kind=span.kind.name,
+                    trace_id=f"{ctx.trace_id:032x}",
+                    span_id=f"{ctx.span_id:016x}",
+                    parent_span_id=f"{span.parent.span_id:016x}" if span.parent else None,
+                    start_ns=span.start_time,
+                    end_ns=span.end_time,
+                    status=span.status.status_code.name,
+                    attributes={k: _jsonable(v) for k, v in (span.attributes or {}).items()},
                 )
             )
-        with self._lock, open(self._path, "a", encoding="utf-8") as f:
-            f.write("".join(line + "\n" for line in lines))
+        with self._lock:
+            append_spans(self._path, records)
         return SpanExportResult.SUCCESS
 
 

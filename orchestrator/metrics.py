@@ -54,6 +54,11 @@ class OrchestratorMetrics(ComponentMetrics):
             "Requests refused because the user's token budget or concurrent-run limit was reached",
             ["tier", "limit"],
         )
+        self.budget_tokens = self.counter(
+            "budget_tokens_total",
+            "Tokens (prompt + completion) ended runs charged to their users' budgets, by tier",
+            ["tier"],
+        )
         self.limit_rejections = self.counter(
             "limit_rejections_total", "Requests refused by a request limit", ["field"]
         )

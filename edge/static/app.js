@@ -1,6 +1,7 @@
 // chatmesh chat page: plain JavaScript over the edge's REST + SSE API (see edge/chats_api.py).
 // Answers stream over fetch() (POST bodies and the Authorization header rule out EventSource). The run
 // being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
+import { takeTokenFromUrl } from "./token.js";
 
 const $ = (selector) => document.querySelector(selector);
 const RUN_KEY = "chatmesh.run";
@@ -84,15 +85,6 @@ function fail(error) {
 function showSignin(show) {
   $("#signin").hidden = !show;
   $("#composer").hidden = show;
-}
-
-function takeTokenFromUrl() {
-  const match = location.hash.match(/token=([^&]+)/);
-  if (match) {
-    localStorage.setItem(TOKEN_KEY, decodeURIComponent(match[1]));
-    history.replaceState(null, "", location.pathname + location.search);
-  }
-  return localStorage.getItem(TOKEN_KEY);
 }
 
 // ---- chats sidebar ----------------------------------------------------------------------------------
@@ -480,7 +472,7 @@ async function stop() {
 // ---- start ------------------------------------------------------------------------------------------
 
 async function start() {
-  state.token = takeTokenFromUrl();
+  state.token = takeTokenFromUrl(TOKEN_KEY);
   $("#signin-form").addEventListener("submit", (event) => {
     event.preventDefault();
     localStorage.setItem(TOKEN_KEY, $("#token-input").value.trim());

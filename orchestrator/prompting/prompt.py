@@ -5,6 +5,12 @@ The prompt is rendered with the model's own chat template and counted with its o
 token ids travel to the router as they are. ``budget`` is the context window minus ``max_tokens``;
 the newest turns that fit are found by binary search over the number of turns kept, each probe an
 exact count of the whole rendered prompt (token counts of a template are not simply additive).
+
+A history that does not fit is cut in steps, not a turn at a time: the prompt may only start at a
+turn where the history's running token count crosses a multiple of ``step_tokens``, so turn after turn
+the cut stays where it was and the prompt is the previous one plus the newest exchange — a prefix the
+engine (and the router's index) already holds. Dropping the oldest turn every turn would change the
+prompt's first turn, and so every cached block after the system prompt, on every turn.
 """
 
 from __future__ import annotations
@@ -59,11 +65,14 @@ def fit_prompt(
     turns: Sequence[ChatMessage],
     budget: int,
     summary: str | None = None,
+    step_tokens: int = 0,
 ) -> Prompt:
-    """The longest prompt of ``system`` + the newest ``turns`` that fits ``budget`` tokens.
+    """The prompt of ``system`` + the newest ``turns`` that fits ``budget`` tokens.
 
     ``system`` are the leading system messages (the summary is appended to the first); the last turn
-    (the message being answered) is always kept. Raises PromptTooLong if not even that fits.
+    (the message being answered) is always kept. When not every turn fits, the prompt starts at the
+    earliest step boundary (``step_boundaries``) that fits, or — when ``step_tokens`` is 0 or no
+    boundary fits — with as many newest turns as fit. Raises PromptTooLong if not even the last fits.
     """
     if not turns:
         raise ValueError("a prompt needs at least one turn")
@@ -90,6 +99,21 @@ def fit_prompt(
         smallest_messages, smallest = render(1, False)
     if len(smallest) > budget:
         raise PromptTooLong(len(smallest), budget)
+    if step_tokens > 0:
+        # The earliest boundary whose prompt fits (prompts shrink as the boundary moves on).
+        cuts = step_boundaries(tokenizer, turns, step_tokens)
+        first, end = 0, len(cuts)
+        fitting = None
+        while first < end:
+            middle = (first + end) // 2
+            candidate = render(len(turns) - cuts[middle], with_summary)
+            if len(candidate[1]) <= budget:
+                fitting, end = (len(turns) - cuts[middle], candidate), middle
+            else:
+                first = middle + 1
+        if fitting:
+            kept, (messages, ids) = fitting
+            return Prompt(ids, messages, len(turns), kept, with_summary, full_tokens, budget)
     low, high = 1, len(turns) - 1  # `low` turns fit; all of them do not
     best = (smallest_messages, smallest)
     while low < high:
@@ -100,3 +124,17 @@ def fit_prompt(
         else:
             high = middle - 1
     return Prompt(best[1], best[0], len(turns), low, with_summary, full_tokens, budget)
+
+
+def step_boundaries(tokenizer: ChatTokenizer, turns: Sequence[ChatMessage], step_tokens: int) -> list[int]:
+    """Indices of the turns a cut history may start at: each first turn after the running token count
+    of ``turns`` (their contents) crosses a multiple of ``step_tokens``. They depend only on the turns
+    before them, so a chat that grows keeps its boundaries; the last turn is never one (it is kept)."""
+    boundaries: list[int] = []
+    total = 0
+    for index, turn in enumerate(turns[:-1]):
+        before = total
+        total += len(tokenizer.encode(turn.content))
+        if total // step_tokens > before // step_tokens:
+            boundaries.append(index + 1)
+    return [cut for cut in boundaries if cut < len(turns) - 1]

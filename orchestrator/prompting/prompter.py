@@ -44,13 +44,15 @@ class Prompter:
         options: Generation,
         new: list[ChatMessage],
         field: str,
+        system: list[ChatMessage] | None = None,
     ) -> Prompt:
-        """The prompt continuing the branch that ends at ``leaf_id`` with the ``new`` turns."""
+        """The prompt continuing the branch that ends at ``leaf_id`` with the ``new`` turns (after
+        ``system``, or the configured system prompt)."""
         history = await load_history(
             self.store, user_id, chat_id, leaf_id, self.config.max_history_messages, summary
         )
         summary_text = history.summary.text if history.summary else None
-        return self.fit([*turns(history.messages), *new], options, summary_text, field)
+        return self.fit([*turns(history.messages), *new], options, summary_text, field, system=system)
 
     def conversation(
         self, system: list[ChatMessage], messages: list[ChatMessage], options: Generation
@@ -93,6 +95,7 @@ class Prompter:
                     conversation,
                     budget,
                     summary,
+                    int(self.config.truncation_step * budget),
                 )
             except PromptTooLong as exc:
                 raise refused(

@@ -57,8 +57,9 @@ class CompleteRun(AnswerRun):
             last = i == len(request.messages) - 1
             if last or len(message.content.encode()) > limits_.max_message_bytes:
                 checked(limits.check_content, message.content, limits_, field)
-            if role == "user":
-                self.ctx.moderator.screen_input(message.content, field, f"user {self.identity.user_id}")
+            # Every role is screened: a caller writes the system and assistant turns here too, and a
+            # refused request is otherwise one role name away from passing.
+            self.ctx.moderator.screen_input(message.content, field, f"user {self.identity.user_id}")
             out.append(ChatMessage(role, message.content))
         return out
 

@@ -323,6 +323,7 @@ class Relay:
         METRICS.run_duration.labels(info.model, status.value).observe(now - self.arrived_at)
         METRICS.token_usage.labels(info.model, "input").observe(usage.prompt_tokens)
         METRICS.token_usage.labels(info.model, "output").observe(usage.completion_tokens)
+        METRICS.budget_tokens.labels(info.tier).inc(usage.total_tokens)
         if self._first_delta_at is not None and usage.completion_tokens > 1:
             METRICS.time_per_output_token.labels(info.model).observe(
                 (now - self._first_delta_at) / (usage.completion_tokens - 1)

@@ -34,9 +34,13 @@ class SendRun(ChatRun):
         checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
         if request.branch_from_root and request.parent_message_id:
             raise invalid("parent_message_id", "parent_message_id must be empty with branch_from_root")
+        if request.instructions:
+            checked(limits.check_content, request.instructions, ctx.config.limits, "instructions")
         super().__init__(ctx, identity, request, request.idempotency_key, options)
         self.request = request
         ctx.moderator.screen_input(request.content, "content", f"user {identity.user_id}")
+        if request.instructions:
+            ctx.moderator.screen_input(request.instructions, "instructions", f"user {identity.user_id}")
 
     async def execute(self) -> None:
         store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id
@@ -55,8 +59,16 @@ class SendRun(ChatRun):
             )
         # 3. The prompt: the branch after the summary, then the new message, fitted to the window.
         question = ChatMessage("user", self.request.content)
+        instructions = self.request.instructions
         prompt = await self.ctx.prompter.continue_branch(
-            user, chat_id, parent_id, summary, self.options, [question], "content"
+            user,
+            chat_id,
+            parent_id,
+            summary,
+            self.options,
+            [question],
+            "content",
+            system=[ChatMessage("system", instructions)] if instructions else None,
         )
         info = self.run_info(claim, chat_id, claim.user_message_id)
         # 4. Admission (a run slot; the budget reserved while the router places the request), then the

@@ -50,6 +50,31 @@ async def test_health_and_reflection_are_served():
         await handle.server.stop(0)
 
 
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff", b"\x0a\x03\xff\xfe\xfd"], ids=["corrupt", "not-utf8"])
+async def test_a_request_that_is_not_its_message_is_invalid_argument(garbage: bytes):
+    # grpcio alone ends such a call UNKNOWN, naming protobuf's DecodeError.
+    handle = await start_grpc_server(add, free_port())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            for method, call in (("Check", channel.unary_unary), ("Watch", channel.unary_stream)):
+                rpc = call(
+                    f"/grpc.health.v1.Health/{method}", request_serializer=bytes, response_deserializer=bytes
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    reply = rpc(garbage, timeout=5)
+                    if method == "Watch":
+                        await reply.read()
+                    else:
+                        await reply
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, method
+                assert "DecodeError" not in (refused.value.details() or "")
+            health = health_pb2_grpc.HealthStub(channel)  # well-formed requests are untouched
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await handle.server.stop(0)
+
+
 async def test_drain_finishes_open_streams_and_refuses_new_calls():
     handle = await start_grpc_server(add, free_port())
     async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:

@@ -229,7 +229,9 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
                 field=failure.bad_field, description=failure.message
             )
             status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
-        trailers = ((STATUS_DETAILS_KEY, status.SerializeToString()),) if status.details else ()
+        # Always the status trailer, as our services' ``abort`` sends it (a status without one is the
+        # transport's, whose text the edge does not show).
+        trailers = ((STATUS_DETAILS_KEY, status.SerializeToString()),)
         await context.abort(failure.code, failure.message, trailing_metadata=trailers)
 
     async def _chat(

@@ -59,6 +59,16 @@ def test_cli_prints_a_token_for_the_user_and_tier(tmp_path):
     ).stdout.strip()
     claims = jwt.decode(out, options={"verify_signature": False})
     assert (claims["sub"], claims["tier"]) == ("bob", "enterprise")
+    assert "role" not in claims  # a plain user: the operations page refuses them
+
+
+def test_cli_prints_an_operator_token_for_the_operations_page(tmp_path):
+    cli = [sys.executable, "-m", "localmesh.dev_jwt", "--user", "olga", "--dir", str(tmp_path)]
+    out = subprocess.run([*cli, "--role", "operator"], capture_output=True, text=True, check=True)
+    claims = jwt.decode(out.stdout.strip(), options={"verify_signature": False})
+    assert (claims["sub"], claims["role"]) == ("olga", "operator")
+    wrong = subprocess.run([*cli, "--role", "admin"], capture_output=True, text=True, check=False)
+    assert wrong.returncode == 2 and "invalid choice" in wrong.stderr
 
 
 def test_a_token_for_nobody_is_refused(tmp_path):

@@ -128,7 +128,7 @@ def test_idempotency_key_header_is_forwarded(
     ("code", "extra", "status"),
     [
         (grpc.StatusCode.INVALID_ARGUMENT, {}, 400),
-        (grpc.StatusCode.INVALID_ARGUMENT, {"bad_field": "title"}, 422),
+        (grpc.StatusCode.INVALID_ARGUMENT, {"bad_field": "title"}, 400),
         (grpc.StatusCode.INVALID_ARGUMENT, {"error_reason": "PAYLOAD_TOO_LARGE"}, 413),
         (grpc.StatusCode.UNAUTHENTICATED, {}, 401),
         (grpc.StatusCode.PERMISSION_DENIED, {}, 403),
@@ -184,10 +184,15 @@ def test_stream_refused_before_its_first_event_gets_an_http_status(
         (b"[1, 2]", {}, 400, "JSON object"),
         (b"", {}, 400, "empty"),
         (b'{"content": NaN}', {}, 400, "NaN"),
-        (b'{"content": 42}', {}, 422, "content"),
-        (b'{"content": ""}', {}, 422, "content"),
-        (b'{"content": "hi", "colour": "red"}', {}, 422, "colour"),
-        (b'{"content": "hi", "options": {"temperature": 3}}', {}, 422, "options.temperature"),
+        (b'{"content": 42}', {}, 400, "content"),
+        (b'{"content": ""}', {}, 400, "content"),
+        (b'{"content": "hi", "colour": "red"}', {}, 400, "colour"),
+        (b'{"content": "hi", "options": {"temperature": 3}}', {}, 400, "options.temperature"),
+        (b'{"content": "hi", "options": {"max_tokens": 4294967296}}', {}, 400, "options.max_tokens"),
+        (b'{"content": "hi", "options": {"seed": 18446744073709551616}}', {}, 400, "options.seed"),
+        (b'{"content": "hi", "options": {"max_tokens": ' + b"9" * 4301 + b"}}", {}, 400, "too many digits"),
+        (b'{"content": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", {}, 400, "nested more than"),
+        (b'{"content": "hi", "x": ' + b"[" * 33 + b"]" * 33 + b"}", {}, 400, "nested more than"),
         (b'{"content": "hi"}', {"Content-Type": "text/plain"}, 415, "content type"),
         (b'{"content": "' + b"x" * (70 * 1024) + b'"}', {}, 413, "limit of 65536 bytes"),
     ],
@@ -202,6 +207,11 @@ def test_stream_refused_before_its_first_event_gets_an_http_status(
         "empty-content",
         "unknown-field",
         "out-of-range",
+        "max-tokens-past-uint32",
+        "seed-past-uint64",
+        "int-over-4300-digits",
+        "nested-5000-deep",
+        "nested-33-deep",
         "content-type",
         "body-too-large",
     ],
@@ -229,9 +239,17 @@ def test_malformed_ids_and_cursors_are_refused_at_the_edge(
 ):
     before = len(front_door.scripted.calls)
     assert_json_error(client.get("/v1/chats/bad%20id"), 404)
-    assert_json_error(client.get("/v1/chats", params={"page_size": "-1"}), 422)
-    assert_json_error(client.get("/v1/chats", params={"page_size": "1000"}), 422)
-    assert_json_error(client.get("/v1/runs/run_x/events", headers={"Last-Event-ID": "abc"}), 400)
+    for page_size in ("-1", "1000", "²", "٣", "9" * 5000, "1.5"):
+        error = assert_json_error(client.get("/v1/chats", params={"page_size": page_size}), 400)
+        assert (error["type"], error["param"]) == ("invalid_request_error", "page_size")
+    for last_event_id in ("abc", "²", str(2**64), "9" * 5000, "-1"):
+        # Latin-1 on the wire, as a client may send "²".
+        reply = client.get(
+            "/v1/runs/run_x/events", headers={"Last-Event-ID": last_event_id.encode("latin-1")}
+        )
+        assert assert_json_error(reply, 400)["param"] == "Last-Event-ID"
+    reply = client.get("/v1/runs/run_x/events", params={"after_seq": str(2**64)})
+    assert assert_json_error(reply, 400)["param"] == "after_seq"
     assert len(front_door.scripted.calls) == before
 
 

@@ -23,6 +23,7 @@ from localmesh.dev_jwt import DIR_ENV, DevKeys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
 from meshkit.launcher import Launcher, PortInUseError, free_consecutive_ports, free_port
 from tests.front_door.conftest import ScriptedFrontDoor
+from tests.front_door.helpers import wait_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,11 +114,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stops_everything(tmp_path):
-    names = "envoy envoy-admin envoy-internal edge orchestrator router cassandra"
-    flags = [f"--{name}-port" for name in (*names.split(), "cassandra-storage", "cassandra-jmx")]
+    names = "envoy envoy-admin envoy-internal edge orchestrator router cassandra otlp"
+    metrics = "orchestrator-metrics router-metrics edge-metrics"
+    flags = [
+        f"--{name}-port" for name in (*names.split(), *metrics.split(), "cassandra-storage", "cassandra-jmx")
+    ]
     argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "2", "--run-dir", str(tmp_path / "run")]
     argv += [part for flag in flags for part in (flag, str(free_port()))]
     argv += ["--first-engine-port", str(free_consecutive_ports(2))]
+    argv += ["--first-engine-metrics-port", str(free_consecutive_ports(2))]
     mesh = subprocess.Popen(
         argv,
         cwd=REPO_ROOT,
@@ -142,6 +147,30 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
         assert '"text":" Paris"' in stored, stored
         assert "Paris" in grpc_client and "FINISH_REASON_STOP" in grpc_client, grpc_client
 
+        # Every printed /metrics endpoint answers with its service's metrics; the printed operations page
+        # URL signs an operator in, whose token the ops API accepts; the answers above left their spans.
+        endpoints = dict(re.findall(r"^  ([\w-]+): +(http://\S+)$", output.text, re.MULTILINE))
+        assert set(endpoints) == {"engine-0", "engine-1", "router", "orchestrator", "edge", "envoy"}, (
+            output.text
+        )
+        expected = {"engine-0": "gen_ai_server_", "engine-1": "gen_ai_server_"}
+        expected |= {"router": "chatmesh_router_", "envoy": "envoy_"}
+        expected |= {"orchestrator": "chatmesh_orchestrator_", "edge": "chatmesh_edge_"}
+        for name, url in endpoints.items():
+            assert expected[name] in httpx.get(url, timeout=10).text, name
+        ops_url, operator = re.search(r"(http://\S+/ops)#token=(\S+)", output.text).groups()
+        assert "chatmesh operations" in httpx.get(ops_url).text
+        overview = httpx.get(
+            ops_url.replace("/ops", "/v1/ops/overview"), headers={"Authorization": f"Bearer {operator}"}
+        )
+        assert overview.status_code == 200 and overview.json()["engines"][0]["engine"] == "engine-0"
+        spans = Path(re.search(r"Traces: (\S+)", output.text).group(1))
+        wait_for(  # Envoy exports its spans every few seconds
+            lambda: '"service": "envoy"' in spans.read_text() and '"service": "engine"' in spans.read_text(),
+            timeout_s=30,
+            what="Envoy's and the engine's spans in the span file",
+        )
+
         # kill -9 of an engine: the mesh keeps answering on the other one and restarts it.
         engine = int(re.search(r"engine-0 ready .* pid (\d+)", output.text).group(1))
         os.kill(engine, signal.SIGKILL)
@@ -155,8 +184,8 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
         os.killpg(mesh.pid, signal.SIGINT)
         code = mesh.wait(timeout=120)
     services = [int(pid) for pid in re.findall(r"ready .* pid (\d+)", output.text)]
-    # cassandra, two engines, router, orchestrator, edge, envoy, and the restarted engine
-    assert len(services) == 8
+    # cassandra, span collector, two engines, router, orchestrator, edge, envoy, the restarted engine
+    assert len(services) == 9
     assert code == 0, output.text[-3000:]
     assert "stopping chatmesh" in output.text
     assert [pid for pid in services if _alive(pid)] == []

@@ -70,8 +70,10 @@ def test_openai_completions_are_not_stored_as_chats(mesh_front_door: MeshFrontDo
 def test_openai_sdk_errors_from_the_real_mesh_are_typed(sdk: openai.OpenAI):
     with pytest.raises(openai.NotFoundError):
         sdk.chat.completions.create(model="no-such-model", messages=PROMPT, max_tokens=2)
-    with pytest.raises(openai.UnprocessableEntityError, match="max_tokens"):
+    # Past the orchestrator's max_tokens limit: its INVALID_ARGUMENT naming the field, as OpenAI's 400.
+    with pytest.raises(openai.BadRequestError, match="max_tokens") as refused:
         sdk.chat.completions.create(model="", messages=PROMPT, max_tokens=100_000)
+    assert (refused.value.type, refused.value.param) == ("invalid_request_error", "max_tokens")
 
 
 # -- gRPC through Envoy -------------------------------------------------------------------------------------
@@ -93,6 +95,27 @@ def test_grpc_needs_a_jwt_and_takes_identity_from_it(mesh_front_door: MeshFrontD
     ).chat
     listed = stub.ListChats(chat_pb2.ListChatsRequest(), metadata=auth, timeout=5).chats
     assert [c.chat_id for c in listed] == [chat.chat_id]
+
+
+def test_grpc_refusals_of_huge_or_malformed_requests_are_invalid_argument(
+    mesh_front_door: MeshFrontDoor, stub, user: str
+):
+    auth = mesh_front_door.grpc_auth(user)
+    # An error quoting a 40 KB id would not fit in a header: Envoy would answer UNAVAILABLE instead.
+    with pytest.raises(grpc.RpcError) as huge:
+        stub.GetChat(chat_pb2.GetChatRequest(chat_id="x" * 40_000), metadata=auth, timeout=5)
+    assert huge.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(huge.value.details()) <= 512
+    # Bytes that are no GetChatRequest at all (corrupt wire format; a string field that is not UTF-8).
+    with grpc.insecure_channel(mesh_front_door.envoy.grpc_target) as channel:
+        get_chat = channel.unary_unary(
+            "/chatmesh.chat.v1.ChatService/GetChat", request_serializer=bytes, response_deserializer=bytes
+        )
+        for garbage in (b"\xff\xff\xff", b"\x0a\x03\xff\xfe\xfd"):
+            with pytest.raises(grpc.RpcError) as malformed:
+                get_chat(garbage, metadata=auth, timeout=5)
+            assert malformed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "DecodeError" not in malformed.value.details()
 
 
 def test_grpc_stream_deadline_is_honoured_and_the_run_goes_on(

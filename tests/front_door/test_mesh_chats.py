@@ -136,6 +136,9 @@ def test_dropped_sse_client_leaves_the_run_going_and_last_event_id_resumes_it(
     assert [(e.seq, e.event, e.data) for e in resume(client, chat_id, run_id, middle)] == [
         (e.seq, e.event, e.data) for e in whole[middle:]
     ]
+    # From its last event (or past it), there is nothing more: an empty stream, not an error.
+    assert resume(client, chat_id, run_id, whole[-1].seq) == []
+    assert resume(client, chat_id, run_id, whole[-1].seq + 7) == []
 
 
 def test_explicit_cancel_stops_the_run_and_frees_the_engines(
@@ -167,10 +170,10 @@ def test_explicit_cancel_stops_the_run_and_frees_the_engines(
         (b'{"content": "\xff\xfe"}', 400, "not valid UTF-8"),
         (b'{"content": "' + b"x" * (70 * 1024) + b'"}', 413, "limit of 65536 bytes"),
         (b'{"content": "' + b"x" * (40 * 1024) + b'"}', 413, "32768"),
-        (b'{"content": "hi", "colour": "red"}', 422, "colour"),
+        (b'{"content": "hi", "colour": "red"}', 400, "colour"),
         # Refused by the orchestrator, not the edge: its limits and checks.
-        (b'{"content": "hi", "options": {"max_tokens": 100000}}', 422, "max_tokens"),
-        (b'{"content": "   "}', 422, "must not be empty"),
+        (b'{"content": "hi", "options": {"max_tokens": 100000}}', 400, "max_tokens"),
+        (b'{"content": "   "}', 400, "must not be empty"),
         (b'{"content": "hi", "parent_message_id": "no-such-message"}', 400, "not a valid id"),
         (b'{"content": "hi", "parent_message_id": "%s"}' % UNKNOWN_ID.encode(), 404, UNKNOWN_ID),
     ],

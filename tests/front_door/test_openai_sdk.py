@@ -69,13 +69,57 @@ def test_sdk_sees_typed_errors(front_door: ScriptedFrontDoor, sdk: openai.OpenAI
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert limited.value.response.headers["retry-after"] == "3"
     assert "budget spent" in str(limited.value)
-    with pytest.raises(openai.UnprocessableEntityError):
-        sdk.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}])
-    with pytest.raises(openai.UnprocessableEntityError):
-        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
     bad = openai.OpenAI(base_url=f"{front_door.url}/v1", api_key="not-a-token", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2**32}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+    ],
+    ids=["role", "n", "no-messages", "content-type", "part-type", "max-tokens-past-uint32", "temperature"],
+)
+def test_validation_errors_are_openais_400_invalid_request_error_with_param(
+    front_door: ScriptedFrontDoor, sdk: openai.OpenAI, body: dict, param: str
+):
+    before = len(front_door.scripted.calls_to("Complete"))
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, **body)
+    assert refused.value.status_code == 400
+    assert refused.value.type == "invalid_request_error" and refused.value.param == param
+    assert param in refused.value.message
+    assert len(front_door.scripted.calls_to("Complete")) == before
+
+
+def test_the_sdk_raises_its_own_class_for_each_refusal(front_door: ScriptedFrontDoor, user: str):
+    def client(token: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{front_door.url}/v1", api_key=token, max_retries=0)
+
+    keys = front_door.envoy.keys
+    with pytest.raises(openai.AuthenticationError) as expired:
+        client(keys.mint(user, "pro", ttl_s=-60)).models.list()
+    assert expired.value.status_code == 401
+    with pytest.raises(openai.PermissionDeniedError) as elsewhere:
+        client(keys.mint(user, "pro", audience="another-service")).models.list()
+    assert elsewhere.value.status_code == 403
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(keys.mint(user, "pro")).models.retrieve("no-such-model")
+    assert missing.value.type == "not_found_error"
+    with (
+        front_door.scripted.failing("Complete", grpc.StatusCode.NOT_FOUND, "model x not found"),
+        pytest.raises(openai.NotFoundError),
+    ):
+        client(keys.mint(user, "pro")).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
 
 
 def test_error_mid_stream_raises_in_the_sdk(sdk: openai.OpenAI):

@@ -35,7 +35,12 @@ from tests.helm.chart import (
 
 # The minimum Kubernetes the chart supports (grpc probes are GA in 1.27) and the newest schemas shipped.
 K8S_VERSIONS = ("1.27.0", "1.37.0")
-CRD_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1"}
+CRD_KINDS = {
+    "ServiceMonitor": "monitoring.coreos.com/v1",
+    "PrometheusRule": "monitoring.coreos.com/v1",
+    "ScaledObject": "keda.sh/v1alpha1",
+    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1",
+}
 SCENARIOS = {
     "defaults": (),
     "full": ("values-full.yaml",),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
-from orchestrator.prompting.prompt import SUMMARY_HEADING, PromptTooLong, fit_prompt
+from orchestrator.prompting.prompt import SUMMARY_HEADING, PromptTooLong, fit_prompt, step_boundaries
 
 SYSTEM = [ChatMessage("system", "You are terse.")]
 
@@ -71,3 +73,55 @@ def test_a_summary_too_big_for_the_budget_is_left_out_rather_than_refusing_the_m
     alone = len(tokenizer.encode_chat([*SYSTEM, message]))
     prompt = fit_prompt(tokenizer, SYSTEM, [message], budget=alone + 5, summary="summary " * 200)
     assert not prompt.summary_used and prompt.messages == [*SYSTEM, message]
+
+
+def test_a_growing_chat_cut_in_steps_keeps_its_start_for_many_turns() -> None:
+    """Turn after turn the prompt is the previous one plus the new exchange (a cached prefix), until
+    the next step boundary; cutting one turn at a time would change the prompt's start every turn."""
+    tokenizer = load_tokenizer()
+    budget = 400
+    step = budget // 3
+    starts_stepped, starts_per_turn = [], []
+    for length in range(3, 61, 2):
+        turns = conversation(length)
+        stepped = fit_prompt(tokenizer, SYSTEM, turns, budget, step_tokens=step)
+        per_turn = fit_prompt(tokenizer, SYSTEM, turns, budget)
+        for prompt in (stepped, per_turn):
+            assert len(prompt.token_ids) <= budget and prompt.messages[-1] == turns[-1]
+        starts_stepped.append(length - stepped.turns_kept)
+        starts_per_turn.append(length - per_turn.turns_kept)
+    moves = sum(a != b for a, b in itertools.pairwise(starts_stepped))
+    moves_per_turn = sum(a != b for a, b in itertools.pairwise(starts_per_turn))
+    assert starts_stepped == sorted(starts_stepped)  # a cut never moves back
+    assert moves_per_turn >= 20 and moves <= moves_per_turn // 3
+
+
+def test_a_stepped_cut_starts_at_a_boundary_and_is_the_longest_such_prompt() -> None:
+    tokenizer = load_tokenizer()
+    turns = conversation(30)
+    budget, step = 300, 100
+    prompt = fit_prompt(tokenizer, SYSTEM, turns, budget, step_tokens=step)
+    cuts = step_boundaries(tokenizer, turns, step)
+    start = len(turns) - prompt.turns_kept
+    assert start in cuts
+    earlier = [cut for cut in cuts if cut < start]
+    if earlier:
+        assert len(tokenizer.encode_chat(SYSTEM + turns[earlier[-1] :])) > budget
+
+
+def test_step_boundaries_depend_only_on_the_turns_before_them() -> None:
+    tokenizer = load_tokenizer()
+    turns = conversation(40)
+    shorter = step_boundaries(tokenizer, turns[:25], 50)
+    longer = step_boundaries(tokenizer, turns, 50)
+    assert shorter and longer[: len(shorter)] == shorter
+
+
+def test_a_step_no_boundary_can_satisfy_falls_back_to_the_newest_turns_that_fit() -> None:
+    tokenizer = load_tokenizer()
+    turns = conversation(12)
+    exact = len(tokenizer.encode_chat(SYSTEM + turns))
+    # One boundary at most (a step longer than the whole history): the cut is the per-turn one.
+    assert fit_prompt(tokenizer, SYSTEM, turns, exact - 1, step_tokens=10**6) == fit_prompt(
+        tokenizer, SYSTEM, turns, exact - 1
+    )

@@ -45,6 +45,20 @@ def test_the_routers_refusals_pass_through_with_their_retry_delay() -> None:
     assert internal.code == grpc.StatusCode.UNAVAILABLE and internal.retry_after_s
 
 
+def test_capacity_failures_keep_code_and_delay_but_not_the_routers_or_drivers_words() -> None:
+    said = "the request failed on 2 engine(s): engine-0: UNAVAILABLE: ipv4:127.0.0.1:50061 refused"
+    trailers = Metadata(*ServiceError(grpc.StatusCode.UNAVAILABLE, said).trailer())
+    error = from_rpc_error(AioRpcError(grpc.StatusCode.UNAVAILABLE, Metadata(), trailers, said), "the router")
+    assert (error.code, error.retry_after_s) == (grpc.StatusCode.UNAVAILABLE, 1.0)
+    assert "engine-0" not in error.message and "127.0.0.1" not in error.message and "retry" in error.message
+    assert said in (error.private or "")
+    busy = from_rpc_error(router_error(grpc.StatusCode.RESOURCE_EXHAUSTED, 2.5), "the router")
+    assert busy.retry_after_s == 2.5 and busy.message != "no"
+    storage = from_exception(Unavailable("NoHostAvailable: 127.0.0.1:9042 timed out"))
+    assert storage.code == grpc.StatusCode.UNAVAILABLE and storage.retry_after_s
+    assert "127.0.0.1" not in storage.message and "127.0.0.1" in (storage.private or "")
+
+
 def test_memory_store_errors_become_the_status_they_name() -> None:
     assert from_exception(NotFound("chat x not found")).code == grpc.StatusCode.NOT_FOUND
     assert from_exception(InvalidArgument("bad cursor")).message == "bad cursor"

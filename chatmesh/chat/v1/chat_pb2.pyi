@@ -256,20 +256,22 @@ class ListMessagesResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class SendMessageRequest(_message.Message):
-    __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options", "branch_from_root")
+    __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options", "branch_from_root", "instructions")
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     PARENT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FROM_ROOT_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     chat_id: str
     content: str
     parent_message_id: str
     idempotency_key: str
     options: GenerationOptions
     branch_from_root: bool
-    def __init__(self, chat_id: _Optional[str] = ..., content: _Optional[str] = ..., parent_message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., branch_from_root: _Optional[bool] = ...) -> None: ...
+    instructions: str
+    def __init__(self, chat_id: _Optional[str] = ..., content: _Optional[str] = ..., parent_message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., branch_from_root: _Optional[bool] = ..., instructions: _Optional[str] = ...) -> None: ...
 
 class SendMessageResponse(_message.Message):
     __slots__ = ("event",)

@@ -88,11 +88,23 @@ The services read these as their flags' defaults (chatmesh/config.py).
 {{- printf "%s\n%s" (include "chatmesh.flagEnv" (dict "service" .service "flags" $flags) | trim) (include "chatmesh.commonEnv" .root | trim) -}}
 {{- end -}}
 
+{{/*
+Where spans go: otel.endpoint, else the release's own collector when it runs one (otel.collector.deploy),
+else nowhere (empty).
+*/}}
+{{- define "chatmesh.otelEndpoint" -}}
+{{- if .Values.otel.endpoint -}}
+{{- .Values.otel.endpoint -}}
+{{- else if and .Values.otel.collector.enabled .Values.otel.collector.deploy -}}
+{{- printf "http://%s:4317" (include "chatmesh.serviceHost" (dict "root" . "component" "otel-collector")) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Environment every chatmesh container gets. */}}
 {{- define "chatmesh.commonEnv" }}
 - name: HOME
   value: /tmp
-{{- with .Values.otel.endpoint }}
+{{- with include "chatmesh.otelEndpoint" . }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
 {{- end }}

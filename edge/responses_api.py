@@ -1,0 +1,303 @@
+"""OpenAI's Responses API, backed by the orchestrator's durable runs (works with the ``openai`` SDK).
+
+POST   /v1/responses                      store (default): a new chat's first message, or, with
+                                          previous_response_id, the message after that response's
+                                          answer in its chat: SendMessage. store=false: Complete.
+GET    /v1/responses/{id}                 GetRun, then the run's events (StreamRun) folded into the object
+GET    /v1/responses/{id}?stream=true&starting_after=N   StreamRun: the stream events after N
+POST   /v1/responses/{id}/cancel          CancelRun
+DELETE /v1/responses/{id}                 DeleteChat: the conversation the response belongs to
+
+A stored response *is* a run of a chat (``resp_<run id>``), so it lives in Cassandra, not in an edge or
+orchestrator process: any replica retrieves it, resumes its stream or cancels it, also after the replica
+that generated it is gone. A conversation chained with previous_response_id is one chat whose message
+tree holds each turn (two responses continuing the same one are sibling branches).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from chatmesh.chat.v1 import chat_pb2
+from edge.bodies import read_model
+from edge.chats_api import caller_of
+from edge.convert import options_proto
+from edge.errors import ApiError
+from edge.openai_api import ROLES
+from edge.orchestrator import Caller, Orchestrator, RunStream
+from edge.response_events import ResponseEvents
+from edge.response_record import ResponseRecord, response_not_found, run_id_of
+from edge.schemas import ResponseCreateIn
+from edge.sse import relay, sse_response
+
+# The orchestrator's field names for what the Responses API calls otherwise.
+_PARAMS = {
+    "content": "input",
+    "messages": "input",
+    "options.model": "model",
+    "options.max_tokens": "max_output_tokens",
+    "options.temperature": "temperature",
+    "options.top_p": "top_p",
+}
+# Chats made for responses are titled from their first input, so no title job runs for them.
+_TITLE_CHARS = 80
+
+
+def openai_errors(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """OpenAI answers a bad parameter with 400 invalid_request_error naming the parameter (the page's
+    API says 422): the same errors, in the Responses API's terms."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            if exc.status == 422:
+                exc.status = 400
+            if exc.param is not None:
+                exc.param = (
+                    _PARAMS.get(exc.param) or _PARAMS.get(exc.param.split("[")[0]) or exc.param.split(".")[0]
+                )
+            raise
+
+    return wrapped
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, code="invalid_value", param=param)
+
+
+def _options(body: ResponseCreateIn) -> chat_pb2.GenerationOptions:
+    return options_proto(
+        model=body.model,
+        max_tokens=body.max_output_tokens or 0,
+        temperature=body.temperature,
+        top_p=body.top_p,
+    )
+
+
+def _complete_request(body: ResponseCreateIn) -> chat_pb2.CompleteRequest:
+    if body.previous_response_id:
+        raise _bad("previous_response_id", "previous_response_id needs a stored response (store: true)")
+    if body.background:
+        raise _bad("background", "background responses must be stored (store: true)")
+    system = (
+        [chat_pb2.PromptMessage(role=chat_pb2.ROLE_SYSTEM, content=body.instructions)]
+        if body.instructions
+        else []
+    )
+    return chat_pb2.CompleteRequest(
+        messages=system
+        + [chat_pb2.PromptMessage(role=ROLES[m.role], content=m.text()) for m in body.messages()],
+        options=_options(body),
+    )
+
+
+def _stored_input(body: ResponseCreateIn) -> str:
+    """A stored response adds one user message to its chat; earlier turns are the chat's own."""
+    messages = body.messages()
+    if len(messages) != 1 or messages[0].role != "user":
+        raise _bad(
+            "input",
+            "a stored response takes one user message as input (earlier turns come from "
+            "previous_response_id); send a whole conversation with store: false",
+        )
+    return messages[0].text()
+
+
+async def _stored_run(request: Request) -> tuple[Orchestrator, Caller, chat_pb2.Run]:
+    """The run the response id in the path names (404 if it is not the caller's, was not stored, or its
+    conversation was deleted), and the caller routed to the replica that holds it, if it lives."""
+    orchestrator = request.app.state.orchestrator
+    caller = caller_of(request)
+    run = await _owned_run(orchestrator, caller, request.path_params["response_id"], None)
+    return orchestrator, Caller(caller.identity, run.chat_id), run
+
+
+async def _owned_run(
+    orchestrator: Orchestrator, caller: Caller, value: str, param: str | None
+) -> chat_pb2.Run:
+    run_id = run_id_of(value, param)
+    try:
+        run = (await orchestrator.unary("GetRun", chat_pb2.GetRunRequest(run_id=run_id), caller)).run
+        if not run.chat_id:  # a live store=false response: never retrievable
+            raise response_not_found(value, param)
+        await orchestrator.unary("GetChat", chat_pb2.GetChatRequest(chat_id=run.chat_id), caller)
+    except ApiError as exc:
+        if exc.status == 404:
+            raise response_not_found(value, param) from None
+        raise
+    return run
+
+
+async def _send(
+    orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn
+) -> tuple[RunStream, chat_pb2.RunEvent]:
+    """The stored response's run started: its stream and first event."""
+    content = _stored_input(body)
+    previous = body.previous_response_id
+    if previous:
+        run = await _owned_run(orchestrator, caller, previous, "previous_response_id")
+        if run.status == chat_pb2.RUN_STATUS_IN_PROGRESS:
+            raise _bad(
+                "previous_response_id", f"response {previous!r} is still in progress; wait for it to end"
+            )
+        chat_id, parent_id = run.chat_id, run.assistant_message_id
+    else:
+        title = " ".join(content.split())[:_TITLE_CHARS]
+        chat = (await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(title=title), caller)).chat
+        chat_id, parent_id = chat.chat_id, ""
+    routed = Caller(caller.identity, chat_id)
+    send = chat_pb2.SendMessageRequest(
+        chat_id=chat_id,
+        content=content,
+        parent_message_id=parent_id,
+        options=_options(body),
+        instructions=body.instructions or "",
+    )
+    stream = orchestrator.stream("SendMessage", send, routed)
+    try:
+        return stream, await stream.first()
+    except ApiError as exc:
+        if not previous:  # refused: leave no empty conversation behind
+            with contextlib.suppress(ApiError):
+                await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=chat_id), routed)
+        elif exc.status == 404:  # its answer was never stored (cancelled before any text)
+            raise response_not_found(previous, "previous_response_id") from None
+        raise
+
+
+async def _fold(
+    stream: RunStream, record: ResponseRecord, first: chat_pb2.RunEvent, until_seq: int = 0
+) -> None:
+    """Applies ``first`` and the events after it to ``record`` until the run ends (or, with
+    ``until_seq``, until that event: the state of a run still generating)."""
+    async with contextlib.aclosing(stream.events(first)) as events:
+        async for event in events:
+            record.apply(event)
+            if record.ended or (until_seq and event.seq >= until_seq):
+                return
+
+
+def _stream_response(
+    request: Request,
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    record: ResponseRecord,
+    request_started: float,
+    starting_after: int = -1,
+) -> Response:
+    writer = ResponseEvents(record, starting_after)
+    events = relay(
+        stream,
+        first,
+        "responses",
+        request_started,
+        request.app.state.drain,
+        writer.sse,
+        writer.error,
+        drained=writer.drained,
+    )
+    return sse_response(events, request.app.state.settings.streams)
+
+
+@openai_errors
+async def create_response(request: Request) -> Response:
+    started = time.monotonic()
+    orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
+    caller = caller_of(request)
+    body = await read_model(request, ResponseCreateIn, settings.max_body_bytes)
+    record = ResponseRecord(
+        model=body.model,
+        store=body.store,
+        background=body.background,
+        previous_response_id=body.previous_response_id,
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+    )
+    if body.store:
+        stream, first = await _send(orchestrator, caller, body)
+    else:
+        stream = orchestrator.stream("Complete", _complete_request(body), caller)
+        first = await stream.first()
+    if body.stream:
+        return _stream_response(request, stream, first, record, started)
+    if body.background:
+        # The run goes on without us (a stored run outlives its caller): retrieve or stream it later.
+        record.apply(first)
+        stream.detach()
+        return JSONResponse(record.json())
+    await _fold(stream, record, first)
+    return JSONResponse(record.json())
+
+
+def _query_int(request: Request, name: str, default: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise _bad(name, f"{name} must be a non-negative integer")
+    return int(raw)
+
+
+def _query_bool(request: Request, name: str) -> bool:
+    raw = request.query_params.get(name, "false").lower()
+    if raw not in ("true", "false"):
+        raise _bad(name, f"{name} must be true or false")
+    return raw == "true"
+
+
+async def _response_at(orchestrator: Orchestrator, caller: Caller, run: chat_pb2.Run) -> dict:
+    """The response object of ``run`` as its events stand (to its end if it ended, else to its last event)."""
+    stream = orchestrator.stream("StreamRun", chat_pb2.StreamRunRequest(run_id=run.run_id), caller)
+    record = ResponseRecord(created_at=run.create_time.ToMicroseconds() / 1e6)
+    generating = run.status == chat_pb2.RUN_STATUS_IN_PROGRESS
+    await _fold(stream, record, await stream.first(), until_seq=max(run.last_seq, 1) if generating else 0)
+    return record.json()
+
+
+@openai_errors
+async def retrieve_response(request: Request) -> Response:
+    started = time.monotonic()
+    streamed, starting_after = _query_bool(request, "stream"), _query_int(request, "starting_after", -1)
+    orchestrator, routed, run = await _stored_run(request)
+    if not streamed:
+        return JSONResponse(await _response_at(orchestrator, routed, run))
+    # Every event from the first, renumbered the same way; those up to starting_after are not sent.
+    stream = orchestrator.stream("StreamRun", chat_pb2.StreamRunRequest(run_id=run.run_id), routed)
+    record = ResponseRecord(created_at=run.create_time.ToMicroseconds() / 1e6)
+    return _stream_response(request, stream, await stream.first(), record, started, starting_after)
+
+
+@openai_errors
+async def cancel_response(request: Request) -> Response:
+    orchestrator, routed, run = await _stored_run(request)
+    # Cancelling an ended response leaves it as it is (CancelRun is a no-op then).
+    reply = await orchestrator.unary("CancelRun", chat_pb2.CancelRunRequest(run_id=run.run_id), routed)
+    return JSONResponse(await _response_at(orchestrator, routed, reply.run))
+
+
+@openai_errors
+async def delete_response(request: Request) -> Response:
+    orchestrator, routed, run = await _stored_run(request)
+    await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=run.chat_id), routed)
+    return JSONResponse({"id": request.path_params["response_id"], "object": "response", "deleted": True})
+
+
+routes = [
+    Route("/v1/responses", create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+]
