@@ -43,9 +43,9 @@ sys.path.insert(0, str(ROOT))
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
-from chatmesh.identity import TIER_HEADER, USER_ID_HEADER  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
+from localmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
 from memory_store.node import CassandraNode, NodeConfig  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
@@ -93,9 +93,16 @@ class Paths:
     """One client per path; ``stream(path)`` runs one request and times it."""
 
     def __init__(
-        self, engines: list[str], router: str, orchestrator: str, prompt: list[int], tokens: int
+        self,
+        engines: list[str],
+        router: str,
+        orchestrator: str,
+        prompt: list[int],
+        tokens: int,
+        keys: DevKeys,
     ) -> None:
-        self.prompt, self.tokens = prompt, tokens
+        self.prompt, self.tokens, self.keys = prompt, tokens, keys
+        self._tokens: dict[int, str] = {}
         self.channels = [grpc.aio.insecure_channel(a) for a in (*engines, router, orchestrator)]
         self.engines = [engine_pb2_grpc.EngineServiceStub(c) for c in self.channels[: len(engines)]]
         self.router = router_pb2_grpc.RouterServiceStub(self.channels[-2])
@@ -106,10 +113,12 @@ class Paths:
         for channel in self.channels:
             await channel.close()
 
-    @staticmethod
-    def identity(i: int) -> tuple[tuple[str, str], ...]:
-        # One user per stream: per-user concurrent-run limits must not shape the benchmark.
-        return ((USER_ID_HEADER, f"bench-user-{i}"), (TIER_HEADER, "enterprise"))
+    def identity(self, i: int) -> tuple[tuple[str, str], ...]:
+        # One user per stream: per-user concurrent-run limits must not shape the benchmark. Tokens are
+        # signed once per user, as a client holds its token; the orchestrator verifies one per call.
+        if i not in self._tokens:
+            self._tokens[i] = self.keys.mint(f"bench-user-{i}", "enterprise")
+        return (("authorization", f"Bearer {self._tokens[i]}"),)
 
     async def stream(self, path: str, i: int, chat_id: str = "") -> Stream:
         began = time.perf_counter()
@@ -198,7 +207,9 @@ def null_engine(i: int, port: int, tokens_per_s: float, max_running: int = 512) 
     )
 
 
-def start_mesh(launcher: Launcher, args: argparse.Namespace, run_dir: Path) -> tuple[list[str], str, str]:
+def start_mesh(
+    launcher: Launcher, args: argparse.Namespace, run_dir: Path, keys: DevKeys
+) -> tuple[list[str], str, str]:
     cql_port = free_port()
     CassandraNode(
         NodeConfig(
@@ -228,6 +239,7 @@ def start_mesh(launcher: Launcher, args: argparse.Namespace, run_dir: Path) -> t
                 "--titles",
                 "false",
             ),
+            *keys.service_flags(),
         )
     )
     return engines, f"127.0.0.1:{router_port}", f"127.0.0.1:{orchestrator_port}"
@@ -248,14 +260,14 @@ def ms(value: float) -> str:
     return f"{value * 1000:,.1f}"
 
 
-async def bench(args: argparse.Namespace, addresses: tuple[list[str], str, str]) -> None:
+async def bench(args: argparse.Namespace, addresses: tuple[list[str], str, str], keys: DevKeys) -> None:
     engines, router, orchestrator = addresses
     await wait_for_engines(router, len(engines))
     tokenizer = load_tokenizer()
     prompt = tokenizer.encode_chat(
         [ChatMessage("system", DEFAULT_SYSTEM_PROMPT), ChatMessage("user", QUESTION)]
     )
-    paths = Paths(engines, router, orchestrator, prompt, args.tokens)
+    paths = Paths(engines, router, orchestrator, prompt, args.tokens, keys)
     try:
         print(
             f"workload: prompt {len(prompt)} tokens, {args.tokens} output tokens per stream, null engines x"
@@ -302,8 +314,9 @@ def main() -> None:
         Launcher(Path(tmp), echo=print) as launcher,
     ):
         print("starting Cassandra, engines, router and orchestrator ...", flush=True)
-        addresses = start_mesh(launcher, args, Path(tmp))
-        asyncio.run(bench(args, addresses))
+        keys = generate_keys(Path(tmp) / "keys")
+        addresses = start_mesh(launcher, args, Path(tmp), keys)
+        asyncio.run(bench(args, addresses, keys))
 
 
 if __name__ == "__main__":

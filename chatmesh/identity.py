@@ -1,45 +1,171 @@
-"""Who is calling: set by Envoy after JWT verification, read by the orchestrator.
+"""Who is calling, proven by a signed token: the one rule every service that serves users applies.
 
-Envoy strips any inbound copy of these headers, verifies the JWT, and copies its ``sub``, ``tier`` and
-``role`` claims into them. Services trust only these headers, never a user id in a request body.
+Envoy verifies the caller's JWT (``jwt_authn``) and forwards it (``authorization: Bearer``); the edge and
+the orchestrator verify the same token again, against the same JWKS file, issuer and audience, with a
+``TokenVerifier``. A service never trusts a user id it cannot verify: not in a request body, and not in
+the ``x-chatmesh-user-id``/``x-chatmesh-tier`` headers either. Envoy still derives those two from the
+verified claims for its own use (per-user rate limits, the access log); anyone who can reach a service
+directly could forge them. The edge passes the caller's token on to the orchestrator, so one proof
+travels the whole path. The trust model, key sources and rotation: docs/architecture.md#identity.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jwt
 
 from chatmesh.tiers import DEFAULT_TIER, TIERS
 
+log = logging.getLogger(__name__)
+
+AUTHORIZATION_HEADER = "authorization"
+# Set by Envoy from the verified claims for its rate limits and access log; services never trust them.
 USER_ID_HEADER = "x-chatmesh-user-id"
 TIER_HEADER = "x-chatmesh-tier"
-# The token's ``role`` claim, when it has one. Only the edge reads it: the operations page is for
-# OPERATOR_ROLE alone.
-ROLE_HEADER = "x-chatmesh-role"
+# The one role a token's ``role`` claim may grant: the operations page is for it alone.
 OPERATOR_ROLE = "operator"
 # Every header Envoy derives from a verified token (and strips from what clients send).
-IDENTITY_HEADERS = (USER_ID_HEADER, TIER_HEADER, ROLE_HEADER)
+IDENTITY_HEADERS = (USER_ID_HEADER, TIER_HEADER)
 # Not identity but routing: the chat a call concerns. Envoy's ring hash keeps one chat on one orchestrator
 # replica; the edge sets it for chat-scoped calls, gRPC clients may set it themselves. Never trusted.
 CHAT_ID_HEADER = "x-chatmesh-chat-id"
-# The audience of every token meant for chatmesh; Envoy refuses tokens minted for anything else.
+# The audience of every token meant for chatmesh; Envoy and the services refuse tokens minted for anything else.
 JWT_AUDIENCE = "chatmesh"
+# Envoy's jwt_authn allows the same skew.
+CLOCK_SKEW_S = 30
+# A changed JWKS file (a rotated Kubernetes Secret) is picked up this soon, without a restart.
+JWKS_RECHECK_S = 1.0
 
 
 @dataclass(frozen=True)
 class Identity:
     user_id: str
     tier: str
+    # The verified token's ``role`` claim when it is one chatmesh knows (OPERATOR_ROLE), else "".
+    role: str = ""
 
 
-def identity_from_metadata(metadata: Iterable[tuple[str, str | bytes]] | None) -> Identity | None:
-    """The caller's identity from gRPC invocation metadata, or None when Envoy set none.
+@dataclass(frozen=True)
+class IdentityConfig:
+    """Where a service finds the keys that prove who calls it (the same JWKS and issuer as Envoy's).
 
-    An unknown tier is treated as the default (lowest) tier rather than trusted.
+    Flags of every service that serves users (``--jwks-file``, ``--jwt-issuer``, ``--jwt-audience``); plain
+    metadata because contracts cannot import meshkit.
     """
-    values = {key.lower(): value for key, value in (metadata or ()) if isinstance(value, str)}
-    user_id = values.get(USER_ID_HEADER, "").strip()
-    if not user_id:
-        return None
-    tier = values.get(TIER_HEADER, DEFAULT_TIER).strip().lower()
-    return Identity(user_id=user_id, tier=tier if tier in TIERS else DEFAULT_TIER)
+
+    jwks_file: str = field(
+        default="", metadata={"help": "JWKS file to verify callers' tokens with (Envoy's); required"}
+    )
+    jwt_issuer: str = field(default="chatmesh-dev", metadata={"help": "issuer callers' tokens must carry"})
+    jwt_audience: str = field(default=JWT_AUDIENCE, metadata={"help": "audience callers' tokens must carry"})
+
+
+class Unauthenticated(Exception):
+    """No verifiable identity; the message is safe to show the caller."""
+
+
+class TokenVerifier:
+    """Verifies bearer tokens against a JWKS file, re-read when it changes (key rotation)."""
+
+    def __init__(self, jwks_file: Path, issuer: str, audience: str = JWT_AUDIENCE) -> None:
+        self.jwks_file, self.issuer, self.audience = jwks_file, issuer, audience
+        self._stamp = self._file_stamp()
+        self._keys = self._read_keys()
+        self._checked_at = time.monotonic()
+
+    @classmethod
+    def from_config(cls, config: IdentityConfig) -> TokenVerifier:
+        """A verifier for ``config``; ValueError (a usage error) when the JWKS is missing or unusable."""
+        if not config.jwks_file:
+            raise ValueError(
+                "--jwks-file is required: the JWKS Envoy verifies tokens with "
+                "(`make run` passes the dev one; in Kubernetes the chart mounts Envoy's Secret)"
+            )
+        try:
+            return cls(Path(config.jwks_file), config.jwt_issuer, config.jwt_audience)
+        except (OSError, ValueError, jwt.PyJWKSetError) as exc:
+            raise ValueError(f"--jwks-file {config.jwks_file}: {exc}") from exc
+
+    def identity(self, authorization: str | None) -> Identity:
+        """The identity an ``Authorization: Bearer <JWT>`` value proves; Unauthenticated if none."""
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("no bearer token: call through Envoy with `authorization: Bearer <JWT>`")
+        try:
+            claims = self._claims(token.strip())
+        except jwt.ExpiredSignatureError as exc:
+            raise Unauthenticated("the bearer token has expired") from exc
+        except (jwt.PyJWTError, ValueError) as exc:
+            log.info("refused a bearer token: %s", exc)
+            raise Unauthenticated("the bearer token is not valid for chatmesh") from exc
+        user_id, tier = claims.get("sub"), claims.get("tier")
+        if not isinstance(user_id, str) or not user_id.strip():
+            raise Unauthenticated("the bearer token names no user (sub)")
+        tier = tier.strip().lower() if isinstance(tier, str) else DEFAULT_TIER
+        role = claims.get("role")
+        role = role.strip().lower() if isinstance(role, str) else ""
+        # An unknown tier is treated as the default (lowest) tier rather than trusted; an unknown role as none.
+        return Identity(
+            user_id=user_id.strip(),
+            tier=tier if tier in TIERS else DEFAULT_TIER,
+            role=role if role == OPERATOR_ROLE else "",
+        )
+
+    def identity_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Identity:
+        """The identity proven by the ``authorization`` entry of gRPC metadata (or HTTP headers)."""
+        for key, value in metadata or ():
+            if key.lower() == AUTHORIZATION_HEADER and isinstance(value, str):
+                return self.identity(value)
+        return self.identity(None)
+
+    def _claims(self, token: str) -> dict:
+        kid = jwt.get_unverified_header(token).get("kid")
+        keys = self._current_keys()
+        candidates = [key for key in keys if key.key_id == kid] if kid else keys
+        if not candidates:
+            raise ValueError(f"no key {kid!r} in {self.jwks_file}")
+        error: Exception = ValueError("no key verified the token")
+        for key in candidates:
+            try:
+                # The key's own algorithm only: a token cannot pick a weaker one (or "none").
+                return jwt.decode(
+                    token,
+                    key.key,
+                    algorithms=[key.algorithm_name],
+                    audience=self.audience,
+                    issuer=self.issuer,
+                    leeway=CLOCK_SKEW_S,
+                    options={"require": ["exp", "iss", "aud", "sub"]},
+                )
+            except jwt.InvalidSignatureError as exc:
+                error = exc
+        raise error
+
+    def _current_keys(self) -> list[jwt.PyJWK]:
+        now = time.monotonic()
+        if now - self._checked_at >= JWKS_RECHECK_S:
+            self._checked_at = now
+            try:
+                stamp = self._file_stamp()
+                if stamp != self._stamp:
+                    self._keys, self._stamp = self._read_keys(), stamp
+                    log.info("reloaded %d verification keys from %s", len(self._keys), self.jwks_file)
+            except (OSError, ValueError, jwt.PyJWKSetError) as exc:
+                # Mid-rotation a file can be briefly missing or half-written: keep the keys that worked.
+                log.warning("kept the previous keys: %s is unusable: %s", self.jwks_file, exc)
+        return self._keys
+
+    def _read_keys(self) -> list[jwt.PyJWK]:
+        return list(jwt.PyJWKSet.from_dict(json.loads(self.jwks_file.read_text())).keys)
+
+    def _file_stamp(self) -> tuple[int, int, int]:
+        # Kubernetes swaps a Secret volume's files by symlink: stat follows it to the new file.
+        stat = os.stat(self.jwks_file)
+        return (stat.st_ino, stat.st_mtime_ns, stat.st_size)

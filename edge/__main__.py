@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import sys
 from types import FrameType
 
 import uvicorn
 
+from chatmesh.identity import TokenVerifier
 from edge.app import create_app
 from edge.settings import EdgeSettings
 from edge.sse import Drain
@@ -42,11 +44,15 @@ class DrainingServer(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> None:
     args, settings = parse_args(argv)
+    try:
+        verifier = TokenVerifier.from_config(settings.identity)
+    except ValueError as exc:
+        sys.exit(f"python -m edge: {exc}")
     telemetry.setup("edge")
     telemetry.start_metrics_server(args.metrics_port, args.host)
     drain = Drain()
     config = uvicorn.Config(
-        create_app(settings, drain),
+        create_app(settings, verifier, drain),
         host=args.host,
         port=args.port,
         timeout_graceful_shutdown=math.ceil(settings.streams.drain_grace_s),

@@ -20,6 +20,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from chatmesh.identity import TokenVerifier
 from edge import chats_api, openai_api, responses_api
 from edge.errors import ApiError
 from edge.observability import ObservabilityMiddleware
@@ -64,8 +65,7 @@ async def unexpected_error(request: Request, exc: Exception) -> Response:
     ).response()
 
 
-def create_app(settings: EdgeSettings | None = None, drain: Drain | None = None) -> Starlette:
-    settings = settings or EdgeSettings()
+def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | None = None) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -96,5 +96,6 @@ def create_app(settings: EdgeSettings | None = None, drain: Drain | None = None)
     )
     app.state.settings = settings
     app.state.ops_scraper = Scraper(settings.ops)
+    app.state.verifier = verifier
     app.state.drain = drain or Drain()
     return app

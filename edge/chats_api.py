@@ -1,6 +1,6 @@
 """The chat page's REST + SSE API; every handler is one ChatService call.
 
-GET    /v1/me                                          who the edge was told the caller is (Envoy's headers)
+GET    /v1/me                                          who the caller's bearer token says they are
 GET    /v1/usage                                       GetUsage
 GET    /v1/chats?page_size&page_token                  ListChats (newest activity first)
 POST   /v1/chats                                       CreateChat                     -> 201
@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.identity import CHAT_ID_HEADER, USER_ID_HEADER, identity_from_metadata
+from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, TokenVerifier, Unauthenticated
 from edge.bodies import read_model
 from edge.convert import chat_json, message_json, options_proto, run_json, timestamp
 from edge.errors import ApiError
@@ -40,16 +40,15 @@ _ID = re.compile(rf"^[A-Za-z0-9_.:-]{{1,{API.max_id_chars}}}$")
 
 
 def caller_of(request: Request, chat_id: str = "") -> Caller:
-    """The caller as Envoy identified them. Without Envoy's headers there is no caller: 401."""
-    identity = identity_from_metadata(request.headers.items())
-    if identity is None:
-        raise ApiError(
-            401,
-            f"no verified identity (missing {USER_ID_HEADER}): call through Envoy with a bearer token",
-            type="authentication_error",
-            code="unauthenticated",
-        )
-    return Caller(identity=identity, chat_id=chat_id)
+    """The caller as their bearer token proves them (Envoy checked it too; the edge trusts no header it
+    cannot verify, since anyone who reaches the edge directly could set one). No valid token: 401."""
+    verifier: TokenVerifier = request.app.state.verifier
+    authorization = request.headers.get(AUTHORIZATION_HEADER, "")
+    try:
+        identity = verifier.identity(authorization)
+    except Unauthenticated as exc:
+        raise ApiError(401, str(exc), type="authentication_error", code="unauthenticated") from exc
+    return Caller(identity=identity, authorization=authorization, chat_id=chat_id)
 
 
 def path_id(request: Request, name: str, what: str) -> str:

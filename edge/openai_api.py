@@ -128,11 +128,9 @@ async def chat_completions(request: Request) -> Response:
     body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
     stream = orchestrator.stream("Complete", complete_request(body), caller)
     try:
-        first = await stream.first()
+        first = await stream.opening()
     except ApiError as error:
         raise openai_names(error) from None
-    if first is None:  # a Complete always starts with `started`
-        raise ApiError(502, "the chat service ended the stream without any event", type="server_error")
     run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()
     completion_id = f"chatcmpl-{run.run_id or int(started * 1e6)}"
     model = run.model or body.model

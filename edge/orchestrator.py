@@ -1,4 +1,4 @@
-"""The edge's only dependency: ChatService over gRPC, called with the caller's identity as metadata.
+"""The edge's only dependency: ChatService over gRPC, called with the caller's own token as metadata.
 
 Unary calls carry a deadline. Streams carry a (long) deadline too, and are read event by event; the edge
 never buffers a run. Cancelling a stream call here only detaches this client: the orchestrator keeps the
@@ -8,27 +8,33 @@ run going until it ends or someone calls CancelRun.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
-from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER, Identity
-from edge.errors import from_rpc_error
+from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
+from edge.errors import ApiError, from_rpc_error
 from meshkit.serving import CHANNEL_OPTIONS
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Caller:
-    """Who a call is for, and which chat it concerns (Envoy hashes on the chat id)."""
+    """Who a call is for, proven by their token, and which chat it concerns (Envoy hashes on the chat id)."""
 
     identity: Identity
+    # The caller's `Authorization` value, verified here and passed on: the orchestrator verifies it again.
+    authorization: str
     chat_id: str = ""
 
+    def for_chat(self, chat_id: str) -> Caller:
+        """The same caller, for a call about ``chat_id``."""
+        return replace(self, chat_id=chat_id)
+
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        pairs = [(USER_ID_HEADER, self.identity.user_id), (TIER_HEADER, self.identity.tier)]
+        pairs = [(AUTHORIZATION_HEADER, self.authorization)]
         if self.chat_id:
             pairs.append((CHAT_ID_HEADER, self.chat_id))
         # traceparent is added by the OpenTelemetry gRPC instrumentation from the request's span.
@@ -49,6 +55,14 @@ class RunStream:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
         return None if response is grpc.aio.EOF else response.event
+
+    async def opening(self) -> chat_pb2.RunEvent:
+        """The first event of a stream that always has one (SendMessage, Complete, StreamRun from its
+        start): a stream that ends without any is the chat service's fault, 502."""
+        first = await self.first()
+        if first is None:
+            raise ApiError(502, "the chat service ended the stream without any event", type="server_error")
+        return first
 
     async def rest(self) -> AsyncIterator[chat_pb2.RunEvent]:
         """The events after the first; a failure mid-stream raises grpc.RpcError."""

@@ -32,6 +32,7 @@ from edge.convert import options_proto
 from edge.errors import ApiError
 from edge.openai_api import ROLES
 from edge.orchestrator import Caller, Orchestrator, RunStream
+from edge.params import unsigned
 from edge.response_events import ResponseEvents
 from edge.response_record import ResponseRecord, response_not_found, run_id_of
 from edge.schemas import ResponseCreateIn
@@ -120,7 +121,7 @@ async def _stored_run(request: Request) -> tuple[Orchestrator, Caller, chat_pb2.
     orchestrator = request.app.state.orchestrator
     caller = caller_of(request)
     run = await _owned_run(orchestrator, caller, request.path_params["response_id"], None)
-    return orchestrator, Caller(caller.identity, run.chat_id), run
+    return orchestrator, caller.for_chat(run.chat_id), run
 
 
 async def _owned_run(
@@ -156,7 +157,7 @@ async def _send(
         title = " ".join(content.split())[:_TITLE_CHARS]
         chat = (await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(title=title), caller)).chat
         chat_id, parent_id = chat.chat_id, ""
-    routed = Caller(caller.identity, chat_id)
+    routed = caller.for_chat(chat_id)
     send = chat_pb2.SendMessageRequest(
         chat_id=chat_id,
         content=content,
@@ -166,7 +167,7 @@ async def _send(
     )
     stream = orchestrator.stream("SendMessage", send, routed)
     try:
-        return stream, await stream.first()
+        return stream, await stream.opening()
     except ApiError as exc:
         if not previous:  # refused: leave no empty conversation behind
             with contextlib.suppress(ApiError):
@@ -230,7 +231,7 @@ async def create_response(request: Request) -> Response:
         stream, first = await _send(orchestrator, caller, body)
     else:
         stream = orchestrator.stream("Complete", _complete_request(body), caller)
-        first = await stream.first()
+        first = await stream.opening()
     if body.stream:
         return _stream_response(request, stream, first, record, started)
     if body.background:
@@ -244,11 +245,7 @@ async def create_response(request: Request) -> Response:
 
 def _query_int(request: Request, name: str, default: int) -> int:
     raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    if not raw.isdigit():
-        raise _bad(name, f"{name} must be a non-negative integer")
-    return int(raw)
+    return default if raw is None else unsigned(raw, name, 2**63 - 1)
 
 
 def _query_bool(request: Request, name: str) -> bool:
@@ -263,7 +260,7 @@ async def _response_at(orchestrator: Orchestrator, caller: Caller, run: chat_pb2
     stream = orchestrator.stream("StreamRun", chat_pb2.StreamRunRequest(run_id=run.run_id), caller)
     record = ResponseRecord(created_at=run.create_time.ToMicroseconds() / 1e6)
     generating = run.status == chat_pb2.RUN_STATUS_IN_PROGRESS
-    await _fold(stream, record, await stream.first(), until_seq=max(run.last_seq, 1) if generating else 0)
+    await _fold(stream, record, await stream.opening(), until_seq=max(run.last_seq, 1) if generating else 0)
     return record.json()
 
 
@@ -277,7 +274,7 @@ async def retrieve_response(request: Request) -> Response:
     # Every event from the first, renumbered the same way; those up to starting_after are not sent.
     stream = orchestrator.stream("StreamRun", chat_pb2.StreamRunRequest(run_id=run.run_id), routed)
     record = ResponseRecord(created_at=run.create_time.ToMicroseconds() / 1e6)
-    return _stream_response(request, stream, await stream.first(), record, started, starting_after)
+    return _stream_response(request, stream, await stream.opening(), record, started, starting_after)
 
 
 @openai_errors

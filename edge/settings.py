@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chatmesh.identity import IdentityConfig
 from chatmesh.limits import Limits
 from edge.ops.settings import OpsSettings
 from edge.sse import StreamSettings
@@ -24,6 +25,7 @@ class EdgeSettings:
     max_body_bytes: int = setting(1024 * 1024, "largest request body accepted (413 above it)")
     streams: StreamSettings = nested(StreamSettings)
     ops: OpsSettings = nested(OpsSettings)
+    identity: IdentityConfig = nested(IdentityConfig)
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < Limits().max_message_bytes:

@@ -1,11 +1,11 @@
 """Dev JWTs: an RS256 key pair and its JWKS, made on first use, and a CLI that prints a signed token.
 
 ``make token USER=alice TIER=pro`` (``python -m localmesh.dev_jwt --user alice --tier pro``) prints a token
-that the local Envoy accepts; ``ROLE=operator`` (``--role operator``) adds the role that opens the
-operations page (``/ops``). The key pair lives in a gitignored directory (``.cache/dev-jwt/`` by
-default, ``CHATMESH_DEV_JWT_DIR`` to move it) and is never committed. In production Envoy verifies tokens
-from your identity provider's JWKS instead; nothing else changes, since services only read the identity
-headers Envoy derives from the ``sub``, ``tier`` and ``role`` claims.
+that the local Envoy, edge and orchestrator accept (``DevKeys.service_flags`` points the services at the
+same JWKS); ``ROLE=operator`` (``--role operator``) adds the role claim that opens the operations page
+(``/ops``). The key pair lives in a gitignored directory (``.cache/dev-jwt/`` by default,
+``CHATMESH_DEV_JWT_DIR`` to move it) and is never committed. In production Envoy and the services verify
+tokens from your identity provider's JWKS instead; nothing else changes.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ class DevKeys:
     private_key_path: Path
     jwks_path: Path
     kid: str
+
+    def service_flags(self) -> list[str]:
+        """The edge's and orchestrator's flags to verify these keys' tokens (chatmesh.identity.IdentityConfig)."""
+        return ["--jwks-file", str(self.jwks_path), "--jwt-issuer", ISSUER]
 
     def mint(
         self,

@@ -82,6 +82,7 @@ def front_door_specs(
             "--orchestrator",
             f"127.0.0.1:{ports.envoy_internal}",
             *(edge_flags or []),
+            *keys.service_flags(),
         ],
         ports=(ports.edge,),
         ready=HttpOk(f"http://127.0.0.1:{ports.edge}/healthz"),

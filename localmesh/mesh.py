@@ -131,6 +131,8 @@ class MeshConfig:
 def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     """The services of the local mesh, in start order."""
     py, ports = config.python, config.ports
+    # One key pair: Envoy, the edge and the orchestrator each verify the tokens it signs.
+    keys = ensure_keys()
     spans = span_file(run_dir)
     collector = ServiceSpec(
         name="span-collector",
@@ -198,6 +200,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 *cassandra_flags,
                 "--metrics-port",
                 str(metrics),
+                *keys.service_flags(),
             ],
             ports=(port, metrics),
             ready=GrpcHealthy(port),
@@ -220,7 +223,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
             ports.front_door,
             config.orchestrator_ports(),
             run_dir,
-            ensure_keys(),
+            keys,
             py,
             edge_flags=edge_flags,
             otlp=("127.0.0.1", ports.otlp),

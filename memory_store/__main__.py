@@ -28,6 +28,8 @@ from memory_store.config import parse_replication
 from memory_store.db import Db
 from memory_store.errors import MemoryStoreError
 from memory_store.node import PROJECT_ROOT, CassandraNode, CqlAnswers, NodeConfig, NodeSetupError, rss_mib
+from memory_store.security import CassandraSecurity
+from meshkit.config import ServiceArgs, from_flags
 from meshkit.launcher import Launcher, ServiceFailedError
 from meshkit.serving import PortInUseError
 
@@ -161,7 +163,8 @@ def status(config: NodeConfig) -> int:
 
 
 async def apply_schema(args: argparse.Namespace) -> int:
-    db = await Db.connect(args.hosts.split(","), args.cql_port, args.local_dc, 30.0)
+    security = from_flags(CassandraSecurity, args)
+    db = await Db.connect(args.hosts.split(","), args.cql_port, args.local_dc, 30.0, security)
     try:
         if args.check:
             # Replicas wait on this (the Helm chart's init container) while the schema Job applies them.
@@ -202,6 +205,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     migrate.add_argument(
         "--check", action="store_true", help="apply nothing; exit 3 while migrations are pending"
     )
+    # Credentials and TLS as every service takes them (env CHATMESH_MEMORY_STORE_CASSANDRA_...).
+    ServiceArgs("memory_store", "", parser=migrate).add_config(CassandraSecurity)
     return parser.parse_args(argv)
 
 
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "schema":
         try:
             return asyncio.run(apply_schema(args))
-        except MemoryStoreError as exc:
+        except (MemoryStoreError, ValueError, OSError) as exc:
             print(f"ERROR: {exc}", file=sys.stderr)
             return 1
     config = node_config(args)

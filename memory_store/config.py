@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from chatmesh.limits import Limits
 from memory_store.models import StoreBounds
-from meshkit.config import setting
+from memory_store.security import CassandraSecurity
+from meshkit.config import nested, setting
 
 LOCAL_REPLICATION: Mapping[str, str | int] = {"class": "SimpleStrategy", "replication_factor": 1}
 
@@ -68,6 +69,7 @@ class StoreConfig:
         "datacenter1", "the local datacenter (LOCAL_QUORUM is counted there)", flag="cassandra-local-dc"
     )
     request_timeout_s: float = setting(5.0, "timeout of one Cassandra request", flag="cassandra-timeout-s")
+    security: CassandraSecurity = nested(CassandraSecurity)
     # Apply schema migrations at connect (local runs and tests); deployments run them once, as a job.
     apply_schema: bool = setting(True, "apply schema migrations at start", flag="cassandra-apply-schema")
     # Length of a usage (budget) window, aligned to the Unix epoch: 86400 is a UTC day.

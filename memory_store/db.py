@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cassandra import (
+    AuthenticationFailed,
     ConsistencyLevel,
     OperationTimedOut,
     ReadTimeout,
@@ -48,6 +49,7 @@ from opentelemetry.trace import SpanKind
 from prometheus_client import Histogram
 
 from memory_store.errors import Unavailable
+from memory_store.security import CassandraSecurity
 
 Row = dict[str, Any]
 
@@ -103,7 +105,12 @@ class Db:
 
     @classmethod
     async def connect(
-        cls, contact_points: Sequence[str], port: int, local_dc: str, request_timeout_s: float
+        cls,
+        contact_points: Sequence[str],
+        port: int,
+        local_dc: str,
+        request_timeout_s: float,
+        security: CassandraSecurity,
     ) -> Db:
         profile = ExecutionProfile(
             load_balancing_policy=TokenAwarePolicy(DCAwareRoundRobinPolicy(local_dc=local_dc)),
@@ -123,14 +130,22 @@ class Db:
             # Pick a restarted node back up within seconds (the default backs off to 10 minutes).
             reconnection_policy=ExponentialReconnectionPolicy(base_delay=0.5, max_delay=10.0),
             control_connection_timeout=request_timeout_s,
+            auth_provider=security.auth_provider(),
+            ssl_context=security.ssl_context(),
         )
         try:
             session = await asyncio.to_thread(cluster.connect)
         except NoHostAvailable as exc:
             await asyncio.to_thread(cluster.shutdown)
+            where = f"Cassandra at {', '.join(contact_points)}:{port}"
+            if any(isinstance(error, AuthenticationFailed) for error in exc.errors.values()):
+                raise Unavailable(
+                    f"{where} refused the credentials of role {security.username or '(none given)'}: "
+                    "check --cassandra-username and --cassandra-password-file"
+                ) from exc
             raise Unavailable(
-                f"cannot reach Cassandra at {', '.join(contact_points)}:{port} ({exc}); "
-                "is the node running? (`python -m memory_store node status`)"
+                f"cannot reach {where} ({exc}); is the node running, and do --cassandra-tls-* match "
+                "its client encryption? (`python -m memory_store node status`)"
             ) from exc
         return cls(cluster, session, request_timeout_s)
 

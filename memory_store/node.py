@@ -20,6 +20,7 @@ import contextlib
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import time
@@ -134,6 +135,11 @@ class NodeConfig:
     initial_token: int = 0
     # How many nodes the cluster has (1: this one alone).
     cluster_size: int = 1
+    # What a secured cluster asks of clients, to test memory_store against (a dev node needs neither):
+    # PasswordAuthenticator (the default superuser is cassandra/cassandra), and CQL over TLS only, the
+    # node's key and certificate chain in one PEM file.
+    password_auth: bool = False
+    tls_keystore_pem: Path | None = None
 
     @property
     def conf_dir(self) -> Path:
@@ -196,7 +202,23 @@ concurrent_compactors: 1
 storage_compatibility_mode: NONE
 paxos_variant: v2
 auto_snapshot: false
-"""
+{_client_security(config)}"""
+
+
+def _client_security(config: NodeConfig) -> str:
+    lines = []
+    if config.password_auth:
+        lines.append("authenticator: PasswordAuthenticator")
+    if config.tls_keystore_pem is not None:
+        lines += [
+            "client_encryption_options:",
+            "  enabled: true",
+            "  optional: false",
+            "  ssl_context_factory:",
+            "    class_name: org.apache.cassandra.security.PEMBasedSslContextFactory",
+            f"  keystore: {config.tls_keystore_pem}",
+        ]
+    return "".join(f"{line}\n" for line in lines)
 
 
 def jvm_argv(config: NodeConfig) -> list[str]:
@@ -210,6 +232,8 @@ def jvm_argv(config: NodeConfig) -> list[str]:
         *JPMS_FLAGS,
         *START_FLAGS,
         *(ALONE_FLAGS if config.cluster_size == 1 else ()),
+        # The default superuser at once, not after the 10 s meant for a cluster's nodes to agree.
+        *(["-Dcassandra.superuser_setup_delay_ms=0"] if config.password_auth else []),
         *([f"-javaagent:{agent}"] if agent else []),
         f"-Dcassandra.config=file://{config.yaml_path}",
         f"-Dcassandra.storagedir={config.data_dir}",
@@ -252,6 +276,9 @@ class CqlAnswers:
 
     port: int
     host: str = "127.0.0.1"
+    # Speak TLS (a node whose clients must); the probe only asks whether CQL answers, so it trusts any
+    # certificate. OPTIONS needs no login, so PasswordAuthenticator does not matter here.
+    tls: bool = False
 
     # Protocol v4 frame header: version, flags, stream id, opcode, body length.
     _OPTIONS = struct.pack(">BBhBi", 0x04, 0, 1, 0x05, 0)
@@ -259,7 +286,8 @@ class CqlAnswers:
 
     def __call__(self) -> bool:
         try:
-            with socket.create_connection((self.host, self.port), timeout=1.0) as sock:
+            with socket.create_connection((self.host, self.port), timeout=1.0) as plain:
+                sock = _probe_tls().wrap_socket(plain) if self.tls else plain
                 sock.sendall(self._OPTIONS)
                 header = sock.recv(9)
         except OSError:
@@ -267,7 +295,14 @@ class CqlAnswers:
         return len(header) >= 5 and header[0] == 0x84 and header[4] == self._SUPPORTED
 
     def describe(self) -> str:
-        return f"CQL on {self.host}:{self.port}"
+        return f"CQL{' over TLS' if self.tls else ''} on {self.host}:{self.port}"
+
+
+def _probe_tls() -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
 
 
 def service_spec(config: NodeConfig, name: str = "cassandra") -> ServiceSpec:
@@ -280,7 +315,7 @@ def service_spec(config: NodeConfig, name: str = "cassandra") -> ServiceSpec:
         # JMX listens on 127.0.0.1 whatever the node's address (-Dcassandra.jmx.local.port).
         ports=(config.jmx_port,),
         addresses=((config.address, config.cql_port), (config.address, config.storage_port)),
-        ready=CqlAnswers(config.cql_port, config.address),
+        ready=CqlAnswers(config.cql_port, config.address, tls=config.tls_keystore_pem is not None),
         ready_timeout_s=config.ready_timeout_s,
         stop_timeout_s=90.0,
     )

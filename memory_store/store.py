@@ -33,7 +33,9 @@ class MemoryStore(RunsMixin):
     async def connect(cls, config: StoreConfig | None = None) -> MemoryStore:
         """Connects, applies schema migrations (if configured), and prepares every statement."""
         config = config or StoreConfig()
-        db = await Db.connect(config.contact_points, config.port, config.local_dc, config.request_timeout_s)
+        db = await Db.connect(
+            config.contact_points, config.port, config.local_dc, config.request_timeout_s, config.security
+        )
         try:
             if config.apply_schema:
                 await schema.apply(db, config.keyspace, config.replication)

@@ -77,9 +77,10 @@ def _nested(item: dataclasses.Field) -> type | None:
 class ServiceArgs:
     """An argparse parser whose flags default to ``CHATMESH_<SERVICE>_<FLAG>`` environment variables."""
 
-    def __init__(self, service: str, description: str) -> None:
+    def __init__(self, service: str, description: str, parser: argparse.ArgumentParser | None = None) -> None:
+        """``parser``: add the flags to this one (a subcommand's) instead of a new parser."""
         self.service = service
-        self.parser = argparse.ArgumentParser(
+        self.parser = parser or argparse.ArgumentParser(
             prog=f"python -m {service}",
             description=description,
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,

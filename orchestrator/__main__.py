@@ -19,6 +19,7 @@ import grpc
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.gguf_header import read_gguf_metadata
+from chatmesh.identity import TokenVerifier
 from chatmesh.limits import Generation
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
@@ -65,7 +66,7 @@ async def connect_store(config: OrchestratorConfig) -> MemoryStore:
             await asyncio.sleep(2.0)
 
 
-async def serve(args: Namespace, config: OrchestratorConfig) -> None:
+async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVerifier) -> None:
     model_path = Path(config.model_file) if config.model_file else bundled_model_path()
     tokenizer = load_tokenizer(str(model_path))
     model_window = model_context_length(model_path)
@@ -132,7 +133,7 @@ async def serve(args: Namespace, config: OrchestratorConfig) -> None:
     )
     prompter = Prompter(store, tokenizer, config.prompt, context_window)
     ctx = RunContext(config, store, runs, prompter, deps.moderator, upkeep, model)
-    service = ChatService(ctx, budgets, router, context_window)
+    service = ChatService(ctx, budgets, router, context_window, verifier)
     replica = Replica(config.replica_id, store, runs, config.runs)
     await replica.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
@@ -160,9 +161,13 @@ async def serve(args: Namespace, config: OrchestratorConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args, config = configuration.parse(argv)
+    try:
+        verifier = TokenVerifier.from_config(config.identity)
+    except ValueError as exc:
+        sys.exit(f"python -m orchestrator: {exc}")
     telemetry.setup("orchestrator")
     try:
-        asyncio.run(serve(args, config))
+        asyncio.run(serve(args, config, verifier))
     except serving.PortInUseError as exc:
         log.error("%s", exc)
         sys.exit(1)

@@ -13,6 +13,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 
+from chatmesh.identity import IdentityConfig
 from chatmesh.limits import Limits
 from chatmesh.tiers import TIERS
 from memory_store.config import StoreConfig
@@ -162,6 +163,7 @@ class OrchestratorConfig:
     summaries: SummaryConfig = nested(SummaryConfig)
     runs: RunConfig = nested(RunConfig)
     moderation: ModerationConfig = nested(ModerationConfig)
+    identity: IdentityConfig = nested(IdentityConfig)
 
     def __post_init__(self) -> None:
         # The store checks writes against the same limits, and counts usage in the same windows.

@@ -8,6 +8,7 @@ from pathlib import Path
 from meshkit.telemetry import TRACE_FILE_ENV
 
 pytest_plugins: list[str] = [
+    "tests.fixtures.identity",
     "tests.fixtures.cassandra",
     "tests.fixtures.engines",
     "tests.fixtures.model",

@@ -1,6 +1,6 @@
 """The operations page's routes: ``/ops`` (the page itself: static, no data) and its JSON under
 ``/v1/ops/`` (behind Envoy's JWT check like every ``/v1/`` route), for callers whose token carries
-``role: operator`` (Envoy forwards the claim as ``x-chatmesh-role``); anyone else gets 403."""
+``role: operator`` (verified by the edge like every caller's token); anyone else gets 403."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse
 from starlette.routing import Route
 
-from chatmesh.identity import OPERATOR_ROLE, ROLE_HEADER
+from chatmesh.identity import OPERATOR_ROLE
 from edge.chats_api import caller_of, path_id
 from edge.errors import ApiError
 from edge.ops.overview import overview
@@ -24,7 +24,7 @@ PAGE = Path(__file__).resolve().parents[1] / "static" / "ops.html"
 
 def require_operator(request: Request) -> None:
     caller = caller_of(request)  # 401 without a verified identity
-    if request.headers.get(ROLE_HEADER, "").strip().lower() != OPERATOR_ROLE:
+    if caller.identity.role != OPERATOR_ROLE:
         raise ApiError(
             403,
             f"the operations page is for the {OPERATOR_ROLE} role and {caller.identity.user_id}'s token "

@@ -1,7 +1,7 @@
 """ChatService: each RPC is a few lines over memory_store, the kinds of run, and ``Runs``.
 
-Every call needs the identity Envoy set (``x-chatmesh-user-id``, ``x-chatmesh-tier``), else
-UNAUTHENTICATED; every chat and run is looked up under that user, so another user's is NOT_FOUND.
+Every call needs a bearer token this replica verifies itself (``authorization`` metadata: the token
+Envoy verified, forwarded by Envoy or the edge), else UNAUTHENTICATED; every chat and run is looked up under that user, so another user's is NOT_FOUND.
 Errors become statuses in one place (``errors.from_exception``), with their details as trailers. A
 client that cancels a streaming call only detaches: the run goes on (only CancelRun stops it).
 """
@@ -18,7 +18,7 @@ import grpc
 from chatmesh import limits
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.errors import abort
-from chatmesh.identity import Identity, identity_from_metadata
+from chatmesh.identity import Identity, TokenVerifier, Unauthenticated
 from chatmesh.limits import Limits
 from memory_store.store import MemoryStore
 from orchestrator import convert
@@ -37,14 +37,12 @@ DEFAULT_UNARY_DEADLINE_S = 30.0
 DEADLINE_MARGIN_S = 0.1
 
 
-async def _identity(context: grpc.aio.ServicerContext) -> Identity:
-    identity = identity_from_metadata(context.invocation_metadata())
-    if identity is None:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            "no verified identity: call ChatService through Envoy with a bearer token",
-        )
-    return identity
+async def _identity(service: ChatService, context: grpc.aio.ServicerContext) -> Identity:
+    try:
+        return service.verifier.identity_from_metadata(context.invocation_metadata())
+    except Unauthenticated as exc:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        raise  # abort raises; this line only tells the type checker
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -54,7 +52,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
 def unary(method: Callable[[Any, Identity, Any], Awaitable[Any]]):
     @functools.wraps(method)
     async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        identity = await _identity(context)
+        identity = await _identity(self, context)
         remaining = context.time_remaining()
         try:
             async with asyncio.timeout(min(remaining or DEFAULT_UNARY_DEADLINE_S, DEFAULT_UNARY_DEADLINE_S)):
@@ -71,7 +69,7 @@ def streaming(response: type):
     def wrap(method: Callable[[Any, Identity, Any], AsyncIterator[chat_pb2.RunEvent]]):
         @functools.wraps(method)
         async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext):
-            identity = await _identity(context)
+            identity = await _identity(self, context)
             events = method(self, identity, request)
             remaining = context.time_remaining()
             end = (
@@ -100,8 +98,16 @@ def streaming(response: type):
 
 
 class ChatService(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self, ctx: RunContext, budgets: Budgets, router: RouterClient, context_window: int) -> None:
+    def __init__(
+        self,
+        ctx: RunContext,
+        budgets: Budgets,
+        router: RouterClient,
+        context_window: int,
+        verifier: TokenVerifier,
+    ) -> None:
         self.ctx = ctx
+        self.verifier = verifier
         self.store: MemoryStore = ctx.store
         self.runs = ctx.runs
         self.budgets = budgets

@@ -223,10 +223,12 @@ class Runs:
         """Events with seq > after_seq, then live ones until the run ends (from memory or Cassandra)."""
         live = self._local(user_id, run_id)
         if live is not None:
+            await self._check_chat_kept(user_id, live.info.chat_id, run_id)
             async for event in live.follow(after_seq):
                 yield event
             return
         run = await self._stored(user_id, run_id)
+        await self._check_chat_kept(user_id, run.chat_id, run_id)
         poll_s = self.config.follow_poll_ms / 1000
         async for event in replay.follow_stored(self.store, user_id, run, after_seq, poll_s):
             yield event
@@ -234,8 +236,11 @@ class Runs:
     async def get(self, user_id: str, run_id: str) -> chat_pb2.Run:
         live = self._local(user_id, run_id)
         if live is not None:
+            await self._check_chat_kept(user_id, live.info.chat_id, run_id)
             return _live_proto(live)
-        return convert.run(await self._stored(user_id, run_id))
+        run = await self._stored(user_id, run_id)
+        await self._check_chat_kept(user_id, run.chat_id, run_id)
+        return convert.run(run)
 
     async def _stored(self, user_id: str, run_id: str) -> Run:
         try:
@@ -243,10 +248,26 @@ class Runs:
         except NotFound:
             raise not_found("run", run_id) from None
 
+    async def _check_chat_kept(self, user_id: str, chat_id: str, run_id: str) -> None:
+        """A deleted chat takes its runs with it: by run id its answers are NOT_FOUND, exactly as a run
+        that never existed (stateless completions have no chat)."""
+        if not chat_id:
+            return
+        try:
+            await self.store.get_chat(user_id, chat_id)
+        except NotFound:
+            raise not_found("run", run_id) from None
+
     # -- cancelling -----------------------------------------------------------------------------
 
     async def cancel(self, user_id: str, run_id: str) -> chat_pb2.Run:
-        """Stops the run at once; a finished run is left as it is."""
+        """Stops the run at once; a finished run is left as it is. A deleted chat's run is NOT_FOUND."""
+        live = self._local(user_id, run_id)
+        chat_id = live.info.chat_id if live is not None else (await self._stored(user_id, run_id)).chat_id
+        await self._check_chat_kept(user_id, chat_id, run_id)
+        return await self._cancel(user_id, run_id)
+
+    async def _cancel(self, user_id: str, run_id: str) -> chat_pb2.Run:
         live = self._local(user_id, run_id)
         if live is not None:
             relay = self._relays.get(run_id)
@@ -287,7 +308,7 @@ class Runs:
         """Stops this replica's runs of a chat (it was deleted)."""
         for live in list(self._live.values()):
             if live.info.user_id == user_id and live.info.chat_id == chat_id and not live.finished:
-                await self.cancel(user_id, live.info.run_id)
+                await self._cancel(user_id, live.info.run_id)
 
     # -- upkeep ---------------------------------------------------------------------------------
 

@@ -2,7 +2,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from chatmesh.identity import identity_from_metadata
 from meshkit.config import ServiceArgs, nested, setting
 
 
@@ -32,13 +31,6 @@ def test_list_flags_from_environment_and_repeated_flags(monkeypatch):
 def test_booleans_parse_words(monkeypatch):
     monkeypatch.delenv("CHATMESH_ROUTER_SHED", raising=False)
     assert make(monkeypatch, {"CHATMESH_ROUTER_SHED": "false"}).parse([]).shed is False
-
-
-def test_identity_comes_only_from_metadata_and_unknown_tiers_are_downgraded():
-    assert identity_from_metadata([("x-chatmesh-user-id", "alice"), ("x-chatmesh-tier", "pro")]).tier == "pro"
-    assert identity_from_metadata([("x-chatmesh-user-id", "bob"), ("x-chatmesh-tier", "root")]).tier == "free"
-    assert identity_from_metadata([("x-chatmesh-tier", "pro")]) is None
-    assert identity_from_metadata(None) is None
 
 
 @dataclass(frozen=True)

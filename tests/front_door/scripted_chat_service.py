@@ -29,8 +29,10 @@ from google.rpc import error_details_pb2, status_pb2
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort
-from chatmesh.identity import Identity, identity_from_metadata
+from chatmesh.identity import Identity, TokenVerifier, Unauthenticated
+from localmesh.dev_jwt import ISSUER
 from meshkit.serving import GrpcServer, start_grpc_server
+from tests.fixtures.identity import session_keys
 
 MODEL = "scripted-model"
 WORDS = [
@@ -173,6 +175,8 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         self.runs: dict[str, Run] = {}
         self._failures: dict[str, Failure] = {}
         self._delays: dict[str, float] = {}
+        # It proves callers as the orchestrator does: with the session's keys, from the token alone.
+        self._verifier = TokenVerifier(session_keys().jwks_path, ISSUER)
 
     # -- test controls (called from the test's thread; plain dict writes) --
 
@@ -210,10 +214,11 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
                 if failure.times <= 0:
                     self._failures.pop(method, None)
             await self._fail(context, failure)
-        identity = identity_from_metadata(context.invocation_metadata())
-        if identity is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no identity metadata")
-        return identity
+        try:
+            return self._verifier.identity_from_metadata(context.invocation_metadata())
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            raise
 
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, failure: Failure) -> None:

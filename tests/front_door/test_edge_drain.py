@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
 from meshkit.launcher import Launcher
 from tests.fixtures.edge import start_edge
+from tests.fixtures.identity import session_keys
 from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.helpers import wait_for
 from tests.front_door.sse_client import iter_events
@@ -31,8 +31,8 @@ def drain_edge(launcher: Launcher, front_door: ScriptedFrontDoor, grace_s: float
 def test_sigterm_drains_open_streams(
     front_door: ScriptedFrontDoor, tmp_path, user: str, tokens, grace_s, finishes
 ):
-    # Straight to the edge, as Envoy would call it: identity in headers.
-    headers = {USER_ID_HEADER: user, TIER_HEADER: "pro"}
+    # Straight to the edge, as Envoy would call it: with the caller's token.
+    headers = {"Authorization": f"Bearer {session_keys().mint(user, 'pro')}"}
     with Launcher(tmp_path, echo=lambda _: None) as launcher:
         edge = drain_edge(launcher, front_door, grace_s)
         with httpx.Client(base_url=edge.url, headers=headers, timeout=20) as client:

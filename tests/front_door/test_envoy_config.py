@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.identity import ROLE_HEADER, TIER_HEADER, USER_ID_HEADER
+from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
 from localmesh.dev_jwt import ISSUER, DevKeys
 from meshkit.envoy import EnvoyConfig, InvalidEnvoyConfigError, render_config, validate, write_config
 
@@ -70,7 +70,7 @@ def test_identity_headers_are_stripped_before_any_filter(config: EnvoyConfig):
     parsed = yaml.safe_load(render_config(config))
     public = parsed["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     mutations = public["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
-    assert {m["remove"] for m in mutations} == {USER_ID_HEADER, TIER_HEADER, ROLE_HEADER}
+    assert {m["remove"] for m in mutations} == {USER_ID_HEADER, TIER_HEADER}
     filters = [f["name"] for f in public["http_filters"]]
     assert filters.index("envoy.filters.http.jwt_authn") < filters.index("envoy.filters.http.local_ratelimit")
     assert filters[-1] == "envoy.filters.http.router"

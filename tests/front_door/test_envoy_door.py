@@ -58,9 +58,10 @@ def test_forged_identity_headers_with_a_valid_token_are_overwritten(front_door: 
     with front_door.client(user, "free") as client:
         assert client.get("/v1/me", headers=forged).json() == {"user_id": user, "tier": "free"}
         chat = client.post("/v1/chats", json={"title": "mine"}, headers=forged).json()
-    call = front_door.scripted.calls_to("CreateChat")[-1]
-    assert call.metadata[USER_ID_HEADER] == user
-    assert call.metadata[TIER_HEADER] == "free"
+        # The edge passes on the caller's token, and nothing of the forged headers.
+        call = front_door.scripted.calls_to("CreateChat")[-1]
+        assert call.metadata["authorization"] == client.headers["authorization"]
+        assert USER_ID_HEADER not in call.metadata and TIER_HEADER not in call.metadata
     assert front_door.scripted.chats[chat["chat_id"]][0] == user
 
 
@@ -188,15 +189,15 @@ def test_grpc_identity_comes_from_the_token_not_from_client_metadata(
     front_door: ScriptedFrontDoor, grpc_stub, user: str
 ):
     forged = ((USER_ID_HEADER, "victim"), (TIER_HEADER, "enterprise"))
+    token = f"Bearer {front_door.envoy.token(user, 'free')}"
     reply = grpc_stub.CreateChat(
-        chat_pb2.CreateChatRequest(title="grpc"),
-        metadata=bearer(front_door, user, "free") + forged,
-        timeout=5,
+        chat_pb2.CreateChatRequest(title="grpc"), metadata=(("authorization", token), *forged), timeout=5
     )
     assert front_door.scripted.chats[reply.chat.chat_id][0] == user
     call = front_door.scripted.calls_to("CreateChat")[-1]
     assert (call.metadata[USER_ID_HEADER], call.metadata[TIER_HEADER]) == (user, "free")
-    assert "authorization" not in call.metadata  # the token stops at Envoy
+    # The token itself goes on: the service behind Envoy proves the caller with it, not with the headers.
+    assert call.metadata["authorization"] == token
 
 
 def test_grpc_deadline_is_enforced_through_envoy(front_door: ScriptedFrontDoor, grpc_stub, user: str):

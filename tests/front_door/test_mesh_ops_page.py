@@ -96,7 +96,7 @@ def test_a_plain_user_is_refused(ops_door: OpsDoor, user: str, browser_context):
         error = assert_json_error(client.get("/v1/ops/overview"), 403)
         assert error["type"] == "permission_error" and "operator" in error["message"]
         assert_json_error(client.get("/v1/ops/runs/some-run/trace"), 403)
-    # Without a token Envoy refuses before the edge; a forged role header is stripped first.
+    # Without a token Envoy refuses before the edge; a role header proves nothing (the role is the token's claim).
     assert httpx.get(f"{door.url}/v1/ops/overview").status_code == 401
     forged = httpx.get(
         f"{door.url}/v1/ops/overview", headers={**door.auth(user), "x-chatmesh-role": OPERATOR_ROLE}

@@ -165,11 +165,15 @@ def test_every_probe_hits_the_port_its_service_listens_on(rendered, scenario):
 
 
 def test_edge_health_path_is_a_route_the_edge_serves():
+    from chatmesh.identity import TokenVerifier
     from edge.app import create_app
     from edge.settings import EdgeSettings
     from edge.sse import Drain
+    from localmesh.dev_jwt import ISSUER
+    from tests.fixtures.identity import session_keys
 
-    app = create_app(EdgeSettings(orchestrator="127.0.0.1:1"), Drain())
+    verifier = TokenVerifier(session_keys().jwks_path, ISSUER)
+    app = create_app(EdgeSettings(orchestrator="127.0.0.1:1"), verifier, Drain())
     assert "/healthz" in {getattr(route, "path", None) for route in app.routes}
 
 
@@ -523,3 +527,79 @@ def test_release_name_containing_chatmesh_is_not_repeated():
     names = {d["metadata"]["name"] for d in yaml.safe_load_all(out) if d}
     assert "chatmesh-router" in names
     assert RELEASE not in {n.split("-")[0] for n in names}
+
+
+@pytest.mark.parametrize("scenario", ["defaults", "full"])
+def test_edge_and_orchestrator_verify_tokens_with_envoys_jwks(rendered, scenario):
+    """Identity cannot be forged behind Envoy: the services that serve users mount the same JWKS Secret
+    and check the same issuer and audience as Envoy, so a direct call needs a token Envoy would accept."""
+    chart = rendered[scenario]
+    settings = envoy_settings(chart)
+    secrets = {}
+    for component, _, spec in chart.pod_specs():
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        if "jwks" in volumes:
+            secrets[component] = volumes["jwks"]["secret"]["secretName"]
+    assert secrets["edge"] == secrets["orchestrator"] == secrets["envoy"]
+    for component in ("edge", "orchestrator"):
+        container = chart.container(component, component)
+        env = env_of(container)
+        prefix = f"CHATMESH_{component.upper()}"
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "jwks")
+        assert mount["readOnly"] and env[f"{prefix}_JWKS_FILE"] == f"{mount['mountPath']}/jwks.json"
+        assert env[f"{prefix}_JWT_ISSUER"] == settings["jwt_issuer"]
+        assert env[f"{prefix}_JWT_AUDIENCE"] == settings["jwt_audience"]
+
+
+def _mounted(container: dict, volumes: dict[str, dict], path: str) -> dict:
+    """The Secret volume ``path`` lies in (through ``container``'s mounts)."""
+    mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    assert mount["readOnly"]
+    return volumes[mount["name"]]["secret"]
+
+
+def test_cassandra_credentials_and_tls_come_from_secrets_for_everything_that_connects(rendered, monkeypatch):
+    """The seeds cell logs in to its Cassandra over TLS with a client certificate: the orchestrator, its
+    wait-for-schema init container and the schema Job each get the username from the auth Secret, the
+    password as a file from it, and the CA and client certificate as files from the TLS Secret; the
+    settings parse as memory_store's own flags."""
+    from memory_store.__main__ import parse_args as memory_store_args
+    from memory_store.security import CassandraSecurity
+    from meshkit.config import from_flags
+    from orchestrator.config import parse as orchestrator_args
+
+    chart = rendered["seeds"]
+    checked = []
+    for _, _, spec in chart.pod_specs():
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in spec.get("initContainers", []) + spec["containers"]:
+            env = {item["name"]: item for item in container.get("env", [])}
+            users = [name for name in env if name.endswith("_CASSANDRA_USERNAME")]
+            if not users:
+                continue
+            prefix = users[0].removesuffix("_USERNAME")
+            assert env[users[0]]["valueFrom"]["secretKeyRef"] == {
+                "name": "chatmesh-cassandra-auth",
+                "key": "username",
+            }
+            password = env[f"{prefix}_PASSWORD_FILE"]["value"]
+            assert _mounted(container, volumes, password)["secretName"] == "chatmesh-cassandra-auth"
+            for name in ("TLS_CA_FILE", "TLS_CERT_FILE", "TLS_KEY_FILE"):
+                path = env[f"{prefix}_{name}"]["value"]
+                assert _mounted(container, volumes, path)["secretName"] == "chatmesh-cassandra-tls"
+            for name in list(os.environ):
+                if name.startswith("CHATMESH_"):
+                    monkeypatch.delenv(name)
+            for name, item in env.items():
+                monkeypatch.setenv(name, item.get("value", "from-the-secret"))
+            if prefix.startswith("CHATMESH_ORCHESTRATOR"):
+                security = orchestrator_args([])[1].store.security
+            else:
+                security = from_flags(CassandraSecurity, memory_store_args(["schema"]))
+            assert security.username and security.password_file and security.tls_cert_file
+            checked.append(container["name"])
+    assert sorted(checked) == ["orchestrator", "schema", "wait-for-schema"]
+    # A dev install (bundled node, no Secrets) sets none of it.
+    assert not any(
+        "CASSANDRA_USERNAME" in name for name in env_of(rendered["full"].container("orchestrator"))
+    )

@@ -28,11 +28,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.identity import TIER_HEADER, USER_ID_HEADER
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from meshkit.launcher import Launcher, free_port
 from tests.fixtures.edge import EdgeHandle, start_edge
+from tests.fixtures.identity import session_keys
 from tests.fixtures.orchestrator import ChatClient, Mesh, OrchestratorProcess, collect
 from tests.helm.chart import REQUIRED_SETS, render
 from tests.helm.observability import ChartQuery, queries
@@ -114,7 +114,7 @@ def _scrape(urls: list[str], into: Scrape) -> None:
 
 
 async def _answers_through_the_edge(edge: EdgeHandle) -> None:
-    headers = {USER_ID_HEADER: "metrics-user", TIER_HEADER: "pro"}
+    headers = {"Authorization": f"Bearer {session_keys().mint('metrics-user', 'pro')}"}
     async with httpx.AsyncClient(base_url=edge.url, headers=headers, timeout=60) as http:
         created = await http.post("/v1/chats", json={"title": "metrics"})
         created.raise_for_status()

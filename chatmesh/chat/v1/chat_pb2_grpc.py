@@ -28,12 +28,13 @@ if _version_not_supported:
 class ChatServiceStub:
     """ChatService is served by the orchestrator.
 
-    Identity: the caller's user id and tier arrive as metadata set by Envoy after JWT verification
-    (`x-chatmesh-user-id`, `x-chatmesh-tier`); no request body names a user. Another user's chat or run
-    is reported as NOT_FOUND, never as PERMISSION_DENIED, so ids cannot be probed.
+    Identity: the caller's user id and tier come from their JWT (`authorization: Bearer`, forwarded by
+    Envoy), which the orchestrator verifies itself; no request body or other header names a user. Another
+    user's chat or run, or one of a deleted chat, is reported as NOT_FOUND, never as PERMISSION_DENIED, so
+    ids cannot be probed.
 
     Errors (gRPC status):
-    UNAUTHENTICATED      no identity metadata.
+    UNAUTHENTICATED      no valid bearer token.
     INVALID_ARGUMENT     malformed request, bad page token, a limit exceeded (message size, max_tokens,
     page size, title length, prompt beyond the context window).
     NOT_FOUND            unknown (or not owned) chat, message or run.
@@ -125,12 +126,13 @@ class ChatServiceStub:
 class ChatServiceServicer:
     """ChatService is served by the orchestrator.
 
-    Identity: the caller's user id and tier arrive as metadata set by Envoy after JWT verification
-    (`x-chatmesh-user-id`, `x-chatmesh-tier`); no request body names a user. Another user's chat or run
-    is reported as NOT_FOUND, never as PERMISSION_DENIED, so ids cannot be probed.
+    Identity: the caller's user id and tier come from their JWT (`authorization: Bearer`, forwarded by
+    Envoy), which the orchestrator verifies itself; no request body or other header names a user. Another
+    user's chat or run, or one of a deleted chat, is reported as NOT_FOUND, never as PERMISSION_DENIED, so
+    ids cannot be probed.
 
     Errors (gRPC status):
-    UNAUTHENTICATED      no identity metadata.
+    UNAUTHENTICATED      no valid bearer token.
     INVALID_ARGUMENT     malformed request, bad page token, a limit exceeded (message size, max_tokens,
     page size, title length, prompt beyond the context window).
     NOT_FOUND            unknown (or not owned) chat, message or run.
@@ -325,12 +327,13 @@ def add_ChatServiceServicer_to_server(servicer, server):
 class ChatService:
     """ChatService is served by the orchestrator.
 
-    Identity: the caller's user id and tier arrive as metadata set by Envoy after JWT verification
-    (`x-chatmesh-user-id`, `x-chatmesh-tier`); no request body names a user. Another user's chat or run
-    is reported as NOT_FOUND, never as PERMISSION_DENIED, so ids cannot be probed.
+    Identity: the caller's user id and tier come from their JWT (`authorization: Bearer`, forwarded by
+    Envoy), which the orchestrator verifies itself; no request body or other header names a user. Another
+    user's chat or run, or one of a deleted chat, is reported as NOT_FOUND, never as PERMISSION_DENIED, so
+    ids cannot be probed.
 
     Errors (gRPC status):
-    UNAUTHENTICATED      no identity metadata.
+    UNAUTHENTICATED      no valid bearer token.
     INVALID_ARGUMENT     malformed request, bad page token, a limit exceeded (message size, max_tokens,
     page size, title length, prompt beyond the context window).
     NOT_FOUND            unknown (or not owned) chat, message or run.

@@ -152,6 +152,77 @@ securityContext:
   {{- toYaml .Values.securityContext | nindent 2 }}
 {{- end -}}
 
+{{/*
+The JWKS Envoy verifies tokens with (envoy.jwt): the edge and the orchestrator mount the same Secret and
+verify each caller's forwarded token themselves, so identity cannot be forged by reaching them directly.
+A Secret volume (no subPath) follows the Secret's updates; the services re-read the file when it changes.
+*/}}
+{{- define "chatmesh.jwksSecret" -}}
+{{- default (printf "%s-jwks" (include "chatmesh.component" (dict "root" . "component" "envoy"))) .Values.envoy.jwt.existingSecret -}}
+{{- end -}}
+{{- define "chatmesh.jwksVolume" -}}
+- name: jwks
+  secret:
+    secretName: {{ include "chatmesh.jwksSecret" . }}
+    items: [{key: jwks.json, path: jwks.json}]
+{{- end -}}
+{{- define "chatmesh.jwksMount" -}}
+- {name: jwks, mountPath: /etc/chatmesh/jwks, readOnly: true}
+{{- end -}}
+{{/* The identity flags of a service that verifies callers' tokens (chatmesh.identity.IdentityConfig). */}}
+{{- define "chatmesh.identityWiring" -}}
+{{- toJson (dict "jwks-file" "/etc/chatmesh/jwks/jwks.json" "jwt-issuer" .Values.envoy.jwt.issuer "jwt-audience" .Values.envoy.jwt.audience) -}}
+{{- end -}}
+
+{{/*
+Cassandra credentials (PasswordAuthenticator) and client TLS from Secrets (cassandra.auth, cassandra.tls),
+as the environment of a process that connects (memory_store.security.CassandraSecurity's flags):
+(dict "root" $ "service" "orchestrator") or "memory_store" for `python -m memory_store schema`.
+*/}}
+{{- define "chatmesh.cassandraSecurityEnv" -}}
+{{- $c := .root.Values.cassandra -}}
+{{- $prefix := printf "CHATMESH_%s_CASSANDRA" (upper .service) -}}
+{{- with $c.auth.existingSecret }}
+- name: {{ $prefix }}_USERNAME
+  valueFrom:
+    secretKeyRef: {name: {{ . | quote }}, key: username}
+- name: {{ $prefix }}_PASSWORD_FILE
+  value: /etc/chatmesh/cassandra-auth/password
+{{- end }}
+{{- if $c.tls.enabled }}
+- name: {{ $prefix }}_TLS_CA_FILE
+  value: /etc/chatmesh/cassandra-tls/ca.crt
+{{- if $c.tls.clientCertificate }}
+- name: {{ $prefix }}_TLS_CERT_FILE
+  value: /etc/chatmesh/cassandra-tls/tls.crt
+- name: {{ $prefix }}_TLS_KEY_FILE
+  value: /etc/chatmesh/cassandra-tls/tls.key
+{{- end }}
+{{- end }}
+{{- end -}}
+{{- define "chatmesh.cassandraSecurityVolumes" -}}
+{{- $c := .Values.cassandra -}}
+{{- with $c.auth.existingSecret }}
+- name: cassandra-auth
+  secret:
+    secretName: {{ . | quote }}
+    items: [{key: password, path: password}]
+{{- end }}
+{{- if $c.tls.enabled }}
+- name: cassandra-tls
+  secret:
+    secretName: {{ required "cassandra.tls.existingSecret: name the Secret holding ca.crt (and tls.crt, tls.key with clientCertificate)" $c.tls.existingSecret | quote }}
+{{- end }}
+{{- end -}}
+{{- define "chatmesh.cassandraSecurityMounts" -}}
+{{- if .Values.cassandra.auth.existingSecret }}
+- {name: cassandra-auth, mountPath: /etc/chatmesh/cassandra-auth, readOnly: true}
+{{- end }}
+{{- if .Values.cassandra.tls.enabled }}
+- {name: cassandra-tls, mountPath: /etc/chatmesh/cassandra-tls, readOnly: true}
+{{- end }}
+{{- end -}}
+
 {{/* A writable /tmp (the root filesystem is read-only). */}}
 {{- define "chatmesh.tmpVolume" -}}
 - name: tmp
