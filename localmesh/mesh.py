@@ -302,8 +302,8 @@ def observability(config: MeshConfig, run_dir: Path, operator_token: str) -> str
         "  Operations page (operator token; make token ROLE=operator prints another):",
         f"  http://127.0.0.1:{ports.front_door.envoy}/ops#token={operator_token}",
         "  Prometheus metrics:",
-        *(f"  {name + ':':14}{url}" for name, url in config.metrics_endpoints().items()),
-        f"  {'envoy:':14}http://127.0.0.1:{ports.front_door.envoy_admin}/stats/prometheus",
+        *(f"  {name + ':':16}{url}" for name, url in config.metrics_endpoints().items()),
+        f"  {'envoy:':16}http://127.0.0.1:{ports.front_door.envoy_admin}/stats/prometheus",
         f"  Traces: {span_file(run_dir)} (JSON lines; Envoy's via OTLP on 127.0.0.1:{ports.otlp})",
     ]
     return "\n".join(lines)
