@@ -1,7 +1,15 @@
 """``python -m localmesh.mesh`` (``make run``): the whole mesh on 127.0.0.1 under one supervisor.
 
-Starts the services in dependency order, waits for each to be healthy, prints where to connect, and
-stops everything on Ctrl-C. Logs go to ``.run/mesh/logs/<service>.log``.
+Starts the services in dependency order, waits for each to be healthy, prints where to connect, then
+restarts any service that dies (with backoff, logged: ``meshkit/supervisor.py``) until Ctrl-C stops
+everything. Logs go to ``.run/mesh/logs/<service>.log``.
+
+Each tier can run several replicas (``--orchestrators 2 --routers 2 --engines 3 --cassandra-nodes 3``).
+Replica i of the orchestrator and router tiers listens (and serves metrics) ``REPLICA_PORT_STRIDE * i``
+above the first one's ports; engines take consecutive ports. Every router follows every engine;
+orchestrator i uses router i mod R; Envoy spreads chats over the orchestrators (ring hash on the chat
+id). Cassandra members listen on 127.0.0.1 ... 127.0.0.N with the keyspace replicated to three of them
+(``memory_store/cluster.py``).
 
 Every service exposes Prometheus ``/metrics`` on a fixed port (printed at start), and every span lands in
 ``.run/mesh/spans.jsonl``: the Python services write it themselves (``CHATMESH_TRACE_FILE``), Envoy sends
@@ -23,11 +31,16 @@ from chatmesh.identity import OPERATOR_ROLE
 from chatmesh.tokenizer import load_tokenizer
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
-from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
+from memory_store.cluster import CassandraCluster, ClusterConfig
+from memory_store.node import NodeSetupError
 from meshkit.envoy import InvalidEnvoyConfigError
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec, TcpOpen
 from meshkit.serving import PortInUseError
+from meshkit.supervisor import Supervisor
 from meshkit.telemetry import TRACE_FILE_ENV
+
+# Replica i of the orchestrator and router tiers listens this far above replica i - 1.
+REPLICA_PORT_STRIDE = 100
 
 
 @dataclass(frozen=True)
@@ -57,11 +70,23 @@ LITE_SUFFIX = "-lite"
 LITE_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.1875", "--max-running-requests", "8")
 
 
+def replica_name(tier: str, index: int, replicas: int) -> str:
+    """``router`` when the tier has one replica, ``router-0``, ``router-1``, ... when it has more."""
+    return tier if replicas == 1 else f"{tier}-{index}"
+
+
+def replica_ports(first: int, replicas: int) -> list[int]:
+    return [first + REPLICA_PORT_STRIDE * i for i in range(replicas)]
+
+
 @dataclass(frozen=True)
 class MeshConfig:
     ports: MeshPorts = MeshPorts()
     engines: int = 2
     lite_engines: int = 1  # engines of the cheaper pool (0: the free tier is shed, never degraded)
+    orchestrators: int = 1
+    routers: int = 1
+    cassandra_nodes: int = 1
     engine_backend: str = "cpu"
     python: str = sys.executable
     # Whom the dev token printed at start-up speaks for.
@@ -73,6 +98,22 @@ class MeshConfig:
         """The primary engines' ports, then the cheaper pool's."""
         return [self.ports.first_engine + i for i in range(self.engines + self.lite_engines)]
 
+    def orchestrator_ports(self) -> list[int]:
+        return replica_ports(self.ports.orchestrator, self.orchestrators)
+
+    def router_ports(self) -> list[int]:
+        return replica_ports(self.ports.router, self.routers)
+
+    def cassandra_cluster(self) -> ClusterConfig:
+        """The mesh's Cassandra: started first, before everything else; its data survives restarts."""
+        return ClusterConfig(
+            data_dir=self.cassandra_data_dir.resolve(),
+            size=self.cassandra_nodes,
+            cql_port=self.ports.cassandra,
+            storage_port=self.ports.cassandra_storage,
+            first_jmx_port=self.ports.cassandra_jmx,
+        )
+
     def metrics_endpoints(self) -> dict[str, str]:
         """Every service's Prometheus endpoint by service name (an engine's name is its engine id)."""
         ports = self.ports
@@ -80,8 +121,12 @@ class MeshConfig:
             f"engine-{i}": f"http://127.0.0.1:{ports.first_engine_metrics + i}/metrics"
             for i in range(self.engines + self.lite_engines)
         }
-        endpoints["router"] = f"http://127.0.0.1:{ports.router_metrics}/metrics"
-        endpoints["orchestrator"] = f"http://127.0.0.1:{ports.orchestrator_metrics}/metrics"
+        for tier, first, replicas in (
+            ("router", ports.router_metrics, self.routers),
+            ("orchestrator", ports.orchestrator_metrics, self.orchestrators),
+        ):
+            for i, port in enumerate(replica_ports(first, replicas)):
+                endpoints[replica_name(tier, i, replicas)] = f"http://127.0.0.1:{port}/metrics"
         endpoints["edge"] = f"http://127.0.0.1:{ports.edge_metrics}/metrics"
         return endpoints
 
@@ -93,16 +138,6 @@ class MeshConfig:
             if name != "edge"
             for flag in ("--ops-metrics-target", f"{name}={url}")
         ]
-
-
-def cassandra_node_config(config: MeshConfig) -> NodeConfig:
-    """The mesh's Cassandra node: started first, before everything else; its data survives restarts."""
-    return NodeConfig(
-        data_dir=config.cassandra_data_dir.resolve(),
-        cql_port=config.ports.cassandra,
-        storage_port=config.ports.cassandra_storage,
-        jmx_port=config.ports.cassandra_jmx,
-    )
 
 
 def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
@@ -135,49 +170,61 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
             )
         )
     # Named like the engines' --engine-id, so `routed` frames, logs and metrics agree on engine names.
+    # Every router follows every engine (their KV events included).
     engine_flags = [
         flag
         for i, port in enumerate(config.engine_ports())
         for flag in ("--engine", f"engine-{i}=127.0.0.1:{port}")
     ]
     degrade_flags = ("--degrade", f"{model}={lite_model}") if config.lite_engines else ()
-    specs.append(
+    router_ports = config.router_ports()
+    router_metrics = replica_ports(ports.router_metrics, config.routers)
+    specs.extend(
         ServiceSpec(
-            name="router",
+            name=replica_name("router", i, config.routers),
             argv=[
                 py,
                 "-m",
                 "router",
                 "--port",
-                str(ports.router),
+                str(port),
                 "--metrics-port",
-                str(ports.router_metrics),
+                str(metrics),
                 *engine_flags,
                 *degrade_flags,
             ],
-            ports=(ports.router, ports.router_metrics),
-            ready=GrpcHealthy(ports.router),
+            ports=(port, metrics),
+            ready=GrpcHealthy(port),
         )
+        for i, (port, metrics) in enumerate(zip(router_ports, router_metrics, strict=True))
     )
-    specs.append(
+    cassandra = config.cassandra_cluster()
+    cassandra_flags = [
+        *(flag for contact in cassandra.contact_points() for flag in ("--cassandra", contact)),
+        *("--cassandra-replication", cassandra.replication_flag()),
+    ]
+    orchestrator_metrics = replica_ports(ports.orchestrator_metrics, config.orchestrators)
+    specs.extend(
         ServiceSpec(
-            name="orchestrator",
+            name=replica_name("orchestrator", i, config.orchestrators),
             argv=[
                 py,
                 "-m",
                 "orchestrator",
                 "--port",
-                str(ports.orchestrator),
+                str(port),
                 "--router",
-                f"127.0.0.1:{ports.router}",
-                "--cassandra",
-                f"127.0.0.1:{ports.cassandra}",
+                f"127.0.0.1:{router_ports[i % len(router_ports)]}",
+                *cassandra_flags,
                 "--metrics-port",
-                str(ports.orchestrator_metrics),
+                str(metrics),
                 *keys.service_flags(),
             ],
-            ports=(ports.orchestrator, ports.orchestrator_metrics),
-            ready=GrpcHealthy(ports.orchestrator),
+            ports=(port, metrics),
+            ready=GrpcHealthy(port),
+        )
+        for i, (port, metrics) in enumerate(
+            zip(config.orchestrator_ports(), orchestrator_metrics, strict=True)
         )
     )
     # The front door: the edge, then Envoy in front of it and the orchestrator.
@@ -192,7 +239,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     specs.extend(
         front_door_specs(
             ports.front_door,
-            [ports.orchestrator],
+            config.orchestrator_ports(),
             run_dir,
             keys,
             py,
@@ -232,6 +279,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument(
         "--lite-engines", type=int, default=1, help="engines of the cheaper pool free requests degrade to"
     )
+    parser.add_argument("--orchestrators", type=int, default=1, help="number of orchestrator replicas")
+    parser.add_argument("--routers", type=int, default=1, help="number of router replicas")
+    parser.add_argument(
+        "--cassandra-nodes", type=int, default=1, help="Cassandra cluster size (127.0.0.1 ... 127.0.0.N)"
+    )
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
@@ -254,6 +306,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
         ports=ports,
         engines=args.engines,
         lite_engines=args.lite_engines,
+        orchestrators=args.orchestrators,
+        routers=args.routers,
+        cassandra_nodes=args.cassandra_nodes,
         engine_backend=args.engine_backend,
         user=args.user,
         tier=args.tier,
@@ -269,8 +324,8 @@ def observability(config: MeshConfig, run_dir: Path, operator_token: str) -> str
         "  Operations page (operator token; make token ROLE=operator prints another):",
         f"  http://127.0.0.1:{ports.front_door.envoy}/ops#token={operator_token}",
         "  Prometheus metrics:",
-        *(f"  {name + ':':14}{url}" for name, url in config.metrics_endpoints().items()),
-        f"  {'envoy:':14}http://127.0.0.1:{ports.front_door.envoy_admin}/stats/prometheus",
+        *(f"  {name + ':':16}{url}" for name, url in config.metrics_endpoints().items()),
+        f"  {'envoy:':16}http://127.0.0.1:{ports.front_door.envoy_admin}/stats/prometheus",
         f"  Traces: {span_file(run_dir)} (JSON lines; Envoy's via OTLP on 127.0.0.1:{ports.otlp})",
     ]
     return "\n".join(lines)
@@ -286,10 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     span_file(run_dir).unlink(missing_ok=True)
     os.environ[TRACE_FILE_ENV] = str(span_file(run_dir))
     with Launcher(run_dir) as launcher:
+        cassandra = CassandraCluster(config.cassandra_cluster(), launcher)
         try:
-            # Cassandra first: the orchestrator needs it. SIGTERM at shutdown drains it (flushes
-            # memtables) through Cassandra's own shutdown hook.
-            CassandraNode(cassandra_node_config(config), launcher).start()
+            # Cassandra first: the orchestrators need it. SIGTERM at shutdown drains each member
+            # (flushes memtables) through Cassandra's own shutdown hook.
+            cassandra.start()
             for spec in mesh_specs(config, run_dir):
                 if stop.is_set():
                     return 130
@@ -300,23 +356,19 @@ def main(argv: list[str] | None = None) -> int:
         keys = ensure_keys()
         token = keys.mint(config.user, config.tier)
         operator = keys.mint("operator", config.tier, role=OPERATOR_ROLE)
+        contacts = ", ".join(config.cassandra_cluster().contact_points())
         print(
             f"\nchatmesh is up. Logs: {run_dir / 'logs'}\n"
             f"{welcome(config.ports.front_door, token, config.user, config.tier)}\n"
-            f"  cassandra:    127.0.0.1:{config.ports.cassandra} (CQL; data in {config.cassandra_data_dir})\n"
+            f"  cassandra:    {contacts} (CQL; data in {config.cassandra_data_dir})\n"
             f"{observability(config, run_dir, operator)}\n"
-            "Press Ctrl-C to stop everything.",
+            "A service that dies is restarted. Press Ctrl-C to stop everything.",
             flush=True,
         )
+        supervisor = Supervisor(launcher)
+        supervisor.watch_all()
         while not stop.wait(1.0):
-            for name, running in launcher.running.items():
-                if running.process.poll() is not None:
-                    print(
-                        f"\nERROR: {name} exited with code {running.process.returncode}; "
-                        f"see {running.log_path}. Stopping the mesh.",
-                        file=sys.stderr,
-                    )
-                    return 1
+            supervisor.tick()
         print("\nstopping chatmesh ...", flush=True)
     return 0
 

@@ -97,12 +97,13 @@ SERVER_FLAGS = (
     "-Dio.netty.allocator.maxOrder=11",
 )
 
-# A single node has no peers to tell about its start or shutdown: skip the waits meant for them.
-SINGLE_NODE_FLAGS = (
+# Local nodes start with their tokens given (no bootstrap): do not wait for gossip to settle first.
+START_FLAGS = (
     "-Dcassandra.skip_wait_for_gossip_to_settle=0",
-    "-Dcassandra.shutdown_announce_in_ms=0",
     "-Dchronicle.announcer.disable=true",
 )
+# A node alone has no peers to tell about its shutdown: skip the pause that lets the news spread.
+ALONE_FLAGS = ("-Dcassandra.shutdown_announce_in_ms=0",)
 
 
 class NodeSetupError(RuntimeError):
@@ -111,7 +112,8 @@ class NodeSetupError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """One local single-node cluster bound to 127.0.0.1."""
+    """One local node. Alone by default (127.0.0.1, its own seed); ``memory_store/cluster.py`` gives
+    each member of a local cluster its own loopback address, token and the first member as seed."""
 
     data_dir: Path
     cql_port: int = 9042
@@ -125,6 +127,14 @@ class NodeConfig:
     # it Cassandra 5.0 falls back to estimating sizes. Start time and RSS measured the same either way.
     jamm_agent: bool = True
     ready_timeout_s: float = 180.0
+    # Where the node listens (storage and CQL); every member of a local cluster has its own address.
+    address: str = "127.0.0.1"
+    # The seed's address (same storage port); a node alone is its own seed.
+    seed: str = "127.0.0.1"
+    # num_tokens is 1, so a cluster's members split the ring by giving each its own token.
+    initial_token: int = 0
+    # How many nodes the cluster has (1: this one alone).
+    cluster_size: int = 1
     # What a secured cluster asks of clients, to test memory_store against (a dev node needs neither):
     # PasswordAuthenticator (the default superuser is cassandra/cassandra), and CQL over TLS only, the
     # node's key and certificate chain in one PEM file.
@@ -147,24 +157,27 @@ class NodeConfig:
 
 
 def cassandra_yaml(config: NodeConfig) -> str:
-    """A single-node cassandra.yaml (5.0 key names and units); everything else keeps its default."""
+    """The node's cassandra.yaml (5.0 key names and units); everything else keeps its default."""
     data = config.data_dir
     return f"""\
-# Written by memory_store/node.py for a local single-node cluster; regenerated at every start.
+# Written by memory_store/node.py for a local node; regenerated at every start.
 cluster_name: chatmesh
 num_tokens: 1
-initial_token: 0
+initial_token: {config.initial_token}
+# Members of a new local cluster start empty, with their tokens given: nothing to stream at first
+# start. A member that was down catches up from hints (and repair), not by bootstrapping again.
+auto_bootstrap: false
 partitioner: org.apache.cassandra.dht.Murmur3Partitioner
 endpoint_snitch: SimpleSnitch
-listen_address: 127.0.0.1
-rpc_address: 127.0.0.1
+listen_address: {config.address}
+rpc_address: {config.address}
 storage_port: {config.storage_port}
 native_transport_port: {config.cql_port}
 start_native_transport: true
 seed_provider:
   - class_name: org.apache.cassandra.locator.SimpleSeedProvider
     parameters:
-      - seeds: "127.0.0.1:{config.storage_port}"
+      - seeds: "{config.seed}:{config.storage_port}"
 data_file_directories:
   - {data}/data
 commitlog_directory: {data}/commitlog
@@ -174,6 +187,9 @@ cdc_raw_directory: {data}/cdc_raw
 # Durability: acknowledge a write only after its commitlog entry is fsynced (periodic, the default,
 # may lose up to 10 s of acknowledged writes on a crash). Concurrent writes share one fsync.
 commitlog_sync: batch
+# Hints for a member that was down reach disk within a second (default 10 s), so it catches up soon
+# after it comes back.
+hints_flush_period: 1000ms
 commitlog_segment_size: 32MiB
 commitlog_total_space: 512MiB
 # A small footprint for a laptop or CI box.
@@ -214,7 +230,8 @@ def jvm_argv(config: NodeConfig) -> list[str]:
         f"-Xmx{config.heap_max}",
         *SERVER_FLAGS,
         *JPMS_FLAGS,
-        *SINGLE_NODE_FLAGS,
+        *START_FLAGS,
+        *(ALONE_FLAGS if config.cluster_size == 1 else ()),
         # The default superuser at once, not after the 10 s meant for a cluster's nodes to agree.
         *(["-Dcassandra.superuser_setup_delay_ms=0"] if config.password_auth else []),
         *([f"-javaagent:{agent}"] if agent else []),
@@ -258,6 +275,7 @@ class CqlAnswers:
     """
 
     port: int
+    host: str = "127.0.0.1"
     # Speak TLS (a node whose clients must); the probe only asks whether CQL answers, so it trusts any
     # certificate. OPTIONS needs no login, so PasswordAuthenticator does not matter here.
     tls: bool = False
@@ -268,7 +286,7 @@ class CqlAnswers:
 
     def __call__(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1.0) as plain:
+            with socket.create_connection((self.host, self.port), timeout=1.0) as plain:
                 sock = _probe_tls().wrap_socket(plain) if self.tls else plain
                 sock.sendall(self._OPTIONS)
                 header = sock.recv(9)
@@ -277,7 +295,7 @@ class CqlAnswers:
         return len(header) >= 5 and header[0] == 0x84 and header[4] == self._SUPPORTED
 
     def describe(self) -> str:
-        return f"CQL{' over TLS' if self.tls else ''} on 127.0.0.1:{self.port}"
+        return f"CQL{' over TLS' if self.tls else ''} on {self.host}:{self.port}"
 
 
 def _probe_tls() -> ssl.SSLContext:
@@ -294,8 +312,10 @@ def service_spec(config: NodeConfig, name: str = "cassandra") -> ServiceSpec:
     return ServiceSpec(
         name=name,
         argv=jvm_argv(config),
-        ports=(config.cql_port, config.storage_port, config.jmx_port),
-        ready=CqlAnswers(config.cql_port, tls=config.tls_keystore_pem is not None),
+        # JMX listens on 127.0.0.1 whatever the node's address (-Dcassandra.jmx.local.port).
+        ports=(config.jmx_port,),
+        addresses=((config.address, config.cql_port), (config.address, config.storage_port)),
+        ready=CqlAnswers(config.cql_port, config.address, tls=config.tls_keystore_pem is not None),
         ready_timeout_s=config.ready_timeout_s,
         stop_timeout_s=90.0,
     )
@@ -326,10 +346,11 @@ class CassandraNode:
         self.config = config
         self.launcher = launcher
         self.name = name
+        self._spawned_at = time.monotonic()
 
     @property
     def contact(self) -> tuple[str, int]:
-        return ("127.0.0.1", self.config.cql_port)
+        return (self.config.address, self.config.cql_port)
 
     @property
     def pid(self) -> int | None:
@@ -338,13 +359,22 @@ class CassandraNode:
 
     def start(self) -> StartReport:
         """Starts the node and blocks until CQL answers; prints startup time and RSS."""
-        started = time.monotonic()
-        running = self.launcher.start(service_spec(self.config, self.name))
-        report = StartReport(time.monotonic() - started, rss_mib(running.pid), running.pid)
+        self.spawn()
+        return self.wait_ready()
+
+    def spawn(self) -> None:
+        """Starts the node without waiting (``wait_ready`` waits): a cluster's members start side by side."""
+        self._spawned_at = time.monotonic()
+        self.launcher.spawn(service_spec(self.config, self.name))
+
+    def wait_ready(self) -> StartReport:
+        """Blocks until the spawned node answers CQL; prints startup time and RSS."""
+        running = self.launcher.wait_ready(self.name)
+        report = StartReport(time.monotonic() - self._spawned_at, rss_mib(running.pid), running.pid)
         rss = f"{report.rss_mib:.0f} MiB" if report.rss_mib is not None else "unknown"
         print(
             f"  {self.name}: Cassandra up in {report.startup_s:.1f}s, RSS {rss}, "
-            f"CQL 127.0.0.1:{self.config.cql_port}, data {self.config.data_dir}",
+            f"CQL {self.config.address}:{self.config.cql_port}, data {self.config.data_dir}",
             flush=True,
         )
         return report
@@ -372,6 +402,11 @@ class CassandraNode:
         if done.returncode != 0:
             raise RuntimeError(f"nodetool {' '.join(args)} failed: {done.stdout}{done.stderr}".strip())
         return done.stdout
+
+    def holds_hints(self) -> bool:
+        """Whether this node keeps writes for a peer that was down: hints files, deleted once replayed.
+        (Reading the directory: ``nodetool listpendinghints`` answered "none" while files were there.)"""
+        return any((self.config.data_dir / "hints").glob("*.hints"))
 
     def drain(self) -> None:
         """Flushes memtables and stops accepting writes (the node must still be stopped after)."""

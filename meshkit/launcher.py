@@ -38,7 +38,9 @@ __all__ = [
     "ServiceFailedError",
     "ServiceSpec",
     "TcpOpen",
+    "free_consecutive_ports",
     "free_port",
+    "free_port_on_every",
     "port_is_free",
 ]
 
@@ -114,7 +116,10 @@ class ServiceSpec:
 
     name: str
     argv: list[str]
+    # Ports it listens on at 127.0.0.1, and (address, port) pairs on other loopback addresses
+    # (a local Cassandra cluster's members are 127.0.0.2, 127.0.0.3, ...): all must be free to start.
     ports: tuple[int, ...] = ()
+    addresses: tuple[tuple[str, int], ...] = ()
     ready: ReadyCheck | None = None
     env: dict[str, str] = field(default_factory=dict)
     cwd: Path | None = None
@@ -153,6 +158,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_on_every(addresses: list[str]) -> int:
+    """A port free on all of ``addresses`` (the members of a local cluster share their ports)."""
+    while True:
+        port = free_port()
+        if all(port_is_free(port, address) for address in addresses):
+            return port
+
+
+def free_consecutive_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 (engines, a cluster's JMX ports)."""
+    while True:
+        first = free_port()
+        if all(port_is_free(first + i) for i in range(count)):
+            return first
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: ask Linux to SIGTERM it if the launcher dies (even by SIGKILL)."""
     if sys.platform.startswith("linux"):
@@ -183,6 +204,8 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._echo = echo or (lambda line: print(line, flush=True))
         self._running: dict[str, Running] = {}
+        # Start order by name, kept across restarts: a restarted service still stops in its place.
+        self._order: dict[str, int] = {}
 
     def __enter__(self) -> Launcher:
         return self
@@ -196,12 +219,19 @@ class Launcher:
 
     def start(self, spec: ServiceSpec) -> Running:
         """Starts ``spec`` and blocks until it is ready; raises with the log's tail if it is not."""
+        self.spawn(spec)
+        return self.wait_ready(spec.name)
+
+    def spawn(self, spec: ServiceSpec) -> Running:
+        """Starts ``spec`` without waiting for it to be ready (``wait_ready`` does): services spawned
+        one after another then start side by side. Call it from a thread that outlives the service:
+        Linux sends the parent-death signal when the spawning *thread* exits."""
         if spec.name in self._running:
             raise ValueError(f"service {spec.name!r} is already running")
-        for port in spec.ports:
-            if not port_is_free(port):
+        for host, port in [*(("127.0.0.1", port) for port in spec.ports), *spec.addresses]:
+            if not port_is_free(port, host):
                 raise PortInUseError(
-                    f"port {port} needed by {spec.name} is already in use on 127.0.0.1. "
+                    f"port {port} needed by {spec.name} is already in use on {host}. "
                     f"Stop the process holding it (ss -ltnp 'sport = :{port}') or choose another port."
                 )
         log_path = self.log_dir / f"{spec.name}.log"
@@ -224,10 +254,16 @@ class Launcher:
             log_file.close()
         running = Running(spec=spec, process=process, log_path=log_path, started_at=time.monotonic())
         self._running[spec.name] = running
+        self._order.setdefault(spec.name, len(self._order))
+        return running
+
+    def wait_ready(self, name: str) -> Running:
+        """Blocks until the spawned service ``name`` is ready; stops it and raises if it is not."""
+        running = self._running[name]
         try:
             self._wait_ready(running)
         except BaseException:
-            self.stop(spec.name)
+            self.stop(name)
             raise
         return running
 
@@ -303,6 +339,6 @@ class Launcher:
         return process.returncode
 
     def stop_all(self) -> None:
-        for name in reversed(list(self._running)):
+        for name in sorted(self._running, key=self._order.__getitem__, reverse=True):
             code = self.stop(name)
             self._echo(f"stopped {name} (exit code {code})")

@@ -1,6 +1,8 @@
 """The launcher starts process groups, waits for health, and stops everything it started."""
 
 import os
+import re
+import signal
 import socket
 import sys
 import textwrap
@@ -19,6 +21,7 @@ from meshkit.launcher import (
     free_port,
     port_is_free,
 )
+from meshkit.supervisor import Supervisor
 
 # A service that forks a grandchild (to prove the whole group is stopped), writes the grandchild's pid
 # where the test can read it, and listens on a port.
@@ -159,3 +162,74 @@ def test_grpc_health_check_waits_for_serving(tmp_path):
         code = launcher.stop("router")
     assert code == 0, "SIGTERM must drain and exit cleanly"
     assert not GrpcHealthy(port)()
+
+
+def tick_until(supervisor: Supervisor, done, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the supervisor did not get there in time"
+        supervisor.tick()
+        time.sleep(0.1)
+
+
+def test_supervisor_restarts_a_killed_service_with_growing_backoff_and_logs_it(tmp_path):
+    spec, port, _ = family_spec(tmp_path)
+    lines: list[str] = []
+    with Launcher(tmp_path / "run", echo=lambda _: None) as launcher:
+        first = launcher.start(spec)
+        supervisor = Supervisor(launcher, echo=lines.append)
+        supervisor.watch_all()
+        pids = [first.pid]
+        for restart in (1, 2):
+            launcher.signal("family", signal.SIGKILL)  # a crash of the whole service
+            assert wait_gone(pids[-1])
+            tick_until(supervisor, lambda n=restart: sum("ready again" in line for line in lines) == n)
+            pids.append(launcher.running["family"].pid)
+            assert supervisor.restarts("family") == restart
+        assert len(set(pids)) == 3
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0):
+            pass  # it serves again on its port
+    exits = [line for line in lines if "exited with code -9" in line]
+    assert [re.search(r"restarting it in (\d+)s", line).group(1) for line in exits] == ["1", "2"]
+    assert all("family.log" in line for line in exits)
+
+
+def test_a_restarted_service_still_stops_in_its_start_order(tmp_path):
+    first, _, _ = family_spec(tmp_path, "first")
+    second, _, _ = family_spec(tmp_path, "second")
+    lines: list[str] = []
+    with Launcher(tmp_path / "run", echo=lines.append) as launcher:
+        launcher.start(first)
+        launcher.start(second)
+        supervisor = Supervisor(launcher, echo=lines.append)
+        supervisor.watch_all()
+        launcher.signal("first", signal.SIGKILL)
+        tick_until(supervisor, lambda: any("first ready again" in line for line in lines))
+    stopped = [line.split()[1] for line in lines if line.startswith("stopped ")]
+    assert stopped == ["second", "first"]  # reverse start order: dependents stop before what they use
+
+
+def test_backoff_starts_over_once_a_restarted_service_has_been_ready_for_a_minute(tmp_path):
+    spec, _, _ = family_spec(tmp_path)
+    now = [0.0]
+    lines: list[str] = []
+    with Launcher(tmp_path / "run", echo=lambda _: None) as launcher:
+        launcher.start(spec)
+        supervisor = Supervisor(launcher, echo=lines.append, clock=lambda: now[0])
+        supervisor.watch_all()
+
+        def crash_and_recover(at: float) -> None:
+            now[0] = at
+            pid = launcher.running["family"].pid
+            launcher.signal("family", signal.SIGKILL)
+            assert wait_gone(pid)
+            supervisor.tick()  # sees the exit and schedules the restart
+            now[0] = at + 30.0  # past any backoff
+            ready = sum("ready again" in line for line in lines)
+            tick_until(supervisor, lambda: sum("ready again" in line for line in lines) > ready)
+
+        crash_and_recover(at=10.0)  # ready since 0 for only 10 s: first backoff, 1 s
+        crash_and_recover(at=50.0)  # back for 10 s: the backoff doubles
+        crash_and_recover(at=200.0)  # ready for two minutes: it starts over
+    backoffs = [re.search(r"restarting it in (\d+)s", line).group(1) for line in lines if "exited" in line]
+    assert backoffs == ["1", "2", "1"]

@@ -21,7 +21,7 @@ import pytest
 
 from localmesh.dev_jwt import DIR_ENV, DevKeys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
-from meshkit.launcher import Launcher, PortInUseError, free_port
+from meshkit.launcher import Launcher, PortInUseError, free_consecutive_ports, free_port
 from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.helpers import wait_for
 
@@ -113,14 +113,17 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_everything(tmp_path):
-    names = "envoy envoy-admin envoy-internal edge orchestrator router first-engine cassandra otlp"
-    metrics = "orchestrator-metrics router-metrics first-engine-metrics edge-metrics"
+def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stops_everything(tmp_path):
+    names = "envoy envoy-admin envoy-internal edge orchestrator router cassandra otlp"
+    metrics = "orchestrator-metrics router-metrics edge-metrics"
     flags = [
         f"--{name}-port" for name in (*names.split(), *metrics.split(), "cassandra-storage", "cassandra-jmx")
     ]
-    argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "1", "--run-dir", str(tmp_path / "run")]
+    argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "2", "--run-dir", str(tmp_path / "run")]
     argv += [part for flag in flags for part in (flag, str(free_port()))]
+    # Two engines of the primary pool, then the cheaper pool's.
+    argv += ["--first-engine-port", str(free_consecutive_ports(3))]
+    argv += ["--first-engine-metrics-port", str(free_consecutive_ports(3))]
     mesh = subprocess.Popen(
         argv,
         cwd=REPO_ROOT,
@@ -133,8 +136,9 @@ def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_every
     output = Output(mesh)
     try:
         output.wait_for("Press Ctrl-C to stop everything.", timeout_s=300)
-        token = re.search(r"export TOKEN=(\S+)", output.text).group(1)
-        result = run_printed_commands(output.text, token)
+        printed = output.text
+        token = re.search(r"export TOKEN=(\S+)", printed).group(1)
+        result = run_printed_commands(printed, token)
         assert result.returncode == 0, result.stderr
         # Each example streamed the real model's greedy answer through Envoy: completions, the stored
         # chat's SSE, and the gRPC client.
@@ -147,11 +151,17 @@ def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_every
         # Every printed /metrics endpoint answers with its service's metrics; the printed operations page
         # URL signs an operator in, whose token the ops API accepts; the answers above left their spans.
         endpoints = dict(re.findall(r"^  ([\w-]+): +(http://\S+)$", output.text, re.MULTILINE))
-        assert set(endpoints) == {"engine-0", "engine-1", "router", "orchestrator", "edge", "envoy"}, (
-            output.text
-        )
-        expected = {"engine-0": "gen_ai_server_", "engine-1": "gen_ai_server_", "router": "chatmesh_router_"}
-        expected |= {"envoy": "envoy_"}
+        assert set(endpoints) == {
+            "engine-0",
+            "engine-1",
+            "engine-2",
+            "router",
+            "orchestrator",
+            "edge",
+            "envoy",
+        }, output.text
+        expected = {f"engine-{i}": "gen_ai_server_" for i in range(3)}
+        expected |= {"router": "chatmesh_router_", "envoy": "envoy_"}
         expected |= {"orchestrator": "chatmesh_orchestrator_", "edge": "chatmesh_edge_"}
         for name, url in endpoints.items():
             assert expected[name] in httpx.get(url, timeout=10).text, name
@@ -167,13 +177,23 @@ def test_make_run_streams_the_models_answer_through_envoy_and_ctrl_c_stops_every
             timeout_s=30,
             what="Envoy's and the engine's spans in the span file",
         )
+
+        # kill -9 of an engine: the mesh keeps answering on the primary pool's other one and restarts it.
+        engine = int(re.search(r"engine-0 ready .* pid (\d+)", output.text).group(1))
+        os.kill(engine, signal.SIGKILL)
+        output.wait_for("engine-0 exited with code -9; restarting it in 1s", timeout_s=30)
+        again = run_printed_commands(printed, token)
+        assert again.returncode == 0, again.stderr
+        assert again.stdout.count("Paris") == result.stdout.count("Paris"), again.stdout
+        output.wait_for("engine-0 ready again", timeout_s=240)
     finally:
         # Ctrl-C: the terminal sends SIGINT to the foreground process group.
         os.killpg(mesh.pid, signal.SIGINT)
         code = mesh.wait(timeout=120)
     services = [int(pid) for pid in re.findall(r"ready .* pid (\d+)", output.text)]
-    # cassandra, span collector, engine, the cheaper pool's engine, router, orchestrator, edge, envoy
-    assert len(services) == 8
+    # cassandra, span collector, two engines, the cheaper pool's engine, router, orchestrator, edge, envoy,
+    # the restarted engine
+    assert len(services) == 10
     assert code == 0, output.text[-3000:]
     assert "stopping chatmesh" in output.text
     assert [pid for pid in services if _alive(pid)] == []

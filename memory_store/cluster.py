@@ -1,0 +1,108 @@
+"""A local Cassandra cluster: N nodes on the loopback addresses 127.0.0.1 … 127.0.0.N.
+
+Every member listens on its own address with the same CQL and storage ports (the driver takes one port
+for all contact points), keeps its own data dir and its own JMX port on 127.0.0.1 (for nodetool). The
+members split the Murmur3 ring evenly with one given token each and start without bootstrapping (the
+cluster is new), the first member being the seed. The keyspace replicates to three of them (all of
+them in a smaller cluster), so at LOCAL_QUORUM one member may die with no client error and no
+acknowledged write lost; it catches up from the hints the others kept for it when it comes back.
+
+A cluster of one is the single local node ``make run`` and the tests have always used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from memory_store.node import CassandraNode, NodeConfig
+from meshkit.launcher import Launcher
+
+MURMUR3_MIN_TOKEN = -(2**63)
+MAX_REPLICATION_FACTOR = 3
+
+
+def ring_tokens(size: int) -> list[int]:
+    """``size`` tokens spaced evenly over the Murmur3 ring, so each member owns an equal range."""
+    return [MURMUR3_MIN_TOKEN + i * (2**64 // size) for i in range(size)]
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    data_dir: Path
+    size: int = 1
+    cql_port: int = 9042
+    storage_port: int = 7000
+    # Member i's JMX port is first_jmx_port + i (JMX listens on 127.0.0.1 for every member).
+    first_jmx_port: int = 7199
+    # A member of a bigger cluster gets a smaller heap: several share one laptop or CI box.
+    member_heap_max: str = "512m"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.size <= 254:
+            raise ValueError(f"a local cluster has 1 to 254 nodes, not {self.size}")
+
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.{i + 1}" for i in range(self.size)]
+
+    def node_configs(self) -> list[NodeConfig]:
+        addresses = self.addresses()
+        if self.size == 1:
+            return [NodeConfig(self.data_dir, self.cql_port, self.storage_port, self.first_jmx_port)]
+        return [
+            NodeConfig(
+                data_dir=self.data_dir / f"node-{i + 1}",
+                cql_port=self.cql_port,
+                storage_port=self.storage_port,
+                jmx_port=self.first_jmx_port + i,
+                heap_max=self.member_heap_max,
+                address=address,
+                seed=addresses[0],
+                initial_token=token,
+                cluster_size=self.size,
+            )
+            for i, (address, token) in enumerate(zip(addresses, ring_tokens(self.size), strict=True))
+        ]
+
+    def contact_points(self) -> list[str]:
+        """``host:port`` of every member, as the services' repeatable ``--cassandra`` flag takes them."""
+        return [f"{address}:{self.cql_port}" for address in self.addresses()]
+
+    def replication(self) -> Mapping[str, str | int]:
+        return {"class": "SimpleStrategy", "replication_factor": min(self.size, MAX_REPLICATION_FACTOR)}
+
+    def replication_flag(self) -> str:
+        """The replication as the services' ``--cassandra-replication`` flag takes it."""
+        return f"SimpleStrategy:{min(self.size, MAX_REPLICATION_FACTOR)}"
+
+
+class CassandraCluster:
+    """The members of a local cluster, supervised by one ``Launcher``."""
+
+    def __init__(self, config: ClusterConfig, launcher: Launcher) -> None:
+        self.config = config
+        self.nodes = [
+            CassandraNode(node, launcher, name="cassandra" if config.size == 1 else f"cassandra-{i + 1}")
+            for i, node in enumerate(config.node_configs())
+        ]
+
+    def start(self) -> float:
+        """Starts the seed, then the other members at once; returns when every member answers CQL."""
+        started = time.monotonic()
+        seed, *others = self.nodes
+        seed.start()
+        for node in others:
+            node.spawn()
+        for node in others:
+            node.wait_ready()
+        elapsed = time.monotonic() - started
+        if others:
+            print(f"  Cassandra cluster of {len(self.nodes)} up in {elapsed:.1f}s", flush=True)
+        return elapsed
+
+    def stop(self) -> None:
+        """Drains and stops every member, the seed last."""
+        for node in reversed(self.nodes):
+            node.stop()

@@ -1,0 +1,123 @@
+"""A three-node cluster (RF=3, LOCAL_QUORUM) loses a member under load: no client error, no
+acknowledged write lost, and the member catches up when it comes back."""
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import Callable
+
+import pytest
+from cassandra import ConsistencyLevel
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
+from cassandra.policies import WhiteListRoundRobinPolicy
+from cassandra.query import SimpleStatement
+
+from memory_store.cluster import ring_tokens
+from memory_store.messages import bucket_of
+from memory_store.node import CassandraNode
+from memory_store.store import MemoryStore
+from tests.fixtures.cassandra import TEST_KEYSPACE
+from tests.memory_store.builders import message, new_user
+
+
+def test_ring_tokens_split_the_murmur3_ring_evenly():
+    tokens = ring_tokens(3)
+    assert tokens[0] == -(2**63)
+    assert tokens[1] - tokens[0] == tokens[2] - tokens[1] == 2**64 // 3
+    assert tokens[2] < 2**63
+
+
+def read_at_one(node: CassandraNode, chat_id: str, buckets: set[int]) -> set[str]:
+    """The chat's message ids as ``node`` alone has them (CONSISTENCY ONE, coordinated by it)."""
+    host, port = node.contact
+    profile = ExecutionProfile(
+        load_balancing_policy=WhiteListRoundRobinPolicy([host]), consistency_level=ConsistencyLevel.ONE
+    )
+    cluster = Cluster([host], port=port, execution_profiles={EXEC_PROFILE_DEFAULT: profile})
+    try:
+        session = cluster.connect(TEST_KEYSPACE)
+        query = SimpleStatement("SELECT message_id FROM messages WHERE chat_id = %s AND bucket = %s")
+        return {
+            str(row.message_id)
+            for bucket in buckets
+            for row in session.execute(query, (uuid.UUID(chat_id), bucket))
+        }
+    finally:
+        cluster.shutdown()
+
+
+def status_pattern(state: str, peer: CassandraNode) -> re.Pattern[str]:
+    """A ``nodetool status`` line saying ``peer`` is in ``state`` (UN: up and normal, DN: down)."""
+    return re.compile(rf"^{state}\s+{re.escape(peer.config.address)}\b", re.MULTILINE)
+
+
+def eventually(condition: Callable[[], bool], deadline_s: float, failure: str) -> float:
+    """Polls ``condition`` until it holds; returns the seconds that took."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < deadline_s, failure
+        time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def seen(state: str, observers: list[CassandraNode], peers: list[CassandraNode]) -> bool:
+    """Whether every observer's ``nodetool status`` shows every peer in ``state``."""
+    return all(
+        status_pattern(state, peer).search(observer.nodetool("status"))
+        for observer in observers
+        for peer in peers
+    )
+
+
+@pytest.mark.slow
+async def test_kill_9_of_one_member_under_load_loses_nothing_and_it_catches_up(cassandra_cluster):
+    seed, second, victim = cassandra_cluster.cluster.nodes
+    store = await MemoryStore.connect(cassandra_cluster.store_config)
+    user = new_user()
+    chat = await store.create_chat(user, "three replicas")
+    acknowledged: list[str] = []
+    before_kill, after_kill = asyncio.Event(), asyncio.Event()
+    killed_at: list[int] = []
+
+    async def writer(n: int) -> None:
+        # Any error fails the test: at LOCAL_QUORUM two live replicas of three are enough.
+        i = 0
+        while not after_kill.is_set():
+            written = message(chat.chat_id, f"writer {n} message {i}")
+            await store.append_message(user, written)
+            acknowledged.append(written.message_id)
+            i += 1
+            if len(acknowledged) >= 100:
+                before_kill.set()
+            if killed_at and len(acknowledged) >= killed_at[0] + 200:
+                after_kill.set()
+
+    try:
+        writers = [asyncio.create_task(writer(n)) for n in range(8)]
+        await before_kill.wait()
+        victim.kill()  # SIGKILL while the writers are writing
+        killed_at.append(len(acknowledged))
+        await asyncio.wait_for(asyncio.gather(*writers), timeout=90)
+    finally:
+        await store.close()
+
+    peers = [seed, second]
+
+    # The others keep what the victim missed as hints (on disk within hints_flush_period, 1 s) ...
+    def hinted() -> bool:
+        return any(peer.holds_hints() for peer in peers)
+
+    await asyncio.to_thread(eventually, hinted, 10.0, "the missed writes were not hinted")
+    await asyncio.to_thread(victim.start)
+    # ... and replay them to it once they see it up again.
+    await asyncio.to_thread(eventually, lambda: seen("UN", peers, [victim]), 60.0, "victim not seen up")
+    replay_s = await asyncio.to_thread(eventually, lambda: not hinted(), 90.0, "hints not replayed")
+    print(f"  {len(acknowledged)} acknowledged writes; hints replayed {replay_s:.1f}s after it was seen up")
+    # The others stop: what the victim answers now, it holds itself.
+    await asyncio.gather(*(asyncio.to_thread(peer.stop) for peer in peers))
+    await asyncio.to_thread(eventually, lambda: seen("DN", [victim], peers), 60.0, "peers not seen down")
+    buckets = {bucket_of(uuid.UUID(message_id)) for message_id in acknowledged}
+    held = await asyncio.to_thread(read_at_one, victim, chat.chat_id, buckets)
+    missing = set(acknowledged) - held
+    assert not missing, f"{len(missing)} of {len(acknowledged)} acknowledged rows missing on the victim"
