@@ -230,14 +230,13 @@ def metrics_mesh(
 
 
 @pytest.fixture(scope="module")
-def scraped(metrics_mesh: MetricsMesh) -> Scrape:
-    async def drive() -> list[str]:
-        await _answers_through_the_edge(metrics_mesh.edge)
-        await _refusals_at_the_orchestrator(metrics_mesh.orchestrator)
-        async with grpc.aio.insecure_channel(metrics_mesh.router_address) as channel:
-            return await _sheds_then_a_failover(router_pb2_grpc.RouterServiceStub(channel), metrics_mesh)
-
-    engine_pages = asyncio.run(drive())
+async def scraped(metrics_mesh: MetricsMesh) -> Scrape:
+    # On the session's event loop: asyncio.run here would leave no current loop behind it, and every
+    # later sync fixture that opens a grpc.aio channel would fail (or bind a loop that never runs).
+    await _answers_through_the_edge(metrics_mesh.edge)
+    await _refusals_at_the_orchestrator(metrics_mesh.orchestrator)
+    async with grpc.aio.insecure_channel(metrics_mesh.router_address) as channel:
+        engine_pages = await _sheds_then_a_failover(router_pb2_grpc.RouterServiceStub(channel), metrics_mesh)
     scrape = Scrape()
     for page in engine_pages:
         scrape.add(page)

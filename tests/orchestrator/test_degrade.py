@@ -90,8 +90,8 @@ async def start_answer(
 ) -> chat_pb2.RunStarted:
     """A new user of ``tier`` asks for a long answer; returns the run's `started` and leaves it
     generating. ``running``: wait for its first text, so that the router no longer counts it as queued."""
-    client = connect(mesh.orchestrator.address)
-    client.tier = tier
+    user = connect(mesh.orchestrator.address)
+    client = user.as_user(user.user, tier)  # the tier is a claim of the caller's token
     chat = await client.create_chat("overload")
     call = client.send(
         chat.chat_id, "Tell me a long story.", options=chat_pb2.GenerationOptions(max_tokens=LONG)
@@ -117,8 +117,8 @@ async def test_overload_degrades_free_answers_keeps_paid_ones_on_the_primary_and
         started = await start_answer(mesh, connect, runs, "pro", running=i < MAX_RUNNING)
         assert (started.model, started.degraded) == (primary, False)
     # A free answer now comes from the cheaper model, says so, and is stored under that model's name.
-    client = connect(mesh.orchestrator.address)
-    client.tier = "free"
+    user = connect(mesh.orchestrator.address)
+    client = user.as_user(user.user, "free")
     chat = await client.create_chat("degraded")
     answer = await collect(client.send(chat.chat_id, "Hi", options=chat_pb2.GenerationOptions(max_tokens=4)))
     assert (answer[0].started.model, answer[0].started.degraded) == (lite, True)
