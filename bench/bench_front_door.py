@@ -365,15 +365,15 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     print(f"plot: {path}")
 
 
-def start_door(launcher: Launcher, orchestrator: str, run_dir: Path) -> tuple[str, DevKeys]:
-    """The edge and Envoy with ``make run``'s config (default rate limits) in front of ``orchestrator``."""
-    keys = generate_keys(run_dir / "dev-jwt")
+def start_door(launcher: Launcher, orchestrator: str, run_dir: Path, keys: DevKeys) -> str:
+    """The edge and Envoy with ``make run``'s config (default rate limits) in front of ``orchestrator``;
+    ``keys`` sign the tokens Envoy, the edge and the orchestrator all verify."""
     ports = FrontDoorPorts(
         envoy=free_port(), envoy_admin=free_port(), envoy_internal=free_port(), edge=free_port()
     )
     for spec in front_door_specs(ports, [int(orchestrator.rsplit(":", 1)[1])], run_dir, keys):
         launcher.start(spec)
-    return f"http://127.0.0.1:{ports.envoy}", keys
+    return f"http://127.0.0.1:{ports.envoy}"
 
 
 def restart_engines(launcher: Launcher, engines: list[str], tokens_per_s: float, max_running: int) -> None:
@@ -409,8 +409,9 @@ def main() -> None:
 def run(args: argparse.Namespace, run_dir: Path) -> None:
     with Launcher(run_dir, echo=print) as launcher:
         print("starting Cassandra, engines, router, orchestrator, edge and Envoy ...", flush=True)
-        engines, router, orchestrator = start_mesh(launcher, args, run_dir)
-        url, keys = start_door(launcher, orchestrator, run_dir)
+        keys = generate_keys(run_dir / "dev-jwt")
+        engines, router, orchestrator = start_mesh(launcher, args, run_dir, keys)
+        url = start_door(launcher, orchestrator, run_dir, keys)
         asyncio.run(wait_for_engines(router, len(engines)))
         if args.concurrency:
             rows = asyncio.run(latency(args, engines, router, orchestrator, url, keys))

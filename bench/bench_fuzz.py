@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_front_door import start_door  # noqa: E402
 from bench.bench_orchestrator import machine, start_mesh, wait_for_engines  # noqa: E402
+from localmesh.dev_jwt import generate_keys  # noqa: E402
 from meshkit.launcher import Launcher  # noqa: E402
 from tests.front_door.fuzzing import (  # noqa: E402
     GrpcCase,
@@ -104,9 +105,10 @@ def main() -> None:
         Launcher(Path(tmp), echo=print) as launcher,
     ):
         print("starting Cassandra, engines, router, orchestrator, edge and Envoy ...", flush=True)
-        _, router, orchestrator = start_mesh(launcher, args, Path(tmp))
+        keys = generate_keys(Path(tmp) / "dev-jwt")
+        _, router, orchestrator = start_mesh(launcher, args, Path(tmp), keys)
         asyncio.run(wait_for_engines(router, args.engines))
-        url, keys = start_door(launcher, orchestrator, Path(tmp))
+        url = start_door(launcher, orchestrator, Path(tmp), keys)
         http = HttpDoor(url, keys.mint, own_ids(url, keys.mint))
         grpc_door = GrpcDoor(url.removeprefix("http://"), http)
         tally = Tally()
