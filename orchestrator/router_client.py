@@ -4,13 +4,19 @@ A generation is one bidirectional ``Generate`` stream: a ``start`` frame with th
 (tokenized once, here, with ``chatmesh.tokenizer``), then at most one ``cancel`` frame. The request
 side stays open while the run lives: neither a half-close nor a dropped browser stops engine work;
 only ``cancel()`` (CancelRun, output moderation) or ``abort()`` does.
+
+Several router replicas sit behind one channel (``--router 10.0.0.1:50051,10.0.0.2:50051``, or a
+``dns:///`` name with one address per replica): calls are spread round-robin over the routers that
+are up, and a router that dies is skipped from then on. Every start frame carries a sampling seed, so
+a generation whose router dies goes on through another one exactly (``continued``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
@@ -40,8 +46,9 @@ def start_frame(
         max_tokens=generation.max_tokens,
         stop=list(generation.stop),
     )
-    if generation.seed is not None:
-        sampling.seed = generation.seed
+    # A seed of its own when the caller gave none: sampling is a function of (seed, position), so the
+    # answer can be continued on another router or by another replica, token for token.
+    sampling.seed = generation.seed if generation.seed is not None else secrets.randbits(63)
     return router_pb2.GenerateStart(
         request_id=request_id,
         model=generation.model,
@@ -51,6 +58,24 @@ def start_frame(
         session_id=session_id,
         tokenizer_fingerprint=fingerprint,
     )
+
+
+def continued(start: router_pb2.GenerateStart, output_token_ids: Sequence[int]) -> router_pb2.GenerateStart:
+    """``start`` again, resuming after ``output_token_ids`` (what the run has streamed so far), under a
+    request id of its own (an earlier attempt may still be winding down on a router or engine)."""
+    frame = router_pb2.GenerateStart()
+    frame.CopyFrom(start)
+    frame.request_id = f"{start.request_id.partition('~')[0]}~{secrets.token_hex(4)}"
+    frame.resumed_output_token_ids[:] = output_token_ids
+    return frame
+
+
+def router_target(address: str) -> str:
+    """A gRPC target for one router or several: ``host:port``, ``ip:port,ip:port,...`` (each replica
+    named), or any gRPC target with a scheme (``dns:///router:50051``: one address per replica)."""
+    if "," in address and ":/" not in address and not address.startswith(("ipv4:", "ipv6:")):
+        return "ipv4:" + address
+    return address
 
 
 class GenerateStream:
@@ -120,7 +145,9 @@ class RouterClient:
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(
+            router_target(address), options=(*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin"))
+        )
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
     async def close(self) -> None:

@@ -4,8 +4,8 @@
                  ▲                                    │ error, timeout, or the stream just ends
                  └──── place elsewhere (attempt + 1), resuming with the tokens already sent ◄┘
 
-Each attempt sends the original prompt plus every token the client already has as
-``resumed_output_token_ids``: the engine treats them as context, counts them toward max_tokens, does
+Each attempt sends the original prompt plus every token the client already has (the ones its caller
+resumed with, then the ones relayed here) as ``resumed_output_token_ids``: the engine treats them as context, counts them toward max_tokens, does
 not send them again, and draws position i's sample from (seed, i), so a greedy or seeded stream goes
 on exactly as it would have. Token ``index`` values continue across attempts; ``routed`` is sent for
 each placement. An error that is the request's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) is
@@ -77,7 +77,8 @@ class Relay:
         self.metrics = metrics
         self.arrival = time.monotonic()
         self.deadline_s = deadline_s  # seconds the client allows, from arrival
-        self.output: list[int] = []
+        # Every output token the client has, the caller's resumed ones first: each attempt resumes them.
+        self.output: list[int] = list(start.resumed_output_token_ids)
         self.cancelled = False
         self.degraded = False  # placed in a cheaper model's pool (free tier under load)
         self._call: grpc.aio.StreamStreamCall | None = None  # the engine call in progress
