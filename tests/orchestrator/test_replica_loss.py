@@ -17,45 +17,16 @@ from collections.abc import Callable
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2
+from tests.fixtures.answers import (
+    ANSWER,
+    QUESTION,
+    assert_answer_complete_and_stored,
+    read_until,
+    undisturbed_answer,
+)
 from tests.fixtures.orchestrator import ChatClient, Mesh, OrchestratorProcess, answer_text, collect, events
 
 FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
-# Slow enough that the answer is still generating when the replica is lost (about 4 s at 200 tokens/s).
-ANSWER = chat_pb2.GenerationOptions(max_tokens=800, temperature=0.9)
-QUESTION = "A long answer, please"
-
-
-async def read_until(call: grpc.aio.UnaryStreamCall, seq: int) -> list[chat_pb2.RunEvent]:
-    seen = []
-    async for event in events(call):
-        seen.append(event)
-        if event.seq >= seq:
-            break
-    return seen
-
-
-async def undisturbed_answer(client: ChatClient) -> str:
-    """The same question in a chat of its own, answered with nobody lost."""
-    chat = await client.create_chat()
-    return answer_text(await collect(client.send(chat.chat_id, QUESTION, options=ANSWER)))
-
-
-async def assert_answer_complete_and_stored(
-    client: ChatClient, chat_id: str, run_id: str, streamed: list[chat_pb2.RunEvent], reference: str
-) -> None:
-    assert [e.seq for e in streamed] == list(range(1, len(streamed) + 1)), "a gap or a duplicate"
-    assert streamed[-1].HasField("done"), streamed[-1]
-    text = answer_text(streamed)
-    assert text == reference
-    run = (await client.call("GetRun", chat_pb2.GetRunRequest(run_id=run_id))).run
-    assert run.status == chat_pb2.RUN_STATUS_COMPLETED
-    page = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat_id))
-    answers = [m for m in page.messages if m.role == chat_pb2.ROLE_ASSISTANT]
-    assert len(answers) == 1 and answers[0].content == text
-    assert answers[0].finish_reason == chat_pb2.FINISH_REASON_LENGTH
-    assert answers[0].token_count == ANSWER.max_tokens
-    got = (await client.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat_id))).chat
-    assert got.active_run_id == ""
 
 
 def lose(mesh: Mesh, victim: OrchestratorProcess) -> None:
