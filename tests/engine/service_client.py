@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.token_text import has_text_ends, token_pieces
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
+from engine.detokenizer import Detokenizer
 
 TIMEOUT_S = 30
 
@@ -19,6 +21,20 @@ TIMEOUT_S = 30
 def capital_question(tokenizer: ChatTokenizer) -> list[int]:
     """The prompt the service tests send: one user turn, chat template applied."""
     return tokenizer.encode_chat([ChatMessage("user", "What is the capital of France?")])
+
+
+def released_pieces(
+    tokenizer: ChatTokenizer, token_ids: Sequence[int], stop: Sequence[str] = ()
+) -> list[tuple[int, str]]:
+    """What each token releases when tokens reach a fresh detokenizer one at a time (end-of-sequence
+    tokens release nothing): the pieces any frame of these tokens must split back into."""
+    detokenizer, eos = Detokenizer(tokenizer, stop), set(tokenizer.eos_token_ids)
+    pieces = []
+    for token in token_ids:
+        pieces.append((token, "" if token in eos else detokenizer.push(token)))
+        if detokenizer.matched_stop is not None:
+            break
+    return pieces
 
 
 @contextlib.asynccontextmanager
@@ -85,6 +101,7 @@ class Stream:
 class Outcome:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    pieces: list[tuple[int, str]] = field(default_factory=list)  # each token and the text it released
     frames: int = 0
     finished: engine_pb2.GenerateFinished | None = None
     first_index: int | None = None
@@ -100,8 +117,10 @@ class Outcome:
             assert frame.tokens.index == self.first_index + len(self.token_ids), (
                 "token frames must be contiguous"
             )
+            assert has_text_ends(frame.tokens), "every token frame splits into per-token pieces"
             self.token_ids += frame.tokens.token_ids
             self.text += frame.tokens.text
+            self.pieces += token_pieces(frame.tokens)
             self.frames += 1
         else:
             assert kind == "finished", f"unexpected {kind} frame"

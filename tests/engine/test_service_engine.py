@@ -17,6 +17,7 @@ from tests.engine.service_client import (
     Stream,
     capital_question,
     engine_stub,
+    released_pieces,
     start_frame,
     wait_until,
 )
@@ -194,7 +195,7 @@ async def test_half_closing_the_request_stream_is_not_a_cancel(stub, prompt):
     assert len(outcome.token_ids) == 40
 
 
-async def test_stop_strings_end_the_stream_with_the_matched_stop(stub, prompt):
+async def test_stop_strings_end_the_stream_with_the_matched_stop(stub, tok, prompt):
     # The null backend repeats " The quick brown fox jumps over the lazy dog. ..."
     start = start_frame("stop", prompt, max_tokens=100)
     start.sampling.stop.append("lazy dog")
@@ -202,6 +203,7 @@ async def test_stop_strings_end_the_stream_with_the_matched_stop(stub, prompt):
     assert outcome.finished.finish_reason == engine_pb2.FINISH_REASON_STOP
     assert outcome.finished.matched_stop == "lazy dog"
     assert outcome.text.endswith("jumps over the ") and "lazy" not in outcome.text
+    assert outcome.pieces == released_pieces(tok, outcome.token_ids, ["lazy dog"])
 
 
 async def test_kv_events_start_with_a_snapshot_then_number_batches_by_one(stub, tok, null_engine):
