@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,7 +13,6 @@ import grpc
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.token_text import has_text_ends, token_pieces
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
-from engine.detokenizer import Detokenizer
 
 TIMEOUT_S = 30
 
@@ -21,20 +20,6 @@ TIMEOUT_S = 30
 def capital_question(tokenizer: ChatTokenizer) -> list[int]:
     """The prompt the service tests send: one user turn, chat template applied."""
     return tokenizer.encode_chat([ChatMessage("user", "What is the capital of France?")])
-
-
-def released_pieces(
-    tokenizer: ChatTokenizer, token_ids: Sequence[int], stop: Sequence[str] = ()
-) -> list[tuple[int, str]]:
-    """What each token releases when tokens reach a fresh detokenizer one at a time (end-of-sequence
-    tokens release nothing): the pieces any frame of these tokens must split back into."""
-    detokenizer, eos = Detokenizer(tokenizer, stop), set(tokenizer.eos_token_ids)
-    pieces = []
-    for token in token_ids:
-        pieces.append((token, "" if token in eos else detokenizer.push(token)))
-        if detokenizer.matched_stop is not None:
-            break
-    return pieces
 
 
 @contextlib.asynccontextmanager

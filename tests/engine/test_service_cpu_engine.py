@@ -11,14 +11,8 @@ import grpc
 import pytest
 
 from chatmesh.engine.v1 import engine_pb2
-from tests.engine.service_client import (
-    TIMEOUT_S,
-    Stream,
-    capital_question,
-    engine_stub,
-    released_pieces,
-    start_frame,
-)
+from tests.engine.core_helpers import released_pieces
+from tests.engine.service_client import TIMEOUT_S, Stream, capital_question, engine_stub, start_frame
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from tests.engine.core_helpers import released_pieces
 from tests.engine.service_client import (
     TIMEOUT_S,
     Stream,
     capital_question,
     engine_stub,
-    released_pieces,
     start_frame,
     wait_until,
 )

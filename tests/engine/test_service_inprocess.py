@@ -16,8 +16,8 @@ from engine.request import EngineRequest, SamplingParams
 from engine.service import EngineService
 from meshkit.launcher import free_port
 from meshkit.serving import start_grpc_server
-from tests.engine.core_helpers import make_engine, prompt, tokenizer
-from tests.engine.service_client import TIMEOUT_S, Stream, released_pieces, start_frame, wait_until
+from tests.engine.core_helpers import make_engine, prompt, released_pieces, tokenizer
+from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 

@@ -11,8 +11,7 @@ from chatmesh.token_text import token_pieces
 from engine.outputs import FinishReason, RequestOutput
 from engine.request_tracker import RequestTracker, TrackedRequest
 from engine.streams import RequestStream
-from tests.engine.core_helpers import prompt, request, tokenizer
-from tests.engine.service_client import released_pieces
+from tests.engine.core_helpers import prompt, released_pieces, request, tokenizer
 
 EMOJI_AND_CJK = "Grüße 東京 🙂 ok, ½ café"  # characters whose UTF-8 bytes span several tokens
 
