@@ -32,6 +32,7 @@ from chatmesh.errors import ServiceError, parse
 from chatmesh.router.v1 import router_pb2
 from chatmesh.streams import Outbox, read_to_end
 from chatmesh.tiers import tier_of_proto
+from chatmesh.token_text import token_pieces, tokens_frame
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.metrics import RouterMetrics
@@ -244,9 +245,8 @@ class Relay:
             skip = have - tokens.index
             if skip >= len(tokens.token_ids):
                 return None
-            tokens = engine_pb2.GenerateTokens(
-                index=have, token_ids=tokens.token_ids[skip:], text=tokens.text
-            )
+            # The text of the tokens dropped went out with them; a frame without per-token ends keeps all.
+            tokens = tokens_frame(have, token_pieces(tokens)[skip:])
         self.output.extend(tokens.token_ids)
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()
