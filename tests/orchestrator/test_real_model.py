@@ -12,8 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
-from tests.fixtures.answers import read_until
-from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, answer_text, collect
+from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, answer_text, collect, read_until
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,41 @@ from tests.fixtures.answers import (
     ANSWER,
     QUESTION,
     assert_answer_complete_and_stored,
-    read_until,
     undisturbed_answer,
 )
-from tests.fixtures.orchestrator import ChatClient, Mesh, OrchestratorProcess, answer_text, collect, events
+from tests.fixtures.orchestrator import (
+    ChatClient,
+    Mesh,
+    OrchestratorProcess,
+    answer_text,
+    collect,
+    events,
+    read_until,
+)
 
 FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
+
+
+def replicas(
+    mesh: Mesh, connect: Callable[..., ChatClient], reaping: dict[str, float], **victim_flags: object
+) -> tuple[OrchestratorProcess, OrchestratorProcess, ChatClient, ChatClient]:
+    """A replica to lose and one to survive it, and one user's client of each."""
+    victim = mesh.start_orchestrator(**reaping, **victim_flags)
+    survivor = mesh.start_orchestrator(**reaping)
+    on_victim = connect(victim.address)
+    return victim, survivor, on_victim, connect(survivor.address, on_victim.user)
+
+
+async def read_until_told_to_resume(call: grpc.aio.UnaryStreamCall) -> list[chat_pb2.RunEvent]:
+    """The rest of a stream from a replica that leaves its run to another: it ends (if it does not
+    finish first) with UNAVAILABLE, the client's cue to resume where the run goes on."""
+    seen = []
+    try:
+        async for event in events(call):
+            seen.append(event)
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+    return seen
 
 
 def lose(mesh: Mesh, victim: OrchestratorProcess) -> None:
@@ -37,10 +66,7 @@ def lose(mesh: Mesh, victim: OrchestratorProcess) -> None:
 async def test_a_run_whose_replica_is_killed_is_adopted_and_continued_exactly(
     mesh: Mesh, connect: Callable[..., ChatClient]
 ) -> None:
-    victim = mesh.start_orchestrator(**FAST_REAPING)
-    survivor = mesh.start_orchestrator(**FAST_REAPING)
-    on_victim = connect(victim.address)
-    on_survivor = connect(survivor.address, on_victim.user)
+    victim, survivor, on_victim, on_survivor = replicas(mesh, connect, FAST_REAPING)
     try:
         chat = await on_victim.create_chat()
         seen = await read_until(on_victim.send(chat.chat_id, QUESTION, options=ANSWER), 40)
@@ -67,21 +93,14 @@ async def test_a_draining_replica_hands_its_runs_over_at_once(
 ) -> None:
     # Replicas lost silently are adopted only after a minute: a quick end here is the hand-over.
     slow_reaping = {"heartbeat_interval_s": 0.5, "orphan_after_s": 60.0, "reap_interval_s": 0.5}
-    victim = mesh.start_orchestrator(drain_grace_s=1.5, **slow_reaping)
-    survivor = mesh.start_orchestrator(**slow_reaping)
-    on_victim = connect(victim.address)
-    on_survivor = connect(survivor.address, on_victim.user)
+    victim, survivor, on_victim, on_survivor = replicas(mesh, connect, slow_reaping, drain_grace_s=1.5)
     try:
         chat = await on_victim.create_chat()
         call = on_victim.send(chat.chat_id, QUESTION, options=ANSWER)
         seen = await read_until(call, 20)
         mesh.launcher.signal(victim.name, signal.SIGTERM)
         # The stream from the draining replica goes on, then ends with UNAVAILABLE: resume elsewhere.
-        try:
-            async for event in events(call):
-                seen.append(event)
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        seen += await read_until_told_to_resume(call)
         assert not seen[-1].HasField("done") and not seen[-1].HasField("error")
         rest = await asyncio.wait_for(
             collect(on_survivor.stream_run(seen[0].started.run_id, seen[-1].seq)), 30
@@ -101,10 +120,7 @@ async def test_a_draining_replica_hands_its_runs_over_at_once(
 async def test_a_paused_replica_whose_run_was_adopted_leaves_it_to_the_adopter(
     mesh: Mesh, connect: Callable[..., ChatClient]
 ) -> None:
-    victim = mesh.start_orchestrator(**FAST_REAPING)
-    survivor = mesh.start_orchestrator(**FAST_REAPING)
-    on_victim = connect(victim.address)
-    on_survivor = connect(survivor.address, on_victim.user)
+    victim, survivor, on_victim, on_survivor = replicas(mesh, connect, FAST_REAPING)
     try:
         chat = await on_victim.create_chat()
         call = on_victim.send(chat.chat_id, QUESTION, options=ANSWER)
@@ -114,11 +130,7 @@ async def test_a_paused_replica_whose_run_was_adopted_leaves_it_to_the_adopter(
         await asyncio.sleep(4.0)  # taken for dead and adopted
         mesh.launcher.signal(victim.name, signal.SIGCONT)
         # The woken replica finds the run is the survivor's: its client is told to resume elsewhere.
-        try:
-            async for event in events(call):
-                seen.append(event)
-        except grpc.aio.AioRpcError as exc:
-            assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        seen += await read_until_told_to_resume(call)
         if not seen[-1].HasField("done"):
             seen += await asyncio.wait_for(collect(on_survivor.stream_run(run_id, seen[-1].seq)), 60)
         await assert_answer_complete_and_stored(

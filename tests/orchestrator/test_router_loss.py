@@ -20,10 +20,9 @@ from tests.fixtures.answers import (
     ANSWER,
     QUESTION,
     assert_answer_complete_and_stored,
-    read_until,
     undisturbed_answer,
 )
-from tests.fixtures.orchestrator import ChatClient, Mesh, answer_text, collect, events
+from tests.fixtures.orchestrator import ChatClient, Mesh, answer_text, collect, events, read_until
 from tests.fixtures.router import router_spec, wait_for_engines
 
 
