@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.errors import unavailable
+from chatmesh.errors import ServiceError, unavailable
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.streams import Outbox, read_to_end
@@ -30,6 +30,9 @@ from meshkit.serving import CHANNEL_OPTIONS
 from orchestrator.errors import from_rpc_error
 
 log = logging.getLogger(__name__)
+
+# How many routers one placement tries when they answer UNAVAILABLE (draining, or unreachable).
+PLACEMENT_ATTEMPTS = 3
 
 
 def start_frame(
@@ -153,8 +156,31 @@ class RouterClient:
     async def close(self) -> None:
         await self._channel.close(grace=None)
 
-    def generate(self, deadline_s: float) -> GenerateStream:
-        return GenerateStream(self._stub, deadline_s)
+    async def place(
+        self, start: router_pb2.GenerateStart, deadline_s: float, placement_timeout_s: float
+    ) -> GenerateStream:
+        """A Generate stream (``deadline_s`` in all) whose ``start`` a router placed within
+        ``placement_timeout_s``. A router that answers UNAVAILABLE (it is draining, or cannot be
+        reached) is passed over for the next one round-robin picks, so a rolling restart of the
+        routers refuses nothing; any other refusal is raised at once (ServiceError)."""
+        for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+            stream = GenerateStream(self._stub, deadline_s)
+            try:
+                await stream.open(start, placement_timeout_s)
+                return stream
+            except ServiceError as exc:
+                router_down = exc.code == grpc.StatusCode.UNAVAILABLE and isinstance(
+                    exc.__cause__, grpc.aio.AioRpcError
+                )
+                if not router_down or attempt == PLACEMENT_ATTEMPTS:
+                    raise
+                log.info(
+                    "request %s: a router is unavailable (%s); trying another", start.request_id, exc.message
+                )
+            except BaseException:
+                stream.abort()
+                raise
+        raise AssertionError("unreachable")
 
     async def list_engines(self) -> list[router_pb2.EngineStatus]:
         try:

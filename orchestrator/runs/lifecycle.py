@@ -192,13 +192,18 @@ class Runs:
         """Reserves the budget and has the router place the request, both at once (a refusal of either
         undoes the other): returns the placed stream."""
         estimate = Usage(prompt_tokens=len(start.prompt_token_ids), completion_tokens=options.max_tokens)
-        stream = self.router.generate(self.config.max_run_s)
         reserve = asyncio.ensure_future(self.budgets.reserve(identity, info.run_id, estimate))
-        place = asyncio.ensure_future(stream.open(start, self.config.placement_timeout_s))
+        place = asyncio.ensure_future(
+            self.router.place(start, self.config.max_run_s, self.config.placement_timeout_s)
+        )
         try:
             await asyncio.gather(reserve, place)
         except BaseException:
-            stream.abort()  # ends the placement (or the placed request) at once
+            # End the placement (or the placed request) at once.
+            if place.done() and not place.cancelled() and place.exception() is None:
+                place.result().abort()
+            else:
+                place.cancel()
             # The budget's verdict is the more useful one to report, so wait for both.
             await asyncio.wait([reserve, place])
             if reserve.done() and not reserve.cancelled() and reserve.exception() is None:
@@ -209,7 +214,7 @@ class Runs:
                 if failure is not None:
                     raise failure from None
             raise
-        return stream
+        return place.result()
 
     async def generate(self, run: AnswerRun, admission: Admission, stored_run: Run | None) -> RunEnd:
         """The run goes live with its `started` event (whoever waits in ``start`` is released), then the
@@ -275,8 +280,7 @@ class Runs:
         frame = continued(start, [token for delta in output for token in delta.token_ids])
         self._live[info.run_id] = live
         try:
-            stream = self.router.generate(self.config.max_run_s)
-            await stream.open(frame, self.config.placement_timeout_s)
+            stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
         except BaseException as exc:
             self._live.pop(info.run_id, None)
             log.warning("run %s could not be placed again (%s); interrupting it", run.run_id, exc)

@@ -239,9 +239,10 @@ class Relay:
         """Opens the run's request again through the routers that are up, resuming after the output
         so far (the dead router's engine work ended with its stream)."""
         self.stream.abort()
-        stream = self.deps.router.generate(self.deps.config.max_run_s)
-        await stream.open(continued(self.start, self._output_ids), self.deps.config.placement_timeout_s)
-        self.stream = stream
+        config = self.deps.config
+        self.stream = await self.deps.router.place(
+            continued(self.start, self._output_ids), config.max_run_s, config.placement_timeout_s
+        )
 
     def _emit(self, text: str, token_ids: Sequence[int]) -> None:
         """Turns released text into a delta event (tokens without text yet ride on the next one)."""

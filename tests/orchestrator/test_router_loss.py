@@ -8,12 +8,14 @@ an undisturbed run gives.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 
+from chatmesh.chat.v1 import chat_pb2
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from meshkit.launcher import free_port
 from tests.fixtures.answers import (
@@ -32,7 +34,7 @@ def routers(mesh: Mesh) -> Iterator[dict[str, str]]:
     started = {}
     for _ in range(2):
         name, port = f"router-twin-{free_port()}", free_port()
-        mesh.launcher.start(router_spec(name, port, mesh.engines))
+        mesh.launcher.start(router_spec(name, port, mesh.engines, drain_grace_s=1.0))
         started[name] = f"127.0.0.1:{port}"
     for address in started.values():
         wait_for_engines(address, len(mesh.engines))
@@ -79,5 +81,32 @@ async def test_an_answer_whose_router_dies_goes_on_through_another_router(
         assert answer_text(
             await collect(client.send(again.chat_id, QUESTION, options=ANSWER))
         ) == answer_text(seen)
+    finally:
+        mesh.stop_orchestrator(replica)
+
+
+async def test_a_router_restarted_under_load_fails_no_answer(
+    mesh: Mesh, routers: dict[str, str], connect: Callable[..., ChatClient]
+) -> None:
+    replica = mesh.start_orchestrator(router=",".join(routers.values()))
+    client = connect(replica.address)
+    try:
+        chat = await client.create_chat()
+        call = client.send(chat.chat_id, QUESTION, options=ANSWER)
+        seen = await read_until(call, 30)
+        victim = carrying(routers)
+        # SIGTERM: it refuses new work at once, lets its streams run for its drain grace, then exits.
+        mesh.launcher.signal(victim, signal.SIGTERM)
+        others = [await client.create_chat() for _ in range(3)]  # with the long one: the tier's 4 at once
+        short = chat_pb2.GenerationOptions(max_tokens=20)
+        answers = await asyncio.gather(
+            *(collect(client.send(c.chat_id, "Hi", options=short)) for c in others)
+        )
+        assert all(a[-1].HasField("done") for a in answers), [a[-1] for a in answers]
+
+        seen += [event async for event in events(call)]
+        await assert_answer_complete_and_stored(
+            client, chat.chat_id, seen[0].started.run_id, seen, await undisturbed_answer(client)
+        )
     finally:
         mesh.stop_orchestrator(replica)
