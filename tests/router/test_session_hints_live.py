@@ -65,7 +65,7 @@ async def _all_healthy(registry: EngineRegistry) -> bool:
 async def busy(engine_address: str, registry: EngineRegistry, engine_id: str, first_token: int):
     """A long request of another client on the engine, until the router sees its load."""
     async with service_client.engine_stub(engine_address) as stub:
-        sampling = engine_pb2.SamplingParams(max_tokens=100_000, ignore_eos=True)
+        sampling = engine_pb2.SamplingParams(max_tokens=7000, ignore_eos=True)
         prompt = list(range(first_token, first_token + 25 * BLOCK))  # 25 blocks of context
         hog = service_client.Stream.start(
             stub, engine_pb2.GenerateStart(request_id="hog", prompt_token_ids=prompt, sampling=sampling)
