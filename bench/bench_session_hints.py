@@ -1,6 +1,6 @@
 """Session hints vs a lagging KV-event index, by simulation: the real router code, side by side.
 
-    /work/briefs/locked --both .venv/bin/python bench/bench_session_hints.py [--engines 100] [--json out.json]
+    .venv/bin/python bench/bench_session_hints.py [--engines 100] [--json out.json]
 
 The router's index hears of a chat's blocks from KV events, after the engine stored them. A chat's next
 turn that comes sooner finds the index without the last answer's blocks (or, past a whole turn, without
