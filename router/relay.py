@@ -188,6 +188,7 @@ class Relay:
                 elif kind == "finished":
                     completed = True
                     engine.ended(attempt_id, completed=True)
+                    self.placer.remember(self.plan, engine, self.output)
                     yield router_pb2.GenerateResponse(finished=self._finished(frame.finished, placement))
                     return
                 else:
