@@ -98,6 +98,12 @@ class MessagesMixin(ChatsMixin):
         The id is chosen by the writer (``ids.new_id()``); the parent must already be in the chat and
         be older. User content is bounded by ``limits.max_message_bytes``, answers by ``bounds``.
         """
+        self._check_size(message)
+        chat, _ = await self._with_owner(user_id, message.chat_id, self._check_message(message))
+        await self._write_message(chat, message)
+        return message
+
+    def _check_size(self, message: Message) -> None:
         max_bytes = (
             self.limits.max_message_bytes
             if message.role is Role.USER
@@ -105,9 +111,6 @@ class MessagesMixin(ChatsMixin):
         )
         if len(message.content.encode()) > max_bytes:
             raise InvalidArgument(f"message content is larger than {max_bytes} bytes")
-        chat, _ = await self._with_owner(user_id, message.chat_id, self._check_message(message))
-        await self._write_message(chat, message)
-        return message
 
     async def _check_message(self, message: Message) -> None:
         """Validates the message's fields, and that its parent is an older message of the chat."""

@@ -281,6 +281,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         user_message_id: str | None = None,
         prompt_tokens: int = 0,
         generation: bytes = b"",
+        asked: Message | None = None,
     ) -> Run:
         """Starts a run (in progress, owned by replica ``owner_id``) and makes it the chat's active run.
 
@@ -288,6 +289,11 @@ class RunsMixin(MessagesMixin, UsageMixin):
         moves a run that has progressed or finished back to its start. ``prompt_tokens`` is what the
         run is charged for its prompt if it ends without its owner's count (``finish_run``);
         ``generation`` is how it is generated (opaque here), for a replica that adopts it.
+
+        ``asked`` is the user message the run answers (its parent, and its ``user_message_id``), stored
+        by this same call, as a send does: it is written before the run, so a run never exists without
+        the message it answers, and the checks and writes that do not wait for each other go together:
+        three round trips in all (the checks with the run's index entry, the message, the run).
         """
         run_key = parse_id(run_id, "run id")
         parent = parse_id(parent_message_id, "parent message id")
@@ -300,11 +306,19 @@ class RunsMixin(MessagesMixin, UsageMixin):
         if parent.time >= assistant.time:
             raise FailedPrecondition("the assistant message id must be newer than the message it answers")
         chat_key = parse_id(chat_id, "chat id")
-        _, parent_row = await self._with_owner(user_id, chat_id, self._message_row(chat_key, parent))
-        if parent_row is None:
-            raise FailedPrecondition(f"message {parent_message_id} is not in chat {chat_id}")
-        # Index first: a run that exists can always be found by the reaper.
-        await self._db.execute("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
+        if asked is not None:
+            if not (asked.message_id == parent_message_id == user_message_id and asked.role is Role.USER):
+                raise InvalidArgument("the message a run is created with must be the user message it answers")
+            self._check_size(asked)
+            parent_known = self._check_message(asked)
+        else:
+            parent_known = self._check_parent(chat_key, parent)
+        # The index entry goes first (with the checks): a run that exists can always be found by the
+        # reaper. An entry whose run is never written is skipped when the index is read.
+        index = self._db.execute("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
+        chat, _ = await self._with_owner(user_id, chat_id, asyncio.gather(parent_known, index))
+        if asked is not None:
+            await self._write_message(chat, asked)
         await asyncio.gather(
             self._db.execute(
                 "run_insert",
@@ -339,6 +353,10 @@ class RunsMixin(MessagesMixin, UsageMixin):
             prompt_tokens=prompt_tokens,
             generation=generation,
         )
+
+    async def _check_parent(self, chat_key: uuid.UUID, parent: uuid.UUID) -> None:
+        if await self._message_row(chat_key, parent) is None:
+            raise FailedPrecondition(f"message {parent} is not in chat {chat_key}")
 
     async def adopt_run(self, run: Run, owner_id: str) -> Run | None:
         """Makes replica ``owner_id`` the owner of ``run`` if it is still in progress and still owned by

@@ -8,7 +8,9 @@ import contextlib
 import hashlib
 import time
 import uuid
+from collections.abc import Awaitable
 from datetime import datetime
+from typing import TypeVar
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
@@ -18,7 +20,7 @@ from chatmesh.errors import ServiceError, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
-from memory_store.models import Claim, Run
+from memory_store.models import Claim, Message, Run
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.context import RunContext
@@ -27,6 +29,8 @@ from orchestrator.runs.live_run import RunInfo
 from orchestrator.runs.relay import RunEnd
 
 tracer = trace.get_tracer("orchestrator")
+
+T = TypeVar("T")
 
 # How often a retry looks for the run an earlier attempt is starting.
 LEASE_POLL_S = 0.2
@@ -94,6 +98,26 @@ class ChatRun(AnswerRun):
         self._leased_at = time.monotonic()
         return claim
 
+    async def claim_while(self, reads: Awaitable[T]) -> tuple[Claim, T] | None:
+        """``claim`` with the run's first reads going on meanwhile (they do not need its ids), which
+        saves the claim's round trip on the way to the first token. Both are waited for before either's
+        failure is raised, the claim's first, so a lease taken is always known to ``abandoned``. None
+        when the key's run already exists (or is starting): this attempt joined it."""
+        claiming, reading = asyncio.ensure_future(self.claim()), asyncio.ensure_future(reads)
+        try:
+            await asyncio.wait([claiming, reading])
+        except asyncio.CancelledError:
+            claiming.cancel()
+            reading.cancel()
+            raise
+        claim = claiming.result() if claiming.exception() is None else None
+        if claim is None:
+            if not reading.cancelled():
+                reading.exception()  # whatever the reads found no longer matters
+            claiming.result()  # raises the claim's failure, if that is why
+            return None
+        return claim, reading.result()
+
     async def _run_exists(self, run_id: str) -> bool:
         if self.ctx.runs.is_live(run_id):
             return True
@@ -123,9 +147,10 @@ class ChatRun(AnswerRun):
             assistant_message_id=claim.assistant_message_id,
         )
 
-    async def create_run(self, admission: Admission, parent_id: str, user_message_id: str | None) -> Run:
+    async def create_run(self, admission: Admission, parent_id: str, asked: Message | None = None) -> Run:
         """The run's row, owned by this replica: from here on the answer is stored, once (and if this
-        replica dies, another one adopts it and continues it from its stored generation)."""
+        replica dies, another one adopts it and continues it from its stored generation). ``asked`` is
+        the user message it answers when the run stores it too (a send), in the same few round trips."""
         if time.monotonic() - self._leased_at > self.ctx.config.runs.start_lease_s - LEASE_MARGIN_S:
             # A retry elsewhere may hold the key's lease by now and start the run itself.
             raise unavailable("starting the answer took too long; retry", 1.0)
@@ -138,9 +163,10 @@ class ChatRun(AnswerRun):
             assistant_message_id=info.assistant_message_id,
             model=info.model,
             owner_id=self.ctx.config.replica_id,
-            user_message_id=user_message_id,
+            user_message_id=asked.message_id if asked else None,
             prompt_tokens=len(admission.prompt.token_ids),
             generation=admission.start.SerializeToString(),
+            asked=asked,
         )
 
     def refresh_summary(self, chat_id: str, prompt: Prompt, end: RunEnd) -> None:

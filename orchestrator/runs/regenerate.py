@@ -32,17 +32,20 @@ class RegenerateRun(ChatRun):
 
     async def execute(self) -> None:
         store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id
-        # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it).
-        claim = await self.claim()
-        if claim is None:
-            return
-        # 2. The answer to redo, and the chat's summary (both reads check the chat is the caller's).
+        # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it); meanwhile
+        #    the answer to redo, and the chat's summary (both reads check the chat is the caller's).
         try:
-            answer, summary = await asyncio.gather(
-                store.get_message(user, chat_id, self.request.message_id), store.get_summary(user, chat_id)
+            claimed = await self.claim_while(
+                asyncio.gather(
+                    store.get_message(user, chat_id, self.request.message_id),
+                    store.get_summary(user, chat_id),
+                )
             )
         except NotFound:
             raise not_found("message", self.request.message_id) from None
+        if claimed is None:
+            return
+        claim, (answer, summary) = claimed
         if answer.role is not Role.ASSISTANT or answer.parent_id is None:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -57,7 +60,7 @@ class RegenerateRun(ChatRun):
         info = self.run_info(claim, chat_id)
         # 4. Admission, then the run persisted (the question is stored already).
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
-            stored_run = await self.create_run(admission, question_id, None)
+            stored_run = await self.create_run(admission, question_id)
         # 5. Live: `started`, then the answer streamed until it ends; the end is stored once.
         end = await self.ctx.runs.generate(self, admission, stored_run)
         # 6. Upkeep: a long history gets a fresher summary.

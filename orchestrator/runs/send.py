@@ -44,12 +44,12 @@ class SendRun(ChatRun):
 
     async def execute(self) -> None:
         store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id
-        # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it).
-        claim = await self.claim()
-        if claim is None:
+        # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it); meanwhile
+        #    the message this one follows, and the chat's summary (both reads check the chat is the caller's).
+        claimed = await self.claim_while(asyncio.gather(self._parent(), store.get_summary(user, chat_id)))
+        if claimed is None:
             return
-        # 2. The message this one follows, and the chat's summary (both reads check the chat is the caller's).
-        parent_id, summary = await asyncio.gather(self._parent(), store.get_summary(user, chat_id))
+        claim, (parent_id, summary) = claimed
         if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(claim.user_message_id).time:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -72,21 +72,18 @@ class SendRun(ChatRun):
         )
         info = self.run_info(claim, chat_id, claim.user_message_id)
         # 4. Admission (a run slot; the budget reserved while the router places the request), then the
-        #    user message and the run persisted, now that the answer will be generated.
+        #    user message and the run persisted together, now that the answer will be generated.
+        asked = Message(
+            message_id=claim.user_message_id,
+            chat_id=chat_id,
+            role=Role.USER,
+            content=self.request.content,
+            parent_id=parent_id,
+            token_count=len(self.ctx.prompter.tokenizer.encode(self.request.content)),
+            run_id=claim.run_id,
+        )
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
-            await store.append_message(
-                user,
-                Message(
-                    message_id=claim.user_message_id,
-                    chat_id=chat_id,
-                    role=Role.USER,
-                    content=self.request.content,
-                    parent_id=parent_id,
-                    token_count=len(self.ctx.prompter.tokenizer.encode(self.request.content)),
-                    run_id=claim.run_id,
-                ),
-            )
-            stored_run = await self.create_run(admission, claim.user_message_id, claim.user_message_id)
+            stored_run = await self.create_run(admission, claim.user_message_id, asked)
         # 5. Live: `started`, then the answer streamed until it ends; the end is stored once.
         end = await self.ctx.runs.generate(self, admission, stored_run)
         # 6. Upkeep: the first exchange of a chat (or of a new root branch) names it; a long history

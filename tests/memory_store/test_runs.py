@@ -7,7 +7,7 @@ import pytest
 from cassandra.query import SimpleStatement
 
 from memory_store.base import now
-from memory_store.errors import InvalidArgument, NotFound, OwnerChanged
+from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged
 from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
 from tests.memory_store.builders import message, new_user, start_run
 
@@ -287,6 +287,38 @@ async def test_an_owner_whose_run_was_adopted_cannot_finish_it(memory_store):
     ]
     finished = await memory_store.finish_run(adopted, RunOutcome(RunStatus.COMPLETED, 6, FinishReason.STOP))
     assert finished.applied and finished.message.content == "ok!"
+
+
+async def test_a_run_created_with_its_question_stores_both_and_never_the_run_alone(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "one call")
+    claim = await memory_store.claim_idempotency_key(user, "send", b"fingerprint")
+    asked = message(chat.chat_id, "the question", message_id=claim.user_message_id)
+    fields = dict(
+        run_id=claim.run_id,
+        parent_message_id=asked.message_id,
+        assistant_message_id=claim.assistant_message_id,
+        model="smollm2-135m",
+        owner_id="replica-a",
+        user_message_id=asked.message_id,
+    )
+    # A question whose parent is not in the chat: refused, and neither the question nor the run stored.
+    ghost = message(chat.chat_id, "never stored", at=now() - timedelta(seconds=5))
+    orphan = message(chat.chat_id, "lost", message_id=claim.user_message_id, parent=ghost)
+    with pytest.raises(FailedPrecondition):
+        await memory_store.create_run(user, chat.chat_id, **fields, asked=orphan)
+    assert (await memory_store.list_messages(user, chat.chat_id)).items == []
+    with pytest.raises(NotFound):
+        await memory_store.get_run(user, claim.run_id)
+    with pytest.raises(InvalidArgument):
+        await memory_store.create_run(user, chat.chat_id, **{**fields, "user_message_id": None}, asked=asked)
+
+    run = await memory_store.create_run(user, chat.chat_id, **fields, asked=asked)
+    assert [m.content for m in (await memory_store.list_messages(user, chat.chat_id)).items] == [
+        "the question"
+    ]
+    assert run.user_message_id == asked.message_id and run.parent_message_id == asked.message_id
+    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id == claim.run_id
 
 
 async def test_usage_is_per_run_and_idempotent(memory_store):
