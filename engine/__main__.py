@@ -69,7 +69,9 @@ async def serve(engine: ServedEngine, args) -> None:
 
     engine.start()
     telemetry.start_metrics_server(args.metrics_port, args.host)
-    handle = await serving.start_grpc_server(add_services, args.port, args.host)
+    handle = await serving.start_grpc_server(
+        add_services, args.port, args.host, max_pending_calls=args.max_pending_calls
+    )
     log.info("engine %s ready (instance %s)", engine.config.engine_id, engine.instance_id)
 
     async def unhealthy_on_failure() -> None:
