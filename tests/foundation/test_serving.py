@@ -1,6 +1,7 @@
 """Every gRPC server gets health, reflection, a clean drain, and retry hints on its errors."""
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -117,3 +118,30 @@ async def test_second_server_on_a_taken_port_fails_clearly():
             await start_grpc_server(add, handle.port)
     finally:
         await handle.server.stop(0)
+
+
+def _burst(port: int, calls: int) -> list[grpc.StatusCode]:
+    """``calls`` health checks at once from a thread of their own; the code each one ended with."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=5)
+        check = health_pb2_grpc.HealthStub(channel).Check
+        futures = [check.future(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(calls)]
+        return [future.code() for future in futures]
+
+
+@pytest.mark.parametrize("max_pending_calls, shed", [(5, True), (None, False)], ids=["5", "default"])
+async def test_calls_beyond_max_pending_calls_are_shed_while_the_service_is_busy(max_pending_calls, shed):
+    """While the event loop is busy, new calls wait in gRPC until the service takes them. Past
+    ``max_pending_calls`` gRPC sheds them with CANCELLED (with gRPC's default of 1,000 a burst of 2,000
+    streams lost a few percent); the default holds a burst of 300 whole."""
+    options = {} if max_pending_calls is None else {"max_pending_calls": max_pending_calls}
+    handle = await start_grpc_server(add, free_port(), **options)
+    try:
+        burst = asyncio.ensure_future(asyncio.to_thread(_burst, handle.port, 300))
+        await asyncio.sleep(0.2)  # the thread connects
+        time.sleep(1.0)  # noqa: ASYNC251 - the service is busy on purpose: the burst waits in gRPC
+        codes = await burst
+    finally:
+        await handle.server.stop(0)
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
+    assert (grpc.StatusCode.CANCELLED in codes) is shed
