@@ -15,18 +15,28 @@ The null engine computes nothing, so every millisecond above the engine row is t
 ("mesh overhead, null engine"). Reported per path and concurrency: TTFT p50/p99 (request sent to first
 text), TPOT p50/p99 ((last text - first text) / (tokens - 1)), and the ratios to engine-direct.
 
+Then the relay cost: for each of ``--cost-streams`` (10, 50, 100, 200), that many long OpenAI streams
+are opened at once; once every one has its first token, each process's CPU time (/proc) is read over
+``--cost-window-s`` and divided by the tokens the client received meanwhile: microseconds of CPU per
+relayed token, by hop (the engines, router, orchestrator, edge, and Envoy for both its passes), and the
+door's tokens per second per core (Envoy, edge, orchestrator and router together). Plotted to
+``--cost-plot``.
+
 Then the hold ramp: the engines restart paced at ``--hold-tokens-per-s`` (slow streams cost little CPU,
 so what is measured is holding streams, not relaying tokens) with room to decode every stream of the
 largest level at once, and N OpenAI streams of ``--hold-tokens`` tokens are opened at once through
-Envoy, for N = 250, 500, 1000, ... up to ``--hold-cap``. A level is held when every stream got its first
-token while all N were open, and every one then finished with all its tokens and no error. The ramp
-stops at the first level that is not held.
+Envoy, for N = ``--hold-start``, doubling, up to ``--hold-cap``. A level is held when every stream got
+its first token while all N were open, and every one then finished with all its tokens and no error.
+The ramp stops at the first level that is not held. Each level reports the memory each process added per
+open stream (its peak resident size during the level less its size before it). The client is a lean
+one (bench/sse_client.py): httpx's pool costs O(open streams) per new request.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_front_door.py \
-        [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] [--hold-cap 2000] \
-        [--plot docs/front_door_latency.png]
+        [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] \
+        [--cost-streams 10 50 100 200] [--cost-window-s 10] [--hold-start 250] [--hold-cap 2000] \
+        [--plot docs/front_door_latency.png] [--cost-plot docs/front_door_cost.png]
 
-The plot needs matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
+The plots need matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from bench.bench_orchestrator import (  # noqa: E402
     timed,
     wait_for_engines,
 )
+from bench.plotting import pyplot  # noqa: E402
 from bench.process_usage import Usage  # noqa: E402
 from bench.sse_client import SseFailedError, post_events  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
@@ -449,13 +460,8 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
 
 
 def plot_cost(costs: list[Cost], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     xs = [str(c.streams) for c in costs]
@@ -477,13 +483,8 @@ def plot_cost(costs: list[Cost], path: Path, title: str) -> None:
 
 
 def plot(rows: list[Row], path: Path, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; `.venv/bin/pip install matplotlib==3.11.2`)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric, label in (
@@ -592,8 +593,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             plot_cost(
                 costs,
                 args.cost_plot,
-                f"chatmesh front door: CPU per relayed token by hop, null engines ({args.tokens_per_s:g} tok/s "
-                "per stream); shared 2-core machine",
+                f"CPU per relayed token by hop, null engines at {args.tokens_per_s:g} tok/s per stream; "
+                "shared 2-core machine",
             )
         if args.hold_cap:
             print(f"\nrestarting the engines paced at {args.hold_tokens_per_s:g} tokens/s ...", flush=True)
