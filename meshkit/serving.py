@@ -20,7 +20,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from meshkit import telemetry
-from meshkit.config import DEFAULT_MAX_PENDING_CALLS
+from meshkit.config import DEFAULT_MAX_PENDING_CALLS, DEFAULT_MAX_PENDING_S
 from meshkit.malformed import RejectMalformed
 
 log = logging.getLogger(__name__)
@@ -40,13 +40,17 @@ _SERVER_OPTIONS = (
 )
 
 
-def server_options(max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS) -> tuple[tuple[str, int], ...]:
+def server_options(
+    max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS, max_pending_s: int = DEFAULT_MAX_PENDING_S
+) -> tuple[tuple[str, int], ...]:
     """The options of every chatmesh gRPC server. Past ``max_pending_calls`` calls not yet taken by the
-    service, gRPC sheds new ones (CANCELLED, at random, up to twice that, then every one)."""
+    service, gRPC sheds new ones (CANCELLED, at random, up to twice that, then every one); so it does a
+    call that waited ``max_pending_s`` seconds to be taken."""
     return (
         *_SERVER_OPTIONS,
         ("grpc.server.max_pending_requests", max_pending_calls),
         ("grpc.server.max_pending_requests_hard_limit", 2 * max_pending_calls),
+        ("grpc.server_max_unrequested_time_in_server", max_pending_s),
     )
 
 
@@ -102,11 +106,13 @@ async def start_grpc_server(
     host: str = "127.0.0.1",
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS,
+    max_pending_s: int = DEFAULT_MAX_PENDING_S,
 ) -> GrpcServer:
     """Creates, binds and starts a server. ``add_services`` registers servicers and returns their full names.
     Requests that do not parse are refused INVALID_ARGUMENT before any servicer sees them (RejectMalformed)."""
     server = grpc.aio.server(
-        interceptors=[RejectMalformed(), *interceptors], options=server_options(max_pending_calls)
+        interceptors=[RejectMalformed(), *interceptors],
+        options=server_options(max_pending_calls, max_pending_s),
     )
     names = tuple(add_services(server))
     health = HealthServicer()
@@ -124,6 +130,19 @@ async def start_grpc_server(
     handle = GrpcServer(server=server, health=health, port=bound, service_names=names)
     await handle.set_serving(True)
     return handle
+
+
+async def start_from_flags(
+    add_services: Callable[[grpc.aio.Server], Iterable[str]], args: Namespace
+) -> GrpcServer:
+    """``start_grpc_server`` with the standard flags (see ``ServiceArgs.add_server_flags``)."""
+    return await start_grpc_server(
+        add_services,
+        args.port,
+        args.host,
+        max_pending_calls=args.max_pending_calls,
+        max_pending_s=args.max_pending_s,
+    )
 
 
 async def serve_until_signalled(
@@ -152,7 +171,5 @@ async def serve(
 ) -> None:
     """Starts a server from the standard flags (see ``ServiceArgs.add_server_flags``) and runs it until signalled."""
     telemetry.start_metrics_server(args.metrics_port, args.host)
-    handle = await start_grpc_server(
-        add_services, args.port, args.host, max_pending_calls=args.max_pending_calls
-    )
+    handle = await start_from_flags(add_services, args)
     await serve_until_signalled(handle, name, args.drain_grace_s, on_drain)

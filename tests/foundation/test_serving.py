@@ -145,3 +145,21 @@ async def test_calls_beyond_max_pending_calls_are_shed_while_the_service_is_busy
         await handle.server.stop(0)
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
     assert (grpc.StatusCode.CANCELLED in codes) is shed
+
+
+@pytest.mark.parametrize("max_pending_s, shed", [(1, True), (None, False)], ids=["1s", "default"])
+async def test_a_call_not_taken_within_max_pending_s_is_shed(max_pending_s, shed):
+    """A call that waited longer than ``max_pending_s`` for the busy service is shed CANCELLED (gRPC
+    sweeps them as new calls arrive). At 4,000 streams opened at once, the orchestrator's gRPC shed half
+    of them after 30 s, its default."""
+    options = {} if max_pending_s is None else {"max_pending_s": max_pending_s}
+    handle = await start_grpc_server(add, free_port(), **options)
+    try:
+        burst = asyncio.ensure_future(asyncio.to_thread(_burst, handle.port, 2000))
+        await asyncio.sleep(0.3)  # the thread connects
+        time.sleep(3.0)  # noqa: ASYNC251 - the service is busy on purpose: the burst waits in gRPC
+        codes = await burst
+    finally:
+        await handle.server.stop(0)
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
+    assert (grpc.StatusCode.CANCELLED in codes) is shed
