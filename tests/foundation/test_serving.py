@@ -129,37 +129,35 @@ def _burst(port: int, calls: int) -> list[grpc.StatusCode]:
         return [future.code() for future in futures]
 
 
-@pytest.mark.parametrize("max_pending_calls, shed", [(5, True), (None, False)], ids=["5", "default"])
-async def test_calls_beyond_max_pending_calls_are_shed_while_the_service_is_busy(max_pending_calls, shed):
+async def _codes_while_busy(options: dict, calls: int, busy_s: float) -> list[grpc.StatusCode]:
+    """A server with ``options`` gets ``calls`` at once while its event loop is busy for ``busy_s``."""
+    handle = await start_grpc_server(add, free_port(), **options)
+    try:
+        burst = asyncio.ensure_future(asyncio.to_thread(_burst, handle.port, calls))
+        await asyncio.sleep(0.3)  # the thread connects
+        time.sleep(busy_s)  # noqa: ASYNC251 - the service is busy on purpose: the burst waits in gRPC
+        codes = await burst
+    finally:
+        await handle.server.stop(0)
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
+    return codes
+
+
+@pytest.mark.parametrize(
+    "options, shed", [({"max_pending_calls": 5}, True), ({}, False)], ids=["5", "default"]
+)
+async def test_calls_beyond_max_pending_calls_are_shed_while_the_service_is_busy(options, shed):
     """While the event loop is busy, new calls wait in gRPC until the service takes them. Past
     ``max_pending_calls`` gRPC sheds them with CANCELLED (with gRPC's default of 1,000 a burst of 2,000
     streams lost a few percent); the default holds a burst of 300 whole."""
-    options = {} if max_pending_calls is None else {"max_pending_calls": max_pending_calls}
-    handle = await start_grpc_server(add, free_port(), **options)
-    try:
-        burst = asyncio.ensure_future(asyncio.to_thread(_burst, handle.port, 300))
-        await asyncio.sleep(0.2)  # the thread connects
-        time.sleep(1.0)  # noqa: ASYNC251 - the service is busy on purpose: the burst waits in gRPC
-        codes = await burst
-    finally:
-        await handle.server.stop(0)
-    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
+    codes = await _codes_while_busy(options, 300, 1.0)
     assert (grpc.StatusCode.CANCELLED in codes) is shed
 
 
-@pytest.mark.parametrize("max_pending_s, shed", [(1, True), (None, False)], ids=["1s", "default"])
-async def test_a_call_not_taken_within_max_pending_s_is_shed(max_pending_s, shed):
+@pytest.mark.parametrize("options, shed", [({"max_pending_s": 1}, True), ({}, False)], ids=["1s", "default"])
+async def test_a_call_not_taken_within_max_pending_s_is_shed(options, shed):
     """A call that waited longer than ``max_pending_s`` for the busy service is shed CANCELLED (gRPC
     sweeps them as new calls arrive). At 4,000 streams opened at once, the orchestrator's gRPC shed half
     of them after 30 s, its default."""
-    options = {} if max_pending_s is None else {"max_pending_s": max_pending_s}
-    handle = await start_grpc_server(add, free_port(), **options)
-    try:
-        burst = asyncio.ensure_future(asyncio.to_thread(_burst, handle.port, 2000))
-        await asyncio.sleep(0.3)  # the thread connects
-        time.sleep(3.0)  # noqa: ASYNC251 - the service is busy on purpose: the burst waits in gRPC
-        codes = await burst
-    finally:
-        await handle.server.stop(0)
-    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
+    codes = await _codes_while_busy(options, 2000, 3.0)
     assert (grpc.StatusCode.CANCELLED in codes) is shed
