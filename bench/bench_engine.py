@@ -42,6 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.plotting import pyplot  # noqa: E402
 from chatmesh.model_files import bundled_model_path  # noqa: E402
 from chatmesh.tokenizer import load_tokenizer  # noqa: E402
 
@@ -619,13 +620,8 @@ def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
 
 def plot_throughput(runs: dict[str, list[dict[str, float]]], path: Path, peer_label: str) -> None:
     """Aggregate decode tok/s against the number of streams (medians, with the range of repetitions)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; `.venv/bin/pip install matplotlib==3.11.2`)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, label, colour in (

@@ -15,18 +15,28 @@ The null engine computes nothing, so every millisecond above the engine row is t
 ("mesh overhead, null engine"). Reported per path and concurrency: TTFT p50/p99 (request sent to first
 text), TPOT p50/p99 ((last text - first text) / (tokens - 1)), and the ratios to engine-direct.
 
+Then the relay cost: for each of ``--cost-streams`` (10, 50, 100, 200), that many long OpenAI streams
+are opened at once; once every one has its first token, each process's CPU time (/proc) is read over
+``--cost-window-s`` and divided by the tokens the client received meanwhile: microseconds of CPU per
+relayed token, by hop (the engines, router, orchestrator, edge, and Envoy for both its passes), and the
+door's tokens per second per core (Envoy, edge, orchestrator and router together). Plotted to
+``--cost-plot``.
+
 Then the hold ramp: the engines restart paced at ``--hold-tokens-per-s`` (slow streams cost little CPU,
 so what is measured is holding streams, not relaying tokens) with room to decode every stream of the
 largest level at once, and N OpenAI streams of ``--hold-tokens`` tokens are opened at once through
-Envoy, for N = 250, 500, 1000, ... up to ``--hold-cap``. A level is held when every stream got its first
-token while all N were open, and every one then finished with all its tokens and no error. The ramp
-stops at the first level that is not held.
+Envoy, for N = ``--hold-start``, doubling, up to ``--hold-cap``. A level is held when every stream got
+its first token while all N were open, and every one then finished with all its tokens and no error.
+The ramp stops at the first level that is not held. Each level reports the memory each process added per
+open stream (its peak resident size during the level less its size before it). The client is a lean
+one (bench/sse_client.py): httpx's pool costs O(open streams) per new request.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_front_door.py \
-        [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] [--hold-cap 2000] \
-        [--plot docs/front_door_latency.png]
+        [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] \
+        [--cost-streams 10 50 100 200] [--cost-window-s 10] [--hold-start 250] [--hold-cap 2000] \
+        [--plot docs/front_door_latency.png] [--cost-plot docs/front_door_cost.png]
 
-The plot needs matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
+The plots need matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
 """
 
 from __future__ import annotations
@@ -34,11 +44,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +70,9 @@ from bench.bench_orchestrator import (  # noqa: E402
     timed,
     wait_for_engines,
 )
+from bench.plotting import pyplot  # noqa: E402
+from bench.process_usage import Usage  # noqa: E402
+from bench.sse_client import SseFailedError, post_events  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from localmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
 from localmesh.front_door import FrontDoorPorts, front_door_specs  # noqa: E402
@@ -79,6 +93,8 @@ class Door:
     def __init__(self, url: str, keys: DevKeys, tokens: int) -> None:
         self.tokens = tokens
         self.keys = keys
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host, int(port)
         self.http = httpx.AsyncClient(
             base_url=url,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
@@ -112,13 +128,11 @@ class Door:
             "stream_options": {"include_usage": True},
         }
         chunks = completion_tokens = 0
-        async with self.http.stream("POST", "/v1/chat/completions", json=body, headers=self.auth(i)) as reply:
-            if reply.status_code != 200:
-                raise StreamFailedError(f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}")
-            async for line in reply.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        try:
+            async for data in post_events(self.host, self.port, "/v1/chat/completions", body, self.auth(i)):
+                if data == "[DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(data)
                 if "error" in chunk:
                     raise StreamFailedError(chunk["error"]["message"])
                 if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
@@ -128,6 +142,8 @@ class Door:
                     completion_tokens = chunk["usage"]["completion_tokens"]
                     if completion_tokens > chunks:
                         yield completion_tokens - chunks
+        except SseFailedError as exc:
+            raise StreamFailedError(str(exc)) from None
         if completion_tokens != tokens:
             raise StreamFailedError(f"the answer ended after {completion_tokens} of {tokens} tokens")
 
@@ -191,7 +207,7 @@ async def latency(
     prompt = load_tokenizer().encode_chat(
         [ChatMessage("system", DEFAULT_SYSTEM_PROMPT), ChatMessage("user", QUESTION)]
     )
-    engine = Paths(engines, router, orchestrator, prompt, args.tokens)
+    engine = Paths(engines, router, orchestrator, prompt, args.tokens, keys)
     door = Door(url, keys, args.tokens)
     rows: list[Row] = []
     try:
@@ -243,16 +259,27 @@ class Held:
     open_s: float
     first_p50: float
     first_p99: float
+    # Resident memory added per stream held, by hop (bytes): the level's peak less the idle door's.
+    bytes_per_stream: dict[str, float]
 
     @property
     def held(self) -> bool:
         return not self.errors and self.peak_open == self.streams
 
 
-async def hold_level(door: Door, streams: int, tokens: int) -> Held:
-    """Opens ``streams`` OpenAI streams at once; each is timed from its first chunk to its end."""
+async def hold_level(door: Door, streams: int, tokens: int, pids: dict[str, int]) -> Held:
+    """Opens ``streams`` OpenAI streams at once; each is timed from its first chunk to its end. The
+    processes' resident memory is read every half second; its peak less the idle reading is the cost
+    of the open streams."""
+    idle = peak_usage = Usage.of(pids)
     began = time.perf_counter()
     spans: list[tuple[float, float]] = []
+
+    async def watch_memory() -> None:
+        nonlocal peak_usage
+        while True:
+            await asyncio.sleep(0.5)
+            peak_usage = peak_usage.peak(Usage.of(pids))
 
     async def one(i: int) -> None:
         first = None
@@ -261,7 +288,9 @@ async def hold_level(door: Door, streams: int, tokens: int) -> Held:
         assert first is not None
         spans.append((first, time.perf_counter()))
 
+    watcher = asyncio.create_task(watch_memory())
     outcomes = await asyncio.gather(*(one(i) for i in range(streams)), return_exceptions=True)
+    watcher.cancel()
     failures = [e for e in outcomes if isinstance(e, BaseException)]
     errors = sorted({f"{type(e).__name__}: {e}"[:200] for e in failures})
     # The most streams open at one moment: +1 at each first chunk, -1 at each end.
@@ -279,10 +308,11 @@ async def hold_level(door: Door, streams: int, tokens: int) -> Held:
         max(firsts),
         statistics.median(firsts),
         percentile(firsts, 0.99),
+        {hop: grown / streams for hop, grown in by_hop(peak_usage.rss_since(idle)).items()},
     )
 
 
-async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys) -> list[Held]:
+async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> list[Held]:
     door = Door(url, keys, args.hold_tokens)
     levels, level = [], args.hold_start
     while level < args.hold_cap:
@@ -292,25 +322,27 @@ async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys) -> list[H
     print(
         f"\nhold ramp: OpenAI streams of {args.hold_tokens} tokens through Envoy, null engines paced at "
         f"{args.hold_tokens_per_s:g} tokens/s per stream, cap {args.hold_cap}\n"
-        f"{'streams':>7} {'held':>5} {'peak open':>9} {'all answered by':>15} {'first chunk p50/p99':>20}  errors",
+        f"{'streams':>7} {'held':>5} {'peak open':>9} {'all answered by':>15} {'first chunk p50/p99':>20}  "
+        f"KiB per open stream ({', '.join(MEMORY_HOPS)})  errors",
         flush=True,
     )
     results: list[Held] = []
     try:
         # The restarted engines are back in the router once a few short streams get through.
         for _ in range(60):
-            if not (await hold_level(door, 4, 2)).errors:
+            if not (await hold_level(door, 4, 2, pids)).errors:
                 break
             await asyncio.sleep(0.5)
         for streams in levels:
             for i in range(streams):
                 door.auth(i)  # mint the tokens before the clock starts
-            result = await hold_level(door, streams, args.hold_tokens)
+            result = await hold_level(door, streams, args.hold_tokens, pids)
             results.append(result)
+            memory = " ".join(f"{result.bytes_per_stream.get(hop, 0) / 1024:.1f}" for hop in MEMORY_HOPS)
             print(
                 f"{streams:>7} {'yes' if result.held else 'NO':>5} {result.peak_open:>9} "
                 f"{result.open_s:>14.1f}s {result.first_p50:>9.1f}s / {result.first_p99:.1f}s  "
-                f"{result.failed} failed {result.errors[:3]}",
+                f"{memory}  {result.failed} failed {result.errors[:3]}",
                 flush=True,
             )
             if not result.held:
@@ -320,14 +352,139 @@ async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys) -> list[H
     return results
 
 
-def plot(rows: list[Row], path: Path, title: str) -> None:
-    try:
-        import matplotlib
+# What each process relays: its CPU time per token relayed is that hop's cost. Envoy carries every token
+# twice (orchestrator -> edge on the internal listener, edge -> client on the public one).
+HOPS = {
+    "engine": "engine -> router (the engines' own sending)",
+    "router": "router -> orchestrator",
+    "orchestrator": "orchestrator -> edge",
+    "edge": "edge -> client (SSE)",
+    "envoy": "Envoy, both passes",
+}
+DOOR = ("router", "orchestrator", "edge", "envoy")
+MEMORY_HOPS = (*HOPS, "client")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(no plot: matplotlib is not installed; `.venv/bin/pip install matplotlib==3.11.2`)")
+
+def process_ids(launcher: Launcher) -> dict[str, int]:
+    """The mesh's processes by launcher name, and this benchmark's own as ``client``."""
+    return {**{name: running.pid for name, running in launcher.running.items()}, "client": os.getpid()}
+
+
+def by_hop(values: Mapping[str, float]) -> dict[str, float]:
+    """Per-process values summed by hop (the engines together)."""
+    hops: dict[str, float] = {}
+    for name, value in values.items():
+        hop = "engine" if name.startswith("engine-") else name
+        hops[hop] = hops.get(hop, 0.0) + value
+    return hops
+
+
+@dataclass
+class Cost:
+    streams: int
+    tokens_per_s: float  # tokens the client received per second in the window
+    us_per_token: dict[str, float]  # CPU microseconds per relayed token, by hop
+
+    @property
+    def door_us(self) -> float:
+        return sum(self.us_per_token[hop] for hop in DOOR)
+
+
+async def relay_cost(door: Door, streams: int, tokens: int, window_s: float, pids: dict[str, int]) -> Cost:
+    """Opens ``streams`` long OpenAI streams; once every one has its first token (and a second for the
+    opening burst to settle), reads each process's CPU time over ``window_s`` and divides by the tokens
+    the client received meanwhile. Then the streams are closed (their runs are cancelled)."""
+    received = started = 0
+    all_started = asyncio.Event()
+
+    async def one(i: int) -> None:
+        nonlocal received, started
+        first = True
+        async for count in door.openai_chunks(i, tokens):
+            received += count
+            if first:
+                first, started = False, started + 1
+                if started == streams:
+                    all_started.set()
+
+    tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+    try:
+        async with asyncio.timeout(120):
+            await all_started.wait()
+        await asyncio.sleep(1.0)
+        before, counted, began = Usage.of(pids), received, time.perf_counter()
+        await asyncio.sleep(window_s)
+        after, relayed, elapsed = Usage.of(pids), received - counted, time.perf_counter() - began
+        failed = [t for t in tasks if t.done() and t.exception() is not None]
+        if failed:
+            raise StreamFailedError(f"{len(failed)} streams failed: {failed[0].exception()}")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    cpu = by_hop(after.cpu_since(before))
+    return Cost(streams, relayed / elapsed, {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()})
+
+
+async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> list[Cost]:
+    tokens = min(4096, round(args.tokens_per_s * (args.cost_window_s + 60)))
+    door = Door(url, keys, tokens)
+    print(
+        f"\nrelay cost: OpenAI streams through Envoy, null engines paced at {args.tokens_per_s:g} tokens/s "
+        f"per stream, CPU time of each process over a {args.cost_window_s:g} s window with every stream "
+        f"open, per token the client received\n"
+        f"{'streams':>7} {'tokens/s':>8} "
+        + " ".join(f"{hop:>12}" for hop in HOPS)
+        + f" {'door':>7} {'door tok/s/core':>15} {'client':>7} {'cassandra':>9}  (µs CPU per token)",
+        flush=True,
+    )
+    results = []
+    try:
+        for streams in args.cost_streams:
+            for i in range(streams):
+                door.auth(i)
+            cost = await relay_cost(door, streams, tokens, args.cost_window_s, pids)
+            results.append(cost)
+            us = cost.us_per_token
+            print(
+                f"{streams:>7} {cost.tokens_per_s:>8,.0f} "
+                + " ".join(f"{us[hop]:>12.1f}" for hop in HOPS)
+                + f" {cost.door_us:>7.1f} {1e6 / cost.door_us:>15,.0f} {us['client']:>7.1f} "
+                f"{us.get('cassandra', 0):>9.1f}",
+                flush=True,
+            )
+            await asyncio.sleep(2.0)  # the cancelled runs end before the next level
+    finally:
+        await door.close()
+    return results
+
+
+def plot_cost(costs: list[Cost], path: Path, title: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    xs = [str(c.streams) for c in costs]
+    bottom = [0.0] * len(costs)
+    for hop, label in HOPS.items():
+        heights = [c.us_per_token[hop] for c in costs]
+        ax.bar(xs, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for x, c, top in zip(xs, costs, bottom, strict=True):
+        ax.annotate(f"{c.tokens_per_s:,.0f} tok/s", (x, top), ha="center", va="bottom", fontsize=8)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("CPU µs per relayed token")
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def plot(rows: list[Row], path: Path, title: str) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, metric, label in (
@@ -398,6 +555,15 @@ def main() -> None:
     parser.add_argument("--hold-tokens-per-s", type=float, default=1.0, help="engines' pace in the ramp")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "front_door_latency.png")
     parser.add_argument(
+        "--cost-streams",
+        type=int,
+        nargs="*",
+        default=[10, 50, 100, 200],
+        help="relay cost levels (none: skip)",
+    )
+    parser.add_argument("--cost-window-s", type=float, default=10.0, help="CPU is read over this window")
+    parser.add_argument("--cost-plot", type=Path, default=ROOT / "docs" / "front_door_cost.png")
+    parser.add_argument(
         "--run-dir", type=Path, help="keep the services' data and logs here (default: a temp dir)"
     )
     args = parser.parse_args()
@@ -421,12 +587,21 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
                 f"chatmesh front door: mesh overhead, null engine ({args.tokens_per_s:g} tok/s per stream, "
                 f"{args.tokens} tokens); shared 2-core machine: provisional",
             )
+        pids = process_ids(launcher)
+        if args.cost_streams:
+            costs = asyncio.run(cost_levels(args, url, keys, pids))
+            plot_cost(
+                costs,
+                args.cost_plot,
+                f"CPU per relayed token by hop, null engines at {args.tokens_per_s:g} tok/s per stream; "
+                "shared 2-core machine",
+            )
         if args.hold_cap:
             print(f"\nrestarting the engines paced at {args.hold_tokens_per_s:g} tokens/s ...", flush=True)
             # Every stream of the largest level decodes at once: the ramp measures the door, not a queue.
             restart_engines(launcher, engines, args.hold_tokens_per_s, -(-args.hold_cap // len(engines)))
             asyncio.run(wait_for_engines(router, len(engines)))
-            asyncio.run(hold_ramp(args, url, keys))
+            asyncio.run(hold_ramp(args, url, keys, process_ids(launcher)))
         print(f"\nmachine at the end: {machine()}")
 
 

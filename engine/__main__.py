@@ -69,7 +69,7 @@ async def serve(engine: ServedEngine, args) -> None:
 
     engine.start()
     telemetry.start_metrics_server(args.metrics_port, args.host)
-    handle = await serving.start_grpc_server(add_services, args.port, args.host)
+    handle = await serving.start_from_flags(add_services, args)
     log.info("engine %s ready (instance %s)", engine.config.engine_id, engine.instance_id)
 
     async def unhealthy_on_failure() -> None:

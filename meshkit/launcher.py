@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -195,10 +196,33 @@ def _with_parent_death_signal(argv: list[str]) -> tuple[list[str], Callable[[], 
     return argv, _die_with_parent
 
 
+# Open files each service may hold (children inherit the launcher's limit). Every open stream holds a
+# socket in each HTTP/1.1 hop: Envoy holds two per SSE stream (the client's and the edge's), so 10,000
+# streams need more than the 20,000 a shell often allows; a Kubernetes container gets 1,048,576.
+OPEN_FILES = 1_048_576
+
+
+def raise_open_files_limit(wanted: int = OPEN_FILES) -> int:
+    """Raises this process's open-file limit to ``wanted`` (the hard limit too, where it may), else as
+    far as the hard limit allows; its children inherit it. Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, wanted))
+            return wanted
+        except (ValueError, OSError):  # not privileged to raise the hard limit
+            pass
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return max(soft, target)
+
+
 class Launcher:
     """Starts services in order and stops them in reverse order."""
 
     def __init__(self, run_dir: Path, echo: Callable[[str], None] | None = None) -> None:
+        raise_open_files_limit()
         self.run_dir = Path(run_dir)
         self.log_dir = self.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)

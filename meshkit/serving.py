@@ -20,13 +20,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from meshkit import telemetry
+from meshkit.config import DEFAULT_MAX_PENDING_CALLS, DEFAULT_MAX_PENDING_S
 from meshkit.malformed import RejectMalformed
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # Keepalives detect dead peers on long-lived streams (engine KV events, token streams).
-SERVER_OPTIONS = (
+_SERVER_OPTIONS = (
     # gRPC enables SO_REUSEPORT by default, letting a second server silently share a taken port.
     ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -37,6 +38,22 @@ SERVER_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 )
+
+
+def server_options(
+    max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS, max_pending_s: int = DEFAULT_MAX_PENDING_S
+) -> tuple[tuple[str, int], ...]:
+    """The options of every chatmesh gRPC server. Past ``max_pending_calls`` calls not yet taken by the
+    service, gRPC sheds new ones (CANCELLED, at random, up to twice that, then every one); so it does a
+    call that waited ``max_pending_s`` seconds to be taken."""
+    return (
+        *_SERVER_OPTIONS,
+        ("grpc.server.max_pending_requests", max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * max_pending_calls),
+        ("grpc.server_max_unrequested_time_in_server", max_pending_s),
+    )
+
+
 CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -88,10 +105,15 @@ async def start_grpc_server(
     port: int,
     host: str = "127.0.0.1",
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS,
+    max_pending_s: int = DEFAULT_MAX_PENDING_S,
 ) -> GrpcServer:
     """Creates, binds and starts a server. ``add_services`` registers servicers and returns their full names.
     Requests that do not parse are refused INVALID_ARGUMENT before any servicer sees them (RejectMalformed)."""
-    server = grpc.aio.server(interceptors=[RejectMalformed(), *interceptors], options=SERVER_OPTIONS)
+    server = grpc.aio.server(
+        interceptors=[RejectMalformed(), *interceptors],
+        options=server_options(max_pending_calls, max_pending_s),
+    )
     names = tuple(add_services(server))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -108,6 +130,19 @@ async def start_grpc_server(
     handle = GrpcServer(server=server, health=health, port=bound, service_names=names)
     await handle.set_serving(True)
     return handle
+
+
+async def start_from_flags(
+    add_services: Callable[[grpc.aio.Server], Iterable[str]], args: Namespace
+) -> GrpcServer:
+    """``start_grpc_server`` with the standard flags (see ``ServiceArgs.add_server_flags``)."""
+    return await start_grpc_server(
+        add_services,
+        args.port,
+        args.host,
+        max_pending_calls=args.max_pending_calls,
+        max_pending_s=args.max_pending_s,
+    )
 
 
 async def serve_until_signalled(
@@ -136,5 +171,5 @@ async def serve(
 ) -> None:
     """Starts a server from the standard flags (see ``ServiceArgs.add_server_flags``) and runs it until signalled."""
     telemetry.start_metrics_server(args.metrics_port, args.host)
-    handle = await start_grpc_server(add_services, args.port, args.host)
+    handle = await start_from_flags(add_services, args)
     await serve_until_signalled(handle, name, args.drain_grace_s, on_drain)

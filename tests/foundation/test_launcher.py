@@ -2,6 +2,7 @@
 
 import os
 import re
+import resource
 import signal
 import socket
 import sys
@@ -11,6 +12,7 @@ import time
 import pytest
 
 from meshkit.launcher import (
+    OPEN_FILES,
     GrpcHealthy,
     HttpOk,
     Launcher,
@@ -233,3 +235,19 @@ def test_backoff_starts_over_once_a_restarted_service_has_been_ready_for_a_minut
         crash_and_recover(at=200.0)  # ready for two minutes: it starts over
     backoffs = [re.search(r"restarting it in (\d+)s", line).group(1) for line in lines if "exited" in line]
     assert backoffs == ["1", "2", "1"]
+
+
+def test_services_may_open_as_many_files_as_the_machine_allows(tmp_path):
+    """Each open SSE stream holds two sockets in Envoy: a service inherits the launcher's open-file
+    limit, raised to OPEN_FILES or as far as the hard limit allows."""
+    with Launcher(tmp_path) as launcher:
+        spec = ServiceSpec(
+            name="limits",
+            argv=[sys.executable, "-c", "import time; time.sleep(30)"],
+        )
+        running = launcher.spawn(spec)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        with open(f"/proc/{running.pid}/limits") as limits:
+            (line,) = [row for row in limits if row.startswith("Max open files")]
+        assert int(line.split()[3]) == soft
+        assert soft == (OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard))

@@ -1,6 +1,7 @@
 """Every gRPC server gets health, reflection, a clean drain, and retry hints on its errors."""
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -117,3 +118,46 @@ async def test_second_server_on_a_taken_port_fails_clearly():
             await start_grpc_server(add, handle.port)
     finally:
         await handle.server.stop(0)
+
+
+def _burst(port: int, calls: int) -> list[grpc.StatusCode]:
+    """``calls`` health checks at once from a thread of their own; the code each one ended with."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        grpc.channel_ready_future(channel).result(timeout=5)
+        check = health_pb2_grpc.HealthStub(channel).Check
+        futures = [check.future(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(calls)]
+        return [future.code() for future in futures]
+
+
+async def _codes_while_busy(options: dict, calls: int, busy_s: float) -> list[grpc.StatusCode]:
+    """A server with ``options`` gets ``calls`` at once while its event loop is busy for ``busy_s``."""
+    handle = await start_grpc_server(add, free_port(), **options)
+    try:
+        burst = asyncio.ensure_future(asyncio.to_thread(_burst, handle.port, calls))
+        await asyncio.sleep(0.3)  # the thread connects
+        time.sleep(busy_s)  # noqa: ASYNC251 - the service is busy on purpose: the burst waits in gRPC
+        codes = await burst
+    finally:
+        await handle.server.stop(0)
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.CANCELLED}
+    return codes
+
+
+@pytest.mark.parametrize(
+    "options, shed", [({"max_pending_calls": 5}, True), ({}, False)], ids=["5", "default"]
+)
+async def test_calls_beyond_max_pending_calls_are_shed_while_the_service_is_busy(options, shed):
+    """While the event loop is busy, new calls wait in gRPC until the service takes them. Past
+    ``max_pending_calls`` gRPC sheds them with CANCELLED (with gRPC's default of 1,000 a burst of 2,000
+    streams lost a few percent); the default holds a burst of 300 whole."""
+    codes = await _codes_while_busy(options, 300, 1.0)
+    assert (grpc.StatusCode.CANCELLED in codes) is shed
+
+
+@pytest.mark.parametrize("options, shed", [({"max_pending_s": 1}, True), ({}, False)], ids=["1s", "default"])
+async def test_a_call_not_taken_within_max_pending_s_is_shed(options, shed):
+    """A call that waited longer than ``max_pending_s`` for the busy service is shed CANCELLED (gRPC
+    sweeps them as new calls arrive). At 4,000 streams opened at once, the orchestrator's gRPC shed half
+    of them after 30 s, its default."""
+    codes = await _codes_while_busy(options, 2000, 3.0)
+    assert (grpc.StatusCode.CANCELLED in codes) is shed

@@ -92,3 +92,23 @@ def test_orchestrator_cluster_is_sized_for_streams(config: EnvoyConfig):
     assert cluster["circuit_breakers"]["thresholds"][0]["max_requests"] >= 10_000
     assert cluster["health_checks"][0]["grpc_health_check"]["service_name"] == "chatmesh.chat.v1.ChatService"
     assert len(cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+
+
+def test_every_stream_limit_follows_max_open_streams(config: EnvoyConfig):
+    """No Envoy default caps open streams below the configured number: the clusters' circuit breakers
+    (requests, and requests waiting for a connection) and HTTP/2's concurrent streams on one connection
+    (the edge's gRPC channel on the internal listener; Envoy's connection to an orchestrator)."""
+    parsed = yaml.safe_load(render_config(replace(config, max_open_streams=123_456)))
+    resources = parsed["static_resources"]
+    for cluster in resources["clusters"]:
+        (limits,) = cluster["circuit_breakers"]["thresholds"]
+        assert limits["max_requests"] == limits["max_pending_requests"] == 123_456, cluster["name"]
+    (orchestrator,) = [c for c in resources["clusters"] if c["name"] == "orchestrator"]
+    upstream = orchestrator["typed_extension_protocol_options"]
+    options = upstream["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]["explicit_http_config"]
+    assert options["http2_protocol_options"]["max_concurrent_streams"] == 123_456
+    for listener in resources["listeners"]:
+        manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        assert manager["http2_protocol_options"]["max_concurrent_streams"] == 123_456, listener["name"]
+    connections = parsed["overload_manager"]["resource_monitors"][0]["typed_config"]
+    assert connections["max_active_downstream_connections"] == 123_456
