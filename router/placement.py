@@ -8,7 +8,8 @@ size and seed) and its load.
 
 A free request its pool refuses is *degraded* when the router has a cheaper model for its model
 (``--degrade MODEL=CHEAPER``): it goes to the cheaper model's pool, which takes it while any of its
-engines has headroom (the pool exists for it), and is shed only when that pool is saturated too. Paid
+engines has headroom (the pool exists for it: its bound, not the free depth) and a predicted wait that
+fits the request's objective, and is shed only when that pool is saturated too. Paid
 tiers are never degraded. Every step reads the registry's ``LoadTable`` columns, so a decision
 costs a few vector operations however many engines there are (bench/bench_scale_sim.py).
 """
