@@ -14,15 +14,18 @@ its wait: 128 requests queued on an engine finishing 8 a second is 16 s. So a re
 only to an engine whose *predicted wait* fits the tier's TTFT objective (``chatmesh.tiers``), less the
 engine's own time to a first token at the head of its queue (its prefill and first step, as measured)::
 
-    predicted wait = (requests queued ahead of it + 1) / drain rate     (0 while nothing waits there)
+    predicted wait = (requests queued ahead of it + 1) / (drain rate - higher tiers' admission rate)
+                     (0 while nothing waits there; endless when higher tiers take the whole drain)
     admit where   predicted wait <= max(0, objective - head-of-queue TTFT)
 
 *Ahead of it* counts the queued requests of its own tier and higher ones (engines schedule higher
 priorities first) plus the queued requests this router did not send (other replicas', of unknown
 tier: counted ahead of everyone). The *+1* is the slot it waits for: anything queued means every
 running slot is taken. The *drain rate* is the requests per second the engine finished lately, as
-this router saw them finish. An engine whose queue is empty always fits (its wait is 0): a request
-whose own prefill alone exceeds its objective is still served, on an idle engine.
+this router saw them finish. Higher tiers arriving while it waits go ahead of it too, so its queue
+drains only at what they leave over: the drain rate less the rate this router has lately been sending
+that engine requests of higher tiers. An engine whose queue is empty always fits (its wait is 0): a
+request whose own prefill alone exceeds its objective is still served, on an idle engine.
 
 **Cold start.** Until an engine has finished two requests its drain rate is unknown, and the count
 rule alone decides for it.
@@ -57,6 +60,7 @@ class QueueView:
     drain_rate: float  # requests it finished per second lately (0: unknown)
     ahead: tuple[int, ...]  # per tier rank: queued requests a new one of that rank waits behind
     head_ttft_s: float = 0.0  # its time to a first token at the head of its queue (0: unknown)
+    higher_rate: tuple[float, ...] = (0.0, 0.0, 0.0)  # per tier rank: higher tiers sent here per second
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Queues:
     ahead: np.ndarray  # queued requests this request would wait behind
     drain_rate: np.ndarray  # requests finished per second lately (0: unknown)
     head_ttft_s: np.ndarray  # time to a first token at the head of the queue (0: unknown)
+    higher_rate: np.ndarray  # requests of higher tiers sent there per second lately
 
 
 def is_premium(tier: int) -> bool:
@@ -85,11 +90,16 @@ def limits(max_waiting: np.ndarray, tier: int, free_queue_fraction: float) -> np
 
 
 def predicted_wait_s(queues: Queues) -> np.ndarray:
-    """Each engine's predicted queue wait for the request (0 where nothing waits or the rate is unknown)."""
+    """Each engine's predicted queue wait for the request (0 where nothing waits or the rate is unknown;
+    infinite where higher tiers are taking everything the engine finishes)."""
     known = queues.drain_rate > 0
     waits = np.zeros(len(queues.waiting))
     saturated = known & (queues.waiting > 0)
-    waits[saturated] = (queues.ahead[saturated] + 1) / queues.drain_rate[saturated]
+    left_over = queues.drain_rate[saturated] - queues.higher_rate[saturated]
+    with np.errstate(divide="ignore"):
+        waits[saturated] = np.where(
+            left_over > 0, (queues.ahead[saturated] + 1) / np.maximum(left_over, 1e-12), np.inf
+        )
     return waits
 
 
@@ -129,6 +139,7 @@ def _columns(views: Sequence[QueueView], tier: int) -> Queues:
         np.array([q.ahead[rank] for q in views], dtype=np.int64),
         np.array([q.drain_rate for q in views], dtype=np.float64),
         np.array([q.head_ttft_s for q in views], dtype=np.float64),
+        np.array([q.higher_rate[rank] for q in views], dtype=np.float64),
     )
 
 

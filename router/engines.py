@@ -8,9 +8,11 @@ blocks; queued ones count as waiting until their first token) plus the *foreign*
 report showed beyond them (other router replicas, direct clients), which is 0 with one router.
 
 For admission by predicted wait (``router.admission``) it also keeps this router's queued requests by
-tier rank, the rate at which its requests finish here, and the engine's time to a first token for
-requests that found nothing queued (its head-of-queue TTFT: prefill and first step, as seen from here).
-Times come from ``clock`` (the simulation passes its virtual one).
+tier rank, the rate at which its requests finish here, the rate at which it sends each tier here
+(decaying with a time constant of ``ADMITTED_RATE_TAU_S``, so a tier that stops arriving stops
+counting), and the engine's time to a first token for requests that found nothing queued (its
+head-of-queue TTFT: prefill and first step, as seen from here). Times come from ``clock`` (the
+simulation passes its virtual one).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from router.loads import LoadTable
 
 # Recent samples the drain rate and the head-of-queue TTFT are taken over.
 SAMPLES = 32
+# The admission rate per tier is an exponentially decaying count: each request adds 1/tau per second.
+# 1 s: a paid surge must count within a second, or the free requests admitted meanwhile starve.
+ADMITTED_RATE_TAU_S = 1.0
 
 
 @dataclass
@@ -60,6 +65,9 @@ class EngineState:
     finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttft_s: float = 0.0  # their median: its time to a first token with nothing queued (0: unknown)
+    # Per tier rank: the decaying rate of requests sent here, as of the last one sent (admitted_at).
+    admitted_rates: list[float] = field(default_factory=lambda: [0.0] * len(TIERS))
+    admitted_at: list[float] = field(default_factory=lambda: [0.0] * len(TIERS))
     clock: Callable[[], float] = time.monotonic
     removed: bool = False  # gone from DNS; kept only while its streams finish
     table: LoadTable[EngineState] | None = (
@@ -107,7 +115,10 @@ class EngineState:
     def dispatched(self, request_id: str, context_tokens: int, rank: int = 0) -> None:
         """Sent here; ``rank``: its tier's (``chatmesh.tiers.Tier.rank``)."""
         at_head = self.inflight_waiting + self.foreign_waiting == 0
-        self.inflight[request_id] = _Inflight(rank, self.clock(), at_head)
+        now = self.clock()
+        self.admitted_rates[rank] = self._admitted_rate(rank, now) + 1 / ADMITTED_RATE_TAU_S
+        self.admitted_at[rank] = now
+        self.inflight[request_id] = _Inflight(rank, now, at_head)
         self.inflight_waiting += 1
         self.waiting_by_rank[rank] += 1
         self._resize(request_id, context_tokens)
@@ -160,15 +171,23 @@ class EngineState:
             return 0.0
         return (len(times) - 1) / (times[-1] - times[0])
 
+    def _admitted_rate(self, rank: int, now: float) -> float:
+        """Requests of ``rank`` this router sent here per second, lately."""
+        return self.admitted_rates[rank] * math.exp(-(now - self.admitted_at[rank]) / ADMITTED_RATE_TAU_S)
+
     def queue_view(self) -> QueueView:
         max_waiting = self.load.max_waiting_requests if self.load is not None else 0
         # A new request of rank r waits behind this router's queued requests of rank >= r and behind
-        # every foreign one (their tiers are unknown).
+        # every foreign one (their tiers are unknown); later requests of higher ranks pass it.
+        now = self.clock()
         ahead = [self.foreign_waiting] * len(TIERS)
-        behind_higher = 0
+        higher_rate = [0.0] * len(TIERS)
+        behind, passing = 0, 0.0
         for rank in reversed(range(len(TIERS))):
-            behind_higher += self.waiting_by_rank[rank]
-            ahead[rank] += behind_higher
+            higher_rate[rank] = passing
+            behind += self.waiting_by_rank[rank]
+            ahead[rank] += behind
+            passing += self._admitted_rate(rank, now)
         return QueueView(
             self.engine_id,
             self.inflight_waiting + self.foreign_waiting,
@@ -176,4 +195,5 @@ class EngineState:
             self.drain_rate(),
             tuple(ahead),
             self.head_ttft_s,
+            tuple(higher_rate),
         )

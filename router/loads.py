@@ -52,6 +52,7 @@ class LoadTable(Generic[State]):
         self.ahead = np.zeros((capacity, len(TIERS)), dtype=np.int64)  # queued ahead, per tier rank
         self.drain_rate = np.zeros(capacity, dtype=np.float64)
         self.head_ttft_s = np.zeros(capacity, dtype=np.float64)
+        self.higher_rate = np.zeros((capacity, len(TIERS)), dtype=np.float64)  # per tier rank
         self.rendezvous_key = np.zeros(capacity, dtype=np.uint64)
         self.order = np.zeros(0, dtype=np.int64)  # attached rows in engine-id order
         self._pools: dict[tuple[str, str], int] = {}
@@ -120,6 +121,7 @@ class LoadTable(Generic[State]):
         self.ahead[slot] = view.ahead
         self.drain_rate[slot] = view.drain_rate
         self.head_ttft_s[slot] = view.head_ttft_s
+        self.higher_rate[slot] = view.higher_rate
 
     def _reorder(self) -> None:
         rows = [slot for slot, state in enumerate(self.states) if state is not None]

@@ -131,6 +131,7 @@ class Placer:
             loads.ahead[rows, rank],
             loads.drain_rate[rows],
             loads.head_ttft_s[rows],
+            loads.higher_rate[rows, rank],
         )
 
     def _admissible(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> np.ndarray:

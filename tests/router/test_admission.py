@@ -20,9 +20,15 @@ def queues(*waiting: int, max_waiting: int = 10, drain_rate: float = 0.0) -> lis
     return [QueueView(f"e{i}", w, max_waiting, drain_rate, ahead=(w, w, w)) for i, w in enumerate(waiting)]
 
 
-def engine(ahead: tuple[int, int, int], drain_rate: float, head_ttft_s: float = 0.0, name="e0") -> QueueView:
+def engine(
+    ahead: tuple[int, int, int],
+    drain_rate: float,
+    head_ttft_s: float = 0.0,
+    name: str = "e0",
+    higher_rate: tuple[float, float, float] = (0.0, 0.0, 0.0),
+) -> QueueView:
     """One engine with a large bound (only the wait rule binds), queued per tier rank as ``ahead``."""
-    return QueueView(name, ahead[0], 256, drain_rate, ahead, head_ttft_s)
+    return QueueView(name, ahead[0], 256, drain_rate, ahead, head_ttft_s, higher_rate)
 
 
 # -- the count rule ---------------------------------------------------------------------------------------
@@ -143,3 +149,16 @@ def test_the_retry_delay_is_the_predicted_time_until_the_soonest_engine_would_fi
 def test_the_retry_delay_waits_for_both_rules():
     # Free depth 5 of 10 needs 4 finishes at 2/s (2 s); its wait, 9 / 2 = 4.5 s, needs 2.5 s below 2 s.
     assert retry_after_s(queues(8, drain_rate=2.0), FREE, 0.5, objective_s=2.0) == pytest.approx(2.5)
+
+
+def test_higher_tiers_arriving_meanwhile_slow_a_lower_tiers_queue_down_to_what_they_leave():
+    # 7 free queued at 8 finishes a second is a 1 s wait; with pro and enterprise being sent at 4 a
+    # second they pass it, and its queue drains at 4 a second: 2 s, still within free's 2 s.
+    assert admissible([engine((7, 0, 0), 8.0, higher_rate=(4.0, 0.0, 0.0))], FREE, 0.5, 2.0) == ["e0"]
+    assert admissible([engine((8, 0, 0), 8.0, higher_rate=(4.0, 0.0, 0.0))], FREE, 0.5, 2.0) == []
+    # Higher tiers taking everything it finishes: a queued lower tier would wait without end.
+    starved = [engine((1, 0, 0), 8.0, higher_rate=(8.0, 0.0, 0.0))]
+    assert admissible(starved, FREE, 0.5, 2.0) == []
+    assert retry_after_s(starved, FREE, 0.5, 2.0) == 30.0
+    # ... while the top tier, passed by no one, is judged on the drain rate alone.
+    assert admissible([engine((1, 0, 0), 8.0, higher_rate=(8.0, 0.0, 0.0))], ENTERPRISE, 0.5, 0.5) == ["e0"]

@@ -1,6 +1,7 @@
 """Placement glue without processes: per-model pools, tokenizer checks, health, admission by tier,
 and each engine's cached prefix taken from the index with that engine's own block size."""
 
+import math
 import random
 
 import grpc
@@ -252,6 +253,13 @@ def test_engine_state_measures_its_drain_rate_and_head_of_queue_ttft_and_queues_
     clock.now += 3.0
     state.progressed(enterprise, 11)
     assert state.queue_view().ahead == (7, 2, 0) and state.head_ttft_s == pytest.approx(0.05)
+    # Each tier is passed by the higher tiers' recent admission rate (the warm-up's 9 free requests pass
+    # no one); the rate decays once a tier stops arriving.
+    assert view.higher_rate[2] == 0.0
+    assert view.higher_rate[1] == pytest.approx(1.0, rel=0.01)  # 1 enterprise request / the 1 s tau
+    assert view.higher_rate[0] == pytest.approx(3.0, rel=0.01)  # and 2 pro
+    clock.now += 1.0
+    assert state.queue_view().higher_rate[0] == pytest.approx(3.0 * math.exp(-4), rel=0.01)
     # What another router sent (the report beyond this router's own) is ahead of every tier.
     state.report(engine_pb2.EngineLoad(waiting_requests=10, max_waiting_requests=256, serving=True))
     assert state.queue_view().ahead == (10, 5, 3)
