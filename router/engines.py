@@ -178,7 +178,11 @@ class EngineState:
     def queue_view(self) -> QueueView:
         max_waiting = self.load.max_waiting_requests if self.load is not None else 0
         # A new request of rank r waits behind this router's queued requests of rank >= r and behind
-        # every foreign one (their tiers are unknown); later requests of higher ranks pass it.
+        # every foreign one (their tiers are unknown); later requests of higher ranks pass it, but only
+        # while the engine itself reports a queue: with a free running slot it starts at once. (Its
+        # finish rate lags what it is sent by a whole answer, so comparing the two when it is not
+        # saturated would refuse lower tiers for nothing: the simulation at 1x lost a fifth of its hits.)
+        queued = self.load is not None and self.load.waiting_requests > 0
         now = self.clock()
         ahead = [self.foreign_waiting] * len(TIERS)
         higher_rate = [0.0] * len(TIERS)
@@ -187,7 +191,7 @@ class EngineState:
             higher_rate[rank] = passing
             behind += self.waiting_by_rank[rank]
             ahead[rank] += behind
-            passing += self._admitted_rate(rank, now)
+            passing += self._admitted_rate(rank, now) if queued else 0.0
         return QueueView(
             self.engine_id,
             self.inflight_waiting + self.foreign_waiting,

@@ -56,8 +56,14 @@ class RouterReplica:
             # A simulated engine is never called over gRPC: placement reads only its state.
             # Its clock is the simulation's: drain rates and first-token times are in simulated seconds.
             state = EngineState(
-                engine_id, engine_id, channel=None, stub=None, info=info, connected=True, clock=clock
-            )  # type: ignore[arg-type]
+                engine_id,
+                engine_id,
+                channel=None,  # type: ignore[arg-type]
+                stub=None,  # type: ignore[arg-type]
+                info=info,
+                connected=True,
+                clock=clock,
+            )
             self.states[engine_id] = state
             self.index.add_engine(engine_id, setup.costs.kv_blocks)
             state.attach(self.loads, self.index.slot(engine_id))

@@ -248,13 +248,16 @@ def test_engine_state_measures_its_drain_rate_and_head_of_queue_ttft_and_queues_
     [enterprise] = queue_on(state, 1, router_pb2.TIER_ENTERPRISE)
     view = state.queue_view()
     assert view.waiting == 8 and view.ahead == (8, 3, 1)
+    assert view.higher_rate == (0.0, 0.0, 0.0)  # the engine reports no queue: nothing passes anyone
+    state.report(engine_pb2.EngineLoad(waiting_requests=8, max_waiting_requests=256, serving=True))
+    view = state.queue_view()
     # A queued request's first token takes it out of the queue; one that queued says nothing of the
     # engine's head-of-queue TTFT.
     clock.now += 3.0
     state.progressed(enterprise, 11)
     assert state.queue_view().ahead == (7, 2, 0) and state.head_ttft_s == pytest.approx(0.05)
-    # Each tier is passed by the higher tiers' recent admission rate (the warm-up's 9 free requests pass
-    # no one); the rate decays once a tier stops arriving.
+    # With a queue at the engine, each tier is passed by the higher tiers' recent admission rate (the
+    # warm-up's 9 free requests pass no one); the rate decays once a tier stops arriving.
     assert view.higher_rate[2] == 0.0
     assert view.higher_rate[1] == pytest.approx(1.0, rel=0.01)  # 1 enterprise request / the 1 s tau
     assert view.higher_rate[0] == pytest.approx(3.0, rel=0.01)  # and 2 pro
