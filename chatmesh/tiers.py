@@ -1,5 +1,11 @@
 """Service tiers: the one table of a tier's name (JWT claim, budgets, flags, metric labels), its
-``router.v1.Tier`` on the wire, and the ``engine.v1.Priority`` the router asks engines to schedule it at.
+``router.v1.Tier`` on the wire, the ``engine.v1.Priority`` the router asks engines to schedule it at, and
+its time-to-first-token objective (the router admits a request only where its predicted wait fits it).
+
+The objectives: enterprise 0.5 s is the seeds' TTFT target (docs/capacity.md); free 2 s is the
+operations SLO's threshold (docs/operations.md); pro sits between. They are defaults: the router takes
+``--ttft-objective-<tier>-s``. A stricter objective for a higher tier is not a harsher rule for it:
+engines schedule higher priorities first, so a request waits only behind its own tier and those above.
 """
 
 from __future__ import annotations
@@ -15,14 +21,17 @@ class Tier:
     name: str
     proto: router_pb2.Tier
     priority: engine_pb2.Priority
+    ttft_objective_s: float  # default; the router's --ttft-objective-<name>-s
+    rank: int  # position in the table, lowest first: an engine serves higher ranks first
 
 
 _TABLE = (
-    Tier("free", router_pb2.TIER_FREE, engine_pb2.PRIORITY_LOW),
-    Tier("pro", router_pb2.TIER_PRO, engine_pb2.PRIORITY_NORMAL),
-    Tier("enterprise", router_pb2.TIER_ENTERPRISE, engine_pb2.PRIORITY_HIGH),
+    Tier("free", router_pb2.TIER_FREE, engine_pb2.PRIORITY_LOW, 2.0, 0),
+    Tier("pro", router_pb2.TIER_PRO, engine_pb2.PRIORITY_NORMAL, 1.0, 1),
+    Tier("enterprise", router_pb2.TIER_ENTERPRISE, engine_pb2.PRIORITY_HIGH, 0.5, 2),
 )
 TIERS = tuple(tier.name for tier in _TABLE)
+TTFT_OBJECTIVES_S = {tier.name: tier.ttft_objective_s for tier in _TABLE}
 # The lowest tier: what an unknown or unset tier is treated as, never trusted higher.
 DEFAULT_TIER = "free"
 _BY_NAME = {tier.name: tier for tier in _TABLE}

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from chatmesh.tiers import TIERS, TTFT_OBJECTIVES_S
 from meshkit.config import nested, setting
+from router.admission import ADMISSION_RULES
 from router.policy import POLICIES, CostWeights
 
 _ADDRESS = re.compile(
@@ -63,8 +65,16 @@ class RouterConfig:
     # Placement
     policy: str = setting("kv_aware", f"placement policy: {' | '.join(POLICIES)}")
     weights: CostWeights = nested(CostWeights)
-    # Admission: the free tier is shed when every engine's queue is at least this fraction of its bound.
+    # Admission (router/admission.py): the count rule caps every queue (the free tier at this fraction of
+    # its bound); the wait rule also asks each engine's predicted wait to fit the tier's TTFT objective.
+    admission: str = setting("wait", f"admission rule: {' | '.join(ADMISSION_RULES)}")
     free_queue_fraction: float = setting(0.5, "free tier is shed when every queue is this full")
+    ttft_objective_s: dict[str, float] = setting(
+        default_factory=lambda: dict(TTFT_OBJECTIVES_S),
+        help="{key} tier's time-to-first-token objective in seconds (admission by predicted wait)",
+        flag="ttft-objective-{key}-s",
+        per=TIERS,
+    )
     # Degrade: a free request its model's pool refuses goes to that model's cheaper model instead.
     degrade: tuple[tuple[str, str], ...] = setting(
         (),
@@ -95,8 +105,12 @@ class RouterConfig:
         problems = []
         if self.policy not in POLICIES:
             problems.append(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.admission not in ADMISSION_RULES:
+            problems.append(f"admission must be one of {', '.join(ADMISSION_RULES)}, got {self.admission!r}")
         if not 0 < self.free_queue_fraction <= 1:
             problems.append("free queue fraction must be in (0, 1]")
+        if min(self.ttft_objective_s.values()) <= 0:
+            problems.append("TTFT objectives must be > 0 seconds")
         if self.max_attempts < 1:
             problems.append("max attempts must be >= 1")
         if self.session_hints < 0:
@@ -128,3 +142,8 @@ class RouterConfig:
     def cheaper_models(self) -> dict[str, str]:
         """Each degradable model's cheaper model (``--degrade``)."""
         return dict(self.degrade)
+
+    def objective_s(self, tier: str, admit: bool) -> float | None:
+        """The TTFT objective admission holds a request of ``tier`` to; None: the count rule alone (the
+        count rule configured, or a failover, which continues a stream wherever there is room)."""
+        return self.ttft_objective_s[tier] if admit and self.admission == "wait" else None

@@ -6,24 +6,43 @@ router's own bookkeeping is exact for its own requests. Placement combines them,
 predicted active blocks: load = this router's in-flight requests (each one's context so far in
 blocks; queued ones count as waiting until their first token) plus the *foreign* load the last
 report showed beyond them (other router replicas, direct clients), which is 0 with one router.
+
+For admission by predicted wait (``router.admission``) it also keeps this router's queued requests by
+tier rank, the rate at which its requests finish here, the rate at which it sends each tier here
+(decaying with a time constant of ``ADMITTED_RATE_TAU_S``, so a tier that stops arriving stops
+counting), and the engine's time to a first token for requests that found nothing queued (its
+head-of-queue TTFT: prefill and first step, as seen from here). Times come from ``clock`` (the
+simulation passes its virtual one).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.tiers import TIERS
 from router.admission import QueueView
 from router.loads import LoadTable
+
+# Recent samples the drain rate and the head-of-queue TTFT are taken over.
+SAMPLES = 32
+# The admission rate per tier is an exponentially decaying count: each request adds 1/tau per second.
+# 1 s: a paid surge must count within a second, or the free requests admitted meanwhile starve.
+ADMITTED_RATE_TAU_S = 1.0
 
 
 @dataclass
 class _Inflight:
+    rank: int  # its tier's rank (chatmesh.tiers): engines serve higher ranks first
+    dispatched_at: float
+    at_head: bool  # nothing was queued there when it was sent: its TTFT is the engine's head-of-queue one
     blocks: int = 0  # context blocks so far
     started: bool = False  # a token came back (until then it counts as waiting)
 
@@ -40,9 +59,16 @@ class EngineState:
     inflight: dict[str, _Inflight] = field(default_factory=dict)  # this router's requests, by request id
     inflight_blocks: int = 0
     inflight_waiting: int = 0  # of those, not started yet
+    waiting_by_rank: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # the same, per tier rank
     foreign_blocks: int = 0  # blocks in use at the last report beyond this router's requests
     foreign_waiting: int = 0  # queued at the last report beyond this router's requests
-    finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    head_ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    head_ttft_s: float = 0.0  # their median: its time to a first token with nothing queued (0: unknown)
+    # Per tier rank: the decaying rate of requests sent here, as of the last one sent (admitted_at).
+    admitted_rates: list[float] = field(default_factory=lambda: [0.0] * len(TIERS))
+    admitted_at: list[float] = field(default_factory=lambda: [0.0] * len(TIERS))
+    clock: Callable[[], float] = time.monotonic
     removed: bool = False  # gone from DNS; kept only while its streams finish
     table: LoadTable[EngineState] | None = (
         None  # where placement reads it (its row is rewritten on every change)
@@ -86,9 +112,15 @@ class EngineState:
 
     # -- this router's requests ----------------------------------------------------------------------
 
-    def dispatched(self, request_id: str, context_tokens: int) -> None:
-        self.inflight[request_id] = _Inflight()
+    def dispatched(self, request_id: str, context_tokens: int, rank: int = 0) -> None:
+        """Sent here; ``rank``: its tier's (``chatmesh.tiers.Tier.rank``)."""
+        at_head = self.inflight_waiting + self.foreign_waiting == 0
+        now = self.clock()
+        self.admitted_rates[rank] = self._admitted_rate(rank, now) + 1 / ADMITTED_RATE_TAU_S
+        self.admitted_at[rank] = now
+        self.inflight[request_id] = _Inflight(rank, now, at_head)
         self.inflight_waiting += 1
+        self.waiting_by_rank[rank] += 1
         self._resize(request_id, context_tokens)
         self._publish()
 
@@ -99,6 +131,10 @@ class EngineState:
         if request is not None and not request.started:
             request.started = started = True
             self.inflight_waiting -= 1
+            self.waiting_by_rank[request.rank] -= 1
+            if request.at_head:
+                self.head_ttfts.append(self.clock() - request.dispatched_at)
+                self.head_ttft_s = statistics.median(self.head_ttfts)
         if self._resize(request_id, context_tokens) or started:  # most tokens change neither
             self._publish()
 
@@ -106,9 +142,11 @@ class EngineState:
         request = self.inflight.pop(request_id, None)
         if request is not None:
             self.inflight_blocks -= request.blocks
-            self.inflight_waiting -= not request.started
+            if not request.started:
+                self.inflight_waiting -= 1
+                self.waiting_by_rank[request.rank] -= 1
         if completed:
-            self.finish_times.append(time.monotonic())
+            self.finish_times.append(self.clock())
         self._publish()
 
     def _resize(self, request_id: str, context_tokens: int) -> bool:
@@ -133,8 +171,33 @@ class EngineState:
             return 0.0
         return (len(times) - 1) / (times[-1] - times[0])
 
+    def _admitted_rate(self, rank: int, now: float) -> float:
+        """Requests of ``rank`` this router sent here per second, lately."""
+        return self.admitted_rates[rank] * math.exp(-(now - self.admitted_at[rank]) / ADMITTED_RATE_TAU_S)
+
     def queue_view(self) -> QueueView:
         max_waiting = self.load.max_waiting_requests if self.load is not None else 0
+        # A new request of rank r waits behind this router's queued requests of rank >= r and behind
+        # every foreign one (their tiers are unknown); later requests of higher ranks pass it, but only
+        # while the engine itself reports a queue: with a free running slot it starts at once. (Its
+        # finish rate lags what it is sent by a whole answer, so comparing the two when it is not
+        # saturated would refuse lower tiers for nothing: the simulation at 1x lost a fifth of its hits.)
+        queued = self.load is not None and self.load.waiting_requests > 0
+        now = self.clock()
+        ahead = [self.foreign_waiting] * len(TIERS)
+        higher_rate = [0.0] * len(TIERS)
+        behind, passing = 0, 0.0
+        for rank in reversed(range(len(TIERS))):
+            higher_rate[rank] = passing
+            behind += self.waiting_by_rank[rank]
+            ahead[rank] += behind
+            passing += self._admitted_rate(rank, now) if queued else 0.0
         return QueueView(
-            self.engine_id, self.inflight_waiting + self.foreign_waiting, max_waiting, self.drain_rate()
+            self.engine_id,
+            self.inflight_waiting + self.foreign_waiting,
+            max_waiting,
+            self.drain_rate(),
+            tuple(ahead),
+            self.head_ttft_s,
+            tuple(higher_rate),
         )

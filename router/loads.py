@@ -14,6 +14,7 @@ from typing import Generic, Protocol, TypeVar
 import numpy as np
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.tiers import TIERS
 from router.admission import QueueView
 from router.policy import engine_key
 
@@ -48,7 +49,10 @@ class LoadTable(Generic[State]):
         self.decode_blocks = np.zeros(capacity, dtype=np.float64)
         self.waiting = np.zeros(capacity, dtype=np.int64)
         self.max_waiting = np.zeros(capacity, dtype=np.int64)
+        self.ahead = np.zeros((capacity, len(TIERS)), dtype=np.int64)  # queued ahead, per tier rank
         self.drain_rate = np.zeros(capacity, dtype=np.float64)
+        self.head_ttft_s = np.zeros(capacity, dtype=np.float64)
+        self.higher_rate = np.zeros((capacity, len(TIERS)), dtype=np.float64)  # per tier rank
         self.rendezvous_key = np.zeros(capacity, dtype=np.uint64)
         self.order = np.zeros(0, dtype=np.int64)  # attached rows in engine-id order
         self._pools: dict[tuple[str, str], int] = {}
@@ -114,7 +118,10 @@ class LoadTable(Generic[State]):
         view = state.queue_view()
         self.waiting[slot] = view.waiting
         self.max_waiting[slot] = view.max_waiting
+        self.ahead[slot] = view.ahead
         self.drain_rate[slot] = view.drain_rate
+        self.head_ttft_s[slot] = view.head_ttft_s
+        self.higher_rate[slot] = view.higher_rate
 
     def _reorder(self) -> None:
         rows = [slot for slot, state in enumerate(self.states) if state is not None]

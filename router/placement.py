@@ -8,7 +8,8 @@ size and seed, plus the session's hint when the index has not heard yet: router/
 
 A free request its pool refuses is *degraded* when the router has a cheaper model for its model
 (``--degrade MODEL=CHEAPER``): it goes to the cheaper model's pool, which takes it while any of its
-engines has headroom (the pool exists for it), and is shed only when that pool is saturated too. Paid
+engines has headroom (the pool exists for it: its bound, not the free depth) and a predicted wait that
+fits the request's objective, and is shed only when that pool is saturated too. Paid
 tiers are never degraded. Every step reads the registry's ``LoadTable`` columns, so a decision
 costs a few vector operations however many engines there are (bench/bench_scale_sim.py).
 """
@@ -97,43 +98,53 @@ class Placer:
         of its pool with headroom will do."""
         model = self._model_of(plan)
         rows = self._healthy_rows(plan, model, exclude)
-        tier = plan.tier if admit else router_pb2.TIER_ENTERPRISE
-        allowed = self._admissible(rows, tier)
+        tier = tier_of_proto(plan.tier)
+        cap = plan.tier if admit else router_pb2.TIER_ENTERPRISE  # whose queue-count cap applies
+        objective = self.config.objective_s(tier.name, admit)
+        allowed = self._admissible(rows, cap, tier.rank, objective)
         if allowed.any():
             return self._choose(plan, rows[allowed], model)
         cheaper = self._cheaper.get(model) if admit and not admission.is_premium(plan.tier) else None
         cheaper_rows = self._pool_rows(cheaper, plan.tokenizer_fingerprint, exclude) if cheaper else rows[:0]
-        # The cheaper pool exists for the requests degraded to it: any engine with headroom takes one.
-        cheaper_allowed = self._admissible(cheaper_rows, router_pb2.TIER_ENTERPRISE)
+        # The cheaper pool exists for the requests degraded to it: any engine with headroom takes one
+        # (whose predicted wait fits the request's own objective).
+        cheaper_cap = router_pb2.TIER_ENTERPRISE
+        cheaper_allowed = self._admissible(cheaper_rows, cheaper_cap, tier.rank, objective)
         if cheaper and cheaper_allowed.any():
             self.metrics.degraded.labels(model, cheaper).inc()
             return self._choose(plan, cheaper_rows[cheaper_allowed], cheaper, degraded=True)
-        tier_name = tier_of_proto(plan.tier).name
-        self.metrics.shed.labels(tier_name).inc()
-        retry_after = self._retry_after_s(rows, tier)
+        self.metrics.shed.labels(tier.name).inc()
+        retry_after = self._retry_after_s(rows, cap, tier.rank, objective)
         if len(cheaper_rows):
-            retry_after = min(retry_after, self._retry_after_s(cheaper_rows, router_pb2.TIER_ENTERPRISE))
+            retry_after = min(
+                retry_after, self._retry_after_s(cheaper_rows, cheaper_cap, tier.rank, objective)
+            )
         raise ServiceError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
-            f"every engine is overloaded for the {tier_name} tier; retry later",
+            f"every engine is overloaded for the {tier.name} tier; retry later",
             retry_after,
         )
 
-    def _admissible(self, rows: np.ndarray, tier: int) -> np.ndarray:
+    def _queues(self, rows: np.ndarray, rank: int) -> admission.Queues:
+        """The rows' queues as a request of tier ``rank`` sees them."""
         loads = self.registry.loads
-        return admission.admissible_rows(
-            loads.waiting[rows], loads.max_waiting[rows], tier, self.config.free_queue_fraction
-        )
-
-    def _retry_after_s(self, rows: np.ndarray, tier: int) -> float:
-        loads = self.registry.loads
-        return admission.retry_after_rows(
+        return admission.Queues(
             loads.waiting[rows],
             loads.max_waiting[rows],
+            loads.ahead[rows, rank],
             loads.drain_rate[rows],
-            tier,
-            self.config.free_queue_fraction,
+            loads.head_ttft_s[rows],
+            loads.higher_rate[rows, rank],
         )
+
+    def _admissible(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> np.ndarray:
+        """Which ``rows`` take the request: under ``cap``'s queue depth, its wait fitting ``objective``."""
+        limit = admission.limits(self.registry.loads.max_waiting[rows], cap, self.config.free_queue_fraction)
+        return admission.admissible_rows(self._queues(rows, rank), limit, objective)
+
+    def _retry_after_s(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> float:
+        limit = admission.limits(self.registry.loads.max_waiting[rows], cap, self.config.free_queue_fraction)
+        return admission.retry_after_rows(self._queues(rows, rank), limit, objective)
 
     def _choose(self, plan: RequestPlan, rows: np.ndarray, model: str, degraded: bool = False) -> Placement:
         """The policy's pick among admitted ``rows``."""

@@ -119,7 +119,9 @@ class Relay:
             engine = placement.engine
             attempt_id = self.start.request_id if attempt == 1 else f"{self.start.request_id}#{attempt}"
             # Counted on the engine before anything awaits, so the next placement already sees it.
-            engine.dispatched(attempt_id, len(self.plan.prompt) + len(self.output))
+            engine.dispatched(
+                attempt_id, len(self.plan.prompt) + len(self.output), tier_of_proto(self.plan.tier).rank
+            )
             try:
                 yield router_pb2.GenerateResponse(
                     routed=router_pb2.GenerateRouted(

@@ -170,8 +170,8 @@ def router() -> Dashboard:
             ),
             Panel(
                 "Sheds by tier",
-                "Requests refused with RESOURCE_EXHAUSTED per second because every engine's queue was past "
-                "the tier's admission depth.",
+                "Requests refused with RESOURCE_EXHAUSTED per second because no engine's predicted wait fit "
+                "the tier's TTFT objective, or every queue was past the tier's depth.",
                 "ops",
                 (rate_by("chatmesh_router_shed_requests_total", "tier"),),
                 stacked=True,

@@ -14,6 +14,7 @@ class Setup:
     engines: int = 1000
     routers: int = 1  # replicas, each following every engine's events
     policy: str = "kv_aware"
+    admission: str = "wait"  # the router's --admission rule
     costs: EngineCosts = field(default_factory=EngineCosts)
     workload: Workload = field(default_factory=Workload)
     load_interval_s: float = 0.1  # the router's default --load-interval-ms

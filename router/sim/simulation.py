@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from chatmesh.block_hash import BLOCK_HASH_SEED
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError
+from chatmesh.tiers import tier_of_proto
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.index import PrefixIndex
@@ -49,7 +50,7 @@ class RouterReplica:
     """One router's placement state: ``engines()``, ``index`` and ``loads`` are what ``Placer`` reads of
     its registry."""
 
-    def __init__(self, setup: Setup, engine_ids: list[str], seed: int) -> None:
+    def __init__(self, setup: Setup, engine_ids: list[str], seed: int, clock: Callable[[], float]) -> None:
         self.index = PrefixIndex()
         self.loads: LoadTable[EngineState] = LoadTable()
         info = engine_pb2.GetModelInfoResponse(
@@ -58,12 +59,23 @@ class RouterReplica:
         self.states: dict[str, EngineState] = {}
         for engine_id in engine_ids:
             # A simulated engine is never called over gRPC: placement reads only its state.
-            state = EngineState(engine_id, engine_id, channel=None, stub=None, info=info, connected=True)  # type: ignore[arg-type]
+            # Its clock is the simulation's: drain rates and first-token times are in simulated seconds.
+            state = EngineState(
+                engine_id,
+                engine_id,
+                channel=None,  # type: ignore[arg-type]
+                stub=None,  # type: ignore[arg-type]
+                info=info,
+                connected=True,
+                clock=clock,
+            )
             self.states[engine_id] = state
             self.index.add_engine(engine_id, setup.costs.kv_blocks)
             state.attach(self.loads, self.index.slot(engine_id))
         self._sorted = sorted(self.states.values(), key=lambda s: s.engine_id)
-        config = RouterConfig(policy=setup.policy, session_hints=setup.session_hints)
+        config = RouterConfig(
+            policy=setup.policy, session_hints=setup.session_hints, admission=setup.admission
+        )
         self.placer = Placer(self, config, RouterMetrics(CollectorRegistry()), random.Random(seed))
         self.ingest_s = 0.0
         self.ingested_blocks = 0
@@ -112,7 +124,9 @@ class Simulation:
             )
             for engine_id in ids
         }
-        self.routers = [RouterReplica(setup, ids, setup.workload.seed + r) for r in range(setup.routers)]
+        self.routers = [
+            RouterReplica(setup, ids, setup.workload.seed + r, lambda: self.now) for r in range(setup.routers)
+        ]
         self.ready: list[
             Chat
         ] = []  # chats done thinking, oldest first (a deque would do; list + index is faster)
@@ -249,7 +263,9 @@ class Simulation:
         request.attempts += 1
         request.engine_id = placement.engine.engine_id
         request.predicted_cached_tokens = placement.predicted_cached_tokens
-        placement.engine.dispatched(request.request_id, request.prompt_tokens)
+        placement.engine.dispatched(
+            request.request_id, request.prompt_tokens, tier_of_proto(request.tier).rank
+        )
         self.in_flight[request.request_id] = request
         self.report.streams(len(self.in_flight))
         self.engines[request.engine_id].submit(request, now)

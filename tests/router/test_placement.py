@@ -1,6 +1,7 @@
 """Placement glue without processes: per-model pools, tokenizer checks, health, admission by tier,
 and each engine's cached prefix taken from the index with that engine's own block size."""
 
+import math
 import random
 
 import grpc
@@ -11,6 +12,7 @@ from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
+from chatmesh.tiers import tier_of_proto
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.index import PrefixIndex
@@ -201,3 +203,108 @@ def test_degrade_pairs_are_checked():
     for pairs in ((("a", "b"), ("a", "c")), (("a", "b"), ("b", "c"))):
         with pytest.raises(ValueError, match="--degrade"):
             RouterConfig(degrade=pairs)
+
+
+# Admission by predicted wait, through EngineState's own bookkeeping (a fake clock in seconds).
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def measured_engine(engine_id: str, clock: Clock, finishes_per_s: float = 4.0) -> EngineState:
+    """An engine this router has seen finish 9 requests at ``finishes_per_s``, each with its first token
+    50 ms after it was sent to an empty queue; then it has a bound of 256 queued."""
+    state = engine(engine_id, max_waiting=256)
+    state.clock = clock
+    for i in range(9):
+        state.dispatched(f"warm-{i}", 10)
+        clock.now += 0.05
+        state.progressed(f"warm-{i}", 11)
+        clock.now += 1 / finishes_per_s - 0.05
+        state.ended(f"warm-{i}", completed=True)
+    return state
+
+
+def queue_on(state: EngineState, count: int, tier: int) -> list[str]:
+    """Sends ``count`` requests of ``tier`` that queue there; their ids."""
+    ids = [f"{state.engine_id}-queued-{len(state.inflight)}-{i}" for i in range(count)]
+    for request_id in ids:
+        state.dispatched(request_id, 10, tier_of_proto(tier).rank)
+    return ids
+
+
+def test_engine_state_measures_its_drain_rate_and_head_of_queue_ttft_and_queues_by_tier():
+    clock = Clock()
+    state = measured_engine("a1", clock)
+    assert state.drain_rate() == pytest.approx(4.0)
+    assert state.head_ttft_s == pytest.approx(0.05)
+    queue_on(state, 5, router_pb2.TIER_FREE)
+    queue_on(state, 2, router_pb2.TIER_PRO)
+    [enterprise] = queue_on(state, 1, router_pb2.TIER_ENTERPRISE)
+    view = state.queue_view()
+    assert view.waiting == 8 and view.ahead == (8, 3, 1)
+    assert view.higher_rate == (0.0, 0.0, 0.0)  # the engine reports no queue: nothing passes anyone
+    state.report(engine_pb2.EngineLoad(waiting_requests=8, max_waiting_requests=256, serving=True))
+    view = state.queue_view()
+    # A queued request's first token takes it out of the queue; one that queued says nothing of the
+    # engine's head-of-queue TTFT.
+    clock.now += 3.0
+    state.progressed(enterprise, 11)
+    assert state.queue_view().ahead == (7, 2, 0) and state.head_ttft_s == pytest.approx(0.05)
+    # With a queue at the engine, each tier is passed by the higher tiers' recent admission rate (the
+    # warm-up's 9 free requests pass no one); the rate decays once a tier stops arriving.
+    assert view.higher_rate[2] == 0.0
+    assert view.higher_rate[1] == pytest.approx(1.0, rel=0.01)  # 1 enterprise request / the 1 s tau
+    assert view.higher_rate[0] == pytest.approx(3.0, rel=0.01)  # and 2 pro
+    clock.now += 1.0
+    assert state.queue_view().higher_rate[0] == pytest.approx(3.0 * math.exp(-4), rel=0.01)
+    # What another router sent (the report beyond this router's own) is ahead of every tier.
+    state.report(engine_pb2.EngineLoad(waiting_requests=10, max_waiting_requests=256, serving=True))
+    assert state.queue_view().ahead == (10, 5, 3)
+
+
+def test_free_is_shed_by_predicted_wait_long_before_the_queue_is_deep():
+    clock = Clock()
+    registry = Registry(measured_engine("a1", clock))
+    queue_on(registry.engines()[0], 8, router_pb2.TIER_FREE)  # 9 / 4 per s = 2.25 s > free's 2 s
+    chooser = placer(registry)
+    err = refused(chooser, tier=router_pb2.TIER_FREE)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.retry_after_s == pytest.approx(0.5)  # 0.3 s until it fits, at least 0.5 s
+    # Paid tiers wait behind none of the free requests.
+    assert place(chooser, tier=router_pb2.TIER_PRO) == "a1"
+    # The count rule alone would take it (8 < 128), and so does a failover: its stream has started.
+    assert place(placer(registry, admission="count"), tier=router_pb2.TIER_FREE) == "a1"
+    assert place(chooser, tier=router_pb2.TIER_FREE, admit=False) == "a1"
+
+
+def test_objectives_are_settings_per_tier():
+    clock = Clock()
+    registry = Registry(measured_engine("a1", clock))
+    queue_on(registry.engines()[0], 8, router_pb2.TIER_FREE)
+    looser = {"free": 3.0, "pro": 1.0, "enterprise": 0.5}
+    assert place(placer(registry, ttft_objective_s=looser), tier=router_pb2.TIER_FREE) == "a1"
+    with pytest.raises(ValueError, match="TTFT objectives"):
+        RouterConfig(ttft_objective_s={"free": 0.0, "pro": 1.0, "enterprise": 0.5})
+    with pytest.raises(ValueError, match="admission"):
+        RouterConfig(admission="depth")
+
+
+def test_a_free_request_too_slow_for_its_pool_is_degraded_where_its_wait_fits():
+    clock = Clock()
+    primary, lite = measured_engine("a1", clock), measured_engine("lite1", clock)
+    lite.info = engine_pb2.GetModelInfoResponse(
+        model="small-lite", tokenizer_fingerprint="tok-a", block_size=16, block_hash_seed=BLOCK_HASH_SEED
+    )
+    registry = Registry(primary, lite)
+    queue_on(primary, 8, router_pb2.TIER_FREE)  # 9 / 4 = 2.25 s: too long
+    queue_on(lite, 6, router_pb2.TIER_FREE)  # 7 / 4 = 1.75 s: fits 2 s less its 50 ms first token
+    chooser = placer(registry, degrade=(("small", "small-lite"),))
+    assert place(chooser, model="small") == "lite1"
+    queue_on(lite, 1, router_pb2.TIER_FREE)
+    assert refused(chooser, model="small").code == grpc.StatusCode.RESOURCE_EXHAUSTED
