@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import httpx
 
@@ -24,6 +26,14 @@ from localmesh.chaos.report import Row, tabulate
 from localmesh.chaos.topology import ChaosMesh
 
 TICK_S = 0.2
+T = TypeVar("T")
+
+
+def in_thread(coroutine: Coroutine[object, object, T]) -> T:
+    """Runs ``coroutine`` to its end on an event loop of its own, in a thread of its own: ``asyncio.run``
+    here would leave the calling thread with no event loop (pytest-asyncio's session loop, in a test)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 @dataclass(frozen=True)
@@ -73,7 +83,7 @@ class Suite:
             load.stop()
             while load.alive:  # users finish the answers they read; keep restarting what dies
                 self.wait(TICK_S)
-        messages = asyncio.run(stored(mesh.url, mesh.keys, load.record.chats, settings.load))
+        messages = in_thread(stored(mesh.url, mesh.keys, load.record.chats, settings.load))
         rows = tabulate(injections, load.record.answers, load.record.failures, messages)
         return SuiteResult(rows, injections, len(load.record.answers), time.monotonic() - began)
 
@@ -99,7 +109,7 @@ class Suite:
             async with http_client(self.mesh.url) as http:
                 return await self._chat_user(http, "chaos-probe").create_chat()
 
-        return "chaos-probe", asyncio.run(create())
+        return "chaos-probe", in_thread(create())
 
     def _chat_user(self, http: httpx.AsyncClient, name: str, deadline_s: float = 60.0) -> ChatUser:
         return ChatUser(http, name, self.mesh.keys.mint(name, "enterprise"), 4, deadline_s)
@@ -117,4 +127,4 @@ class Suite:
                     await asyncio.sleep(0.5)
             return False
 
-        return asyncio.run(probe())
+        return in_thread(probe())
