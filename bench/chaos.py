@@ -49,7 +49,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pause-s", type=float, default=3.0, help="how long a paused process stays stopped")
     parser.add_argument("--slow-ms", type=float, default=300.0, help="latency a slowed link adds per chunk")
     parser.add_argument("--slow-s", type=float, default=5.0, help="how long a link stays slow")
-    parser.add_argument("--settle-s", type=float, default=3.0, help="load alone before and after each fault")
+    parser.add_argument("--baseline-s", type=float, default=10.0, help="load alone before the first fault")
+    parser.add_argument("--settle-s", type=float, default=3.0, help="load alone after each recovery")
     parser.add_argument("--json", type=Path, default=ROOT / ".run" / "chaos" / "result.json")
     parser.add_argument("--markdown", action="store_true", help="print the table for the README too")
     parser.add_argument(
@@ -72,6 +73,7 @@ def main() -> int:
         load=LoadSettings(users=args.users, max_tokens=args.max_tokens),
         timing=FaultTiming(pause_s=args.pause_s, slow_ms=args.slow_ms, slow_s=args.slow_s),
         repeat=args.repeat,
+        baseline_s=args.baseline_s,
         settle_s=args.settle_s,
     )
     faults = faults_for(args.components, args.actions)

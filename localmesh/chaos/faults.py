@@ -62,12 +62,14 @@ class Injection:
     recover_s: float | None = None
 
 
-def target_of(mesh: ChaosMesh, fault: Fault, round_: int) -> str:
-    """The process a fault hits: replicas in turn (each round the next), the proxied one for ``slow``."""
+def target_of(mesh: ChaosMesh, fault: Fault, earlier: int) -> str:
+    """The process a fault hits: the replicas of its component in turn (``earlier``: faults its component
+    had before), so no one process restarts over and over and waits out a long backoff; for ``slow``,
+    the one behind the proxy."""
     replicas = mesh.replicas(fault.component)
     if fault.action == "slow":
         return replicas[0]
-    return replicas[round_ % len(replicas)]
+    return replicas[earlier % len(replicas)]
 
 
 def inject(

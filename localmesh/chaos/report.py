@@ -1,10 +1,12 @@
 """What the chaos suite found, per fault kind: the table it prints and the JSON it writes.
 
-An answer belongs to the fault in whose window it ended (from that fault's injection to the next one's);
-answers that ended before the first fault make the ``none (baseline)`` row. Per row:
+An answer belongs to the first fault injected while it was open (sent, not yet ended): a fault's
+victims may end much later (an orchestrator's runs are reaped 15-20 s after it died), by then in
+another fault's window. An answer no fault hit belongs to the last fault before it was sent (it ran
+while the mesh recovered), or to the ``none (baseline)`` row, before the first fault. Per row:
 
   injected     faults of this kind done
-  answers      answers that ended in the window; completed: those whose stream reached ``done``
+  answers      answers of the row; completed: those whose stream reached ``done``
   gaps         sequence numbers a client never got (between 1 and the last it saw)
   dups         events a client got more than once
   stored!=     answers whose stored assistant message differs from the streamed text (byte for byte),
@@ -88,15 +90,16 @@ def tabulate(
             row.recover_s.append(injection.recover_s)
     starts = sorted((injection.injected_at, injection.fault.kind) for injection in injections)
 
-    def window(at: float) -> Row:
-        kind = BASELINE
-        for started, name in starts:
-            if started <= at:
-                kind = name
-        return rows[kind]
+    def last_before(at: float) -> Row:
+        kinds = [kind for started, kind in starts if started <= at]
+        return rows[kinds[-1] if kinds else BASELINE]
+
+    def row_of(answer: Answer) -> Row:
+        hits = [kind for started, kind in starts if answer.sent_at <= started <= answer.ended_at]
+        return rows[hits[0]] if hits else last_before(answer.sent_at)
 
     for answer in answers:
-        row = window(answer.ended_at)
+        row = row_of(answer)
         row.answers += 1
         row.completed += answer.completed
         row.gaps += answer.gaps
@@ -110,7 +113,7 @@ def tabulate(
             if len(row.error_samples) < 5:
                 row.error_samples.append(answer.error)
     for at, failure in failures:
-        row = window(at)
+        row = last_before(at)
         row.errors += 1
         if len(row.error_samples) < 5:
             row.error_samples.append(failure)

@@ -2,7 +2,7 @@
 
     result = run_suite(mesh, faults, ChaosSettings(...))   # mesh started; returns rows per fault kind
 
-Before the first fault the load runs ``settle_s`` alone (the baseline); each fault is injected into the
+Before the first fault the load runs ``baseline_s`` alone; each fault is injected into the
 next replica of its component, and the next one waits until the mesh has recovered (see faults.py) and
 ``settle_s`` more. Then the users finish the answers they are reading, every chat they used is read back
 through the door and compared with what they were streamed.
@@ -41,7 +41,8 @@ class ChaosSettings:
     load: LoadSettings = field(default_factory=LoadSettings)
     timing: FaultTiming = field(default_factory=FaultTiming)
     repeat: int = 1  # injections of each fault kind
-    settle_s: float = 3.0
+    baseline_s: float = 10.0  # the load alone before the first fault
+    settle_s: float = 3.0  # the load alone after each recovery
     recover_timeout_s: float = 120.0
 
 
@@ -74,10 +75,11 @@ class Suite:
         load.start()
         injections: list[Injection] = []
         try:
-            self.wait(settings.settle_s)
-            for round_ in range(settings.repeat):
+            self.wait(settings.baseline_s)
+            for _ in range(settings.repeat):
                 for fault in faults:
-                    injections.append(self._one(fault, round_, probe_user, probe_chat))
+                    earlier = sum(1 for done in injections if done.fault.component == fault.component)
+                    injections.append(self._one(fault, earlier, probe_user, probe_chat))
                     self.wait(settings.settle_s)
         finally:
             load.stop()
@@ -87,9 +89,9 @@ class Suite:
         rows = tabulate(injections, load.record.answers, load.record.failures, messages)
         return SuiteResult(rows, injections, len(load.record.answers), time.monotonic() - began)
 
-    def _one(self, fault: Fault, round_: int, probe_user: str, probe_chat: str) -> Injection:
+    def _one(self, fault: Fault, earlier: int, probe_user: str, probe_chat: str) -> Injection:
         mesh, settings = self.mesh, self.settings
-        target = target_of(mesh, fault, round_)
+        target = target_of(mesh, fault, earlier)
         old_pid = mesh.pid(target)
         injection = inject(mesh, fault, target, settings.timing, self.wait)
         deadline = injection.over_at + settings.recover_timeout_s

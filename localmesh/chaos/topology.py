@@ -98,11 +98,17 @@ class ChaosMesh:
             dial_overrides={proxy.upstream: proxy.port for proxy in proxies},
         )
         self.run_dir = run_dir
-        self.launcher = Launcher(run_dir, echo=lambda line: None)
-        self.supervisor = Supervisor(self.launcher, echo=lambda line: None)
+        # What make run prints (starts, exits, restarts) goes to a log: the suite prints its own table.
+        self.log_path = run_dir / "mesh.log"
+        self.launcher = Launcher(run_dir, echo=self._log)
+        self.supervisor = Supervisor(self.launcher, echo=self._log)
         self.proxies = DelayProxies(proxies)
         self.keys: DevKeys = ensure_keys()
         self.cassandra: CassandraCluster | None = None
+
+    def _log(self, line: str) -> None:
+        with self.log_path.open("a") as log:
+            print(f"{time.strftime('%H:%M:%S')} {line.strip()}", file=log)
 
     def start(self) -> float:
         """Starts every service (Cassandra first) and supervises them; returns the seconds it took."""

@@ -26,7 +26,9 @@ from localmesh.chaos.topology import COMPONENTS, ChaosMesh, Topology
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
-QUICK = ChaosSettings(load=LoadSettings(users=4, max_tokens=32), settle_s=1.5, recover_timeout_s=90)
+QUICK = ChaosSettings(
+    load=LoadSettings(users=4, max_tokens=32), baseline_s=3.0, settle_s=1.5, recover_timeout_s=90
+)
 # Components whose death, on this tree, still ends the answers in flight through them: their answers
 # may end in an error (and, for an orchestrator, the stored answer stops at the last checkpoint while
 # the client saw more). Once issue 13 items 1 and 2 land, remove them from this set: every component
