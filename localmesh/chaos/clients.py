@@ -6,7 +6,7 @@ stream; a refusal that says "later" (429, 502, 503, 504, a refused connection) i
 key after a backoff of at least Retry-After; a stream that breaks is resumed with GET
 /v1/runs/{id}/events and ``Last-Event-ID`` (the page's ``follow``), backing off between tries. An
 ``error`` event with a sequence number is the run's own end (final, as on the page); one without is the
-edge saying its upstream broke, and the client resumes (the page gives up there: see README "Chaos").
+edge saying its upstream broke, and the client resumes (the page still takes it as the end there).
 
 Every answer becomes an ``Answer``: the text as the page would show it (every delta appended, in the
 order it came), every sequence number seen and how often, how it ended and when, and the retries it took.
