@@ -88,7 +88,17 @@ class DelayProxies:
         self.by_name[name].delay_s = delay_s
 
     def close(self) -> None:
-        for server in self._servers:
-            self._loop.call_soon_threadsafe(server.close)
+        """Stops listening, cuts every connection through the proxies and ends their thread."""
+
+        async def shutdown() -> None:
+            for server in self._servers:
+                server.close()
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        self._loop.close()
