@@ -39,9 +39,12 @@ class DelayProxy:
         except OSError:
             client_writer.close()  # the service is down: its clients see a refused connection, as without us
             return
-        await asyncio.gather(
-            self._pump(client_reader, upstream_writer), self._pump(upstream_reader, client_writer)
-        )
+        # Cancelled when the proxies shut down: the pumps closed both sides; end quietly (a cancelled
+        # connection task is logged as a failed callback).
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(
+                self._pump(client_reader, upstream_writer), self._pump(upstream_reader, client_writer)
+            )
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Copies one direction; each chunk waits out the delay set when it arrived."""

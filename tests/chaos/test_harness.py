@@ -28,6 +28,9 @@ async def _round_trip(port: int) -> float:
     await writer.drain()
     assert await reader.readexactly(4) == b"ping"
     elapsed = time.monotonic() - began
+    # Our end of the stream closes the proxy's two connections, and the echo server's: all end here.
+    writer.write_eof()
+    assert await reader.read() == b""
     writer.close()
     return elapsed
 
