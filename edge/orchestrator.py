@@ -3,11 +3,19 @@
 Unary calls carry a deadline. Streams carry a (long) deadline too, and are read event by event; the edge
 never buffers a run. Cancelling a stream call here only detaches this client: the orchestrator keeps the
 run going until it ends or someone calls CancelRun.
+
+A stored chat's run outlives the orchestrator replica streaming it (another replica adopts it, or it
+is handed over at a drain): when that stream fails with UNAVAILABLE, the edge attaches again with
+StreamRun after the last event it relayed, for a while, with backoff, so the client sees one unbroken
+stream. A Complete cannot be resumed (nothing stored it), so its failure is the client's to see.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,6 +26,17 @@ from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
 from edge.errors import ApiError, from_rpc_error
 from meshkit.serving import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+# How long a broken run stream is attached again before its failure reaches the client: longer than
+# an orchestrator replica takes to be found lost and its runs adopted (orphan_after_s and a reap pass).
+REATTACH_FOR_S = 30.0
+_REATTACH_FIRST_DELAY_S = 0.1
+_REATTACH_MAX_DELAY_S = 2.0
+
+# StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed.
+Reattach = Callable[[str, int], grpc.aio.UnaryStreamCall]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +63,18 @@ class Caller:
 class RunStream:
     """An open server stream of RunEvents (SendMessage, RegenerateMessage, StreamRun, Complete)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(
+        self,
+        call: grpc.aio.UnaryStreamCall,
+        reattach: Reattach | None = None,
+        run_id: str = "",
+        after_seq: int = 0,
+    ) -> None:
         self._call = call
+        self._reattach = reattach
+        # The run (known from the request, or from its `started` event) and the last event relayed.
+        self._run_id = run_id
+        self._last_seq = after_seq
 
     async def first(self) -> chat_pb2.RunEvent | None:
         """The first event, or None for a stream that ended without one (StreamRun after a finished run's
@@ -54,7 +83,15 @@ class RunStream:
             response: Any = await self._call.read()
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
-        return None if response is grpc.aio.EOF else response.event
+        if response is grpc.aio.EOF:
+            return None
+        self._saw(response.event)
+        return response.event
+
+    def _saw(self, event: chat_pb2.RunEvent) -> None:
+        if event.WhichOneof("kind") == "started":
+            self._run_id = event.started.run_id
+        self._last_seq = event.seq
 
     async def opening(self) -> chat_pb2.RunEvent:
         """The first event of a stream that always has one (SendMessage, Complete, StreamRun from its
@@ -65,12 +102,40 @@ class RunStream:
         return first
 
     async def rest(self) -> AsyncIterator[chat_pb2.RunEvent]:
-        """The events after the first; a failure mid-stream raises grpc.RpcError."""
+        """The events after the first; a failure mid-stream raises grpc.RpcError (after attaching again
+        for ``REATTACH_FOR_S`` where the run can be resumed)."""
+        given_up_at: float | None = None
+        delay = _REATTACH_FIRST_DELAY_S
         while True:
-            response: Any = await self._call.read()
+            try:
+                response: Any = await self._call.read()
+            except grpc.RpcError as exc:
+                if not self._resumable(exc):
+                    raise
+                now = time.monotonic()
+                given_up_at = given_up_at or now + REATTACH_FOR_S
+                if now + delay > given_up_at:
+                    raise
+                log.info(
+                    "run %s: stream broke (%s); attaching again after event %d",
+                    self._run_id,
+                    exc.code().name,
+                    self._last_seq,
+                )
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _REATTACH_MAX_DELAY_S)
+                assert self._reattach is not None
+                self._call = self._reattach(self._run_id, self._last_seq)
+                continue
             if response is grpc.aio.EOF:
                 return
+            given_up_at, delay = None, _REATTACH_FIRST_DELAY_S
+            self._saw(response.event)
             yield response.event
+
+    def _resumable(self, exc: grpc.RpcError) -> bool:
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        return self._reattach is not None and bool(self._run_id) and code == grpc.StatusCode.UNAVAILABLE
 
     async def events(self, first: chat_pb2.RunEvent) -> AsyncGenerator[chat_pb2.RunEvent, None]:
         """``first`` and the events after it; a failure mid-stream raises ApiError. Detaches when closed
@@ -115,4 +180,16 @@ class Orchestrator:
 
     def stream(self, method: str, request: Message, caller: Caller) -> RunStream:
         call = getattr(self._stub, method)(request, metadata=caller.metadata(), timeout=self.stream_timeout_s)
-        return RunStream(call)
+        if method == "Complete":
+            return RunStream(call)
+
+        def reattach(run_id: str, after_seq: int) -> grpc.aio.UnaryStreamCall:
+            return self._stub.StreamRun(
+                chat_pb2.StreamRunRequest(run_id=run_id, after_seq=after_seq),
+                metadata=caller.metadata(),
+                timeout=self.stream_timeout_s,
+            )
+
+        if isinstance(request, chat_pb2.StreamRunRequest):
+            return RunStream(call, reattach, request.run_id, request.after_seq)
+        return RunStream(call, reattach)

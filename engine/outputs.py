@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -37,6 +37,9 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish: Finish | None = None
+    # Per token, the end offset in ``text`` (code points) of what it and the tokens before it released:
+    # GenerateTokens.text_ends, so a reader can split merged frames back into per-token pieces.
+    text_ends: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,7 @@ class RequestTracker:
         (tokens after it are dropped)."""
         now = self._clock()
         output = RequestOutput(tracked.request_id, tracked.num_output_tokens, [], "")
-        texts = []
+        texts, released = [], 0
         for token in token_ids:
             if tracked.first_token_at is None:
                 tracked.first_token_at = now
@@ -186,6 +186,8 @@ class RequestTracker:
             output.token_ids.append(token)
             reason, matched_stop, text = self._check(tracked, token, tracked.num_output_tokens)
             texts.append(text)
+            released += len(text)
+            output.text_ends.append(released)
             if reason is not None:
                 output.finish = self.finish(tracked, reason, matched_stop)
                 break

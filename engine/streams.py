@@ -3,7 +3,9 @@
 The step thread hands over each step's outputs in one call (``OutputDispatcher.submit``); at most one
 delivery is ever scheduled on the event loop, however far behind the loop is. On the loop, each
 request's ``RequestStream`` merges the frames its client has not read yet into one, so a slow reader
-costs memory in proportion to its own output (bounded by max_tokens) and never slows the engine.
+costs memory in proportion to its own output (bounded by max_tokens) and never slows the engine. The
+merged frame keeps each token's text boundary (``text_ends``), so a reader can split it back into the
+pieces the steps released (``chatmesh/token_text.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class RequestStream:
         self._index = 0
         self._token_ids: list[int] = []
         self._text: list[str] = []
+        self._text_ends: list[int] = []  # into the joined text: each push's ends shifted by what was buffered
+        self._text_length = 0
         self._finish: Finish | None = None
         self._ready = asyncio.Event()
 
@@ -33,6 +37,8 @@ class RequestStream:
                 self._index = output.index
             self._token_ids += output.token_ids
             self._text.append(output.text)
+            self._text_ends += [self._text_length + end for end in output.text_ends]
+            self._text_length += len(output.text)
         if output.finish is not None:
             self._finish = output.finish
         self._ready.set()
@@ -44,9 +50,12 @@ class RequestStream:
         tokens = None
         if self._token_ids:
             tokens = engine_pb2.GenerateTokens(
-                index=self._index, token_ids=self._token_ids, text="".join(self._text)
+                index=self._index,
+                token_ids=self._token_ids,
+                text="".join(self._text),
+                text_ends=self._text_ends,
             )
-            self._token_ids, self._text = [], []
+            self._token_ids, self._text, self._text_ends, self._text_length = [], [], [], 0
         return tokens, self._finish
 
 

@@ -231,7 +231,8 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 "--port",
                 str(port),
                 "--router",
-                f"127.0.0.1:{config.dialed(router_ports[i % len(router_ports)])}",
+                # Every router: generations spread round-robin and go on through another when one dies.
+                ",".join(f"127.0.0.1:{config.dialed(router)}" for router in router_ports),
                 *cassandra_flags,
                 "--metrics-port",
                 str(metrics),

@@ -40,6 +40,10 @@ class FailedPrecondition(MemoryStoreError):
     code = "FAILED_PRECONDITION"
 
 
+class OwnerChanged(FailedPrecondition):
+    """The run is owned by another replica now (it adopted the run from one it took for dead)."""
+
+
 class Unavailable(MemoryStoreError):
     """Cassandra did not answer in time or too few replicas are up. Safe to retry with backoff."""
 

@@ -163,6 +163,9 @@ class RunDelta:
     seq: int
     text: str
     token_count: int = 0
+    # The output token ids the event covers (``token_count`` of them; empty where they were not kept):
+    # a replica adopting the run resumes the generation from them.
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,9 @@ class Run:
     # The prompt's tokens, stored at creation: what a run ended without its owner's count is charged
     # for its prompt (0 for runs created before it was stored).
     prompt_tokens: int = 0
+    # How the answer is generated, opaque to the store (the orchestrator's serialized router request,
+    # seed included): a replica that adopts the run continues it with this. Empty for older runs.
+    generation: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,7 @@ class StoreBounds:
     max_summary_bytes: int = 64 * 1024
     max_checkpoint_deltas: int = 4096
     max_checkpoint_bytes: int = 256 * 1024
+    max_generation_bytes: int = 1024 * 1024
     max_error_message_chars: int = 2000
     # How far in the future a writer-chosen id may be (clock skew between replicas).
     max_id_clock_skew_s: float = 300.0

@@ -9,7 +9,7 @@ another replica while the first attempt is still placing its run waits for it in
 again (``take_start_lease``).
 
 A run's partition holds its state in static columns and its output as checkpoint rows
-``(first_seq, texts, token_counts)``. Writes that may race carry write timestamps that order them:
+``(first_seq, texts, token_counts, token_ids)``. Writes that may race carry write timestamps that order them:
 creation uses the run id's time, a checkpoint that time plus its last sequence number (so a late,
 older checkpoint never overwrites a newer one), and the finish is a Paxos write (later still).
 
@@ -21,12 +21,16 @@ row with the same content, so it is stored exactly once.
 
 Orphans: replicas heartbeat into ``replicas``; ``runs_by_owner`` lists each replica's in-progress runs
 by start minute. ``find_orphaned_runs`` returns the in-progress runs of replicas whose heartbeat is
-stale, for another replica to ``interrupt_run``.
+stale, for another replica to adopt (``adopt_run``: a conditional change of owner, so exactly one
+replica takes each run, and the one it was taken from can no longer finish it) or ``interrupt_run``.
+Every finish is conditional on the owner the finishing replica last saw: an owner that was only paused
+and wakes up after its run was adopted gets ``OwnerChanged`` instead of ending the adopter's run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import uuid
 from collections.abc import Sequence
@@ -35,7 +39,7 @@ from typing import Any
 
 from memory_store.base import id_str, micros, now, unset, utc
 from memory_store.db import Cql, Row
-from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
 from memory_store.messages import MessagesMixin
 from memory_store.models import (
@@ -61,7 +65,7 @@ _MAX_FINGERPRINT_BYTES = 64
 _RUN_STATE = (
     "user_id, chat_id, user_message_id, parent_message_id, assistant_message_id, model, owner_id, status, "
     "finish_reason, last_seq, checkpointed_at, finished_at, prompt_tokens, cached_prompt_tokens, "
-    "completion_tokens, error_code, error_message"
+    "completion_tokens, error_code, error_message, generation"
 )
 
 STATEMENTS = {
@@ -90,24 +94,32 @@ STATEMENTS = {
     ),
     "run_insert": Cql(
         "INSERT INTO runs (run_id, user_id, chat_id, user_message_id, parent_message_id, "
-        "assistant_message_id, model, owner_id, status, prompt_tokens, last_seq) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
+        "assistant_message_id, model, owner_id, status, prompt_tokens, generation, last_seq) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
         True,
     ),
     "run_checkpoint": Cql(
-        "INSERT INTO runs (run_id, first_seq, texts, token_counts, last_seq, checkpointed_at) "
-        "VALUES (?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, last_seq, checkpointed_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
         True,
     ),
-    "run_tail": Cql("INSERT INTO runs (run_id, first_seq, texts, token_counts) VALUES (?, ?, ?, ?)", True),
+    "run_tail": Cql(
+        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids) VALUES (?, ?, ?, ?, ?)", True
+    ),
     "run_finish": Cql(
         "UPDATE runs SET status = ?, finish_reason = ?, last_seq = ?, finished_at = ?, prompt_tokens = ?, "
         "cached_prompt_tokens = ?, completion_tokens = ?, error_code = ?, error_message = ? "
-        "WHERE run_id = ? IF status = 'in_progress'",
+        "WHERE run_id = ? IF status = 'in_progress' AND owner_id = ?",
         True,
     ),
+    # Conditional: of several replicas adopting a run at once, exactly one becomes its owner.
+    "run_adopt": Cql(
+        "UPDATE runs SET owner_id = ? WHERE run_id = ? IF status = 'in_progress' AND owner_id = ?", False
+    ),
     "run_get": Cql(f"SELECT {_RUN_STATE} FROM runs WHERE run_id = ? LIMIT 1", True),
-    "run_read": Cql(f"SELECT {_RUN_STATE}, first_seq, texts, token_counts FROM runs WHERE run_id = ?", True),
+    "run_read": Cql(
+        f"SELECT {_RUN_STATE}, first_seq, texts, token_counts, token_ids FROM runs WHERE run_id = ?", True
+    ),
     "owner_index_insert": Cql("INSERT INTO runs_by_owner (owner_id, bucket, run_id) VALUES (?, ?, ?)", True),
     "owner_index_delete": Cql(
         "DELETE FROM runs_by_owner WHERE owner_id = ? AND bucket = ? AND run_id = ?", True
@@ -149,18 +161,37 @@ def _run(run_id: uuid.UUID, row: Row) -> Run:
         error_code=row["error_code"],
         error_message=row["error_message"],
         prompt_tokens=row["prompt_tokens"] or 0,
+        generation=row["generation"] or b"",
     )
 
 
 def _deltas(rows: Sequence[Row], after_seq: int, upto_seq: int | None) -> list[RunDelta]:
-    """The output events in checkpoint rows with after_seq < seq <= upto_seq, in order."""
-    out = []
+    """The output events in checkpoint rows with after_seq < seq <= upto_seq, in order, each once.
+
+    Rows may overlap: a replica taken for dead may write one more checkpoint after the run's adopter
+    wrote its own from another first_seq. Their events are the same (regenerated exactly), so the
+    first row holding a seq gives it."""
+    out: list[RunDelta] = []
     for row in sorted((r for r in rows if r["first_seq"] is not None), key=lambda r: r["first_seq"]):
-        for i, (text, tokens) in enumerate(zip(row["texts"] or (), row["token_counts"] or (), strict=True)):
+        counts = row["token_counts"] or ()
+        # A row's token ids are its events' ids end to end, split by their counts (none in older rows).
+        ids = row.get("token_ids") or ()
+        kept = len(ids) == sum(counts)
+        start = 0
+        for i, (text, tokens) in enumerate(zip(row["texts"] or (), counts, strict=True)):
             seq = row["first_seq"] + i
-            if seq > after_seq and (upto_seq is None or seq <= upto_seq):
-                out.append(RunDelta(seq, text, tokens))
+            fresh = not out or seq > out[-1].seq
+            if fresh and seq > after_seq and (upto_seq is None or seq <= upto_seq):
+                out.append(RunDelta(seq, text, tokens, tuple(ids[start : start + tokens]) if kept else ()))
+            start += tokens
     return out
+
+
+def _token_ids(deltas: Sequence[RunDelta]) -> list[int] | None:
+    """A checkpoint row's token ids (None unless every event kept its own)."""
+    if any(len(d.token_ids) != d.token_count for d in deltas):
+        return None
+    return [token for d in deltas for token in d.token_ids]
 
 
 class RunsMixin(MessagesMixin, UsageMixin):
@@ -249,12 +280,14 @@ class RunsMixin(MessagesMixin, UsageMixin):
         owner_id: str,
         user_message_id: str | None = None,
         prompt_tokens: int = 0,
+        generation: bytes = b"",
     ) -> Run:
         """Starts a run (in progress, owned by replica ``owner_id``) and makes it the chat's active run.
 
         The ids come from ``claim_idempotency_key``. Creating the same run again is harmless: it never
         moves a run that has progressed or finished back to its start. ``prompt_tokens`` is what the
-        run is charged for its prompt if it ends without its owner's count (``finish_run``).
+        run is charged for its prompt if it ends without its owner's count (``finish_run``);
+        ``generation`` is how it is generated (opaque here), for a replica that adopts it.
         """
         run_key = parse_id(run_id, "run id")
         parent = parse_id(parent_message_id, "parent message id")
@@ -262,6 +295,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
         user_message = parse_optional_id(user_message_id, "user message id")
         if not owner_id or len(model) > self.limits.max_model_chars:
             raise InvalidArgument("a run needs an owner id and a model name of reasonable length")
+        if len(generation) > self.bounds.max_generation_bytes:
+            raise InvalidArgument(f"a run's generation is at most {self.bounds.max_generation_bytes} bytes")
         if parent.time >= assistant.time:
             raise FailedPrecondition("the assistant message id must be newer than the message it answers")
         chat_key = parse_id(chat_id, "chat id")
@@ -284,6 +319,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                     owner_id,
                     RunStatus.IN_PROGRESS.value,
                     prompt_tokens,
+                    unset(generation or None),
                     id_micros(run_key),
                 ),
             ),
@@ -301,7 +337,25 @@ class RunsMixin(MessagesMixin, UsageMixin):
             created_at=id_time(run_key),
             user_message_id=id_str(user_message),
             prompt_tokens=prompt_tokens,
+            generation=generation,
         )
+
+    async def adopt_run(self, run: Run, owner_id: str) -> Run | None:
+        """Makes replica ``owner_id`` the owner of ``run`` if it is still in progress and still owned by
+        ``run.owner_id`` (the replica found silent): the run as adopted, or None if another replica
+        adopted or ended it first. The run is indexed under its new owner first, so it can always be
+        found again if the adopter dies too."""
+        if not owner_id:
+            raise InvalidArgument("a run needs an owner id")
+        run_key = parse_id(run.run_id, "run id")
+        bucket = _owner_bucket(run_key)
+        await self._db.execute("owner_index_insert", (owner_id, bucket, run_key))
+        applied = (await self._db.execute("run_adopt", (owner_id, run_key, run.owner_id)))[0]["[applied]"]
+        if not applied:
+            await self._db.execute("owner_index_delete", (owner_id, bucket, run_key))
+            return None
+        await self._db.execute("owner_index_delete", (run.owner_id, bucket, run_key))
+        return dataclasses.replace(run, owner_id=owner_id)
 
     async def checkpoint_run(self, run: Run, deltas: Sequence[RunDelta]) -> None:
         """Stores output events (consecutive sequence numbers) so any replica can replay them."""
@@ -317,6 +371,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                 first_seq,
                 [d.text for d in deltas],
                 [d.token_count for d in deltas],
+                _token_ids(deltas),
                 last_seq,
                 now(),
                 id_micros(run_key) + last_seq,
@@ -332,6 +387,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
         first = deltas[0].seq
         if first < 1 or any(d.seq != first + i for i, d in enumerate(deltas)):
             raise InvalidArgument("checkpointed events must have consecutive sequence numbers from 1 up")
+        if any(d.token_ids and len(d.token_ids) != d.token_count for d in deltas):
+            raise InvalidArgument("an event's token ids must number its token count")
         if sum(len(d.text.encode()) for d in deltas) > self.bounds.max_checkpoint_bytes:
             raise InvalidArgument(
                 f"a checkpoint holds at most {self.bounds.max_checkpoint_bytes} bytes of text"
@@ -372,20 +429,22 @@ class RunsMixin(MessagesMixin, UsageMixin):
                     unset(outcome.error_code),
                     unset(outcome.error_message),
                     run_key,
+                    run.owner_id,
                 ),
             )
         ]
         first_seq = self._check_deltas(outcome.tail)
         if first_seq is not None:
             texts = [d.text for d in outcome.tail]
-            statements.append(
-                ("run_tail", (run_key, first_seq, texts, [d.token_count for d in outcome.tail]))
-            )
+            counts = [d.token_count for d in outcome.tail]
+            statements.append(("run_tail", (run_key, first_seq, texts, counts, _token_ids(outcome.tail))))
         applied = (await self._db.execute_batch(statements))[0]["[applied]"]
         final, rows = await self._read_run(run_key, serial=True)
         if final is None or final.user_id != run.user_id:
             raise NotFound(f"run {run.run_id} not found")
         if not final.status.terminal:
+            if final.owner_id != run.owner_id:
+                raise OwnerChanged(f"run {run.run_id} is owned by replica {final.owner_id} now")
             raise Unavailable(f"run {run.run_id} did not finish; retry")
         output = _deltas(rows, 0, final.last_seq)
         message = await self._store_answer(final, output)
@@ -470,8 +529,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
         self, stale_after_s: float = 30.0, max_run_age_s: float = 3600.0, at: datetime | None = None
     ) -> list[Run]:
         """In-progress runs whose owner has not heartbeated for ``stale_after_s`` seconds, for the
-        caller to ``interrupt_run``. Only runs started within ``max_run_age_s`` are considered (no run
-        lives longer). Silent replicas without such runs are forgotten."""
+        caller to ``adopt_run`` (or ``interrupt_run``). Only runs started within ``max_run_age_s`` are
+        considered (no run lives longer). Silent replicas without such runs are forgotten."""
         at = at or now()
         replicas = await self._db.execute("replica_list", (ORCHESTRATOR,))
         stale = [

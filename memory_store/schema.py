@@ -189,6 +189,15 @@ MIGRATIONS: tuple[Migration, ...] = (
               WITH OPTIONS = {'case_sensitive': 'false', 'normalize': 'true'}""",
         ),
     ),
+    Migration(
+        4,
+        "runs: how each is generated, and the token ids of its checkpointed output (adoption)",
+        (
+            # runs.py, adopt_run: another replica continues a run from these, exactly.
+            "ALTER TABLE runs ADD IF NOT EXISTS generation blob static",
+            "ALTER TABLE runs ADD IF NOT EXISTS token_ids frozen<list<int>>",
+        ),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

@@ -2,8 +2,9 @@
 
 Start-up, each step logged: tokenizer and chat template loaded, Cassandra connected (schema applied),
 router reachable, first heartbeat; then it serves. SIGTERM: health NOT_SERVING, new answers refused,
-running answers get ``--drain-grace-s`` to finish and are then stored as interrupted (their output so
-far kept), the heartbeat is dropped.
+running answers get ``--drain-grace-s`` to finish and are then handed over (their output so far
+checkpointed, the heartbeat dated so that another replica adopts them at once); with nothing handed
+over, the heartbeat is dropped.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
         log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
 
     model = config.default_model or tokenizer.model_name
-    deps = RelayDeps(store, create_moderator(config.moderation), config.runs)
+    deps = RelayDeps(store, create_moderator(config.moderation), config.runs, router)
     budgets = Budgets(store, config.budgets)
     runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs), tokenizer.fingerprint)
     summary_config = config.summaries
@@ -142,7 +143,7 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
         chat_pb2_grpc.add_ChatServiceServicer_to_server(service, server)
         return [chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name]
 
-    shutdown: list[asyncio.Task[None]] = []
+    shutdown: list[asyncio.Task[int]] = []
 
     async def on_drain() -> None:
         # Runs get most of the grace period; what is left lets their last events reach clients.
@@ -151,10 +152,10 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
     try:
         await serving.serve("orchestrator", args, add_services, on_drain=on_drain)
     finally:
-        await asyncio.gather(*shutdown, return_exceptions=True)
-        await runs.shutdown(0.0)
+        drained = await asyncio.gather(*shutdown, return_exceptions=True)
+        handed_over = sum(n for n in drained if isinstance(n, int)) + await runs.shutdown(0.0)
         await jobs.close()
-        await replica.leave()
+        await replica.leave(handed_over)
         await router.close()
         await store.close()
 

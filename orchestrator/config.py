@@ -153,7 +153,9 @@ class OrchestratorConfig:
         "this replica's id in run ownership and heartbeats (default: host-pid-random)",
         parse=_replica_id,
     )
-    router: str = setting("127.0.0.1:50051", "router address host:port")
+    router: str = setting(
+        "127.0.0.1:50051", "router address host:port, several as ip:port,ip:port, or dns:///name:port"
+    )
     router_timeout_s: float = setting(5.0, "deadline of unary router calls (ListEngines)")
     model_file: str = setting(
         "", "GGUF whose tokenizer and chat template prompts use (default: the bundled model)"

@@ -86,7 +86,19 @@ class OrchestratorMetrics(ComponentMetrics):
             "checkpoints_total", "Checkpoints of partial output written", ["outcome"]
         )
         self.orphans_reaped = self.counter(
-            "orphaned_runs_total", "Runs of lost replicas marked interrupted here"
+            "orphaned_runs_total",
+            "Runs of lost replicas taken over here, by outcome (adopted: continued here; interrupted: "
+            "ended with their checkpointed output, having no stored generation to continue from)",
+            ["outcome"],
+        )
+        self.runs_left = self.counter(
+            "runs_left_total",
+            "Runs this replica left to another one (handed_over at shutdown, superseded: adopted "
+            "elsewhere while this replica was unreachable)",
+            ["reason"],
+        )
+        self.router_failovers = self.counter(
+            "router_failovers_total", "Answers that went on through another router after theirs failed"
         )
         self.subscribers = self.gauge("run_subscribers", "Streams attached to runs on this replica")
 

@@ -4,18 +4,24 @@ A generation is one bidirectional ``Generate`` stream: a ``start`` frame with th
 (tokenized once, here, with ``chatmesh.tokenizer``), then at most one ``cancel`` frame. The request
 side stays open while the run lives: neither a half-close nor a dropped browser stops engine work;
 only ``cancel()`` (CancelRun, output moderation) or ``abort()`` does.
+
+Several router replicas sit behind one channel (``--router 10.0.0.1:50051,10.0.0.2:50051``, or a
+``dns:///`` name with one address per replica): calls are spread round-robin over the routers that
+are up, and a router that dies is skipped from then on. Every start frame carries a sampling seed, so
+a generation whose router dies goes on through another one exactly (``continued``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.errors import unavailable
+from chatmesh.errors import ServiceError, unavailable
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.streams import Outbox, read_to_end
@@ -24,6 +30,9 @@ from meshkit.serving import CHANNEL_OPTIONS
 from orchestrator.errors import from_rpc_error
 
 log = logging.getLogger(__name__)
+
+# How many routers one placement tries when they answer UNAVAILABLE (draining, or unreachable).
+PLACEMENT_ATTEMPTS = 3
 
 
 def start_frame(
@@ -40,8 +49,9 @@ def start_frame(
         max_tokens=generation.max_tokens,
         stop=list(generation.stop),
     )
-    if generation.seed is not None:
-        sampling.seed = generation.seed
+    # A seed of its own when the caller gave none: sampling is a function of (seed, position), so the
+    # answer can be continued on another router or by another replica, token for token.
+    sampling.seed = generation.seed if generation.seed is not None else secrets.randbits(63)
     return router_pb2.GenerateStart(
         request_id=request_id,
         model=generation.model,
@@ -51,6 +61,24 @@ def start_frame(
         session_id=session_id,
         tokenizer_fingerprint=fingerprint,
     )
+
+
+def continued(start: router_pb2.GenerateStart, output_token_ids: Sequence[int]) -> router_pb2.GenerateStart:
+    """``start`` again, resuming after ``output_token_ids`` (what the run has streamed so far), under a
+    request id of its own (an earlier attempt may still be winding down on a router or engine)."""
+    frame = router_pb2.GenerateStart()
+    frame.CopyFrom(start)
+    frame.request_id = f"{start.request_id.partition('~')[0]}~{secrets.token_hex(4)}"
+    frame.resumed_output_token_ids[:] = output_token_ids
+    return frame
+
+
+def router_target(address: str) -> str:
+    """A gRPC target for one router or several: ``host:port``, ``ip:port,ip:port,...`` (each replica
+    named), or any gRPC target with a scheme (``dns:///router:50051``: one address per replica)."""
+    if "," in address and ":/" not in address and not address.startswith(("ipv4:", "ipv6:")):
+        return "ipv4:" + address
+    return address
 
 
 class GenerateStream:
@@ -120,14 +148,39 @@ class RouterClient:
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(
+            router_target(address), options=(*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin"))
+        )
         self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
 
     async def close(self) -> None:
         await self._channel.close(grace=None)
 
-    def generate(self, deadline_s: float) -> GenerateStream:
-        return GenerateStream(self._stub, deadline_s)
+    async def place(
+        self, start: router_pb2.GenerateStart, deadline_s: float, placement_timeout_s: float
+    ) -> GenerateStream:
+        """A Generate stream (``deadline_s`` in all) whose ``start`` a router placed within
+        ``placement_timeout_s``. A router that answers UNAVAILABLE (it is draining, or cannot be
+        reached) is passed over for the next one round-robin picks, so a rolling restart of the
+        routers refuses nothing; any other refusal is raised at once (ServiceError)."""
+        for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+            stream = GenerateStream(self._stub, deadline_s)
+            try:
+                await stream.open(start, placement_timeout_s)
+                return stream
+            except ServiceError as exc:
+                router_down = exc.code == grpc.StatusCode.UNAVAILABLE and isinstance(
+                    exc.__cause__, grpc.aio.AioRpcError
+                )
+                if not router_down or attempt == PLACEMENT_ATTEMPTS:
+                    raise
+                log.info(
+                    "request %s: a router is unavailable (%s); trying another", start.request_id, exc.message
+                )
+            except BaseException:
+                stream.abort()
+                raise
+        raise AssertionError("unreachable")
 
     async def list_engines(self) -> list[router_pb2.EngineStatus]:
         try:

@@ -74,6 +74,11 @@ class RouterConfig:
         repeat=True,
     )
 
+    # Session hints: each session's last engine, for turns that come before its KV events (router/sessions.py).
+    session_hints: int = setting(
+        100_000, "sessions whose last engine is remembered as a placement hint (0: off)"
+    )
+
     # Engine streams and calls
     load_interval_ms: int = setting(100, "engine load report period")
     rpc_timeout_s: float = 5.0  # unary calls (GetModelInfo)
@@ -94,6 +99,8 @@ class RouterConfig:
             problems.append("free queue fraction must be in (0, 1]")
         if self.max_attempts < 1:
             problems.append("max attempts must be >= 1")
+        if self.session_hints < 0:
+            problems.append("session hints must be >= 0")
         if self.weights.overlap < 0 or self.weights.temperature < 0:
             problems.append("the overlap weight and the temperature must be >= 0")
         timeouts = (

@@ -33,6 +33,11 @@ class RouterMetrics(ComponentMetrics):
             "cached_tokens",
             "Prompt tokens the chosen engine actually served from its cache (its finished usage).",
         )
+        self.hinted = self.counter(
+            "session_hinted_placements",
+            "Placements where the session's last engine was credited with blocks the index had not "
+            "heard of yet (router/sessions.py).",
+        )
         self.failovers = self.counter(
             "failovers", "Requests re-placed on another engine, by what went wrong.", ["reason"]
         )

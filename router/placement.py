@@ -4,7 +4,7 @@ This is the glue between the live state (registry, index, loads) and the pure de
 ``policy`` and ``admission``. A request's pool is the engines serving its model with its tokenizer;
 of those, the healthy ones not already tried are the candidates; admission narrows them by tier; the
 policy picks one from each candidate's cached prefix (from the index, hashed with that engine's block
-size and seed) and its load.
+size and seed, plus the session's hint when the index has not heard yet: router/sessions.py) and its load.
 
 A free request its pool refuses is *degraded* when the router has a cheaper model for its model
 (``--degrade MODEL=CHEAPER``): it goes to the cheaper model's pool, which takes it while any of its
@@ -16,7 +16,8 @@ costs a few vector operations however many engines there are (bench/bench_scale_
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import grpc
@@ -32,7 +33,8 @@ from router.engines import EngineState
 from router.index import PrefixIndex
 from router.loads import LoadTable
 from router.metrics import RouterMetrics
-from router.policy import Pool, choose_in, predicted_cached_tokens
+from router.policy import Pool, choose_in, predicted_cached_tokens, with_hint
+from router.sessions import SessionHints
 
 
 class PlacementState(Protocol):
@@ -87,6 +89,7 @@ class Placer:
         self._turn = 0  # decisions made: round_robin's position
         self._decisions = metrics.decisions.labels(config.policy)
         self._cheaper = config.cheaper_models()
+        self.hints = SessionHints(config.session_hints)
 
     def place(self, plan: RequestPlan, exclude: set[str], admit: bool) -> Placement:
         """Picks an engine for ``plan``, not one of ``exclude``. ``admit``: apply the tier's admission
@@ -138,7 +141,7 @@ class Placer:
         choice = choose_in(
             self.config.policy,
             len(plan.prompt),
-            self._candidates(plan, rows),
+            self._hinted(plan, self._candidates(plan, rows)),
             self.config.weights,
             plan.session_id,
             self.rng,
@@ -150,6 +153,43 @@ class Placer:
         assert engine is not None, "a chosen row belongs to an attached engine"
         predicted = predicted_cached_tokens(len(plan.prompt), choice.cached_blocks, engine.block_size)
         return Placement(engine, predicted, model, degraded)
+
+    def remember(self, plan: RequestPlan, engine: EngineState, output: Sequence[int]) -> None:
+        """``plan``'s run finished on ``engine`` with ``output``: remember where its session's context
+        is cached. The engine computed the prompt and every output token but the last (sampled, never
+        fed back), so their full blocks are what it holds."""
+        if not plan.session_id or not self.hints.capacity or engine.info is None:
+            return
+        block_size, seed = engine.info.block_size, engine.info.block_hash_seed
+        prompt_hashes = plan.block_hashes(block_size, seed)
+        computed = plan.prompt[len(prompt_hashes) * block_size :] + list(output[:-1])
+        whole = len(computed) - len(computed) % block_size
+        parent = prompt_hashes[-1] if prompt_hashes else None
+        answer_hashes = block_hashes(computed[:whole], block_size, seed, parent)
+        self.hints.remember(
+            plan.session_id, engine.engine_id, prompt_hashes + answer_hashes, len(prompt_hashes)
+        )
+
+    def _hinted(self, plan: RequestPlan, pool: Pool) -> Pool:
+        """``pool`` with the session's hint applied (``policy.with_hint``), if it names a candidate."""
+        hint = self.hints.get(plan.session_id)
+        if hint is None:
+            return pool
+        try:
+            row = self.registry.index.slot(hint.engine_id)  # an engine's load-table row is its slot
+        except KeyError:  # gone since
+            return pool
+        at = np.flatnonzero(pool.rows == row)
+        if not len(at):  # not a candidate: unhealthy, not admitted, tried already, or another pool
+            return pool
+        loads = self.registry.loads
+        block_size, seed = loads.hashing_of(int(loads.hashing[row]))
+        vouched = hint.vouched_blocks(plan.block_hashes(block_size, seed))
+        credited = with_hint(pool.cached_blocks, int(at[0]), vouched)
+        if credited is pool.cached_blocks:
+            return pool
+        self.metrics.hinted.inc()
+        return replace(pool, cached_blocks=credited)
 
     def _model_of(self, plan: RequestPlan) -> str:
         """The model asked for: the plan's, the router's default, or the only one served ("" if none)."""

@@ -28,6 +28,10 @@ The policies are computed over columns (``Pool``: one row per engine, in engine-
 decision over a thousand engines is a few vector operations; ``choose`` takes ``Candidate`` records and
 says the same.
 
+A session hint (``with_hint``, router/sessions.py) credits the engine that last ran the chat with the
+blocks the router saw it compute, for when the KV events saying so have not reached the index yet; it
+is applied before the policy, only when the index predicts no engine holding more.
+
 ``round_robin`` and ``random`` ignore the cache (baselines); ``oracle`` always takes the longest cached
 prefix, ignoring load (the benchmark's reference for the hit rate a placement could reach).
 """
@@ -112,6 +116,21 @@ def prefill_blocks(prompt_tokens: int, cached_blocks, block_size):
 def cost(prefill, decode, weights: CostWeights):
     """The kv_aware cost (numbers or arrays)."""
     return weights.overlap * prefill + decode
+
+
+def with_hint(cached_blocks: np.ndarray, hinted: int, vouched_blocks: int) -> np.ndarray:
+    """Each candidate's cached blocks with a session hint applied: candidate ``hinted`` (a position in
+    ``cached_blocks``) is credited with the ``vouched_blocks`` the router saw it compute for the session,
+    if the index has not heard of them all yet. Only when the index predicts no better engine: if another
+    candidate holds a longer prefix than the hinted one by the index, the index is right (the chat moved
+    since, or the hinted engine evicted it) and the hint is ignored. The policy then weighs the credit
+    against load as it would a real match, among candidates admission already let through."""
+    indexed = cached_blocks[hinted]
+    if vouched_blocks <= indexed or cached_blocks.max() > indexed:
+        return cached_blocks
+    credited = cached_blocks.copy()
+    credited[hinted] = vouched_blocks
+    return credited
 
 
 def predicted_cached_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:

@@ -4,8 +4,8 @@
                  ▲                                    │ error, timeout, or the stream just ends
                  └──── place elsewhere (attempt + 1), resuming with the tokens already sent ◄┘
 
-Each attempt sends the original prompt plus every token the client already has as
-``resumed_output_token_ids``: the engine treats them as context, counts them toward max_tokens, does
+Each attempt sends the original prompt plus every token the client already has (the ones its caller
+resumed with, then the ones relayed here) as ``resumed_output_token_ids``: the engine treats them as context, counts them toward max_tokens, does
 not send them again, and draws position i's sample from (seed, i), so a greedy or seeded stream goes
 on exactly as it would have. Token ``index`` values continue across attempts; ``routed`` is sent for
 each placement. An error that is the request's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) is
@@ -32,6 +32,7 @@ from chatmesh.errors import ServiceError, parse
 from chatmesh.router.v1 import router_pb2
 from chatmesh.streams import Outbox, read_to_end
 from chatmesh.tiers import tier_of_proto
+from chatmesh.token_text import token_pieces, tokens_frame
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.metrics import RouterMetrics
@@ -77,7 +78,8 @@ class Relay:
         self.metrics = metrics
         self.arrival = time.monotonic()
         self.deadline_s = deadline_s  # seconds the client allows, from arrival
-        self.output: list[int] = []
+        # Every output token the client has, the caller's resumed ones first: each attempt resumes them.
+        self.output: list[int] = list(start.resumed_output_token_ids)
         self.cancelled = False
         self.degraded = False  # placed in a cheaper model's pool (free tier under load)
         self._call: grpc.aio.StreamStreamCall | None = None  # the engine call in progress
@@ -186,6 +188,7 @@ class Relay:
                 elif kind == "finished":
                     completed = True
                     engine.ended(attempt_id, completed=True)
+                    self.placer.remember(self.plan, engine, self.output)
                     yield router_pb2.GenerateResponse(finished=self._finished(frame.finished, placement))
                     return
                 else:
@@ -243,9 +246,8 @@ class Relay:
             skip = have - tokens.index
             if skip >= len(tokens.token_ids):
                 return None
-            tokens = engine_pb2.GenerateTokens(
-                index=have, token_ids=tokens.token_ids[skip:], text=tokens.text
-            )
+            # The text of the tokens dropped went out with them; a frame without per-token ends keeps all.
+            tokens = tokens_frame(have, token_pieces(tokens)[skip:])
         self.output.extend(tokens.token_ids)
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()

@@ -111,6 +111,8 @@ def _invalid(start: router_pb2.GenerateStart) -> str:
         return "prompt_token_ids must not be empty"
     if start.sampling.max_tokens <= 0:
         return "sampling.max_tokens must be > 0"
+    if len(start.resumed_output_token_ids) >= start.sampling.max_tokens:
+        return "resumed_output_token_ids must be fewer than sampling.max_tokens (nothing left to generate)"
     if not is_tier_proto(start.tier):
         return f"unknown tier {start.tier}"
     return ""

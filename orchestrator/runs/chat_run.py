@@ -22,6 +22,7 @@ from memory_store.models import Claim, Run
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.context import RunContext
+from orchestrator.runs.lifecycle import Admission
 from orchestrator.runs.live_run import RunInfo
 from orchestrator.runs.relay import RunEnd
 
@@ -122,13 +123,13 @@ class ChatRun(AnswerRun):
             assistant_message_id=claim.assistant_message_id,
         )
 
-    async def create_run(
-        self, info: RunInfo, prompt: Prompt, parent_id: str, user_message_id: str | None
-    ) -> Run:
-        """The run's row, owned by this replica: from here on the answer is stored, once."""
+    async def create_run(self, admission: Admission, parent_id: str, user_message_id: str | None) -> Run:
+        """The run's row, owned by this replica: from here on the answer is stored, once (and if this
+        replica dies, another one adopts it and continues it from its stored generation)."""
         if time.monotonic() - self._leased_at > self.ctx.config.runs.start_lease_s - LEASE_MARGIN_S:
             # A retry elsewhere may hold the key's lease by now and start the run itself.
             raise unavailable("starting the answer took too long; retry", 1.0)
+        info = admission.info
         return await self.ctx.store.create_run(
             info.user_id,
             info.chat_id,
@@ -138,7 +139,8 @@ class ChatRun(AnswerRun):
             model=info.model,
             owner_id=self.ctx.config.replica_id,
             user_message_id=user_message_id,
-            prompt_tokens=len(prompt.token_ids),
+            prompt_tokens=len(admission.prompt.token_ids),
+            generation=admission.start.SerializeToString(),
         )
 
     def refresh_summary(self, chat_id: str, prompt: Prompt, end: RunEnd) -> None:

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
@@ -33,14 +34,16 @@ from chatmesh.errors import not_found, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
+from chatmesh.tiers import tier_of_proto
 from memory_store.errors import MemoryStoreError, NotFound
-from memory_store.models import FinishReason, Run, RunOutcome, RunStatus, Usage
+from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator import convert
 from orchestrator.config import RunConfig
+from orchestrator.metrics import METRICS
 from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.prompting.prompt import Prompt
-from orchestrator.router_client import GenerateStream, RouterClient, start_frame
+from orchestrator.router_client import GenerateStream, RouterClient, continued, start_frame
 from orchestrator.runs import replay
 from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.live_run import LiveRun, RunInfo
@@ -58,6 +61,9 @@ class Admission:
     info: RunInfo
     prompt: Prompt
     stream: GenerateStream
+    # The request the router placed (its seed included): what continues the run if its router dies,
+    # and what a stored run keeps for a replica that adopts it.
+    start: router_pb2.GenerateStart
 
 
 class Runs:
@@ -81,7 +87,7 @@ class Runs:
         self._live: dict[str, LiveRun] = {}
         self._relays: dict[str, Relay] = {}
         # Every run task, from `start` to its last step: the replica holds them, no client does.
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         # Runs on their way to going live, by (user, idempotency key): a duplicate waits for the same one.
         self._starting: dict[tuple[str, str], asyncio.Future[str]] = {}
 
@@ -156,8 +162,19 @@ class Runs:
             span.set_attribute("chatmesh.run_id", info.run_id)
             self.slots.acquire(identity)
             try:
-                stream = await self._place(identity, info, prompt, options)
-                admission = Admission(identity, _as_placed(info, stream.routed), prompt, stream)
+                start = start_frame(
+                    info.run_id,
+                    prompt.token_ids,
+                    options,
+                    identity.tier,
+                    info.chat_id or identity.user_id,
+                    self.fingerprint,
+                )
+                stream = await self._place(identity, info, start, options)
+                placed = _as_placed(info, stream.routed)
+                # A continuation (another router, another replica) stays on the weights it started on.
+                start.model = placed.model
+                admission = Admission(identity, placed, prompt, stream, start)
                 try:
                     yield admission
                 except BaseException:
@@ -170,26 +187,23 @@ class Runs:
                 raise
 
     async def _place(
-        self, identity: Identity, info: RunInfo, prompt: Prompt, options: Generation
+        self, identity: Identity, info: RunInfo, start: router_pb2.GenerateStart, options: Generation
     ) -> GenerateStream:
         """Reserves the budget and has the router place the request, both at once (a refusal of either
         undoes the other): returns the placed stream."""
-        estimate = Usage(prompt_tokens=len(prompt.token_ids), completion_tokens=options.max_tokens)
-        stream = self.router.generate(self.config.max_run_s)
-        start = start_frame(
-            info.run_id,
-            prompt.token_ids,
-            options,
-            identity.tier,
-            info.chat_id or identity.user_id,
-            self.fingerprint,
-        )
+        estimate = Usage(prompt_tokens=len(start.prompt_token_ids), completion_tokens=options.max_tokens)
         reserve = asyncio.ensure_future(self.budgets.reserve(identity, info.run_id, estimate))
-        place = asyncio.ensure_future(stream.open(start, self.config.placement_timeout_s))
+        place = asyncio.ensure_future(
+            self.router.place(start, self.config.max_run_s, self.config.placement_timeout_s)
+        )
         try:
             await asyncio.gather(reserve, place)
         except BaseException:
-            stream.abort()  # ends the placement (or the placed request) at once
+            # End the placement (or the placed request) at once.
+            if place.done() and not place.cancelled() and place.exception() is None:
+                place.result().abort()
+            else:
+                place.cancel()
             # The budget's verdict is the more useful one to report, so wait for both.
             await asyncio.wait([reserve, place])
             if reserve.done() and not reserve.cancelled() and reserve.exception() is None:
@@ -200,34 +214,93 @@ class Runs:
                 if failure is not None:
                     raise failure from None
             raise
-        return stream
+        return place.result()
 
     async def generate(self, run: AnswerRun, admission: Admission, stored_run: Run | None) -> RunEnd:
         """The run goes live with its `started` event (whoever waits in ``start`` is released), then the
         relay streams the answer until it ends and stores the end once. Returns how it ended."""
         info = admission.info
         live = LiveRun(info, self.config.max_subscribers_per_run)
-        live.append(
-            started=chat_pb2.RunStarted(
-                run_id=info.run_id,
-                chat_id=info.chat_id,
-                user_message_id=info.user_message_id,
-                assistant_message_id=info.assistant_message_id,
-                model=info.model,
-                degraded=info.degraded,
-            )
-        )
-        relay = Relay(
-            self.deps, live, admission.stream, len(admission.prompt.token_ids), stored_run, run.arrived_at
-        )
-        self._live[info.run_id] = live
-        self._relays[info.run_id] = relay
+        live.append(started=_started(info))
+        relay = Relay(self.deps, live, admission.stream, admission.start, stored_run, run.arrived_at)
         run.started.set_result(info.run_id)
+        try:
+            return await self._relay(relay)
+        finally:
+            self.slots.release(info.user_id)
+
+    async def _relay(self, relay: Relay) -> RunEnd:
+        """Relays a run held here to its end (or until another replica goes on with it)."""
+        run_id = relay.live.info.run_id
+        self._live[run_id] = relay.live
+        self._relays[run_id] = relay
         try:
             return await relay.run()
         finally:
-            self.slots.release(info.user_id)
-            self._relays.pop(info.run_id, None)
+            self._relays.pop(run_id, None)
+            if relay.live.handed_over:
+                # New streams of the run follow it where it goes on (through Cassandra from here).
+                self._live.pop(run_id, None)
+
+    async def adopt(self, orphan: Run, replica_id: str) -> bool:
+        """Continues here a run whose replica was found dead (or handed it over at shutdown): the
+        run's output up to its last checkpoint is kept, and the generation goes on from the token
+        after it, through the router, with the run's own seed: the rest of the answer, its events and
+        their sequence numbers are the ones the lost replica would have produced. Returns whether this
+        replica adopted it (another replica may have been first); a run that cannot be continued
+        (stored before runs kept their generation) is ended as interrupted instead."""
+        if self.draining:
+            return False
+        run = await self.store.adopt_run(orphan, replica_id)
+        if run is None:
+            return False
+        output = await self.store.read_run_output(run.user_id, run.run_id)
+        try:
+            start = _generation(run, output)
+        except ValueError as exc:
+            log.warning("run %s cannot be continued (%s); interrupting it", run.run_id, exc)
+            await self.store.finish_run(run, _interrupted(run.last_seq))
+            METRICS.orphans_reaped.labels("interrupted").inc()
+            return False
+        info = RunInfo(
+            run_id=run.run_id,
+            user_id=run.user_id,
+            tier=tier_of_proto(start.tier).name,
+            kind="send" if run.user_message_id else "regenerate",
+            model=run.model,
+            max_tokens=start.sampling.max_tokens,
+            chat_id=run.chat_id,
+            user_message_id=run.user_message_id or "",
+            assistant_message_id=run.assistant_message_id,
+        )
+        live = LiveRun(info, self.config.max_subscribers_per_run)
+        live.append(started=_started(info))
+        for delta in output:
+            live.append(delta=chat_pb2.Delta(text=delta.text, token_count=delta.token_count))
+        frame = continued(start, [token for delta in output for token in delta.token_ids])
+        self._live[info.run_id] = live
+        try:
+            stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
+        except BaseException as exc:
+            self._live.pop(info.run_id, None)
+            log.warning("run %s could not be placed again (%s); interrupting it", run.run_id, exc)
+            with contextlib.suppress(MemoryStoreError, TimeoutError):
+                await self.store.finish_run(run, _interrupted(live.last_seq))
+            if not isinstance(exc, Exception):
+                raise
+            return False
+        relay = Relay(self.deps, live, stream, frame, run, time.monotonic())
+        task = asyncio.create_task(self._relay(relay), name="adopted-run")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        log.warning(
+            "run %s of replica %s adopted here at event %d (%d tokens)",
+            run.run_id,
+            orphan.owner_id,
+            live.last_seq,
+            len(frame.resumed_output_token_ids),
+        )
+        return True
 
     def is_live(self, run_id: str) -> bool:
         return run_id in self._live
@@ -340,19 +413,26 @@ class Runs:
             if live.finished_at is not None and live.finished_at < horizon and not live.subscribers:
                 del self._live[run_id]
 
-    async def shutdown(self, grace_s: float) -> None:
-        """Lets runs finish for ``grace_s``, then stops the rest as interrupted (their output so far is
-        stored, so a client resuming elsewhere gets it and the end of the run)."""
+    async def shutdown(self, grace_s: float) -> int:
+        """Lets runs finish for ``grace_s``, then hands the rest over: their output so far is stored
+        and another replica adopts them (once this one says it is gone: ``Replica.leave``), so clients
+        resuming elsewhere get the whole answer. A Complete, which nobody could resume, is interrupted.
+        Returns how many runs were handed over."""
         self.draining = True
         relays = list(self._relays.values())
+        handed_over = 0
         if relays:
             log.info("waiting up to %.0fs for %d runs to finish", grace_s, len(relays))
             await asyncio.gather(*(relay.wait(grace_s) for relay in relays))
             left = [relay for relay in relays if not relay.live.finished]
             if left:
-                log.warning("interrupting %d runs still generating", len(left))
+                log.warning("handing over %d runs still generating", len(left))
                 for relay in left:
-                    relay.stop(Stop.INTERRUPTED)
+                    if relay.stored_run is not None:
+                        relay.stop(Stop.HANDED_OVER)
+                        handed_over += 1
+                    else:
+                        relay.stop(Stop.INTERRUPTED)
                 await asyncio.gather(
                     *(
                         relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)
@@ -366,6 +446,44 @@ class Runs:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        return handed_over
+
+
+def _interrupted(last_seq: int) -> RunOutcome:
+    return RunOutcome(
+        status=RunStatus.INTERRUPTED,
+        last_seq=last_seq,
+        finish_reason=FinishReason.ERROR,
+        error_code=replay.INTERRUPTED_CODE,
+        error_message=replay.INTERRUPTED_MESSAGE,
+    )
+
+
+def _generation(run: Run, output: list[RunDelta]) -> router_pb2.GenerateStart:
+    """The request that continues ``run`` exactly from ``output``; ValueError unless its generation is
+    stored and its checkpointed events follow `started` without a gap, each with its token ids."""
+    if not run.generation:
+        raise ValueError("no stored generation (a run from before adoption)")
+    for expected, delta in enumerate(output, start=2):
+        if delta.seq != expected:
+            raise ValueError(f"checkpointed events jump from {expected - 1} to {delta.seq}")
+        if len(delta.token_ids) != delta.token_count:
+            raise ValueError(f"event {delta.seq} has no token ids")
+    try:
+        return router_pb2.GenerateStart.FromString(run.generation)
+    except DecodeError:
+        raise ValueError("its stored generation does not parse") from None
+
+
+def _started(info: RunInfo) -> chat_pb2.RunStarted:
+    return chat_pb2.RunStarted(
+        run_id=info.run_id,
+        chat_id=info.chat_id,
+        user_message_id=info.user_message_id,
+        assistant_message_id=info.assistant_message_id,
+        model=info.model,
+        degraded=info.degraded,
+    )
 
 
 def _as_placed(info: RunInfo, routed: router_pb2.GenerateRouted | None) -> RunInfo:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import exhausted
+from chatmesh.errors import exhausted, unavailable
 from orchestrator.metrics import METRICS
 
 # started + usage + done, or started + error.
@@ -54,6 +54,8 @@ class LiveRun:
         self.created_at = time.time()
         self.finished_at: float | None = None
         self.subscribers = 0
+        # The run went on elsewhere (this replica handed it over, or another adopted it).
+        self.handed_over = False
         self._changed = asyncio.Event()
 
     @property
@@ -81,6 +83,13 @@ class LiveRun:
         self.finished_at = time.monotonic()
         self._notify()
 
+    def hand_over(self) -> None:
+        """The run goes on on another replica: followers get the events here, then UNAVAILABLE, and
+        resume from their last sequence number wherever their next call lands."""
+        self.handed_over = True
+        self.finished_at = time.monotonic()
+        self._notify()
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
@@ -102,6 +111,10 @@ class LiveRun:
                 while position < len(self.events):
                     position += 1
                     yield self.events[position - 1]
+                if self.handed_over:
+                    raise unavailable(
+                        f"the answer goes on on another replica; resume after event {position}", 0.2
+                    )
                 if self.finished:
                     return
                 await changed.wait()

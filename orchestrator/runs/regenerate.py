@@ -57,7 +57,7 @@ class RegenerateRun(ChatRun):
         info = self.run_info(claim, chat_id)
         # 4. Admission, then the run persisted (the question is stored already).
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
-            stored_run = await self.create_run(admission.info, prompt, question_id, None)
+            stored_run = await self.create_run(admission, question_id, None)
         # 5. Live: `started`, then the answer streamed until it ends; the end is stored once.
         end = await self.ctx.runs.generate(self, admission, stored_run)
         # 6. Upkeep: a long history gets a fresher summary.

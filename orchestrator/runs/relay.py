@@ -6,10 +6,22 @@
                                      ─► usage + done (or error) events ─► LiveRun ends
 
 It runs in the run's task, which belongs to the replica, not to a client: streams attach and detach
-freely. It stops early
-only for ``cancel()`` (CancelRun), output moderation, a run ended elsewhere (a cancel that reached
-another replica), or replica shutdown. Each of those sends the router a cancel frame, so engine work
-is freed at once; if the router does not confirm in time, the call itself is cancelled.
+freely. It stops early only for ``cancel()`` (CancelRun), output moderation, a run ended elsewhere (a
+cancel that reached another replica), a run adopted elsewhere, or replica shutdown. Each of those
+sends the router a cancel frame, so engine work is freed at once; if the router does not confirm in
+time, the call itself is cancelled.
+
+Every delta is a function of the tokens alone (one per token that releases text, carrying the tokens
+since the one before; ``chatmesh.token_text``), never of how the engine or router grouped them into
+frames. So when the router dies mid-answer, the same request goes on through another router resuming
+after the tokens so far, and when this replica dies, the replica that adopts the run regenerates the
+tokens after its last checkpoint: either way the events that follow are the ones this relay would
+have produced, with the same sequence numbers, and a client resuming from any of them sees no gap
+and no duplicate.
+
+When this replica shuts down (or finds another replica adopted the run while it was unreachable), it
+does not end the run: it hands it over. Its output is checkpointed, the router told to stop, and the
+streams attached here end with UNAVAILABLE, to resume (after_seq) where the run goes on.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -25,7 +38,9 @@ import grpc
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError, unavailable
-from memory_store.errors import MemoryStoreError, Unavailable
+from chatmesh.router.v1 import router_pb2
+from chatmesh.token_text import token_pieces
+from memory_store.errors import MemoryStoreError, OwnerChanged, Unavailable
 from memory_store.models import FinishedRun, FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator import convert
@@ -33,8 +48,8 @@ from orchestrator.config import RunConfig
 from orchestrator.errors import from_exception, from_rpc_error
 from orchestrator.metrics import METRICS
 from orchestrator.policy.moderation import Moderator
-from orchestrator.router_client import GenerateStream
-from orchestrator.runs.checkpoints import Checkpointer
+from orchestrator.router_client import GenerateStream, RouterClient, continued
+from orchestrator.runs.checkpoints import MAX_BATCH, Checkpointer
 from orchestrator.runs.live_run import LiveRun
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 
@@ -42,8 +57,20 @@ log = logging.getLogger(__name__)
 
 # How long storing a run's end is retried before the replica gives up on it (and logs it).
 FINISH_RETRY_S = 120.0
-# How often the owner of a stored run checks whether someone else ended it (a cancel on another replica).
+# How often the owner of a stored run checks whether someone else ended it (a cancel on another replica)
+# or adopted it (this replica was taken for dead).
 REMOTE_END_POLL_S = 2.0
+# How many times one answer goes on through another router after its router failed mid-stream.
+MAX_ROUTER_FAILOVERS = 3
+# What a router call ending in these means: the router (or the way to it) failed, not the request.
+_ROUTER_LOST = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.CANCELLED,
+    }
+)
 
 
 class Stop(StrEnum):
@@ -51,8 +78,13 @@ class Stop(StrEnum):
 
     CANCELLED = "cancelled"  # CancelRun, here or on another replica
     CONTENT_FILTER = "content_filter"  # output moderation
-    INTERRUPTED = "interrupted"  # this replica shuts down
+    INTERRUPTED = "interrupted"  # this replica shuts down and nobody could go on with the run (Complete)
+    HANDED_OVER = "handed_over"  # this replica shuts down; another one adopts the run
+    SUPERSEDED = "superseded"  # another replica adopted the run (this one was taken for dead)
 
+
+# Stops that leave the run to another replica rather than ending it.
+_LEFT_TO_ANOTHER = frozenset({Stop.HANDED_OVER, Stop.SUPERSEDED})
 
 _STOPPED = {
     Stop.CANCELLED: (RunStatus.CANCELLED, FinishReason.CANCELLED),
@@ -78,6 +110,7 @@ class RelayDeps:
     store: MemoryStore
     moderator: Moderator
     config: RunConfig
+    router: RouterClient
 
 
 class Relay:
@@ -86,22 +119,29 @@ class Relay:
         deps: RelayDeps,
         live: LiveRun,
         stream: GenerateStream,
-        prompt_tokens: int,
+        start: router_pb2.GenerateStart,
         stored_run: Run | None,
         arrived_at: float,
     ) -> None:
+        """``start`` is the request ``stream`` was opened with: its ``resumed_output_token_ids`` are the
+        output ``live`` already holds (an adopted run's checkpointed deltas)."""
         self.deps = deps
         self.live = live
         self.stream = stream
-        self.prompt_tokens = prompt_tokens
+        self.start = start
+        self.prompt_tokens = len(start.prompt_token_ids)
         self.stored_run = stored_run
         self.arrived_at = arrived_at
         who = f"user {live.info.user_id}, run {live.info.run_id}"
         self.screen = deps.moderator.output_screen(who)
+        # Patterns may straddle the resumption point: the screen first sees what is already out.
+        if resumed_text := live.text():
+            self.screen.check(resumed_text)
         # Set when the run must stop early; no output is emitted after it.
         self.stop_reason: Stop | None = None
-        self._tokens_seen = 0
-        self._tokens_unsent = 0
+        # Every output token so far, and those not yet carried by a delta (their text is held back).
+        self._output_ids: list[int] = list(start.resumed_output_token_ids)
+        self._unsent_ids: list[int] = []
         self._first_delta_at: float | None = None
         self._checkpointer: Checkpointer | None = None
         self._ended = asyncio.Event()
@@ -142,17 +182,41 @@ class Relay:
         error: ServiceError | None = None
         try:
             async with asyncio.timeout(self.deps.config.max_run_s):
-                async for frame in self.stream.frames():
-                    kind = frame.WhichOneof("kind")
-                    if kind == "tokens":
-                        self._tokens_seen += len(frame.tokens.token_ids)
-                        await self._emit(frame.tokens.text, len(frame.tokens.token_ids))
-                    elif kind == "finished":
-                        finished = frame.finished
-                        await self._emit(finished.text, 0)
+                for failover in range(MAX_ROUTER_FAILOVERS + 1):
+                    if failover:
+                        METRICS.router_failovers.inc()
+                        await self._continue_elsewhere()
+                    try:
+                        async for frame in self.stream.frames():
+                            kind = frame.WhichOneof("kind")
+                            if kind == "tokens":
+                                for token_id, text in token_pieces(frame.tokens):
+                                    self._emit(text, (token_id,))
+                            elif kind == "finished":
+                                finished = frame.finished
+                                self._emit(finished.text, ())
+                    except grpc.aio.AioRpcError as exc:
+                        if self.stop_reason is not None:
+                            break
+                        if exc.code() not in _ROUTER_LOST or failover == MAX_ROUTER_FAILOVERS:
+                            raise
+                        log.warning(
+                            "run %s: its router failed (%s); going on through another",
+                            self.live.info.run_id,
+                            exc.code().name,
+                        )
+                        continue
+                    if finished is not None or self.stop_reason is not None:
+                        break
+                    log.warning(
+                        "run %s: its router ended the stream early; going on through another",
+                        self.live.info.run_id,
+                    )
         except grpc.aio.AioRpcError as exc:
             if self.stop_reason is None:
                 error = from_rpc_error(exc, "the router")
+        except ServiceError as exc:  # no router would go on with it
+            error = exc
         except TimeoutError:
             error = unavailable(f"the answer took longer than {self.deps.config.max_run_s:.0f}s")
             self.stream.abort()
@@ -171,18 +235,29 @@ class Relay:
             METRICS.active_runs.dec()
             self._ended.set()
 
-    async def _emit(self, text: str, tokens: int) -> None:
+    async def _continue_elsewhere(self) -> None:
+        """Opens the run's request again through the routers that are up, resuming after the output
+        so far (the dead router's engine work ended with its stream)."""
+        self.stream.abort()
+        config = self.deps.config
+        self.stream = await self.deps.router.place(
+            continued(self.start, self._output_ids), config.max_run_s, config.placement_timeout_s
+        )
+
+    def _emit(self, text: str, token_ids: Sequence[int]) -> None:
         """Turns released text into a delta event (tokens without text yet ride on the next one)."""
         if self.stop_reason is not None:
             return
-        self._tokens_unsent += tokens
+        self._output_ids.extend(token_ids)
+        self._unsent_ids.extend(token_ids)
         if not text:
             return
         if self.screen.check(text).blocked:
             self.stop(Stop.CONTENT_FILTER)
             return
-        event = self.live.append(delta=chat_pb2.Delta(text=text, token_count=self._tokens_unsent))
-        self._tokens_unsent = 0
+        covered = tuple(self._unsent_ids)
+        self._unsent_ids.clear()
+        event = self.live.append(delta=chat_pb2.Delta(text=text, token_count=len(covered)))
         if self._first_delta_at is None:
             self._first_delta_at = time.monotonic()
             info = self.live.info
@@ -190,10 +265,11 @@ class Relay:
                 self._first_delta_at - self.arrived_at
             )
         if self._checkpointer is not None:
-            self._checkpointer.add(RunDelta(event.seq, text, event.delta.token_count))
+            self._checkpointer.add(RunDelta(event.seq, text, len(covered), covered))
 
     async def _watch_remote_end(self) -> None:
-        """Stops the run if another replica ended it (CancelRun there, or a reaper that thought us dead)."""
+        """Stops the run if another replica ended it (CancelRun there) or adopted it (it took this one
+        for dead: a long pause, a partition)."""
         assert self.stored_run is not None
         while True:
             await asyncio.sleep(REMOTE_END_POLL_S)
@@ -203,20 +279,29 @@ class Relay:
                 if run.status.terminal:
                     self.stop(Stop.CANCELLED)
                     return
+                if run.owner_id != self.stored_run.owner_id:
+                    self.stop(Stop.SUPERSEDED)
+                    return
 
     # -- the end --------------------------------------------------------------------------------
 
     async def _finish(self, finished, error: ServiceError | None) -> RunEnd:
-        status, reason = self._status(finished, error)
         if finished is not None and finished.HasField("usage"):
             u = finished.usage
             usage = Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens)
         else:
-            usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self._tokens_seen)
+            usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self._output_ids))
         tail = await self._checkpointer.close() if self._checkpointer is not None else []
+        if self.stop_reason in _LEFT_TO_ANOTHER:
+            return await self._leave(tail, usage)
+        status, reason = self._status(finished, error)
         message_id = ""
         if self.stored_run is not None:
-            ended = await self._store_end(status, reason, usage, error, tail)
+            try:
+                ended = await self._store_end(status, reason, usage, error, tail)
+            except OwnerChanged:
+                self.stop_reason = Stop.SUPERSEDED
+                return await self._leave(tail, usage)
             if ended is None:
                 status, reason = RunStatus.FAILED, FinishReason.ERROR
                 error = unavailable("the answer could not be stored; regenerate it", 1.0)
@@ -232,6 +317,34 @@ class Relay:
         self._publish_end(status, reason, usage, error, message_id)
         self._observe(status, reason, usage)
         return RunEnd(self.live, status, reason, usage, message_id)
+
+    async def _leave(self, tail: list[RunDelta], usage: Usage) -> RunEnd:
+        """Leaves the run to the replica that goes on with it: a replica handing it over first stores
+        what it streamed (the adopter continues from there); then the streams here end, to resume there."""
+        if self.stop_reason is Stop.HANDED_OVER and tail:
+            await self._checkpoint_all(tail)
+        self.live.hand_over()
+        METRICS.runs_left.labels(str(self.stop_reason)).inc()
+        log.info("run %s left to another replica (%s)", self.live.info.run_id, self.stop_reason)
+        return RunEnd(self.live, RunStatus.IN_PROGRESS, None, usage, "")
+
+    async def _checkpoint_all(self, deltas: list[RunDelta]) -> None:
+        """Stores the deltas not checkpointed yet, retried while Cassandra is unavailable; what cannot be
+        stored the adopter regenerates (it is a function of the tokens before it)."""
+        assert self.stored_run is not None
+        deadline = time.monotonic() + self.deps.config.store_deadline_s
+        for first in range(0, len(deltas), MAX_BATCH):
+            batch = deltas[first : first + MAX_BATCH]
+            while True:
+                try:
+                    async with asyncio.timeout(self.deps.config.store_deadline_s):
+                        await self.deps.store.checkpoint_run(self.stored_run, batch)
+                    break
+                except (MemoryStoreError, TimeoutError) as exc:
+                    if time.monotonic() > deadline:
+                        log.warning("run %s: last checkpoint not stored (%s)", self.live.info.run_id, exc)
+                        return
+                    await asyncio.sleep(0.2)
 
     def _status(self, finished, error: ServiceError | None) -> tuple[RunStatus, FinishReason | None]:
         if self.stop_reason is not None:

@@ -86,9 +86,7 @@ class SendRun(ChatRun):
                     run_id=claim.run_id,
                 ),
             )
-            stored_run = await self.create_run(
-                admission.info, prompt, claim.user_message_id, claim.user_message_id
-            )
+            stored_run = await self.create_run(admission, claim.user_message_id, claim.user_message_id)
         # 5. Live: `started`, then the answer streamed until it ends; the end is stored once.
         end = await self.ctx.runs.generate(self, admission, stored_run)
         # 6. Upkeep: the first exchange of a chat (or of a new root branch) names it; a long history

@@ -75,9 +75,8 @@ async def generate_text(
     deadline_s: float,
 ) -> str:
     """A whole answer from the router at the lowest priority (for titles and summaries)."""
-    stream = router.generate(deadline_s)
     start = start_frame(f"bg-{uuid.uuid4().hex}", prompt, generation, "free", session_id, fingerprint)
-    await stream.open(start, deadline_s)
+    stream = await router.place(start, deadline_s, deadline_s)
     parts: list[str] = []
     try:
         async for frame in stream.frames():

@@ -1,17 +1,18 @@
-"""This replica's membership: heartbeats, and marking the runs of lost replicas interrupted.
+"""This replica's membership: heartbeats, and adopting the runs of lost replicas.
 
 Each replica heartbeats into Cassandra every ``heartbeat_interval_s`` (the first one before it takes
 any work: a run whose owner never heartbeated could not be found as orphaned). Every replica also
-looks for runs whose owner has been silent for ``orphan_after_s`` and ends them as INTERRUPTED: the
-output checkpointed before the loss is kept as the stored (incomplete) assistant message with
-finish_reason ERROR, the chat's active run is cleared, and streams attached anywhere get that output
-and a final ``error`` event (code ABORTED) saying to regenerate. The conditional finish makes this
-safe when several replicas reap at once, or when the owner was only paused and finishes after all.
+looks for runs whose owner has been silent for ``orphan_after_s`` and adopts them (``Runs.adopt``):
+one conditional write makes it the run's owner, and it continues the generation from the run's last
+checkpoint with the run's stored request and seed, so clients resuming from their last sequence
+number on any replica get the rest of the answer, and the stored answer is the streamed one. A run
+that cannot be continued (stored before runs kept their request) is ended as INTERRUPTED with its
+checkpointed output, as before. An owner that was only paused, not dead, finds its run adopted and
+leaves it (``Stop.SUPERSEDED``).
 
-Why interrupt instead of continuing the generation elsewhere: the router's stream died with the
-owner (and with it the engine work), what a client saw after the last checkpoint is not stored, and a
-continuation would have to re-prefill the whole prompt. An explicit "interrupted, regenerate" is
-honest and cheap; failures of engines, the common case, are already hidden by the router's failover.
+A replica shutting down hands its unfinished runs over: once their output is checkpointed, its last
+heartbeat is dated to the epoch (``leave``), so the other replicas' next pass adopts them at once
+rather than after ``orphan_after_s``.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import UTC, datetime
 
-from memory_store.models import FinishReason, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator.config import RunConfig
 from orchestrator.metrics import METRICS
 from orchestrator.runs.lifecycle import Runs
-from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 
 log = logging.getLogger(__name__)
+
+# The heartbeat of a replica that shut down leaving runs to adopt: older than any orphan_after_s.
+GONE = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 class Replica:
@@ -49,13 +52,18 @@ class Replica:
             asyncio.create_task(self._every(1.0, self._sweep), name="sweep"),
         ]
 
-    async def leave(self) -> None:
-        """Stops the loops and drops the heartbeat (called after the runs here have ended)."""
+    async def leave(self, handed_over: int) -> None:
+        """Stops the loops and says this replica is gone (called after its runs ended or were handed
+        over): with runs handed over, its heartbeat is dated so that another replica adopts them at its
+        next pass (and forgets this one once none are left); otherwise the heartbeat is dropped."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
-            await self.store.forget_replica(self.replica_id)
+            if handed_over:
+                await self.store.heartbeat_replica(self.replica_id, at=GONE)
+            else:
+                await self.store.forget_replica(self.replica_id)
 
     async def _every(self, period_s: float, work) -> None:
         while True:
@@ -73,27 +81,14 @@ class Replica:
         self.runs.sweep()
 
     async def reap(self) -> int:
-        """Marks the in-progress runs of silent replicas interrupted; returns how many this replica ended."""
+        """Adopts the in-progress runs of silent replicas (ending as interrupted those that cannot be
+        continued); returns how many this replica adopted."""
         orphans = await self.store.find_orphaned_runs(stale_after_s=self.config.orphan_after_s)
-        reaped = 0
+        adopted = 0
         for run in orphans:
             if run.owner_id == self.replica_id:
                 continue  # our own heartbeat lagged; our runs are alive
-            outcome = RunOutcome(
-                status=RunStatus.INTERRUPTED,
-                last_seq=run.last_seq,
-                finish_reason=FinishReason.ERROR,
-                error_code=INTERRUPTED_CODE,
-                error_message=INTERRUPTED_MESSAGE,
-            )
-            ended = await self.store.finish_run(run, outcome)
-            if ended.applied:
-                reaped += 1
-                METRICS.orphans_reaped.inc()
-                log.warning(
-                    "run %s of lost replica %s marked interrupted (%d events kept)",
-                    run.run_id,
-                    run.owner_id,
-                    run.last_seq,
-                )
-        return reaped
+            if await self.runs.adopt(run, self.replica_id):
+                adopted += 1
+                METRICS.orphans_reaped.labels("adopted").inc()
+        return adopted

@@ -49,6 +49,7 @@ class Report:
     indexed_blocks: int = 0
     ingest: list[tuple[float, int, int]] = field(default_factory=list)  # per replica: seconds, blocks, events
     replicas_agree: bool = True
+    hinted: int = 0  # placements a session hint changed the input of (router/sessions.py)
 
     # -- recording (the simulation calls these) ------------------------------------------------------
 
@@ -86,9 +87,10 @@ class Report:
         wall_s: float,
         ingest: list[tuple[float, int, int]],
         replicas_agree: bool,
+        hinted: int,
     ) -> None:
         """The run's end: how long it took, each router's KV event ingestion (seconds, blocks, events),
-        and whether every router's index ended the same."""
+        whether every router's index ended the same, and how many placements a session hint changed."""
         self.wall_s = wall_s
         self.simulated_s = simulated_s
         arrived = sum(t.arrived for t in self.tiers.values())
@@ -96,6 +98,7 @@ class Report:
         self.lost = arrived - done
         self.ingest = ingest
         self.replicas_agree = replicas_agree
+        self.hinted = hinted
 
     # -- figures --------------------------------------------------------------------------------------
 
@@ -144,6 +147,10 @@ class Report:
             "ingest_blocks_per_core_s": self.ingest_blocks_per_s(),
             "event_blocks_per_s": self.event_blocks_per_simulated_s(),
             "replicas_agree": self.replicas_agree,
+            "event_lag_s": self.setup.event_lag_s,
+            "session_hints": self.setup.session_hints,
+            "think_s": self.setup.workload.think_s,
+            "hinted": self.hinted / max(1, len(self.decision_s)),
             "simulated_s": self.simulated_s,
             "wall_s": self.wall_s,
         }

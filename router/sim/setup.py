@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from router.config import RouterConfig
 from router.sim.costs import EngineCosts
 from router.sim.workload import Workload
 
@@ -16,6 +17,9 @@ class Setup:
     costs: EngineCosts = field(default_factory=EngineCosts)
     workload: Workload = field(default_factory=Workload)
     load_interval_s: float = 0.1  # the router's default --load-interval-ms
+    # KV events reach the routers this long after the engine stored or evicted the blocks (0: at once).
+    event_lag_s: float = 0.0
+    session_hints: int = RouterConfig.session_hints  # the router's --session-hints (0: off)
     fail_engine_at_s: float = -1.0  # < 0: no failure; else engine 0 dies then (its requests fail over)
     # Requests arriving before this are not in the figures (< 0: 1.5 ramps, when the chats that joined
     # cold during the ramp have come back at least once).

@@ -7,6 +7,11 @@ code ``python -m router`` runs, minus gRPC. Requests go to the replicas in turn 
 connections spread them); every replica ingests every engine's events (the fan-out a real deployment
 has), so the replicas' indexes stay identical.
 
+KV events reach every replica ``event_lag_s`` after the engine published them (in order), as a real
+router hears them over its streams; a chat's next turn that comes sooner finds the index without its
+last answer, and the replica that finished the previous turn has its session hint (router/sessions.py:
+the sim records the blocks the engine cached, as the relay records the blocks it saw computed).
+
 Time is virtual for everything simulated (users, engines, event delivery, load reports every
 ``load_interval_s``); the router's own work is timed with the real clock: every ``Placer.place`` call
 (the µs per decision) and every index update (ingestion).
@@ -58,7 +63,7 @@ class RouterReplica:
             self.index.add_engine(engine_id, setup.costs.kv_blocks)
             state.attach(self.loads, self.index.slot(engine_id))
         self._sorted = sorted(self.states.values(), key=lambda s: s.engine_id)
-        config = RouterConfig(policy=setup.policy)
+        config = RouterConfig(policy=setup.policy, session_hints=setup.session_hints)
         self.placer = Placer(self, config, RouterMetrics(CollectorRegistry()), random.Random(seed))
         self.ingest_s = 0.0
         self.ingested_blocks = 0
@@ -66,6 +71,13 @@ class RouterReplica:
 
     def engines(self) -> list[EngineState]:
         return self._sorted
+
+    def hinted_placements(self) -> int:
+        """Placements whose session hint credited blocks this replica's index had not heard of."""
+        value = self.placer.metrics.registry.get_sample_value(
+            "chatmesh_router_session_hinted_placements_total"
+        )
+        return int(value or 0)
 
     def ingest(self, engine_id: str, stored: bool, hashes: list[int]) -> None:
         started = time.perf_counter()
@@ -110,6 +122,7 @@ class Simulation:
         )
         self._requests = itertools.count()
         self.in_flight: dict[str, Request] = {}
+        self._past = False  # events being published are a warm fleet's history (heard long ago)
 
     # -- the event loop -------------------------------------------------------------------------------
 
@@ -132,6 +145,7 @@ class Simulation:
             wall_s=time.perf_counter() - started,
             ingest=[(r.ingest_s, r.ingested_blocks, r.ingested_events) for r in self.routers],
             replicas_agree=all(s == sizes[0] for s in sizes),
+            hinted=sum(r.hinted_placements() for r in self.routers),
         )
         return self.report
 
@@ -152,6 +166,12 @@ class Simulation:
             self._at(now + self.setup.load_interval_s, self._report_loads)
 
     def _fan_out(self, engine_id: str, stored: bool, hashes: list[int]) -> None:
+        if self.setup.event_lag_s > 0 and not self._past:
+            self._at(self.now + self.setup.event_lag_s, lambda _: self._deliver(engine_id, stored, hashes))
+        else:
+            self._deliver(engine_id, stored, hashes)
+
+    def _deliver(self, engine_id: str, stored: bool, hashes: list[int]) -> None:
         for router in self.routers:
             router.ingest(engine_id, stored, hashes)
 
@@ -175,7 +195,9 @@ class Simulation:
             return chat
         chat = self.conversations.new_chat()
         if self.setup.workload.warm_start:
+            self._past = True
             self.engines[self.rng.choice(self.engine_ids)].adopt(chat)
+            self._past = False
         return chat
 
     def _think(self, chat, now: float) -> None:
@@ -210,7 +232,7 @@ class Simulation:
             [0] * request.prompt_tokens,  # only its length is read: the hashes are given below
             model=MODEL,
             tier=request.tier,
-            session_id=f"chat-{chat.serial}",
+            session_id=_session_id(chat),
             _hashes={(self.setup.costs.block_size, BLOCK_HASH_SEED): chat.hashes[: request.prompt_blocks]},
         )
         started = time.perf_counter()
@@ -244,7 +266,11 @@ class Simulation:
         request.finished = now
         self.routers[request.replica].states[request.engine_id].ended(request.request_id, completed=True)
         del self.in_flight[request.request_id]
-        self.conversations.add_answer(request.chat, request.answer_tokens)
+        chat = request.chat
+        self.conversations.add_answer(chat, request.answer_tokens)
+        # What the relay records when `finished` passes through it: the engine now holds the whole context.
+        hints = self.routers[request.replica].placer.hints
+        hints.remember(_session_id(chat), request.engine_id, chat.hashes, request.prompt_blocks)
         self.report.finished(request)
         self._think(request.chat, now)
 
@@ -261,3 +287,7 @@ class Simulation:
             del self.in_flight[request.request_id]
             self.report.failed_over(request)
             self._place(request, now, exclude={engine.engine_id}, admit=False)
+
+
+def _session_id(chat: Chat) -> str:
+    return f"chat-{chat.serial}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
 from engine.config import EngineConfig
+from engine.detokenizer import Detokenizer
 from engine.llm_engine import LLMEngine
 from engine.model.runner import ModelRunner
 from engine.outputs import Finish, RequestOutput
@@ -28,6 +30,20 @@ def prompt(n: int, salt: int = 0) -> list[int]:
     """A prompt of n word tokens; different salts give different prompts."""
     words = word_tokens()
     return [words[(i * 7 + salt * 13 + i // 5) % len(words)] for i in range(n)]
+
+
+def released_pieces(
+    tok: ChatTokenizer, token_ids: Sequence[int], stop: Sequence[str] = ()
+) -> list[tuple[int, str]]:
+    """What each token releases when tokens reach a fresh detokenizer one at a time (end-of-sequence
+    tokens release nothing): the pieces any frame of these tokens must split back into."""
+    detokenizer, eos = Detokenizer(tok, stop), set(tok.eos_token_ids)
+    pieces = []
+    for token in token_ids:
+        pieces.append((token, "" if token in eos else detokenizer.push(token)))
+        if detokenizer.matched_stop is not None:
+            break
+    return pieces
 
 
 def request(

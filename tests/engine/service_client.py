@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.token_text import has_text_ends, token_pieces
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
 
 TIMEOUT_S = 30
@@ -85,6 +86,7 @@ class Stream:
 class Outcome:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    pieces: list[tuple[int, str]] = field(default_factory=list)  # each token and the text it released
     frames: int = 0
     finished: engine_pb2.GenerateFinished | None = None
     first_index: int | None = None
@@ -100,8 +102,10 @@ class Outcome:
             assert frame.tokens.index == self.first_index + len(self.token_ids), (
                 "token frames must be contiguous"
             )
+            assert has_text_ends(frame.tokens), "every token frame splits into per-token pieces"
             self.token_ids += frame.tokens.token_ids
             self.text += frame.tokens.text
+            self.pieces += token_pieces(frame.tokens)
             self.frames += 1
         else:
             assert kind == "finished", f"unexpected {kind} frame"

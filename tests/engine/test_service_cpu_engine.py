@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from chatmesh.engine.v1 import engine_pb2
+from tests.engine.core_helpers import released_pieces
 from tests.engine.service_client import TIMEOUT_S, Stream, capital_question, engine_stub, start_frame
 
 
@@ -25,6 +26,7 @@ async def test_the_real_model_answers_paris(stub, chat_tokenizer):
     outcome = await Stream.start(stub, start_frame("paris", prompt, max_tokens=16)).rest()
     assert "Paris" in outcome.text
     assert outcome.text == chat_tokenizer.decode(outcome.token_ids)
+    assert outcome.pieces == released_pieces(chat_tokenizer, outcome.token_ids)
     assert outcome.finished.finish_reason == engine_pb2.FINISH_REASON_STOP, "the model ends its answer"
     assert outcome.finished.usage.prompt_tokens == len(prompt)
 

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from tests.engine.core_helpers import released_pieces
 from tests.engine.service_client import (
     TIMEOUT_S,
     Stream,
@@ -194,7 +195,7 @@ async def test_half_closing_the_request_stream_is_not_a_cancel(stub, prompt):
     assert len(outcome.token_ids) == 40
 
 
-async def test_stop_strings_end_the_stream_with_the_matched_stop(stub, prompt):
+async def test_stop_strings_end_the_stream_with_the_matched_stop(stub, tok, prompt):
     # The null backend repeats " The quick brown fox jumps over the lazy dog. ..."
     start = start_frame("stop", prompt, max_tokens=100)
     start.sampling.stop.append("lazy dog")
@@ -202,6 +203,7 @@ async def test_stop_strings_end_the_stream_with_the_matched_stop(stub, prompt):
     assert outcome.finished.finish_reason == engine_pb2.FINISH_REASON_STOP
     assert outcome.finished.matched_stop == "lazy dog"
     assert outcome.text.endswith("jumps over the ") and "lazy" not in outcome.text
+    assert outcome.pieces == released_pieces(tok, outcome.token_ids, ["lazy dog"])
 
 
 async def test_kv_events_start_with_a_snapshot_then_number_batches_by_one(stub, tok, null_engine):

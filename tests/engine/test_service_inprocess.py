@@ -16,7 +16,7 @@ from engine.request import EngineRequest, SamplingParams
 from engine.service import EngineService
 from meshkit.launcher import free_port
 from meshkit.serving import start_grpc_server
-from tests.engine.core_helpers import make_engine, prompt, tokenizer
+from tests.engine.core_helpers import make_engine, prompt, released_pieces, tokenizer
 from tests.engine.service_client import TIMEOUT_S, Stream, start_frame, wait_until
 
 SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
@@ -90,6 +90,24 @@ async def test_a_kv_events_subscriber_that_falls_behind_is_cut_off_to_resync():
                 await events.read()
         assert err.value.code() == grpc.StatusCode.ABORTED
         assert "resubscribe" in err.value.details()
+
+
+async def test_steps_a_reader_has_not_taken_arrive_merged_and_split_back_into_per_token_pieces(chat_prompt):
+    # The null backend repeats " The quick brown fox jumps over the lazy dog. ..."
+    engine = null_engine(null_tokens_per_s=0)
+    async with served(engine, start_thread=False) as (stub, _, _):
+        start = start_frame("merged", chat_prompt, max_tokens=40)
+        start.sampling.stop.append("lazy dog")
+        stream = Stream.start(stub, start)
+        await stream.read()  # accepted: the request waits in the engine's inbox
+        # Without yielding to the event loop, every step's output waits for one delivery: one frame.
+        while engine.has_unfinished_requests():
+            engine.step()
+        outcome = await stream.rest()
+    assert outcome.frames == 1 and len(outcome.token_ids) > 2
+    assert outcome.finished.matched_stop == "lazy dog"
+    assert outcome.pieces == released_pieces(tokenizer(), outcome.token_ids, ["lazy dog"])
+    assert "".join(piece for _, piece in outcome.pieces) == outcome.text
 
 
 async def test_a_failed_model_runner_ends_streams_unavailable_and_stops_serving(chat_prompt):

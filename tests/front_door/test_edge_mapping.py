@@ -82,10 +82,21 @@ def test_run_error_event_ends_the_stream(client: httpx.Client, chat_id: str):
 
 
 def test_stream_broken_mid_answer_ends_with_an_error_event_without_id(client: httpx.Client, chat_id: str):
-    events = send(client, chat_id, "break !abort UNAVAILABLE 2")
+    events = send(client, chat_id, "break !abort INTERNAL 2")
     assert events[-1].event == "error" and events[-1].id is None
-    assert events[-1].data["code"] == "UNAVAILABLE"
+    assert events[-1].data["code"] == "INTERNAL"
     assert [e.seq for e in events[:-1]] == list(range(1, len(events)))
+
+
+def test_stream_of_a_chat_run_that_breaks_unavailable_is_attached_again_after_its_last_event(
+    front_door: ScriptedFrontDoor, client: httpx.Client, chat_id: str
+):
+    # UNAVAILABLE: the replica streaming it is gone or draining, and the run goes on elsewhere.
+    events = send(client, chat_id, "break !tokens 6 1 !abort UNAVAILABLE 2")
+    assert events[-1].event == "done"
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    again = front_door.scripted.calls_to("StreamRun")[-1].request
+    assert again.run_id == events[0].data["run_id"] and again.after_seq == 3  # started + 2 deltas
 
 
 def test_regenerate_and_edit_create_sibling_branches(client: httpx.Client, chat_id: str):

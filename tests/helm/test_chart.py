@@ -282,9 +282,12 @@ def test_router_resolves_the_engines_headless_service(rendered, scenario):
 def test_services_point_at_each_other_and_at_cassandra(rendered):
     chart = rendered["full"]
     orchestrator = env_of(chart.container("orchestrator", "orchestrator"))
+    # Every router's address (a headless Service): generations spread over them and fail over.
+    router = f"{FULL}-router-headless"
     assert (
-        orchestrator["CHATMESH_ORCHESTRATOR_ROUTER"] == f"{FULL}-router.{NAMESPACE}.svc.cluster.local:50051"
+        orchestrator["CHATMESH_ORCHESTRATOR_ROUTER"] == f"dns:///{router}.{NAMESPACE}.svc.cluster.local:50051"
     )
+    assert chart.get("Service", router)["spec"]["clusterIP"] == "None"
     assert env_of(chart.container("edge", "edge"))["CHATMESH_EDGE_ORCHESTRATOR"] == (
         f"{FULL}-orchestrator.{NAMESPACE}.svc.cluster.local:50050"
     )

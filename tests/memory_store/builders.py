@@ -40,6 +40,7 @@ async def start_run(
     parent: Message | None = None,
     owner: str = "replica-a",
     prompt_tokens: int = 0,
+    generation: bytes = b"",
 ) -> tuple[Run, Message]:
     """Claims a key, stores the user message and opens a run answering it: what a send does."""
     claim = await store.claim_idempotency_key(user, f"key-{uuid.uuid4().hex}", b"fingerprint")
@@ -56,5 +57,6 @@ async def start_run(
         owner_id=owner,
         user_message_id=asked.message_id,
         prompt_tokens=prompt_tokens,
+        generation=generation,
     )
     return run, asked

@@ -7,7 +7,7 @@ import pytest
 from cassandra.query import SimpleStatement
 
 from memory_store.base import now
-from memory_store.errors import InvalidArgument, NotFound
+from memory_store.errors import InvalidArgument, NotFound, OwnerChanged
 from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
 from tests.memory_store.builders import message, new_user, start_run
 
@@ -232,6 +232,61 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     # The second pass found nothing left of the silent replica and forgot it: no more scans of it.
     replicas = await memory_store._db.execute("replica_list", ("orchestrator",))
     assert dead not in {r["replica_id"] for r in replicas} and alive in {r["replica_id"] for r in replicas}
+
+
+async def test_a_silent_replicas_run_is_adopted_by_exactly_one_replica_with_what_it_needs(memory_store):
+    user = new_user()
+    dead = f"replica-dead-{user}"
+    await memory_store.heartbeat_replica(dead, at=now() - timedelta(seconds=120))
+    chat = await memory_store.create_chat(user, "adopted")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "q", owner=dead, generation=b"\x08\x01how")
+    await memory_store.checkpoint_run(
+        run, [RunDelta(2, "Hel", 2, (15, 16)), RunDelta(3, "lo", 1, (17,)), RunDelta(4, "!", 0, ())]
+    )
+    [orphan] = [r for r in await memory_store.find_orphaned_runs(stale_after_s=30) if r.user_id == user]
+    assert orphan.generation == b"\x08\x01how"
+
+    takers = [f"replica-{i}-{user}" for i in range(5)]
+    adopted = await asyncio.gather(*(memory_store.adopt_run(orphan, taker) for taker in takers))
+    winners = [a for a in adopted if a is not None]
+    assert len(winners) == 1 and winners[0].owner_id in takers
+    assert (await memory_store.get_run(user, run.run_id)).owner_id == winners[0].owner_id
+    # The adopter continues from the checkpointed output, its token ids included.
+    output = await memory_store.read_run_output(user, run.run_id)
+    assert [(d.seq, d.text, d.token_ids) for d in output] == [
+        (2, "Hel", (15, 16)),
+        (3, "lo", (17,)),
+        (4, "!", ()),
+    ]
+    # The run is indexed under its new owner: if the adopter dies too, the run is found again.
+    await memory_store.heartbeat_replica(winners[0].owner_id, at=now() - timedelta(seconds=120))
+    again = [r for r in await memory_store.find_orphaned_runs(stale_after_s=30) if r.user_id == user]
+    assert [r.owner_id for r in again] == [winners[0].owner_id]
+
+
+async def test_an_owner_whose_run_was_adopted_cannot_finish_it(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "paused owner")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "q", owner="replica-paused")
+    adopted = await memory_store.adopt_run(run, "replica-adopter")
+    assert adopted is not None
+
+    # The old owner wakes up (it was only paused) and tries to store its end: the adopter's run stands.
+    with pytest.raises(OwnerChanged):
+        await memory_store.finish_run(run, RunOutcome(RunStatus.COMPLETED, 3, FinishReason.STOP))
+    assert (await memory_store.get_run(user, run.run_id)).status is RunStatus.IN_PROGRESS
+    assert await memory_store.adopt_run(run, "replica-third") is None  # taken from the old owner: stale
+    # Its last checkpoint and the adopter's overlap (other first_seqs, the same events): each event once.
+    await memory_store.checkpoint_run(run, [RunDelta(2, "o", 1, (9,)), RunDelta(3, "k", 1, (10,))])
+    await memory_store.checkpoint_run(adopted, [RunDelta(3, "k", 1, (10,)), RunDelta(4, "!", 1, (11,))])
+    output = await memory_store.read_run_output(user, run.run_id)
+    assert [(d.seq, d.text, d.token_ids) for d in output] == [
+        (2, "o", (9,)),
+        (3, "k", (10,)),
+        (4, "!", (11,)),
+    ]
+    finished = await memory_store.finish_run(adopted, RunOutcome(RunStatus.COMPLETED, 6, FinishReason.STOP))
+    assert finished.applied and finished.message.content == "ok!"
 
 
 async def test_usage_is_per_run_and_idempotent(memory_store):

@@ -1,16 +1,18 @@
 """The real model (SmolLM2 on the cpu backend) behind the orchestrator: a sane answer comes back, is
-stored as streamed, and the engine titles the chat. The only orchestrator test where the text matters."""
+stored as streamed, and the engine titles the chat; a sampled answer whose replica dies is continued
+token for token. The orchestrator tests where the text matters."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Callable
 
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
-from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, answer_text, collect
+from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, answer_text, collect, read_until
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +47,41 @@ async def test_the_real_model_answers_a_question_and_titles_the_chat(real_client
         assert time.monotonic() < deadline, "the engine gave the chat no title"
         await asyncio.sleep(0.5)
     assert 0 < len(title) <= 80 and "\n" not in title
+
+
+async def test_a_sampled_answer_adopted_after_its_replica_died_goes_on_token_for_token(
+    real_mesh: Mesh, connect: Callable[..., ChatClient]
+) -> None:
+    # Checkpoints lag the stream (every second), so the client sees output the adopter must regenerate:
+    # with temperature > 0 and no seed of the caller's, only the run's own seed makes it the same text.
+    fast_reaping = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
+    victim = real_mesh.start_orchestrator(checkpoint_events=1000, checkpoint_interval_ms=1000, **fast_reaping)
+    survivor = real_mesh.start_orchestrator(**fast_reaping)
+    on_victim = connect(victim.address)
+    on_survivor = connect(survivor.address, on_victim.user)
+    try:
+        chat = await on_victim.create_chat()
+        options = chat_pb2.GenerationOptions(max_tokens=160, temperature=0.9)
+        seen = await read_until(
+            on_victim.send(
+                chat.chat_id, "Write a long story about a dragon who learns to bake bread.", options=options
+            ),
+            40,
+        )
+        assert not seen[-1].HasField("done"), "the answer ended before the replica could be lost"
+        real_mesh.launcher.signal(victim.name, signal.SIGKILL)
+        real_mesh.launcher.forget(victim.name)
+        real_mesh.orchestrators.remove(victim)
+
+        rest = await asyncio.wait_for(
+            collect(on_survivor.stream_run(seen[0].started.run_id, seen[-1].seq)), 120
+        )
+        streamed = seen + rest
+        assert [e.seq for e in streamed] == list(range(1, len(streamed) + 1))
+        assert streamed[-1].HasField("done"), streamed[-1]
+        page = await on_survivor.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+        [answer] = [m for m in page.messages if m.role == chat_pb2.ROLE_ASSISTANT]
+        # What the lost replica streamed after its last checkpoint was regenerated exactly.
+        assert answer.content == answer_text(streamed)
+    finally:
+        real_mesh.stop_orchestrator(survivor)

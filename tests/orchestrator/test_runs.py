@@ -18,9 +18,9 @@ from tests.fixtures.orchestrator import (
     OrchestratorProcess,
     answer_text,
     collect,
-    events,
     kinds,
     new_user,
+    read_until,
 )
 
 pytestmark = pytest.mark.usefixtures("router_required")
@@ -39,15 +39,6 @@ def long_send(
     return client.send(
         chat_id, "Tell me a long story.", options=chat_pb2.GenerationOptions(max_tokens=max_tokens), **fields
     )
-
-
-async def read_until(call: grpc.aio.UnaryStreamCall, seq: int) -> list[chat_pb2.RunEvent]:
-    seen = []
-    async for event in events(call):
-        seen.append(event)
-        if event.seq >= seq:
-            break
-    return seen
 
 
 async def wait_for_status(

@@ -12,6 +12,7 @@ import grpc
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from chatmesh.token_text import has_text_ends, token_pieces
 
 TIMEOUT_S = 60
 _ids = itertools.count()
@@ -33,6 +34,7 @@ class Outcome:
     routed: list[router_pb2.GenerateRouted] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    pieces: list[tuple[int, str]] = field(default_factory=list)  # each token and the text it released
     finished: engine_pb2.GenerateFinished | None = None
     tokens_after_routed: list[int] = field(default_factory=list)  # tokens received under each placement
 
@@ -52,8 +54,10 @@ class Outcome:
             assert frame.tokens.index == len(self.token_ids), (
                 "token frames must be contiguous across failovers"
             )
+            assert has_text_ends(frame.tokens), "engines' per-token text ends reach the client intact"
             self.token_ids += frame.tokens.token_ids
             self.text += frame.tokens.text
+            self.pieces += token_pieces(frame.tokens)
             self.tokens_after_routed[-1] += len(frame.tokens.token_ids)
         else:
             assert kind == "finished", f"unexpected {kind} frame"

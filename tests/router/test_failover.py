@@ -81,6 +81,7 @@ async def test_kill_9_mid_stream_continues_on_another_engine_without_gaps_or_rep
     assert all(count > 0 for count in outcome.tokens_after_routed), "tokens came from both engines"
     assert outcome.token_ids == reference.token_ids
     assert outcome.text == reference.text
+    assert outcome.pieces == reference.pieces, "each token released the same text on either engine"
     usage = outcome.finished.usage
     assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), 120)
     assert (await list_engines(stub))[victim].indexed_blocks == 0, "a dead engine's blocks leave the index"

@@ -68,3 +68,4 @@ async def test_kill_9_mid_stream_continues_elsewhere_with_the_same_greedy_output
     assert_same_greedy_output(prompt, outcome.token_ids, unbroken.token_ids, request)
     if outcome.token_ids == unbroken.token_ids:
         assert outcome.text == unbroken.text
+        assert outcome.pieces == unbroken.pieces, "each token released the same text on either engine"

@@ -31,6 +31,16 @@ def test_tokens_continue_from_what_the_client_has_and_repeats_are_dropped():
     assert r.output == [10, 11, 12, 13]
 
 
+def test_per_token_text_ends_pass_through_and_a_trimmed_frame_drops_the_text_the_client_has():
+    r = relay()
+    first = engine_pb2.GenerateTokens(index=0, token_ids=[10, 11], text="Hi, ", text_ends=[2, 4])
+    assert r._new_tokens(first) == first
+    repeat = engine_pb2.GenerateTokens(index=1, token_ids=[11, 12, 13], text=", you!", text_ends=[2, 5, 6])
+    trimmed = r._new_tokens(repeat)
+    assert (trimmed.index, list(trimmed.token_ids), trimmed.text) == (2, [12, 13], "you!")
+    assert list(trimmed.text_ends) == [3, 4]
+
+
 def test_a_gap_in_token_positions_fails_the_attempt():
     r = relay()
     r._new_tokens(tokens(0, 10))

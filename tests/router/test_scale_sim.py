@@ -56,3 +56,11 @@ def test_a_dead_engines_requests_fail_over_and_none_is_lost():
     failed = run(fail_engine_at_s=12.0)
     assert failed["failovers"] > 0
     assert failed["lost"] == 0
+
+
+def test_session_hints_place_a_lagging_index_s_follow_ups_as_a_prompt_index_would(kv_aware):
+    lagging = run(event_lag_s=0.5, session_hints=0)
+    hinted = run(event_lag_s=0.5)
+    assert lagging["predicted_exact"] < 0.97  # turns came before their last answer's events
+    assert hinted["hinted"] > 0.02 and hinted["predicted_exact"] > 0.99
+    assert abs(hinted["hit_rate"] - kv_aware["hit_rate"]) < 0.005

@@ -88,14 +88,16 @@ class GenerateAccepted(_message.Message):
     def __init__(self, engine_instance_id: _Optional[str] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateTokens(_message.Message):
-    __slots__ = ("index", "token_ids", "text")
+    __slots__ = ("index", "token_ids", "text", "text_ends")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_ENDS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+    text_ends: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., text_ends: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")

@@ -1,0 +1,52 @@
+"""Splitting a token frame into per-token pieces of text, and building a frame from pieces."""
+
+import pytest
+
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.token_text import has_text_ends, token_pieces, tokens_frame
+
+
+def frame(ids: list[int], text: str, ends: list[int]) -> engine_pb2.GenerateTokens:
+    return engine_pb2.GenerateTokens(index=4, token_ids=ids, text=text, text_ends=ends)
+
+
+def test_each_token_gets_the_text_between_its_end_and_the_previous_one():
+    pieces = token_pieces(frame([7, 8, 9, 10], "Hello, world", [5, 5, 7, 12]))
+    assert pieces == [(7, "Hello"), (8, ""), (9, ", "), (10, "world")]
+
+
+def test_offsets_count_code_points_not_utf8_bytes():
+    # "é" is 2 UTF-8 bytes and "🙂" 4, but one code point each.
+    pieces = token_pieces(frame([1, 2, 3], "é🙂!", [1, 2, 3]))
+    assert pieces == [(1, "é"), (2, "🙂"), (3, "!")]
+
+
+def test_a_frame_without_ends_is_one_piece_released_by_its_last_token():
+    assert token_pieces(frame([1, 2, 3], "abc", [])) == [(1, ""), (2, ""), (3, "abc")]
+
+
+@pytest.mark.parametrize(
+    "ends",
+    [
+        [1, 3],  # fewer ends than tokens
+        [1, 2, 3, 3],  # more ends than tokens
+        [2, 1, 3],  # decreasing
+        [1, 2, 2],  # the last end short of the text
+        [1, 2, 9],  # the last end past the text
+    ],
+)
+def test_ends_that_do_not_fit_the_frame_make_it_one_piece_instead_of_raising(ends):
+    assert not has_text_ends(frame([1, 2, 3], "abc", ends))
+    assert token_pieces(frame([1, 2, 3], "abc", ends)) == [(1, ""), (2, ""), (3, "abc")]
+
+
+def test_a_frame_without_tokens_has_no_pieces():
+    assert token_pieces(frame([], "", [])) == []
+
+
+def test_a_frame_built_from_pieces_splits_back_into_them():
+    pieces = [(5, "Grü"), (6, ""), (7, "ße 東"), (8, "京")]
+    built = tokens_frame(9, pieces)
+    assert (built.index, list(built.token_ids), built.text) == (9, [5, 6, 7, 8], "Grüße 東京")
+    assert list(built.text_ends) == [3, 3, 7, 8] and has_text_ends(built)
+    assert token_pieces(built) == pieces

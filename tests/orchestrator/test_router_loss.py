@@ -1,0 +1,112 @@
+"""Losing a router mid-answer: the orchestrator goes on through another router, exactly.
+
+Two real routers over the shared mesh's null engines, one orchestrator that knows both
+(``--router a,b``). The router carrying an answer is killed (-9) while a client streams it; the same
+stream goes on, with no gap and no duplicate, and the stored answer is the streamed one and the one
+an undisturbed run gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.router.v1 import router_pb2, router_pb2_grpc
+from meshkit.launcher import free_port
+from tests.fixtures.answers import (
+    ANSWER,
+    QUESTION,
+    assert_answer_complete_and_stored,
+    undisturbed_answer,
+)
+from tests.fixtures.orchestrator import ChatClient, Mesh, answer_text, collect, events, read_until
+from tests.fixtures.router import router_spec, wait_for_engines
+
+
+@pytest.fixture
+def routers(mesh: Mesh) -> Iterator[dict[str, str]]:
+    """Two routers of their own over the mesh's engines: name -> address."""
+    started = {}
+    for _ in range(2):
+        name, port = f"router-twin-{free_port()}", free_port()
+        mesh.launcher.start(router_spec(name, port, mesh.engines, drain_grace_s=1.0))
+        started[name] = f"127.0.0.1:{port}"
+    for address in started.values():
+        wait_for_engines(address, len(mesh.engines))
+    yield started
+    for name in started:
+        mesh.launcher.stop(name)
+
+
+def carrying(routers: dict[str, str]) -> str:
+    """The router with a request in flight."""
+    for name, address in routers.items():
+        with grpc.insecure_channel(address) as channel:
+            engines = (
+                router_pb2_grpc.RouterServiceStub(channel)
+                .ListEngines(router_pb2.ListEnginesRequest(), timeout=5)
+                .engines
+            )
+        if sum(e.inflight_requests for e in engines):
+            return name
+    raise AssertionError("no router carries the answer")
+
+
+async def test_an_answer_whose_router_dies_goes_on_through_another_router(
+    mesh: Mesh, routers: dict[str, str], connect: Callable[..., ChatClient]
+) -> None:
+    replica = mesh.start_orchestrator(router=",".join(routers.values()))
+    client = connect(replica.address)
+    try:
+        chat = await client.create_chat()
+        call = client.send(chat.chat_id, QUESTION, options=ANSWER)
+        seen = await read_until(call, 30)
+        victim = carrying(routers)
+        mesh.launcher.signal(victim, signal.SIGKILL)
+        mesh.launcher.forget(victim)
+        del routers[victim]
+
+        # The client's stream never broke.
+        seen += [event async for event in events(call)]
+        await assert_answer_complete_and_stored(
+            client, chat.chat_id, seen[0].started.run_id, seen, await undisturbed_answer(client)
+        )
+        # And answers keep coming through the router left.
+        again = await client.create_chat()
+        assert answer_text(
+            await collect(client.send(again.chat_id, QUESTION, options=ANSWER))
+        ) == answer_text(seen)
+    finally:
+        mesh.stop_orchestrator(replica)
+
+
+async def test_a_router_restarted_under_load_fails_no_answer(
+    mesh: Mesh, routers: dict[str, str], connect: Callable[..., ChatClient]
+) -> None:
+    replica = mesh.start_orchestrator(router=",".join(routers.values()))
+    client = connect(replica.address)
+    try:
+        chat = await client.create_chat()
+        call = client.send(chat.chat_id, QUESTION, options=ANSWER)
+        seen = await read_until(call, 30)
+        victim = carrying(routers)
+        # SIGTERM: it refuses new work at once, lets its streams run for its drain grace, then exits.
+        mesh.launcher.signal(victim, signal.SIGTERM)
+        others = [await client.create_chat() for _ in range(3)]  # with the long one: the tier's 4 at once
+        short = chat_pb2.GenerationOptions(max_tokens=20)
+        answers = await asyncio.gather(
+            *(collect(client.send(c.chat_id, "Hi", options=short)) for c in others)
+        )
+        assert all(a[-1].HasField("done") for a in answers), [a[-1] for a in answers]
+
+        seen += [event async for event in events(call)]
+        await assert_answer_complete_and_stored(
+            client, chat.chat_id, seen[0].started.run_id, seen, await undisturbed_answer(client)
+        )
+    finally:
+        mesh.stop_orchestrator(replica)
