@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.provisioned
 
-.PHONY: setup run test lint typecheck helm-lint protos check-protos protos-baseline bench clean help token
+.PHONY: setup run test lint typecheck helm-lint protos check-protos protos-baseline bench chaos clean help token
 
 help:
 	@echo "make run      start the local mesh on 127.0.0.1 and print the URL"
@@ -13,6 +13,7 @@ help:
 	@echo "make lint     ruff + mypy + buf lint + buf breaking + helm-lint"
 	@echo "make protos   regenerate Python code from protos/"
 	@echo "make bench    run the benchmarks in bench/"
+	@echo "make chaos    kill, stop, pause and slow every component under load (ARGS=\"--repeat 2\")"
 	@echo "make token    print a dev JWT (make token USER=alice TIER=pro; ROLE=operator opens /ops)"
 
 setup: $(STAMP)
@@ -72,6 +73,11 @@ token:
 # Benchmarks take the machine-wide lock so two never run at once on a shared box.
 bench: setup $(VENV)/.bench-provisioned
 	@ls bench/*.py >/dev/null 2>&1 && for b in bench/bench_*.py; do flock /tmp/chatmesh-bench.lock $(PY) $$b || exit 1; done
+
+# The chaos suite: faults of every component under a chat load on the multi-replica local mesh
+# (bench/chaos.py --help for ARGS); prints the table per fault kind, writes .run/chaos/result.json.
+chaos: setup
+	flock /tmp/chatmesh-bench.lock $(PY) bench/chaos.py $(ARGS)
 
 $(VENV)/.bench-provisioned: $(STAMP) scripts/provision_bench.sh
 	@scripts/provision_bench.sh

@@ -44,13 +44,14 @@ def _envoy_config(
     orchestrator_ports: list[int],
     keys: DevKeys,
     otlp: tuple[str, int] | None = None,
+    edge_dialed: int | None = None,
 ) -> EnvoyConfig:
     return EnvoyConfig(
         listen_port=ports.envoy,
         admin_port=ports.envoy_admin,
         internal_port=ports.envoy_internal,
         jwks_path=keys.jwks_path,
-        edge_endpoints=(("127.0.0.1", ports.edge),),
+        edge_endpoints=(("127.0.0.1", edge_dialed or ports.edge),),
         orchestrator_endpoints=tuple(("127.0.0.1", port) for port in orchestrator_ports),
         jwt_issuer=ISSUER,
         cors_origins=(f"http://127.0.0.1:{ports.envoy}", f"http://localhost:{ports.envoy}"),
@@ -66,10 +67,12 @@ def front_door_specs(
     python: str = sys.executable,
     edge_flags: list[str] | None = None,
     otlp: tuple[str, int] | None = None,
+    edge_dialed: int | None = None,
 ) -> list[ServiceSpec]:
     """``edge_flags``: more ``python -m edge`` flags; ``otlp``: where Envoy sends its spans (default:
-    OTEL_EXPORTER_OTLP_ENDPOINT, else nowhere)."""
-    config = _envoy_config(ports, orchestrator_ports, keys, otlp)
+    OTEL_EXPORTER_OTLP_ENDPOINT, else nowhere); ``edge_dialed``: the port Envoy dials for the edge when
+    not the edge's own (a proxy in front of it)."""
+    config = _envoy_config(ports, orchestrator_ports, keys, otlp, edge_dialed)
     config_path = write_config(config, run_dir / "envoy.yaml")
     edge = ServiceSpec(
         name="edge",

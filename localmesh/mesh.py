@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,15 @@ class MeshConfig:
     user: str = "alice"
     tier: str = "pro"
     cassandra_data_dir: Path = Path(".run/mesh/cassandra")
+    # More ``python -m engine`` flags for every engine (the chaos suite paces null engines).
+    engine_flags: tuple[str, ...] = ()
+    # Ports services dial in place of another service's own: a proxy listens there in front of it (the
+    # chaos suite injects latency so). Empty: every service dials the others directly.
+    dial_overrides: Mapping[int, int] = field(default_factory=dict)
+
+    def dialed(self, port: int) -> int:
+        """The port a client of the service listening on ``port`` dials."""
+        return self.dial_overrides.get(port, port)
 
     def engine_ports(self) -> list[int]:
         """The primary engines' ports, then the cheaper pool's."""
@@ -163,7 +173,14 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
         specs.append(
             ServiceSpec(
                 name=f"engine-{i}",
-                argv=[*argv, "--backend", config.engine_backend, "--metrics-port", str(metrics_port)],
+                argv=[
+                    *argv,
+                    "--backend",
+                    config.engine_backend,
+                    "--metrics-port",
+                    str(metrics_port),
+                    *config.engine_flags,
+                ],
                 ports=(port, metrics_port),
                 ready=GrpcHealthy(port),
                 ready_timeout_s=180,
@@ -174,7 +191,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     engine_flags = [
         flag
         for i, port in enumerate(config.engine_ports())
-        for flag in ("--engine", f"engine-{i}=127.0.0.1:{port}")
+        for flag in ("--engine", f"engine-{i}=127.0.0.1:{config.dialed(port)}")
     ]
     degrade_flags = ("--degrade", f"{model}={lite_model}") if config.lite_engines else ()
     router_ports = config.router_ports()
@@ -215,7 +232,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 str(port),
                 "--router",
                 # Every router: generations spread round-robin and go on through another when one dies.
-                ",".join(f"127.0.0.1:{port}" for port in router_ports),
+                ",".join(f"127.0.0.1:{config.dialed(router)}" for router in router_ports),
                 *cassandra_flags,
                 "--metrics-port",
                 str(metrics),
@@ -240,12 +257,13 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     specs.extend(
         front_door_specs(
             ports.front_door,
-            config.orchestrator_ports(),
+            [config.dialed(port) for port in config.orchestrator_ports()],
             run_dir,
             keys,
             py,
             edge_flags=edge_flags,
             otlp=("127.0.0.1", ports.otlp),
+            edge_dialed=config.dialed(ports.front_door.edge),
         )
     )
     return specs
@@ -332,6 +350,26 @@ def observability(config: MeshConfig, run_dir: Path, operator_token: str) -> str
     return "\n".join(lines)
 
 
+# What ``start`` raises when the mesh cannot start (each says why).
+START_ERRORS = (PortInUseError, ServiceFailedError, InvalidEnvoyConfigError, NodeSetupError)
+
+
+def start(
+    config: MeshConfig, run_dir: Path, launcher: Launcher, stopping: Callable[[], bool] = lambda: False
+) -> CassandraCluster | None:
+    """Starts Cassandra, then every service in order, each once it is ready; None if ``stopping()``
+    turned true first. Raises one of ``START_ERRORS`` if a service cannot start."""
+    cassandra = CassandraCluster(config.cassandra_cluster(), launcher)
+    # Cassandra first: the orchestrators need it. SIGTERM at shutdown drains each member
+    # (flushes memtables) through Cassandra's own shutdown hook.
+    cassandra.start()
+    for spec in mesh_specs(config, run_dir):
+        if stopping():
+            return None
+        launcher.start(spec)
+    return cassandra
+
+
 def main(argv: list[str] | None = None) -> int:
     config, run_dir = parse_args(argv)
     stop = threading.Event()
@@ -342,16 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     span_file(run_dir).unlink(missing_ok=True)
     os.environ[TRACE_FILE_ENV] = str(span_file(run_dir))
     with Launcher(run_dir) as launcher:
-        cassandra = CassandraCluster(config.cassandra_cluster(), launcher)
         try:
-            # Cassandra first: the orchestrators need it. SIGTERM at shutdown drains each member
-            # (flushes memtables) through Cassandra's own shutdown hook.
-            cassandra.start()
-            for spec in mesh_specs(config, run_dir):
-                if stop.is_set():
-                    return 130
-                launcher.start(spec)
-        except (PortInUseError, ServiceFailedError, InvalidEnvoyConfigError, NodeSetupError) as exc:
+            if start(config, run_dir, launcher, stop.is_set) is None:
+                return 130
+        except START_ERRORS as exc:
             print(f"\nERROR: {exc}", file=sys.stderr)
             return 1
         keys = ensure_keys()

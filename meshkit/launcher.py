@@ -167,11 +167,14 @@ def free_port_on_every(addresses: list[str]) -> int:
             return port
 
 
-def free_consecutive_ports(count: int) -> int:
-    """The first of ``count`` consecutive ports free on 127.0.0.1 (engines, a cluster's JMX ports)."""
+def free_consecutive_ports(count: int, stride: int = 1) -> int:
+    """The first of ``count`` ports ``stride`` apart, all free on 127.0.0.1 (engines, a cluster's JMX
+    ports; the replicas of a tier in the local mesh, 100 apart)."""
     while True:
         first = free_port()
-        if all(port_is_free(first + i) for i in range(count)):
+        if first + stride * (count - 1) < 65536 and all(
+            port_is_free(first + stride * i) for i in range(count)
+        ):
             return first
 
 

@@ -1,0 +1,98 @@
+"""The chaos suite's own parts, without a mesh: the delay proxy over real loopback sockets, what an answer
+counts as (gaps, duplicates), stored against streamed, and which fault an answer is counted for."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from localmesh.chaos.clients import Answer
+from localmesh.chaos.delay_proxy import DelayProxies, DelayProxy
+from localmesh.chaos.faults import Fault, Injection
+from localmesh.chaos.report import BASELINE, tabulate
+from meshkit.launcher import free_port
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(1024):
+        writer.write(data)
+        await writer.drain()
+    writer.close()
+
+
+async def _round_trip(port: int) -> float:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    began = time.monotonic()
+    writer.write(b"ping")
+    await writer.drain()
+    assert await reader.readexactly(4) == b"ping"
+    elapsed = time.monotonic() - began
+    # Our end of the stream closes the proxy's two connections, and the echo server's: all end here.
+    writer.write_eof()
+    assert await reader.read() == b""
+    writer.close()
+    return elapsed
+
+
+async def test_the_delay_proxy_adds_its_delay_each_way_and_none_when_it_is_off():
+    server = await asyncio.start_server(_echo, "127.0.0.1", 0)
+    upstream = server.sockets[0].getsockname()[1]
+    proxies = DelayProxies([DelayProxy("echo", free_port(), upstream)])
+    port = proxies.by_name["echo"].port
+    try:
+        assert await _round_trip(port) < 0.1
+        proxies.set_delay("echo", 0.15)
+        assert await _round_trip(port) >= 0.3  # 0.15 s there and 0.15 s back
+        proxies.set_delay("echo", 0.0)
+        assert await _round_trip(port) < 0.1
+    finally:
+        proxies.close()
+        server.close()
+
+
+def answer(sent_at: float, ended_at: float, seqs: list[int], text: str = "hi", **fields: object) -> Answer:
+    record = Answer("u", "c", sent_at, run_id=f"run-{sent_at}", text=text, ended_at=ended_at, **fields)
+    record.seqs = Counter(seqs)
+    return record
+
+
+def test_an_answer_counts_missing_and_repeated_sequence_numbers():
+    record = answer(0, 1, [1, 2, 2, 4, 5, 5, 5], outcome="done")
+    assert (record.gaps, record.duplicates, record.completed) == (1, 3, True)
+
+
+def test_an_answer_counts_for_the_first_fault_it_was_open_through():
+    kill = Injection(Fault("orchestrator", "kill"), "orchestrator-0", injected_at=10.0)
+    pause = Injection(Fault("edge", "pause"), "edge", injected_at=20.0)
+    # Open through the kill, ended (reaped) in the pause's window: the kill's.
+    victim = answer(9.0, 25.0, [1, 2], outcome="error", error="ABORTED")
+    # Sent after the kill, ended before the pause: it ran while the mesh recovered from the kill.
+    after = answer(12.0, 14.0, [1, 2, 3], outcome="done")
+    before = answer(1.0, 3.0, [1, 2, 3], outcome="done")
+    messages = [
+        {"role": "assistant", "run_id": after.run_id, "content": "hi", "message_id": "a"},
+        {"role": "assistant", "run_id": before.run_id, "content": "hi", "message_id": "b"},
+    ]
+    rows = {row.kind: row for row in tabulate([kill, pause], [victim, after, before], [], messages)}
+    assert (rows["orchestrator kill"].answers, rows["orchestrator kill"].errors) == (2, 1)
+    assert rows["orchestrator kill"].error_samples == ["ABORTED"]
+    assert rows["edge pause"].answers == 0
+    assert (rows[BASELINE].answers, rows[BASELINE].completed) == (1, 1)
+
+
+def test_stored_is_compared_with_streamed_byte_for_byte_and_acknowledged_messages_must_be_stored():
+    same = answer(1.0, 2.0, [1, 2], text="Paris.", outcome="done", user_message_id="m1")
+    shorter = answer(1.1, 2.0, [1, 2], text="Paris, France", outcome="error", user_message_id="m2")
+    unstored = answer(1.2, 2.0, [1, 2], text="Rome", outcome="done", user_message_id="m3")
+    messages = [
+        {"role": "user", "message_id": "m1", "content": "q"},
+        {"role": "assistant", "run_id": same.run_id, "content": "Paris.", "message_id": "a1"},
+        {"role": "user", "message_id": "m2", "content": "q"},
+        {"role": "assistant", "run_id": shorter.run_id, "content": "Paris,", "message_id": "a2"},
+    ]
+    [row] = tabulate([], [same, shorter, unstored], [], messages)
+    # "Paris," stored for "Paris, France" streamed; "Rome" completed with nothing stored.
+    assert row.stored_differs == 2
+    # m3 (acknowledged by its started event) is missing, and so is the completed answer's message.
+    assert row.lost == 1
