@@ -12,8 +12,8 @@ import uvicorn
 
 from chatmesh.identity import TokenVerifier
 from edge.app import create_app
+from edge.drain import Drain
 from edge.settings import EdgeSettings
-from edge.sse import Drain
 from meshkit import telemetry
 from meshkit.config import ServiceArgs
 

@@ -22,13 +22,13 @@ from starlette.staticfiles import StaticFiles
 
 from chatmesh.identity import TokenVerifier
 from edge import chats_api, openai_api, responses_api
+from edge.drain import Drain
 from edge.errors import ApiError
 from edge.observability import ObservabilityMiddleware
 from edge.ops import api as ops_api
 from edge.ops.scrape import Scraper
 from edge.orchestrator import Orchestrator
 from edge.settings import EdgeSettings
-from edge.sse import Drain
 
 STATIC_DIR = Path(__file__).parent / "static"
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # The gRPC channel belongs to the server's event loop, so it is made here.
         app.state.orchestrator = Orchestrator(
-            settings.orchestrator, settings.unary_timeout_s, settings.stream_timeout_s
+            settings.orchestrator, settings.unary_timeout_s, settings.stream_timeout_s, app.state.drain
         )
         scraping = asyncio.create_task(app.state.ops_scraper.run())
         try:

@@ -24,6 +24,7 @@ from google.protobuf.message import Message
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
+from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error
 from meshkit.serving import CHANNEL_OPTIONS
 
@@ -66,10 +67,12 @@ class RunStream:
     def __init__(
         self,
         call: grpc.aio.UnaryStreamCall,
+        drain: Drain,
         reattach: Reattach | None = None,
         run_id: str = "",
         after_seq: int = 0,
     ) -> None:
+        self._drain = drain
         self._call = call
         self._reattach = reattach
         # The run (known from the request, or from its `started` event) and the last event relayed.
@@ -78,11 +81,23 @@ class RunStream:
 
     async def first(self) -> chat_pb2.RunEvent | None:
         """The first event, or None for a stream that ended without one (StreamRun after a finished run's
-        last event); a call that fails before it raises ApiError (so the HTTP status can say why)."""
+        last event); a call that fails before it raises ApiError (so the HTTP status can say why). When
+        the edge drains before the first event comes, it is a 503 to retry (the same Idempotency-Key
+        joins the answer if it started), never a request cut off without a status."""
         try:
-            response: Any = await self._call.read()
+            async with self._drain.bounded():
+                response: Any = await self._call.read()
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
+        except TimeoutError:
+            self.detach()
+            raise ApiError(
+                503,
+                "the server is restarting; retry the request",
+                type="server_error",
+                code="draining",
+                retry_after_s=1.0,
+            ) from None
         if response is grpc.aio.EOF:
             return None
         self._saw(response.event)
@@ -157,8 +172,9 @@ class RunStream:
 class Orchestrator:
     """A ChatService client over one channel (HTTP/2 multiplexes every request and stream)."""
 
-    def __init__(self, target: str, unary_timeout_s: float, stream_timeout_s: float) -> None:
+    def __init__(self, target: str, unary_timeout_s: float, stream_timeout_s: float, drain: Drain) -> None:
         self.target = target
+        self.drain = drain
         self.unary_timeout_s = unary_timeout_s
         self.stream_timeout_s = stream_timeout_s
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -181,7 +197,7 @@ class Orchestrator:
     def stream(self, method: str, request: Message, caller: Caller) -> RunStream:
         call = getattr(self._stub, method)(request, metadata=caller.metadata(), timeout=self.stream_timeout_s)
         if method == "Complete":
-            return RunStream(call)
+            return RunStream(call, self.drain)
 
         def reattach(run_id: str, after_seq: int) -> grpc.aio.UnaryStreamCall:
             return self._stub.StreamRun(
@@ -191,5 +207,5 @@ class Orchestrator:
             )
 
         if isinstance(request, chat_pb2.StreamRunRequest):
-            return RunStream(call, reattach, request.run_id, request.after_seq)
-        return RunStream(call, reattach)
+            return RunStream(call, self.drain, reattach, request.run_id, request.after_seq)
+        return RunStream(call, self.drain, reattach)

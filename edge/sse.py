@@ -9,11 +9,9 @@ a chat's run goes on (the orchestrator cancels an OpenAI completion, which nobod
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -21,6 +19,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from chatmesh.chat.v1 import chat_pb2
 from edge.convert import event_json
+from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error
 from edge.observability import METRICS
 from edge.orchestrator import RunStream
@@ -38,38 +37,6 @@ class StreamSettings:
     )
     # Tells browsers how soon to reconnect (the SSE ``retry:`` field), in milliseconds.
     retry_ms: int = 1000
-
-
-class Drain:
-    """Ends open streams cleanly when the edge shuts down.
-
-    ``start(grace_s)`` (on SIGTERM) sets a deadline; every stream waiting for its next event stops
-    waiting then and ends its response normally, without a final event, so clients resume with
-    Last-Event-ID on another replica while the run itself goes on.
-    """
-
-    def __init__(self) -> None:
-        self.deadline: float | None = None
-        self._waiting: set[asyncio.Timeout] = set()
-
-    @property
-    def draining(self) -> bool:
-        return self.deadline is not None
-
-    def start(self, grace_s: float) -> None:
-        self.deadline = asyncio.get_running_loop().time() + grace_s
-        for timeout in self._waiting:
-            timeout.reschedule(self.deadline)
-
-    @asynccontextmanager
-    async def bounded(self) -> AsyncIterator[None]:
-        """Raises TimeoutError inside if the drain deadline passes first."""
-        async with asyncio.timeout_at(self.deadline) as timeout:
-            self._waiting.add(timeout)
-            try:
-                yield
-            finally:
-                self._waiting.discard(timeout)
 
 
 def error_data(error: ApiError) -> dict:

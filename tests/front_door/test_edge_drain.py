@@ -5,6 +5,7 @@ Real edge processes against ScriptedChatService (not the orchestrator)."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import httpx
@@ -63,6 +64,29 @@ def test_sigterm_drains_open_streams(
         run = front_door.scripted.runs[run_id]
         wait_for(lambda: run.finished, timeout_s=10, what="the run to finish after the edge left")
         assert run.events[-1].done.finish_reason == 1  # FINISH_REASON_STOP
+
+
+def test_a_send_still_waiting_for_its_first_event_when_the_edge_drains_gets_a_503_to_retry(
+    front_door: ScriptedFrontDoor, tmp_path, user: str
+):
+    headers = {"Authorization": f"Bearer {session_keys().mint(user, 'pro')}"}
+    with Launcher(tmp_path, echo=lambda _: None) as launcher:
+        edge = drain_edge(launcher, front_door, 1.5)
+        with httpx.Client(base_url=edge.url, headers=headers, timeout=20) as client:
+            chat_id = client.post("/v1/chats", json={}).json()["chat_id"]
+            with front_door.scripted.delay("SendMessage", 8.0):
+                # The answer's first event is 8 s away; the edge is told to stop after 0.5 s of waiting.
+                launcher_signal = threading.Timer(0.5, launcher.signal, ("draining-edge", signal.SIGTERM))
+                launcher_signal.start()
+                started = time.monotonic()
+                reply = client.post(f"/v1/chats/{chat_id}/messages", json={"content": "slow !tokens 2 1"})
+                launcher_signal.join()
+            assert reply.status_code == 503, reply.text
+            assert reply.headers["Retry-After"] == "1"
+            assert reply.json()["error"]["code"] == "draining"
+            assert time.monotonic() - started < 1.5 + 3  # within the drain grace, not after the answer
+        launcher.running["draining-edge"].process.wait(timeout=10)
+        launcher.forget("draining-edge")
 
 
 def _refused(url: str) -> bool:

@@ -167,8 +167,8 @@ def test_every_probe_hits_the_port_its_service_listens_on(rendered, scenario):
 def test_edge_health_path_is_a_route_the_edge_serves():
     from chatmesh.identity import TokenVerifier
     from edge.app import create_app
+    from edge.drain import Drain
     from edge.settings import EdgeSettings
-    from edge.sse import Drain
     from localmesh.dev_jwt import ISSUER
     from tests.fixtures.identity import session_keys
 
