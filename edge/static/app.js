@@ -445,6 +445,9 @@ async function consume(response) {
         state.live.usage = data;
       } else if (event.event === "done") {
         return "done";
+      } else if (event.event === "error" && !event.id) {
+        // The stream broke, not the run (a run's own error has a sequence number): resume it.
+        return "dropped";
       } else if (event.event === "error") {
         notice(data.retry_after_ms ? `${data.message} (retry in ${Math.ceil(data.retry_after_ms / 1000)} s)` : data.message);
         return "error";
