@@ -24,7 +24,15 @@ from tests.fixtures.answers import (
     assert_answer_complete_and_stored,
     undisturbed_answer,
 )
-from tests.fixtures.orchestrator import ChatClient, Mesh, answer_text, collect, events, read_until
+from tests.fixtures.orchestrator import (
+    ChatClient,
+    Mesh,
+    OrchestratorProcess,
+    answer_text,
+    collect,
+    events,
+    read_until,
+)
 from tests.fixtures.router import router_spec, wait_for_engines
 
 
@@ -57,56 +65,59 @@ def carrying(routers: dict[str, str]) -> str:
     raise AssertionError("no router carries the answer")
 
 
-async def test_an_answer_whose_router_dies_goes_on_through_another_router(
-    mesh: Mesh, routers: dict[str, str], connect: Callable[..., ChatClient]
-) -> None:
-    replica = mesh.start_orchestrator(router=",".join(routers.values()))
-    client = connect(replica.address)
-    try:
-        chat = await client.create_chat()
-        call = client.send(chat.chat_id, QUESTION, options=ANSWER)
-        seen = await read_until(call, 30)
-        victim = carrying(routers)
-        mesh.launcher.signal(victim, signal.SIGKILL)
-        mesh.launcher.forget(victim)
-        del routers[victim]
+@pytest.fixture
+def replica(mesh: Mesh, routers: dict[str, str]) -> Iterator[OrchestratorProcess]:
+    """An orchestrator that knows both routers."""
+    process = mesh.start_orchestrator(router=",".join(routers.values()))
+    yield process
+    mesh.stop_orchestrator(process)
 
-        # The client's stream never broke.
-        seen += [event async for event in events(call)]
-        await assert_answer_complete_and_stored(
-            client, chat.chat_id, seen[0].started.run_id, seen, await undisturbed_answer(client)
-        )
-        # And answers keep coming through the router left.
-        again = await client.create_chat()
-        assert answer_text(
-            await collect(client.send(again.chat_id, QUESTION, options=ANSWER))
-        ) == answer_text(seen)
-    finally:
-        mesh.stop_orchestrator(replica)
+
+async def answer_under_way(
+    client: ChatClient,
+) -> tuple[chat_pb2.Chat, grpc.aio.UnaryStreamCall, list[chat_pb2.RunEvent]]:
+    """A long answer, its first 30 events read (the rest still to come on ``call``)."""
+    chat = await client.create_chat()
+    call = client.send(chat.chat_id, QUESTION, options=ANSWER)
+    return chat, call, await read_until(call, 30)
+
+
+async def test_an_answer_whose_router_dies_goes_on_through_another_router(
+    mesh: Mesh, routers: dict[str, str], replica: OrchestratorProcess, connect: Callable[..., ChatClient]
+) -> None:
+    client = connect(replica.address)
+    chat, call, seen = await answer_under_way(client)
+    victim = carrying(routers)
+    mesh.launcher.signal(victim, signal.SIGKILL)
+    mesh.launcher.forget(victim)
+    del routers[victim]
+
+    # The client's stream never broke.
+    seen += [event async for event in events(call)]
+    await assert_answer_complete_and_stored(
+        client, chat.chat_id, seen[0].started.run_id, seen, await undisturbed_answer(client)
+    )
+    # And answers keep coming through the router left.
+    again = await client.create_chat()
+    assert answer_text(await collect(client.send(again.chat_id, QUESTION, options=ANSWER))) == answer_text(
+        seen
+    )
 
 
 async def test_a_router_restarted_under_load_fails_no_answer(
-    mesh: Mesh, routers: dict[str, str], connect: Callable[..., ChatClient]
+    mesh: Mesh, routers: dict[str, str], replica: OrchestratorProcess, connect: Callable[..., ChatClient]
 ) -> None:
-    replica = mesh.start_orchestrator(router=",".join(routers.values()))
     client = connect(replica.address)
-    try:
-        chat = await client.create_chat()
-        call = client.send(chat.chat_id, QUESTION, options=ANSWER)
-        seen = await read_until(call, 30)
-        victim = carrying(routers)
-        # SIGTERM: it refuses new work at once, lets its streams run for its drain grace, then exits.
-        mesh.launcher.signal(victim, signal.SIGTERM)
-        others = [await client.create_chat() for _ in range(3)]  # with the long one: the tier's 4 at once
-        short = chat_pb2.GenerationOptions(max_tokens=20)
-        answers = await asyncio.gather(
-            *(collect(client.send(c.chat_id, "Hi", options=short)) for c in others)
-        )
-        assert all(a[-1].HasField("done") for a in answers), [a[-1] for a in answers]
+    chat, call, seen = await answer_under_way(client)
+    victim = carrying(routers)
+    # SIGTERM: it refuses new work at once, lets its streams run for its drain grace, then exits.
+    mesh.launcher.signal(victim, signal.SIGTERM)
+    others = [await client.create_chat() for _ in range(3)]  # with the long one: the tier's 4 at once
+    short = chat_pb2.GenerationOptions(max_tokens=20)
+    answers = await asyncio.gather(*(collect(client.send(c.chat_id, "Hi", options=short)) for c in others))
+    assert all(a[-1].HasField("done") for a in answers), [a[-1] for a in answers]
 
-        seen += [event async for event in events(call)]
-        await assert_answer_complete_and_stored(
-            client, chat.chat_id, seen[0].started.run_id, seen, await undisturbed_answer(client)
-        )
-    finally:
-        mesh.stop_orchestrator(replica)
+    seen += [event async for event in events(call)]
+    await assert_answer_complete_and_stored(
+        client, chat.chat_id, seen[0].started.run_id, seen, await undisturbed_answer(client)
+    )
