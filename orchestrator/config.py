@@ -89,7 +89,7 @@ class RunConfig:
     checkpoint_events: int = setting(32, "checkpoint partial output every N events")
     checkpoint_interval_ms: int = setting(500, "... or every N milliseconds")
     heartbeat_interval_s: float = setting(3.0, "replica heartbeat period")
-    # A replica silent this long has its in-progress runs marked interrupted by another replica.
+    # A replica silent this long has its in-progress runs adopted (and continued) by another replica.
     orphan_after_s: float = setting(15.0, "a replica silent this long loses its runs")
     reap_interval_s: float = setting(5.0, "how often to look for orphaned runs")
     # Deadline of one generation through the router.
