@@ -58,6 +58,8 @@ from memory_store.models import (
 from memory_store.schema import RUN_INDEX_BUCKET_SECONDS
 from memory_store.usage import UsageMixin
 
+# The replica group of a deployment's orchestrators (one router pool): replicas adopt the runs of
+# silent replicas of their own group only.
 ORCHESTRATOR = "orchestrator"
 REPLICA_TTL_S = 86_400
 _CLAIM_ATTEMPTS = 6
@@ -532,25 +534,31 @@ class RunsMixin(MessagesMixin, UsageMixin):
             return None, rows
         return _run(run_key, rows[0]), rows
 
-    async def heartbeat_replica(self, replica_id: str, at: datetime | None = None) -> None:
-        """Says that orchestrator replica ``replica_id`` is alive at ``at`` (default now; call every few
-        seconds). Its row expires a day after its last heartbeat."""
-        if not replica_id:
-            raise InvalidArgument("replica id must not be empty")
-        await self._db.execute("replica_heartbeat", (ORCHESTRATOR, replica_id, at or now(), REPLICA_TTL_S))
+    async def heartbeat_replica(
+        self, replica_id: str, at: datetime | None = None, group: str = ORCHESTRATOR
+    ) -> None:
+        """Says that orchestrator replica ``replica_id`` of ``group`` is alive at ``at`` (default now;
+        call every few seconds). Its row expires a day after its last heartbeat."""
+        if not replica_id or not group:
+            raise InvalidArgument("replica id and group must not be empty")
+        await self._db.execute("replica_heartbeat", (group, replica_id, at or now(), REPLICA_TTL_S))
 
-    async def forget_replica(self, replica_id: str) -> None:
+    async def forget_replica(self, replica_id: str, group: str = ORCHESTRATOR) -> None:
         """Drops a replica's heartbeat (after its orphaned runs were interrupted, or at clean shutdown)."""
-        await self._db.execute("replica_forget", (ORCHESTRATOR, replica_id))
+        await self._db.execute("replica_forget", (group, replica_id))
 
     async def find_orphaned_runs(
-        self, stale_after_s: float = 30.0, max_run_age_s: float = 3600.0, at: datetime | None = None
+        self,
+        stale_after_s: float = 30.0,
+        max_run_age_s: float = 3600.0,
+        at: datetime | None = None,
+        group: str = ORCHESTRATOR,
     ) -> list[Run]:
         """In-progress runs whose owner has not heartbeated for ``stale_after_s`` seconds, for the
         caller to ``adopt_run`` (or ``interrupt_run``). Only runs started within ``max_run_age_s`` are
         considered (no run lives longer). Silent replicas without such runs are forgotten."""
         at = at or now()
-        replicas = await self._db.execute("replica_list", (ORCHESTRATOR,))
+        replicas = await self._db.execute("replica_list", (group,))
         stale = [
             r["replica_id"]
             for r in replicas
@@ -580,5 +588,5 @@ class RunsMixin(MessagesMixin, UsageMixin):
         # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
         # (if it was only paused, its next heartbeat brings it back).
         done = set(stale) - {run.owner_id for run in orphans}
-        await asyncio.gather(*(self.forget_replica(owner) for owner in done))
+        await asyncio.gather(*(self.forget_replica(owner, group) for owner in done))
         return orphans

@@ -156,6 +156,9 @@ class OrchestratorConfig:
     router: str = setting(
         "127.0.0.1:50051", "router address host:port, several as ip:port,ip:port, or dns:///name:port"
     )
+    # Replicas adopt the runs of lost replicas of their own group only: one group per deployment (per
+    # router pool), so two deployments sharing a keyspace never continue each other's answers.
+    replica_group: str = setting("orchestrator", "the replicas that adopt each other's runs (one deployment)")
     router_timeout_s: float = setting(5.0, "deadline of unary router calls (ListEngines)")
     model_file: str = setting(
         "", "GGUF whose tokenizer and chat template prompts use (default: the bundled model)"

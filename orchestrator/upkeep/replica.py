@@ -34,8 +34,11 @@ GONE = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 class Replica:
-    def __init__(self, replica_id: str, store: MemoryStore, runs: Runs, config: RunConfig) -> None:
+    def __init__(
+        self, replica_id: str, group: str, store: MemoryStore, runs: Runs, config: RunConfig
+    ) -> None:
         self.replica_id = replica_id
+        self.group = group
         self.store = store
         self.runs = runs
         self.config = config
@@ -43,7 +46,7 @@ class Replica:
 
     async def join(self) -> None:
         """Heartbeats once (before taking work) and starts the periodic loops."""
-        await self.store.heartbeat_replica(self.replica_id)
+        await self.store.heartbeat_replica(self.replica_id, group=self.group)
         self._tasks = [
             asyncio.create_task(
                 self._every(self.config.heartbeat_interval_s, self._heartbeat), name="heartbeat"
@@ -61,9 +64,9 @@ class Replica:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             if handed_over:
-                await self.store.heartbeat_replica(self.replica_id, at=GONE)
+                await self.store.heartbeat_replica(self.replica_id, at=GONE, group=self.group)
             else:
-                await self.store.forget_replica(self.replica_id)
+                await self.store.forget_replica(self.replica_id, self.group)
 
     async def _every(self, period_s: float, work) -> None:
         while True:
@@ -75,7 +78,7 @@ class Replica:
                 log.warning("%s failed: %s", getattr(work, "__name__", "periodic work"), exc)
 
     async def _heartbeat(self) -> None:
-        await self.store.heartbeat_replica(self.replica_id)
+        await self.store.heartbeat_replica(self.replica_id, group=self.group)
 
     async def _sweep(self) -> None:
         self.runs.sweep()
@@ -83,7 +86,9 @@ class Replica:
     async def reap(self) -> int:
         """Adopts the in-progress runs of silent replicas (ending as interrupted those that cannot be
         continued); returns how many this replica adopted."""
-        orphans = await self.store.find_orphaned_runs(stale_after_s=self.config.orphan_after_s)
+        orphans = await self.store.find_orphaned_runs(
+            stale_after_s=self.config.orphan_after_s, group=self.group
+        )
         adopted = 0
         for run in orphans:
             if run.owner_id == self.replica_id:

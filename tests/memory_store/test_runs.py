@@ -218,6 +218,9 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
 
     found = [r for r in await memory_store.find_orphaned_runs(stale_after_s=30) if r.user_id == user]
     assert [r.run_id for r in found] == [orphan.run_id]
+    # Another deployment's replicas (another group) never take them.
+    elsewhere = await memory_store.find_orphaned_runs(stale_after_s=30, group=f"other-{user}")
+    assert orphan.run_id not in {r.run_id for r in elsewhere}
     assert found[0].last_seq == 3
 
     interrupted = await memory_store.interrupt_run(found[0])
