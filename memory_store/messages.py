@@ -130,8 +130,11 @@ class MessagesMixin(ChatsMixin):
             return
         if parent_id.time >= message_id.time:
             raise FailedPrecondition("a message's parent must be older than the message")
+        await self._check_parent(chat_key, parent_id)
+
+    async def _check_parent(self, chat_key: uuid.UUID, parent_id: uuid.UUID) -> None:
         if await self._message_row(chat_key, parent_id) is None:
-            raise FailedPrecondition(f"parent message {parent_id} is not in chat {chat_key}")
+            raise FailedPrecondition(f"message {parent_id} is not in chat {chat_key}")
 
     async def _write_message(self, chat: Chat, message: Message) -> None:
         """Writes a checked message and moves its chat to the top of the owner's list.

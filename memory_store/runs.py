@@ -356,10 +356,6 @@ class RunsMixin(MessagesMixin, UsageMixin):
             generation=generation,
         )
 
-    async def _check_parent(self, chat_key: uuid.UUID, parent: uuid.UUID) -> None:
-        if await self._message_row(chat_key, parent) is None:
-            raise FailedPrecondition(f"message {parent} is not in chat {chat_key}")
-
     async def adopt_run(self, run: Run, owner_id: str) -> Run | None:
         """Makes replica ``owner_id`` the owner of ``run`` if it is still in progress and still owned by
         ``run.owner_id`` (the replica found silent): the run as adopted, or None if another replica

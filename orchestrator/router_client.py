@@ -163,7 +163,9 @@ class RouterClient:
         ``placement_timeout_s``. A router that answers UNAVAILABLE (it is draining, or cannot be
         reached) is passed over for the next one round-robin picks, so a rolling restart of the
         routers refuses nothing; any other refusal is raised at once (ServiceError)."""
-        for attempt in range(1, PLACEMENT_ATTEMPTS + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             stream = GenerateStream(self._stub, deadline_s)
             try:
                 await stream.open(start, placement_timeout_s)
@@ -180,7 +182,6 @@ class RouterClient:
             except BaseException:
                 stream.abort()
                 raise
-        raise AssertionError("unreachable")
 
     async def list_engines(self) -> list[router_pb2.EngineStatus]:
         try:

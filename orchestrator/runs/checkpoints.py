@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from memory_store.models import Run, RunDelta
 from memory_store.store import MemoryStore
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # One write holds at most this many deltas (memory_store allows 4096 events / 256 KiB per checkpoint).
 MAX_BATCH = 512
+# Between attempts to store what a run hands over.
+FLUSH_RETRY_S = 0.2
 
 
 class Checkpointer:
@@ -42,12 +45,18 @@ class Checkpointer:
         if len(self._pending) >= self._every:
             self._wake.set()
 
-    async def close(self) -> list[RunDelta]:
-        """Stops writing (after a write in flight lands) and returns the deltas not yet stored."""
+    async def close(self, flush_within_s: float = 0.0) -> list[RunDelta]:
+        """Stops writing (after a write in flight lands) and returns the deltas not yet stored. With
+        ``flush_within_s``, it first stores them, retrying for that long (a run handed to another
+        replica, which continues from the last checkpoint)."""
         self._closing = True
         self._wake.set()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        deadline = time.monotonic() + flush_within_s
+        while self._pending and time.monotonic() < deadline:
+            if not await self._write():
+                await asyncio.sleep(FLUSH_RETRY_S)
         return self._pending
 
     async def _loop(self) -> None:
@@ -56,16 +65,20 @@ class Checkpointer:
                 async with asyncio.timeout(self._interval_s):
                     await self._wake.wait()
             self._wake.clear()
-            if self._closing or not self._pending:
-                continue
-            batch = self._pending[:MAX_BATCH]
-            try:
-                async with asyncio.timeout(self._deadline_s):
-                    await self._store.checkpoint_run(self._run, batch)
-            except Exception as exc:
-                # The deltas stay pending: the next write (or the finish) carries them.
-                METRICS.checkpoints.labels("failed").inc()
-                log.warning("checkpoint of run %s failed: %s", self._run.run_id, exc)
-                continue
-            METRICS.checkpoints.labels("written").inc()
-            del self._pending[: len(batch)]
+            if not self._closing and self._pending:
+                await self._write()
+
+    async def _write(self) -> bool:
+        """Stores the oldest pending deltas (one batch); on failure they stay pending for the next write
+        (or the finish, which carries them)."""
+        batch = self._pending[:MAX_BATCH]
+        try:
+            async with asyncio.timeout(self._deadline_s):
+                await self._store.checkpoint_run(self._run, batch)
+        except Exception as exc:
+            METRICS.checkpoints.labels("failed").inc()
+            log.warning("checkpoint of run %s failed: %s", self._run.run_id, exc)
+            return False
+        METRICS.checkpoints.labels("written").inc()
+        del self._pending[: len(batch)]
+        return True

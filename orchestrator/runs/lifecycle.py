@@ -254,7 +254,13 @@ class Runs:
         run = await self.store.adopt_run(orphan, replica_id)
         if run is None:
             return False
-        output = await self.store.read_run_output(run.user_id, run.run_id)
+        try:
+            output = await self.store.read_run_output(run.user_id, run.run_id)
+        except Exception:
+            # Given back to the silent replica, a later pass (here or elsewhere) adopts it again.
+            with contextlib.suppress(MemoryStoreError, TimeoutError):
+                await self.store.adopt_run(run, orphan.owner_id)
+            raise
         try:
             start = _generation(run, output)
         except ValueError as exc:
@@ -279,18 +285,7 @@ class Runs:
             live.append(delta=chat_pb2.Delta(text=delta.text, token_count=delta.token_count))
         frame = continued(start, [token for delta in output for token in delta.token_ids])
         self._live[info.run_id] = live
-        try:
-            stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
-        except BaseException as exc:
-            self._live.pop(info.run_id, None)
-            log.warning("run %s could not be placed again (%s); interrupting it", run.run_id, exc)
-            with contextlib.suppress(MemoryStoreError, TimeoutError):
-                await self.store.finish_run(run, _interrupted(live.last_seq))
-            if not isinstance(exc, Exception):
-                raise
-            return False
-        relay = Relay(self.deps, live, stream, frame, run, time.monotonic())
-        task = asyncio.create_task(self._relay(relay), name="adopted-run")
+        task = asyncio.create_task(self._continue_adopted(run, live, frame), name="adopted-run")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         log.warning(
@@ -301,6 +296,19 @@ class Runs:
             len(frame.resumed_output_token_ids),
         )
         return True
+
+    async def _continue_adopted(self, run: Run, live: LiveRun, frame: router_pb2.GenerateStart) -> None:
+        """Places an adopted run again and relays it to its end; one no router will place is ended as
+        interrupted with its checkpointed output (it is this replica's: nobody else would end it)."""
+        try:
+            stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
+        except Exception as exc:
+            self._live.pop(run.run_id, None)
+            log.warning("run %s could not be placed again (%s); interrupting it", run.run_id, exc)
+            with contextlib.suppress(MemoryStoreError, TimeoutError):
+                await self.store.finish_run(run, _interrupted(live.last_seq))
+            return
+        await self._relay(Relay(self.deps, live, stream, frame, run, time.monotonic()))
 
     def is_live(self, run_id: str) -> bool:
         return run_id in self._live

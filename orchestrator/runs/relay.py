@@ -49,7 +49,7 @@ from orchestrator.errors import from_exception, from_rpc_error
 from orchestrator.metrics import METRICS
 from orchestrator.policy.moderation import Moderator
 from orchestrator.router_client import GenerateStream, RouterClient, continued
-from orchestrator.runs.checkpoints import MAX_BATCH, Checkpointer
+from orchestrator.runs.checkpoints import Checkpointer
 from orchestrator.runs.live_run import LiveRun
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 
@@ -291,9 +291,13 @@ class Relay:
             usage = Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens)
         else:
             usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self._output_ids))
-        tail = await self._checkpointer.close() if self._checkpointer is not None else []
+        tail = []
+        if self._checkpointer is not None:
+            # A run handed over is continued from its checkpoints: they must hold all it streamed.
+            handed_over = self.stop_reason is Stop.HANDED_OVER
+            tail = await self._checkpointer.close(self.deps.config.store_deadline_s if handed_over else 0.0)
         if self.stop_reason in _LEFT_TO_ANOTHER:
-            return await self._leave(tail, usage)
+            return self._leave(usage)
         status, reason = self._status(finished, error)
         message_id = ""
         if self.stored_run is not None:
@@ -301,7 +305,7 @@ class Relay:
                 ended = await self._store_end(status, reason, usage, error, tail)
             except OwnerChanged:
                 self.stop_reason = Stop.SUPERSEDED
-                return await self._leave(tail, usage)
+                return self._leave(usage)
             if ended is None:
                 status, reason = RunStatus.FAILED, FinishReason.ERROR
                 error = unavailable("the answer could not be stored; regenerate it", 1.0)
@@ -318,33 +322,13 @@ class Relay:
         self._observe(status, reason, usage)
         return RunEnd(self.live, status, reason, usage, message_id)
 
-    async def _leave(self, tail: list[RunDelta], usage: Usage) -> RunEnd:
-        """Leaves the run to the replica that goes on with it: a replica handing it over first stores
-        what it streamed (the adopter continues from there); then the streams here end, to resume there."""
-        if self.stop_reason is Stop.HANDED_OVER and tail:
-            await self._checkpoint_all(tail)
+    def _leave(self, usage: Usage) -> RunEnd:
+        """Leaves the run to the replica that goes on with it: the streams here end, to resume there
+        (what was not checkpointed, the adopter regenerates: it is a function of the tokens before it)."""
         self.live.hand_over()
         METRICS.runs_left.labels(str(self.stop_reason)).inc()
         log.info("run %s left to another replica (%s)", self.live.info.run_id, self.stop_reason)
         return RunEnd(self.live, RunStatus.IN_PROGRESS, None, usage, "")
-
-    async def _checkpoint_all(self, deltas: list[RunDelta]) -> None:
-        """Stores the deltas not checkpointed yet, retried while Cassandra is unavailable; what cannot be
-        stored the adopter regenerates (it is a function of the tokens before it)."""
-        assert self.stored_run is not None
-        deadline = time.monotonic() + self.deps.config.store_deadline_s
-        for first in range(0, len(deltas), MAX_BATCH):
-            batch = deltas[first : first + MAX_BATCH]
-            while True:
-                try:
-                    async with asyncio.timeout(self.deps.config.store_deadline_s):
-                        await self.deps.store.checkpoint_run(self.stored_run, batch)
-                    break
-                except (MemoryStoreError, TimeoutError) as exc:
-                    if time.monotonic() > deadline:
-                        log.warning("run %s: last checkpoint not stored (%s)", self.live.info.run_id, exc)
-                        return
-                    await asyncio.sleep(0.2)
 
     def _status(self, finished, error: ServiceError | None) -> tuple[RunStatus, FinishReason | None]:
         if self.stop_reason is not None:

@@ -22,6 +22,7 @@ import contextlib
 import logging
 from datetime import UTC, datetime
 
+from memory_store.models import Run
 from memory_store.store import MemoryStore
 from orchestrator.config import RunConfig
 from orchestrator.metrics import METRICS
@@ -43,6 +44,8 @@ class Replica:
         self.runs = runs
         self.config = config
         self._tasks: list[asyncio.Task[None]] = []
+        # Adoptions at once (each a conditional write and a read; the run's placement is its own task).
+        self._adopting = asyncio.Semaphore(16)
 
     async def join(self) -> None:
         """Heartbeats once (before taking work) and starts the periodic loops."""
@@ -89,11 +92,16 @@ class Replica:
         orphans = await self.store.find_orphaned_runs(
             stale_after_s=self.config.orphan_after_s, group=self.group
         )
-        adopted = 0
-        for run in orphans:
-            if run.owner_id == self.replica_id:
-                continue  # our own heartbeat lagged; our runs are alive
-            if await self.runs.adopt(run, self.replica_id):
-                adopted += 1
-                METRICS.orphans_reaped.labels("adopted").inc()
+        # Our own heartbeat may have lagged: our runs are alive. Each adoption runs to its end even if
+        # this pass times out: a run made ours must go on here (nobody else would take it now).
+        taken = await asyncio.gather(
+            *(asyncio.shield(self._adopt(run)) for run in orphans if run.owner_id != self.replica_id)
+        )
+        return sum(taken)
+
+    async def _adopt(self, run: Run) -> bool:
+        async with self._adopting:
+            adopted = await self.runs.adopt(run, self.replica_id)
+        if adopted:
+            METRICS.orphans_reaped.labels("adopted").inc()
         return adopted
