@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from memory_store.node import CassandraNode, NodeConfig
+from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
 from meshkit.launcher import Launcher
 
 MURMUR3_MIN_TOKEN = -(2**63)
@@ -97,10 +97,28 @@ class CassandraCluster:
             node.spawn()
         for node in others:
             node.wait_ready()
+        if others:
+            self._wait_converged(seed)
         elapsed = time.monotonic() - started
         if others:
             print(f"  Cassandra cluster of {len(self.nodes)} up in {elapsed:.1f}s", flush=True)
         return elapsed
+
+    def _wait_converged(self, seed: CassandraNode, deadline_s: float = 60.0) -> None:
+        """Waits until the seed's gossip shows every member holding one schema version. A member that
+        answers CQL may not have met the others yet: DDL sent to it then would not reach them, and the
+        tables it creates could be unknown to the replicas of the first reads."""
+        members = sorted(node.config.address for node in self.nodes)
+        deadline = time.monotonic() + deadline_s
+        while True:
+            versions = seed.schema_versions()
+            if len(versions) == 1 and sorted(next(iter(versions.values()))) == members:
+                return
+            if time.monotonic() > deadline:
+                raise NodeSetupError(
+                    f"the cluster did not converge in {deadline_s:.0f}s: schema versions {versions}"
+                )
+            time.sleep(1.0)
 
     def stop(self) -> None:
         """Drains and stops every member, the seed last."""

@@ -230,5 +230,16 @@ class Db:
         except _UNAVAILABLE as exc:
             raise Unavailable(f"Cassandra did not answer in time; retry with backoff ({exc})") from exc
 
+    async def await_schema_agreement(self, timeout_s: float) -> None:
+        """Returns once every live node reports the same schema version.
+
+        The driver waits for agreement after a schema change only for ``max_schema_agreement_wait``
+        (10 s) and then goes on regardless; a read planned by a node that has the new table, sent to one
+        that does not have it yet, fails with INCOMPATIBLE_SCHEMA. Migrations wait here instead.
+        """
+        wait = self.cluster.control_connection.wait_for_schema_agreement
+        if not await asyncio.to_thread(wait, wait_time=timeout_s):
+            raise Unavailable(f"the Cassandra nodes did not agree on the schema within {timeout_s:.0f}s")
+
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)

@@ -17,6 +17,7 @@ Used by ``python -m memory_store node ...``, ``chatmesh/mesh.py`` (``make run``)
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import signal
 import socket
@@ -339,6 +340,20 @@ class StartReport:
     pid: int
 
 
+# A line of describecluster's "Schema versions:" block: "<version>: [<address>, <address>]".
+_SCHEMA_VERSION = re.compile(r"^\s*([0-9a-fA-F-]{36}|UNREACHABLE): \[([^\]]*)\]", re.MULTILINE)
+
+
+def parse_schema_versions(describecluster: str) -> dict[str, list[str]]:
+    """The "Schema versions:" block of ``nodetool describecluster``: each version with the addresses
+    holding it (unreachable members are listed under ``UNREACHABLE``)."""
+    _, _, listing = describecluster.partition("Schema versions:")
+    return {
+        match[1]: [address.strip() for address in match[2].split(",") if address.strip()]
+        for match in _SCHEMA_VERSION.finditer(listing.split("\n\n", 1)[0])
+    }
+
+
 class CassandraNode:
     """A local node supervised by a ``Launcher``: start, drain, stop, and crash (for tests)."""
 
@@ -402,6 +417,10 @@ class CassandraNode:
         if done.returncode != 0:
             raise RuntimeError(f"nodetool {' '.join(args)} failed: {done.stdout}{done.stderr}".strip())
         return done.stdout
+
+    def schema_versions(self) -> dict[str, list[str]]:
+        """The schema versions this node's gossip reports, each with the addresses holding it."""
+        return parse_schema_versions(self.nodetool("describecluster"))
 
     def holds_hints(self) -> bool:
         """Whether this node keeps writes for a peer that was down: hints files, deleted once replayed.

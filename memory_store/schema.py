@@ -2,7 +2,8 @@
 
 Each migration is a list of statements that are safe to run again (``IF NOT EXISTS``); applied
 versions are recorded in ``schema_migrations``, so a start applies only what is new, and a start that
-died half way through a migration simply runs it again. In a multi-replica deployment run migrations
+died half way through a migration simply runs it again. Each step waits until every node agrees on the
+schema before the next one reads or writes the new tables. In a multi-replica deployment run migrations
 from one place (``python -m memory_store schema`` as a deploy job): concurrent DDL from several
 clients can race in Cassandra 5.0.
 
@@ -238,6 +239,7 @@ async def apply(db: Db, keyspace: str, replication: Mapping[str, str | int]) -> 
         operation="schema",
         timeout_s=DDL_TIMEOUT_S,
     )
+    await db.await_schema_agreement(DDL_TIMEOUT_S)
     done = {
         row["version"]
         for row in await db.execute(_cql("SELECT version FROM schema_migrations"), operation="schema")
@@ -248,6 +250,7 @@ async def apply(db: Db, keyspace: str, replication: Mapping[str, str | int]) -> 
             continue
         for statement in migration.statements:
             await db.execute(_cql(statement), operation="schema", timeout_s=DDL_TIMEOUT_S)
+        await db.await_schema_agreement(DDL_TIMEOUT_S)
         await db.execute(
             _cql("INSERT INTO schema_migrations (version, description, applied_at) VALUES (%s, %s, %s)"),
             (migration.version, migration.description, datetime.now(UTC)),

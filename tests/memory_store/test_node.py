@@ -13,6 +13,7 @@ from memory_store.node import (
     cassandra_yaml,
     check_prerequisites,
     jvm_argv,
+    parse_schema_versions,
 )
 
 
@@ -45,6 +46,24 @@ def test_missing_jars_say_how_to_fetch_them(tmp_path):
 def test_missing_java_says_how_to_install_it(tmp_path):
     with pytest.raises(NodeSetupError, match="Java 17"):
         check_prerequisites(NodeConfig(data_dir=tmp_path, java=str(Path(tmp_path) / "no-java")))
+
+
+DESCRIBECLUSTER = """Cluster Information:
+\tName: chatmesh
+\tSchema versions:
+\t\td03783d7-b468-3c1a-82f1-8e30b2edde8b: [127.0.0.1, 127.0.0.2]
+\t\tUNREACHABLE: [127.0.0.3]
+
+Database versions:
+\t5.0.8: [127.0.0.1:55697, 127.0.0.2:55697]
+"""
+
+
+def test_schema_versions_are_read_from_describecluster_block_alone():
+    assert parse_schema_versions(DESCRIBECLUSTER) == {
+        "d03783d7-b468-3c1a-82f1-8e30b2edde8b": ["127.0.0.1", "127.0.0.2"],
+        "UNREACHABLE": ["127.0.0.3"],
+    }
 
 
 def test_cql_check_is_false_for_a_port_that_does_not_speak_cql():
