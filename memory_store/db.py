@@ -43,7 +43,15 @@ from cassandra.policies import (
     TokenAwarePolicy,
     WriteType,
 )
-from cassandra.query import BatchStatement, BatchType, PreparedStatement, Statement, dict_factory
+from cassandra.pool import Host
+from cassandra.query import (
+    BatchStatement,
+    BatchType,
+    PreparedStatement,
+    SimpleStatement,
+    Statement,
+    dict_factory,
+)
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from prometheus_client import Histogram
@@ -207,7 +215,9 @@ class Db:
             finally:
                 OPERATION_SECONDS.labels("cassandra", name, error).observe(time.perf_counter() - started)
 
-    async def _execute(self, query: Statement, params: Sequence[Any], timeout_s: float) -> list[Row]:
+    async def _execute(
+        self, query: Statement, params: Sequence[Any], timeout_s: float, host: Host | None = None
+    ) -> list[Row]:
         """Bridges the driver's callbacks (on its event loop thread) to an asyncio future."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future[list[Row]] = loop.create_future()
@@ -221,7 +231,7 @@ class Db:
                 done.set_result(list(rows or ()))
 
         try:
-            response = self.session.execute_async(query, params or None, timeout=timeout_s)
+            response = self.session.execute_async(query, params or None, timeout=timeout_s, host=host)
             response.add_callbacks(
                 lambda rows: loop.call_soon_threadsafe(settle, rows, None),
                 lambda exc: loop.call_soon_threadsafe(settle, None, exc),
@@ -231,15 +241,31 @@ class Db:
             raise Unavailable(f"Cassandra did not answer in time; retry with backoff ({exc})") from exc
 
     async def await_schema_agreement(self, timeout_s: float) -> None:
-        """Returns once every live node reports the same schema version.
+        """Returns once every node reports the same schema version, each asked for its own
+        (``system.local`` on that node).
 
-        The driver waits for agreement after a schema change only for ``max_schema_agreement_wait``
-        (10 s) and then goes on regardless; a read planned by a node that has the new table, sent to one
-        that does not have it yet, fails with INCOMPATIBLE_SCHEMA. Migrations wait here instead.
+        The driver's own wait after a schema change reads the versions gossip reports to one node, for
+        the nodes it believes up, for at most ``max_schema_agreement_wait`` (10 s), then goes on
+        regardless. On a cluster that just started, that let a read reach a member that did not have
+        the new table yet (INCOMPATIBLE_SCHEMA). Migrations wait here instead; a node that does not
+        answer counts as not agreeing.
         """
-        wait = self.cluster.control_connection.wait_for_schema_agreement
-        if not await asyncio.to_thread(wait, wait_time=timeout_s):
-            raise Unavailable(f"the Cassandra nodes did not agree on the schema within {timeout_s:.0f}s")
+        own_version = SimpleStatement("SELECT schema_version FROM system.local", is_idempotent=True)
+        own_version.consistency_level = ConsistencyLevel.ONE
+        deadline = time.monotonic() + timeout_s
+        while True:
+            versions: set[object] = set()
+            for host in self.cluster.metadata.all_hosts():
+                try:
+                    rows = await self._execute(own_version, (), self.request_timeout_s, host=host)
+                    versions.add(rows[0]["schema_version"])
+                except Exception:  # down, unreachable, or still starting: not agreeing yet
+                    versions.add(None)
+            if len(versions) == 1 and None not in versions:
+                return
+            if time.monotonic() > deadline:
+                raise Unavailable(f"the Cassandra nodes did not agree on the schema within {timeout_s:.0f}s")
+            await asyncio.sleep(0.2)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)

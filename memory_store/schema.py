@@ -223,23 +223,30 @@ async def apply(db: Db, keyspace: str, replication: Mapping[str, str | int]) -> 
     """Creates the keyspace if needed and applies new migrations; returns the versions applied."""
     if not _KEYSPACE_NAME.match(keyspace):
         raise ValueError(f"invalid keyspace name {keyspace!r}")
-    await db.execute(
-        _cql(f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = {replication_cql(replication)}"),
-        operation="schema",
-        timeout_s=DDL_TIMEOUT_S,
-    )
+    # DDL only for what is missing, so a start against an up-to-date keyspace changes no schema and
+    # needs no agreement (it must work with a node down).
+    existing = db.cluster.metadata.keyspaces.get(keyspace)
+    if existing is None:
+        await db.execute(
+            _cql(
+                f"CREATE KEYSPACE IF NOT EXISTS {keyspace} WITH replication = {replication_cql(replication)}"
+            ),
+            operation="schema",
+            timeout_s=DDL_TIMEOUT_S,
+        )
     await db.use_keyspace(keyspace)
-    await db.execute(
-        _cql(
-            """CREATE TABLE IF NOT EXISTS schema_migrations (
-                version int PRIMARY KEY,
-                description text,
-                applied_at timestamp)"""
-        ),
-        operation="schema",
-        timeout_s=DDL_TIMEOUT_S,
-    )
-    await db.await_schema_agreement(DDL_TIMEOUT_S)
+    if existing is None or "schema_migrations" not in existing.tables:
+        await db.execute(
+            _cql(
+                """CREATE TABLE IF NOT EXISTS schema_migrations (
+                    version int PRIMARY KEY,
+                    description text,
+                    applied_at timestamp)"""
+            ),
+            operation="schema",
+            timeout_s=DDL_TIMEOUT_S,
+        )
+        await db.await_schema_agreement(DDL_TIMEOUT_S)
     done = {
         row["version"]
         for row in await db.execute(_cql("SELECT version FROM schema_migrations"), operation="schema")
