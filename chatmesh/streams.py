@@ -11,13 +11,15 @@ Server side (engine and router services)::
     requests.stop()
 
 Client side (router relay, orchestrator): an ``Outbox`` is the call's request iterator; ``start`` once,
-``cancel`` at most once, ``close`` ends the request side. Sending never waits.
+``cancel`` at most once, ``close`` ends the request side. Sending never waits. A ``ReadAhead`` reads the
+response side as it arrives, so a reader that falls behind takes what came meanwhile in one go.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
@@ -100,14 +102,62 @@ class Outbox(Generic[Frame]):
             self._queue.put_nowait(None)
 
 
-async def read_to_end(call: grpc.aio.StreamStreamCall, timeout_s: float = END_OF_CALL_TIMEOUT_S) -> None:
-    """Reads a call's remaining responses up to its status, or cancels it if that fails or takes longer
-    than ``timeout_s``. Call it once the last frame that matters has arrived (and the request side is
-    closed): a call left unread completes only when it is garbage-collected, and so does its client
-    trace span, which then never joins the trace in time."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            while await call.read() is not grpc.aio.EOF:
-                pass
-    except (TimeoutError, grpc.aio.AioRpcError):
-        call.cancel()
+class ReadAhead:
+    """Reads a call's responses as they arrive, in a task of its own. ``take`` returns every frame that
+    arrived since the last ``take``: a consumer that keeps up gets them one by one, as soon as each
+    arrives; one that fell behind (its own writes waiting on a slow client) gets them all at once, and
+    can merge them into one message instead of paying gRPC's per-message cost for each. What waits here
+    is bounded by the call's own output; nothing is dropped."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+        self._frames: deque[Any] = deque()
+        self._error: grpc.aio.AioRpcError | None = None
+        self._ended = False
+        self._arrived = asyncio.Event()
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        try:
+            while (frame := await self._call.read()) is not grpc.aio.EOF:
+                self._frames.append(frame)
+                self._arrived.set()
+        except grpc.aio.AioRpcError as exc:
+            self._error = exc
+        finally:
+            self._ended = True
+            self._arrived.set()
+
+    async def take(self) -> list[Any]:
+        """Waits for at least one frame; returns all that have arrived, oldest first. Returns [] once
+        the call has ended with OK and everything was taken; raises its error after the frames before it."""
+        while not self._frames:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                return []
+            self._arrived.clear()
+            await self._arrived.wait()
+        frames = list(self._frames)
+        self._frames.clear()
+        return frames
+
+    async def finish(self, timeout_s: float = END_OF_CALL_TIMEOUT_S) -> None:
+        """Reads the call up to its status, or cancels it after ``timeout_s``. Call it once the last frame
+        that matters has arrived (and the request side is closed): a call left unread completes only
+        when it is garbage-collected, and so does its client trace span, which then never joins the
+        trace in time."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.shield(self._task)
+        except TimeoutError:
+            self.cancel()
+
+    def stop(self) -> None:
+        """Stops reading (the call itself goes on; a consumer that leaves early ends it its own way)."""
+        self._task.cancel()
+
+    def cancel(self) -> None:
+        """Cancels the call and stops reading."""
+        self._call.cancel()
+        self.stop()

@@ -13,9 +13,14 @@ is one piece: its whole text is released by its last token. Bad ends from a peer
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate, pairwise
+from itertools import accumulate, groupby, pairwise
+from typing import TypeVar
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.router.v1 import router_pb2
+
+# Both carry engine.v1's GenerateTokens as `tokens`.
+Response = TypeVar("Response", engine_pb2.GenerateResponse, router_pb2.GenerateResponse)
 
 
 def token_pieces(frame: engine_pb2.GenerateTokens) -> list[tuple[int, str]]:
@@ -37,6 +42,26 @@ def tokens_frame(index: int, pieces: Sequence[tuple[int, str]]) -> engine_pb2.Ge
         text="".join(piece for _, piece in pieces),
         text_ends=list(accumulate(len(piece) for _, piece in pieces)),
     )
+
+
+def merge_frames(frames: Sequence[engine_pb2.GenerateTokens]) -> engine_pb2.GenerateTokens:
+    """Consecutive frames as one, each token's piece of text kept (the first frame's ``index``)."""
+    if len(frames) == 1:
+        return frames[0]
+    return tokens_frame(frames[0].index, [piece for frame in frames for piece in token_pieces(frame)])
+
+
+def coalesced(responses: Sequence[Response]) -> list[Response]:
+    """``responses`` with each run of consecutive token frames merged into one frame (``merge_frames``):
+    what a relay sends on when several arrived while it was busy."""
+    out: list[Response] = []
+    for are_tokens, group in groupby(responses, key=lambda response: response.WhichOneof("kind") == "tokens"):
+        frames = list(group)
+        if are_tokens and len(frames) > 1:
+            out.append(type(frames[0])(tokens=merge_frames([frame.tokens for frame in frames])))
+        else:
+            out += frames
+    return out
 
 
 def has_text_ends(frame: engine_pb2.GenerateTokens) -> bool:

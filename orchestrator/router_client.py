@@ -24,8 +24,9 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, unavailable
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.streams import Outbox, read_to_end
+from chatmesh.streams import Outbox, ReadAhead
 from chatmesh.tiers import tier_named
+from chatmesh.token_text import coalesced
 from meshkit.serving import CHANNEL_OPTIONS
 from orchestrator.errors import from_rpc_error
 
@@ -113,22 +114,25 @@ class GenerateStream:
 
     async def frames(self) -> AsyncIterator[router_pb2.GenerateResponse]:
         """The frames after the first placement, through ``finished`` (raises grpc.aio.AioRpcError).
+        Token frames that arrived while the caller was busy come merged into one (``ReadAhead``).
 
         After ``finished`` it half-closes and reads the call's end, so the RPC completes now.
         """
-        while True:
-            frame = await self._call.read()
-            if frame is grpc.aio.EOF:
-                return
-            kind = frame.WhichOneof("kind")
-            if kind == "routed":
-                self.routed = frame.routed
-            yield frame
-            if kind == "finished":
-                # The answer is complete: how the call itself ends no longer matters to it.
-                self.close()
-                await read_to_end(self._call)
-                return
+        arriving = ReadAhead(self._call)
+        try:
+            while batch := await arriving.take():
+                for frame in coalesced(batch):
+                    kind = frame.WhichOneof("kind")
+                    if kind == "routed":
+                        self.routed = frame.routed
+                    yield frame
+                    if kind == "finished":
+                        # The answer is complete: how the call itself ends no longer matters to it.
+                        self.close()
+                        await arriving.finish()
+                        return
+        finally:
+            arriving.stop()
 
     def cancel(self) -> None:
         """Asks the router to stop and free the engine work; it answers with a final `finished`."""

@@ -14,8 +14,11 @@ up to ``max_attempts``, then UNAVAILABLE naming what each engine said.
 
 Every engine call has a deadline (the client's, or ``max_request_s``), and every read a timeout:
 ``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for the first token
-(queueing included), ``idle_timeout_s`` between later frames. Frames are relayed one at a time as they
-are read, so gRPC flow control, not a buffer here, absorbs a slow client.
+(queueing included), ``idle_timeout_s`` between later frames. The engine's frames are read as they
+arrive; token frames that arrived while the client was still taking the last one go out merged into
+one, each token's text end kept (``chatmesh/token_text.py``). A client that keeps up gets every frame
+as soon as it comes; one that falls behind gets fewer, bigger frames, and the relay pays gRPC's
+per-message cost once for them (what waits is bounded by the request's output).
 """
 
 from __future__ import annotations
@@ -23,16 +26,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, parse
 from chatmesh.router.v1 import router_pb2
-from chatmesh.streams import Outbox, read_to_end
+from chatmesh.streams import Outbox, ReadAhead
 from chatmesh.tiers import tier_of_proto
-from chatmesh.token_text import token_pieces, tokens_frame
+from chatmesh.token_text import coalesced, token_pieces, tokens_frame
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.metrics import RouterMetrics
@@ -170,38 +172,39 @@ class Relay:
             outbox.cancel()
         call = engine.stub.Generate(outbox.frames(), timeout=self._call_timeout())
         self._call, self._outbox = call, outbox
+        frames = ReadAhead(call)
         completed = False
         try:
-            frame = await self._read(call, self.config.accept_timeout_s, "`accepted`")
-            if frame.WhichOneof("kind") != "accepted":
-                raise AttemptFailed(
-                    "protocol", f"the engine sent {frame.WhichOneof('kind')} before `accepted`"
-                )
+            batch = await self._take(frames, self.config.accept_timeout_s, "`accepted`")
+            if (kind := batch[0].WhichOneof("kind")) != "accepted":
+                raise AttemptFailed("protocol", f"the engine sent {kind} before `accepted`")
+            batch = batch[1:]
             timeout, waiting_for = self.config.first_token_timeout_s, "the first token"
             while True:
-                frame = await self._read(call, timeout, waiting_for)
-                kind = frame.WhichOneof("kind")
-                if kind == "tokens":
-                    tokens = self._new_tokens(frame.tokens)
-                    engine.progressed(attempt_id, len(self.plan.prompt) + len(self.output))
-                    timeout, waiting_for = self.config.idle_timeout_s, "the next token"
-                    if tokens is not None:
-                        yield router_pb2.GenerateResponse(tokens=tokens)
-                elif kind == "finished":
-                    completed = True
-                    engine.ended(attempt_id, completed=True)
-                    self.placer.remember(self.plan, engine, self.output)
-                    yield router_pb2.GenerateResponse(finished=self._finished(frame.finished, placement))
-                    return
-                else:
-                    raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
+                for frame in batch:
+                    kind = frame.WhichOneof("kind")
+                    if kind == "tokens":
+                        tokens = self._new_tokens(frame.tokens)
+                        engine.progressed(attempt_id, len(self.plan.prompt) + len(self.output))
+                        timeout, waiting_for = self.config.idle_timeout_s, "the next token"
+                        if tokens is not None:
+                            yield router_pb2.GenerateResponse(tokens=tokens)
+                    elif kind == "finished":
+                        completed = True
+                        engine.ended(attempt_id, completed=True)
+                        self.placer.remember(self.plan, engine, self.output)
+                        yield router_pb2.GenerateResponse(finished=self._finished(frame.finished, placement))
+                        return
+                    else:
+                        raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
+                batch = await self._take(frames, timeout, waiting_for)
         finally:
             self._call = self._outbox = None
             outbox.close()
             if completed:
-                await read_to_end(call)
+                await frames.finish()
             else:
-                call.cancel()
+                frames.cancel()
 
     def _engine_start(self, engine: EngineState, attempt_id: str) -> engine_pb2.GenerateStart:
         start, info = self.start, engine.info
@@ -215,12 +218,14 @@ class Relay:
             tokenizer_fingerprint=start.tokenizer_fingerprint,
         )
 
-    async def _read(
-        self, call: grpc.aio.StreamStreamCall, timeout_s: float, waiting_for: str
-    ) -> engine_pb2.GenerateResponse:
+    async def _take(
+        self, frames: ReadAhead, timeout_s: float, waiting_for: str
+    ) -> list[engine_pb2.GenerateResponse]:
+        """The engine's frames that arrived since the last take (at least one), token frames in a row
+        merged into one."""
         try:
             async with asyncio.timeout(timeout_s):
-                frame: Any = await call.read()
+                batch = await frames.take()
         except TimeoutError:
             raise AttemptFailed(
                 "timeout", f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
@@ -235,9 +240,9 @@ class Relay:
                     "exhausted", error.message or "queue full", error.retry_after_s or 1.0
                 ) from None
             raise AttemptFailed(code.name.lower(), f"{code.name}: {error.message}") from None
-        if frame is grpc.aio.EOF:
+        if not batch:
             raise AttemptFailed("protocol", "the stream ended without `finished`")
-        return frame
+        return coalesced(batch)
 
     def _new_tokens(self, tokens: engine_pb2.GenerateTokens) -> engine_pb2.GenerateTokens | None:
         """Appends a frame's tokens to the output; drops any the client already has (never expected)."""

@@ -11,9 +11,9 @@ cancel that reached another replica), a run adopted elsewhere, or replica shutdo
 sends the router a cancel frame, so engine work is freed at once; if the router does not confirm in
 time, the call itself is cancelled.
 
-Every delta is a function of the tokens alone (one per token that releases text, carrying the tokens
-since the one before; ``chatmesh.token_text``), never of how the engine or router grouped them into
-frames. So when the router dies mid-answer, the same request goes on through another router resuming
+Every delta of a stored run is a function of the tokens alone (one per token that releases text,
+carrying the tokens since the one before; ``chatmesh.token_text``), never of how the engine or router
+grouped them into frames. (An unstored run, Complete, is never replayed: its deltas follow the frames.) So when the router dies mid-answer, the same request goes on through another router resuming
 after the tokens so far, and when this replica dies, the replica that adopts the run regenerates the
 tokens after its last checkpoint: either way the events that follow are the ones this relay would
 have produced, with the same sequence numbers, and a client resuming from any of them sees no gap
@@ -37,6 +37,7 @@ from enum import StrEnum
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, unavailable
 from chatmesh.router.v1 import router_pb2
 from chatmesh.token_text import token_pieces
@@ -190,8 +191,7 @@ class Relay:
                         async for frame in self.stream.frames():
                             kind = frame.WhichOneof("kind")
                             if kind == "tokens":
-                                for token_id, text in token_pieces(frame.tokens):
-                                    self._emit(text, (token_id,))
+                                self._relay_tokens(frame.tokens)
                             elif kind == "finished":
                                 finished = frame.finished
                                 self._emit(finished.text, ())
@@ -243,6 +243,16 @@ class Relay:
         self.stream = await self.deps.router.place(
             continued(self.start, self._output_ids), config.max_run_s, config.placement_timeout_s
         )
+
+    def _relay_tokens(self, tokens: engine_pb2.GenerateTokens) -> None:
+        """A stored run's deltas are one per token, so that an adopter numbers them the same; an
+        unstored run (Complete) is never replayed, so its deltas follow the frames, and a reader that
+        fell behind gets one delta for all that the router merged."""
+        if self.stored_run is None:
+            self._emit(tokens.text, tokens.token_ids)
+            return
+        for token_id, text in token_pieces(tokens):
+            self._emit(text, (token_id,))
 
     def _emit(self, text: str, token_ids: Sequence[int]) -> None:
         """Turns released text into a delta event (tokens without text yet ride on the next one)."""

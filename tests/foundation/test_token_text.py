@@ -3,7 +3,8 @@
 import pytest
 
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.token_text import has_text_ends, token_pieces, tokens_frame
+from chatmesh.router.v1 import router_pb2
+from chatmesh.token_text import coalesced, has_text_ends, merge_frames, token_pieces, tokens_frame
 
 
 def frame(ids: list[int], text: str, ends: list[int]) -> engine_pb2.GenerateTokens:
@@ -50,3 +51,31 @@ def test_a_frame_built_from_pieces_splits_back_into_them():
     assert (built.index, list(built.token_ids), built.text) == (9, [5, 6, 7, 8], "Grüße 東京")
     assert list(built.text_ends) == [3, 3, 7, 8] and has_text_ends(built)
     assert token_pieces(built) == pieces
+
+
+def test_merged_frames_keep_every_token_piece_and_the_first_position():
+    first = engine_pb2.GenerateTokens(index=4, token_ids=[1, 2], text="Hé", text_ends=[1, 2])
+    second = engine_pb2.GenerateTokens(index=6, token_ids=[3], text="llo", text_ends=[3])
+    merged = merge_frames([first, second])
+    assert (merged.index, merged.text, list(merged.text_ends)) == (4, "Héllo", [1, 2, 5])
+    assert token_pieces(merged) == token_pieces(first) + token_pieces(second)
+    assert merge_frames([first]) is first
+
+
+def test_a_frame_without_ends_merges_as_one_piece_released_by_its_last_token():
+    merged = merge_frames([frame([1, 2], "ab", []), frame([3], "c", [1])])
+    assert token_pieces(merged) == [(1, ""), (2, "ab"), (3, "c")] and has_text_ends(merged)
+
+
+def test_coalescing_merges_each_run_of_token_frames_and_keeps_every_other_frame_in_place():
+    def tokens(index: int, text: str) -> router_pb2.GenerateResponse:
+        return router_pb2.GenerateResponse(
+            tokens=engine_pb2.GenerateTokens(index=index, token_ids=[index], text=text, text_ends=[len(text)])
+        )
+
+    routed = router_pb2.GenerateResponse(routed=router_pb2.GenerateRouted(engine_id="e1"))
+    finished = router_pb2.GenerateResponse(finished=engine_pb2.GenerateFinished())
+    out = coalesced([tokens(0, "a"), tokens(1, "b"), routed, tokens(2, "c"), finished])
+    assert [frame.WhichOneof("kind") for frame in out] == ["tokens", "routed", "tokens", "finished"]
+    assert (out[0].tokens.text, list(out[0].tokens.token_ids)) == ("ab", [0, 1])
+    assert out[2].tokens.index == 2 and out[3] is finished

@@ -1,6 +1,9 @@
 """The relay's own rules, without engines: token positions across attempts, and what a request that
 failed everywhere is told."""
 
+from collections import deque
+from types import SimpleNamespace
+
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
@@ -9,7 +12,7 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
-from router.placement import RequestPlan
+from router.placement import Placement, RequestPlan
 from router.relay import AttemptFailed, Relay
 
 
@@ -65,3 +68,55 @@ def test_when_every_engine_tried_was_full_the_answer_is_resource_exhausted_with_
     ]
     err = Relay._give_up(failures)
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s == 0.7
+
+
+class ArrivedCall:
+    """An engine call whose frames have all arrived already: what a relay finds when it fell behind."""
+
+    def __init__(self, frames: list[engine_pb2.GenerateResponse]) -> None:
+        self.frames = deque(frames)
+
+    async def read(self):
+        return self.frames.popleft() if self.frames else grpc.aio.EOF
+
+    def cancel(self) -> None:
+        pass
+
+
+def engine_answering(frames: list[engine_pb2.GenerateResponse]) -> SimpleNamespace:
+    call = ArrivedCall(frames)
+    return SimpleNamespace(
+        engine_id="e0",
+        info=None,
+        stub=SimpleNamespace(Generate=lambda requests, timeout: call),
+        progressed=lambda request_id, tokens: None,
+        ended=lambda request_id, completed: None,
+    )
+
+
+async def test_token_frames_that_arrived_while_the_client_was_busy_go_out_as_one():
+    r = relay()
+    r.placer = SimpleNamespace(remember=lambda plan, engine, output: None)
+    frames = [
+        engine_pb2.GenerateResponse(accepted=engine_pb2.GenerateAccepted()),
+        engine_pb2.GenerateResponse(
+            tokens=engine_pb2.GenerateTokens(index=0, token_ids=[10, 11], text="Hi", text_ends=[1, 2])
+        ),
+        engine_pb2.GenerateResponse(
+            tokens=engine_pb2.GenerateTokens(index=2, token_ids=[12], text=" you", text_ends=[4])
+        ),
+        engine_pb2.GenerateResponse(
+            finished=engine_pb2.GenerateFinished(finish_reason=engine_pb2.FINISH_REASON_STOP)
+        ),
+    ]
+    placement = Placement(engine_answering(frames), predicted_cached_tokens=0, model="m")
+    sent = [frame async for frame in r._stream(placement, "r")]
+    assert [frame.WhichOneof("kind") for frame in sent] == ["tokens", "finished"]
+    merged = sent[0].tokens
+    assert (merged.index, list(merged.token_ids), merged.text, list(merged.text_ends)) == (
+        0,
+        [10, 11, 12],
+        "Hi you",
+        [1, 2, 6],
+    )
+    assert r.output == [10, 11, 12] and sent[1].finished.usage.completion_tokens == 3
