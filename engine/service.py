@@ -225,6 +225,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             waiting_requests=stats.waiting_requests,
             running_requests=stats.running_requests,
             max_waiting_requests=self._engine.config.max_waiting_requests,
+            max_running_requests=self._engine.config.max_running_requests,
             kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_used=stats.kv_blocks_used,
             kv_usage=stats.kv_usage,

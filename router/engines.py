@@ -4,8 +4,9 @@ this router has in flight there.
 The engine's load report is periodic (and a request that just finished still counts in it); the
 router's own bookkeeping is exact for its own requests. Placement combines them, like Dynamo's
 predicted active blocks: load = this router's in-flight requests (each one's context so far in
-blocks; queued ones count as waiting until their first token) plus the *foreign* load the last
-report showed beyond them (other router replicas, direct clients), which is 0 with one router.
+blocks; those not started count as waiting until their first token, beyond the running slots the
+engine's last report left free) plus the *foreign* load the last report showed beyond them (other
+router replicas, direct clients), which is 0 with one router.
 
 For admission by predicted wait (``router.admission``) it also keeps this router's queued requests by
 tier rank, the rate at which its requests finish here, the rate at which it sends each tier here
@@ -62,6 +63,7 @@ class EngineState:
     waiting_by_rank: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # the same, per tier rank
     foreign_blocks: int = 0  # blocks in use at the last report beyond this router's requests
     foreign_waiting: int = 0  # queued at the last report beyond this router's requests
+    started_since_report: int = 0  # this router's requests that took a running slot since the last report
     finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttft_s: float = 0.0  # their median: its time to a first token with nothing queued (0: unknown)
@@ -108,6 +110,7 @@ class EngineState:
         self.load = load
         self.foreign_blocks = max(0, load.kv_blocks_used - self.inflight_blocks)
         self.foreign_waiting = max(0, load.waiting_requests - self.inflight_waiting)
+        self.started_since_report = 0
         self._publish()
 
     # -- this router's requests ----------------------------------------------------------------------
@@ -130,6 +133,7 @@ class EngineState:
         started = False
         if request is not None and not request.started:
             request.started = started = True
+            self.started_since_report += 1
             self.inflight_waiting -= 1
             self.waiting_by_rank[request.rank] -= 1
             if request.at_head:
@@ -175,8 +179,25 @@ class EngineState:
         """Requests of ``rank`` this router sent here per second, lately."""
         return self.admitted_rates[rank] * math.exp(-(now - self.admitted_at[rank]) / ADMITTED_RATE_TAU_S)
 
+    def queued_by_rank(self) -> list[int]:
+        """Per tier rank, this router's requests not started yet that wait in the engine's queue: those
+        beyond the running slots its last report left free (less those this router's requests took
+        since), which the engine gives to higher tiers first. (An engine starts a request at once while
+        it has a slot and nothing waits; one that does not say how many it runs gets no free slots.)"""
+        load = self.load
+        free = 0
+        if load is not None and load.max_running_requests and not load.waiting_requests:
+            free = max(0, load.max_running_requests - load.running_requests - self.started_since_report)
+        queued = list(self.waiting_by_rank)
+        for rank in reversed(range(len(queued))):
+            starting = min(free, queued[rank])
+            queued[rank] -= starting
+            free -= starting
+        return queued
+
     def queue_view(self) -> QueueView:
         max_waiting = self.load.max_waiting_requests if self.load is not None else 0
+        waiting_by_rank = self.queued_by_rank()
         # A new request of rank r waits behind this router's queued requests of rank >= r and behind
         # every foreign one (their tiers are unknown); later requests of higher ranks pass it, but only
         # while the engine itself reports a queue: with a free running slot it starts at once. (Its
@@ -189,12 +210,12 @@ class EngineState:
         behind, passing = 0, 0.0
         for rank in reversed(range(len(TIERS))):
             higher_rate[rank] = passing
-            behind += self.waiting_by_rank[rank]
+            behind += waiting_by_rank[rank]
             ahead[rank] += behind
             passing += self._admitted_rate(rank, now) if queued else 0.0
         return QueueView(
             self.engine_id,
-            self.inflight_waiting + self.foreign_waiting,
+            sum(waiting_by_rank) + self.foreign_waiting,
             max_waiting,
             self.drain_rate(),
             tuple(ahead),

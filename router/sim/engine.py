@@ -105,6 +105,7 @@ class SimEngine:
             waiting_requests=self.waiting_count(),
             running_requests=len(self.prefilling) + len(self.decoding),
             max_waiting_requests=self.costs.max_waiting_requests,
+            max_running_requests=self.costs.max_running_requests,
             kv_blocks_total=self.costs.kv_blocks,
             kv_blocks_used=self.used_blocks,
             prefix_hit_tokens=self.hit_tokens,

@@ -268,6 +268,42 @@ def test_engine_state_measures_its_drain_rate_and_head_of_queue_ttft_and_queues_
     assert state.queue_view().ahead == (10, 5, 3)
 
 
+def test_requests_not_started_wait_only_beyond_the_running_slots_the_engine_reported_free():
+    clock = Clock()
+    state = measured_engine("a1", clock)
+    state.report(
+        engine_pb2.EngineLoad(
+            running_requests=60, max_running_requests=64, max_waiting_requests=256, serving=True
+        )
+    )
+    queue_on(state, 4, router_pb2.TIER_ENTERPRISE)  # a burst that the 4 free slots start at once
+    assert state.queue_view().waiting == 0
+    # Two of them started (a token came back): the slots they took are gone until the next report.
+    [first, second, *_] = list(state.inflight)[-4:]
+    state.progressed(first, 11)
+    state.progressed(second, 11)
+    queue_on(state, 1, router_pb2.TIER_ENTERPRISE)
+    assert state.queue_view().waiting == 1
+    # The next report counts those two among the running.
+    state.report(
+        engine_pb2.EngineLoad(
+            running_requests=62, max_running_requests=64, max_waiting_requests=256, serving=True
+        )
+    )
+    assert state.queue_view().waiting == 1
+    queue_on(state, 3, router_pb2.TIER_FREE)  # queued behind the enterprise one (higher tiers start first)
+    view = state.queue_view()
+    assert view.waiting == 4 and view.ahead == (4, 1, 1)
+    # An engine that reports a queue has no free slot, whatever it runs; one that does not say how many
+    # it runs gets none either.
+    state.report(
+        engine_pb2.EngineLoad(running_requests=1, max_running_requests=64, waiting_requests=7, serving=True)
+    )
+    assert state.queue_view().waiting == 7
+    state.report(engine_pb2.EngineLoad(running_requests=1, serving=True))
+    assert state.queue_view().waiting == 6  # all of this router's requests not started
+
+
 def test_free_is_shed_by_predicted_wait_long_before_the_queue_is_deep():
     clock = Clock()
     registry = Registry(measured_engine("a1", clock))

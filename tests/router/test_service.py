@@ -125,22 +125,7 @@ async def test_load_dominates_when_the_engine_holding_the_prefix_is_saturated(
     await wait_until(lambda: engine_idle(engine_stubs[home]), what="the heavy load to go away")
 
 
-@pytest.fixture(scope="module")
-def count_rule_router(start_router, router):
-    """A router over the same engines that admits by queue length alone: with the wait rule, the
-    requests of a burst not yet started count as queued, and drain rates measured by earlier tests
-    can shed part of a burst (about 1 run in 3). What the burst test asks about is placement."""
-    return start_router(router.engines, admission="count")
-
-
-@pytest.fixture
-async def count_rule_stub(count_rule_router):
-    async with grpc.aio.insecure_channel(count_rule_router.address) as channel:
-        yield router_pb2_grpc.RouterServiceStub(channel)
-
-
-async def test_a_burst_on_a_hot_prefix_spreads_once_the_holders_load_outweighs_the_hit(count_rule_stub, tok):
-    stub = count_rule_stub
+async def test_a_burst_on_a_hot_prefix_spreads_once_the_holders_load_outweighs_the_hit(stub, tok):
     system = "You summarise long documents for busy readers. " * 30
     home = (await generate(stub, start_frame(chat(tok, system, "Warm up."), max_tokens=2))).engine_id
     # Each request counts on its engine the moment it is placed, so a burst does not all pile onto
