@@ -49,8 +49,10 @@ import statistics
 import sys
 import tempfile
 import time
+from bisect import bisect_right
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 import httpx
@@ -74,6 +76,7 @@ from bench.plotting import pyplot  # noqa: E402
 from bench.process_usage import Usage  # noqa: E402
 from bench.sse_client import SseFailedError, post_events  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
+from engine.model.loading import NULL_TEXT  # noqa: E402
 from localmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
 from localmesh.front_door import FrontDoorPorts, front_door_specs  # noqa: E402
 from meshkit.launcher import Launcher, free_port  # noqa: E402
@@ -84,6 +87,22 @@ PATHS = ("engine", "openai", "chat")
 
 class StreamFailedError(RuntimeError):
     """A stream through the door ended with an error (HTTP status, error event, or a short answer)."""
+
+
+class NullText:
+    """How many tokens a null engine's answer holds, from the length of its text so far. The null engine
+    answers the token at position p with the (p mod L)-th of the L tokens of ``NULL_TEXT``, so an
+    answer to a prompt of n tokens is that cycle's text from token n mod L on, and each token's piece of
+    text has a known length."""
+
+    def __init__(self, tok, prompt_tokens: int) -> None:
+        cycle = tok.encode(NULL_TEXT)
+        start = prompt_tokens % len(cycle)
+        self._ends = list(accumulate(len(tok.decode([token])) for token in cycle[start:] + cycle[:start]))
+
+    def tokens_in(self, chars: int) -> int:
+        cycles, rest = divmod(chars, self._ends[-1])
+        return cycles * len(self._ends) + bisect_right(self._ends, rest)
 
 
 class Door:
@@ -101,6 +120,8 @@ class Door:
             timeout=httpx.Timeout(600.0, connect=120.0, pool=None),
         )
         self._auth: dict[int, dict[str, str]] = {}
+        self._text: NullText | None = None
+        self._calibrating = asyncio.Lock()
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -115,8 +136,30 @@ class Door:
         return await timed(getattr(self, f"_{path}")(i, chat_id), began)
 
     async def openai_chunks(self, i: int, tokens: int) -> AsyncIterator[int]:
-        """1 per content chunk of a streamed completion, then the tokens the usage chunk counts beyond
-        that (a chunk can carry two tokens: OpenAI chunks have no token count of their own)."""
+        """For each content chunk of a streamed completion, the tokens it carries (a chunk carries
+        several when the door merged them for a reader that fell behind; counted from the null
+        engine's text, ``NullText``), then any the usage chunk counts beyond those."""
+        counted = completion_tokens = 0
+        text = await self._null_text()
+        chars = 0
+        try:
+            async for chunk in self._completion(i, tokens):
+                if chunk["choices"] and (content := chunk["choices"][0]["delta"].get("content")):
+                    chars += len(content)
+                    now = text.tokens_in(chars)
+                    yield now - counted
+                    counted = now
+                elif chunk.get("usage"):
+                    completion_tokens = chunk["usage"]["completion_tokens"]
+                    if completion_tokens > counted:
+                        yield completion_tokens - counted
+        except SseFailedError as exc:
+            raise StreamFailedError(str(exc)) from None
+        if completion_tokens != tokens:
+            raise StreamFailedError(f"the answer ended after {completion_tokens} of {tokens} tokens")
+
+    async def _completion(self, i: int, tokens: int) -> AsyncIterator[dict]:
+        """The chunks of a streamed completion of QUESTION (an error chunk raises)."""
         body = {
             "messages": [
                 {"role": "system", "content": DEFAULT_SYSTEM_PROMPT},
@@ -127,25 +170,23 @@ class Door:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        chunks = completion_tokens = 0
-        try:
-            async for data in post_events(self.host, self.port, "/v1/chat/completions", body, self.auth(i)):
-                if data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    raise StreamFailedError(chunk["error"]["message"])
-                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                    chunks += 1
-                    yield 1
-                elif chunk.get("usage"):
-                    completion_tokens = chunk["usage"]["completion_tokens"]
-                    if completion_tokens > chunks:
-                        yield completion_tokens - chunks
-        except SseFailedError as exc:
-            raise StreamFailedError(str(exc)) from None
-        if completion_tokens != tokens:
-            raise StreamFailedError(f"the answer ended after {completion_tokens} of {tokens} tokens")
+        async for data in post_events(self.host, self.port, "/v1/chat/completions", body, self.auth(i)):
+            if data == "[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise StreamFailedError(chunk["error"]["message"])
+            yield chunk
+
+    async def _null_text(self) -> NullText:
+        """The null engines' text for QUESTION's prompt, from one short completion's prompt length."""
+        async with self._calibrating:  # once, whoever asks first
+            if self._text is None:
+                prompt_tokens = 0
+                async for chunk in self._completion(0, 1):
+                    prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+                self._text = NullText(load_tokenizer(), prompt_tokens)
+        return self._text
 
     async def _openai(self, i: int, chat_id: str) -> AsyncIterator[int]:
         async for count in self.openai_chunks(i, self.tokens):
@@ -409,8 +450,15 @@ async def relay_cost(door: Door, streams: int, tokens: int, window_s: float, pid
 
     tasks = [asyncio.create_task(one(i)) for i in range(streams)]
     try:
-        async with asyncio.timeout(120):
-            await all_started.wait()
+        try:
+            async with asyncio.timeout(120):
+                await all_started.wait()
+        except TimeoutError:
+            failed = [t.exception() for t in tasks if t.done() and t.exception() is not None]
+            raise StreamFailedError(
+                f"{started} of {streams} streams started in 120 s; {len(failed)} failed"
+                + (f", the first with {failed[0]!r}" if failed else "")
+            ) from None
         await asyncio.sleep(1.0)
         before, counted, began = Usage.of(pids), received, time.perf_counter()
         await asyncio.sleep(window_s)

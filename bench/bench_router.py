@@ -514,6 +514,13 @@ def main() -> None:
             summaries[policy] = summarize(policy, results)
             raw[policy] = [asdict(r) for r in results]
             s = summaries[policy]
+            if len(summaries) == 1:  # greedy and ignore_eos: every policy sends the same prompts
+                prompts = [r.prompt_tokens for r in results]
+                last = [r.prompt_tokens for r in results if r.turn == args.turns - 1]
+                print(
+                    f"    prompts: {statistics.mean(prompts):,.0f} tokens on average, last turn "
+                    f"{min(last, default=0):,}-{max(last, default=0):,}"
+                )
             print(
                 f"    hit {s.hit_rate:.1%}, TTFT p90 {s.ttft_p90_s:.2f} s, {s.output_tok_s:.1f} output tok/s",
                 flush=True,
