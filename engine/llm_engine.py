@@ -277,6 +277,7 @@ class LLMEngine:
     def _current_stats(self) -> EngineStats:
         return EngineStats(
             waiting_requests=self.scheduler.num_waiting + self.tracker.num_admitted,
+            blocked_requests=self.scheduler.num_waiting,
             running_requests=len(self.scheduler.running),
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_used=self.kv.num_used_blocks,

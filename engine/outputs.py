@@ -47,6 +47,9 @@ class EngineStats:
     """The engine's load after a step: what GetLoad and WatchLoad report and the gauges show."""
 
     waiting_requests: int = 0
+    # Of those, the ones the step passed over (no running slot or KV blocks for them); requests that
+    # arrived during the step wait only for the next one.
+    blocked_requests: int = 0
     running_requests: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0

@@ -223,6 +223,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         stats = self._engine.stats
         return engine_pb2.EngineLoad(
             waiting_requests=stats.waiting_requests,
+            blocked_requests=stats.blocked_requests,
             running_requests=stats.running_requests,
             max_waiting_requests=self._engine.config.max_waiting_requests,
             max_running_requests=self._engine.config.max_running_requests,

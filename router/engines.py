@@ -179,15 +179,23 @@ class EngineState:
         """Requests of ``rank`` this router sent here per second, lately."""
         return self.admitted_rates[rank] * math.exp(-(now - self.admitted_at[rank]) / ADMITTED_RATE_TAU_S)
 
+    def _starts_next_step(self) -> bool:
+        """Whether the engine starts what waits there at its next step while it has running slots: it
+        says how many it runs and blocks none. A burst that arrived between two steps waits there, but
+        is not a queue."""
+        load = self.load
+        return load is not None and bool(load.max_running_requests) and not load.blocked_requests
+
     def queued_by_rank(self) -> list[int]:
         """Per tier rank, this router's requests not started yet that wait in the engine's queue: those
-        beyond the running slots its last report left free (less those this router's requests took
-        since), which the engine gives to higher tiers first. (An engine starts a request at once while
-        it has a slot and nothing waits; one that does not say how many it runs gets no free slots.)"""
-        load = self.load
+        beyond the running slots its last report left free (less what others' requests waiting there
+        and this router's started since will take), which the engine gives to higher tiers first. An
+        engine that blocks requests, or does not say how many it runs, has no free slots here."""
         free = 0
-        if load is not None and load.max_running_requests and not load.waiting_requests:
-            free = max(0, load.max_running_requests - load.running_requests - self.started_since_report)
+        if self._starts_next_step():
+            assert self.load is not None
+            taken = self.load.running_requests + self.foreign_waiting + self.started_since_report
+            free = max(0, self.load.max_running_requests - taken)
         queued = list(self.waiting_by_rank)
         for rank in reversed(range(len(queued))):
             starting = min(free, queued[rank])
@@ -198,14 +206,15 @@ class EngineState:
     def queue_view(self) -> QueueView:
         max_waiting = self.load.max_waiting_requests if self.load is not None else 0
         waiting_by_rank = self.queued_by_rank()
+        foreign_queued = 0 if self._starts_next_step() else self.foreign_waiting
         # A new request of rank r waits behind this router's queued requests of rank >= r and behind
         # every foreign one (their tiers are unknown); later requests of higher ranks pass it, but only
         # while the engine itself reports a queue: with a free running slot it starts at once. (Its
         # finish rate lags what it is sent by a whole answer, so comparing the two when it is not
         # saturated would refuse lower tiers for nothing: the simulation at 1x lost a fifth of its hits.)
-        queued = self.load is not None and self.load.waiting_requests > 0
+        queued = self.load is not None and self.load.blocked_requests > 0
         now = self.clock()
-        ahead = [self.foreign_waiting] * len(TIERS)
+        ahead = [foreign_queued] * len(TIERS)
         higher_rate = [0.0] * len(TIERS)
         behind, passing = 0, 0.0
         for rank in reversed(range(len(TIERS))):
@@ -215,7 +224,7 @@ class EngineState:
             passing += self._admitted_rate(rank, now) if queued else 0.0
         return QueueView(
             self.engine_id,
-            sum(waiting_by_rank) + self.foreign_waiting,
+            sum(waiting_by_rank) + foreign_queued,
             max_waiting,
             self.drain_rate(),
             tuple(ahead),

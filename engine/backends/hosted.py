@@ -305,6 +305,7 @@ class HostedEngine:
         c = self._counters
         self.stats = EngineStats(
             waiting_requests=len(self.tracker.requests) - started,
+            blocked_requests=len(self.tracker.requests) - started,  # the server's queue is not ours to see
             running_requests=started,
             kv_blocks_total=c.kv.total_blocks,
             kv_blocks_used=c.kv.used_blocks,

@@ -103,6 +103,7 @@ class SimEngine:
     def load(self) -> engine_pb2.EngineLoad:
         return engine_pb2.EngineLoad(
             waiting_requests=self.waiting_count(),
+            blocked_requests=self.waiting_count(),
             running_requests=len(self.prefilling) + len(self.decoding),
             max_waiting_requests=self.costs.max_waiting_requests,
             max_running_requests=self.costs.max_running_requests,

@@ -249,7 +249,9 @@ def test_engine_state_measures_its_drain_rate_and_head_of_queue_ttft_and_queues_
     view = state.queue_view()
     assert view.waiting == 8 and view.ahead == (8, 3, 1)
     assert view.higher_rate == (0.0, 0.0, 0.0)  # the engine reports no queue: nothing passes anyone
-    state.report(engine_pb2.EngineLoad(waiting_requests=8, max_waiting_requests=256, serving=True))
+    state.report(
+        engine_pb2.EngineLoad(waiting_requests=8, blocked_requests=8, max_waiting_requests=256, serving=True)
+    )
     view = state.queue_view()
     # A queued request's first token takes it out of the queue; one that queued says nothing of the
     # engine's head-of-queue TTFT.
@@ -264,7 +266,11 @@ def test_engine_state_measures_its_drain_rate_and_head_of_queue_ttft_and_queues_
     clock.now += 1.0
     assert state.queue_view().higher_rate[0] == pytest.approx(3.0 * math.exp(-4), rel=0.01)
     # What another router sent (the report beyond this router's own) is ahead of every tier.
-    state.report(engine_pb2.EngineLoad(waiting_requests=10, max_waiting_requests=256, serving=True))
+    state.report(
+        engine_pb2.EngineLoad(
+            waiting_requests=10, blocked_requests=10, max_waiting_requests=256, serving=True
+        )
+    )
     assert state.queue_view().ahead == (10, 5, 3)
 
 
@@ -294,10 +300,18 @@ def test_requests_not_started_wait_only_beyond_the_running_slots_the_engine_repo
     queue_on(state, 3, router_pb2.TIER_FREE)  # queued behind the enterprise one (higher tiers start first)
     view = state.queue_view()
     assert view.waiting == 4 and view.ahead == (4, 1, 1)
-    # An engine that reports a queue has no free slot, whatever it runs; one that does not say how many
-    # it runs gets none either.
+    # Requests that reached the engine between two steps wait there, but only for the next step: the
+    # slots they will take are not free (another router's one among them, here), but they are no queue.
     state.report(
-        engine_pb2.EngineLoad(running_requests=1, max_running_requests=64, waiting_requests=7, serving=True)
+        engine_pb2.EngineLoad(running_requests=56, max_running_requests=64, waiting_requests=7, serving=True)
+    )
+    assert state.queue_view().waiting == 0
+    # An engine that blocks requests has no free slot, whatever it runs; one that does not say how many
+    # it runs has none either.
+    state.report(
+        engine_pb2.EngineLoad(
+            running_requests=1, max_running_requests=64, waiting_requests=7, blocked_requests=1, serving=True
+        )
     )
     assert state.queue_view().waiting == 7
     state.report(engine_pb2.EngineLoad(running_requests=1, serving=True))

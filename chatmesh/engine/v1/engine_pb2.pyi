@@ -190,7 +190,7 @@ class KvEventsResponse(_message.Message):
     def __init__(self, engine_instance_id: _Optional[str] = ..., snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ..., batch: _Optional[_Union[KvEventBatch, _Mapping]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("waiting_requests", "running_requests", "max_waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_usage", "prefix_hit_tokens", "prefix_queried_tokens", "generated_tokens", "serving", "max_running_requests")
+    __slots__ = ("waiting_requests", "running_requests", "max_waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_usage", "prefix_hit_tokens", "prefix_queried_tokens", "generated_tokens", "serving", "max_running_requests", "blocked_requests")
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,7 @@ class EngineLoad(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     waiting_requests: int
     running_requests: int
     max_waiting_requests: int
@@ -213,7 +214,8 @@ class EngineLoad(_message.Message):
     generated_tokens: int
     serving: bool
     max_running_requests: int
-    def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., serving: _Optional[bool] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
+    blocked_requests: int
+    def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., serving: _Optional[bool] = ..., max_running_requests: _Optional[int] = ..., blocked_requests: _Optional[int] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ("interval_ms",)
