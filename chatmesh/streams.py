@@ -130,7 +130,8 @@ class ReadAhead:
 
     async def take(self) -> list[Any]:
         """Waits for at least one frame; returns all that have arrived, oldest first. Returns [] once
-        the call has ended with OK and everything was taken; raises its error after the frames before it."""
+        the call has ended with OK (or was cancelled here) and everything was taken; raises its error
+        after the frames before it."""
         while not self._frames:
             if self._ended:
                 if self._error is not None:
@@ -147,10 +148,9 @@ class ReadAhead:
         that matters has arrived (and the request side is closed): a call left unread completes only
         when it is garbage-collected, and so does its client trace span, which then never joins the
         trace in time."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await asyncio.shield(self._task)
-        except TimeoutError:
+        # wait(), not await: the reading task's own end (a call cancelled meanwhile) is not ours to raise.
+        done, _ = await asyncio.wait({self._task}, timeout=timeout_s)
+        if not done:
             self.cancel()
 
     def stop(self) -> None:

@@ -106,8 +106,8 @@ class CassandraCluster:
 
     def _wait_converged(self, seed: CassandraNode, deadline_s: float = 60.0) -> None:
         """Waits until the seed's gossip shows every member holding one schema version. A member that
-        answers CQL may not have met the others yet: DDL sent to it then would not reach them, and the
-        tables it creates could be unknown to the replicas of the first reads."""
+        answers CQL may not have met the others yet, and a client's schema agreement check
+        (``Db.await_schema_agreement``) asks only the members the driver has heard of."""
         members = sorted(node.config.address for node in self.nodes)
         deadline = time.monotonic() + deadline_s
         while True:

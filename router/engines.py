@@ -179,23 +179,21 @@ class EngineState:
         """Requests of ``rank`` this router sent here per second, lately."""
         return self.admitted_rates[rank] * math.exp(-(now - self.admitted_at[rank]) / ADMITTED_RATE_TAU_S)
 
-    def _starts_next_step(self) -> bool:
-        """Whether the engine starts what waits there at its next step while it has running slots: it
-        says how many it runs and blocks none. A burst that arrived between two steps waits there, but
-        is not a queue."""
+    def _free_slots(self) -> int | None:
+        """Running slots the engine's last report left for this router's requests not started yet (less
+        what others' requests waiting there and this router's started since take). None when it blocks
+        requests or does not say how many it runs: then whatever waits there is queued. An engine that
+        blocks none starts what waits at its next step: a burst that arrived between two steps waits
+        there, but is not a queue."""
         load = self.load
-        return load is not None and bool(load.max_running_requests) and not load.blocked_requests
+        if load is None or not load.max_running_requests or load.blocked_requests:
+            return None
+        taken = load.running_requests + self.foreign_waiting + self.started_since_report
+        return max(0, load.max_running_requests - taken)
 
-    def queued_by_rank(self) -> list[int]:
-        """Per tier rank, this router's requests not started yet that wait in the engine's queue: those
-        beyond the running slots its last report left free (less what others' requests waiting there
-        and this router's started since will take), which the engine gives to higher tiers first. An
-        engine that blocks requests, or does not say how many it runs, has no free slots here."""
-        free = 0
-        if self._starts_next_step():
-            assert self.load is not None
-            taken = self.load.running_requests + self.foreign_waiting + self.started_since_report
-            free = max(0, self.load.max_running_requests - taken)
+    def _queued_by_rank(self, free: int) -> list[int]:
+        """Per tier rank, this router's requests not started yet that find no free slot: the engine
+        gives the slots to higher tiers first."""
         queued = list(self.waiting_by_rank)
         for rank in reversed(range(len(queued))):
             starting = min(free, queued[rank])
@@ -205,8 +203,9 @@ class EngineState:
 
     def queue_view(self) -> QueueView:
         max_waiting = self.load.max_waiting_requests if self.load is not None else 0
-        waiting_by_rank = self.queued_by_rank()
-        foreign_queued = 0 if self._starts_next_step() else self.foreign_waiting
+        free = self._free_slots()
+        waiting_by_rank = self._queued_by_rank(free or 0)
+        foreign_queued = self.foreign_waiting if free is None else 0
         # A new request of rank r waits behind this router's queued requests of rank >= r and behind
         # every foreign one (their tiers are unknown); later requests of higher ranks pass it, but only
         # while the engine itself reports a queue: with a free running slot it starts at once. (Its

@@ -13,7 +13,8 @@ time, the call itself is cancelled.
 
 Every delta of a stored run is a function of the tokens alone (one per token that releases text,
 carrying the tokens since the one before; ``chatmesh.token_text``), never of how the engine or router
-grouped them into frames. (An unstored run, Complete, is never replayed: its deltas follow the frames.) So when the router dies mid-answer, the same request goes on through another router resuming
+grouped them into frames (an unstored run, Complete, is never replayed: its deltas follow the frames).
+So when the router dies mid-answer, the same request goes on through another router resuming
 after the tokens so far, and when this replica dies, the replica that adopts the run regenerates the
 tokens after its last checkpoint: either way the events that follow are the ones this relay would
 have produced, with the same sequence numbers, and a client resuming from any of them sees no gap
