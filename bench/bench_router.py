@@ -200,6 +200,7 @@ async def one_request(
         tier=router_pb2.TIER_PRO,
         session_id=conv.name,
         tokenizer_fingerprint=fingerprint,
+        new_session=turn == 0,
     )
     sent = time.perf_counter()
     first, tokens, routed, finished = None, [], [], None
@@ -280,12 +281,16 @@ def engine_spec(i: int, backend: str, args, cores: int, null_tokens_per_s: float
 
 
 def router_spec(engines: list[ServiceSpec], policy: str) -> ServiceSpec:
-    """``policy`` is a router policy, or ``kv_aware:W`` for kv_aware with overlap weight W."""
+    """``policy`` is a router policy, or ``kv_aware:W[:S]`` for kv_aware with overlap weight W (and
+    session weight S)."""
     port = free_port()
-    name, _, weight = policy.partition(":")
+    name, _, weights = policy.partition(":")
+    overlap, _, session = weights.partition(":")
     argv = [sys.executable, "-m", "router", "--port", str(port), "--policy", name]
-    if weight:
-        argv += ["--overlap-weight", weight]
+    if overlap:
+        argv += ["--overlap-weight", overlap]
+    if session:
+        argv += ["--session-weight", session]
     for spec in engines:
         argv += ["--engine", f"{spec.name}=127.0.0.1:{spec.ports[0]}"]
     return ServiceSpec("router", argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT)
@@ -460,7 +465,7 @@ def main() -> None:
         "--policies",
         nargs="+",
         default=["kv_aware", "round_robin", "random", "oracle"],
-        help="router policies; kv_aware:W runs kv_aware with --overlap-weight W",
+        help="router policies; kv_aware:W[:S] runs kv_aware with --overlap-weight W [--session-weight S]",
     )
     parser.add_argument("--conversations", type=int, default=40)
     parser.add_argument("--turns", type=int, default=6)

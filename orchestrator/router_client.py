@@ -43,6 +43,7 @@ def start_frame(
     tier: str,
     session_id: str,
     fingerprint: str,
+    new_session: bool = False,
 ) -> router_pb2.GenerateStart:
     sampling = engine_pb2.SamplingParams(
         temperature=generation.temperature,
@@ -61,6 +62,7 @@ def start_frame(
         tier=tier_named(tier).proto,
         session_id=session_id,
         tokenizer_fingerprint=fingerprint,
+        new_session=new_session,
     )
 
 

@@ -88,6 +88,10 @@ class RouterConfig:
     session_hints: int = setting(
         100_000, "sessions whose last engine is remembered as a placement hint (0: off)"
     )
+    # Sessions held (router/sessions.py): what a new session's placement weighs (policy.py).
+    session_idle_s: float = setting(
+        600.0, "a session counts as held by the engine of its latest request for this long after it"
+    )
 
     # Engine streams and calls
     load_interval_ms: int = setting(100, "engine load report period")
@@ -115,8 +119,10 @@ class RouterConfig:
             problems.append("max attempts must be >= 1")
         if self.session_hints < 0:
             problems.append("session hints must be >= 0")
-        if self.weights.overlap < 0 or self.weights.temperature < 0:
-            problems.append("the overlap weight and the temperature must be >= 0")
+        if min(self.weights.overlap, self.weights.temperature, self.weights.session) < 0:
+            problems.append("the overlap and session weights and the temperature must be >= 0")
+        if self.session_idle_s <= 0:
+            problems.append("the session idle time must be > 0 seconds")
         timeouts = (
             self.dns_refresh_s,
             self.rpc_timeout_s,

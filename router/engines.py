@@ -64,6 +64,7 @@ class EngineState:
     foreign_blocks: int = 0  # blocks in use at the last report beyond this router's requests
     foreign_waiting: int = 0  # queued at the last report beyond this router's requests
     started_since_report: int = 0  # this router's requests that took a running slot since the last report
+    sessions: int = 0  # sessions whose latest request this router placed here lately (router/sessions.py)
     finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttft_s: float = 0.0  # their median: its time to a first token with nothing queued (0: unknown)
@@ -162,6 +163,10 @@ class EngineState:
         self.inflight_blocks += blocks - request.blocks
         changed, request.blocks = blocks != request.blocks, blocks
         return changed
+
+    def hold_sessions(self, delta: int) -> None:
+        self.sessions += delta
+        self._publish()
 
     # -- what placement and admission read -----------------------------------------------------------
 

@@ -26,6 +26,7 @@ class EngineRow(Protocol):
 
     engine_id: str
     info: engine_pb2.GetModelInfoResponse | None
+    sessions: int
 
     @property
     def healthy(self) -> bool: ...
@@ -47,6 +48,7 @@ class LoadTable(Generic[State]):
         self.hashing = np.zeros(capacity, dtype=np.int64)  # id of (block size, hash seed)
         self.block_size = np.ones(capacity, dtype=np.int64)
         self.decode_blocks = np.zeros(capacity, dtype=np.float64)
+        self.sessions = np.zeros(capacity, dtype=np.int64)
         self.waiting = np.zeros(capacity, dtype=np.int64)
         self.max_waiting = np.zeros(capacity, dtype=np.int64)
         self.ahead = np.zeros((capacity, len(TIERS)), dtype=np.int64)  # queued ahead, per tier rank
@@ -115,6 +117,7 @@ class LoadTable(Generic[State]):
             self.block_size[slot] = info.block_size
         self.healthy[slot] = state.healthy
         self.decode_blocks[slot] = state.decode_blocks()
+        self.sessions[slot] = state.sessions
         view = state.queue_view()
         self.waiting[slot] = view.waiting
         self.max_waiting[slot] = view.max_waiting

@@ -17,7 +17,8 @@ costs a few vector operations however many engines there are (bench/bench_scale_
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -35,7 +36,7 @@ from router.index import PrefixIndex
 from router.loads import LoadTable
 from router.metrics import RouterMetrics
 from router.policy import Pool, choose_in, predicted_cached_tokens, with_hint
-from router.sessions import SessionHints
+from router.sessions import SessionHints, SessionsHeld
 
 
 class PlacementState(Protocol):
@@ -57,6 +58,9 @@ class RequestPlan:
     tokenizer_fingerprint: str = ""
     tier: int = router_pb2.TIER_FREE
     session_id: str = ""
+    opens_session: bool = (
+        False  # its prompt carries no earlier turn of the session (GenerateStart.new_session)
+    )
     _hashes: dict[tuple[int, int], list[int]] = field(default_factory=dict, repr=False)
 
     def block_hashes(self, block_size: int, seed: int) -> list[int]:
@@ -82,6 +86,7 @@ class Placer:
         config: RouterConfig,
         metrics: RouterMetrics,
         rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.registry = registry
         self.config = config
@@ -91,11 +96,14 @@ class Placer:
         self._decisions = metrics.decisions.labels(config.policy)
         self._cheaper = config.cheaper_models()
         self.hints = SessionHints(config.session_hints)
+        self.sessions = SessionsHeld(config.session_idle_s)
+        self.clock = clock
 
     def place(self, plan: RequestPlan, exclude: set[str], admit: bool) -> Placement:
         """Picks an engine for ``plan``, not one of ``exclude``. ``admit``: apply the tier's admission
         rule (a new request), degrading a free one its pool refuses; otherwise (a failover) any engine
         of its pool with headroom will do."""
+        self.sessions.expire(self.clock())
         model = self._model_of(plan)
         rows = self._healthy_rows(plan, model, exclude)
         tier = tier_of_proto(plan.tier)
@@ -162,6 +170,7 @@ class Placer:
         self._decisions.inc()
         engine = loads.states[self.registry.index.slot(choice.engine_id)]
         assert engine is not None, "a chosen row belongs to an attached engine"
+        self.sessions.placed(plan.session_id, engine, self.clock())
         predicted = predicted_cached_tokens(len(plan.prompt), choice.cached_blocks, engine.block_size)
         return Placement(engine, predicted, model, degraded)
 
@@ -244,7 +253,13 @@ class Placer:
                 same = hashing == group
                 cached[same] = depth[rows[same]]
         return Pool(
-            rows, loads.engine_ids, loads.rendezvous_key, block_sizes, cached, loads.decode_blocks[rows]
+            rows,
+            loads.engine_ids,
+            loads.rendezvous_key,
+            block_sizes,
+            cached,
+            loads.decode_blocks[rows],
+            loads.sessions[rows] if plan.opens_session else 0,
         )
 
     def pool(self, plan: RequestPlan) -> list[EngineState]:

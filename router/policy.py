@@ -3,7 +3,7 @@ to one engine. No I/O, no clock: the service gathers the inputs, these decide.
 
 ``kv_aware`` is NVIDIA Dynamo's cost, per engine::
 
-    cost = overlap_weight · prefill_blocks + decode_blocks
+    cost = overlap_weight · prefill_blocks + decode_blocks (+ session_weight · sessions)
 
 ``prefill_blocks`` are the prompt's blocks still to compute there after its cached prefix (tokens ÷
 block size), ``decode_blocks`` the blocks of the work already running or queued there (each request's
@@ -28,6 +28,16 @@ The policies are computed over columns (``Pool``: one row per engine, in engine-
 decision over a thousand engines is a few vector operations; ``choose`` takes ``Candidate`` records and
 says the same.
 
+The session term counts only for a request that opens a session (a chat's first message): ``sessions``
+are the sessions whose latest request went to that engine lately (router/sessions.py). A chat's later
+turns go where its history is cached, so where its first turn lands decides where all of them run;
+load that is running right now cannot see that, and between turns a chat holds no running work. So
+without this term, new chats that share a system prompt all follow the one engine that holds it while
+another engine stays idle (the router benchmark's long chats did exactly that). Each session held
+weighs ``session_weight`` blocks, about the prefill a chat brings over its next turns: by default
+new chats spread over the engines by the sessions they hold, and a cached shared prefix decides
+between engines that hold about as many.
+
 A session hint (``with_hint``, router/sessions.py) credits the engine that last ran the chat with the
 blocks the router saw it compute, for when the KV events saying so have not reached the index yet; it
 is applied before the policy, only when the index predicts no engine holding more.
@@ -51,6 +61,10 @@ POLICIES = ("kv_aware", "round_robin", "random", "oracle")
 
 DEFAULT_OVERLAP_WEIGHT = 16.0
 
+# A session an engine holds, for a request opening a new one: 16 blocks of prefill at the default
+# overlap weight, about the new prompt and answer tokens of a few turns of chat.
+DEFAULT_SESSION_WEIGHT = 256.0
+
 # Costs closer than this are a tie (they are sums of block counts and block fractions).
 _TIE = 1e-9
 
@@ -64,6 +78,11 @@ class CostWeights:
         flag="overlap-weight",
     )
     temperature: float = setting(0.0, "kv_aware: 0 picks the cheapest engine; > 0 samples (softmax)")
+    session: float = setting(
+        DEFAULT_SESSION_WEIGHT,
+        "kv_aware: a request opening a session weighs each session an engine holds as this many blocks",
+        flag="session-weight",
+    )
 
 
 @dataclass(frozen=True)
@@ -74,6 +93,7 @@ class Candidate:
     block_size: int
     cached_blocks: int  # leading prompt blocks the index says this engine holds
     decode_blocks: float  # blocks of the work running or queued on it
+    sessions: int = 0  # sessions it holds, for a request that opens one (0 otherwise)
 
 
 @dataclass(frozen=True)
@@ -87,6 +107,7 @@ class Pool:
     block_size: np.ndarray | int
     cached_blocks: np.ndarray
     decode_blocks: np.ndarray
+    sessions: np.ndarray | int = 0  # sessions each holds, for a request that opens one (0 otherwise)
 
     @classmethod
     def of(cls, candidates: Sequence[Candidate]) -> Pool:
@@ -98,6 +119,7 @@ class Pool:
             np.array([c.block_size for c in ordered], dtype=np.int64),
             np.array([c.cached_blocks for c in ordered], dtype=np.int64),
             np.array([c.decode_blocks for c in ordered], dtype=np.float64),
+            np.array([c.sessions for c in ordered], dtype=np.int64),
         )
 
 
@@ -113,9 +135,9 @@ def prefill_blocks(prompt_tokens: int, cached_blocks, block_size):
     return np.maximum(prompt_tokens - cached_blocks * block_size, 0) / block_size
 
 
-def cost(prefill, decode, weights: CostWeights):
-    """The kv_aware cost (numbers or arrays)."""
-    return weights.overlap * prefill + decode
+def cost(prefill, decode, weights: CostWeights, sessions=0):
+    """The kv_aware cost (numbers or arrays); ``sessions`` only for a request that opens a session."""
+    return weights.overlap * prefill + decode + weights.session * sessions
 
 
 def with_hint(cached_blocks: np.ndarray, hinted: int, vouched_blocks: int) -> np.ndarray:
@@ -166,7 +188,10 @@ def choose_in(
         raise ValueError("no candidates to choose from")
     rng = rng or random.Random()
     costs = cost(
-        prefill_blocks(prompt_tokens, pool.cached_blocks, pool.block_size), pool.decode_blocks, weights
+        prefill_blocks(prompt_tokens, pool.cached_blocks, pool.block_size),
+        pool.decode_blocks,
+        weights,
+        pool.sessions,
     )
     if policy == "kv_aware":
         picked = _cheapest(pool, costs, weights.temperature, session_id, rng)

@@ -65,6 +65,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             tokenizer_fingerprint=start.tokenizer_fingerprint,
             tier=start.tier or router_pb2.TIER_FREE,
             session_id=start.session_id,
+            opens_session=start.new_session,
         )
         relay = Relay(start, plan, self.placer, self.config, self.metrics, context.time_remaining())
         self._live.add(start.request_id)

@@ -9,6 +9,9 @@ chained hash of its last full block (a hash names its whole prefix, ``chatmesh.b
 prompt extends that context exactly when its own block hash at that position is the same. That is all
 the hint claims; ``policy.with_hint`` decides when it counts.
 
+The same module counts the sessions each engine holds (``SessionsHeld``), which a new session's
+placement weighs (router/policy.py).
+
 Memory is bounded: the least recently finished sessions are forgotten first (a forgotten session is
 placed by the index alone, as without hints). Each router replica remembers the sessions it finished
 itself: with several replicas and requests spread over them, a turn finds its hint only when the
@@ -20,6 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +71,53 @@ class SessionHints:
         self._hints.move_to_end(session_id)
         if len(self._hints) > self.capacity:
             self._hints.popitem(last=False)
+
+
+# Sessions counted at most (about 150 bytes each); past it the least recently placed are dropped, so
+# every engine's count shrinks in proportion and the comparison between engines survives.
+MAX_SESSIONS_HELD = 1_000_000
+
+
+class Holder(Protocol):
+    """An engine whose held-session count placement reads (``router.engines.EngineState``)."""
+
+    def hold_sessions(self, delta: int) -> None: ...
+
+
+class SessionsHeld:
+    """How many sessions each engine holds: the sessions whose latest request was placed there less than
+    ``idle_s`` ago, running or between turns. A chat between turns runs nothing anywhere, yet its next
+    turn will go where its history is cached: the engine holds it all the same. Counted by the replica
+    that placed the request (with several router replicas each counts its share)."""
+
+    def __init__(self, idle_s: float, capacity: int = MAX_SESSIONS_HELD) -> None:
+        self.idle_s = idle_s
+        self.capacity = capacity
+        self._where: OrderedDict[str, tuple[Holder, float]] = OrderedDict()  # oldest placement first
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def placed(self, session_id: str, engine: Holder, now: float) -> None:
+        """A request of ``session_id`` went to ``engine`` at ``now``: the session is held there now."""
+        if not session_id:
+            return
+        previous = self._where.pop(session_id, None)
+        if previous is not None:
+            previous[0].hold_sessions(-1)
+        engine.hold_sessions(1)
+        self._where[session_id] = (engine, now)
+        if len(self._where) > self.capacity:
+            self._drop_oldest()
+
+    def expire(self, now: float) -> None:
+        """Forgets the sessions placed more than ``idle_s`` before ``now`` (oldest first: amortized O(1))."""
+        while self._where:
+            _, (_, placed_at) = next(iter(self._where.items()))
+            if now - placed_at <= self.idle_s:
+                return
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, (engine, _) = self._where.popitem(last=False)
+        engine.hold_sessions(-1)

@@ -46,6 +46,12 @@ class Prompt:
     budget: int
 
     @property
+    def opens_session(self) -> bool:
+        """Nothing of the chat comes before the message answered (no earlier turn, no summary): a chat's
+        first message, or a new root branch. The router places it knowing its next turns will follow."""
+        return self.turns_available == 1 and not self.summary_used
+
+    @property
     def history(self) -> str:
         """How history was fitted: verbatim, summary (+ verbatim), or truncated (oldest turns dropped)."""
         if self.turns_kept < self.turns_available:

@@ -169,6 +169,7 @@ class Runs:
                     identity.tier,
                     info.chat_id or identity.user_id,
                     self.fingerprint,
+                    new_session=info.stored and prompt.opens_session,
                 )
                 stream = await self._place(identity, info, start, options)
                 placed = _as_placed(info, stream.routed)

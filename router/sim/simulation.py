@@ -76,7 +76,7 @@ class RouterReplica:
         config = RouterConfig(
             policy=setup.policy, session_hints=setup.session_hints, admission=setup.admission
         )
-        self.placer = Placer(self, config, RouterMetrics(CollectorRegistry()), random.Random(seed))
+        self.placer = Placer(self, config, RouterMetrics(CollectorRegistry()), random.Random(seed), clock)
         self.ingest_s = 0.0
         self.ingested_blocks = 0
         self.ingested_events = 0
@@ -247,6 +247,7 @@ class Simulation:
             model=MODEL,
             tier=request.tier,
             session_id=_session_id(chat),
+            opens_session=chat.turn == 1,  # a chat's first message: no earlier turn anywhere
             _hashes={(self.setup.costs.block_size, BLOCK_HASH_SEED): chat.hashes[: request.prompt_blocks]},
         )
         started = time.perf_counter()

@@ -19,6 +19,7 @@ from router.index import PrefixIndex
 from router.loads import LoadTable
 from router.metrics import RouterMetrics
 from router.placement import Placer, RequestPlan
+from router.policy import CostWeights
 
 PROMPT = list(range(200, 200 + 100))
 
@@ -358,3 +359,52 @@ def test_a_free_request_too_slow_for_its_pool_is_degraded_where_its_wait_fits():
     assert place(chooser, model="small") == "lite1"
     queue_on(lite, 1, router_pb2.TIER_FREE)
     assert refused(chooser, model="small").code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_new_chats_sharing_a_cached_prefix_spread_over_engines_by_the_sessions_they_hold():
+    """The router benchmark's long chats: one engine holds the shared system prompt, and without the
+    session term every new chat followed it while another engine stayed idle."""
+    engines = [engine(f"e{i}") for i in range(4)]
+    registry = Registry(*engines)
+    registry.index.store("e0", block_hashes(PROMPT, 16))  # the shared prompt, cached on e0 only
+    chooser = placer(registry)
+    placed = [
+        place(chooser, tier=router_pb2.TIER_PRO, session_id=f"chat-{i}", opens_session=True) for i in range(8)
+    ]
+    assert sorted(placed) == ["e0", "e0", "e1", "e1", "e2", "e2", "e3", "e3"]
+    assert [e.sessions for e in engines] == [2, 2, 2, 2]
+    # A later turn of a chat is not a new session: its cached prefix wins whatever e0 holds.
+    assert all(place(chooser, tier=router_pb2.TIER_PRO, session_id=f"chat-{i}") == "e0" for i in range(8))
+    assert [e.sessions for e in engines] == [8, 0, 0, 0]
+    # Without the session term the new chats all follow the prefix.
+    old = placer(Registry(*[engine(f"f{i}") for i in range(4)]), weights=CostWeights(session=0))
+    old.registry.index.store("f0", block_hashes(PROMPT, 16))
+    assert {place(old, session_id=f"chat-{i}", opens_session=True) for i in range(8)} == {"f0"}
+
+
+def test_a_session_is_held_where_its_latest_request_went_until_it_has_been_idle_too_long():
+    now = [0.0]
+    engines = [engine("a"), engine("b")]
+    registry = Registry(*engines)
+    chooser = Placer(
+        registry,
+        RouterConfig(session_idle_s=60),
+        RouterMetrics(CollectorRegistry()),
+        random.Random(0),
+        clock=lambda: now[0],
+    )
+    first = place(chooser, session_id="s1", opens_session=True)
+    other = "b" if first == "a" else "a"
+    held = {e.engine_id: e for e in engines}
+    assert (held[first].sessions, held[other].sessions) == (1, 0)
+    assert registry.loads.sessions[registry.index.slot(first)] == 1  # placement reads the column
+    assert place(chooser, session_id="s2", opens_session=True) == other  # the emptier engine
+    now[0] = 30.0
+    place(chooser, session_id="s1", exclude={first})  # a failover moves the session with it
+    assert (held[first].sessions, held[other].sessions) == (0, 2)
+    now[0] = 61.0  # s2 placed at 0 expires; s1 was placed again at 30
+    place(chooser, session_id="s3", opens_session=True)
+    assert held[first].sessions + held[other].sessions == 2  # s1 and s3
+    now[0] = 200.0
+    place(chooser, session_id="", opens_session=True)  # no session: nothing is held for it
+    assert held[first].sessions + held[other].sessions == 0

@@ -8,7 +8,7 @@ from chatmesh.block_hash import block_hashes
 from chatmesh.router.v1 import router_pb2
 from router.placement import Placer, RequestPlan
 from router.policy import with_hint
-from router.sessions import SessionHint, SessionHints
+from router.sessions import SessionHint, SessionHints, SessionsHeld
 from tests.router.test_placement import Registry, engine, placer
 
 BLOCK = 16
@@ -113,3 +113,24 @@ def test_a_prompt_that_does_not_extend_the_sessions_context_is_placed_by_the_ind
     summarized = list(range(9000, 9170))  # same session, a new prefix
     assert follow_up_on(chooser, summarized) == ("b", 0)
     assert hinted(chooser) == 0
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.sessions = 0
+
+    def hold_sessions(self, delta: int) -> None:
+        self.sessions += delta
+
+
+def test_sessions_held_are_bounded_oldest_placement_first():
+    a, b = _Engine(), _Engine()
+    held = SessionsHeld(idle_s=100, capacity=2)
+    held.placed("s1", a, 0.0)
+    held.placed("s2", b, 1.0)
+    held.placed("s1", b, 2.0)  # moves: counted once, where its latest request went
+    assert (a.sessions, b.sessions, len(held)) == (0, 2, 2)
+    held.placed("s3", a, 3.0)  # over capacity: s2 (placed longest ago) is dropped
+    assert (a.sessions, b.sessions, len(held)) == (1, 1, 2)
+    held.expire(102.5)  # s1 (at 2.0) is idle past 100 s; s3 (at 3.0) is not
+    assert (a.sessions, b.sessions, len(held)) == (1, 0, 1)

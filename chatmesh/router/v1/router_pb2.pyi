@@ -20,7 +20,7 @@ TIER_PRO: Tier
 TIER_ENTERPRISE: Tier
 
 class GenerateStart(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "tier", "session_id", "tokenizer_fingerprint", "resumed_output_token_ids")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "tier", "session_id", "tokenizer_fingerprint", "resumed_output_token_ids", "new_session")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class GenerateStart(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_SESSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -37,7 +38,8 @@ class GenerateStart(_message.Message):
     session_id: str
     tokenizer_fingerprint: str
     resumed_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_engine_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ..., session_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    new_session: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_engine_pb2.SamplingParams, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ..., session_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., new_session: _Optional[bool] = ...) -> None: ...
 
 class GenerateCancel(_message.Message):
     __slots__ = ()
