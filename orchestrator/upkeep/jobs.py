@@ -70,12 +70,13 @@ async def generate_text(
     router: RouterClient,
     prompt: list[int],
     generation: Generation,
-    session_id: str,
     fingerprint: str,
     deadline_s: float,
 ) -> str:
-    """A whole answer from the router at the lowest priority (for titles and summaries)."""
-    start = start_frame(f"bg-{uuid.uuid4().hex}", prompt, generation, "free", session_id, fingerprint)
+    """A whole answer from the router at the lowest priority (for titles and summaries). Under no
+    session: the job is not a turn of its chat (its prompt does not extend the chat's context), so it
+    must not move where the router believes the chat is held, nor replace the chat's session hint."""
+    start = start_frame(f"bg-{uuid.uuid4().hex}", prompt, generation, "free", "", fingerprint)
     stream = await router.place(start, deadline_s, deadline_s)
     parts: list[str] = []
     try:

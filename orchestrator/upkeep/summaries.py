@@ -77,7 +77,7 @@ class Summarizer:
         previous = history.summary.text if history.summary else ""
         prompt = self._prompt(previous, older)
         text = await generate_text(
-            self.router, prompt, self.generation, chat_id, self.tokenizer.fingerprint, self.deadline_s
+            self.router, prompt, self.generation, self.tokenizer.fingerprint, self.deadline_s
         )
         text = text.strip()
         if not text:

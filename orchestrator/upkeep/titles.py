@@ -53,7 +53,7 @@ class Titler:
             [ChatMessage("system", TITLE_SYSTEM), ChatMessage("user", request)]
         )
         text = await generate_text(
-            self.router, prompt, self.generation, chat_id, self.tokenizer.fingerprint, self.deadline_s
+            self.router, prompt, self.generation, self.tokenizer.fingerprint, self.deadline_s
         )
         title = clean_title(text) or fallback_title(question)
         # The user may have named the chat while the title was generated.
