@@ -97,6 +97,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
                 indexed_blocks=self.registry.index.size(engine.engine_id),
                 backend=info.backend if info else "",
                 inflight_requests=len(engine.inflight),
+                sessions_held=engine.sessions,
             )
             if engine.load is not None:
                 status.load.CopyFrom(engine.load)

@@ -125,3 +125,15 @@ def test_a_step_no_boundary_can_satisfy_falls_back_to_the_newest_turns_that_fit(
     assert fit_prompt(tokenizer, SYSTEM, turns, exact - 1, step_tokens=10**6) == fit_prompt(
         tokenizer, SYSTEM, turns, exact - 1
     )
+
+
+def test_only_a_prompt_with_nothing_of_the_chat_before_its_message_opens_a_session() -> None:
+    tokenizer = load_tokenizer()
+    first = fit_prompt(tokenizer, SYSTEM, conversation(1), budget=4096)
+    assert first.opens_session  # a chat's first message: the router spreads these by sessions held
+    assert not fit_prompt(tokenizer, SYSTEM, conversation(3), budget=4096).opens_session
+    # A summary is the chat's past too, even with one verbatim turn left.
+    assert not fit_prompt(tokenizer, SYSTEM, conversation(1), budget=4096, summary="earlier").opens_session
+    # A long history cut down to its last turn still has a past (cached wherever it last ran).
+    cut = fit_prompt(tokenizer, SYSTEM, conversation(9), budget=len(first.token_ids) + 40)
+    assert cut.turns_kept < 9 and not cut.opens_session

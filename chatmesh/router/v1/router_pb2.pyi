@@ -84,7 +84,7 @@ class ListEnginesRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class EngineStatus(_message.Message):
-    __slots__ = ("engine_id", "address", "model", "healthy", "load", "indexed_blocks", "backend", "inflight_requests")
+    __slots__ = ("engine_id", "address", "model", "healthy", "load", "indexed_blocks", "backend", "inflight_requests", "sessions_held")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class EngineStatus(_message.Message):
     INDEXED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_HELD_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     address: str
     model: str
@@ -101,7 +102,8 @@ class EngineStatus(_message.Message):
     indexed_blocks: int
     backend: str
     inflight_requests: int
-    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[_engine_pb2.EngineLoad, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., inflight_requests: _Optional[int] = ...) -> None: ...
+    sessions_held: int
+    def __init__(self, engine_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[_engine_pb2.EngineLoad, _Mapping]] = ..., indexed_blocks: _Optional[int] = ..., backend: _Optional[str] = ..., inflight_requests: _Optional[int] = ..., sessions_held: _Optional[int] = ...) -> None: ...
 
 class ListEnginesResponse(_message.Message):
     __slots__ = ("engines",)
