@@ -92,21 +92,19 @@ def limits(max_waiting: np.ndarray, tier: int, free_queue_fraction: float) -> np
 def predicted_wait_s(queues: Queues) -> np.ndarray:
     """Each engine's predicted queue wait for the request (0 where nothing waits or the rate is unknown;
     infinite where higher tiers are taking everything the engine finishes)."""
-    known = queues.drain_rate > 0
     waits = np.zeros(len(queues.waiting))
-    saturated = known & (queues.waiting > 0)
-    left_over = queues.drain_rate[saturated] - queues.higher_rate[saturated]
-    with np.errstate(divide="ignore"):
-        waits[saturated] = np.where(
-            left_over > 0, (queues.ahead[saturated] + 1) / np.maximum(left_over, 1e-12), np.inf
-        )
+    saturated = (queues.drain_rate > 0) & (queues.waiting > 0)
+    left_over = queues.drain_rate - queues.higher_rate
+    draining = saturated & (left_over > 0)
+    waits[saturated] = np.inf
+    waits[draining] = (queues.ahead[draining] + 1) / left_over[draining]
     return waits
 
 
 def excess_wait_s(queues: Queues, objective_s: float) -> np.ndarray:
-    """How much longer than its budget each engine would keep the request waiting (<= 0: it fits)."""
-    budget = np.maximum(0.0, objective_s - queues.head_ttft_s)
-    return np.where(queues.drain_rate > 0, predicted_wait_s(queues) - budget, 0.0)
+    """How much longer than its budget each engine would keep the request waiting (<= 0: it fits; an
+    engine whose drain rate is unknown predicts no wait, so it always fits)."""
+    return predicted_wait_s(queues) - np.maximum(0.0, objective_s - queues.head_ttft_s)
 
 
 def admissible_rows(queues: Queues, limit: np.ndarray, objective_s: float | None) -> np.ndarray:

@@ -166,7 +166,8 @@ class EngineState:
 
     def hold_sessions(self, delta: int) -> None:
         self.sessions += delta
-        self._publish()
+        if self.table is not None:  # only this column changes: a whole row costs a queue view
+            self.table.sessions[self.slot] = self.sessions
 
     # -- what placement and admission read -----------------------------------------------------------
 

@@ -57,6 +57,10 @@ class LoadTable(Generic[State]):
         self.higher_rate = np.zeros((capacity, len(TIERS)), dtype=np.float64)  # per tier rank
         self.rendezvous_key = np.zeros(capacity, dtype=np.uint64)
         self.order = np.zeros(0, dtype=np.int64)  # attached rows in engine-id order
+        # Bumped whenever which rows are attached, healthy, in which pool, or their queue bound changes:
+        # placement caches each pool's healthy rows and each tier's queue limits until then (load
+        # reports, many a second, rarely change any of it).
+        self.version = 0
         self._pools: dict[tuple[str, str], int] = {}
         self._hashings: dict[tuple[int, int], int] = {}
         self._hashing_keys: list[tuple[int, int]] = []
@@ -79,6 +83,11 @@ class LoadTable(Generic[State]):
         self.healthy[slot] = False
         self.pool[slot] = _NO_POOL
         self._reorder()
+
+    @property
+    def one_hashing(self) -> bool:
+        """Every engine ever attached hashes blocks alike (one block size and seed): the usual fleet."""
+        return len(self._hashing_keys) == 1
 
     def hashing_of(self, hashing: int) -> tuple[int, int]:
         """The (block size, seed) behind a ``hashing`` id."""
@@ -106,21 +115,26 @@ class LoadTable(Generic[State]):
         """``state``'s row, from what it knows now."""
         info = state.info
         if info is not None:
-            self.pool[slot] = self._pools.setdefault(
-                (info.model, info.tokenizer_fingerprint), len(self._pools)
-            )
+            pool = self._pools.setdefault((info.model, info.tokenizer_fingerprint), len(self._pools))
+            if pool != self.pool[slot]:
+                self.pool[slot] = pool
+                self.version += 1
             key = (info.block_size, info.block_hash_seed)
             if key not in self._hashings:
                 self._hashings[key] = len(self._hashing_keys)
                 self._hashing_keys.append(key)
             self.hashing[slot] = self._hashings[key]
             self.block_size[slot] = info.block_size
-        self.healthy[slot] = state.healthy
+        if state.healthy != self.healthy[slot]:
+            self.healthy[slot] = state.healthy
+            self.version += 1
         self.decode_blocks[slot] = state.decode_blocks()
         self.sessions[slot] = state.sessions
         view = state.queue_view()
         self.waiting[slot] = view.waiting
-        self.max_waiting[slot] = view.max_waiting
+        if view.max_waiting != self.max_waiting[slot]:
+            self.max_waiting[slot] = view.max_waiting
+            self.version += 1
         self.ahead[slot] = view.ahead
         self.drain_rate[slot] = view.drain_rate
         self.head_ttft_s[slot] = view.head_ttft_s
@@ -129,6 +143,7 @@ class LoadTable(Generic[State]):
     def _reorder(self) -> None:
         rows = [slot for slot, state in enumerate(self.states) if state is not None]
         self.order = np.array(sorted(rows, key=lambda slot: self.engine_ids[slot]), dtype=np.int64)
+        self.version += 1
 
     def _grow(self) -> None:
         size = self.capacity

@@ -97,6 +97,10 @@ class Placer:
         self._cheaper = config.cheaper_models()
         self.hints = SessionHints(config.session_hints)
         self.sessions = SessionsHeld(config.session_idle_s)
+        # Derived from the load table, valid while its version stands: (model, tokenizer fingerprint) ->
+        # that pool's healthy rows, and queue-count cap -> every slot's queue limit.
+        self._pools: dict[tuple[str, str], tuple[int, np.ndarray]] = {}
+        self._limits: dict[int, tuple[int, np.ndarray]] = {}
         self.clock = clock
 
     def place(self, plan: RequestPlan, exclude: set[str], admit: bool) -> Placement:
@@ -146,13 +150,32 @@ class Placer:
         )
 
     def _admissible(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> np.ndarray:
-        """Which ``rows`` take the request: under ``cap``'s queue depth, its wait fitting ``objective``."""
-        limit = admission.limits(self.registry.loads.max_waiting[rows], cap, self.config.free_queue_fraction)
-        return admission.admissible_rows(self._queues(rows, rank), limit, objective)
+        """Which ``rows`` take the request: under ``cap``'s queue depth, its wait fitting ``objective``.
+        Only engines with a queue can keep a request waiting, so the wait rule is asked of those alone
+        (usually few: the rest need no more columns read)."""
+        loads = self.registry.loads
+        limit = self._limit_column(cap)[rows]
+        waiting = loads.waiting[rows]
+        allowed = waiting < limit
+        queued = np.flatnonzero(allowed & (waiting > 0))
+        if len(queued):
+            allowed[queued] = admission.admissible_rows(
+                self._queues(rows[queued], rank), limit[queued], objective
+            )
+        return allowed
 
     def _retry_after_s(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> float:
-        limit = admission.limits(self.registry.loads.max_waiting[rows], cap, self.config.free_queue_fraction)
+        limit = self._limit_column(cap)[rows]
         return admission.retry_after_rows(self._queues(rows, rank), limit, objective)
+
+    def _limit_column(self, cap: int) -> np.ndarray:
+        """Every slot's queue depth at which it stops taking requests under ``cap``'s count rule."""
+        loads = self.registry.loads
+        cached = self._limits.get(cap)
+        if cached is None or cached[0] != loads.version:
+            limit = admission.limits(loads.max_waiting, cap, self.config.free_queue_fraction)
+            cached = self._limits[cap] = (loads.version, limit)
+        return cached[1]
 
     def _choose(self, plan: RequestPlan, rows: np.ndarray, model: str, degraded: bool = False) -> Placement:
         """The policy's pick among admitted ``rows``."""
@@ -221,8 +244,14 @@ class Placer:
     def _pool_rows(self, model: str, tokenizer_fingerprint: str, exclude: set[str]) -> np.ndarray:
         """The load-table rows of a model's pool that are healthy and not excluded, in engine-id order."""
         loads = self.registry.loads
-        usable = loads.pool_mask(model, tokenizer_fingerprint) & loads.healthy
-        rows = loads.order[usable[loads.order]]
+        cached = self._pools.get((model, tokenizer_fingerprint))
+        if cached is not None and cached[0] == loads.version:
+            rows = cached[1]
+        else:
+            usable = loads.pool_mask(model, tokenizer_fingerprint) & loads.healthy
+            rows = loads.order[usable[loads.order]]
+            if len(rows):  # only pools that exist: a request can name any model
+                self._pools[(model, tokenizer_fingerprint)] = (loads.version, rows)
         if exclude:
             rows = rows[~np.isin(loads.engine_ids[rows], list(exclude))]
         return rows
@@ -239,7 +268,7 @@ class Placer:
         """The rows' columns with each engine's cached prefix, hashed with its block size and seed."""
         loads = self.registry.loads
         hashing = loads.hashing[rows]
-        if (hashing == hashing[0]).all():  # one block size and seed: the usual pool
+        if loads.one_hashing or (hashing == hashing[0]).all():  # one block size and seed: the usual pool
             block_size, seed = loads.hashing_of(int(hashing[0]))
             depth = self.registry.index.leading_blocks(plan.block_hashes(block_size, seed), loads.capacity)
             cached, block_sizes = depth[rows], block_size

@@ -137,7 +137,10 @@ def prefill_blocks(prompt_tokens: int, cached_blocks, block_size):
 
 def cost(prefill, decode, weights: CostWeights, sessions=0):
     """The kv_aware cost (numbers or arrays); ``sessions`` only for a request that opens a session."""
-    return weights.overlap * prefill + decode + weights.session * sessions
+    load = weights.overlap * prefill + decode
+    if isinstance(sessions, np.ndarray) or sessions:
+        return load + weights.session * sessions
+    return load  # most requests: one vector operation fewer a decision
 
 
 def with_hint(cached_blocks: np.ndarray, hinted: int, vouched_blocks: int) -> np.ndarray:
