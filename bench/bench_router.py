@@ -512,6 +512,13 @@ def main() -> None:
         f"~exp({args.think_s} s), {args.system_prompts} system prompts, first prompts {min(firsts)}-{max(firsts)} "
         f"tokens, +{args.user_words} words per user turn, {args.output_tokens} greedy output tokens per turn"
     )
+    # Arrivals and think time alone take this long, however fast the answers: a run this close to it is
+    # bounded by its users, not by its engines, and its throughput says little about placement.
+    floor_s = max(c.start_s + sum(c.think_s) for c in workload) - min(c.start_s for c in workload)
+    print(
+        f"ceiling: the last chat's arrival and think time take {floor_s:.0f} s, so at most "
+        f"{len(workload) * args.turns * args.output_tokens / floor_s:.0f} output tok/s (every answer instant)"
+    )
     summaries, raw = {}, {}
     with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp:
         for policy in args.policies:
