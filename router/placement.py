@@ -35,7 +35,7 @@ from router.engines import EngineState
 from router.index import PrefixIndex
 from router.loads import LoadTable
 from router.metrics import RouterMetrics
-from router.policy import Pool, choose_in, predicted_cached_tokens, with_hint
+from router.policy import Choice, Pool, choose_in, predicted_cached_tokens, with_hint
 from router.sessions import SessionHints, SessionsHeld
 
 
@@ -113,6 +113,9 @@ class Placer:
         tier = tier_of_proto(plan.tier)
         cap = plan.tier if admit else router_pb2.TIER_ENTERPRISE  # whose queue-count cap applies
         objective = self.config.objective_s(tier.name, admit)
+        quick = self._pick_if_admitted(plan, rows, model, cap, tier.rank, objective)
+        if quick is not None:
+            return quick
         allowed = self._admissible(rows, cap, tier.rank, objective)
         if allowed.any():
             return self._choose(plan, rows[allowed], model)
@@ -177,21 +180,52 @@ class Placer:
             cached = self._limits[cap] = (loads.version, limit)
         return cached[1]
 
+    def _pick_if_admitted(
+        self, plan: RequestPlan, rows: np.ndarray, model: str, cap: int, rank: int, objective: float | None
+    ) -> Placement | None:
+        """The policy's pick among all healthy ``rows`` when admission takes it; None: decide the long
+        way (admission first). The same pick, for a tenth of the work at 1,000 engines: with kv_aware at
+        temperature 0 or the oracle, a pick that admission takes is also the pick among the admitted
+        rows alone (it is as cheap as any of fewer rows, and a tie-break over a subset that holds it
+        keeps it; a random one stays uniform over the admitted tied rows), so admission is asked of one
+        engine instead of every engine with a queue. Not when a session hint could credit blocks: whether
+        it does depends on which other candidates are admitted."""
+        if self.config.policy not in ("kv_aware", "oracle") or self.config.weights.temperature > 0:
+            return None
+        pool = self._candidates(plan, rows)
+        hint = self._hint_of(plan, pool)
+        if hint is not None and hint[1] > pool.cached_blocks[hint[0]]:
+            return None
+        choice = self._policy_choice(plan, pool)
+        row = self.registry.index.slot(choice.engine_id)
+        if not self._admissible(np.array([row]), cap, rank, objective)[0]:
+            return None
+        return self._placed(plan, choice, model, False)
+
     def _choose(self, plan: RequestPlan, rows: np.ndarray, model: str, degraded: bool = False) -> Placement:
         """The policy's pick among admitted ``rows``."""
-        loads = self.registry.loads
-        choice = choose_in(
+        candidates = self._candidates(plan, rows)
+        hinted = self._hinted(plan, candidates)
+        if hinted is not candidates:
+            self.metrics.hinted.inc()
+        return self._placed(plan, self._policy_choice(plan, hinted), model, degraded)
+
+    def _policy_choice(self, plan: RequestPlan, pool: Pool) -> Choice:
+        return choose_in(
             self.config.policy,
             len(plan.prompt),
-            self._hinted(plan, self._candidates(plan, rows)),
+            pool,
             self.config.weights,
             plan.session_id,
             self.rng,
             self._turn,
         )
+
+    def _placed(self, plan: RequestPlan, choice: Choice, model: str, degraded: bool) -> Placement:
+        """The decision made: counted, the session held there."""
         self._turn += 1
         self._decisions.inc()
-        engine = loads.states[self.registry.index.slot(choice.engine_id)]
+        engine = self.registry.loads.states[self.registry.index.slot(choice.engine_id)]
         assert engine is not None, "a chosen row belongs to an attached engine"
         self.sessions.placed(plan.session_id, engine, self.clock())
         predicted = predicted_cached_tokens(len(plan.prompt), choice.cached_blocks, engine.block_size)
@@ -215,24 +249,28 @@ class Placer:
 
     def _hinted(self, plan: RequestPlan, pool: Pool) -> Pool:
         """``pool`` with the session's hint applied (``policy.with_hint``), if it names a candidate."""
-        hint = self.hints.get(plan.session_id)
+        hint = self._hint_of(plan, pool)
         if hint is None:
             return pool
+        credited = with_hint(pool.cached_blocks, *hint)
+        return pool if credited is pool.cached_blocks else replace(pool, cached_blocks=credited)
+
+    def _hint_of(self, plan: RequestPlan, pool: Pool) -> tuple[int, int] | None:
+        """The session's hint as (its engine's position in ``pool``, the blocks it vouches for there),
+        if it names a candidate."""
+        hint = self.hints.get(plan.session_id)
+        if hint is None:
+            return None
         try:
             row = self.registry.index.slot(hint.engine_id)  # an engine's load-table row is its slot
         except KeyError:  # gone since
-            return pool
+            return None
         at = np.flatnonzero(pool.rows == row)
         if not len(at):  # not a candidate: unhealthy, not admitted, tried already, or another pool
-            return pool
+            return None
         loads = self.registry.loads
         block_size, seed = loads.hashing_of(int(loads.hashing[row]))
-        vouched = hint.vouched_blocks(plan.block_hashes(block_size, seed))
-        credited = with_hint(pool.cached_blocks, int(at[0]), vouched)
-        if credited is pool.cached_blocks:
-            return pool
-        self.metrics.hinted.inc()
-        return replace(pool, cached_blocks=credited)
+        return int(at[0]), hint.vouched_blocks(plan.block_hashes(block_size, seed))
 
     def _model_of(self, plan: RequestPlan) -> str:
         """The model asked for: the plan's, the router's default, or the only one served ("" if none)."""

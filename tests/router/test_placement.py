@@ -408,3 +408,53 @@ def test_a_session_is_held_where_its_latest_request_went_until_it_has_been_idle_
     now[0] = 200.0
     place(chooser, session_id="", opens_session=True)  # no session: nothing is held for it
     assert held[first].sessions + held[other].sessions == 0
+
+
+class AdmissionFirst(Placer):
+    """Placement the long way only: admission over every engine, then the policy among those admitted."""
+
+    def _pick_if_admitted(self, *args: object) -> None:
+        return None
+
+
+def random_fleet(seed: int) -> Registry:
+    """Eight engines with random queues, drain rates, foreign load and cached prefixes of PROMPT."""
+    rng = random.Random(seed)
+    engines = []
+    for i in range(8):
+        clock = Clock()
+        state = measured_engine(f"e{i}", clock, finishes_per_s=rng.choice([0.5, 2.0, 10.0]))
+        state.report(
+            engine_pb2.EngineLoad(
+                waiting_requests=(waiting := rng.choice([0, 0, 1, 4, 12])),
+                blocked_requests=waiting,
+                max_waiting_requests=rng.choice([8, 256]),
+                kv_blocks_used=rng.randrange(60),
+                serving=True,
+            )
+        )
+        engines.append(state)
+    registry = Registry(*engines)
+    for state in engines:
+        registry.index.store(state.engine_id, block_hashes(PROMPT, 16)[: rng.randrange(7)])
+    return registry
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "oracle"])
+def test_the_pick_asked_of_admission_alone_is_the_pick_among_the_admitted_engines(policy):
+    for seed in range(60):
+        quick, slow = random_fleet(seed), random_fleet(seed)
+        chooser = Placer(quick, RouterConfig(policy=policy), RouterMetrics(CollectorRegistry()))
+        reference = AdmissionFirst(slow, RouterConfig(policy=policy), RouterMetrics(CollectorRegistry()))
+        for n, tier in enumerate([router_pb2.TIER_FREE, router_pb2.TIER_PRO, router_pb2.TIER_ENTERPRISE] * 3):
+            plan = dict(tier=tier, session_id=f"s{seed}-{n}", opens_session=n % 2 == 0)
+            try:
+                expected = place(reference, **plan)
+            except ServiceError as refused:
+                assert refused.code == refused_code(chooser, **plan), f"seed {seed}"
+                continue
+            assert place(chooser, **plan) == expected, f"seed {seed}, request {n}"
+
+
+def refused_code(chooser: Placer, **plan) -> grpc.StatusCode:
+    return refused(chooser, **plan).code
