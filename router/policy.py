@@ -28,15 +28,17 @@ The policies are computed over columns (``Pool``: one row per engine, in engine-
 decision over a thousand engines is a few vector operations; ``choose`` takes ``Candidate`` records and
 says the same.
 
-The session term counts only for a request that opens a session (a chat's first message): ``sessions``
-are the sessions whose latest request went to that engine lately (router/sessions.py). A chat's later
-turns go where its history is cached, so where its first turn lands decides where all of them run;
-load that is running right now cannot see that, and between turns a chat holds no running work. So
-without this term, new chats that share a system prompt all follow the one engine that holds it while
-another engine stays idle (the router benchmark's long chats did exactly that). Each session held
-weighs ``session_weight`` blocks, about the prefill a chat brings over its next turns: by default
-new chats spread over the engines by the sessions they hold, and a cached shared prefix decides
-between engines that hold about as many.
+The session term (off by default: ``session_weight`` 0) counts only for a request that opens a session
+(a chat's first message): ``sessions`` are the sessions whose latest request went to that engine lately
+(router/sessions.py). A chat's later turns go where its history is cached, so where its first turn lands
+decides where all of them run; load running right now cannot see that, and between turns a chat holds
+no running work. So new chats that share a system prompt follow the one engine that caches it, and in
+the router benchmark's long chats one engine of four stayed idle. With a weight (256: each session held
+counts as 16 blocks of prefill at the default overlap weight) new chats spread by the sessions engines
+hold, and a cached shared prefix decides between engines holding about as many. Measured, it did spread
+them (48 requests on each engine instead of 120, 36, 36, 0) but gained no throughput on our CPU engines
+(two share each core, so an idle one leaves its core to its partner, and a bigger batch costs less per
+token) and none in the simulation, with TTFT no better or a little worse (README, "Router"); hence off.
 
 A session hint (``with_hint``, router/sessions.py) credits the engine that last ran the chat with the
 blocks the router saw it compute, for when the KV events saying so have not reached the index yet; it
@@ -61,9 +63,8 @@ POLICIES = ("kv_aware", "round_robin", "random", "oracle")
 
 DEFAULT_OVERLAP_WEIGHT = 16.0
 
-# A session an engine holds, for a request opening a new one: 16 blocks of prefill at the default
-# overlap weight, about the new prompt and answer tokens of a few turns of chat.
-DEFAULT_SESSION_WEIGHT = 256.0
+# A session an engine holds, for a request opening a new one (0: not weighed; see the module's docstring).
+DEFAULT_SESSION_WEIGHT = 0.0
 
 # Costs closer than this are a tie (they are sums of block counts and block fractions).
 _TIE = 1e-9

@@ -12,7 +12,7 @@ from tests.fixtures.orchestrator import ChatClient, MeshFactory, collect
 
 # Shared by every chat below: ~8 blocks, so the engine caching it is cheaper for a chat that does not
 # open a session (16 x 8 blocks less to prefill), and dearer for one that does, once it holds a session
-# more (256 blocks a session, the default --session-weight).
+# more (256 blocks a session: --session-weight, off by default).
 INSTRUCTIONS = "You are a careful assistant who answers in one short sentence. " * 10
 
 
@@ -26,7 +26,7 @@ async def sessions_held(router: str) -> list[int]:
 async def test_new_chats_spread_over_engines_and_a_follow_up_stays_with_its_chat(
     start_mesh: MeshFactory, connect: Callable[..., ChatClient]
 ) -> None:
-    mesh = start_mesh(2, "null")
+    mesh = start_mesh(2, "null", router_flags={"session_weight": 256})
     client = connect(mesh.orchestrator.address)
     first, second = await client.create_chat(), await client.create_chat()
     await collect(client.send(first.chat_id, "Hello?", instructions=INSTRUCTIONS))

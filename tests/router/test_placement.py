@@ -367,7 +367,7 @@ def test_new_chats_sharing_a_cached_prefix_spread_over_engines_by_the_sessions_t
     engines = [engine(f"e{i}") for i in range(4)]
     registry = Registry(*engines)
     registry.index.store("e0", block_hashes(PROMPT, 16))  # the shared prompt, cached on e0 only
-    chooser = placer(registry)
+    chooser = placer(registry, weights=CostWeights(session=256))
     placed = [
         place(chooser, tier=router_pb2.TIER_PRO, session_id=f"chat-{i}", opens_session=True) for i in range(8)
     ]
@@ -376,8 +376,8 @@ def test_new_chats_sharing_a_cached_prefix_spread_over_engines_by_the_sessions_t
     # A later turn of a chat is not a new session: its cached prefix wins whatever e0 holds.
     assert all(place(chooser, tier=router_pb2.TIER_PRO, session_id=f"chat-{i}") == "e0" for i in range(8))
     assert [e.sessions for e in engines] == [8, 0, 0, 0]
-    # Without the session term the new chats all follow the prefix.
-    old = placer(Registry(*[engine(f"f{i}") for i in range(4)]), weights=CostWeights(session=0))
+    # Without the session term (the default) the new chats all follow the prefix.
+    old = placer(Registry(*[engine(f"f{i}") for i in range(4)]))
     old.registry.index.store("f0", block_hashes(PROMPT, 16))
     assert {place(old, session_id=f"chat-{i}", opens_session=True) for i in range(8)} == {"f0"}
 
@@ -388,7 +388,7 @@ def test_a_session_is_held_where_its_latest_request_went_until_it_has_been_idle_
     registry = Registry(*engines)
     chooser = Placer(
         registry,
-        RouterConfig(session_idle_s=60),
+        RouterConfig(session_idle_s=60, weights=CostWeights(session=256)),
         RouterMetrics(CollectorRegistry()),
         random.Random(0),
         clock=lambda: now[0],

@@ -167,11 +167,11 @@ def test_unknown_policy_and_empty_candidates_are_refused():
 def test_a_request_opening_a_session_weighs_the_sessions_each_engine_holds():
     # w0 holds the 23-block shared system prompt and 3 sessions; w1 holds neither.
     held = [Candidate("w0", BS, 23, 0.0, sessions=3), Candidate("w1", BS, 0, 0.0, sessions=0)]
-    weights = CostWeights()  # overlap 16, session 256
+    weights = CostWeights(session=256)  # and overlap 16
     assert choose("kv_aware", 24 * BS, held, weights).engine_id == "w1"
     assert cost(1, 0, weights, 3) == 16 + 3 * 256
     # With sessions about even the cached prefix decides.
     even = [Candidate("w0", BS, 23, 0.0, sessions=3), Candidate("w1", BS, 0, 0.0, sessions=2)]
     assert choose("kv_aware", 24 * BS, even, weights).engine_id == "w0"
-    # Weight 0: the cost of before (new chats follow the prefix).
-    assert choose("kv_aware", 24 * BS, held, CostWeights(session=0)).engine_id == "w0"
+    # Weight 0, the default: new chats follow the prefix.
+    assert choose("kv_aware", 24 * BS, held, CostWeights()).engine_id == "w0"
