@@ -42,19 +42,8 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    blocks = len(token_ids) // block_size
-    if not blocks:
-        return []
-    # ``hash_block`` per block, computed faster (routers hash every prompt): the tokens packed once,
-    # and each block's hasher copied from one keyed at the start instead of keyed anew.
-    packed = memoryview(struct.pack(f"<{blocks * block_size}I", *token_ids[: blocks * block_size]))
-    keyed = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"))
-    step = 4 * block_size
     hashes: list[int] = []
-    for start in range(0, blocks * step, step):
-        h = keyed.copy()
-        h.update(_NO_PARENT if parent is None else parent.to_bytes(8, "little") + b"\x01")
-        h.update(packed[start : start + step])
-        parent = int.from_bytes(h.digest(), "little")
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], seed)
         hashes.append(parent)
     return hashes
