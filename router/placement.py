@@ -101,6 +101,9 @@ class Placer:
         # that pool's healthy rows, and queue-count cap -> every slot's queue limit.
         self._pools: dict[tuple[str, str], tuple[int, np.ndarray]] = {}
         self._limits: dict[int, tuple[int, np.ndarray]] = {}
+        # Within one decision: (block size, seed) -> the index's cached prefix for every slot, so that
+        # the long way after a refused quick pick does not walk the index again.
+        self._depths: dict[tuple[int, int], np.ndarray] = {}
         self.clock = clock
 
     def place(self, plan: RequestPlan, exclude: set[str], admit: bool) -> Placement:
@@ -108,6 +111,7 @@ class Placer:
         rule (a new request), degrading a free one its pool refuses; otherwise (a failover) any engine
         of its pool with headroom will do."""
         self.sessions.expire(self.clock())
+        self._depths.clear()  # the index may have changed since the last decision
         model = self._model_of(plan)
         rows = self._healthy_rows(plan, model, exclude)
         tier = tier_of_proto(plan.tier)
@@ -307,16 +311,12 @@ class Placer:
         loads = self.registry.loads
         hashing = loads.hashing[rows]
         if loads.one_hashing or (hashing == hashing[0]).all():  # one block size and seed: the usual pool
-            block_size, seed = loads.hashing_of(int(hashing[0]))
-            depth = self.registry.index.leading_blocks(plan.block_hashes(block_size, seed), loads.capacity)
-            cached, block_sizes = depth[rows], block_size
+            block_size = loads.hashing_of(int(hashing[0]))[0]
+            cached, block_sizes = self._depth(plan, int(hashing[0]))[rows], block_size
         else:
             cached, block_sizes = np.zeros(len(rows), dtype=np.int64), loads.block_size[rows]
             for group in np.unique(hashing):
-                block_size, seed = loads.hashing_of(int(group))
-                depth = self.registry.index.leading_blocks(
-                    plan.block_hashes(block_size, seed), loads.capacity
-                )
+                depth = self._depth(plan, int(group))
                 same = hashing == group
                 cached[same] = depth[rows[same]]
         return Pool(
@@ -328,6 +328,15 @@ class Placer:
             loads.decode_blocks[rows],
             loads.sessions[rows] if plan.opens_session else 0,
         )
+
+    def _depth(self, plan: RequestPlan, hashing: int) -> np.ndarray:
+        """How many leading blocks of ``plan``'s prompt each slot's engine caches, for one hashing."""
+        key = self.registry.loads.hashing_of(hashing)
+        if key not in self._depths:
+            self._depths[key] = self.registry.index.leading_blocks(
+                plan.block_hashes(*key), self.registry.loads.capacity
+            )
+        return self._depths[key]
 
     def pool(self, plan: RequestPlan) -> list[EngineState]:
         """The engines serving the request's model with its tokenizer, healthy or not."""
