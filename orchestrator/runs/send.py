@@ -50,6 +50,11 @@ class SendRun(ChatRun):
         if claimed is None:
             return
         claim, (parent_id, summary) = claimed
+        if parent_id == claim.user_message_id:
+            # The chat's newest message is this send's own: an earlier attempt stored it and was lost
+            # before storing its run (the message is written first). Answer that message, after the one
+            # it follows; storing it again below rewrites the same row.
+            parent_id = (await store.get_message(user, chat_id, parent_id)).parent_id
         if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(claim.user_message_id).time:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -13,6 +13,9 @@ import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from memory_store import MemoryStore
+from memory_store.models import Message, Role
+from orchestrator.runs.chat_run import _fingerprint
 from tests.fixtures.orchestrator import ChatClient, MeshFactory, answer_text, collect
 
 
@@ -77,3 +80,37 @@ async def test_a_refused_send_can_be_retried_with_its_key_at_once(client: ChatCl
     started = time.monotonic()
     again = await collect(free.send(chat.chat_id, "And a short one.", options=short, idempotency_key=key))
     assert again[-1].HasField("done") and time.monotonic() - started < 5
+
+
+async def test_a_send_lost_between_storing_its_message_and_its_run_is_answered_by_its_retry(
+    client: ChatClient, memory_store: MemoryStore
+) -> None:
+    """What the chaos suite's orchestrator kill found: a retry found the lost attempt's own message as
+    the chat's newest and refused itself (FAILED_PRECONDITION)."""
+    chat = await client.create_chat()
+    request = chat_pb2.SendMessageRequest(
+        chat_id=chat.chat_id, content="Hello again?", idempotency_key=f"key-{uuid.uuid4().hex}"
+    )
+    # What the lost attempt did: claimed the key (its start lease long over) and stored its message.
+    claim = await memory_store.claim_idempotency_key(
+        client.user, request.idempotency_key, _fingerprint("send", request), 0.0
+    )
+    await memory_store.append_message(
+        client.user,
+        Message(
+            message_id=claim.user_message_id,
+            chat_id=chat.chat_id,
+            role=Role.USER,
+            content=request.content,
+            parent_id=None,
+            token_count=3,
+            run_id=claim.run_id,
+        ),
+    )
+    events = await collect(client.stream("SendMessage", request))
+    assert events[0].started.run_id == claim.run_id and events[-1].HasField("done")
+    page = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert [(m.role, m.message_id) for m in reversed(page.messages)] == [
+        (chat_pb2.ROLE_USER, claim.user_message_id),
+        (chat_pb2.ROLE_ASSISTANT, claim.assistant_message_id),
+    ]
