@@ -266,8 +266,9 @@ class ChatsMixin(StoreBase):
         return ChatSummary(summary.text, summary.token_count, str(through), at)
 
     async def get_summary(self, user_id: str, chat_id: str) -> ChatSummary | None:
-        chat = await self._owned_chat(user_id, chat_id)
-        rows = await self._db.execute("summary_get", (uuid.UUID(chat.chat_id),))
+        _, rows = await self._with_owner(
+            user_id, chat_id, self._db.execute("summary_get", (parse_id(chat_id, "chat id"),))
+        )
         if not rows:
             return None
         row = rows[0]

@@ -3,7 +3,8 @@
 ``messages`` is ``((chat_id, bucket), message_id)`` clustered newest first; ``bucket`` is the day of the
 writer-chosen time-sortable id, and ``message_buckets`` lists a chat's non-empty buckets. Appending is
 an upsert of the row named by its id: a retried append writes the same row again, never a second one.
-The bucket is registered before the message, so an acknowledged message is always reachable.
+The bucket is registered with the message, and an append is acknowledged only once both are stored, so
+an acknowledged message is always reachable.
 
 Cursors hold the last message id returned; the next page is every message older than it, in its
 bucket and then in older buckets. Messages appended while a client pages are newer than any cursor, so
@@ -18,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -26,7 +27,7 @@ from memory_store.base import id_str, unset
 from memory_store.chats import ChatsMixin
 from memory_store.db import Cql, Row
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
-from memory_store.ids import id_micros, id_time, parse_id, parse_optional_id
+from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
 from memory_store.models import Branch, Chat, FinishReason, Message, MessageStatus, Page, Role, Usage
 from memory_store.schema import BUCKET_SECONDS
 from memory_store.search import index_statement
@@ -112,8 +113,9 @@ class MessagesMixin(ChatsMixin):
         if len(message.content.encode()) > max_bytes:
             raise InvalidArgument(f"message content is larger than {max_bytes} bytes")
 
-    async def _check_message(self, message: Message) -> None:
-        """Validates the message's fields, and that its parent is an older message of the chat."""
+    async def _check_message(self, message: Message, parent_known: bool = False) -> None:
+        """Validates the message's fields, and that its parent is an older message of the chat (read
+        unless the caller read it in this same request: ``parent_known``)."""
         chat_key = parse_id(message.chat_id, "chat id")
         message_id = parse_id(message.message_id, "message id")
         parent_id = parse_optional_id(message.parent_id, "parent id")
@@ -130,7 +132,8 @@ class MessagesMixin(ChatsMixin):
             return
         if parent_id.time >= message_id.time:
             raise FailedPrecondition("a message's parent must be older than the message")
-        await self._check_parent(chat_key, parent_id)
+        if not parent_known:
+            await self._check_parent(chat_key, parent_id)
 
     async def _check_parent(self, chat_key: uuid.UUID, parent_id: uuid.UUID) -> None:
         if await self._message_row(chat_key, parent_id) is None:
@@ -139,13 +142,15 @@ class MessagesMixin(ChatsMixin):
     async def _write_message(self, chat: Chat, message: Message) -> None:
         """Writes a checked message and moves its chat to the top of the owner's list.
 
-        The bucket is registered before the message is written, so a stored message is always
-        reachable (a bucket registered for a write that then fails stays empty and costs nothing).
+        The bucket is registered with the message, and the write is acknowledged only once both are
+        stored, so an acknowledged message is always reachable (a message whose bucket failed to
+        register was not acknowledged: its retry registers it; a bucket registered for a write that
+        then fails stays empty and costs nothing).
         """
         chat_key = uuid.UUID(chat.chat_id)
         message_id = uuid.UUID(message.message_id)
         bucket = bucket_of(message_id)
-        await self._register_bucket(chat_key, bucket)
+        registered = self._register_bucket(chat_key, bucket)
         usage = message.usage
         insert = self._db.execute(
             "message_insert",
@@ -170,7 +175,7 @@ class MessagesMixin(ChatsMixin):
         searchable = index_statement(
             chat.user_id, chat_key, message_id, Role(message.role).value, message.content
         )
-        await asyncio.gather(insert, self._db.execute(*searchable), self._touch(chat, []))
+        await asyncio.gather(registered, insert, self._db.execute(*searchable), self._touch(chat, []))
 
     async def _register_bucket(self, chat_key: uuid.UUID, bucket: int) -> None:
         key = (chat_key, bucket)
@@ -235,12 +240,13 @@ class MessagesMixin(ChatsMixin):
         self,
         user_id: str,
         chat_id: str,
-        message_id: str,
+        message_id: str | None,
         *,
         stop_at: str | None = None,
         max_messages: int | None = None,
     ) -> Branch:
-        """The path from the root to ``message_id``, oldest first: what a prompt is assembled from.
+        """The path from the root to ``message_id`` (None: the chat's newest message; an empty chat has
+        an empty path), oldest first: what a prompt is assembled from.
 
         At most ``max_messages`` messages (the newest ones of the path) are returned; the walk also
         stops before ``stop_at`` (e.g. the newest message a summary covers), so the result is what
@@ -249,7 +255,8 @@ class MessagesMixin(ChatsMixin):
         limit = self._page_size(
             max_messages, self.bounds.max_branch_messages, self.bounds.max_branch_messages
         )
-        chat_key, leaf_id = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
+        chat_key = parse_id(chat_id, "chat id")
+        leaf_id = parse_optional_id(message_id, "message id")
         stop = parse_optional_id(stop_at, "stop_at")
         # Whole rows, newest first from the leaf itself: most rows before a leaf are on its path, so
         # pages a little longer than the path usually read the whole branch in one query.
@@ -259,6 +266,8 @@ class MessagesMixin(ChatsMixin):
             path: list[Row] = []
             target: uuid.UUID | None = leaf_id  # the next message on the path
             async for row in self._scan(chat_key, leaf_id, page, include_start=True):
+                if not path and target is None:
+                    target = row["message_id"]  # the newest message is the leaf
                 if not path and target == leaf_id and row["message_id"] != leaf_id:
                     break  # the leaf is not in the chat
                 if row["message_id"] != target:
@@ -272,33 +281,58 @@ class MessagesMixin(ChatsMixin):
             return path, target, False
 
         chat, (path, target, reached_stop) = await self._with_owner(user_id, chat_id, walk())
-        if not path and not reached_stop:
+        if not path and not reached_stop and leaf_id is not None:
             raise NotFound(f"message {message_id} not found")
         messages = [_message(chat.chat_id, row) for row in reversed(path)]
-        return Branch(messages=messages, truncated=target is not None, reached_stop=reached_stop)
+        return Branch(messages, chat, truncated=target is not None, reached_stop=reached_stop)
 
     async def _scan(
         self, chat_key: uuid.UUID, start: uuid.UUID | None, page: int, include_start: bool = False
     ) -> AsyncIterator[Row]:
         """Rows of the chat older than ``start`` (or from it, with ``include_start``; all if None),
-        newest first, across buckets; ``page`` rows per query."""
+        newest first, across buckets; ``page`` rows per query.
+
+        The first page of the bucket the scan most likely starts in (``start``'s, or today's for the
+        newest rows) is read alongside the chat's bucket list, so a scan of a chat active today takes
+        one round trip, not two; a guess the list does not bear out is dropped unread."""
         bucket_cap = bucket_of(start) if start is not None else _MAX_BUCKET
-        while True:
-            buckets = await self._db.execute("buckets_upto", (chat_key, bucket_cap, _BUCKET_SCAN_PAGE))
-            for entry in buckets:
-                bucket = entry["bucket"]
-                cursor = start if start is not None and bucket == bucket_of(start) else None
-                statement = "messages_upto" if include_start else "messages_below"
-                while True:
-                    if cursor is None:
-                        rows = await self._db.execute("messages_newest", (chat_key, bucket, page))
-                    else:
-                        rows = await self._db.execute(statement, (chat_key, bucket, cursor, page))
-                    for row in rows:
-                        yield row
-                    if len(rows) < page:
-                        break
-                    cursor, statement = rows[-1]["message_id"], "messages_below"
-            if len(buckets) < _BUCKET_SCAN_PAGE:
-                return
-            bucket_cap = buckets[-1]["bucket"] - 1
+        statement = "messages_upto" if include_start else "messages_below"
+
+        def read_page(bucket: int, cursor: uuid.UUID | None, query: str) -> Awaitable[list[Row]]:
+            if cursor is None:
+                return self._db.execute("messages_newest", (chat_key, bucket, page))
+            return self._db.execute(query, (chat_key, bucket, cursor, page))
+
+        guessed_bucket = bucket_cap if start is not None else bucket_of(new_id())
+        first_page = asyncio.ensure_future(read_page(guessed_bucket, start, statement))
+        first_page.add_done_callback(_ignore_outcome)
+        guessed: asyncio.Future[list[Row]] | None = first_page
+        try:
+            while True:
+                buckets = await self._db.execute("buckets_upto", (chat_key, bucket_cap, _BUCKET_SCAN_PAGE))
+                for entry in buckets:
+                    bucket = entry["bucket"]
+                    cursor = start if start is not None and bucket == bucket_of(start) else None
+                    query = statement
+                    while True:
+                        if guessed is not None and bucket == guessed_bucket:
+                            rows, guessed = await guessed, None
+                        else:
+                            rows = await read_page(bucket, cursor, query)
+                        for row in rows:
+                            yield row
+                        if len(rows) < page:
+                            break
+                        cursor, query = rows[-1]["message_id"], "messages_below"
+                if len(buckets) < _BUCKET_SCAN_PAGE:
+                    return
+                bucket_cap = buckets[-1]["bucket"] - 1
+        finally:
+            if guessed is not None:
+                guessed.cancel()
+
+
+def _ignore_outcome(future: asyncio.Future[Any]) -> None:
+    """A speculative read nobody waits for any more: its failure (or cancellation) is of no interest."""
+    if not future.cancelled():
+        future.exception()

@@ -124,6 +124,8 @@ class Branch:
     """A path through the message tree, oldest first, ending at the requested message."""
 
     messages: list[Message]
+    # The chat it belongs to, as read with it (so the caller's).
+    chat: Chat
     # True when older ancestors exist that were not returned (max_messages or stop_at reached).
     truncated: bool
     # True when the walk met ``stop_at`` (so a summary covering stop_at applies to this branch).

@@ -43,6 +43,7 @@ from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, O
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
 from memory_store.messages import MessagesMixin
 from memory_store.models import (
+    Chat,
     Claim,
     FinishedRun,
     FinishReason,
@@ -284,6 +285,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         prompt_tokens: int = 0,
         generation: bytes = b"",
         asked: Message | None = None,
+        chat: Chat | None = None,
     ) -> Run:
         """Starts a run (in progress, owned by replica ``owner_id``) and makes it the chat's active run.
 
@@ -293,9 +295,11 @@ class RunsMixin(MessagesMixin, UsageMixin):
         ``generation`` is how it is generated (opaque here), for a replica that adopts it.
 
         ``asked`` is the user message the run answers (its parent, and its ``user_message_id``), stored
-        by this same call, as a send does: it is written before the run, so a run never exists without
-        the message it answers, and the checks and writes that do not wait for each other go together:
-        three round trips in all (the checks with the run's index entry, the message, the run).
+        by this same call, as a send does: the run is written only once the message is, so a run never
+        exists without the message it answers. ``chat`` is the chat as the caller read it in this same
+        request, with the branch ``asked`` continues (its ownership and ``asked``'s parent are known):
+        nothing is read again, and the run takes two round trips (the message with the run's index
+        entry and its bucket, then the run); otherwise the checks go first, with the index entry.
         """
         run_key = parse_id(run_id, "run id")
         parent = parse_id(parent_message_id, "parent message id")
@@ -312,15 +316,21 @@ class RunsMixin(MessagesMixin, UsageMixin):
             if not (asked.message_id == parent_message_id == user_message_id and asked.role is Role.USER):
                 raise InvalidArgument("the message a run is created with must be the user message it answers")
             self._check_size(asked)
-            parent_known = self._check_message(asked)
-        else:
-            parent_known = self._check_parent(chat_key, parent)
-        # The index entry goes first (with the checks): a run that exists can always be found by the
+        # The index entry is written before the run: a run that exists can always be found by the
         # reaper. An entry whose run is never written is skipped when the index is read.
-        index = self._db.execute("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
-        chat, _ = await self._with_owner(user_id, chat_id, asyncio.gather(parent_known, index))
-        if asked is not None:
-            await self._write_message(chat, asked)
+        index_entry = ("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
+        if chat is not None and (chat.chat_id != str(chat_key) or chat.user_id != user_id):
+            raise InvalidArgument("the chat read for this run is another one")
+        if asked is not None and chat is not None:
+            await self._check_message(asked, parent_known=True)
+            await asyncio.gather(self._db.execute(*index_entry), self._write_message(chat, asked))
+        else:
+            checks = self._check_message(asked) if asked is not None else self._check_parent(chat_key, parent)
+            chat, _ = await self._with_owner(
+                user_id, chat_id, asyncio.gather(checks, self._db.execute(*index_entry))
+            )
+            if asked is not None:
+                await self._write_message(chat, asked)
         await asyncio.gather(
             self._db.execute(
                 "run_insert",

@@ -8,10 +8,11 @@ messages after that are read verbatim.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from chatmesh.tokenizer import ChatMessage
-from memory_store.models import ChatSummary, Message
+from memory_store.models import Chat, ChatSummary, Message
 from memory_store.store import MemoryStore
 
 
@@ -21,28 +22,28 @@ class History:
     messages: list[Message]
     # The summary of everything before ``messages``, when it belongs to this branch.
     summary: ChatSummary | None
+    # The message the branch ends at (None: none, a new root).
+    leaf_id: str | None
+    # The chat, as read with the branch (so the caller's).
+    chat: Chat
 
 
 async def load_history(
-    store: MemoryStore,
-    user_id: str,
-    chat_id: str,
-    leaf_id: str | None,
-    max_messages: int,
-    summary: ChatSummary | None,
+    store: MemoryStore, user_id: str, chat_id: str, leaf_id: str | None, max_messages: int
 ) -> History:
-    """The branch ending at ``leaf_id`` (None: an empty history, e.g. a chat's first message), after
-    the chat's ``summary`` (read by the caller, alongside its other reads) if it covers this branch."""
-    if leaf_id is None:
-        return History([], None)
-    branch = await store.get_branch(
-        user_id,
-        chat_id,
-        leaf_id,
-        stop_at=summary.through_message_id if summary else None,
-        max_messages=max_messages,
+    """The branch ending at ``leaf_id`` (None: the chat's newest message), after the chat's summary if
+    it covers this branch. The branch and the summary are read at once (one round trip for a chat
+    active today), so the walk cannot stop at the summary: it reads up to ``max_messages`` and the
+    messages the summary covers are dropped here."""
+    branch, summary = await asyncio.gather(
+        store.get_branch(user_id, chat_id, leaf_id, max_messages=max_messages),
+        store.get_summary(user_id, chat_id),
     )
-    return History(branch.messages, summary if branch.reached_stop else None)
+    leaf = branch.messages[-1].message_id if branch.messages else None
+    ids = [m.message_id for m in branch.messages]
+    if summary is None or summary.through_message_id not in ids:
+        return History(branch.messages, None, leaf, branch.chat)
+    return History(branch.messages[ids.index(summary.through_message_id) + 1 :], summary, leaf, branch.chat)
 
 
 def turns(messages: list[Message]) -> list[ChatMessage]:

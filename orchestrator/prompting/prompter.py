@@ -1,7 +1,7 @@
 """The prompt of a run: read the branch, fit it to the context window, refuse what cannot fit.
 
-``continue_branch`` serves stored chats (the branch ending at a message, after the chat's summary, then
-the new turns); ``conversation`` serves Complete (a caller-supplied conversation, nothing read). Both end
+``continue_branch`` serves stored chats (the branch ending at a message, read by ``history`` after the
+chat's summary, then the new turns); ``conversation`` serves Complete (a caller-supplied conversation, nothing read). Both end
 in ``fit``: the window minus max_tokens is the budget, ``prompt.fit_prompt`` keeps the newest turns that
 fit, and a prompt that cannot fit is INVALID_ARGUMENT naming the field at fault.
 """
@@ -15,12 +15,11 @@ from opentelemetry import trace
 from chatmesh.errors import invalid
 from chatmesh.limits import Generation
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
-from memory_store.models import ChatSummary
 from memory_store.store import MemoryStore
 from orchestrator.config import PromptConfig
 from orchestrator.metrics import METRICS
 from orchestrator.policy.refusals import refused
-from orchestrator.prompting.history import load_history, turns
+from orchestrator.prompting.history import History, load_history, turns
 from orchestrator.prompting.prompt import Prompt, PromptTooLong, fit_prompt
 
 tracer = trace.get_tracer("orchestrator")
@@ -35,22 +34,21 @@ class Prompter:
         self.config = config
         self.context_window = context_window
 
-    async def continue_branch(
+    async def history(self, user_id: str, chat_id: str, leaf_id: str | None) -> History:
+        """The stored branch ending at ``leaf_id`` (None: the chat's newest message), after the chat's
+        summary where it applies: what ``continue_branch`` continues."""
+        return await load_history(self.store, user_id, chat_id, leaf_id, self.config.max_history_messages)
+
+    def continue_branch(
         self,
-        user_id: str,
-        chat_id: str,
-        leaf_id: str | None,
-        summary: ChatSummary | None,
+        history: History,
         options: Generation,
         new: list[ChatMessage],
         field: str,
         system: list[ChatMessage] | None = None,
     ) -> Prompt:
-        """The prompt continuing the branch that ends at ``leaf_id`` with the ``new`` turns (after
-        ``system``, or the configured system prompt)."""
-        history = await load_history(
-            self.store, user_id, chat_id, leaf_id, self.config.max_history_messages, summary
-        )
+        """The prompt continuing a stored ``history`` with the ``new`` turns (after ``system``, or the
+        configured system prompt)."""
         summary_text = history.summary.text if history.summary else None
         return self.fit([*turns(history.messages), *new], options, summary_text, field, system=system)
 

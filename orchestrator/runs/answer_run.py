@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from chatmesh.identity import Identity
+from orchestrator.runs.live_run import LiveRun
 
 
 class AnswerRun(ABC):
@@ -29,6 +30,9 @@ class AnswerRun(ABC):
         # ended it before (``Runs.start`` waits for it).
         self.started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.started.add_done_callback(_observe_refusal)
+        # The run this request started, once live (None while starting, and for one that joined an
+        # earlier attempt's run).
+        self.live: LiveRun | None = None
 
     @property
     def idempotency_key(self) -> str:

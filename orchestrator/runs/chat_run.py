@@ -20,7 +20,7 @@ from chatmesh.errors import ServiceError, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
-from memory_store.models import Claim, Message, Run
+from memory_store.models import Chat, Claim, Message, Run
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.context import RunContext
@@ -147,10 +147,13 @@ class ChatRun(AnswerRun):
             assistant_message_id=claim.assistant_message_id,
         )
 
-    async def create_run(self, admission: Admission, parent_id: str, asked: Message | None = None) -> Run:
+    async def create_run(
+        self, admission: Admission, parent_id: str, asked: Message | None = None, chat: Chat | None = None
+    ) -> Run:
         """The run's row, owned by this replica: from here on the answer is stored, once (and if this
         replica dies, another one adopts it and continues it from its stored generation). ``asked`` is
-        the user message it answers when the run stores it too (a send), in the same few round trips."""
+        the user message it answers when the run stores it too (a send), in the same round trips;
+        ``chat``, the chat as read with the branch ``asked`` continues (nothing is read again)."""
         if time.monotonic() - self._leased_at > self.ctx.config.runs.start_lease_s - LEASE_MARGIN_S:
             # A retry elsewhere may hold the key's lease by now and start the run itself.
             raise unavailable("starting the answer took too long; retry", 1.0)
@@ -167,6 +170,7 @@ class ChatRun(AnswerRun):
             prompt_tokens=len(admission.prompt.token_ids),
             generation=admission.start.SerializeToString(),
             asked=asked,
+            chat=chat,
         )
 
     def refresh_summary(self, chat_id: str, prompt: Prompt, end: RunEnd) -> None:

@@ -125,8 +125,11 @@ class Runs:
         (Complete: nobody else could ever follow it) is cancelled when the caller leaves, so its engine
         work, its run slot and the rest of its budget are freed at once."""
         run_id = await self.start(run)
+        # A run this request started is followed at once: its chat was read on the way (one it joined
+        # is followed as any stream is).
+        events = run.live.follow(0) if run.live is not None else self.stream(run.identity.user_id, run_id, 0)
         try:
-            async for event in self.stream(run.identity.user_id, run_id, 0):
+            async for event in events:
                 yield event
         finally:
             relay = self._relays.get(run_id)
@@ -224,6 +227,7 @@ class Runs:
         live = LiveRun(info, self.config.max_subscribers_per_run)
         live.append(started=_started(info))
         relay = Relay(self.deps, live, admission.stream, admission.start, stored_run, run.arrived_at)
+        run.live = live
         run.started.set_result(info.run_id)
         try:
             return await self._relay(relay)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from chatmesh import limits
@@ -33,35 +31,29 @@ class RegenerateRun(ChatRun):
     async def execute(self) -> None:
         store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id
         # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it); meanwhile
-        #    the answer to redo, and the chat's summary (both reads check the chat is the caller's).
+        #    the answer to redo (the read checks the chat is the caller's).
         try:
-            claimed = await self.claim_while(
-                asyncio.gather(
-                    store.get_message(user, chat_id, self.request.message_id),
-                    store.get_summary(user, chat_id),
-                )
-            )
+            claimed = await self.claim_while(store.get_message(user, chat_id, self.request.message_id))
         except NotFound:
             raise not_found("message", self.request.message_id) from None
         if claimed is None:
             return
-        claim, (answer, summary) = claimed
+        claim, answer = claimed
         if answer.role is not Role.ASSISTANT or answer.parent_id is None:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"message {self.request.message_id} is not an answer; only assistant messages can be "
                 "regenerated (to change a question, send the new text with its parent_message_id)",
             )
-        # 3. The prompt: the branch up to the question, after the summary, fitted to the window.
+        # 2. The prompt: the branch up to the question, after the summary, fitted to the window.
         question_id = answer.parent_id
-        prompt = await self.ctx.prompter.continue_branch(
-            user, chat_id, question_id, summary, self.options, [], "message_id"
-        )
+        history = await self.ctx.prompter.history(user, chat_id, question_id)
+        prompt = self.ctx.prompter.continue_branch(history, self.options, [], "message_id")
         info = self.run_info(claim, chat_id)
-        # 4. Admission, then the run persisted (the question is stored already).
+        # 3. Admission, then the run persisted (the question is stored already).
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
             stored_run = await self.create_run(admission, question_id)
-        # 5. Live: `started`, then the answer streamed until it ends; the end is stored once.
+        # 4. Live: `started`, then the answer streamed until it ends; the end is stored once.
         end = await self.ctx.runs.generate(self, admission, stored_run)
-        # 6. Upkeep: a long history gets a fresher summary.
+        # 5. Upkeep: a long history gets a fresher summary.
         self.refresh_summary(chat_id, prompt, end)

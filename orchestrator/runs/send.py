@@ -7,7 +7,7 @@ capacity) leaves no message behind.
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import uuid
 
 import grpc
@@ -20,6 +20,7 @@ from chatmesh.tokenizer import ChatMessage
 from memory_store.errors import NotFound
 from memory_store.models import Message, Role, RunStatus
 from orchestrator.policy.refusals import checked
+from orchestrator.prompting.history import History
 from orchestrator.runs.chat_run import ChatRun
 from orchestrator.runs.context import RunContext
 
@@ -43,18 +44,20 @@ class SendRun(ChatRun):
             ctx.moderator.screen_input(request.instructions, "instructions", f"user {identity.user_id}")
 
     async def execute(self) -> None:
-        store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id
+        user, chat_id = self.identity.user_id, self.request.chat_id
         # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it); meanwhile
-        #    the message this one follows, and the chat's summary (both reads check the chat is the caller's).
-        claimed = await self.claim_while(asyncio.gather(self._parent(), store.get_summary(user, chat_id)))
+        #    the branch the message follows and the chat's summary (the reads check the chat is the caller's).
+        claimed = await self.claim_while(self._history())
         if claimed is None:
             return
-        claim, (parent_id, summary) = claimed
-        if parent_id == claim.user_message_id:
+        claim, history = claimed
+        if history.leaf_id == claim.user_message_id:
             # The chat's newest message is this send's own: an earlier attempt stored it and was lost
             # before storing its run (the message is written first). Answer that message, after the one
             # it follows; storing it again below rewrites the same row.
-            parent_id = (await store.get_message(user, chat_id, parent_id)).parent_id
+            own = history.messages[-1]
+            history = dataclasses.replace(history, messages=history.messages[:-1], leaf_id=own.parent_id)
+        parent_id = history.leaf_id
         if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(claim.user_message_id).time:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -62,21 +65,17 @@ class SendRun(ChatRun):
                 "to this chat at the same time, or a retry of an old idempotency key); send it again "
                 "with a new idempotency key",
             )
-        # 3. The prompt: the branch after the summary, then the new message, fitted to the window.
-        question = ChatMessage("user", self.request.content)
+        # 2. The prompt: the branch after the summary, then the new message, fitted to the window.
         instructions = self.request.instructions
-        prompt = await self.ctx.prompter.continue_branch(
-            user,
-            chat_id,
-            parent_id,
-            summary,
+        prompt = self.ctx.prompter.continue_branch(
+            history,
             self.options,
-            [question],
+            [ChatMessage("user", self.request.content)],
             "content",
             system=[ChatMessage("system", instructions)] if instructions else None,
         )
         info = self.run_info(claim, chat_id, claim.user_message_id)
-        # 4. Admission (a run slot; the budget reserved while the router places the request), then the
+        # 3. Admission (a run slot; the budget reserved while the router places the request), then the
         #    user message and the run persisted together, now that the answer will be generated.
         asked = Message(
             message_id=claim.user_message_id,
@@ -88,25 +87,25 @@ class SendRun(ChatRun):
             run_id=claim.run_id,
         )
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
-            stored_run = await self.create_run(admission, claim.user_message_id, asked)
-        # 5. Live: `started`, then the answer streamed until it ends; the end is stored once.
+            stored_run = await self.create_run(admission, claim.user_message_id, asked, history.chat)
+        # 4. Live: `started`, then the answer streamed until it ends; the end is stored once.
         end = await self.ctx.runs.generate(self, admission, stored_run)
-        # 6. Upkeep: the first exchange of a chat (or of a new root branch) names it; a long history
+        # 5. Upkeep: the first exchange of a chat (or of a new root branch) names it; a long history
         #    gets a fresher summary.
         if parent_id is None and end.status is RunStatus.COMPLETED:
             self.ctx.upkeep.name_chat(user, chat_id, self.request.content, end.live.text())
         self.refresh_summary(chat_id, prompt, end)
 
-    async def _parent(self) -> str | None:
-        """The message the new one follows: the one named, the chat's newest, or none (a new root)."""
+    async def _history(self) -> History:
+        """The branch the new message follows: the one ending at the message named, at the chat's
+        newest, or none (a new root)."""
         request, user = self.request, self.identity.user_id
         if request.branch_from_root:
-            return None
-        if request.parent_message_id:
-            try:
-                message = await self.ctx.store.get_message(user, request.chat_id, request.parent_message_id)
-            except NotFound:
-                raise not_found("message", request.parent_message_id) from None
-            return message.message_id
-        latest = await self.ctx.store.get_latest_message(user, request.chat_id)
-        return latest.message_id if latest else None
+            return History([], None, None, await self.ctx.store.get_chat(user, request.chat_id))
+        try:
+            return await self.ctx.prompter.history(user, request.chat_id, request.parent_message_id or None)
+        except NotFound:
+            if not request.parent_message_id:
+                raise
+            await self.ctx.store.get_chat(user, request.chat_id)  # a missing chat is the chat's NOT_FOUND
+            raise not_found("message", request.parent_message_id) from None

@@ -66,10 +66,7 @@ class Summarizer:
 
     async def refresh(self, user_id: str, chat_id: str, leaf_id: str, budget: int) -> None:
         """Summarizes the branch ending at ``leaf_id`` up to its newest turns."""
-        summary = await self.store.get_summary(user_id, chat_id)
-        history = await load_history(
-            self.store, user_id, chat_id, leaf_id, self.max_history_messages, summary
-        )
+        history = await load_history(self.store, user_id, chat_id, leaf_id, self.max_history_messages)
         messages = [m for m in history.messages if m.content]
         older, _ = split_for_summary(messages, self.tokenizer, int(self.config.keep_fraction * budget))
         if not older:

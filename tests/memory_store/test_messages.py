@@ -67,6 +67,29 @@ async def test_latest_message_is_the_newest_across_buckets(memory_store):
     assert (await memory_store.get_latest_message(user, chat.chat_id)).message_id == new.message_id
 
 
+async def test_the_newest_branch_is_read_from_the_chats_newest_message_in_any_bucket(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "newest branch")
+    empty = await memory_store.get_branch(user, chat.chat_id, None)
+    assert empty.messages == [] and not empty.truncated and empty.chat.chat_id == chat.chat_id
+    # Newest three days ago: the scan's guess (today's bucket) misses, and the bucket list finds it.
+    at = datetime.now(UTC) - timedelta(days=3)
+    root = await memory_store.append_message(user, message(chat.chat_id, "q1", at=at))
+    answer = await memory_store.append_message(
+        user, message(chat.chat_id, "a1", root, at=at + timedelta(minutes=1))
+    )
+    await memory_store.append_message(user, message(chat.chat_id, "edit", at=at - timedelta(minutes=5)))
+    old = await memory_store.get_branch(user, chat.chat_id, None)
+    assert [m.content for m in old.messages] == ["q1", "a1"]
+    # Today: the guess is right, and the branch goes on into the older bucket.
+    today = await memory_store.append_message(user, message(chat.chat_id, "q2", answer))
+    new = await memory_store.get_branch(user, chat.chat_id, None, max_messages=2)
+    assert [m.content for m in new.messages] == ["a1", "q2"] and new.truncated
+    assert new.messages[-1].message_id == today.message_id
+    with pytest.raises(NotFound):
+        await memory_store.get_branch(new_user(), chat.chat_id, None)
+
+
 async def test_unicode_and_large_content_round_trip_exactly(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "round trip")

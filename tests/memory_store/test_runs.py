@@ -324,6 +324,38 @@ async def test_a_run_created_with_its_question_stores_both_and_never_the_run_alo
     assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id == claim.run_id
 
 
+async def test_a_run_created_with_the_chat_read_in_its_request_stores_its_question_without_reading(
+    memory_store,
+):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "read once")
+    first = await memory_store.append_message(user, message(chat.chat_id, "before"))
+    branch = await memory_store.get_branch(user, chat.chat_id, None)
+    claim = await memory_store.claim_idempotency_key(user, "send", b"fingerprint")
+    asked = message(chat.chat_id, "the question", first, message_id=claim.user_message_id)
+    fields = dict(
+        run_id=claim.run_id,
+        parent_message_id=asked.message_id,
+        assistant_message_id=claim.assistant_message_id,
+        model="smollm2-135m",
+        owner_id="replica-a",
+        user_message_id=asked.message_id,
+    )
+    other = await memory_store.create_chat(user, "another chat")
+    with pytest.raises(InvalidArgument):
+        await memory_store.create_run(user, chat.chat_id, **fields, asked=asked, chat=other)
+    assert [m.content for m in (await memory_store.list_messages(user, chat.chat_id)).items] == ["before"]
+
+    run = await memory_store.create_run(user, chat.chat_id, **fields, asked=asked, chat=branch.chat)
+    assert [m.content for m in (await memory_store.list_messages(user, chat.chat_id)).items] == [
+        "the question",
+        "before",
+    ]
+    assert (await memory_store.get_run(user, claim.run_id)).user_message_id == asked.message_id
+    stored = await memory_store.get_chat(user, chat.chat_id)
+    assert stored.active_run_id == run.run_id and stored.updated_at > branch.chat.updated_at
+
+
 async def test_usage_is_per_run_and_idempotent(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "budget")
