@@ -18,14 +18,21 @@ TTFT/TPOT p50 ratios to engine-direct. Prompts are the same token ids on every p
 of a system prompt and one user message), as is the answer length.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_orchestrator.py \
-        [--concurrency 1 100] [--requests 30] [--tokens 32] [--tokens-per-s 50] [--engines 2]
+        [--concurrency 1 100] [--requests 30] [--tokens 32] [--tokens-per-s 50] [--engines 2] [--timeline]
+
+``--timeline`` has every service write its spans to a file and prints where a send's time goes: the
+median start and end of each span of the SendMessage traces, in ms after the call arrived (one line
+per span name and occurrence: what runs alongside what, and what waits for what). Writing every span
+synchronously slows each process a little, so read it for the shape, and the table for the times.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
+import json
 import os
 import platform
 import statistics
@@ -48,6 +55,7 @@ from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from localmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
 from memory_store.node import CassandraNode, NodeConfig  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
+from meshkit.telemetry import TRACE_FILE_ENV, SpanRecord  # noqa: E402
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 
 QUESTION = "Summarize the plot of a novel about a lighthouse keeper in three sentences."
@@ -256,6 +264,40 @@ async def wait_for_engines(router: str, count: int) -> None:
     raise TimeoutError(f"the router never saw {count} healthy engines")
 
 
+def print_timeline(span_file: Path, method: str = "SendMessage") -> None:
+    """The median timeline of the ``method`` traces in ``span_file`` (``--timeline``)."""
+    traces: dict[str, list[SpanRecord]] = collections.defaultdict(list)
+    for line in span_file.read_text().splitlines():
+        record = SpanRecord(**json.loads(line))
+        if record.start_ns is not None and record.end_ns is not None:
+            traces[record.trace_id].append(record)
+    spans: dict[tuple[str, str, int], list[tuple[float, float]]] = collections.defaultdict(list)
+    calls = 0
+    for records in traces.values():
+        root = next((r for r in records if r.kind == "SERVER" and r.name.endswith(f"/{method}")), None)
+        if root is None or root.start_ns is None:
+            continue
+        calls += 1
+        seen: collections.Counter[tuple[str, str]] = collections.Counter()
+        for record in sorted(records, key=lambda r: r.start_ns or 0):
+            span_name = (record.service or "?", record.name)
+            key = (*span_name, seen[span_name])
+            seen[span_name] += 1
+            spans[key].append(((record.start_ns or 0) - root.start_ns, (record.end_ns or 0) - root.start_ns))
+    print(f"\n{method}: median span timeline over {calls} calls (ms after the call arrived)")
+    print(f"{'start':>8} {'end':>8}  span")
+    common = {key: times for key, times in spans.items() if len(times) >= calls / 2}
+    for (service_name, name, occurrence), times in sorted(
+        common.items(), key=lambda item: statistics.median(t[0] for t in item[1])
+    ):
+        start, end = (
+            statistics.median(t[0] for t in times) / 1e6,
+            statistics.median(t[1] for t in times) / 1e6,
+        )
+        repeat = f" #{occurrence + 1}" if occurrence else ""
+        print(f"{start:>8.2f} {end:>8.2f}  {service_name}: {name}{repeat}")
+
+
 def ms(value: float) -> str:
     return f"{value * 1000:,.1f}"
 
@@ -307,6 +349,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="null engines' pace per stream")
     parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--timeline", action="store_true", help="print the median span timeline of a send")
     args = parser.parse_args()
     print(f"machine: {machine()}")
     with (
@@ -314,9 +357,15 @@ def main() -> None:
         Launcher(Path(tmp), echo=print) as launcher,
     ):
         print("starting Cassandra, engines, router and orchestrator ...", flush=True)
+        span_file = Path(tmp) / "spans.jsonl"
+        if args.timeline:
+            os.environ[TRACE_FILE_ENV] = str(span_file)  # the services inherit it
         keys = generate_keys(Path(tmp) / "keys")
         addresses = start_mesh(launcher, args, Path(tmp), keys)
         asyncio.run(bench(args, addresses, keys))
+        if args.timeline:
+            launcher.stop_all()  # the last spans are written as the services stop
+            print_timeline(span_file)
 
 
 if __name__ == "__main__":
