@@ -201,10 +201,16 @@ class Placer:
         if hint is not None and hint[1] > pool.cached_blocks[hint[0]]:
             return None
         choice = self._policy_choice(plan, pool)
-        row = self.registry.index.slot(choice.engine_id)
-        if not self._admissible(np.array([row]), cap, rank, objective)[0]:
+        if not self._admits(self.registry.index.slot(choice.engine_id), cap, rank, objective):
             return None
         return self._placed(plan, choice, model, False)
+
+    def _admits(self, row: int, cap: int, rank: int, objective: float | None) -> bool:
+        """``_admissible`` for one row. An engine with nothing waiting takes the request if its cap
+        lets anything wait (most engines, most of the time: two numbers read, no column built)."""
+        if self.registry.loads.waiting[row] == 0:
+            return bool(self._limit_column(cap)[row] > 0)
+        return bool(self._admissible(np.array([row]), cap, rank, objective)[0])
 
     def _choose(self, plan: RequestPlan, rows: np.ndarray, model: str, degraded: bool = False) -> Placement:
         """The policy's pick among admitted ``rows``."""
@@ -309,10 +315,10 @@ class Placer:
     def _candidates(self, plan: RequestPlan, rows: np.ndarray) -> Pool:
         """The rows' columns with each engine's cached prefix, hashed with its block size and seed."""
         loads = self.registry.loads
-        hashing = loads.hashing[rows]
-        if loads.one_hashing or (hashing == hashing[0]).all():  # one block size and seed: the usual pool
-            block_size = loads.hashing_of(int(hashing[0]))[0]
-            cached, block_sizes = self._depth(plan, int(hashing[0]))[rows], block_size
+        hashing = None if loads.one_hashing else loads.hashing[rows]
+        if hashing is None or (hashing == hashing[0]).all():  # one block size and seed: the usual pool
+            group = int(loads.hashing[rows[0]])
+            cached, block_sizes = self._depth(plan, group)[rows], loads.hashing_of(group)[0]
         else:
             cached, block_sizes = np.zeros(len(rows), dtype=np.int64), loads.block_size[rows]
             for group in np.unique(hashing):
