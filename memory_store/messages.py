@@ -175,7 +175,8 @@ class MessagesMixin(ChatsMixin):
         searchable = index_statement(
             chat.user_id, chat_key, message_id, Role(message.role).value, message.content
         )
-        await asyncio.gather(registered, insert, self._db.execute(*searchable), self._touch(chat, []))
+        # The search entry lives in the owner's partition, as the chat's activity does: one mutation.
+        await asyncio.gather(registered, insert, self._touch(chat, [searchable]))
 
     async def _register_bucket(self, chat_key: uuid.UUID, bucket: int) -> None:
         key = (chat_key, bucket)
