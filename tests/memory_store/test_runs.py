@@ -292,12 +292,9 @@ async def test_an_owner_whose_run_was_adopted_cannot_finish_it(memory_store):
     assert finished.applied and finished.message.content == "ok!"
 
 
-async def test_a_run_created_with_its_question_stores_both_and_never_the_run_alone(memory_store):
-    user = new_user()
-    chat = await memory_store.create_chat(user, "one call")
-    claim = await memory_store.claim_idempotency_key(user, "send", b"fingerprint")
-    asked = message(chat.chat_id, "the question", message_id=claim.user_message_id)
-    fields = dict(
+def run_fields(claim, asked):
+    """``create_run``'s fields for the run a claim reserved, answering ``asked`` (stored with it)."""
+    return dict(
         run_id=claim.run_id,
         parent_message_id=asked.message_id,
         assistant_message_id=claim.assistant_message_id,
@@ -305,6 +302,14 @@ async def test_a_run_created_with_its_question_stores_both_and_never_the_run_alo
         owner_id="replica-a",
         user_message_id=asked.message_id,
     )
+
+
+async def test_a_run_created_with_its_question_stores_both_and_never_the_run_alone(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "one call")
+    claim = await memory_store.claim_idempotency_key(user, "send", b"fingerprint")
+    asked = message(chat.chat_id, "the question", message_id=claim.user_message_id)
+    fields = run_fields(claim, asked)
     # A question whose parent is not in the chat: refused, and neither the question nor the run stored.
     ghost = message(chat.chat_id, "never stored", at=now() - timedelta(seconds=5))
     orphan = message(chat.chat_id, "lost", message_id=claim.user_message_id, parent=ghost)
@@ -333,14 +338,7 @@ async def test_a_run_created_with_the_chat_read_in_its_request_stores_its_questi
     branch = await memory_store.get_branch(user, chat.chat_id, None)
     claim = await memory_store.claim_idempotency_key(user, "send", b"fingerprint")
     asked = message(chat.chat_id, "the question", first, message_id=claim.user_message_id)
-    fields = dict(
-        run_id=claim.run_id,
-        parent_message_id=asked.message_id,
-        assistant_message_id=claim.assistant_message_id,
-        model="smollm2-135m",
-        owner_id="replica-a",
-        user_message_id=asked.message_id,
-    )
+    fields = run_fields(claim, asked)
     other = await memory_store.create_chat(user, "another chat")
     with pytest.raises(InvalidArgument):
         await memory_store.create_run(user, chat.chat_id, **fields, asked=asked, chat=other)
