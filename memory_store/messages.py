@@ -1,4 +1,4 @@
-"""Messages: append, read one, list newest first across buckets, the newest, and branches of the tree.
+"""Messages: append, read one, list newest first across buckets, and branches of the tree (from any message or the newest).
 
 ``messages`` is ``((chat_id, bucket), message_id)`` clustered newest first; ``bucket`` is the day of the
 writer-chosen time-sortable id, and ``message_buckets`` lists a chat's non-empty buckets. Appending is
@@ -224,18 +224,6 @@ class MessagesMixin(ChatsMixin):
         if len(rows) > limit:
             next_cursor = self._cursors.encode("messages", f"{user_id}/{chat_id}", [items[-1].message_id])
         return Page(items=items, next_cursor=next_cursor)
-
-    async def get_latest_message(self, user_id: str, chat_id: str) -> Message | None:
-        """The chat's newest message on any branch, or None for an empty chat."""
-        chat_key = parse_id(chat_id, "chat id")
-
-        async def newest() -> Row | None:
-            async for row in self._scan(chat_key, None, 1):
-                return row
-            return None
-
-        chat, row = await self._with_owner(user_id, chat_id, newest())
-        return _message(chat.chat_id, row) if row is not None else None
 
     async def get_branch(
         self,

@@ -23,7 +23,7 @@ async def test_another_users_chat_is_not_found_for_every_operation(memory_store)
         memory_store.record_activity(intruder, chat.chat_id),
         memory_store.list_messages(intruder, chat.chat_id),
         memory_store.get_message(intruder, chat.chat_id, first.message_id),
-        memory_store.get_latest_message(intruder, chat.chat_id),
+        memory_store.get_branch(intruder, chat.chat_id, None),
         memory_store.get_branch(intruder, chat.chat_id, first.message_id),
         memory_store.append_message(intruder, message(chat.chat_id, "hi", first)),
         memory_store.get_summary(intruder, chat.chat_id),

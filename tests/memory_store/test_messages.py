@@ -56,17 +56,6 @@ async def test_pages_cross_buckets_without_gaps_or_repeats_during_concurrent_app
     assert everything == [m.message_id for m in expected]
 
 
-async def test_latest_message_is_the_newest_across_buckets(memory_store):
-    user = new_user()
-    chat = await memory_store.create_chat(user, "latest")
-    assert await memory_store.get_latest_message(user, chat.chat_id) is None
-    old = await memory_store.append_message(
-        user, message(chat.chat_id, "old", at=datetime.now(UTC) - timedelta(days=3))
-    )
-    new = await memory_store.append_message(user, message(chat.chat_id, "new", old))
-    assert (await memory_store.get_latest_message(user, chat.chat_id)).message_id == new.message_id
-
-
 async def test_the_newest_branch_is_read_from_the_chats_newest_message_in_any_bucket(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "newest branch")
