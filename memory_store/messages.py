@@ -1,4 +1,5 @@
-"""Messages: append, read one, list newest first across buckets, and branches of the tree (from any message or the newest).
+"""Messages: append, read one, list newest first across buckets, and branches of the tree (ending at a
+message, or at the chat's newest).
 
 ``messages`` is ``((chat_id, bucket), message_id)`` clustered newest first; ``bucket`` is the day of the
 writer-chosen time-sortable id, and ``message_buckets`` lists a chat's non-empty buckets. Appending is
@@ -231,27 +232,23 @@ class MessagesMixin(ChatsMixin):
         chat_id: str,
         message_id: str | None,
         *,
-        stop_at: str | None = None,
         max_messages: int | None = None,
     ) -> Branch:
         """The path from the root to ``message_id`` (None: the chat's newest message; an empty chat has
         an empty path), oldest first: what a prompt is assembled from.
 
-        At most ``max_messages`` messages (the newest ones of the path) are returned; the walk also
-        stops before ``stop_at`` (e.g. the newest message a summary covers), so the result is what
-        comes after it.
+        At most ``max_messages`` messages (the newest ones of the path) are returned.
         """
         limit = self._page_size(
             max_messages, self.bounds.max_branch_messages, self.bounds.max_branch_messages
         )
         chat_key = parse_id(chat_id, "chat id")
         leaf_id = parse_optional_id(message_id, "message id")
-        stop = parse_optional_id(stop_at, "stop_at")
         # Whole rows, newest first from the leaf itself: most rows before a leaf are on its path, so
         # pages a little longer than the path usually read the whole branch in one query.
         page = min(max(2 * limit, _MIN_BRANCH_PAGE), _MAX_BRANCH_PAGE)
 
-        async def walk() -> tuple[list[Row], uuid.UUID | None, bool]:
+        async def walk() -> tuple[list[Row], uuid.UUID | None]:
             path: list[Row] = []
             target: uuid.UUID | None = leaf_id  # the next message on the path
             async for row in self._scan(chat_key, leaf_id, page, include_start=True):
@@ -261,19 +258,17 @@ class MessagesMixin(ChatsMixin):
                     break  # the leaf is not in the chat
                 if row["message_id"] != target:
                     continue
-                if target == stop:
-                    return path, target, True
                 path.append(row)
                 target = row["parent_id"]
                 if target is None or len(path) >= limit:
                     break
-            return path, target, False
+            return path, target
 
-        chat, (path, target, reached_stop) = await self._with_owner(user_id, chat_id, walk())
-        if not path and not reached_stop and leaf_id is not None:
+        chat, (path, target) = await self._with_owner(user_id, chat_id, walk())
+        if not path and leaf_id is not None:
             raise NotFound(f"message {message_id} not found")
         messages = [_message(chat.chat_id, row) for row in reversed(path)]
-        return Branch(messages, chat, truncated=target is not None, reached_stop=reached_stop)
+        return Branch(messages, chat, truncated=target is not None)
 
     async def _scan(
         self, chat_key: uuid.UUID, start: uuid.UUID | None, page: int, include_start: bool = False

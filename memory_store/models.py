@@ -126,10 +126,8 @@ class Branch:
     messages: list[Message]
     # The chat it belongs to, as read with it (so the caller's).
     chat: Chat
-    # True when older ancestors exist that were not returned (max_messages or stop_at reached).
+    # True when older ancestors exist that were not returned (max_messages reached).
     truncated: bool
-    # True when the walk met ``stop_at`` (so a summary covering stop_at applies to this branch).
-    reached_stop: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 The branch is the path from the root to the message being answered (edits and regenerations are
 siblings, so other branches never leak in). A chat keeps one rolling summary, of the branch it was
-made for: it applies when the walk from the leaf meets the newest message it covers; then only the
-messages after that are read verbatim.
+made for: it applies when the branch (its newest ``max_messages``) holds the newest message it covers;
+then only the messages after that go in verbatim.
 """
 
 from __future__ import annotations

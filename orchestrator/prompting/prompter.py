@@ -1,8 +1,8 @@
 """The prompt of a run: read the branch, fit it to the context window, refuse what cannot fit.
 
 ``continue_branch`` serves stored chats (the branch ending at a message, read by ``history`` after the
-chat's summary, then the new turns); ``conversation`` serves Complete (a caller-supplied conversation, nothing read). Both end
-in ``fit``: the window minus max_tokens is the budget, ``prompt.fit_prompt`` keeps the newest turns that
+chat's summary, then the new turns); ``conversation`` serves Complete (a caller-supplied conversation,
+nothing read). Both end in ``fit``: the window minus max_tokens is the budget, ``prompt.fit_prompt`` keeps the newest turns that
 fit, and a prompt that cannot fit is INVALID_ARGUMENT naming the field at fault.
 """
 

@@ -32,6 +32,23 @@ def message(
     )
 
 
+async def regenerated_tree(store: MemoryStore, user: str, chat_id: str) -> dict[str, Message]:
+    """q1, its answer a1 and a regenerated sibling of it, then q2 and a2 after the regenerated one; by
+    content."""
+    stored: dict[str, Message] = {}
+    for content, parent, role in [
+        ("q1", None, Role.USER),
+        ("a1", "q1", Role.ASSISTANT),
+        ("a1 regenerated", "q1", Role.ASSISTANT),
+        ("q2", "a1 regenerated", Role.USER),
+        ("a2", "q2", Role.ASSISTANT),
+    ]:
+        stored[content] = await store.append_message(
+            user, message(chat_id, content, stored.get(parent or ""), role)
+        )
+    return stored
+
+
 async def start_run(
     store: MemoryStore,
     user: str,
