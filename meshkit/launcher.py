@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import resource
 import shutil
 import signal
@@ -152,11 +153,41 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    """The ports Linux hands out as the source of outgoing connections (and to a bind to port 0)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+# Chosen ports come from here up to the ephemeral range, at random: a port the kernel could also hand
+# out stays free only until the next outgoing connection takes it as its source port, and a mesh that
+# starts a Cassandra cluster before Envoy opens many of those between choosing Envoy's port and binding it.
+_FIRST_CHOSEN_PORT = 10000
+_chooser = random.SystemRandom()
+
+
+def _free_port_run(count: int, stride: int) -> int:
+    """The first of ``count`` ports ``stride`` apart, all free on 127.0.0.1 and outside the ephemeral
+    range (or anywhere the kernel picks, on a machine whose ephemeral range leaves too little below it)."""
+    span = stride * (count - 1)
+    last = _ephemeral_port_range()[0] - 1 - span
+    while True:
+        if last - _FIRST_CHOSEN_PORT >= 4096:
+            first = _chooser.randint(_FIRST_CHOSEN_PORT, last)
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("127.0.0.1", 0))
+                first = sock.getsockname()[1]
+        if first + span < 65536 and all(port_is_free(first + stride * i) for i in range(count)):
+            return first
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now (tests give each service its own)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return _free_port_run(1, 1)
 
 
 def free_port_on_every(addresses: list[str]) -> int:
@@ -170,12 +201,7 @@ def free_port_on_every(addresses: list[str]) -> int:
 def free_consecutive_ports(count: int, stride: int = 1) -> int:
     """The first of ``count`` ports ``stride`` apart, all free on 127.0.0.1 (engines, a cluster's JMX
     ports; the replicas of a tier in the local mesh, 100 apart)."""
-    while True:
-        first = free_port()
-        if first + stride * (count - 1) < 65536 and all(
-            port_is_free(first + stride * i) for i in range(count)
-        ):
-            return first
+    return _free_port_run(count, stride)
 
 
 def _die_with_parent() -> None:
