@@ -241,24 +241,29 @@ class Db:
             raise Unavailable(f"Cassandra did not answer in time; retry with backoff ({exc})") from exc
 
     async def await_schema_agreement(self, timeout_s: float) -> None:
-        """Returns once every node reports the same schema version, each asked for its own
-        (``system.local`` on that node).
+        """Returns once every node reports the same schema version: each node the driver knows, asked
+        for its own (``system.local``) and for what gossip last heard from every peer (``system.peers``).
 
         The driver's own wait after a schema change reads the versions gossip reports to one node, for
         the nodes it believes up, for at most ``max_schema_agreement_wait`` (10 s), then goes on
         regardless. On a cluster that just started, that let a read reach a member that did not have
-        the new table yet (INCOMPATIBLE_SCHEMA). Migrations wait here instead; a node that does not
-        answer counts as not agreeing.
+        the new table yet (INCOMPATIBLE_SCHEMA). Asking only the members the driver knows is not enough
+        either: it skips a peer whose row in ``system.peers`` is not complete yet, and that member still
+        holds replicas. Migrations wait here instead; a node that does not answer, or a peer whose
+        version gossip has not reported, counts as not agreeing.
         """
         own_version = SimpleStatement("SELECT schema_version FROM system.local", is_idempotent=True)
-        own_version.consistency_level = ConsistencyLevel.ONE
+        peer_versions = SimpleStatement("SELECT schema_version FROM system.peers", is_idempotent=True)
+        for statement in (own_version, peer_versions):
+            statement.consistency_level = ConsistencyLevel.ONE
         deadline = time.monotonic() + timeout_s
         while True:
             versions: set[object] = set()
             for host in self.cluster.metadata.all_hosts():
                 try:
-                    rows = await self._execute(own_version, (), self.request_timeout_s, host=host)
-                    versions.add(rows[0]["schema_version"])
+                    for statement in (own_version, peer_versions):
+                        rows = await self._execute(statement, (), self.request_timeout_s, host=host)
+                        versions.update(row["schema_version"] for row in rows)
                 except Exception:  # down, unreachable, or still starting: not agreeing yet
                     versions.add(None)
             if len(versions) == 1 and None not in versions:

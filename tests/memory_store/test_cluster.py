@@ -2,18 +2,22 @@
 acknowledged write lost, and the member catches up when it comes back."""
 
 import asyncio
+import contextlib
+import os
 import re
+import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from cassandra import ConsistencyLevel
-from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile
+from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, Session
 from cassandra.policies import WhiteListRoundRobinPolicy
 from cassandra.query import SimpleStatement
 
 from memory_store.cluster import ring_tokens
+from memory_store.db import Db, Unavailable
 from memory_store.messages import bucket_of
 from memory_store.node import CassandraNode
 from memory_store.store import MemoryStore
@@ -28,23 +32,68 @@ def test_ring_tokens_split_the_murmur3_ring_evenly():
     assert tokens[2] < 2**63
 
 
-def read_at_one(node: CassandraNode, chat_id: str, buckets: set[int]) -> set[str]:
-    """The chat's message ids as ``node`` alone has them (CONSISTENCY ONE, coordinated by it)."""
+async def test_schema_agreement_waits_for_a_member_the_driver_has_not_heard_of(cassandra_cluster):
+    """A migration waits until every member holds its change, including one the client's driver does
+    not know (its ``system.peers`` row was incomplete when the driver connected): that member still
+    holds replicas, and a read it serves before the change lands fails with INCOMPATIBLE_SCHEMA."""
+    seed, _, lagging = cassandra_cluster.cluster.nodes
+    config = cassandra_cluster.store_config
+    db = await Db.connect(config.contact_points, config.port, config.local_dc, 5.0, config.security)
+    unknown = next(h for h in db.cluster.metadata.all_hosts() if h.address == lagging.config.address)
+    db.cluster.metadata.remove_host(unknown)
+    keyspace = f"agreement_{uuid.uuid4().hex[:8]}"
+    try:
+        os.kill(lagging.pid, signal.SIGSTOP)
+        try:
+            with session_on(seed) as session:
+                replication = "{'class': 'SimpleStrategy', 'replication_factor': 3}"
+                await asyncio.to_thread(
+                    session.execute, f"CREATE KEYSPACE {keyspace} WITH replication = {replication}"
+                )
+            with pytest.raises(Unavailable):
+                await db.await_schema_agreement(timeout_s=3.0)
+        finally:
+            os.kill(lagging.pid, signal.SIGCONT)
+        await db.await_schema_agreement(timeout_s=60.0)
+        assert keyspace in await asyncio.to_thread(keyspaces_on, lagging)
+    finally:
+        await db.close()
+
+
+@contextlib.contextmanager
+def session_on(node: CassandraNode, keyspace: str | None = None) -> Iterator[Session]:
+    """A driver session whose queries ``node`` alone coordinates, at CONSISTENCY ONE, and whose schema
+    changes do not wait for the other members."""
     host, port = node.contact
     profile = ExecutionProfile(
         load_balancing_policy=WhiteListRoundRobinPolicy([host]), consistency_level=ConsistencyLevel.ONE
     )
-    cluster = Cluster([host], port=port, execution_profiles={EXEC_PROFILE_DEFAULT: profile})
+    cluster = Cluster(
+        [host], port=port, execution_profiles={EXEC_PROFILE_DEFAULT: profile}, max_schema_agreement_wait=0
+    )
     try:
-        session = cluster.connect(TEST_KEYSPACE)
+        yield cluster.connect(keyspace)
+    finally:
+        cluster.shutdown()
+
+
+def read_at_one(node: CassandraNode, chat_id: str, buckets: set[int]) -> set[str]:
+    """The chat's message ids as ``node`` alone has them."""
+    with session_on(node, TEST_KEYSPACE) as session:
         query = SimpleStatement("SELECT message_id FROM messages WHERE chat_id = %s AND bucket = %s")
         return {
             str(row.message_id)
             for bucket in buckets
             for row in session.execute(query, (uuid.UUID(chat_id), bucket))
         }
-    finally:
-        cluster.shutdown()
+
+
+def keyspaces_on(node: CassandraNode) -> set[str]:
+    """The keyspaces ``node`` itself knows."""
+    with session_on(node) as session:
+        return {
+            row.keyspace_name for row in session.execute("SELECT keyspace_name FROM system_schema.keyspaces")
+        }
 
 
 def status_pattern(state: str, peer: CassandraNode) -> re.Pattern[str]:
