@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
+from itertools import filterfalse, islice
 
 import numpy as np
 
@@ -30,6 +31,7 @@ class PrefixIndex:
         self._engines: dict[int, int] = {}  # block hash → ~slot of its one holder, or a bitmask of slots
         self._blocks: dict[str, set[int]] = {}  # engine → hashes it holds
         self._slots: dict[str, int] = {}  # engine → its bit
+        self._held: dict[int, set[int]] = {}  # slot → the hashes its engine holds (the same sets)
         self._limits: dict[str, int] = {}
         self.dropped = 0  # stored blocks not indexed because their engine was at its bound
 
@@ -37,14 +39,14 @@ class PrefixIndex:
         """Makes ``engine_id`` indexable (holding nothing yet), with at most ``max_blocks`` entries."""
         if engine_id not in self._slots:
             used = set(self._slots.values())
-            self._slots[engine_id] = next(slot for slot in range(len(used) + 1) if slot not in used)
-            self._blocks[engine_id] = set()
+            slot = self._slots[engine_id] = next(slot for slot in range(len(used) + 1) if slot not in used)
+            self._blocks[engine_id] = self._held[slot] = set()
         self._limits[engine_id] = max_blocks
 
     def remove_engine(self, engine_id: str) -> None:
         self.clear(engine_id)
         self._blocks.pop(engine_id, None)
-        self._slots.pop(engine_id, None)
+        self._held.pop(self._slots.pop(engine_id, -1), None)
         self._limits.pop(engine_id, None)
 
     def store(self, engine_id: str, block_hashes: Iterable[int]) -> None:
@@ -117,30 +119,30 @@ class PrefixIndex:
         """For every slot below ``size``: how many leading ``block_hashes`` its engine holds."""
         depth = np.zeros(size, dtype=np.int64)
         alive = (1 << size) - 1
-        engines = self._engines
+        engines, previous = self._engines, None
         for position, block_hash in enumerate(block_hashes):
             holders = engines.get(block_hash, 0)
+            if holders == previous:  # a shared prefix's blocks mostly have one set of holders: none drop out
+                continue
+            previous = holders
             still = alive & (1 << ~holders if holders < 0 else holders)
             if still != alive:
                 if position:  # engines that drop out here hold ``position`` blocks (0 is the default)
-                    depth[_bits(alive & ~still, size)] = position
+                    depth[_members(alive & ~still, size)] = position
                 alive = still
                 if not alive:
                     return depth
                 if not alive & (alive - 1):  # one engine left (a chat's history): follow it cheaply
                     return self._follow(block_hashes, position + 1, alive.bit_length() - 1, depth)
-        depth[_bits(alive, size)] = len(block_hashes)
+        depth[_members(alive, size)] = len(block_hashes)
         return depth
 
     def _follow(self, block_hashes: Sequence[int], start: int, slot: int, depth: np.ndarray) -> np.ndarray:
-        """The rest of the walk for one engine, comparing small ints instead of fleet-wide masks."""
-        engines, mine = self._engines, ~slot
-        for position in range(start, len(block_hashes)):
-            holders = engines.get(block_hashes[position], 0)
-            if holders != mine and (holders <= 0 or not holders >> slot & 1):
-                depth[slot] = position
-                return depth
-        depth[slot] = len(block_hashes)
+        """The rest of the walk for one engine: the first block it lacks, found by set lookups that run
+        in C. Its position is its value's first from ``start`` on: an earlier one would have been
+        found missing first."""
+        missing = next(filterfalse(self._held[slot].__contains__, islice(block_hashes, start, None)), None)
+        depth[slot] = len(block_hashes) if missing is None else block_hashes.index(missing, start)
         return depth
 
     def match(self, block_hashes: Sequence[int], engine_ids: Iterable[str]) -> dict[str, int]:
@@ -159,7 +161,7 @@ def _pack(mask: int) -> int:
     return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
 
 
-def _bits(mask: int, size: int) -> np.ndarray:
-    """The positions of ``mask``'s set bits below ``size``."""
+def _members(mask: int, size: int) -> np.ndarray:
+    """Which of the ``size`` slots ``mask`` sets, as a boolean array (an index array costs a nonzero more)."""
     packed = np.frombuffer(mask.to_bytes((size + 7) // 8, "little"), dtype=np.uint8)
-    return np.flatnonzero(np.unpackbits(packed, count=size, bitorder="little"))
+    return np.unpackbits(packed, count=size, bitorder="little").view(bool)

@@ -164,7 +164,7 @@ class Placer:
         limit = self._limit_column(cap)[rows]
         waiting = loads.waiting[rows]
         allowed = waiting < limit
-        queued = np.flatnonzero(allowed & (waiting > 0))
+        queued = (allowed & (waiting > 0)).nonzero()[0]
         if len(queued):
             allowed[queued] = admission.admissible_rows(
                 self._queues(rows[queued], rank), limit[queued], objective
@@ -275,7 +275,7 @@ class Placer:
             row = self.registry.index.slot(hint.engine_id)  # an engine's load-table row is its slot
         except KeyError:  # gone since
             return None
-        at = np.flatnonzero(pool.rows == row)
+        at = (pool.rows == row).nonzero()[0]
         if not len(at):  # not a candidate: unhealthy, not admitted, tried already, or another pool
             return None
         loads = self.registry.loads

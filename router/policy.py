@@ -133,7 +133,7 @@ class Choice:
 
 def prefill_blocks(prompt_tokens: int, cached_blocks, block_size):
     """Blocks still to compute on an engine holding ``cached_blocks`` of the prompt (numbers or arrays)."""
-    return np.maximum(prompt_tokens - cached_blocks * block_size, 0) / block_size
+    return np.maximum(prompt_tokens / block_size - cached_blocks, 0)  # two vector operations, not four
 
 
 def cost(prefill, decode, weights: CostWeights, sessions=0):
@@ -204,7 +204,7 @@ def choose_in(
     elif policy == "random":
         picked = rng.randrange(len(costs))
     elif policy == "oracle":
-        holders = np.flatnonzero(pool.cached_blocks == pool.cached_blocks.max())
+        holders = (pool.cached_blocks == pool.cached_blocks.max()).nonzero()[0]
         load = pool.decode_blocks[holders]
         picked = tie_break(pool, holders[load == load.min()], session_id, rng)
     else:
@@ -220,7 +220,7 @@ def _cheapest(pool: Pool, costs: np.ndarray, temperature: float, session_id: str
             # Dynamo's softmax sampling: costs scaled to [0, 1], cheaper engines exponentially likelier.
             weights = np.exp(-(costs - low) / (high - low) / temperature)
             return rng.choices(range(len(costs)), weights.tolist())[0]
-    return tie_break(pool, np.flatnonzero(costs - low <= _TIE), session_id, rng)
+    return tie_break(pool, (costs - low <= _TIE).nonzero()[0], session_id, rng)
 
 
 def tie_break(pool: Pool, tied: np.ndarray, session_id: str, rng: random.Random) -> int:

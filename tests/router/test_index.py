@@ -79,3 +79,17 @@ def test_a_removed_engine_frees_its_slot_and_entries():
     index.remove_engine("a")
     index.add_engine("c", 100)  # takes a's slot: must not inherit its blocks
     assert index.match(hashes, ["a", "b", "c"]) == {"b": 0, "c": 0}
+
+
+def test_a_shared_prefix_then_each_engine_its_own_run():
+    # The walk narrows the holders block by block, then follows the last one alone to its first gap.
+    hashes = block_hashes(PROMPT)
+    index = index_with("a", "b", "c")
+    index.store("a", hashes[:7] + hashes[8:])  # its history has a hole at block 7
+    index.store("b", hashes[:4])  # the shared system prompt only
+    index.store("c", hashes[:6])
+    assert index.match(hashes, ["a", "b", "c"]) == {"a": 7, "b": 4, "c": 6}
+    index.remove_engine("a")
+    index.add_engine("d", 100)  # a's slot, with a held set of its own
+    index.store("d", hashes[:5])
+    assert index.match(hashes, ["b", "c", "d"]) == {"b": 4, "c": 6, "d": 5}
