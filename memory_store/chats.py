@@ -20,10 +20,10 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from memory_store.base import StoreBase, id_str, micros, now, utc
-from memory_store.db import Cql, Row
+from memory_store.db import Cql, Row, Write
 from memory_store.errors import InvalidArgument, NotFound
 from memory_store.ids import id_micros, new_id, parse_id
 from memory_store.models import Chat, ChatSummary, Page
@@ -218,29 +218,39 @@ class ChatsMixin(StoreBase):
         """Moves the chat to the top of the user's list; returns the new activity time."""
         return await self._touch(await self._owned_chat(user_id, chat_id), [])
 
-    async def _touch(self, chat: Chat, extra: list[tuple[str, Sequence[Any]]]) -> datetime:
+    async def _touch(self, chat: Chat, extra: list[Write]) -> datetime:
         """Sets the chat's activity to now (plus ``extra`` statements on the user's partition), atomically."""
+        writes, at = self._touch_writes(chat, extra)
+        if writes:
+            await self._db.execute_batch(writes)
+        return at
+
+    def _touch_writes(self, chat: Chat, extra: list[Write]) -> tuple[list[Write], datetime]:
+        """The writes of ``_touch``, one batch in the owner's partition, and the chat's activity time."""
         at = now()
         key = uuid.UUID(chat.chat_id)
-        statements = list(extra)
+        writes = list(extra)
         # A clock behind the last activity (another replica's) leaves the order as it is.
         if at > chat.updated_at:
             ts = micros(at)
-            statements += [
+            writes += [
                 ("activity_delete", (ts, chat.user_id, chat.updated_at, key)),
                 ("activity_insert", (chat.user_id, at, key, ts)),
                 ("chat_set_activity", (ts, at, chat.user_id, key)),
             ]
-        if statements:
-            await self._db.execute_batch(statements)
-        return max(at, chat.updated_at)
+        return writes, max(at, chat.updated_at)
 
     async def set_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
         """Marks ``run_id`` as the chat's active run (the newest run by id wins)."""
+        await self._db.execute(*self._active_run_write(user_id, chat_id, run_id))
+
+    def _active_run_write(self, user_id: str, chat_id: str, run_id: str) -> Write:
         run = parse_id(run_id, "run id")
-        await self._db.execute(
-            "chat_set_last_run",
-            (id_micros(run), run, self._check_user(user_id), parse_id(chat_id, "chat id")),
+        return "chat_set_last_run", (
+            id_micros(run),
+            run,
+            self._check_user(user_id),
+            parse_id(chat_id, "chat id"),
         )
 
     async def clear_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:

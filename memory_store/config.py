@@ -69,6 +69,13 @@ class StoreConfig:
         "datacenter1", "the local datacenter (LOCAL_QUORUM is counted there)", flag="cassandra-local-dc"
     )
     request_timeout_s: float = setting(5.0, "timeout of one Cassandra request", flag="cassandra-timeout-s")
+    # A send stores its question and its run in one logged batch up to this size (one round trip, all
+    # or nothing); larger ones take two. Keep it under the cluster's batch_size_fail_threshold.
+    max_batch_bytes: int = setting(
+        40 * 1024,
+        "largest batch across partitions (under the cluster's batch_size_fail_threshold; 0: none)",
+        flag="cassandra-max-batch-bytes",
+    )
     security: CassandraSecurity = nested(CassandraSecurity)
     # Apply schema migrations at connect (local runs and tests); deployments run them once, as a job.
     apply_schema: bool = setting(True, "apply schema migrations at start", flag="cassandra-apply-schema")

@@ -60,6 +60,8 @@ from memory_store.errors import Unavailable
 from memory_store.security import CassandraSecurity
 
 Row = dict[str, Any]
+# A named prepared statement and its values.
+Write = tuple[str, Sequence[Any]]
 
 # OpenTelemetry's db.client.operation.duration, labelled by statement name and error type.
 OPERATION_SECONDS = Histogram(
@@ -97,6 +99,25 @@ class IdempotentOnlyRetryPolicy(RetryPolicy):
 
 
 _UNAVAILABLE = (CassandraUnavailable, ReadTimeout, WriteTimeout, OperationTimedOut, NoHostAvailable)
+# What Cassandra counts for a cell beyond its value (a batch's size is its cells' data: the value, a
+# collection element's path, the 8-byte write timestamp, a TTL's 8 bytes): a bound.
+_CELL_OVERHEAD_BYTES = 16
+
+
+def _value_bytes(writes: Sequence[Write]) -> int:
+    """An upper estimate of the size Cassandra counts for a batch of these writes (every value, keys
+    included, as a cell of its own)."""
+
+    def size(value: Any) -> int:
+        if isinstance(value, str):
+            return len(value.encode()) + _CELL_OVERHEAD_BYTES
+        if isinstance(value, bytes | bytearray):
+            return len(value) + _CELL_OVERHEAD_BYTES
+        if isinstance(value, set | frozenset | list | tuple):
+            return sum(size(item) for item in value)
+        return 16 + _CELL_OVERHEAD_BYTES  # a uuid, a number, a time
+
+    return sum(size(value) for _, values in writes for value in values)
 
 
 class Db:
@@ -173,11 +194,34 @@ class Db:
         prepared = await asyncio.gather(*(asyncio.to_thread(prepare_one, statements[n]) for n in names))
         self.q.update(zip(names, prepared, strict=True))
 
-    async def execute_batch(self, statements: Sequence[tuple[str, Sequence[Any]]]) -> list[Row]:
-        """Runs named prepared statements as one logged batch. The store batches only within one
-        partition key, where Cassandra applies a batch atomically as a single mutation (no batchlog
-        round trip). Every batch the store runs is idempotent (fixed values and write timestamps, or
-        a condition)."""
+    async def write(self, groups: Sequence[Sequence[Write]]) -> None:
+        """Applies the groups concurrently, each at once: a group of one statement as itself, a larger
+        one as a logged batch (the store keeps such groups within one partition, where Cassandra
+        applies them as a single mutation, with no batchlog)."""
+        await asyncio.gather(
+            *(self.execute(*group[0]) if len(group) == 1 else self.execute_batch(group) for group in groups)
+        )
+
+    async def write_in_order(
+        self, first: Sequence[Sequence[Write]], then: Sequence[Sequence[Write]], max_batch_bytes: int
+    ) -> None:
+        """Writes ``first``, then ``then``, which must never be stored without it.
+
+        When their values come to at most ``max_batch_bytes``, all of it goes as one logged batch
+        across partitions: one round trip, and Cassandra applies every part (the coordinator first
+        stores the batch in the batchlog of other nodes, which replay it if the coordinator fails
+        midway). Larger ones take two round trips, ``first`` then ``then``: Cassandra refuses batches
+        over its ``batch_size_fail_threshold`` (50 KiB by default)."""
+        together = [write for group in (*first, *then) for write in group]
+        if _value_bytes(together) <= max_batch_bytes:
+            await self.execute_batch(together)
+            return
+        await self.write(first)
+        await self.write(then)
+
+    async def execute_batch(self, statements: Sequence[Write]) -> list[Row]:
+        """Runs named prepared statements as one logged batch. Every batch the store runs is idempotent
+        (fixed values and write timestamps, or a condition)."""
         batch = BatchStatement(batch_type=BatchType.LOGGED)
         for name, params in statements:
             batch.add(self.q[name], params)

@@ -26,7 +26,7 @@ from typing import Any
 
 from memory_store.base import id_str, unset
 from memory_store.chats import ChatsMixin
-from memory_store.db import Cql, Row
+from memory_store.db import Cql, Row, Write
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
 from memory_store.models import Branch, Chat, FinishReason, Message, MessageStatus, Page, Role, Usage
@@ -148,12 +148,18 @@ class MessagesMixin(ChatsMixin):
         register was not acknowledged: its retry registers it; a bucket registered for a write that
         then fails stays empty and costs nothing).
         """
+        await self._db.write(self._message_writes(chat, message))
+        self._bucket_registered(chat, message)
+
+    def _message_writes(self, chat: Chat, message: Message) -> list[list[Write]]:
+        """What stores a checked message, in groups that each land at once (one partition each): its
+        bucket's registration (unless known to be registered), its row, and in the owner's partition
+        its search entry with the chat's activity. Once written, call ``_bucket_registered``."""
         chat_key = uuid.UUID(chat.chat_id)
         message_id = uuid.UUID(message.message_id)
         bucket = bucket_of(message_id)
-        registered = self._register_bucket(chat_key, bucket)
         usage = message.usage
-        insert = self._db.execute(
+        insert = (
             "message_insert",
             (
                 chat_key,
@@ -177,15 +183,16 @@ class MessagesMixin(ChatsMixin):
             chat.user_id, chat_key, message_id, Role(message.role).value, message.content
         )
         # The search entry lives in the owner's partition, as the chat's activity does: one mutation.
-        await asyncio.gather(registered, insert, self._touch(chat, [searchable]))
+        writes = [[insert], self._touch_writes(chat, [searchable])[0]]
+        if (chat_key, bucket) not in self._known_buckets:
+            writes.append([("bucket_insert", (chat_key, bucket))])
+        return writes
 
-    async def _register_bucket(self, chat_key: uuid.UUID, bucket: int) -> None:
-        key = (chat_key, bucket)
-        if key in self._known_buckets:
-            self._known_buckets.move_to_end(key)
-            return
-        await self._db.execute("bucket_insert", key)
+    def _bucket_registered(self, chat: Chat, message: Message) -> None:
+        """Remembers that the message's bucket is registered (its write succeeded)."""
+        key = (uuid.UUID(chat.chat_id), bucket_of(uuid.UUID(message.message_id)))
         self._known_buckets[key] = None
+        self._known_buckets.move_to_end(key)
         if len(self._known_buckets) > _KNOWN_BUCKETS_CAPACITY:
             self._known_buckets.popitem(last=False)
 

@@ -199,6 +199,9 @@ memtable_offheap_space: 128MiB
 file_cache_size: 64MiB
 key_cache_size: 16MiB
 concurrent_compactors: 1
+# A send stores its question and its run in one logged batch across partitions, up to the store's
+# --cassandra-max-batch-bytes (40 KiB): no warning below the fail threshold (50 KiB, the default).
+batch_size_warn_threshold: 48KiB
 # A new cluster: no 4.x nodes to stay compatible with; Paxos v2 (fewer round trips per LWT).
 storage_compatibility_mode: NONE
 paxos_variant: v2

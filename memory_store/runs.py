@@ -298,8 +298,9 @@ class RunsMixin(MessagesMixin, UsageMixin):
         by this same call, as a send does: the run is written only once the message is, so a run never
         exists without the message it answers. ``chat`` is the chat as the caller read it in this same
         request, with the branch ``asked`` continues (its ownership and ``asked``'s parent are known):
-        nothing is read again, and the run takes two round trips (the message with the run's index
-        entry and its bucket, then the run); otherwise the checks go first, with the index entry.
+        nothing is read again, and the message, the run and the run's index entry go in one round trip,
+        one logged batch (two round trips, the message first, for a batch over ``max_batch_bytes``);
+        otherwise the checks go first, with the index entry.
         """
         run_key = parse_id(run_id, "run id")
         parent = parse_id(parent_message_id, "parent message id")
@@ -316,14 +317,38 @@ class RunsMixin(MessagesMixin, UsageMixin):
             if not (asked.message_id == parent_message_id == user_message_id and asked.role is Role.USER):
                 raise InvalidArgument("the message a run is created with must be the user message it answers")
             self._check_size(asked)
-        # The index entry is written before the run: a run that exists can always be found by the
-        # reaper. An entry whose run is never written is skipped when the index is read.
+        # The index entry is written before the run, or with it: a run that exists can always be found
+        # by the reaper. An entry whose run is never written is skipped when the index is read.
         index_entry = ("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
+        run_writes = [
+            [
+                (
+                    "run_insert",
+                    (
+                        run_key,
+                        user_id,
+                        chat_key,
+                        unset(user_message),
+                        parent,
+                        assistant,
+                        model,
+                        owner_id,
+                        RunStatus.IN_PROGRESS.value,
+                        prompt_tokens,
+                        unset(generation or None),
+                        id_micros(run_key),
+                    ),
+                )
+            ],
+            [self._active_run_write(user_id, chat_id, run_id)],
+        ]
         if chat is not None and (chat.chat_id != str(chat_key) or chat.user_id != user_id):
             raise InvalidArgument("the chat read for this run is another one")
         if asked is not None and chat is not None:
             await self._check_message(asked, parent_known=True)
-            await asyncio.gather(self._db.execute(*index_entry), self._write_message(chat, asked))
+            first = [[index_entry], *self._message_writes(chat, asked)]
+            await self._db.write_in_order(first, run_writes, self._config.max_batch_bytes)
+            self._bucket_registered(chat, asked)
         else:
             checks = self._check_message(asked) if asked is not None else self._check_parent(chat_key, parent)
             chat, _ = await self._with_owner(
@@ -331,26 +356,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             )
             if asked is not None:
                 await self._write_message(chat, asked)
-        await asyncio.gather(
-            self._db.execute(
-                "run_insert",
-                (
-                    run_key,
-                    user_id,
-                    chat_key,
-                    unset(user_message),
-                    parent,
-                    assistant,
-                    model,
-                    owner_id,
-                    RunStatus.IN_PROGRESS.value,
-                    prompt_tokens,
-                    unset(generation or None),
-                    id_micros(run_key),
-                ),
-            ),
-            self.set_active_run(user_id, chat_id, run_id),
-        )
+            await self._db.write(run_writes)
         return Run(
             run_id=str(run_key),
             user_id=user_id,

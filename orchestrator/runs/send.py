@@ -53,8 +53,9 @@ class SendRun(ChatRun):
         claim, history = claimed
         if history.leaf_id == claim.user_message_id:
             # The chat's newest message is this send's own: an earlier attempt stored it and was lost
-            # before storing its run (the message is written first). Answer that message, after the one
-            # it follows; storing it again below rewrites the same row.
+            # before storing its run (a question too large to go in one batch with its run is written
+            # first). Answer that message, after the one it follows; storing it again below rewrites
+            # the same row.
             own = history.messages[-1]
             history = dataclasses.replace(history, messages=history.messages[:-1], leaf_id=own.parent_id)
         parent_id = history.leaf_id

@@ -1,12 +1,14 @@
 """Runs on a real Cassandra node: idempotent sends, checkpoints, exactly-once answers, orphans, usage."""
 
 import asyncio
+import collections
 from datetime import timedelta
 
 import pytest
 from cassandra.query import SimpleStatement
 
 from memory_store.base import now
+from memory_store.db import OPERATION_SECONDS
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged
 from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
 from tests.memory_store.builders import message, new_user, start_run
@@ -352,6 +354,56 @@ async def test_a_run_created_with_the_chat_read_in_its_request_stores_its_questi
     assert (await memory_store.get_run(user, claim.run_id)).user_message_id == asked.message_id
     stored = await memory_store.get_chat(user, chat.chat_id)
     assert stored.active_run_id == run.run_id and stored.updated_at > branch.chat.updated_at
+
+
+def operations_counted() -> collections.Counter[str]:
+    """How many requests of each name the store has sent to Cassandra (its duration histogram's counts)."""
+    counted: collections.Counter[str] = collections.Counter()
+    for metric in OPERATION_SECONDS.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count"):  # one sample per name and error type
+                counted[sample.labels["db_operation_name"]] += sample.value
+    return counted
+
+
+def requests_sent(before: collections.Counter[str]) -> list[str]:
+    after = operations_counted()
+    return sorted(name for name, count in after.items() if count > before.get(name, 0))
+
+
+async def test_a_question_and_its_run_go_as_one_batch_and_a_large_question_first_then_its_run(
+    memory_store,
+):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "one round trip")
+    # Distinct words: the search entry's set of terms is as large as the text.
+    words = " ".join(f"w{i}" for i in range(20_000))
+    parent = None
+    for size, generation, batches in (
+        (100, b"", 1),
+        (4 * 1024, b"\x07" * 4096, 1),  # ~29 KB by the store's estimate: one batch
+        (32 * 1024, b"\x07" * 8192, 0),  # over Cassandra's 50 KiB: the question first, then the run
+    ):
+        claim = await memory_store.claim_idempotency_key(user, f"send-{size}", b"fingerprint")
+        asked = message(chat.chat_id, words[:size].strip(), parent, message_id=claim.user_message_id)
+        before = operations_counted()
+        await memory_store.create_run(
+            user, chat.chat_id, **run_fields(claim, asked), generation=generation, asked=asked, chat=chat
+        )
+        sent = requests_sent(before)
+        together = [name for name in sent if "message_insert" in name and "run_insert" in name]
+        assert len(together) == batches, sent
+        if not batches:  # the question first (with the run's index entry), then the run
+            assert "run_insert" in sent and "message_insert" in sent and "owner_index_insert" in sent
+        run = await memory_store.get_run(user, claim.run_id)
+        stored = await memory_store.get_message(user, chat.chat_id, claim.user_message_id)
+        assert (run.user_message_id, run.generation, stored.content) == (
+            asked.message_id,
+            generation,
+            asked.content,
+        )
+        assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id == claim.run_id
+        chat, parent = await memory_store.get_chat(user, chat.chat_id), asked
 
 
 async def test_usage_is_per_run_and_idempotent(memory_store):
