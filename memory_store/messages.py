@@ -159,7 +159,7 @@ class MessagesMixin(ChatsMixin):
         message_id = uuid.UUID(message.message_id)
         bucket = bucket_of(message_id)
         usage = message.usage
-        insert = (
+        insert: Write = (
             "message_insert",
             (
                 chat_key,
@@ -183,7 +183,7 @@ class MessagesMixin(ChatsMixin):
             chat.user_id, chat_key, message_id, Role(message.role).value, message.content
         )
         # The search entry lives in the owner's partition, as the chat's activity does: one mutation.
-        writes = [[insert], self._touch_writes(chat, [searchable])[0]]
+        writes: list[list[Write]] = [[insert], self._touch_writes(chat, [searchable])[0]]
         if (chat_key, bucket) not in self._known_buckets:
             writes.append([("bucket_insert", (chat_key, bucket))])
         return writes

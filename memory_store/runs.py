@@ -38,7 +38,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from memory_store.base import id_str, micros, now, unset, utc
-from memory_store.db import Cql, Row
+from memory_store.db import Cql, Row, Write
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
 from memory_store.messages import MessagesMixin
@@ -319,8 +319,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
             self._check_size(asked)
         # The index entry is written before the run, or with it: a run that exists can always be found
         # by the reaper. An entry whose run is never written is skipped when the index is read.
-        index_entry = ("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
-        run_writes = [
+        index_entry: Write = ("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
+        run_writes: list[list[Write]] = [
             [
                 (
                     "run_insert",
@@ -346,7 +346,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             raise InvalidArgument("the chat read for this run is another one")
         if asked is not None and chat is not None:
             await self._check_message(asked, parent_known=True)
-            first = [[index_entry], *self._message_writes(chat, asked)]
+            first: list[list[Write]] = [[index_entry], *self._message_writes(chat, asked)]
             await self._db.write_in_order(first, run_writes, self._config.max_batch_bytes)
             self._bucket_registered(chat, asked)
         else:
