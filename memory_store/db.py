@@ -87,8 +87,10 @@ class IdempotentOnlyRetryPolicy(RetryPolicy):
     def on_write_timeout(
         self, query, consistency, write_type, required_responses, received_responses, retry_num
     ):
-        # A CAS timeout leaves the outcome unknown: the caller decides (a claim re-runs its insert).
-        if query is not None and query.is_idempotent and retry_num == 0 and write_type != WriteType.CAS:
+        # A CAS timeout leaves the outcome unknown: the caller decides (a claim re-runs its insert). A
+        # batchlog timeout would likely pick the same dead member again: the caller writes otherwise.
+        retried = write_type not in (WriteType.CAS, WriteType.BATCH_LOG)
+        if query is not None and query.is_idempotent and retry_num == 0 and retried:
             return self.RETRY, consistency
         return self.RETHROW, None
 
@@ -214,8 +216,16 @@ class Db:
         over its ``batch_size_fail_threshold`` (50 KiB by default)."""
         together = [write for group in (*first, *then) for write in group]
         if _value_bytes(together) <= max_batch_bytes:
-            await self.execute_batch(together)
-            return
+            try:
+                await self.execute_batch(together)
+                return
+            except Unavailable:
+                # Seconds after a member dies, a coordinator that does not know it yet may still pick it
+                # for the batchlog, whose write then times out (it needs two of its two picks). The
+                # batch may also land later, replayed from a batchlog entry that was written: every
+                # write the store batches carries fixed values and timestamps, so the writes below
+                # and a late replay leave the same rows.
+                pass
         await self.write(first)
         await self.write(then)
 

@@ -18,7 +18,9 @@ from cassandra.query import SimpleStatement
 
 from memory_store.cluster import ring_tokens
 from memory_store.db import Db, Unavailable
+from memory_store.ids import new_id
 from memory_store.messages import bucket_of
+from memory_store.models import Chat, Message
 from memory_store.node import CassandraNode
 from memory_store.store import MemoryStore
 from tests.fixtures.cassandra import TEST_KEYSPACE
@@ -122,6 +124,22 @@ def seen(state: str, observers: list[CassandraNode], peers: list[CassandraNode])
     )
 
 
+async def send(store: MemoryStore, chat: Chat, asked: Message) -> None:
+    """What a send stores once it is placed: ``asked`` and the run that answers it."""
+    await store.create_run(
+        chat.user_id,
+        chat.chat_id,
+        run_id=str(new_id()),
+        parent_message_id=asked.message_id,
+        assistant_message_id=str(new_id()),
+        model="smollm2-135m",
+        owner_id="replica-a",
+        user_message_id=asked.message_id,
+        asked=asked,
+        chat=chat,
+    )
+
+
 @pytest.mark.slow
 async def test_kill_9_of_one_member_under_load_loses_nothing_and_it_catches_up(cassandra_cluster):
     seed, second, victim = cassandra_cluster.cluster.nodes
@@ -133,11 +151,15 @@ async def test_kill_9_of_one_member_under_load_loses_nothing_and_it_catches_up(c
     killed_at: list[int] = []
 
     async def writer(n: int) -> None:
-        # Any error fails the test: at LOCAL_QUORUM two live replicas of three are enough.
+        # Any error fails the test: at LOCAL_QUORUM two live replicas of three are enough. Every other
+        # write is a send's question with its run, one batch across partitions through the batchlog.
         i = 0
         while not after_kill.is_set():
             written = message(chat.chat_id, f"writer {n} message {i}")
-            await store.append_message(user, written)
+            if i % 2:
+                await store.append_message(user, written)
+            else:
+                await send(store, chat, written)
             acknowledged.append(written.message_id)
             i += 1
             if len(acknowledged) >= 100:
