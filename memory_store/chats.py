@@ -82,6 +82,16 @@ STATEMENTS = {
 }
 
 
+def summary_of(rows: list[Row]) -> ChatSummary | None:
+    """The summary ``summary_get`` read, if any."""
+    if not rows:
+        return None
+    row = rows[0]
+    return ChatSummary(
+        row["text"], row["token_count"], str(row["through_message_id"]), utc(row["updated_at"])
+    )
+
+
 def _chat(user_id: str, row: Row) -> Chat | None:
     """A live chat from its row; None for a deleted chat or a row without a creation (never created)."""
     if row["deleted_at"] is not None or row["created_at"] is None:
@@ -279,12 +289,7 @@ class ChatsMixin(StoreBase):
         _, rows = await self._with_owner(
             user_id, chat_id, self._db.execute("summary_get", (parse_id(chat_id, "chat id"),))
         )
-        if not rows:
-            return None
-        row = rows[0]
-        return ChatSummary(
-            row["text"], row["token_count"], str(row["through_message_id"]), utc(row["updated_at"])
-        )
+        return summary_of(rows)
 
     async def _with_owner(self, user_id: str, chat_id: str, read: Awaitable[T]) -> tuple[Chat, T]:
         """Runs ``read`` alongside the ownership check, saving a round trip; whatever ``read`` found

@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from memory_store.base import id_str, unset
-from memory_store.chats import ChatsMixin
+from memory_store.chats import ChatsMixin, summary_of
 from memory_store.db import Cql, Row, Write
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
@@ -240,11 +240,13 @@ class MessagesMixin(ChatsMixin):
         message_id: str | None,
         *,
         max_messages: int | None = None,
+        with_summary: bool = False,
     ) -> Branch:
         """The path from the root to ``message_id`` (None: the chat's newest message; an empty chat has
         an empty path), oldest first: what a prompt is assembled from.
 
-        At most ``max_messages`` messages (the newest ones of the path) are returned.
+        At most ``max_messages`` messages (the newest ones of the path) are returned. ``with_summary``
+        reads the chat's summary too, in the same round trip and under the same ownership check.
         """
         limit = self._page_size(
             max_messages, self.bounds.max_branch_messages, self.bounds.max_branch_messages
@@ -271,11 +273,14 @@ class MessagesMixin(ChatsMixin):
                     break
             return path, target
 
-        chat, (path, target) = await self._with_owner(user_id, chat_id, walk())
+        reads = [walk(), self._db.execute("summary_get", (chat_key,))] if with_summary else [walk()]
+        chat, ((path, target), *summary) = await self._with_owner(user_id, chat_id, asyncio.gather(*reads))
         if not path and leaf_id is not None:
             raise NotFound(f"message {message_id} not found")
         messages = [_message(chat.chat_id, row) for row in reversed(path)]
-        return Branch(messages, chat, truncated=target is not None)
+        return Branch(
+            messages, chat, truncated=target is not None, summary=summary_of(summary[0]) if summary else None
+        )
 
     async def _scan(
         self, chat_key: uuid.UUID, start: uuid.UUID | None, page: int, include_start: bool = False

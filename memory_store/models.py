@@ -128,6 +128,8 @@ class Branch:
     chat: Chat
     # True when older ancestors exist that were not returned (max_messages reached).
     truncated: bool
+    # The chat's rolling summary, when asked for with the branch (None: none, or not asked for).
+    summary: ChatSummary | None = None
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ then only the messages after that go in verbatim.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from chatmesh.tokenizer import ChatMessage
@@ -35,10 +34,8 @@ async def load_history(
     it covers this branch. The branch and the summary are read at once (one round trip for a chat
     active today), so the walk cannot stop at the summary: it reads up to ``max_messages`` and the
     messages the summary covers are dropped here."""
-    branch, summary = await asyncio.gather(
-        store.get_branch(user_id, chat_id, leaf_id, max_messages=max_messages),
-        store.get_summary(user_id, chat_id),
-    )
+    branch = await store.get_branch(user_id, chat_id, leaf_id, max_messages=max_messages, with_summary=True)
+    summary = branch.summary
     leaf = branch.messages[-1].message_id if branch.messages else None
     ids = [m.message_id for m in branch.messages]
     if summary is None or summary.through_message_id not in ids:

@@ -1,10 +1,13 @@
-"""Small builders for memory_store tests: unique users, messages, a chat with a run."""
+"""Small builders for memory_store tests: unique users, messages, a chat with a run; and the requests
+the store sent, counted."""
 
 from __future__ import annotations
 
+import collections
 import uuid
 from datetime import datetime
 
+from memory_store.db import OPERATION_SECONDS
 from memory_store.ids import new_id
 from memory_store.models import Message, Role, Run
 from memory_store.store import MemoryStore
@@ -77,3 +80,18 @@ async def start_run(
         generation=generation,
     )
     return run, asked
+
+
+def operations_counted() -> collections.Counter[str]:
+    """How many requests of each name the store has sent to Cassandra (its duration histogram's counts)."""
+    counted: collections.Counter[str] = collections.Counter()
+    for metric in OPERATION_SECONDS.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count"):  # one sample per name and error type
+                counted[sample.labels["db_operation_name"]] += sample.value
+    return counted
+
+
+def requests_sent(before: collections.Counter[str]) -> collections.Counter[str]:
+    """The requests sent since ``before`` (``operations_counted()``), by name."""
+    return operations_counted() - before

@@ -7,7 +7,7 @@ import pytest
 from memory_store.errors import InvalidArgument, NotFound
 from memory_store.ids import new_id
 from memory_store.models import ChatSummary
-from tests.memory_store.builders import message, new_user
+from tests.memory_store.builders import message, new_user, operations_counted, requests_sent
 
 
 async def test_another_users_chat_is_not_found_for_every_operation(memory_store):
@@ -25,6 +25,7 @@ async def test_another_users_chat_is_not_found_for_every_operation(memory_store)
         memory_store.get_message(intruder, chat.chat_id, first.message_id),
         memory_store.get_branch(intruder, chat.chat_id, None),
         memory_store.get_branch(intruder, chat.chat_id, first.message_id),
+        memory_store.get_branch(intruder, chat.chat_id, None, with_summary=True),
         memory_store.append_message(intruder, message(chat.chat_id, "hi", first)),
         memory_store.get_summary(intruder, chat.chat_id),
     ]
@@ -179,6 +180,15 @@ async def test_summary_is_replaced_and_read_back(memory_store):
         6,
         second.message_id,
     )
+    # Read with the branch, under one ownership check: the same summary.
+    before = operations_counted()
+    branch = await memory_store.get_branch(user, chat.chat_id, None, with_summary=True)
+    assert branch.summary == summary and [m.message_id for m in branch.messages] == [
+        first.message_id,
+        second.message_id,
+    ]
+    assert requests_sent(before)["chat_get"] == 1
+    assert (await memory_store.get_branch(user, chat.chat_id, None)).summary is None
     with pytest.raises(InvalidArgument, match="summary"):
         await memory_store.put_summary(
             user, chat.chat_id, ChatSummary("x" * (64 * 1024 + 1), 1, first.message_id)
