@@ -307,23 +307,29 @@ class Db:
         version gossip has not reported, counts as not agreeing.
         """
         own_version = SimpleStatement("SELECT schema_version FROM system.local", is_idempotent=True)
-        peer_versions = SimpleStatement("SELECT schema_version FROM system.peers", is_idempotent=True)
+        peer_versions = SimpleStatement("SELECT peer, schema_version FROM system.peers", is_idempotent=True)
         for statement in (own_version, peer_versions):
             statement.consistency_level = ConsistencyLevel.ONE
         deadline = time.monotonic() + timeout_s
         while True:
-            versions: set[object] = set()
+            # Who reports which version: each node its own, and its peers' as its gossip has them.
+            reports: dict[str, object] = {}
             for host in self.cluster.metadata.all_hosts():
                 try:
-                    for statement in (own_version, peer_versions):
-                        rows = await self._execute(statement, (), self.request_timeout_s, host=host)
-                        versions.update(row["schema_version"] for row in rows)
+                    for row in await self._execute(own_version, (), self.request_timeout_s, host=host):
+                        reports[str(host.address)] = row["schema_version"]
+                    for row in await self._execute(peer_versions, (), self.request_timeout_s, host=host):
+                        reports[f"{row['peer']} (as {host.address} hears it)"] = row["schema_version"]
                 except Exception:  # down, unreachable, or still starting: not agreeing yet
-                    versions.add(None)
+                    reports[str(host.address)] = None
+            versions = set(reports.values())
             if len(versions) == 1 and None not in versions:
                 return
             if time.monotonic() > deadline:
-                raise Unavailable(f"the Cassandra nodes did not agree on the schema within {timeout_s:.0f}s")
+                seen = ", ".join(f"{who}: {version or 'unknown'}" for who, version in sorted(reports.items()))
+                raise Unavailable(
+                    f"the Cassandra nodes did not agree on the schema within {timeout_s:.0f}s ({seen})"
+                )
             await asyncio.sleep(0.2)
 
     async def close(self) -> None:
