@@ -285,12 +285,6 @@ class ChatsMixin(StoreBase):
         )
         return ChatSummary(summary.text, summary.token_count, str(through), at)
 
-    async def get_summary(self, user_id: str, chat_id: str) -> ChatSummary | None:
-        _, rows = await self._with_owner(
-            user_id, chat_id, self._db.execute("summary_get", (parse_id(chat_id, "chat id"),))
-        )
-        return summary_of(rows)
-
     async def _with_owner(self, user_id: str, chat_id: str, read: Awaitable[T]) -> tuple[Chat, T]:
         """Runs ``read`` alongside the ownership check, saving a round trip; whatever ``read`` found
         or failed with is only passed on once the chat is known to be the caller's."""

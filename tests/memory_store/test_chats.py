@@ -27,7 +27,6 @@ async def test_another_users_chat_is_not_found_for_every_operation(memory_store)
         memory_store.get_branch(intruder, chat.chat_id, first.message_id),
         memory_store.get_branch(intruder, chat.chat_id, None, with_summary=True),
         memory_store.append_message(intruder, message(chat.chat_id, "hi", first)),
-        memory_store.get_summary(intruder, chat.chat_id),
     ]
     for attempt in attempts:
         with pytest.raises(NotFound):
@@ -165,7 +164,7 @@ async def test_active_run_follows_the_newest_run(memory_store):
 async def test_summary_is_replaced_and_read_back(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "long chat")
-    assert await memory_store.get_summary(user, chat.chat_id) is None
+    assert (await memory_store.get_branch(user, chat.chat_id, None, with_summary=True)).summary is None
     first = await memory_store.append_message(user, message(chat.chat_id, "turn 1"))
     second = await memory_store.append_message(user, message(chat.chat_id, "turn 2", first))
 
@@ -174,20 +173,17 @@ async def test_summary_is_replaced_and_read_back(memory_store):
         user, chat.chat_id, ChatSummary("They said hi twice. ✓", 6, second.message_id)
     )
 
-    summary = await memory_store.get_summary(user, chat.chat_id)
+    # Read with the branch, under one ownership check.
+    before = operations_counted()
+    branch = await memory_store.get_branch(user, chat.chat_id, None, with_summary=True)
+    assert requests_sent(before)["chat_get"] == 1
+    summary = branch.summary
     assert (summary.text, summary.token_count, summary.through_message_id) == (
         "They said hi twice. ✓",
         6,
         second.message_id,
     )
-    # Read with the branch, under one ownership check: the same summary.
-    before = operations_counted()
-    branch = await memory_store.get_branch(user, chat.chat_id, None, with_summary=True)
-    assert branch.summary == summary and [m.message_id for m in branch.messages] == [
-        first.message_id,
-        second.message_id,
-    ]
-    assert requests_sent(before)["chat_get"] == 1
+    assert [m.message_id for m in branch.messages] == [first.message_id, second.message_id]
     assert (await memory_store.get_branch(user, chat.chat_id, None)).summary is None
     with pytest.raises(InvalidArgument, match="summary"):
         await memory_store.put_summary(

@@ -45,12 +45,14 @@ async def test_a_sixty_turn_chat_stays_inside_the_window_with_a_summary(
         assert max(prompts) <= WINDOW - MAX_TOKENS
         assert prompts[-1] > prompts[0]
 
-        summary = await memory_store.get_summary(client.user, chat.chat_id)
+        summary = (await memory_store.get_branch(client.user, chat.chat_id, None, with_summary=True)).summary
         deadline = time.monotonic() + 30
         while summary is None or summary.through_message_id not in branch[-40:]:
             assert time.monotonic() < deadline, f"no recent summary: {summary}"
             await asyncio.sleep(0.2)
-            summary = await memory_store.get_summary(client.user, chat.chat_id)
+            summary = (
+                await memory_store.get_branch(client.user, chat.chat_id, None, with_summary=True)
+            ).summary
         assert summary.text and summary.token_count > 0
 
         # Most prompts after the first summary were built on it (a few may have gone out while a
