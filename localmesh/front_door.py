@@ -98,7 +98,9 @@ def welcome(ports: FrontDoorPorts, token: str, user: str, tier: str) -> str:
     base = f"http://127.0.0.1:{ports.envoy}"
     auth = "-H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json'"
     # A question with one right answer, greedy: the examples show the model answering, not sampling noise.
-    question = "What is the capital of France?"
+    # Asked bare, its first token is a near-tie that 8-bit and float32 activations break differently
+    # (README, "int8 and greedy answers"); asked for one sentence, every kernel set answers Paris.
+    question = "What is the capital of France? Answer in one sentence."
     completion = json.dumps(
         {"stream": True, "temperature": 0, "messages": [{"role": "user", "content": question}]}
     )

@@ -109,8 +109,9 @@ class CpuModelRunner:
     def from_gguf(
         cls, path: Path, num_threads: int | None = None, kernels: str | None = None
     ) -> CpuModelRunner:
-        """Loads a GGUF LLaMA. ``kernels``: "native" | "numpy" | "auto" (default $CHATMESH_ENGINE_KERNELS
-        or auto); ``num_threads``: native kernel threads (default: the CPUs this process may use)."""
+        """Loads a GGUF LLaMA. ``kernels``: "native-int8" | "native" | "numpy" | "auto" (default
+        $CHATMESH_ENGINE_KERNELS or auto); ``num_threads``: native kernel threads (default: the CPUs this
+        process may use)."""
         started = time.monotonic()
         checkpoint = load_gguf(path)
         runner = cls(checkpoint, select_kernels(kernels, num_threads, checkpoint.config))

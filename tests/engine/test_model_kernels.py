@@ -179,3 +179,21 @@ def test_auto_selection_falls_back_to_numpy_when_native_is_unavailable(monkeypat
     with pytest.raises(NativeUnavailable):
         select_kernels("native")
     assert kernels_module.select_kernels("numpy").name == "numpy"
+
+
+def test_auto_selection_takes_int8_where_vnni_allows_and_float32_activations_where_not(monkeypatch):
+    require_native()
+    native_kernels = NativeKernels
+    lib = native_kernels().lib
+    expected = "native-int8" if lib.cm_cpu_supports_vnni() else "native"
+    assert select_kernels("auto").name == expected
+
+    def without_vnni(num_threads=None, q8_activations=False):
+        if q8_activations:
+            raise NativeUnavailable("no VNNI in this test")
+        return native_kernels(num_threads)
+
+    monkeypatch.setattr("engine.model.kernels.native.NativeKernels", without_vnni)
+    assert select_kernels("auto").name == "native"
+    with pytest.raises(NativeUnavailable):
+        select_kernels("native-int8")

@@ -3,10 +3,11 @@
 ``native``: C with AVX-512 (gemm.c, attention.c), built by gcc at `make setup` or first use, loaded with
 ctypes; batch-invariant (results per sequence are bit-identical whatever the batch); float32 activations,
 the reference forward's numbers. ``native-int8``: the same, but Q4_1/Q8_0 weights multiply activations
-rounded to 8 bits (gemm_q8.c, AVX-512 VNNI; ``engine.model.q8_activations``), as llama.cpp does: about
-twice the throughput, and greedy answers that differ from float32's on near-ties. Opt-in. ``numpy``:
-plain numpy/OpenBLAS, float32, correct on any CPU numpy runs on. ``select_kernels("auto")`` takes native
-when this CPU and build allow it, and otherwise numpy, logging why.
+rounded to 8 bits per 32-value block (gemm_q8.c, AVX-512 VNNI; ``engine.model.q8_activations``), as
+llama.cpp computes this GGUF: about twice the throughput, still batch-invariant (each row is rounded on
+its own), and greedy answers that differ from float32's on near-ties (README, "int8 and greedy answers").
+``numpy``: plain numpy/OpenBLAS, float32, correct on any CPU numpy runs on. ``select_kernels("auto")``, the
+default, takes the fastest this CPU and build allow: native-int8, else native, else numpy, logging why.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def select_kernels(
     name: str | None = None, num_threads: int | None = None, config: LlamaConfig | None = None
 ) -> Kernels:
     """``name``: "native", "native-int8", "numpy" or "auto" (default: $CHATMESH_ENGINE_KERNELS, else
-    "auto", which never picks native-int8).
+    "auto": native-int8 where AVX-512 VNNI allows, else native, else numpy).
     ``config``: the model the kernels will run, checked against the native kernels' shape limits."""
     from engine.model.kernels.numpy_kernels import NumpyKernels
 
@@ -76,13 +77,18 @@ def select_kernels(
         raise ValueError(f"unknown kernels {name!r}: use native, native-int8, numpy or auto")
     from engine.model.kernels.native import NativeKernels, NativeUnavailable
 
-    try:
-        kernels = NativeKernels(num_threads, q8_activations=name == "native-int8")
-        if config is not None:
-            kernels.check_shapes(config)
-        return kernels
-    except NativeUnavailable as exc:
-        if name != "auto":
-            raise
-        log.warning("native kernels unavailable (%s); using numpy kernels, several times slower", exc)
-        return NumpyKernels()
+    tried = {"native": (False,), "native-int8": (True,), "auto": (True, False)}[name]
+    for q8_activations in tried:
+        try:
+            kernels = NativeKernels(num_threads, q8_activations=q8_activations)
+            if config is not None:
+                kernels.check_shapes(config)
+            return kernels
+        except NativeUnavailable as exc:
+            if name != "auto":
+                raise
+            if q8_activations:
+                log.info("native-int8 kernels unavailable (%s); trying native", exc)
+            else:
+                log.warning("native kernels unavailable (%s); using numpy kernels, several times slower", exc)
+    return NumpyKernels()
