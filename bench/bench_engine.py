@@ -1,21 +1,25 @@
 """chatmesh's CPU engine vs llama.cpp, side by side: same GGUF, same box, same thread count.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_engine.py [--reps 3] [--json out.json]
-    [--peer quoted]
+    [--peer quoted] [--plot docs/engine_throughput.png]
 
 Each engine runs in its own fresh process (its own thread pool, its own peak RSS), one after the other,
 repeated --reps times; the table shows medians and chatmesh/llama.cpp ratios. chatmesh runs twice: its
-default kernels ("native", float32 activations) and the opt-in "native-int8" (8-bit activations, VNNI).
-``--peer quoted``: without llama-cpp-python, compare against llama.cpp's own native tools as measured on
-this box in issue 19 (``QUOTED_LLAMACPP``; those rows have no TTFT). Rows:
+default kernels ("native-int8": 8-bit activations, VNNI) and "native" (float32 activations, the reference
+forward's numbers). llama.cpp runs twice too, both built by `make bench` from the same source: its own
+native tools (llama-bench, llama-batched-bench: the strongest form of the peer) and llama-cpp-python
+through its batch API; each ratio is against the stronger of the two on that row.
+``--peer quoted``: without them, compare against llama.cpp's native tools as measured on this box in
+issue 19 (``QUOTED_LLAMACPP``; those rows have no TTFT). Rows:
 - prefill: one 256-token prompt, time to its logits;
 - decode b=1, 8, 32: aggregate greedy decode tokens/s of b streams (64-token prompts, 32 new tokens each);
-  llama.cpp through its batch API (one llama_decode per step over all streams, unified KV cache);
+  llama-cpp-python through its batch API (one llama_decode per step over all streams), llama-batched-bench
+  the same way in C++ (b=1 also llama-bench's 32 tokens from an empty context: the better of the two);
 - TTFT of a follow-up turn whose 1,024-token history is already in the KV cache, vs the same prompt cold;
 - paged vs dense: chatmesh's decode b=32 with scattered blocks vs each sequence's blocks contiguous
   (the memory layout of a dense padded cache), at the decode row's short contexts and at 1k-token
-  contexts, where attention is a third of a step (timing only: KV contents do not change a step's time,
-  so those contexts are not prefilled);
+  contexts, where attention is a third of a step (timing only: KV values do not change a step's time,
+  so those contexts are written with a constant, not prefilled);
 - engine rows (when the engine core, engine/llm_engine.py, is present): the same TTFT through the
   engine's scheduler and prefix cache, and the cost of prefix caching at 0 % hits: b=32 requests with
   prefix caching on vs off, alternating, compared end to end (throughput) and by the host CPU time the
@@ -34,6 +38,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -142,6 +147,11 @@ def run_chatmesh(kernels: str = "native") -> dict[str, float]:
     # what one decode step reads from memory at least: every packed weight matrix once
     matrices = [m for layer in runner._layers for m in (layer.qkv, layer.wo, layer.gate_up, layer.down)]
     out["weight_mib"] = sum(m.data.nbytes for m in [*matrices, runner._lm_head]) / 2**20
+    # and what it computes at least: a multiply and an add per weight (attention over these short
+    # contexts adds under 1 %); a prompt token skips the LM head, which only the last one needs
+    macs = sum(m.out_features * m.in_features for m in matrices)
+    out["gflop_per_token"] = 2 * (macs + runner._lm_head.out_features * runner._lm_head.in_features) / 1e9
+    out["gflop_per_prompt_token"] = 2 * macs / 1e9
     out.update(paged_vs_dense_long(runner))  # last: its larger pool must not count in the peak RSS
     return out
 
@@ -154,6 +164,10 @@ def paged_vs_dense_long(runner) -> dict[str, float]:
     b, bs = BATCHES[-1], 16
     per_seq = -(-(LONG_CONTEXT + LONG_STEPS) // bs)
     runner.allocate_kv_cache(b * per_seq, bs)
+    # Every block written, as a real 1k-token history leaves it: a pool never written is read through the
+    # kernel's shared zero page, which moved the gap between the layouts (+16 % unwritten, +10 % written).
+    for cache in (*runner._k_cache, *runner._v_cache):
+        cache[...] = 0.01
     scattered = np.random.default_rng(1).permutation(b * per_seq).astype(np.int32).reshape(b, per_seq)
     contiguous = np.arange(b * per_seq, dtype=np.int32).reshape(b, per_seq)
 
@@ -165,7 +179,7 @@ def paged_vs_dense_long(runner) -> dict[str, float]:
             )
         return (time.process_time() - start) / LONG_STEPS
 
-    step_cpu_s(contiguous)  # warm-up: maps the pool's pages
+    step_cpu_s(contiguous)  # warm-up
     pairs = [(step_cpu_s(scattered), step_cpu_s(contiguous)) for _ in range(LONG_PAIRS)]
     return {
         "long_step_cpu_paged_s": statistics.median(p[0] for p in pairs),
@@ -288,6 +302,49 @@ def run_llamacpp() -> dict[str, float]:
     return out
 
 
+# -- llama.cpp's own native tools, built from the same source as the binding (`make bench`) -------------
+
+LLAMACPP_TOOLS = ROOT / ".cache" / "llama.cpp" / "bin"
+
+
+def llamacpp_tools_available() -> bool:
+    return all((LLAMACPP_TOOLS / tool).exists() for tool in ("llama-bench", "llama-batched-bench"))
+
+
+def run_llamacpp_native() -> dict[str, float]:
+    """llama-bench (prefill of one 256-token prompt; 32 generated tokens from an empty context) and
+    llama-batched-bench (b streams, each a 64-token prompt then 32 generated tokens, one llama_decode per
+    step): the same workloads as the other workers, measured by llama.cpp's own C++ drivers, each its
+    own process. Peak RSS is the largest of those processes'."""
+    model = str(bundled_model_path())
+
+    def tool(name: str, *args: str) -> str:
+        argv = [str(LLAMACPP_TOOLS / name), "-m", model, "-t", str(THREADS), *args]
+        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+    def bench_rate(*args: str) -> float:
+        [result] = json.loads(tool("llama-bench", "-r", "3", "-o", "json", *args))
+        return float(result["avg_ts"])
+
+    out = {
+        "prefill": bench_rate("-p", str(PREFILL_TOKENS), "-n", "0"),
+        "decode_b1_empty_context": bench_rate("-p", "0", "-n", str(DECODE_NEW)),
+    }
+    streams = ",".join(str(b) for b in BATCHES)
+    batched = tool(
+        "llama-batched-bench", "-c", "8192", "-npp", str(DECODE_PROMPT), "-ntg", str(DECODE_NEW),
+        "-npl", streams, "--output-format", "jsonl",
+    )  # fmt: skip
+    for line in batched.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            out[f"decode_b{row['pl']}"] = float(row["speed_tg"])
+    # The stronger of its two single-stream figures (llama-bench's starts from an empty context).
+    out["decode_b1"] = max(out["decode_b1"], out["decode_b1_empty_context"])
+    out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return out
+
+
 # -- chatmesh through the engine core (scheduler, prefix cache) -----------------------------------------
 
 
@@ -297,7 +354,8 @@ def run_chatmesh_engine() -> dict[str, float]:
     from engine.model.cpu_runner import CpuModelRunner
     from engine.request import EngineRequest, SamplingParams
 
-    runner = CpuModelRunner.from_gguf(bundled_model_path(), num_threads=THREADS, kernels="native")
+    # the engine's default kernels
+    runner = CpuModelRunner.from_gguf(bundled_model_path(), num_threads=THREADS, kernels="auto")
     tokenizer = load_tokenizer()
     out: dict[str, float] = {}
 
@@ -412,10 +470,12 @@ WORKERS = {
     "chatmesh": run_chatmesh,
     "chatmesh-int8": lambda: run_chatmesh("native-int8"),
     "llama.cpp": run_llamacpp,
+    "llama.cpp-native": run_llamacpp_native,
     "chatmesh-engine": run_chatmesh_engine,
 }
 # llama.cpp 0.3.36's own llama-bench -t 2 -p 256 -n 32 and llama-batched-bench -t 2 -npp 64 -ntg 32 on
-# this box, same GGUF (issue 19; decode b=1 was 95-100 tok/s): the peer for --peer quoted.
+# this box, same GGUF (issue 19; decode b=1 was 95-100 tok/s): the peer for --peer quoted, where neither
+# the tools nor the binding are built.
 QUOTED_LLAMACPP = {
     "prefill": 264.0,
     "decode_b1": 97.5,
@@ -435,6 +495,26 @@ def run_worker(name: str, script: str = __file__) -> dict[str, float]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def compute_roof() -> dict[str, float]:
+    """This machine's float32 FMA and int8 VNNI peaks on THREADS threads, measured by compute_roof.c;
+    empty if it cannot be built here."""
+    with tempfile.TemporaryDirectory() as build:
+        binary = Path(build) / "roof"
+        flags = ["-O3", "-mavx512f", "-mavx512vnni", "-pthread"]
+        try:
+            subprocess.run(
+                ["gcc", *flags, str(ROOT / "bench" / "compute_roof.c"), "-o", str(binary)], check=True
+            )
+            runs = [
+                json.loads(subprocess.run([binary, str(THREADS)], capture_output=True, check=True).stdout)
+                for _ in range(3)
+            ]
+            return {key: max(run[key] for run in runs) for key in runs[0]}  # a peak: the best of three
+        except (OSError, subprocess.CalledProcessError) as exc:
+            print(f"compute roof not measured: {exc}")
+            return {}
+
+
 def machine() -> str:
     lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next(
@@ -450,9 +530,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the medians here")
     parser.add_argument(
         "--peer",
-        choices=("binding", "quoted"),
-        default="binding",
-        help="llama.cpp through llama-cpp-python (default), or its native tools' numbers quoted from issue 19",
+        choices=("measured", "quoted"),
+        default="measured",
+        help="llama.cpp's native tools and llama-cpp-python, run side by side (default; `make bench` builds "
+        "both), or the native tools' numbers quoted from issue 19",
     )
     parser.add_argument("--plot", type=Path, help="also draw decode throughput vs batch size here (PNG)")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
@@ -462,19 +543,24 @@ def main() -> None:
         return
 
     print(f"machine: {machine()}")
-    if args.peer == "binding":
+    peers: list[str] = []
+    if args.peer == "measured":
         try:
             import llama_cpp
         except ImportError:
             sys.exit("llama-cpp-python is missing: run `make bench`, or pass --peer quoted")
+        if not llamacpp_tools_available():
+            sys.exit(f"llama.cpp's native tools are missing from {LLAMACPP_TOOLS}: run `make bench`")
+        peers = ["llama.cpp-native", "llama.cpp"]
         print(
-            f"model: {bundled_model_path().name}; {THREADS} threads each; llama-cpp-python {llama_cpp.__version__}"
+            f"model: {bundled_model_path().name}; {THREADS} threads each; llama.cpp {llama_cpp.__version__}'s "
+            "llama-bench and llama-batched-bench, and llama-cpp-python, built from the same source"
         )
     else:
         print(
             f"model: {bundled_model_path().name}; {THREADS} threads; llama.cpp: issue 19's native-tool figures"
         )
-    names = ["chatmesh", "chatmesh-int8"] + (["llama.cpp"] if args.peer == "binding" else [])
+    names = ["chatmesh-int8", "chatmesh", *peers]
     names += ["chatmesh-engine"] if engine_core_available() else []
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for rep in range(args.reps):
@@ -482,41 +568,46 @@ def main() -> None:
             print(f"  rep {rep + 1}/{args.reps}: {name} ...", flush=True)
             runs[name].append(run_worker(name))
     if args.peer == "quoted":
-        runs["llama.cpp"] = [QUOTED_LLAMACPP]
-    print_table(runs)
+        runs["llama.cpp-native"] = [QUOTED_LLAMACPP]
+    print_table(runs, compute_roof())
     if args.plot:
-        plot_throughput(
-            runs, args.plot, peer_label="llama.cpp" + (" (issue 19)" if args.peer == "quoted" else "")
-        )
+        plot_throughput(runs, args.plot, quoted=args.peer == "quoted")
     if args.json:
         args.json.write_text(json.dumps({"machine": machine(), "runs": runs}, indent=1) + "\n")
 
 
-def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
-    """One table: chatmesh vs llama.cpp where both run the workload (ratio = chatmesh / llama.cpp), then
-    chatmesh's own ratios (cached vs cold, caching on vs off, paged vs dense) with their targets. Costs
-    show the median over repetitions and, in brackets, their range."""
+def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float]) -> None:
+    """One table: chatmesh's default kernels (native-int8) and its float32 ones against llama.cpp's
+    native tools and its Python binding, ratios against the stronger of the two on each row (higher
+    throughput, lower time and memory), then chatmesh's own ratios (cached vs cold, caching on vs off,
+    paged vs dense) with their targets. Costs show the median over repetitions and, in brackets, their
+    range."""
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
-    ours, int8, peer = med["chatmesh"], med["chatmesh-int8"], med["llama.cpp"]
+    ours, int8 = med["chatmesh"], med["chatmesh-int8"]
+    native, binding = med["llama.cpp-native"], med.get("llama.cpp", {})
     rows: list[tuple[str, ...]] = []
 
-    def versus(label: str, key: str, target: str = "", scale: float = 1.0) -> None:
-        """chatmesh and chatmesh-int8 against llama.cpp on one workload (higher is better unless the
-        target says ≤); the target applies to the int8 kernels, the fastest."""
-        a, q = ours[key] * scale, int8[key] * scale
-        if key not in peer:
-            rows.append((label, f"{a:.1f}", f"{q:.1f}", "-", "", "", ""))
+    def versus(
+        label: str, key: str, target: str = "", scale: float = 1.0, lower_is_better: bool = False
+    ) -> None:
+        """Both kernel sets against llama.cpp's stronger form on one workload; the target applies to the
+        default kernels (native-int8)."""
+        q, a = int8[key] * scale, ours[key] * scale
+        figures = [peer[key] * scale for peer in (native, binding) if key in peer]
+        shown = [f"{peer[key] * scale:.1f}" if key in peer else "-" for peer in (native, binding)]
+        if not figures:
+            rows.append((label, f"{q:.1f}", f"{a:.1f}", *shown, "", "", ""))
             return
-        b = peer[key] * scale
+        b = min(figures) if lower_is_better else max(figures)
         met = _met(q / b >= float(target[2:-1])) if target else ""
         rows.append(
             (
                 label,
-                f"{a:.1f}",
                 f"{q:.1f}",
-                f"{b:.1f}",
-                f"{a / b:.2f}x",
+                f"{a:.1f}",
+                *shown,
                 f"{q / b:.2f}x",
+                f"{a / b:.2f}x",
                 f"{target} {met}".strip(),
             )
         )
@@ -527,17 +618,21 @@ def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
         shown = f"{mid:+.1%}" if unit == "%" else f"{mid:.3f}"
         spread = f" [{min(values):+.1%}, {max(values):+.1%}]" if unit == "%" else ""
         limit = f"{target:.0%}" if unit == "%" else f"{target}"
-        rows.append((label, "", "", peer_value, shown + spread, "", f"≤ {limit} {_met(mid <= target)}"))
+        rows.append((label, "", "", "", peer_value, shown + spread, "", f"≤ {limit} {_met(mid <= target)}"))
 
     versus("prefill, 256-token prompt (tok/s)", "prefill", "≥ 4x")
     for b, target in zip(BATCHES, ("≥ 1.2x", "", "≥ 4x"), strict=True):
         versus(f"decode, {b} stream{'s' * (b > 1)} (aggregate tok/s)", f"decode_b{b}", target)
-    versus("TTFT, follow-up after a 1k-token history, cold (ms)", "ttft_cold_s", scale=1e3)
-    versus("TTFT, same, history cached (ms)", "ttft_cached_s", scale=1e3)
-    versus("peak RSS (MiB)", "peak_rss_mib")
+    versus(
+        "TTFT, follow-up after a 1k-token history, cold (ms)", "ttft_cold_s", scale=1e3, lower_is_better=True
+    )
+    versus("TTFT, same, history cached (ms)", "ttft_cached_s", scale=1e3, lower_is_better=True)
+    versus("peak RSS (MiB)", "peak_rss_mib", lower_is_better=True)
 
-    cm = runs["chatmesh"]
-    peer_ratio = f"{peer['ttft_cached_s'] / peer['ttft_cold_s']:.3f}" if "ttft_cold_s" in peer else ""
+    cm = runs["chatmesh-int8"]
+    peer_ratio = (
+        f"{binding['ttft_cached_s'] / binding['ttft_cold_s']:.3f}" if "ttft_cold_s" in binding else ""
+    )
     own(
         "TTFT cached / cold, runner",
         [r["ttft_cached_s"] / r["ttft_cold_s"] for r in cm],
@@ -587,8 +682,11 @@ def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
             "%",
         )
     width = max(len(r[0]) for r in rows)
-    print(f"\n| {'workload':<{width}} | chatmesh | chatmesh int8 | llama.cpp | ratio | ratio int8 | target |")
-    print(f"|{'-' * (width + 2)}|---:|---:|---:|---:|---:|---|")
+    print(
+        f"\n| {'workload':<{width}} | chatmesh (native-int8, default) | chatmesh (native, float32) | "
+        "llama.cpp native tools | llama-cpp-python | ratio | ratio float32 | target |"
+    )
+    print(f"|{'-' * (width + 2)}|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         print(f"| {row[0]:<{width}} | " + " | ".join(row[1:]) + " |")
     if "chatmesh-engine" in runs:
@@ -608,27 +706,42 @@ def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
             "\nengine rows: the engine core (engine/llm_engine.py) is not in this tree; they run once it is"
         )
     print(
-        f"1k-token contexts: {ours['long_step_cpu_paged_s'] * 1e3:.0f} ms CPU per step scattered vs "
-        f"{ours['long_step_cpu_dense_s'] * 1e3:.0f} ms contiguous"
+        f"1k-token contexts: {int8['long_step_cpu_paged_s'] * 1e3:.0f} ms CPU per step scattered vs "
+        f"{int8['long_step_cpu_dense_s'] * 1e3:.0f} ms contiguous"
     )
-    for name, m in (("native", ours), ("native-int8", int8)):
+    if roof:
+        print(
+            f"compute roof, {THREADS} threads (bench/compute_roof.c): float32 FMA {roof['float32_gflops']:.0f} "
+            f"GFLOP/s, int8 VNNI {roof['int8_gops']:.0f} GOP/s"
+        )
+    for name, m, peak in (
+        ("native-int8", int8, roof.get("int8_gops")),
+        ("native", ours, roof.get("float32_gflops")),
+    ):
+        b = BATCHES[-1]
+        decode, prefill = m["gflop_per_token"] * m[f"decode_b{b}"], m["gflop_per_prompt_token"] * m["prefill"]
+        share = f" ({decode / peak:.0%} and {prefill / peak:.0%} of its roof)" if peak else ""
         print(
             f"{name}: decode b=1 reads {m['weight_mib']:.0f} MiB of weights per token: "
-            f"{m['weight_mib'] * 2**20 * m['decode_b1'] / 1e9:.1f} GB/s"
+            f"{m['weight_mib'] * 2**20 * m['decode_b1'] / 1e9:.1f} GB/s; decode b={b} computes "
+            f"{decode:.0f} GOP/s, prefill {prefill:.0f} GOP/s{share}"
         )
 
 
-def plot_throughput(runs: dict[str, list[dict[str, float]]], path: Path, peer_label: str) -> None:
+def plot_throughput(runs: dict[str, list[dict[str, float]]], path: Path, quoted: bool) -> None:
     """Aggregate decode tok/s against the number of streams (medians, with the range of repetitions)."""
     plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, label, colour in (
+        ("chatmesh-int8", "chatmesh native-int8 (default)", "tab:green"),
         ("chatmesh", "chatmesh native (float32 activations)", "tab:blue"),
-        ("chatmesh-int8", "chatmesh native-int8", "tab:green"),
-        ("llama.cpp", peer_label, "tab:gray"),
+        ("llama.cpp-native", "llama.cpp native tools" + (" (issue 19)" if quoted else ""), "tab:gray"),
+        ("llama.cpp", "llama-cpp-python", "tab:olive"),
     ):
+        if name not in runs:
+            continue
         values = [[r[f"decode_b{b}"] for r in runs[name]] for b in BATCHES]
         mid = [statistics.median(v) for v in values]
         err = [

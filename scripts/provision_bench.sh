@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs the benchmark extra (`make bench`): llama-cpp-python, the side-by-side peer, and matplotlib.
-# llama-cpp-python compiles llama.cpp from source; the first build takes ~8 minutes on 2 cores.
+# Installs the benchmark extra (`make bench`): llama-cpp-python and llama.cpp's own native tools
+# (llama-bench, llama-batched-bench), the side-by-side peers, and matplotlib. llama-cpp-python compiles
+# llama.cpp from source, and the tools are built from the same source (the sdist's vendored llama.cpp)
+# into .cache/llama.cpp/bin: each build takes ~8 minutes on 2 cores the first time.
 #
 # ISA flags: we enable exactly the AVX/AVX-512 extensions /proc/cpuinfo lists, and never AMX. With
 # GGML_NATIVE=ON llama.cpp compiles its AMX kernels on CPUs that advertise AMX, and on our build VMs
@@ -31,3 +33,26 @@ if ! .venv/bin/python -c "$check" 2>/dev/null; then
   .venv/bin/python -c "$check"
 fi
 echo "llama-cpp-python: ok"
+
+# The native tools, from the same llama.cpp source as the binding, with the same ISA flags.
+version=$(grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml | cut -d= -f3)
+tools=.cache/llama.cpp
+if [[ "$(cat "$tools/bin/VERSION" 2>/dev/null)" != "$version" ]]; then
+  printf '\n==> %s\n' "building llama.cpp $version's llama-bench and llama-batched-bench (up to ~8 min)"
+  rm -rf "$tools" && mkdir -p "$tools"
+  .venv/bin/python -m pip download --progress-bar off -q --no-deps --no-binary :all: \
+    "llama-cpp-python==$version" -d "$tools"
+  tar xzf "$tools"/llama_cpp_python-*.tar.gz -C "$tools"
+  src=$(echo "$tools"/llama_cpp_python-*/vendor/llama.cpp)
+  log="$tools/build.log"
+  command -v cmake >/dev/null || { .venv/bin/python -m pip install -q cmake && export PATH="$PWD/.venv/bin:$PATH"; }
+  # shellcheck disable=SC2086  # CMAKE_ARGS is a list of flags
+  { cmake -S "$src" -B "$tools/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF $CMAKE_ARGS &&
+    cmake --build "$tools/build" -j "$(nproc)" --target llama-bench llama-batched-bench; } >"$log" 2>&1 ||
+    { tail -40 "$log"; echo "the llama.cpp tools did not build (whole log: $log)"; exit 1; }
+  mkdir -p "$tools/bin"
+  cp "$tools/build/bin/llama-bench" "$tools/build/bin/llama-batched-bench" "$tools/bin/"
+  rm -rf "$tools/build" "$tools"/llama_cpp_python-* && echo "$version" > "$tools/bin/VERSION"
+fi
+echo "llama.cpp tools: ok ($tools/bin)"
