@@ -154,6 +154,7 @@ class Placer:
             loads.drain_rate[rows],
             loads.head_ttft_s[rows],
             loads.higher_rate[rows, rank],
+            loads.no_slot[rows, rank],
         )
 
     def _admissible(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> np.ndarray:
