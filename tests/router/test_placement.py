@@ -371,6 +371,24 @@ def test_free_is_shed_by_predicted_wait_long_before_the_queue_is_deep():
     assert place(chooser, tier=router_pb2.TIER_FREE, admit=False) == "a1"
 
 
+def test_an_engine_running_at_capacity_refuses_free_while_paid_demand_takes_what_it_finishes():
+    clock = Clock()
+    registry = Registry(measured_engine("a1", clock))  # finishes 4 a second
+    state = registry.engines()[0]
+    for request in queue_on(state, 6, router_pb2.TIER_PRO):  # 6 pro a second lately, all started
+        state.progressed(request, 11)
+    state.report(
+        engine_pb2.EngineLoad(
+            running_requests=64, max_running_requests=64, max_waiting_requests=256, serving=True
+        )
+    )
+    chooser = placer(registry)
+    # Nothing is queued there, but no slot is free: a free request would wait for ever behind pro.
+    assert refused(chooser, tier=router_pb2.TIER_FREE).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Pro, passed by no one, waits for the next finish (1 / 4 s, within its 1 s).
+    assert place(chooser, tier=router_pb2.TIER_PRO) == "a1"
+
+
 def test_objectives_are_settings_per_tier():
     clock = Clock()
     registry = Registry(measured_engine("a1", clock))
