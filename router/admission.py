@@ -15,22 +15,17 @@ only to an engine whose *predicted wait* fits the tier's TTFT objective (``chatm
 engine's own time to a first token at the head of its queue (its prefill and first step, as measured)::
 
     predicted wait = (requests queued ahead of it + 1) / (drain rate - higher tiers' admission rate)
-                     (0 while nothing waits there and a running slot is free for it; endless when
-                     higher tiers take the whole drain)
+                     (0 while nothing waits there; endless when higher tiers take the whole drain)
     admit where   predicted wait <= max(0, objective - head-of-queue TTFT)
 
 *Ahead of it* counts the queued requests of its own tier and higher ones (engines schedule higher
 priorities first) plus the queued requests this router did not send (other replicas', of unknown
 tier: counted ahead of everyone). The *+1* is the slot it waits for: anything queued means every
-running slot is taken, and so does an engine whose running slots are all taken with nothing queued
-yet (it runs at capacity: the request would be the first to queue). The *drain rate* is the requests
-per second the engine finished lately, as this router saw them finish. Higher tiers arriving while it
-waits go ahead of it too, so its queue drains only at what they leave over: the drain rate less the
-rate this router has lately been sending that engine requests of higher tiers. An engine with nothing
-queued and a slot free always fits (its wait is 0): a request whose own prefill alone exceeds its
-objective is still served, on an idle engine. Without the full engine's *+1*, a free request sent
-while a saturated engine's queue was momentarily empty was admitted (wait 0), then passed by every
-paid request after it until the engine's priority aging lifted it: free's 5-12 s TTFT tail at 3x.
+running slot is taken. The *drain rate* is the requests per second the engine finished lately, as
+this router saw them finish. Higher tiers arriving while it waits go ahead of it too, so its queue
+drains only at what they leave over: the drain rate less the rate this router has lately been sending
+that engine requests of higher tiers. An engine whose queue is empty always fits (its wait is 0): a
+request whose own prefill alone exceeds its objective is still served, on an idle engine.
 
 **Cold start.** Until an engine has finished two requests its drain rate is unknown, and the count
 rule alone decides for it.
@@ -66,7 +61,6 @@ class QueueView:
     ahead: tuple[int, ...]  # per tier rank: queued requests a new one of that rank waits behind
     head_ttft_s: float = 0.0  # its time to a first token at the head of its queue (0: unknown)
     higher_rate: tuple[float, ...] = (0.0, 0.0, 0.0)  # per tier rank: higher tiers sent here per second
-    no_slot: tuple[bool, ...] = (False, False, False)  # per tier rank: every running slot is taken
 
 
 @dataclass(frozen=True)
@@ -79,7 +73,6 @@ class Queues:
     drain_rate: np.ndarray  # requests finished per second lately (0: unknown)
     head_ttft_s: np.ndarray  # time to a first token at the head of the queue (0: unknown)
     higher_rate: np.ndarray  # requests of higher tiers sent there per second lately
-    no_slot: np.ndarray  # no running slot is free for it there: it would queue
 
 
 def is_premium(tier: int) -> bool:
@@ -97,10 +90,10 @@ def limits(max_waiting: np.ndarray, tier: int, free_queue_fraction: float) -> np
 
 
 def predicted_wait_s(queues: Queues) -> np.ndarray:
-    """Each engine's predicted queue wait for the request (0 where nothing waits and a slot is free for
-    it, or the rate is unknown; infinite where higher tiers are taking everything the engine finishes)."""
+    """Each engine's predicted queue wait for the request (0 where nothing waits or the rate is unknown;
+    infinite where higher tiers are taking everything the engine finishes)."""
     waits = np.zeros(len(queues.waiting))
-    saturated = (queues.drain_rate > 0) & ((queues.waiting > 0) | queues.no_slot)
+    saturated = (queues.drain_rate > 0) & (queues.waiting > 0)
     left_over = queues.drain_rate - queues.higher_rate
     draining = saturated & (left_over > 0)
     waits[saturated] = np.inf
@@ -145,7 +138,6 @@ def _columns(views: Sequence[QueueView], tier: int) -> Queues:
         np.array([q.drain_rate for q in views], dtype=np.float64),
         np.array([q.head_ttft_s for q in views], dtype=np.float64),
         np.array([q.higher_rate[rank] for q in views], dtype=np.float64),
-        np.array([q.no_slot[rank] for q in views], dtype=bool),
     )
 
 

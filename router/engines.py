@@ -37,11 +37,6 @@ SAMPLES = 32
 # The admission rate per tier is an exponentially decaying count: each request adds 1/tau per second.
 # 1 s: a paid surge must count within a second, or the free requests admitted meanwhile starve.
 ADMITTED_RATE_TAU_S = 1.0
-# Standard deviations added to the higher tiers' admission rate when a lower tier would queue. For Poisson
-# arrivals at rate r the decaying count's deviation is sqrt(r / (2 tau)) (~2.2/s at 9.6/s): paid demand
-# just above what an engine finishes reads below it a third of the time, and every free request
-# admitted on such a reading then waited until the engine's priority aging (10 s) lifted it.
-HIGHER_RATE_DEVIATIONS = 2.0
 
 
 @dataclass
@@ -202,21 +197,6 @@ class EngineState:
         taken = load.running_requests + self.foreign_waiting + self.started_since_report
         return max(0, load.max_running_requests - taken)
 
-    def _no_slot_by_rank(self, free: int | None) -> tuple[bool, ...]:
-        """Per tier rank, whether a new request of that rank would find every running slot taken: the
-        engine blocks requests, or the slots its last report left free go to this router's requests
-        not started yet of that rank and higher ones (the engine gives slots to higher tiers first).
-        An engine that does not say how many it runs is full only while it blocks requests."""
-        if self.load is not None and self.load.blocked_requests:
-            return (True,) * len(TIERS)
-        if free is None:  # no report yet, or it does not say how many it runs
-            return (False,) * len(TIERS)
-        taken, full = 0, [False] * len(TIERS)
-        for rank in reversed(range(len(TIERS))):
-            taken += self.waiting_by_rank[rank]
-            full[rank] = taken >= free
-        return tuple(full)
-
     def _queued_by_rank(self, free: int) -> list[int]:
         """Per tier rank, this router's requests not started yet that find no free slot: the engine
         gives the slots to higher tiers first."""
@@ -232,21 +212,21 @@ class EngineState:
         free = self._free_slots()
         waiting_by_rank = self._queued_by_rank(free or 0)
         foreign_queued = self.foreign_waiting if free is None else 0
-        no_slot = self._no_slot_by_rank(free)
         # A new request of rank r waits behind this router's queued requests of rank >= r and behind
         # every foreign one (their tiers are unknown); later requests of higher ranks pass it, but only
-        # while it would find no running slot: with one free it starts at once. (Its finish rate lags
-        # what it is sent by a whole answer, so comparing the two when it is not saturated would refuse
-        # lower tiers for nothing: the simulation at 1x lost a fifth of its hits.)
+        # while the engine itself reports a queue: with a free running slot it starts at once. (Its
+        # finish rate lags what it is sent by a whole answer, so comparing the two when it is not
+        # saturated would refuse lower tiers for nothing: the simulation at 1x lost a fifth of its hits.)
+        queued = self.load is not None and self.load.blocked_requests > 0
         now = self.clock()
         ahead = [foreign_queued] * len(TIERS)
         higher_rate = [0.0] * len(TIERS)
         behind, passing = 0, 0.0
         for rank in reversed(range(len(TIERS))):
-            higher_rate[rank] = _upper_bound(passing) if no_slot[rank] else 0.0
+            higher_rate[rank] = passing
             behind += waiting_by_rank[rank]
             ahead[rank] += behind
-            passing += self._admitted_rate(rank, now)
+            passing += self._admitted_rate(rank, now) if queued else 0.0
         return QueueView(
             self.engine_id,
             sum(waiting_by_rank) + foreign_queued,
@@ -255,10 +235,4 @@ class EngineState:
             tuple(ahead),
             self.head_ttft_s,
             tuple(higher_rate),
-            no_slot,
         )
-
-
-def _upper_bound(rate: float) -> float:
-    """A decaying-count rate estimate plus HIGHER_RATE_DEVIATIONS of its Poisson deviation."""
-    return rate + HIGHER_RATE_DEVIATIONS * math.sqrt(rate / (2 * ADMITTED_RATE_TAU_S))

@@ -55,7 +55,6 @@ class LoadTable(Generic[State]):
         self.drain_rate = np.zeros(capacity, dtype=np.float64)
         self.head_ttft_s = np.zeros(capacity, dtype=np.float64)
         self.higher_rate = np.zeros((capacity, len(TIERS)), dtype=np.float64)  # per tier rank
-        self.no_slot = np.zeros((capacity, len(TIERS)), dtype=bool)  # per tier rank
         self.rendezvous_key = np.zeros(capacity, dtype=np.uint64)
         self.order = np.zeros(0, dtype=np.int64)  # attached rows in engine-id order
         # Bumped whenever which rows are attached, healthy, in which pool, or their queue bound changes:
@@ -140,7 +139,6 @@ class LoadTable(Generic[State]):
         self.drain_rate[slot] = view.drain_rate
         self.head_ttft_s[slot] = view.head_ttft_s
         self.higher_rate[slot] = view.higher_rate
-        self.no_slot[slot] = view.no_slot
 
     def _reorder(self) -> None:
         rows = [slot for slot, state in enumerate(self.states) if state is not None]

@@ -154,18 +154,17 @@ class Placer:
             loads.drain_rate[rows],
             loads.head_ttft_s[rows],
             loads.higher_rate[rows, rank],
-            loads.no_slot[rows, rank],
         )
 
     def _admissible(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> np.ndarray:
         """Which ``rows`` take the request: under ``cap``'s queue depth, its wait fitting ``objective``.
-        Only engines with a queue, or with no running slot left for the request, can keep it waiting,
-        so the wait rule is asked of those alone (usually few: the rest need no more columns read)."""
+        Only engines with a queue can keep a request waiting, so the wait rule is asked of those alone
+        (usually few: the rest need no more columns read)."""
         loads = self.registry.loads
         limit = self._limit_column(cap)[rows]
         waiting = loads.waiting[rows]
         allowed = waiting < limit
-        queued = (allowed & ((waiting > 0) | loads.no_slot[rows, rank])).nonzero()[0]
+        queued = (allowed & (waiting > 0)).nonzero()[0]
         if len(queued):
             allowed[queued] = admission.admissible_rows(
                 self._queues(rows[queued], rank), limit[queued], objective
@@ -207,11 +206,9 @@ class Placer:
         return self._placed(plan, choice, model, False)
 
     def _admits(self, row: int, cap: int, rank: int, objective: float | None) -> bool:
-        """``_admissible`` for one row. An engine with nothing waiting and a running slot left for the
-        request takes it if its cap lets anything wait (most engines, most of the time: a few numbers
-        read, no column built)."""
-        loads = self.registry.loads
-        if loads.waiting[row] == 0 and not loads.no_slot[row, rank]:
+        """``_admissible`` for one row. An engine with nothing waiting takes the request if its cap
+        lets anything wait (most engines, most of the time: two numbers read, no column built)."""
+        if self.registry.loads.waiting[row] == 0:
             return bool(self._limit_column(cap)[row] > 0)
         return bool(self._admissible(np.array([row]), cap, rank, objective)[0])
 

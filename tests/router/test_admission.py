@@ -162,17 +162,3 @@ def test_higher_tiers_arriving_meanwhile_slow_a_lower_tiers_queue_down_to_what_t
     assert retry_after_s(starved, FREE, 0.5, 2.0) == 30.0
     # ... while the top tier, passed by no one, is judged on the drain rate alone.
     assert admissible([engine((1, 0, 0), 8.0, higher_rate=(8.0, 0.0, 0.0))], ENTERPRISE, 0.5, 0.5) == ["e0"]
-
-
-def test_an_engine_running_at_capacity_is_a_queue_even_with_nothing_queued_yet():
-    def full(higher_rate: tuple[float, float, float], no_slot: bool = True) -> list[QueueView]:
-        return [QueueView("e0", 0, 256, 8.0, (0, 0, 0), 0.0, higher_rate, (no_slot,) * 3)]
-
-    # Paid tiers sent at 9 a second to an engine finishing 8: a free request that found every slot
-    # taken would never start (until the engine's priority aging), though nothing is queued yet.
-    assert admissible(full((9.0, 1.0, 0.0)), FREE, 0.5, 2.0) == []
-    assert retry_after_s(full((9.0, 1.0, 0.0)), FREE, 0.5, 2.0) == 30.0
-    # Pro, passed only by enterprise's 1 a second, waits for the next finish: 1 / 7 s, within its 1 s.
-    assert admissible(full((9.0, 1.0, 0.0)), PRO, 0.5, 1.0) == ["e0"]
-    # With a slot free the request starts at once, whoever arrives after it.
-    assert admissible(full((9.0, 1.0, 0.0), no_slot=False), FREE, 0.5, 2.0) == ["e0"]
