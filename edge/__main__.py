@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         host=args.host,
         port=args.port,
         timeout_graceful_shutdown=math.ceil(settings.streams.drain_grace_s),
+        http="httptools",  # C parsing and plain transport writes: less CPU per SSE event than h11
         log_level="warning",
         access_log=False,  # Envoy writes the access log
         proxy_headers=False,
