@@ -83,7 +83,7 @@ def distinct_tokens(n: int, salt: int) -> list[int]:
 # -- chatmesh (runner level) ---------------------------------------------------------------------------
 
 
-def run_chatmesh(kernels: str = "native") -> dict[str, float]:
+def run_chatmesh(kernels: str) -> dict[str, float]:
     from engine.model.cpu_runner import CpuModelRunner
     from engine.model.runner import SequenceChunk
 
@@ -467,8 +467,8 @@ def engine_core_available() -> bool:
 # -- orchestration ----------------------------------------------------------------------------------------
 
 WORKERS = {
-    "chatmesh": run_chatmesh,
     "chatmesh-int8": lambda: run_chatmesh("native-int8"),
+    "chatmesh-float32": lambda: run_chatmesh("native"),
     "llama.cpp": run_llamacpp,
     "llama.cpp-native": run_llamacpp_native,
     "chatmesh-engine": run_chatmesh_engine,
@@ -560,7 +560,7 @@ def main() -> None:
         print(
             f"model: {bundled_model_path().name}; {THREADS} threads; llama.cpp: issue 19's native-tool figures"
         )
-    names = ["chatmesh-int8", "chatmesh", *peers]
+    names = ["chatmesh-int8", "chatmesh-float32", *peers]
     names += ["chatmesh-engine"] if engine_core_available() else []
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for rep in range(args.reps):
@@ -583,7 +583,7 @@ def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float])
     paged vs dense) with their targets. Costs show the median over repetitions and, in brackets, their
     range."""
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
-    ours, int8 = med["chatmesh"], med["chatmesh-int8"]
+    int8, float32 = med["chatmesh-int8"], med["chatmesh-float32"]
     native, binding = med["llama.cpp-native"], med.get("llama.cpp", {})
     rows: list[tuple[str, ...]] = []
 
@@ -592,7 +592,7 @@ def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float])
     ) -> None:
         """Both kernel sets against llama.cpp's stronger form on one workload; the target applies to the
         default kernels (native-int8)."""
-        q, a = int8[key] * scale, ours[key] * scale
+        q, a = int8[key] * scale, float32[key] * scale
         figures = [peer[key] * scale for peer in (native, binding) if key in peer]
         shown = [f"{peer[key] * scale:.1f}" if key in peer else "-" for peer in (native, binding)]
         if not figures:
@@ -716,7 +716,7 @@ def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float])
         )
     for name, m, peak in (
         ("native-int8", int8, roof.get("int8_gops")),
-        ("native", ours, roof.get("float32_gflops")),
+        ("native", float32, roof.get("float32_gflops")),
     ):
         b = BATCHES[-1]
         decode, prefill = m["gflop_per_token"] * m[f"decode_b{b}"], m["gflop_per_prompt_token"] * m["prefill"]
@@ -736,7 +736,7 @@ def plot_throughput(runs: dict[str, list[dict[str, float]]], path: Path, quoted:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, label, colour in (
         ("chatmesh-int8", "chatmesh native-int8 (default)", "tab:green"),
-        ("chatmesh", "chatmesh native (float32 activations)", "tab:blue"),
+        ("chatmesh-float32", "chatmesh native (float32 activations)", "tab:blue"),
         ("llama.cpp-native", "llama.cpp native tools" + (" (issue 19)" if quoted else ""), "tab:gray"),
         ("llama.cpp", "llama-cpp-python", "tab:olive"),
     ):

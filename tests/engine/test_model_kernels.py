@@ -10,7 +10,7 @@ from gguf import quants
 from engine.model import kernels as kernels_module
 from engine.model.checkpoint import LlamaConfig, WeightMatrix, rope_tables
 from engine.model.kernels import select_kernels
-from engine.model.kernels.native import NativeKernels, NativeUnavailable
+from engine.model.kernels.native import NativeKernels, NativeUnavailable, NoVnni, load_library
 from engine.model.kernels.numpy_kernels import NumpyKernels
 from engine.model.kernels.packing import (
     FORMAT_F32,
@@ -183,17 +183,28 @@ def test_auto_selection_falls_back_to_numpy_when_native_is_unavailable(monkeypat
 
 def test_auto_selection_takes_int8_where_vnni_allows_and_float32_activations_where_not(monkeypatch):
     require_native()
-    native_kernels = NativeKernels
-    lib = native_kernels().lib
-    expected = "native-int8" if lib.cm_cpu_supports_vnni() else "native"
+    expected = "native-int8" if load_library().cm_cpu_supports_vnni() else "native"
     assert select_kernels("auto").name == expected
 
+    native_kernels = NativeKernels
+    attempts: list[bool] = []
+
     def without_vnni(num_threads=None, q8_activations=False):
+        attempts.append(q8_activations)
         if q8_activations:
-            raise NativeUnavailable("no VNNI in this test")
+            raise NoVnni("no VNNI in this test")
         return native_kernels(num_threads)
 
     monkeypatch.setattr("engine.model.kernels.native.NativeKernels", without_vnni)
     assert select_kernels("auto").name == "native"
-    with pytest.raises(NativeUnavailable):
+    with pytest.raises(NoVnni):
         select_kernels("native-int8")
+
+    # Native kernels that cannot run at all are not tried twice (a failed build is not repeated).
+    def unbuildable(num_threads=None, q8_activations=False):
+        attempts.append(q8_activations)
+        raise NativeUnavailable("no compiler in this test")
+
+    attempts.clear()
+    monkeypatch.setattr("engine.model.kernels.native.NativeKernels", unbuildable)
+    assert select_kernels("auto").name == "numpy" and attempts == [True]

@@ -75,7 +75,7 @@ def select_kernels(
         return NumpyKernels()
     if name not in ("native", "native-int8", "auto"):
         raise ValueError(f"unknown kernels {name!r}: use native, native-int8, numpy or auto")
-    from engine.model.kernels.native import NativeKernels, NativeUnavailable
+    from engine.model.kernels.native import NativeKernels, NativeUnavailable, NoVnni
 
     tried = {"native": (False,), "native-int8": (True,), "auto": (True, False)}[name]
     for q8_activations in tried:
@@ -84,11 +84,14 @@ def select_kernels(
             if config is not None:
                 kernels.check_shapes(config)
             return kernels
-        except NativeUnavailable as exc:
+        except NoVnni as exc:
             if name != "auto":
                 raise
-            if q8_activations:
-                log.info("native-int8 kernels unavailable (%s); trying native", exc)
-            else:
-                log.warning("native kernels unavailable (%s); using numpy kernels, several times slower", exc)
+            log.info("%s; using native (float32 activations)", exc)
+        except NativeUnavailable as exc:
+            # Not built, no AVX-512, or a model outside their limits: no native set can run here.
+            if name != "auto":
+                raise
+            log.warning("native kernels unavailable (%s); using numpy kernels, several times slower", exc)
+            break
     return NumpyKernels()

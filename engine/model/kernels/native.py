@@ -71,6 +71,10 @@ class UnsupportedCpu(NativeUnavailable):
     """This machine cannot run them at all (not x86-64, or no AVX-512): numpy is the right choice."""
 
 
+class NoVnni(NativeUnavailable):
+    """The CPU runs the native kernels but lacks AVX-512 VNNI, which native-int8 needs."""
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL:
     """The built library, checked against this CPU. Raises NativeUnavailable saying why not."""
@@ -178,7 +182,7 @@ class NativeKernels:
         self.name = "native-int8" if q8_activations else "native"
         self.lib = load_library()
         if q8_activations and not self.lib.cm_cpu_supports_vnni():
-            raise NativeUnavailable("native-int8 needs AVX-512 VNNI, which this CPU lacks")
+            raise NoVnni("native-int8 needs AVX-512 VNNI, which this CPU lacks")
         self.num_threads = num_threads or len(os.sched_getaffinity(0))
         self.lib.cm_set_threads(self.num_threads)
 
