@@ -14,7 +14,7 @@ from chatmesh.identity import TokenVerifier
 from edge.app import create_app
 from edge.drain import Drain
 from edge.settings import EdgeSettings
-from meshkit import telemetry
+from meshkit import event_loop, telemetry
 from meshkit.config import ServiceArgs
 
 
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         timeout_graceful_shutdown=math.ceil(settings.streams.drain_grace_s),
         http="httptools",  # C parsing and plain transport writes: less CPU per SSE event than h11
+        loop=event_loop.chosen(),
         log_level="warning",
         access_log=False,  # Envoy writes the access log
         proxy_headers=False,

@@ -19,7 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
 from engine.model.loading import create_runner
 from engine.service import EngineService, ServedEngine
-from meshkit import serving, telemetry
+from meshkit import event_loop, serving, telemetry
 from meshkit.config import ServiceArgs
 
 log = logging.getLogger("engine")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         log.error("cannot start the engine: %s", exc)
         sys.exit(2)
     try:
-        asyncio.run(serve(engine, args))
+        event_loop.run(serve(engine, args))
     finally:
         engine.stop()
         engine.close()

@@ -26,7 +26,7 @@ from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
 from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
-from meshkit import serving, telemetry
+from meshkit import event_loop, serving, telemetry
 from orchestrator import config as configuration
 from orchestrator.api.service import ChatService
 from orchestrator.config import OrchestratorConfig
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"python -m orchestrator: {exc}")
     telemetry.setup("orchestrator")
     try:
-        asyncio.run(serve(args, config, verifier))
+        event_loop.run(serve(args, config, verifier))
     except serving.PortInUseError as exc:
         log.error("%s", exc)
         sys.exit(1)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
 import grpc
 
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from meshkit import serving, telemetry
+from meshkit import event_loop, serving, telemetry
 from meshkit.config import ServiceArgs
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         config.weights,
         [e.address for e in config.engines],
     )
-    asyncio.run(serve(config, args))
+    event_loop.run(serve(config, args))
 
 
 if __name__ == "__main__":
