@@ -12,8 +12,7 @@ Server side (engine and router services)::
 
 Client side (router relay, orchestrator): an ``Outbox`` is the call's request iterator; ``start`` once,
 ``cancel`` at most once, ``close`` ends the request side. Sending never waits. A ``ReadAhead`` reads the
-response side as it arrives, so a reader that falls behind takes what came meanwhile in one go (``Ahead``
-does the same for any async iterator: the edge reads a run's events so).
+response side as it arrives, so a reader that falls behind takes what came meanwhile in one go.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import grpc
 END_OF_CALL_TIMEOUT_S = 5.0
 
 Frame = TypeVar("Frame")
-Item = TypeVar("Item")
 MISUSE = "only one `start` frame per stream; send `cancel` to stop"
 
 
@@ -104,57 +102,46 @@ class Outbox(Generic[Frame]):
             self._queue.put_nowait(None)
 
 
-class Ahead(Generic[Item]):
-    """Reads an async iterator as its items arrive, in a task of its own. ``take`` returns every item that
+class ReadAhead:
+    """Reads a call's responses as they arrive, in a task of its own. ``take`` returns every frame that
     arrived since the last ``take``: a consumer that keeps up gets them one by one, as soon as each
     arrives; one that fell behind (its own writes waiting on a slow client) gets them all at once, and
-    can merge them into one message instead of paying a per-message cost for each. What waits here is
-    bounded by the source's own output; nothing is dropped."""
+    can merge them into one message instead of paying gRPC's per-message cost for each. What waits here
+    is bounded by the call's own output; nothing is dropped."""
 
-    def __init__(self, source: AsyncIterator[Item]) -> None:
-        self._items: deque[Item] = deque()
-        self._error: Exception | None = None
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        self._call = call
+        self._frames: deque[Any] = deque()
+        self._error: grpc.aio.AioRpcError | None = None
         self._ended = False
         self._arrived = asyncio.Event()
-        self._task = asyncio.create_task(self._read(source))
+        self._task = asyncio.create_task(self._read())
 
-    async def _read(self, source: AsyncIterator[Item]) -> None:
+    async def _read(self) -> None:
         try:
-            async for item in source:
-                self._items.append(item)
+            while (frame := await self._call.read()) is not grpc.aio.EOF:
+                self._frames.append(frame)
                 self._arrived.set()
-        except Exception as exc:  # raised to the consumer by ``take``, after the items before it
+        except grpc.aio.AioRpcError as exc:
             self._error = exc
         finally:
             self._ended = True
             self._arrived.set()
 
-    async def take(self) -> list[Item]:
-        """Waits for at least one item; returns all that have arrived, oldest first. Returns [] once the
-        source has ended (or reading was stopped) and everything was taken; raises the source's error
-        after the items before it."""
-        while not self._items:
+    async def take(self) -> list[Any]:
+        """Waits for at least one frame; returns all that have arrived, oldest first. Returns [] once
+        the call has ended with OK (or was cancelled here) and everything was taken; raises its error
+        after the frames before it."""
+        while not self._frames:
             if self._ended:
                 if self._error is not None:
                     raise self._error
                 return []
             self._arrived.clear()
             await self._arrived.wait()
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-    def stop(self) -> None:
-        """Stops reading (a source that is a call goes on; a consumer that leaves early ends it its own way)."""
-        self._task.cancel()
-
-
-class ReadAhead(Ahead[Any]):
-    """A gRPC call's responses, read ahead (``Ahead``); its error is the call's ``AioRpcError``."""
-
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
-        self._call = call
-        super().__init__(_responses(call))
+        frames = list(self._frames)
+        self._frames.clear()
+        return frames
 
     async def finish(self, timeout_s: float = END_OF_CALL_TIMEOUT_S) -> None:
         """Reads the call up to its status, or cancels it after ``timeout_s``. Call it once the last frame
@@ -166,12 +153,11 @@ class ReadAhead(Ahead[Any]):
         if not done:
             self.cancel()
 
+    def stop(self) -> None:
+        """Stops reading (the call itself goes on; a consumer that leaves early ends it its own way)."""
+        self._task.cancel()
+
     def cancel(self) -> None:
         """Cancels the call and stops reading."""
         self._call.cancel()
         self.stop()
-
-
-async def _responses(call: grpc.aio.StreamStreamCall) -> AsyncIterator[Any]:
-    while (response := await call.read()) is not grpc.aio.EOF:
-        yield response

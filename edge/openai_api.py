@@ -90,27 +90,12 @@ class ChunkWriter:
             body["usage"] = None  # as OpenAI does: present and null on every chunk but the last
         return _data(body)
 
-    def events(self, batch: list[chat_pb2.RunEvent]) -> list[ServerSentEvent]:
-        """The chunks of a batch of run events (``sse.relay``): consecutive deltas go as one chunk, their
-        texts joined (a client concatenates the content of chunks however the text is split)."""
-        out: list[ServerSentEvent] = []
-        text: list[str] = []
-        for event in batch:
-            if event.WhichOneof("kind") == "delta":
-                text.append(event.delta.text)
-                continue
-            if text:
-                out.append(self.chunk({"content": "".join(text)}))
-                text = []
-            out += self._chunks(event)
-        if text:
-            out.append(self.chunk({"content": "".join(text)}))
-        return out
-
-    def _chunks(self, event: chat_pb2.RunEvent) -> list[ServerSentEvent]:
+    def events(self, event: chat_pb2.RunEvent) -> list[ServerSentEvent]:
         kind = event.WhichOneof("kind")
         if kind == "started":
             return [self.chunk({"role": "assistant", "content": ""})]
+        if kind == "delta":
+            return [self.chunk({"content": event.delta.text})]
         if kind == "usage":
             self.usage = event.usage
             return []

@@ -36,7 +36,7 @@ from edge.params import unsigned
 from edge.response_events import ResponseEvents
 from edge.response_record import ResponseRecord, response_not_found, run_id_of
 from edge.schemas import ResponseCreateIn
-from edge.sse import each, relay, sse_response
+from edge.sse import relay, sse_response
 
 # The orchestrator's field names for what the Responses API calls otherwise.
 _PARAMS = {
@@ -204,7 +204,7 @@ def _stream_response(
         "responses",
         request_started,
         request.app.state.drain,
-        each(writer.sse),
+        writer.sse,
         writer.error,
         drained=writer.drained,
     )

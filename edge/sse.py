@@ -18,7 +18,6 @@ import grpc
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.streams import Ahead
 from edge.convert import event_json
 from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error
@@ -64,60 +63,44 @@ async def relay(
     kind: str,
     request_started: float,
     drain: Drain,
-    to_sse: Callable[[list[chat_pb2.RunEvent]], list[ServerSentEvent]],
+    to_sse: Callable[[chat_pb2.RunEvent], list[ServerSentEvent]],
     on_error: Callable[[ApiError], list[ServerSentEvent]],
     closing: Callable[[], list[ServerSentEvent]] = list,
     drained: Callable[[], list[ServerSentEvent]] = list,
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[ServerSentEvent]:
     """Relays ``first`` and the rest of ``stream`` through ``to_sse``; detaches when the client goes
-    or the edge drains (the run goes on either way).
-
-    The run's events are read ahead while the client is being written to: the events that arrived
-    meanwhile go out as one write (``to_sse`` gets them as one batch, and may merge them), so a
-    client or an edge that falls behind pays the per-write cost once per batch, not once per token.
-    One that keeps up gets each event as soon as it arrives."""
+    or the edge drains (the run goes on either way)."""
     METRICS.open_streams.labels(kind).inc()
     first_delta_seen = False
-    events = Ahead(stream.rest())
     try:
-        batch = [first]
-        while batch:
-            for event in batch:
-                name = event.WhichOneof("kind") or "unknown"
-                METRICS.stream_events.labels(kind, name).inc()
-                if name == "delta" and not first_delta_seen:
-                    first_delta_seen = True
-                    METRICS.first_event.labels(kind).observe(time.monotonic() - request_started)
-            if items := to_sse(batch):
-                yield _encoded(items)
+        event = first
+        events = stream.rest()
+        while True:
+            name = event.WhichOneof("kind") or "unknown"
+            METRICS.stream_events.labels(kind, name).inc()
+            if name == "delta" and not first_delta_seen:
+                first_delta_seen = True
+                METRICS.first_event.labels(kind).observe(time.monotonic() - request_started)
+            for item in to_sse(event):
+                yield item
             try:
                 async with drain.bounded():
-                    batch = await events.take()
+                    event = await anext(events)
+            except StopAsyncIteration:
+                break
             except TimeoutError:
                 # Draining: end the response cleanly (page clients resume with Last-Event-ID).
-                if items := drained():
-                    yield _encoded(items)
+                for item in drained():
+                    yield item
                 return
-        if items := closing():
-            yield _encoded(items)
+        for item in closing():
+            yield item
     except grpc.RpcError as exc:
-        yield _encoded(on_error(from_rpc_error(exc)))
+        for item in on_error(from_rpc_error(exc)):
+            yield item
     finally:
-        events.stop()
         stream.detach()
         METRICS.open_streams.labels(kind).dec()
-
-
-def each(
-    to_sse: Callable[[chat_pb2.RunEvent], list[ServerSentEvent]],
-) -> Callable[[list[chat_pb2.RunEvent]], list[ServerSentEvent]]:
-    """A ``relay`` translation that turns each event of a batch into its own SSE events."""
-    return lambda batch: [item for event in batch for item in to_sse(event)]
-
-
-def _encoded(items: list[ServerSentEvent]) -> bytes:
-    """SSE events as the bytes of one write (sse-starlette passes bytes through as they are)."""
-    return b"".join(item.encode() for item in items)
 
 
 async def run_events_response(
@@ -140,15 +123,15 @@ async def run_events_response(
         # No id: the client's Last-Event-ID stays at the last event it really got.
         return [ServerSentEvent(data=_dumps(error_data(error)), event="error")]
 
-    return sse_response(relay(stream, first, "run", request_started, drain, each(to_sse), on_error), settings)
+    return sse_response(relay(stream, first, "run", request_started, drain, to_sse, on_error), settings)
 
 
-async def _nothing() -> AsyncIterator[bytes]:
+async def _nothing() -> AsyncIterator[ServerSentEvent]:
     return
     yield  # an async generator that ends at once
 
 
-def sse_response(events: AsyncIterator[bytes], settings: StreamSettings) -> EventSourceResponse:
+def sse_response(events: AsyncIterator[ServerSentEvent], settings: StreamSettings) -> EventSourceResponse:
     return EventSourceResponse(
         events,
         ping=settings.ping_s,

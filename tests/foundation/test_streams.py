@@ -12,7 +12,7 @@ import pytest
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.streams import Ahead, Outbox, ReadAhead
+from chatmesh.streams import Outbox, ReadAhead
 
 START = router_pb2.GenerateRequest(start=router_pb2.GenerateStart(request_id="r"))
 CANCEL = router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel())
@@ -77,7 +77,7 @@ async def call(stub: router_pb2_grpc.RouterServiceStub) -> grpc.aio.StreamStream
 async def taken_all(frames: ReadAhead, count: int) -> list[list[int]]:
     """Each take's token positions, after waiting until all ``count`` frames have arrived."""
     for _ in range(200):
-        if len(frames._items) == count:
+        if len(frames._frames) == count:
             break
         await asyncio.sleep(0.01)
     return [[f.tokens.index for f in await frames.take()]]
@@ -107,17 +107,3 @@ async def test_the_calls_error_comes_after_the_frames_before_it():
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await frames.take()
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
-
-
-async def test_ahead_reads_any_async_iterator_and_raises_its_error_after_the_items_before_it():
-    async def source():
-        for i in range(3):
-            yield i
-        raise ValueError("the source broke")
-
-    items = Ahead(source())
-    for _ in range(10):
-        await asyncio.sleep(0)
-    assert await items.take() == [0, 1, 2]
-    with pytest.raises(ValueError, match="the source broke"):
-        await items.take()
