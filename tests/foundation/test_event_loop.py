@@ -1,6 +1,7 @@
 """Every service runs on uvloop unless CHATMESH_EVENT_LOOP says asyncio, and gRPC serves on either."""
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -17,22 +18,31 @@ async def _health_round_trip() -> tuple[type, int]:
     handle = await start_grpc_server(lambda server: [], free_port())
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
     finally:
         await handle.server.stop(0)
     return type(asyncio.get_running_loop()), reply.status
 
 
+def _run_in_a_thread_of_its_own() -> tuple[type, int]:
+    """``event_loop.run`` as a service's main does, in a thread: asyncio.run leaves its thread with no
+    current loop, which must not leak into the tests after this one."""
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(lambda: event_loop.run(_health_round_trip())).result()
+
+
 def test_services_serve_grpc_on_uvloop_by_default(monkeypatch):
     monkeypatch.delenv(event_loop.ENV, raising=False)
-    loop_type, status = event_loop.run(_health_round_trip())
+    loop_type, status = _run_in_a_thread_of_its_own()
     assert issubclass(loop_type, uvloop.Loop)
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_asyncio_loop_on_request(monkeypatch):
     monkeypatch.setenv(event_loop.ENV, "asyncio")
-    loop_type, status = event_loop.run(_health_round_trip())
+    loop_type, status = _run_in_a_thread_of_its_own()
     assert not issubclass(loop_type, uvloop.Loop)
     assert status == health_pb2.HealthCheckResponse.SERVING
 
