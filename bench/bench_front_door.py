@@ -22,6 +22,11 @@ relayed token, by hop (the engines, router, orchestrator, edge, and Envoy for bo
 door's tokens per second per core (Envoy, edge, orchestrator and router together). Plotted to
 ``--cost-plot``.
 
+Then the cost per request: ``--cost-requests`` short answers (``--cost-request-tokens`` tokens) along
+each of the openai and chat paths, ``--cost-concurrency`` at a time, each from a user of its own; each
+process's CPU time over the whole batch, per request: milliseconds of CPU a request costs in each
+process, Cassandra included (what a send costs the mesh, beside what each token costs it).
+
 Then the hold ramp: the engines restart paced at ``--hold-tokens-per-s`` (slow streams cost little CPU,
 so what is measured is holding streams, not relaying tokens) with room to decode every stream of the
 largest level at once, and N OpenAI streams of ``--hold-tokens`` tokens are opened at once through
@@ -33,7 +38,8 @@ one (bench/sse_client.py): httpx's pool costs O(open streams) per new request.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_front_door.py \
         [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] \
-        [--cost-streams 10 50 100 200] [--cost-window-s 10] [--hold-start 250] [--hold-cap 2000] \
+        [--cost-streams 10 50 100 200] [--cost-window-s 10] [--cost-requests 200] [--cost-concurrency 10] \
+        [--cost-request-tokens 8] [--hold-start 250] [--hold-cap 2000] \
         [--plot docs/front_door_latency.png] [--cost-plot docs/front_door_cost.png]
 
 The plots need matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
@@ -507,6 +513,54 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
     return results
 
 
+async def request_cost(
+    door: Door, path: str, requests: int, concurrency: int, pids: dict[str, int]
+) -> dict[str, float]:
+    """Milliseconds of CPU per request by process: ``requests`` short answers along ``path``, ``concurrency``
+    at a time, each from a user of its own (a chat's is created before the clock starts)."""
+    for i in range(requests):
+        door.auth(i)
+    chats = await door.new_chats(requests) if path == "chat" else [""] * requests
+    await asyncio.sleep(2.0)  # the chats' own writes settle before the reading
+    pending = iter(range(requests))
+
+    async def worker() -> None:
+        for i in pending:
+            await door.stream(path, i, chats[i])
+
+    before = Usage.of(pids)
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    cpu = by_hop(Usage.of(pids).cpu_since(before))
+    return {hop: seconds * 1e3 / requests for hop, seconds in cpu.items()}
+
+
+async def request_costs(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> None:
+    door = Door(url, keys, args.cost_request_tokens)
+    columns = (*HOPS, "cassandra", "client")
+    print(
+        f"\ncost per request: {args.cost_requests} requests a path, {args.cost_concurrency} at a time, "
+        f"{args.cost_request_tokens} tokens each, a user and a chat of its own each; CPU of each process "
+        f"from the first request to the last end, per request\n"
+        f"{'path':<7} "
+        + " ".join(f"{name:>12}" for name in columns)
+        + f" {'door':>7} {'door+db':>8} {'requests/s/core':>15}  (ms CPU per request; door+db: door and Cassandra)",
+        flush=True,
+    )
+    try:
+        for path in ("openai", "chat"):
+            ms = await request_cost(door, path, args.cost_requests, args.cost_concurrency, pids)
+            door_ms = sum(ms[hop] for hop in DOOR)
+            with_db = door_ms + ms.get("cassandra", 0.0)
+            print(
+                f"{path:<7} "
+                + " ".join(f"{ms.get(name, 0.0):>12.2f}" for name in columns)
+                + f" {door_ms:>7.2f} {with_db:>8.2f} {1e3 / with_db:>15,.0f}",
+                flush=True,
+            )
+    finally:
+        await door.close()
+
+
 def plot_cost(costs: list[Cost], path: Path, title: str) -> None:
     plt = pyplot()
     if plt is None:
@@ -612,6 +666,11 @@ def main() -> None:
     parser.add_argument("--cost-window-s", type=float, default=10.0, help="CPU is read over this window")
     parser.add_argument("--cost-plot", type=Path, default=ROOT / "docs" / "front_door_cost.png")
     parser.add_argument(
+        "--cost-requests", type=int, default=200, help="requests a path for the cost per request (0: skip)"
+    )
+    parser.add_argument("--cost-concurrency", type=int, default=10, help="requests at a time for it")
+    parser.add_argument("--cost-request-tokens", type=int, default=8, help="tokens each of them answers")
+    parser.add_argument(
         "--run-dir", type=Path, help="keep the services' data and logs here (default: a temp dir)"
     )
     args = parser.parse_args()
@@ -644,6 +703,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
                 f"CPU per relayed token by hop, null engines at {args.tokens_per_s:g} tok/s per stream; "
                 "shared 2-core machine",
             )
+        if args.cost_requests:
+            asyncio.run(request_costs(args, url, keys, pids))
         if args.hold_cap:
             print(f"\nrestarting the engines paced at {args.hold_tokens_per_s:g} tokens/s ...", flush=True)
             # Every stream of the largest level decodes at once: the ramp measures the door, not a queue.
