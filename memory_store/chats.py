@@ -265,10 +265,16 @@ class ChatsMixin(StoreBase):
 
     async def clear_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
         """Marks ``run_id`` finished; the chat has no active run unless a newer run started since."""
+        await self._db.execute(*self._active_run_cleared(user_id, chat_id, run_id))
+
+    def _active_run_cleared(self, user_id: str, chat_id: str, run_id: str) -> Write:
+        """The write of ``clear_active_run``: to the owner's partition."""
         run = parse_id(run_id, "run id")
-        await self._db.execute(
-            "chat_set_last_finished_run",
-            (id_micros(run), run, self._check_user(user_id), parse_id(chat_id, "chat id")),
+        return "chat_set_last_finished_run", (
+            id_micros(run),
+            run,
+            self._check_user(user_id),
+            parse_id(chat_id, "chat id"),
         )
 
     async def put_summary(self, user_id: str, chat_id: str, summary: ChatSummary) -> ChatSummary:

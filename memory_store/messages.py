@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -140,21 +140,23 @@ class MessagesMixin(ChatsMixin):
         if await self._message_row(chat_key, parent_id) is None:
             raise FailedPrecondition(f"message {parent_id} is not in chat {chat_key}")
 
-    async def _write_message(self, chat: Chat, message: Message) -> None:
-        """Writes a checked message and moves its chat to the top of the owner's list.
+    async def _write_message(self, chat: Chat, message: Message, extra: Sequence[Write] = ()) -> None:
+        """Writes a checked message and moves its chat to the top of the owner's list (with ``extra``,
+        more writes to the owner's partition, in the same mutation).
 
         The bucket is registered with the message, and the write is acknowledged only once both are
         stored, so an acknowledged message is always reachable (a message whose bucket failed to
         register was not acknowledged: its retry registers it; a bucket registered for a write that
         then fails stays empty and costs nothing).
         """
-        await self._db.write(self._message_writes(chat, message))
+        await self._db.write(self._message_writes(chat, message, extra))
         self._bucket_registered(chat, message)
 
-    def _message_writes(self, chat: Chat, message: Message) -> list[list[Write]]:
+    def _message_writes(self, chat: Chat, message: Message, extra: Sequence[Write] = ()) -> list[list[Write]]:
         """What stores a checked message, in groups that each land at once (one partition each): its
         bucket's registration (unless known to be registered), its row, and in the owner's partition
-        its search entry with the chat's activity. Once written, call ``_bucket_registered``."""
+        its search entry with the chat's activity (and ``extra``, more writes to the owner's
+        partition). Once written, call ``_bucket_registered``."""
         chat_key = uuid.UUID(chat.chat_id)
         message_id = uuid.UUID(message.message_id)
         bucket = bucket_of(message_id)
@@ -183,7 +185,7 @@ class MessagesMixin(ChatsMixin):
             chat.user_id, chat_key, message_id, Role(message.role).value, message.content
         )
         # The search entry lives in the owner's partition, as the chat's activity does: one mutation.
-        writes: list[list[Write]] = [[insert], self._touch_writes(chat, [searchable])[0]]
+        writes: list[list[Write]] = [[insert], self._touch_writes(chat, [searchable, *extra])[0]]
         if (chat_key, bucket) not in self._known_buckets:
             writes.append([("bucket_insert", (chat_key, bucket))])
         return writes

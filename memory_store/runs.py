@@ -168,6 +168,27 @@ def _run(run_id: uuid.UUID, row: Row) -> Run:
     )
 
 
+def _finished(run: Run, outcome: RunOutcome, at: datetime) -> Run:
+    """``run`` as the finish that won with ``outcome`` left it: what ``run_finish`` writes (a field
+    the outcome leaves None is left as it was; ``checkpointed_at`` is as ``run`` had it)."""
+
+    def kept(new: Any, old: Any) -> Any:
+        return old if new is None else new
+
+    usage = outcome.usage
+    return dataclasses.replace(
+        run,
+        status=RunStatus(outcome.status),
+        finish_reason=kept(outcome.finish_reason and FinishReason(outcome.finish_reason), run.finish_reason),
+        last_seq=outcome.last_seq,
+        finished_at=at,
+        usage=kept(usage, run.usage),
+        prompt_tokens=usage.prompt_tokens if usage else run.prompt_tokens,
+        error_code=kept(outcome.error_code, run.error_code),
+        error_message=kept(outcome.error_message, run.error_message),
+    )
+
+
 def _deltas(rows: Sequence[Row], after_seq: int, upto_seq: int | None) -> list[RunDelta]:
     """The output events in checkpoint rows with after_seq < seq <= upto_seq, in order, each once.
 
@@ -427,11 +448,18 @@ class RunsMixin(MessagesMixin, UsageMixin):
             )
         return first
 
-    async def finish_run(self, run: Run, outcome: RunOutcome) -> FinishedRun:
+    async def finish_run(
+        self, run: Run, outcome: RunOutcome, output: Sequence[RunDelta] | None = None
+    ) -> FinishedRun:
         """Ends the run (if it is still in progress) and stores its assistant message exactly once.
 
         Safe to retry, and safe to race: the first finish wins; later ones return ``applied=False``
         with the run as it ended, and still make sure its message, usage and chat state are stored.
+
+        ``output`` is the run's whole output (every delta, from the first) as its owner holds it, the
+        checkpoints and ``outcome.tail`` together. When this finish wins, the run ended exactly as
+        ``outcome`` says and its stored output is ``output``, so nothing is read back (a serial read
+        of the run's partition saved); otherwise the run as it ended is read, and its stored output.
         """
         status = RunStatus(outcome.status)
         if not status.terminal:
@@ -447,6 +475,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             )
         run_key = parse_id(run.run_id, "run id")
         usage = outcome.usage
+        finished_at = now()
         statements: list[tuple[str, tuple[Any, ...]]] = [
             (
                 "run_finish",
@@ -454,7 +483,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                     status.value,
                     unset(outcome.finish_reason and FinishReason(outcome.finish_reason).value),
                     outcome.last_seq,
-                    now(),
+                    finished_at,
                     unset(usage and usage.prompt_tokens),
                     unset(usage and usage.cached_prompt_tokens),
                     unset(usage and usage.completion_tokens),
@@ -471,6 +500,29 @@ class RunsMixin(MessagesMixin, UsageMixin):
             counts = [d.token_count for d in outcome.tail]
             statements.append(("run_tail", (run_key, first_seq, texts, counts, _token_ids(outcome.tail))))
         applied = (await self._db.execute_batch(statements))[0]["[applied]"]
+        if applied and output is not None:
+            final = _finished(run, outcome, finished_at)
+            stored = [d for d in output if d.seq <= outcome.last_seq]
+        else:
+            final, stored = await self._ended_run(run, run_key)
+        message = await self._store_answer(final, stored)
+        # The user's budget holds the run's reservation (prompt + max_tokens) until now; a run ended
+        # without its owner's count (interrupted, orphaned, cancelled elsewhere) is charged what it
+        # stored. An owner that is still alive overwrites this with its own count.
+        charged = final.usage or Usage(
+            prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in stored)
+        )
+        cleanup = [
+            self.record_usage(final.user_id, final.run_id, charged),
+            self._db.execute("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key)),
+        ]
+        if message is None:  # a stored answer cleared the chat's active run with it
+            cleanup.append(self.clear_active_run(final.user_id, final.chat_id, final.run_id))
+        await asyncio.gather(*cleanup)
+        return FinishedRun(run=final, message=message, applied=applied)
+
+    async def _ended_run(self, run: Run, run_key: uuid.UUID) -> tuple[Run, list[RunDelta]]:
+        """The run as it ended, and its stored output, read after a finish (ours or another's)."""
         final, rows = await self._read_run(run_key, serial=True)
         if final is None or final.user_id != run.user_id:
             raise NotFound(f"run {run.run_id} not found")
@@ -478,23 +530,11 @@ class RunsMixin(MessagesMixin, UsageMixin):
             if final.owner_id != run.owner_id:
                 raise OwnerChanged(f"run {run.run_id} is owned by replica {final.owner_id} now")
             raise Unavailable(f"run {run.run_id} did not finish; retry")
-        output = _deltas(rows, 0, final.last_seq)
-        message = await self._store_answer(final, output)
-        # The user's budget holds the run's reservation (prompt + max_tokens) until now; a run ended
-        # without its owner's count (interrupted, orphaned, cancelled elsewhere) is charged what it
-        # stored. An owner that is still alive overwrites this with its own count.
-        charged = final.usage or Usage(
-            prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in output)
-        )
-        await self.record_usage(final.user_id, final.run_id, charged)
-        await asyncio.gather(
-            self.clear_active_run(final.user_id, final.chat_id, final.run_id),
-            self._db.execute("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key)),
-        )
-        return FinishedRun(run=final, message=message, applied=applied)
+        return final, _deltas(rows, 0, final.last_seq)
 
     async def _store_answer(self, run: Run, deltas: list[RunDelta]) -> Message | None:
-        """Writes the run's assistant message from its stored output (None if there is nothing to store)."""
+        """Writes the run's assistant message from its stored output, and with it clears the chat's
+        active run (None if there is nothing to store, or no chat to store it in)."""
         content = "".join(d.text for d in deltas)
         if not content and run.status is not RunStatus.COMPLETED:
             return None
@@ -513,10 +553,16 @@ class RunsMixin(MessagesMixin, UsageMixin):
             usage=usage,
         )
         try:
-            chat, _ = await self._with_owner(run.user_id, run.chat_id, self._check_message(message))
+            # The parent was checked when the run was created, and messages are only ever deleted
+            # with their chat, which the ownership check sees: no need to read it again.
+            chat, _ = await self._with_owner(
+                run.user_id, run.chat_id, self._check_message(message, parent_known=True)
+            )
         except NotFound:
             return None  # the chat was deleted while the run went on: nothing to attach the answer to
-        await self._write_message(chat, message)
+        await self._write_message(
+            chat, message, [self._active_run_cleared(run.user_id, run.chat_id, run.run_id)]
+        )
         return message
 
     async def interrupt_run(self, run: Run) -> FinishedRun:

@@ -374,12 +374,19 @@ class Relay:
             error_code=error_code,
             error_message=error_message,
         )
+        # Every delta this run has, checkpointed or in the tail (an adopted run's live events start
+        # with the checkpoints it was adopted with): a finish that wins stores the answer from it.
+        output = [
+            RunDelta(event.seq, event.delta.text, event.delta.token_count)
+            for event in self.live.events
+            if event.HasField("delta")
+        ]
         deadline = time.monotonic() + FINISH_RETRY_S
         delay = 0.1
         while True:
             try:
                 async with asyncio.timeout(self.deps.config.store_deadline_s):
-                    return await self.deps.store.finish_run(self.stored_run, outcome)
+                    return await self.deps.store.finish_run(self.stored_run, outcome, output)
             except Exception as exc:
                 retryable = isinstance(exc, (TimeoutError, Unavailable))
                 if not retryable:

@@ -1,6 +1,7 @@
 """Runs on a real Cassandra node: idempotent sends, checkpoints, exactly-once answers, orphans, usage."""
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -149,6 +150,39 @@ async def test_retried_finish_stores_the_answer_once_and_counts_usage_once(memor
     final = await memory_store.get_run(user, run.run_id)
     assert (final.status, final.finish_reason, final.last_seq) == (RunStatus.COMPLETED, FinishReason.STOP, 6)
     assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id is None
+
+
+async def test_an_owner_finishing_with_its_output_reads_nothing_back_and_stores_the_same(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "the owner knows its answer")
+    run, asked = await start_run(memory_store, user, chat.chat_id, "2+2?", prompt_tokens=12)
+    await memory_store.checkpoint_run(run, deltas(2, "It", " is"))
+    tail = deltas(4, " 4", ".")
+    outcome = RunOutcome(RunStatus.COMPLETED, 6, FinishReason.STOP, tail=tuple(tail), usage=Usage(12, 8, 4))
+    output = deltas(2, "It", " is") + tail
+
+    before = operations_counted()
+    finished = await memory_store.finish_run(run, outcome, output)
+    sent = requests_sent(before)
+
+    assert finished.applied
+    assert not {"run_read", "run_get", "message_get"} & set(sent), sent
+    # The chat's active run is cleared in the same mutation as the answer's search entry and activity.
+    assert "chat_set_last_finished_run" not in sent, sent
+    assert any("chat_set_last_finished_run" in name and "activity_insert" in name for name in sent), sent
+    stored_run = await memory_store.get_run(user, run.run_id)
+    assert finished.run == dataclasses.replace(stored_run, checkpointed_at=None)
+    assert finished.message == await memory_store.get_message(user, chat.chat_id, run.assistant_message_id)
+    assert (finished.message.content, finished.message.parent_id) == ("It is 4.", asked.message_id)
+    assert (await memory_store.get_usage(user)).usage == Usage(12, 8, 4)
+    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id is None
+
+    # A finish that loses reads the run as it ended, whatever output it was handed.
+    late = await memory_store.finish_run(
+        run, RunOutcome(RunStatus.CANCELLED, 3, FinishReason.CANCELLED), deltas(2, "It")
+    )
+    assert not late.applied
+    assert (late.run.status, late.message) == (RunStatus.COMPLETED, finished.message)
 
 
 async def test_racing_finishes_have_one_winner_and_one_answer(memory_store):
