@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from memory_store.cluster import ClusterConfig
 from memory_store.node import (
     CqlAnswers,
     NodeConfig,
@@ -15,6 +16,8 @@ from memory_store.node import (
     jvm_argv,
     parse_schema_versions,
 )
+from meshkit.launcher import free_port
+from tests.fixtures.cassandra import started_on_free_ports
 
 
 def test_yaml_binds_loopback_with_a_durable_commitlog(tmp_path):
@@ -78,3 +81,29 @@ def test_running_node_answers_cql_and_nodetool(cassandra_node):
     assert CqlAnswers(cassandra_node.node.config.cql_port)()
     status = cassandra_node.node.nodetool("status")
     assert "UN  127.0.0.1" in status
+
+
+def test_a_node_whose_port_is_taken_starts_again_on_other_ports(tmp_path, capsys):
+    """The test fixtures' start: a port picked free but taken before the node binds it costs one more
+    start on fresh ports, not the test session."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    held = taken.getsockname()[1]
+    data_dirs: list[Path] = []
+
+    def config(data_dir: Path) -> ClusterConfig:
+        data_dirs.append(data_dir)
+        cql_port = held if len(data_dirs) == 1 else free_port()
+        return ClusterConfig(
+            data_dir=data_dir, cql_port=cql_port, storage_port=free_port(), first_jmx_port=free_port()
+        )
+
+    try:
+        with started_on_free_ports(tmp_path, config) as cluster:
+            node = cluster.nodes[0]
+            assert len(data_dirs) == 2 and node.config.cql_port != held
+            assert CqlAnswers(node.config.cql_port)()
+    finally:
+        taken.close()
+    assert f"port {held}" in capsys.readouterr().err
