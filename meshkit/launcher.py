@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -167,11 +168,18 @@ def _ephemeral_port_range() -> tuple[int, int]:
 # starts a Cassandra cluster before Envoy opens many of those between choosing Envoy's port and binding it.
 _FIRST_CHOSEN_PORT = 10000
 _chooser = random.SystemRandom()
+# Every port this process has handed out. A caller often takes several before it binds any (Envoy's
+# listener, admin and internal ports go into one config), and a port not yet bound is still "free":
+# without this, two of them could be the same port (CI: Envoy refused a config whose internal listener
+# had the public one's port).
+_handed_out: set[int] = set()
+_handing_out = threading.Lock()
 
 
 def _free_port_run(count: int, stride: int) -> int:
-    """The first of ``count`` ports ``stride`` apart, all free on 127.0.0.1 and outside the ephemeral
-    range (or anywhere the kernel picks, on a machine whose ephemeral range leaves too little below it)."""
+    """The first of ``count`` ports ``stride`` apart, all free on 127.0.0.1, none handed out before by
+    this process, and outside the ephemeral range (or anywhere the kernel picks, on a machine whose
+    ephemeral range leaves too little below it)."""
     span = stride * (count - 1)
     last = _ephemeral_port_range()[0] - 1 - span
     while True:
@@ -181,8 +189,13 @@ def _free_port_run(count: int, stride: int) -> int:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
                 sock.bind(("127.0.0.1", 0))
                 first = sock.getsockname()[1]
-        if first + span < 65536 and all(port_is_free(first + stride * i) for i in range(count)):
-            return first
+        run = range(first, first + span + 1, stride)
+        if first + span >= 65536:
+            continue
+        with _handing_out:
+            if _handed_out.isdisjoint(run) and all(port_is_free(port) for port in run):
+                _handed_out.update(run)
+                return first
 
 
 def free_port() -> int:
