@@ -1,6 +1,7 @@
 """Every gRPC server gets health, reflection, a clean drain, and retry hints on its errors."""
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -120,22 +121,32 @@ async def test_second_server_on_a_taken_port_fails_clearly():
         await handle.server.stop(0)
 
 
-def _burst(port: int, calls: int) -> list[grpc.StatusCode]:
-    """``calls`` health checks at once from a thread of their own; the code each one ended with."""
+def _burst(port: int, calls: int, ready: threading.Event, go: threading.Event, sent: threading.Event):
+    """``calls`` health checks at once from a thread of their own: once connected it says ``ready``,
+    waits for ``go``, sends them all and says ``sent``; the code each one ended with."""
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         grpc.channel_ready_future(channel).result(timeout=5)
+        ready.set()
+        go.wait(timeout=30)
         check = health_pb2_grpc.HealthStub(channel).Check
         futures = [check.future(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(calls)]
+        sent.set()
         return [future.code() for future in futures]
 
 
 async def _codes_while_busy(options: dict, calls: int, busy_s: float) -> list[grpc.StatusCode]:
-    """A server with ``options`` gets ``calls`` at once while its event loop is busy for ``busy_s``."""
+    """A server with ``options`` gets ``calls`` at once while its event loop is busy: from before the
+    burst is sent until ``busy_s`` after it was."""
     handle = await start_grpc_server(add, free_port(), **options)
     try:
-        burst = asyncio.ensure_future(asyncio.to_thread(_burst, handle.port, calls))
-        await asyncio.sleep(0.3)  # the thread connects
-        time.sleep(busy_s)  # noqa: ASYNC251 - the service is busy on purpose: the burst waits in gRPC
+        ready, go, sent = threading.Event(), threading.Event(), threading.Event()
+        burst = asyncio.ensure_future(asyncio.to_thread(_burst, handle.port, calls, ready, go, sent))
+        assert await asyncio.to_thread(ready.wait, 30)  # connected (the server's loop takes part)
+        # Busy on purpose from here (the loop blocks): the burst waits in gRPC. A fixed head start for the
+        # thread once let a loaded machine send the burst after the busy spell was over.
+        go.set()
+        assert sent.wait(timeout=30)
+        time.sleep(busy_s)  # noqa: ASYNC251
         codes = await burst
     finally:
         await handle.server.stop(0)
