@@ -81,12 +81,17 @@ class ServiceError(Exception):
             details.append(error_details_pb2.BadRequest(field_violations=[violation]))
         return details
 
-    def trailer(self) -> tuple[tuple[str, bytes], ...]:
-        """Trailing metadata carrying a google.rpc.Status with this error's details."""
+    def status(self) -> bytes:
+        """This error as a serialized google.rpc.Status with its details: what a failed call carries in its
+        trailer, and what a request that fails on a stream shared by many carries in its last frame."""
         status = status_pb2.Status(code=self.code.value[0], message=self.message)
         for detail in self.details():
             status.details.add().Pack(detail)
-        return ((STATUS_DETAILS_KEY, status.SerializeToString()),)
+        return status.SerializeToString()
+
+    def trailer(self) -> tuple[tuple[str, bytes], ...]:
+        """Trailing metadata carrying a google.rpc.Status with this error's details."""
+        return ((STATUS_DETAILS_KEY, self.status()),)
 
 
 async def abort(context: grpc.aio.ServicerContext, error: ServiceError) -> None:
@@ -103,26 +108,41 @@ def parse(error: grpc.RpcError) -> ServiceError:
     parsed = ServiceError(code, message)
     trailers: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     for key, value in trailers or ():
-        if key != STATUS_DETAILS_KEY:
-            continue
-        for detail in status_pb2.Status.FromString(value).details:
-            if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                info = error_details_pb2.RetryInfo()
-                detail.Unpack(info)
-                parsed.retry_after_s = info.retry_delay.ToMilliseconds() / 1000.0
-            elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-                info = error_details_pb2.ErrorInfo()
-                detail.Unpack(info)
-                if info.reason == PAYLOAD_TOO_LARGE:
-                    parsed.too_large = info.metadata.get("limit", "")
-                else:
-                    parsed.reason = info.reason
-            elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                bad = error_details_pb2.BadRequest()
-                detail.Unpack(bad)
-                if bad.field_violations:
-                    parsed.field = bad.field_violations[0].field
+        if key == STATUS_DETAILS_KEY:
+            _read_details(status_pb2.Status.FromString(value), parsed)
     return parsed
+
+
+def from_status(serialized: bytes) -> ServiceError:
+    """The ServiceError a serialized google.rpc.Status stands for (``ServiceError.status``'s inverse)."""
+    status = status_pb2.Status.FromString(serialized)
+    parsed = ServiceError(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.message)
+    _read_details(status, parsed)
+    return parsed
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _read_details(status: status_pb2.Status, parsed: ServiceError) -> None:
+    """Sets ``parsed``'s retry delay, size limit, reason and field from ``status``'s details."""
+    for detail in status.details:
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            parsed.retry_after_s = info.retry_delay.ToMilliseconds() / 1000.0
+        elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.reason == PAYLOAD_TOO_LARGE:
+                parsed.too_large = info.metadata.get("limit", "")
+            else:
+                parsed.reason = info.reason
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            if bad.field_violations:
+                parsed.field = bad.field_violations[0].field
 
 
 def from_a_service(error: grpc.RpcError) -> bool:

@@ -10,9 +10,11 @@ Server side (engine and router services)::
     await requests.check(context)                  # misuse -> INVALID_ARGUMENT
     requests.stop()
 
-Client side (router relay, orchestrator): an ``Outbox`` is the call's request iterator; ``start`` once,
-``cancel`` at most once, ``close`` ends the request side. Sending never waits. A ``ReadAhead`` reads the
-response side as it arrives, so a reader that falls behind takes what came meanwhile in one go.
+Client side (the orchestrator's router calls): an ``Outbox`` is the call's request iterator; ``start``
+once, ``cancel`` at most once, ``close`` ends the request side. Sending never waits. A ``ReadAhead`` reads
+the response side as it arrives, so a reader that falls behind takes what came meanwhile in one go; the
+router's requests to an engine share one stream, and each request's frames wait in ``Arrivals`` of
+their own (``router.engine_link``).
 """
 
 from __future__ import annotations
@@ -102,38 +104,35 @@ class Outbox(Generic[Frame]):
             self._queue.put_nowait(None)
 
 
-class ReadAhead:
-    """Reads a call's responses as they arrive, in a task of its own. ``take`` returns every frame that
-    arrived since the last ``take``: a consumer that keeps up gets them one by one, as soon as each
-    arrives; one that fell behind (its own writes waiting on a slow client) gets them all at once, and
-    can merge them into one message instead of paying gRPC's per-message cost for each. What waits here
-    is bounded by the call's own output; nothing is dropped."""
+class Arrivals(Generic[Frame]):
+    """Frames that arrived and were not taken yet, then how the stream of them ended. ``take`` returns
+    every frame that arrived since the last ``take``: a consumer that keeps up gets them one by one, as
+    soon as each arrives; one that fell behind (its own writes waiting on a slow client) gets them all
+    at once, and can merge them into one message instead of paying gRPC's per-message cost for each.
+    What waits here is bounded by the stream's own output; nothing is dropped."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
-        self._call = call
-        self._frames: deque[Any] = deque()
-        self._error: grpc.aio.AioRpcError | None = None
-        self._ended = False
+    def __init__(self) -> None:
+        self._frames: deque[Frame] = deque()
+        self._error: BaseException | None = None
+        self.ended = False
         self._arrived = asyncio.Event()
-        self._task = asyncio.create_task(self._read())
 
-    async def _read(self) -> None:
-        try:
-            while (frame := await self._call.read()) is not grpc.aio.EOF:
-                self._frames.append(frame)
-                self._arrived.set()
-        except grpc.aio.AioRpcError as exc:
-            self._error = exc
-        finally:
-            self._ended = True
+    def add(self, frame: Frame) -> None:
+        self._frames.append(frame)
+        self._arrived.set()
+
+    def end(self, error: BaseException | None = None) -> None:
+        """No frame comes after this; ``take`` raises ``error``, if any, once the frames before it are
+        taken. Only the first end counts."""
+        if not self.ended:
+            self.ended, self._error = True, error
             self._arrived.set()
 
-    async def take(self) -> list[Any]:
-        """Waits for at least one frame; returns all that have arrived, oldest first. Returns [] once
-        the call has ended with OK (or was cancelled here) and everything was taken; raises its error
-        after the frames before it."""
+    async def take(self) -> list[Frame]:
+        """Waits for at least one frame; returns all that have arrived, oldest first. Returns [] once the
+        stream has ended well and everything was taken; raises its error after the frames before it."""
         while not self._frames:
-            if self._ended:
+            if self.ended:
                 if self._error is not None:
                     raise self._error
                 return []
@@ -142,6 +141,26 @@ class ReadAhead:
         frames = list(self._frames)
         self._frames.clear()
         return frames
+
+
+class ReadAhead(Arrivals[Any]):
+    """A call's responses as ``Arrivals``, read as they arrive by a task of its own; ``take`` raises the
+    call's error (grpc.aio.AioRpcError)."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
+        super().__init__()
+        self._call = call
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        error = None
+        try:
+            while (frame := await self._call.read()) is not grpc.aio.EOF:
+                self.add(frame)
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        finally:
+            self.end(error)
 
     async def finish(self, timeout_s: float = END_OF_CALL_TIMEOUT_S) -> None:
         """Reads the call up to its status, or cancels it after ``timeout_s``. Call it once the last frame

@@ -5,7 +5,9 @@ delivery is ever scheduled on the event loop, however far behind the loop is. On
 request's ``RequestStream`` merges the frames its client has not read yet into one, so a slow reader
 costs memory in proportion to its own output (bounded by max_tokens) and never slows the engine. The
 merged frame keeps each token's text boundary (``text_ends``), so a reader can split it back into the
-pieces the steps released (``chatmesh/token_text.py``).
+pieces the steps released (``chatmesh/token_text.py``). A stream tells its reader it has news through
+a callback: a ``Generate`` call wakes on its one request's, a ``GenerateMany`` call collects those of
+all of its requests and sends them in one message.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from engine.outputs import Finish, RequestOutput
 class RequestStream:
     """What one request's client has not been sent yet."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str, on_news: Callable[[RequestStream], None]) -> None:
+        self.request_id = request_id
+        self._on_news = on_news
         self._index = 0
         self._token_ids: list[int] = []
         self._text: list[str] = []
         self._text_ends: list[int] = []  # into the joined text: each push's ends shifted by what was buffered
         self._text_length = 0
         self._finish: Finish | None = None
-        self._ready = asyncio.Event()
 
     def push(self, output: RequestOutput) -> None:
         if output.token_ids:
@@ -41,12 +44,10 @@ class RequestStream:
             self._text_length += len(output.text)
         if output.finish is not None:
             self._finish = output.finish
-        self._ready.set()
+        self._on_news(self)
 
-    async def take(self) -> tuple[engine_pb2.GenerateTokens | None, Finish | None]:
-        """Waits for news; returns all tokens not yet sent as one frame, and the finish if it came."""
-        await self._ready.wait()
-        self._ready.clear()
+    def take(self) -> tuple[engine_pb2.GenerateTokens | None, Finish | None]:
+        """All tokens not yet sent as one frame (None if there are none), and the finish if it came."""
         tokens = None
         if self._token_ids:
             tokens = engine_pb2.GenerateTokens(
@@ -71,8 +72,9 @@ class OutputDispatcher:
         self._pending: list[RequestOutput] = []
         self._streams: dict[str, RequestStream] = {}
 
-    def open(self, request_id: str) -> RequestStream:
-        stream = self._streams[request_id] = RequestStream()
+    def open(self, request_id: str, on_news: Callable[[RequestStream], None]) -> RequestStream:
+        """The stream of ``request_id``'s outputs; ``on_news`` is called on the loop each time some arrive."""
+        stream = self._streams[request_id] = RequestStream(request_id, on_news)
         return stream
 
     def close(self, request_id: str) -> None:

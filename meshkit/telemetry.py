@@ -1,6 +1,7 @@
 """Logging, OpenTelemetry tracing and Prometheus metrics, set up the same way in every service.
 
-Traces: W3C trace context crosses every gRPC hop through the OpenTelemetry gRPC instrumentation.
+Traces: W3C trace context crosses every gRPC hop through the OpenTelemetry gRPC instrumentation, and
+with each request on a stream that carries many (``request_span``, ``trace_context``).
 Spans are exported over OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, and appended as JSON lines
 to ``CHATMESH_TRACE_FILE`` when that is set (how tests check that one trace spans every service).
 Metrics: each service defines its own Prometheus metrics (named after the OpenTelemetry GenAI semantic
@@ -15,10 +16,10 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -29,7 +30,10 @@ from opentelemetry.sdk.trace.export import (
 )
 
 TRACE_FILE_ENV = "CHATMESH_TRACE_FILE"
+# The RPC that carries many requests on one stream (engine.v1 and router.v1): traced per request.
+SHARED_STREAM_METHOD = "GenerateMany"
 _configured = False
+_requests_tracer = trace.get_tracer("chatmesh.requests")
 
 
 @dataclass(frozen=True)
@@ -115,10 +119,32 @@ def setup(service_name: str, level: str | None = None) -> None:
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(trace_file)))
     trace.set_tracer_provider(provider)
 
-    from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
+    from opentelemetry.instrumentation.grpc import (
+        GrpcAioInstrumentorClient,
+        GrpcAioInstrumentorServer,
+        filters,
+    )
 
-    GrpcAioInstrumentorServer().instrument()
-    GrpcAioInstrumentorClient().instrument()
+    # A stream that carries many requests lives as long as the link: a span of its own would never end.
+    # Each of its requests gets its own span instead (request_span).
+    one_request_per_call = filters.negate(filters.method_name(SHARED_STREAM_METHOD))
+    GrpcAioInstrumentorServer(filter_=one_request_per_call).instrument()
+    GrpcAioInstrumentorClient(filter_=one_request_per_call).instrument()
+
+
+def request_span(name: str, kind: trace.SpanKind, carrier: Mapping[str, str] | None = None) -> trace.Span:
+    """A span for one request on a stream shared by many (``GenerateMany``), where the gRPC
+    instrumentation cannot make one per request: a SERVER span continues the caller's trace context
+    from ``carrier``, a CLIENT span the current context. The caller ends it when the request ends."""
+    context = propagate.extract(carrier) if carrier is not None else None
+    return _requests_tracer.start_span(name, context=context, kind=kind)
+
+
+def trace_context(span: trace.Span) -> dict[str, str]:
+    """W3C trace context of ``span`` (``traceparent``, ``tracestate``), to travel with its request."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
 
 
 def start_metrics_server(port: int, host: str = "127.0.0.1") -> None:

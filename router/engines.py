@@ -24,12 +24,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.tiers import TIERS
 from router.admission import QueueView
+from router.engine_link import EngineLink
 from router.loads import LoadTable
 
 # Recent samples the drain rate and the head-of-queue TTFT are taken over.
@@ -92,6 +94,11 @@ class EngineState:
     def _publish(self) -> None:
         if self.table is not None:
             self.table.write(self.slot, self)
+
+    @cached_property
+    def link(self) -> EngineLink:
+        """This router's one stream to the engine, which every request placed here shares."""
+        return EngineLink(self.stub, self.engine_id)
 
     @property
     def healthy(self) -> bool:

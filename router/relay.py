@@ -12,13 +12,15 @@ each placement. An error that is the request's fault (INVALID_ARGUMENT, FAILED_P
 returned as is; a full engine queue (RESOURCE_EXHAUSTED) or a failing engine means another attempt,
 up to ``max_attempts``, then UNAVAILABLE naming what each engine said.
 
-Every engine call has a deadline (the client's, or ``max_request_s``), and every read a timeout:
-``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for the first token
-(queueing included), ``idle_timeout_s`` between later frames. The engine's frames are read as they
-arrive; token frames that arrived while the client was still taking the last one go out merged into
-one, each token's text end kept (``chatmesh/token_text.py``). A client that keeps up gets every frame
-as soon as it comes; one that falls behind gets fewer, bigger frames, and the relay pays gRPC's
-per-message cost once for them (what waits is bounded by the request's output).
+Attempts go to the engine over the router's one stream to it (``router.engine_link``), shared with the
+router's other requests there. Every attempt has a deadline (the client's, or ``max_request_s``), and
+every read a timeout: ``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for
+the first token (queueing included), ``idle_timeout_s`` between later frames. The engine's frames are
+read as they arrive; token frames that arrived while the client was still taking the last one go out
+merged into one, each token's text end kept (``chatmesh/token_text.py``). A client that keeps up gets
+every frame as soon as it comes; one that falls behind gets fewer, bigger frames, and the relay pays
+gRPC's per-message cost once for them (what waits is bounded by the request's output). Each attempt
+is traced as a client span of its own, whose context goes to the engine with the request.
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.errors import ServiceError, parse
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
-from chatmesh.streams import Outbox, ReadAhead
 from chatmesh.tiers import tier_of_proto
 from chatmesh.token_text import coalesced, token_pieces, tokens_frame
+from meshkit.telemetry import request_span, trace_context
 from router.config import RouterConfig
+from router.engine_link import EngineLink, RequestFeed
 from router.engines import EngineState
 from router.metrics import RouterMetrics
 from router.placement import Placement, Placer, RequestPlan
@@ -51,6 +55,10 @@ _CALLER_ERRORS = frozenset(
         grpc.StatusCode.UNAUTHENTICATED,
     }
 )
+
+
+# Each attempt is traced as the Generate call it stands for, on the router's shared stream to the engine.
+ENGINE_GENERATE_SPAN = "chatmesh.engine.v1.EngineService/Generate"
 
 
 class AttemptFailed(ServiceError):
@@ -84,20 +92,21 @@ class Relay:
         self.output: list[int] = list(start.resumed_output_token_ids)
         self.cancelled = False
         self.degraded = False  # placed in a cheaper model's pool (free tier under load)
-        self._call: grpc.aio.StreamStreamCall | None = None  # the engine call in progress
-        self._outbox: Outbox[engine_pb2.GenerateRequest] | None = None  # its request side
+        self._attempt: tuple[EngineLink, str] | None = None  # the engine attempt in progress, by its id
         self._first_token_at: float | None = None
 
     def cancel(self) -> None:
         """The client sent `cancel`: forward it to the engine now; no further attempts."""
         self.cancelled = True
-        if self._outbox is not None:
-            self._outbox.cancel()
+        if self._attempt is not None:
+            link, attempt_id = self._attempt
+            link.cancel(attempt_id)
 
     def close(self) -> None:
-        """The client is gone: cancel the engine call (the engine frees the request's blocks)."""
-        if self._call is not None:
-            self._call.cancel()
+        """The client is gone: cancel the attempt in progress (the engine frees the request's blocks)."""
+        if self._attempt is not None:
+            link, attempt_id = self._attempt
+            link.release(attempt_id)
 
     async def run(self) -> AsyncIterator[router_pb2.GenerateResponse]:
         failures: list[tuple[str, AttemptFailed]] = []  # (engine id, what went wrong there)
@@ -165,17 +174,16 @@ class Relay:
         self, placement: Placement, attempt_id: str
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
         engine = placement.engine
-        # A client's `cancel` goes out the moment it arrives; the request side ends with the attempt.
-        outbox = Outbox(_CANCEL)
-        outbox.start(engine_pb2.GenerateRequest(start=self._engine_start(engine, attempt_id)))
+        link = engine.link
+        span = request_span(ENGINE_GENERATE_SPAN, trace.SpanKind.CLIENT)
+        span.set_attribute("chatmesh.engine_id", engine.engine_id)
+        # A client's `cancel` goes out the moment it arrives (``cancel``); so does one that came before.
+        feed = link.open(self._engine_start(engine, attempt_id), trace_context(span))
+        self._attempt = (link, attempt_id)
         if self.cancelled:
-            outbox.cancel()
-        call = engine.stub.Generate(outbox.frames(), timeout=self._call_timeout())
-        self._call, self._outbox = call, outbox
-        frames = ReadAhead(call)
-        completed = False
+            link.cancel(attempt_id)
         try:
-            batch = await self._take(frames, self.config.accept_timeout_s, "`accepted`")
+            batch = await self._take(feed, self.config.accept_timeout_s, "`accepted`")
             if (kind := batch[0].WhichOneof("kind")) != "accepted":
                 raise AttemptFailed("protocol", f"the engine sent {kind} before `accepted`")
             batch = batch[1:]
@@ -190,21 +198,20 @@ class Relay:
                         if tokens is not None:
                             yield router_pb2.GenerateResponse(tokens=tokens)
                     elif kind == "finished":
-                        completed = True
                         engine.ended(attempt_id, completed=True)
                         self.placer.remember(self.plan, engine, self.output)
                         yield router_pb2.GenerateResponse(finished=self._finished(frame.finished, placement))
                         return
                     else:
                         raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
-                batch = await self._take(frames, timeout, waiting_for)
+                batch = await self._take(feed, timeout, waiting_for)
+        except ServiceError as exc:
+            span.set_status(trace.StatusCode.ERROR, exc.message)
+            raise
         finally:
-            self._call = self._outbox = None
-            outbox.close()
-            if completed:
-                await frames.finish()
-            else:
-                frames.cancel()
+            self._attempt = None
+            link.release(attempt_id)
+            span.end()
 
     def _engine_start(self, engine: EngineState, attempt_id: str) -> engine_pb2.GenerateStart:
         start, info = self.start, engine.info
@@ -219,19 +226,25 @@ class Relay:
         )
 
     async def _take(
-        self, frames: ReadAhead, timeout_s: float, waiting_for: str
-    ) -> list[engine_pb2.GenerateResponse]:
+        self, feed: RequestFeed, timeout_s: float, waiting_for: str
+    ) -> list[engine_pb2.ResponseFrame]:
         """The engine's frames that arrived since the last take (at least one), token frames in a row
         merged into one."""
+        failure = "timeout"
+        if (left := self._time_left()) < timeout_s:
+            timeout_s, failure, waiting_for = (
+                left,
+                "deadline_exceeded",
+                f"{waiting_for}, the request's deadline",
+            )
         try:
             async with asyncio.timeout(timeout_s):
-                batch = await frames.take()
+                batch = await feed.take()
         except TimeoutError:
             raise AttemptFailed(
-                "timeout", f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
+                failure, f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
             ) from None
-        except grpc.aio.AioRpcError as exc:
-            error = parse(exc)
+        except ServiceError as error:  # the engine refused or failed the request, or its stream ended
             code = error.code
             if code in _CALLER_ERRORS:
                 raise ServiceError(code, error.message or code.name) from None
@@ -240,8 +253,6 @@ class Relay:
                     "exhausted", error.message or "queue full", error.retry_after_s or 1.0
                 ) from None
             raise AttemptFailed(code.name.lower(), f"{code.name}: {error.message}") from None
-        if not batch:
-            raise AttemptFailed("protocol", "the stream ended without `finished`")
         return coalesced(batch)
 
     def _new_tokens(self, tokens: engine_pb2.GenerateTokens) -> engine_pb2.GenerateTokens | None:
@@ -294,10 +305,11 @@ class Relay:
             )
         )
 
-    def _call_timeout(self) -> float:
-        if self.deadline_s is None:
-            return self.config.max_request_s
-        return max(0.001, min(self.config.max_request_s, self.deadline_s - (time.monotonic() - self.arrival)))
-
-
-_CANCEL = engine_pb2.GenerateRequest(cancel=engine_pb2.GenerateCancel())
+    def _time_left(self) -> float:
+        """Seconds left of the request's deadline (the client's, capped at ``max_request_s``)."""
+        allowed = (
+            self.config.max_request_s
+            if self.deadline_s is None
+            else min(self.config.max_request_s, self.deadline_s)
+        )
+        return max(0.001, allowed - (time.monotonic() - self.arrival))

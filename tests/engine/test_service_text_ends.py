@@ -43,12 +43,12 @@ def generate(tok, ids: list[int], steps: Sequence[int], stop: tuple[str, ...] = 
     return outputs
 
 
-async def frame_of(*outputs: RequestOutput) -> engine_pb2.GenerateTokens:
+def frame_of(*outputs: RequestOutput) -> engine_pb2.GenerateTokens:
     """What a client reads after ``outputs`` were delivered without it reading in between."""
-    stream = RequestStream()
+    stream = RequestStream("r", lambda _: None)
     for output in outputs:
         stream.push(output)
-    frame, _ = await stream.take()
+    frame, _ = stream.take()
     assert frame is not None
     return frame
 
@@ -57,15 +57,15 @@ async def frame_of(*outputs: RequestOutput) -> engine_pb2.GenerateTokens:
 async def test_a_merged_frame_splits_back_into_the_pieces_of_the_unmerged_frames(tok, steps):
     ids = tok.encode(EMOJI_AND_CJK)
     outputs = generate(tok, ids, steps)
-    unmerged = [piece for output in outputs for piece in token_pieces(await frame_of(output))]
-    merged = await frame_of(*outputs)
+    unmerged = [piece for output in outputs for piece in token_pieces(frame_of(output))]
+    merged = frame_of(*outputs)
     assert merged.text == EMOJI_AND_CJK and len(merged.text_ends) == len(ids)
     assert token_pieces(merged) == unmerged == released_pieces(tok, ids)
 
 
 async def test_bytes_of_an_unfinished_character_release_nothing_until_its_last_token(tok):
     ids = tok.encode(EMOJI_AND_CJK)
-    pieces = token_pieces(await frame_of(*generate(tok, ids, [2] * 8)))
+    pieces = token_pieces(frame_of(*generate(tok, ids, [2] * 8)))
     held = [i for i, (_, piece) in enumerate(pieces) if piece == ""]
     assert held, "the test text must hold bytes back"
     for i in held:  # the next token releases the whole character, never a part of it
@@ -76,7 +76,7 @@ async def test_bytes_of_an_unfinished_character_release_nothing_until_its_last_t
 async def test_a_possible_stop_string_is_held_back_then_released_by_the_token_that_rules_it_out(tok):
     ids = tok.encode(" the lazy cat and the lazy dog ran")
     outputs = generate(tok, ids, [4, 3, 5, 4], stop=("lazy dog",))
-    pieces = token_pieces(await frame_of(*outputs))
+    pieces = token_pieces(frame_of(*outputs))
     assert pieces == released_pieces(tok, ids, stop=("lazy dog",))
     # " lazy" releases its space and holds "lazy" back until " cat" rules "lazy dog" out; " dog" matches.
     assert [piece for _, piece in pieces] == [" the", " ", "lazy cat", " and", " the", " ", ""]
@@ -88,7 +88,7 @@ async def test_text_held_for_a_stop_string_at_the_last_token_comes_with_the_fini
     ids = tok.encode(" the lazy cat and the lazy")
     outputs = generate(tok, ids, [len(ids)], stop=("lazy dog",))
     [output] = outputs
-    pieces = token_pieces(await frame_of(output))
+    pieces = token_pieces(frame_of(output))
     assert pieces[-1] == (ids[-1], " "), "'lazy' may start the stop string: the last token holds it back"
     assert output.finish is not None and output.finish.reason is FinishReason.LENGTH
     assert output.finish.text == "lazy"

@@ -1,7 +1,6 @@
 """The relay's own rules, without engines: token positions across attempts, and what a request that
 failed everywhere is told."""
 
-from collections import deque
 from types import SimpleNamespace
 
 import grpc
@@ -11,6 +10,7 @@ from prometheus_client import CollectorRegistry
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2
 from router.config import RouterConfig
+from router.engine_link import RequestFeed
 from router.metrics import RouterMetrics
 from router.placement import Placement, RequestPlan
 from router.relay import AttemptFailed, Relay
@@ -70,25 +70,28 @@ def test_when_every_engine_tried_was_full_the_answer_is_resource_exhausted_with_
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s == 0.7
 
 
-class ArrivedCall:
-    """An engine call whose frames have all arrived already: what a relay finds when it fell behind."""
+class ArrivedLink:
+    """A link to an engine whose frames for the request have all arrived already: what a relay finds
+    when it fell behind."""
 
-    def __init__(self, frames: list[engine_pb2.GenerateResponse]) -> None:
-        self.frames = deque(frames)
+    def __init__(self, frames: list[engine_pb2.ResponseFrame]) -> None:
+        self.feed = RequestFeed()
+        for frame in frames:
+            self.feed.add(frame)
+        self.released: list[str] = []
 
-    async def read(self):
-        return self.frames.popleft() if self.frames else grpc.aio.EOF
+    def open(self, start, trace_context) -> RequestFeed:
+        return self.feed
 
-    def cancel(self) -> None:
-        pass
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
 
 
-def engine_answering(frames: list[engine_pb2.GenerateResponse]) -> SimpleNamespace:
-    call = ArrivedCall(frames)
+def engine_answering(frames: list[engine_pb2.ResponseFrame]) -> SimpleNamespace:
     return SimpleNamespace(
         engine_id="e0",
         info=None,
-        stub=SimpleNamespace(Generate=lambda requests, timeout: call),
+        link=ArrivedLink(frames),
         progressed=lambda request_id, tokens: None,
         ended=lambda request_id, completed: None,
     )
@@ -98,18 +101,21 @@ async def test_token_frames_that_arrived_while_the_client_was_busy_go_out_as_one
     r = relay()
     r.placer = SimpleNamespace(remember=lambda plan, engine, output: None)
     frames = [
-        engine_pb2.GenerateResponse(accepted=engine_pb2.GenerateAccepted()),
-        engine_pb2.GenerateResponse(
-            tokens=engine_pb2.GenerateTokens(index=0, token_ids=[10, 11], text="Hi", text_ends=[1, 2])
+        engine_pb2.ResponseFrame(request_id="r", accepted=engine_pb2.GenerateAccepted()),
+        engine_pb2.ResponseFrame(
+            request_id="r",
+            tokens=engine_pb2.GenerateTokens(index=0, token_ids=[10, 11], text="Hi", text_ends=[1, 2]),
         ),
-        engine_pb2.GenerateResponse(
-            tokens=engine_pb2.GenerateTokens(index=2, token_ids=[12], text=" you", text_ends=[4])
+        engine_pb2.ResponseFrame(
+            request_id="r",
+            tokens=engine_pb2.GenerateTokens(index=2, token_ids=[12], text=" you", text_ends=[4]),
         ),
-        engine_pb2.GenerateResponse(
-            finished=engine_pb2.GenerateFinished(finish_reason=engine_pb2.FINISH_REASON_STOP)
+        engine_pb2.ResponseFrame(
+            request_id="r", finished=engine_pb2.GenerateFinished(finish_reason=engine_pb2.FINISH_REASON_STOP)
         ),
     ]
-    placement = Placement(engine_answering(frames), predicted_cached_tokens=0, model="m")
+    engine = engine_answering(frames)
+    placement = Placement(engine, predicted_cached_tokens=0, model="m")
     sent = [frame async for frame in r._stream(placement, "r")]
     assert [frame.WhichOneof("kind") for frame in sent] == ["tokens", "finished"]
     merged = sent[0].tokens
@@ -120,3 +126,4 @@ async def test_token_frames_that_arrived_while_the_client_was_busy_go_out_as_one
         [1, 2, 6],
     )
     assert r.output == [10, 11, 12] and sent[1].finished.usage.completion_tokens == 3
+    assert engine.link.released == ["r"]  # the relay lets go of the request once it has ended

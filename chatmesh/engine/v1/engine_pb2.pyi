@@ -131,6 +131,57 @@ class GenerateResponse(_message.Message):
     finished: GenerateFinished
     def __init__(self, accepted: _Optional[_Union[GenerateAccepted, _Mapping]] = ..., tokens: _Optional[_Union[GenerateTokens, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[RequestFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[RequestFrame, _Mapping]]] = ...) -> None: ...
+
+class RequestFrame(_message.Message):
+    __slots__ = ("request_id", "start", "cancel", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start: GenerateStart
+    cancel: GenerateCancel
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[_Union[GenerateStart, _Mapping]] = ..., cancel: _Optional[_Union[GenerateCancel, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class GenerateFailed(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: bytes
+    def __init__(self, status: _Optional[bytes] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[ResponseFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[ResponseFrame, _Mapping]]] = ...) -> None: ...
+
+class ResponseFrame(_message.Message):
+    __slots__ = ("request_id", "accepted", "tokens", "finished", "failed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    accepted: GenerateAccepted
+    tokens: GenerateTokens
+    finished: GenerateFinished
+    failed: GenerateFailed
+    def __init__(self, request_id: _Optional[str] = ..., accepted: _Optional[_Union[GenerateAccepted, _Mapping]] = ..., tokens: _Optional[_Union[GenerateTokens, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ..., failed: _Optional[_Union[GenerateFailed, _Mapping]] = ...) -> None: ...
+
 class KvEventsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

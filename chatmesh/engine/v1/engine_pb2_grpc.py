@@ -46,6 +46,11 @@ class EngineServiceStub:
                 request_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/chatmesh.engine.v1.EngineService/GenerateMany',
+                request_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.KvEvents = channel.unary_stream(
                 '/chatmesh.engine.v1.EngineService/KvEvents',
                 request_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.KvEventsRequest.SerializeToString,
@@ -89,6 +94,20 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMany(self, request_iterator, context):
+        """GenerateMany runs many requests on one bidirectional stream: what a router keeps open to each
+        engine, so that one step's tokens for all of its requests cross in one message rather than one
+        message per request. Each request keeps Generate's contract (one `start`, at most one `cancel`;
+        `accepted`, `tokens`..., `finished`), its frames tagged with its request id; a request that is
+        refused or fails ends with `failed`, carrying the status Generate would have ended with. Frames of
+        one request keep their order; those of different requests interleave. The stream ends OK once the
+        client has half-closed and every request on it has ended (or, while the engine drains, once none is
+        left); cancelling the RPC, or losing the connection, cancels every request still on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KvEvents(self, request, context):
         """KvEvents streams the engine's prefix-cache changes: one `snapshot` of every cached block first,
         then `batch` frames whose sequence numbers increase by exactly one. A subscriber that sees a gap
@@ -127,6 +146,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
                     response_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateManyRequest.FromString,
+                    response_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateManyResponse.SerializeToString,
             ),
             'KvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.KvEvents,
@@ -183,6 +207,33 @@ class EngineService:
             '/chatmesh.engine.v1.EngineService/Generate',
             chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/chatmesh.engine.v1.EngineService/GenerateMany',
+            chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
+            chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

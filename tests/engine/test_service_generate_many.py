@@ -1,0 +1,207 @@
+"""EngineService.GenerateMany, many requests on one stream, over a real gRPC socket against real
+``python -m engine --backend null`` processes: each request keeps Generate's contract, a step's tokens
+for all of them share a message, refusals end one request and not the stream, and the stream's end
+frees whatever it still holds."""
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.errors import from_status
+from tests.engine.service_client import (
+    TIMEOUT_S,
+    Outcome,
+    Stream,
+    capital_question,
+    engine_stub,
+    start_frame,
+    wait_until,
+)
+from tests.engine.test_service_engine import idle
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    from chatmesh.tokenizer import load_tokenizer
+
+    return capital_question(load_tokenizer())
+
+
+@pytest.fixture
+async def stub(null_engine):
+    async with engine_stub(null_engine.address) as stub:
+        yield stub
+
+
+def start(request_id: str, prompt: list[int], max_tokens: int = 16, **fields) -> engine_pb2.RequestFrame:
+    return engine_pb2.RequestFrame(
+        request_id=request_id, start=start_frame(request_id, prompt, max_tokens=max_tokens, **fields)
+    )
+
+
+def cancel(request_id: str) -> engine_pb2.RequestFrame:
+    return engine_pb2.RequestFrame(request_id=request_id, cancel=engine_pb2.GenerateCancel())
+
+
+@dataclass
+class Many:
+    """One GenerateMany call: the test sends messages of frames when it likes and reads per request."""
+
+    call: grpc.aio.StreamStreamCall
+    outbox: asyncio.Queue
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    failed: dict[str, engine_pb2.GenerateFailed] = field(default_factory=dict)
+    messages: list[engine_pb2.GenerateManyResponse] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, stub, *frames: engine_pb2.RequestFrame) -> "Many":
+        outbox: asyncio.Queue = asyncio.Queue()
+
+        async def requests() -> AsyncIterator[engine_pb2.GenerateManyRequest]:
+            while (message := await outbox.get()) is not None:
+                yield message
+
+        many = cls(stub.GenerateMany(requests(), timeout=TIMEOUT_S), outbox)
+        if frames:
+            many.send(*frames)
+        return many
+
+    def send(self, *frames: engine_pb2.RequestFrame) -> None:
+        self.outbox.put_nowait(engine_pb2.GenerateManyRequest(frames=frames))
+
+    def half_close(self) -> None:
+        self.outbox.put_nowait(None)
+
+    def ended(self, request_id: str) -> bool:
+        outcome = self.outcomes.get(request_id)
+        return request_id in self.failed or (outcome is not None and outcome.finished is not None)
+
+    async def until(self, done) -> None:
+        """Reads messages until ``done()``; each request's frames go to its Outcome, which checks Generate's
+        contract (accepted first, contiguous tokens, one finished, nothing after it)."""
+        while not done():
+            message = await self.call.read()
+            assert message is not grpc.aio.EOF, "the stream ended early"
+            self.messages.append(message)
+            for frame in message.frames:
+                assert not self.ended(frame.request_id), f"a frame for {frame.request_id} after its end"
+                if frame.WhichOneof("kind") == "failed":
+                    self.failed[frame.request_id] = frame.failed
+                    continue
+                response = engine_pb2.GenerateResponse()
+                getattr(response, frame.WhichOneof("kind")).CopyFrom(getattr(frame, frame.WhichOneof("kind")))
+                self.outcomes.setdefault(frame.request_id, Outcome()).add(response)
+
+    async def until_ended(self, *request_ids: str) -> None:
+        await self.until(lambda: all(self.ended(request_id) for request_id in request_ids))
+
+
+async def test_requests_on_one_stream_each_get_generates_answer_and_a_step_serves_them_in_one_message(
+    stub, prompt
+):
+    ids = [f"many-{i}" for i in range(8)]
+    many = Many.open(stub, *(start(request_id, prompt, max_tokens=24) for request_id in ids))
+    await many.until_ended(*ids)
+    alone = await Stream.start(stub, start_frame("alone", prompt, max_tokens=24)).rest()
+    for request_id in ids:
+        outcome = many.outcomes[request_id]
+        assert outcome.first_index == 0 and outcome.token_ids == alone.token_ids
+        assert outcome.text == alone.text and outcome.finished.usage.completion_tokens == 24
+    # 8 requests x 24 tokens would be 208 messages with a stream per request (accepted, tokens, finished).
+    assert max(len({f.request_id for f in m.frames}) for m in many.messages) == len(ids)
+    assert len(many.messages) < 24 + 8
+    many.half_close()
+    assert await many.call.read() is grpc.aio.EOF  # half-closed with nothing left: the stream ends OK
+    assert await many.call.code() == grpc.StatusCode.OK
+
+
+async def test_a_refused_request_fails_alone_with_its_status_and_the_others_go_on(stub, prompt):
+    many = Many.open(
+        stub,
+        start("good", prompt, max_tokens=10),
+        start("too-long", prompt, max_tokens=10**6),
+        start("foreign", prompt, tokenizer_fingerprint="another-tokenizer"),
+        engine_pb2.RequestFrame(request_id="mismatch", start=start_frame("other", prompt)),
+    )
+    await many.until(lambda: many.ended("good") and len(many.failed) == 3)
+    assert many.outcomes["good"].finished.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    too_long = from_status(many.failed["too-long"].status)
+    assert too_long.code == grpc.StatusCode.INVALID_ARGUMENT and "context window" in too_long.message
+    assert from_status(many.failed["foreign"].status).code == grpc.StatusCode.FAILED_PRECONDITION
+    assert from_status(many.failed["mismatch"].status).code == grpc.StatusCode.INVALID_ARGUMENT
+    # A second start for a request running on the stream is misuse: that request ends, INVALID_ARGUMENT.
+    many.send(start("twice", prompt, max_tokens=4000))
+    await many.until(lambda: "twice" in many.outcomes)
+    many.send(start("twice", prompt, max_tokens=40))
+    await many.until(lambda: "twice" in many.failed)
+    assert from_status(many.failed["twice"].status).code == grpc.StatusCode.INVALID_ARGUMENT
+    await wait_until(lambda: idle(stub), what="the misused request's blocks freed")
+    many.half_close()
+
+
+async def test_a_request_id_running_on_another_stream_is_refused_already_exists(stub, prompt):
+    first = Many.open(stub, start("taken", prompt, max_tokens=4000))
+    await first.until(lambda: "taken" in first.outcomes)
+    second = Many.open(stub, start("taken", prompt, max_tokens=10))
+    await second.until(lambda: "taken" in second.failed)
+    assert from_status(second.failed["taken"].status).code == grpc.StatusCode.ALREADY_EXISTS
+    first.send(cancel("taken"))
+    await first.until_ended("taken")
+    first.half_close()
+    second.half_close()
+
+
+async def test_a_cancel_frame_ends_its_request_only_and_frees_its_blocks(stub, prompt):
+    many = Many.open(stub, start("stays", prompt, max_tokens=120), start("goes", prompt, max_tokens=4000))
+    await many.until(lambda: len(many.outcomes.get("goes", Outcome()).token_ids) >= 2)
+    many.send(cancel("goes"), cancel("never-started"))
+    await many.until_ended("goes")
+    goes = many.outcomes["goes"]
+    assert goes.finished.finish_reason == engine_pb2.FINISH_REASON_CANCELLED
+    assert goes.finished.usage.completion_tokens == len(goes.token_ids) < 4000
+    await many.until_ended("stays")
+    assert len(many.outcomes["stays"].token_ids) == 120
+    await wait_until(lambda: idle(stub), what="the cancelled request's blocks freed")
+    many.half_close()
+
+
+async def test_a_half_close_is_not_a_cancel(stub, prompt):
+    many = Many.open(stub, start("after-half-close", prompt, max_tokens=50))
+    many.half_close()
+    await many.until_ended("after-half-close")
+    assert len(many.outcomes["after-half-close"].token_ids) == 50
+    assert await many.call.read() is grpc.aio.EOF
+
+
+async def test_cancelling_the_stream_cancels_every_request_on_it(stub, prompt):
+    ids = [f"dropped-{i}" for i in range(4)]
+    many = Many.open(stub, *(start(request_id, prompt, max_tokens=4000) for request_id in ids))
+    await many.until(lambda: all(request_id in many.outcomes for request_id in ids))
+    many.call.cancel()
+    await wait_until(lambda: idle(stub), what="every dropped request's blocks freed")
+
+
+async def test_a_draining_engine_refuses_new_starts_finishes_the_rest_and_ends_the_stream(
+    start_engines, prompt
+):
+    [engine] = start_engines(1, "null", null_tokens_per_s=100)
+    launcher = start_engines.launcher
+    async with engine_stub(engine.address) as stub:
+        many = Many.open(stub, start("running", prompt, max_tokens=300))  # 3 s: it outlasts the notice
+        await many.until(lambda: len(many.outcomes.get("running", Outcome()).token_ids) >= 1)
+        launcher.signal(engine.name, signal.SIGTERM)
+        await asyncio.sleep(1.0)  # past the drain notice: the engine no longer takes requests
+        many.send(start("late", prompt, max_tokens=5))
+        await many.until_ended("running", "late")
+        assert len(many.outcomes["running"].token_ids) == 300
+        assert from_status(many.failed["late"].status).code == grpc.StatusCode.UNAVAILABLE
+        # Nothing is left on the stream: the draining engine ends it, although the client never half-closed.
+        assert await many.call.read() is grpc.aio.EOF
+        assert await many.call.code() == grpc.StatusCode.OK
+    assert await asyncio.to_thread(launcher.running[engine.name].process.wait, 30) == 0
+    launcher.forget(engine.name)
