@@ -14,7 +14,7 @@ Client side (the orchestrator's router calls): an ``Outbox`` is the call's reque
 once, ``cancel`` at most once, ``close`` ends the request side. Sending never waits. A ``ReadAhead`` reads
 the response side as it arrives, so a reader that falls behind takes what came meanwhile in one go; the
 router's requests to an engine share one stream, and each request's frames wait in ``Arrivals`` of
-their own (``router.engine_link``).
+their own (``meshkit.links``).
 """
 
 from __future__ import annotations

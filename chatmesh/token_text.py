@@ -21,7 +21,11 @@ from chatmesh.router.v1 import router_pb2
 
 # Each carries engine.v1's GenerateTokens as `tokens`.
 Response = TypeVar(
-    "Response", engine_pb2.GenerateResponse, engine_pb2.ResponseFrame, router_pb2.GenerateResponse
+    "Response",
+    engine_pb2.GenerateResponse,
+    engine_pb2.ResponseFrame,
+    router_pb2.GenerateResponse,
+    router_pb2.ResponseFrame,
 )
 
 

@@ -9,6 +9,7 @@ text goes to our logs and traces as the error's ``private`` detail.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import grpc
@@ -57,9 +58,15 @@ def from_exception(exc: BaseException) -> ServiceError:
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, who: str) -> ServiceError:
-    """A failed downstream call as what our caller should see: the router's verdicts pass through,
-    capacity failures with our own words (see the module's doc)."""
-    error = parse(exc)
+    """A failed downstream call as what our caller should see (``from_downstream``)."""
+    return from_downstream(parse(exc), who)
+
+
+def from_downstream(error: ServiceError, who: str) -> ServiceError:
+    """What a downstream service said (of a call, or of one request on a shared stream) as what our
+    caller should see: the router's verdicts pass through, capacity failures with our own words (see the
+    module's doc)."""
+    error = dataclasses.replace(error)
     if error.code in CAPACITY_MESSAGES:
         error.private = f"{who}: {error.message}"
         log.warning("%s answered %s: %s", who, error.code.name, error.message)

@@ -1,39 +1,50 @@
 """The orchestrator's side of ``chatmesh.router.v1.RouterService``.
 
-A generation is one bidirectional ``Generate`` stream: a ``start`` frame with the prompt's token ids
-(tokenized once, here, with ``chatmesh.tokenizer``), then at most one ``cancel`` frame. The request
-side stays open while the run lives: neither a half-close nor a dropped browser stops engine work;
-only ``cancel()`` (CancelRun, output moderation) or ``abort()`` does.
+A generation is one request on a router: a ``start`` with the prompt's token ids (tokenized once,
+here, with ``chatmesh.tokenizer``), then at most one ``cancel``. It stays open while the run lives:
+a dropped browser does not stop engine work; only ``cancel()`` (CancelRun, output moderation) or
+``abort()`` does. Every request to one router travels on one ``GenerateMany`` stream to it
+(``meshkit.links``): the tokens of all of them cross in a message per router loop turn, not one per
+token.
 
-Several router replicas sit behind one channel (``--router 10.0.0.1:50051,10.0.0.2:50051``, or a
-``dns:///`` name with one address per replica): calls are spread round-robin over the routers that
-are up, and a router that dies is skipped from then on. Every start frame carries a sampling seed, so
-a generation whose router dies goes on through another one exactly (``continued``).
+Several router replicas (``--router 10.0.0.1:50051,10.0.0.2:50051``, or a ``dns:///`` name with one
+address per replica): each gets its own channel and stream; a chat's requests go to one router while it
+is up, others round-robin, and a router that is down is passed over. Every start frame carries a
+sampling seed, so a generation whose router dies goes on through another one exactly (``continued``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
+from opentelemetry import trace
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, unavailable
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.streams import Outbox, ReadAhead
 from chatmesh.tiers import tier_named
 from chatmesh.token_text import coalesced
+from meshkit.dns import resolve
+from meshkit.links import Link, LinkMessages, RequestFeed
 from meshkit.serving import CHANNEL_OPTIONS
-from orchestrator.errors import from_rpc_error
+from meshkit.telemetry import request_span, trace_context
+from orchestrator.errors import from_downstream, from_rpc_error
 
 log = logging.getLogger(__name__)
 
 # How many routers one placement tries when they answer UNAVAILABLE (draining, or unreachable).
 PLACEMENT_ATTEMPTS = 3
+# How often router names are resolved again (replicas come and go).
+DNS_REFRESH_S = 10.0
+# Each request on a router's shared stream is traced as the Generate it stands for.
+ROUTER_GENERATE_SPAN = "chatmesh.router.v1.RouterService/Generate"
+ROUTER_LINK = LinkMessages(router_pb2.GenerateManyRequest, router_pb2.RequestFrame, router_pb2.GenerateCancel)
 
 
 def start_frame(
@@ -76,122 +87,231 @@ def continued(start: router_pb2.GenerateStart, output_token_ids: Sequence[int]) 
     return frame
 
 
-def router_target(address: str) -> str:
-    """A gRPC target for one router or several: ``host:port``, ``ip:port,ip:port,...`` (each replica
-    named), or any gRPC target with a scheme (``dns:///router:50051``: one address per replica)."""
-    if "," in address and ":/" not in address and not address.startswith(("ipv4:", "ipv6:")):
-        return "ipv4:" + address
-    return address
+def router_addresses(address: str) -> list[str]:
+    """The routers ``address`` names: ``host:port``, ``ip:port,ip:port,...`` (each replica named, an
+    ``ipv4:`` prefix allowed), or ``dns:///name:port`` (one address per replica); names are resolved
+    (and re-resolved) by ``RouterClient``."""
+    for scheme in ("dns:///", "ipv4:", "ipv6:"):
+        address = address.removeprefix(scheme)
+    return [part.strip() for part in address.split(",") if part.strip()]
+
+
+# A restarted router should be back in seconds, not after gRPC's own backoff (up to 120 s).
+_ROUTER_CHANNEL_OPTIONS = (
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+_DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
+
+
+class RouterError(Exception):
+    """What a router (or the stream to it) said of one request: its status as the router sent it. The
+    orchestrator tells its own callers ``from_downstream(error, "the router")``."""
+
+    def __init__(self, error: ServiceError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class GenerateStream:
-    """One Generate call. ``open`` sends the start frame and waits for the router to place it.
+    """One request on a router's shared stream (``meshkit.links.Link``), with a client span of its own
+    whose context goes to the router with the start. ``open`` sends the start and waits for the router
+    to place it."""
 
-    Frames go out through an ``Outbox``, so sending a cancel or half-closing never waits, and ``abort``
-    ends the request side along with the call.
-    """
-
-    def __init__(self, stub: router_pb2_grpc.RouterServiceStub, deadline_s: float) -> None:
-        self._outbox = Outbox(router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel()))
-        self._call = stub.Generate(self._outbox.frames(), timeout=deadline_s)
+    def __init__(self, router: _Router, start: router_pb2.GenerateStart) -> None:
+        self.router = router
+        self.start = start
         self.routed: router_pb2.GenerateRouted | None = None
+        self._span = request_span(ROUTER_GENERATE_SPAN, trace.SpanKind.CLIENT)
+        self._span.set_attribute("chatmesh.router", router.address)
+        self._feed: RequestFeed | None = None
+        self._pending: list[router_pb2.ResponseFrame] = []  # arrived with `routed`, not yet taken
+        self._released = False
 
-    async def open(self, start: router_pb2.GenerateStart, placement_timeout_s: float) -> None:
-        """Sends ``start`` and returns once the router placed the request; a refusal (shed under
-        load, no engine for the model) raises ServiceError with the router's status and retry delay."""
-        self._outbox.start(router_pb2.GenerateRequest(start=start))
+    async def open(self, deadline_s: float, placement_timeout_s: float) -> None:
+        """Sends the start (``deadline_s`` for the whole request) and returns once the router placed it;
+        a refusal (shed under load, no engine for the model) raises RouterError."""
+        feed = self._feed = self.router.link.open(
+            self.start, trace_context(self._span), timeout_ms=max(1, round(deadline_s * 1000))
+        )
         try:
             async with asyncio.timeout(placement_timeout_s):
-                frame = await self._call.read()
-        except grpc.aio.AioRpcError as exc:
-            self.abort()
-            raise from_rpc_error(exc, "the router") from exc
+                frames = await feed.take()
         except TimeoutError:
             self.abort()
-            raise unavailable("the router did not place the request in time; retry", 1.0) from None
-        if frame is grpc.aio.EOF or frame.WhichOneof("kind") != "routed":
+            raise RouterError(
+                unavailable("the router did not place the request in time; retry", 1.0)
+            ) from None
+        except ServiceError as exc:
+            self.abort(exc)
+            raise RouterError(exc) from None
+        if frames[0].WhichOneof("kind") != "routed":
             self.abort()
-            raise unavailable("the router ended the stream before placing the request; retry", 1.0)
-        self.routed = frame.routed
+            raise RouterError(unavailable("the router answered before placing the request; retry", 1.0))
+        self.routed = frames[0].routed
+        self._pending = frames[1:]
 
-    async def frames(self) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """The frames after the first placement, through ``finished`` (raises grpc.aio.AioRpcError).
-        Token frames that arrived while the caller was busy come merged into one (``ReadAhead``).
-
-        After ``finished`` it half-closes and reads the call's end, so the RPC completes now.
-        """
-        arriving = ReadAhead(self._call)
+    async def frames(self) -> AsyncIterator[router_pb2.ResponseFrame]:
+        """The frames after the first placement, through ``finished``; a failure raises RouterError.
+        Token frames that arrived while the caller was busy come merged into one."""
+        assert self._feed is not None
+        batch, self._pending = self._pending, []
         try:
-            while batch := await arriving.take():
+            while True:
                 for frame in coalesced(batch):
                     kind = frame.WhichOneof("kind")
                     if kind == "routed":
                         self.routed = frame.routed
                     yield frame
                     if kind == "finished":
-                        # The answer is complete: how the call itself ends no longer matters to it.
                         self.close()
-                        await arriving.finish()
                         return
-        finally:
-            arriving.stop()
+                batch = await self._feed.take()
+        except ServiceError as exc:
+            self.abort(exc)
+            raise RouterError(exc) from None
 
     def cancel(self) -> None:
         """Asks the router to stop and free the engine work; it answers with a final `finished`."""
-        self._outbox.cancel()
+        self.router.link.cancel(self.start.request_id)
 
     def close(self) -> None:
-        """Half-closes the request side (once the stream has ended: a half-close is not a cancel)."""
-        self._outbox.close()
+        """The request is over for this side (finished, or left to end on its own): let go of it. One
+        that has not ended is cancelled, as a call's end cancelled it."""
+        self.abort()
 
-    def abort(self) -> None:
-        """Cancels the RPC itself: the router cancels the engine call at once."""
-        self.close()
-        self._call.cancel()
+    def abort(self, error: ServiceError | None = None) -> None:
+        """Lets go of the request now, cancelling it on the router if it has not ended."""
+        if self._released:
+            return
+        self._released = True
+        self.router.link.release(self.start.request_id)
+        if error is not None:
+            self._span.set_status(trace.StatusCode.ERROR, error.message)
+        self._span.end()
+
+
+class _Router:
+    """One router replica: its channel, and the one stream every request placed through it shares."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_ROUTER_CHANNEL_OPTIONS)
+        self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
+        self.link = Link(self.stub.GenerateMany, ROUTER_LINK, f"router {address}")
+
+    @property
+    def down(self) -> bool:
+        return self.channel.get_state(try_to_connect=True) in _DOWN
 
 
 class RouterClient:
-    def __init__(self, address: str, timeout_s: float) -> None:
+    """The routers, each reached through one stream shared by every request placed there. A chat's
+    requests go to the same router while it is up (rendezvous hashing on the session id, so its session
+    hints apply: router/sessions.py), others round-robin; a router that is down is passed over. Names are
+    re-resolved every ``refresh_s``: routers that appear are used, those that leave DNS get no new
+    requests and are closed once theirs have ended."""
+
+    def __init__(self, address: str, timeout_s: float, refresh_s: float = DNS_REFRESH_S) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(
-            router_target(address), options=(*CHANNEL_OPTIONS, ("grpc.lb_policy_name", "round_robin"))
-        )
-        self._stub = router_pb2_grpc.RouterServiceStub(self._channel)
+        self.refresh_s = refresh_s
+        self._names = router_addresses(address)
+        self._routers: dict[str, _Router] = {}
+        self._leaving: list[_Router] = []
+        self._turn = 0
+        self._resolving: asyncio.Task[None] | None = None
+        self._resolved = asyncio.Event()  # the names were resolved once
 
     async def close(self) -> None:
-        await self._channel.close(grace=None)
+        if self._resolving is not None:
+            self._resolving.cancel()
+        for router in [*self._routers.values(), *self._leaving]:
+            await router.channel.close(grace=None)
 
     async def place(
         self, start: router_pb2.GenerateStart, deadline_s: float, placement_timeout_s: float
     ) -> GenerateStream:
-        """A Generate stream (``deadline_s`` in all) whose ``start`` a router placed within
-        ``placement_timeout_s``. A router that answers UNAVAILABLE (it is draining, or cannot be
-        reached) is passed over for the next one round-robin picks, so a rolling restart of the
-        routers refuses nothing; any other refusal is raised at once (ServiceError)."""
-        attempt = 0
-        while True:
-            attempt += 1
-            stream = GenerateStream(self._stub, deadline_s)
+        """A request (``deadline_s`` in all) that a router placed within ``placement_timeout_s``. A router
+        that answers UNAVAILABLE (it is draining, or cannot be reached) is passed over for the next, so a
+        rolling restart of the routers refuses nothing; any other refusal is raised at once
+        (ServiceError, in the orchestrator's words)."""
+        tried: set[str] = set()
+        refused: ServiceError | None = None  # the last router's UNAVAILABLE
+        while len(tried) < PLACEMENT_ATTEMPTS and (router := await self._pick(start.session_id, tried)):
+            tried.add(router.address)
+            stream = GenerateStream(router, start)
             try:
-                await stream.open(start, placement_timeout_s)
+                await stream.open(deadline_s, placement_timeout_s)
                 return stream
-            except ServiceError as exc:
-                router_down = exc.code == grpc.StatusCode.UNAVAILABLE and isinstance(
-                    exc.__cause__, grpc.aio.AioRpcError
-                )
-                if not router_down or attempt == PLACEMENT_ATTEMPTS:
-                    raise
+            except RouterError as exc:
+                if exc.error.code != grpc.StatusCode.UNAVAILABLE:
+                    raise from_downstream(exc.error, "the router") from None
+                refused = exc.error
                 log.info(
-                    "request %s: a router is unavailable (%s); trying another", start.request_id, exc.message
+                    "request %s: a router is unavailable (%s); trying another", start.request_id, refused
                 )
             except BaseException:
                 stream.abort()
                 raise
+        raise from_downstream(refused or unavailable("no router is known; retry", 1.0), "the router")
 
     async def list_engines(self) -> list[router_pb2.EngineStatus]:
+        router = await self._pick("", set())
+        if router is None:
+            raise from_downstream(unavailable("no router is known; retry", 1.0), "the router")
         try:
-            reply = await self._stub.ListEngines(router_pb2.ListEnginesRequest(), timeout=self.timeout_s)
+            reply = await router.stub.ListEngines(router_pb2.ListEnginesRequest(), timeout=self.timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "the router") from exc
         return list(reply.engines)
+
+    async def _pick(self, session_id: str, tried: set[str]) -> _Router | None:
+        """The router for a request of ``session_id`` ("": any), not among ``tried`` (None if none is
+        left): the session's by rendezvous hashing among those up, else the next round-robin; a router
+        that is down only when none is up (its own call then says why)."""
+        if self._resolving is None:
+            self._resolving = asyncio.create_task(self._resolve_forever())
+        await self._resolved.wait()
+        candidates = [router for address, router in sorted(self._routers.items()) if address not in tried]
+        if not candidates:
+            return None
+        up = [router for router in candidates if not router.down] or candidates
+        if session_id:
+            return max(up, key=lambda router: _rendezvous(session_id, router.address))
+        self._turn += 1
+        return up[self._turn % len(up)]
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            await self._resolve()
+            self._resolved.set()
+            # Sooner while no router is known: the first requests are waiting for one.
+            await asyncio.sleep(self.refresh_s if self._routers else min(self.refresh_s, 1.0))
+
+    async def _resolve(self) -> None:
+        found: set[str] = set()
+        for name in self._names:
+            try:
+                found |= await resolve(name)
+            except (OSError, ValueError) as exc:  # keep what we had: a DNS hiccup is not every router dying
+                log.warning("cannot resolve router name %s: %s", name, exc)
+                found |= set(self._routers)
+        for address in found - self._routers.keys():
+            self._routers[address] = _Router(address)
+        for address in set(self._routers) - found:
+            self._leaving.append(self._routers.pop(address))
+        still = []
+        for router in self._leaving:
+            if router.link.requests:
+                still.append(router)
+            else:
+                await router.channel.close(grace=None)
+        self._leaving = still
+
+
+def _rendezvous(session_id: str, address: str) -> int:
+    digest = hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

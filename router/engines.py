@@ -30,10 +30,11 @@ import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.tiers import TIERS
+from meshkit.links import Link, LinkMessages
 from router.admission import QueueView
-from router.engine_link import EngineLink
 from router.loads import LoadTable
 
+ENGINE_LINK = LinkMessages(engine_pb2.GenerateManyRequest, engine_pb2.RequestFrame, engine_pb2.GenerateCancel)
 # Recent samples the drain rate and the head-of-queue TTFT are taken over.
 SAMPLES = 32
 # The admission rate per tier is an exponentially decaying count: each request adds 1/tau per second.
@@ -96,9 +97,9 @@ class EngineState:
             self.table.write(self.slot, self)
 
     @cached_property
-    def link(self) -> EngineLink:
+    def link(self) -> Link:
         """This router's one stream to the engine, which every request placed here shares."""
-        return EngineLink(self.stub, self.engine_id)
+        return Link(self.stub.GenerateMany, ENGINE_LINK, f"engine {self.engine_id}")
 
     @property
     def healthy(self) -> bool:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2_grpc
+from meshkit.dns import resolve
 from meshkit.serving import CHANNEL_OPTIONS
 from router.config import EngineAddress, RouterConfig
 from router.engines import EngineState
@@ -102,15 +102,11 @@ class EngineRegistry:
             await asyncio.sleep(self.config.dns_refresh_s)
 
     async def _resolve(self, name: str) -> None:
-        host, port = EngineAddress.parse(name).address.rsplit(":", 1)
         try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                host.strip("[]"), int(port), type=socket.SOCK_STREAM
-            )
+            found = await resolve(EngineAddress.parse(name).address)
         except OSError as exc:  # keep what we had: a DNS hiccup is not every engine dying
             log.warning("cannot resolve engine name %s: %s", name, exc)
             return
-        found = {_join(str(info[4][0]), port) for info in infos}
         members = self._dns_members.setdefault(name, set())  # only engines this name added
         for address in sorted(found - members):
             if address not in self._engines:
@@ -119,7 +115,3 @@ class EngineRegistry:
         for address in sorted(members - found):
             self.remove(address)
             members.discard(address)
-
-
-def _join(ip: str, port: str) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"

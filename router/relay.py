@@ -12,9 +12,9 @@ each placement. An error that is the request's fault (INVALID_ARGUMENT, FAILED_P
 returned as is; a full engine queue (RESOURCE_EXHAUSTED) or a failing engine means another attempt,
 up to ``max_attempts``, then UNAVAILABLE naming what each engine said.
 
-Attempts go to the engine over the router's one stream to it (``router.engine_link``), shared with the
-router's other requests there. Every attempt has a deadline (the client's, or ``max_request_s``), and
-every read a timeout: ``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for
+Attempts go to the engine over the router's one stream to it (``meshkit.links``), shared with the
+router's other requests there. The request has a deadline (the client's, or ``max_request_s``): once
+it passes, the request ends DEADLINE_EXCEEDED, with no further attempt. Every read has a timeout: ``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for
 the first token (queueing included), ``idle_timeout_s`` between later frames. The engine's frames are
 read as they arrive; token frames that arrived while the client was still taking the last one go out
 merged into one, each token's text end kept (``chatmesh/token_text.py``). A client that keeps up gets
@@ -37,9 +37,9 @@ from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
 from chatmesh.token_text import coalesced, token_pieces, tokens_frame
+from meshkit.links import Link, RequestFeed
 from meshkit.telemetry import request_span, trace_context
 from router.config import RouterConfig
-from router.engine_link import EngineLink, RequestFeed
 from router.engines import EngineState
 from router.metrics import RouterMetrics
 from router.placement import Placement, Placer, RequestPlan
@@ -92,7 +92,7 @@ class Relay:
         self.output: list[int] = list(start.resumed_output_token_ids)
         self.cancelled = False
         self.degraded = False  # placed in a cheaper model's pool (free tier under load)
-        self._attempt: tuple[EngineLink, str] | None = None  # the engine attempt in progress, by its id
+        self._attempt: tuple[Link, str] | None = None  # the engine attempt in progress, by its id
         self._first_token_at: float | None = None
 
     def cancel(self) -> None:
@@ -108,12 +108,14 @@ class Relay:
             link, attempt_id = self._attempt
             link.release(attempt_id)
 
-    async def run(self) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def run(self) -> AsyncIterator[router_pb2.ResponseFrame]:
         failures: list[tuple[str, AttemptFailed]] = []  # (engine id, what went wrong there)
         for attempt in range(1, self.config.max_attempts + 1):
             if self.cancelled:
                 yield self._cancelled_here()
                 return
+            if self._time_left() <= 0:
+                raise _deadline_passed("another engine")
             try:
                 placement = self.placer.place(
                     self.plan, {engine_id for engine_id, _ in failures}, attempt == 1
@@ -134,7 +136,7 @@ class Relay:
                 attempt_id, len(self.plan.prompt) + len(self.output), tier_of_proto(self.plan.tier).rank
             )
             try:
-                yield router_pb2.GenerateResponse(
+                yield router_pb2.ResponseFrame(
                     routed=router_pb2.GenerateRouted(
                         engine_id=engine.engine_id,
                         predicted_cached_tokens=placement.predicted_cached_tokens,
@@ -170,9 +172,7 @@ class Relay:
 
     # -- one attempt ---------------------------------------------------------------------------------
 
-    async def _stream(
-        self, placement: Placement, attempt_id: str
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def _stream(self, placement: Placement, attempt_id: str) -> AsyncIterator[router_pb2.ResponseFrame]:
         engine = placement.engine
         link = engine.link
         span = request_span(ENGINE_GENERATE_SPAN, trace.SpanKind.CLIENT)
@@ -196,11 +196,11 @@ class Relay:
                         engine.progressed(attempt_id, len(self.plan.prompt) + len(self.output))
                         timeout, waiting_for = self.config.idle_timeout_s, "the next token"
                         if tokens is not None:
-                            yield router_pb2.GenerateResponse(tokens=tokens)
+                            yield router_pb2.ResponseFrame(tokens=tokens)
                     elif kind == "finished":
                         engine.ended(attempt_id, completed=True)
                         self.placer.remember(self.plan, engine, self.output)
-                        yield router_pb2.GenerateResponse(finished=self._finished(frame.finished, placement))
+                        yield router_pb2.ResponseFrame(finished=self._finished(frame.finished, placement))
                         return
                     else:
                         raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
@@ -230,19 +230,15 @@ class Relay:
     ) -> list[engine_pb2.ResponseFrame]:
         """The engine's frames that arrived since the last take (at least one), token frames in a row
         merged into one."""
-        failure = "timeout"
-        if (left := self._time_left()) < timeout_s:
-            timeout_s, failure, waiting_for = (
-                left,
-                "deadline_exceeded",
-                f"{waiting_for}, the request's deadline",
-            )
+        deadline = (left := self._time_left()) <= timeout_s
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(min(timeout_s, left)):
                 batch = await feed.take()
         except TimeoutError:
+            if deadline:  # the client's time is up: no other engine would do better
+                raise _deadline_passed(waiting_for) from None
             raise AttemptFailed(
-                failure, f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
+                "timeout", f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
             ) from None
         except ServiceError as error:  # the engine refused or failed the request, or its stream ended
             code = error.code
@@ -294,9 +290,9 @@ class Relay:
             ),
         )
 
-    def _cancelled_here(self) -> router_pb2.GenerateResponse:
+    def _cancelled_here(self) -> router_pb2.ResponseFrame:
         """Cancelled between attempts: no engine holds the request, so the router says `finished` itself."""
-        return router_pb2.GenerateResponse(
+        return router_pb2.ResponseFrame(
             finished=engine_pb2.GenerateFinished(
                 finish_reason=engine_pb2.FINISH_REASON_CANCELLED,
                 usage=engine_pb2.Usage(
@@ -306,10 +302,17 @@ class Relay:
         )
 
     def _time_left(self) -> float:
-        """Seconds left of the request's deadline (the client's, capped at ``max_request_s``)."""
+        """Seconds left of the request's deadline (the client's, capped at ``max_request_s``); 0 once
+        it has passed."""
         allowed = (
             self.config.max_request_s
             if self.deadline_s is None
             else min(self.config.max_request_s, self.deadline_s)
         )
-        return max(0.001, allowed - (time.monotonic() - self.arrival))
+        return max(0.0, allowed - (time.monotonic() - self.arrival))
+
+
+def _deadline_passed(waiting_for: str) -> ServiceError:
+    return ServiceError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, f"the request's deadline passed (waiting for {waiting_for})"
+    )

@@ -14,8 +14,9 @@ placement weighs (router/policy.py).
 
 Memory is bounded: the least recently finished sessions are forgotten first (a forgotten session is
 placed by the index alone, as without hints). Each router replica remembers the sessions it finished
-itself: with several replicas and requests spread over them, a turn finds its hint only when the
-replica that placed the chat's previous turn places it again (README, "Session hints").
+itself: a turn finds its hint when the replica that placed the chat's previous turn places it again,
+which the orchestrator sees to (it sends a chat's requests to one router while that router is up:
+orchestrator/router_client.py).
 """
 
 from __future__ import annotations

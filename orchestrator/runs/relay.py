@@ -47,10 +47,10 @@ from memory_store.models import FinishedRun, FinishReason, Run, RunDelta, RunOut
 from memory_store.store import MemoryStore
 from orchestrator import convert
 from orchestrator.config import RunConfig
-from orchestrator.errors import from_exception, from_rpc_error
+from orchestrator.errors import from_downstream, from_exception
 from orchestrator.metrics import METRICS
 from orchestrator.policy.moderation import Moderator
-from orchestrator.router_client import GenerateStream, RouterClient, continued
+from orchestrator.router_client import GenerateStream, RouterClient, RouterError, continued
 from orchestrator.runs.checkpoints import Checkpointer
 from orchestrator.runs.live_run import LiveRun
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
@@ -196,15 +196,15 @@ class Relay:
                             elif kind == "finished":
                                 finished = frame.finished
                                 self._emit(finished.text, ())
-                    except grpc.aio.AioRpcError as exc:
+                    except RouterError as exc:
                         if self.stop_reason is not None:
                             break
-                        if exc.code() not in _ROUTER_LOST or failover == MAX_ROUTER_FAILOVERS:
+                        if exc.error.code not in _ROUTER_LOST or failover == MAX_ROUTER_FAILOVERS:
                             raise
                         log.warning(
                             "run %s: its router failed (%s); going on through another",
                             self.live.info.run_id,
-                            exc.code().name,
+                            exc.error,
                         )
                         continue
                     if finished is not None or self.stop_reason is not None:
@@ -213,9 +213,9 @@ class Relay:
                         "run %s: its router ended the stream early; going on through another",
                         self.live.info.run_id,
                     )
-        except grpc.aio.AioRpcError as exc:
+        except RouterError as exc:
             if self.stop_reason is None:
-                error = from_rpc_error(exc, "the router")
+                error = from_downstream(exc.error, "the router")
         except ServiceError as exc:  # no router would go on with it
             error = exc
         except TimeoutError:

@@ -5,8 +5,6 @@ frees whatever it still holds."""
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -23,6 +21,7 @@ from tests.engine.service_client import (
     wait_until,
 )
 from tests.engine.test_service_engine import idle
+from tests.many_client import Many
 
 
 @pytest.fixture(scope="module")
@@ -48,64 +47,15 @@ def cancel(request_id: str) -> engine_pb2.RequestFrame:
     return engine_pb2.RequestFrame(request_id=request_id, cancel=engine_pb2.GenerateCancel())
 
 
-@dataclass
-class Many:
-    """One GenerateMany call: the test sends messages of frames when it likes and reads per request."""
-
-    call: grpc.aio.StreamStreamCall
-    outbox: asyncio.Queue
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
-    failed: dict[str, engine_pb2.GenerateFailed] = field(default_factory=dict)
-    messages: list[engine_pb2.GenerateManyResponse] = field(default_factory=list)
-
-    @classmethod
-    def open(cls, stub, *frames: engine_pb2.RequestFrame) -> "Many":
-        outbox: asyncio.Queue = asyncio.Queue()
-
-        async def requests() -> AsyncIterator[engine_pb2.GenerateManyRequest]:
-            while (message := await outbox.get()) is not None:
-                yield message
-
-        many = cls(stub.GenerateMany(requests(), timeout=TIMEOUT_S), outbox)
-        if frames:
-            many.send(*frames)
-        return many
-
-    def send(self, *frames: engine_pb2.RequestFrame) -> None:
-        self.outbox.put_nowait(engine_pb2.GenerateManyRequest(frames=frames))
-
-    def half_close(self) -> None:
-        self.outbox.put_nowait(None)
-
-    def ended(self, request_id: str) -> bool:
-        outcome = self.outcomes.get(request_id)
-        return request_id in self.failed or (outcome is not None and outcome.finished is not None)
-
-    async def until(self, done) -> None:
-        """Reads messages until ``done()``; each request's frames go to its Outcome, which checks Generate's
-        contract (accepted first, contiguous tokens, one finished, nothing after it)."""
-        while not done():
-            message = await self.call.read()
-            assert message is not grpc.aio.EOF, "the stream ended early"
-            self.messages.append(message)
-            for frame in message.frames:
-                assert not self.ended(frame.request_id), f"a frame for {frame.request_id} after its end"
-                if frame.WhichOneof("kind") == "failed":
-                    self.failed[frame.request_id] = frame.failed
-                    continue
-                response = engine_pb2.GenerateResponse()
-                getattr(response, frame.WhichOneof("kind")).CopyFrom(getattr(frame, frame.WhichOneof("kind")))
-                self.outcomes.setdefault(frame.request_id, Outcome()).add(response)
-
-    async def until_ended(self, *request_ids: str) -> None:
-        await self.until(lambda: all(self.ended(request_id) for request_id in request_ids))
+def open_many(stub, *frames: engine_pb2.RequestFrame) -> Many:
+    return Many.open(stub, engine_pb2.GenerateManyRequest, Outcome, *frames, timeout_s=TIMEOUT_S)
 
 
 async def test_requests_on_one_stream_each_get_generates_answer_and_a_step_serves_them_in_one_message(
     stub, prompt
 ):
     ids = [f"many-{i}" for i in range(8)]
-    many = Many.open(stub, *(start(request_id, prompt, max_tokens=24) for request_id in ids))
+    many = open_many(stub, *(start(request_id, prompt, max_tokens=24) for request_id in ids))
     await many.until_ended(*ids)
     alone = await Stream.start(stub, start_frame("alone", prompt, max_tokens=24)).rest()
     for request_id in ids:
@@ -121,7 +71,7 @@ async def test_requests_on_one_stream_each_get_generates_answer_and_a_step_serve
 
 
 async def test_a_refused_request_fails_alone_with_its_status_and_the_others_go_on(stub, prompt):
-    many = Many.open(
+    many = open_many(
         stub,
         start("good", prompt, max_tokens=10),
         start("too-long", prompt, max_tokens=10**6),
@@ -145,9 +95,9 @@ async def test_a_refused_request_fails_alone_with_its_status_and_the_others_go_o
 
 
 async def test_a_request_id_running_on_another_stream_is_refused_already_exists(stub, prompt):
-    first = Many.open(stub, start("taken", prompt, max_tokens=4000))
+    first = open_many(stub, start("taken", prompt, max_tokens=4000))
     await first.until(lambda: "taken" in first.outcomes)
-    second = Many.open(stub, start("taken", prompt, max_tokens=10))
+    second = open_many(stub, start("taken", prompt, max_tokens=10))
     await second.until(lambda: "taken" in second.failed)
     assert from_status(second.failed["taken"].status).code == grpc.StatusCode.ALREADY_EXISTS
     first.send(cancel("taken"))
@@ -157,7 +107,7 @@ async def test_a_request_id_running_on_another_stream_is_refused_already_exists(
 
 
 async def test_a_cancel_frame_ends_its_request_only_and_frees_its_blocks(stub, prompt):
-    many = Many.open(stub, start("stays", prompt, max_tokens=120), start("goes", prompt, max_tokens=4000))
+    many = open_many(stub, start("stays", prompt, max_tokens=120), start("goes", prompt, max_tokens=4000))
     await many.until(lambda: len(many.outcomes.get("goes", Outcome()).token_ids) >= 2)
     many.send(cancel("goes"), cancel("never-started"))
     await many.until_ended("goes")
@@ -171,7 +121,7 @@ async def test_a_cancel_frame_ends_its_request_only_and_frees_its_blocks(stub, p
 
 
 async def test_a_half_close_is_not_a_cancel(stub, prompt):
-    many = Many.open(stub, start("after-half-close", prompt, max_tokens=50))
+    many = open_many(stub, start("after-half-close", prompt, max_tokens=50))
     many.half_close()
     await many.until_ended("after-half-close")
     assert len(many.outcomes["after-half-close"].token_ids) == 50
@@ -180,7 +130,7 @@ async def test_a_half_close_is_not_a_cancel(stub, prompt):
 
 async def test_cancelling_the_stream_cancels_every_request_on_it(stub, prompt):
     ids = [f"dropped-{i}" for i in range(4)]
-    many = Many.open(stub, *(start(request_id, prompt, max_tokens=4000) for request_id in ids))
+    many = open_many(stub, *(start(request_id, prompt, max_tokens=4000) for request_id in ids))
     await many.until(lambda: all(request_id in many.outcomes for request_id in ids))
     many.call.cancel()
     await wait_until(lambda: idle(stub), what="every dropped request's blocks freed")
@@ -192,7 +142,7 @@ async def test_a_draining_engine_refuses_new_starts_finishes_the_rest_and_ends_t
     [engine] = start_engines(1, "null", null_tokens_per_s=100)
     launcher = start_engines.launcher
     async with engine_stub(engine.address) as stub:
-        many = Many.open(stub, start("running", prompt, max_tokens=300))  # 3 s: it outlasts the notice
+        many = open_many(stub, start("running", prompt, max_tokens=300))  # 3 s: it outlasts the notice
         await many.until(lambda: len(many.outcomes.get("running", Outcome()).token_ids) >= 1)
         launcher.signal(engine.name, signal.SIGTERM)
         await asyncio.sleep(1.0)  # past the drain notice: the engine no longer takes requests

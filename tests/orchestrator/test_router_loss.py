@@ -121,3 +121,33 @@ async def test_a_router_restarted_under_load_fails_no_answer(
     await assert_answer_complete_and_stored(
         client, chat.chat_id, seen[0].started.run_id, seen, await undisturbed_answer(client)
     )
+
+
+async def test_a_chats_answers_go_through_one_router_while_it_is_up(
+    routers: dict[str, str], replica: OrchestratorProcess, connect: Callable[..., ChatClient]
+) -> None:
+    # The router that placed a chat's last turn holds its session hint (router/sessions.py): the chat's
+    # next turns must reach it (round-robin would send a chat's second turn to the other router).
+    client = connect(replica.address)
+    placed: dict[str, set[str]] = {}
+    for _ in range(4):
+        chat = await client.create_chat()
+        for turn in range(2):
+            seen = await read_until(client.send(chat.chat_id, f"{QUESTION} ({turn})", options=ANSWER), 3)
+            placed.setdefault(chat.chat_id, set()).add(carrying(routers))
+            run_id = seen[0].started.run_id
+            await client.call("CancelRun", chat_pb2.CancelRunRequest(run_id=run_id))
+            await wait_until_idle(routers)
+    assert all(len(used) == 1 for used in placed.values()), placed
+
+
+async def wait_until_idle(routers: dict[str, str], timeout_s: float = 10.0) -> None:
+    """Until no router has a request in flight (a cancelled answer's end has reached them)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            carrying(routers)
+        except AssertionError:
+            return
+        assert asyncio.get_running_loop().time() < deadline, "a cancelled answer is still in flight"
+        await asyncio.sleep(0.05)

@@ -7,18 +7,13 @@ import pytest
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.errors import retry_after_s
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from chatmesh.tokenizer import ChatMessage
 from tests.engine.service_client import wait_until
 from tests.router.router_client import Stream, generate, start_frame
 
 MAX_RUNNING, MAX_WAITING = 2, 4  # the router's safe depth for the free tier: 2 queued
 FREE, PRO, ENTERPRISE = router_pb2.TIER_FREE, router_pb2.TIER_PRO, router_pb2.TIER_ENTERPRISE
 LONG = 4000  # tokens: at 20 tokens/s nothing finishes during a test
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,12 @@ import grpc
 import pytest
 
 from chatmesh.router.v1 import router_pb2_grpc
-from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from chatmesh.tokenizer import ChatMessage
 from tests.engine.service_client import wait_until
 from tests.router.router_client import Stream, generate, list_engines, start_frame
 
 TOKENS_PER_S = 50  # slow enough that a stream is still running when the test strikes
 STALL_TIMEOUT_S = 2.0  # the router's accept and idle timeouts here
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2
+from meshkit.links import RequestFeed
 from router.config import RouterConfig
-from router.engine_link import RequestFeed
 from router.metrics import RouterMetrics
 from router.placement import Placement, RequestPlan
 from router.relay import AttemptFailed, Relay

@@ -12,32 +12,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from chatmesh.router.v1 import router_pb2
+from chatmesh.tokenizer import ChatMessage
 from tests.engine.service_client import wait_until
 from tests.router.router_client import TIMEOUT_S, Stream, generate, list_engines, start_frame
 
 SERVICE = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer()
-
-
-@pytest.fixture
-async def stub(router):
-    async with grpc.aio.insecure_channel(router.address) as channel:
-        yield router_pb2_grpc.RouterServiceStub(channel)
-
-
-@pytest.fixture
-async def engine_stubs(router):
-    channels = {e.name: grpc.aio.insecure_channel(e.address) for e in router.engines}
-    yield {name: engine_pb2_grpc.EngineServiceStub(channel) for name, channel in channels.items()}
-    for channel in channels.values():
-        await channel.close()
 
 
 def chat(tok, system: str, *turns: str) -> list[int]:

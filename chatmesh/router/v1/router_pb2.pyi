@@ -77,6 +77,53 @@ class GenerateResponse(_message.Message):
     finished: _engine_pb2.GenerateFinished
     def __init__(self, routed: _Optional[_Union[GenerateRouted, _Mapping]] = ..., tokens: _Optional[_Union[_engine_pb2.GenerateTokens, _Mapping]] = ..., finished: _Optional[_Union[_engine_pb2.GenerateFinished, _Mapping]] = ...) -> None: ...
 
+class GenerateManyRequest(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[RequestFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[RequestFrame, _Mapping]]] = ...) -> None: ...
+
+class RequestFrame(_message.Message):
+    __slots__ = ("request_id", "start", "cancel", "trace_context", "timeout_ms")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start: GenerateStart
+    cancel: GenerateCancel
+    trace_context: _containers.ScalarMap[str, str]
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[_Union[GenerateStart, _Mapping]] = ..., cancel: _Optional[_Union[GenerateCancel, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class GenerateManyResponse(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[ResponseFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[ResponseFrame, _Mapping]]] = ...) -> None: ...
+
+class ResponseFrame(_message.Message):
+    __slots__ = ("request_id", "routed", "tokens", "finished", "failed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    routed: GenerateRouted
+    tokens: _engine_pb2.GenerateTokens
+    finished: _engine_pb2.GenerateFinished
+    failed: _engine_pb2.GenerateFailed
+    def __init__(self, request_id: _Optional[str] = ..., routed: _Optional[_Union[GenerateRouted, _Mapping]] = ..., tokens: _Optional[_Union[_engine_pb2.GenerateTokens, _Mapping]] = ..., finished: _Optional[_Union[_engine_pb2.GenerateFinished, _Mapping]] = ..., failed: _Optional[_Union[_engine_pb2.GenerateFailed, _Mapping]] = ...) -> None: ...
+
 class ListEnginesRequest(_message.Message):
     __slots__ = ("model",)
     MODEL_FIELD_NUMBER: _ClassVar[int]

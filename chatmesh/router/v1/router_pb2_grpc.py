@@ -50,6 +50,11 @@ class RouterServiceStub:
                 request_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/chatmesh.router.v1.RouterService/GenerateMany',
+                request_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateManyRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateManyResponse.FromString,
+                _registered_method=True)
         self.ListEngines = channel.unary_unary(
                 '/chatmesh.router.v1.RouterService/ListEngines',
                 request_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.ListEnginesRequest.SerializeToString,
@@ -85,6 +90,21 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateMany(self, request_iterator, context):
+        """GenerateMany runs many requests on one bidirectional stream: what an orchestrator keeps open to each
+        router, so that the tokens of all its requests there cross in as few messages as the router's
+        loop turns allow, not one message per token. Each request keeps Generate's contract (one `start`,
+        at most one `cancel`; `routed`, `tokens`..., `finished`), its frames tagged with its request id; a
+        request that is refused or fails ends with `failed`, carrying the status Generate would have ended
+        with. Its deadline travels in its start frame (`timeout_ms`), since the call's deadline cannot be
+        each request's. The stream ends OK once the client has half-closed and every request on it has
+        ended (or, while the router drains, once none is left); cancelling the RPC, or losing the
+        connection, cancels every request still on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListEngines(self, request, context):
         """ListEngines lists the engines the router knows, with health and load.
         """
@@ -99,6 +119,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateManyRequest.FromString,
+                    response_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateManyResponse.SerializeToString,
             ),
             'ListEngines': grpc.unary_unary_rpc_method_handler(
                     servicer.ListEngines,
@@ -144,6 +169,33 @@ class RouterService:
             '/chatmesh.router.v1.RouterService/Generate',
             chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/chatmesh.router.v1.RouterService/GenerateMany',
+            chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateManyRequest.SerializeToString,
+            chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,
