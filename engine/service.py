@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
-from opentelemetry import trace
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.errors import ServiceError, abort, unavailable
-from chatmesh.streams import MISUSE, StartThenCancel
+from chatmesh.streams import StartThenCancel
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_events import BlocksStored, KvEventBatch, KvEventLog, SubscriberOverflow
@@ -22,12 +21,13 @@ from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput
 from engine.request import EngineRequest
 from engine.streams import OutputDispatcher, RequestStream
 from engine.validation import ServedModel, request_from_proto
-from meshkit.telemetry import request_span
+from meshkit.links import LinkMessages, ServedRequests
 
 log = logging.getLogger(__name__)
 
 # Each request on a GenerateMany stream is traced as the Generate it stands for.
 GENERATE_SPAN = "chatmesh.engine.v1.EngineService/Generate"
+ENGINE_MESSAGES = LinkMessages.of(engine_pb2)
 DEFAULT_WATCH_INTERVAL_MS = 200
 MIN_WATCH_INTERVAL_MS = 10
 
@@ -71,13 +71,13 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     """Serves one engine. Create it on the event loop that serves it, then ``engine.start()``."""
 
     def __init__(self, engine: ServedEngine) -> None:
-        self._engine = engine
+        self.engine = engine
         self._loop = asyncio.get_running_loop()
         self.failed = asyncio.Event()  # set when the engine reports a failure; health should go NOT_SERVING
-        self._dispatcher = OutputDispatcher(self._loop, on_error=lambda message: self.failed.set())
-        engine.on_outputs = self._dispatcher.submit
+        self.dispatcher = OutputDispatcher(self._loop, on_error=lambda message: self.failed.set())
+        engine.on_outputs = self.dispatcher.submit
         engine.on_failure = lambda message: self._loop.call_soon_threadsafe(self.failed.set)
-        self._draining = False
+        self.draining = False
         self._watchers: set[asyncio.Event] = set()  # wake-ups of the open streams a drain must end
         self._model = ServedModel(
             name=engine.config.served_model_name or engine.tokenizer.model_name,
@@ -89,13 +89,13 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def drain(self) -> None:
         """Stops taking requests; ends the watch streams, and each GenerateMany stream once no request is
         left on it, so that only requests in progress hold the drain."""
-        self._draining = True
+        self.draining = True
         for wake in self._watchers:
             wake.set()
 
     @property
     def serving(self) -> bool:
-        return not (self._draining or self._engine.failure)
+        return not (self.draining or self.engine.failure)
 
     # -- Generate ------------------------------------------------------------------------------------
 
@@ -105,18 +105,18 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         requests = StartThenCancel(request_iterator)
         start = await requests.start(context)
         try:
-            request = self._admit(start)
+            request = self.admit(start)
         except ServiceError as exc:  # an invalid request, or one the engine did not take
             await abort(context, exc)
 
         request_id = request.request_id
         news = asyncio.Event()
         # Before any await: no output can be delivered earlier.
-        stream = self._dispatcher.open(request_id, lambda _: news.set())
-        requests.watch(on_cancel=lambda: self._engine.cancel(request_id))
+        stream = self.dispatcher.open(request_id, lambda _: news.set())
+        requests.watch(on_cancel=lambda: self.engine.cancel(request_id))
         done = False
         try:
-            yield engine_pb2.GenerateResponse(accepted=self._accepted(request))
+            yield engine_pb2.GenerateResponse(accepted=self.accepted(request))
             while not done:
                 await news.wait()
                 news.clear()
@@ -131,37 +131,30 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                     yield engine_pb2.GenerateResponse(finished=_finished_proto(finish))
         finally:
             requests.stop()
-            self._dispatcher.close(request_id)
+            self.dispatcher.close(request_id)
             if not done:  # the client cancelled the RPC or went away: free the request's blocks
-                self._engine.cancel(request_id)
+                self.engine.cancel(request_id)
 
     async def GenerateMany(
         self,
         request_iterator: AsyncIterator[engine_pb2.GenerateManyRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.GenerateManyResponse]:
-        many = _ManyRequests(self)
-        reader = asyncio.create_task(many.read(request_iterator))
-        self._watchers.add(many.news)  # a drain ends the call once no request is left on it
-        try:
-            while frames := await many.next_frames():
-                yield engine_pb2.GenerateManyResponse(frames=frames)
-        finally:
-            self._watchers.discard(many.news)
-            reader.cancel()
-            many.close()  # the client went away, or cancelled the call: free every request left
+        # A drain ends the call once no request is left on it.
+        async for message in _ManyRequests(self).serve(request_iterator, self._watchers):
+            yield message
 
-    def _admit(self, start: engine_pb2.GenerateStart) -> EngineRequest:
+    def admit(self, start: engine_pb2.GenerateStart) -> EngineRequest:
         """The request ``start`` asks for, queued in the engine; raises ServiceError if it is not taken."""
         if not self.serving:
-            raise unavailable(self._engine.failure or "the engine is draining")
+            raise unavailable(self.engine.failure or "the engine is draining")
         request = request_from_proto(start, self._model)
-        self._engine.add_request(request)
+        self.engine.add_request(request)
         return request
 
-    def _accepted(self, request: EngineRequest) -> engine_pb2.GenerateAccepted:
+    def accepted(self, request: EngineRequest) -> engine_pb2.GenerateAccepted:
         return engine_pb2.GenerateAccepted(
-            engine_instance_id=self._engine.instance_id,
+            engine_instance_id=self.engine.instance_id,
             context_tokens=len(request.prompt_token_ids) + len(request.resumed_output_token_ids),
         )
 
@@ -170,12 +163,12 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def KvEvents(
         self, request: engine_pb2.KvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.KvEventsResponse]:
-        if self._draining:  # a router would only resubscribe in a loop until this process exits
+        if self.draining:  # a router would only resubscribe in a loop until this process exits
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is draining")
         wake = asyncio.Event()
-        snapshot, subscription = self._engine.events.subscribe(lambda: self._wake_from_thread(wake))
+        snapshot, subscription = self.engine.events.subscribe(lambda: self._wake_from_thread(wake))
         self._watchers.add(wake)
-        instance_id = self._engine.instance_id
+        instance_id = self.engine.instance_id
         try:
             yield engine_pb2.KvEventsResponse(
                 engine_instance_id=instance_id,
@@ -183,7 +176,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                     sequence_number=snapshot.sequence_number, block_hashes=sorted(snapshot.block_hashes)
                 ),
             )
-            while not self._draining:
+            while not self.draining:
                 await wake.wait()
                 wake.clear()
                 try:
@@ -218,7 +211,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             while True:
                 # Read the flag before the report: a drain that lands while the report is in flight must
                 # still be followed by one more report saying serving: false.
-                draining = self._draining
+                draining = self.draining
                 yield engine_pb2.WatchLoadResponse(load=self._load())
                 if draining:
                     return
@@ -235,7 +228,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def GetModelInfo(
         self, request: engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.GetModelInfoResponse:
-        engine = self._engine
+        engine = self.engine
         return engine_pb2.GetModelInfoResponse(
             model=self._model.name,
             tokenizer_fingerprint=self._model.tokenizer_fingerprint,
@@ -251,13 +244,13 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         )
 
     def _load(self) -> engine_pb2.EngineLoad:
-        stats = self._engine.stats
+        stats = self.engine.stats
         return engine_pb2.EngineLoad(
             waiting_requests=stats.waiting_requests,
             blocked_requests=stats.blocked_requests,
             running_requests=stats.running_requests,
-            max_waiting_requests=self._engine.config.max_waiting_requests,
-            max_running_requests=self._engine.config.max_running_requests,
+            max_waiting_requests=self.engine.config.max_waiting_requests,
+            max_running_requests=self.engine.config.max_running_requests,
             kv_blocks_total=stats.kv_blocks_total,
             kv_blocks_used=stats.kv_blocks_used,
             kv_usage=stats.kv_usage,
@@ -268,119 +261,47 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         )
 
 
-class _ManyRequests:
-    """The requests of one ``GenerateMany`` call: reads their frames, and gathers what each has to say
-    into one message: every frame refused or accepted since the last message, and each request's
-    tokens, merged as its ``RequestStream`` merges them, with its finish. Each request gets a server span
-    of its own, continuing the trace context its start carried."""
+class _ManyRequests(ServedRequests):
+    """The requests of one ``GenerateMany`` call on this engine: each message carries every request's
+    tokens sampled since the last one, merged as its ``RequestStream`` merges them, with its finish."""
 
     def __init__(self, service: EngineService) -> None:
+        super().__init__(ENGINE_MESSAGES, GENERATE_SPAN, lambda: service.draining)
         self._service = service
-        self._live: dict[str, tuple[RequestStream, trace.Span]] = {}
-        self._frames: list[engine_pb2.ResponseFrame] = []  # refusals and acceptances, in order
         self._with_news: dict[str, RequestStream] = {}  # in the order news came
-        self.news = asyncio.Event()
-        self._half_closed = False
 
-    async def read(self, request_iterator: AsyncIterator[engine_pb2.GenerateManyRequest]) -> None:
-        """Applies the client's frames until it half-closes (or the call ends)."""
-        with contextlib.suppress(grpc.RpcError):
-            async for message in request_iterator:
-                for frame in message.frames:
-                    kind = frame.WhichOneof("kind")
-                    if kind == "start":
-                        self._start(frame)
-                    elif kind == "cancel" and frame.request_id in self._live:
-                        self._service._engine.cancel(frame.request_id)
-        self._half_closed = True
-        self.news.set()
-
-    def _start(self, frame: engine_pb2.RequestFrame) -> None:
-        request_id = frame.request_id or frame.start.request_id
-        if request_id in self._live:  # misuse, as a second `start` on a Generate call is
-            self._end_misused(request_id)
-            return
-        span = request_span(GENERATE_SPAN, trace.SpanKind.SERVER, frame.trace_context)
-        try:
-            if frame.start.request_id != request_id:
-                raise ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT, "the frame's request_id is not its start's"
-                )
-            request = self._service._admit(frame.start)
-        except ServiceError as exc:
-            self._refuse(request_id, exc, span)
-            return
+    def start(self, request_id: str, frame: engine_pb2.RequestFrame) -> None:
+        request = self._service.admit(frame.start)
         # Before any await: no output can be delivered earlier.
-        stream = self._service._dispatcher.open(request_id, self._stream_has_news)
-        self._live[request_id] = (stream, span)
-        self._send(engine_pb2.ResponseFrame(request_id=request_id, accepted=self._service._accepted(request)))
+        self._service.dispatcher.open(request_id, self._stream_has_news)
+        self.send(engine_pb2.ResponseFrame(request_id=request_id, accepted=self._service.accepted(request)))
 
-    def _end_misused(self, request_id: str) -> None:
-        """A second `start` for a request running on this stream: a refusal naming that id would be
-        ambiguous, so the running request is cancelled and ends with INVALID_ARGUMENT."""
-        _, span = self._live.pop(request_id)
+    def cancel(self, request_id: str) -> None:
+        self._service.engine.cancel(request_id)
+
+    def stop(self, request_id: str) -> None:
         self._with_news.pop(request_id, None)
-        self._service._dispatcher.close(request_id)
-        self._service._engine.cancel(request_id)
-        self._refuse(request_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, MISUSE), span)
-
-    def _refuse(self, request_id: str, error: ServiceError, span: trace.Span) -> None:
-        self._send(_failed(request_id, error, span))
-
-    def _send(self, frame: engine_pb2.ResponseFrame) -> None:
-        self._frames.append(frame)
-        self.news.set()
+        self._service.dispatcher.close(request_id)
+        self._service.engine.cancel(request_id)
 
     def _stream_has_news(self, stream: RequestStream) -> None:
         self._with_news[stream.request_id] = stream
         self.news.set()
 
-    async def next_frames(self) -> list[engine_pb2.ResponseFrame]:
-        """Waits for news and returns it as frames; [] once the call should end: the client half-closed
-        and every request ended, or the engine drains and none is left."""
-        while True:
-            if self._frames or self._with_news:
-                return self._take()
-            if not self._live and (self._half_closed or self._service._draining):
-                return []
-            self.news.clear()
-            await self.news.wait()
-
-    def _take(self) -> list[engine_pb2.ResponseFrame]:
-        frames, self._frames = self._frames, []
+    def gather(self) -> None:
         for request_id, stream in self._with_news.items():
             tokens, finish = stream.take()
             if tokens is not None:
-                frames.append(engine_pb2.ResponseFrame(request_id=request_id, tokens=tokens))
+                self.send(engine_pb2.ResponseFrame(request_id=request_id, tokens=tokens))
             if finish is None:
                 continue
-            _, span = self._live.pop(request_id)
-            self._service._dispatcher.close(request_id)
+            self._service.dispatcher.close(request_id)
             if finish.error:
-                frames.append(_failed(request_id, unavailable(finish.error), span))
+                self.end(request_id, error=unavailable(finish.error))
             else:
-                span.end()
-                frames.append(
-                    engine_pb2.ResponseFrame(request_id=request_id, finished=_finished_proto(finish))
-                )
+                finished = engine_pb2.ResponseFrame(request_id=request_id, finished=_finished_proto(finish))
+                self.end(request_id, finished)
         self._with_news = {}
-        return frames
-
-    def close(self) -> None:
-        for request_id, (_, span) in self._live.items():
-            self._service._dispatcher.close(request_id)
-            self._service._engine.cancel(request_id)
-            span.end()
-        self._live = {}
-
-
-def _failed(request_id: str, error: ServiceError, span: trace.Span) -> engine_pb2.ResponseFrame:
-    """The last frame of a request refused or failed on a GenerateMany stream; ends its span."""
-    span.set_status(trace.StatusCode.ERROR, error.message)
-    span.end()
-    return engine_pb2.ResponseFrame(
-        request_id=request_id, failed=engine_pb2.GenerateFailed(status=error.status())
-    )
 
 
 def _finished_proto(finish: Finish) -> engine_pb2.GenerateFinished:

@@ -1,8 +1,9 @@
-"""Many requests to one peer on one ``GenerateMany`` stream, as the client holds it: the router's link
-to each engine (engine.v1), the orchestrator's to each router (router.v1).
+"""Many requests on one ``GenerateMany`` stream: the router's to each engine (engine.v1), the
+orchestrator's to each router (router.v1). The client holds a ``Link``; the server serves each call
+with a ``ServedRequests``.
 
-    callers ─ open / cancel / release ─► link ─ one message a loop turn ─► peer
-    callers ◄── each request's feed ◄─── link ◄── one message per peer turn, every request's frames
+    callers ─ open / cancel / release ─► Link ─ one message a loop turn ─► ServedRequests ─► work
+    callers ◄── each request's feed ◄─── Link ◄── one message a server turn, every request's frames
 
 Why one stream: gRPC costs the same per message whatever it carries (~30 µs of CPU a message in
 Python, both sides), and with a stream per request every token was a message. On a shared stream one
@@ -16,7 +17,10 @@ cancelling a Generate call does). Its frames arrive on a ``RequestFeed``, which 
 would read a call (``chatmesh.streams.Arrivals``: every frame that came since the last take). The
 stream is opened on first use and again after it ends; when it fails (the peer died, the connection
 dropped), every request on it fails with UNAVAILABLE, as a failed call would. Frames for a request
-released meanwhile are dropped here.
+released meanwhile are dropped here. On the server, a request that is refused or fails ends with
+`failed` (its status, serialized), a second `start` for a running request ends that request
+INVALID_ARGUMENT, and each request gets a server span of its own from the trace context its start
+carried.
 """
 
 from __future__ import annotations
@@ -25,12 +29,17 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import grpc
+from google.protobuf.message_factory import GetMessageClass
+from opentelemetry import trace
 
-from chatmesh.errors import from_status, parse, unavailable
-from chatmesh.streams import Arrivals
+from chatmesh.errors import ServiceError, from_status, parse, unavailable
+from chatmesh.streams import MISUSE, Arrivals
+from chatmesh.token_text import coalesced
+from meshkit.telemetry import request_span
 
 # One request message carries frames up to about this many bytes (starts carry prompts); the rest go
 # in the next message. Far below gRPC's message limit (meshkit.serving.MAX_MESSAGE_BYTES).
@@ -44,6 +53,22 @@ class LinkMessages:
     request: type  # GenerateManyRequest
     frame: type  # RequestFrame
     cancel: type  # GenerateCancel
+    response: type  # GenerateManyResponse
+    response_frame: type  # ResponseFrame
+    failed: type  # GenerateFailed
+
+    @classmethod
+    def of(cls, pb2: ModuleType) -> LinkMessages:
+        """Those of a generated module (both services name them alike; router.v1 reuses engine.v1's
+        GenerateFailed)."""
+        return cls(
+            pb2.GenerateManyRequest,
+            pb2.RequestFrame,
+            pb2.GenerateCancel,
+            pb2.GenerateManyResponse,
+            pb2.ResponseFrame,
+            GetMessageClass(pb2.ResponseFrame.DESCRIPTOR.fields_by_name["failed"].message_type),
+        )
 
 
 class RequestFeed(Arrivals[Any]):
@@ -179,3 +204,133 @@ class Link:
                 stream.call.cancel()
             for feed in stream.feeds.values():
                 feed.end(error)
+
+
+class ServedRequests:
+    """The server side of one GenerateMany call: applies the client's frames (``start`` and ``cancel``
+    hooks), and sends what its requests have to say, every frame since the last message in one (a
+    request's token frames that piled up meanwhile merged). A service subclasses it with its hooks;
+    ``serve`` is the whole handler. The call ends once the client half-closed and no request is left,
+    or the service drains and none is left; cancelling it stops every request still on it."""
+
+    def __init__(self, messages: LinkMessages, span_name: str, draining: Callable[[], bool]) -> None:
+        self._messages = messages
+        self._span_name = span_name
+        self._draining = draining
+        self._spans: dict[str, trace.Span] = {}  # the requests running, by id
+        self._pending: dict[str, list[Any]] = {}  # frames to send, by request, in the order news came
+        self.news = asyncio.Event()
+        self._half_closed = False
+
+    # -- the hooks -------------------------------------------------------------------------------
+
+    def start(self, request_id: str, frame: Any) -> None:
+        """Starts the request of ``frame`` (a RequestFrame with `start`); raises ServiceError to refuse
+        it. Its frames go out through ``send``, its end through ``end``."""
+        raise NotImplementedError
+
+    def cancel(self, request_id: str) -> None:
+        """The client's `cancel` for a running request: it ends (``end``) as its work stops."""
+        raise NotImplementedError
+
+    def stop(self, request_id: str) -> None:
+        """Stops a running request's work at once; it sends nothing more (the call is ending, or the
+        request was misused)."""
+        raise NotImplementedError
+
+    def gather(self) -> None:
+        """Called before each message: a chance to ``send`` news kept elsewhere (the engine's merged
+        per-request outputs)."""
+
+    # -- for the hooks ---------------------------------------------------------------------------
+
+    def send(self, frame: Any) -> None:
+        self._pending.setdefault(frame.request_id, []).append(frame)
+        self.news.set()
+
+    def end(self, request_id: str, last: Any = None, error: ServiceError | None = None) -> None:
+        """A running request ended: ``last`` is its last frame (`finished`), or ``error`` its failure."""
+        span = self._spans.pop(request_id, None)
+        if span is None:
+            return
+        if error is not None:
+            span.set_status(trace.StatusCode.ERROR, error.message)
+            last = self._failed(request_id, error)
+        if last is not None:
+            self.send(last)
+        span.end()
+
+    def span(self, request_id: str) -> trace.Span:
+        """The running request's server span (its work's spans are its children)."""
+        return self._spans[request_id]
+
+    # -- the call --------------------------------------------------------------------------------
+
+    async def serve(
+        self, request_iterator: AsyncIterator[Any], wakeups: set[asyncio.Event]
+    ) -> AsyncIterator[Any]:
+        """The handler's responses. ``wakeups``: the service's, which a drain sets."""
+        reader = asyncio.create_task(self._read(request_iterator))
+        wakeups.add(self.news)
+        try:
+            while frames := await self._next_frames():
+                yield self._messages.response(frames=frames)
+        finally:
+            wakeups.discard(self.news)
+            reader.cancel()
+            for request_id, span in self._spans.items():  # the client went away, or cancelled the call
+                self.stop(request_id)
+                span.end()
+            self._spans = {}
+
+    async def _read(self, request_iterator: AsyncIterator[Any]) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            async for message in request_iterator:
+                for frame in message.frames:
+                    kind = frame.WhichOneof("kind")
+                    if kind == "start":
+                        self._start(frame)
+                    elif kind == "cancel" and frame.request_id in self._spans:
+                        self.cancel(frame.request_id)
+        self._half_closed = True
+        self.news.set()
+
+    def _start(self, frame: Any) -> None:
+        request_id = frame.request_id or frame.start.request_id
+        if request_id in self._spans:
+            # A refusal naming that id would be ambiguous: the running request ends, misused.
+            self.stop(request_id)
+            self._pending.pop(request_id, None)
+            self.end(request_id, error=ServiceError(grpc.StatusCode.INVALID_ARGUMENT, MISUSE))
+            return
+        self._spans[request_id] = request_span(self._span_name, trace.SpanKind.SERVER, frame.trace_context)
+        try:
+            if frame.start.request_id != request_id:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the frame's request_id is not its start's"
+                )
+            self.start(request_id, frame)
+        except ServiceError as exc:
+            self.end(request_id, error=exc)
+
+    async def _next_frames(self) -> list[Any]:
+        """Waits for news and returns it as frames; [] once the call should end."""
+        while True:
+            self.gather()
+            if self._pending:
+                pending, self._pending = self._pending, {}
+                frames = []
+                for request_id, request_frames in pending.items():
+                    for frame in coalesced(request_frames) if len(request_frames) > 1 else request_frames:
+                        frame.request_id = request_id
+                        frames.append(frame)
+                return frames
+            if not self._spans and (self._half_closed or self._draining()):
+                return []
+            self.news.clear()
+            await self.news.wait()
+
+    def _failed(self, request_id: str, error: ServiceError) -> Any:
+        return self._messages.response_frame(
+            request_id=request_id, failed=self._messages.failed(status=error.status())
+        )

@@ -44,7 +44,7 @@ PLACEMENT_ATTEMPTS = 3
 DNS_REFRESH_S = 10.0
 # Each request on a router's shared stream is traced as the Generate it stands for.
 ROUTER_GENERATE_SPAN = "chatmesh.router.v1.RouterService/Generate"
-ROUTER_LINK = LinkMessages(router_pb2.GenerateManyRequest, router_pb2.RequestFrame, router_pb2.GenerateCancel)
+ROUTER_LINK = LinkMessages.of(router_pb2)
 
 
 def start_frame(

@@ -34,7 +34,7 @@ from meshkit.links import Link, LinkMessages
 from router.admission import QueueView
 from router.loads import LoadTable
 
-ENGINE_LINK = LinkMessages(engine_pb2.GenerateManyRequest, engine_pb2.RequestFrame, engine_pb2.GenerateCancel)
+ENGINE_LINK = LinkMessages.of(engine_pb2)
 # Recent samples the drain rate and the head-of-queue TTFT are taken over.
 SAMPLES = 32
 # The admission rate per tier is an exponentially decaying count: each request adds 1/tau per second.

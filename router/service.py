@@ -13,20 +13,17 @@ Stream contract with the caller (the orchestrator):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
 
-from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, abort, unavailable
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.streams import MISUSE, StartThenCancel
+from chatmesh.streams import StartThenCancel
 from chatmesh.tiers import is_tier_proto
-from chatmesh.token_text import coalesced
-from meshkit.telemetry import request_span
+from meshkit.links import LinkMessages, ServedRequests
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.placement import Placer, RequestPlan
@@ -37,6 +34,7 @@ log = logging.getLogger(__name__)
 
 # Each request on a GenerateMany stream is traced as the Generate it stands for.
 ROUTER_GENERATE_SPAN = "chatmesh.router.v1.RouterService/Generate"
+ROUTER_MESSAGES = LinkMessages.of(router_pb2)
 # An engine appends "#<attempt>" to request ids on failover and accepts at most 256 characters.
 MAX_REQUEST_ID_CHARS = 200
 
@@ -48,11 +46,11 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self.metrics = metrics
         self.placer = Placer(registry, config, metrics)
         self._live: set[str] = set()
-        self._draining = False
+        self.draining = False
         self._streams: set[asyncio.Event] = set()  # wake-ups of the open GenerateMany calls
 
     async def drain(self) -> None:
-        self._draining = True
+        self.draining = True
         for wake in self._streams:
             wake.set()
 
@@ -62,7 +60,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         requests = StartThenCancel(request_iterator)
         start = await requests.start(context)
         try:
-            relay = self._admit(start, context.time_remaining())
+            relay = self.admit(start, context.time_remaining())
         except ServiceError as exc:
             await abort(context, exc)
         requests.watch(on_cancel=relay.cancel)
@@ -74,7 +72,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             await abort(context, exc)
         finally:
             requests.stop()
-            self._end(relay)
+            self.end(relay)
         await requests.check(context)
 
     async def GenerateMany(
@@ -82,20 +80,13 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         request_iterator: AsyncIterator[router_pb2.GenerateManyRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[router_pb2.GenerateManyResponse]:
-        many = _ManyRelays(self)
-        reader = asyncio.create_task(many.read(request_iterator))
-        self._streams.add(many.news)  # a drain ends the call once no request is left on it
-        try:
-            while frames := await many.next_frames():
-                yield router_pb2.GenerateManyResponse(frames=frames)
-        finally:
-            self._streams.discard(many.news)
-            reader.cancel()
-            many.close()  # the client went away, or cancelled the call: every request left is cancelled
+        # A drain ends the call once no request is left on it.
+        async for message in _ManyRelays(self).serve(request_iterator, self._streams):
+            yield message
 
-    def _admit(self, start: router_pb2.GenerateStart, deadline_s: float | None) -> Relay:
+    def admit(self, start: router_pb2.GenerateStart, deadline_s: float | None) -> Relay:
         """The relay of a request this router takes; raises ServiceError if it does not."""
-        if self._draining:
+        if self.draining:
             raise unavailable("the router is draining; use another replica")
         if problem := _invalid(start):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, problem)
@@ -115,7 +106,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self._live.add(start.request_id)
         return Relay(start, plan, self.placer, self.config, self.metrics, deadline_s)
 
-    def _end(self, relay: Relay) -> None:
+    def end(self, relay: Relay) -> None:
         relay.close()
         self._live.discard(relay.start.request_id)
 
@@ -143,115 +134,48 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         return router_pb2.ListEnginesResponse(engines=statuses)
 
 
-class _ManyRelays:
-    """The requests of one ``GenerateMany`` call: each runs its ``Relay`` in a task of its own, and what
-    they have to say goes out together, every frame since the last message in one (a request's token
-    frames that piled up while the call was slow to write merged into one). Each request gets a server
-    span of its own, continuing the trace context its start carried, and its deadline from its start."""
+class _ManyRelays(ServedRequests):
+    """The requests of one ``GenerateMany`` call on this router: each runs its ``Relay`` in a task of its
+    own, with its deadline from its start frame, under its server span."""
 
     def __init__(self, service: RouterService) -> None:
+        super().__init__(ROUTER_MESSAGES, ROUTER_GENERATE_SPAN, lambda: service.draining)
         self._service = service
-        self._relays: dict[str, asyncio.Task[None]] = {}
-        self._relay_of: dict[str, Relay] = {}
-        self._pending: dict[str, list[router_pb2.ResponseFrame]] = {}  # by request, in the order news came
-        self.news = asyncio.Event()
-        self._half_closed = False
+        self._relays: dict[str, tuple[Relay, asyncio.Task[None]]] = {}
 
-    async def read(self, request_iterator: AsyncIterator[router_pb2.GenerateManyRequest]) -> None:
-        """Applies the client's frames until it half-closes (or the call ends)."""
-        with contextlib.suppress(grpc.RpcError):
-            async for message in request_iterator:
-                for frame in message.frames:
-                    kind = frame.WhichOneof("kind")
-                    if kind == "start":
-                        self._start(frame)
-                    elif kind == "cancel" and (relay := self._relay_of.get(frame.request_id)) is not None:
-                        relay.cancel()
-        self._half_closed = True
-        self.news.set()
+    def start(self, request_id: str, frame: router_pb2.RequestFrame) -> None:
+        relay = self._service.admit(frame.start, frame.timeout_ms / 1000 if frame.timeout_ms else None)
+        self._relays[request_id] = (relay, asyncio.create_task(self._run(request_id, relay)))
 
-    def _start(self, frame: router_pb2.RequestFrame) -> None:
-        request_id = frame.request_id or frame.start.request_id
-        if (running := self._relays.get(request_id)) is not None:  # misuse, as on a Generate call
-            running.cancel()  # its task ends the request; the refusal below is its last frame
-            self._relays.pop(request_id)
-            self._fail(request_id, ServiceError(grpc.StatusCode.INVALID_ARGUMENT, MISUSE))
-            return
-        span = request_span(ROUTER_GENERATE_SPAN, trace.SpanKind.SERVER, frame.trace_context)
-        try:
-            if frame.start.request_id != request_id:
-                raise ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT, "the frame's request_id is not its start's"
-                )
-            relay = self._service._admit(frame.start, frame.timeout_ms / 1000 if frame.timeout_ms else None)
-        except ServiceError as exc:
-            _end_span(span, exc)
-            self._fail(request_id, exc)
-            return
-        self._relay_of[request_id] = relay
-        self._relays[request_id] = asyncio.create_task(self._run(request_id, relay, span))
+    def cancel(self, request_id: str) -> None:
+        self._relays[request_id][0].cancel()
 
-    async def _run(self, request_id: str, relay: Relay, span: trace.Span) -> None:
+    def stop(self, request_id: str) -> None:
+        self._relays.pop(request_id)[1].cancel()  # its task's end releases the engine's work
+
+    async def _run(self, request_id: str, relay: Relay) -> None:
         error: ServiceError | None = None
+        last = None
         try:
-            with trace.use_span(span, end_on_exit=False):
+            with trace.use_span(self.span(request_id), end_on_exit=False):
                 async for frame in relay.run():
                     frame.request_id = request_id
-                    self._send(frame)
+                    if frame.WhichOneof("kind") == "finished":
+                        last = frame
+                    else:
+                        self.send(frame)
         except ServiceError as exc:
             error = exc
+            if exc.private:
+                log.warning("%s (private detail: %s)", exc, exc.private)
         except Exception:
             log.exception("request %s failed in the router", request_id)
             error = ServiceError(grpc.StatusCode.INTERNAL, "the router failed the request")
         finally:
-            self._service._end(relay)
-            self._relay_of.pop(request_id, None)
-            if self._relays.get(request_id) is asyncio.current_task():
+            self._service.end(relay)
+            if self._relays.get(request_id, (None,))[0] is relay:
                 del self._relays[request_id]
-            _end_span(span, error)
-        if error is not None:
-            self._fail(request_id, error)
-
-    def _fail(self, request_id: str, error: ServiceError) -> None:
-        if error.private:
-            log.warning("%s (private detail: %s)", error, error.private)
-        self._send(
-            router_pb2.ResponseFrame(
-                request_id=request_id, failed=engine_pb2.GenerateFailed(status=error.status())
-            )
-        )
-
-    def _send(self, frame: router_pb2.ResponseFrame) -> None:
-        self._pending.setdefault(frame.request_id, []).append(frame)
-        self.news.set()
-
-    async def next_frames(self) -> list[router_pb2.ResponseFrame]:
-        """Waits for news and returns it as frames; [] once the call should end: the client half-closed
-        and every request ended, or the router drains and none is left."""
-        while True:
-            if self._pending:
-                pending, self._pending = self._pending, {}
-                frames = []
-                for request_id, request_frames in pending.items():
-                    for frame in coalesced(request_frames) if len(request_frames) > 1 else request_frames:
-                        frame.request_id = request_id
-                        frames.append(frame)
-                return frames
-            if not self._relays and (self._half_closed or self._service._draining):
-                return []
-            self.news.clear()
-            await self.news.wait()
-
-    def close(self) -> None:
-        for task in self._relays.values():
-            task.cancel()
-        self._relays = {}
-
-
-def _end_span(span: trace.Span, error: ServiceError | None) -> None:
-    if error is not None:
-        span.set_status(trace.StatusCode.ERROR, error.message)
-    span.end()
+        self.end(request_id, last, error)
 
 
 def _invalid(start: router_pb2.GenerateStart) -> str:
