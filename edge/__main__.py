@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         host=args.host,
         port=args.port,
         timeout_graceful_shutdown=math.ceil(settings.streams.drain_grace_s),
+        timeout_keep_alive=settings.keep_alive_s,
         http="httptools",  # C parsing and plain transport writes: less CPU per SSE event than h11
         loop=event_loop.chosen(),
         log_level="warning",

@@ -23,6 +23,9 @@ class EdgeSettings:
     # Largest request body accepted (OpenAI requests carry whole conversations). It protects the edge
     # only: the message limits are the orchestrator's, and this must stay above them.
     max_body_bytes: int = setting(1024 * 1024, "largest request body accepted (413 above it)")
+    # Longer than Envoy's idle timeout for its connections to the edge (meshkit.envoy, 60 s), so Envoy
+    # closes an idle connection first and never sends a request on one the edge is closing.
+    keep_alive_s: int = setting(75, "seconds an idle HTTP connection (from Envoy) stays open")
     streams: StreamSettings = nested(StreamSettings)
     ops: OpsSettings = nested(OpsSettings)
     identity: IdentityConfig = nested(IdentityConfig)

@@ -125,6 +125,10 @@ class EnvoyConfig:
     rate_limits: dict[str, RouteLimits] = field(default_factory=lambda: dict(DEFAULT_RATE_LIMITS))
     unary_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 300.0
+    # How long an idle connection to the edge stays in Envoy's pool. Below the edge's keep-alive
+    # (--keep-alive-s, 75 s), so Envoy closes it first: when the edge closed idle connections first (5 s,
+    # uvicorn's default), a request Envoy sent on one as it closed failed 503 "connection termination".
+    edge_idle_timeout_s: float = 60.0
     health_check_interval_s: float = 5.0
     # Open streams Envoy holds at once (circuit breakers, connection limit).
     max_open_streams: int = 100_000
@@ -184,6 +188,7 @@ def render_config(config: EnvoyConfig) -> str:
         edge_limited_routes=EDGE_GENERATE_ROUTES,
         unary_timeout_s=_seconds(config.unary_timeout_s),
         stream_idle_timeout_s=_seconds(config.stream_idle_timeout_s),
+        edge_idle_timeout_s=_seconds(config.edge_idle_timeout_s),
         health_check_interval_s=_seconds(config.health_check_interval_s),
         max_open_streams=config.max_open_streams,
         access_log_path=config.access_log_path,

@@ -23,6 +23,7 @@ from tests.front_door.scripted_chat_service import ScriptedChatServer, ScriptedC
 
 # Short, so a test can show a stream outliving it.
 UNARY_TIMEOUT_S = 2.0
+EDGE_IDLE_TIMEOUT_S = 1.0
 _users = itertools.count(1)
 
 
@@ -44,7 +45,10 @@ def front_door(
                 launcher,
                 dev_jwt_keys,
                 [server.port],
-                edge_flags=("--sse-ping-s", "1", "--max-body-bytes", str(64 * 1024)),
+                # Idle connections between Envoy and the edge closed in seconds, not a minute (and Envoy
+                # still first), so a test can see who closes them.
+                edge_flags=("--sse-ping-s", "1", "--max-body-bytes", str(64 * 1024), "--keep-alive-s", "4"),
+                edge_idle_timeout_s=EDGE_IDLE_TIMEOUT_S,
                 rate_limits=TEST_RATE_LIMITS,
                 unary_timeout_s=UNARY_TIMEOUT_S,
             )

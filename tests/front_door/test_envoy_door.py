@@ -15,7 +15,7 @@ from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.errors import retry_after_s
 from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER
 from localmesh.dev_jwt import generate_keys
-from tests.front_door.conftest import UNARY_TIMEOUT_S, ScriptedFrontDoor
+from tests.front_door.conftest import EDGE_IDLE_TIMEOUT_S, UNARY_TIMEOUT_S, ScriptedFrontDoor
 from tests.front_door.helpers import assert_json_error, wait_for
 
 # -- authentication ---------------------------------------------------------------------------------
@@ -261,3 +261,35 @@ def test_grpc_retry_info_passes_through_envoy(front_door: ScriptedFrontDoor, grp
         grpc_stub.ListModels(chat_pb2.ListModelsRequest(), metadata=bearer(front_door, user), timeout=5)
     assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert retry_after_s(failure.value) == 4.0
+
+
+def envoy_edge_connections(front_door: ScriptedFrontDoor) -> dict[str, int]:
+    """Envoy's counters of its connections to the edge (admin /stats)."""
+    reply = httpx.get(
+        f"http://127.0.0.1:{front_door.envoy.config.admin_port}/stats",
+        params={"filter": r"^cluster\.edge\.upstream_cx_", "format": "json"},
+        timeout=5,
+    )
+    stats = reply.json()["stats"]
+    return {stat["name"].removeprefix("cluster.edge."): stat["value"] for stat in stats if "name" in stat}
+
+
+def test_envoy_closes_an_idle_connection_to_the_edge_before_the_edge_does(
+    front_door: ScriptedFrontDoor, user: str
+):
+    # Whoever closes an idle keep-alive connection first must be Envoy: when the edge did (uvicorn's
+    # 5 s default against Envoy's hour), a request Envoy sent on a connection the edge was closing
+    # failed 503 "connection termination" (3 of 2,000 streams opened at once in the hold ramp).
+    before = envoy_edge_connections(front_door)
+    with front_door.client(user) as client:
+        assert client.get("/v1/chats").status_code == 200
+    after = wait_for(
+        lambda: (
+            (now := envoy_edge_connections(front_door))["upstream_cx_idle_timeout"]
+            > before["upstream_cx_idle_timeout"]
+            and now
+        ),
+        timeout_s=EDGE_IDLE_TIMEOUT_S + 5,
+        what="Envoy to close its idle connection to the edge",
+    )
+    assert after["upstream_cx_destroy_remote"] == before["upstream_cx_destroy_remote"]
