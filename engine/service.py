@@ -25,8 +25,6 @@ from meshkit.links import LinkMessages, ServedRequests
 
 log = logging.getLogger(__name__)
 
-# Each request on a GenerateMany stream is traced as the Generate it stands for.
-GENERATE_SPAN = "chatmesh.engine.v1.EngineService/Generate"
 ENGINE_MESSAGES = LinkMessages.of(engine_pb2)
 DEFAULT_WATCH_INTERVAL_MS = 200
 MIN_WATCH_INTERVAL_MS = 10
@@ -266,7 +264,7 @@ class _ManyRequests(ServedRequests):
     tokens sampled since the last one, merged as its ``RequestStream`` merges them, with its finish."""
 
     def __init__(self, service: EngineService) -> None:
-        super().__init__(ENGINE_MESSAGES, GENERATE_SPAN, lambda: service.draining)
+        super().__init__(ENGINE_MESSAGES, lambda: service.draining)
         self._service = service
         self._with_news: dict[str, RequestStream] = {}  # in the order news came
 

@@ -56,11 +56,14 @@ class LinkMessages:
     response: type  # GenerateManyResponse
     response_frame: type  # ResponseFrame
     failed: type  # GenerateFailed
+    # The name of each request's spans, client and server: the Generate call it stands for.
+    span_name: str
 
     @classmethod
     def of(cls, pb2: ModuleType) -> LinkMessages:
         """Those of a generated module (both services name them alike; router.v1 reuses engine.v1's
         GenerateFailed)."""
+        [service] = pb2.DESCRIPTOR.services_by_name.values()
         return cls(
             pb2.GenerateManyRequest,
             pb2.RequestFrame,
@@ -68,6 +71,7 @@ class LinkMessages:
             pb2.GenerateManyResponse,
             pb2.ResponseFrame,
             GetMessageClass(pb2.ResponseFrame.DESCRIPTOR.fields_by_name["failed"].message_type),
+            f"{service.full_name}/Generate",
         )
 
 
@@ -133,7 +137,7 @@ class Link:
         self, open_call: Callable[[AsyncIterator[Any]], Any], messages: LinkMessages, peer: str
     ) -> None:
         self._open_call = open_call
-        self._messages = messages
+        self.messages = messages
         self.peer = peer
         self._stream: _Stream | None = None
         self._requests: dict[str, _Stream] = {}  # request id -> the stream it was started on
@@ -149,14 +153,14 @@ class Link:
         request's frames arrive on the returned feed."""
         stream = self._stream
         if stream is None or stream.ended:
-            stream = self._stream = _Stream(self._open_call, self._messages)
+            stream = self._stream = _Stream(self._open_call, self.messages)
             reader = asyncio.create_task(self._read(stream))
             self._readers.add(reader)  # held: the loop keeps only weak references to tasks
             reader.add_done_callback(self._readers.discard)
         feed = stream.feeds[start.request_id] = RequestFeed()
         self._requests[start.request_id] = stream
         stream.send(
-            self._messages.frame(
+            self.messages.frame(
                 request_id=start.request_id, start=start, trace_context=trace_context, **fields
             )
         )
@@ -170,7 +174,7 @@ class Link:
         feed = stream.feeds[request_id]
         if not (feed.ended or feed.cancelled):
             feed.cancelled = True
-            stream.send(self._messages.frame(request_id=request_id, cancel=self._messages.cancel()))
+            stream.send(self.messages.frame(request_id=request_id, cancel=self.messages.cancel()))
 
     def release(self, request_id: str) -> None:
         """The caller is done with the request: cancelled if it has not ended, forgotten either way."""
@@ -213,9 +217,8 @@ class ServedRequests:
     ``serve`` is the whole handler. The call ends once the client half-closed and no request is left,
     or the service drains and none is left; cancelling it stops every request still on it."""
 
-    def __init__(self, messages: LinkMessages, span_name: str, draining: Callable[[], bool]) -> None:
+    def __init__(self, messages: LinkMessages, draining: Callable[[], bool]) -> None:
         self._messages = messages
-        self._span_name = span_name
         self._draining = draining
         self._spans: dict[str, trace.Span] = {}  # the requests running, by id
         self._pending: dict[str, list[Any]] = {}  # frames to send, by request, in the order news came
@@ -303,7 +306,9 @@ class ServedRequests:
             self._pending.pop(request_id, None)
             self.end(request_id, error=ServiceError(grpc.StatusCode.INVALID_ARGUMENT, MISUSE))
             return
-        self._spans[request_id] = request_span(self._span_name, trace.SpanKind.SERVER, frame.trace_context)
+        self._spans[request_id] = request_span(
+            self._messages.span_name, trace.SpanKind.SERVER, frame.trace_context
+        )
         try:
             if frame.start.request_id != request_id:
                 raise ServiceError(

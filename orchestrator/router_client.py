@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 PLACEMENT_ATTEMPTS = 3
 # How often router names are resolved again (replicas come and go).
 DNS_REFRESH_S = 10.0
-# Each request on a router's shared stream is traced as the Generate it stands for.
-ROUTER_GENERATE_SPAN = "chatmesh.router.v1.RouterService/Generate"
 ROUTER_LINK = LinkMessages.of(router_pb2)
 
 
@@ -124,7 +122,7 @@ class GenerateStream:
         self.router = router
         self.start = start
         self.routed: router_pb2.GenerateRouted | None = None
-        self._span = request_span(ROUTER_GENERATE_SPAN, trace.SpanKind.CLIENT)
+        self._span = request_span(ROUTER_LINK.span_name, trace.SpanKind.CLIENT)
         self._span.set_attribute("chatmesh.router", router.address)
         self._feed: RequestFeed | None = None
         self._pending: list[router_pb2.ResponseFrame] = []  # arrived with `routed`, not yet taken

@@ -57,10 +57,6 @@ _CALLER_ERRORS = frozenset(
 )
 
 
-# Each attempt is traced as the Generate call it stands for, on the router's shared stream to the engine.
-ENGINE_GENERATE_SPAN = "chatmesh.engine.v1.EngineService/Generate"
-
-
 class AttemptFailed(ServiceError):
     """This engine did not finish the request; another one may. RESOURCE_EXHAUSTED with the engine's
     retry delay when its queue was full, UNAVAILABLE otherwise."""
@@ -175,7 +171,7 @@ class Relay:
     async def _stream(self, placement: Placement, attempt_id: str) -> AsyncIterator[router_pb2.ResponseFrame]:
         engine = placement.engine
         link = engine.link
-        span = request_span(ENGINE_GENERATE_SPAN, trace.SpanKind.CLIENT)
+        span = request_span(link.messages.span_name, trace.SpanKind.CLIENT)
         span.set_attribute("chatmesh.engine_id", engine.engine_id)
         # A client's `cancel` goes out the moment it arrives (``cancel``); so does one that came before.
         feed = link.open(self._engine_start(engine, attempt_id), trace_context(span))

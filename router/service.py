@@ -32,8 +32,6 @@ from router.relay import Relay
 
 log = logging.getLogger(__name__)
 
-# Each request on a GenerateMany stream is traced as the Generate it stands for.
-ROUTER_GENERATE_SPAN = "chatmesh.router.v1.RouterService/Generate"
 ROUTER_MESSAGES = LinkMessages.of(router_pb2)
 # An engine appends "#<attempt>" to request ids on failover and accepts at most 256 characters.
 MAX_REQUEST_ID_CHARS = 200
@@ -139,7 +137,7 @@ class _ManyRelays(ServedRequests):
     own, with its deadline from its start frame, under its server span."""
 
     def __init__(self, service: RouterService) -> None:
-        super().__init__(ROUTER_MESSAGES, ROUTER_GENERATE_SPAN, lambda: service.draining)
+        super().__init__(ROUTER_MESSAGES, lambda: service.draining)
         self._service = service
         self._relays: dict[str, tuple[Relay, asyncio.Task[None]]] = {}
 

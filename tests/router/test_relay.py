@@ -11,6 +11,7 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2
 from meshkit.links import RequestFeed
 from router.config import RouterConfig
+from router.engines import ENGINE_LINK
 from router.metrics import RouterMetrics
 from router.placement import Placement, RequestPlan
 from router.relay import AttemptFailed, Relay
@@ -73,6 +74,8 @@ def test_when_every_engine_tried_was_full_the_answer_is_resource_exhausted_with_
 class ArrivedLink:
     """A link to an engine whose frames for the request have all arrived already: what a relay finds
     when it fell behind."""
+
+    messages = ENGINE_LINK
 
     def __init__(self, frames: list[engine_pb2.ResponseFrame]) -> None:
         self.feed = RequestFeed()
