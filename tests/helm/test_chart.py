@@ -223,16 +223,16 @@ def test_every_chatmesh_variable_is_a_real_flag_and_the_service_accepts_its_valu
 
 
 def test_the_seeds_cell_has_the_shape_of_the_capacity_model(rendered):
-    """docs/capacity.md: a cell is 110 engines of block size 64, 125 routers, 70 orchestrators and edges."""
+    """docs/capacity.md: a cell is 110 engines of block size 64, 35 routers, 52 orchestrators, 35 edges."""
     chart = rendered["seeds"]
     assert chart.get("StatefulSet", f"{FULL}-engine")["spec"]["replicas"] == 110
     assert env_of(chart.container("engine", "engine"))["CHATMESH_ENGINE_BLOCK_SIZE"] == "64"
     replicas = {
         name: chart.get("Deployment", f"{FULL}-{name}")["spec"]["replicas"] for name in ("router", "envoy")
     }
-    assert replicas == {"router": 125, "envoy": 7}
-    for name in ("orchestrator", "edge"):
-        assert chart.get("HorizontalPodAutoscaler", f"{FULL}-{name}")["spec"]["minReplicas"] == 70
+    assert replicas == {"router": 35, "envoy": 7}
+    for name, minimum in (("orchestrator", 52), ("edge", 35)):
+        assert chart.get("HorizontalPodAutoscaler", f"{FULL}-{name}")["spec"]["minReplicas"] == minimum
 
 
 def test_user_config_reaches_the_services_as_typed_flags(rendered, monkeypatch):
