@@ -118,7 +118,7 @@ class GenerateStream:
     whose context goes to the router with the start. ``open`` sends the start and waits for the router
     to place it."""
 
-    def __init__(self, router: _Router, start: router_pb2.GenerateStart) -> None:
+    def __init__(self, router: RouterReplica, start: router_pb2.GenerateStart) -> None:
         self.router = router
         self.start = start
         self.routed: router_pb2.GenerateRouted | None = None
@@ -191,7 +191,7 @@ class GenerateStream:
         self._span.end()
 
 
-class _Router:
+class RouterReplica:
     """One router replica: its channel, and the one stream every request placed through it shares."""
 
     def __init__(self, address: str) -> None:
@@ -217,8 +217,8 @@ class RouterClient:
         self.timeout_s = timeout_s
         self.refresh_s = refresh_s
         self._names = router_addresses(address)
-        self._routers: dict[str, _Router] = {}
-        self._leaving: list[_Router] = []
+        self._routers: dict[str, RouterReplica] = {}
+        self._leaving: list[RouterReplica] = []
         self._turn = 0
         self._resolving: asyncio.Task[None] | None = None
         self._resolved = asyncio.Event()  # the names were resolved once
@@ -266,7 +266,7 @@ class RouterClient:
             raise from_rpc_error(exc, "the router") from exc
         return list(reply.engines)
 
-    async def _pick(self, session_id: str, tried: set[str]) -> _Router | None:
+    async def _pick(self, session_id: str, tried: set[str]) -> RouterReplica | None:
         """The router for a request of ``session_id`` ("": any), not among ``tried`` (None if none is
         left): the session's by rendezvous hashing among those up, else the next round-robin; a router
         that is down only when none is up (its own call then says why)."""
@@ -298,7 +298,7 @@ class RouterClient:
                 log.warning("cannot resolve router name %s: %s", name, exc)
                 found |= set(self._routers)
         for address in found - self._routers.keys():
-            self._routers[address] = _Router(address)
+            self._routers[address] = RouterReplica(address)
         for address in set(self._routers) - found:
             self._leaving.append(self._routers.pop(address))
         still = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.router_client import RouterClient, router_addresses
+from orchestrator.router_client import RouterClient, RouterReplica, router_addresses
 
 
 @pytest.mark.parametrize(
@@ -21,20 +21,34 @@ def test_a_router_value_names_its_routers(value, addresses):
     assert router_addresses(value) == addresses
 
 
-async def test_a_chat_keeps_its_router_chats_spread_and_a_tried_router_is_passed_over():
-    # Nothing listens on these ports: every router is down, so each pick is among all of them.
+async def test_a_chat_keeps_its_router_while_it_is_up_chats_spread_and_a_tried_router_is_passed_over(
+    monkeypatch,
+):
+    down: set[str] = set()  # which routers' channels are down, as the test says
+    monkeypatch.setattr(RouterReplica, "down", property(lambda router: router.address in down))
     client = RouterClient("127.0.0.1:9,127.0.0.2:9,127.0.0.3:9", timeout_s=1.0, refresh_s=60.0)
+
+    async def pick(chat: str, tried: frozenset[str] = frozenset()) -> str | None:
+        router = await client._pick(chat, set(tried))
+        return None if router is None else router.address
+
     try:
-        picks = {chat: (await client._pick(chat, set())).address for chat in (f"chat-{i}" for i in range(60))}
-        assert picks == {chat: (await client._pick(chat, set())).address for chat in picks}  # stable
-        assert set(picks.values()) == {"127.0.0.1:9", "127.0.0.2:9", "127.0.0.3:9"}
-        first = picks["chat-0"]
-        second = (await client._pick("chat-0", {first})).address
-        assert second != first  # a placement the chat's router refused goes to another
-        third = await client._pick("chat-0", {first, second})
-        assert third is not None and third.address not in {first, second}
-        assert await client._pick("chat-0", {first, second, third.address}) is None
-        spread = {(await client._pick("", set())).address for _ in range(3)}
-        assert len(spread) == 3  # requests of no chat go round-robin
+        chats = [f"chat-{i}" for i in range(60)]
+        picks = {chat: await pick(chat) for chat in chats}
+        assert picks == {chat: await pick(chat) for chat in chats}  # stable while the routers stay up
+        assert set(picks.values()) == {"127.0.0.1:9", "127.0.0.2:9", "127.0.0.3:9"}  # chats spread
+        home = picks["chat-0"]
+        down.add(home)  # its router goes down: the chat moves, and only the chats of that router do
+        moved = {chat: await pick(chat) for chat in chats}
+        assert moved["chat-0"] != home
+        assert all(moved[chat] == picks[chat] for chat in chats if picks[chat] != home)
+        down.clear()
+        assert await pick("chat-0") == home  # and comes back once it is up
+        second = await pick("chat-0", frozenset({home}))  # a router that refused the placement
+        assert second not in {home, None}
+        third = await pick("chat-0", frozenset({home, second}))
+        assert third not in {home, second, None}
+        assert await pick("chat-0", frozenset({home, second, third})) is None
+        assert len({await pick("") for _ in range(3)}) == 3  # requests of no chat go round-robin
     finally:
         await client.close()
