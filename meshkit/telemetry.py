@@ -32,6 +32,7 @@ from opentelemetry.sdk.trace.export import (
 TRACE_FILE_ENV = "CHATMESH_TRACE_FILE"
 # The RPC that carries many requests on one stream (engine.v1 and router.v1): traced per request.
 SHARED_STREAM_METHOD = "GenerateMany"
+HEALTH_SERVICE = "grpc.health.v1.Health"
 _configured = False
 _requests_tracer = trace.get_tracer("chatmesh.requests")
 
@@ -144,10 +145,14 @@ def setup(service_name: str, level: str | None = None) -> None:
     )
 
     # A stream that carries many requests lives as long as the link: a span of its own would never end.
-    # Each of its requests gets its own span instead (request_span).
-    one_request_per_call = filters.negate(filters.method_name(SHARED_STREAM_METHOD))
-    GrpcAioInstrumentorServer(filter_=one_request_per_call).instrument()
-    GrpcAioInstrumentorClient(filter_=one_request_per_call).instrument()
+    # Each of its requests gets its own span instead (request_span). Health checks are not traced: they
+    # are noise in every trace store, and the instrumentation wraps a streaming handler as an async
+    # generator, which the health service's Watch (a coroutine that writes) is not: every Watch failed.
+    traced = filters.negate(
+        filters.any_of(filters.method_name(SHARED_STREAM_METHOD), filters.service_prefix(HEALTH_SERVICE))
+    )
+    GrpcAioInstrumentorServer(filter_=traced).instrument()
+    GrpcAioInstrumentorClient(filter_=traced).instrument()
 
 
 def request_span(name: str, kind: trace.SpanKind, carrier: Mapping[str, str] | None = None) -> trace.Span:

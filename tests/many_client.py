@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 @dataclass
@@ -64,3 +65,14 @@ class Many:
 
     async def until_ended(self, *request_ids: str) -> None:
         await self.until(lambda: all(self.ended(request_id) for request_id in request_ids))
+
+
+async def draining(channel: grpc.aio.Channel) -> None:
+    """Until the server on ``channel`` reports NOT_SERVING (its drain has begun), and a moment more."""
+    health = health_pb2_grpc.HealthStub(channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    async for reply in watch:
+        if reply.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+    watch.cancel()
+    await asyncio.sleep(0.2)

@@ -67,6 +67,10 @@ async def test_health_is_serving(null_engine):
         for name in ("", SERVICE):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT_S)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            # Watch too (gRPC's client-side health checking uses it): it failed UNKNOWN under tracing.
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT_S)
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            watch.cancel()
 
 
 async def test_generate_answers_accepted_then_contiguous_tokens_then_one_finished(stub, tok, prompt):

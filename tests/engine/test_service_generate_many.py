@@ -21,7 +21,7 @@ from tests.engine.service_client import (
     wait_until,
 )
 from tests.engine.test_service_engine import idle
-from tests.many_client import Many
+from tests.many_client import Many, draining
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,8 @@ async def test_a_draining_engine_refuses_new_starts_finishes_the_rest_and_ends_t
         many = open_many(stub, start("running", prompt, max_tokens=300))  # 3 s: it outlasts the notice
         await many.until(lambda: len(many.outcomes.get("running", Outcome()).token_ids) >= 1)
         launcher.signal(engine.name, signal.SIGTERM)
-        await asyncio.sleep(1.0)  # past the drain notice: the engine no longer takes requests
+        async with grpc.aio.insecure_channel(engine.address) as channel:
+            await draining(channel)
         many.send(start("late", prompt, max_tokens=5))
         await many.until_ended("running", "late")
         assert len(many.outcomes["running"].token_ids) == 300
