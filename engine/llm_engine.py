@@ -4,7 +4,7 @@
 in an inbox. The step loop runs in its own thread, so the model never blocks the event loop:
 
     take the inbox (new requests, cancels: their blocks are freed here, before scheduling)
-    → schedule → run the model → sample → detokenize and check stops → free finished requests
+    → refuse the waiting requests past their queue limit → schedule → run the model → sample → detokenize and check stops → free finished requests
     → publish the step's KV events as one batch → publish the load → hand all outputs over in one call.
 
 A request's life around the step (admission, replay of resumed output, the stop rule, its finish,
@@ -86,6 +86,7 @@ class LLMEngine:
         # Called once, in the step thread, when the engine stops serving (even with no request open).
         self.on_failure: Callable[[str], None] = lambda message: None
         self.tracker = RequestTracker(tokenizer, self._release, metrics, clock)
+        self._clock = clock
         self._metrics = metrics
         self._requests: dict[str, Request] = {}  # step thread only: the scheduler's side of each request
         # The inbox (with the tracker's admitted requests), shared with other threads.
@@ -200,6 +201,8 @@ class LLMEngine:
             return False
         outputs: list[RequestOutput] = []
         self._take_inbox(outputs)
+        for req in self.scheduler.expire(self._clock()):
+            outputs.append(self.tracker.expire(self._tracked(req)))
         batch = self.scheduler.schedule()
         if batch.scheduled:
             self._execute(batch, outputs)

@@ -37,6 +37,10 @@ class EngineMetrics(ComponentMetrics):
         self.prefix_queried = self.counter("prefix_cache_queried_tokens", "Prompt tokens looked up.")
         self.prefix_hits = self.counter("prefix_cache_hit_tokens", "Prompt tokens served from the cache.")
         self.preemptions = self.counter("preemptions", "Requests preempted (recomputed later).")
+        self.queue_expired = self.counter(
+            "queue_expired_requests",
+            "Requests refused (RESOURCE_EXHAUSTED) after waiting past their queue limit without starting.",
+        )
         self.generated_tokens = self.counter("generated_tokens", "Output tokens sampled.")
         self._last = EngineStats()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from chatmesh.errors import ServiceError
+
 
 class FinishReason(Enum):
     STOP = "stop"  # end-of-sequence token, stop token id or stop string
@@ -26,6 +28,9 @@ class Finish:
     text: str = ""  # text held back until the end
     matched_stop: str = ""  # the stop string or stop token (as text) that ended generation
     error: str = ""  # non-empty: the engine failed and the request did not complete
+    # Set: the engine refused the request before starting it (it waited past its queue limit). Not a
+    # failure of the engine: the request ends with this error, nothing else does.
+    refusal: ServiceError | None = None
 
 
 @dataclass

@@ -35,6 +35,8 @@ class EngineRequest:
     # Output an earlier engine already delivered (failover): context here, output to the client.
     resumed_output_token_ids: tuple[int, ...] = ()
     priority: Priority = Priority.NORMAL
+    # The longest it may wait before it is first scheduled (0: no limit): past it, it is refused.
+    max_queue_s: float = 0.0
 
 
 class RequestStatus(Enum):
@@ -74,6 +76,8 @@ class Request:
         self.num_prompt_tokens = len(self.request.prompt_token_ids)
         self.num_context_tokens = len(self.token_ids)  # prompt + resumed output: what Usage calls prompt
         self.sort_key = (self.arrival - int(self.priority) * self.aging_s, self.serial)
+        max_queue_s = self.request.max_queue_s
+        self.queue_deadline = self.arrival + max_queue_s if max_queue_s > 0 else None
 
     @property
     def request_id(self) -> str:
@@ -82,6 +86,11 @@ class Request:
     @property
     def priority(self) -> Priority:
         return self.request.priority
+
+    @property
+    def started(self) -> bool:
+        """Whether it has been scheduled once (its prefill begun): from then on it is never dropped."""
+        return self.num_prefix_hit_tokens is not None
 
     @property
     def num_tokens(self) -> int:

@@ -12,6 +12,7 @@ around that is the same, and happens here (vLLM splits its EngineCore from an Ou
     add_tokens     new tokens: the stop rule (``engine.stopping``), released text, the output to send
     finish / end   the finish (after a token / between tokens), with usage (context, prefix-cache
                    hits, new output) and metrics
+    expire         a request that waited past its queue limit without starting is refused
     fail           every unfinished request ends with the engine's error
 
 ``admit`` and the queries under "any thread" may be called from any thread; everything else runs on
@@ -45,6 +46,12 @@ DEFAULT_RETRY_AFTER_S = 1.0
 class QueueFullError(ServiceError):
     def __init__(self, waiting: int, retry_after_s: float) -> None:
         message = f"the engine's waiting queue is full ({waiting} requests); retry later"
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s)
+
+
+class QueueLimitError(ServiceError):
+    def __init__(self, waited_s: float, retry_after_s: float) -> None:
+        message = f"the request waited {waited_s:.2f}s in the engine's queue without starting; retry later"
         super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s)
 
 
@@ -196,17 +203,23 @@ class RequestTracker:
 
     def finish(self, tracked: TrackedRequest, reason: FinishReason, matched_stop: str = "") -> Finish:
         """Ends a request: the engine releases it, then it no longer counts as unfinished."""
-        self._release(tracked.request_id)
-        del self.requests[tracked.request_id]
-        with self._lock:
-            self._unfinished.discard(tracked.request_id)
-        now = self._clock()
+        now = self._close(tracked)
         self._finish_times.append(now)
         if self._metrics is not None:
             self._metrics.observe_finish(
                 tracked.arrival, tracked.first_token_at, now, tracked.num_new_output_tokens, reason.value
             )
         return Finish(reason, tracked.usage(), tracked.detokenizer.flush(), matched_stop)
+
+    def expire(self, tracked: TrackedRequest) -> RequestOutput:
+        """Refuses a request that waited past its queue limit without starting (RESOURCE_EXHAUSTED with
+        a retry delay). It finished nothing, so it does not count toward the drain rate."""
+        now = self._close(tracked)
+        if self._metrics is not None:
+            self._metrics.queue_expired.inc()
+        refusal = QueueLimitError(now - tracked.arrival, self._retry_after_s())
+        finish = Finish(FinishReason.CANCELLED, tracked.usage(), refusal=refusal)
+        return RequestOutput(tracked.request_id, tracked.num_output_tokens, [], "", finish)
 
     def end(self, tracked: TrackedRequest, reason: FinishReason, matched_stop: str = "") -> RequestOutput:
         """Ends a request between tokens (cancelled, its resumed output complete, the backend's own end)."""
@@ -228,6 +241,14 @@ class RequestTracker:
             outputs.append(RequestOutput(tracked.request_id, tracked.num_output_tokens, [], "", finish))
         self.requests.clear()
         return outputs
+
+    def _close(self, tracked: TrackedRequest) -> float:
+        """The engine releases the request, then it no longer counts as unfinished; returns when."""
+        self._release(tracked.request_id)
+        del self.requests[tracked.request_id]
+        with self._lock:
+            self._unfinished.discard(tracked.request_id)
+        return self._clock()
 
     def _check(
         self, tracked: TrackedRequest, token: int, num_output: int

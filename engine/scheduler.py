@@ -12,6 +12,12 @@ recompute: its blocks are freed (the full ones stay in the prefix cache, so reco
 cheap) and it waits again with its old key. A waiting request with a better key than a running one
 may displace it when blocks or running slots are short, so a high-priority request is never stuck
 behind a batch of long low-priority generations; aging bounds how long anyone can be displaced.
+
+A request may carry a queue limit (``EngineRequest.max_queue_s``, set by a router holding it to a
+time-to-first-token objective): one still waiting, never scheduled, when its limit passes is taken out
+by ``expire`` and refused, rather than served after its objective is lost. Under strict priorities that
+is what bounds a low tier's wait while higher tiers take every slot; aging alone would hold it for
+``priority_aging_s`` and then put it ahead of the tier above.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class Scheduler:
         # Blocks kept free when admitting new requests, so running ones can grow without preemptions.
         self.watermark_blocks = watermark_blocks
         self._waiting: list[tuple[tuple[float, int], Request]] = []  # heap; finished entries are stale
+        # Heap of (queue deadline, serial) of requests never scheduled; started or finished ones are stale.
+        self._deadlines: list[tuple[float, int, Request]] = []
         self.num_waiting = 0
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -53,6 +61,18 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (req.sort_key, req))
         self.num_waiting += 1
+        if req.queue_deadline is not None and not req.started:
+            heapq.heappush(self._deadlines, (req.queue_deadline, req.serial, req))
+
+    def expire(self, now: float) -> list[Request]:
+        """The waiting requests, never scheduled, whose queue limit has passed by ``now``: the caller
+        refuses them (``finish`` takes them out)."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            req = heapq.heappop(self._deadlines)[2]
+            if req.status is RequestStatus.WAITING and not req.started:
+                expired.append(req)
+        return expired
 
     def has_work(self) -> bool:
         return bool(self.num_waiting or self.running)

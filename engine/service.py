@@ -123,8 +123,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
                     yield engine_pb2.GenerateResponse(tokens=tokens)
                 if finish is not None:
                     done = True
-                    if finish.error:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, finish.error)
+                    if (failure := _failure(finish)) is not None:
+                        await abort(context, failure)
                     await requests.check(context)
                     yield engine_pb2.GenerateResponse(finished=_finished_proto(finish))
         finally:
@@ -294,12 +294,20 @@ class _ManyRequests(ServedRequests):
             if finish is None:
                 continue
             self._service.dispatcher.close(request_id)
-            if finish.error:
-                self.end(request_id, error=unavailable(finish.error))
+            if (failure := _failure(finish)) is not None:
+                self.end(request_id, error=failure)
             else:
                 finished = engine_pb2.ResponseFrame(request_id=request_id, finished=_finished_proto(finish))
                 self.end(request_id, finished)
         self._with_news = {}
+
+
+def _failure(finish: Finish) -> ServiceError | None:
+    """How a request that did not complete ends: refused (it waited past its queue limit), or failed
+    with the engine; None for a request that completed."""
+    if finish.refusal is not None:
+        return finish.refusal
+    return unavailable(finish.error) if finish.error else None
 
 
 def _finished_proto(finish: Finish) -> engine_pb2.GenerateFinished:

@@ -75,6 +75,7 @@ def request_from_proto(start: engine_pb2.GenerateStart, model: ServedModel) -> E
         sampling=sampling,
         resumed_output_token_ids=tuple(start.resumed_output_token_ids),
         priority=Priority(priority),  # Priority values are engine.v1 Priority values
+        max_queue_s=start.max_queue_ms / 1000,
     )
 
 

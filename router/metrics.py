@@ -44,6 +44,12 @@ class RouterMetrics(ComponentMetrics):
         self.shed = self.counter(
             "shed_requests", "Requests refused with RESOURCE_EXHAUSTED under overload, by tier.", ["tier"]
         )
+        self.queue_expired = self.counter(
+            "queue_expired_requests",
+            "Admitted requests an engine dropped from its queue unstarted when their TTFT objective ran "
+            "out, refused with RESOURCE_EXHAUSTED, by tier (the wait rule's mispredictions).",
+            ["tier"],
+        )
         self.degraded = self.counter(
             "degraded_requests",
             "Free-tier requests sent to a cheaper model's pool because their model's pool was past the "

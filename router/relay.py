@@ -12,6 +12,13 @@ each placement. An error that is the request's fault (INVALID_ARGUMENT, FAILED_P
 returned as is; a full engine queue (RESOURCE_EXHAUSTED) or a failing engine means another attempt,
 up to ``max_attempts``, then UNAVAILABLE naming what each engine said.
 
+Under the wait rule a new request's first attempt also tells the engine how long it may queue: what is
+left of its tier's TTFT objective less the engine's own time to a first token (``max_queue_ms``).
+Admission predicted a wait that fits; when the prediction was wrong (higher tiers kept arriving, the
+engine drained slower than it had), the engine drops the request unstarted at that limit and the
+request ends RESOURCE_EXHAUSTED with a retry delay, not served after its objective is lost and not
+moved to another engine (its objective is spent there too).
+
 Attempts go to the engine over the router's one stream to it (``meshkit.links``), shared with the
 router's other requests there. The request has a deadline (the client's, or ``max_request_s``): once
 it passes, the request ends DEADLINE_EXCEEDED, with no further attempt. Every read has a timeout: ``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for
@@ -39,10 +46,16 @@ from chatmesh.tiers import tier_of_proto
 from chatmesh.token_text import coalesced, token_pieces, tokens_frame
 from meshkit.links import Link, RequestFeed
 from meshkit.telemetry import request_span, trace_context
+from router.admission import RETRY_MIN_S
 from router.config import RouterConfig
 from router.engines import EngineState
 from router.metrics import RouterMetrics
 from router.placement import Placement, Placer, RequestPlan
+
+# The shortest queue limit a request held to an objective gets: an idle engine's next step or two, so a
+# request whose own prefill exceeds its objective is still served where nothing waits (as admission
+# promises it).
+MIN_QUEUE_LIMIT_S = 0.05
 
 # Engine answers that are the request's fault: another engine would say the same.
 _CALLER_ERRORS = frozenset(
@@ -141,7 +154,8 @@ class Relay:
                         degraded=self.degraded,
                     )
                 )
-                async for frame in self._stream(placement, attempt_id):
+                queue_limit_s = self._queue_limit_s(engine, admitted=attempt == 1)
+                async for frame in self._stream(placement, attempt_id, queue_limit_s):
                     yield frame
                 return
             except AttemptFailed as exc:
@@ -168,13 +182,26 @@ class Relay:
 
     # -- one attempt ---------------------------------------------------------------------------------
 
-    async def _stream(self, placement: Placement, attempt_id: str) -> AsyncIterator[router_pb2.ResponseFrame]:
+    def _queue_limit_s(self, engine: EngineState, admitted: bool) -> float:
+        """How long ``engine`` may keep this attempt queued before its first step: what is left of the
+        tier's TTFT objective less the engine's time to a first token at the head of its queue. 0 (no
+        limit) for a request held to no objective: the count rule, a failover (the mesh's fault, not
+        load's), a continuation (its client already has output)."""
+        objective = self.config.objective_s(tier_of_proto(self.plan.tier).name, admitted)
+        if objective is None or self.output:
+            return 0.0
+        left = objective - (time.monotonic() - self.arrival) - engine.head_ttft_s
+        return max(MIN_QUEUE_LIMIT_S, left)
+
+    async def _stream(
+        self, placement: Placement, attempt_id: str, queue_limit_s: float
+    ) -> AsyncIterator[router_pb2.ResponseFrame]:
         engine = placement.engine
         link = engine.link
         span = request_span(link.messages.span_name, trace.SpanKind.CLIENT)
         span.set_attribute("chatmesh.engine_id", engine.engine_id)
         # A client's `cancel` goes out the moment it arrives (``cancel``); so does one that came before.
-        feed = link.open(self._engine_start(engine, attempt_id), trace_context(span))
+        feed = link.open(self._engine_start(engine, attempt_id, queue_limit_s), trace_context(span))
         self._attempt = (link, attempt_id)
         if self.cancelled:
             link.cancel(attempt_id)
@@ -184,6 +211,8 @@ class Relay:
                 raise AttemptFailed("protocol", f"the engine sent {kind} before `accepted`")
             batch = batch[1:]
             timeout, waiting_for = self.config.first_token_timeout_s, "the first token"
+            if queue_limit_s:
+                batch = await self._first_tokens(feed, batch, timeout)
             while True:
                 for frame in batch:
                     kind = frame.WhichOneof("kind")
@@ -209,7 +238,31 @@ class Relay:
             link.release(attempt_id)
             span.end()
 
-    def _engine_start(self, engine: EngineState, attempt_id: str) -> engine_pb2.GenerateStart:
+    async def _first_tokens(
+        self, feed: RequestFeed, batch: list[engine_pb2.ResponseFrame], timeout_s: float
+    ) -> list[engine_pb2.ResponseFrame]:
+        """The frames after `accepted` up to the first one, for an attempt with a queue limit: the
+        engine's RESOURCE_EXHAUSTED now means it dropped the request unstarted at that limit, which
+        ends the request (its objective is spent on any engine) rather than the attempt."""
+        if batch:
+            return batch
+        try:
+            return await self._take(feed, timeout_s, "the first token")
+        except AttemptFailed as exc:
+            if exc.failure != "exhausted":
+                raise
+            tier = tier_of_proto(self.plan.tier).name
+            self.metrics.queue_expired.labels(tier).inc()
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no engine could start the request within the {tier} tier's time-to-first-token "
+                "objective; retry later",
+                max(RETRY_MIN_S, exc.retry_after_s or RETRY_MIN_S),
+            ) from None
+
+    def _engine_start(
+        self, engine: EngineState, attempt_id: str, queue_limit_s: float
+    ) -> engine_pb2.GenerateStart:
         start, info = self.start, engine.info
         return engine_pb2.GenerateStart(
             request_id=attempt_id,
@@ -219,6 +272,7 @@ class Relay:
             priority=tier_of_proto(start.tier).priority,
             model=info.model if info is not None else "",
             tokenizer_fingerprint=start.tokenizer_fingerprint,
+            max_queue_ms=round(queue_limit_s * 1000),
         )
 
     async def _take(

@@ -171,9 +171,17 @@ def router() -> Dashboard:
             Panel(
                 "Sheds by tier",
                 "Requests refused with RESOURCE_EXHAUSTED per second because no engine's predicted wait fit "
-                "the tier's TTFT objective, or every queue was past the tier's depth.",
+                "the tier's TTFT objective, or every queue was past the tier's depth; and, late, admitted "
+                "requests an engine dropped unstarted when their objective ran out in its queue (the "
+                "prediction was wrong).",
                 "ops",
-                (rate_by("chatmesh_router_shed_requests_total", "tier"),),
+                (
+                    rate_by("chatmesh_router_shed_requests_total", "tier"),
+                    Target(
+                        f"sum by (tier) (rate(chatmesh_router_queue_expired_requests_total{{{NS}}}[{RATE}]))",
+                        "{{tier}}, late (queue limit)",
+                    ),
+                ),
                 stacked=True,
             ),
             Panel(

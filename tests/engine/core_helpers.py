@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
@@ -52,6 +53,7 @@ def request(
     max_tokens: int = 8,
     priority: Priority = Priority.NORMAL,
     resumed: tuple[int, ...] = (),
+    max_queue_s: float = 0.0,
     **sampling: object,
 ) -> EngineRequest:
     return EngineRequest(
@@ -60,6 +62,7 @@ def request(
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         resumed_output_token_ids=resumed,
         priority=priority,
+        max_queue_s=max_queue_s,
     )
 
 
@@ -103,10 +106,12 @@ def results(outputs: list[RequestOutput]) -> dict[str, Result]:
     return found
 
 
-def make_engine(runner: ModelRunner | None = None, **config: object) -> DrivenEngine:
+def make_engine(
+    runner: ModelRunner | None = None, clock: Callable[[], float] = time.monotonic, **config: object
+) -> DrivenEngine:
     tok = tokenizer()
     runner = runner or TokenFunctionRunner(tok.vocab_size, word_tokens())
     base = EngineConfig(num_kv_blocks=256, block_size=4, max_batched_tokens=64, max_running_requests=16)
     test = DrivenEngine(engine=None, runner=runner)  # type: ignore[arg-type]
-    test.engine = LLMEngine(replace(base, **config), runner, tok, on_outputs=test.outputs.extend)
+    test.engine = LLMEngine(replace(base, **config), runner, tok, on_outputs=test.outputs.extend, clock=clock)
     return test

@@ -1,5 +1,6 @@
 """The engine core end to end on the token-function runner: bookkeeping that real numerics rely on."""
 
+import grpc
 import pytest
 
 from engine.kv_events import apply_events
@@ -243,6 +244,27 @@ def test_queue_full_and_duplicate_ids_are_refused():
     with pytest.raises(QueueFullError) as full:
         test.engine.add_request(request("c", prompt(4)))
     assert full.value.retry_after_s > 0
+
+
+def test_a_request_past_its_queue_limit_is_refused_resource_exhausted_and_the_rest_are_served():
+    now = [0.0]
+    test = make_engine(clock=lambda: now[0], max_running_requests=1, max_batched_tokens=8)
+    test.engine.add_request(request("running", prompt(4), max_tokens=6))
+    test.engine.step()
+    test.engine.add_request(request("limited", prompt(4, salt=1), max_tokens=3, max_queue_s=0.5))
+    test.engine.add_request(request("patient", prompt(4, salt=2), max_tokens=3))
+    test.engine.step()
+    now[0] = 0.5
+    test.engine.step()
+    assert test.engine.stats.waiting_requests == 1, "the limited request left the queue"
+    done = test.run()
+    refused = done["limited"].finish
+    assert refused.refusal is not None and not refused.error
+    assert refused.refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.refusal.retry_after_s is not None and refused.refusal.retry_after_s > 0
+    assert done["limited"].token_ids == []
+    assert len(done["running"].token_ids) == 6 and len(done["patient"].token_ids) == 3
+    assert not test.engine.failure
 
 
 def test_higher_priority_is_admitted_first_when_slots_are_short():

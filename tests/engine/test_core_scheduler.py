@@ -19,10 +19,14 @@ def scheduler(num_blocks: int = 64, budget: int = 32, max_running: int = 8, wate
 
 
 def new_request(
-    prompt_len: int, priority: Priority = Priority.NORMAL, arrival: float = 0.0, name: str = ""
+    prompt_len: int,
+    priority: Priority = Priority.NORMAL,
+    arrival: float = 0.0,
+    name: str = "",
+    max_queue_s: float = 0.0,
 ) -> Request:
     tokens = tuple(next(_ids) % 1000 + 3 for _ in range(prompt_len))  # unique: no accidental prefix hits
-    request = EngineRequest(name or f"r{next(_ids)}", tokens, priority=priority)
+    request = EngineRequest(name or f"r{next(_ids)}", tokens, priority=priority, max_queue_s=max_queue_s)
     return Request(request, arrival, AGING_S)
 
 
@@ -213,3 +217,30 @@ def test_the_watermark_keeps_blocks_free_for_running_requests(watermark, admitte
     out = s.schedule()
     assert not out.preempted
     assert ("c" in {req.request.request_id for req in out.scheduled}) is admitted
+
+
+def test_a_request_never_scheduled_expires_at_its_queue_limit_and_one_without_a_limit_waits_on():
+    s = scheduler(max_running=1)
+    s.add(new_request(4, Priority.HIGH, arrival=0.0, name="busy"))
+    step(s)
+    limited = new_request(4, Priority.LOW, arrival=1.0, name="limited", max_queue_s=2.0)
+    patient = new_request(4, Priority.LOW, arrival=1.0, name="patient")
+    s.add(limited)
+    s.add(patient)
+    step(s)
+    assert s.expire(2.9) == []
+    assert s.expire(3.0) == [limited]
+    assert s.expire(100.0) == [], "each request expires once"
+    s.finish(limited)
+    assert s.num_waiting == 1 and patient.status is RequestStatus.WAITING
+
+
+def test_a_request_scheduled_once_never_expires_even_when_preempted_back_to_waiting():
+    s = scheduler(max_running=1)
+    low = new_request(4, Priority.LOW, arrival=0.0, name="low", max_queue_s=1.0)
+    s.add(low)
+    step(s)
+    s.add(new_request(4, Priority.HIGH, arrival=0.5, name="high"))
+    step(s)  # displaces `low` back to the queue
+    assert low.status is RequestStatus.WAITING
+    assert s.expire(50.0) == []

@@ -5,7 +5,8 @@ The mesh is real processes over real sockets (tests/fixtures): two paced null en
 a router over them, an orchestrator over the session's Cassandra, and the edge in front of it. The test
 drives what makes the labelled series exist: answers through the edge (SSE and the OpenAI API) and an
 invalid request; at the orchestrator a send over a request limit and one over the concurrent-run limit;
-free-tier requests shed at the router while both engines' queues are full; and a failover (an engine
+free-tier requests shed at the router while both engines' queues are full; pro requests refused when
+they queued past their objective; and a failover (an engine
 killed mid-stream). Then it scrapes each
 service's /metrics and checks every query of the rendered chart (values-full, and the defaults with
 alerts on) against what it scraped: metric names as sample names (``x_bucket``, ``x_total``: what
@@ -162,7 +163,8 @@ async def _refusals_at_the_orchestrator(orchestrator: OrchestratorProcess) -> No
 
 async def _sheds_then_a_failover(stub: router_pb2_grpc.RouterServiceStub, mesh: MetricsMesh) -> list[str]:
     """Fills both engines (one running, one queued each: past the free tier's depth) until a free request
-    is shed; scrapes the engines; then kills the engine under a running stream, which fails over."""
+    is shed; scrapes the engines; waits for the queued ones to be refused at their queue limit; then
+    kills the engine under a running stream, which fails over."""
     tok = load_tokenizer()
     prompt = tok.encode_chat([ChatMessage("user", "Fill the queues.")])
     streams = [
@@ -183,6 +185,17 @@ async def _sheds_then_a_failover(stub: router_pb2_grpc.RouterServiceStub, mesh: 
             await asyncio.sleep(0.1)
         async with httpx.AsyncClient(timeout=10) as http:
             engine_pages = [(await http.get(url)).text for url in mesh.engine_metrics()]
+        # The two queued behind the running ones wait past the pro tier's objective (1 s): their
+        # engines drop them, and the router refuses them late.
+        ends = [asyncio.ensure_future(stream.rest()) for stream in streams]
+        deadline = time.monotonic() + 20
+        while sum(end.done() for end in ends) < 2:
+            assert time.monotonic() < deadline, "no queued request reached its queue limit"
+            await asyncio.sleep(0.1)
+        for end in (end for end in ends if end.done()):
+            error = end.exception()
+            assert isinstance(error, grpc.aio.AioRpcError), error
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
     finally:
         for stream in streams:
             stream.call.cancel()
@@ -249,6 +262,7 @@ async def scraped(metrics_mesh: MetricsMesh) -> Scrape:
 
 def test_the_drive_made_the_labelled_series_the_chart_reads(scraped: Scrape):
     assert "free" in scraped.series["chatmesh_router_shed_requests_total"]["tier"]
+    assert "pro" in scraped.series["chatmesh_router_queue_expired_requests_total"]["tier"]
     assert scraped.series["chatmesh_router_failovers_total"]["reason"]
     rejections = scraped.series["chatmesh_orchestrator_budget_rejections_total"]
     assert "free" in rejections["tier"] and "concurrent_runs" in rejections["limit"]

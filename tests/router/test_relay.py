@@ -119,7 +119,7 @@ async def test_token_frames_that_arrived_while_the_client_was_busy_go_out_as_one
     ]
     engine = engine_answering(frames)
     placement = Placement(engine, predicted_cached_tokens=0, model="m")
-    sent = [frame async for frame in r._stream(placement, "r")]
+    sent = [frame async for frame in r._stream(placement, "r", 0.0)]
     assert [frame.WhichOneof("kind") for frame in sent] == ["tokens", "finished"]
     merged = sent[0].tokens
     assert (merged.index, list(merged.token_ids), merged.text, list(merged.text_ends)) == (

@@ -50,7 +50,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateStart(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "resumed_output_token_ids", "sampling", "priority", "model", "tokenizer_fingerprint")
+    __slots__ = ("request_id", "prompt_token_ids", "resumed_output_token_ids", "sampling", "priority", "model", "tokenizer_fingerprint", "max_queue_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     RESUMED_OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class GenerateStart(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     resumed_output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -65,7 +66,8 @@ class GenerateStart(_message.Message):
     priority: Priority
     model: str
     tokenizer_fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    max_queue_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., resumed_output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_queue_ms: _Optional[int] = ...) -> None: ...
 
 class GenerateCancel(_message.Message):
     __slots__ = ()
