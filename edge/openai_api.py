@@ -128,7 +128,7 @@ async def chat_completions(request: Request) -> Response:
     body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
     stream = orchestrator.stream("Complete", complete_request(body), caller)
     try:
-        first = await stream.opening()
+        first = await stream.opening_answer()
     except ApiError as error:
         raise openai_names(error) from None
     run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()

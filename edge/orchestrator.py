@@ -25,7 +25,7 @@ from google.protobuf.message import Message
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
 from edge.drain import Drain
-from edge.errors import ApiError, from_rpc_error
+from edge.errors import ApiError, from_rpc_error, from_run_error
 from meshkit.serving import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class RunStream:
         # The run (known from the request, or from its `started` event) and the last event relayed.
         self._run_id = run_id
         self._last_seq = after_seq
+        self._read_ahead: chat_pb2.RunEvent | None = None  # read by ``opening_answer``, relayed next
 
     async def first(self) -> chat_pb2.RunEvent | None:
         """The first event, or None for a stream that ended without one (StreamRun after a finished run's
@@ -116,9 +117,28 @@ class RunStream:
             raise ApiError(502, "the chat service ended the stream without any event", type="server_error")
         return first
 
+    async def opening_answer(self) -> chat_pb2.RunEvent:
+        """The opening event of a stream nobody can resume (Complete), held until the event after
+        `started`: a run refused before its first token (an engine dropped it from its queue when its
+        TTFT objective ran out: RESOURCE_EXHAUSTED with a retry delay) raises ApiError, so the client
+        gets a status it can act on (429 with Retry-After, which OpenAI's SDKs retry) rather than an
+        error chunk after a 200. The event read ahead is the first that ``rest`` yields."""
+        first = await self.opening()
+        if first.WhichOneof("kind") != "started":
+            return first
+        following = await self.first()
+        if following is not None and following.WhichOneof("kind") == "error":
+            error = following.error
+            raise from_run_error(error.code, error.message, error.retry_after_ms)
+        self._read_ahead = following
+        return first
+
     async def rest(self) -> AsyncIterator[chat_pb2.RunEvent]:
         """The events after the first; a failure mid-stream raises grpc.RpcError (after attaching again
         for ``REATTACH_FOR_S`` where the run can be resumed)."""
+        if self._read_ahead is not None:
+            event, self._read_ahead = self._read_ahead, None
+            yield event
         given_up_at: float | None = None
         delay = _REATTACH_FIRST_DELAY_S
         while True:

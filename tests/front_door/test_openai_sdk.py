@@ -133,6 +133,20 @@ def test_error_mid_stream_raises_in_the_sdk(sdk: openai.OpenAI):
     assert "".join(c.choices[0].delta.content or "" for c in received if c.choices) == scripted_text(2)
 
 
+def test_a_refusal_before_the_first_token_is_a_429_with_retry_after_not_an_error_chunk(sdk: openai.OpenAI):
+    # The router refuses a request its engine dropped from the queue at its TTFT objective after
+    # `started`: the edge holds the response's status until the answer's first event, so an OpenAI
+    # client gets the 429 (its SDK retries those) instead of a 200 whose stream then fails.
+    with pytest.raises(openai.RateLimitError) as limited:
+        stream = sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "!runerror RESOURCE_EXHAUSTED 0"}], stream=True
+        )
+        list(stream)
+    assert limited.value.status_code == 429
+    assert limited.value.response.headers["retry-after"] == "2"
+    assert "scripted RESOURCE_EXHAUSTED" in str(limited.value)
+
+
 def test_non_streaming_run_error_becomes_an_http_error(sdk: openai.OpenAI):
     with pytest.raises(openai.InternalServerError) as failure:
         sdk.chat.completions.create(
