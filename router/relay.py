@@ -12,8 +12,9 @@ each placement. An error that is the request's fault (INVALID_ARGUMENT, FAILED_P
 returned as is; a full engine queue (RESOURCE_EXHAUSTED) or a failing engine means another attempt,
 up to ``max_attempts``, then UNAVAILABLE naming what each engine said.
 
-Under the wait rule a new request's first attempt also tells the engine how long it may queue: what is
-left of its tier's TTFT objective less the engine's own time to a first token (``max_queue_ms``).
+Under the wait rule every attempt of a request whose client has no token yet also tells the engine how
+long it may queue: what is left of its tier's TTFT objective less the engine's own time to a first token
+(``max_queue_ms``).
 Admission predicted a wait that fits; when the prediction was wrong (higher tiers kept arriving, the
 engine drained slower than it had), the engine drops the request unstarted at that limit and the
 request ends RESOURCE_EXHAUSTED with a retry delay, not served after its objective is lost and not
@@ -154,7 +155,7 @@ class Relay:
                         degraded=self.degraded,
                     )
                 )
-                queue_limit_s = self._queue_limit_s(engine, admitted=attempt == 1)
+                queue_limit_s = self._queue_limit_s(engine)
                 async for frame in self._stream(placement, attempt_id, queue_limit_s):
                     yield frame
                 return
@@ -182,12 +183,13 @@ class Relay:
 
     # -- one attempt ---------------------------------------------------------------------------------
 
-    def _queue_limit_s(self, engine: EngineState, admitted: bool) -> float:
+    def _queue_limit_s(self, engine: EngineState) -> float:
         """How long ``engine`` may keep this attempt queued before its first step: what is left of the
-        tier's TTFT objective less the engine's time to a first token at the head of its queue. 0 (no
-        limit) for a request held to no objective: the count rule, a failover (the mesh's fault, not
-        load's), a continuation (its client already has output)."""
-        objective = self.config.objective_s(tier_of_proto(self.plan.tier).name, admitted)
+        tier's TTFT objective less the engine's time to a first token at the head of its queue (on a
+        failover too: an engine that refused it as full, or died, spent part of it). 0 (no limit) for a
+        request held to no objective: under the count rule, or once its client has output (a
+        continuation, a failover mid-answer)."""
+        objective = self.config.objective_s(tier_of_proto(self.plan.tier).name, admit=True)
         if objective is None or self.output:
             return 0.0
         left = objective - (time.monotonic() - self.arrival) - engine.head_ttft_s

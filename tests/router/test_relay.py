@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
 from meshkit.links import RequestFeed
 from router.config import RouterConfig
@@ -130,3 +131,94 @@ async def test_token_frames_that_arrived_while_the_client_was_busy_go_out_as_one
     )
     assert r.output == [10, 11, 12] and sent[1].finished.usage.completion_tokens == 3
     assert engine.link.released == ["r"]  # the relay lets go of the request once it has ended
+
+
+class ScriptedLink(ArrivedLink):
+    """A link whose request gets ``frames`` and then, if given, ``error``; it keeps the start it was sent."""
+
+    def __init__(self, frames: list[engine_pb2.ResponseFrame], error: ServiceError | None = None) -> None:
+        super().__init__(frames)
+        if error is not None:
+            self.feed.end(error)
+        self.started: engine_pb2.GenerateStart | None = None
+
+    def open(self, start, trace_context) -> RequestFeed:
+        self.started = start
+        return self.feed
+
+
+def scripted_engine(engine_id: str, link: ScriptedLink) -> SimpleNamespace:
+    return SimpleNamespace(
+        engine_id=engine_id,
+        info=None,
+        link=link,
+        head_ttft_s=0.1,
+        dispatched=lambda request_id, tokens, rank: None,
+        progressed=lambda request_id, tokens: None,
+        ended=lambda request_id, completed: None,
+    )
+
+
+class ScriptedPlacer:
+    """Places each attempt on the next engine of its list."""
+
+    def __init__(self, *engines: SimpleNamespace) -> None:
+        self.engines = list(engines)
+        self.placed = 0
+
+    def place(self, plan, exclude, admit) -> Placement:
+        engine = self.engines[self.placed]
+        self.placed += 1
+        return Placement(engine, predicted_cached_tokens=0, model="m")
+
+    def remember(self, plan, engine, output) -> None:
+        pass
+
+
+def free_relay(placer: ScriptedPlacer, admission: str = "wait") -> Relay:
+    start = router_pb2.GenerateStart(request_id="r", prompt_token_ids=[1, 2, 3], tier=router_pb2.TIER_FREE)
+    plan = RequestPlan("r", [1, 2, 3], tier=router_pb2.TIER_FREE)
+    config = RouterConfig(admission=admission)
+    return Relay(start, plan, placer, config, RouterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+
+
+ACCEPTED = engine_pb2.ResponseFrame(request_id="r", accepted=engine_pb2.GenerateAccepted())
+FINISHED = engine_pb2.ResponseFrame(
+    request_id="r", finished=engine_pb2.GenerateFinished(finish_reason=engine_pb2.FINISH_REASON_LENGTH)
+)
+
+
+def exhausted(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, 0.2)
+
+
+async def test_an_engine_dropping_the_request_from_its_queue_ends_it_resource_exhausted_with_no_failover():
+    expired = ScriptedLink([ACCEPTED], exhausted("waited 1.9s in the queue"))
+    spare = ScriptedLink([ACCEPTED, FINISHED])
+    placer = ScriptedPlacer(scripted_engine("e0", expired), scripted_engine("e1", spare))
+    r = free_relay(placer)
+    with pytest.raises(ServiceError) as refused:
+        [frame async for frame in r.run()]
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "free tier's time-to-first-token objective" in refused.value.message
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 0.5
+    assert placer.placed == 1 and spare.started is None
+    # What is left of the free tier's 2 s, less the engine's 0.1 s to a first token.
+    assert 1800 <= expired.started.max_queue_ms <= 1900
+
+
+async def test_a_failover_from_a_full_engine_still_carries_what_is_left_of_the_objective():
+    full = ScriptedLink([], exhausted("the engine's waiting queue is full"))
+    spare = ScriptedLink([ACCEPTED, FINISHED])
+    placer = ScriptedPlacer(scripted_engine("e0", full), scripted_engine("e1", spare))
+    frames = [frame async for frame in free_relay(placer).run()]
+    assert [frame.WhichOneof("kind") for frame in frames][-1] == "finished"
+    assert placer.placed == 2
+    assert 0 < spare.started.max_queue_ms <= full.started.max_queue_ms
+
+
+async def test_under_the_count_rule_no_attempt_carries_a_queue_limit():
+    answers = ScriptedLink([ACCEPTED, FINISHED])
+    placer = ScriptedPlacer(scripted_engine("e0", answers))
+    [frame async for frame in free_relay(placer, admission="count").run()]
+    assert answers.started.max_queue_ms == 0
