@@ -17,7 +17,9 @@ Cores: engine i is pinned with ``taskset`` to core ``i mod cores`` and runs one 
 Reported per policy: prefix hit rate (prompt tokens served from cache ÷ prompt tokens, from the
 engines' own usage), TTFT p50/p90 and TPOT p50 measured at the client, output tokens/s and requests/s
 over the whole run, how often the router's predicted hit equalled the engine's actual one, and the
-requests per engine. Then the router's own cost: the same streams straight to a null engine and
+requests per engine; and how many times the router refused a turn (pro tier: admission by predicted
+wait, or an engine's queue limit), which the client then sends again after the retry delay. Then the
+router's own cost: the same streams straight to a null engine and
 through the router.
 """
 
@@ -43,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_engine_overhead import StreamTimes, timed_stream  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+from chatmesh.errors import retry_after_s  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer, load_tokenizer  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
@@ -188,6 +191,7 @@ class Result:
     output_tokens: int
     engine: str
     attempts: int
+    refusals: int = 0  # times the router refused this turn (RESOURCE_EXHAUSTED) before it was answered
 
 
 async def one_request(
@@ -230,13 +234,33 @@ async def one_request(
     return result, tokens
 
 
+async def answered(
+    stub, conv: Conversation, turn: int, prompt: list[int], args, t0: float, fingerprint: str
+) -> tuple[Result, list[int]]:
+    """One turn, sent again after the router's retry delay each time it is refused, as a client would
+    (admission by predicted wait, or an engine's queue limit); the result counts the refusals and
+    times the attempt that was answered."""
+    refusals = 0
+    while True:
+        try:
+            result, tokens = await one_request(stub, conv, turn, prompt, args, t0, fingerprint)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            refusals += 1
+            await asyncio.sleep(retry_after_s(error) or 1.0)
+            continue
+        result.refusals = refusals
+        return result, tokens
+
+
 async def converse(
     stub, conv: Conversation, args, t0: float, fingerprint: str, results: list[Result]
 ) -> None:
     await asyncio.sleep(max(0.0, t0 + conv.start_s - time.perf_counter()))
     prompt = conv.first_prompt
     for turn in range(args.turns):
-        result, answer = await one_request(stub, conv, turn, prompt, args, t0, fingerprint)
+        result, answer = await answered(stub, conv, turn, prompt, args, t0, fingerprint)
         results.append(result)
         if turn + 1 < args.turns:
             prompt = prompt + answer + conv.follow_ups[turn]
@@ -402,6 +426,7 @@ class Summary:
     requests_s: float
     prediction_exact: float
     failovers: int
+    refusals: int
     per_engine: dict[str, int] = field(default_factory=dict)
 
 
@@ -427,6 +452,7 @@ def summarize(policy: str, results: list[Result]) -> Summary:
         requests_s=len(results) / makespan,
         prediction_exact=sum(r.predicted_tokens == r.cached_tokens for r in results) / len(results),
         failovers=sum(r.attempts - 1 for r in results),
+        refusals=sum(r.refusals for r in results),
         per_engine=dict(sorted(per_engine.items())),
     )
 
@@ -444,6 +470,11 @@ def print_table(summaries: dict[str, Summary]) -> None:
             f"{1000 * s.tpot_p50_s:.0f} ms | {s.output_tok_s:.1f} | {s.requests_s:.3f} | "
             f"{s.prediction_exact:.0%} | {' '.join(str(n) for n in s.per_engine.values())} |"
         )
+    for s in summaries.values():
+        if s.refusals:
+            print(
+                f"{s.policy}: {s.refusals} refusals (RESOURCE_EXHAUSTED), each turn sent again after its delay"
+            )
     if base is not None and "kv_aware" in summaries:
         kv = summaries["kv_aware"]
         print(
