@@ -13,12 +13,11 @@ returned as is; a full engine queue (RESOURCE_EXHAUSTED) or a failing engine mea
 up to ``max_attempts``, then UNAVAILABLE naming what each engine said.
 
 Under the wait rule every attempt of a request whose client has no token yet also tells the engine how
-long it may queue: what is left of its tier's TTFT objective less the engine's own time to a first token
-(``max_queue_ms``).
-Admission predicted a wait that fits; when the prediction was wrong (higher tiers kept arriving, the
-engine drained slower than it had), the engine drops the request unstarted at that limit and the
-request ends RESOURCE_EXHAUSTED with a retry delay, not served after its objective is lost and not
-moved to another engine (its objective is spent there too).
+long it may queue: what is left of its tier's TTFT objective less the engine's own time to a first
+token (``max_queue_ms``). Admission predicted a wait that fits; when the prediction was wrong (higher
+tiers kept arriving, the engine drained slower than it had), the engine drops the request unstarted at
+that limit and the request ends RESOURCE_EXHAUSTED with a retry delay: not served after its objective
+is lost, and not moved to another engine (its objective is spent there too).
 
 Attempts go to the engine over the router's one stream to it (``meshkit.links``), shared with the
 router's other requests there. The request has a deadline (the client's, or ``max_request_s``): once
@@ -243,8 +242,8 @@ class Relay:
     async def _first_tokens(
         self, feed: RequestFeed, batch: list[engine_pb2.ResponseFrame], timeout_s: float
     ) -> list[engine_pb2.ResponseFrame]:
-        """The frames after `accepted` up to the first one, for an attempt with a queue limit: the
-        engine's RESOURCE_EXHAUSTED now means it dropped the request unstarted at that limit, which
+        """The first frames after `accepted`, for an attempt with a queue limit: the engine's
+        RESOURCE_EXHAUSTED now means it dropped the request unstarted at that limit, which
         ends the request (its objective is spent on any engine) rather than the attempt."""
         if batch:
             return batch
