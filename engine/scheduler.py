@@ -49,7 +49,8 @@ class Scheduler:
         # Blocks kept free when admitting new requests, so running ones can grow without preemptions.
         self.watermark_blocks = watermark_blocks
         self._waiting: list[tuple[tuple[float, int], Request]] = []  # heap; finished entries are stale
-        # Heap of (queue deadline, serial) of requests never scheduled; started or finished ones are stale.
+        # Heap of (queue deadline, serial, request) of requests never scheduled; started or finished ones
+        # are stale.
         self._deadlines: list[tuple[float, int, Request]] = []
         self.num_waiting = 0
         self.running: list[Request] = []
