@@ -1,7 +1,7 @@
 """Admission under overload: the router's wait rule against its count rule, in one run, on paced null
 engines driven at a multiple of the mesh's capacity.
 
-    /work/briefs/locked --both .venv/bin/python bench/bench_admission.py \
+    flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_admission.py \
         [--engines 2] [--running 8] [--answer-tokens 50] [--tokens-per-s 50] [--load 3] \
         [--duration-s 20] [--warmup-s 5] [--rules wait count] [--json out.json]
 

@@ -1,6 +1,6 @@
 """How much of each turn's prompt an engine already holds, over a long chat: per-turn cuts vs steps.
 
-    /work/briefs/locked .venv/bin/python bench/bench_prefix_stability.py [--turns 60] [--json out.json]
+    flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_prefix_stability.py [--turns 60] [--json out.json]
 
 A chat of ``--turns`` exchanges (a user message and an answer of the given token lengths, the seeds'
 long chats) is assembled turn after turn by the orchestrator's own code: ``fit_prompt`` with the real
