@@ -201,9 +201,11 @@ class LLMEngine:
             return False
         outputs: list[RequestOutput] = []
         self._take_inbox(outputs)
+        batch = self.scheduler.schedule()
+        # Only what this step had no room to start expires: a request whose limit passed while the step
+        # before ran (slow steps: big batches on a CPU) but that fits now is started, not refused.
         for req in self.scheduler.expire(self._clock()):
             outputs.append(self.tracker.expire(self._tracked(req)))
-        batch = self.scheduler.schedule()
         if batch.scheduled:
             self._execute(batch, outputs)
         self.events.flush()

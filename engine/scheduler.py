@@ -67,7 +67,8 @@ class Scheduler:
 
     def expire(self, now: float) -> list[Request]:
         """The waiting requests, never scheduled, whose queue limit has passed by ``now``: the caller
-        refuses them (``finish`` takes them out)."""
+        refuses them (``finish`` takes them out). Asked after ``schedule``, so a request expires only
+        when a step had no room to start it."""
         expired = []
         while self._deadlines and self._deadlines[0][0] <= now:
             req = heapq.heappop(self._deadlines)[2]

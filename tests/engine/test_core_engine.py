@@ -267,6 +267,23 @@ def test_a_request_past_its_queue_limit_is_refused_resource_exhausted_and_the_re
     assert not test.engine.failure
 
 
+def test_a_request_whose_limit_passed_during_a_long_step_starts_when_there_is_room():
+    # The limit is for waiting on a full engine, not for the step that was running when it arrived: a
+    # slow step (a big batch on a CPU, or a null engine paced at 1 token/s) must not refuse a request
+    # the next step has room for.
+    now = [0.0]
+    test = make_engine(clock=lambda: now[0], max_running_requests=4, max_batched_tokens=32)
+    test.engine.add_request(request("running", prompt(4), max_tokens=4))
+    test.engine.step()
+    test.engine.add_request(request("limited", prompt(4, salt=1), max_tokens=3, max_queue_s=0.05))
+    now[0] = 1.0  # the step in progress ends long after the limit
+    test.engine.step()
+    assert test.engine.stats.running_requests == 2
+    done = test.run()
+    assert done["limited"].finish.refusal is None
+    assert len(done["limited"].token_ids) == 3
+
+
 def test_higher_priority_is_admitted_first_when_slots_are_short():
     test = make_engine(max_running_requests=1, max_batched_tokens=8)
     test.engine.add_request(request("low", prompt(4), max_tokens=3, priority=Priority.LOW))
