@@ -29,17 +29,21 @@ process, Cassandra included (what a send costs the mesh, beside what each token 
 
 Then the hold ramp: the engines restart paced at ``--hold-tokens-per-s`` (slow streams cost little CPU,
 so what is measured is holding streams, not relaying tokens) with room to decode every stream of the
-largest level at once, and N OpenAI streams of ``--hold-tokens`` tokens are opened at once through
-Envoy, for N = ``--hold-start``, doubling, up to ``--hold-cap``. A level is held when every stream got
-its first token while all N were open, and every one then finished with all its tokens and no error.
-The ramp stops at the first level that is not held. Each level reports the memory each process added per
-open stream (its peak resident size during the level less its size before it). The client is a lean
-one (bench/sse_client.py): httpx's pool costs O(open streams) per new request.
+largest level at once, and N streams of ``--hold-tokens`` tokens are opened through Envoy, all at once
+or ``--hold-open-rate`` a second, for N = ``--hold-start``, doubling, up to ``--hold-cap``: OpenAI SSE
+streams (``--hold-via sse``, browsers' door: Envoy -> edge -> Envoy -> orchestrator) or
+ChatService.Complete calls over one gRPC connection (``--hold-via grpc``, internal services' door:
+Envoy -> orchestrator). A level is held when every stream got its first token while all N were open,
+and every one then finished with all its tokens and no error. The ramp stops at the first level that is
+not held. Each level reports the memory each process added per open stream (its peak resident size
+during the level less its size before it) and the cores each kept busy over the level. The SSE client
+is a lean one (bench/sse_client.py): httpx's pool costs O(open streams) per new request.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_front_door.py \
         [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] \
         [--cost-streams 10 50 100 200] [--cost-window-s 10] [--cost-requests 200] [--cost-concurrency 10] \
-        [--cost-request-tokens 8] [--hold-start 250] [--hold-cap 2000] \
+        [--cost-request-tokens 8] [--hold-start 250] [--hold-cap 2000] [--hold-tokens 60] \
+        [--hold-via sse|grpc] [--hold-open-rate 0] \
         [--plot docs/front_door_latency.png] [--cost-plot docs/front_door_cost.png]
 
 The plots need matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
@@ -61,6 +65,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
+import grpc
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +86,7 @@ from bench.bench_orchestrator import (  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 from bench.process_usage import Usage  # noqa: E402
 from bench.sse_client import SseFailedError, post_events  # noqa: E402
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from engine.model.loading import NULL_TEXT  # noqa: E402
 from localmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
@@ -89,6 +95,8 @@ from meshkit.launcher import Launcher, free_port  # noqa: E402
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 
 PATHS = ("engine", "openai", "chat")
+# Prompt tokens per stream the hold ramp's engines make room for (QUESTION's prompt is ~50).
+PROMPT_ROOM = 128
 
 
 class StreamFailedError(RuntimeError):
@@ -128,9 +136,13 @@ class Door:
         self._auth: dict[int, dict[str, str]] = {}
         self._text: NullText | None = None
         self._calibrating = asyncio.Lock()
+        # gRPC through the same public port, as internal services call chatmesh (one HTTP/2 connection).
+        self.grpc = grpc.aio.insecure_channel(f"{self.host}:{self.port}")
+        self.chat = chat_pb2_grpc.ChatServiceStub(self.grpc)
 
     async def close(self) -> None:
         await self.http.aclose()
+        await self.grpc.close()
 
     def auth(self, i: int) -> dict[str, str]:
         if i not in self._auth:
@@ -163,6 +175,30 @@ class Door:
             raise StreamFailedError(str(exc)) from None
         if completion_tokens != tokens:
             raise StreamFailedError(f"the answer ended after {completion_tokens} of {tokens} tokens")
+
+    async def grpc_chunks(self, i: int, tokens: int) -> AsyncIterator[int]:
+        """``openai_chunks`` for ChatService.Complete over gRPC through Envoy: each delta's token count."""
+        request = chat_pb2.CompleteRequest(
+            messages=[
+                chat_pb2.PromptMessage(role=chat_pb2.ROLE_SYSTEM, content=DEFAULT_SYSTEM_PROMPT),
+                chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content=QUESTION),
+            ],
+            options=chat_pb2.GenerationOptions(max_tokens=tokens, temperature=0.0),
+        )
+        metadata = (("authorization", self.auth(i)["Authorization"]),)
+        counted = 0
+        try:
+            async for response in self.chat.Complete(request, metadata=metadata, timeout=3600):
+                event = response.event
+                if event.WhichOneof("kind") == "delta":
+                    counted += event.delta.token_count
+                    yield event.delta.token_count
+                elif event.WhichOneof("kind") == "error":
+                    raise StreamFailedError(f"{event.error.code}: {event.error.message}")
+        except grpc.aio.AioRpcError as exc:
+            raise StreamFailedError(f"{exc.code().name}: {exc.details()}") from None
+        if counted != tokens:
+            raise StreamFailedError(f"the answer ended after {counted} of {tokens} tokens")
 
     async def _completion(self, i: int, tokens: int) -> AsyncIterator[dict]:
         """The chunks of a streamed completion of QUESTION (an error chunk raises)."""
@@ -308,19 +344,26 @@ class Held:
     first_p99: float
     # Resident memory added per stream held, by hop (bytes): the level's peak less the idle door's.
     bytes_per_stream: dict[str, float]
+    # Cores each hop kept busy on average over the level (CPU seconds / the level's seconds).
+    cores: dict[str, float]
 
     @property
     def held(self) -> bool:
         return not self.errors and self.peak_open == self.streams
 
 
-async def hold_level(door: Door, streams: int, tokens: int, pids: dict[str, int]) -> Held:
-    """Opens ``streams`` OpenAI streams at once; each is timed from its first chunk to its end. The
-    processes' resident memory is read every half second; its peak less the idle reading is the cost
-    of the open streams."""
+async def hold_level(
+    door: Door, streams: int, tokens: int, pids: dict[str, int], via: str = "sse", open_rate: float = 0.0
+) -> Held:
+    """Opens ``streams`` completions, along ``via`` (``sse``: the OpenAI route; ``grpc``: ChatService.Complete),
+    all at once or ``open_rate`` a second; each is timed from its first chunk to its end. The processes'
+    resident memory is read every half second; its peak less the idle reading is the cost of the open
+    streams. First chunks are timed from each stream's own opening."""
     idle = peak_usage = Usage.of(pids)
     began = time.perf_counter()
     spans: list[tuple[float, float]] = []
+    waits: list[float] = []
+    chunks = door.grpc_chunks if via == "grpc" else door.openai_chunks
 
     async def watch_memory() -> None:
         nonlocal peak_usage
@@ -329,15 +372,20 @@ async def hold_level(door: Door, streams: int, tokens: int, pids: dict[str, int]
             peak_usage = peak_usage.peak(Usage.of(pids))
 
     async def one(i: int) -> None:
-        first = None
-        async for _ in door.openai_chunks(i, tokens):
+        if open_rate:
+            await asyncio.sleep(began + i / open_rate - time.perf_counter())
+        opened, first = time.perf_counter(), None
+        async for _ in chunks(i, tokens):
             first = first or time.perf_counter()
         assert first is not None
         spans.append((first, time.perf_counter()))
+        waits.append(first - opened)
 
     watcher = asyncio.create_task(watch_memory())
     outcomes = await asyncio.gather(*(one(i) for i in range(streams)), return_exceptions=True)
     watcher.cancel()
+    level_s = time.perf_counter() - began
+    cpu = by_hop(Usage.of(pids).cpu_since(idle))
     failures = [e for e in outcomes if isinstance(e, BaseException)]
     errors = sorted({f"{type(e).__name__}: {e}"[:200] for e in failures})
     # The most streams open at one moment: +1 at each first chunk, -1 at each end.
@@ -346,16 +394,17 @@ async def hold_level(door: Door, streams: int, tokens: int, pids: dict[str, int]
     for _, step in edges:
         open_now += step
         peak = max(peak, open_now)
-    firsts = [start - began for start, _ in spans] or [0.0]
+    waits = waits or [0.0]
     return Held(
         streams,
         len(failures),
         errors,
         peak,
-        max(firsts),
-        statistics.median(firsts),
-        percentile(firsts, 0.99),
+        max((start - began for start, _ in spans), default=0.0),
+        statistics.median(waits),
+        percentile(waits, 0.99),
         {hop: grown / streams for hop, grown in by_hop(peak_usage.rss_since(idle)).items()},
+        {hop: seconds / level_s for hop, seconds in cpu.items()},
     )
 
 
@@ -366,30 +415,35 @@ async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys, pids: dic
         levels.append(level)
         level *= 2
     levels.append(args.hold_cap)
+    path = "ChatService.Complete over gRPC" if args.hold_via == "grpc" else "OpenAI SSE streams"
+    opening = f"{args.hold_open_rate:g} a second" if args.hold_open_rate else "all at once"
     print(
-        f"\nhold ramp: OpenAI streams of {args.hold_tokens} tokens through Envoy, null engines paced at "
-        f"{args.hold_tokens_per_s:g} tokens/s per stream, cap {args.hold_cap}\n"
+        f"\nhold ramp: {path} of {args.hold_tokens} tokens through Envoy, opened {opening}, null engines "
+        f"paced at {args.hold_tokens_per_s:g} tokens/s per stream, cap {args.hold_cap}\n"
         f"{'streams':>7} {'held':>5} {'peak open':>9} {'all answered by':>15} {'first chunk p50/p99':>20}  "
-        f"KiB per open stream ({', '.join(MEMORY_HOPS)})  errors",
+        f"KiB per open stream ({', '.join(MEMORY_HOPS)})  cores busy (same, then cassandra)  errors",
         flush=True,
     )
     results: list[Held] = []
     try:
         # The restarted engines are back in the router once a few short streams get through.
         for _ in range(60):
-            if not (await hold_level(door, 4, 2, pids)).errors:
+            if not (await hold_level(door, 4, 2, pids, args.hold_via)).errors:
                 break
             await asyncio.sleep(0.5)
         for streams in levels:
             for i in range(streams):
                 door.auth(i)  # mint the tokens before the clock starts
-            result = await hold_level(door, streams, args.hold_tokens, pids)
+            result = await hold_level(
+                door, streams, args.hold_tokens, pids, args.hold_via, args.hold_open_rate
+            )
             results.append(result)
             memory = " ".join(f"{result.bytes_per_stream.get(hop, 0) / 1024:.1f}" for hop in MEMORY_HOPS)
+            cores = " ".join(f"{result.cores.get(hop, 0):.2f}" for hop in (*MEMORY_HOPS, "cassandra"))
             print(
                 f"{streams:>7} {'yes' if result.held else 'NO':>5} {result.peak_open:>9} "
                 f"{result.open_s:>14.1f}s {result.first_p50:>9.1f}s / {result.first_p99:.1f}s  "
-                f"{memory}  {result.failed} failed {result.errors[:3]}",
+                f"{memory}  {cores}  {result.failed} failed {result.errors[:3]}",
                 flush=True,
             )
             if not result.held:
@@ -636,10 +690,13 @@ def start_door(launcher: Launcher, orchestrator: str, run_dir: Path, keys: DevKe
 
 
 def restart_engines(launcher: Launcher, engines: list[str], tokens_per_s: float, max_running: int) -> None:
-    """The same engines on the same ports, paced anew (the router reconnects to them)."""
+    """The same engines on the same ports, paced anew (the router reconnects to them), each with room to
+    decode ``max_running`` streams and to take all of their prompts into one step: a step lasts a token's
+    pace, and prompts waiting a step for room would count as a queue at the router's admission."""
     for i, address in enumerate(engines):
         launcher.stop(f"engine-{i}")
-        launcher.start(null_engine(i, int(address.rsplit(":", 1)[1]), tokens_per_s, max_running))
+        port = int(address.rsplit(":", 1)[1])
+        launcher.start(null_engine(i, port, tokens_per_s, max_running, max_running * PROMPT_ROOM))
 
 
 def main() -> None:
@@ -655,6 +712,15 @@ def main() -> None:
     parser.add_argument("--hold-start", type=int, default=250, help="the ramp's first level (then doubling)")
     parser.add_argument("--hold-tokens", type=int, default=60, help="tokens per stream in the ramp")
     parser.add_argument("--hold-tokens-per-s", type=float, default=1.0, help="engines' pace in the ramp")
+    parser.add_argument(
+        "--hold-via",
+        choices=("sse", "grpc"),
+        default="sse",
+        help="the ramp's streams: the OpenAI SSE route (browsers' door) or gRPC Complete (services' door)",
+    )
+    parser.add_argument(
+        "--hold-open-rate", type=float, default=0.0, help="streams the ramp opens a second (0: all at once)"
+    )
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "front_door_latency.png")
     parser.add_argument(
         "--cost-streams",
@@ -707,8 +773,10 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             asyncio.run(request_costs(args, url, keys, pids))
         if args.hold_cap:
             print(f"\nrestarting the engines paced at {args.hold_tokens_per_s:g} tokens/s ...", flush=True)
-            # Every stream of the largest level decodes at once: the ramp measures the door, not a queue.
-            restart_engines(launcher, engines, args.hold_tokens_per_s, -(-args.hold_cap // len(engines)))
+            # Every stream of the largest level decodes at once, however placement spreads them (the
+            # streams share one prompt, so cache-aware placement gathers them): the ramp measures the
+            # door, not an engine's queue.
+            restart_engines(launcher, engines, args.hold_tokens_per_s, args.hold_cap)
             asyncio.run(wait_for_engines(router, len(engines)))
             asyncio.run(hold_ramp(args, url, keys, process_ids(launcher)))
         print(f"\nmachine at the end: {machine()}")

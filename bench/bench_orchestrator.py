@@ -204,15 +204,19 @@ def service(module: str, name: str, port: int, *flags: str) -> ServiceSpec:
     return ServiceSpec(name=name, argv=argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT)
 
 
-def null_engine(i: int, port: int, tokens_per_s: float, max_running: int = 512) -> ServiceSpec:
+def null_engine(
+    i: int, port: int, tokens_per_s: float, max_running: int = 512, max_batched_tokens: int = 4096
+) -> ServiceSpec:
     """Null engine ``engine-<i>`` paced at ``tokens_per_s`` per stream, decoding ``max_running`` streams
-    at once with 2,048 more waiting."""
+    at once with 2,048 more waiting, and taking ``max_batched_tokens`` (at least one per running stream)
+    into a step."""
+    batched = max(max_batched_tokens, max_running)
     return service(
         "engine",
         f"engine-{i}",
         port,
         *("--engine-id", f"engine-{i}", "--backend", "null", "--null-tokens-per-s", str(tokens_per_s)),
-        *("--max-running-requests", str(max_running), "--max-batched-tokens", str(max(4096, max_running))),
+        *("--max-running-requests", str(max_running), "--max-batched-tokens", str(batched)),
         *("--max-waiting-requests", "2048"),
     )
 
