@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,  # Envoy writes the access log
         proxy_headers=False,
     )
-    DrainingServer(config, drain, settings.streams.drain_grace_s).run()
+    with event_loop.server_gc():
+        DrainingServer(config, drain, settings.streams.drain_grace_s).run()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Every service runs on uvloop unless CHATMESH_EVENT_LOOP says asyncio, and gRPC serves on either."""
 
 import asyncio
+import gc
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -51,3 +52,16 @@ def test_an_unknown_loop_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(event_loop.ENV, "trio")
     with pytest.raises(SystemExit, match="CHATMESH_EVENT_LOOP='trio': expected one of uvloop, asyncio"):
         event_loop.chosen()
+
+
+async def _collector_settings() -> tuple[tuple[int, int, int], int]:
+    return gc.get_threshold(), gc.get_freeze_count()
+
+
+def test_services_run_with_the_collector_tuned_for_a_server_and_leave_it_as_it_was():
+    before = gc.get_threshold()
+    with ThreadPoolExecutor(1) as thread:
+        threshold, frozen = thread.submit(lambda: event_loop.run(_collector_settings())).result()
+    assert threshold == (event_loop.YOUNG_GENERATION, *before[1:])
+    assert frozen > 10_000, "the imports' objects are frozen out of every collection"
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
