@@ -104,6 +104,36 @@ class Outbox(Generic[Frame]):
             self._queue.put_nowait(None)
 
 
+class Wakeup:
+    """Wakes the tasks waiting on it: ``asyncio.Event``'s job on a path taken for every token, without
+    its cost there. ``Event.wait`` asks for the running loop on every call, and on Python 3.11 that asks
+    the kernel for the process id: a system call per token per hop, 13 % of the orchestrator's CPU at
+    3,000 open streams (py-spy). This one keeps the loop it first waited on. It has no flag to set or
+    clear: ``wait`` returns at the next ``notify``, so a waiter checks its condition first, with no
+    ``await`` between the check and ``wait``."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def notify(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def wait(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter.cancelled() and waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+
 class Arrivals(Generic[Frame]):
     """Frames that arrived and were not taken yet, then how the stream of them ended. ``take`` returns
     every frame that arrived since the last ``take``: a consumer that keeps up gets them one by one, as
@@ -115,18 +145,18 @@ class Arrivals(Generic[Frame]):
         self._frames: deque[Frame] = deque()
         self._error: BaseException | None = None
         self.ended = False
-        self._arrived = asyncio.Event()
+        self._arrived = Wakeup()
 
     def add(self, frame: Frame) -> None:
         self._frames.append(frame)
-        self._arrived.set()
+        self._arrived.notify()
 
     def end(self, error: BaseException | None = None) -> None:
         """No frame comes after this; ``take`` raises ``error``, if any, once the frames before it are
         taken. Only the first end counts."""
         if not self.ended:
             self.ended, self._error = True, error
-            self._arrived.set()
+            self._arrived.notify()
 
     async def take(self) -> list[Frame]:
         """Waits for at least one frame; returns all that have arrived, oldest first. Returns [] once the
@@ -136,7 +166,6 @@ class Arrivals(Generic[Frame]):
                 if self._error is not None:
                     raise self._error
                 return []
-            self._arrived.clear()
             await self._arrived.wait()
         frames = list(self._frames)
         self._frames.clear()

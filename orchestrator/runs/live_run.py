@@ -9,7 +9,6 @@ stream that falls behind simply reads on from where it was.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import exhausted, unavailable
+from chatmesh.streams import Wakeup
 from orchestrator.metrics import METRICS
 
 # started + usage + done, or started + error.
@@ -56,7 +56,7 @@ class LiveRun:
         self.subscribers = 0
         # The run went on elsewhere (this replica handed it over, or another adopted it).
         self.handed_over = False
-        self._changed = asyncio.Event()
+        self._changed = Wakeup()
 
     @property
     def finished(self) -> bool:
@@ -91,8 +91,7 @@ class LiveRun:
         self._notify()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._changed.notify()
 
     async def follow(self, after_seq: int) -> AsyncIterator[chat_pb2.RunEvent]:
         """Events with seq > after_seq, then live ones until the run ends."""
@@ -107,7 +106,6 @@ class LiveRun:
         try:
             position = after_seq
             while True:
-                changed = self._changed
                 while position < len(self.events):
                     position += 1
                     yield self.events[position - 1]
@@ -117,7 +115,7 @@ class LiveRun:
                     )
                 if self.finished:
                     return
-                await changed.wait()
+                await self._changed.wait()
         finally:
             self.subscribers -= 1
             METRICS.subscribers.dec()

@@ -12,7 +12,7 @@ import pytest
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.streams import Outbox, ReadAhead
+from chatmesh.streams import Outbox, ReadAhead, Wakeup
 
 START = router_pb2.GenerateRequest(start=router_pb2.GenerateStart(request_id="r"))
 CANCEL = router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel())
@@ -107,3 +107,28 @@ async def test_the_calls_error_comes_after_the_frames_before_it():
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await frames.take()
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_wakeup_wakes_every_waiter_at_its_next_notify_and_forgets_a_cancelled_one():
+    wakeup = Wakeup()
+    wakeup.notify()  # nobody waits: nothing is remembered
+    woken: list[str] = []
+
+    async def waiter(name: str) -> None:
+        await wakeup.wait()
+        woken.append(name)
+
+    first, second, cancelled = (asyncio.create_task(waiter(n)) for n in ("first", "second", "cancelled"))
+    await asyncio.sleep(0)
+    assert woken == []
+    cancelled.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await cancelled
+    wakeup.notify()
+    await asyncio.gather(first, second)
+    assert sorted(woken) == ["first", "second"]
+    late = asyncio.create_task(waiter("late"))
+    await asyncio.sleep(0.01)
+    assert not late.done(), "a wait begun after a notify waits for the next one"
+    wakeup.notify()
+    await late
