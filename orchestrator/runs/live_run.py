@@ -74,23 +74,20 @@ class LiveRun:
             raise RuntimeError(f"run {self.info.run_id} exceeded its {self.max_events} events")
         event = chat_pb2.RunEvent(seq=len(self.events) + 1, **kind)
         self.events.append(event)
-        self._notify()
+        self._changed.notify()
         return event
 
     def finish(self, status: chat_pb2.RunStatus) -> None:
         """The run has ended: followers get the remaining events, then their streams end."""
         self.status = status
         self.finished_at = time.monotonic()
-        self._notify()
+        self._changed.notify()
 
     def hand_over(self) -> None:
         """The run goes on on another replica: followers get the events here, then UNAVAILABLE, and
         resume from their last sequence number wherever their next call lands."""
         self.handed_over = True
         self.finished_at = time.monotonic()
-        self._notify()
-
-    def _notify(self) -> None:
         self._changed.notify()
 
     async def follow(self, after_seq: int) -> AsyncIterator[chat_pb2.RunEvent]:

@@ -7,7 +7,7 @@ from engine.kv_events import apply_events
 from engine.outputs import FinishReason
 from engine.request import Priority
 from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
-from tests.engine.core_helpers import make_engine, prompt, request, results, tokenizer
+from tests.engine.core_helpers import DrivenEngine, make_engine, prompt, request, results, tokenizer
 
 
 def eos() -> frozenset[int]:
@@ -246,11 +246,17 @@ def test_queue_full_and_duplicate_ids_are_refused():
     assert full.value.retry_after_s > 0
 
 
-def test_a_request_past_its_queue_limit_is_refused_resource_exhausted_and_the_rest_are_served():
+def one_running(max_tokens: int, **config: object) -> tuple[list[float], DrivenEngine]:
+    """An engine on a clock the test moves (``now[0]``), with a request ``running`` already started."""
     now = [0.0]
-    test = make_engine(clock=lambda: now[0], max_running_requests=1, max_batched_tokens=8)
-    test.engine.add_request(request("running", prompt(4), max_tokens=6))
+    test = make_engine(clock=lambda: now[0], **config)
+    test.engine.add_request(request("running", prompt(4), max_tokens=max_tokens))
     test.engine.step()
+    return now, test
+
+
+def test_a_request_past_its_queue_limit_is_refused_resource_exhausted_and_the_rest_are_served():
+    now, test = one_running(6, max_running_requests=1, max_batched_tokens=8)
     test.engine.add_request(request("limited", prompt(4, salt=1), max_tokens=3, max_queue_s=0.5))
     test.engine.add_request(request("patient", prompt(4, salt=2), max_tokens=3))
     test.engine.step()
@@ -271,10 +277,7 @@ def test_a_request_whose_limit_passed_during_a_long_step_starts_when_there_is_ro
     # The limit is for waiting on a full engine, not for the step that was running when it arrived: a
     # slow step (a big batch on a CPU, or a null engine paced at 1 token/s) must not refuse a request
     # the next step has room for.
-    now = [0.0]
-    test = make_engine(clock=lambda: now[0], max_running_requests=4, max_batched_tokens=32)
-    test.engine.add_request(request("running", prompt(4), max_tokens=4))
-    test.engine.step()
+    now, test = one_running(4, max_running_requests=4, max_batched_tokens=32)
     test.engine.add_request(request("limited", prompt(4, salt=1), max_tokens=3, max_queue_s=0.05))
     now[0] = 1.0  # the step in progress ends long after the limit
     test.engine.step()
