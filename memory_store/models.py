@@ -101,7 +101,8 @@ class Message:
     model: str | None = None
     finish_reason: FinishReason | None = None
     status: MessageStatus = MessageStatus.COMPLETE
-    # For a user message, the run that answered it first; for an assistant message, the run that wrote it.
+    # For a user message, the run that answers it (a retry's, where a run refused before answering was
+    # replaced); for an assistant message, the run that wrote it.
     run_id: str | None = None
     usage: Usage | None = None
 
@@ -145,7 +146,8 @@ class ChatSummary:
 
 @dataclass(frozen=True)
 class Claim:
-    """The ids an idempotency key reserves. The same key always yields the same ids."""
+    """The ids an idempotency key reserves. The same key always yields the same ids, but for a run that
+    ended without an answer, which a retry may replace with a new one (``renew_claim``)."""
 
     run_id: str
     user_message_id: str

@@ -6,7 +6,8 @@ retried, gets the stored ids back, plus whether its request fingerprint matches.
 after a timeout is safe: if the first attempt landed, the retry reads back our own ids. The first claim
 also holds the key's start lease: only a lease holder starts the key's run, so a retry that lands on
 another replica while the first attempt is still placing its run waits for it instead of running it
-again (``take_start_lease``).
+again (``take_start_lease``). A run that ended without an answer (refused before its first token) can be
+replaced by a new one for its retry (``renew_claim``, conditional on the run the key has).
 
 A run's partition holds its state in static columns and its output as checkpoint rows
 ``(first_seq, texts, token_counts, token_ids)``. Writes that may race carry write timestamps that order them:
@@ -88,6 +89,13 @@ STATEMENTS = {
     "lease_take_unleased": Cql(
         "UPDATE idempotency_keys USING TTL ? SET starting_until = ? WHERE user_id = ? AND key = ? "
         "IF starting_until = null",
+        False,
+    ),
+    # Conditional on the run the key has: of several retries renewing it at once, exactly one does (a
+    # retry of a timed-out renewal recognises its own run id).
+    "claim_renew": Cql(
+        "UPDATE idempotency_keys USING TTL ? SET run_id = ?, assistant_message_id = ?, starting_until = ? "
+        "WHERE user_id = ? AND key = ? IF run_id = ?",
         False,
     ),
     "lease_release": Cql(
@@ -247,15 +255,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             lease,
             self._config.idempotency_ttl_s,
         )
-        for attempt in range(_CLAIM_ATTEMPTS):
-            try:
-                row = (await self._db.execute("claim", params))[0]
-                break
-            except Unavailable:
-                # Contention on one key or a slow node: the outcome is unknown, and retrying is safe.
-                if attempt == _CLAIM_ATTEMPTS - 1:
-                    raise
-                await asyncio.sleep(random.uniform(0.01, 0.05) * 2**attempt)
+        row = await self._contended("claim", params)
         mine = row["[applied]"] or row["run_id"] == run_id
         return Claim(
             run_id=str(row["run_id"] if not row["[applied]"] else run_id),
@@ -267,6 +267,17 @@ class RunsMixin(MessagesMixin, UsageMixin):
             fingerprint_matches=mine or row["fingerprint"] == fingerprint,
             start_lease=lease if mine else None,
         )
+
+    async def _contended(self, name: str, params: tuple[Any, ...]) -> Row:
+        """A conditional write on one key, run again while it times out (contention on the key, or a
+        slow node): its outcome is then unknown, so each statement run this way must recognise its own
+        write in the row a later attempt gets back."""
+        for attempt in range(_CLAIM_ATTEMPTS - 1):
+            try:
+                return (await self._db.execute(name, params))[0]
+            except Unavailable:
+                await asyncio.sleep(random.uniform(0.01, 0.05) * 2**attempt)
+        return (await self._db.execute(name, params))[0]
 
     async def take_start_lease(self, user_id: str, key: str, lease_s: float) -> datetime | None:
         """Takes the start lease of a claimed key if nobody holds it: its expiry if taken, else None.
@@ -284,6 +295,27 @@ class RunsMixin(MessagesMixin, UsageMixin):
         if not row["[applied]"] and "starting_until" in row and row["starting_until"] is None:
             row = (await self._db.execute("lease_take_unleased", (ttl, lease, user_id, key)))[0]
         return lease if row["[applied]"] else None
+
+    async def renew_claim(self, user_id: str, key: str, claim: Claim, start_lease_s: float) -> Claim | None:
+        """Gives a claimed key a new run in place of ``claim``'s, one that ended without an answer (the
+        caller's judgement: refused before its first token): new run and assistant message ids, the
+        same user message, and the start lease for ``start_lease_s``. A retry with the key then starts
+        the answer again for the question the refused run left stored, instead of joining that run.
+
+        None if the key's run is no longer ``claim``'s (another retry renewed it first: claim the key
+        again to read its run). The refused run keeps its own events and status.
+        """
+        self._check_user(user_id)
+        new_run, assistant = new_id(), new_id()
+        lease = now() + timedelta(seconds=start_lease_s)
+        old = parse_id(claim.run_id, "run id")
+        params = (self._config.idempotency_ttl_s, new_run, assistant, lease, user_id, key, old)
+        row = await self._contended("claim_renew", params)
+        if not row["[applied]"] and row["run_id"] != new_run:
+            return None
+        return dataclasses.replace(
+            claim, run_id=str(new_run), assistant_message_id=str(assistant), start_lease=lease
+        )
 
     async def release_start_lease(self, user_id: str, key: str, lease: datetime) -> None:
         """Gives up a start lease taken with ``claim_idempotency_key`` or ``take_start_lease`` (a no-op

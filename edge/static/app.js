@@ -422,7 +422,19 @@ function remember() {
   if (runId) sessionStorage.setItem(RUN_KEY, JSON.stringify({ runId, chatId, lastSeq, text }));
 }
 
-// Reads one response's events into the live answer. Returns "done", "error" or "dropped".
+// A run that ended busy before its answer began (the engine's queue limit refused it after its question
+// was stored): an error like a busy server's refusal, so that the request is sent again with the same
+// idempotency key, which answers the stored question instead of storing it twice.
+const BUSY_RUN_ERRORS = { RESOURCE_EXHAUSTED: 429, UNAVAILABLE: 503 };
+
+function refusedBeforeAnswer(error) {
+  const status = BUSY_RUN_ERRORS[error.code];
+  if (!status || state.live.text) return null;
+  return new ApiError(status, error.message, error.retry_after_ms ? Math.ceil(error.retry_after_ms / 1000) : null);
+}
+
+// Reads one response's events into the live answer. Returns "done", "error", "dropped", or the ApiError
+// of a run refused before its answer began.
 async function consume(response) {
   try {
     for await (const event of sseEvents(response)) {
@@ -449,6 +461,8 @@ async function consume(response) {
         // The stream broke, not the run (a run's own error has a sequence number): resume it.
         return "dropped";
       } else if (event.event === "error") {
+        const refused = refusedBeforeAnswer(data);
+        if (refused) return refused;
         notice(data.retry_after_ms ? `${data.message} (retry in ${Math.ceil(data.retry_after_ms / 1000)} s)` : data.message);
         return "error";
       }
@@ -511,20 +525,28 @@ function setBusy(busy) {
   $("#messages").setAttribute("aria-busy", String(busy));
 }
 
-// Returns false when the request was refused before any answer (the caller may restore the input).
+// Returns false when the request was refused before any answer (the caller may restore the input). A
+// run refused before its answer began is retried as a refused request is: the same request, its key too.
 async function withLive(base, userText, request) {
   startLive(base, userText);
-  let response = null;
+  let opened = false;
   try {
-    response = await withRetries(request);
-    notice("");
-    await follow(response);
+    await withRetries(async () => {
+      const response = await request();
+      opened = true;
+      notice("");
+      const outcome = await follow(response);
+      if (outcome instanceof ApiError) {
+        Object.assign(state.live, { runId: null, lastSeq: 0 });
+        throw outcome;
+      }
+    });
   } catch (error) {
     fail(error);
   } finally {
     await finishLive().catch(fail);
   }
-  return response !== null;
+  return opened;
 }
 
 async function send(text, parentId = "") {

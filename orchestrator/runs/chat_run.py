@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import hashlib
 import time
 import uuid
@@ -20,7 +21,7 @@ from chatmesh.errors import ServiceError, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
-from memory_store.models import Chat, Claim, Message, Run
+from memory_store.models import Chat, Claim, Message, Run, RunStatus
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.context import RunContext
@@ -36,6 +37,26 @@ T = TypeVar("T")
 LEASE_POLL_S = 0.2
 # A lease holder starts its run only with this much of the lease left (clocks and a last write).
 LEASE_MARGIN_S = 5.0
+# The failures that may pass by themselves: a run that ended with one before its first token is
+# answered again by its key's retry (the engine's queue limit refused it; no engine or router was left).
+_RETRYABLE_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED.name, grpc.StatusCode.UNAVAILABLE.name})
+
+
+def ended_unanswered(run: Run) -> bool:
+    """Whether ``run`` failed before its answer began, for a reason a retry may not meet: nothing of it
+    was generated or charged, so its key's retry starts the answer again instead of joining it."""
+    return (
+        run.status is RunStatus.FAILED
+        and run.error_code in _RETRYABLE_CODES
+        and run.usage is not None
+        and run.usage.completion_tokens == 0
+    )
+
+
+class _KeyRun(enum.Enum):
+    NONE = "none"
+    GOING = "going"
+    UNANSWERED = "unanswered"
 
 
 class ChatRun(AnswerRun):
@@ -67,6 +88,8 @@ class ChatRun(AnswerRun):
 
         Only the attempt holding the key's start lease starts its run (the first one, or a retry once
         an earlier attempt was refused or lost), so a retry never generates the answer a second time.
+        A run that ended unanswered (``ended_unanswered``) is not joined: the retry renews the key
+        with a new run that answers the same question.
         """
         store, user = self.ctx.store, self.identity.user_id
         lease_s = self.ctx.config.runs.start_lease_s
@@ -81,7 +104,14 @@ class ChatRun(AnswerRun):
         self._lease = claim.start_lease
         deadline = time.monotonic() + lease_s
         while self._lease is None:
-            if await self._run_exists(claim.run_id):
+            found = await self._key_run(claim.run_id)
+            if found is _KeyRun.UNANSWERED:
+                renewed = await store.renew_claim(user, self._key, claim, lease_s)
+                if renewed is None:  # another retry renewed it first: wait for its run
+                    renewed = await store.claim_idempotency_key(user, self._key, self._fingerprint, lease_s)
+                claim, self._lease = renewed, renewed.start_lease
+                continue
+            if found is _KeyRun.GOING:
                 self.started.set_result(claim.run_id)
                 return None
             self._lease = await store.take_start_lease(user, self._key, lease_s)
@@ -91,10 +121,10 @@ class ChatRun(AnswerRun):
                         "an earlier attempt of this request is still starting its answer; retry", 1.0
                     )
                 await asyncio.sleep(LEASE_POLL_S)
-            elif await self._run_exists(claim.run_id):
-                # The earlier attempt started the run just before its lease ran out.
-                self.started.set_result(claim.run_id)
-                return None
+            elif await self._key_run(claim.run_id) is not _KeyRun.NONE:
+                # The earlier attempt started the run just before its lease ran out: join it (or, had
+                # it ended unanswered already, renew it).
+                self._lease = None
         self._leased_at = time.monotonic()
         return claim
 
@@ -118,14 +148,16 @@ class ChatRun(AnswerRun):
             return None
         return claim, reading.result()
 
-    async def _run_exists(self, run_id: str) -> bool:
-        if self.ctx.runs.is_live(run_id):
-            return True
+    async def _key_run(self, run_id: str) -> _KeyRun:
+        """What became of the run a key names: none yet, ended unanswered, or anything else to join
+        (live here, stored in progress, or ended any other way)."""
+        if self.ctx.runs.is_running(run_id):
+            return _KeyRun.GOING
         try:
-            await self.ctx.store.get_run(self.identity.user_id, run_id)
-            return True
+            run = await self.ctx.store.get_run(self.identity.user_id, run_id)
         except NotFound:
-            return False
+            return _KeyRun.NONE
+        return _KeyRun.UNANSWERED if ended_unanswered(run) else _KeyRun.GOING
 
     async def abandoned(self) -> None:
         """Refused before going live: a retry with the key may start the run at once (a key of our own

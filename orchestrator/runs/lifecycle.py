@@ -315,8 +315,10 @@ class Runs:
             return
         await self._relay(Relay(self.deps, live, stream, frame, run, time.monotonic()))
 
-    def is_live(self, run_id: str) -> bool:
-        return run_id in self._live
+    def is_running(self, run_id: str) -> bool:
+        """Whether the run is generating here (not ended, not handed over)."""
+        live = self._live.get(run_id)
+        return live is not None and not live.finished
 
     # -- reading --------------------------------------------------------------------------------
 

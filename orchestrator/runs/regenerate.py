@@ -30,8 +30,9 @@ class RegenerateRun(ChatRun):
 
     async def execute(self) -> None:
         store, user, chat_id = self.ctx.store, self.identity.user_id, self.request.chat_id
-        # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it); meanwhile
-        #    the answer to redo (the read checks the chat is the caller's).
+        # 1. Claim the idempotency key: this run's ids (a retry joins the run an earlier attempt started,
+        #    or answers anew if that one ended unanswered); meanwhile the answer to redo (the read checks
+        #    the chat is the caller's).
         try:
             claimed = await self.claim_while(store.get_message(user, chat_id, self.request.message_id))
         except NotFound:

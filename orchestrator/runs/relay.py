@@ -300,8 +300,10 @@ class Relay:
         if finished is not None and finished.HasField("usage"):
             u = finished.usage
             usage = Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens)
-        else:
+        elif self._output_ids or self.stop_reason is not None:
             usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self._output_ids))
+        else:
+            usage = Usage()  # failed before its first token: charged nothing (its retry answers it)
         tail = []
         if self._checkpointer is not None:
             # A run handed over is continued from its checkpoints: they must hold all it streamed.

@@ -2,7 +2,8 @@
 
 Every step is idempotent, so a retry with the same key resumes where an earlier attempt stopped; nothing
 is persisted before the router has placed the request, so a refusal (limits, moderation, budget, no
-capacity) leaves no message behind.
+capacity) leaves no message behind. A refusal after that (the engine's queue limit) leaves the question
+stored, and its retry answers it with a new run instead of storing it again.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ class SendRun(ChatRun):
 
     async def execute(self) -> None:
         user, chat_id = self.identity.user_id, self.request.chat_id
-        # 1. Claim the idempotency key: this run's ids (a retry of a run already started joins it); meanwhile
-        #    the branch the message follows and the chat's summary (the reads check the chat is the caller's).
+        # 1. Claim the idempotency key: this run's ids (a retry joins the run an earlier attempt started,
+        #    or answers anew if that one ended unanswered); meanwhile the branch the message follows and
+        #    the chat's summary (the reads check the chat is the caller's).
         claimed = await self.claim_while(self._history())
         if claimed is None:
             return

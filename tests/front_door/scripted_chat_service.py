@@ -9,6 +9,9 @@ metadata so tests can see exactly what reached it.
 Scripts, in the text of a user message (SendMessage) or the last message (Complete):
     !tokens N MS          answer with N tokens, one every MS milliseconds (default: 12 tokens, 20 ms)
     !runerror CODE K      after K deltas, end the run with a RunError event (code, message, retry 2 s)
+    !refusedonce CODE     SendMessage: the first run of an idempotency key ends with a RunError before
+                          any delta (retry 1 s), as the engine's queue limit refuses a stored send; a
+                          retry with the key is answered
     !abort CODE K         after K deltas, abort the RPC itself with CODE
     !degraded MODEL       answer as the router degrading a free request would: from MODEL, degraded
 Unary failures are injected with ``failing(method, code, ...)``; ``delay(method, seconds)`` slows one.
@@ -99,6 +102,7 @@ class Script:
     run_error: tuple[str, int] | None = None
     abort: tuple[grpc.StatusCode, int] | None = None
     degraded_to: str = ""
+    refused_once: str = ""
 
     @classmethod
     def parse(cls, text: str) -> Script:
@@ -114,6 +118,8 @@ class Script:
                 script.abort = (grpc.StatusCode[args[0]], int(args[1]))
             elif word == "!degraded":
                 script.degraded_to = args[0]
+            elif word == "!refusedonce":
+                script.refused_once = args[0]
         return script
 
 
@@ -180,6 +186,8 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         self.runs: dict[str, Run] = {}
         self._failures: dict[str, Failure] = {}
         self._delays: dict[str, float] = {}
+        # Idempotency keys whose first run was refused (``!refusedonce``).
+        self._refused_keys: set[str] = set()
         # It proves callers as the orchestrator does: with the session's keys, from the token alone.
         self._verifier = TokenVerifier(session_keys().jwks_path, ISSUER)
 
@@ -265,6 +273,7 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         parent: chat_pb2.Message | None,
         prompt: str,
         options: chat_pb2.GenerationOptions,
+        refused: str = "",
     ) -> Run:
         run = Run(
             proto=chat_pb2.Run(
@@ -280,7 +289,9 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         if chat is not None:
             chat.active_run_id = run.proto.run_id
             chat.update_time.CopyFrom(now())
-        run.task = asyncio.get_running_loop().create_task(self._generate(run, chat, parent, prompt, options))
+        run.task = asyncio.get_running_loop().create_task(
+            self._generate(run, chat, parent, prompt, options, refused)
+        )
         return run
 
     async def _generate(
@@ -290,8 +301,10 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         parent: chat_pb2.Message | None,
         prompt: str,
         options: chat_pb2.GenerationOptions,
+        refused: str = "",
     ) -> None:
-        """The run itself: independent of any client, like the real orchestrator's."""
+        """The run itself: independent of any client, like the real orchestrator's. ``refused``: the
+        code it ends with before its first delta."""
         script = Script.parse(prompt)
         started = chat_pb2.RunStarted(
             run_id=run.proto.run_id,
@@ -302,6 +315,11 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
             degraded=bool(script.degraded_to),
         )
         await run.publish(started=started)
+        if refused:
+            message = f"scripted {refused}: busy"
+            await run.publish(error=chat_pb2.RunError(code=refused, message=message, retry_after_ms=1000))
+            await run.finish(chat_pb2.RUN_STATUS_FAILED)
+            return
         text: list[str] = []
         finish, status = chat_pb2.FINISH_REASON_STOP, chat_pb2.RUN_STATUS_COMPLETED
         limit = min(script.tokens, options.max_tokens or script.tokens)
@@ -430,11 +448,14 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         history.append(user_message)
         if chat.title == "New chat":
             chat.title = request.content[:40]
-        run = self._start_run(identity, chat, user_message, request.content, request.options)
+        script = Script.parse(request.content)
+        refused = ""
+        if script.refused_once and request.idempotency_key not in self._refused_keys:
+            self._refused_keys.add(request.idempotency_key)
+            refused = script.refused_once
+        run = self._start_run(identity, chat, user_message, request.content, request.options, refused)
         user_message.run_id = run.proto.run_id
-        async for response in self._stream(
-            run, 0, chat_pb2.SendMessageResponse, context, Script.parse(request.content).abort
-        ):
+        async for response in self._stream(run, 0, chat_pb2.SendMessageResponse, context, script.abort):
             yield response
 
     async def RegenerateMessage(self, request, context):

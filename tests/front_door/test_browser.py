@@ -48,6 +48,22 @@ def test_rate_limited_send_shows_a_clear_message(page, front_door: ScriptedFront
     page.wait_for_function("document.querySelector('#prompt').value === 'hello'")
 
 
+def test_an_answer_refused_after_its_question_was_stored_is_retried_with_the_same_key(
+    page, front_door: ScriptedFrontDoor
+):
+    # The stream opens (200, `started`), then the run ends busy before its first delta: the page waits
+    # the retry delay and sends the same request again, idempotency key included, which the orchestrator
+    # answers with a new run for the question already stored.
+    sends = len(front_door.scripted.calls_to("SendMessage"))
+    send(page, "Full queue? !refusedonce RESOURCE_EXHAUSTED !tokens 3 10")
+    page.wait_for_selector("#banner:has-text('Our servers are busy. Retrying in 1 s (retry 1 of 4)')")
+    page.wait_for_selector("li.message.assistant:not(#live)")
+    calls = front_door.scripted.calls_to("SendMessage")[sends:]
+    assert len(calls) == 2
+    assert calls[0].request.idempotency_key and calls[0].request == calls[1].request
+    assert page.is_hidden("#banner")
+
+
 def test_rename_and_delete_from_the_sidebar(page):
     send(page, "A chat to tidy away !tokens 2 10")
     page.wait_for_selector("#live", state="detached")

@@ -84,6 +84,25 @@ async def test_only_one_attempt_at_a_time_holds_a_keys_start_lease(memory_store)
     assert await memory_store.take_start_lease(user, "k", 30) is None
 
 
+async def test_a_keys_run_is_renewed_once_however_many_retries_race(memory_store):
+    user = new_user()
+    first = await memory_store.claim_idempotency_key(user, "k", b"request", start_lease_s=30)
+    await memory_store.release_start_lease(user, "k", first.start_lease)
+    renewals = await asyncio.gather(*(memory_store.renew_claim(user, "k", first, 30) for _ in range(5)))
+    renewed = [claim for claim in renewals if claim is not None]
+    assert len(renewed) == 1
+    new = renewed[0]
+    assert new.run_id != first.run_id and new.assistant_message_id != first.assistant_message_id
+    assert new.user_message_id == first.user_message_id and new.start_lease is not None
+    # Every later claim of the key reads the new run, whose lease the renewal holds; a renewal of the
+    # old run changes nothing.
+    again = await memory_store.claim_idempotency_key(user, "k", b"request", 30)
+    assert (again.run_id, again.assistant_message_id) == (new.run_id, new.assistant_message_id)
+    assert again.start_lease is None and again.fingerprint_matches
+    assert await memory_store.take_start_lease(user, "k", 30) is None
+    assert await memory_store.renew_claim(user, "k", first, 30) is None
+
+
 async def test_a_key_claimed_before_start_leases_existed_can_be_leased_once(memory_store):
     user = new_user()
     claim = await memory_store.claim_idempotency_key(user, "old", b"request")

@@ -16,7 +16,7 @@ from chatmesh.chat.v1 import chat_pb2
 from memory_store import MemoryStore
 from memory_store.models import Message, Role
 from orchestrator.runs.chat_run import _fingerprint
-from tests.fixtures.orchestrator import ChatClient, MeshFactory, answer_text, collect
+from tests.fixtures.orchestrator import ChatClient, MeshFactory, answer_text, collect, read_until
 
 
 async def test_a_retry_on_another_replica_during_a_slow_placement_joins_the_run_and_it_runs_once(
@@ -114,3 +114,43 @@ async def test_a_send_lost_between_storing_its_message_and_its_run_is_answered_b
         (chat_pb2.ROLE_USER, claim.user_message_id),
         (chat_pb2.ROLE_ASSISTANT, claim.assistant_message_id),
     ]
+
+
+async def test_a_send_refused_after_storing_its_question_is_answered_by_its_retry_once(
+    start_mesh: MeshFactory, connect: Callable[..., ChatClient], memory_store: MemoryStore
+) -> None:
+    """The engine's queue limit refuses a send that waited past its tier's objective, after its question
+    and run were stored. The retry with its key answers that same question (a new run: the refused one
+    keeps its events), so the question is stored once; the refused run is charged nothing."""
+    # One engine running one request at a time: a 60-token answer at 20 tokens/s holds it 3 s, past the
+    # pro tier's 1 s objective for whatever queues behind it.
+    mesh = start_mesh(1, "null", engine_flags={"null_tokens_per_s": 20, "max_running_requests": 1})
+    holder, asker = connect(mesh.orchestrator.address), connect(mesh.orchestrator.address)
+    long = chat_pb2.GenerationOptions(max_tokens=60)
+    holding = holder.send((await holder.create_chat()).chat_id, "Hold it.", options=long)
+    await read_until(holding, 2)  # its first delta: it runs
+    chat = await asker.create_chat()
+    key = f"key-{uuid.uuid4().hex}"
+    short = chat_pb2.GenerationOptions(max_tokens=4)
+    refused = await collect(asker.send(chat.chat_id, "Anyone there?", options=short, idempotency_key=key))
+    assert refused[0].HasField("started") and refused[-1].HasField("error"), refused
+    assert not any(event.HasField("delta") for event in refused)
+    assert refused[-1].error.code == "RESOURCE_EXHAUSTED" and refused[-1].error.retry_after_ms > 0
+    first = refused[0].started
+    await collect(holding)
+
+    again = await collect(asker.send(chat.chat_id, "Anyone there?", options=short, idempotency_key=key))
+    assert again[-1].HasField("done"), again
+    second = again[0].started
+    assert second.user_message_id == first.user_message_id
+    assert second.run_id != first.run_id and second.assistant_message_id != first.assistant_message_id
+    page = await asker.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert [(m.role, m.message_id) for m in reversed(page.messages)] == [
+        (chat_pb2.ROLE_USER, first.user_message_id),
+        (chat_pb2.ROLE_ASSISTANT, second.assistant_message_id),
+    ]
+    # The refused run keeps its own end, charged nothing; a later retry joins the answered run.
+    old = await memory_store.get_run(asker.user, first.run_id)
+    assert old.error_code == "RESOURCE_EXHAUSTED" and old.usage is not None and old.usage.total_tokens == 0
+    third = await collect(asker.send(chat.chat_id, "Anyone there?", options=short, idempotency_key=key))
+    assert third[0].started.run_id == second.run_id and answer_text(third) == answer_text(again)
