@@ -56,6 +56,10 @@ ALLOWED = Decision(Action.ALLOW)
 
 
 class ModerationPolicy(Protocol):
+    # Lower-case strings of which every output match contains at least one (text holding none of them
+    # is allowed without a check); None when the policy can say no such thing.
+    output_anchors: tuple[str, ...] | None
+
     """Decides about user input and model output. Implementations must be fast and never raise."""
 
     def check_input(self, text: str) -> Decision: ...
@@ -210,6 +214,12 @@ class RuleBasedPolicy:
 
     def __init__(self, rules: Iterable[Rule] = DEFAULT_RULES) -> None:
         self.rules = tuple(rules)
+        screened = [rule for rule in self.rules if rule.on_output is not Action.ALLOW]
+        self.output_anchors = (
+            tuple(sorted({anchor for rule in screened for anchor in rule.anchors}))
+            if all(rule.anchors for rule in screened)
+            else None
+        )
 
     @classmethod
     def from_config(cls, config: ModerationConfig) -> RuleBasedPolicy:
@@ -245,6 +255,8 @@ class RuleBasedPolicy:
 
 class AllowAll:
     """The policy when moderation is switched off."""
+
+    output_anchors: tuple[str, ...] | None = ()
 
     def check_input(self, text: str) -> Decision:
         return ALLOWED
@@ -284,7 +296,13 @@ class Moderator:
 
 class OutputScreen:
     """Checks a streamed answer delta by delta. Patterns may straddle deltas, so each check covers the
-    new text plus the tail of what came before; each category is recorded once per answer."""
+    new text plus the tail of what came before; each category is recorded once per answer.
+
+    Most windows hold none of the policy's anchors, and then nothing can match: the policy is asked only
+    while one is in the window. An anchor in the tail was found when it came, so each delta is searched
+    with just the characters before it that an anchor ending in it could start at (a few, against the
+    whole window's 256: output is checked for every token of every answer).
+    """
 
     # Longer than any default pattern's longest match (about 130 characters).
     TAIL_CHARS = 256
@@ -294,15 +312,38 @@ class OutputScreen:
         self._who = who
         self._tail = ""
         self._seen: set[str] = set()
+        self._anchors = moderator.policy.output_anchors
+        # How many characters before a delta an anchor that ends in it may start (lower-casing never
+        # makes text shorter, so an anchor's match in the text is at most the anchor's length).
+        self._reach = max((len(anchor) for anchor in self._anchors or ()), default=1) - 1
+        # Characters that came after the delta in which the newest anchor was found (no anchor yet: as
+        # if it had left the window).
+        self._since_anchor = self.TAIL_CHARS
 
     def check(self, delta: str) -> Decision:
         window = self._tail + delta
         self._tail = window[-self.TAIL_CHARS :]
+        if self._anchors is not None:
+            if _holds_any(window[-(len(delta) + self._reach) :].lower(), self._anchors):
+                self._since_anchor = 0
+            else:
+                in_window = self._since_anchor < self.TAIL_CHARS
+                self._since_anchor += len(delta)
+                if not in_window:
+                    return ALLOWED
         decision = self._moderator.policy.check_output(window)
         if decision.action is Action.ALLOW or decision.category in self._seen:
             return decision
         self._seen.add(decision.category)
         return self._moderator.record("output", decision, self._who)
+
+
+def _holds_any(text: str, needles: tuple[str, ...]) -> bool:
+    # A loop, not any() over a generator: this runs for every delta, and the generator costs more.
+    for needle in needles:  # noqa: SIM110
+        if needle in text:
+            return True
+    return False
 
 
 def create_moderator(config: ModerationConfig) -> Moderator:

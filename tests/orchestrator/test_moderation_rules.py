@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchestrator.config import ModerationConfig
 from orchestrator.policy.moderation import Action, Moderator, RuleBasedPolicy
@@ -70,3 +72,35 @@ def test_output_screening_catches_a_pattern_split_across_deltas_and_records_it_o
     assert not screen.check("every cloud has a sil").blocked
     assert screen.check("ver lining").blocked
     assert screen.check(" and more").blocked  # still in the window; counted only once
+
+
+# Text made of phrases that match the rules or hold their anchors without matching, each followed by
+# a stretch of words that hold none (long enough, at times, for an anchor to leave the window).
+_MATCHING = ["How do I make a pipe bomb", "write me ransomware", "kill myself", "SILVER LINING"]
+_ANCHORED = ["bomb", "napalm", "silver", "lining", "me@example.com", "555-010-4477", "123-45-6789", "4111"]
+_NEUTRAL = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "İstanbul", "ß", "\n"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.tuples(st.sampled_from(_MATCHING + _ANCHORED), st.integers(0, 60)), max_size=8),
+    cuts=st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=40),
+)
+def test_output_screening_decides_each_delta_as_a_check_of_its_whole_window_would(
+    parts: list[tuple[str, int]], cuts: list[int]
+) -> None:
+    """A delta is searched for anchors with only the few characters before it, and the policy asked only
+    while an anchor is in the window: every decision is still the whole window's."""
+    policy = RuleBasedPolicy.from_config(ModerationConfig(blocked_terms=("silver lining",)))
+    screen = Moderator(policy).output_screen("test")
+    text = " ".join(
+        f"{phrase} {' '.join(_NEUTRAL[i % len(_NEUTRAL)] for i in range(n))}" for phrase, n in parts
+    )
+    tail, start = "", 0
+    for cut in cuts * (len(text) // sum(cuts) + 1):
+        delta, start = text[start : start + cut], start + cut
+        if not delta:
+            break
+        window = tail + delta
+        tail = window[-screen.TAIL_CHARS :]
+        assert screen.check(delta) == policy.check_output(window), (window, delta)
