@@ -41,8 +41,8 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_engine_overhead import machine  # noqa: E402
 from bench.bench_router import percentile, wait_for_engines  # noqa: E402
+from bench.machine import machine  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2  # noqa: E402
 from chatmesh.errors import retry_after_s  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -47,6 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import machine  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 from chatmesh.model_files import bundled_model_path  # noqa: E402
 from chatmesh.tokenizer import load_tokenizer  # noqa: E402
@@ -513,15 +513,6 @@ def compute_roof() -> dict[str, float]:
         except (OSError, subprocess.CalledProcessError) as exc:
             print(f"compute roof not measured: {exc}")
             return {}
-
-
-def machine() -> str:
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
-        platform.processor(),
-    )
-    return f"{cpu}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
 
 
 def main() -> None:

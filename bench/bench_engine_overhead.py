@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +25,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import machine  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -36,15 +35,6 @@ from engine.request import EngineRequest, SamplingParams  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 
 MAX_RUNNING = 512
-
-
-def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    load = os.getloadavg()[0]
-    return (
-        f"{cpu}, {os.cpu_count()} cores, load average {load:.1f} at start, Python {platform.python_version()}"
-    )
 
 
 @dataclass

@@ -75,7 +75,6 @@ from bench.bench_orchestrator import (  # noqa: E402
     QUESTION,
     Paths,
     Stream,
-    machine,
     ms,
     null_engine,
     percentile,
@@ -83,6 +82,7 @@ from bench.bench_orchestrator import (  # noqa: E402
     timed,
     wait_for_engines,
 )
+from bench.machine import machine  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
 from bench.process_usage import Usage  # noqa: E402
 from bench.sse_client import SseFailedError, post_events  # noqa: E402

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_front_door import start_door  # noqa: E402
-from bench.bench_orchestrator import machine, start_mesh, wait_for_engines  # noqa: E402
+from bench.bench_orchestrator import start_mesh, wait_for_engines  # noqa: E402
+from bench.machine import machine  # noqa: E402
 from localmesh.dev_jwt import generate_keys  # noqa: E402
 from meshkit.launcher import Launcher  # noqa: E402
 from tests.front_door.fuzzing import (  # noqa: E402

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+from machine import machine
 
 from memory_store.config import StoreConfig
 from memory_store.ids import new_id
@@ -37,20 +37,6 @@ from meshkit.launcher import Launcher, free_port
 WARMUP_APPENDS = 1000
 WARMUP_READS = 400
 USER_TEXT = "How do I make my sourdough starter more active in a cold kitchen? " * 14  # ~0.9 KiB
-
-
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        platform.processor(),
-    )
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB RAM, load average {load}, Python {platform.python_version()}"
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -34,7 +34,6 @@ import collections
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -48,6 +47,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import machine  # noqa: E402
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
@@ -61,12 +61,6 @@ from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 QUESTION = "Summarize the plot of a novel about a lighthouse keeper in three sentences."
 PATHS = ("engine", "router", "complete", "send")
 _ids = itertools.count()
-
-
-def machine() -> str:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "?")
-    return f"{cpu}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, Python {platform.python_version()}"
 
 
 @dataclass

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -41,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import machine  # noqa: E402
 from chatmesh.block_hash import DEFAULT_BLOCK_SIZE, block_hashes  # noqa: E402
 from chatmesh.model_files import bundled_model_path  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer, load_tokenizer  # noqa: E402
@@ -141,10 +140,6 @@ def run_chat(tokenizer: ChatTokenizer, policy: Policy, args: argparse.Namespace)
             if older:
                 pending = (turn + 1 + args.summary_lag, older)
     return ChatResult(rates, hit_tokens, prompt_tokens, summaries, int(statistics.mean(lengths)))
-
-
-def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def main() -> None:

@@ -23,11 +23,8 @@ time is compressed to 2 s: see README "Placement at the seeds' scale".
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,6 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import machine  # noqa: E402
 from chatmesh.block_hash import block_hashes  # noqa: E402
 from router.sim.costs import SEEDS_GPU  # noqa: E402
 from router.sim.setup import Setup  # noqa: E402
@@ -59,20 +57,6 @@ def run(setup: Setup) -> dict:
         flush=True,
     )
     return summary
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, StopIteration):
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    load = os.getloadavg()[0]
-    return (
-        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, load average {load:.1f} at start"
-    )
 
 
 def hashing_us(tokens: int, block_size: int) -> float:

@@ -22,7 +22,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from bench_scale_sim import PER_ENGINE_PROMPTS_PER_S, machine, run
+from bench_scale_sim import PER_ENGINE_PROMPTS_PER_S, run
+from machine import machine
 
 from router.sim.costs import SEEDS_GPU
 from router.sim.setup import Setup

@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_engine import DECODE_NEW, DECODE_PROMPT, greedy_decode_rate, machine, run_worker, text_tokens  # noqa: E402
+from bench_engine import DECODE_NEW, DECODE_PROMPT, greedy_decode_rate, run_worker, text_tokens  # noqa: E402
+from machine import machine  # noqa: E402
 
 from chatmesh.model_files import bundled_model_path  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_orchestrator import machine  # noqa: E402
+from bench.machine import machine  # noqa: E402
 from localmesh.chaos.faults import ACTIONS, FaultTiming, faults_for  # noqa: E402
 from localmesh.chaos.load import TIER, LoadSettings  # noqa: E402
 from localmesh.chaos.report import markdown, table, write_json  # noqa: E402
