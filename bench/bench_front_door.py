@@ -44,7 +44,7 @@ is a lean one (bench/sse_client.py): httpx's pool costs O(open streams) per new 
         [--cost-streams 10 50 100 200] [--cost-window-s 10] [--cost-requests 200] [--cost-concurrency 10] \
         [--cost-request-tokens 8] [--hold-start 250] [--hold-cap 2000] [--hold-tokens 60] \
         [--hold-via sse|grpc] [--hold-open-rate 0] \
-        [--plot docs/front_door_latency.png] [--cost-plot docs/front_door_cost.png]
+        [--plot docs/front_door_latency.png] [--cost-plot docs/front_door_cost.png] [--warm-sends 6000]
 
 The plots need matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
 """
@@ -708,6 +708,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="null engines' pace per stream")
     parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument(
+        "--warm-sends",
+        type=int,
+        default=6000,
+        help="sends' statements run on Cassandra before measuring (a fresh JVM compiles for thousands)",
+    )
     parser.add_argument("--hold-cap", type=int, default=2000, help="most streams the ramp opens (0: no ramp)")
     parser.add_argument("--hold-start", type=int, default=250, help="the ramp's first level (then doubling)")
     parser.add_argument("--hold-tokens", type=int, default=60, help="tokens per stream in the ramp")

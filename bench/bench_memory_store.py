@@ -1,4 +1,5 @@
-"""memory_store on a local Cassandra node: append latency and "load the last 50 turns" latency.
+"""memory_store on a local Cassandra node: append latency, "load the last 50 turns" latency, and what each
+step of a stored send costs the node in CPU.
 
 Starts a private single-node Cassandra (the same configuration as ``make run``: commitlog_sync batch,
 so every acknowledged append is fsynced), then measures through the public ``MemoryStore`` API:
@@ -7,6 +8,14 @@ so every acknowledged append is fsynced), then measures through the public ``Mem
   the chat's activity move), one chat at a time and 50 chats at once;
 - last 50 turns: ``list_messages(limit=50)`` (a history page) and ``get_branch(max_messages=50)`` (what
   prompt assembly reads), on chats of 200 messages, one chat at a time and 50 chats at once.
+
+- a send's steps (``--sends`` sends, 10 at a time, each by a user of its own with a chat of two
+  turns), in the orchestrator's order, each step for every send before the next: the key's claim
+  (Paxos), the reads for the prompt (branch and summary), the budget's reservation, the question and
+  the run (one logged batch), one output checkpoint, the finish (a conditional batch, then the answer
+  and its search entry, the usage and the index cleanup). For each: the node's CPU (user + system,
+  every thread, from /proc) and this client's, per step, and its latency; on the fresh node, then
+  again after ``--warm-sends`` more (a fresh JVM spends most of its CPU compiling at first).
 
 A warm-up of the same operations runs first and is not reported (a fresh JVM compiles as it goes).
 
@@ -23,16 +32,30 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from machine import machine
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from memory_store.config import StoreConfig
-from memory_store.ids import new_id
-from memory_store.models import Message, Role
-from memory_store.node import CassandraNode, NodeConfig, rss_mib
-from memory_store.store import MemoryStore
-from meshkit.launcher import Launcher, free_port
+from bench.machine import machine  # noqa: E402
+from bench.process_usage import cpu_seconds  # noqa: E402
+from memory_store.config import StoreConfig  # noqa: E402
+from memory_store.ids import new_id  # noqa: E402
+from memory_store.models import (  # noqa: E402
+    Chat,
+    FinishReason,
+    Message,
+    Role,
+    Run,
+    RunDelta,
+    RunOutcome,
+    RunStatus,
+    Usage,
+)
+from memory_store.node import CassandraNode, NodeConfig, rss_mib  # noqa: E402
+from memory_store.store import MemoryStore  # noqa: E402
+from meshkit.launcher import Launcher, free_port  # noqa: E402
 
 WARMUP_APPENDS = 1000
 WARMUP_READS = 400
@@ -118,6 +141,111 @@ async def run_workloads(
     return results
 
 
+@dataclass
+class Send:
+    """One send's ids and state as its steps go (what the orchestrator holds between them)."""
+
+    user: str
+    chat_id: str
+    parent_id: str
+    key: str = ""
+    run_id: str = ""
+    user_message_id: str = ""
+    assistant_message_id: str = ""
+    chat: Chat | None = None
+    run: Run | None = None
+
+
+ANSWER = [RunDelta(2 + i, f" word{i}", 1, (1000 + i,)) for i in range(32)]
+
+
+async def send_steps(
+    store: MemoryStore, sends: int, node_pid: int | None
+) -> list[tuple[str, float, float, float]]:
+    """(step, node CPU ms, client CPU ms, p50 latency ms) per step of a send, each over every send (the
+    node's CPU read from /proc when its pid is given, else 0)."""
+    users = [f"bench-send-{new_id().hex}" for _ in range(sends)]
+    chats = await asyncio.gather(*(chat_with_history(store, user, 2) for user in users))
+    state = [Send(user, chat_id, leaf) for user, (chat_id, leaf) in zip(users, chats, strict=True)]
+    gate = asyncio.Semaphore(10)
+
+    async def claim(send: Send) -> None:
+        send.key = new_id().hex
+        claim = await store.claim_idempotency_key(send.user, send.key, b"fingerprint", 60)
+        send.run_id, send.user_message_id = claim.run_id, claim.user_message_id
+        send.assistant_message_id = claim.assistant_message_id
+
+    async def read_prompt(send: Send) -> None:
+        send.chat = (await store.get_branch(send.user, send.chat_id, None, with_summary=True)).chat
+
+    async def reserve(send: Send) -> None:
+        await store.record_usage(send.user, send.run_id, Usage(prompt_tokens=400, completion_tokens=64))
+
+    async def store_question(send: Send) -> None:
+        asked = Message(
+            send.user_message_id, send.chat_id, Role.USER, USER_TEXT, send.parent_id, 200, run_id=send.run_id
+        )
+        send.run = await store.create_run(
+            send.user,
+            send.chat_id,
+            run_id=send.run_id,
+            parent_message_id=send.user_message_id,
+            assistant_message_id=send.assistant_message_id,
+            model="bench",
+            owner_id="bench-replica",
+            user_message_id=send.user_message_id,
+            prompt_tokens=400,
+            asked=asked,
+            chat=send.chat,
+        )
+
+    async def checkpoint(send: Send) -> None:
+        assert send.run is not None
+        await store.checkpoint_run(send.run, ANSWER[:16])
+
+    async def finish(send: Send) -> None:
+        assert send.run is not None
+        outcome = RunOutcome(
+            RunStatus.COMPLETED,
+            last_seq=ANSWER[-1].seq + 2,
+            finish_reason=FinishReason.STOP,
+            tail=tuple(ANSWER[16:]),
+            usage=Usage(prompt_tokens=400, completion_tokens=len(ANSWER)),
+        )
+        await store.finish_run(send.run, outcome, ANSWER)
+
+    results = []
+    for name, step in (
+        ("claim (Paxos)", claim),
+        ("prompt reads", read_prompt),
+        ("budget reservation", reserve),
+        ("question + run (batch)", store_question),
+        ("checkpoint", checkpoint),
+        ("finish + answer", finish),
+    ):
+        samples: list[float] = []
+
+        async def one(
+            send: Send, step: Callable[[Send], Awaitable[None]] = step, samples: list[float] = samples
+        ) -> None:
+            async with gate:
+                await timed(lambda: step(send), samples)
+
+        node_before, client_before = cpu_seconds(node_pid) if node_pid else 0.0, time.process_time()
+        await asyncio.gather(*(one(send) for send in state))
+        node_ms = ((cpu_seconds(node_pid) if node_pid else 0.0) - node_before) * 1000 / sends
+        client_ms = (time.process_time() - client_before) * 1000 / sends
+        results.append((name, node_ms, client_ms, statistics.median(samples) * 1000))
+    return results
+
+
+async def warm_node(store: MemoryStore, sends: int) -> None:
+    """Runs ``sends`` sends' statements on the node, 500 at a time: a fresh JVM spends most of its CPU
+    compiling for its first thousands of them, which a node that has served a while no longer does."""
+    for _ in range(0, sends, 500):
+        await send_steps(store, 500, None)
+
+
 async def bench(args: argparse.Namespace) -> None:
     print(f"machine: {machine()}")
     with (
@@ -138,6 +266,9 @@ async def bench(args: argparse.Namespace) -> None:
         store = await MemoryStore.connect(StoreConfig(port=config.cql_port, keyspace="bench"))
         try:
             results = await run_workloads(store, args.appends, args.reads)
+            fresh = await send_steps(store, args.sends, report.pid)
+            await warm_node(store, args.warm_sends)
+            warm = await send_steps(store, args.sends, report.pid)
         finally:
             await store.close()
         print(f"node RSS after the run: {rss_mib(report.pid):.0f} MiB")
@@ -149,6 +280,23 @@ async def bench(args: argparse.Namespace) -> None:
             f"{name:<30} {concurrency:>5} {len(samples):>6} {statistics.median(samples) * 1000:>8.2f} "
             f"{percentile(samples, 0.99) * 1000:>8.2f} {len(samples) / wall:>8.0f}"
         )
+    print()
+    print(
+        f"a send's steps: {args.sends} sends, 10 at a time, on the fresh node (after the runs above) and "
+        f"again after {args.warm_sends:,} more sends; CPU ms per step (node, this client) and p50 ms"
+    )
+    print(
+        f"{'step':<26} {'fresh: node CPU':>16} {'client':>7} {'p50':>7} {'warm: node CPU':>15} {'client':>7} {'p50':>7}"
+    )
+    for before, after in zip(fresh, warm, strict=True):
+        print(
+            f"{before[0]:<26} {before[1]:>16.2f} {before[2]:>7.2f} {before[3]:>7.2f} "
+            f"{after[1]:>15.2f} {after[2]:>7.2f} {after[3]:>7.2f}"
+        )
+    print(
+        f"{'a send, all steps':<26} {sum(step[1] for step in fresh):>16.2f} {sum(step[2] for step in fresh):>7.2f} "
+        f"{'':>7} {sum(step[1] for step in warm):>15.2f} {sum(step[2] for step in warm):>7.2f}"
+    )
 
 
 def main() -> None:
@@ -161,6 +309,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--reads", type=int, default=300, help="reads of the single chat (50 chats: /10 each)"
+    )
+    parser.add_argument("--sends", type=int, default=300, help="sends whose steps are measured")
+    parser.add_argument(
+        "--warm-sends", type=int, default=6000, help="sends between the fresh and the warm measure"
     )
     asyncio.run(bench(parser.parse_args()))
 

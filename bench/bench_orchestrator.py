@@ -18,7 +18,8 @@ TTFT/TPOT p50 ratios to engine-direct. Prompts are the same token ids on every p
 of a system prompt and one user message), as is the answer length.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_orchestrator.py \
-        [--concurrency 1 100] [--requests 30] [--tokens 32] [--tokens-per-s 50] [--engines 2] [--timeline]
+        [--concurrency 1 100] [--requests 30] [--tokens 32] [--tokens-per-s 50] [--engines 2] [--timeline] \
+        [--warm-sends 6000]
 
 ``--timeline`` has every service write its spans to a file and prints where a send's time goes: the
 median start and end of each span of the SendMessage traces, in ms after the call arrived (one line
@@ -47,13 +48,16 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bench_memory_store import warm_node  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from localmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
+from memory_store.config import StoreConfig  # noqa: E402
 from memory_store.node import CassandraNode, NodeConfig  # noqa: E402
+from memory_store.store import MemoryStore  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 from meshkit.telemetry import TRACE_FILE_ENV, SpanRecord  # noqa: E402
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
@@ -215,6 +219,22 @@ def null_engine(
     )
 
 
+async def warm_cassandra(cql_port: int, sends: int) -> None:
+    """What a node that has served a while has done: a fresh JVM spends most of its CPU compiling for
+    its first thousands of sends, which would be measured as the mesh's cost per send."""
+    started = time.perf_counter()
+    store = await MemoryStore.connect(StoreConfig(port=cql_port, keyspace="chatmesh_warm"))
+    try:
+        await warm_node(store, sends)
+    finally:
+        await store.close()
+    print(
+        f"  cassandra warmed: {sends:,} sends' statements through memory_store (keyspace chatmesh_warm) "
+        f"in {time.perf_counter() - started:.0f}s",
+        flush=True,
+    )
+
+
 def start_mesh(
     launcher: Launcher, args: argparse.Namespace, run_dir: Path, keys: DevKeys
 ) -> tuple[list[str], str, str]:
@@ -225,6 +245,8 @@ def start_mesh(
         ),
         launcher,
     ).start()
+    if getattr(args, "warm_sends", 0):
+        asyncio.run(warm_cassandra(cql_port, args.warm_sends))
     engines = []
     for i in range(args.engines):
         port = free_port()
@@ -349,6 +371,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="null engines' pace per stream")
     parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument(
+        "--warm-sends", type=int, default=6000, help="sends' statements run on Cassandra before measuring"
+    )
     parser.add_argument("--timeline", action="store_true", help="print the median span timeline of a send")
     args = parser.parse_args()
     print(f"machine: {machine()}")
