@@ -56,11 +56,11 @@ ALLOWED = Decision(Action.ALLOW)
 
 
 class ModerationPolicy(Protocol):
+    """Decides about user input and model output. Implementations must be fast and never raise."""
+
     # Lower-case strings of which every output match contains at least one (text holding none of them
     # is allowed without a check); None when the policy can say no such thing.
     output_anchors: tuple[str, ...] | None
-
-    """Decides about user input and model output. Implementations must be fast and never raise."""
 
     def check_input(self, text: str) -> Decision: ...
 
