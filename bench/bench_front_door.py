@@ -755,7 +755,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
     with Launcher(run_dir, echo=print) as launcher:
         print("starting Cassandra, engines, router, orchestrator, edge and Envoy ...", flush=True)
         keys = generate_keys(run_dir / "dev-jwt")
-        engines, router, orchestrator = start_mesh(launcher, args, run_dir, keys)
+        engines, router, orchestrator = start_mesh(launcher, args, run_dir, keys, args.warm_sends)
         url = start_door(launcher, orchestrator, run_dir, keys)
         asyncio.run(wait_for_engines(router, len(engines)))
         if args.concurrency:

@@ -109,9 +109,8 @@ class Wakeup:
     its cost there. ``Event.wait`` asks for the running loop on every call, and on Python 3.11 that asks
     the kernel for the process id: a system call per token per hop (with asyncio's timeouts, which ask
     too, 13 % of the orchestrator's main thread at 3,000 open streams: py-spy). This one keeps the loop
-    it first waited on. It has no flag to set or
-    clear: ``wait`` returns at the next ``notify``, so a waiter checks its condition first, with no
-    ``await`` between the check and ``wait``."""
+    it first waited on. It has no flag to set or clear: ``wait`` returns at the next ``notify``, so a
+    waiter checks its condition first, with no ``await`` between the check and ``wait``."""
 
     def __init__(self) -> None:
         self._loop: asyncio.AbstractEventLoop | None = None
