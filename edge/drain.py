@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from meshkit.deadline import Deadline
 
 
 class Drain:
@@ -17,7 +19,7 @@ class Drain:
 
     def __init__(self) -> None:
         self.deadline: float | None = None
-        self._waiting: set[asyncio.Timeout] = set()
+        self._watching: set[Deadline] = set()
 
     @property
     def draining(self) -> bool:
@@ -25,15 +27,16 @@ class Drain:
 
     def start(self, grace_s: float) -> None:
         self.deadline = asyncio.get_running_loop().time() + grace_s
-        for timeout in self._waiting:
-            timeout.reschedule(self.deadline)
+        for deadline in self._watching:
+            deadline.reschedule(self.deadline)
 
-    @asynccontextmanager
-    async def bounded(self) -> AsyncIterator[None]:
-        """Raises TimeoutError inside if the drain deadline passes first."""
-        async with asyncio.timeout_at(self.deadline) as timeout:
-            self._waiting.add(timeout)
+    @contextmanager
+    def watch(self) -> Iterator[Deadline]:
+        """The drain's deadline for the calling task's waits (``Deadline.wait`` raises TimeoutError once
+        it passes), while the block lasts: one for a whole stream."""
+        with Deadline(self.deadline) as deadline:
+            self._watching.add(deadline)
             try:
-                yield
+                yield deadline
             finally:
-                self._waiting.discard(timeout)
+                self._watching.discard(deadline)

@@ -86,8 +86,8 @@ class RunStream:
         the edge drains before the first event comes, it is a 503 to retry (the same Idempotency-Key
         joins the answer if it started), never a request cut off without a status."""
         try:
-            async with self._drain.bounded():
-                response: Any = await self._call.read()
+            with self._drain.watch() as drain:
+                response: Any = await drain.wait(self._call.read())
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
         except TimeoutError:

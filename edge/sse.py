@@ -75,24 +75,24 @@ async def relay(
     try:
         event = first
         events = stream.rest()
-        while True:
-            name = event.WhichOneof("kind") or "unknown"
-            METRICS.stream_events.labels(kind, name).inc()
-            if name == "delta" and not first_delta_seen:
-                first_delta_seen = True
-                METRICS.first_event.labels(kind).observe(time.monotonic() - request_started)
-            for item in to_sse(event):
-                yield item
-            try:
-                async with drain.bounded():
-                    event = await anext(events)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                # Draining: end the response cleanly (page clients resume with Last-Event-ID).
-                for item in drained():
+        with drain.watch() as draining:
+            while True:
+                name = event.WhichOneof("kind") or "unknown"
+                METRICS.stream_events.labels(kind, name).inc()
+                if name == "delta" and not first_delta_seen:
+                    first_delta_seen = True
+                    METRICS.first_event.labels(kind).observe(time.monotonic() - request_started)
+                for item in to_sse(event):
                     yield item
-                return
+                try:
+                    event = await draining.wait(anext(events))
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    # Draining: end the response cleanly (page clients resume with Last-Event-ID).
+                    for item in drained():
+                        yield item
+                    return
         for item in closing():
             yield item
     except grpc.RpcError as exc:

@@ -32,7 +32,6 @@ is traced as a client span of its own, whose context goes to the engine with the
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -44,6 +43,7 @@ from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
 from chatmesh.token_text import coalesced, token_pieces, tokens_frame
+from meshkit.deadline import Deadline
 from meshkit.links import Link, RequestFeed
 from meshkit.telemetry import request_span, trace_context
 from router.admission import RETRY_MIN_S
@@ -206,14 +206,15 @@ class Relay:
         self._attempt = (link, attempt_id)
         if self.cancelled:
             link.cancel(attempt_id)
+        idle = Deadline()  # each wait for the engine's next frames has its own time
         try:
-            batch = await self._take(feed, self.config.accept_timeout_s, "`accepted`")
+            batch = await self._take(feed, idle, self.config.accept_timeout_s, "`accepted`")
             if (kind := batch[0].WhichOneof("kind")) != "accepted":
                 raise AttemptFailed("protocol", f"the engine sent {kind} before `accepted`")
             batch = batch[1:]
             timeout, waiting_for = self.config.first_token_timeout_s, "the first token"
             if queue_limit_s:
-                batch = await self._first_tokens(feed, batch, timeout)
+                batch = await self._first_tokens(feed, idle, batch, timeout)
             while True:
                 for frame in batch:
                     kind = frame.WhichOneof("kind")
@@ -230,17 +231,18 @@ class Relay:
                         return
                     else:
                         raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
-                batch = await self._take(feed, timeout, waiting_for)
+                batch = await self._take(feed, idle, timeout, waiting_for)
         except ServiceError as exc:
             span.set_status(trace.StatusCode.ERROR, exc.message)
             raise
         finally:
+            idle.close()
             self._attempt = None
             link.release(attempt_id)
             span.end()
 
     async def _first_tokens(
-        self, feed: RequestFeed, batch: list[engine_pb2.ResponseFrame], timeout_s: float
+        self, feed: RequestFeed, idle: Deadline, batch: list[engine_pb2.ResponseFrame], timeout_s: float
     ) -> list[engine_pb2.ResponseFrame]:
         """The first frames after `accepted`, for an attempt with a queue limit: the engine's
         RESOURCE_EXHAUSTED now means it dropped the request unstarted at that limit, which
@@ -248,7 +250,7 @@ class Relay:
         if batch:
             return batch
         try:
-            return await self._take(feed, timeout_s, "the first token")
+            return await self._take(feed, idle, timeout_s, "the first token")
         except AttemptFailed as exc:
             if exc.failure != "exhausted":
                 raise
@@ -277,14 +279,14 @@ class Relay:
         )
 
     async def _take(
-        self, feed: RequestFeed, timeout_s: float, waiting_for: str
+        self, feed: RequestFeed, idle: Deadline, timeout_s: float, waiting_for: str
     ) -> list[engine_pb2.ResponseFrame]:
         """The engine's frames that arrived since the last take (at least one), token frames in a row
-        merged into one."""
+        merged into one; ``idle`` bounds the wait by ``timeout_s`` and the request's deadline."""
         deadline = (left := self._time_left()) <= timeout_s
+        idle.reschedule_in(min(timeout_s, left))
         try:
-            async with asyncio.timeout(min(timeout_s, left)):
-                batch = await feed.take()
+            batch = await idle.wait(feed.take())
         except TimeoutError:
             if deadline:  # the client's time is up: no other engine would do better
                 raise _deadline_passed(waiting_for) from None

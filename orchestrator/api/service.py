@@ -22,6 +22,7 @@ from chatmesh.errors import abort
 from chatmesh.identity import Identity, TokenVerifier, Unauthenticated
 from chatmesh.limits import Limits
 from memory_store.store import MemoryStore
+from meshkit.deadline import Deadline
 from orchestrator import convert
 from orchestrator.errors import from_exception
 from orchestrator.policy.admission import Budgets
@@ -79,10 +80,10 @@ def streaming(response: type):
                 else asyncio.get_running_loop().time() + remaining - DEADLINE_MARGIN_S
             )
             try:
-                while True:
-                    async with asyncio.timeout_at(end):
-                        event = await anext(events)
-                    yield response(event=event)
+                with Deadline(end) as deadline:
+                    while True:
+                        event = await deadline.wait(anext(events))
+                        yield response(event=event)
             except StopAsyncIteration:
                 return
             except TimeoutError:
