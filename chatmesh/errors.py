@@ -34,6 +34,11 @@ ERROR_DOMAIN = "chatmesh"
 # Statuses whose messages may hold internals: clients get GENERIC_MESSAGE, our logs keep the detail.
 OPAQUE_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
 GENERIC_MESSAGE = "internal error in the chat service; retry later, and report it if it persists"
+# A run that ends with one of these (RunError.code) before its first token was refused for a reason that
+# may pass by itself: the engine's queue limit, no engine or router left. Nothing of it was generated, so
+# a retry is answered anew: the orchestrator answers its idempotency key's retry with a new run, and the
+# edge answers a request that waited for such a run with the HTTP error to retry (429 or 503).
+REFUSED_BEFORE_ANSWER = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED.name, grpc.StatusCode.UNAVAILABLE.name})
 # A status message travels in a header (grpc-message): one that quotes a huge input (a 40 KB id) is more
 # than a proxy takes, and Envoy would answer UNAVAILABLE in its place. Messages are cut to this length.
 MAX_MESSAGE_CHARS = 512

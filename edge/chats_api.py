@@ -123,7 +123,8 @@ async def create_chat(request: Request) -> JSONResponse:
     orchestrator, settings = _app(request)
     caller = caller_of(request)
     body = await read_model(request, CreateChatIn, settings.max_body_bytes)
-    reply = await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(title=body.title), caller)
+    create = chat_pb2.CreateChatRequest(title=body.title, idempotency_key=idempotency_key_of(request))
+    reply = await orchestrator.unary("CreateChat", create, caller)
     return JSONResponse(chat_json(reply.chat), status_code=201)
 
 
@@ -174,7 +175,8 @@ async def list_messages(request: Request) -> JSONResponse:
     )
 
 
-def _idempotency_key(request: Request, from_body: str) -> str:
+def idempotency_key_of(request: Request, from_body: str = "") -> str:
+    """The request's idempotency key: the body's, else the Idempotency-Key header's (may be empty)."""
     key = from_body or request.headers.get("idempotency-key", "")
     if len(key) > API.max_idempotency_key_chars:
         raise ApiError(
@@ -199,7 +201,7 @@ async def send_message(request: Request) -> Response:
             chat_id=chat_id,
             content=body.content,
             parent_message_id=body.parent_message_id,
-            idempotency_key=_idempotency_key(request, body.idempotency_key),
+            idempotency_key=idempotency_key_of(request, body.idempotency_key),
             options=options_proto(body.options),
         ),
         caller,
@@ -219,7 +221,7 @@ async def regenerate(request: Request) -> Response:
         chat_pb2.RegenerateMessageRequest(
             chat_id=chat_id,
             message_id=message_id,
-            idempotency_key=_idempotency_key(request, body.idempotency_key),
+            idempotency_key=idempotency_key_of(request, body.idempotency_key),
             options=options_proto(body.options),
         ),
         caller,

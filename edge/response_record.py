@@ -13,7 +13,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from chatmesh.chat.v1 import chat_pb2
-from edge.errors import ApiError
+from chatmesh.errors import REFUSED_BEFORE_ANSWER
+from edge.errors import ApiError, from_run_error
 
 RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"
@@ -83,6 +84,9 @@ class ResponseRecord:
     status: str = "in_progress"
     incomplete_reason: str | None = None
     error: dict | None = None
+    # The run was refused before any output, for a reason that may pass (``REFUSED_BEFORE_ANSWER``):
+    # the HTTP error to retry with, for a request that waited for the run's end.
+    refusal: ApiError | None = None
 
     @property
     def id(self) -> str:
@@ -106,7 +110,10 @@ class ResponseRecord:
         elif kind == "done":
             self.status, self.incomplete_reason = _ENDINGS.get(event.done.finish_reason, ("completed", None))
         elif kind == "error":
-            self.fail(event.error.code, event.error.message)
+            error = event.error
+            self.fail(error.code, error.message)
+            if not self.text and error.code in REFUSED_BEFORE_ANSWER:
+                self.refusal = from_run_error(error.code, error.message, error.retry_after_ms)
 
     def fail(self, code: str, message: str) -> None:
         self.status = "failed"

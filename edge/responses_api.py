@@ -20,6 +20,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -27,7 +28,7 @@ from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
 from edge.bodies import read_model
-from edge.chats_api import caller_of
+from edge.chats_api import caller_of, idempotency_key_of
 from edge.convert import options_proto
 from edge.errors import ApiError
 from edge.openai_api import ROLES
@@ -140,10 +141,32 @@ async def _owned_run(
     return run
 
 
-async def _send(
-    orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn
-) -> tuple[RunStream, chat_pb2.RunEvent]:
-    """The stored response's run started: its stream and first event."""
+@dataclass
+class _Sent:
+    """A stored response's run started: its stream and first event, and the conversation it began."""
+
+    stream: RunStream
+    first: chat_pb2.RunEvent
+    routed: Caller
+    # The chat made for it when no key finds it again (empty for a continuation, or with a key).
+    keyless_chat_id: str
+
+    async def forget_keyless_chat(self, orchestrator: Orchestrator) -> None:
+        """Deletes the conversation this response began, refused, and a retry could not find: none is
+        left behind. (With a key, its retry answers in the same chat.)"""
+        if self.keyless_chat_id:
+            await _delete_quietly(orchestrator, self.routed, self.keyless_chat_id)
+
+
+async def _delete_quietly(orchestrator: Orchestrator, routed: Caller, chat_id: str) -> None:
+    with contextlib.suppress(ApiError):
+        await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=chat_id), routed)
+
+
+async def _send(orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn, key: str) -> _Sent:
+    """The stored response's run started. With ``key`` (the Idempotency-Key) a retry creates no second
+    conversation (CreateChat with the key gets the first one's) and joins the run the first attempt
+    started, or answers the same question anew if that run was refused before its answer."""
     content = _stored_input(body)
     previous = body.previous_response_id
     if previous:
@@ -152,11 +175,10 @@ async def _send(
             raise _bad(
                 "previous_response_id", f"response {previous!r} is still in progress; wait for it to end"
             )
-        chat_id, parent_id = run.chat_id, run.assistant_message_id
+        chat_id, parent_id, keyless_chat_id = run.chat_id, run.assistant_message_id, ""
     else:
-        title = " ".join(content.split())[:_TITLE_CHARS]
-        chat = (await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(title=title), caller)).chat
-        chat_id, parent_id = chat.chat_id, ""
+        chat_id, parent_id = await _new_chat(orchestrator, caller, content, key), ""
+        keyless_chat_id = "" if key else chat_id
     routed = caller.for_chat(chat_id)
     send = chat_pb2.SendMessageRequest(
         chat_id=chat_id,
@@ -164,16 +186,35 @@ async def _send(
         parent_message_id=parent_id,
         options=_options(body),
         instructions=body.instructions or "",
+        idempotency_key=key,
     )
     stream = orchestrator.stream("SendMessage", send, routed)
     try:
-        return stream, await stream.opening()
+        return _Sent(stream, await stream.opening(), routed, keyless_chat_id)
     except ApiError as exc:
-        if not previous:  # refused: leave no empty conversation behind
-            with contextlib.suppress(ApiError):
-                await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=chat_id), routed)
-        elif exc.status == 404:  # its answer was never stored (cancelled before any text)
+        if keyless_chat_id:  # refused: leave no empty conversation behind
+            await _delete_quietly(orchestrator, routed, keyless_chat_id)
+        elif previous and exc.status == 404:  # its answer was never stored (cancelled before any text)
             raise response_not_found(previous, "previous_response_id") from None
+        raise
+
+
+async def _new_chat(orchestrator: Orchestrator, caller: Caller, content: str, key: str) -> str:
+    """The chat a new conversation is stored in, titled from its first input; with ``key``, the one
+    the key's first attempt made."""
+    title = " ".join(content.split())[:_TITLE_CHARS]
+    create = chat_pb2.CreateChatRequest(title=title, idempotency_key=key)
+    try:
+        return (await orchestrator.unary("CreateChat", create, caller)).chat.chat_id
+    except ApiError as exc:
+        if key and exc.status == 404:
+            raise ApiError(
+                409,
+                "the conversation this Idempotency-Key began was deleted; use a new key",
+                type="conflict_error",
+                code="already_exists",
+                param="Idempotency-Key",
+            ) from None
         raise
 
 
@@ -227,8 +268,10 @@ async def create_response(request: Request) -> Response:
         temperature=body.temperature,
         top_p=body.top_p,
     )
+    sent = None
     if body.store:
-        stream, first = await _send(orchestrator, caller, body)
+        sent = await _send(orchestrator, caller, body, idempotency_key_of(request))
+        stream, first = sent.stream, sent.first
     else:
         stream = orchestrator.stream("Complete", _complete_request(body), caller)
         first = await stream.opening()
@@ -240,6 +283,12 @@ async def create_response(request: Request) -> Response:
         stream.detach()
         return JSONResponse(record.json())
     await _fold(stream, record, first)
+    if record.refusal is not None:
+        # Refused before any output (the engine's queue limit, no engine left): the 429 or 503 to
+        # retry, as a refusal at the door is, and no conversation of it left behind.
+        if sent is not None:
+            await sent.forget_keyless_chat(orchestrator)
+        raise record.refusal
     return JSONResponse(record.json())
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
 import uuid
 from datetime import UTC, datetime
 from typing import Any, overload
@@ -11,9 +13,12 @@ from cassandra.query import UNSET_VALUE
 from chatmesh.limits import Limits
 from memory_store.config import StoreConfig
 from memory_store.cursor import CursorCodec
-from memory_store.db import Db
-from memory_store.errors import InvalidArgument
+from memory_store.db import Db, Row
+from memory_store.errors import InvalidArgument, Unavailable
 from memory_store.models import StoreBounds
+
+# How many times a conditional write on one key is tried while it times out (``StoreBase._contended``).
+_CONTENDED_ATTEMPTS = 6
 
 
 class StoreBase:
@@ -36,6 +41,23 @@ class StoreBase:
         if not user_id or len(user_id) > self.bounds.max_user_id_chars:
             raise InvalidArgument(f"user id must be 1..{self.bounds.max_user_id_chars} characters")
         return user_id
+
+    def _check_idempotency_key(self, key: str) -> None:
+        if not 1 <= len(key) <= self.limits.max_idempotency_key_chars:
+            raise InvalidArgument(
+                f"idempotency key must be 1..{self.limits.max_idempotency_key_chars} characters"
+            )
+
+    async def _contended(self, name: str, params: tuple[Any, ...]) -> Row:
+        """A conditional write on one key, run again while it times out (contention on the key, or a
+        slow node): its outcome is then unknown, so each statement run this way must recognise its own
+        write in the row a later attempt gets back."""
+        for attempt in range(_CONTENDED_ATTEMPTS - 1):
+            try:
+                return (await self._db.execute(name, params))[0]
+            except Unavailable:
+                await asyncio.sleep(random.uniform(0.01, 0.05) * 2**attempt)
+        return (await self._db.execute(name, params))[0]
 
     def _page_size(self, requested: int | None, default: int, maximum: int) -> int:
         if requested is None or requested == 0:

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from memory_store.base import StoreBase, id_str, micros, now, utc
 from memory_store.db import Cql, Row, Write
-from memory_store.errors import InvalidArgument, NotFound
+from memory_store.errors import AlreadyExists, InvalidArgument, NotFound
 from memory_store.ids import id_micros, new_id, parse_id
 from memory_store.models import Chat, ChatSummary, Page
 from memory_store.search import delete_statement, title_statement
@@ -70,6 +70,11 @@ STATEMENTS = {
         "WHERE user_id = ? AND (activity_at, chat_id) < (?, ?) LIMIT ?",
         True,
     ),
+    "chat_key_claim": Cql(
+        "INSERT INTO chat_keys (user_id, key, chat_id, title) VALUES (?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
+        # Running it again leaves the same row: the first call's. The caller recognises its own chat id.
+        idempotent=True,
+    ),
     "summary_put": Cql(
         "INSERT INTO chat_summaries (chat_id, text, token_count, through_message_id, updated_at) "
         "VALUES (?, ?, ?, ?, ?)",
@@ -92,6 +97,11 @@ def summary_of(rows: list[Row]) -> ChatSummary | None:
     )
 
 
+def _created_at(chat_id: uuid.UUID) -> datetime:
+    """The creation time a chat's id was made from (``now()``: whole milliseconds)."""
+    return datetime.fromtimestamp(round(id_micros(chat_id) / 1000) / 1000, UTC)
+
+
 def _chat(user_id: str, row: Row) -> Chat | None:
     """A live chat from its row; None for a deleted chat or a row without a creation (never created)."""
     if row["deleted_at"] is not None or row["created_at"] is None:
@@ -108,12 +118,28 @@ def _chat(user_id: str, row: Row) -> Chat | None:
 
 
 class ChatsMixin(StoreBase):
-    async def create_chat(self, user_id: str, title: str = "") -> Chat:
-        """A new empty chat owned by ``user_id`` (title may be empty: set it later with rename_chat)."""
+    async def create_chat(self, user_id: str, title: str = "", idempotency_key: str = "") -> Chat:
+        """A new empty chat owned by ``user_id`` (title may be empty: set it later with rename_chat).
+
+        With ``idempotency_key``, every call with the same key gets the chat the first one created, as
+        it is now (renamed, with messages); ALREADY_EXISTS if that first call had another title, and
+        NOT_FOUND once that chat is deleted. The key is claimed before the chat is written, so a call
+        that died between the two leaves its retry to write the chat, with the same id and times.
+        """
         self._check_user(user_id)
         self._check_title(title, allow_empty=True)
         at = now()
         chat_id = new_id(at)
+        if idempotency_key:
+            earlier = await self._claim_chat_key(user_id, idempotency_key, chat_id, title)
+            if earlier is not None:
+                rows = await self._db.execute("chat_get", (user_id, earlier))
+                if rows and rows[0]["created_at"] is not None:
+                    if (chat := _chat(user_id, rows[0])) is None:
+                        raise NotFound("the chat this idempotency key created was deleted; use a new key")
+                    return chat
+                # Claimed and never written: write it as its first call would have.
+                chat_id, at = earlier, _created_at(earlier)
         ts = micros(at)
         statements = [
             ("chat_insert", (user_id, chat_id, title, at, at, ts)),
@@ -123,6 +149,22 @@ class ChatsMixin(StoreBase):
             statements.append(title_statement(user_id, chat_id, title))
         await self._db.execute_batch(statements)
         return Chat(chat_id=str(chat_id), user_id=user_id, title=title, created_at=at, updated_at=at)
+
+    async def _claim_chat_key(
+        self, user_id: str, key: str, chat_id: uuid.UUID, title: str
+    ) -> uuid.UUID | None:
+        """Claims ``key`` for the chat about to be created: None if this call holds it, else the chat
+        id an earlier call claimed it for (ALREADY_EXISTS if that call had another title)."""
+        self._check_idempotency_key(key)
+        params = (user_id, key, chat_id, title, self._config.idempotency_ttl_s)
+        row = await self._contended("chat_key_claim", params)
+        if row["[applied]"] or row["chat_id"] == chat_id:
+            return None
+        if (row["title"] or "") != title:
+            raise AlreadyExists(
+                "this idempotency key already created a chat with another title; use a new key"
+            )
+        return row["chat_id"]
 
     async def get_chat(self, user_id: str, chat_id: str) -> Chat:
         """The chat; NOT_FOUND if it does not exist, is deleted, or belongs to someone else."""

@@ -81,7 +81,7 @@ class StoreConfig:
     apply_schema: bool = setting(True, "apply schema migrations at start", flag="cassandra-apply-schema")
     # Length of a usage (budget) window, aligned to the Unix epoch: 86400 is a UTC day.
     usage_window_s: int = 86_400
-    # How long an idempotency key keeps mapping to its run.
+    # How long an idempotency key keeps mapping to its run (or a CreateChat key to its chat).
     idempotency_ttl_s: int = 7 * 86_400
     # The request limits, as the orchestrator's flags set them; the store checks writes against them too.
     limits: Limits = field(default_factory=Limits)

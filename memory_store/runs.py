@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import uuid
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -64,7 +63,6 @@ from memory_store.usage import UsageMixin
 # silent replicas of their own group only.
 ORCHESTRATOR = "orchestrator"
 REPLICA_TTL_S = 86_400
-_CLAIM_ATTEMPTS = 6
 _MAX_FINGERPRINT_BYTES = 64
 _RUN_STATE = (
     "user_id, chat_id, user_message_id, parent_message_id, assistant_message_id, model, owner_id, status, "
@@ -237,10 +235,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         creates the claim also holds its start lease for ``start_lease_s`` (``take_start_lease``).
         """
         self._check_user(user_id)
-        if not 1 <= len(key) <= self.limits.max_idempotency_key_chars:
-            raise InvalidArgument(
-                f"idempotency key must be 1..{self.limits.max_idempotency_key_chars} characters"
-            )
+        self._check_idempotency_key(key)
         if not 1 <= len(fingerprint) <= _MAX_FINGERPRINT_BYTES:
             raise InvalidArgument(f"request fingerprint must be 1..{_MAX_FINGERPRINT_BYTES} bytes")
         user_message_id, run_id, assistant_message_id = new_id(), new_id(), new_id()
@@ -267,17 +262,6 @@ class RunsMixin(MessagesMixin, UsageMixin):
             fingerprint_matches=mine or row["fingerprint"] == fingerprint,
             start_lease=lease if mine else None,
         )
-
-    async def _contended(self, name: str, params: tuple[Any, ...]) -> Row:
-        """A conditional write on one key, run again while it times out (contention on the key, or a
-        slow node): its outcome is then unknown, so each statement run this way must recognise its own
-        write in the row a later attempt gets back."""
-        for attempt in range(_CLAIM_ATTEMPTS - 1):
-            try:
-                return (await self._db.execute(name, params))[0]
-            except Unavailable:
-                await asyncio.sleep(random.uniform(0.01, 0.05) * 2**attempt)
-        return (await self._db.execute(name, params))[0]
 
     async def take_start_lease(self, user_id: str, key: str, lease_s: float) -> datetime | None:
         """Takes the start lease of a claimed key if nobody holds it: its expiry if taken, else None.

@@ -199,6 +199,19 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE runs ADD IF NOT EXISTS token_ids frozen<list<int>>",
         ),
     ),
+    Migration(
+        5,
+        "chat keys: the chat an idempotency key created",
+        (
+            # chats.py, create_chat: a retried create with the same key gets the same chat.
+            """CREATE TABLE IF NOT EXISTS chat_keys (
+                user_id text,
+                key text,
+                chat_id timeuuid,
+                title text,
+                PRIMARY KEY ((user_id, key)))""",
+        ),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

@@ -122,7 +122,8 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
     @unary
     async def CreateChat(self, identity: Identity, request: chat_pb2.CreateChatRequest):
         limits.check_title(request.title, self.limits, allow_empty=True)
-        chat = await self.store.create_chat(identity.user_id, request.title)
+        limits.check_idempotency_key(request.idempotency_key, self.limits)
+        chat = await self.store.create_chat(identity.user_id, request.title, request.idempotency_key)
         return chat_pb2.CreateChatResponse(chat=convert.chat(chat))
 
     @unary

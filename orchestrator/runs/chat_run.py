@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.message import Message as ProtoMessage
 from opentelemetry import trace
 
-from chatmesh.errors import ServiceError, unavailable
+from chatmesh.errors import REFUSED_BEFORE_ANSWER, ServiceError, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
@@ -37,9 +37,6 @@ T = TypeVar("T")
 LEASE_POLL_S = 0.2
 # A lease holder starts its run only with this much of the lease left (clocks and a last write).
 LEASE_MARGIN_S = 5.0
-# The failures that may pass by themselves: a run that ended with one before its first token is
-# answered again by its key's retry (the engine's queue limit refused it; no engine or router was left).
-_RETRYABLE_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED.name, grpc.StatusCode.UNAVAILABLE.name})
 
 
 def ended_unanswered(run: Run) -> bool:
@@ -47,7 +44,7 @@ def ended_unanswered(run: Run) -> bool:
     was generated or charged, so its key's retry starts the answer again instead of joining it."""
     return (
         run.status is RunStatus.FAILED
-        and run.error_code in _RETRYABLE_CODES
+        and run.error_code in REFUSED_BEFORE_ANSWER
         and run.usage is not None
         and run.usage.completion_tokens == 0
     )

@@ -9,9 +9,9 @@ metadata so tests can see exactly what reached it.
 Scripts, in the text of a user message (SendMessage) or the last message (Complete):
     !tokens N MS          answer with N tokens, one every MS milliseconds (default: 12 tokens, 20 ms)
     !runerror CODE K      after K deltas, end the run with a RunError event (code, message, retry 2 s)
-    !refusedonce CODE     SendMessage: the first run of an idempotency key ends with a RunError before
-                          any delta (retry 1 s), as the engine's queue limit refuses a stored send; a
-                          retry with the key is answered
+    !refusedonce CODE     SendMessage: the first run of an idempotency key (of the message's text, for a
+                          send without one) ends with a RunError before any delta (retry 1 s), as the
+                          engine's queue limit refuses a stored send; a retry is answered
     !abort CODE K         after K deltas, abort the RPC itself with CODE
     !degraded MODEL       answer as the router degrading a free request would: from MODEL, degraded
 Unary failures are injected with ``failing(method, code, ...)``; ``delay(method, seconds)`` slows one.
@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -72,7 +72,6 @@ WORDS = [
     "it",
     "saw",
 ]
-_ids = itertools.count(1)
 
 
 def scripted_token(i: int) -> str:
@@ -85,8 +84,9 @@ def scripted_text(tokens: int) -> str:
     return "".join(scripted_token(i) for i in range(tokens))
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}{time.time_ns():x}{next(_ids):04d}"
+def new_id() -> str:
+    """A time-based UUID, as the orchestrator's ids are (the Responses API's ids are made from them)."""
+    return str(uuid.uuid1())
 
 
 def now() -> Timestamp:
@@ -186,7 +186,7 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         self.runs: dict[str, Run] = {}
         self._failures: dict[str, Failure] = {}
         self._delays: dict[str, float] = {}
-        # Idempotency keys whose first run was refused (``!refusedonce``).
+        # Idempotency keys (or texts, for sends without one) whose first run was refused (``!refusedonce``).
         self._refused_keys: set[str] = set()
         # It proves callers as the orchestrator does: with the session's keys, from the token alone.
         self._verifier = TokenVerifier(session_keys().jwks_path, ISSUER)
@@ -277,10 +277,10 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
     ) -> Run:
         run = Run(
             proto=chat_pb2.Run(
-                run_id=new_id("run_"),
+                run_id=new_id(),
                 chat_id=chat.chat_id if chat else "",
                 status=chat_pb2.RUN_STATUS_IN_PROGRESS,
-                assistant_message_id=new_id("msg_") if chat else "",
+                assistant_message_id=new_id() if chat else "",
                 create_time=now(),
             ),
             owner=identity.user_id,
@@ -387,7 +387,7 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
     async def CreateChat(self, request, context):
         identity = await self._enter("CreateChat", request, context)
         chat = chat_pb2.Chat(
-            chat_id=new_id("chat_"), title=request.title or "New chat", create_time=now(), update_time=now()
+            chat_id=new_id(), title=request.title or "New chat", create_time=now(), update_time=now()
         )
         self.chats[chat.chat_id] = (identity.user_id, chat)
         self.messages[chat.chat_id] = []
@@ -437,7 +437,7 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         history = self.messages[chat.chat_id]
         parent_id = request.parent_message_id or (history[-1].message_id if history else "")
         user_message = chat_pb2.Message(
-            message_id=new_id("msg_"),
+            message_id=new_id(),
             chat_id=chat.chat_id,
             parent_id=parent_id,
             role=chat_pb2.ROLE_USER,
@@ -450,8 +450,9 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
             chat.title = request.content[:40]
         script = Script.parse(request.content)
         refused = ""
-        if script.refused_once and request.idempotency_key not in self._refused_keys:
-            self._refused_keys.add(request.idempotency_key)
+        refusal_key = request.idempotency_key or f"text:{request.content}"
+        if script.refused_once and refusal_key not in self._refused_keys:
+            self._refused_keys.add(refusal_key)
             refused = script.refused_once
         run = self._start_run(identity, chat, user_message, request.content, request.options, refused)
         user_message.run_id = run.proto.run_id

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import Iterator
 
 import openai
@@ -305,3 +306,34 @@ def test_delete_removes_the_response_and_its_conversation(
         sdk.responses.create(input=QUESTION, previous_response_id=first.id)
     with mesh_front_door.client(user) as client:
         assert client.get("/v1/chats").json()["chats"] == []
+
+
+def test_a_create_retried_with_its_idempotency_key_is_the_same_response(
+    mesh_front_door: MeshFrontDoor, sdk: openai.OpenAI, user: str
+):
+    """A client that lost the answer to a stored create sends it again with the same Idempotency-Key:
+    it gets the same response, and the conversation holds the question once (CreateChat and SendMessage
+    both carry the key). A continuation works the same way, and a key's deleted conversation is 409."""
+    key = {"Idempotency-Key": f"key-{uuid.uuid4().hex}"}
+    first = sdk.responses.create(input=QUESTION, max_output_tokens=4, extra_headers=key)
+    again = sdk.responses.create(input=QUESTION, max_output_tokens=4, extra_headers=key)
+    assert (again.id, again.output_text) == (first.id, first.output_text)
+    follow_key = {"Idempotency-Key": f"key-{uuid.uuid4().hex}"}
+    follow = [
+        sdk.responses.create(
+            input="And then?", previous_response_id=first.id, max_output_tokens=4, extra_headers=follow_key
+        )
+        for _ in range(2)
+    ]
+    assert follow[0].id == follow[1].id
+    with mesh_front_door.client(user) as client:
+        chats = client.get("/v1/chats").json()["chats"]
+        assert len(chats) == 1
+        messages = client.get(f"/v1/chats/{chats[0]['chat_id']}/messages").json()["messages"]
+    asked = [m["content"] for m in messages if m["role"] == "user"]
+    assert sorted(asked) == sorted([QUESTION, "And then?"])
+    with pytest.raises(openai.ConflictError):  # another input under the same key
+        sdk.responses.create(input="Something else.", max_output_tokens=4, extra_headers=key)
+    sdk.responses.delete(first.id)
+    with pytest.raises(openai.ConflictError):
+        sdk.responses.create(input=QUESTION, max_output_tokens=4, extra_headers=key)

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from memory_store.errors import InvalidArgument, NotFound
-from memory_store.ids import new_id
+from memory_store.errors import AlreadyExists, InvalidArgument, NotFound
+from memory_store.ids import id_time, new_id
 from memory_store.models import ChatSummary
 from tests.memory_store.builders import message, new_user, operations_counted, requests_sent
 
@@ -189,3 +189,47 @@ async def test_summary_is_replaced_and_read_back(memory_store):
         await memory_store.put_summary(
             user, chat.chat_id, ChatSummary("x" * (64 * 1024 + 1), 1, first.message_id)
         )
+
+
+async def test_racing_creates_with_one_key_make_one_chat(memory_store):
+    user = new_user()
+    chats = await asyncio.gather(*(memory_store.create_chat(user, "Paris?", "key-1") for _ in range(8)))
+    assert len({chat.chat_id for chat in chats}) == 1
+    assert [chat.chat_id for chat in (await memory_store.list_chats(user)).items] == [chats[0].chat_id]
+    # The key is the user's own: another user's key of the same name makes their own chat.
+    other = await memory_store.create_chat(new_user(), "Paris?", "key-1")
+    assert other.chat_id != chats[0].chat_id
+    # Without a key every create is a chat.
+    assert (await memory_store.create_chat(user, "Paris?")).chat_id != chats[0].chat_id
+
+
+async def test_a_keyed_create_returns_the_chat_as_it_is_now_and_refuses_another_title(memory_store):
+    user = new_user()
+    first = await memory_store.create_chat(user, "Paris?", "key-1")
+    await memory_store.rename_chat(user, first.chat_id, "Trip to Paris")
+    again = await memory_store.create_chat(user, "Paris?", "key-1")
+    assert (again.chat_id, again.title) == (first.chat_id, "Trip to Paris")
+    with pytest.raises(AlreadyExists):
+        await memory_store.create_chat(user, "Rome?", "key-1")
+    await memory_store.delete_chat(user, first.chat_id)
+    with pytest.raises(NotFound):  # deleted stays deleted: the key does not bring it back
+        await memory_store.create_chat(user, "Paris?", "key-1")
+    assert (await memory_store.list_chats(user)).items == []
+
+
+async def test_a_key_claimed_by_a_create_that_died_before_writing_its_chat_gets_that_chat(memory_store):
+    """The key is claimed, then the chat written: a create lost between the two leaves the key naming a
+    chat that does not exist. Its retry writes that chat, with the id and creation time the key names."""
+    user = new_user()
+    lost = new_id()
+    await memory_store._db.execute("chat_key_claim", (user, "key-1", lost, "Paris?", 3600))
+    chat = await memory_store.create_chat(user, "Paris?", "key-1")
+    assert chat.chat_id == str(lost)
+    assert abs((chat.created_at - id_time(lost)).total_seconds()) < 0.001
+    assert (await memory_store.get_chat(user, str(lost))).title == "Paris?"
+    assert [c.chat_id for c in (await memory_store.list_chats(user)).items] == [str(lost)]
+
+
+async def test_a_create_key_is_checked(memory_store):
+    with pytest.raises(InvalidArgument):
+        await memory_store.create_chat(new_user(), "", "k" * 129)

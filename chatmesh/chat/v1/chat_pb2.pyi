@@ -176,10 +176,12 @@ class RunEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., started: _Optional[_Union[RunStarted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ...) -> None: ...
 
 class CreateChatRequest(_message.Message):
-    __slots__ = ("title",)
+    __slots__ = ("title", "idempotency_key")
     TITLE_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     title: str
-    def __init__(self, title: _Optional[str] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, title: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class CreateChatResponse(_message.Message):
     __slots__ = ("chat",)
