@@ -472,10 +472,11 @@ def process_ids(launcher: Launcher) -> dict[str, int]:
 
 
 def by_hop(values: Mapping[str, float]) -> dict[str, float]:
-    """Per-process values summed by hop (the engines together)."""
+    """Per-process values summed by hop (a tier's replicas, ``<tier>-<i>``, together)."""
     hops: dict[str, float] = {}
     for name, value in values.items():
-        hop = "engine" if name.startswith("engine-") else name
+        tier, _, index = name.rpartition("-")
+        hop = tier if tier and index.isdigit() else name
         hops[hop] = hops.get(hop, 0.0) + value
     return hops
 
@@ -678,13 +679,15 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     print(f"plot: {path}")
 
 
-def start_door(launcher: Launcher, orchestrator: str, run_dir: Path, keys: DevKeys) -> str:
-    """The edge and Envoy with ``make run``'s config (default rate limits) in front of ``orchestrator``;
-    ``keys`` sign the tokens Envoy, the edge and the orchestrator all verify."""
+def start_door(launcher: Launcher, orchestrators: list[str], run_dir: Path, keys: DevKeys) -> str:
+    """The edge and Envoy with ``make run``'s config (default rate limits) in front of ``orchestrators``
+    (Envoy spreads calls over them); ``keys`` sign the tokens Envoy, the edge and the orchestrators all
+    verify."""
     ports = FrontDoorPorts(
         envoy=free_port(), envoy_admin=free_port(), envoy_internal=free_port(), edge=free_port()
     )
-    for spec in front_door_specs(ports, [int(orchestrator.rsplit(":", 1)[1])], run_dir, keys):
+    orchestrator_ports = [int(address.rsplit(":", 1)[1]) for address in orchestrators]
+    for spec in front_door_specs(ports, orchestrator_ports, run_dir, keys):
         launcher.start(spec)
     return f"http://127.0.0.1:{ports.envoy}"
 
@@ -708,6 +711,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="null engines' pace per stream")
     parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument(
+        "--orchestrators", type=int, default=1, help="orchestrator replicas (Envoy spreads calls over them)"
+    )
     parser.add_argument(
         "--warm-sends",
         type=int,
@@ -755,11 +761,13 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
     with Launcher(run_dir, echo=print) as launcher:
         print("starting Cassandra, engines, router, orchestrator, edge and Envoy ...", flush=True)
         keys = generate_keys(run_dir / "dev-jwt")
-        engines, router, orchestrator = start_mesh(launcher, args, run_dir, keys, args.warm_sends)
-        url = start_door(launcher, orchestrator, run_dir, keys)
+        engines, router, orchestrators = start_mesh(
+            launcher, args, run_dir, keys, args.warm_sends, args.orchestrators
+        )
+        url = start_door(launcher, orchestrators, run_dir, keys)
         asyncio.run(wait_for_engines(router, len(engines)))
         if args.concurrency:
-            rows = asyncio.run(latency(args, engines, router, orchestrator, url, keys))
+            rows = asyncio.run(latency(args, engines, router, orchestrators[0], url, keys))
             plot(
                 rows,
                 args.plot,

@@ -107,9 +107,9 @@ def main() -> None:
     ):
         print("starting Cassandra, engines, router, orchestrator, edge and Envoy ...", flush=True)
         keys = generate_keys(Path(tmp) / "dev-jwt")
-        _, router, orchestrator = start_mesh(launcher, args, Path(tmp), keys)
+        _, router, orchestrators = start_mesh(launcher, args, Path(tmp), keys)
         asyncio.run(wait_for_engines(router, args.engines))
-        url = start_door(launcher, orchestrator, Path(tmp), keys)
+        url = start_door(launcher, orchestrators, Path(tmp), keys)
         http = HttpDoor(url, keys.mint, own_ids(url, keys.mint))
         grpc_door = GrpcDoor(url.removeprefix("http://"), http)
         tally = Tally()

@@ -236,8 +236,15 @@ async def warm_cassandra(cql_port: int, sends: int) -> None:
 
 
 def start_mesh(
-    launcher: Launcher, args: argparse.Namespace, run_dir: Path, keys: DevKeys, warm_sends: int = 0
-) -> tuple[list[str], str, str]:
+    launcher: Launcher,
+    args: argparse.Namespace,
+    run_dir: Path,
+    keys: DevKeys,
+    warm_sends: int = 0,
+    orchestrators: int = 1,
+) -> tuple[list[str], str, list[str]]:
+    """Cassandra, ``args.engines`` null engines, a router and ``orchestrators`` orchestrator replicas
+    (``orchestrator``, or ``orchestrator-<i>`` for several); their addresses."""
     cql_port = free_port()
     CassandraNode(
         NodeConfig(
@@ -252,27 +259,31 @@ def start_mesh(
         port = free_port()
         launcher.start(null_engine(i, port, args.tokens_per_s))
         engines.append(f"127.0.0.1:{port}")
-    router_port, orchestrator_port = free_port(), free_port()
+    router_port = free_port()
     engine_flags = [flag for i, a in enumerate(engines) for flag in ("--engine", f"engine-{i}={a}")]
     launcher.start(service("router", "router", router_port, *engine_flags))
-    launcher.start(
-        service(
-            "orchestrator",
-            "orchestrator",
-            orchestrator_port,
-            *("--router", f"127.0.0.1:{router_port}", "--cassandra", f"127.0.0.1:{cql_port}"),
-            *(
-                "--cassandra-keyspace",
-                "chatmesh_bench",
-                "--concurrent-runs-enterprise",
-                "10000",
-                "--titles",
-                "false",
-            ),
-            *keys.service_flags(),
+    addresses = []
+    for i in range(orchestrators):
+        port = free_port()
+        launcher.start(
+            service(
+                "orchestrator",
+                "orchestrator" if orchestrators == 1 else f"orchestrator-{i}",
+                port,
+                *("--router", f"127.0.0.1:{router_port}", "--cassandra", f"127.0.0.1:{cql_port}"),
+                *(
+                    "--cassandra-keyspace",
+                    "chatmesh_bench",
+                    "--concurrent-runs-enterprise",
+                    "10000",
+                    "--titles",
+                    "false",
+                ),
+                *keys.service_flags(),
+            )
         )
-    )
-    return engines, f"127.0.0.1:{router_port}", f"127.0.0.1:{orchestrator_port}"
+        addresses.append(f"127.0.0.1:{port}")
+    return engines, f"127.0.0.1:{router_port}", addresses
 
 
 async def wait_for_engines(router: str, count: int) -> None:
@@ -324,8 +335,8 @@ def ms(value: float) -> str:
     return f"{value * 1000:,.1f}"
 
 
-async def bench(args: argparse.Namespace, addresses: tuple[list[str], str, str], keys: DevKeys) -> None:
-    engines, router, orchestrator = addresses
+async def bench(args: argparse.Namespace, addresses: tuple[list[str], str, list[str]], keys: DevKeys) -> None:
+    engines, router, (orchestrator,) = addresses
     await wait_for_engines(router, len(engines))
     tokenizer = load_tokenizer()
     prompt = tokenizer.encode_chat(
