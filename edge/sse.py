@@ -141,7 +141,9 @@ class _EventStream(EventSourceResponse):
     """sse-starlette's response, each event sent without a cancel scope of its own when no send timeout
     is set (the edge sets none: the drain and Envoy's idle timeout bound a stuck client). Entering
     ``anyio.move_on_after(None)`` for every event looks up the current task, a ``getpid`` system call on
-    Python 3.11, and builds a scope: ~11 % of the edge's main thread at 100 streams (py-spy)."""
+    Python 3.11, and builds a scope: ~11 % of the edge's main thread at 100 streams (py-spy). It overrides
+    a private method of the pinned sse-starlette (3.7.0): tests/front_door/test_sse_send.py fails if an
+    upgrade stops calling it."""
 
     async def _send_with_timeout(self, send: Send, message: Message) -> None:
         if self.send_timeout is not None:
