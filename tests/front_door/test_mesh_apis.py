@@ -19,9 +19,7 @@ PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content"
 
 @pytest.fixture
 def sdk(mesh_front_door: MeshFrontDoor, user: str) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{mesh_front_door.url}/v1", api_key=mesh_front_door.envoy.token(user), max_retries=0
-    )
+    return mesh_front_door.sdk(user)
 
 
 # -- the openai SDK ---------------------------------------------------------------------------------------

@@ -25,13 +25,9 @@ from tests.fixtures.front_door import (
 QUESTION = "Say something."
 
 
-def sdk_for(door: FrontDoor, user: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{door.url}/v1", api_key=door.envoy.token(user), max_retries=0)
-
-
 @pytest.fixture
 def sdk(mesh_front_door: MeshFrontDoor, user: str) -> openai.OpenAI:
-    return sdk_for(mesh_front_door, user)
+    return mesh_front_door.sdk(user)
 
 
 @contextlib.contextmanager
@@ -182,7 +178,7 @@ def test_a_dropped_stream_resumes_after_its_last_sequence_number(sdk: openai.Ope
 def test_any_replica_retrieves_and_resumes_a_response(
     mesh_front_door: MeshFrontDoor, second_door: FrontDoor, user: str
 ):
-    here, there = sdk_for(mesh_front_door, user), sdk_for(second_door, user)
+    here, there = mesh_front_door.sdk(user), second_door.sdk(user)
     response = here.responses.create(input=QUESTION, background=True, max_output_tokens=300)
     # Resumed on the other replica while the first still generates it (it follows the checkpoints).
     rest = list(there.responses.retrieve(response.id, stream=True, starting_after=5))
@@ -197,13 +193,13 @@ def test_a_response_outlives_the_replica_that_generated_it(
     tmp_path_factory: pytest.TempPathFactory, dev_jwt_keys: DevKeys, mesh_front_door: MeshFrontDoor, user: str
 ):
     with door_over_another_replica(tmp_path_factory, dev_jwt_keys, mesh_front_door) as door:
-        there = sdk_for(door, user)
+        there = door.sdk(user)
         made = wait_until_ended(
             there, there.responses.create(input=QUESTION, background=True, max_output_tokens=40).id
         )
         assert made.status == "incomplete" and made.usage.output_tokens == 40
     # That replica (and its edge and Envoy) are gone; the response is not.
-    here = sdk_for(mesh_front_door, user)
+    here = mesh_front_door.sdk(user)
     kept = here.responses.retrieve(made.id)
     assert (kept.status, kept.output_text, kept.usage.output_tokens) == ("incomplete", made.output_text, 40)
     rest = list(here.responses.retrieve(made.id, stream=True, starting_after=3))
@@ -279,7 +275,7 @@ def test_unknown_and_other_users_responses_are_not_found(
     mesh_front_door: MeshFrontDoor, sdk: openai.OpenAI, user: str
 ):
     mine = sdk.responses.create(input=QUESTION, max_output_tokens=2)
-    other = sdk_for(mesh_front_door, f"{user}-other")
+    other = mesh_front_door.sdk(f"{user}-other")
     for response_id in (mine.id, "resp_0123456789abcdef0123456789abcdef", "resp_nope", "chatcmpl-1"):
         with pytest.raises(openai.NotFoundError):
             other.responses.retrieve(response_id)

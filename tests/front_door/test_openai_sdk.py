@@ -14,7 +14,7 @@ from tests.front_door.scripted_chat_service import MODEL, scripted_text
 
 @pytest.fixture
 def sdk(front_door: ScriptedFrontDoor, user: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{front_door.url}/v1", api_key=front_door.envoy.token(user), max_retries=0)
+    return front_door.sdk(user)
 
 
 def test_streaming_without_usage_has_no_usage_chunk(sdk: openai.OpenAI):

@@ -15,12 +15,6 @@ import pytest
 from tests.front_door.conftest import ScriptedFrontDoor
 
 
-def _sdk(front_door: ScriptedFrontDoor, user: str, max_retries: int = 0) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{front_door.url}/v1", api_key=front_door.envoy.token(user), max_retries=max_retries
-    )
-
-
 def _live_chats(front_door: ScriptedFrontDoor, user: str) -> list[str]:
     return [chat.chat_id for owner, chat in list(front_door.scripted.chats.values()) if owner == user]
 
@@ -37,7 +31,7 @@ def test_a_new_conversation_refused_before_its_answer_is_an_error_to_retry_and_l
 ) -> None:
     question = f"Busy? {uuid.uuid4().hex} !refusedonce {code} !tokens 3 10"
     with pytest.raises(error) as refused:
-        _sdk(front_door, user).responses.create(model="", input=question)
+        front_door.sdk(user).responses.create(model="", input=question)
     assert refused.value.status_code == status
     assert refused.value.response.headers["retry-after"] == "1"
     assert refused.value.code == code.lower()
@@ -45,7 +39,7 @@ def test_a_new_conversation_refused_before_its_answer_is_an_error_to_retry_and_l
 
     # The SDK's own retry (after Retry-After) is answered: one conversation, asked once.
     again = f"Busy? {uuid.uuid4().hex} !refusedonce {code} !tokens 3 10"
-    answer = _sdk(front_door, user, max_retries=2).responses.create(model="", input=again)
+    answer = front_door.sdk(user, max_retries=2).responses.create(model="", input=again)
     assert answer.status == "completed" and answer.output_text
     chats = _live_chats(front_door, user)
     assert len(chats) == 1
@@ -55,7 +49,7 @@ def test_a_new_conversation_refused_before_its_answer_is_an_error_to_retry_and_l
 def test_a_refused_continuation_keeps_its_conversation_and_its_retry_carries_the_key(
     front_door: ScriptedFrontDoor, user: str
 ) -> None:
-    sdk = _sdk(front_door, user)
+    sdk = front_door.sdk(user)
     first = sdk.responses.create(model="", input="Hello !tokens 3 10")
     key = f"key-{uuid.uuid4().hex}"
     follow_up = "And then? !refusedonce RESOURCE_EXHAUSTED !tokens 3 10"
@@ -76,7 +70,7 @@ def test_a_refusal_after_text_is_a_failed_response_not_an_error_to_retry(
     front_door: ScriptedFrontDoor, user: str
 ) -> None:
     """Once the answer began, a retry would not be the same answer: the response is failed, and kept."""
-    response = _sdk(front_door, user).responses.create(
+    response = front_door.sdk(user).responses.create(
         model="", input="Go on !tokens 6 10 !runerror RESOURCE_EXHAUSTED 2"
     )
     assert response.status == "failed" and response.output_text
