@@ -1,5 +1,5 @@
-"""The event loop every chatmesh service runs on: uvloop (libuv's loop, in C) unless told otherwise, and
-the garbage collector tuned for a server's heap.
+"""The event loop every chatmesh service runs on: uvloop (libuv's loop, in C) unless told otherwise, the
+garbage collector tuned for a server's heap, and the loop's lag measured.
 
 Every token crosses four Python processes, each paying the event loop's own work per message (waking
 tasks, timers, transport writes) besides gRPC's; uvloop does that work in C. gRPC's asyncio stack runs on
@@ -13,10 +13,13 @@ import asyncio
 import contextlib
 import gc
 import os
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import uvloop
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from meshkit.metrics import ComponentMetrics
 
 ENV = "CHATMESH_EVENT_LOOP"
 CHOICES = ("uvloop", "asyncio")
@@ -54,9 +57,57 @@ def server_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
+# How often the lag is sampled: a timer four times a second costs nothing, and gives a minute's window
+# 240 samples for its percentiles.
+LAG_SAMPLE_S = 0.25
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class EventLoopMetrics(ComponentMetrics):
+    component = "event_loop"
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        super().__init__(registry)
+        self.lag = self.histogram(
+            "lag_seconds",
+            f"How late the event loop ran a timer due every {LAG_SAMPLE_S:g} s: how long anything ready "
+            "(a token to relay, a new call to take) waits for the process's one Python thread",
+            buckets=LAG_BUCKETS,
+        )
+
+
+METRICS = EventLoopMetrics()
+
+
+async def watch_lag(
+    observe: Callable[[float], None] = METRICS.lag.observe, every_s: float = LAG_SAMPLE_S
+) -> None:
+    """Observes the running loop's lag every ``every_s`` until cancelled.
+
+    A Python service's saturation signal: its CPU can read 70 % while its one thread is already the
+    bottleneck. Once the loop is behind, everything waits its turn, and so does gRPC taking new calls:
+    each call it takes costs the server several loop turns, so a saturated replica takes new calls
+    ever more slowly, and they wait in gRPC's queue until ``--max-pending-s`` sheds them (README, "Through
+    the gRPC door")."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        # Never negative: uvloop's timers count whole milliseconds, and may fire that much early.
+        observe(max(0.0, loop.time() - due))
+
+
+async def _watching_lag(main: Coroutine[Any, Any, T]) -> T:
+    watcher = asyncio.create_task(watch_lag(), name="event-loop-lag")
+    try:
+        return await main
+    finally:
+        watcher.cancel()
+
+
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` on the chosen loop, with ``server_gc``."""
+    """``asyncio.run`` on the chosen loop, with ``server_gc``, its lag watched (``watch_lag``)."""
     with server_gc():
         if chosen() == "uvloop":
-            return uvloop.run(main)
-        return asyncio.run(main)
+            return uvloop.run(_watching_lag(main))
+        return asyncio.run(_watching_lag(main))

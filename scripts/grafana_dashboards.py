@@ -128,6 +128,13 @@ def door() -> Dashboard:
                 (rate_by("chatmesh_orchestrator_runs_total", "status"),),
                 stacked=True,
             ),
+            Panel(
+                "Event loop lag by pod",
+                "How late each Python service's event loop runs what is ready (edge, orchestrator, "
+                "router, engine): past ~0.1 s the pod's one thread is full and new calls wait.",
+                "s",
+                quantiles("chatmesh_event_loop_lag_seconds", "pod"),
+            ),
         ],
     )
 

@@ -2,12 +2,14 @@
 
 import asyncio
 import gc
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
 
 from meshkit import event_loop
 from meshkit.launcher import free_port
@@ -65,3 +67,38 @@ def test_services_run_with_the_collector_tuned_for_a_server_and_leave_it_as_it_w
     assert threshold == (event_loop.YOUNG_GENERATION, *before[1:])
     assert frozen > 10_000, "the imports' objects are frozen out of every collection"
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def _busy(seconds: float) -> None:
+    """Keeps the calling thread computing: a loop on it runs nothing else meanwhile."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def test_the_lag_is_how_late_the_loop_ran_a_timer_while_its_thread_was_busy():
+    lags: list[float] = []
+    watcher = asyncio.create_task(event_loop.watch_lag(lags.append, every_s=0.05))
+    await asyncio.sleep(0.2)
+    idle = len(lags)
+    _busy(0.4)
+    await asyncio.sleep(0.2)
+    watcher.cancel()
+    assert idle >= 2 and min(lags) >= 0
+    # The timer came due within 0.05 s of the block's start and ran when it ended.
+    assert 0.35 <= max(lags[idle:]) < 1.0
+    assert max(lags[:idle]) < 0.35
+
+
+async def _lag_watched_while_running() -> list[str]:
+    await asyncio.sleep(2.5 * event_loop.LAG_SAMPLE_S)
+    return [task.get_name() for task in asyncio.all_tasks()]
+
+
+def test_services_export_their_loops_lag():
+    samples = "chatmesh_event_loop_lag_seconds_count"
+    before = REGISTRY.get_sample_value(samples) or 0
+    with ThreadPoolExecutor(1) as thread:
+        tasks = thread.submit(lambda: event_loop.run(_lag_watched_while_running())).result()
+    assert "event-loop-lag" in tasks
+    assert REGISTRY.get_sample_value(samples) >= before + 2
