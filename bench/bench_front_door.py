@@ -71,6 +71,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import loop_lag  # noqa: E402
 from bench.bench_orchestrator import (  # noqa: E402
     QUESTION,
     Paths,
@@ -346,23 +347,69 @@ class Held:
     bytes_per_stream: dict[str, float]
     # Cores each hop kept busy on average over the level (CPU seconds / the level's seconds).
     cores: dict[str, float]
+    # Each hop's event loop lag over the level (its most lagging replica), and every LAG_EVERY_S.
+    lag: dict[str, loop_lag.LagHistogram]
+    timeline: list[LagPoint]
 
     @property
     def held(self) -> bool:
         return not self.errors and self.peak_open == self.streams
 
 
+# How often the hold ramp reads the services' event loop lag during a level.
+LAG_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class LagPoint:
+    """The streams at one moment of a level, and each hop's loop lag since the point before."""
+
+    at_s: float
+    opened: int  # calls made so far
+    waiting: int  # made, no first chunk yet
+    open: int  # first chunk, not ended
+    lag: dict[str, loop_lag.LagHistogram]
+
+
+def most_lagging_by_hop(histograms: Mapping[str, loop_lag.LagHistogram]) -> dict[str, loop_lag.LagHistogram]:
+    """Per hop, the replica whose loop lagged most (``<tier>-<i>`` are one hop's replicas)."""
+    hops: dict[str, loop_lag.LagHistogram] = {}
+    for name, histogram in histograms.items():
+        tier, _, index = name.rpartition("-")
+        hop = tier if tier and index.isdigit() else name
+        if hop not in hops or histogram.mean_s > hops[hop].mean_s:
+            hops[hop] = histogram
+    return hops
+
+
+def lag_since(
+    now: Mapping[str, loop_lag.LagHistogram], before: Mapping[str, loop_lag.LagHistogram]
+) -> dict[str, loop_lag.LagHistogram]:
+    return most_lagging_by_hop({name: h.since(before[name]) for name, h in now.items() if name in before})
+
+
 async def hold_level(
-    door: Door, streams: int, tokens: int, pids: dict[str, int], via: str = "sse", open_rate: float = 0.0
+    door: Door,
+    streams: int,
+    tokens: int,
+    pids: dict[str, int],
+    via: str = "sse",
+    open_rate: float = 0.0,
+    lag_ports: Mapping[str, int] | None = None,
 ) -> Held:
     """Opens ``streams`` completions, along ``via`` (``sse``: the OpenAI route; ``grpc``: ChatService.Complete),
     all at once or ``open_rate`` a second; each is timed from its first chunk to its end. The processes'
     resident memory is read every half second; its peak less the idle reading is the cost of the open
-    streams. First chunks are timed from each stream's own opening."""
+    streams. First chunks are timed from each stream's own opening. The services on ``lag_ports`` have
+    their event loop lag read every LAG_EVERY_S."""
     idle = peak_usage = Usage.of(pids)
+    lag_ports = lag_ports or {}
+    lag_at_start = await loop_lag.scrape(lag_ports)
     began = time.perf_counter()
     spans: list[tuple[float, float]] = []
     waits: list[float] = []
+    opened = answered = ended = 0
+    timeline: list[LagPoint] = []
     chunks = door.grpc_chunks if via == "grpc" else door.openai_chunks
 
     async def watch_memory() -> None:
@@ -371,20 +418,46 @@ async def hold_level(
             await asyncio.sleep(0.5)
             peak_usage = peak_usage.peak(Usage.of(pids))
 
+    async def watch_lag() -> None:
+        before = lag_at_start
+        while True:
+            await asyncio.sleep(LAG_EVERY_S)
+            now = await loop_lag.scrape(lag_ports)
+            point = LagPoint(
+                time.perf_counter() - began,
+                opened,
+                opened - answered,
+                answered - ended,
+                lag_since(now, before),
+            )
+            timeline.append(point)
+            before = {**before, **now}
+
     async def one(i: int) -> None:
+        nonlocal opened, answered, ended
         if open_rate:
             await asyncio.sleep(began + i / open_rate - time.perf_counter())
-        opened, first = time.perf_counter(), None
-        async for _ in chunks(i, tokens):
-            first = first or time.perf_counter()
+        started, first = time.perf_counter(), None
+        opened += 1
+        try:
+            async for _ in chunks(i, tokens):
+                if first is None:
+                    first = time.perf_counter()
+                    answered += 1
+        finally:
+            ended += first is not None
         assert first is not None
         spans.append((first, time.perf_counter()))
-        waits.append(first - opened)
+        waits.append(first - started)
 
-    watcher = asyncio.create_task(watch_memory())
+    watchers = [asyncio.create_task(watch_memory())]
+    if lag_ports:
+        watchers.append(asyncio.create_task(watch_lag()))
     outcomes = await asyncio.gather(*(one(i) for i in range(streams)), return_exceptions=True)
-    watcher.cancel()
+    for watcher in watchers:
+        watcher.cancel()
     level_s = time.perf_counter() - began
+    lag = lag_since(await loop_lag.scrape(lag_ports), lag_at_start)
     cpu = by_hop(Usage.of(pids).cpu_since(idle))
     failures = [e for e in outcomes if isinstance(e, BaseException)]
     errors = sorted({f"{type(e).__name__}: {e}"[:200] for e in failures})
@@ -405,10 +478,14 @@ async def hold_level(
         percentile(waits, 0.99),
         {hop: grown / streams for hop, grown in by_hop(peak_usage.rss_since(idle)).items()},
         {hop: seconds / level_s for hop, seconds in cpu.items()},
+        lag,
+        timeline,
     )
 
 
-async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> list[Held]:
+async def hold_ramp(
+    args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int], lag_ports: Mapping[str, int]
+) -> list[Held]:
     door = Door(url, keys, args.hold_tokens)
     levels, level = [], args.hold_start
     while level < args.hold_cap:
@@ -435,7 +512,7 @@ async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys, pids: dic
             for i in range(streams):
                 door.auth(i)  # mint the tokens before the clock starts
             result = await hold_level(
-                door, streams, args.hold_tokens, pids, args.hold_via, args.hold_open_rate
+                door, streams, args.hold_tokens, pids, args.hold_via, args.hold_open_rate, lag_ports
             )
             results.append(result)
             memory = " ".join(f"{result.bytes_per_stream.get(hop, 0) / 1024:.1f}" for hop in MEMORY_HOPS)
@@ -446,11 +523,32 @@ async def hold_ramp(args: argparse.Namespace, url: str, keys: DevKeys, pids: dic
                 f"{memory}  {cores}  {result.failed} failed {result.errors[:3]}",
                 flush=True,
             )
+            print_lag(result)
             if not result.held:
                 break
     finally:
         await door.close()
     return results
+
+
+def print_lag(result: Held) -> None:
+    """The level's event loop lag by hop, and how it grew with the streams (ms, mean/p99 bucket)."""
+    if not result.lag:
+        return
+    hops = [hop for hop in LAG_HOPS if hop in result.lag]
+    print(
+        "        event loop lag over the level, ms mean/p99: "
+        + ", ".join(f"{hop} {loop_lag.describe(result.lag[hop])}" for hop in hops)
+    )
+    print(
+        f"        {'at':>6} {'opened':>7} {'waiting':>7} {'open':>6}  "
+        + "  ".join(f"{hop:>13}" for hop in hops)
+    )
+    for point in result.timeline:
+        lags = "  ".join(
+            f"{loop_lag.describe(point.lag[hop]) if hop in point.lag else '-':>13}" for hop in hops
+        )
+        print(f"        {point.at_s:>5.0f}s {point.opened:>7} {point.waiting:>7} {point.open:>6}  {lags}")
 
 
 # What each process relays: its CPU time per token relayed is that hop's cost. Envoy carries every token
@@ -464,6 +562,8 @@ HOPS = {
 }
 DOOR = ("router", "orchestrator", "edge", "envoy")
 MEMORY_HOPS = (*HOPS, "client")
+# The hops that are Python services: each reports its event loop's lag.
+LAG_HOPS = ("engine", "router", "orchestrator", "edge")
 
 
 def process_ids(launcher: Launcher) -> dict[str, int]:
@@ -687,7 +787,8 @@ def start_door(launcher: Launcher, orchestrators: list[str], run_dir: Path, keys
         envoy=free_port(), envoy_admin=free_port(), envoy_internal=free_port(), edge=free_port()
     )
     orchestrator_ports = [int(address.rsplit(":", 1)[1]) for address in orchestrators]
-    for spec in front_door_specs(ports, orchestrator_ports, run_dir, keys):
+    edge_flags = ["--metrics-port", str(free_port())]  # its event loop's lag (bench/loop_lag.py)
+    for spec in front_door_specs(ports, orchestrator_ports, run_dir, keys, edge_flags=edge_flags):
         launcher.start(spec)
     return f"http://127.0.0.1:{ports.envoy}"
 
@@ -792,7 +893,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             # door, not an engine's queue.
             restart_engines(launcher, engines, args.hold_tokens_per_s, args.hold_cap)
             asyncio.run(wait_for_engines(router, len(engines)))
-            asyncio.run(hold_ramp(args, url, keys, process_ids(launcher)))
+            asyncio.run(hold_ramp(args, url, keys, process_ids(launcher), loop_lag.metrics_ports(launcher)))
         print(f"\nmachine at the end: {machine()}")
 
 

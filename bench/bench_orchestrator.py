@@ -198,7 +198,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def service(module: str, name: str, port: int, *flags: str) -> ServiceSpec:
-    argv = [sys.executable, "-m", module, "--port", str(port), *flags]
+    """``python -m module`` serving gRPC on ``port``, and its metrics (its event loop's lag) on a port of
+    its own (bench/loop_lag.py finds it)."""
+    argv = [sys.executable, "-m", module, "--port", str(port), "--metrics-port", str(free_port()), *flags]
     return ServiceSpec(name=name, argv=argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT)
 
 

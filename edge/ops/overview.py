@@ -21,6 +21,8 @@ LATENCY_HISTOGRAMS = {
     "ttft": "chatmesh_orchestrator_time_to_first_token_seconds",
     "tpot": "chatmesh_orchestrator_time_per_output_token_seconds",
 }
+# How late each service's event loop runs what is ready (meshkit.event_loop): its saturation.
+LOOP_LAG_HISTOGRAM = "chatmesh_event_loop_lag_seconds"
 _ENGINE_GAUGES = {
     "healthy": "chatmesh_router_engine_healthy",
     "running": "chatmesh_router_engine_running_requests",
@@ -71,6 +73,16 @@ def engines(last: Round) -> list[dict]:
         hits = own.samples.get("chatmesh_engine_prefix_cache_hit_ratio", {}) if own else {}
         row["prefix_hit_ratio"] = next(iter(hits.values()), None)
     return sorted(rows.values(), key=lambda row: row["engine"])
+
+
+def loop_lag_p99(rounds: Sequence[Round], target: str) -> float | None:
+    """The p99 of ``target``'s event loop lag over the last window (None: it reports none yet)."""
+    last = len(rounds) - 1
+    counts: dict[float, float] = defaultdict(float)
+    for i in range(window_start(rounds, last) + 1, last + 1):
+        for le, count in bucket_increases(rounds[i - 1], rounds[i], LOOP_LAG_HISTOGRAM, target).items():
+            counts[le] += count
+    return quantile(0.99, sorted(counts.items()))
 
 
 def router(rounds: Sequence[Round]) -> dict:
@@ -131,7 +143,13 @@ def overview(rounds: Sequence[Round], targets: dict[str, str]) -> dict:
         "at": last.at,
         "window_s": WINDOW_S,
         "targets": [
-            {"name": name, "url": url, "up": last.scrapes[name].up, "error": last.scrapes[name].error}
+            {
+                "name": name,
+                "url": url,
+                "up": last.scrapes[name].up,
+                "error": last.scrapes[name].error,
+                "loop_lag_p99_s": loop_lag_p99(rounds, name),
+            }
             for name, url in targets.items()
             if name in last.scrapes
         ],

@@ -16,14 +16,18 @@ def increase(before: float | None, after: float) -> float:
     return after - before
 
 
-def bucket_increases(before: Round, after: Round, histogram: str) -> dict[float, float]:
+def bucket_increases(
+    before: Round, after: Round, histogram: str, of_target: str | None = None
+) -> dict[float, float]:
     """Cumulative observations of ``histogram`` by upper bound between two consecutive rounds, summed
-    over every target and label set (consecutive, so a restart in between loses nothing before it)."""
+    over every target (or only ``of_target``) and label set (consecutive, so a restart in between loses
+    nothing before it)."""
     name = f"{histogram}_bucket"
     earlier = {(target, labels): value for target, labels, value in before.series(name)}
     counts: dict[float, float] = defaultdict(float)
     for target, labels, value in after.series(name):
-        counts[float(dict(labels)["le"])] += increase(earlier.get((target, labels)), value)
+        if of_target is None or target == of_target:
+            counts[float(dict(labels)["le"])] += increase(earlier.get((target, labels)), value)
     return counts
 
 

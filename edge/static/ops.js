@@ -140,7 +140,9 @@ function drawTargets(targets) {
   $("#targets").replaceChildren(
     ...targets.map((t) => {
       const item = document.createElement("li");
-      item.textContent = `${t.name} ${t.url}: ${t.up ? "up" : `down (${t.error})`}`;
+      // A Python service's event loop this late is its one thread full: everything it does waits.
+      const lag = t.loop_lag_p99_s === null ? "" : `, event loop lag p99 ${(t.loop_lag_p99_s * 1000).toFixed(1)} ms`;
+      item.textContent = `${t.name} ${t.url}: ${t.up ? "up" : `down (${t.error})`}${lag}`;
       return item;
     }),
   );

@@ -65,3 +65,31 @@ def test_rates_and_the_engine_rows_join_router_and_engine_metrics():
     assert (e1["engine"], e1["healthy"]) == ("e1", True)
     assert view["router"]["decisions"] == {"kv_aware": 30}
     assert [t["up"] for t in view["targets"]] == [True, False]
+
+
+def test_each_target_shows_its_own_event_loop_lag_over_the_window():
+    lag = "chatmesh_event_loop_lag_seconds"
+    quiet = {"0.01": 100, "1": 100, "+Inf": 100}
+    rounds = [
+        Round(
+            0.0,
+            {
+                "router": Scrape(parse(histogram(quiet, lag))),
+                "orchestrator": Scrape(parse(histogram(quiet, lag))),
+            },
+        ),
+        # Since then the orchestrator's loop ran 20 timers between 0.01 and 1 s late; the router's none.
+        Round(
+            10.0,
+            {
+                "router": Scrape(parse(histogram({"0.01": 140, "1": 140, "+Inf": 140}, lag))),
+                "orchestrator": Scrape(parse(histogram({"0.01": 120, "1": 140, "+Inf": 140}, lag))),
+            },
+        ),
+    ]
+    view = overview(rounds, {"router": "http://r/metrics", "orchestrator": "http://o/metrics"})
+    lags = {t["name"]: t["loop_lag_p99_s"] for t in view["targets"]}
+    assert lags["router"] <= 0.01
+    assert 0.5 < lags["orchestrator"] <= 1.0
+    # One round is no window yet.
+    assert overview(rounds[:1], {"router": "http://r/metrics"})["targets"][0]["loop_lag_p99_s"] is None
