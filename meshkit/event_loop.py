@@ -84,11 +84,12 @@ async def watch_lag(
 ) -> None:
     """Observes the running loop's lag every ``every_s`` until cancelled.
 
-    A Python service's saturation signal: its CPU can read 70 % while its one thread is already the
-    bottleneck. Once the loop is behind, everything waits its turn, and so does gRPC taking new calls:
-    each call it takes costs the server several loop turns, so a saturated replica takes new calls
-    ever more slowly, and they wait in gRPC's queue until ``--max-pending-s`` sheds them (README, "Through
-    the gRPC door")."""
+    A Python service's saturation signal, in the unit its callers feel: a CPU share is averaged over
+    the process's threads and over a scrape interval, while this is how long anything ready waits for
+    the one thread that runs it. Once the loop is behind, new calls wait too: a replica whose relaying
+    leaves too little of its thread for the calls arriving takes them more slowly than they come, and
+    they wait in gRPC's queue until ``--max-pending-s`` sheds them (README, "Saturation, read off the
+    event loops")."""
     loop = asyncio.get_running_loop()
     while True:
         due = loop.time() + every_s
