@@ -32,6 +32,7 @@ import json
 import random
 import statistics
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,8 @@ class ChatResult:
     prompt_tokens: int
     summaries: int
     mean_prompt: int
+    # CPU milliseconds ``fit_prompt`` took each turn (what a send's prompt assembly costs the orchestrator).
+    fit_ms: list[float]
 
 
 def run_chat(tokenizer: ChatTokenizer, policy: Policy, args: argparse.Namespace) -> ChatResult:
@@ -108,6 +111,7 @@ def run_chat(tokenizer: ChatTokenizer, policy: Policy, args: argparse.Namespace)
     lengths: list[int] = []
     hit_tokens = prompt_tokens = 0
     summaries = 0
+    fit_ms: list[float] = []
     for turn in range(args.turns):
         if pending and pending[0] <= turn:
             covered = pending[1]
@@ -117,7 +121,9 @@ def run_chat(tokenizer: ChatTokenizer, policy: Policy, args: argparse.Namespace)
             pending = None
         question = text_of(tokenizer, args.user_tokens, rng)
         chat = [ChatMessage(m.role.value, m.content) for m in messages] + [ChatMessage("user", question)]
+        started = time.process_time()
         prompt = fit_prompt(tokenizer, system, chat, budget, summary, step_tokens)
+        fit_ms.append((time.process_time() - started) * 1000)
         hashes = block_hashes(prompt.token_ids, DEFAULT_BLOCK_SIZE)
         hit_blocks = 0
         for block_hash in hashes:
@@ -139,7 +145,7 @@ def run_chat(tokenizer: ChatTokenizer, policy: Policy, args: argparse.Namespace)
             older, _ = split_for_summary(messages, tokenizer, int(config.keep_fraction * budget))
             if older:
                 pending = (turn + 1 + args.summary_lag, older)
-    return ChatResult(rates, hit_tokens, prompt_tokens, summaries, int(statistics.mean(lengths)))
+    return ChatResult(rates, hit_tokens, prompt_tokens, summaries, int(statistics.mean(lengths)), fit_ms)
 
 
 def main() -> None:
@@ -163,7 +169,10 @@ def main() -> None:
         f"window {args.context_window}, max_tokens {args.max_tokens}, summary {args.summary_tokens} tokens "
         f"landing {args.summary_lag} turn(s) later, block {DEFAULT_BLOCK_SIZE}"
     )
-    print(f"{'policy':<24} {'hit (tokens)':>12} {'mean/turn':>9} {'p10':>6} {'summaries':>9} {'prompt':>7}")
+    print(
+        f"{'policy':<24} {'hit (tokens)':>12} {'mean/turn':>9} {'p10':>6} {'summaries':>9} {'prompt':>7} "
+        f"{'fit ms p50/max':>15}  (fit: CPU ms to assemble a turn's prompt)"
+    )
     results = []
     for policy in policies():
         result = run_chat(tokenizer, policy, args)
@@ -172,7 +181,8 @@ def main() -> None:
         results.append({"policy": policy.name, "hit_by_tokens": by_tokens} | dataclasses.asdict(result))
         print(
             f"{policy.name:<24} {by_tokens:>12.3f} {statistics.mean(result.rates):>9.3f} {p10:>6.3f} "
-            f"{result.summaries:>9} {result.mean_prompt:>7}"
+            f"{result.summaries:>9} {result.mean_prompt:>7} "
+            f"{statistics.median(result.fit_ms):>7.1f}/{max(result.fit_ms):<7.1f}"
         )
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}))

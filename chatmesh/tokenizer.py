@@ -18,7 +18,7 @@ import functools
 import hashlib
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,10 @@ _CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
 class ChatMessage:
     role: str  # "system" | "user" | "assistant"
     content: str
+
+
+# Distinct strings of template markup whose ids a tokenizer keeps (``encode_chat``).
+MARKUP_CACHE_SIZE = 256
 
 
 class ChatTokenizer:
@@ -64,6 +68,9 @@ class ChatTokenizer:
         self._template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
             chat_template
         )
+        # Every prompt repeats the template's markup around its messages (a few distinct strings): their
+        # ids are kept rather than encoded for every message of every prompt.
+        self._markup_ids = functools.lru_cache(maxsize=MARKUP_CACHE_SIZE)(self._encode_markup)
         digest = hashlib.sha256()
         for part in (
             *tokens,
@@ -193,9 +200,14 @@ class ChatTokenizer:
         )
 
     def encode_chat(
-        self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[ChatMessage | Mapping[str, str]],
+        add_generation_prompt: bool = True,
+        encode_content: Callable[[str], Sequence[int]] | None = None,
     ) -> list[int]:
-        """Prompt token ids for ``messages``: template markup may yield control tokens, contents never do."""
+        """Prompt token ids for ``messages``: template markup may yield control tokens, contents never do.
+        ``encode_content`` encodes each content (default: ``encode``; ``PromptEncoder`` remembers them)."""
+        encode = encode_content or self.encode
         sentinels = [f"\x00{uuid.uuid4().hex}\x00" for _ in messages]
         placeholders = [
             {"role": _as_dict(m)["role"], "content": sentinel}
@@ -209,10 +221,32 @@ class ChatTokenizer:
             before, found, skeleton = skeleton.partition(sentinel)
             if not found:
                 raise ValueError("the chat template dropped a message's content")
-            ids += self._markup.encode(before, add_special_tokens=False).ids
-            ids += self.encode(_as_dict(message)["content"])
-        ids += self._markup.encode(skeleton, add_special_tokens=False).ids
+            ids += self._markup_ids(before)
+            ids += encode(_as_dict(message)["content"])
+        ids += self._markup_ids(skeleton)
         return ids
+
+    def _encode_markup(self, text: str) -> tuple[int, ...]:
+        return tuple(self._markup.encode(text, add_special_tokens=False).ids)
+
+
+class PromptEncoder:
+    """``encode`` and ``encode_chat`` for the assembly of one prompt, which tries several subsets of the
+    same messages (the newest turns that fit): each content is encoded once, whatever the subsets. It
+    keeps what it encoded, so it lives as long as one assembly."""
+
+    def __init__(self, tokenizer: ChatTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._contents: dict[str, tuple[int, ...]] = {}
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        ids = self._contents.get(text)
+        if ids is None:
+            ids = self._contents[text] = tuple(self.tokenizer.encode(text))
+        return ids
+
+    def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[int]:
+        return self.tokenizer.encode_chat(messages, encode_content=self.encode)
 
 
 def _as_dict(message: ChatMessage | Mapping[str, str]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from chatmesh.tokenizer import ChatMessage, ChatTokenizer
+from chatmesh.tokenizer import ChatMessage, ChatTokenizer, PromptEncoder
 
 SUMMARY_HEADING = "Summary of the earlier conversation:"
 
@@ -82,6 +82,8 @@ def fit_prompt(
     """
     if not turns:
         raise ValueError("a prompt needs at least one turn")
+    # The search below renders many subsets of the turns: each turn's content is encoded once.
+    encoder = PromptEncoder(tokenizer)
 
     def head(with_summary: bool) -> list[ChatMessage]:
         if not with_summary or not summary:
@@ -91,7 +93,7 @@ def fit_prompt(
 
     def render(kept: int, with_summary: bool) -> tuple[list[ChatMessage], list[int]]:
         messages = head(with_summary) + list(turns[len(turns) - kept :])
-        return messages, tokenizer.encode_chat(messages)
+        return messages, encoder.encode_chat(messages)
 
     with_summary = bool(summary)
     messages, ids = render(len(turns), with_summary)
@@ -107,7 +109,7 @@ def fit_prompt(
         raise PromptTooLong(len(smallest), budget)
     if step_tokens > 0:
         # The earliest boundary whose prompt fits (prompts shrink as the boundary moves on).
-        cuts = step_boundaries(tokenizer, turns, step_tokens)
+        cuts = step_boundaries(encoder, turns, step_tokens)
         first, end = 0, len(cuts)
         fitting = None
         while first < end:
@@ -132,7 +134,9 @@ def fit_prompt(
     return Prompt(best[1], best[0], len(turns), low, with_summary, full_tokens, budget)
 
 
-def step_boundaries(tokenizer: ChatTokenizer, turns: Sequence[ChatMessage], step_tokens: int) -> list[int]:
+def step_boundaries(
+    tokenizer: ChatTokenizer | PromptEncoder, turns: Sequence[ChatMessage], step_tokens: int
+) -> list[int]:
     """Indices of the turns a cut history may start at: each first turn after the running token count
     of ``turns`` (their contents) crosses a multiple of ``step_tokens``. They depend only on the turns
     before them, so a chat that grows keeps its boundaries; the last turn is never one (it is kept)."""

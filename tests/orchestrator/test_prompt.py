@@ -137,3 +137,25 @@ def test_only_a_prompt_with_nothing_of_the_chat_before_its_message_opens_a_sessi
     # A long history cut down to its last turn still has a past (cached wherever it last ran).
     cut = fit_prompt(tokenizer, SYSTEM, conversation(9), budget=len(first.token_ids) + 40)
     assert cut.turns_kept < 9 and not cut.opens_session
+
+
+def test_fitting_a_long_history_encodes_each_turn_once_whatever_it_tries(monkeypatch) -> None:
+    # The search renders many subsets of the turns (the step boundaries, then the newest that fit): a
+    # 120-turn chat's prompt cost ~3x as much when each render encoded its turns again.
+    tokenizer = load_tokenizer()
+    turns = conversation(60)
+    budget = len(tokenizer.encode_chat(SYSTEM + turns)) // 3
+    encoded: list[str] = []
+    encode = tokenizer.encode
+
+    def counted(text: str) -> list[int]:
+        encoded.append(text)
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    prompt = fit_prompt(tokenizer, SYSTEM, turns, budget, step_tokens=budget // 3)
+    monkeypatch.undo()
+    assert prompt.history == "truncated" and 1 < prompt.turns_kept < 60
+    assert sorted(encoded) == sorted(m.content for m in SYSTEM + turns)
+    # ... and the prompt is what its messages encode to, each content encoded anew.
+    assert prompt.token_ids == tokenizer.encode_chat(prompt.messages)
