@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import machine  # noqa: E402
 from chatmesh.block_hash import DEFAULT_BLOCK_SIZE, block_hashes  # noqa: E402
 from chatmesh.model_files import bundled_model_path  # noqa: E402
-from chatmesh.tokenizer import ChatMessage, ChatTokenizer, load_tokenizer  # noqa: E402
+from chatmesh.tokenizer import ChatMessage, ChatTokenizer, EncodedTexts, load_tokenizer  # noqa: E402
 from memory_store.models import Message, Role  # noqa: E402
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT, PromptConfig, SummaryConfig  # noqa: E402
 from orchestrator.prompting.prompt import fit_prompt  # noqa: E402
@@ -112,6 +112,8 @@ def run_chat(tokenizer: ChatTokenizer, policy: Policy, args: argparse.Namespace)
     hit_tokens = prompt_tokens = 0
     summaries = 0
     fit_ms: list[float] = []
+    # What the orchestrator keeps of earlier prompts (``Prompter``).
+    recent = EncodedTexts(PromptConfig().encoded_cache_tokens)
     for turn in range(args.turns):
         if pending and pending[0] <= turn:
             covered = pending[1]
@@ -122,7 +124,7 @@ def run_chat(tokenizer: ChatTokenizer, policy: Policy, args: argparse.Namespace)
         question = text_of(tokenizer, args.user_tokens, rng)
         chat = [ChatMessage(m.role.value, m.content) for m in messages] + [ChatMessage("user", question)]
         started = time.process_time()
-        prompt = fit_prompt(tokenizer, system, chat, budget, summary, step_tokens)
+        prompt = fit_prompt(tokenizer, system, chat, budget, summary, step_tokens, recent)
         fit_ms.append((time.process_time() - started) * 1000)
         hashes = block_hashes(prompt.token_ids, DEFAULT_BLOCK_SIZE)
         hit_blocks = 0

@@ -18,6 +18,8 @@ import functools
 import hashlib
 import json
 import uuid
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,19 +232,53 @@ class ChatTokenizer:
         return tuple(self._markup.encode(text, add_special_tokens=False).ids)
 
 
+class EncodedTexts:
+    """Texts encoded lately and their ids, the least recently used dropped past ``max_tokens`` ids in
+    all. A chat's prompt is assembled again at every send from the same stored messages, which never
+    change: kept here, only the new ones are encoded. A text's ids take 4 bytes a token (beside the
+    text itself, which its ids' count bounds too: a token is a few characters)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._ids: OrderedDict[str, array[int]] = OrderedDict()
+
+    def get(self, text: str) -> array[int] | None:
+        ids = self._ids.get(text)
+        if ids is not None:
+            self._ids.move_to_end(text)
+        return ids
+
+    def add(self, text: str, ids: array[int]) -> None:
+        if len(ids) > self.max_tokens or text in self._ids:
+            return
+        self._ids[text] = ids
+        self.tokens += len(ids)
+        while self.tokens > self.max_tokens:
+            _, dropped = self._ids.popitem(last=False)
+            self.tokens -= len(dropped)
+
+
 class PromptEncoder:
     """``encode`` and ``encode_chat`` for the assembly of one prompt, which tries several subsets of the
-    same messages (the newest turns that fit): each content is encoded once, whatever the subsets. It
-    keeps what it encoded, so it lives as long as one assembly."""
+    same messages (the newest turns that fit): each content is encoded once, whatever the subsets, and
+    not at all when ``recent`` (kept across prompts) has it. It keeps what it encoded, so it lives as
+    long as one assembly."""
 
-    def __init__(self, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, tokenizer: ChatTokenizer, recent: EncodedTexts | None = None) -> None:
         self.tokenizer = tokenizer
-        self._contents: dict[str, tuple[int, ...]] = {}
+        self.recent = recent
+        self._contents: dict[str, array[int]] = {}
 
-    def encode(self, text: str) -> tuple[int, ...]:
+    def encode(self, text: str) -> array[int]:
         ids = self._contents.get(text)
+        if ids is None and self.recent is not None:
+            ids = self.recent.get(text)
         if ids is None:
-            ids = self._contents[text] = tuple(self.tokenizer.encode(text))
+            ids = array("I", self.tokenizer.encode(text))
+            if self.recent is not None:
+                self.recent.add(text, ids)
+        self._contents[text] = ids
         return ids
 
     def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[int]:

@@ -54,10 +54,17 @@ class PromptConfig:
     # A history that does not fit is cut in steps of this share of the prompt budget, so the prompt's
     # start (and the engine's cached prefix) holds for many turns; 0 drops the oldest turn each turn.
     truncation_step: float = setting(0.35, "cut an overlong history in steps of this share of the budget")
+    # A chat's prompt is assembled again at every send from messages that never change: the ids of the
+    # texts of recent prompts are kept (4 bytes a token, and the text), least recently used dropped.
+    encoded_cache_tokens: int = setting(
+        2_000_000, "token ids of recent prompts' texts kept for the next assembly (0: none)"
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.truncation_step < 1:
             raise ValueError(f"--truncation-step ({self.truncation_step}) must be at least 0 and below 1")
+        if self.encoded_cache_tokens < 0:
+            raise ValueError(f"--encoded-cache-tokens ({self.encoded_cache_tokens}) must not be negative")
 
 
 @dataclass(frozen=True)

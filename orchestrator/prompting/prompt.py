@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from chatmesh.tokenizer import ChatMessage, ChatTokenizer, PromptEncoder
+from chatmesh.tokenizer import ChatMessage, ChatTokenizer, EncodedTexts, PromptEncoder
 
 SUMMARY_HEADING = "Summary of the earlier conversation:"
 
@@ -72,8 +72,10 @@ def fit_prompt(
     budget: int,
     summary: str | None = None,
     step_tokens: int = 0,
+    recent: EncodedTexts | None = None,
 ) -> Prompt:
-    """The prompt of ``system`` + the newest ``turns`` that fits ``budget`` tokens.
+    """The prompt of ``system`` + the newest ``turns`` that fits ``budget`` tokens (``recent``: texts
+    encoded for earlier prompts, which this one adds to).
 
     ``system`` are the leading system messages (the summary is appended to the first); the last turn
     (the message being answered) is always kept. When not every turn fits, the prompt starts at the
@@ -82,8 +84,9 @@ def fit_prompt(
     """
     if not turns:
         raise ValueError("a prompt needs at least one turn")
-    # The search below renders many subsets of the turns: each turn's content is encoded once.
-    encoder = PromptEncoder(tokenizer)
+    # The search below renders many subsets of the turns: each turn's content is encoded once (and not
+    # at all if ``recent``, kept across prompts, has it).
+    encoder = PromptEncoder(tokenizer, recent)
 
     def head(with_summary: bool) -> list[ChatMessage]:
         if not with_summary or not summary:

@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from chatmesh.errors import invalid
 from chatmesh.limits import Generation
-from chatmesh.tokenizer import ChatMessage, ChatTokenizer
+from chatmesh.tokenizer import ChatMessage, ChatTokenizer, EncodedTexts
 from memory_store.store import MemoryStore
 from orchestrator.config import PromptConfig
 from orchestrator.metrics import METRICS
@@ -33,6 +33,7 @@ class Prompter:
         self.tokenizer = tokenizer
         self.config = config
         self.context_window = context_window
+        self.recent = EncodedTexts(config.encoded_cache_tokens) if config.encoded_cache_tokens else None
 
     async def history(self, user_id: str, chat_id: str, leaf_id: str | None) -> History:
         """The stored branch ending at ``leaf_id`` (None: the chat's newest message), after the chat's
@@ -94,6 +95,7 @@ class Prompter:
                     budget,
                     summary,
                     int(self.config.truncation_step * budget),
+                    self.recent,
                 )
             except PromptTooLong as exc:
                 raise refused(

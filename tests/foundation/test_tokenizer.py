@@ -42,3 +42,19 @@ def test_round_trip_of_unicode_text(tok):
 def test_fingerprint_names_the_model(tok):
     assert tok.fingerprint.startswith("SmolLM2-135M-Instruct:")
     assert tok.eos_token_ids[0] == 2
+
+
+def test_encoded_texts_keep_the_most_recently_used_within_their_token_bound():
+    from array import array
+
+    from chatmesh.tokenizer import EncodedTexts
+
+    recent = EncodedTexts(max_tokens=10)
+    recent.add("a", array("I", [1, 2, 3, 4]))
+    recent.add("b", array("I", [5, 6, 7, 8]))
+    assert list(recent.get("a") or ()) == [1, 2, 3, 4]  # "a" is now the most recently used
+    recent.add("c", array("I", [9, 10, 11]))  # 11 tokens: the least recently used ("b") goes
+    assert recent.get("b") is None and recent.get("a") is not None and recent.get("c") is not None
+    assert recent.tokens == 7
+    recent.add("huge", array("I", range(11)))  # larger than the whole bound: never kept
+    assert recent.get("huge") is None and recent.tokens == 7

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from chatmesh.tokenizer import ChatMessage, EncodedTexts, load_tokenizer
 from orchestrator.prompting.prompt import SUMMARY_HEADING, PromptTooLong, fit_prompt, step_boundaries
 
 SYSTEM = [ChatMessage("system", "You are terse.")]
@@ -159,3 +159,26 @@ def test_fitting_a_long_history_encodes_each_turn_once_whatever_it_tries(monkeyp
     assert sorted(encoded) == sorted(m.content for m in SYSTEM + turns)
     # ... and the prompt is what its messages encode to, each content encoded anew.
     assert prompt.token_ids == tokenizer.encode_chat(prompt.messages)
+
+
+def test_a_chat_assembled_again_encodes_only_its_new_turns(monkeypatch) -> None:
+    # Every send assembles its chat's prompt again from messages that never change.
+    tokenizer = load_tokenizer()
+    turns = conversation(41)
+    budget = len(tokenizer.encode_chat(SYSTEM + turns)) // 2
+    recent = EncodedTexts(max_tokens=100_000)
+    first = fit_prompt(tokenizer, SYSTEM, turns[:39], budget, step_tokens=budget // 3, recent=recent)
+    encoded: list[str] = []
+    encode = tokenizer.encode
+
+    def counted(text: str) -> list[int]:
+        encoded.append(text)
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    second = fit_prompt(tokenizer, SYSTEM, turns, budget, step_tokens=budget // 3, recent=recent)
+    monkeypatch.undo()
+    assert first.history == second.history == "truncated"
+    assert encoded == [turns[39].content, turns[40].content]
+    # The same prompt as one assembled from nothing kept.
+    assert second == fit_prompt(tokenizer, SYSTEM, turns, budget, step_tokens=budget // 3)
