@@ -139,20 +139,26 @@ def test_only_a_prompt_with_nothing_of_the_chat_before_its_message_opens_a_sessi
     assert cut.turns_kept < 9 and not cut.opens_session
 
 
+def record_encodes(monkeypatch, tokenizer) -> list[str]:
+    """The texts ``tokenizer.encode`` is asked to encode from now on (until ``monkeypatch.undo()``)."""
+    encoded: list[str] = []
+    encode = tokenizer.encode
+
+    def recorded(text: str) -> list[int]:
+        encoded.append(text)
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", recorded)
+    return encoded
+
+
 def test_fitting_a_long_history_encodes_each_turn_once_whatever_it_tries(monkeypatch) -> None:
     # The search renders many subsets of the turns (the step boundaries, then the newest that fit): a
     # 120-turn chat's prompt cost ~3x as much when each render encoded its turns again.
     tokenizer = load_tokenizer()
     turns = conversation(60)
     budget = len(tokenizer.encode_chat(SYSTEM + turns)) // 3
-    encoded: list[str] = []
-    encode = tokenizer.encode
-
-    def counted(text: str) -> list[int]:
-        encoded.append(text)
-        return encode(text)
-
-    monkeypatch.setattr(tokenizer, "encode", counted)
+    encoded = record_encodes(monkeypatch, tokenizer)
     prompt = fit_prompt(tokenizer, SYSTEM, turns, budget, step_tokens=budget // 3)
     monkeypatch.undo()
     assert prompt.history == "truncated" and 1 < prompt.turns_kept < 60
@@ -168,14 +174,7 @@ def test_a_chat_assembled_again_encodes_only_its_new_turns(monkeypatch) -> None:
     budget = len(tokenizer.encode_chat(SYSTEM + turns)) // 2
     recent = EncodedTexts(max_tokens=100_000)
     first = fit_prompt(tokenizer, SYSTEM, turns[:39], budget, step_tokens=budget // 3, recent=recent)
-    encoded: list[str] = []
-    encode = tokenizer.encode
-
-    def counted(text: str) -> list[int]:
-        encoded.append(text)
-        return encode(text)
-
-    monkeypatch.setattr(tokenizer, "encode", counted)
+    encoded = record_encodes(monkeypatch, tokenizer)
     second = fit_prompt(tokenizer, SYSTEM, turns, budget, step_tokens=budget // 3, recent=recent)
     monkeypatch.undo()
     assert first.history == second.history == "truncated"
