@@ -272,13 +272,13 @@ class PromptEncoder:
 
     def encode(self, text: str) -> array[int]:
         ids = self._contents.get(text)
-        if ids is None and self.recent is not None:
-            ids = self.recent.get(text)
         if ids is None:
-            ids = array("I", self.tokenizer.encode(text))
-            if self.recent is not None:
-                self.recent.add(text, ids)
-        self._contents[text] = ids
+            ids = self.recent.get(text) if self.recent is not None else None
+            if ids is None:
+                ids = array("I", self.tokenizer.encode(text))
+                if self.recent is not None:
+                    self.recent.add(text, ids)
+            self._contents[text] = ids
         return ids
 
     def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, str]]) -> list[int]:
