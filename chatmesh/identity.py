@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,10 @@ JWT_AUDIENCE = "chatmesh"
 CLOCK_SKEW_S = 30
 # A changed JWKS file (a rotated Kubernetes Secret) is picked up this soon, without a restart.
 JWKS_RECHECK_S = 1.0
+# Tokens verified lately, kept until they expire: a client sends the same token with every call for its
+# lifetime, and checking its RS256 signature costs ~100 µs of CPU each time (Envoy's jwt_authn keeps
+# such a cache too). An entry is the token (~0.7 KB) and its identity: ~8 MB when full.
+VERIFIED_TOKENS = 10_000
 
 
 @dataclass(frozen=True)
@@ -72,13 +77,16 @@ class Unauthenticated(Exception):
 
 
 class TokenVerifier:
-    """Verifies bearer tokens against a JWKS file, re-read when it changes (key rotation)."""
+    """Verifies bearer tokens against a JWKS file, re-read when it changes (key rotation), and remembers
+    the tokens it verified. Not thread-safe: each service verifies on its event loop's thread."""
 
     def __init__(self, jwks_file: Path, issuer: str, audience: str = JWT_AUDIENCE) -> None:
         self.jwks_file, self.issuer, self.audience = jwks_file, issuer, audience
         self._stamp = self._file_stamp()
         self._keys = self._read_keys()
         self._checked_at = time.monotonic()
+        # Token -> its identity and until when (epoch seconds) it stays valid; least recently used first.
+        self._verified: OrderedDict[str, tuple[Identity, float]] = OrderedDict()
 
     @classmethod
     def from_config(cls, config: IdentityConfig) -> TokenVerifier:
@@ -96,10 +104,26 @@ class TokenVerifier:
     def identity(self, authorization: str | None) -> Identity:
         """The identity an ``Authorization: Bearer <JWT>`` value proves; Unauthenticated if none."""
         scheme, _, token = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("no bearer token: call through Envoy with `authorization: Bearer <JWT>`")
+        # Checked first on every call, hit or not: a key removed from the JWKS revokes its tokens here.
+        keys = self._current_keys()
+        known = self._verified.get(token)
+        if known is not None and time.time() < known[1]:
+            self._verified.move_to_end(token)
+            return known[0]
+        self._verified.pop(token, None)
+        identity, valid_until = self._verify(token, keys)
+        self._verified[token] = (identity, valid_until)
+        if len(self._verified) > VERIFIED_TOKENS:
+            self._verified.popitem(last=False)
+        return identity
+
+    def _verify(self, token: str, keys: list[jwt.PyJWK]) -> tuple[Identity, float]:
+        """The identity the token proves and until when it is valid (its ``exp`` with the skew allowed)."""
         try:
-            claims = self._claims(token.strip())
+            claims = self._claims(token, keys)
         except jwt.ExpiredSignatureError as exc:
             raise Unauthenticated("the bearer token has expired") from exc
         except (jwt.PyJWTError, ValueError) as exc:
@@ -112,11 +136,13 @@ class TokenVerifier:
         role = claims.get("role")
         role = role.strip().lower() if isinstance(role, str) else ""
         # An unknown tier is treated as the default (lowest) tier rather than trusted; an unknown role as none.
-        return Identity(
+        identity = Identity(
             user_id=user_id.strip(),
             tier=tier if tier in TIERS else DEFAULT_TIER,
             role=role if role == OPERATOR_ROLE else "",
         )
+        # jwt.decode required and checked a numeric ``exp``.
+        return identity, float(claims["exp"]) + CLOCK_SKEW_S
 
     def identity_from_metadata(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Identity:
         """The identity proven by the ``authorization`` entry of gRPC metadata (or HTTP headers)."""
@@ -125,9 +151,8 @@ class TokenVerifier:
                 return self.identity(value)
         return self.identity(None)
 
-    def _claims(self, token: str) -> dict:
+    def _claims(self, token: str, keys: list[jwt.PyJWK]) -> dict:
         kid = jwt.get_unverified_header(token).get("kid")
-        keys = self._current_keys()
         candidates = [key for key in keys if key.key_id == kid] if kid else keys
         if not candidates:
             raise ValueError(f"no key {kid!r} in {self.jwks_file}")
@@ -156,6 +181,8 @@ class TokenVerifier:
                 stamp = self._file_stamp()
                 if stamp != self._stamp:
                     self._keys, self._stamp = self._read_keys(), stamp
+                    # A token verified with a key the new set lacks must not outlive that key.
+                    self._verified.clear()
                     log.info("reloaded %d verification keys from %s", len(self._keys), self.jwks_file)
             except (OSError, ValueError, jwt.PyJWKSetError) as exc:
                 # Mid-rotation a file can be briefly missing or half-written: keep the keys that worked.

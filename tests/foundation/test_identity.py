@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from chatmesh import identity as identity_module
-from chatmesh.identity import IdentityConfig, TokenVerifier, Unauthenticated
+from chatmesh.identity import Identity, IdentityConfig, TokenVerifier, Unauthenticated
 from localmesh.dev_jwt import ISSUER, DevKeys, generate_keys
 
 
@@ -129,3 +129,58 @@ def test_a_service_without_usable_keys_refuses_to_start(tmp_path: Path):
     (tmp_path / "empty.json").write_text('{"keys": []}')
     with pytest.raises(ValueError, match="--jwks-file"):
         TokenVerifier.from_config(IdentityConfig(jwks_file=str(tmp_path / "empty.json")))
+
+
+@pytest.fixture
+def decodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The tokens whose signature is checked, in order."""
+    checked: list[str] = []
+    real_decode = jwt.decode
+    monkeypatch.setattr(
+        identity_module.jwt,
+        "decode",
+        lambda token, *a, **kw: checked.append(token) or real_decode(token, *a, **kw),
+    )
+    return checked
+
+
+def test_a_verified_token_is_remembered_until_it_expires(
+    verifier: TokenVerifier, keys: DevKeys, decodes: list[str]
+):
+    # Expired, but 2 s short of the clock skew every verifier allows: valid for 2 s more.
+    token = bearer(keys.mint("alice", "pro", ttl_s=2 - identity_module.CLOCK_SKEW_S))
+    assert verifier.identity(token) == verifier.identity(token) == Identity("alice", "pro")
+    assert len(decodes) == 1
+    time.sleep(2.2)
+    with pytest.raises(Unauthenticated, match="expired"):
+        verifier.identity(token)
+    assert len(decodes) == 2
+
+
+def test_a_key_removed_from_the_jwks_revokes_its_remembered_tokens(
+    verifier: TokenVerifier, keys: DevKeys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(identity_module, "JWKS_RECHECK_S", 0.0)
+    token = bearer(keys.mint("alice"))
+    assert verifier.identity(token).user_id == "alice"
+    # The key pair is replaced (a leaked key's rotation): its tokens stop proving anything at once.
+    new = generate_keys(tmp_path / "new")
+    staged = keys.jwks_path.with_suffix(".new")
+    staged.write_text(new.jwks_path.read_text())
+    os.replace(staged, keys.jwks_path)
+    with pytest.raises(Unauthenticated, match="not valid for chatmesh"):
+        verifier.identity(token)
+    assert verifier.identity(bearer(new.mint("alice"))).user_id == "alice"
+
+
+def test_remembered_tokens_are_bounded(
+    verifier: TokenVerifier, keys: DevKeys, decodes: list[str], monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(identity_module, "VERIFIED_TOKENS", 3)
+    tokens = [keys.mint(f"user-{i}") for i in range(5)]
+    for token in tokens:
+        verifier.identity(bearer(token))
+    # The three used last are remembered; the first was forgotten and is checked again.
+    for token in (tokens[4], tokens[2], tokens[0]):
+        verifier.identity(bearer(token))
+    assert decodes == [*tokens, tokens[0]]
