@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -117,19 +117,21 @@ class RunStream:
             raise ApiError(502, "the chat service ended the stream without any event", type="server_error")
         return first
 
-    async def opening_answer(self) -> chat_pb2.RunEvent:
-        """The opening event of a stream nobody can resume (Complete), held until the event after
-        `started`: a run refused before its first token (an engine dropped it from its queue when its
-        TTFT objective ran out: RESOURCE_EXHAUSTED with a retry delay) raises ApiError, so the client
-        gets a status it can act on (429 with Retry-After, which OpenAI's SDKs retry) rather than an
-        error chunk after a 200. The event read ahead is the first that ``rest`` yields."""
+    async def opening_answer(self, raising: Container[str] | None = None) -> chat_pb2.RunEvent:
+        """The opening event, held until the event after `started`: a run refused before its first
+        token (an engine dropped it from its queue when its TTFT objective ran out: RESOURCE_EXHAUSTED
+        with a retry delay) raises ApiError, so the client gets a status it can act on (429 with
+        Retry-After, which OpenAI's SDKs retry) rather than an error after a 200. ``raising``: the
+        RunError codes that raise (default: every one). The event read ahead is the first that
+        ``rest`` yields."""
         first = await self.opening()
         if first.WhichOneof("kind") != "started":
             return first
         following = await self.first()
         if following is not None and following.WhichOneof("kind") == "error":
             error = following.error
-            raise from_run_error(error.code, error.message, error.retry_after_ms)
+            if raising is None or error.code in raising:
+                raise from_run_error(error.code, error.message, error.retry_after_ms)
         self._read_ahead = following
         return first
 

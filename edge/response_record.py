@@ -13,8 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import REFUSED_BEFORE_ANSWER
-from edge.errors import ApiError, from_run_error
+from edge.errors import ApiError
 
 RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"
@@ -84,9 +83,6 @@ class ResponseRecord:
     status: str = "in_progress"
     incomplete_reason: str | None = None
     error: dict | None = None
-    # The run was refused before any output, for a reason that may pass (``REFUSED_BEFORE_ANSWER``):
-    # the HTTP error to retry with, for a request that waited for the run's end.
-    refusal: ApiError | None = None
 
     @property
     def id(self) -> str:
@@ -112,8 +108,6 @@ class ResponseRecord:
         elif kind == "error":
             error = event.error
             self.fail(error.code, error.message)
-            if not self.text and error.code in REFUSED_BEFORE_ANSWER:
-                self.refusal = from_run_error(error.code, error.message, error.retry_after_ms)
 
     def fail(self, code: str, message: str) -> None:
         self.status = "failed"

@@ -20,13 +20,13 @@ import contextlib
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import REFUSED_BEFORE_ANSWER
 from edge.bodies import read_model
 from edge.chats_api import caller_of, idempotency_key_of
 from edge.convert import options_proto
@@ -141,32 +141,18 @@ async def _owned_run(
     return run
 
 
-@dataclass
-class _Sent:
-    """A stored response's run started: its stream and first event, and the conversation it began."""
-
-    stream: RunStream
-    first: chat_pb2.RunEvent
-    routed: Caller
-    # The chat made for it when no key finds it again (empty for a continuation, or with a key).
-    keyless_chat_id: str
-
-    async def forget_keyless_chat(self, orchestrator: Orchestrator) -> None:
-        """Deletes the conversation this response began, refused, and a retry could not find: none is
-        left behind. (With a key, its retry answers in the same chat.)"""
-        if self.keyless_chat_id:
-            await _delete_quietly(orchestrator, self.routed, self.keyless_chat_id)
-
-
 async def _delete_quietly(orchestrator: Orchestrator, routed: Caller, chat_id: str) -> None:
     with contextlib.suppress(ApiError):
         await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=chat_id), routed)
 
 
-async def _send(orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn, key: str) -> _Sent:
-    """The stored response's run started. With ``key`` (the Idempotency-Key) a retry creates no second
-    conversation (CreateChat with the key gets the first one's) and joins the run the first attempt
-    started, or answers the same question anew if that run was refused before its answer."""
+async def _send(
+    orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn, key: str
+) -> tuple[RunStream, chat_pb2.RunEvent]:
+    """The stored response's stream and first event: its run started (and, unless it runs in the background, its answer begun: see
+    ``_opening``). With ``key`` (the Idempotency-Key) a retry creates no second conversation (CreateChat
+    with the key gets the first one's) and joins the run the first attempt started, or answers the same
+    question anew if that run was refused before its answer."""
     content = _stored_input(body)
     previous = body.previous_response_id
     if previous:
@@ -190,13 +176,25 @@ async def _send(orchestrator: Orchestrator, caller: Caller, body: ResponseCreate
     )
     stream = orchestrator.stream("SendMessage", send, routed)
     try:
-        return _Sent(stream, await stream.opening(), routed, keyless_chat_id)
+        return stream, await _opening(stream, body)
     except ApiError as exc:
-        if keyless_chat_id:  # refused: leave no empty conversation behind
+        # Refused: leave no conversation behind that a retry could not find again (a keyed one's retry
+        # answers in it).
+        if keyless_chat_id:
             await _delete_quietly(orchestrator, routed, keyless_chat_id)
         elif previous and exc.status == 404:  # its answer was never stored (cancelled before any text)
             raise response_not_found(previous, "previous_response_id") from None
         raise
+
+
+async def _opening(stream: RunStream, body: ResponseCreateIn) -> chat_pb2.RunEvent:
+    """The create's first event. A background create answers at its run's start. Any other, streamed or
+    not, waits for the event after it: a run refused before any output (the engine's queue limit, no
+    engine left) is the HTTP error to retry (429 or 503 with Retry-After), as a refusal at the door is,
+    never a 200 that ends in ``response.failed``. Other failures are a failed response, as OpenAI's are."""
+    if body.background:
+        return await stream.opening()
+    return await stream.opening_answer(raising=REFUSED_BEFORE_ANSWER)
 
 
 async def _new_chat(orchestrator: Orchestrator, caller: Caller, content: str, key: str) -> str:
@@ -268,13 +266,11 @@ async def create_response(request: Request) -> Response:
         temperature=body.temperature,
         top_p=body.top_p,
     )
-    sent = None
     if body.store:
-        sent = await _send(orchestrator, caller, body, idempotency_key_of(request))
-        stream, first = sent.stream, sent.first
+        stream, first = await _send(orchestrator, caller, body, idempotency_key_of(request))
     else:
         stream = orchestrator.stream("Complete", _complete_request(body), caller)
-        first = await stream.opening()
+        first = await _opening(stream, body)
     if body.stream:
         return _stream_response(request, stream, first, record, started)
     if body.background:
@@ -283,12 +279,6 @@ async def create_response(request: Request) -> Response:
         stream.detach()
         return JSONResponse(record.json())
     await _fold(stream, record, first)
-    if record.refusal is not None:
-        # Refused before any output (the engine's queue limit, no engine left): the 429 or 503 to
-        # retry, as a refusal at the door is, and no conversation of it left behind.
-        if sent is not None:
-            await sent.forget_keyless_chat(orchestrator)
-        raise record.refusal
     return JSONResponse(record.json())
 
 
