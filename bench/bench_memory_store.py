@@ -11,11 +11,17 @@ so every acknowledged append is fsynced), then measures through the public ``Mem
 
 - a send's steps (``--sends`` sends, 10 at a time, each by a user of its own with a chat of two
   turns), in the orchestrator's order, each step for every send before the next: the key's claim
-  (Paxos), the reads for the prompt (branch and summary), the budget's reservation, the question and
+  (Paxos), the reads for the prompt (branch and summary), the budget's reservation (the window's read
+  and the estimate's write), the question and
   the run (one logged batch), one output checkpoint, the finish (a conditional batch, then the answer
   and its search entry, the usage and the index cleanup). For each: the node's CPU (user + system,
   every thread, from /proc) and this client's, per step, and its latency; on the fresh node, then
   again after ``--warm-sends`` more (a fresh JVM spends most of its CPU compiling at first).
+- the budget's window read for a user with N runs in the window (``--budget-runs``): the plain read
+  (every run of the window) and the orchestrator's (``Budgets.window``: the settled runs' sum kept,
+  the runs made in the last ``usage_settled_after_s`` read: 22 minutes by default), ``--budget-reads`` reads each,
+  one at a time, with the user's runs spread evenly over the last day. The store here uses 7-day
+  windows so that a day of runs fits one window whatever the hour (windows are aligned to the epoch).
 
 A warm-up of the same operations runs first and is not reported (a fresh JVM compiles as it goes).
 
@@ -33,6 +39,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +63,9 @@ from memory_store.models import (  # noqa: E402
 from memory_store.node import CassandraNode, NodeConfig, rss_mib  # noqa: E402
 from memory_store.store import MemoryStore  # noqa: E402
 from meshkit.launcher import Launcher, free_port  # noqa: E402
+from orchestrator.config import BudgetConfig, RunConfig  # noqa: E402
+from orchestrator.policy.admission import Budgets  # noqa: E402
+from orchestrator.runs.relay import usage_settled_after_s  # noqa: E402
 
 WARMUP_APPENDS = 1000
 WARMUP_READS = 400
@@ -179,6 +189,7 @@ async def send_steps(
         send.chat = (await store.get_branch(send.user, send.chat_id, None, with_summary=True)).chat
 
     async def reserve(send: Send) -> None:
+        await store.get_usage(send.user)
         await store.record_usage(send.user, send.run_id, Usage(prompt_tokens=400, completion_tokens=64))
 
     async def store_question(send: Send) -> None:
@@ -239,6 +250,45 @@ async def send_steps(
     return results
 
 
+async def budget_reads(
+    store: MemoryStore, runs: int, reads: int, node_pid: int
+) -> list[tuple[str, float, float, float]]:
+    """(read, node CPU ms, client CPU ms, p50 ms) per budget window read of a user with ``runs`` runs
+    spread over the last day: the plain read, then the orchestrator's."""
+    user = f"bench-budget-{new_id().hex}"
+    now = datetime.now(UTC)
+    made = [now - timedelta(days=1) * i / runs for i in range(runs)]
+    gate = asyncio.Semaphore(50)
+
+    async def record(at: datetime) -> None:
+        async with gate:
+            await store.record_usage(user, str(new_id(at)), Usage(prompt_tokens=400, completion_tokens=64))
+
+    await asyncio.gather(*(record(at) for at in made))
+    budgets = Budgets(store, BudgetConfig(), usage_settled_after_s(RunConfig()))
+    results = []
+    for name, read in (
+        ("plain (every run)", lambda: store.get_usage(user)),
+        ("settled sum + recent runs", lambda: budgets.window(user)),
+    ):
+        for _ in range(20):  # the orchestrator's first read folds the settled runs, behind it
+            await read()
+        samples: list[float] = []
+        node_before, client_before = cpu_seconds(node_pid), time.process_time()
+        for _ in range(reads):
+            await timed(read, samples)
+        node_ms = (cpu_seconds(node_pid) - node_before) * 1000 / reads
+        results.append(
+            (
+                name,
+                node_ms,
+                (time.process_time() - client_before) * 1000 / reads,
+                statistics.median(samples) * 1000,
+            )
+        )
+    return results
+
+
 async def warm_node(store: MemoryStore, sends: int) -> None:
     """Runs ``sends`` sends' statements on the node, 500 at a time: a fresh JVM spends most of its CPU
     compiling for its first thousands of them, which a node that has served a while no longer does."""
@@ -263,12 +313,18 @@ async def bench(args: argparse.Namespace) -> None:
             f"commitlog_sync batch (fsync before ack), started in {report.startup_s:.1f}s, RSS {report.rss_mib:.0f} MiB"
         )
         print("client: MemoryStore (DataStax driver, libev, LOCAL_QUORUM, prepared statements)")
-        store = await MemoryStore.connect(StoreConfig(port=config.cql_port, keyspace="bench"))
+        store = await MemoryStore.connect(
+            StoreConfig(port=config.cql_port, keyspace="bench", usage_window_s=7 * 86_400)
+        )
         try:
             results = await run_workloads(store, args.appends, args.reads)
             fresh = await send_steps(store, args.sends, report.pid)
             await warm_node(store, args.warm_sends)
             warm = await send_steps(store, args.sends, report.pid)
+            budget = [
+                (runs, await budget_reads(store, runs, args.budget_reads, report.pid))
+                for runs in args.budget_runs
+            ]
         finally:
             await store.close()
         print(f"node RSS after the run: {rss_mib(report.pid):.0f} MiB")
@@ -297,6 +353,15 @@ async def bench(args: argparse.Namespace) -> None:
         f"{'a send, all steps':<26} {sum(step[1] for step in fresh):>16.2f} {sum(step[2] for step in fresh):>7.2f} "
         f"{'':>7} {sum(step[1] for step in warm):>15.2f} {sum(step[2] for step in warm):>7.2f}"
     )
+    print()
+    print(
+        f"the budget's window read, warm node, {args.budget_reads} reads one at a time, of a user whose runs "
+        "spread over the last day; CPU ms per read (node, this client) and p50 ms"
+    )
+    print(f"{'runs in window':>14}  {'read':<26} {'node CPU':>9} {'client':>7} {'p50':>7}")
+    for runs, rows in budget:
+        for name, node_ms, client_ms, p50 in rows:
+            print(f"{runs:>14,}  {name:<26} {node_ms:>9.2f} {client_ms:>7.2f} {p50:>7.2f}")
 
 
 def main() -> None:
@@ -314,6 +379,10 @@ def main() -> None:
     parser.add_argument(
         "--warm-sends", type=int, default=6000, help="sends between the fresh and the warm measure"
     )
+    parser.add_argument(
+        "--budget-runs", type=int, nargs="*", default=[10, 100, 1000, 4000], help="runs in the budget window"
+    )
+    parser.add_argument("--budget-reads", type=int, default=200, help="budget window reads measured each")
     asyncio.run(bench(parser.parse_args()))
 
 

@@ -7,6 +7,11 @@ user's usage is one single-partition aggregate; a window holds at most the runs 
 rate limits allowed in it.
 
 A run's window is the one its id was made in, so every record of one run lands in the same window.
+
+The aggregate reads every run of the window, so its cost grows with the runs the user made in it (a
+warm node's CPU: ~0.5-1.3 ms for up to a few hundred runs, 1.7 ms for 1,000, 6.5 ms for 4,000;
+bench/bench_memory_store.py). A caller that keeps the sum of runs old enough to no longer change reads
+only the runs made since (``made_after``).
 """
 
 from __future__ import annotations
@@ -31,11 +36,22 @@ STATEMENTS = {
         "FROM usage_by_run WHERE user_id = ? AND window_start = ?",
         True,
     ),
+    # Runs made in (after, until]: maxTimeuuid bounds every id of an instant's millisecond on one side.
+    "usage_sum_range": Cql(
+        "SELECT sum(prompt_tokens) AS prompt, sum(cached_prompt_tokens) AS cached, "
+        "sum(completion_tokens) AS completion, count(*) AS runs "
+        "FROM usage_by_run WHERE user_id = ? AND window_start = ? "
+        "AND run_id > maxTimeuuid(?) AND run_id <= maxTimeuuid(?)",
+        True,
+    ),
 }
+# Before any run id of a window: maxTimeuuid's resolution is a millisecond.
+_BEFORE_WINDOW = timedelta(milliseconds=1)
 
 
 class UsageMixin(StoreBase):
-    def _window_start(self, at: datetime) -> datetime:
+    def window_start(self, at: datetime) -> datetime:
+        """The start of the budget window holding ``at``."""
         seconds = micros(at) // 1_000_000
         return datetime.fromtimestamp(seconds - seconds % self._config.usage_window_s, UTC)
 
@@ -49,7 +65,7 @@ class UsageMixin(StoreBase):
             "usage_put",
             (
                 user_id,
-                self._window_start(id_time(run_key)),
+                self.window_start(id_time(run_key)),
                 run_key,
                 usage.prompt_tokens,
                 usage.cached_prompt_tokens,
@@ -57,15 +73,29 @@ class UsageMixin(StoreBase):
             ),
         )
 
-    async def get_usage(self, user_id: str, at: datetime | None = None) -> UsageWindow:
-        """The user's usage in the window containing ``at`` (default: now)."""
+    async def get_usage(
+        self,
+        user_id: str,
+        at: datetime | None = None,
+        *,
+        made_after: datetime | None = None,
+        made_until: datetime | None = None,
+    ) -> UsageWindow:
+        """The user's usage in the window containing ``at`` (default: now): of every run in it, or with
+        ``made_after`` / ``made_until``, of the runs made in (made_after, made_until] only."""
         self._check_user(user_id)
-        start = self._window_start(at or now())
-        row = (await self._db.execute("usage_sum", (user_id, start)))[0]
+        start = self.window_start(at or now())
+        end = start + timedelta(seconds=self._config.usage_window_s)
+        if made_after is None and made_until is None:
+            rows = await self._db.execute("usage_sum", (user_id, start))
+        else:
+            bounds = (made_after or start - _BEFORE_WINDOW, made_until or end)
+            rows = await self._db.execute("usage_sum_range", (user_id, start, *bounds))
+        row = rows[0]
         return UsageWindow(
             user_id=user_id,
             start=start,
-            end=start + timedelta(seconds=self._config.usage_window_s),
+            end=end,
             usage=Usage(row["prompt"] or 0, row["cached"] or 0, row["completion"] or 0),
             runs=row["runs"] or 0,
         )

@@ -36,7 +36,7 @@ from orchestrator.prompting.prompter import Prompter
 from orchestrator.router_client import RouterClient
 from orchestrator.runs.context import RunContext
 from orchestrator.runs.lifecycle import Runs
-from orchestrator.runs.relay import RelayDeps
+from orchestrator.runs.relay import RelayDeps, usage_settled_after_s
 from orchestrator.upkeep.after_runs import Upkeep
 from orchestrator.upkeep.jobs import BackgroundJobs
 from orchestrator.upkeep.replica import Replica
@@ -101,7 +101,7 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
 
     model = config.default_model or tokenizer.model_name
     deps = RelayDeps(store, create_moderator(config.moderation), config.runs, router)
-    budgets = Budgets(store, config.budgets)
+    budgets = Budgets(store, config.budgets, usage_settled_after_s(config.runs))
     runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs), tokenizer.fingerprint)
     summary_config = config.summaries
     jobs = BackgroundJobs(summary_config.concurrency, summary_config.queue, summary_config.timeout_s)

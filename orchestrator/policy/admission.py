@@ -10,40 +10,127 @@ is RESOURCE_EXHAUSTED with the time until the window resets as retry delay.
 Check and reserve are serialized per user on this replica, so concurrent sends of one user cannot both
 spend the last tokens here. Replicas do not coordinate: sends of one user landing on different replicas
 at the same instant can overshoot by at most one run's estimate per replica.
+
+Reading the window sums every run the user made in it, which grows with the runs: a user of 4,000 runs
+a day would cost Cassandra ~6.5 ms of CPU a send for it by evening, against ≤ 1.3 ms for a few. A
+run's record stops changing once the run has ended and its owner has recorded its count, so each
+replica keeps, per user who made more than ``FOLD_AFTER_RUNS`` runs, the sum of the window's runs made
+before ``settled_after_s`` ago, and reads only the runs made since. Such a sum misses a record that
+changes later than that: a run adopted more than once, still going, or charged that late.
+It then counts the record as it was when folded: mostly the reservation, never less than the charge
+(the user is refused early, not let past the budget); for a run reaped and then adopted, the output
+it had stored, which the adopter's count may exceed by at most the run's max_tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+import logging
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from chatmesh.errors import exhausted, invalid
 from chatmesh.identity import Identity
+from memory_store.errors import MemoryStoreError
 from memory_store.models import Usage, UsageWindow
 from memory_store.store import MemoryStore
 from orchestrator.config import BudgetConfig
 from orchestrator.metrics import METRICS
 
+log = logging.getLogger(__name__)
+
 # Concurrent-run limits answer with this retry delay: runs take seconds, not hours.
 RUN_SLOT_RETRY_S = 2.0
+# A window read that counts more runs than this past a user's settled sum (or from the window's start)
+# has the settled runs folded into that sum, behind the send: users of a few runs keep one plain read.
+FOLD_AFTER_RUNS = 64
+# Users whose settled sum a replica keeps, least recently read dropped first (~200 bytes each).
+FOLDED_USERS = 20_000
+
+
+@dataclass(frozen=True)
+class SettledUsage:
+    """A user's usage in the window starting ``window_start`` by the runs made up to ``until``."""
+
+    window_start: datetime
+    until: datetime
+    usage: Usage
+    runs: int
+
+
+def _plus(a: Usage, b: Usage) -> Usage:
+    return Usage(
+        a.prompt_tokens + b.prompt_tokens,
+        a.cached_prompt_tokens + b.cached_prompt_tokens,
+        a.completion_tokens + b.completion_tokens,
+    )
 
 
 class Budgets:
-    def __init__(self, store: MemoryStore, config: BudgetConfig) -> None:
+    def __init__(self, store: MemoryStore, config: BudgetConfig, settled_after_s: float) -> None:
+        """``settled_after_s``: how long after a run starts its usage record may still change (its
+        generation's deadline, an adoption's, and its owner's retries to record the end)."""
         self._store = store
         self._config = config
+        self._settled_after = timedelta(seconds=settled_after_s)
         # Per user: the lock and how many sends hold or wait for it.
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._settled: OrderedDict[str, SettledUsage] = OrderedDict()
+        self._folding: dict[str, asyncio.Task[None]] = {}
 
     def limit(self, tier: str) -> int:
         """Tokens per window for ``tier``; 0 means unlimited."""
         return self._config.tokens.get(tier, self._config.tokens["free"])
 
     async def window(self, user_id: str) -> UsageWindow:
-        return await self._store.get_usage(user_id)
+        """The user's usage in the current window: the settled sum kept here plus the runs made since."""
+        at = datetime.now(UTC)
+        settled = self._settled.get(user_id)
+        if settled is None or settled.window_start != self._store.window_start(at):
+            settled = None
+            window = await self._store.get_usage(user_id, at)
+            unsettled_runs = window.runs
+        else:
+            self._settled.move_to_end(user_id)
+            recent = await self._store.get_usage(user_id, at, made_after=settled.until)
+            window = UsageWindow(
+                user_id,
+                recent.start,
+                recent.end,
+                _plus(settled.usage, recent.usage),
+                settled.runs + recent.runs,
+            )
+            unsettled_runs = recent.runs
+        if unsettled_runs > FOLD_AFTER_RUNS and user_id not in self._folding:
+            fold = asyncio.ensure_future(self._fold(user_id, window.start, settled, at))
+            self._folding[user_id] = fold
+            fold.add_done_callback(lambda _: self._folding.pop(user_id, None))
+        return window
+
+    async def _fold(
+        self, user_id: str, window_start: datetime, settled: SettledUsage | None, at: datetime
+    ) -> None:
+        """Adds the runs that settled since ``settled`` (made before ``settled_after`` ago) to it."""
+        until = at - self._settled_after
+        if until <= (settled.until if settled else window_start):
+            return  # none settled yet: the window is younger than settled_after
+        try:
+            runs = await self._store.get_usage(
+                user_id, at, made_after=settled.until if settled else None, made_until=until
+            )
+        except (MemoryStoreError, TimeoutError) as exc:
+            log.info("could not fold the settled usage of %s (%s); the next read tries again", user_id, exc)
+            return
+        usage, count = (settled.usage, settled.runs) if settled else (Usage(), 0)
+        self._settled[user_id] = SettledUsage(
+            window_start, until, _plus(usage, runs.usage), count + runs.runs
+        )
+        self._settled.move_to_end(user_id)
+        while len(self._settled) > FOLDED_USERS:
+            self._settled.popitem(last=False)
 
     async def reserve(self, identity: Identity, run_id: str, estimate: Usage) -> None:
         """Reserves ``estimate`` for ``run_id`` if the user's window has room (else RESOURCE_EXHAUSTED)."""

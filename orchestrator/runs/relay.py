@@ -59,6 +59,15 @@ log = logging.getLogger(__name__)
 
 # How long storing a run's end is retried before the replica gives up on it (and logs it).
 FINISH_RETRY_S = 120.0
+
+
+def usage_settled_after_s(config: RunConfig) -> float:
+    """How long after a run starts its usage record may still change: its generation ends by
+    ``max_run_s`` (an adopter goes on past its first owner's deadline, hence twice), and its owner
+    records the end within ``FINISH_RETRY_S`` of it."""
+    return 2 * config.max_run_s + FINISH_RETRY_S
+
+
 # How often the owner of a stored run checks whether someone else ended it (a cancel on another replica)
 # or adopted it (this replica was taken for dead).
 REMOTE_END_POLL_S = 2.0
