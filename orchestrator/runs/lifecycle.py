@@ -287,7 +287,7 @@ class Runs:
         live = LiveRun(info, self.config.max_subscribers_per_run)
         live.append(started=_started(info))
         for delta in output:
-            live.append(delta=chat_pb2.Delta(text=delta.text, token_count=delta.token_count))
+            live.append_delta(delta.text, delta.token_count)
         frame = continued(start, [token for delta in output for token in delta.token_ids])
         self._live[info.run_id] = live
         task = asyncio.create_task(self._continue_adopted(run, live, frame), name="adopted-run")

@@ -5,12 +5,16 @@ Events are numbered from 1 (``started``), then ``delta``s, then ``usage`` and ``
 token), so any follower can start from any sequence number. Followers read it at their own pace: the
 writer never waits for them, so a slow stream slows neither the run nor the other streams, and a
 stream that falls behind simply reads on from where it was.
+
+A delta is kept as its text and token count, and made a RunEvent for each follower as it reads it: a
+RunEvent holding a delta takes ~920 bytes of memory (its own protobuf arena and two Python wrappers),
+its text and count ~120, and every open stream holds every delta of its answer so far.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +53,8 @@ class LiveRun:
         self.info = info
         self.max_events = info.max_tokens + _FRAME_EVENTS
         self.max_subscribers = max_subscribers
-        self.events: list[chat_pb2.RunEvent] = []
+        # The events in order: a delta as (text, token count), any other kind as its RunEvent.
+        self._events: list[chat_pb2.RunEvent | tuple[str, int]] = []
         self.status: chat_pb2.RunStatus = chat_pb2.RUN_STATUS_IN_PROGRESS
         self.created_at = time.time()
         self.finished_at: float | None = None
@@ -64,18 +69,43 @@ class LiveRun:
 
     @property
     def last_seq(self) -> int:
-        return len(self.events)
+        return len(self._events)
 
     def append(self, **kind: Any) -> chat_pb2.RunEvent:
-        """Adds the next event (``started=...``, ``delta=...``, ...) and wakes every follower."""
-        if self.finished:
-            raise RuntimeError(f"run {self.info.run_id} has ended; no event may follow")
-        if len(self.events) >= self.max_events:
-            raise RuntimeError(f"run {self.info.run_id} exceeded its {self.max_events} events")
-        event = chat_pb2.RunEvent(seq=len(self.events) + 1, **kind)
-        self.events.append(event)
+        """Adds the next event other than a delta (``started=...``, ``usage=...``, ``done=...``,
+        ``error=...``) and wakes every follower."""
+        if "delta" in kind:
+            raise TypeError("deltas are added with append_delta")
+        event = chat_pb2.RunEvent(seq=self._next_seq(), **kind)
+        self._events.append(event)
         self._changed.notify()
         return event
+
+    def append_delta(self, text: str, token_count: int) -> int:
+        """Adds the next delta and wakes every follower; returns its sequence number."""
+        seq = self._next_seq()
+        self._events.append((text, token_count))
+        self._changed.notify()
+        return seq
+
+    def _next_seq(self) -> int:
+        if self.finished:
+            raise RuntimeError(f"run {self.info.run_id} has ended; no event may follow")
+        if len(self._events) >= self.max_events:
+            raise RuntimeError(f"run {self.info.run_id} exceeded its {self.max_events} events")
+        return len(self._events) + 1
+
+    def event(self, seq: int) -> chat_pb2.RunEvent:
+        kept = self._events[seq - 1]
+        if isinstance(kept, tuple):
+            return chat_pb2.RunEvent(seq=seq, delta=chat_pb2.Delta(text=kept[0], token_count=kept[1]))
+        return kept
+
+    def deltas(self) -> Iterator[tuple[int, str, int]]:
+        """(seq, text, token count) of every delta so far."""
+        for seq, kept in enumerate(self._events, 1):
+            if isinstance(kept, tuple):
+                yield seq, *kept
 
     def finish(self, status: chat_pb2.RunStatus) -> None:
         """The run has ended: followers get the remaining events, then their streams end."""
@@ -103,9 +133,9 @@ class LiveRun:
         try:
             position = after_seq
             while True:
-                while position < len(self.events):
+                while position < len(self._events):
                     position += 1
-                    yield self.events[position - 1]
+                    yield self.event(position)
                 if self.handed_over:
                     raise unavailable(
                         f"the answer goes on on another replica; resume after event {position}", 0.2
@@ -118,4 +148,4 @@ class LiveRun:
             METRICS.subscribers.dec()
 
     def text(self) -> str:
-        return "".join(e.delta.text for e in self.events if e.WhichOneof("kind") == "delta")
+        return "".join(text for _, text, _ in self.deltas())

@@ -277,7 +277,7 @@ class Relay:
             return
         covered = tuple(self._unsent_ids)
         self._unsent_ids.clear()
-        event = self.live.append(delta=chat_pb2.Delta(text=text, token_count=len(covered)))
+        seq = self.live.append_delta(text, len(covered))
         if self._first_delta_at is None:
             self._first_delta_at = time.monotonic()
             info = self.live.info
@@ -285,7 +285,7 @@ class Relay:
                 self._first_delta_at - self.arrived_at
             )
         if self._checkpointer is not None:
-            self._checkpointer.add(RunDelta(event.seq, text, len(covered), covered))
+            self._checkpointer.add(RunDelta(seq, text, len(covered), covered))
 
     async def _watch_remote_end(self) -> None:
         """Stops the run if another replica ended it (CancelRun there) or adopted it (it took this one
@@ -387,11 +387,7 @@ class Relay:
         )
         # Every delta this run has, checkpointed or in the tail (an adopted run's live events start
         # with the checkpoints it was adopted with): a finish that wins stores the answer from it.
-        output = [
-            RunDelta(event.seq, event.delta.text, event.delta.token_count)
-            for event in self.live.events
-            if event.HasField("delta")
-        ]
+        output = [RunDelta(seq, text, token_count) for seq, text, token_count in self.live.deltas()]
         deadline = time.monotonic() + FINISH_RETRY_S
         delay = 0.1
         while True:

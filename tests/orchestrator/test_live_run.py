@@ -28,11 +28,11 @@ async def drain(stream) -> list[int]:
 async def test_followers_from_any_seq_get_every_later_event_once_then_the_live_ones() -> None:
     run = live_run()
     for i in range(5):
-        run.append(delta=chat_pb2.Delta(text=f"t{i}", token_count=1))
+        run.append_delta(f"t{i}", 1)
     followers = [asyncio.create_task(drain(run.follow(after))) for after in (0, 1, 3, 6)]
     await asyncio.sleep(0)
     for i in range(5, 8):
-        run.append(delta=chat_pb2.Delta(text=f"t{i}", token_count=1))
+        run.append_delta(f"t{i}", 1)
         await asyncio.sleep(0)
     run.append(done=chat_pb2.Done())
     run.finish(chat_pb2.RUN_STATUS_COMPLETED)
@@ -47,7 +47,7 @@ async def test_a_follower_that_does_not_read_never_holds_up_the_writer_or_other_
     assert (await anext(stalled)).seq == 1  # attached, then never reads again
     reader = asyncio.create_task(drain(run.follow(0)))
     for _ in range(1000):
-        run.append(delta=chat_pb2.Delta(text="x", token_count=1))
+        run.append_delta("x", 1)
     run.append(done=chat_pb2.Done())
     run.finish(chat_pb2.RUN_STATUS_COMPLETED)
     assert len(await asyncio.wait_for(reader, 5)) == 1002
@@ -58,11 +58,11 @@ async def test_a_follower_that_does_not_read_never_holds_up_the_writer_or_other_
 async def test_the_buffer_is_bounded_by_max_tokens_and_followers_by_the_subscriber_limit() -> None:
     run = live_run(max_tokens=3, max_subscribers=1)
     for _ in range(3):
-        run.append(delta=chat_pb2.Delta(text="x", token_count=1))
+        run.append_delta("x", 1)
     run.append(usage=chat_pb2.Usage())
     run.append(done=chat_pb2.Done())
     with pytest.raises(RuntimeError):
-        run.append(delta=chat_pb2.Delta(text="too many"))
+        run.append_delta("too many", 1)
     first = run.follow(0)
     await anext(first)
     with pytest.raises(ServiceError) as caught:
