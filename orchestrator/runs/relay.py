@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -150,8 +151,9 @@ class Relay:
             self.screen.check(resumed_text)
         # Set when the run must stop early; no output is emitted after it.
         self.stop_reason: Stop | None = None
-        # Every output token so far, and those not yet carried by a delta (their text is held back).
-        self._output_ids: list[int] = list(start.resumed_output_token_ids)
+        # Every output token so far (4 bytes each; a list of ints would take 36), and those not yet
+        # carried by a delta (their text is held back).
+        self._output_ids = array("I", start.resumed_output_token_ids)
         self._unsent_ids: list[int] = []
         self._first_delta_at: float | None = None
         self._checkpointer: Checkpointer | None = None
