@@ -25,9 +25,11 @@ class ReadsSeen:
     def __init__(self, store: MemoryStore) -> None:
         self._store = store
         self.reads: list[tuple[datetime | None, datetime | None, int]] = []
+        # Added to the window's start as Budgets sees it: a window that has turned.
+        self.turned = timedelta(0)
 
     def window_start(self, at: datetime) -> datetime:
-        return self._store.window_start(at)
+        return self._store.window_start(at) + self.turned
 
     async def get_usage(
         self, user_id: str, at: datetime | None = None, **bounds: datetime | None
@@ -83,6 +85,12 @@ async def test_a_user_of_many_runs_reads_only_the_runs_since_the_settled_sum(
     await memory_store.record_usage(user, str(new_id()), Usage(prompt_tokens=7, completion_tokens=100))
     later = await budgets.window(user)
     assert later.usage.total_tokens == whole.usage.total_tokens + 107 and later.runs == 104
+
+    # In a new window the settled sum is of no use: the whole window is read again.
+    seen.turned = timedelta(days=1)
+    seen.reads.clear()
+    await budgets.window(user)
+    assert seen.reads[0] == (None, None, 104)
 
 
 async def test_a_user_of_few_runs_keeps_one_plain_read(memory_store: MemoryStore) -> None:
