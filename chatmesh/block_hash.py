@@ -24,9 +24,13 @@ _NO_PARENT = b"\xff" * 8 + b"\x00"  # distinct from any real parent encoding (wh
 
 def hash_block(parent: int | None, token_ids: Sequence[int], seed: int = BLOCK_HASH_SEED) -> int:
     """Hash of one full block, chained to its parent block's hash (None for a sequence's first block)."""
+    return _hash_packed(parent, struct.pack(f"<{len(token_ids)}I", *token_ids), seed)
+
+
+def _hash_packed(parent: int | None, block: bytes | memoryview, seed: int) -> int:
     h = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little"))
     h.update(_NO_PARENT if parent is None else parent.to_bytes(8, "little") + b"\x01")
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    h.update(block)
     return int.from_bytes(h.digest(), "little")
 
 
@@ -42,8 +46,12 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    whole = len(token_ids) - len(token_ids) % block_size
+    # Packed once, then hashed a block's bytes at a time.
+    packed = memoryview(struct.pack(f"<{whole}I", *token_ids[:whole]))
     hashes: list[int] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], seed)
+    step = block_size * 4
+    for start in range(0, whole * 4, step):
+        parent = _hash_packed(parent, packed[start : start + step], seed)
         hashes.append(parent)
     return hashes

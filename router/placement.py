@@ -53,7 +53,8 @@ class RequestPlan:
     """What placement needs to know about a request."""
 
     request_id: str
-    prompt: list[int]
+    # The prompt's token ids (an array('I') in the service: 4 bytes a token, a list of ints takes ~36).
+    prompt: Sequence[int]
     model: str = ""
     tokenizer_fingerprint: str = ""
     tier: int = router_pb2.TIER_FREE
@@ -249,7 +250,7 @@ class Placer:
             return
         block_size, seed = engine.info.block_size, engine.info.block_hash_seed
         prompt_hashes = plan.block_hashes(block_size, seed)
-        computed = plan.prompt[len(prompt_hashes) * block_size :] + list(output[:-1])
+        computed = [*plan.prompt[len(prompt_hashes) * block_size :], *output[:-1]]
         whole = len(computed) - len(computed) % block_size
         parent = prompt_hashes[-1] if prompt_hashes else None
         answer_hashes = block_hashes(computed[:whole], block_size, seed, parent)

@@ -33,6 +33,7 @@ is traced as a client span of its own, whose context goes to the engine with the
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import AsyncIterator
 
 import grpc
@@ -98,7 +99,7 @@ class Relay:
         self.arrival = time.monotonic()
         self.deadline_s = deadline_s  # seconds the client allows, from arrival
         # Every output token the client has, the caller's resumed ones first: each attempt resumes them.
-        self.output: list[int] = list(start.resumed_output_token_ids)
+        self.output = array("I", start.resumed_output_token_ids)
         self.cancelled = False
         self.degraded = False  # placed in a cheaper model's pool (free tier under load)
         self._attempt: tuple[Link, str] | None = None  # the engine attempt in progress, by its id

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from array import array
 from collections.abc import AsyncIterator
 
 import grpc
@@ -94,7 +95,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             )
         plan = RequestPlan(
             request_id=start.request_id,
-            prompt=list(start.prompt_token_ids),
+            prompt=array("I", start.prompt_token_ids),
             model=start.model,
             tokenizer_fingerprint=start.tokenizer_fingerprint,
             tier=start.tier or router_pb2.TIER_FREE,

@@ -1,3 +1,5 @@
+from array import array
+
 from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes, hash_block
 
 TOKENS = list(range(1000, 1040))
@@ -40,3 +42,12 @@ def test_hash_values_are_frozen():
     # The hash is a cross-process, cross-version contract: engines and routers of different builds must
     # agree. If this fails, the hash changed — that breaks every deployed router's index.
     assert block_hashes(list(range(16)), block_size=16) == [0x7382D0FAECC1F834]
+
+
+def test_a_sequence_hashes_as_its_blocks_chained_whatever_holds_its_ids():
+    chained, parent = [], None
+    for start in range(0, 40 - 40 % 8, 8):
+        parent = hash_block(parent, TOKENS[start : start + 8])
+        chained.append(parent)
+    assert block_hashes(TOKENS, 8) == chained
+    assert block_hashes(array("I", TOKENS), 8) == chained  # the router keeps prompts as arrays
