@@ -149,10 +149,10 @@ async def _delete_quietly(orchestrator: Orchestrator, routed: Caller, chat_id: s
 async def _send(
     orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn, key: str
 ) -> tuple[RunStream, chat_pb2.RunEvent]:
-    """The stored response's stream and first event: its run started (and, unless it runs in the background, its answer begun: see
-    ``_opening``). With ``key`` (the Idempotency-Key) a retry creates no second conversation (CreateChat
-    with the key gets the first one's) and joins the run the first attempt started, or answers the same
-    question anew if that run was refused before its answer."""
+    """The stored response's stream and first event (see ``_opening``). With ``key`` (the
+    Idempotency-Key) a retry creates no second conversation (CreateChat with the key gets the first
+    one's) and joins the run the first attempt started, or answers the same question anew if that run
+    was refused before its answer."""
     content = _stored_input(body)
     previous = body.previous_response_id
     if previous:
