@@ -1,14 +1,25 @@
-"""``python -m edge``: the HTTP/SSE edge in front of ChatService."""
+"""``python -m edge``: the HTTP/SSE edge in front of ChatService.
+
+Served by granian (a Rust HTTP server) on this process's event loop. It speaks HTTP/2 without TLS to
+Envoy, so one connection carries many open answer streams instead of one each: holding 10,000 SSE streams
+then costs Envoy 10,000 sockets (its clients'), not 20,000, and the edge a few. Anyone else (health
+checks, curl) gets HTTP/1.1 on the same port.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
+import logging
+import signal
 import sys
-from types import FrameType
 
-import uvicorn
+from granian.constants import HTTPModes, Interfaces
+from granian.http import HTTP2Settings
+from granian.log import LogLevels
+from granian.server.embed import Server
+from sse_starlette.sse import AppStatus
+from starlette.applications import Starlette
 
 from chatmesh.identity import TokenVerifier
 from edge.app import create_app
@@ -16,6 +27,14 @@ from edge.drain import Drain
 from edge.settings import EdgeSettings
 from meshkit import event_loop, telemetry
 from meshkit.config import ServiceArgs
+
+log = logging.getLogger("edge")
+
+# Connections waiting to be accepted. Envoy opens few (HTTP/2), so this is for bursts of other clients.
+LISTEN_BACKLOG = 1024
+# After the drain's grace, how long the server may take to close what is left before the process exits
+# anyway (a client that stopped reading keeps its response open).
+CLOSE_MARGIN_S = 2.0
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EdgeSettings]:
@@ -27,19 +46,49 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EdgeS
     return args.config(EdgeSettings, argv)
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn, plus: on SIGTERM/SIGINT open answer streams get ``drain_grace_s`` to finish (see Drain)."""
+def http_server(app: Starlette, host: str, port: int, settings: EdgeSettings) -> Server:
+    return Server(
+        app,
+        address=host,
+        port=port,
+        interface=Interfaces.ASGI,
+        # HTTP/2 (prior knowledge) from Envoy, HTTP/1.1 from anyone else.
+        http=HTTPModes.auto,
+        backlog=LISTEN_BACKLOG,
+        # granian's backpressure counts connections, not requests: HTTP/1.1 clients hold one per stream.
+        backpressure=settings.max_connections,
+        http2_settings=HTTP2Settings(max_concurrent_streams=settings.http2_max_streams),
+        log_level=LogLevels.warning,
+        log_access=False,  # Envoy writes the access log
+    )
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, drain_grace_s: float) -> None:
-        super().__init__(config)
-        self.drain, self.drain_grace_s = drain, drain_grace_s
 
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.drain.draining:
-            # Streams end half a second early, so responses close cleanly before uvicorn's own cut-off.
-            grace = max(0.0, self.drain_grace_s - 0.5)
-            asyncio.get_running_loop().call_soon_threadsafe(self.drain.start, grace)
-        super().handle_exit(sig, frame)
+async def serve(server: Server, drain: Drain, drain_grace_s: float) -> None:
+    """Serves until SIGTERM or SIGINT, then drains: the listener closes at once, open answer streams get
+    ``drain_grace_s`` to finish (see Drain), and the process ends once they have."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    serving = asyncio.create_task(server.serve(), name="http-server")
+    stopping = asyncio.create_task(stop.wait(), name="stop-signal")
+    await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
+    if serving.done():  # the server ended on its own: a failure, raised here
+        stopping.cancel()
+        serving.result()
+        return
+    # Streams end half a second early, so their responses close cleanly before the cut-offs below.
+    drain.start(max(0.0, drain_grace_s - 0.5))
+    # sse-starlette's own cut-off (the responses' shutdown_grace_period) is the backstop for a stream
+    # that ignores the drain.
+    AppStatus.should_exit = True
+    server.stop()
+    try:
+        await asyncio.wait_for(serving, drain_grace_s + CLOSE_MARGIN_S)
+    except TimeoutError:
+        log.warning(
+            "edge: connections still open %.1f s after SIGTERM; exiting", drain_grace_s + CLOSE_MARGIN_S
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -51,20 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     telemetry.setup("edge")
     telemetry.start_metrics_server(args.metrics_port, args.host)
     drain = Drain()
-    config = uvicorn.Config(
-        create_app(settings, verifier, drain),
-        host=args.host,
-        port=args.port,
-        timeout_graceful_shutdown=math.ceil(settings.streams.drain_grace_s),
-        timeout_keep_alive=settings.keep_alive_s,
-        http="httptools",  # C parsing and plain transport writes: less CPU per SSE event than h11
-        loop=event_loop.chosen(),
-        log_level="warning",
-        access_log=False,  # Envoy writes the access log
-        proxy_headers=False,
-    )
-    with event_loop.server_gc():
-        DrainingServer(config, drain, settings.streams.drain_grace_s).run()
+    server = http_server(create_app(settings, verifier, drain), args.host, args.port, settings)
+    event_loop.run(serve(server, drain, settings.streams.drain_grace_s))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from edge.ops import api as ops_api
 from edge.ops.scrape import Scraper
 from edge.orchestrator import Orchestrator
 from edge.settings import EdgeSettings
-from meshkit import event_loop
 
 STATIC_DIR = Path(__file__).parent / "static"
 log = logging.getLogger(__name__)
@@ -75,13 +74,10 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
             settings.orchestrator, settings.unary_timeout_s, settings.stream_timeout_s, app.state.drain
         )
         scraping = asyncio.create_task(app.state.ops_scraper.run())
-        # uvicorn runs the loop, not meshkit's ``event_loop.run``: its lag is watched from here.
-        watching = asyncio.create_task(event_loop.watch_lag())
         try:
             yield
         finally:
             scraping.cancel()
-            watching.cancel()
             await app.state.orchestrator.close()
 
     app = Starlette(

@@ -23,9 +23,12 @@ class EdgeSettings:
     # Largest request body accepted (OpenAI requests carry whole conversations). It protects the edge
     # only: the message limits are the orchestrator's, and this must stay above them.
     max_body_bytes: int = setting(1024 * 1024, "largest request body accepted (413 above it)")
-    # Longer than Envoy's idle timeout for its connections to the edge (meshkit.envoy, 60 s), so Envoy
-    # closes an idle connection first and never sends a request on one the edge is closing.
-    keep_alive_s: int = setting(75, "seconds an idle HTTP connection (from Envoy) stays open")
+    # Envoy sends every stream to an edge over a few HTTP/2 connections (this many streams each); HTTP/1.1
+    # clients hold a connection per request, up to max_connections.
+    http2_max_streams: int = setting(1000, "most concurrent requests on one HTTP/2 connection (from Envoy)")
+    max_connections: int = setting(
+        20_000, "most connections served at once (HTTP/1.1 clients hold one per open stream)"
+    )
     streams: StreamSettings = nested(StreamSettings)
     ops: OpsSettings = nested(OpsSettings)
     identity: IdentityConfig = nested(IdentityConfig)

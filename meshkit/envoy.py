@@ -125,9 +125,9 @@ class EnvoyConfig:
     rate_limits: dict[str, RouteLimits] = field(default_factory=lambda: dict(DEFAULT_RATE_LIMITS))
     unary_timeout_s: float = 30.0
     stream_idle_timeout_s: float = 300.0
-    # How long an idle connection to the edge stays in Envoy's pool. Below the edge's keep-alive
-    # (--keep-alive-s, 75 s), so Envoy closes it first: when the edge closed idle connections first (5 s,
-    # uvicorn's default), a request Envoy sent on one as it closed failed 503 "connection termination".
+    # How long an idle connection to the edge stays in Envoy's pool. The edge never closes one first: when
+    # it did (uvicorn's 5 s keep-alive, before granian), a request Envoy sent on a connection as the edge
+    # closed it failed 503 "connection termination".
     edge_idle_timeout_s: float = 60.0
     health_check_interval_s: float = 5.0
     # Open streams Envoy holds at once (circuit breakers, connection limit).

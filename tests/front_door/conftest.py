@@ -45,9 +45,9 @@ def front_door(
                 launcher,
                 dev_jwt_keys,
                 [server.port],
-                # Idle connections between Envoy and the edge closed in seconds, not a minute (and Envoy
-                # still first), so a test can see who closes them.
-                edge_flags=("--sse-ping-s", "1", "--max-body-bytes", str(64 * 1024), "--keep-alive-s", "4"),
+                # Idle connections between Envoy and the edge closed in seconds, not a minute, so a test
+                # can see who closes them.
+                edge_flags=("--sse-ping-s", "1", "--max-body-bytes", str(64 * 1024)),
                 edge_idle_timeout_s=EDGE_IDLE_TIMEOUT_S,
                 rate_limits=TEST_RATE_LIMITS,
                 unary_timeout_s=UNARY_TIMEOUT_S,

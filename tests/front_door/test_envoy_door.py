@@ -5,7 +5,9 @@ gRPC routing with deadlines and retries, access log."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -17,6 +19,7 @@ from chatmesh.identity import CHAT_ID_HEADER, TIER_HEADER, USER_ID_HEADER
 from localmesh.dev_jwt import generate_keys
 from tests.front_door.conftest import EDGE_IDLE_TIMEOUT_S, UNARY_TIMEOUT_S, ScriptedFrontDoor
 from tests.front_door.helpers import assert_json_error, wait_for
+from tests.front_door.sse_client import iter_events
 
 # -- authentication ---------------------------------------------------------------------------------
 
@@ -264,10 +267,10 @@ def test_grpc_retry_info_passes_through_envoy(front_door: ScriptedFrontDoor, grp
 
 
 def envoy_edge_connections(front_door: ScriptedFrontDoor) -> dict[str, int]:
-    """Envoy's counters of its connections to the edge (admin /stats)."""
+    """Envoy's counters and gauges of its connections and requests to the edge (admin /stats)."""
     reply = httpx.get(
         f"http://127.0.0.1:{front_door.envoy.config.admin_port}/stats",
-        params={"filter": r"^cluster\.edge\.upstream_cx_", "format": "json"},
+        params={"filter": r"^cluster\.edge\.upstream_(cx|rq)_", "format": "json"},
         timeout=5,
     )
     stats = reply.json()["stats"]
@@ -293,3 +296,38 @@ def test_envoy_closes_an_idle_connection_to_the_edge_before_the_edge_does(
         what="Envoy to close its idle connection to the edge",
     )
     assert after["upstream_cx_destroy_remote"] == before["upstream_cx_destroy_remote"]
+
+
+def test_open_answer_streams_share_envoys_http2_connections_to_the_edge(
+    front_door: ScriptedFrontDoor, user: str
+):
+    # Over HTTP/1.1 each open SSE stream held a connection from Envoy to the edge: two sockets in Envoy
+    # per stream, which capped one Envoy near 10,000 streams (its 20,000 open files). Over HTTP/2 the
+    # streams share one per Envoy worker thread (each worker keeps its own pool of connections).
+    workers = httpx.get(f"http://127.0.0.1:{front_door.envoy.config.admin_port}/server_info").json()[
+        "command_line_options"
+    ]["concurrency"]
+    streams = 4 * workers
+    all_open = threading.Barrier(streams + 1, timeout=30)
+
+    def answer(i: int) -> str:
+        with front_door.client(f"{user}-{i}") as client:
+            chat_id = client.post("/v1/chats", json={}).json()["chat_id"]
+            body = {"content": "shared !tokens 40 50"}
+            with client.stream("POST", f"/v1/chats/{chat_id}/messages", json=body) as reply:
+                events = iter_events(reply)
+                next(events)
+                all_open.wait()  # every stream has its first event ...
+                all_open.wait()  # ... until Envoy's stats are read
+                return [event.event for event in events][-1]
+
+    before = envoy_edge_connections(front_door)
+    with ThreadPoolExecutor(streams) as pool:
+        answers = [pool.submit(answer, i) for i in range(streams)]
+        all_open.wait()
+        during = envoy_edge_connections(front_door)
+        all_open.wait()
+        assert [answer.result() for answer in answers] == ["done"] * streams
+    assert during["upstream_rq_active"] >= streams
+    assert during["upstream_cx_active"] <= workers
+    assert during["upstream_cx_http1_total"] == before["upstream_cx_http1_total"]
