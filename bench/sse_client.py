@@ -30,7 +30,10 @@ async def post_events(
             f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n{head}\r\n".encode()
             + payload
         )
-        status = int((await reader.readline()).split()[1])
+        status_line = await reader.readline()
+        if not status_line:
+            raise SseFailedError("the connection closed before a response")
+        status = int(status_line.split()[1])
         chunked = False
         while (line := await reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode("latin-1").partition(":")
