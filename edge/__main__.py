@@ -19,7 +19,7 @@ from granian.http import HTTP2Settings
 from granian.log import LogLevels
 from granian.server.embed import Server
 from sse_starlette.sse import AppStatus
-from starlette.applications import Starlette
+from starlette.types import ASGIApp
 
 from chatmesh.identity import TokenVerifier
 from edge.app import create_app
@@ -35,6 +35,7 @@ LISTEN_BACKLOG = 1024
 # After the drain's grace, how long the server may take to close what is left before the process exits
 # anyway (a client that stopped reading keeps its response open).
 CLOSE_MARGIN_S = 2.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EdgeSettings]:
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EdgeS
     return args.config(EdgeSettings, argv)
 
 
-def http_server(app: Starlette, host: str, port: int, settings: EdgeSettings) -> Server:
+def http_server(app: ASGIApp, host: str, port: int, settings: EdgeSettings) -> Server:
     return Server(
         app,
         address=host,
@@ -68,8 +69,16 @@ async def serve(server: Server, drain: Drain, drain_grace_s: float) -> None:
     ``drain_grace_s`` to finish (see Drain), and the process ends once they have."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         loop.add_signal_handler(signum, stop.set)
+    try:
+        await _serve_until(server, stop, drain, drain_grace_s)
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+
+
+async def _serve_until(server: Server, stop: asyncio.Event, drain: Drain, drain_grace_s: float) -> None:
     serving = asyncio.create_task(server.serve(), name="http-server")
     stopping = asyncio.create_task(stop.wait(), name="stop-signal")
     await asyncio.wait((serving, stopping), return_when=asyncio.FIRST_COMPLETED)
