@@ -143,8 +143,10 @@ class Running:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a server could listen on ``port`` now. Like the servers (gRPC, uvicorn, Envoy), the probe
-    sets SO_REUSEADDR: connections a stopped server left in TIME_WAIT do not keep it from restarting."""
+    """Whether a server could listen on ``port`` now. Like the servers (gRPC, granian, Envoy), the probe
+    sets SO_REUSEADDR: connections a stopped server left in TIME_WAIT do not keep it from restarting. It
+    does not set SO_REUSEPORT, which granian (the edge) sets: a second edge would share a port in use
+    rather than fail, and the probe still sees the port taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

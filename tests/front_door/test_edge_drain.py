@@ -49,8 +49,8 @@ def test_sigterm_drains_open_streams(
                         # No new connections once draining.
                         wait_for(lambda: _refused(edge.url), timeout_s=5, what="the listener to close")
             process = launcher.running["draining-edge"].process
-            # uvicorn re-raises the SIGTERM once it has shut down cleanly, hence -15 rather than 0.
-            assert process.wait(timeout=grace_s + 5) in (0, -signal.SIGTERM)
+            # A clean exit once the streams have ended, not death by the signal.
+            assert process.wait(timeout=grace_s + 5) == 0
             launcher.forget("draining-edge")
     assert [e.seq for e in events] == list(range(1, len(events) + 1))
     run_id = events[0].data["run_id"]
