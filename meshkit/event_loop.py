@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -46,21 +47,42 @@ YOUNG_GENERATION = 20_000
 
 @contextlib.contextmanager
 def server_gc() -> Iterator[None]:
-    """The collector tuned for a long-running server while the block runs (then as it was)."""
+    """The collector tuned for a long-running server while the block runs (then as it was), each of its
+    passes timed (``gc_pause_seconds``)."""
     threshold = gc.get_threshold()
+    timer = _pause_timer(METRICS)
     gc.freeze()
     gc.set_threshold(YOUNG_GENERATION, *threshold[1:])
+    gc.callbacks.append(timer)
     try:
         yield
     finally:
+        gc.callbacks.remove(timer)
         gc.set_threshold(*threshold)
         gc.unfreeze()
+
+
+def _pause_timer(metrics: EventLoopMetrics) -> Callable[[str, dict[str, int]], None]:
+    """A ``gc.callbacks`` entry that observes how long each collector pass takes, by generation."""
+    by_generation = [metrics.gc_pause.labels(str(generation)) for generation in range(3)]
+    started = 0.0
+
+    def on_pass(phase: str, info: dict[str, int]) -> None:
+        nonlocal started
+        if phase == "start":
+            started = time.perf_counter()
+        else:
+            by_generation[info["generation"]].observe(time.perf_counter() - started)
+
+    return on_pass
 
 
 # How often the lag is sampled: a timer four times a second costs nothing, and gives a minute's window
 # 240 samples for its percentiles.
 LAG_SAMPLE_S = 0.25
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# A young pass takes tens of microseconds, a full one over a busy heap up to seconds.
+GC_PAUSE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class EventLoopMetrics(ComponentMetrics):
@@ -73,6 +95,13 @@ class EventLoopMetrics(ComponentMetrics):
             f"How late the event loop ran a timer due every {LAG_SAMPLE_S:g} s: how long anything ready "
             "(a token to relay, a new call to take) waits for the process's one Python thread",
             buckets=LAG_BUCKETS,
+        )
+        self.gc_pause = self.histogram(
+            "gc_pause_seconds",
+            "How long each pass of the garbage collector held the process's Python thread, by generation "
+            "(2: a full pass over every tracked object): the share of the loop's lag that is the collector",
+            ["generation"],
+            buckets=GC_PAUSE_BUCKETS,
         )
 
 

@@ -135,6 +135,13 @@ def door() -> Dashboard:
                 "s",
                 quantiles("chatmesh_event_loop_lag_seconds", "pod"),
             ),
+            Panel(
+                "Full garbage-collector passes by pod",
+                "How long each full pass of the garbage collector (generation 2, over every tracked "
+                "object) held the pod's one thread: when it rises with the loop's lag, the heap is the cause.",
+                "s",
+                quantiles("chatmesh_event_loop_gc_pause_seconds", "pod", f'{NS}, generation="2"'),
+            ),
         ],
     )
 

@@ -102,3 +102,20 @@ def test_services_export_their_loops_lag():
         tasks = thread.submit(lambda: event_loop.run(_lag_watched_while_running())).result()
     assert "event-loop-lag" in tasks
     assert REGISTRY.get_sample_value(samples) >= before + 2
+
+
+def test_services_time_each_pass_of_the_collector_by_generation():
+    full_passes = "chatmesh_event_loop_gc_pause_seconds_count"
+    before = REGISTRY.get_sample_value(full_passes, {"generation": "2"}) or 0
+    with ThreadPoolExecutor(1) as thread:
+        thread.submit(lambda: event_loop.run(_collected())).result()
+    after = REGISTRY.get_sample_value(full_passes, {"generation": "2"})
+    assert after >= before + 1  # the run's own pass, and any the collector started by itself meanwhile
+    assert REGISTRY.get_sample_value("chatmesh_event_loop_gc_pause_seconds_sum", {"generation": "2"}) > 0
+    # Outside a service's run the collector is no longer timed.
+    gc.collect(2)
+    assert REGISTRY.get_sample_value(full_passes, {"generation": "2"}) == after
+
+
+async def _collected() -> None:
+    gc.collect(2)
