@@ -62,6 +62,13 @@ class Usage:
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.cached_prompt_tokens + other.cached_prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+        )
+
 
 @dataclass(frozen=True)
 class Chat:

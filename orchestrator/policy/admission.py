@@ -61,14 +61,6 @@ class SettledUsage:
     runs: int
 
 
-def _plus(a: Usage, b: Usage) -> Usage:
-    return Usage(
-        a.prompt_tokens + b.prompt_tokens,
-        a.cached_prompt_tokens + b.cached_prompt_tokens,
-        a.completion_tokens + b.completion_tokens,
-    )
-
-
 class Budgets:
     def __init__(self, store: MemoryStore, config: BudgetConfig, settled_after_s: float) -> None:
         """``settled_after_s``: how long after a run starts its usage record may still change (its
@@ -100,7 +92,7 @@ class Budgets:
                 user_id,
                 recent.start,
                 recent.end,
-                _plus(settled.usage, recent.usage),
+                settled.usage + recent.usage,
                 settled.runs + recent.runs,
             )
             unsettled_runs = recent.runs
@@ -125,9 +117,7 @@ class Budgets:
             log.info("could not fold the settled usage of %s (%s); the next read tries again", user_id, exc)
             return
         usage, count = (settled.usage, settled.runs) if settled else (Usage(), 0)
-        self._settled[user_id] = SettledUsage(
-            window_start, until, _plus(usage, runs.usage), count + runs.runs
-        )
+        self._settled[user_id] = SettledUsage(window_start, until, usage + runs.usage, count + runs.runs)
         self._settled.move_to_end(user_id)
         while len(self._settled) > FOLDED_USERS:
             self._settled.popitem(last=False)
