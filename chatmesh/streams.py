@@ -151,6 +151,11 @@ class Arrivals(Generic[Frame]):
         self._frames.append(frame)
         self._arrived.notify()
 
+    @property
+    def queued(self) -> int:
+        """Frames that arrived and were not taken yet."""
+        return len(self._frames)
+
     def end(self, error: BaseException | None = None) -> None:
         """No frame comes after this; ``take`` raises ``error``, if any, once the frames before it are
         taken. Only the first end counts."""

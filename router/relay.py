@@ -22,19 +22,22 @@ is lost, and not moved to another engine (its objective is spent there too).
 Attempts go to the engine over the router's one stream to it (``meshkit.links``), shared with the
 router's other requests there. The request has a deadline (the client's, or ``max_request_s``): once
 it passes, the request ends DEADLINE_EXCEEDED, with no further attempt. Every read has a timeout: ``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for
-the first token (queueing included), ``idle_timeout_s`` between later frames. The engine's frames are
-read as they arrive; token frames that arrived while the client was still taking the last one go out
-merged into one, each token's text end kept (``chatmesh/token_text.py``). A client that keeps up gets
-every frame as soon as it comes; one that falls behind gets fewer, bigger frames, and the relay pays
-gRPC's per-message cost once for them (what waits is bounded by the request's output). Each attempt
-is traced as a client span of its own, whose context goes to the engine with the request.
+the first token (queueing included), ``idle_timeout_s`` between later frames. Every frame for the
+client goes to the ``emit`` its caller gives ``run``. Once the first token is in, the engine's token
+frames are relayed where they arrive, on the link's reading task (``RequestFeed.on_tokens``): the
+request's own task wakes only for the engine's `finished`, a failure, or a timeout. The caller merges
+the token frames a slow client has not taken yet into one, each token's text end kept
+(``chatmesh/token_text.py``), so a client that falls behind gets fewer, bigger frames, and the relay
+pays gRPC's per-message cost once for them (what waits is bounded by the request's output). Each
+attempt is traced as a client span of its own, whose context goes to the engine with the request.
 """
 
 from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import AsyncIterator
+from collections.abc import Callable
+from functools import partial
 
 import grpc
 from opentelemetry import trace
@@ -57,6 +60,9 @@ from router.placement import Placement, Placer, RequestPlan
 # request whose own prefill exceeds its objective is still served where nothing waits (as admission
 # promises it).
 MIN_QUEUE_LIMIT_S = 0.05
+
+# Where a relay sends each frame for its client, as it has it.
+Emit = Callable[[router_pb2.ResponseFrame], None]
 
 # Engine answers that are the request's fault: another engine would say the same.
 _CALLER_ERRORS = frozenset(
@@ -104,6 +110,9 @@ class Relay:
         self.degraded = False  # placed in a cheaper model's pool (free tier under load)
         self._attempt: tuple[Link, str] | None = None  # the engine attempt in progress, by its id
         self._first_token_at: float | None = None
+        # What the attempt waits for now: its timeout, its name, and whether the request's deadline
+        # comes first.
+        self._expecting: tuple[float, str, bool] = (0.0, "", False)
 
     def cancel(self) -> None:
         """The client sent `cancel`: forward it to the engine now; no further attempts."""
@@ -118,11 +127,13 @@ class Relay:
             link, attempt_id = self._attempt
             link.release(attempt_id)
 
-    async def run(self) -> AsyncIterator[router_pb2.ResponseFrame]:
+    async def run(self, emit: Emit) -> None:
+        """Relays the request: each frame for the client goes to ``emit`` (token frames from the engine
+        link's reading task), `finished` last; raises ServiceError if the request fails."""
         failures: list[tuple[str, AttemptFailed]] = []  # (engine id, what went wrong there)
         for attempt in range(1, self.config.max_attempts + 1):
             if self.cancelled:
-                yield self._cancelled_here()
+                emit(self._cancelled_here())
                 return
             if self._time_left() <= 0:
                 raise _deadline_passed("another engine")
@@ -146,25 +157,25 @@ class Relay:
                 attempt_id, len(self.plan.prompt) + len(self.output), tier_of_proto(self.plan.tier).rank
             )
             try:
-                yield router_pb2.ResponseFrame(
-                    routed=router_pb2.GenerateRouted(
-                        engine_id=engine.engine_id,
-                        predicted_cached_tokens=placement.predicted_cached_tokens,
-                        attempt=attempt,
-                        model=placement.model,
-                        degraded=self.degraded,
+                emit(
+                    router_pb2.ResponseFrame(
+                        routed=router_pb2.GenerateRouted(
+                            engine_id=engine.engine_id,
+                            predicted_cached_tokens=placement.predicted_cached_tokens,
+                            attempt=attempt,
+                            model=placement.model,
+                            degraded=self.degraded,
+                        )
                     )
                 )
-                queue_limit_s = self._queue_limit_s(engine)
-                async for frame in self._stream(placement, attempt_id, queue_limit_s):
-                    yield frame
+                await self._stream(placement, attempt_id, self._queue_limit_s(engine), emit)
                 return
             except AttemptFailed as exc:
                 failures.append((engine.engine_id, exc))
             finally:
                 engine.ended(attempt_id, completed=False)  # no-op when the attempt finished
         if self.cancelled:
-            yield self._cancelled_here()
+            emit(self._cancelled_here())
             return
         raise self._give_up(failures)
 
@@ -195,9 +206,7 @@ class Relay:
         left = objective - (time.monotonic() - self.arrival) - engine.head_ttft_s
         return max(MIN_QUEUE_LIMIT_S, left)
 
-    async def _stream(
-        self, placement: Placement, attempt_id: str, queue_limit_s: float
-    ) -> AsyncIterator[router_pb2.ResponseFrame]:
+    async def _stream(self, placement: Placement, attempt_id: str, queue_limit_s: float, emit: Emit) -> None:
         engine = placement.engine
         link = engine.link
         span = request_span(link.messages.span_name, trace.SpanKind.CLIENT)
@@ -209,30 +218,31 @@ class Relay:
             link.cancel(attempt_id)
         idle = Deadline()  # each wait for the engine's next frames has its own time
         try:
-            batch = await self._take(feed, idle, self.config.accept_timeout_s, "`accepted`")
+            self._expect(idle, self.config.accept_timeout_s, "`accepted`")
+            batch = await self._take(feed, idle)
             if (kind := batch[0].WhichOneof("kind")) != "accepted":
                 raise AttemptFailed("protocol", f"the engine sent {kind} before `accepted`")
             batch = batch[1:]
-            timeout, waiting_for = self.config.first_token_timeout_s, "the first token"
+            self._expect(idle, self.config.first_token_timeout_s, "the first token")
             if queue_limit_s:
-                batch = await self._first_tokens(feed, idle, batch, timeout)
+                batch = await self._first_tokens(feed, idle, batch)
+            relay_tokens = partial(self._relay_tokens, engine, attempt_id, idle, emit)
+            # From here on the engine's tokens are relayed as they arrive, this task woken only for the
+            # rest: nothing awaits between a take and the handling of what it took, so the order holds.
+            feed.on_tokens = relay_tokens
             while True:
                 for frame in batch:
                     kind = frame.WhichOneof("kind")
                     if kind == "tokens":
-                        tokens = self._new_tokens(frame.tokens)
-                        engine.progressed(attempt_id, len(self.plan.prompt) + len(self.output))
-                        timeout, waiting_for = self.config.idle_timeout_s, "the next token"
-                        if tokens is not None:
-                            yield router_pb2.ResponseFrame(tokens=tokens)
+                        relay_tokens(frame.tokens)
                     elif kind == "finished":
                         engine.ended(attempt_id, completed=True)
                         self.placer.remember(self.plan, engine, self.output)
-                        yield router_pb2.ResponseFrame(finished=self._finished(frame.finished, placement))
+                        emit(router_pb2.ResponseFrame(finished=self._finished(frame.finished, placement)))
                         return
                     else:
                         raise AttemptFailed("protocol", f"the engine sent an unexpected {kind} frame")
-                batch = await self._take(feed, idle, timeout, waiting_for)
+                batch = await self._take(feed, idle)
         except ServiceError as exc:
             span.set_status(trace.StatusCode.ERROR, exc.message)
             raise
@@ -242,8 +252,23 @@ class Relay:
             link.release(attempt_id)
             span.end()
 
+    def _relay_tokens(
+        self,
+        engine: EngineState,
+        attempt_id: str,
+        idle: Deadline,
+        emit: Emit,
+        tokens: engine_pb2.GenerateTokens,
+    ) -> None:
+        """One token frame from the engine, to the client; the wait for the next one starts over."""
+        new = self._new_tokens(tokens)
+        engine.progressed(attempt_id, len(self.plan.prompt) + len(self.output))
+        self._expect(idle, self.config.idle_timeout_s, "the next token")
+        if new is not None:
+            emit(router_pb2.ResponseFrame(tokens=new))
+
     async def _first_tokens(
-        self, feed: RequestFeed, idle: Deadline, batch: list[engine_pb2.ResponseFrame], timeout_s: float
+        self, feed: RequestFeed, idle: Deadline, batch: list[engine_pb2.ResponseFrame]
     ) -> list[engine_pb2.ResponseFrame]:
         """The first frames after `accepted`, for an attempt with a queue limit: the engine's
         RESOURCE_EXHAUSTED now means it dropped the request unstarted at that limit, which
@@ -251,7 +276,7 @@ class Relay:
         if batch:
             return batch
         try:
-            return await self._take(feed, idle, timeout_s, "the first token")
+            return await self._take(feed, idle)
         except AttemptFailed as exc:
             if exc.failure != "exhausted":
                 raise
@@ -279,21 +304,27 @@ class Relay:
             max_queue_ms=round(queue_limit_s * 1000),
         )
 
-    async def _take(
-        self, feed: RequestFeed, idle: Deadline, timeout_s: float, waiting_for: str
-    ) -> list[engine_pb2.ResponseFrame]:
-        """The engine's frames that arrived since the last take (at least one), token frames in a row
-        merged into one; ``idle`` bounds the wait by ``timeout_s`` and the request's deadline."""
-        deadline = (left := self._time_left()) <= timeout_s
+    def _expect(self, idle: Deadline, timeout_s: float, waiting_for: str) -> None:
+        """The attempt waits for ``waiting_for`` next: ``idle`` ends that wait after ``timeout_s``, or at
+        the request's deadline if that comes first."""
+        left = self._time_left()
+        self._expecting = (timeout_s, waiting_for, left <= timeout_s)
         idle.reschedule_in(min(timeout_s, left))
+
+    async def _take(self, feed: RequestFeed, idle: Deadline) -> list[engine_pb2.ResponseFrame]:
+        """The engine's frames that arrived since the last take (at least one), token frames in a row
+        merged into one, within the wait that ``_expect`` set on ``idle``."""
         try:
             batch = await idle.wait(feed.take())
         except TimeoutError:
+            timeout_s, waiting_for, deadline = self._expecting
             if deadline:  # the client's time is up: no other engine would do better
                 raise _deadline_passed(waiting_for) from None
             raise AttemptFailed(
                 "timeout", f"nothing within {timeout_s:g}s (waiting for {waiting_for})"
             ) from None
+        except AttemptFailed:  # raised relaying a token frame as it arrived
+            raise
         except ServiceError as error:  # the engine refused or failed the request, or its stream ended
             code = error.code
             if code in _CALLER_ERRORS:

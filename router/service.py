@@ -22,7 +22,7 @@ from opentelemetry import trace
 
 from chatmesh.errors import ServiceError, abort, unavailable
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.streams import StartThenCancel
+from chatmesh.streams import Arrivals, StartThenCancel
 from chatmesh.tiers import is_tier_proto
 from meshkit.links import LinkMessages, ServedRequests
 from router.config import RouterConfig
@@ -63,13 +63,17 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         except ServiceError as exc:
             await abort(context, exc)
         requests.watch(on_cancel=relay.cancel)
+        frames: Arrivals[router_pb2.ResponseFrame] = Arrivals()
+        relaying = asyncio.create_task(_relay_into(relay, frames))
         try:
-            async for frame in relay.run():
-                kind = frame.WhichOneof("kind")
-                yield router_pb2.GenerateResponse(**{kind: getattr(frame, kind)})
+            while batch := await frames.take():
+                for frame in batch:
+                    kind = frame.WhichOneof("kind")
+                    yield router_pb2.GenerateResponse(**{kind: getattr(frame, kind)})
         except ServiceError as exc:
             await abort(context, exc)
         finally:
+            relaying.cancel()
             requests.stop()
             self.end(relay)
         await requests.check(context)
@@ -150,19 +154,25 @@ class _ManyRelays(ServedRequests):
         self._relays[request_id][0].cancel()
 
     def stop(self, request_id: str) -> None:
-        self._relays.pop(request_id)[1].cancel()  # its task's end releases the engine's work
+        relay, task = self._relays.pop(request_id)
+        relay.close()  # the engine's work is released now: no token of it is relayed after this
+        task.cancel()
 
     async def _run(self, request_id: str, relay: Relay) -> None:
         error: ServiceError | None = None
         last = None
+
+        def emit(frame: router_pb2.ResponseFrame) -> None:
+            nonlocal last
+            frame.request_id = request_id
+            if frame.WhichOneof("kind") == "finished":
+                last = frame  # sent as the request ends
+            else:
+                self.send(frame)
+
         try:
             with trace.use_span(self.span(request_id), end_on_exit=False):
-                async for frame in relay.run():
-                    frame.request_id = request_id
-                    if frame.WhichOneof("kind") == "finished":
-                        last = frame
-                    else:
-                        self.send(frame)
+                await relay.run(emit)
         except ServiceError as exc:
             error = exc
             if exc.private:
@@ -175,6 +185,16 @@ class _ManyRelays(ServedRequests):
             if self._relays.get(request_id, (None,))[0] is relay:
                 del self._relays[request_id]
         self.end(request_id, last, error)
+
+
+async def _relay_into(relay: Relay, frames: Arrivals[router_pb2.ResponseFrame]) -> None:
+    """Runs ``relay`` into ``frames``, for one ``Generate`` call: its error, if any, ends them."""
+    try:
+        await relay.run(frames.add)
+    except Exception as exc:
+        frames.end(exc)
+    else:
+        frames.end()
 
 
 def _invalid(start: router_pb2.GenerateStart) -> str:

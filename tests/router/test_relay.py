@@ -1,6 +1,7 @@
 """The relay's own rules, without engines: token positions across attempts, and what a request that
 failed everywhere is told."""
 
+import asyncio
 from types import SimpleNamespace
 
 import grpc
@@ -101,7 +102,7 @@ def engine_answering(frames: list[engine_pb2.ResponseFrame]) -> SimpleNamespace:
     )
 
 
-async def test_token_frames_that_arrived_while_the_client_was_busy_go_out_as_one():
+async def test_token_frames_that_arrived_before_the_relay_took_them_go_out_as_one():
     r = relay()
     r.placer = SimpleNamespace(remember=lambda plan, engine, output: None)
     frames = [
@@ -120,7 +121,8 @@ async def test_token_frames_that_arrived_while_the_client_was_busy_go_out_as_one
     ]
     engine = engine_answering(frames)
     placement = Placement(engine, predicted_cached_tokens=0, model="m")
-    sent = [frame async for frame in r._stream(placement, "r", 0.0)]
+    sent: list[router_pb2.ResponseFrame] = []
+    await r._stream(placement, "r", 0.0, sent.append)
     assert [frame.WhichOneof("kind") for frame in sent] == ["tokens", "finished"]
     merged = sent[0].tokens
     assert (merged.index, list(merged.token_ids), merged.text, list(merged.text_ends)) == (
@@ -131,6 +133,57 @@ async def test_token_frames_that_arrived_while_the_client_was_busy_go_out_as_one
     )
     assert list(r.output) == [10, 11, 12] and sent[1].finished.usage.completion_tokens == 3
     assert engine.link.released == ["r"]  # the relay lets go of the request once it has ended
+
+
+def token_frame(index: int, *ids: int) -> engine_pb2.ResponseFrame:
+    return engine_pb2.ResponseFrame(request_id="r", tokens=tokens(index, *ids))
+
+
+async def relay_live(
+    r: Relay, sent: list[router_pb2.ResponseFrame]
+) -> tuple[asyncio.Task[None], RequestFeed]:
+    """``r``'s attempt on an engine whose frames the test adds as they come, once `accepted` is in."""
+    r.placer = SimpleNamespace(remember=lambda plan, engine, output: None)
+    engine = engine_answering([])
+    attempt = asyncio.create_task(r._stream(Placement(engine, 0, "m"), "r", 0.0, sent.append))
+    feed = engine.link.feed
+    feed.add(engine_pb2.ResponseFrame(request_id="r", accepted=engine_pb2.GenerateAccepted()))
+    await asyncio.sleep(0)  # the relay takes `accepted`
+    return attempt, feed
+
+
+async def test_once_tokens_flow_each_frame_is_relayed_as_it_arrives_and_the_relay_wakes_for_the_end():
+    r, sent = relay(), []
+    attempt, feed = await relay_live(r, sent)
+    feed.add(token_frame(0, 10))
+    assert [frame.tokens.index for frame in sent] == [0]  # relayed within `add`, by the link's reader
+    feed.add(token_frame(1, 11, 12))
+    assert [frame.tokens.index for frame in sent] == [0, 1] and list(r.output) == [10, 11, 12]
+    assert not attempt.done() and not feed.queued
+    feed.add(FINISHED)
+    await attempt
+    assert [frame.WhichOneof("kind") for frame in sent] == ["tokens", "tokens", "finished"]
+    assert sent[-1].finished.usage.completion_tokens == 3
+
+
+async def test_a_gap_in_token_positions_relayed_as_they_arrive_fails_the_attempt():
+    r, sent = relay(), []
+    attempt, feed = await relay_live(r, sent)
+    feed.add(token_frame(0, 10))
+    feed.add(token_frame(2, 12))
+    with pytest.raises(AttemptFailed, match=r"skipped output positions 1\.\.1") as failed:
+        await attempt
+    assert failed.value.failure == "protocol" and len(sent) == 1
+
+
+async def test_the_idle_timeout_still_ends_an_attempt_whose_tokens_stopped_coming():
+    r, sent = relay(), []
+    r.config = RouterConfig(idle_timeout_s=0.05)
+    attempt, feed = await relay_live(r, sent)
+    feed.add(token_frame(0, 10))
+    with pytest.raises(AttemptFailed, match=r"nothing within 0.05s \(waiting for the next token\)"):
+        await attempt
+    assert len(sent) == 1
 
 
 class ScriptedLink(ArrivedLink):
@@ -198,7 +251,7 @@ async def test_an_engine_dropping_the_request_from_its_queue_ends_it_resource_ex
     placer = ScriptedPlacer(scripted_engine("e0", expired), scripted_engine("e1", spare))
     r = free_relay(placer)
     with pytest.raises(ServiceError) as refused:
-        [frame async for frame in r.run()]
+        await r.run(lambda frame: None)
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "free tier's time-to-first-token objective" in refused.value.message
     assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 0.5
@@ -211,7 +264,8 @@ async def test_a_failover_from_a_full_engine_still_carries_what_is_left_of_the_o
     full = ScriptedLink([], exhausted("the engine's waiting queue is full"))
     spare = ScriptedLink([ACCEPTED, FINISHED])
     placer = ScriptedPlacer(scripted_engine("e0", full), scripted_engine("e1", spare))
-    frames = [frame async for frame in free_relay(placer).run()]
+    frames: list[router_pb2.ResponseFrame] = []
+    await free_relay(placer).run(frames.append)
     assert [frame.WhichOneof("kind") for frame in frames][-1] == "finished"
     assert placer.placed == 2
     assert 0 < spare.started.max_queue_ms <= full.started.max_queue_ms
@@ -220,5 +274,5 @@ async def test_a_failover_from_a_full_engine_still_carries_what_is_left_of_the_o
 async def test_under_the_count_rule_no_attempt_carries_a_queue_limit():
     answers = ScriptedLink([ACCEPTED, FINISHED])
     placer = ScriptedPlacer(scripted_engine("e0", answers))
-    [frame async for frame in free_relay(placer, admission="count").run()]
+    await free_relay(placer, admission="count").run(lambda frame: None)
     assert answers.started.max_queue_ms == 0
