@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 from opentelemetry import trace
@@ -151,15 +151,24 @@ class GenerateStream:
         self.routed = frames[0].routed
         self._pending = frames[1:]
 
-    async def frames(self) -> AsyncIterator[router_pb2.ResponseFrame]:
+    async def frames(
+        self, on_tokens: Callable[[engine_pb2.GenerateTokens], None]
+    ) -> AsyncIterator[router_pb2.ResponseFrame]:
         """The frames after the first placement, through ``finished``; a failure raises RouterError.
-        Token frames that arrived while the caller was busy come merged into one."""
+        Token frames go to ``on_tokens``, as they arrive, on the router link's reading task
+        (``RequestFeed.on_tokens``): the caller's task wakes for the other frames only. ``on_tokens``
+        must not await, nor may the caller between two frames. Token frames that arrived before the
+        caller came for them go to it merged into one."""
         assert self._feed is not None
         batch, self._pending = self._pending, []
+        self._feed.on_tokens = on_tokens
         try:
             while True:
                 for frame in coalesced(batch):
                     kind = frame.WhichOneof("kind")
+                    if kind == "tokens":
+                        on_tokens(frame.tokens)
+                        continue
                     if kind == "routed":
                         self.routed = frame.routed
                     yield frame

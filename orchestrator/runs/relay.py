@@ -6,7 +6,8 @@
                                      ─► usage + done (or error) events ─► LiveRun ends
 
 It runs in the run's task, which belongs to the replica, not to a client: streams attach and detach
-freely. It stops early only for ``cancel()`` (CancelRun), output moderation, a run ended elsewhere (a
+freely. The router's token frames are relayed where they arrive, on the router link's reading task
+(``GenerateStream.frames``), so a token wakes no task of the run's: only the streams following it. It stops early only for ``cancel()`` (CancelRun), output moderation, a run ended elsewhere (a
 cancel that reached another replica), a run adopted elsewhere, or replica shutdown. Each of those
 sends the router a cancel frame, so engine work is freed at once; if the router does not confirm in
 time, the call itself is cancelled.
@@ -200,11 +201,8 @@ class Relay:
                         METRICS.router_failovers.inc()
                         await self._continue_elsewhere()
                     try:
-                        async for frame in self.stream.frames():
-                            kind = frame.WhichOneof("kind")
-                            if kind == "tokens":
-                                self._relay_tokens(frame.tokens)
-                            elif kind == "finished":
+                        async for frame in self.stream.frames(self._relay_tokens):
+                            if frame.WhichOneof("kind") == "finished":
                                 finished = frame.finished
                                 self._emit(finished.text, ())
                     except RouterError as exc:

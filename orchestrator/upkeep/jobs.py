@@ -80,11 +80,8 @@ async def generate_text(
     stream = await router.place(start, deadline_s, deadline_s)
     parts: list[str] = []
     try:
-        async for frame in stream.frames():
-            kind = frame.WhichOneof("kind")
-            if kind == "tokens":
-                parts.append(frame.tokens.text)
-            elif kind == "finished":
+        async for frame in stream.frames(lambda tokens: parts.append(tokens.text)):
+            if frame.WhichOneof("kind") == "finished":
                 parts.append(frame.finished.text)
     except BaseException:
         stream.abort()

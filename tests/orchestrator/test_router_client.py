@@ -1,11 +1,18 @@
-"""How the orchestrator picks a router (orchestrator/router_client.py), without a router: the addresses a
-``--router`` value names, and a chat's router by rendezvous hashing."""
+"""The orchestrator's side of the routers (orchestrator/router_client.py), without a router: the
+addresses a ``--router`` value names, a chat's router by rendezvous hashing, and the order in which a
+request's frames reach the run."""
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
 
-from orchestrator.router_client import RouterClient, RouterReplica, router_addresses
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.router.v1 import router_pb2
+from meshkit.links import RequestFeed
+from orchestrator.router_client import GenerateStream, RouterClient, RouterReplica, router_addresses
 
 
 @pytest.mark.parametrize(
@@ -52,3 +59,42 @@ async def test_a_chat_keeps_its_router_while_it_is_up_chats_spread_and_a_tried_r
         assert len({await pick("") for _ in range(3)}) == 3  # requests of no chat go round-robin
     finally:
         await client.close()
+
+
+def routed(attempt: int) -> router_pb2.ResponseFrame:
+    return router_pb2.ResponseFrame(request_id="q", routed=router_pb2.GenerateRouted(attempt=attempt))
+
+
+def tokens(index: int) -> router_pb2.ResponseFrame:
+    return router_pb2.ResponseFrame(
+        request_id="q", tokens=engine_pb2.GenerateTokens(index=index, token_ids=[index], text=str(index))
+    )
+
+
+async def test_a_requests_tokens_reach_the_run_in_order_whether_they_waited_or_came_as_it_ran():
+    feed = RequestFeed()
+    link = SimpleNamespace(open=lambda start, context, timeout_ms: feed, release=lambda request_id: None)
+    stream = GenerateStream(SimpleNamespace(address="r", link=link), router_pb2.GenerateStart(request_id="q"))
+    feed.add(routed(1))
+    feed.add(tokens(0))  # arrived with `routed`
+    await stream.open(deadline_s=10, placement_timeout_s=1)
+    feed.add(tokens(1))  # arrived before the run came for its frames
+    handed: list[int] = []
+    others: list[str] = []
+
+    async def run() -> None:
+        async for frame in stream.frames(lambda payload: handed.append(payload.index)):
+            others.append(frame.WhichOneof("kind"))
+
+    running = asyncio.create_task(run())
+    await asyncio.sleep(0)
+    assert handed == [0, 1]  # the waiting ones first, in order
+    feed.add(tokens(2))  # from here on, handed over as they arrive
+    assert handed == [0, 1, 2]
+    feed.add(routed(2))  # a failover on the router: the run's task wakes for it
+    feed.add(tokens(3))  # behind it: waits for it
+    assert handed == [0, 1, 2]
+    feed.add(router_pb2.ResponseFrame(request_id="q", finished=engine_pb2.GenerateFinished()))
+    await running
+    assert handed == [0, 1, 2, 3] and others == ["routed", "finished"]
+    assert stream.routed.attempt == 2
