@@ -14,8 +14,9 @@ Each request keeps ``Generate``'s contract, per request id: ``open`` sends its `
 context of its span), ``cancel`` its one `cancel`, and ``release`` is the caller letting go of it (a
 request released before it ended is cancelled: a caller that went away frees the peer's work, as
 cancelling a Generate call does). Its frames arrive on a ``RequestFeed``, which the caller reads as it
-would read a call (``chatmesh.streams.Arrivals``: every frame that came since the last take). The
-stream is opened on first use and again after it ends; when it fails (the peer died, the connection
+would read a call (``chatmesh.streams.Arrivals``: every frame that came since the last take), or whose
+token frames it takes where they arrive, without a task of its own waking (``RequestFeed.on_tokens``).
+The stream is opened on first use and again after it ends; when it fails (the peer died, the connection
 dropped), every request on it fails with UNAVAILABLE, as a failed call would. Frames for a request
 released meanwhile are dropped here. On the server, a request that is refused or fails ends with
 `failed` (its status, serialized), a second `start` for a running request ends that request
@@ -82,8 +83,8 @@ class RequestFeed(Arrivals[Any]):
 
     A caller that can take a token frame where it arrives sets ``on_tokens``: then each `tokens`
     payload that finds nothing queued before it is handed to it at once, on the link's reading task,
-    and its own task is not woken for it (a wake-up per token per request was about half of the
-    router's main thread holding 8,000 streams: py-spy). It must not await. What it raises ends the
+    and its own task is not woken for it (py-spy, holding 8,000 streams: the router's per-request
+    tasks, woken once per token, took about half of its main thread). It must not await. What it raises ends the
     feed with that error, for ``take`` to raise: the link's other requests go on. The other frames (and
     tokens queued behind one) wait for ``take`` as before, so the order holds as long as the caller
     handles what it took without awaiting in between."""
