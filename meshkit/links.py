@@ -84,10 +84,10 @@ class RequestFeed(Arrivals[Any]):
     A caller that can take a token frame where it arrives sets ``on_tokens``: then each `tokens`
     payload that finds nothing queued before it is handed to it at once, on the link's reading task,
     and its own task is not woken for it (py-spy, holding 8,000 streams: the router's per-request
-    tasks, woken once per token, took about half of its main thread). It must not await. What it raises ends the
-    feed with that error, for ``take`` to raise: the link's other requests go on. The other frames (and
-    tokens queued behind one) wait for ``take`` as before, so the order holds as long as the caller
-    handles what it took without awaiting in between."""
+    tasks, woken once per token, took about half of its main thread). It must not await. What it
+    raises ends the feed with that error, for ``take`` to raise: the link's other requests go on. The
+    other frames (and tokens queued behind one) wait for ``take`` as before, so the order holds as
+    long as the caller handles what it took without awaiting in between."""
 
     cancelled = False  # its `cancel` went out
     on_tokens: Callable[[Any], None] | None = None

@@ -21,8 +21,9 @@ is lost, and not moved to another engine (its objective is spent there too).
 
 Attempts go to the engine over the router's one stream to it (``meshkit.links``), shared with the
 router's other requests there. The request has a deadline (the client's, or ``max_request_s``): once
-it passes, the request ends DEADLINE_EXCEEDED, with no further attempt. Every read has a timeout: ``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for
-the first token (queueing included), ``idle_timeout_s`` between later frames. Every frame for the
+it passes, the request ends DEADLINE_EXCEEDED, with no further attempt. Every read has a timeout:
+``accept_timeout_s`` for the engine's `accepted`, ``first_token_timeout_s`` for the first token
+(queueing included), ``idle_timeout_s`` between later frames. Every frame for the
 client goes to the ``emit`` its caller gives ``run``. Once the first token is in, the engine's token
 frames are relayed where they arrive, on the link's reading task (``RequestFeed.on_tokens``): the
 request's own task wakes only for the engine's `finished`, a failure, or a timeout. The caller merges

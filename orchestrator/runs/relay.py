@@ -7,7 +7,8 @@
 
 It runs in the run's task, which belongs to the replica, not to a client: streams attach and detach
 freely. The router's token frames are relayed where they arrive, on the router link's reading task
-(``GenerateStream.frames``), so a token wakes no task of the run's: only the streams following it. It stops early only for ``cancel()`` (CancelRun), output moderation, a run ended elsewhere (a
+(``GenerateStream.frames``), so a token wakes no task of the run's: only the streams following it.
+It stops early only for ``cancel()`` (CancelRun), output moderation, a run ended elsewhere (a
 cancel that reached another replica), a run adopted elsewhere, or replica shutdown. Each of those
 sends the router a cancel frame, so engine work is freed at once; if the router does not confirm in
 time, the call itself is cancelled.
