@@ -7,7 +7,6 @@ cached prompt tokens, and errors in OpenAI's error-object shape.
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import aclosing
 
@@ -23,7 +22,7 @@ from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
 from edge.orchestrator import RunStream
 from edge.schemas import ChatCompletionIn
-from edge.sse import relay, sse_response
+from edge.sse import Item, TextEvent, compact_json, relay, sse_response
 
 ROLES = {
     "system": chat_pb2.ROLE_SYSTEM,
@@ -82,6 +81,7 @@ class ChunkWriter:
         }
         self.include_usage = include_usage
         self.usage: chat_pb2.Usage | None = None
+        self._content = TextEvent(lambda text: self.chunk({"content": text}))  # a delta's chunk
 
     def chunk(self, delta: dict, finish_reason: str | None = None) -> ServerSentEvent:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -90,12 +90,12 @@ class ChunkWriter:
             body["usage"] = None  # as OpenAI does: present and null on every chunk but the last
         return _data(body)
 
-    def events(self, event: chat_pb2.RunEvent) -> list[ServerSentEvent]:
+    def events(self, event: chat_pb2.RunEvent) -> list[Item]:
         kind = event.WhichOneof("kind")
         if kind == "started":
             return [self.chunk({"role": "assistant", "content": ""})]
         if kind == "delta":
-            return [self.chunk({"content": event.delta.text})]
+            return [self._content(event.delta.text)]
         if kind == "usage":
             self.usage = event.usage
             return []
@@ -112,13 +112,13 @@ class ChunkWriter:
         return []
 
     @staticmethod
-    def error(error: ApiError) -> list[ServerSentEvent]:
+    def error(error: ApiError) -> list[Item]:
         # The SDK raises openai.APIError for a chunk holding "error".
         return [_data(error.body())]
 
 
 def _data(body: dict) -> ServerSentEvent:
-    return ServerSentEvent(data=json.dumps(body, ensure_ascii=False, separators=(",", ":")))
+    return ServerSentEvent(data=compact_json(body))
 
 
 async def chat_completions(request: Request) -> Response:

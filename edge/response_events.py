@@ -17,13 +17,12 @@ from another replica and after the replica that generated the response is gone.
 
 from __future__ import annotations
 
-import json
-
 from sse_starlette import ServerSentEvent
 
 from chatmesh.chat.v1 import chat_pb2
 from edge.errors import ApiError
 from edge.response_record import ResponseRecord
+from edge.sse import compact_json
 
 _TERMINAL_EVENTS = {
     "completed": "response.completed",
@@ -109,6 +108,4 @@ class ResponseEvents:
 
 
 def _sse(body: dict) -> ServerSentEvent:
-    return ServerSentEvent(
-        event=body["type"], data=json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    )
+    return ServerSentEvent(event=body["type"], data=compact_json(body))
