@@ -100,7 +100,7 @@ class ChunkWriter:
             self.usage = event.usage
             return []
         if kind == "done":
-            out = [self.chunk({}, openai_finish_reason(event.done.finish_reason))]
+            out: list[Item] = [self.chunk({}, openai_finish_reason(event.done.finish_reason))]
             if self.include_usage:
                 out.append(
                     _data({**self.base, "choices": [], "usage": openai_usage(self.usage or chat_pb2.Usage())})

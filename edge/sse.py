@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -92,10 +92,10 @@ async def relay(
     kind: str,
     request_started: float,
     drain: Drain,
-    to_sse: Callable[[chat_pb2.RunEvent], list[Item]],
-    on_error: Callable[[ApiError], list[Item]],
-    closing: Callable[[], list[Item]] = list,
-    drained: Callable[[], list[Item]] = list,
+    to_sse: Callable[[chat_pb2.RunEvent], Sequence[Item]],
+    on_error: Callable[[ApiError], Sequence[Item]],
+    closing: Callable[[], Sequence[Item]] = list,
+    drained: Callable[[], Sequence[Item]] = list,
 ) -> AsyncIterator[Item]:
     """Relays ``first`` and the rest of ``stream`` through ``to_sse``; detaches when the client goes
     or the edge drains (the run goes on either way)."""
