@@ -15,8 +15,9 @@ The null engine computes nothing, so every millisecond above the engine row is t
 ("mesh overhead, null engine"). Reported per path and concurrency: TTFT p50/p99 (request sent to first
 text), TPOT p50/p99 ((last text - first text) / (tokens - 1)), and the ratios to engine-direct.
 
-Then the relay cost: for each of ``--cost-streams`` (10, 50, 100, 200), that many long OpenAI streams
-are opened at once; once every one has its first token, each process's CPU time (/proc) is read over
+Then the relay cost: for each of ``--cost-streams`` (10, 50, 100, 200), that many long streams along
+``--cost-path`` (OpenAI streams, or the chat page's stored sends, each in a chat of its own, whose runs
+are cancelled after the window) are opened at once; once every one has its first token, each process's CPU time (/proc) is read over
 ``--cost-window-s`` and divided by the tokens the client received meanwhile: microseconds of CPU per
 relayed token, by hop (the engines, router, orchestrator, edge, and Envoy for both its passes), and the
 door's tokens per second per core (Envoy, edge, orchestrator and router together). Plotted to
@@ -41,7 +42,8 @@ is a lean one (bench/sse_client.py): httpx's pool costs O(open streams) per new 
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_front_door.py \
         [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] \
-        [--cost-streams 10 50 100 200] [--cost-window-s 10] [--cost-requests 200] [--cost-concurrency 10] \
+        [--cost-streams 10 50 100 200] [--cost-window-s 10] [--cost-path openai|chat] \
+        [--cost-requests 200] [--cost-concurrency 10] \
         [--cost-request-tokens 8] [--hold-start 250] [--hold-cap 2000] [--hold-tokens 60] \
         [--hold-via sse|grpc] [--hold-open-rate 0] \
         [--plot docs/front_door_latency.png] [--cost-plot docs/front_door_cost.png] [--warm-sends 6000]
@@ -135,6 +137,7 @@ class Door:
             timeout=httpx.Timeout(600.0, connect=120.0, pool=None),
         )
         self._auth: dict[int, dict[str, str]] = {}
+        self._runs: dict[int, str] = {}  # the run of each stream index's latest chat send
         self._text: NullText | None = None
         self._calibrating = asyncio.Lock()
         # gRPC through the same public port, as internal services call chatmesh (one HTTP/2 connection).
@@ -236,7 +239,13 @@ class Door:
             yield count
 
     async def _chat(self, i: int, chat_id: str) -> AsyncIterator[int]:
-        body = {"content": QUESTION, "options": {"max_tokens": self.tokens, "temperature": 0}}
+        async for count in self.chat_chunks(i, chat_id, self.tokens):
+            yield count
+
+    async def chat_chunks(self, i: int, chat_id: str, tokens: int) -> AsyncIterator[int]:
+        """For each `delta` event of a send's answer in ``chat_id`` (the chat page's stream), its token
+        count. Its run outlives a dropped stream: ``cancel_runs`` stops it."""
+        body = {"content": QUESTION, "options": {"max_tokens": tokens, "temperature": 0}}
         event = ""
         async with self.http.stream(
             "POST", f"/v1/chats/{chat_id}/messages", json=body, headers=self.auth(i)
@@ -246,10 +255,21 @@ class Door:
             async for line in reply.aiter_lines():
                 if line.startswith("event: "):
                     event = line[7:]
+                elif line.startswith("data: ") and event == "started":
+                    self._runs[i] = json.loads(line[6:])["run_id"]
                 elif line.startswith("data: ") and event == "delta":
                     yield json.loads(line[6:])["token_count"]
                 elif line.startswith("data: ") and event == "error":
                     raise StreamFailedError(line[6:])
+
+    async def cancel_runs(self) -> None:
+        """Cancels the runs of the chat sends made so far (a run that ended meanwhile stays as it is)."""
+        runs, self._runs = self._runs, {}
+        replies = await asyncio.gather(
+            *(self.http.post(f"/v1/runs/{run}/cancel", headers=self.auth(i)) for i, run in runs.items())
+        )
+        for reply in replies:
+            reply.raise_for_status()
 
     async def new_chats(self, count: int) -> list[str]:
         async def create(i: int) -> str:
@@ -592,17 +612,24 @@ class Cost:
         return sum(self.us_per_token[hop] for hop in DOOR)
 
 
-async def relay_cost(door: Door, streams: int, tokens: int, window_s: float, pids: dict[str, int]) -> Cost:
-    """Opens ``streams`` long OpenAI streams; once every one has its first token (and a second for the
-    opening burst to settle), reads each process's CPU time over ``window_s`` and divides by the tokens
-    the client received meanwhile. Then the streams are closed (their runs are cancelled)."""
+async def relay_cost(
+    door: Door, path: str, streams: int, tokens: int, window_s: float, pids: dict[str, int]
+) -> Cost:
+    """Opens ``streams`` long streams along ``path`` (``openai``, or ``chat``: a send in a new chat
+    each); once every one has its first token (and a second for the opening burst to settle), reads
+    each process's CPU time over ``window_s`` and divides by the tokens the client received meanwhile.
+    Then the streams are closed and their runs cancelled."""
     received = started = 0
     all_started = asyncio.Event()
+    chats = await door.new_chats(streams) if path == "chat" else []
+
+    def chunks(i: int) -> AsyncIterator[int]:
+        return door.chat_chunks(i, chats[i], tokens) if chats else door.openai_chunks(i, tokens)
 
     async def one(i: int) -> None:
         nonlocal received, started
         first = True
-        async for count in door.openai_chunks(i, tokens):
+        async for count in chunks(i):
             received += count
             if first:
                 first, started = False, started + 1
@@ -631,6 +658,7 @@ async def relay_cost(door: Door, streams: int, tokens: int, window_s: float, pid
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await door.cancel_runs()  # a chat's run goes on when its stream is dropped
     cpu = by_hop(after.cpu_since(before))
     return Cost(streams, relayed / elapsed, {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()})
 
@@ -638,8 +666,9 @@ async def relay_cost(door: Door, streams: int, tokens: int, window_s: float, pid
 async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> list[Cost]:
     tokens = min(4096, round(args.tokens_per_s * (args.cost_window_s + 60)))
     door = Door(url, keys, tokens)
+    streams_of = {"openai": "OpenAI streams", "chat": "the chat page's sends (stored runs)"}[args.cost_path]
     print(
-        f"\nrelay cost: OpenAI streams through Envoy, null engines paced at {args.tokens_per_s:g} tokens/s "
+        f"\nrelay cost: {streams_of} through Envoy, null engines paced at {args.tokens_per_s:g} tokens/s "
         f"per stream, CPU time of each process over a {args.cost_window_s:g} s window with every stream "
         f"open, per token the client received\n"
         f"{'streams':>7} {'tokens/s':>8} "
@@ -652,7 +681,7 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
         for streams in args.cost_streams:
             for i in range(streams):
                 door.auth(i)
-            cost = await relay_cost(door, streams, tokens, args.cost_window_s, pids)
+            cost = await relay_cost(door, args.cost_path, streams, tokens, args.cost_window_s, pids)
             results.append(cost)
             us = cost.us_per_token
             print(
@@ -843,6 +872,12 @@ def main() -> None:
         help="relay cost levels (none: skip)",
     )
     parser.add_argument("--cost-window-s", type=float, default=10.0, help="CPU is read over this window")
+    parser.add_argument(
+        "--cost-path",
+        choices=("openai", "chat"),
+        default="openai",
+        help="the streams whose relay is costed: OpenAI streams, or the chat page's stored sends",
+    )
     parser.add_argument("--cost-plot", type=Path, default=ROOT / "docs" / "front_door_cost.png")
     parser.add_argument(
         "--cost-requests", type=int, default=200, help="requests a path for the cost per request (0: skip)"
@@ -881,8 +916,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             plot_cost(
                 costs,
                 args.cost_plot,
-                f"CPU per relayed token by hop, null engines at {args.tokens_per_s:g} tok/s per stream; "
-                "shared 2-core machine",
+                f"CPU per relayed token by hop ({args.cost_path} path), null engines at "
+                f"{args.tokens_per_s:g} tok/s per stream; shared 2-core machine",
             )
         if args.cost_requests:
             asyncio.run(request_costs(args, url, keys, pids))
