@@ -67,7 +67,7 @@ def compact_json(data: object) -> str:
 class TextEvent:
     """An event sent once per token, encoded once around a placeholder for its text and then filled
     in: per token only the text is encoded, not the JSON and SSE framing around it (the dict, the
-    encoder and ``ServerSentEvent.encode`` took ~25 % of the edge's main thread relaying 100 OpenAI
+    encoder and ``ServerSentEvent.encode`` took ~23 % of the edge's main thread relaying 100 OpenAI
     streams: py-spy). ``render`` gives the event for a text (its slow form, byte for byte what this
     one sends); the text's JSON string must be the last part of it that varies."""
 
