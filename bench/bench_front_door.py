@@ -17,11 +17,11 @@ text), TPOT p50/p99 ((last text - first text) / (tokens - 1)), and the ratios to
 
 Then the relay cost: for each of ``--cost-streams`` (10, 50, 100, 200), that many long streams along
 ``--cost-path`` (OpenAI streams, or the chat page's stored sends, each in a chat of its own, whose runs
-are cancelled after the window) are opened at once; once every one has its first token, each process's CPU time (/proc) is read over
-``--cost-window-s`` and divided by the tokens the client received meanwhile: microseconds of CPU per
-relayed token, by hop (the engines, router, orchestrator, edge, and Envoy for both its passes), and the
-door's tokens per second per core (Envoy, edge, orchestrator and router together). Plotted to
-``--cost-plot``.
+are cancelled after the window) are opened at once; once every one has its first token, each
+process's CPU time (/proc) is read over ``--cost-window-s`` and divided by the tokens the client
+received meanwhile: microseconds of CPU per relayed token, by hop (the engines, router, orchestrator,
+edge, and Envoy for both its passes), and the door's tokens per second per core (Envoy, edge,
+orchestrator and router together). Plotted to ``--cost-plot``.
 
 Then the cost per request: ``--cost-requests`` short answers (``--cost-request-tokens`` tokens) along
 each of the openai and chat paths, ``--cost-concurrency`` at a time, each from a user of its own; each
