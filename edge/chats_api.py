@@ -14,6 +14,9 @@ POST   /v1/chats/{chat_id}/messages/{id}/regenerate    RegenerateMessage  -> tex
 GET    /v1/runs/{run_id}                               GetRun
 GET    /v1/runs/{run_id}/events   (Last-Event-ID)      StreamRun(after_seq)  -> text/event-stream
 POST   /v1/runs/{run_id}/cancel                        CancelRun
+
+Each event stream asks for merged deltas: when the stream is behind its run, the deltas waiting come
+as one event (its ``id:`` the last one's sequence number, so ``Last-Event-ID`` still resumes exactly).
 """
 
 from __future__ import annotations
@@ -203,6 +206,7 @@ async def send_message(request: Request) -> Response:
             parent_message_id=body.parent_message_id,
             idempotency_key=idempotency_key_of(request, body.idempotency_key),
             options=options_proto(body.options),
+            merge_deltas=True,
         ),
         caller,
     )
@@ -223,6 +227,7 @@ async def regenerate(request: Request) -> Response:
             message_id=message_id,
             idempotency_key=idempotency_key_of(request, body.idempotency_key),
             options=options_proto(body.options),
+            merge_deltas=True,
         ),
         caller,
     )
@@ -256,7 +261,9 @@ async def run_events(request: Request) -> Response:
     run_id = path_id(request, "run_id", "run")
     caller = _run_caller(request)
     stream = orchestrator.stream(
-        "StreamRun", chat_pb2.StreamRunRequest(run_id=run_id, after_seq=_after_seq(request)), caller
+        "StreamRun",
+        chat_pb2.StreamRunRequest(run_id=run_id, after_seq=_after_seq(request), merge_deltas=True),
+        caller,
     )
     return await run_events_response(stream, settings.streams, request.app.state.drain, started)
 

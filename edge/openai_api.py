@@ -58,6 +58,7 @@ def complete_request(body: ChatCompletionIn) -> chat_pb2.CompleteRequest:
             seed=body.seed,
             stop=body.stop_list(),
         ),
+        merge_deltas=True,
     )
 
 

@@ -36,7 +36,8 @@ REATTACH_FOR_S = 30.0
 _REATTACH_FIRST_DELAY_S = 0.1
 _REATTACH_MAX_DELAY_S = 2.0
 
-# StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed.
+# StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed (asking
+# for merged deltas as the call it replaces did).
 Reattach = Callable[[str, int], grpc.aio.UnaryStreamCall]
 
 
@@ -223,7 +224,9 @@ class Orchestrator:
 
         def reattach(run_id: str, after_seq: int) -> grpc.aio.UnaryStreamCall:
             return self._stub.StreamRun(
-                chat_pb2.StreamRunRequest(run_id=run_id, after_seq=after_seq),
+                chat_pb2.StreamRunRequest(
+                    run_id=run_id, after_seq=after_seq, merge_deltas=getattr(request, "merge_deltas", False)
+                ),
                 metadata=caller.metadata(),
                 timeout=self.stream_timeout_s,
             )

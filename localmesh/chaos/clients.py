@@ -9,7 +9,9 @@ key after a backoff of at least Retry-After; a stream that breaks is resumed wit
 edge saying its upstream broke, and the client resumes (the page still takes it as the end there).
 
 Every answer becomes an ``Answer``: the text as the page would show it (every delta appended, in the
-order it came), every sequence number seen and how often, how it ended and when, and the retries it took.
+order it came), every sequence number got and how often, how it ended and when, and the retries it took.
+The page's streams merge the deltas waiting when they are behind into one, numbered as the last: a delta
+stands for the sequence numbers since the event before it in its stream (or since its Last-Event-ID).
 """
 
 from __future__ import annotations
@@ -70,6 +72,14 @@ class Answer:
     def duplicates(self) -> int:
         """Events that arrived more than once (each extra arrival counts)."""
         return sum(count - 1 for count in self.seqs.values())
+
+    def got(self, name: str, seq: int, after: int) -> None:
+        """Counts the sequence numbers an event stands for: a delta, those after ``after`` (the event
+        before it in its stream, or the stream's Last-Event-ID); any other event (or a delta numbered at
+        or before ``after``: a repeat), its own."""
+        first = after + 1 if name == "delta" and seq > after else seq
+        for covered in range(first, seq + 1):
+            self.seqs[covered] += 1
 
 
 @dataclass(frozen=True)
@@ -197,9 +207,12 @@ class ChatUser:
                     text = (await reply.aread()).decode(errors="replace")
                     record.outcome, record.error = "error", f"HTTP {reply.status_code}: {text[:200]}"
                     return None
-                events = 0
+                events, after = 0, record.last_seq  # a new send's stream starts at 0, a resumed one after it
                 async for event in sse_events(reply):
                     events += 1
+                    if event.seq is not None:
+                        record.got(event.name, event.seq, after)
+                        after = event.seq
                     if self._take(event, record):
                         return None
                 if resuming and not events:
@@ -212,8 +225,6 @@ class ChatUser:
     @staticmethod
     def _take(event: SseEvent, record: Answer) -> bool:
         """Applies one event as the page does; True when it ended the answer or the stream broke."""
-        if event.seq is not None:
-            record.seqs[event.seq] += 1
         if event.name == "started":
             record.run_id = event.data["run_id"]
             record.user_message_id = event.data.get("user_message_id") or ""

@@ -188,23 +188,25 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
 
     @streaming(chat_pb2.SendMessageResponse)
     async def SendMessage(self, identity: Identity, request: chat_pb2.SendMessageRequest):
-        async for event in self.runs.answer(SendRun(self.ctx, identity, request)):
+        async for event in self.runs.answer(SendRun(self.ctx, identity, request), request.merge_deltas):
             yield event
 
     @streaming(chat_pb2.RegenerateMessageResponse)
     async def RegenerateMessage(self, identity: Identity, request: chat_pb2.RegenerateMessageRequest):
-        async for event in self.runs.answer(RegenerateRun(self.ctx, identity, request)):
+        async for event in self.runs.answer(RegenerateRun(self.ctx, identity, request), request.merge_deltas):
             yield event
 
     @streaming(chat_pb2.CompleteResponse)
     async def Complete(self, identity: Identity, request: chat_pb2.CompleteRequest):
-        async for event in self.runs.answer(CompleteRun(self.ctx, identity, request)):
+        async for event in self.runs.answer(CompleteRun(self.ctx, identity, request), request.merge_deltas):
             yield event
 
     @streaming(chat_pb2.StreamRunResponse)
     async def StreamRun(self, identity: Identity, request: chat_pb2.StreamRunRequest):
         limits.check_id(request.run_id, "run_id")
-        async for event in self.runs.stream(identity.user_id, request.run_id, request.after_seq):
+        async for event in self.runs.stream(
+            identity.user_id, request.run_id, request.after_seq, request.merge_deltas
+        ):
             yield event
 
     @unary

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import enum
 import hashlib
 import time
@@ -14,9 +15,9 @@ from datetime import datetime
 from typing import TypeVar
 
 import grpc
-from google.protobuf.message import Message as ProtoMessage
 from opentelemetry import trace
 
+from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import REFUSED_BEFORE_ANSWER, ServiceError, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
@@ -32,6 +33,8 @@ from orchestrator.runs.relay import RunEnd
 tracer = trace.get_tracer("orchestrator")
 
 T = TypeVar("T")
+# The requests that start a stored chat's run.
+ChatRequest = chat_pb2.SendMessageRequest | chat_pb2.RegenerateMessageRequest
 
 # How often a retry looks for the run an earlier attempt is starting.
 LEASE_POLL_S = 0.2
@@ -62,7 +65,7 @@ class ChatRun(AnswerRun):
     outlives_caller = True
 
     def __init__(
-        self, ctx: RunContext, identity: Identity, request: ProtoMessage, key: str, options: Generation
+        self, ctx: RunContext, identity: Identity, request: ChatRequest, key: str, options: Generation
     ) -> None:
         super().__init__(identity)
         self.ctx = ctx
@@ -207,10 +210,10 @@ class ChatRun(AnswerRun):
         self.ctx.upkeep.refresh_summary(self.identity.user_id, chat_id, prompt, end.assistant_message_id)
 
 
-def _fingerprint(kind: str, request: ProtoMessage) -> bytes:
-    """What makes two requests "the same" for an idempotency key: everything but the key itself."""
-    copy = type(request)()
-    copy.CopyFrom(request)
-    if hasattr(copy, "idempotency_key"):
-        copy.idempotency_key = ""
-    return hashlib.sha256(kind.encode() + b"\x00" + copy.SerializeToString(deterministic=True)).digest()
+def _fingerprint(kind: str, request: ChatRequest) -> bytes:
+    """What makes two requests "the same" for an idempotency key: everything but the key itself and how
+    the stream delivers the answer."""
+    compared = copy.deepcopy(request)
+    compared.idempotency_key = ""
+    compared.merge_deltas = False
+    return hashlib.sha256(kind.encode() + b"\x00" + compared.SerializeToString(deterministic=True)).digest()

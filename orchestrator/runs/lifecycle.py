@@ -120,14 +120,18 @@ class Runs:
                 task.cancel()
             raise
 
-    async def answer(self, run: AnswerRun) -> AsyncIterator[chat_pb2.RunEvent]:
-        """Starts ``run`` and follows its events to the end. A run that does not outlive its caller
-        (Complete: nobody else could ever follow it) is cancelled when the caller leaves, so its engine
-        work, its run slot and the rest of its budget are freed at once."""
+    async def answer(self, run: AnswerRun, merge_deltas: bool = False) -> AsyncIterator[chat_pb2.RunEvent]:
+        """Starts ``run`` and follows its events to the end (``merge_deltas``: ``LiveRun.follow``). A run
+        that does not outlive its caller (Complete: nobody else could ever follow it) is cancelled when
+        the caller leaves, so its engine work, its run slot and the rest of its budget are freed at once."""
         run_id = await self.start(run)
         # A run this request started is followed at once: its chat was read on the way (one it joined
         # is followed as any stream is).
-        events = run.live.follow(0) if run.live is not None else self.stream(run.identity.user_id, run_id, 0)
+        events = (
+            run.live.follow(0, merge_deltas)
+            if run.live is not None
+            else self.stream(run.identity.user_id, run_id, 0, merge_deltas)
+        )
         try:
             async for event in events:
                 yield event
@@ -328,18 +332,21 @@ class Runs:
             return None
         return live
 
-    async def stream(self, user_id: str, run_id: str, after_seq: int) -> AsyncIterator[chat_pb2.RunEvent]:
-        """Events with seq > after_seq, then live ones until the run ends (from memory or Cassandra)."""
+    async def stream(
+        self, user_id: str, run_id: str, after_seq: int, merge_deltas: bool = False
+    ) -> AsyncIterator[chat_pb2.RunEvent]:
+        """Events with seq > after_seq, then live ones until the run ends (from memory or Cassandra;
+        with ``merge_deltas``, the deltas waiting at each read as one)."""
         live = self._local(user_id, run_id)
         if live is not None:
             await self._check_chat_kept(user_id, live.info.chat_id, run_id)
-            async for event in live.follow(after_seq):
+            async for event in live.follow(after_seq, merge_deltas):
                 yield event
             return
         run = await self._stored(user_id, run_id)
         await self._check_chat_kept(user_id, run.chat_id, run_id)
         poll_s = self.config.follow_poll_ms / 1000
-        async for event in replay.follow_stored(self.store, user_id, run, after_seq, poll_s):
+        async for event in replay.follow_stored(self.store, user_id, run, after_seq, poll_s, merge_deltas):
             yield event
 
     async def get(self, user_id: str, run_id: str) -> chat_pb2.Run:

@@ -9,14 +9,20 @@ stream that falls behind simply reads on from where it was.
 A delta is kept as its text and token count, and made a RunEvent for each follower as it reads it: a
 RunEvent holding a delta takes ~920 bytes of memory (its own protobuf arena and two Python wrappers),
 its text and count ~120, and every open stream holds every delta of its answer so far.
+
+A follower that asked to ``merge_deltas`` gets the deltas waiting when it reads as one event, numbered
+as the last of them. A follower wakes when the run appends, so one that keeps up gets each delta
+alone, when it is made; one that is behind (its client, or the box, slower than the run) gets one
+message where it would get several, which is what lets a saturated door relay more tokens. The relay
+appends all the tokens of a router frame at once, so a frame the router merged stays merged.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import exhausted, unavailable
@@ -25,6 +31,9 @@ from orchestrator.metrics import METRICS
 
 # started + usage + done, or started + error.
 _FRAME_EVENTS = 3
+# The most deltas one merged delta carries: a stream that attaches to a long answer gets what was made
+# so far in a few messages whose size does not grow with max_tokens.
+MAX_MERGED_DELTAS = 256
 
 
 @dataclass(frozen=True)
@@ -98,8 +107,19 @@ class LiveRun:
     def event(self, seq: int) -> chat_pb2.RunEvent:
         kept = self._events[seq - 1]
         if isinstance(kept, tuple):
-            return chat_pb2.RunEvent(seq=seq, delta=chat_pb2.Delta(text=kept[0], token_count=kept[1]))
+            return merged_delta(seq, (kept,))
         return kept
+
+    def _merged_after(self, position: int) -> chat_pb2.RunEvent:
+        """The event after ``position``; if it is a delta, with the deltas right after it (at most
+        ``MAX_MERGED_DELTAS`` in all) merged into it."""
+        events, last = self._events, position + 1
+        if not isinstance(events[position], tuple):
+            return self.event(last)
+        limit = min(len(events), position + MAX_MERGED_DELTAS)
+        while last < limit and isinstance(events[last], tuple):
+            last += 1
+        return merged_delta(last, cast(list[tuple[str, int]], events[position:last]))
 
     def deltas(self) -> Iterator[tuple[int, str, int]]:
         """(seq, text, token count) of every delta so far."""
@@ -120,8 +140,9 @@ class LiveRun:
         self.finished_at = time.monotonic()
         self._changed.notify()
 
-    async def follow(self, after_seq: int) -> AsyncIterator[chat_pb2.RunEvent]:
-        """Events with seq > after_seq, then live ones until the run ends."""
+    async def follow(self, after_seq: int, merge_deltas: bool = False) -> AsyncIterator[chat_pb2.RunEvent]:
+        """Events with seq > after_seq, then live ones until the run ends (with ``merge_deltas``, the
+        deltas waiting at each read as one)."""
         if self.subscribers >= self.max_subscribers:
             raise exhausted(
                 f"run {self.info.run_id} already has {self.max_subscribers} streams attached; "
@@ -134,8 +155,9 @@ class LiveRun:
             position = after_seq
             while True:
                 while position < len(self._events):
-                    position += 1
-                    yield self.event(position)
+                    event = self._merged_after(position) if merge_deltas else self.event(position + 1)
+                    position = event.seq
+                    yield event
                 if self.handed_over:
                     raise unavailable(
                         f"the answer goes on on another replica; resume after event {position}", 0.2
@@ -149,3 +171,12 @@ class LiveRun:
 
     def text(self) -> str:
         return "".join(text for _, text, _ in self.deltas())
+
+
+def merged_delta(last_seq: int, deltas: Sequence[tuple[str, int]]) -> chat_pb2.RunEvent:
+    """Consecutive deltas, given as (text, token count) and ending at ``last_seq``, as one event."""
+    if len(deltas) == 1:
+        text, token_count = deltas[0]
+    else:
+        text, token_count = "".join(text for text, _ in deltas), sum(count for _, count in deltas)
+    return chat_pb2.RunEvent(seq=last_seq, delta=chat_pb2.Delta(text=text, token_count=token_count))

@@ -20,6 +20,7 @@ from chatmesh.chat.v1 import chat_pb2
 from memory_store.models import Run, RunDelta, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator import convert
+from orchestrator.runs.live_run import MAX_MERGED_DELTAS, merged_delta
 
 INTERRUPTED_CODE = "ABORTED"
 INTERRUPTED_MESSAGE = (
@@ -38,12 +39,6 @@ def started_event(run: Run) -> chat_pb2.RunEvent:
             assistant_message_id=run.assistant_message_id,
             model=run.model,
         ),
-    )
-
-
-def delta_event(delta: RunDelta) -> chat_pb2.RunEvent:
-    return chat_pb2.RunEvent(
-        seq=delta.seq, delta=chat_pb2.Delta(text=delta.text, token_count=delta.token_count)
     )
 
 
@@ -76,10 +71,11 @@ def terminal_events(run: Run, deltas: Sequence[RunDelta], after_seq: int) -> lis
 
 
 async def follow_stored(
-    store: MemoryStore, user_id: str, run: Run, after_seq: int, poll_s: float
+    store: MemoryStore, user_id: str, run: Run, after_seq: int, poll_s: float, merge_deltas: bool = False
 ) -> AsyncIterator[chat_pb2.RunEvent]:
     """Events with seq > after_seq of a run this replica does not hold: replayed from its checkpoints,
-    followed while its owner (elsewhere) keeps checkpointing, until the run ends."""
+    followed while its owner (elsewhere) keeps checkpointing, until the run ends. With
+    ``merge_deltas``, the deltas each read finds come merged (``MAX_MERGED_DELTAS`` at most in one)."""
     position = after_seq
     if position < 1:
         yield started_event(run)
@@ -87,10 +83,12 @@ async def follow_stored(
     while True:
         ended = run.status.terminal
         deltas = await store.read_run_output(user_id, run.run_id, after_seq=0)
-        for delta in deltas:
-            if delta.seq > position:
-                position = delta.seq
-                yield delta_event(delta)
+        fresh = [delta for delta in deltas if delta.seq > position]
+        step = MAX_MERGED_DELTAS if merge_deltas else 1
+        for start in range(0, len(fresh), step):
+            batch = fresh[start : start + step]
+            position = batch[-1].seq
+            yield merged_delta(position, [(delta.text, delta.token_count) for delta in batch])
         if ended:
             for event in terminal_events(run, deltas, position):
                 yield event

@@ -62,6 +62,24 @@ def test_an_answer_counts_missing_and_repeated_sequence_numbers():
     assert (record.gaps, record.duplicates, record.completed) == (1, 3, True)
 
 
+def test_a_merged_delta_stands_for_the_sequence_numbers_since_the_event_before_it():
+    record = Answer("u", "c", 0.0)
+    for name, seq, after in [("started", 1, 0), ("delta", 4, 1), ("delta", 5, 4)]:
+        record.got(name, seq, after)
+    # The stream broke; resumed after 5, and the run numbered the deltas waiting 6 to 9 as one.
+    for name, seq, after in [("delta", 9, 5), ("usage", 10, 9), ("done", 11, 10)]:
+        record.got(name, seq, after)
+    assert (record.last_seq, record.gaps, record.duplicates) == (11, 0, 0)
+    # A delta numbered at or before the event before it is a repeat, never a cover of nothing.
+    record.got("delta", 9, 11)
+    assert record.duplicates == 1
+    # Another event after a merged delta must follow it at once: anything skipped is a gap.
+    other = Answer("u", "c", 0.0)
+    for name, seq, after in [("started", 1, 0), ("delta", 3, 1), ("done", 5, 3)]:
+        other.got(name, seq, after)
+    assert (other.gaps, other.duplicates) == (1, 0)
+
+
 def test_an_answer_counts_for_the_first_fault_it_was_open_through():
     kill = Injection(Fault("orchestrator", "kill"), "orchestrator-0", injected_at=10.0)
     pause = Injection(Fault("edge", "pause"), "edge", injected_at=20.0)

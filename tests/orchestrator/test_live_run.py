@@ -10,8 +10,8 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
 from memory_store.models import FinishReason, Run, RunDelta, RunStatus, Usage
-from orchestrator.runs.live_run import LiveRun, RunInfo
-from orchestrator.runs.replay import INTERRUPTED_CODE, delta_event, started_event, terminal_events
+from orchestrator.runs.live_run import MAX_MERGED_DELTAS, LiveRun, RunInfo, merged_delta
+from orchestrator.runs.replay import INTERRUPTED_CODE, started_event, terminal_events
 
 
 def live_run(max_tokens: int = 100, max_subscribers: int = 4) -> LiveRun:
@@ -55,6 +55,56 @@ async def test_a_follower_that_does_not_read_never_holds_up_the_writer_or_other_
     assert [e.seq async for e in stalled] == list(range(2, 1003))
 
 
+def described(event: chat_pb2.RunEvent) -> tuple:
+    kind = event.WhichOneof("kind")
+    return (
+        (event.seq, kind, event.delta.text, event.delta.token_count) if kind == "delta" else (event.seq, kind)
+    )
+
+
+async def test_a_follower_asking_to_merge_gets_the_waiting_deltas_as_one_and_each_live_one_alone() -> None:
+    run = live_run()
+    for i in range(4):
+        run.append_delta(f"t{i}", 1 + i % 2)
+    merged = run.follow(0, merge_deltas=True)
+    assert described(await anext(merged)) == (1, "started")  # never merged with what follows
+    assert described(await anext(merged)) == (5, "delta", "t0t1t2t3", 6)
+    # Keeping up: each delta comes alone, as it is made.
+    for i in range(4, 6):
+        reading = asyncio.ensure_future(anext(merged))
+        await asyncio.sleep(0)
+        run.append_delta(f"t{i}", 1)
+        assert described(await reading) == (i + 2, "delta", f"t{i}", 1)
+    # Behind: the deltas of one router frame, appended at once, come as one; the end is not merged in.
+    for i in range(6, 9):
+        run.append_delta(f"t{i}", 1)
+    run.append(usage=chat_pb2.Usage())
+    run.append(done=chat_pb2.Done())
+    run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+    assert [described(e) async for e in merged] == [(10, "delta", "t6t7t8", 3), (11, "usage"), (12, "done")]
+    # A follower that did not ask gets one event per sequence number, and resumes inside a merged delta.
+    assert [e.seq async for e in run.follow(0)] == list(range(1, 13))
+    resumed = [described(e) async for e in run.follow(3, merge_deltas=True)]
+    assert resumed == [(10, "delta", "t2t3t4t5t6t7t8", 8), (11, "usage"), (12, "done")]
+
+
+async def test_a_merged_delta_carries_at_most_the_bound_so_a_late_follower_gets_a_long_answer_in_parts() -> (
+    None
+):
+    run = live_run(max_tokens=600)
+    for _ in range(600):
+        run.append_delta("x", 1)
+    run.append(done=chat_pb2.Done())
+    run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+    events = [e async for e in run.follow(1, merge_deltas=True)]
+    assert [(e.seq, e.delta.token_count) for e in events[:-1]] == [
+        (1 + MAX_MERGED_DELTAS, MAX_MERGED_DELTAS),
+        (1 + 2 * MAX_MERGED_DELTAS, MAX_MERGED_DELTAS),
+        (601, 600 - 2 * MAX_MERGED_DELTAS),
+    ]
+    assert "".join(e.delta.text for e in events) == "x" * 600 and events[-1].seq == 602
+
+
 async def test_the_buffer_is_bounded_by_max_tokens_and_followers_by_the_subscriber_limit() -> None:
     run = live_run(max_tokens=3, max_subscribers=1)
     for _ in range(3):
@@ -93,7 +143,11 @@ def deltas(count: int) -> list[RunDelta]:
 def test_a_run_its_owner_finished_replays_with_the_owners_numbering() -> None:
     # started 1, deltas 2..6, usage 7, done 8: the owner stored last_seq 8.
     run = stored_run(RunStatus.COMPLETED, 8, finish_reason=FinishReason.STOP, usage=Usage(10, 0, 5))
-    events = [started_event(run), *map(delta_event, deltas(5)), *terminal_events(run, deltas(5), 0)]
+    events = [
+        started_event(run),
+        *(merged_delta(d.seq, [(d.text, d.token_count)]) for d in deltas(5)),
+        *terminal_events(run, deltas(5), 0),
+    ]
     assert [e.seq for e in events] == list(range(1, 9))
     assert events[-2].usage.completion_tokens == 5
     assert events[-1].done.finish_reason == chat_pb2.FINISH_REASON_STOP

@@ -111,6 +111,53 @@ async def test_another_replica_follows_a_run_in_progress_from_its_checkpoints(
     assert await followed == reference[1:]
 
 
+def assert_merged_from(reference: list[chat_pb2.RunEvent], got: list[chat_pb2.RunEvent], after: int) -> None:
+    """``got`` is ``reference`` (one event per sequence number) after ``after``, with runs of deltas
+    merged: each delta of ``got`` is the deltas since the event before it, joined, numbered as the last."""
+    assert got and got[-1] == reference[-1]
+    previous = after
+    for event in got:
+        assert event.seq > previous
+        if event.WhichOneof("kind") != "delta":
+            assert event == reference[event.seq - 1] and event.seq == previous + 1
+        else:
+            covered = reference[previous : event.seq]
+            assert kinds(covered) == ["delta"] * len(covered)
+            assert event.delta.text == answer_text(covered)
+            assert event.delta.token_count == sum(e.delta.token_count for e in covered)
+        previous = event.seq
+
+
+async def test_streams_that_ask_for_merged_deltas_get_the_waiting_ones_as_one_and_resume_exactly(
+    client: ChatClient, replica_b: OrchestratorProcess, connect: Callable[..., ChatClient]
+) -> None:
+    chat = await client.create_chat()
+    key = f"key-{uuid.uuid4().hex}"
+    call = long_send(client, chat.chat_id, 80, idempotency_key=key, merge_deltas=True)
+    head = await read_until(call, 8)
+    run_id = head[0].started.run_id
+    # Attached late, while the run generates: what was made so far comes as one delta.
+    late = client.stream(
+        "StreamRun", chat_pb2.StreamRunRequest(run_id=run_id, after_seq=1, merge_deltas=True)
+    )
+    late_head = await read_until(late, 2)
+    assert len(late_head) == 1 and late_head[0].delta.token_count >= 7
+    # A retry that asks otherwise is the same request: it joins the run and gets one event per seq.
+    joined = await collect(long_send(client, chat.chat_id, 80, idempotency_key=key))
+    assert joined[0].started.run_id == run_id
+    assert [e.seq for e in joined] == list(range(1, len(joined) + 1))
+    assert_merged_from(joined, head + await collect(call), 0)
+    assert_merged_from(joined, late_head + await collect(late), 1)
+    # After the end, from memory and rebuilt from Cassandra on another replica.
+    other = connect(replica_b.address, client.user)
+    for reader in (client, other):
+        for after in (0, 1, 5, len(joined) - 3):
+            request = chat_pb2.StreamRunRequest(run_id=run_id, after_seq=after, merge_deltas=True)
+            got = await collect(reader.stream("StreamRun", request))
+            assert_merged_from(joined, got, after)
+            assert kinds(got).count("delta") == 1
+
+
 async def test_cancel_stops_the_run_at_once_frees_the_engine_and_keeps_what_was_said(
     client: ChatClient, mesh: Mesh
 ) -> None:

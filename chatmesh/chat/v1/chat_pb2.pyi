@@ -260,7 +260,7 @@ class ListMessagesResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class SendMessageRequest(_message.Message):
-    __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options", "branch_from_root", "instructions")
+    __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options", "branch_from_root", "instructions", "merge_deltas")
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     PARENT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +268,7 @@ class SendMessageRequest(_message.Message):
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FROM_ROOT_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
+    MERGE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     chat_id: str
     content: str
     parent_message_id: str
@@ -275,7 +276,8 @@ class SendMessageRequest(_message.Message):
     options: GenerationOptions
     branch_from_root: bool
     instructions: str
-    def __init__(self, chat_id: _Optional[str] = ..., content: _Optional[str] = ..., parent_message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., branch_from_root: _Optional[bool] = ..., instructions: _Optional[str] = ...) -> None: ...
+    merge_deltas: bool
+    def __init__(self, chat_id: _Optional[str] = ..., content: _Optional[str] = ..., parent_message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., branch_from_root: _Optional[bool] = ..., instructions: _Optional[str] = ..., merge_deltas: _Optional[bool] = ...) -> None: ...
 
 class SendMessageResponse(_message.Message):
     __slots__ = ("event",)
@@ -284,16 +286,18 @@ class SendMessageResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[RunEvent, _Mapping]] = ...) -> None: ...
 
 class RegenerateMessageRequest(_message.Message):
-    __slots__ = ("chat_id", "message_id", "idempotency_key", "options")
+    __slots__ = ("chat_id", "message_id", "idempotency_key", "options", "merge_deltas")
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MERGE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     chat_id: str
     message_id: str
     idempotency_key: str
     options: GenerationOptions
-    def __init__(self, chat_id: _Optional[str] = ..., message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ...) -> None: ...
+    merge_deltas: bool
+    def __init__(self, chat_id: _Optional[str] = ..., message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., merge_deltas: _Optional[bool] = ...) -> None: ...
 
 class RegenerateMessageResponse(_message.Message):
     __slots__ = ("event",)
@@ -302,12 +306,14 @@ class RegenerateMessageResponse(_message.Message):
     def __init__(self, event: _Optional[_Union[RunEvent, _Mapping]] = ...) -> None: ...
 
 class StreamRunRequest(_message.Message):
-    __slots__ = ("run_id", "after_seq")
+    __slots__ = ("run_id", "after_seq", "merge_deltas")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MERGE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     after_seq: int
-    def __init__(self, run_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    merge_deltas: bool
+    def __init__(self, run_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., merge_deltas: _Optional[bool] = ...) -> None: ...
 
 class StreamRunResponse(_message.Message):
     __slots__ = ("event",)
@@ -364,12 +370,14 @@ class PromptMessage(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("messages", "options")
+    __slots__ = ("messages", "options", "merge_deltas")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    MERGE_DELTAS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[PromptMessage]
     options: GenerationOptions
-    def __init__(self, messages: _Optional[_Iterable[_Union[PromptMessage, _Mapping]]] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ...) -> None: ...
+    merge_deltas: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[PromptMessage, _Mapping]]] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., merge_deltas: _Optional[bool] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("event",)
