@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -98,6 +99,8 @@ from meshkit.launcher import Launcher, free_port  # noqa: E402
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT  # noqa: E402
 
 PATHS = ("engine", "openai", "chat")
+# Tries of each run's cancel after a relay-cost level (a second apart).
+CANCEL_TRIES = 10
 # Prompt tokens per stream the hold ramp's engines make room for (QUESTION's prompt is ~50).
 PROMPT_ROOM = 128
 
@@ -263,13 +266,19 @@ class Door:
                     raise StreamFailedError(line[6:])
 
     async def cancel_runs(self) -> None:
-        """Cancels the runs of the chat sends made so far (a run that ended meanwhile stays as it is)."""
+        """Cancels the runs of the chat sends made so far (a run that ended meanwhile stays as it is). A
+        saturated door may time a cancel out (504): it is tried again, as cancelling twice is harmless."""
         runs, self._runs = self._runs, {}
-        replies = await asyncio.gather(
-            *(self.http.post(f"/v1/runs/{run}/cancel", headers=self.auth(i)) for i, run in runs.items())
-        )
-        for reply in replies:
-            reply.raise_for_status()
+
+        async def cancel(i: int, run: str) -> None:
+            for attempt in range(1, CANCEL_TRIES + 1):
+                reply = await self.http.post(f"/v1/runs/{run}/cancel", headers=self.auth(i))
+                if reply.status_code < 500 or attempt == CANCEL_TRIES:
+                    reply.raise_for_status()
+                    return
+                await asyncio.sleep(1.0)
+
+        await asyncio.gather(*(cancel(i, run) for i, run in runs.items()))
 
     async def new_chats(self, count: int) -> list[str]:
         async def create(i: int) -> str:
@@ -591,12 +600,34 @@ def process_ids(launcher: Launcher) -> dict[str, int]:
     return {**{name: running.pid for name, running in launcher.running.items()}, "client": os.getpid()}
 
 
+def pin_door(pids: Mapping[str, int]) -> None:
+    """Puts the door's processes (every thread) on the upper half of the CPUs and everything else
+    (engines, Cassandra, this client) on the lower half: the door saturates on its own cores while the
+    engines keep their pace, as when they run on their own machines. Without it the engines share the
+    cores and slow down with the door, so no queue forms inside the door."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin-door needs at least two CPUs")
+    half = len(cpus) // 2
+    for name, pid in pids.items():
+        mask = set(cpus[half:] if hop_of(name) in DOOR else cpus[:half])
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(task.name), mask)
+    print(f"pinned: the door on CPUs {cpus[half:]}, engines, Cassandra and the client on {cpus[:half]}")
+
+
+def hop_of(name: str) -> str:
+    """A process's hop: its launcher name, less a replica's ``-<i>``."""
+    tier, _, index = name.rpartition("-")
+    return tier if tier and index.isdigit() else name
+
+
 def by_hop(values: Mapping[str, float]) -> dict[str, float]:
     """Per-process values summed by hop (a tier's replicas, ``<tier>-<i>``, together)."""
     hops: dict[str, float] = {}
     for name, value in values.items():
-        tier, _, index = name.rpartition("-")
-        hop = tier if tier and index.isdigit() else name
+        hop = hop_of(name)
         hops[hop] = hops.get(hop, 0.0) + value
     return hops
 
@@ -605,6 +636,7 @@ def by_hop(values: Mapping[str, float]) -> dict[str, float]:
 class Cost:
     streams: int
     tokens_per_s: float  # tokens the client received per second in the window
+    tokens_per_event: float  # tokens per chunk or delta it received then (over 1: the door merged them)
     us_per_token: dict[str, float]  # CPU microseconds per relayed token, by hop
 
     @property
@@ -619,7 +651,7 @@ async def relay_cost(
     each); once every one has its first token (and a second for the opening burst to settle), reads
     each process's CPU time over ``window_s`` and divides by the tokens the client received meanwhile.
     Then the streams are closed and their runs cancelled."""
-    received = started = 0
+    received = events = started = 0
     all_started = asyncio.Event()
     chats = await door.new_chats(streams) if path == "chat" else []
 
@@ -627,10 +659,10 @@ async def relay_cost(
         return door.chat_chunks(i, chats[i], tokens) if chats else door.openai_chunks(i, tokens)
 
     async def one(i: int) -> None:
-        nonlocal received, started
+        nonlocal received, events, started
         first = True
         async for count in chunks(i):
-            received += count
+            received, events = received + count, events + 1
             if first:
                 first, started = False, started + 1
                 if started == streams:
@@ -648,9 +680,10 @@ async def relay_cost(
                 + (f", the first with {failed[0]!r}" if failed else "")
             ) from None
         await asyncio.sleep(1.0)
-        before, counted, began = Usage.of(pids), received, time.perf_counter()
+        before, counted, events_before, began = Usage.of(pids), received, events, time.perf_counter()
         await asyncio.sleep(window_s)
         after, relayed, elapsed = Usage.of(pids), received - counted, time.perf_counter() - began
+        per_event = relayed / max(1, events - events_before)
         failed = [t for t in tasks if t.done() and t.exception() is not None]
         if failed:
             raise StreamFailedError(f"{len(failed)} streams failed: {failed[0].exception()}")
@@ -660,7 +693,9 @@ async def relay_cost(
         await asyncio.gather(*tasks, return_exceptions=True)
         await door.cancel_runs()  # a chat's run goes on when its stream is dropped
     cpu = by_hop(after.cpu_since(before))
-    return Cost(streams, relayed / elapsed, {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()})
+    return Cost(
+        streams, relayed / elapsed, per_event, {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()}
+    )
 
 
 async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> list[Cost]:
@@ -673,7 +708,8 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
         f"open, per token the client received\n"
         f"{'streams':>7} {'tokens/s':>8} "
         + " ".join(f"{hop:>12}" for hop in HOPS)
-        + f" {'door':>7} {'door tok/s/core':>15} {'client':>7} {'cassandra':>9}  (µs CPU per token)",
+        + f" {'door':>7} {'door tok/s/core':>15} {'client':>7} {'cassandra':>9} {'tok/event':>9}"
+        + "  (µs CPU per token; tokens per chunk or delta the client got)",
         flush=True,
     )
     results = []
@@ -688,7 +724,7 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
                 f"{streams:>7} {cost.tokens_per_s:>8,.0f} "
                 + " ".join(f"{us[hop]:>12.1f}" for hop in HOPS)
                 + f" {cost.door_us:>7.1f} {1e6 / cost.door_us:>15,.0f} {us['client']:>7.1f} "
-                f"{us.get('cassandra', 0):>9.1f}",
+                f"{us.get('cassandra', 0):>9.1f} {cost.tokens_per_event:>9.2f}",
                 flush=True,
             )
             await asyncio.sleep(2.0)  # the cancelled runs end before the next level
@@ -878,6 +914,11 @@ def main() -> None:
         default="openai",
         help="the streams whose relay is costed: OpenAI streams, or the chat page's stored sends",
     )
+    parser.add_argument(
+        "--pin-door",
+        action="store_true",
+        help="door on half the CPUs, engines/Cassandra/client on the rest, for the relay cost and after",
+    )
     parser.add_argument("--cost-plot", type=Path, default=ROOT / "docs" / "front_door_cost.png")
     parser.add_argument(
         "--cost-requests", type=int, default=200, help="requests a path for the cost per request (0: skip)"
@@ -911,6 +952,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
                 f"{args.tokens} tokens); shared 2-core machine: provisional",
             )
         pids = process_ids(launcher)
+        if args.pin_door:
+            pin_door(pids)
         if args.cost_streams:
             costs = asyncio.run(cost_levels(args, url, keys, pids))
             plot_cost(
