@@ -114,7 +114,7 @@ class LiveRun:
         """The event after ``position``; if it is a delta, with the deltas right after it (at most
         ``MAX_MERGED_DELTAS`` in all) merged into it."""
         events, last = self._events, position + 1
-        if not isinstance(events[position], tuple):
+        if last == len(events) or not isinstance(events[position], tuple):  # one waiting (keeping up)
             return self.event(last)
         limit = min(len(events), position + MAX_MERGED_DELTAS)
         while last < limit and isinstance(events[last], tuple):
