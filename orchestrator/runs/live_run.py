@@ -12,9 +12,10 @@ its text and count ~120, and every open stream holds every delta of its answer s
 
 A follower that asked to ``merge_deltas`` gets the deltas waiting when it reads as one event, numbered
 as the last of them. A follower wakes when the run appends, so one that keeps up gets each delta
-alone, when it is made; one that is behind (its client, or the box, slower than the run) gets one
-message where it would get several, which is what lets a saturated door relay more tokens. The relay
-appends all the tokens of a router frame at once, so a frame the router merged stays merged.
+alone, when it is made; one that is behind gets one message where it would get several. A stream is
+behind when it attaches to a run in progress, replays one, waits on a slow client, or when several
+tokens arrive in one router frame (the relay appends them at once). On a box whose engines share the
+door's cores no stream falls behind otherwise, so it did not lower the cost per token there (README).
 """
 
 from __future__ import annotations
