@@ -32,9 +32,11 @@ Then the hold ramp: the engines restart paced at ``--hold-tokens-per-s`` (slow s
 so what is measured is holding streams, not relaying tokens) with room to decode every stream of the
 largest level at once, and N streams of ``--hold-tokens`` tokens are opened through Envoy, all at once
 or ``--hold-open-rate`` a second, for N = ``--hold-start``, doubling, up to ``--hold-cap``: OpenAI SSE
-streams (``--hold-via sse``, browsers' door: Envoy -> edge -> Envoy -> orchestrator) or
+streams (``--hold-via sse``, browsers' door: Envoy -> edge -> Envoy -> orchestrator),
 ChatService.Complete calls over one gRPC connection (``--hold-via grpc``, internal services' door:
-Envoy -> orchestrator). A level is held when every stream got its first token while all N were open,
+Envoy -> orchestrator), or the chat page's stored sends (``--hold-via chat``, each in a chat of its own
+made before the level: what a stored run costs while it is open, checkpoints and the owner's watch for
+a remote end included; the orchestrators' Cassandra requests a second, by statement, are printed). A level is held when every stream got its first token while all N were open,
 and every one then finished with all its tokens and no error. The ramp stops at the first level that is
 not held. Each level reports the memory each process added per open stream (its peak resident size
 during the level less its size before it) and the cores each kept busy over the level. The SSE client
@@ -45,7 +47,7 @@ is a lean one (bench/sse_client.py): httpx's pool costs O(open streams) per new 
         [--cost-streams 10 50 100 200] [--cost-window-s 10] [--cost-path openai|chat] \
         [--cost-requests 200] [--cost-concurrency 10] \
         [--cost-request-tokens 8] [--hold-start 250] [--hold-cap 2000] [--hold-tokens 60] \
-        [--hold-via sse|grpc] [--hold-open-rate 0] \
+        [--hold-via sse|grpc|chat] [--hold-open-rate 0] \
         [--plot docs/front_door_latency.png] [--cost-plot docs/front_door_cost.png] [--warm-sends 6000]
 
 The plots need matplotlib (the ``bench`` extra: ``.venv/bin/pip install matplotlib==3.11.2``).
@@ -63,13 +65,15 @@ import sys
 import tempfile
 import time
 from bisect import bisect_right
-from collections.abc import AsyncIterator, Mapping
+from collections import Counter
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
 import grpc
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -425,9 +429,10 @@ async def hold_level(
     via: str = "sse",
     open_rate: float = 0.0,
     lag_ports: Mapping[str, int] | None = None,
+    chats: Sequence[str] = (),
 ) -> Held:
-    """Opens ``streams`` completions, along ``via`` (``sse``: the OpenAI route; ``grpc``: ChatService.Complete),
-    all at once or ``open_rate`` a second; each is timed from its first chunk to its end. The processes'
+    """Opens ``streams`` answers along ``via`` (``sse``: the OpenAI route; ``grpc``: ChatService.Complete;
+    ``chat``: a send in each of ``chats``), all at once or ``open_rate`` a second; each is timed from its first chunk to its end. The processes'
     resident memory is read every half second; its peak less the idle reading is the cost of the open
     streams. First chunks are timed from each stream's own opening. The services on ``lag_ports`` have
     their event loop lag read every LAG_EVERY_S."""
@@ -439,7 +444,11 @@ async def hold_level(
     waits: list[float] = []
     opened = answered = ended = 0
     timeline: list[LagPoint] = []
-    chunks = door.grpc_chunks if via == "grpc" else door.openai_chunks
+    chunks = {
+        "sse": door.openai_chunks,
+        "grpc": door.grpc_chunks,
+        "chat": lambda i, tokens: door.chat_chunks(i, chats[i], tokens),
+    }[via]
 
     async def watch_memory() -> None:
         nonlocal peak_usage
@@ -521,7 +530,12 @@ async def hold_ramp(
         levels.append(level)
         level *= 2
     levels.append(args.hold_cap)
-    path = "ChatService.Complete over gRPC" if args.hold_via == "grpc" else "OpenAI SSE streams"
+    path = {
+        "sse": "OpenAI SSE streams",
+        "grpc": "ChatService.Complete over gRPC",
+        "chat": "the chat page's stored sends (SSE)",
+    }[args.hold_via]
+    orchestrator_ports = {name: port for name, port in lag_ports.items() if name.startswith("orchestrator")}
     opening = f"{args.hold_open_rate:g} a second" if args.hold_open_rate else "all at once"
     print(
         f"\nhold ramp: {path} of {args.hold_tokens} tokens through Envoy, opened {opening}, null engines "
@@ -534,14 +548,16 @@ async def hold_ramp(
     try:
         # The restarted engines are back in the router once a few short streams get through.
         for _ in range(60):
-            if not (await hold_level(door, 4, 2, pids, args.hold_via)).errors:
+            if not (await hold_level(door, 4, 2, pids, "sse")).errors:
                 break
             await asyncio.sleep(0.5)
         for streams in levels:
             for i in range(streams):
                 door.auth(i)  # mint the tokens before the clock starts
+            chats = await door.new_chats(streams) if args.hold_via == "chat" else []
+            requests_before = await store_requests(orchestrator_ports)
             result = await hold_level(
-                door, streams, args.hold_tokens, pids, args.hold_via, args.hold_open_rate, lag_ports
+                door, streams, args.hold_tokens, pids, args.hold_via, args.hold_open_rate, lag_ports, chats
             )
             results.append(result)
             memory = " ".join(f"{result.bytes_per_stream.get(hop, 0) / 1024:.1f}" for hop in MEMORY_HOPS)
@@ -553,11 +569,41 @@ async def hold_ramp(
                 flush=True,
             )
             print_lag(result)
+            if args.hold_via == "chat":
+                print_store_requests(await store_requests(orchestrator_ports), requests_before, streams)
             if not result.held:
                 break
     finally:
         await door.close()
     return results
+
+
+DB_OPERATIONS = "db_client_operation_duration_seconds"
+
+
+async def store_requests(ports: Mapping[str, int]) -> Counter[str]:
+    """The Cassandra requests the orchestrators have made so far, by statement (memory_store's
+    db.client.operation.duration counts)."""
+    counts: Counter[str] = Counter()
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        for port in ports.values():
+            text = (await client.get(f"http://127.0.0.1:{port}/metrics")).text
+            for family in text_string_to_metric_families(text):
+                if family.name == DB_OPERATIONS:
+                    for sample in family.samples:
+                        if sample.name == f"{DB_OPERATIONS}_count":
+                            counts[sample.labels["db_operation_name"]] += int(sample.value)
+    return counts
+
+
+def print_store_requests(after: Counter[str], before: Counter[str], streams: int) -> None:
+    """The level's Cassandra requests by statement, in all and per stream."""
+    made = after - before
+    total = sum(made.values())
+    print(
+        f"        orchestrators' Cassandra requests over the level: {total:.0f} ({total / streams:.1f} a "
+        "stream); by statement: " + ", ".join(f"{name} {count:.0f}" for name, count in made.most_common(8))
+    )
 
 
 def print_lag(result: Held) -> None:
@@ -892,9 +938,10 @@ def main() -> None:
     parser.add_argument("--hold-tokens-per-s", type=float, default=1.0, help="engines' pace in the ramp")
     parser.add_argument(
         "--hold-via",
-        choices=("sse", "grpc"),
+        choices=("sse", "grpc", "chat"),
         default="sse",
-        help="the ramp's streams: the OpenAI SSE route (browsers' door) or gRPC Complete (services' door)",
+        help="the ramp's streams: the OpenAI SSE route (browsers' door), gRPC Complete (services' door), "
+        "or the chat page's stored sends",
     )
     parser.add_argument(
         "--hold-open-rate", type=float, default=0.0, help="streams the ramp opens a second (0: all at once)"
