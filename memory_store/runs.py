@@ -26,6 +26,11 @@ stale, for another replica to adopt (``adopt_run``: a conditional change of owne
 replica takes each run, and the one it was taken from can no longer finish it) or ``interrupt_run``.
 Every finish is conditional on the owner the finishing replica last saw: an owner that was only paused
 and wakes up after its run was adopted gets ``OwnerChanged`` instead of ending the adopter's run.
+
+Signals: a replica that ends another's run (a cancel) or adopts it tells the owner (``signal_owner``:
+a row in ``run_signals``, by the owner and ten seconds); the owner reads its last few partitions every
+few seconds (``signalled_runs``) and reads again only the runs named there, rather than each of its
+runs every few seconds.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from memory_store.models import (
     RunStatus,
     Usage,
 )
-from memory_store.schema import RUN_INDEX_BUCKET_SECONDS
+from memory_store.schema import RUN_INDEX_BUCKET_SECONDS, RUN_SIGNAL_BUCKET_SECONDS, RUN_SIGNAL_TTL_S
 from memory_store.usage import UsageMixin
 
 # The replica group of a deployment's orchestrators (one router pool): replicas adopt the runs of
@@ -134,6 +139,8 @@ STATEMENTS = {
         "DELETE FROM runs_by_owner WHERE owner_id = ? AND bucket = ? AND run_id = ?", True
     ),
     "owner_index_scan": Cql("SELECT run_id FROM runs_by_owner WHERE owner_id = ? AND bucket = ?", True),
+    "signal_insert": Cql("INSERT INTO run_signals (owner_id, bucket, run_id) VALUES (?, ?, ?)", True),
+    "signal_scan": Cql("SELECT run_id FROM run_signals WHERE owner_id = ? AND bucket = ?", True),
     "replica_heartbeat": Cql(
         "INSERT INTO replicas (service, replica_id, heartbeat_at) VALUES (?, ?, ?) USING TTL ?", True
     ),
@@ -607,6 +614,27 @@ class RunsMixin(MessagesMixin, UsageMixin):
         if not rows or rows[0]["status"] is None:
             return None, rows
         return _run(run_key, rows[0]), rows
+
+    async def signal_owner(self, run: Run, at: datetime | None = None) -> None:
+        """Tells replica ``run.owner_id`` to read ``run`` again (another replica ended or adopted it),
+        at ``at`` (default now). The signal lives RUN_SIGNAL_TTL_S."""
+        if not run.owner_id:
+            raise InvalidArgument("a run needs an owner id")
+        bucket = micros(at or now()) // 1_000_000 // RUN_SIGNAL_BUCKET_SECONDS
+        await self._db.execute("signal_insert", (run.owner_id, bucket, parse_id(run.run_id, "run id")))
+
+    async def signalled_runs(self, owner_id: str, since: datetime, until: datetime) -> set[str]:
+        """The ids of the runs signalled to ``owner_id`` (``signal_owner``) from ``since`` to ``until``, by
+        the signalling replica's clock, in steps of RUN_SIGNAL_BUCKET_SECONDS (a few more may come
+        from either end). The caller widens the window by the clock skew it allows between replicas."""
+        first = micros(since) // 1_000_000 // RUN_SIGNAL_BUCKET_SECONDS
+        last = micros(until) // 1_000_000 // RUN_SIGNAL_BUCKET_SECONDS
+        if not 0 <= last - first < RUN_SIGNAL_TTL_S // RUN_SIGNAL_BUCKET_SECONDS:
+            raise InvalidArgument(f"signals are read over at most {RUN_SIGNAL_TTL_S}s, oldest first")
+        scans = await asyncio.gather(
+            *(self._db.execute("signal_scan", (owner_id, bucket)) for bucket in range(first, last + 1))
+        )
+        return {str(row["run_id"]) for rows in scans for row in rows}
 
     async def heartbeat_replica(
         self, replica_id: str, at: datetime | None = None, group: str = ORCHESTRATOR

@@ -37,6 +37,10 @@ from memory_store.db import Db
 
 BUCKET_SECONDS = 86_400
 RUN_INDEX_BUCKET_SECONDS = 60
+# run_signals: a partition holds what one replica was told in ten seconds, and a row lives ten minutes
+# (its reader reads the last few partitions, so it never reads an expired row).
+RUN_SIGNAL_BUCKET_SECONDS = 10
+RUN_SIGNAL_TTL_S = 600
 
 DDL_TIMEOUT_S = 60.0
 
@@ -210,6 +214,20 @@ MIGRATIONS: tuple[Migration, ...] = (
                 chat_id timeuuid,
                 title text,
                 PRIMARY KEY ((user_id, key)))""",
+        ),
+    ),
+    Migration(
+        6,
+        "run signals: the runs another replica ended or adopted, for their owner to read again",
+        (
+            # runs.py, signal_owner: an owner reads one partition a few seconds instead of each run.
+            f"""CREATE TABLE IF NOT EXISTS run_signals (
+                owner_id text,
+                bucket bigint,
+                run_id timeuuid,
+                PRIMARY KEY ((owner_id, bucket), run_id))
+              WITH default_time_to_live = {RUN_SIGNAL_TTL_S}
+              AND gc_grace_seconds = {RUN_SIGNAL_TTL_S}""",
         ),
     ),
 )

@@ -263,6 +263,7 @@ class Runs:
         run = await self.store.adopt_run(orphan, replica_id)
         if run is None:
             return False
+        await self._signal_owner(orphan)  # in case it was only paused: it must stop generating
         try:
             output = await self.store.read_run_output(run.user_id, run.run_id)
         except Exception:
@@ -318,6 +319,10 @@ class Runs:
                 await self.store.finish_run(run, _interrupted(live.last_seq))
             return
         await self._relay(Relay(self.deps, live, stream, frame, run, time.monotonic()))
+
+    def relays(self) -> list[Relay]:
+        """The runs this replica relays now."""
+        return list(self._relays.values())
 
     def is_running(self, run_id: str) -> bool:
         """Whether the run is generating here (not ended, not handed over)."""
@@ -395,8 +400,8 @@ class Runs:
         if run.status.terminal:
             return convert.run(run)
         # Another replica generates it. Its next checkpoint holds what it streamed until now; then
-        # ending the run here wins the run's one conditional finish, and the owner sees the end
-        # within a couple of seconds and stops its engine work.
+        # ending the run here wins the run's one conditional finish, and the owner, signalled, sees the
+        # end within a couple of seconds and stops its engine work (remote_ends.py).
         run = await self._next_checkpoint(run)
         if run.status.terminal:
             return convert.run(run)
@@ -406,7 +411,19 @@ class Runs:
                 status=RunStatus.CANCELLED, last_seq=run.last_seq, finish_reason=FinishReason.CANCELLED
             ),
         )
+        if ended.applied:
+            await self._signal_owner(run)
         return convert.run(ended.run)
+
+    async def _signal_owner(self, run: Run) -> None:
+        """Tells ``run``'s owner that this replica ended or adopted it. A signal lost here costs the
+        owner's engine work until its next sweep reads the run (a minute at most), nothing more: the
+        run's stored state is what counts."""
+        try:
+            async with asyncio.timeout(self.config.store_deadline_s):
+                await self.store.signal_owner(run)
+        except (MemoryStoreError, TimeoutError) as exc:
+            log.warning("could not signal replica %s about run %s: %s", run.owner_id, run.run_id, exc)
 
     async def _next_checkpoint(self, run: Run) -> Run:
         """The run once its owner checkpointed again (or ended), or as it is if no checkpoint comes

@@ -9,9 +9,9 @@ It runs in the run's task, which belongs to the replica, not to a client: stream
 freely. The router's token frames are relayed where they arrive, on the router link's reading task
 (``GenerateStream.frames``), so a token wakes no task of the run's: only the streams following it.
 It stops early only for ``cancel()`` (CancelRun), output moderation, a run ended elsewhere (a
-cancel that reached another replica), a run adopted elsewhere, or replica shutdown. Each of those
-sends the router a cancel frame, so engine work is freed at once; if the router does not confirm in
-time, the call itself is cancelled.
+cancel that reached another replica) or adopted elsewhere (``remote_ends.py`` watches for both), or
+replica shutdown. Each of those sends the router a cancel frame, so engine work is freed at once; if
+the router does not confirm in time, the call itself is cancelled.
 
 Every delta of a stored run is a function of the tokens alone (one per token that releases text,
 carrying the tokens since the one before; ``chatmesh.token_text``), never of how the engine or router
@@ -71,9 +71,6 @@ def usage_settled_after_s(config: RunConfig) -> float:
     return 2 * config.max_run_s + FINISH_RETRY_S
 
 
-# How often the owner of a stored run checks whether someone else ended it (a cancel on another replica)
-# or adopted it (this replica was taken for dead).
-REMOTE_END_POLL_S = 2.0
 # How many times one answer goes on through another router after its router failed mid-stream.
 MAX_ROUTER_FAILOVERS = 3
 # What a router call ending in these means: the router (or the way to it) failed, not the request.
@@ -182,7 +179,6 @@ class Relay:
         """Relays the router's frames into the run's events until the run ends; stores and publishes
         the end, and returns it."""
         METRICS.active_runs.inc()
-        watcher = None
         if self.stored_run is not None:
             config = self.deps.config
             self._checkpointer = Checkpointer(
@@ -192,7 +188,6 @@ class Relay:
                 config.checkpoint_interval_ms / 1000,
                 config.store_deadline_s,
             )
-            watcher = asyncio.create_task(self._watch_remote_end())
         finished = None
         error: ServiceError | None = None
         try:
@@ -235,8 +230,6 @@ class Relay:
             error = from_exception(exc)
             self.stream.abort()
         finally:
-            if watcher is not None:
-                watcher.cancel()
             self.stream.close()
         if finished is None and error is None and self.stop_reason is None:
             error = unavailable("the router ended the stream before the answer finished; retry", 1.0)
@@ -287,22 +280,6 @@ class Relay:
             )
         if self._checkpointer is not None:
             self._checkpointer.add(RunDelta(seq, text, len(covered), covered))
-
-    async def _watch_remote_end(self) -> None:
-        """Stops the run if another replica ended it (CancelRun there) or adopted it (it took this one
-        for dead: a long pause, a partition)."""
-        assert self.stored_run is not None
-        while True:
-            await asyncio.sleep(REMOTE_END_POLL_S)
-            with contextlib.suppress(MemoryStoreError, TimeoutError):
-                async with asyncio.timeout(self.deps.config.store_deadline_s):
-                    run = await self.deps.store.get_run(self.live.info.user_id, self.live.info.run_id)
-                if run.status.terminal:
-                    self.stop(Stop.CANCELLED)
-                    return
-                if run.owner_id != self.stored_run.owner_id:
-                    self.stop(Stop.SUPERSEDED)
-                    return
 
     # -- the end --------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ checkpoint with the run's stored request and seed, so clients resuming from thei
 number on any replica get the rest of the answer, and the stored answer is the streamed one. A run
 that cannot be continued (stored before runs kept their request) is ended as INTERRUPTED with its
 checkpointed output, as before. An owner that was only paused, not dead, finds its run adopted and
-leaves it (``Stop.SUPERSEDED``).
+leaves it (``Stop.SUPERSEDED``): the adopter signals it, and its watch over its runs
+(``runs/remote_ends.py``, a pass every SIGNAL_POLL_S) reads the run again and finds the new owner.
 
 A replica shutting down hands its unfinished runs over: once their output is checkpointed, its last
 heartbeat is dated to the epoch (``leave``), so the other replicas' next pass adopts them at once
@@ -27,6 +28,7 @@ from memory_store.store import MemoryStore
 from orchestrator.config import RunConfig
 from orchestrator.metrics import METRICS
 from orchestrator.runs.lifecycle import Runs
+from orchestrator.runs.remote_ends import SIGNAL_POLL_S, RemoteEnds
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class Replica:
         self._tasks: list[asyncio.Task[None]] = []
         # Adoptions at once (each a conditional write and a read; the run's placement is its own task).
         self._adopting = asyncio.Semaphore(16)
+        self.remote_ends = RemoteEnds(store, replica_id, runs.relays, config.store_deadline_s)
 
     async def join(self) -> None:
         """Heartbeats once (before taking work) and starts the periodic loops."""
@@ -56,6 +59,7 @@ class Replica:
             ),
             asyncio.create_task(self._every(self.config.reap_interval_s, self.reap), name="reaper"),
             asyncio.create_task(self._every(1.0, self._sweep), name="sweep"),
+            asyncio.create_task(self._every(SIGNAL_POLL_S, self.remote_ends.poll), name="remote-ends"),
         ]
 
     async def leave(self, handed_over: int) -> None:

@@ -459,3 +459,36 @@ async def test_usage_is_per_run_and_idempotent(memory_store):
     assert window.start <= now() < window.end
     assert (await memory_store.get_usage(user, at=now() - timedelta(days=1))).runs == 0
     assert (await memory_store.get_usage(new_user())).usage == Usage()
+
+
+async def test_a_signal_reaches_its_owner_in_its_window_and_no_one_else(memory_store):
+    user = new_user()
+    owner, other = f"replica-owner-{user}", f"replica-other-{user}"
+    chat = await memory_store.create_chat(user, "signalled")
+    cancelled, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=owner)
+    adopted, _ = await start_run(memory_store, user, chat.chat_id, "q2", owner=owner)
+    quiet, _ = await start_run(memory_store, user, chat.chat_id, "q3", owner=owner)
+    at = now()
+    await memory_store.signal_owner(cancelled, at=at)
+    await memory_store.signal_owner(adopted, at=at + timedelta(seconds=30))
+    # Signalled twice (a retried write): still one row.
+    await memory_store.signal_owner(adopted, at=at + timedelta(seconds=30))
+
+    window = await memory_store.signalled_runs(owner, at - timedelta(seconds=1), at + timedelta(seconds=40))
+    assert window == {cancelled.run_id, adopted.run_id}
+    assert quiet.run_id not in window
+    assert (
+        await memory_store.signalled_runs(owner, at - timedelta(seconds=60), at - timedelta(seconds=20))
+        == set()
+    )
+    later = await memory_store.signalled_runs(owner, at + timedelta(seconds=25), at + timedelta(seconds=35))
+    assert later == {adopted.run_id}
+    assert (
+        await memory_store.signalled_runs(other, at - timedelta(seconds=1), at + timedelta(seconds=40))
+        == set()
+    )
+    # A window past what signals live is refused, as is one that ends before it starts.
+    with pytest.raises(InvalidArgument):
+        await memory_store.signalled_runs(owner, at - timedelta(hours=1), at)
+    with pytest.raises(InvalidArgument):
+        await memory_store.signalled_runs(owner, at, at - timedelta(seconds=30))
