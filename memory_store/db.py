@@ -15,6 +15,7 @@ surface as ``errors.Unavailable``. Each request is a client span and an observat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -75,10 +76,13 @@ _tracer = trace.get_tracer("memory_store")
 
 @dataclass(frozen=True)
 class Cql:
-    """A statement to prepare, and whether running it twice leaves the same state as running it once."""
+    """A statement to prepare, and whether running it twice leaves the same state as running it once.
+    ``traced=False``: its requests make no span (its duration metric is kept), for writes made on a
+    timer that would crowd a request's trace (a running answer's checkpoint, once a second)."""
 
     text: str
     idempotent: bool
+    traced: bool = True
 
 
 class IdempotentOnlyRetryPolicy(RetryPolicy):
@@ -133,6 +137,7 @@ class Db:
         self.request_timeout_s = request_timeout_s
         self.keyspace = ""
         self.q: dict[str, PreparedStatement] = {}
+        self._untraced: set[str] = set()
 
     @classmethod
     async def connect(
@@ -195,6 +200,7 @@ class Db:
         names = list(statements)
         prepared = await asyncio.gather(*(asyncio.to_thread(prepare_one, statements[n]) for n in names))
         self.q.update(zip(names, prepared, strict=True))
+        self._untraced.update(name for name in names if not statements[name].traced)
 
     async def write(self, groups: Sequence[Sequence[Write]]) -> None:
         """Applies the groups concurrently, each at once: a group of one statement as itself, a larger
@@ -259,8 +265,7 @@ class Db:
             query.consistency_level = consistency
         started = time.perf_counter()
         error = ""
-        attributes = {"db.system.name": "cassandra", "db.operation.name": name, "db.namespace": self.keyspace}
-        with _tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes):
+        with self._span(name):
             try:
                 return await self._execute(query, params, timeout_s or self.request_timeout_s)
             except BaseException as exc:
@@ -268,6 +273,12 @@ class Db:
                 raise
             finally:
                 OPERATION_SECONDS.labels("cassandra", name, error).observe(time.perf_counter() - started)
+
+    def _span(self, name: str) -> contextlib.AbstractContextManager[object]:
+        if name in self._untraced:
+            return contextlib.nullcontext()
+        attributes = {"db.system.name": "cassandra", "db.operation.name": name, "db.namespace": self.keyspace}
+        return _tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes)
 
     async def _execute(
         self, query: Statement, params: Sequence[Any], timeout_s: float, host: Host | None = None

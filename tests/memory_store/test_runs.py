@@ -6,7 +6,11 @@ from datetime import timedelta
 
 import pytest
 from cassandra.query import SimpleStatement
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from memory_store import db
 from memory_store.base import now
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged
 from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
@@ -492,3 +496,22 @@ async def test_a_signal_reaches_its_owner_in_its_window_and_no_one_else(memory_s
         await memory_store.signalled_runs(owner, at - timedelta(hours=1), at)
     with pytest.raises(InvalidArgument):
         await memory_store.signalled_runs(owner, at, at - timedelta(seconds=30))
+
+
+async def test_a_checkpoint_is_counted_but_makes_no_span_and_a_read_makes_one(memory_store, monkeypatch):
+    # A running answer checkpoints once a second: a span each would crowd its send's trace.
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    monkeypatch.setattr(db, "_tracer", provider.get_tracer("test"))
+    user = new_user()
+    chat = await memory_store.create_chat(user, "traced")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "q")
+    before = operations_counted()
+    spans.clear()
+
+    await memory_store.checkpoint_run(run, deltas(2, "a", "b"))
+    await memory_store.get_run(user, run.run_id)
+
+    assert [s.name for s in spans.get_finished_spans()] == ["run_get"]
+    assert requests_sent(before) == {"run_checkpoint": 1, "run_get": 1}
