@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ from prometheus_client import Histogram
 
 from memory_store.errors import Unavailable
 from memory_store.security import CassandraSecurity
+
+log = logging.getLogger(__name__)
 
 Row = dict[str, Any]
 # A named prepared statement and its values.
@@ -244,6 +247,60 @@ class Db:
         batch.is_idempotent = True
         return await self.execute(batch, operation="+".join(name for name, _ in statements))
 
+    async def write_unlogged(
+        self, writes: Sequence[Write], max_batch_bytes: int, max_partitions: int
+    ) -> list[bool]:
+        """Applies independent writes, each idempotent and each to a partition of its own, in as few
+        requests as Cassandra takes well: the writes whose partitions the same nodes hold go as unlogged
+        batches (the coordinator, one of those nodes, applies each write as a request of its own would,
+        with no batchlog), at most ``max_partitions`` and ``max_batch_bytes`` each, all batches at once.
+        Returns whether each write was applied (a failed batch's were not, or not surely: retry them).
+
+        One request instead of one per write: the driver's cost per request (a future, a query plan,
+        a frame, a callback) is most of a small write's CPU in the writing process."""
+        by_replicas: dict[frozenset[Host], list[int]] = {}
+        bound = [self.q[name].bind(params) for name, params in writes]
+        for i, statement in enumerate(bound):
+            replicas = frozenset(self.cluster.metadata.get_replicas(self.keyspace, statement.routing_key))
+            by_replicas.setdefault(replicas, []).append(i)
+        batches: list[list[int]] = []
+        for members in by_replicas.values():
+            batch: list[int] = []
+            size = 0
+            for i in members:
+                write_bytes = _value_bytes([writes[i]])
+                if batch and (len(batch) == max_partitions or size + write_bytes > max_batch_bytes):
+                    batches.append(batch)
+                    batch, size = [], 0
+                batch.append(i)
+                size += write_bytes
+            batches.append(batch)
+        names = {name for name, _ in writes}
+        traced = not names <= self._untraced
+
+        async def apply(members: list[int]) -> bool:
+            statement: Statement = bound[members[0]]
+            operation = writes[members[0]][0]
+            if len(members) > 1:
+                operation = f"{'+'.join(sorted(names))} (unlogged batch)"
+                statement = BatchStatement(batch_type=BatchType.UNLOGGED)
+                for i in members:
+                    statement.add(bound[i])
+                statement.is_idempotent = True
+            try:
+                await self.execute(statement, operation=operation, traced=traced)
+            except Exception as exc:  # its writes stay the caller's to retry
+                log.warning("%s of %d writes failed: %s", operation, len(members), exc)
+                return False
+            return True
+
+        applied = [False] * len(writes)
+        outcomes = await asyncio.gather(*(apply(members) for members in batches))
+        for members, ok in zip(batches, outcomes, strict=True):
+            for i in members:
+                applied[i] = ok
+        return applied
+
     async def execute(
         self,
         statement: str | Statement,
@@ -252,10 +309,12 @@ class Db:
         operation: str | None = None,
         timeout_s: float | None = None,
         consistency: int | None = None,
+        traced: bool = True,
     ) -> list[Row]:
         """Runs a named prepared statement (or a given statement) and returns its rows.
 
-        ``operation`` names it in metrics and traces (default: the prepared statement's name).
+        ``operation`` names it in metrics and traces (default: the prepared statement's name);
+        ``traced=False``: no span (neither is there for a statement prepared with ``Cql.traced=False``).
         """
         if isinstance(statement, str):
             name, query, params = operation or statement, self.q[statement].bind(params), ()
@@ -265,7 +324,7 @@ class Db:
             query.consistency_level = consistency
         started = time.perf_counter()
         error = ""
-        with self._span(name):
+        with self._span(name, traced and name not in self._untraced):
             try:
                 return await self._execute(query, params, timeout_s or self.request_timeout_s)
             except BaseException as exc:
@@ -274,8 +333,8 @@ class Db:
             finally:
                 OPERATION_SECONDS.labels("cassandra", name, error).observe(time.perf_counter() - started)
 
-    def _span(self, name: str) -> contextlib.AbstractContextManager[object]:
-        if name in self._untraced:
+    def _span(self, name: str, traced: bool) -> contextlib.AbstractContextManager[object]:
+        if not traced:
             return contextlib.nullcontext()
         attributes = {"db.system.name": "cassandra", "db.operation.name": name, "db.namespace": self.keyspace}
         return _tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes)

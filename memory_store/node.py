@@ -202,6 +202,9 @@ concurrent_compactors: 1
 # A send stores its question and its run in one logged batch across partitions, up to the store's
 # --cassandra-max-batch-bytes (40 KiB): no warning below the fail threshold (50 KiB, the default).
 batch_size_warn_threshold: 48KiB
+# Running answers' checkpoints go as unlogged batches of up to 64 runs whose partitions the same nodes
+# hold (memory_store's checkpoint_runs): no warning for those.
+unlogged_batch_across_partitions_warn_threshold: 64
 # A new cluster: no 4.x nodes to stay compatible with; Paxos v2 (fewer round trips per LWT).
 storage_compatibility_mode: NONE
 paxos_variant: v2

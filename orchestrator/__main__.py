@@ -34,6 +34,7 @@ from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.policy.moderation import create_moderator
 from orchestrator.prompting.prompter import Prompter
 from orchestrator.router_client import RouterClient
+from orchestrator.runs.checkpoints import CheckpointWriter
 from orchestrator.runs.context import RunContext
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.runs.relay import RelayDeps, usage_settled_after_s
@@ -100,7 +101,13 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
         log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
 
     model = config.default_model or tokenizer.model_name
-    deps = RelayDeps(store, create_moderator(config.moderation), config.runs, router)
+    checkpoints = CheckpointWriter(
+        store,
+        config.runs.checkpoint_events,
+        config.runs.checkpoint_interval_ms / 1000,
+        config.runs.store_deadline_s,
+    )
+    deps = RelayDeps(store, create_moderator(config.moderation), config.runs, router, checkpoints)
     budgets = Budgets(store, config.budgets, usage_settled_after_s(config.runs))
     runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs), tokenizer.fingerprint)
     summary_config = config.summaries
@@ -154,6 +161,7 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
     finally:
         drained = await asyncio.gather(*shutdown, return_exceptions=True)
         handed_over = sum(n for n in drained if isinstance(n, int)) + await runs.shutdown(0.0)
+        await checkpoints.close()
         await jobs.close()
         await replica.leave(handed_over)
         await router.close()

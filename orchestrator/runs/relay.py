@@ -1,7 +1,7 @@
 """The relay of one run: router frames in, run events out, and the run's end stored exactly once.
 
     router tokens ─► output moderation ─► delta event (seq n) ─► LiveRun (streams follow it)
-                                                          └──► Checkpointer ─► Cassandra (behind)
+                                                          └──► RunCheckpoints ─► Cassandra (behind)
     router finished / error / cancel ─► finish_run (tail + usage + status, one conditional batch)
                                      ─► usage + done (or error) events ─► LiveRun ends
 
@@ -54,7 +54,7 @@ from orchestrator.errors import from_downstream, from_exception
 from orchestrator.metrics import METRICS
 from orchestrator.policy.moderation import Moderator
 from orchestrator.router_client import GenerateStream, RouterClient, RouterError, continued
-from orchestrator.runs.checkpoints import Checkpointer
+from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints
 from orchestrator.runs.live_run import LiveRun
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 
@@ -122,6 +122,7 @@ class RelayDeps:
     moderator: Moderator
     config: RunConfig
     router: RouterClient
+    checkpoints: CheckpointWriter
 
 
 class Relay:
@@ -155,7 +156,7 @@ class Relay:
         self._output_ids = array("I", start.resumed_output_token_ids)
         self._unsent_ids: list[int] = []
         self._first_delta_at: float | None = None
-        self._checkpointer: Checkpointer | None = None
+        self._checkpointer: RunCheckpoints | None = None
         self._ended = asyncio.Event()
 
     def stop(self, reason: Stop) -> None:
@@ -180,14 +181,7 @@ class Relay:
         the end, and returns it."""
         METRICS.active_runs.inc()
         if self.stored_run is not None:
-            config = self.deps.config
-            self._checkpointer = Checkpointer(
-                self.deps.store,
-                self.stored_run,
-                config.checkpoint_events,
-                config.checkpoint_interval_ms / 1000,
-                config.store_deadline_s,
-            )
+            self._checkpointer = self.deps.checkpoints.open(self.stored_run)
         finished = None
         error: ServiceError | None = None
         try:

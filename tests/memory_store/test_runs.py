@@ -515,3 +515,35 @@ async def test_a_checkpoint_is_counted_but_makes_no_span_and_a_read_makes_one(me
 
     assert [s.name for s in spans.get_finished_spans()] == ["run_get"]
     assert requests_sent(before) == {"run_checkpoint": 1, "run_get": 1}
+
+
+async def test_several_runs_checkpoints_go_in_one_request_and_each_reads_back(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "checkpointed together")
+    runs = [(await start_run(memory_store, user, chat.chat_id, f"q{i}"))[0] for i in range(5)]
+    before = operations_counted()
+
+    stored = await memory_store.checkpoint_runs(
+        [(run, deltas(2, f"run {i} ", "says")) for i, run in enumerate(runs)]
+    )
+
+    assert stored == [True] * 5
+    assert requests_sent(before) == {"run_checkpoint (unlogged batch)": 1}
+    for i, run in enumerate(runs):
+        output = await memory_store.read_run_output(user, run.run_id)
+        assert [(d.seq, d.text) for d in output] == [(2, f"run {i} "), (3, "says")]
+        assert (await memory_store.get_run(user, run.run_id)).last_seq == 3
+
+
+async def test_unlogged_writes_are_split_by_partitions_and_bytes(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "split")
+    runs = [(await start_run(memory_store, user, chat.chat_id, f"q{i}"))[0] for i in range(5)]
+    writes = [memory_store._checkpoint(run, deltas(2, "x" * 100)) for run in runs]
+    before = operations_counted()
+
+    assert await memory_store._db.write_unlogged(writes, 64 * 1024, max_partitions=2) == [True] * 5
+    assert sum(requests_sent(before).values()) == 3  # 2 + 2 + 1
+    before = operations_counted()
+    assert await memory_store._db.write_unlogged(writes, 0, max_partitions=64) == [True] * 5
+    assert requests_sent(before) == {"run_checkpoint": 5}  # no room for two: each alone
