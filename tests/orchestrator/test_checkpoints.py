@@ -7,26 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime
 
-from memory_store.models import Run, RunDelta, RunStatus
+from memory_store.models import Run, RunDelta
 from orchestrator.runs.checkpoints import CheckpointWriter
+from tests.fixtures.runs import stored_run
 
 INTERVAL_S = 0.05
-
-
-def run(run_id: str) -> Run:
-    return Run(
-        run_id=run_id,
-        user_id="user-1",
-        chat_id="chat-1",
-        parent_message_id="m-1",
-        assistant_message_id="m-2",
-        model="model",
-        owner_id="replica-a",
-        status=RunStatus.IN_PROGRESS,
-        created_at=datetime(2026, 1, 1, tzinfo=UTC),
-    )
 
 
 def delta(seq: int) -> RunDelta:
@@ -64,7 +50,7 @@ def writer(store: Store, every_events: int = 32) -> CheckpointWriter:
 async def test_every_runs_new_deltas_go_in_one_call_each_interval_in_order() -> None:
     store = Store()
     checkpoints = writer(store)
-    runs = [checkpoints.open(run(f"run-{i}")) for i in range(3)]
+    runs = [checkpoints.open(stored_run(f"run-{i}")) for i in range(3)]
     for seq in range(2, 5):
         for each in runs:
             each.add(delta(seq))
@@ -80,7 +66,7 @@ async def test_every_runs_new_deltas_go_in_one_call_each_interval_in_order() -> 
 async def test_a_run_with_every_events_waiting_is_written_at_once() -> None:
     store = Store()
     checkpoints = CheckpointWriter(store, 3, interval_s=60.0, deadline_s=1.0)
-    busy, quiet = checkpoints.open(run("busy")), checkpoints.open(run("quiet"))
+    busy, quiet = checkpoints.open(stored_run("busy")), checkpoints.open(stored_run("quiet"))
     quiet.add(delta(2))
     for seq in range(2, 5):
         busy.add(delta(seq))
@@ -94,7 +80,7 @@ async def test_a_failed_write_keeps_its_deltas_for_the_next_pass() -> None:
     store = Store()
     store.failing = {"run-1"}
     checkpoints = writer(store)
-    flaky = checkpoints.open(run("run-1"))
+    flaky = checkpoints.open(stored_run("run-1"))
     flaky.add(delta(2))
     await store.until(lambda: len(store.calls) == 1)
     store.failing = set()
@@ -109,7 +95,7 @@ async def test_close_waits_for_a_write_in_flight_and_returns_only_what_it_did_no
     store = Store()
     store.gate = asyncio.Event()
     checkpoints = writer(store)
-    answer = checkpoints.open(run("run-1"))
+    answer = checkpoints.open(stored_run("run-1"))
     answer.add(delta(2))
     await store.until(lambda: len(store.calls) == 1)  # the pass is in flight, held at the gate
     answer.add(delta(3))
@@ -126,7 +112,7 @@ async def test_close_waits_for_a_write_in_flight_and_returns_only_what_it_did_no
 async def test_a_run_handed_over_stores_what_is_left_before_it_goes() -> None:
     store = Store()
     checkpoints = CheckpointWriter(store, 32, interval_s=60.0, deadline_s=1.0)
-    answer = checkpoints.open(run("run-1"))
+    answer = checkpoints.open(stored_run("run-1"))
     for seq in range(2, 6):
         answer.add(delta(seq))
     assert await answer.close(flush_within_s=1.0) == []

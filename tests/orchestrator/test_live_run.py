@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
-from memory_store.models import FinishReason, Run, RunDelta, RunStatus, Usage
+from memory_store.models import FinishReason, RunDelta, RunStatus, Usage
 from orchestrator.runs.live_run import MAX_MERGED_DELTAS, LiveRun, RunInfo, merged_delta
 from orchestrator.runs.replay import INTERRUPTED_CODE, started_event, terminal_events
+from tests.fixtures.runs import stored_run
 
 
 def live_run(max_tokens: int = 100, max_subscribers: int = 4) -> LiveRun:
@@ -120,29 +120,15 @@ async def test_the_buffer_is_bounded_by_max_tokens_and_followers_by_the_subscrib
     assert caught.value.code.name == "RESOURCE_EXHAUSTED"
 
 
-def stored_run(status: RunStatus, last_seq: int, **fields: object) -> Run:
-    return Run(
-        run_id="r",
-        user_id="u",
-        chat_id="c",
-        parent_message_id="p",
-        assistant_message_id="a",
-        model="m",
-        owner_id="o",
-        status=status,
-        created_at=datetime.now(UTC),
-        last_seq=last_seq,
-        **fields,
-    )
-
-
 def deltas(count: int) -> list[RunDelta]:
     return [RunDelta(seq, f"t{seq}", 1) for seq in range(2, count + 2)]
 
 
 def test_a_run_its_owner_finished_replays_with_the_owners_numbering() -> None:
     # started 1, deltas 2..6, usage 7, done 8: the owner stored last_seq 8.
-    run = stored_run(RunStatus.COMPLETED, 8, finish_reason=FinishReason.STOP, usage=Usage(10, 0, 5))
+    run = stored_run(
+        status=RunStatus.COMPLETED, last_seq=8, finish_reason=FinishReason.STOP, usage=Usage(10, 0, 5)
+    )
     events = [
         started_event(run),
         *(merged_delta(d.seq, [(d.text, d.token_count)]) for d in deltas(5)),
@@ -151,7 +137,7 @@ def test_a_run_its_owner_finished_replays_with_the_owners_numbering() -> None:
     assert [e.seq for e in events] == list(range(1, 9))
     assert events[-2].usage.completion_tokens == 5
     assert events[-1].done.finish_reason == chat_pb2.FINISH_REASON_STOP
-    assert events[-1].done.assistant_message_id == "a"
+    assert events[-1].done.assistant_message_id == "answer-1"
     # A client that saw the usage event gets only the done event.
     assert [e.seq for e in terminal_events(run, deltas(5), 7)] == [8]
     assert terminal_events(run, deltas(5), 8) == []
@@ -159,12 +145,12 @@ def test_a_run_its_owner_finished_replays_with_the_owners_numbering() -> None:
 
 def test_an_interrupted_run_ends_after_whatever_the_client_saw() -> None:
     # Checkpointed through seq 6; the client had seen seq 9 before the owner was lost.
-    run = stored_run(RunStatus.INTERRUPTED, 6, finish_reason=FinishReason.ERROR)
+    run = stored_run(status=RunStatus.INTERRUPTED, last_seq=6, finish_reason=FinishReason.ERROR)
     assert [(e.seq, e.error.code) for e in terminal_events(run, deltas(5), 9)] == [(10, INTERRUPTED_CODE)]
     assert [e.seq for e in terminal_events(run, deltas(5), 3)] == [7]
 
 
 def test_a_failed_run_without_output_has_no_answer_to_point_to() -> None:
-    run = stored_run(RunStatus.CANCELLED, 1, finish_reason=FinishReason.CANCELLED)
+    run = stored_run(status=RunStatus.CANCELLED, last_seq=1, finish_reason=FinishReason.CANCELLED)
     [done] = terminal_events(run, [], 0)
     assert done.seq == 2 and done.done.assistant_message_id == ""

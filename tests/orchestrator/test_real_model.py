@@ -14,7 +14,6 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, answer_text, collect, read_until
 
-
 SENDS_TO_FIND_A_LONG_ANSWER = 5
 
 
@@ -70,7 +69,9 @@ async def test_a_sampled_answer_adopted_after_its_replica_died_goes_on_token_for
             chat = await on_victim.create_chat()
             seen = await read_until(
                 on_victim.send(
-                    chat.chat_id, "Write a long story about a dragon who learns to bake bread.", options=options
+                    chat.chat_id,
+                    "Write a long story about a dragon who learns to bake bread.",
+                    options=options,
                 ),
                 40,
             )

@@ -13,22 +13,7 @@ from memory_store.errors import Unavailable
 from memory_store.models import Run, RunStatus
 from orchestrator.runs.relay import Stop
 from orchestrator.runs.remote_ends import CLOCK_SKEW_S, READ_GAP_S, SIGNAL_POLL_S, SWEEP_S, RemoteEnds
-
-OWNER = "replica-a"
-
-
-def stored(run_id: str) -> Run:
-    return Run(
-        run_id=run_id,
-        user_id="user-1",
-        chat_id="chat-1",
-        parent_message_id="m-1",
-        assistant_message_id="m-2",
-        model="model",
-        owner_id=OWNER,
-        status=RunStatus.IN_PROGRESS,
-        created_at=datetime(2026, 1, 1, tzinfo=UTC),
-    )
+from tests.fixtures.runs import OWNER, stored_run
 
 
 @dataclasses.dataclass
@@ -45,9 +30,9 @@ class Live:
 class Held:
     """What RemoteEnds sees of a Relay."""
 
-    def __init__(self, run_id: str, stored_run: bool = True) -> None:
+    def __init__(self, run_id: str, stored: bool = True) -> None:
         self.live = Live(Info(run_id))
-        self.stored_run = stored(run_id) if stored_run else None
+        self.stored_run = stored_run(run_id) if stored else None
         self.stop_reason: Stop | None = None
 
     def stop(self, reason: Stop) -> None:
@@ -106,7 +91,7 @@ def watch(store: Store, held: list[Held], clocks: Clocks) -> RemoteEnds:
 
 def holding(store: Store, *run_ids: str) -> list[Held]:
     for run_id in run_ids:
-        store.runs[run_id] = stored(run_id)
+        store.runs[run_id] = stored_run(run_id)
     return [Held(run_id) for run_id in run_ids]
 
 
@@ -114,8 +99,8 @@ async def test_only_the_signalled_runs_are_read_and_each_is_stopped_as_its_state
     store = Store()
     cancelled, adopted, quiet = held = holding(store, "run-cancelled", "run-adopted", "run-quiet")
     ends = watch(store, held, clocks)
-    store.runs["run-cancelled"] = dataclasses.replace(stored("run-cancelled"), status=RunStatus.CANCELLED)
-    store.runs["run-adopted"] = dataclasses.replace(stored("run-adopted"), owner_id="replica-b")
+    store.runs["run-cancelled"] = dataclasses.replace(stored_run("run-cancelled"), status=RunStatus.CANCELLED)
+    store.runs["run-adopted"] = dataclasses.replace(stored_run("run-adopted"), owner_id="replica-b")
     store.signals = {"run-cancelled", "run-adopted", "run-of-another-replica"}
 
     clocks.advance(SIGNAL_POLL_S)
@@ -159,7 +144,7 @@ async def test_signals_not_read_are_read_in_the_next_pass(clocks: Clocks) -> Non
     clocks.advance(SIGNAL_POLL_S)
     await ends.poll()  # nothing read, nothing raised
     store.down = False
-    store.runs["run-1"] = dataclasses.replace(stored("run-1"), status=RunStatus.CANCELLED)
+    store.runs["run-1"] = dataclasses.replace(stored_run("run-1"), status=RunStatus.CANCELLED)
     store.signals = {"run-1"}
     clocks.advance(SIGNAL_POLL_S)
     await ends.poll()
@@ -177,7 +162,7 @@ async def test_every_run_is_read_once_a_sweep_even_unsignalled(clocks: Clocks) -
     clocks.advance(SIGNAL_POLL_S)
     await ends.poll()  # first seen: not read yet
     first_seen = clocks.mono
-    store.runs["run-2"] = dataclasses.replace(stored("run-2"), status=RunStatus.CANCELLED)
+    store.runs["run-2"] = dataclasses.replace(stored_run("run-2"), status=RunStatus.CANCELLED)
     while clocks.mono < first_seen + SWEEP_S - SIGNAL_POLL_S:
         clocks.advance(SIGNAL_POLL_S)
         await ends.poll()
@@ -196,7 +181,7 @@ async def test_after_a_long_gap_every_run_is_read_rather_than_the_gaps_signals(c
     store = Store()
     held = holding(store, "run-1", "run-2")
     ends = watch(store, held, clocks)
-    store.runs["run-1"] = dataclasses.replace(stored("run-1"), owner_id="replica-b")
+    store.runs["run-1"] = dataclasses.replace(stored_run("run-1"), owner_id="replica-b")
     clocks.advance(READ_GAP_S + 1)
     await ends.poll()
     assert store.windows == []
@@ -211,7 +196,7 @@ async def test_runs_not_stored_or_already_stopping_are_not_watched(clocks: Clock
     store = Store()
     stopping = Held("run-stopping")
     stopping.stop_reason = Stop.CANCELLED
-    held = [Held("run-complete", stored_run=False), stopping]
+    held = [Held("run-complete", stored=False), stopping]
     ends = watch(store, held, clocks)
     store.signals = {"run-complete", "run-stopping"}
     clocks.advance(READ_GAP_S + 1)
