@@ -269,20 +269,26 @@ class Door:
                 elif line.startswith("data: ") and event == "error":
                     raise StreamFailedError(line[6:])
 
-    async def cancel_runs(self) -> None:
-        """Cancels the runs of the chat sends made so far (a run that ended meanwhile stays as it is). A
-        saturated door may time a cancel out (504): it is tried again, as cancelling twice is harmless."""
+    async def cancel_runs(self) -> Counter[str]:
+        """Cancels the runs of the chat sends made so far (a run that ended meanwhile stays as it is), all
+        at once. Returns how the cancels were answered: the run's status (``cancelling``: stopped, its end
+        not yet stored when the answer was due), and each refusal (5xx), which is tried again a second
+        later, as cancelling twice is harmless."""
         runs, self._runs = self._runs, {}
+        answers: Counter[str] = Counter()
 
         async def cancel(i: int, run: str) -> None:
             for attempt in range(1, CANCEL_TRIES + 1):
                 reply = await self.http.post(f"/v1/runs/{run}/cancel", headers=self.auth(i))
                 if reply.status_code < 500 or attempt == CANCEL_TRIES:
                     reply.raise_for_status()
+                    answers[reply.json()["status"]] += 1
                     return
+                answers[f"HTTP {reply.status_code} (tried again)"] += 1
                 await asyncio.sleep(1.0)
 
         await asyncio.gather(*(cancel(i, run) for i, run in runs.items()))
+        return answers
 
     async def new_chats(self, count: int) -> list[str]:
         async def create(i: int) -> str:
@@ -684,6 +690,7 @@ class Cost:
     tokens_per_s: float  # tokens the client received per second in the window
     tokens_per_event: float  # tokens per chunk or delta it received then (over 1: the door merged them)
     us_per_token: dict[str, float]  # CPU microseconds per relayed token, by hop
+    cancels: Counter[str]  # how the cancels of a chat level's runs were answered (Door.cancel_runs)
 
     @property
     def door_us(self) -> float:
@@ -737,11 +744,10 @@ async def relay_cost(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await door.cancel_runs()  # a chat's run goes on when its stream is dropped
+        cancels = await door.cancel_runs()  # a chat's run goes on when its stream is dropped
     cpu = by_hop(after.cpu_since(before))
-    return Cost(
-        streams, relayed / elapsed, per_event, {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()}
-    )
+    us_per_token = {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()}
+    return Cost(streams, relayed / elapsed, per_event, us_per_token, cancels)
 
 
 async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> list[Cost]:
@@ -773,6 +779,8 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
                 f"{us.get('cassandra', 0):>9.1f} {cost.tokens_per_event:>9.2f}",
                 flush=True,
             )
+            if cost.cancels:
+                print(f"{'':>7} cancels answered: {dict(cost.cancels.most_common())}", flush=True)
             await asyncio.sleep(2.0)  # the cancelled runs end before the next level
     finally:
         await door.close()

@@ -23,6 +23,7 @@ RUN_STATUSES = {
     chat_pb2.RUN_STATUS_CANCELLED: "cancelled",
     chat_pb2.RUN_STATUS_FAILED: "failed",
     chat_pb2.RUN_STATUS_INTERRUPTED: "interrupted",
+    chat_pb2.RUN_STATUS_CANCELLING: "cancelling",
 }
 
 

@@ -157,7 +157,7 @@ async def _send(
     previous = body.previous_response_id
     if previous:
         run = await _owned_run(orchestrator, caller, previous, "previous_response_id")
-        if run.status == chat_pb2.RUN_STATUS_IN_PROGRESS:
+        if run.status in (chat_pb2.RUN_STATUS_IN_PROGRESS, chat_pb2.RUN_STATUS_CANCELLING):
             raise _bad(
                 "previous_response_id", f"response {previous!r} is still in progress; wait for it to end"
             )

@@ -10,6 +10,7 @@ stops it); a Complete whose client cancels is cancelled with it (nobody could re
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -39,6 +40,17 @@ DEFAULT_UNARY_DEADLINE_S = 30.0
 DEADLINE_MARGIN_S = 0.1
 
 
+# When the unary call being handled must have been answered (the loop's clock): a handler that would
+# rather answer with what it has than not at all reads it (``_answer_within_s``).
+_call_ends_at: contextvars.ContextVar[float] = contextvars.ContextVar("call_ends_at")
+# The way back to a caller behind Envoy and the edge, through loops that may lag under load.
+ANSWER_MARGIN_S = 0.5
+
+
+def _answer_within_s() -> float:
+    return max(0.0, _call_ends_at.get() - asyncio.get_running_loop().time() - ANSWER_MARGIN_S)
+
+
 async def _identity(service: ChatService, context: grpc.aio.ServicerContext) -> Identity:
     try:
         return service.verifier.identity_from_metadata(context.invocation_metadata())
@@ -56,8 +68,10 @@ def unary(method: Callable[[Any, Identity, Any], Awaitable[Any]]):
     async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         identity = await _identity(self, context)
         remaining = context.time_remaining()
+        budget_s = min(remaining or DEFAULT_UNARY_DEADLINE_S, DEFAULT_UNARY_DEADLINE_S)
+        _call_ends_at.set(asyncio.get_running_loop().time() + budget_s)
         try:
-            async with asyncio.timeout(min(remaining or DEFAULT_UNARY_DEADLINE_S, DEFAULT_UNARY_DEADLINE_S)):
+            async with asyncio.timeout(budget_s):
                 return await method(self, identity, request)
         except Exception as exc:
             await _abort(context, exc)
@@ -165,7 +179,7 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         limits.check_id(request.chat_id, "chat_id")
         await self.store.delete_chat(identity.user_id, request.chat_id)
         # Nobody can read the answer any more: free its engine work.
-        await self.runs.cancel_chat(identity.user_id, request.chat_id)
+        self.runs.cancel_chat(identity.user_id, request.chat_id)
         return chat_pb2.DeleteChatResponse()
 
     @unary
@@ -217,7 +231,8 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
     @unary
     async def CancelRun(self, identity: Identity, request: chat_pb2.CancelRunRequest):
         limits.check_id(request.run_id, "run_id")
-        return chat_pb2.CancelRunResponse(run=await self.runs.cancel(identity.user_id, request.run_id))
+        run = await self.runs.cancel(identity.user_id, request.run_id, _answer_within_s())
+        return chat_pb2.CancelRunResponse(run=run)
 
     # -- models and usage -----------------------------------------------------------------------
 

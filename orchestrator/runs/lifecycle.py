@@ -381,20 +381,25 @@ class Runs:
 
     # -- cancelling -----------------------------------------------------------------------------
 
-    async def cancel(self, user_id: str, run_id: str) -> chat_pb2.Run:
-        """Stops the run at once; a finished run is left as it is. A deleted chat's run is NOT_FOUND."""
+    async def cancel(self, user_id: str, run_id: str, answer_within_s: float) -> chat_pb2.Run:
+        """Stops the run at once; a finished run is left as it is. A deleted chat's run is NOT_FOUND.
+
+        Answers with the run's end once it is stored; a run of this replica whose end takes longer
+        than ``answer_within_s`` (the caller's deadline, less the way back) is answered CANCELLING
+        instead: it emits nothing more, and its end is stored after the answer."""
         live = self._local(user_id, run_id)
         chat_id = live.info.chat_id if live is not None else (await self._stored(user_id, run_id)).chat_id
         await self._check_chat_kept(user_id, chat_id, run_id)
-        return await self._cancel(user_id, run_id)
+        return await self._cancel(user_id, run_id, answer_within_s)
 
-    async def _cancel(self, user_id: str, run_id: str) -> chat_pb2.Run:
+    async def _cancel(self, user_id: str, run_id: str, answer_within_s: float) -> chat_pb2.Run:
         live = self._local(user_id, run_id)
         if live is not None:
             relay = self._relays.get(run_id)
             if relay is not None:
                 relay.stop(Stop.CANCELLED)
-                await relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)
+                longest_s = self.config.cancel_timeout_s + self.config.store_deadline_s
+                await relay.wait(min(answer_within_s, longest_s))
             return _live_proto(live)
         run = await self._stored(user_id, run_id)
         if run.status.terminal:
@@ -437,11 +442,11 @@ class Runs:
                 return latest
         return run
 
-    async def cancel_chat(self, user_id: str, chat_id: str) -> None:
-        """Stops this replica's runs of a chat (it was deleted)."""
-        for live in list(self._live.values()):
-            if live.info.user_id == user_id and live.info.chat_id == chat_id and not live.finished:
-                await self._cancel(user_id, live.info.run_id)
+    def cancel_chat(self, user_id: str, chat_id: str) -> None:
+        """Stops this replica's runs of a chat (it was deleted: nobody waits for their ends)."""
+        for relay in list(self._relays.values()):
+            if relay.live.info.user_id == user_id and relay.live.info.chat_id == chat_id:
+                relay.stop(Stop.CANCELLED)
 
     # -- upkeep ---------------------------------------------------------------------------------
 

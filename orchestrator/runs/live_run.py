@@ -128,6 +128,12 @@ class LiveRun:
             if isinstance(kept, tuple):
                 yield seq, *kept
 
+    def cancelling(self) -> None:
+        """CancelRun stopped the run: no output follows, and until its end is stored it reads as
+        CANCELLING."""
+        if not self.finished:
+            self.status = chat_pb2.RUN_STATUS_CANCELLING
+
     def finish(self, status: chat_pb2.RunStatus) -> None:
         """The run has ended: followers get the remaining events, then their streams end."""
         self.status = status
@@ -138,6 +144,7 @@ class LiveRun:
         """The run goes on on another replica: followers get the events here, then UNAVAILABLE, and
         resume from their last sequence number wherever their next call lands."""
         self.handed_over = True
+        self.status = chat_pb2.RUN_STATUS_IN_PROGRESS  # there (a cancel here lost to the adopter)
         self.finished_at = time.monotonic()
         self._changed.notify()
 

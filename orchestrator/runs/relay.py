@@ -164,6 +164,8 @@ class Relay:
         if self.stop_reason is not None or self.live.finished:
             return
         self.stop_reason = reason
+        if reason is Stop.CANCELLED:
+            self.live.cancelling()
         self.stream.cancel()
         # The router confirms with a final frame; if it does not, the call is cut.
         asyncio.get_running_loop().call_later(self.deps.config.cancel_timeout_s, self.stream.abort)

@@ -4,6 +4,7 @@ sequence number (live, finished, and on another replica), cancel stops at once, 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from chatmesh.chat.v1 import chat_pb2
 from tests.fixtures.orchestrator import (
     ChatClient,
     Mesh,
+    MeshFactory,
     OrchestratorProcess,
     answer_text,
     collect,
@@ -180,6 +182,44 @@ async def test_cancel_stops_the_run_at_once_frees_the_engine_and_keeps_what_was_
     # Cancelling a finished run changes nothing.
     again = (await client.call("CancelRun", chat_pb2.CancelRunRequest(run_id=run_id))).run
     assert again.status == chat_pb2.RUN_STATUS_CANCELLED and again.last_seq == run[-1].seq
+
+
+async def test_a_cancel_whose_end_outlasts_the_callers_deadline_answers_cancelling_in_time(
+    start_mesh: MeshFactory, connect: Callable[..., ChatClient]
+) -> None:
+    # A mesh of its own: its router is paused below, which holds the run's end (the relay waits for
+    # the router to confirm the cancel). Its engine's load reports may pause that long.
+    mesh = start_mesh(
+        1, "null", engine_flags={"null_tokens_per_s": 200}, router_flags={"load_interval_ms": 300}
+    )
+    client = connect(mesh.orchestrator.address)
+    chat = await client.create_chat()
+    call = long_send(client, chat.chat_id, 3000)
+    head = await read_until(call, 6)
+    run_id = head[0].started.run_id
+    cancel = chat_pb2.CancelRunRequest(run_id=run_id)
+
+    mesh.launcher.signal(mesh.router_name, signal.SIGSTOP)
+    try:
+        asked = time.monotonic()
+        answered = (await client.stub.CancelRun(cancel, metadata=client.metadata(), timeout=3.0)).run
+        assert time.monotonic() - asked < 3.0
+        assert answered.status == chat_pb2.RUN_STATUS_CANCELLING
+        got = (await client.call("GetRun", chat_pb2.GetRunRequest(run_id=run_id))).run
+        assert got.status == chat_pb2.RUN_STATUS_CANCELLING and got.last_seq == answered.last_seq
+    finally:
+        mesh.launcher.signal(mesh.router_name, signal.SIGCONT)
+
+    rest = await asyncio.wait_for(collect(call), 30)
+    run = head + rest
+    assert kinds(run)[-2:] == ["usage", "done"]
+    assert run[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
+    assert [event.seq for event in run if event.HasField("delta")][-1] <= answered.last_seq  # none after it
+    ended = await wait_for_status(client, run_id, chat_pb2.RUN_STATUS_CANCELLED)
+    assert ended.last_seq == run[-1].seq
+    answer = (await chat_messages(client, chat.chat_id))[-1]
+    assert answer.content == answer_text(run) and answer.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
+    assert mesh.engine_requests() == 0
 
 
 async def test_a_cancel_reaching_another_replica_stops_the_owner(

@@ -34,6 +34,7 @@ class RunStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATUS_CANCELLED: _ClassVar[RunStatus]
     RUN_STATUS_FAILED: _ClassVar[RunStatus]
     RUN_STATUS_INTERRUPTED: _ClassVar[RunStatus]
+    RUN_STATUS_CANCELLING: _ClassVar[RunStatus]
 ROLE_UNSPECIFIED: Role
 ROLE_USER: Role
 ROLE_ASSISTANT: Role
@@ -50,6 +51,7 @@ RUN_STATUS_COMPLETED: RunStatus
 RUN_STATUS_CANCELLED: RunStatus
 RUN_STATUS_FAILED: RunStatus
 RUN_STATUS_INTERRUPTED: RunStatus
+RUN_STATUS_CANCELLING: RunStatus
 
 class Chat(_message.Message):
     __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id")

@@ -220,7 +220,9 @@ class ChatServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CancelRun(self, request, context):
-        """CancelRun stops a run at once and frees its engine work. Cancelling a finished run is a no-op.
+        """CancelRun stops a run at once (no output follows) and frees its engine work. It answers with the
+        run's end once that is stored, or with RUN_STATUS_CANCELLING if storing it outlasts the call's
+        deadline (GetRun and StreamRun show the end once stored). Cancelling a finished run is a no-op.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
