@@ -386,15 +386,11 @@ class Runs:
 
         Answers with the run's end once it is stored; a run of this replica whose end takes longer
         than ``answer_within_s`` (the caller's deadline, less the way back) is answered CANCELLING
-        instead: it emits nothing more, and its end is stored after the answer."""
-        live = self._local(user_id, run_id)
-        chat_id = live.info.chat_id if live is not None else (await self._stored(user_id, run_id)).chat_id
-        await self._check_chat_kept(user_id, chat_id, run_id)
-        return await self._cancel(user_id, run_id, answer_within_s)
-
-    async def _cancel(self, user_id: str, run_id: str, answer_within_s: float) -> chat_pb2.Run:
+        instead: it emits nothing more, and its end is stored after the answer. Another replica's run
+        is ended in Cassandra after its owner's next checkpoint, waited for half that time at most."""
         live = self._local(user_id, run_id)
         if live is not None:
+            await self._check_chat_kept(user_id, live.info.chat_id, run_id)
             relay = self._relays.get(run_id)
             if relay is not None:
                 relay.stop(Stop.CANCELLED)
@@ -402,12 +398,13 @@ class Runs:
                 await relay.wait(min(answer_within_s, longest_s))
             return _live_proto(live)
         run = await self._stored(user_id, run_id)
+        await self._check_chat_kept(user_id, run.chat_id, run_id)
         if run.status.terminal:
             return convert.run(run)
         # Another replica generates it. Its next checkpoint holds what it streamed until now; then
         # ending the run here wins the run's one conditional finish, and the owner, signalled, sees the
         # end within a couple of seconds and stops its engine work (remote_ends.py).
-        run = await self._next_checkpoint(run)
+        run = await self._next_checkpoint(run, answer_within_s / 2)
         if run.status.terminal:
             return convert.run(run)
         ended = await self.store.finish_run(
@@ -430,11 +427,12 @@ class Runs:
         except (MemoryStoreError, TimeoutError) as exc:
             log.warning("could not signal replica %s about run %s: %s", run.owner_id, run.run_id, exc)
 
-    async def _next_checkpoint(self, run: Run) -> Run:
+    async def _next_checkpoint(self, run: Run, longest_s: float) -> Run:
         """The run once its owner checkpointed again (or ended), or as it is if no checkpoint comes
-        within a few checkpoint intervals (nothing new was generated)."""
+        within a few checkpoint intervals (nothing new was generated) or ``longest_s`` (the rest of the
+        call's time is the cancel's own)."""
         interval_s = self.config.checkpoint_interval_ms / 1000
-        deadline = time.monotonic() + max(1.0, 3 * interval_s)
+        deadline = time.monotonic() + min(longest_s, max(1.0, 3 * interval_s))
         while time.monotonic() < deadline:
             await asyncio.sleep(interval_s / 2)
             latest = await self.store.get_run(run.user_id, run.run_id)
