@@ -144,7 +144,6 @@ class LiveRun:
         """The run goes on on another replica: followers get the events here, then UNAVAILABLE, and
         resume from their last sequence number wherever their next call lands."""
         self.handed_over = True
-        self.status = chat_pb2.RUN_STATUS_IN_PROGRESS  # there (a cancel here lost to the adopter)
         self.finished_at = time.monotonic()
         self._changed.notify()
 
