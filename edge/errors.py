@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 # the transport's text, and how soon to retry.
 UNREACHABLE_MESSAGE = "the chat service cannot be reached right now; retry in a moment"
 UNREACHABLE_RETRY_S = 1.0
+# A call the chat service shed before taking it: gRPC ends a call that waited longer than the server's
+# --max-pending-s CANCELLED, without details. Overload, not a cancel (the edge's own cancels answer no
+# one), and the call never ran, so it is safe to retry.
+BUSY_MESSAGE = "the chat service is too busy to take this request; retry in a moment"
 
 
 @dataclass(eq=False)  # exceptions must stay hashable
@@ -80,9 +84,14 @@ def from_rpc_error(error: grpc.RpcError) -> ApiError:
     """The HTTP error for a failed orchestrator call: Retry-After from its retry delay, and an
     INVALID_ARGUMENT refined to 413 for a size limit or to name the field at fault (``param``)."""
     parsed = parse(error)
-    if parsed.code == grpc.StatusCode.UNAVAILABLE and not from_a_service(error):
-        log.warning("chat service unreachable: %s", parsed.message)
-        parsed.message, parsed.retry_after_s = UNREACHABLE_MESSAGE, UNREACHABLE_RETRY_S
+    if not from_a_service(error):
+        if parsed.code == grpc.StatusCode.UNAVAILABLE:
+            log.warning("chat service unreachable: %s", parsed.message)
+            parsed.message, parsed.retry_after_s = UNREACHABLE_MESSAGE, UNREACHABLE_RETRY_S
+        elif parsed.code == grpc.StatusCode.CANCELLED:
+            log.warning("chat service shed a call: %s", parsed.message)
+            parsed.code, parsed.message = grpc.StatusCode.UNAVAILABLE, BUSY_MESSAGE
+            parsed.retry_after_s = UNREACHABLE_RETRY_S
     api_error = from_status(parsed.code, parsed.message, parsed.retry_after_s)
     if parsed.code != grpc.StatusCode.INVALID_ARGUMENT:
         return api_error

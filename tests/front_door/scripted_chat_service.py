@@ -140,6 +140,8 @@ class Failure:
     bad_field: str | None = None
     # How many calls fail before the method works again (None: all of them, until the block ends).
     times: int | None = None
+    # Fail as gRPC itself or a proxy would (no status details): a shed call, a reset stream.
+    transport: bool = False
 
 
 @dataclass
@@ -235,6 +237,8 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
 
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, failure: Failure) -> None:
+        if failure.transport:
+            await context.abort(failure.code, failure.message)
         if failure.retry_after_s is not None:
             await abort(context, ServiceError(failure.code, failure.message, failure.retry_after_s))
         status = status_pb2.Status(code=failure.code.value[0], message=failure.message)

@@ -165,6 +165,29 @@ def test_grpc_status_maps_to_http_status(
         assert error["param"] == "title"
 
 
+@pytest.mark.parametrize(
+    ("code", "says"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "cannot be reached"),  # no replica up, a connection reset
+        (grpc.StatusCode.CANCELLED, "too busy"),  # shed by gRPC after waiting past --max-pending-s
+    ],
+    ids=lambda v: getattr(v, "name", None) or str(v),
+)
+def test_a_status_from_the_transport_is_a_503_to_retry_without_the_transports_text(
+    front_door: ScriptedFrontDoor, client: httpx.Client, chat_id: str, code, says
+):
+    transport_text = "Socket closed by 10.0.0.7:50050"
+    with front_door.scripted.failing("CreateChat", code, transport_text, transport=True):
+        reply = client.post("/v1/chats", json={})
+    error = assert_json_error(reply, 503)
+    assert says in error["message"] and "10.0.0.7" not in error["message"]
+    assert error["code"] == "unavailable" and reply.headers["retry-after"] == "1"
+    # A stream refused before its first event says the same, as an HTTP status.
+    with front_door.scripted.failing("SendMessage", code, transport_text, transport=True):
+        reply = client.post(f"/v1/chats/{chat_id}/messages", json={"content": "hi"})
+    assert says in assert_json_error(reply, 503)["message"] and reply.headers["retry-after"] == "1"
+
+
 def test_internal_errors_do_not_leak_details(front_door: ScriptedFrontDoor, client: httpx.Client):
     with front_door.scripted.failing("CreateChat", grpc.StatusCode.INTERNAL, "NullPointer at db.py:12"):
         reply = client.post("/v1/chats", json={})
