@@ -222,6 +222,23 @@ async def test_a_cancel_whose_end_outlasts_the_callers_deadline_answers_cancelli
     assert mesh.engine_requests() == 0
 
 
+async def test_deleting_a_chat_stops_its_running_answer_and_frees_the_engine(
+    client: ChatClient, mesh: Mesh
+) -> None:
+    chat = await client.create_chat()
+    call = long_send(client, chat.chat_id, 3000)
+    head = await read_until(call, 6)
+    run_id = head[0].started.run_id
+
+    await client.call("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=chat.chat_id))
+    rest = await asyncio.wait_for(collect(call), 10)
+    assert rest[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
+    assert mesh.engine_requests() == 0  # the router confirmed the cancel before the end was stored
+    with pytest.raises(grpc.aio.AioRpcError) as gone:
+        await client.call("GetRun", chat_pb2.GetRunRequest(run_id=run_id))
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 async def test_a_cancel_reaching_another_replica_stops_the_owner(
     client: ChatClient, replica_b: OrchestratorProcess, connect: Callable[..., ChatClient]
 ) -> None:
