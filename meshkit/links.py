@@ -1,6 +1,6 @@
-"""Many requests on one ``GenerateMany`` stream: the router's to each engine (engine.v1), the
-orchestrator's to each router (router.v1). The client holds a ``Link``; the server serves each call
-with a ``ServedRequests``.
+"""Many requests on one ``…Many`` stream: the router's to each engine (engine.v1's GenerateMany), the
+orchestrator's to each router (router.v1's), the edge's Complete calls to the orchestrators (chat.v1's
+CompleteMany). The client holds a ``Link``; the server serves each call with a ``ServedRequests``.
 
     callers ─ open / cancel / release ─► Link ─ one message a loop turn ─► ServedRequests ─► work
     callers ◄── each request's feed ◄─── Link ◄── one message a server turn, every request's frames
@@ -37,7 +37,7 @@ import grpc
 from google.protobuf.message_factory import GetMessageClass
 from opentelemetry import trace
 
-from chatmesh.errors import ServiceError, from_status, parse, unavailable
+from chatmesh.errors import ServiceError, from_status, parse
 from chatmesh.streams import MISUSE, Arrivals
 from chatmesh.token_text import coalesced
 from meshkit.telemetry import request_span
@@ -62,17 +62,21 @@ class LinkMessages:
 
     @classmethod
     def of(cls, pb2: ModuleType) -> LinkMessages:
-        """Those of a generated module (both services name them alike; router.v1 reuses engine.v1's
-        GenerateFailed)."""
+        """Those of a generated module's service, read from its ``…Many`` method (engine.v1's and
+        router.v1's GenerateMany, chat.v1's CompleteMany): its request and response, their `frames`, a
+        frame's `cancel` and `failed`. The spans are named for the call each request stands for."""
         [service] = pb2.DESCRIPTOR.services_by_name.values()
+        [method] = [m for m in service.methods if m.name.endswith("Many") and m.client_streaming]
+        frame = method.input_type.fields_by_name["frames"].message_type
+        response_frame = method.output_type.fields_by_name["frames"].message_type
         return cls(
-            pb2.GenerateManyRequest,
-            pb2.RequestFrame,
-            pb2.GenerateCancel,
-            pb2.GenerateManyResponse,
-            pb2.ResponseFrame,
-            GetMessageClass(pb2.ResponseFrame.DESCRIPTOR.fields_by_name["failed"].message_type),
-            f"{service.full_name}/Generate",
+            GetMessageClass(method.input_type),
+            GetMessageClass(frame),
+            GetMessageClass(frame.fields_by_name["cancel"].message_type),
+            GetMessageClass(method.output_type),
+            GetMessageClass(response_frame),
+            GetMessageClass(response_frame.fields_by_name["failed"].message_type),
+            f"{service.full_name}/{method.name.removesuffix('Many')}",
         )
 
 
@@ -113,6 +117,11 @@ class RequestFeed(Arrivals[Any]):
         super().add(_own(frame))
         if kind == "finished":
             self.end()
+
+
+class LinkBroken(ServiceError):
+    """How a request ends when its stream ends under it (the peer died, the connection dropped, a proxy
+    reset it): UNAVAILABLE from the transport, not a status the peer chose."""
 
 
 def _own(frame: Any) -> Any:
@@ -156,6 +165,11 @@ class _Stream:
             message.frames.append(frame)
             size += grows
         self._outbox.put_nowait(message)
+
+    def half_close(self) -> None:
+        """Ends the request side once the frames queued so far have gone out: the peer ends the call
+        when it has ended every request on it."""
+        asyncio.get_running_loop().call_soon(self._outbox.put_nowait, None)
 
     def end(self) -> None:
         """The call is over: its request side ends too."""
@@ -216,6 +230,15 @@ class Link:
         stream = self._requests.pop(request_id, None)
         if stream is not None:
             del stream.feeds[request_id]
+            if stream is not self._stream and not stream.feeds:
+                stream.half_close()
+
+    def renew(self) -> None:
+        """New requests go on a new stream (the peer refused one as it drains, and the next stream may
+        reach another replica); the current one carries its requests to their end, then ends."""
+        stream, self._stream = self._stream, None
+        if stream is not None and not stream.feeds:
+            stream.half_close()
 
     def close(self) -> None:
         """Ends the stream now (the peer is gone): its requests fail with UNAVAILABLE."""
@@ -223,7 +246,7 @@ class Link:
             self._stream.call.cancel()
 
     async def _read(self, stream: _Stream) -> None:
-        error = unavailable(f"the stream to {self.peer} ended")
+        error: ServiceError = LinkBroken(grpc.StatusCode.UNAVAILABLE, f"the stream to {self.peer} ended")
         try:
             async for message in stream.call:
                 for frame in message.frames:
@@ -235,7 +258,7 @@ class Link:
                     else:
                         feed.add(frame)
         except grpc.aio.AioRpcError as exc:
-            error = unavailable(f"the stream to {self.peer} failed: {parse(exc)}")
+            error = LinkBroken(grpc.StatusCode.UNAVAILABLE, f"the stream to {self.peer} failed: {parse(exc)}")
         finally:
             stream.end()
             with contextlib.suppress(Exception):

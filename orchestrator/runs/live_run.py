@@ -21,20 +21,18 @@ door's cores no stream falls behind otherwise, so it did not lower the cost per 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import exhausted, unavailable
+from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from chatmesh.streams import Wakeup
 from orchestrator.metrics import METRICS
 
 # started + usage + done, or started + error.
 _FRAME_EVENTS = 3
-# The most deltas one merged delta carries: a stream that attaches to a long answer gets what was made
-# so far in a few messages whose size does not grow with max_tokens.
-MAX_MERGED_DELTAS = 256
 
 
 @dataclass(frozen=True)
@@ -178,12 +176,3 @@ class LiveRun:
 
     def text(self) -> str:
         return "".join(text for _, text, _ in self.deltas())
-
-
-def merged_delta(last_seq: int, deltas: Sequence[tuple[str, int]]) -> chat_pb2.RunEvent:
-    """Consecutive deltas, given as (text, token count) and ending at ``last_seq``, as one event."""
-    if len(deltas) == 1:
-        text, token_count = deltas[0]
-    else:
-        text, token_count = "".join(text for text, _ in deltas), sum(count for _, count in deltas)
-    return chat_pb2.RunEvent(seq=last_seq, delta=chat_pb2.Delta(text=text, token_count=token_count))

@@ -17,10 +17,10 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from memory_store.models import Run, RunDelta, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator import convert
-from orchestrator.runs.live_run import MAX_MERGED_DELTAS, merged_delta
 
 INTERRUPTED_CODE = "ABORTED"
 INTERRUPTED_MESSAGE = (

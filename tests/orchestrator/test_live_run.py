@@ -8,8 +8,9 @@ import pytest
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
+from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from memory_store.models import FinishReason, RunDelta, RunStatus, Usage
-from orchestrator.runs.live_run import MAX_MERGED_DELTAS, LiveRun, RunInfo, merged_delta
+from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.replay import INTERRUPTED_CODE, started_event, terminal_events
 from tests.fixtures.runs import stored_run
 
