@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.gguf_header import read_gguf_metadata
 from chatmesh.identity import TokenVerifier
 from chatmesh.limits import Generation
@@ -28,6 +28,7 @@ from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
 from meshkit import event_loop, serving, telemetry
 from orchestrator import config as configuration
+from orchestrator.api.completion_link import CompletionLinkService
 from orchestrator.api.service import ChatService
 from orchestrator.config import OrchestratorConfig
 from orchestrator.policy.admission import Budgets, RunSlots
@@ -142,19 +143,25 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
     prompter = Prompter(store, tokenizer, config.prompt, context_window)
     ctx = RunContext(config, store, runs, prompter, deps.moderator, upkeep, model)
     service = ChatService(ctx, budgets, router, context_window, verifier)
+    completion_link = CompletionLinkService(ctx, verifier)
     replica = Replica(config.replica_id, config.replica_group, store, runs, config.runs)
     await replica.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
 
     def add_services(server: grpc.aio.Server) -> list[str]:
         chat_pb2_grpc.add_ChatServiceServicer_to_server(service, server)
-        return [chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name]
+        completion_link_pb2_grpc.add_CompletionLinkServiceServicer_to_server(completion_link, server)
+        return [
+            chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name,
+            completion_link_pb2.DESCRIPTOR.services_by_name["CompletionLinkService"].full_name,
+        ]
 
     shutdown: list[asyncio.Task[int]] = []
 
     async def on_drain() -> None:
         # Runs get most of the grace period; what is left lets their last events reach clients.
         shutdown.append(asyncio.create_task(runs.shutdown(max(0.0, args.drain_grace_s - 1.0))))
+        completion_link.drain()
 
     try:
         await serving.serve("orchestrator", args, add_services, on_drain=on_drain)

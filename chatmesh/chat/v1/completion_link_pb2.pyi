@@ -1,0 +1,77 @@
+from chatmesh.chat.v1 import chat_pb2 as _chat_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CompleteManyRequest(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[CompleteRequestFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[CompleteRequestFrame, _Mapping]]] = ...) -> None: ...
+
+class CompleteRequestFrame(_message.Message):
+    __slots__ = ("request_id", "start", "cancel", "trace_context", "timeout_ms")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start: CompleteStart
+    cancel: CompleteCancel
+    trace_context: _containers.ScalarMap[str, str]
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[_Union[CompleteStart, _Mapping]] = ..., cancel: _Optional[_Union[CompleteCancel, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class CompleteStart(_message.Message):
+    __slots__ = ("request_id", "authorization", "request")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    authorization: str
+    request: _chat_pb2.CompleteRequest
+    def __init__(self, request_id: _Optional[str] = ..., authorization: _Optional[str] = ..., request: _Optional[_Union[_chat_pb2.CompleteRequest, _Mapping]] = ...) -> None: ...
+
+class CompleteCancel(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CompleteManyResponse(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[CompleteResponseFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[CompleteResponseFrame, _Mapping]]] = ...) -> None: ...
+
+class CompleteResponseFrame(_message.Message):
+    __slots__ = ("request_id", "event", "finished", "failed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    event: _chat_pb2.RunEvent
+    finished: CompleteFinished
+    failed: CompleteFailed
+    def __init__(self, request_id: _Optional[str] = ..., event: _Optional[_Union[_chat_pb2.RunEvent, _Mapping]] = ..., finished: _Optional[_Union[CompleteFinished, _Mapping]] = ..., failed: _Optional[_Union[CompleteFailed, _Mapping]] = ...) -> None: ...
+
+class CompleteFinished(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CompleteFailed(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: bytes
+    def __init__(self, status: _Optional[bytes] = ...) -> None: ...

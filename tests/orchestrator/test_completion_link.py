@@ -1,0 +1,142 @@
+"""CompletionLinkService: many Complete calls on one CompleteMany stream, through real processes (the
+orchestrator, a router, null engines, Cassandra), each request keeping a Complete call's contract."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2, completion_link_pb2, completion_link_pb2_grpc
+from chatmesh.errors import ServiceError
+from meshkit.links import Link, LinkBroken, LinkMessages, RequestFeed
+from tests.fixtures.identity import bearer
+from tests.fixtures.orchestrator import ChatClient, Mesh, collect, new_user
+
+pytestmark = pytest.mark.usefixtures("router_required")
+
+COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
+
+
+@pytest.fixture
+async def link(client: ChatClient) -> AsyncIterator[Link]:
+    stub = completion_link_pb2_grpc.CompletionLinkServiceStub(client.channel)
+    link = Link(stub.CompleteMany, COMPLETION_LINK, "the orchestrator")
+    yield link
+    link.close()
+
+
+def complete_request(text: str, max_tokens: int, seed: int = 7) -> chat_pb2.CompleteRequest:
+    return chat_pb2.CompleteRequest(
+        messages=[chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content=text)],
+        options=chat_pb2.GenerationOptions(max_tokens=max_tokens, seed=seed),
+    )
+
+
+def open_request(
+    link: Link, request: chat_pb2.CompleteRequest, user: str | None = None, timeout_ms: int = 0, **start
+) -> tuple[str, RequestFeed]:
+    start.setdefault("authorization", dict(bearer(user or new_user()))["authorization"])
+    frame = completion_link_pb2.CompleteStart(request_id=f"r-{time.monotonic_ns()}", request=request, **start)
+    return frame.request_id, link.open(frame, {}, timeout_ms=timeout_ms)
+
+
+async def read(feed: RequestFeed) -> tuple[list[chat_pb2.RunEvent], ServiceError | None]:
+    """A request's events, and how it failed (None: it ended with `finished`)."""
+    events: list[chat_pb2.RunEvent] = []
+    try:
+        while batch := await feed.take():
+            for frame in batch:
+                if frame.WhichOneof("kind") == "event":
+                    events.append(frame.event)
+                else:
+                    assert frame.WhichOneof("kind") == "finished"
+    except ServiceError as error:
+        return events, error
+    return events, None
+
+
+def text(events: list[chat_pb2.RunEvent]) -> str:
+    return "".join(event.delta.text for event in events if event.HasField("delta"))
+
+
+async def test_answers_on_one_link_are_each_the_answer_its_complete_call_gets(
+    client: ChatClient, link: Link
+) -> None:
+    requests = [complete_request(f"question {n}", max_tokens=12, seed=n) for n in range(4)]
+    feeds = [open_request(link, request)[1] for request in requests]
+    answers = await asyncio.gather(*(read(feed) for feed in feeds))
+    for request, (events, error) in zip(requests, answers, strict=True):
+        assert error is None
+        kinds = [event.WhichOneof("kind") for event in events]
+        assert kinds[0] == "started" and kinds[-2:] == ["usage", "done"]
+        assert [event.seq for event in events] == list(range(1, len(events) + 1))
+        # Sampling is a function of (seed, position): the same request as a call says the same.
+        called = await collect(client.stream("Complete", request))
+        assert text(events) == text(called)
+        usage, called_usage = events[-2].usage, called[-2].usage
+        assert (usage.prompt_tokens, usage.completion_tokens) == (
+            called_usage.prompt_tokens,
+            called_usage.completion_tokens,
+        )
+
+
+async def test_a_request_is_refused_as_its_call_would_be_and_the_others_on_the_link_go_on(
+    link: Link,
+) -> None:
+    _, running = open_request(link, complete_request("a fine question", max_tokens=30))
+    _, no_token = open_request(link, complete_request("who am I?", 5), authorization="Bearer not-a-jwt")
+    _, empty = open_request(link, chat_pb2.CompleteRequest(options=chat_pb2.GenerationOptions(max_tokens=5)))
+    _, too_long = open_request(link, complete_request("x", max_tokens=10**7))
+    events, error = await read(no_token)
+    assert events == [] and error is not None and error.code == grpc.StatusCode.UNAUTHENTICATED
+    events, error = await read(empty)
+    # The status details travel too: the field at fault, as a call's trailer carries it.
+    assert error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT and error.field == "messages"
+    events, error = await read(too_long)
+    assert error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT and events == []
+    events, error = await read(running)
+    assert error is None and events[-1].HasField("done")
+
+
+async def test_a_cancel_stops_the_answer_frees_the_engine_and_charges_what_was_generated(
+    client: ChatClient, mesh: Mesh, link: Link
+) -> None:
+    request_id, feed = open_request(link, complete_request("a long answer", 2000), user=client.user)
+    while not any(frame.event.HasField("delta") for frame in await feed.take()):
+        pass
+    link.release(request_id)  # the caller left: its `cancel` goes out
+    deadline = time.monotonic() + 5
+    while mesh.engine_requests() or (
+        (await client.call("GetUsage", chat_pb2.GetUsageRequest())).used_tokens >= 1000
+    ):
+        assert time.monotonic() < deadline, "the answer went on after its caller left"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_request_past_its_deadline_ends_deadline_exceeded_and_frees_the_engine(
+    mesh: Mesh, link: Link
+) -> None:
+    _, feed = open_request(link, complete_request("a long answer", 2000), timeout_ms=500)
+    events, error = await read(feed)
+    assert error is not None and error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert events[0].HasField("started")
+    await asyncio.sleep(0.5)
+    assert mesh.engine_requests() == 0
+
+
+async def test_when_the_link_ends_every_answer_on_it_is_cancelled(mesh: Mesh, link: Link) -> None:
+    feeds = [open_request(link, complete_request(f"long answer {n}", 2000))[1] for n in range(3)]
+    for feed in feeds:
+        assert (await feed.take())[0].event.HasField("started")
+    link.close()  # the edge went away
+    for feed in feeds:
+        _, error = await read(feed)
+        assert isinstance(error, LinkBroken)
+    deadline = time.monotonic() + 5
+    while mesh.engine_requests():
+        assert time.monotonic() < deadline, "answers went on after their link ended"
+        await asyncio.sleep(0.1)
