@@ -71,7 +71,11 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # The gRPC channel belongs to the server's event loop, so it is made here.
         app.state.orchestrator = Orchestrator(
-            settings.orchestrator, settings.unary_timeout_s, settings.stream_timeout_s, app.state.drain
+            settings.orchestrator,
+            settings.unary_timeout_s,
+            settings.stream_timeout_s,
+            app.state.drain,
+            settings.completion_links,
         )
         scraping = asyncio.create_task(app.state.ops_scraper.run())
         try:

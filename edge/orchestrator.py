@@ -1,4 +1,5 @@
-"""The edge's only dependency: ChatService over gRPC, called with the caller's own token as metadata.
+"""The edge's only dependency: ChatService over gRPC, called with the caller's own token as metadata
+(and CompletionLinkService, which carries its Complete calls many to a stream: ``CompletionLinks``).
 
 Unary calls carry a deadline. Streams carry a (long) deadline too, and are read event by event; the edge
 never buffers a run. Cancelling a stream call here only detaches this client: the orchestrator keeps the
@@ -14,19 +15,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf.message import Message
+from opentelemetry import trace
 
-from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
+from chatmesh.errors import ServiceError
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
+from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error, from_run_error
+from meshkit.links import Link, LinkBroken, LinkMessages
 from meshkit.serving import CHANNEL_OPTIONS
+from meshkit.telemetry import request_span, trace_context
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +44,11 @@ REATTACH_FOR_S = 30.0
 _REATTACH_FIRST_DELAY_S = 0.1
 _REATTACH_MAX_DELAY_S = 2.0
 
+COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
+
 # StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed (asking
 # for merged deltas as the call it replaces did).
-Reattach = Callable[[str, int], grpc.aio.UnaryStreamCall]
+Reattach = Callable[[str, int], "EventCall"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,12 +72,20 @@ class Caller:
         return tuple(pairs)
 
 
+class EventCall(Protocol):
+    """What ``RunStream`` reads: a ``grpc.aio.UnaryStreamCall``, or a ``LinkedComplete``."""
+
+    async def read(self) -> Any: ...
+
+    def cancel(self) -> Any: ...
+
+
 class RunStream:
     """An open server stream of RunEvents (SendMessage, RegenerateMessage, StreamRun, Complete)."""
 
     def __init__(
         self,
-        call: grpc.aio.UnaryStreamCall,
+        call: EventCall,
         drain: Drain,
         reattach: Reattach | None = None,
         run_id: str = "",
@@ -192,18 +210,142 @@ class RunStream:
         self._call.cancel()
 
 
-class Orchestrator:
-    """A ChatService client over one channel (HTTP/2 multiplexes every request and stream)."""
+class CompletionLinks:
+    """The edge's Complete calls on ``count`` CompleteMany streams over its channel
+    (``meshkit.links.Link``): the events of every answer on one stream cross in one message a loop turn,
+    where a Complete call costs a message per event each way, and Envoy's internal listener relays one
+    HTTP/2 stream for them all. Envoy sends each stream, as it opens, to the orchestrator replica with
+    the fewest requests; a call goes on the link with the fewest."""
 
-    def __init__(self, target: str, unary_timeout_s: float, stream_timeout_s: float, drain: Drain) -> None:
+    def __init__(self, channel: grpc.aio.Channel, count: int, timeout_s: float) -> None:
+        stub = completion_link_pb2_grpc.CompletionLinkServiceStub(channel)
+        self.timeout_ms = round(timeout_s * 1000)
+        self._links = [
+            Link(stub.CompleteMany, COMPLETION_LINK, f"the chat service (completion link {n})")
+            for n in range(count)
+        ]
+
+    def least_busy(self) -> Link:
+        return min(self._links, key=lambda link: link.requests)
+
+    def close(self) -> None:
+        for link in self._links:
+            link.close()
+
+
+class LinkedComplete:
+    """One Complete on a completion link, read as a Complete call is (``read`` and ``cancel``, the part
+    of ``grpc.aio.UnaryStreamCall`` that ``RunStream`` uses): its events, then EOF; a failure raises the
+    AioRpcError the call would have raised (with its status details when the orchestrator sent them,
+    without when the stream broke), so the edge answers it the same way.
+
+    Deltas that arrived together are read as one (``chatmesh.run_events``) when the request asked for
+    merged deltas, as the orchestrator merges them for a call whose reader fell behind. A request refused
+    UNAVAILABLE before its first event (its replica drains, or the stream broke as it opened) started
+    nothing, so it is sent once more, on a new stream."""
+
+    def __init__(self, links: CompletionLinks, request: chat_pb2.CompleteRequest, caller: Caller) -> None:
+        self._links = links
+        self._start = completion_link_pb2.CompleteStart(authorization=caller.authorization, request=request)
+        self._span = request_span(COMPLETION_LINK.span_name, trace.SpanKind.CLIENT)
+        self._frames: deque[completion_link_pb2.CompleteResponseFrame] = deque()
+        self._read_any = False
+        self._sent_again = False
+        self._ended = False
+        self._open()
+
+    def _open(self) -> None:
+        self._link = self._links.least_busy()
+        self._start.request_id = secrets.token_hex(8)
+        self._feed = self._link.open(
+            self._start, trace_context(self._span), timeout_ms=self._links.timeout_ms
+        )
+
+    async def read(self) -> Any:
+        """The next response (a frame with the ``event``), or ``grpc.aio.EOF`` after the last."""
+        while not self._frames:
+            if self._ended:
+                return grpc.aio.EOF
+            try:
+                self._frames.extend(await self._feed.take())
+            except ServiceError as error:
+                if self._read_any or self._sent_again or error.code != grpc.StatusCode.UNAVAILABLE:
+                    self._end(error)
+                    raise _call_error(error) from None
+                if not isinstance(error, LinkBroken):
+                    self._link.renew()  # that replica refused it: the next stream may reach another
+                self._link.release(self._start.request_id)
+                self._sent_again = True
+                self._open()
+        frame = self._frames.popleft()
+        if frame.WhichOneof("kind") == "finished":
+            self._end()
+            return grpc.aio.EOF
+        self._read_any = True
+        if self._start.request.merge_deltas and frame.event.HasField("delta") and self._frames:
+            return self._merged(frame)
+        return frame
+
+    def _merged(self, first: completion_link_pb2.CompleteResponseFrame) -> Any:
+        deltas, last = [first.event.delta], first.event.seq
+        while (
+            self._frames
+            and self._frames[0].WhichOneof("kind") == "event"
+            and self._frames[0].event.HasField("delta")
+            and len(deltas) < MAX_MERGED_DELTAS
+        ):
+            event = self._frames.popleft().event
+            deltas.append(event.delta)
+            last = event.seq
+        merged = merged_delta(last, [(delta.text, delta.token_count) for delta in deltas])
+        return completion_link_pb2.CompleteResponseFrame(event=merged)
+
+    def cancel(self) -> None:
+        """The caller left: the answer is cancelled (a Complete cannot be resumed)."""
+        self._end()
+
+    def _end(self, error: ServiceError | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self._link.release(self._start.request_id)
+        if error is not None:
+            self._span.set_status(trace.StatusCode.ERROR, error.message)
+        self._span.end()
+
+
+def _call_error(error: ServiceError) -> grpc.aio.AioRpcError:
+    """``error`` as a failed call reports it: the orchestrator's status details in the trailer, or none
+    when the stream broke (the transport's failure, whose text is not for users)."""
+    trailer = () if isinstance(error, LinkBroken) else error.trailer()
+    return grpc.aio.AioRpcError(error.code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailer), error.message)
+
+
+class Orchestrator:
+    """A ChatService client over one channel (HTTP/2 multiplexes every request and stream); Complete
+    goes on ``CompletionLinks`` when ``completion_links`` > 0."""
+
+    def __init__(
+        self,
+        target: str,
+        unary_timeout_s: float,
+        stream_timeout_s: float,
+        drain: Drain,
+        completion_links: int = 0,
+    ) -> None:
         self.target = target
         self.drain = drain
         self.unary_timeout_s = unary_timeout_s
         self.stream_timeout_s = stream_timeout_s
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = chat_pb2_grpc.ChatServiceStub(self._channel)
+        self._links = (
+            CompletionLinks(self._channel, completion_links, stream_timeout_s) if completion_links else None
+        )
 
     async def close(self) -> None:
+        if self._links is not None:
+            self._links.close()
         await self._channel.close(grace=None)
 
     async def unary(self, method: str, request: Message, caller: Caller) -> Any:
@@ -218,6 +360,9 @@ class Orchestrator:
             raise from_rpc_error(exc) from exc
 
     def stream(self, method: str, request: Message, caller: Caller) -> RunStream:
+        if method == "Complete" and self._links is not None:
+            assert isinstance(request, chat_pb2.CompleteRequest)
+            return RunStream(LinkedComplete(self._links, request, caller), self.drain)
         call = getattr(self._stub, method)(request, metadata=caller.metadata(), timeout=self.stream_timeout_s)
         if method == "Complete":
             return RunStream(call, self.drain)

@@ -17,6 +17,11 @@ class EdgeSettings:
     orchestrator: str = setting(
         "127.0.0.1:50050", "ChatService address host:port (orchestrator or Envoy's internal listener)"
     )
+    # Complete calls (the OpenAI routes) go this many at a time on CompletionLinkService streams, whose
+    # messages carry the events of every answer on them; 0: a Complete call each.
+    completion_links: int = setting(
+        4, "CompleteMany streams carrying the OpenAI routes' answers (0: a Complete call per answer)"
+    )
     unary_timeout_s: float = setting(10.0, "deadline of each unary ChatService call")
     # Upper bound on one stream's life (a run that long is stuck; clients can resume it).
     stream_timeout_s: float = setting(3600.0, "longest a single answer stream may stay open")

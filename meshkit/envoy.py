@@ -19,7 +19,7 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from chatmesh.chat.v1 import chat_pb2
+from chatmesh.chat.v1 import chat_pb2, completion_link_pb2
 from chatmesh.identity import IDENTITY_HEADERS, JWT_AUDIENCE
 from meshkit.launcher import HttpOk, ServiceSpec
 
@@ -106,6 +106,13 @@ def chat_service_methods() -> list[GrpcMethod]:
     ]
 
 
+def completion_link_path() -> str:
+    """The edge's CompleteMany, which only the internal listener routes."""
+    [service] = completion_link_pb2.DESCRIPTOR.services_by_name.values()
+    [method] = service.methods
+    return f"/{service.full_name}/{method.name}"
+
+
 @dataclass(frozen=True)
 class EnvoyConfig:
     """Everything that varies between Envoy deployments (local mesh, tests, a cluster)."""
@@ -185,6 +192,7 @@ def render_config(config: EnvoyConfig) -> str:
         cors_origins=config.cors_origins,
         rate_limits=config.rate_limits,
         grpc_methods=chat_service_methods(),
+        completion_link_path=completion_link_path(),
         edge_limited_routes=EDGE_GENERATE_ROUTES,
         unary_timeout_s=_seconds(config.unary_timeout_s),
         stream_idle_timeout_s=_seconds(config.stream_idle_timeout_s),

@@ -31,10 +31,11 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 from google.rpc import error_details_pb2, status_pb2
 
-from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
-from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort
-from chatmesh.identity import Identity, TokenVerifier, Unauthenticated
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
+from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort, from_status
+from chatmesh.identity import AUTHORIZATION_HEADER, Identity, TokenVerifier, Unauthenticated
 from localmesh.dev_jwt import ISSUER
+from meshkit.links import LinkMessages, ServedRequests
 from meshkit.serving import GrpcServer, start_grpc_server
 from tests.fixtures.identity import session_keys
 
@@ -531,6 +532,80 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         return chat_pb2.GetUsageResponse(tier=identity.tier, used_tokens=used, limit_tokens=1_000_000)
 
 
+COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
+
+
+class _Aborted(Exception):
+    def __init__(self, error: ServiceError) -> None:
+        self.error = error
+
+
+class _LinkedCallContext:
+    """The part of a call's context the scripted Complete uses, for a request on a CompleteMany stream:
+    its metadata is the token its start carries, and an abort ends the request with its status (a
+    failure scripted as the transport's is a status like any other here: on a real link only a broken
+    stream is the transport's)."""
+
+    def __init__(self, authorization: str) -> None:
+        self._metadata = ((AUTHORIZATION_HEADER, authorization),)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata=()) -> None:
+        error = ServiceError(code, message)
+        for key, value in trailing_metadata:
+            if key == STATUS_DETAILS_KEY:
+                error = from_status(value)
+        raise _Aborted(error)
+
+
+class ScriptedCompletionLink(completion_link_pb2_grpc.CompletionLinkServiceServicer):
+    """CompleteMany over the scripted Complete: each request is that call, run with its start's token."""
+
+    def __init__(self, service: ScriptedChatService) -> None:
+        self._service = service
+
+    async def CompleteMany(self, request_iterator, context):
+        async for message in _ScriptedCompletes(self._service).serve(request_iterator, set()):
+            yield message
+
+
+class _ScriptedCompletes(ServedRequests):
+    def __init__(self, service: ScriptedChatService) -> None:
+        super().__init__(COMPLETION_LINK, lambda: False)
+        self._service = service
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self, request_id: str, frame) -> None:
+        self._tasks[request_id] = asyncio.create_task(self._complete(request_id, frame.start))
+
+    def cancel(self, request_id: str) -> None:
+        self._tasks[request_id].cancel()
+
+    def stop(self, request_id: str) -> None:
+        self._tasks.pop(request_id).cancel()
+
+    async def _complete(self, request_id: str, start) -> None:
+        context = _LinkedCallContext(start.authorization)
+        error = None
+        try:
+            async for response in self._service.Complete(start.request, context):
+                self.send(COMPLETION_LINK.response_frame(request_id=request_id, event=response.event))
+        except _Aborted as aborted:
+            error = aborted.error
+        except asyncio.CancelledError:
+            error = ServiceError(grpc.StatusCode.CANCELLED, "the caller cancelled the request")
+        finished = (
+            None
+            if error
+            else COMPLETION_LINK.response_frame(
+                request_id=request_id, finished=completion_link_pb2.CompleteFinished()
+            )
+        )
+        self.end(request_id, finished, error)
+
+
 class ScriptedChatServer:
     """Runs a ScriptedChatService on its own event loop thread, so sync and async tests can both use it."""
 
@@ -548,7 +623,13 @@ class ScriptedChatServer:
 
         def add(server: grpc.aio.Server) -> list[str]:
             chat_pb2_grpc.add_ChatServiceServicer_to_server(self.service, server)
-            return [chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name]
+            completion_link_pb2_grpc.add_CompletionLinkServiceServicer_to_server(
+                ScriptedCompletionLink(self.service), server
+            )
+            return [
+                chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name,
+                completion_link_pb2.DESCRIPTOR.services_by_name["CompletionLinkService"].full_name,
+            ]
 
         self._server = asyncio.run_coroutine_threadsafe(start_grpc_server(add, 0), self._loop).result(30)
         self.port = self._server.port
