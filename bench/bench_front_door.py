@@ -7,7 +7,8 @@ config) and drives the same answers, C at a time, along three paths:
 
   engine  EngineService.Generate straight to an engine (round robin): the floor
   openai  POST /v1/chat/completions (stream) through Envoy (JWT, rate limit) -> edge -> Envoy's internal
-          listener -> orchestrator Complete (limits, budget in Cassandra, prompt) -> router -> engine
+          listener -> orchestrator Complete, on the edge's completion links (limits, budget in Cassandra,
+          prompt) -> router -> engine
   chat    POST /v1/chats/{id}/messages (SSE, the chat page's path) through the same hops, with the
           exchange stored in Cassandra (idempotency claim, history, run, checkpoints, the answer)
 

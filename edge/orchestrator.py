@@ -242,24 +242,25 @@ class LinkedComplete:
     Deltas that arrived together are read as one (``chatmesh.run_events``) when the request asked for
     merged deltas, as the orchestrator merges them for a call whose reader fell behind. A request refused
     UNAVAILABLE before its first event (its replica drains, or the stream broke as it opened) started
-    nothing, so it is sent once more, on a new stream."""
+    nothing, so it is sent once more, on a new stream (its start, conversation and all, is kept until
+    the first event only)."""
 
     def __init__(self, links: CompletionLinks, request: chat_pb2.CompleteRequest, caller: Caller) -> None:
         self._links = links
-        self._start = completion_link_pb2.CompleteStart(authorization=caller.authorization, request=request)
+        self._merge_deltas = request.merge_deltas
+        self._start: completion_link_pb2.CompleteStart | None = completion_link_pb2.CompleteStart(
+            authorization=caller.authorization, request=request
+        )
         self._span = request_span(COMPLETION_LINK.span_name, trace.SpanKind.CLIENT)
         self._frames: deque[completion_link_pb2.CompleteResponseFrame] = deque()
-        self._read_any = False
         self._sent_again = False
         self._ended = False
-        self._open()
+        self._open(self._start)
 
-    def _open(self) -> None:
+    def _open(self, start: completion_link_pb2.CompleteStart) -> None:
         self._link = self._links.least_busy()
-        self._start.request_id = secrets.token_hex(8)
-        self._feed = self._link.open(
-            self._start, trace_context(self._span), timeout_ms=self._links.timeout_ms
-        )
+        self._request_id = start.request_id = secrets.token_hex(8)
+        self._feed = self._link.open(start, trace_context(self._span), timeout_ms=self._links.timeout_ms)
 
     async def read(self) -> Any:
         """The next response (a frame with the ``event``), or ``grpc.aio.EOF`` after the last."""
@@ -269,20 +270,21 @@ class LinkedComplete:
             try:
                 self._frames.extend(await self._feed.take())
             except ServiceError as error:
-                if self._read_any or self._sent_again or error.code != grpc.StatusCode.UNAVAILABLE:
+                start = self._start
+                if start is None or self._sent_again or error.code != grpc.StatusCode.UNAVAILABLE:
                     self._end(error)
                     raise _call_error(error) from None
                 if not isinstance(error, LinkBroken):
                     self._link.renew()  # that replica refused it: the next stream may reach another
-                self._link.release(self._start.request_id)
+                self._link.release(self._request_id)
                 self._sent_again = True
-                self._open()
+                self._open(start)
         frame = self._frames.popleft()
         if frame.WhichOneof("kind") == "finished":
             self._end()
             return grpc.aio.EOF
-        self._read_any = True
-        if self._start.request.merge_deltas and frame.event.HasField("delta") and self._frames:
+        self._start = None
+        if self._merge_deltas and frame.event.HasField("delta") and self._frames:
             return self._merged(frame)
         return frame
 
@@ -308,7 +310,7 @@ class LinkedComplete:
         if self._ended:
             return
         self._ended = True
-        self._link.release(self._start.request_id)
+        self._link.release(self._request_id)
         if error is not None:
             self._span.set_status(trace.StatusCode.ERROR, error.message)
         self._span.end()

@@ -34,8 +34,9 @@ from opentelemetry.sdk.trace.export import (
 )
 
 TRACE_FILE_ENV = "CHATMESH_TRACE_FILE"
-# The RPC that carries many requests on one stream (engine.v1 and router.v1): traced per request.
-SHARED_STREAM_METHOD = "GenerateMany"
+# The RPCs that carry many requests on one stream (engine.v1's and router.v1's GenerateMany, chat.v1's
+# CompleteMany): traced per request.
+SHARED_STREAM_METHODS = ("GenerateMany", "CompleteMany")
 HEALTH_SERVICE = "grpc.health.v1.Health"
 _configured = False
 _requests_tracer = trace.get_tracer("chatmesh.requests")
@@ -155,14 +156,17 @@ def setup(service_name: str, level: str | None = None) -> None:
     # are noise in every trace store, and the instrumentation wraps a streaming handler as an async
     # generator, which the health service's Watch (a coroutine that writes) is not: every Watch failed.
     traced = filters.negate(
-        filters.any_of(filters.method_name(SHARED_STREAM_METHOD), filters.service_prefix(HEALTH_SERVICE))
+        filters.any_of(
+            *(filters.method_name(method) for method in SHARED_STREAM_METHODS),
+            filters.service_prefix(HEALTH_SERVICE),
+        )
     )
     GrpcAioInstrumentorServer(filter_=traced).instrument()
     GrpcAioInstrumentorClient(filter_=traced).instrument()
 
 
 def request_span(name: str, kind: trace.SpanKind, carrier: Mapping[str, str] | None = None) -> trace.Span:
-    """A span for one request on a stream shared by many (``GenerateMany``), where the gRPC
+    """A span for one request on a stream shared by many (``GenerateMany``, ``CompleteMany``), where the gRPC
     instrumentation cannot make one per request: a SERVER span continues the caller's trace context
     from ``carrier``, a CLIENT span the current context. The caller ends it when the request ends."""
     context = propagate.extract(carrier) if carrier is not None else None

@@ -4,8 +4,11 @@ orchestrator, a router, null engines, Cassandra), each request keeping a Complet
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -13,8 +16,10 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import ServiceError
 from meshkit.links import Link, LinkBroken, LinkMessages, RequestFeed
+from meshkit.telemetry import TRACE_FILE_ENV
 from tests.fixtures.identity import bearer
 from tests.fixtures.orchestrator import ChatClient, Mesh, collect, new_user
+from tests.orchestrator.test_tracing import wait_for_trace
 
 pytestmark = pytest.mark.usefixtures("router_required")
 
@@ -37,11 +42,16 @@ def complete_request(text: str, max_tokens: int, seed: int = 7) -> chat_pb2.Comp
 
 
 def open_request(
-    link: Link, request: chat_pb2.CompleteRequest, user: str | None = None, timeout_ms: int = 0, **start
+    link: Link,
+    request: chat_pb2.CompleteRequest,
+    user: str | None = None,
+    timeout_ms: int = 0,
+    trace_context: dict[str, str] | None = None,
+    **start,
 ) -> tuple[str, RequestFeed]:
     start.setdefault("authorization", dict(bearer(user or new_user()))["authorization"])
     frame = completion_link_pb2.CompleteStart(request_id=f"r-{time.monotonic_ns()}", request=request, **start)
-    return frame.request_id, link.open(frame, {}, timeout_ms=timeout_ms)
+    return frame.request_id, link.open(frame, trace_context or {}, timeout_ms=timeout_ms)
 
 
 async def read(feed: RequestFeed) -> tuple[list[chat_pb2.RunEvent], ServiceError | None]:
@@ -140,3 +150,21 @@ async def test_when_the_link_ends_every_answer_on_it_is_cancelled(mesh: Mesh, li
     while mesh.engine_requests():
         assert time.monotonic() < deadline, "answers went on after their link ended"
         await asyncio.sleep(0.1)
+
+
+async def test_each_request_is_traced_as_the_complete_it_stands_for_and_the_stream_is_not(link: Link) -> None:
+    trace_id, caller_span_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    traceparent = {"traceparent": f"00-{trace_id}-{caller_span_id}-01"}
+    _, feed = open_request(link, complete_request("trace me", 4), trace_context=traceparent)
+    assert (await read(feed))[1] is None
+    spans = wait_for_trace(trace_id, {"orchestrator", "router", "engine"})
+    [complete] = [s for s in spans if s["service"] == "orchestrator" and s["kind"] == "SERVER"]
+    assert complete["name"] == COMPLETION_LINK.span_name and complete["parent_span_id"] == caller_span_id
+    routed = [s for s in spans if s["service"] == "router" and s["kind"] == "SERVER"]
+    assert routed and all(s["trace_id"] == trace_id for s in routed)
+    # The long-lived stream has no span of its own (one would last as long as the edge): only its
+    # requests do. Such a span would be written as the stream ends.
+    link.close()
+    await asyncio.sleep(1.0)
+    spans = await asyncio.to_thread(Path(os.environ[TRACE_FILE_ENV]).read_text, encoding="utf-8")
+    assert "CompletionLinkService/CompleteMany" not in spans

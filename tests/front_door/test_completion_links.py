@@ -1,0 +1,72 @@
+"""The edge's side of its completion links (``edge/orchestrator.py``: ``CompletionLinks``,
+``LinkedComplete``) against ScriptedChatService over real gRPC: what ``RunStream`` reads of a Complete
+on a link."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.identity import Identity
+from edge.drain import Drain
+from edge.orchestrator import Caller, Orchestrator
+from tests.fixtures.identity import bearer
+from tests.front_door.scripted_chat_service import ScriptedChatServer, scripted_text
+
+
+@pytest.fixture(scope="module")
+def scripted() -> AsyncIterator[ScriptedChatServer]:
+    server = ScriptedChatServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def orchestrator(scripted: ScriptedChatServer) -> AsyncIterator[Orchestrator]:
+    client = Orchestrator(f"127.0.0.1:{scripted.port}", 10.0, 60.0, Drain(), completion_links=2)
+    yield client
+    await client.close()
+
+
+def caller(user: str = "links-user") -> Caller:
+    return Caller(identity=Identity(user, "pro"), authorization=dict(bearer(user))["authorization"])
+
+
+def request(text: str, merge_deltas: bool = True) -> chat_pb2.CompleteRequest:
+    return chat_pb2.CompleteRequest(
+        messages=[chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content=text)], merge_deltas=merge_deltas
+    )
+
+
+async def test_deltas_that_arrived_together_are_read_as_one_numbered_as_the_last(
+    orchestrator: Orchestrator,
+) -> None:
+    stream = orchestrator.stream("Complete", request("!tokens 6 1"), caller())
+    first = await stream.opening()
+    assert first.HasField("started")
+    await asyncio.sleep(0.5)  # the whole answer arrives while nobody reads
+    rest = [event async for event in stream.rest()]
+    assert [event.WhichOneof("kind") for event in rest] == ["delta", "usage", "done"]
+    assert rest[0].delta.text == scripted_text(6) and rest[0].delta.token_count == 6
+    assert rest[0].seq == 7 and rest[1].seq == 8  # started is 1, the six deltas 2-7
+
+
+async def test_without_merge_deltas_every_delta_is_its_own_event(orchestrator: Orchestrator) -> None:
+    stream = orchestrator.stream("Complete", request("!tokens 6 1", merge_deltas=False), caller())
+    await stream.opening()
+    await asyncio.sleep(0.5)
+    rest = [event async for event in stream.rest()]
+    assert [event.seq for event in rest if event.HasField("delta")] == [2, 3, 4, 5, 6, 7]
+
+
+async def test_many_answers_on_two_links_each_get_their_own_events(orchestrator: Orchestrator) -> None:
+    async def answer(n: int) -> str:
+        stream = orchestrator.stream("Complete", request(f"!tokens {n} 5"), caller(f"user-{n}"))
+        first = await stream.opening()
+        return "".join([event.delta.text async for event in stream.events(first) if event.HasField("delta")])
+
+    texts = await asyncio.gather(*(answer(n) for n in range(1, 9)))
+    assert texts == [scripted_text(n) for n in range(1, 9)]
