@@ -76,6 +76,7 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
             settings.stream_timeout_s,
             app.state.drain,
             settings.completion_links,
+            settings.completion_start_timeout_s,
         )
         scraping = asyncio.create_task(app.state.ops_scraper.run())
         try:

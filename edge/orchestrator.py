@@ -215,11 +215,17 @@ class CompletionLinks:
     (``meshkit.links.Link``): the events of every answer on one stream cross in one message a loop turn,
     where a Complete call costs a message per event each way, and Envoy's internal listener relays one
     HTTP/2 stream for them all. Envoy sends each stream, as it opens, to the orchestrator replica with
-    the fewest requests; a call goes on the link with the fewest."""
+    the fewest requests; a call goes on the link with the fewest. An answer whose run has not started
+    within ``start_timeout_s`` is refused as too busy, as gRPC sheds a call the orchestrator took no
+    sooner (``--max-pending-s``): on a link no call waits to be taken, so without it an overloaded
+    replica's answers would wait without bound."""
 
-    def __init__(self, channel: grpc.aio.Channel, count: int, timeout_s: float) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, count: int, timeout_s: float, start_timeout_s: float
+    ) -> None:
         stub = completion_link_pb2_grpc.CompletionLinkServiceStub(channel)
         self.timeout_ms = round(timeout_s * 1000)
+        self.start_timeout_s = start_timeout_s
         self._links = [
             Link(stub.CompleteMany, COMPLETION_LINK, f"the chat service (completion link {n})")
             for n in range(count)
@@ -258,6 +264,7 @@ class LinkedComplete:
         self._open(self._start)
 
     def _open(self, start: completion_link_pb2.CompleteStart) -> None:
+        self._start_by = asyncio.get_running_loop().time() + self._links.start_timeout_s
         self._link = self._links.least_busy()
         self._request_id = start.request_id = secrets.token_hex(8)
         self._feed = self._link.open(start, trace_context(self._span), timeout_ms=self._links.timeout_ms)
@@ -268,7 +275,14 @@ class LinkedComplete:
             if self._ended:
                 return grpc.aio.EOF
             try:
-                self._frames.extend(await self._feed.take())
+                if self._start is None:
+                    self._frames.extend(await self._feed.take())
+                else:
+                    async with asyncio.timeout_at(self._start_by):
+                        self._frames.extend(await self._feed.take())
+            except TimeoutError:
+                self._end()  # its `cancel` goes out: should the run start after all, it stops
+                raise _not_started(self._links.start_timeout_s) from None
             except ServiceError as error:
                 start = self._start
                 if start is None or self._sent_again or error.code != grpc.StatusCode.UNAVAILABLE:
@@ -316,6 +330,13 @@ class LinkedComplete:
         self._span.end()
 
 
+def _not_started(timeout_s: float) -> grpc.aio.AioRpcError:
+    """A request whose run did not start in time, as gRPC reports a call it shed: CANCELLED without
+    details (the edge answers 503, too busy, retry)."""
+    message = f"the answer did not start within {timeout_s:g} s"
+    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+
+
 def _call_error(error: ServiceError) -> grpc.aio.AioRpcError:
     """``error`` as a failed call reports it: the orchestrator's status details in the trailer, or none
     when the stream broke (the transport's failure, whose text is not for users)."""
@@ -334,6 +355,7 @@ class Orchestrator:
         stream_timeout_s: float,
         drain: Drain,
         completion_links: int = 0,
+        completion_start_timeout_s: float = 30.0,
     ) -> None:
         self.target = target
         self.drain = drain
@@ -342,7 +364,9 @@ class Orchestrator:
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = chat_pb2_grpc.ChatServiceStub(self._channel)
         self._links = (
-            CompletionLinks(self._channel, completion_links, stream_timeout_s) if completion_links else None
+            CompletionLinks(self._channel, completion_links, stream_timeout_s, completion_start_timeout_s)
+            if completion_links
+            else None
         )
 
     async def close(self) -> None:

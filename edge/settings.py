@@ -22,6 +22,11 @@ class EdgeSettings:
     completion_links: int = setting(
         4, "CompleteMany streams carrying the OpenAI routes' answers (0: a Complete call per answer)"
     )
+    # gRPC sheds a Complete call the orchestrator has not taken within its --max-pending-s (30 s); an
+    # answer on a link is not a call, so the edge refuses it itself (503, too busy) after as long.
+    completion_start_timeout_s: float = setting(
+        30.0, "longest an answer on a completion link waits for its run to start (then 503, too busy)"
+    )
     unary_timeout_s: float = setting(10.0, "deadline of each unary ChatService call")
     # Upper bound on one stream's life (a run that long is stuck; clients can resume it).
     stream_timeout_s: float = setting(3600.0, "longest a single answer stream may stay open")

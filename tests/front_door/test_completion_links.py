@@ -12,6 +12,7 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.identity import Identity
 from edge.drain import Drain
+from edge.errors import BUSY_MESSAGE, ApiError
 from edge.orchestrator import Caller, Orchestrator
 from tests.fixtures.identity import bearer
 from tests.front_door.scripted_chat_service import ScriptedChatServer, scripted_text
@@ -26,7 +27,9 @@ def scripted() -> AsyncIterator[ScriptedChatServer]:
 
 @pytest.fixture
 async def orchestrator(scripted: ScriptedChatServer) -> AsyncIterator[Orchestrator]:
-    client = Orchestrator(f"127.0.0.1:{scripted.port}", 10.0, 60.0, Drain(), completion_links=2)
+    client = Orchestrator(
+        f"127.0.0.1:{scripted.port}", 10.0, 60.0, Drain(), completion_links=2, completion_start_timeout_s=1.0
+    )
     yield client
     await client.close()
 
@@ -70,3 +73,21 @@ async def test_many_answers_on_two_links_each_get_their_own_events(orchestrator:
 
     texts = await asyncio.gather(*(answer(n) for n in range(1, 9)))
     assert texts == [scripted_text(n) for n in range(1, 9)]
+
+
+async def test_an_answer_whose_run_does_not_start_in_time_is_refused_as_too_busy(
+    scripted: ScriptedChatServer, orchestrator: Orchestrator
+) -> None:
+    # An overloaded replica takes its time to start the run (as gRPC sheds a call it took too late).
+    calls = len(scripted.service.calls_to("Complete"))
+    with scripted.service.delay("Complete", 3.0):
+        stream = orchestrator.stream("Complete", request("!tokens 3 1"), caller())
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(ApiError) as refused:
+            await stream.opening()
+        waited = asyncio.get_running_loop().time() - started
+        assert 0.9 < waited < 2.0
+    assert refused.value.status == 503 and refused.value.message == BUSY_MESSAGE
+    assert refused.value.retry_after_s == 1.0
+    # It was not sent again: a shed answer is the client's to retry.
+    assert len(scripted.service.calls_to("Complete")) == calls + 1
