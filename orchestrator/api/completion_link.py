@@ -13,6 +13,7 @@ the events of every request of one loop turn leave in one message.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 
@@ -31,6 +32,7 @@ from orchestrator.runs.context import RunContext
 log = logging.getLogger(__name__)
 
 COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
+CALLER_LEFT = "the caller cancelled the request"
 
 
 class CompletionLinkService(completion_link_pb2_grpc.CompletionLinkServiceServicer):
@@ -75,10 +77,19 @@ class _ServedCompletes(ServedRequests):
             raise from_exception(exc) from None
         timeout_s = frame.timeout_ms / 1000 if frame.timeout_ms else None
         merge = frame.start.request.merge_deltas
-        self._tasks[request_id] = asyncio.create_task(self._follow(request_id, run, merge, timeout_s))
+        task = self._tasks[request_id] = asyncio.create_task(self._follow(request_id, run, merge, timeout_s))
+        task.add_done_callback(functools.partial(self._cancelled_before_it_ran, request_id))
 
     def cancel(self, request_id: str) -> None:
         self._tasks[request_id].cancel()  # ``Runs.answer`` cancels a Complete its caller left
+
+    def _cancelled_before_it_ran(self, request_id: str, task: asyncio.Task[None]) -> None:
+        # A `cancel` in the message of its `start` cancels the task before its first step, which
+        # then never ends the request itself (and the stream would wait for it forever).
+        if task.cancelled():
+            if self._tasks.get(request_id) is task:
+                del self._tasks[request_id]
+            self.end(request_id, error=ServiceError(grpc.StatusCode.CANCELLED, CALLER_LEFT))
 
     def stop(self, request_id: str) -> None:
         self._tasks.pop(request_id).cancel()
@@ -103,7 +114,7 @@ class _ServedCompletes(ServedRequests):
             error = ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
         except asyncio.CancelledError:
             # The caller left (or the stream is ending, when nothing more is sent for it).
-            error = ServiceError(grpc.StatusCode.CANCELLED, "the caller cancelled the request")
+            error = ServiceError(grpc.StatusCode.CANCELLED, CALLER_LEFT)
         except Exception as exc:
             error = from_exception(exc)
             if error.private:

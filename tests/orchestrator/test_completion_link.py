@@ -168,3 +168,29 @@ async def test_each_request_is_traced_as_the_complete_it_stands_for_and_the_stre
     await asyncio.sleep(1.0)
     spans = await asyncio.to_thread(Path(os.environ[TRACE_FILE_ENV]).read_text, encoding="utf-8")
     assert "CompletionLinkService/CompleteMany" not in spans
+
+
+async def test_a_cancel_in_the_message_of_its_start_ends_the_request_and_the_stream_can_end(
+    client: ChatClient,
+) -> None:
+    # The edge's client left in the loop turn its request was sent: start and cancel in one message.
+    start = completion_link_pb2.CompleteStart(
+        request_id="gone-at-once",
+        authorization=dict(bearer(new_user()))["authorization"],
+        request=complete_request("never mind", 50),
+    )
+    message = completion_link_pb2.CompleteManyRequest(
+        frames=[
+            completion_link_pb2.CompleteRequestFrame(request_id=start.request_id, start=start),
+            completion_link_pb2.CompleteRequestFrame(
+                request_id=start.request_id, cancel=completion_link_pb2.CompleteCancel()
+            ),
+        ]
+    )
+    stub = completion_link_pb2_grpc.CompletionLinkServiceStub(client.channel)
+    call = stub.CompleteMany(timeout=10)
+    await call.write(message)
+    await call.done_writing()  # half-closed: the stream ends once no request is left on it
+    frames = [frame async for response in call for frame in response.frames]
+    assert [frame.WhichOneof("kind") for frame in frames] == ["failed"]
+    assert await call.code() == grpc.StatusCode.OK
