@@ -57,6 +57,7 @@ class LinkMessages:
     response: type  # GenerateManyResponse
     response_frame: type  # ResponseFrame
     failed: type  # GenerateFailed
+    finished: type  # GenerateFinished
     # The name of each request's spans, client and server: the Generate call it stands for.
     span_name: str
 
@@ -76,6 +77,7 @@ class LinkMessages:
             GetMessageClass(method.output_type),
             GetMessageClass(response_frame),
             GetMessageClass(response_frame.fields_by_name["failed"].message_type),
+            GetMessageClass(response_frame.fields_by_name["finished"].message_type),
             f"{service.full_name}/{method.name.removesuffix('Many')}",
         )
 
@@ -319,6 +321,16 @@ class ServedRequests:
         if last is not None:
             self.send(last)
         span.end()
+
+    def finish(self, request_id: str, error: ServiceError | None = None) -> None:
+        """A running request ended with nothing more to say: an empty `finished` (CompleteMany's), or
+        ``error``."""
+        last = (
+            None
+            if error
+            else self._messages.response_frame(request_id=request_id, finished=self._messages.finished())
+        )
+        self.end(request_id, last, error)
 
     def span(self, request_id: str) -> trace.Span:
         """The running request's server span (its work's spans are its children)."""

@@ -89,7 +89,7 @@ class _ServedCompletes(ServedRequests):
         if task.cancelled():
             if self._tasks.get(request_id) is task:
                 del self._tasks[request_id]
-            self.end(request_id, error=ServiceError(grpc.StatusCode.CANCELLED, CALLER_LEFT))
+            self.finish(request_id, ServiceError(grpc.StatusCode.CANCELLED, CALLER_LEFT))
 
     def stop(self, request_id: str) -> None:
         self._tasks.pop(request_id).cancel()
@@ -122,11 +122,4 @@ class _ServedCompletes(ServedRequests):
         finally:
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
-        finished = (
-            None
-            if error
-            else COMPLETION_LINK.response_frame(
-                request_id=request_id, finished=completion_link_pb2.CompleteFinished()
-            )
-        )
-        self.end(request_id, finished, error)
+        self.finish(request_id, error)

@@ -596,14 +596,7 @@ class _ScriptedCompletes(ServedRequests):
             error = aborted.error
         except asyncio.CancelledError:
             error = ServiceError(grpc.StatusCode.CANCELLED, "the caller cancelled the request")
-        finished = (
-            None
-            if error
-            else COMPLETION_LINK.response_frame(
-                request_id=request_id, finished=completion_link_pb2.CompleteFinished()
-            )
-        )
-        self.end(request_id, finished, error)
+        self.finish(request_id, error)
 
 
 class ScriptedChatServer:

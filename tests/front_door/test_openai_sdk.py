@@ -172,20 +172,26 @@ def test_a_complete_refused_unavailable_before_its_first_event_is_sent_once_more
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == scripted_text(3)
     assert len(front_door.scripted.calls_to("Complete")) == calls + 2
     # Once more only: a second refusal is the client's, a 503 to retry later.
-    with front_door.scripted.failing("Complete", grpc.StatusCode.UNAVAILABLE, "shutting down", retry_after_s=0.5):
-        with pytest.raises(openai.InternalServerError) as failure:
-            list(
-                sdk.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": "!tokens 3 1"}], stream=True
-                )
+    refusing = front_door.scripted.failing(
+        "Complete", grpc.StatusCode.UNAVAILABLE, "shutting down", retry_after_s=0.5
+    )
+    with refusing, pytest.raises(openai.InternalServerError) as failure:
+        list(
+            sdk.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "!tokens 3 1"}], stream=True
             )
+        )
     assert failure.value.status_code == 503 and failure.value.response.headers["retry-after"] == "1"
     assert len(front_door.scripted.calls_to("Complete")) == calls + 4
 
 
-def test_a_refusal_other_than_unavailable_is_not_sent_again(front_door: ScriptedFrontDoor, sdk: openai.OpenAI):
+def test_a_refusal_other_than_unavailable_is_not_sent_again(
+    front_door: ScriptedFrontDoor, sdk: openai.OpenAI
+):
     calls = len(front_door.scripted.calls_to("Complete"))
-    with front_door.scripted.failing("Complete", grpc.StatusCode.RESOURCE_EXHAUSTED, "budget", retry_after_s=9):
-        with pytest.raises(openai.RateLimitError):
-            sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    refusing = front_door.scripted.failing(
+        "Complete", grpc.StatusCode.RESOURCE_EXHAUSTED, "budget", retry_after_s=9
+    )
+    with refusing, pytest.raises(openai.RateLimitError):
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert len(front_door.scripted.calls_to("Complete")) == calls + 1
