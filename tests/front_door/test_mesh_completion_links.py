@@ -4,6 +4,7 @@ over the shared mesh; one is killed (SIGKILL) while eight answers stream."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -11,6 +12,11 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
+import httpx
+import pytest
+
+from chatmesh.chat.v1 import completion_link_pb2, completion_link_pb2_grpc
 from localmesh.dev_jwt import DevKeys
 from meshkit.launcher import Launcher, free_port
 from tests.fixtures.front_door import FrontDoor, start_front_door
@@ -127,3 +133,41 @@ def test_a_replica_that_drains_finishes_the_answers_on_its_links_and_new_ones_go
         for thread in threads:
             thread.join(60)
         assert [lines[-1] for lines in streamed] == ["data: [DONE]"] * STREAMS
+
+
+def test_the_edge_killed_under_completions_frees_their_engine_work_and_the_public_door_has_no_link(
+    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
+):
+    with Launcher(tmp_path, echo=lambda line: None) as launcher:
+        _, ports = start_replicas(launcher, mesh)
+        door = start_front_door(launcher, dev_jwt_keys, ports)
+        # The link is internal: the public listener does not route it, whatever the caller's token.
+        with grpc.insecure_channel(door.envoy.grpc_target) as channel:
+            link = completion_link_pb2_grpc.CompletionLinkServiceStub(channel).CompleteMany(
+                iter([completion_link_pb2.CompleteManyRequest()]), metadata=door.grpc_auth("u"), timeout=10
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                list(link)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+        def answer_cut_short(started: threading.Event) -> None:
+            with contextlib.suppress(httpx.HTTPError):  # its stream breaks with the edge
+                stream_answer(door, started, [])
+
+        started = [threading.Event() for _ in range(4)]
+        threads = [threading.Thread(target=answer_cut_short, args=(event,), daemon=True) for event in started]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(30), "an answer did not start"
+        assert mesh.engine_requests() >= 4
+        # The edge dies with its links: Envoy resets their streams, and the orchestrators cancel the
+        # answers on them (a Complete nobody can resume).
+        launcher.signal("edge", signal.SIGKILL)
+        deadline = time.monotonic() + 5  # left alone, the answers would run ~9 s more
+        while mesh.engine_requests():
+            assert time.monotonic() < deadline, "answers went on after the edge carrying them died"
+            time.sleep(0.2)
+        launcher.forget("edge")
+        for thread in threads:
+            thread.join(10)
