@@ -16,7 +16,6 @@ sampling seed, so a generation whose router dies goes on through another one exa
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -30,9 +29,8 @@ from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.tiers import tier_named
 from chatmesh.token_text import coalesced
-from meshkit.dns import resolve
 from meshkit.links import Link, LinkMessages, RequestFeed
-from meshkit.serving import CHANNEL_OPTIONS
+from meshkit.replicas import DNS_REFRESH_S, Replica, Replicas
 from meshkit.telemetry import request_span, trace_context
 from orchestrator.errors import from_downstream, from_rpc_error
 
@@ -40,8 +38,6 @@ log = logging.getLogger(__name__)
 
 # How many routers one placement tries when they answer UNAVAILABLE (draining, or unreachable).
 PLACEMENT_ATTEMPTS = 3
-# How often router names are resolved again (replicas come and go).
-DNS_REFRESH_S = 10.0
 ROUTER_LINK = LinkMessages.of(router_pb2)
 
 
@@ -83,25 +79,6 @@ def continued(start: router_pb2.GenerateStart, output_token_ids: Sequence[int]) 
     frame.request_id = f"{start.request_id.partition('~')[0]}~{secrets.token_hex(4)}"
     frame.resumed_output_token_ids[:] = output_token_ids
     return frame
-
-
-def router_addresses(address: str) -> list[str]:
-    """The routers ``address`` names: ``host:port``, ``ip:port,ip:port,...`` (each replica named, an
-    ``ipv4:`` prefix allowed), or ``dns:///name:port`` (one address per replica); names are resolved
-    (and re-resolved) by ``RouterClient``."""
-    for scheme in ("dns:///", "ipv4:", "ipv6:"):
-        address = address.removeprefix(scheme)
-    return [part.strip() for part in address.split(",") if part.strip()]
-
-
-# A restarted router should be back in seconds, not after gRPC's own backoff (up to 120 s).
-_ROUTER_CHANNEL_OPTIONS = (
-    *CHANNEL_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
-_DOWN = (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN)
 
 
 class RouterError(Exception):
@@ -200,18 +177,16 @@ class GenerateStream:
         self._span.end()
 
 
-class RouterReplica:
+class RouterReplica(Replica):
     """One router replica: its channel, and the one stream every request placed through it shares."""
 
     def __init__(self, address: str) -> None:
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=_ROUTER_CHANNEL_OPTIONS)
+        super().__init__(address)
         self.stub = router_pb2_grpc.RouterServiceStub(self.channel)
         self.link = Link(self.stub.GenerateMany, ROUTER_LINK, f"router {address}")
 
-    @property
-    def down(self) -> bool:
-        return self.channel.get_state(try_to_connect=True) in _DOWN
+    def busy(self) -> bool:
+        return bool(self.link.requests)
 
 
 class RouterClient:
@@ -224,19 +199,10 @@ class RouterClient:
     def __init__(self, address: str, timeout_s: float, refresh_s: float = DNS_REFRESH_S) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.refresh_s = refresh_s
-        self._names = router_addresses(address)
-        self._routers: dict[str, RouterReplica] = {}
-        self._leaving: list[RouterReplica] = []
-        self._turn = 0
-        self._resolving: asyncio.Task[None] | None = None
-        self._resolved = asyncio.Event()  # the names were resolved once
+        self._routers = Replicas(address, RouterReplica, refresh_s)
 
     async def close(self) -> None:
-        if self._resolving is not None:
-            self._resolving.cancel()
-        for router in [*self._routers.values(), *self._leaving]:
-            await router.channel.close(grace=None)
+        await self._routers.close()
 
     async def place(
         self, start: router_pb2.GenerateStart, deadline_s: float, placement_timeout_s: float
@@ -279,46 +245,5 @@ class RouterClient:
         """The router for a request of ``session_id`` ("": any), not among ``tried`` (None if none is
         left): the session's by rendezvous hashing among those up, else the next round-robin; a router
         that is down only when none is up (its own call then says why)."""
-        if self._resolving is None:
-            self._resolving = asyncio.create_task(self._resolve_forever())
-        await self._resolved.wait()
-        candidates = [router for address, router in sorted(self._routers.items()) if address not in tried]
-        if not candidates:
-            return None
-        up = [router for router in candidates if not router.down] or candidates
-        if session_id:
-            return max(up, key=lambda router: _rendezvous(session_id, router.address))
-        self._turn += 1
-        return up[self._turn % len(up)]
-
-    async def _resolve_forever(self) -> None:
-        while True:
-            await self._resolve()
-            self._resolved.set()
-            # Sooner while no router is known: the first requests are waiting for one.
-            await asyncio.sleep(self.refresh_s if self._routers else min(self.refresh_s, 1.0))
-
-    async def _resolve(self) -> None:
-        found: set[str] = set()
-        for name in self._names:
-            try:
-                found |= await resolve(name)
-            except (OSError, ValueError) as exc:  # keep what we had: a DNS hiccup is not every router dying
-                log.warning("cannot resolve router name %s: %s", name, exc)
-                found |= set(self._routers)
-        for address in found - self._routers.keys():
-            self._routers[address] = RouterReplica(address)
-        for address in set(self._routers) - found:
-            self._leaving.append(self._routers.pop(address))
-        still = []
-        for router in self._leaving:
-            if router.link.requests:
-                still.append(router)
-            else:
-                await router.channel.close(grace=None)
-        self._leaving = still
-
-
-def _rendezvous(session_id: str, address: str) -> int:
-    digest = hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+        await self._routers.ready()
+        return self._routers.pick(session_id, tried)

@@ -12,11 +12,12 @@ import pytest
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2
 from meshkit.links import RequestFeed
-from orchestrator.router_client import GenerateStream, RouterClient, RouterReplica, router_addresses
+from meshkit.replicas import addresses
+from orchestrator.router_client import GenerateStream, RouterClient, RouterReplica
 
 
 @pytest.mark.parametrize(
-    ("value", "addresses"),
+    ("value", "expected"),
     [
         ("127.0.0.1:50051", ["127.0.0.1:50051"]),
         ("10.0.0.1:50051,10.0.0.2:50051", ["10.0.0.1:50051", "10.0.0.2:50051"]),
@@ -24,8 +25,8 @@ from orchestrator.router_client import GenerateStream, RouterClient, RouterRepli
         ("dns:///router-headless:50051", ["router-headless:50051"]),
     ],
 )
-def test_a_router_value_names_its_routers(value, addresses):
-    assert router_addresses(value) == addresses
+def test_a_router_value_names_its_routers(value, expected):
+    assert addresses(value) == expected
 
 
 async def test_a_chat_keeps_its_router_while_it_is_up_chats_spread_and_a_tried_router_is_passed_over(
