@@ -899,7 +899,9 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     print(f"plot: {path}")
 
 
-def start_door(launcher: Launcher, orchestrators: list[str], run_dir: Path, keys: DevKeys) -> str:
+def start_door(
+    launcher: Launcher, orchestrators: list[str], run_dir: Path, keys: DevKeys, edge_via_envoy: bool = False
+) -> str:
     """The edge and Envoy with ``make run``'s config (default rate limits) in front of ``orchestrators``
     (Envoy spreads calls over them); ``keys`` sign the tokens Envoy, the edge and the orchestrators all
     verify."""
@@ -908,7 +910,10 @@ def start_door(launcher: Launcher, orchestrators: list[str], run_dir: Path, keys
     )
     orchestrator_ports = [int(address.rsplit(":", 1)[1]) for address in orchestrators]
     edge_flags = ["--metrics-port", str(free_port())]  # its event loop's lag (bench/loop_lag.py)
-    for spec in front_door_specs(ports, orchestrator_ports, run_dir, keys, edge_flags=edge_flags):
+    specs = front_door_specs(
+        ports, orchestrator_ports, run_dir, keys, edge_flags=edge_flags, edge_via_envoy=edge_via_envoy
+    )
+    for spec in specs:
         launcher.start(spec)
     return f"http://127.0.0.1:{ports.envoy}"
 
@@ -932,6 +937,13 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="null engines' pace per stream")
     parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument(
+        "--edge-via",
+        choices=("direct", "envoy"),
+        default="envoy",
+        help="the edge reaches the orchestrators through Envoy's internal listener (make run's way), or each "
+        "replica itself (the Helm chart's)",
+    )
     parser.add_argument(
         "--orchestrators", type=int, default=1, help="orchestrator replicas (Envoy spreads calls over them)"
     )
@@ -986,6 +998,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(f"machine: {machine()}")
+    print(
+        f"edge -> orchestrators: {'through Envoy' if args.edge_via == 'envoy' else 'each replica directly'}"
+    )
     with tempfile.TemporaryDirectory(prefix="bench-front-door-") as tmp:
         run(args, args.run_dir or Path(tmp))
 
@@ -997,7 +1012,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
         engines, router, orchestrators = start_mesh(
             launcher, args, run_dir, keys, args.warm_sends, args.orchestrators
         )
-        url = start_door(launcher, orchestrators, run_dir, keys)
+        url = start_door(launcher, orchestrators, run_dir, keys, args.edge_via == "envoy")
         asyncio.run(wait_for_engines(router, len(engines)))
         if args.concurrency:
             rows = asyncio.run(latency(args, engines, router, orchestrators[0], url, keys))

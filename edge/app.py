@@ -78,6 +78,7 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
             settings.completion_links,
             settings.completion_start_timeout_s,
         )
+        await app.state.orchestrator.start()
         scraping = asyncio.create_task(app.state.ops_scraper.run())
         try:
             yield

@@ -1,5 +1,7 @@
 """The edge's only dependency: ChatService over gRPC, called with the caller's own token as metadata
-(and CompletionLinkService, which carries its Complete calls many to a stream: ``CompletionLinks``).
+(and CompletionLinkService, which carries its Complete calls many to a stream: ``OrchestratorReplica``).
+The edge reaches the orchestrator replicas itself (``Orchestrator``: a chat's calls on one replica, by
+its id) or through Envoy's internal listener, which does the same.
 
 Unary calls carry a deadline. Streams carry a (long) deadline too, and are read event by event; the edge
 never buffers a run. Cancelling a stream call here only detaches this client: the orchestrator keeps the
@@ -32,8 +34,9 @@ from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error, from_run_error
+from meshkit.envoy import IDEMPOTENT_METHODS
 from meshkit.links import Link, LinkBroken, LinkMessages
-from meshkit.serving import CHANNEL_OPTIONS
+from meshkit.replicas import Replica, Replicas
 from meshkit.telemetry import request_span, trace_context
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,11 @@ _REATTACH_FIRST_DELAY_S = 0.1
 _REATTACH_MAX_DELAY_S = 2.0
 
 COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
+# A call that reads (or repeats harmlessly) is tried on this many replicas when they answer UNAVAILABLE,
+# as Envoy retries it; another call goes to one (a send refused there is the client's to retry, with its
+# idempotency key).
+UNARY_ATTEMPTS = 3
+_UNARY_RETRY_DELAY_S = 0.05
 
 # StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed (asking
 # for merged deltas as the call it replaces did).
@@ -210,33 +218,32 @@ class RunStream:
         self._call.cancel()
 
 
-class CompletionLinks:
-    """The edge's Complete calls on ``count`` CompleteMany streams over its channel
-    (``meshkit.links.Link``): the events of every answer on one stream cross in one message a loop turn,
-    where a Complete call costs a message per event each way, and Envoy's internal listener relays one
-    HTTP/2 stream for them all. Envoy sends each stream, as it opens, to the orchestrator replica with
-    the fewest requests; a call goes on the link with the fewest. An answer whose run has not started
-    within ``start_timeout_s`` is refused as too busy, as gRPC sheds a call the orchestrator took no
-    sooner (``--max-pending-s``): on a link no call waits to be taken, so without it an overloaded
-    replica's answers would wait without bound."""
+class OrchestratorReplica(Replica):
+    """One orchestrator replica (or Envoy's internal listener in front of them all): its ChatService stub
+    and ``count`` CompleteMany streams (``meshkit.links.Link``) carrying the edge's Complete calls: the
+    events of every answer on one stream cross in one message a loop turn, where a Complete call costs
+    a message per event each way."""
 
-    def __init__(
-        self, channel: grpc.aio.Channel, count: int, timeout_s: float, start_timeout_s: float
-    ) -> None:
-        stub = completion_link_pb2_grpc.CompletionLinkServiceStub(channel)
-        self.timeout_ms = round(timeout_s * 1000)
-        self.start_timeout_s = start_timeout_s
-        self._links = [
-            Link(stub.CompleteMany, COMPLETION_LINK, f"the chat service (completion link {n})")
-            for n in range(count)
+    def __init__(self, address: str, links: int) -> None:
+        super().__init__(address)
+        self.stub = chat_pb2_grpc.ChatServiceStub(self.channel)
+        link_stub = completion_link_pb2_grpc.CompletionLinkServiceStub(self.channel)
+        self.links = [
+            Link(
+                link_stub.CompleteMany,
+                COMPLETION_LINK,
+                f"the chat service at {address} (completion link {n})",
+            )
+            for n in range(links)
         ]
 
-    def least_busy(self) -> Link:
-        return min(self._links, key=lambda link: link.requests)
+    def busy(self) -> bool:
+        return any(link.requests for link in self.links)
 
-    def close(self) -> None:
-        for link in self._links:
+    async def close(self, grace_s: float | None = None) -> None:
+        for link in self.links:
             link.close()
+        await super().close(grace_s)
 
 
 class LinkedComplete:
@@ -248,26 +255,29 @@ class LinkedComplete:
     Deltas that arrived together are read as one (``chatmesh.run_events``) when the request asked for
     merged deltas, as the orchestrator merges them for a call whose reader fell behind. A request refused
     UNAVAILABLE before its first event (its replica drains, or the stream broke as it opened) started
-    nothing, so it is sent once more, on a new stream (its start, conversation and all, is kept until
-    the first event only)."""
+    nothing, so it is sent once more, to another replica than the one where it failed (when there is
+    one), on a new stream (its start, conversation and all, is kept until the first event only)."""
 
-    def __init__(self, links: CompletionLinks, request: chat_pb2.CompleteRequest, caller: Caller) -> None:
-        self._links = links
+    def __init__(self, orchestrator: Orchestrator, request: chat_pb2.CompleteRequest, caller: Caller) -> None:
+        self._orchestrator = orchestrator
         self._merge_deltas = request.merge_deltas
         self._start: completion_link_pb2.CompleteStart | None = completion_link_pb2.CompleteStart(
             authorization=caller.authorization, request=request
         )
         self._span = request_span(COMPLETION_LINK.span_name, trace.SpanKind.CLIENT)
         self._frames: deque[completion_link_pb2.CompleteResponseFrame] = deque()
+        self._failed_on: set[str] = set()  # replicas where it failed UNAVAILABLE
         self._sent_again = False
         self._ended = False
         self._open(self._start)
 
     def _open(self, start: completion_link_pb2.CompleteStart) -> None:
-        self._start_by = asyncio.get_running_loop().time() + self._links.start_timeout_s
-        self._link = self._links.least_busy()
+        self._start_by = asyncio.get_running_loop().time() + self._orchestrator.completion_start_timeout_s
+        self._replica, self._link = self._orchestrator.least_busy_link(self._failed_on)
         self._request_id = start.request_id = secrets.token_hex(8)
-        self._feed = self._link.open(start, trace_context(self._span), timeout_ms=self._links.timeout_ms)
+        self._feed = self._link.open(
+            start, trace_context(self._span), timeout_ms=round(self._orchestrator.stream_timeout_s * 1000)
+        )
 
     async def read(self) -> Any:
         """The next response (a frame with the ``event``), or ``grpc.aio.EOF`` after the last."""
@@ -282,14 +292,18 @@ class LinkedComplete:
                         self._frames.extend(await self._feed.take())
             except TimeoutError:
                 self._end()  # its `cancel` goes out: should the run start after all, it stops
-                raise _not_started(self._links.start_timeout_s) from None
+                raise _not_started(self._orchestrator.completion_start_timeout_s) from None
             except ServiceError as error:
                 start = self._start
                 if start is None or self._sent_again or error.code != grpc.StatusCode.UNAVAILABLE:
                     self._end(error)
                     raise _call_error(error) from None
+                # It goes to another replica than the one that refused it (draining) or whose stream
+                # broke (dead, most likely); behind Envoy's internal listener, on a new stream, which
+                # may reach another.
+                self._failed_on.add(self._replica.address)
                 if not isinstance(error, LinkBroken):
-                    self._link.renew()  # that replica refused it: the next stream may reach another
+                    self._link.renew()
                 self._link.release(self._request_id)
                 self._sent_again = True
                 self._open(start)
@@ -344,9 +358,21 @@ def _call_error(error: ServiceError) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(error.code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailer), error.message)
 
 
+def _unreachable() -> grpc.aio.AioRpcError:
+    """No replica of the chat service is known: the error of a call that cannot connect."""
+    return _call_error(LinkBroken(grpc.StatusCode.UNAVAILABLE, "no chat service replica is known"))
+
+
 class Orchestrator:
-    """A ChatService client over one channel (HTTP/2 multiplexes every request and stream); Complete
-    goes on ``CompletionLinks`` when ``completion_links`` > 0."""
+    """A ChatService client over the replicas ``target`` names (``meshkit.replicas``): Envoy's internal
+    listener (one address, which balances by itself), or the orchestrator replicas (a list, or a
+    ``dns:///`` name with one address per replica: a headless Service), one channel each (HTTP/2
+    multiplexes every call and stream). A chat's calls go to one replica while it is up (rendezvous
+    hashing on the chat id, as Envoy's ring hash keeps a chat on one), others round-robin; a replica down
+    or draining (its health says so first) is passed over, and a call that reads or repeats harmlessly
+    (``IDEMPOTENT_METHODS``) is tried again on another replica when one refuses it UNAVAILABLE. Complete
+    goes on the replicas' completion links when ``completion_links`` > 0, the least busy link of those
+    up. ``start`` before use (it resolves the names once)."""
 
     def __init__(
         self,
@@ -361,47 +387,85 @@ class Orchestrator:
         self.drain = drain
         self.unary_timeout_s = unary_timeout_s
         self.stream_timeout_s = stream_timeout_s
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = chat_pb2_grpc.ChatServiceStub(self._channel)
-        self._links = (
-            CompletionLinks(self._channel, completion_links, stream_timeout_s, completion_start_timeout_s)
-            if completion_links
-            else None
+        self.completion_links = completion_links
+        self.completion_start_timeout_s = completion_start_timeout_s
+        self._replicas = Replicas(
+            target,
+            lambda address: OrchestratorReplica(address, completion_links),
+            leaving_grace_s=stream_timeout_s,
         )
 
+    async def start(self) -> None:
+        await self._replicas.ready()
+
     async def close(self) -> None:
-        if self._links is not None:
-            self._links.close()
-        await self._channel.close(grace=None)
+        await self._replicas.close()
+
+    def least_busy_link(self, failed_on: Container[str] = ()) -> tuple[OrchestratorReplica, Link]:
+        """The completion link with the fewest requests of the replicas up, but those a request
+        ``failed_on`` (unless only they are left); raises the error of a call that cannot connect when
+        no replica is known."""
+        replicas = self._replicas.candidates(failed_on) or self._replicas.candidates()
+        links = [(replica, link) for replica in replicas for link in replica.links]
+        if not links:
+            raise _unreachable()
+        return min(links, key=lambda pair: pair[1].requests)
 
     async def unary(self, method: str, request: Message, caller: Caller) -> Any:
         """Calls ``method`` with a deadline and returns its response message; a failure raises the
         matching ApiError. (The stub's method is looked up by name, so the response type is the caller's
         to know.)"""
-        try:
-            return await getattr(self._stub, method)(
-                request, metadata=caller.metadata(), timeout=self.unary_timeout_s
-            )
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        tried: set[str] = set()
+        attempts = UNARY_ATTEMPTS if method in IDEMPOTENT_METHODS else 1
+        while True:
+            replica = self._replicas.pick(caller.chat_id, tried)
+            try:
+                if replica is None:
+                    raise _unreachable()
+                return await getattr(replica.stub, method)(
+                    request, metadata=caller.metadata(), timeout=self.unary_timeout_s
+                )
+            except grpc.RpcError as exc:
+                if replica is None or not _tried_again(exc, tried, replica.address, attempts):
+                    raise from_rpc_error(exc) from exc
+                await asyncio.sleep(_UNARY_RETRY_DELAY_S)
 
     def stream(self, method: str, request: Message, caller: Caller) -> RunStream:
-        if method == "Complete" and self._links is not None:
-            assert isinstance(request, chat_pb2.CompleteRequest)
-            return RunStream(LinkedComplete(self._links, request, caller), self.drain)
-        call = getattr(self._stub, method)(request, metadata=caller.metadata(), timeout=self.stream_timeout_s)
+        try:
+            if method == "Complete" and self.completion_links:
+                assert isinstance(request, chat_pb2.CompleteRequest)
+                return RunStream(LinkedComplete(self, request, caller), self.drain)
+            call = self._call(method, request, caller)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
         if method == "Complete":
             return RunStream(call, self.drain)
 
         def reattach(run_id: str, after_seq: int) -> grpc.aio.UnaryStreamCall:
-            return self._stub.StreamRun(
-                chat_pb2.StreamRunRequest(
-                    run_id=run_id, after_seq=after_seq, merge_deltas=getattr(request, "merge_deltas", False)
-                ),
-                metadata=caller.metadata(),
-                timeout=self.stream_timeout_s,
+            attach = chat_pb2.StreamRunRequest(
+                run_id=run_id, after_seq=after_seq, merge_deltas=getattr(request, "merge_deltas", False)
             )
+            return self._call("StreamRun", attach, caller)
 
         if isinstance(request, chat_pb2.StreamRunRequest):
             return RunStream(call, self.drain, reattach, request.run_id, request.after_seq)
         return RunStream(call, self.drain, reattach)
+
+    def _call(self, method: str, request: Message, caller: Caller) -> grpc.aio.UnaryStreamCall:
+        """A stream call on the caller's replica; raises the error of a call that cannot connect when no
+        replica is known."""
+        replica = self._replicas.pick(caller.chat_id)
+        if replica is None:
+            raise _unreachable()
+        call: grpc.aio.UnaryStreamCall = getattr(replica.stub, method)(
+            request, metadata=caller.metadata(), timeout=self.stream_timeout_s
+        )
+        return call
+
+
+def _tried_again(exc: grpc.RpcError, tried: set[str], address: str, attempts: int) -> bool:
+    """Whether a call that failed with ``exc`` on ``address`` goes to another replica: UNAVAILABLE (the
+    replica drains, or cannot be reached), fewer than ``attempts`` made."""
+    tried.add(address)
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+    return code == grpc.StatusCode.UNAVAILABLE and len(tried) < attempts

@@ -13,9 +13,12 @@ from meshkit.config import nested, setting
 
 @dataclass(frozen=True)
 class EdgeSettings:
-    # ChatService address: the orchestrator, or Envoy's internal listener in front of it.
+    # The orchestrator replicas (a list, or a dns:/// name with one address per replica: the edge keeps a
+    # chat on one), or Envoy's internal listener in front of them.
     orchestrator: str = setting(
-        "127.0.0.1:50050", "ChatService address host:port (orchestrator or Envoy's internal listener)"
+        "127.0.0.1:50050",
+        "ChatService address: host:port (Envoy's internal listener, or one orchestrator), the replicas "
+        "host:port,host:port, or dns:///name:port (one address per replica)",
     )
     # Complete calls (the OpenAI routes) go this many at a time on CompletionLinkService streams, whose
     # messages carry the events of every answer on them; 0: a Complete call each.

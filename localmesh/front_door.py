@@ -3,7 +3,10 @@
 ``front_door_specs`` renders and validates Envoy's config into the run directory and returns the launcher
 specs for the edge and Envoy (in that order; Envoy health-checks the edge). The edge reaches the
 orchestrator through Envoy's loopback-only internal listener, so its calls get the same ring hash on the
-chat id, retries and health checks as gRPC clients coming through the public port.
+chat id, retries and health checks as gRPC clients coming through the public port, and Envoy gathers the
+orchestrators' per-event writes into fewer, larger ones to the edge (cheaper for the edge than reaching
+each replica itself, as the Helm chart's edge does, while a stored chat's stream is a call: README,
+"The edge and the orchestrator replicas"). ``edge_via_envoy=False`` sends it to each replica itself.
 """
 
 from __future__ import annotations
@@ -68,11 +71,18 @@ def front_door_specs(
     edge_flags: list[str] | None = None,
     otlp: tuple[str, int] | None = None,
     edge_dialed: int | None = None,
+    edge_via_envoy: bool = True,
 ) -> list[ServiceSpec]:
     """``edge_flags``: more ``python -m edge`` flags; ``otlp``: where Envoy sends its spans (default:
     OTEL_EXPORTER_OTLP_ENDPOINT, else nowhere); ``edge_dialed``: the port Envoy dials for the edge when
-    not the edge's own (a proxy in front of it)."""
+    not the edge's own (a proxy in front of it); ``edge_via_envoy``: the edge reaches the orchestrators
+    through Envoy's internal listener (the default) rather than each replica itself."""
     config = _envoy_config(ports, orchestrator_ports, keys, otlp, edge_dialed)
+    orchestrators = (
+        f"127.0.0.1:{ports.envoy_internal}"
+        if edge_via_envoy
+        else ",".join(f"127.0.0.1:{port}" for port in orchestrator_ports)
+    )
     config_path = write_config(config, run_dir / "envoy.yaml")
     edge = ServiceSpec(
         name="edge",
@@ -83,7 +93,7 @@ def front_door_specs(
             "--port",
             str(ports.edge),
             "--orchestrator",
-            f"127.0.0.1:{ports.envoy_internal}",
+            orchestrators,
             *(edge_flags or []),
             *keys.service_flags(),
         ],

@@ -1,4 +1,4 @@
-"""The edge's side of its completion links (``edge/orchestrator.py``: ``CompletionLinks``,
+"""The edge's side of its completion links (``edge/orchestrator.py``: ``OrchestratorReplica``,
 ``LinkedComplete``) against ScriptedChatService over real gRPC: what ``RunStream`` reads of a Complete
 on a link."""
 
@@ -30,6 +30,7 @@ async def orchestrator(scripted: ScriptedChatServer) -> AsyncIterator[Orchestrat
     client = Orchestrator(
         f"127.0.0.1:{scripted.port}", 10.0, 60.0, Drain(), completion_links=2, completion_start_timeout_s=1.0
     )
+    await client.start()
     yield client
     await client.close()
 

@@ -1,6 +1,8 @@
 """The edge's completion links under a crash: the OpenAI route's answers travel many to a CompleteMany
 stream, each stream to an orchestrator replica. Through the real Envoy and edge to two real replicas
-over the shared mesh; one is killed (SIGKILL) while eight answers stream."""
+over the shared mesh; one is killed (SIGKILL), or drains, while eight answers stream. The edge reaches
+the replicas through Envoy's internal listener (``make run``'s way) or each itself (the Helm chart's):
+both are tested."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ PROMPT = [{"role": "user", "content": "a long answer, please"}]
 # 10 s at the mesh engines' 200 tokens a second: still streaming when the replica dies.
 LONG = {"model": "", "messages": PROMPT, "max_tokens": 2000, "stream": True}
 STREAMS = 8
+VIA = pytest.mark.parametrize("edge_via_envoy", [False, True], ids=["edge-direct", "edge-via-envoy"])
 
 
 def start_replicas(launcher: Launcher, mesh: Mesh) -> tuple[list[str], list[int]]:
@@ -56,12 +59,13 @@ def stream_answer(door: FrontDoor, started: threading.Event, lines: list[str], b
                 started.set()
 
 
+@VIA
 def test_a_replica_killed_under_completions_fails_only_its_own_answers_and_the_next_are_answered(
-    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
+    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh, edge_via_envoy: bool
 ):
     with Launcher(tmp_path, echo=lambda line: None) as launcher:
         names, ports = start_replicas(launcher, mesh)
-        door = start_front_door(launcher, dev_jwt_keys, ports)
+        door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=edge_via_envoy)
         started = [threading.Event() for _ in range(STREAMS)]
         streamed: list[list[str]] = [[] for _ in range(STREAMS)]
         threads = [
@@ -79,7 +83,7 @@ def test_a_replica_killed_under_completions_fails_only_its_own_answers_and_the_n
 
         finished = [lines for lines in streamed if lines[-1] == "data: [DONE]"]
         failed = [lines for lines in streamed if lines[-1] != "data: [DONE]"]
-        # The edge's four links went two to each replica: both kinds of answer are here.
+        # The answers went on links to both replicas (the edge's own choice, or Envoy's): both kinds are here.
         assert finished and failed, [lines[-1] for lines in streamed]
         for lines in failed:
             error = json.loads(lines[-1].removeprefix("data: "))["error"]
@@ -101,12 +105,13 @@ def test_a_replica_killed_under_completions_fails_only_its_own_answers_and_the_n
         launcher.forget(names[0])
 
 
+@VIA
 def test_a_replica_that_drains_finishes_the_answers_on_its_links_and_new_ones_go_elsewhere(
-    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
+    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh, edge_via_envoy: bool
 ):
     with Launcher(tmp_path, echo=lambda line: None) as launcher:
         names, ports = start_replicas(launcher, mesh)
-        door = start_front_door(launcher, dev_jwt_keys, ports)
+        door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=edge_via_envoy)
         # 3 s answers: they end well inside the drain's grace.
         body = {**LONG, "max_tokens": 600}
         started = [threading.Event() for _ in range(STREAMS)]

@@ -80,7 +80,9 @@ def test_a_mesh_that_cannot_answer_says_retry_and_shows_no_internals(
         assert_plain_503(
             client.post("/v1/chat/completions", json=COMPLETION), DEAD_ENGINE.name, str(DEAD_ENGINE.port)
         )
-        chat_id = client.post("/v1/chats", json={}).json()["chat_id"]
+        created = client.post("/v1/chats", json={})
+        assert created.status_code == 201, created.text
+        chat_id = created.json()["chat_id"]
         with client.stream(
             "POST", f"/v1/chats/{chat_id}/messages", json={"content": "hi", "options": {"max_tokens": 2}}
         ) as reply:

@@ -288,9 +288,12 @@ def test_services_point_at_each_other_and_at_cassandra(rendered):
         orchestrator["CHATMESH_ORCHESTRATOR_ROUTER"] == f"dns:///{router}.{NAMESPACE}.svc.cluster.local:50051"
     )
     assert chart.get("Service", router)["spec"]["clusterIP"] == "None"
+    # Every orchestrator's too: the edge keeps a chat on one and spreads its completion links.
+    orchestrators = f"{FULL}-orchestrator-headless"
     assert env_of(chart.container("edge", "edge"))["CHATMESH_EDGE_ORCHESTRATOR"] == (
-        f"{FULL}-orchestrator.{NAMESPACE}.svc.cluster.local:50050"
+        f"dns:///{orchestrators}.{NAMESPACE}.svc.cluster.local:50050"
     )
+    assert chart.get("Service", orchestrators)["spec"]["clusterIP"] == "None"
     # Bundled Cassandra: its Service, one replica in the local DC; the Job creates what replicas read.
     cassandra = f"{FULL}-cassandra.{NAMESPACE}.svc.cluster.local"
     assert orchestrator["CHATMESH_ORCHESTRATOR_CASSANDRA"] == f"{cassandra}:9042"

@@ -1,0 +1,114 @@
+"""The edge reaching the orchestrator replicas itself (the Helm chart's way:
+``edge/orchestrator.py:Orchestrator`` over ``meshkit/replicas.py``), through the real Envoy and edge to
+two real replicas over the shared mesh: a chat's sends stay on one replica while chats spread over both;
+a replica that drains (SIGTERM) is passed over for new sends as soon as its health says NOT_SERVING (it
+refuses them half a second later), and the answer it was streaming goes on from the other replica."""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from pathlib import Path
+
+import httpx
+
+from localmesh.dev_jwt import DevKeys
+from meshkit.launcher import Launcher, free_port
+from tests.fixtures.front_door import start_front_door
+from tests.fixtures.orchestrator import Mesh, orchestrator_spec
+from tests.front_door.helpers import send, wait_for
+from tests.front_door.sse_client import Event, iter_events
+
+CHATS = 16  # all of them on one of two replicas by chance: 2 in 2^16
+SHORT = {"options": {"max_tokens": 4}}
+_SENDS = re.compile(r'^chatmesh_orchestrator_runs_total\{[^}]*kind="send"[^}]*\} (\S+)$', re.M)
+
+
+def sends_ended(metrics_url: str) -> float:
+    """The stored sends that ended on one replica (every status)."""
+    return sum(float(value) for value in _SENDS.findall(httpx.get(metrics_url).text))
+
+
+def counted(metrics_urls: list[str], before: list[float], sends: int) -> list[float] | None:
+    """The sends ended on each replica since ``before``, once they come to ``sends``."""
+    gained = [sends_ended(url) - was for url, was in zip(metrics_urls, before, strict=True)]
+    return gained if sum(gained) == sends else None
+
+
+def answered(events: list[Event]) -> bool:
+    """An answer streamed whole: each event once, in order (the page's deltas come merged when they waited,
+    numbered as the last: numbers only increase), every token once, ended by `done`."""
+    seqs = [event.seq for event in events if event.id is not None]
+    tokens = sum(event.data["token_count"] for event in events if event.event == "delta")
+    usage = next(event.data for event in events if event.event == "usage")
+    return seqs == sorted(set(seqs)) and tokens == usage["completion_tokens"] and events[-1].event == "done"
+
+
+def test_a_chats_sends_stay_on_one_replica_chats_spread_and_a_draining_replica_is_passed_over(
+    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
+):
+    with Launcher(tmp_path, echo=lambda line: None) as launcher:
+        names, ports, metrics = [], [], []
+        for _ in range(2):
+            name, port, metrics_port = f"orchestrator-{uuid.uuid4().hex[:6]}", free_port(), free_port()
+            cql_port = mesh.cassandra.node.config.cql_port
+            launcher.start(
+                orchestrator_spec(name, port, metrics_port, mesh.router_address, cql_port, replica_id=name)
+            )
+            names.append(name)
+            ports.append(port)
+            metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
+        door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=False)
+        # Enterprise: its buckets take this many sends without a 429.
+        user = f"u-{uuid.uuid4().hex[:8]}"
+        with door.client(user, "enterprise") as client:
+            chats = [client.post("/v1/chats", json={}).json()["chat_id"] for _ in range(CHATS)]
+            home: dict[str, int] = {}
+            for chat in chats:
+                before = [sends_ended(url) for url in metrics]
+                for turn in range(2):
+                    assert answered(send(client, chat, f"turn {turn}", **SHORT))
+                # A run is counted as it ends, just after its last event went out.
+                gained = wait_for(
+                    lambda before=before: counted(metrics, before, 2), what="both sends counted"
+                )
+                assert sorted(gained) == [0, 2], gained  # both turns on one replica
+                home[chat] = gained.index(2)
+            assert set(home.values()) == {0, 1}, home  # and chats on both
+
+            # Replica 0 drains while it streams an answer: the answer goes on from replica 1 (the run
+            # handed over, the edge attaching there after the last event it relayed), and every send
+            # to replica 0's chats meanwhile is answered by replica 1.
+            draining = [chat for chat in chats if home[chat] == 0]
+            long_answer: list[Event] = []
+            started = threading.Event()
+
+            def stream_long_answer() -> None:  # 3 s at the engines' 200 tokens a second
+                body = {"content": "long", "options": {"max_tokens": 600}}
+                with (
+                    door.client(user, "enterprise") as own,
+                    own.stream("POST", f"/v1/chats/{draining[0]}/messages", json=body) as reply,
+                ):
+                    assert reply.status_code == 200, reply.read()
+                    for event in iter_events(reply):
+                        long_answer.append(event)
+                        if event.event == "delta":
+                            started.set()
+
+            streaming = threading.Thread(target=stream_long_answer, daemon=True)
+            streaming.start()
+            assert started.wait(30), "the long answer did not start"
+            stopping = threading.Thread(target=launcher.stop, args=(names[0],), daemon=True)
+            stopping.start()
+            asked = 0
+            while stopping.is_alive() or asked < 4:
+                chat = draining[1 + asked % (len(draining) - 1)]
+                assert answered(send(client, chat, f"during the drain {asked}", **SHORT))
+                asked += 1
+            streaming.join(60)
+            assert not streaming.is_alive()
+            assert answered(long_answer), [event.event for event in long_answer[-3:]]
+            # Stored as streamed, across the handover.
+            stored = client.get(f"/v1/chats/{draining[0]}/messages").json()["messages"][0]
+            assert stored["content"] == "".join(e.data["text"] for e in long_answer if e.event == "delta")
