@@ -28,6 +28,7 @@ from meshkit.links import LinkMessages, ServedRequests
 from orchestrator.errors import from_exception
 from orchestrator.runs.complete import CompleteRun
 from orchestrator.runs.context import RunContext
+from orchestrator.runs.lifecycle import SHUTTING_DOWN
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,11 @@ class CompletionLinkService(completion_link_pb2_grpc.CompletionLinkServiceServic
         request_iterator: AsyncIterator[completion_link_pb2.CompleteManyRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[completion_link_pb2.CompleteManyResponse]:
+        if self.draining:
+            # Refused as a call, before anything is read: its first requests are the caller's to send
+            # elsewhere (Envoy retries such a stream on another replica). Served, it would end at once,
+            # empty, and the starts already on their way would be lost with it.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         async for message in _ServedCompletes(self).serve(request_iterator, self._streams):
             yield message
 

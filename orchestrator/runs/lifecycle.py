@@ -50,6 +50,8 @@ from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
 
 log = logging.getLogger(__name__)
+# What a replica that drains answers new work with (another replica will take it).
+SHUTTING_DOWN = "this replica is shutting down; retry (another replica will answer)"
 tracer = trace.get_tracer("orchestrator")
 
 
@@ -164,7 +166,7 @@ class Runs:
         either undoes the other). The block persists what the run stores; if it fails, everything is
         undone, and after it the admission belongs to ``generate``."""
         if self.draining:
-            raise unavailable("this replica is shutting down; retry (another replica will answer)", 0.5)
+            raise unavailable(SHUTTING_DOWN, 0.5)
         with tracer.start_as_current_span("start run") as span:
             span.set_attribute("chatmesh.run_id", info.run_id)
             self.slots.acquire(identity)
