@@ -53,6 +53,11 @@ COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
 # idempotency key).
 UNARY_ATTEMPTS = 3
 _UNARY_RETRY_DELAY_S = 0.05
+# A Complete on a link refused UNAVAILABLE before its first event (nothing of it started: a draining
+# replica refused it, or its stream ended or broke, which cancels it there) is sent this many times in
+# all: behind Envoy's internal listener the edge cannot tell which links reach a draining replica, and
+# two of them can end in the same moment.
+START_ATTEMPTS = 3
 
 # StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed (asking
 # for merged deltas as the call it replaces did).
@@ -255,8 +260,9 @@ class LinkedComplete:
     Deltas that arrived together are read as one (``chatmesh.run_events``) when the request asked for
     merged deltas, as the orchestrator merges them for a call whose reader fell behind. A request refused
     UNAVAILABLE before its first event (its replica drains, or the stream broke as it opened) started
-    nothing, so it is sent once more, to another replica than the one where it failed (when there is
-    one), on a new stream (its start, conversation and all, is kept until the first event only)."""
+    nothing, so it is sent again (``START_ATTEMPTS`` in all), to another replica than those where it
+    failed (when there is one), on a new stream (its start, conversation and all, is kept until the first
+    event only)."""
 
     def __init__(self, orchestrator: Orchestrator, request: chat_pb2.CompleteRequest, caller: Caller) -> None:
         self._orchestrator = orchestrator
@@ -267,7 +273,7 @@ class LinkedComplete:
         self._span = request_span(COMPLETION_LINK.span_name, trace.SpanKind.CLIENT)
         self._frames: deque[completion_link_pb2.CompleteResponseFrame] = deque()
         self._failed_on: set[str] = set()  # replicas where it failed UNAVAILABLE
-        self._sent_again = False
+        self._attempts = 1
         self._ended = False
         self._open(self._start)
 
@@ -295,7 +301,11 @@ class LinkedComplete:
                 raise _not_started(self._orchestrator.completion_start_timeout_s) from None
             except ServiceError as error:
                 start = self._start
-                if start is None or self._sent_again or error.code != grpc.StatusCode.UNAVAILABLE:
+                if (
+                    start is None
+                    or self._attempts >= START_ATTEMPTS
+                    or error.code != grpc.StatusCode.UNAVAILABLE
+                ):
                     self._end(error)
                     raise _call_error(error) from None
                 # It goes to another replica than the one that refused it (draining) or whose stream
@@ -305,7 +315,7 @@ class LinkedComplete:
                 if not isinstance(error, LinkBroken):
                     self._link.renew()
                 self._link.release(self._request_id)
-                self._sent_again = True
+                self._attempts += 1
                 self._open(start)
         frame = self._frames.popleft()
         if frame.WhichOneof("kind") == "finished":

@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from edge.orchestrator import START_ATTEMPTS
 from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.scripted_chat_service import MODEL, scripted_text
 
@@ -155,14 +156,14 @@ def test_non_streaming_run_error_becomes_an_http_error(sdk: openai.OpenAI):
     assert failure.value.status_code == 503
 
 
-def test_a_complete_refused_unavailable_before_its_first_event_is_sent_once_more(
+def test_a_complete_refused_unavailable_before_its_first_event_is_sent_again(
     front_door: ScriptedFrontDoor, sdk: openai.OpenAI
 ):
     # A replica that drains refuses new answers UNAVAILABLE while its completion link still carries
-    # others: nothing of the refused one started, so the edge sends it once more on a new stream, which
+    # others: nothing of the refused one started, so the edge sends it again on a new stream, which
     # may reach another replica; the client sees the answer.
     calls = len(front_door.scripted.calls_to("Complete"))
-    refusal = {"retry_after_s": 0.5, "times": 1}
+    refusal = {"retry_after_s": 0.5, "times": START_ATTEMPTS - 1}
     with front_door.scripted.failing("Complete", grpc.StatusCode.UNAVAILABLE, "shutting down", **refusal):
         chunks = list(
             sdk.chat.completions.create(
@@ -170,8 +171,8 @@ def test_a_complete_refused_unavailable_before_its_first_event_is_sent_once_more
             )
         )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == scripted_text(3)
-    assert len(front_door.scripted.calls_to("Complete")) == calls + 2
-    # Once more only: a second refusal is the client's, a 503 to retry later.
+    assert len(front_door.scripted.calls_to("Complete")) == calls + START_ATTEMPTS
+    # That many times only: the last refusal is the client's, a 503 to retry later.
     refusing = front_door.scripted.failing(
         "Complete", grpc.StatusCode.UNAVAILABLE, "shutting down", retry_after_s=0.5
     )
@@ -182,7 +183,7 @@ def test_a_complete_refused_unavailable_before_its_first_event_is_sent_once_more
             )
         )
     assert failure.value.status_code == 503 and failure.value.response.headers["retry-after"] == "1"
-    assert len(front_door.scripted.calls_to("Complete")) == calls + 4
+    assert len(front_door.scripted.calls_to("Complete")) == calls + 2 * START_ATTEMPTS
 
 
 def test_a_refusal_other_than_unavailable_is_not_sent_again(
