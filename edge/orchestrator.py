@@ -436,9 +436,21 @@ class Orchestrator:
                     request, metadata=caller.metadata(), timeout=self.unary_timeout_s
                 )
             except grpc.RpcError as exc:
-                if replica is None or not _tried_again(exc, tried, replica.address, attempts):
+                if replica is None or not self._tried_again(exc, tried, replica.address, attempts):
                     raise from_rpc_error(exc) from exc
                 await asyncio.sleep(_UNARY_RETRY_DELAY_S)
+
+    def _tried_again(self, exc: grpc.RpcError, tried: set[str], address: str, attempts: int) -> bool:
+        """Whether a call that failed with ``exc`` on ``address`` goes to another replica: UNAVAILABLE (the
+        replica drains, or cannot be reached), fewer than ``attempts`` made, and another replica left
+        (else the client reads this one's answer)."""
+        tried.add(address)
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        return (
+            code == grpc.StatusCode.UNAVAILABLE
+            and len(tried) < attempts
+            and bool(self._replicas.candidates(tried))
+        )
 
     def stream(self, method: str, request: Message, caller: Caller) -> RunStream:
         try:
@@ -471,11 +483,3 @@ class Orchestrator:
             request, metadata=caller.metadata(), timeout=self.stream_timeout_s
         )
         return call
-
-
-def _tried_again(exc: grpc.RpcError, tried: set[str], address: str, attempts: int) -> bool:
-    """Whether a call that failed with ``exc`` on ``address`` goes to another replica: UNAVAILABLE (the
-    replica drains, or cannot be reached), fewer than ``attempts`` made."""
-    tried.add(address)
-    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-    return code == grpc.StatusCode.UNAVAILABLE and len(tried) < attempts

@@ -116,7 +116,6 @@ class Replicas(Generic[R]):
         refresh_s: float = DNS_REFRESH_S,
         leaving_grace_s: float | None = None,
     ) -> None:
-        self.value = value
         self.refresh_s = refresh_s
         self.leaving_grace_s = leaving_grace_s
         self._names = addresses(value)
@@ -139,8 +138,12 @@ class Replicas(Generic[R]):
         return [replica for _, replica in sorted(self._members.items())]
 
     def candidates(self, tried: Container[str] = ()) -> list[R]:
-        """The replicas not in ``tried``: those up, or every one when none is."""
+        """The replicas not in ``tried``: those up, or every one when none is. With one left its health
+        can change nothing and is not asked (nor watched: one address may be a proxy, Envoy's internal
+        listener, whose health route would hold a watch on one replica behind it until a timeout)."""
         left = [replica for replica in self.members if replica.address not in tried]
+        if len(left) < 2:
+            return left
         return [replica for replica in left if not replica.down] or left
 
     def pick(self, key: str, tried: Container[str] = ()) -> R | None:

@@ -1,12 +1,13 @@
-"""The edge's side of its completion links (``edge/orchestrator.py``: ``OrchestratorReplica``,
-``LinkedComplete``) against ScriptedChatService over real gRPC: what ``RunStream`` reads of a Complete
-on a link."""
+"""The edge's client of the chat service (``edge/orchestrator.py``: ``Orchestrator``, ``LinkedComplete``)
+against ScriptedChatService over real gRPC: what ``RunStream`` reads of a Complete on a completion link,
+and what a refused call gives the caller."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
@@ -92,3 +93,19 @@ async def test_an_answer_whose_run_does_not_start_in_time_is_refused_as_too_busy
     assert refused.value.retry_after_s == 1.0
     # It was not sent again: a shed answer is the client's to retry.
     assert len(scripted.service.calls_to("Complete")) == calls + 1
+
+
+async def test_a_read_refused_unavailable_by_the_one_address_known_is_the_clients_to_read(
+    scripted: ScriptedChatServer, orchestrator: Orchestrator
+) -> None:
+    # One address (Envoy's internal listener in make run, which retries reads itself): there is no other
+    # replica to try, so the client gets the refusal as the service said it, with its retry delay.
+    calls = len(scripted.service.calls_to("GetUsage"))
+    failing = scripted.service.failing(
+        "GetUsage", grpc.StatusCode.UNAVAILABLE, "scripted: busy", retry_after_s=3
+    )
+    with failing, pytest.raises(ApiError) as refused:
+        await orchestrator.unary("GetUsage", chat_pb2.GetUsageRequest(), caller())
+    assert refused.value.status == 503 and "busy" in refused.value.message
+    assert refused.value.retry_after_s == 3
+    assert len(scripted.service.calls_to("GetUsage")) == calls + 1
