@@ -77,6 +77,7 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
             app.state.drain,
             settings.completion_links,
             settings.completion_start_timeout_s,
+            settings.chat_links,
         )
         await app.state.orchestrator.start()
         scraping = asyncio.create_task(app.state.ops_scraper.run())

@@ -1,5 +1,6 @@
 """The edge's only dependency: ChatService over gRPC, called with the caller's own token as metadata
-(and CompletionLinkService, which carries its Complete calls many to a stream: ``OrchestratorReplica``).
+(and CompletionLinkService, which carries its run-event streams many to a stream: ``OrchestratorReplica``,
+``LinkedRun``).
 The edge reaches the orchestrator replicas itself (``Orchestrator``: a chat's calls on one replica, by
 its id) or through Envoy's internal listener, which does the same.
 
@@ -31,6 +32,7 @@ from opentelemetry import trace
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import ServiceError
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
+from chatmesh.linked_calls import linked_call
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error, from_run_error
@@ -59,6 +61,14 @@ _UNARY_RETRY_DELAY_S = 0.05
 # two of them can end in the same moment.
 START_ATTEMPTS = 3
 
+# The field of a CompleteStart that carries each run-event call's request.
+_LINK_START_FIELDS = {
+    "Complete": "request",
+    "SendMessage": "send",
+    "RegenerateMessage": "regenerate",
+    "StreamRun": "stream_run",
+}
+
 # StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed (asking
 # for merged deltas as the call it replaces did).
 Reattach = Callable[[str, int], "EventCall"]
@@ -86,7 +96,7 @@ class Caller:
 
 
 class EventCall(Protocol):
-    """What ``RunStream`` reads: a ``grpc.aio.UnaryStreamCall``, or a ``LinkedComplete``."""
+    """What ``RunStream`` reads: a ``grpc.aio.UnaryStreamCall``, or a ``LinkedRun``."""
 
     async def read(self) -> Any: ...
 
@@ -251,35 +261,51 @@ class OrchestratorReplica(Replica):
         await super().close(grace_s)
 
 
-class LinkedComplete:
-    """One Complete on a completion link, read as a Complete call is (``read`` and ``cancel``, the part
-    of ``grpc.aio.UnaryStreamCall`` that ``RunStream`` uses): its events, then EOF; a failure raises the
+class LinkedRun:
+    """One run-event stream on a completion link, read as its call is (``read`` and ``cancel``, the part
+    of ``grpc.aio.UnaryStreamCall`` that ``RunStream`` uses): a Complete, or a stored chat's SendMessage,
+    RegenerateMessage or StreamRun (``start.stored``). Its events, then EOF; a failure raises the
     AioRpcError the call would have raised (with its status details when the orchestrator sent them,
     without when the stream broke), so the edge answers it the same way.
 
-    Deltas that arrived together are read as one (``chatmesh.run_events``) when the request asked for
-    merged deltas, as the orchestrator merges them for a call whose reader fell behind. A request refused
-    UNAVAILABLE before its first event (its replica drains, or the stream broke as it opened) started
-    nothing, so it is sent again (``START_ATTEMPTS`` in all), to another replica than those where it
-    failed (when there is one), on a new stream (its start, conversation and all, is kept until the first
-    event only)."""
+    A Complete goes on the least busy link of the replicas up; a stored chat's stream on a link of its
+    chat's replica (where its run is live, as its call would go). Deltas that arrived together are read
+    as one (``chatmesh.run_events``) when the request asked for merged deltas, as the orchestrator merges
+    them for a call whose reader fell behind. A request refused UNAVAILABLE before its first event (its
+    replica drains, or its stream broke, which cancels it there) is sent again (``START_ATTEMPTS`` in
+    all), to another replica than those where it failed (when there is one), on a new stream (its start,
+    conversation and all, is kept until the first event only): a Complete or StreamRun repeats harmlessly,
+    a send or regenerate only with an idempotency key (which joins the run should it have started; without
+    one it could start twice, so its failure is the client's to retry, as its call's is)."""
 
-    def __init__(self, orchestrator: Orchestrator, request: chat_pb2.CompleteRequest, caller: Caller) -> None:
+    def __init__(
+        self, orchestrator: Orchestrator, start: completion_link_pb2.CompleteStart, caller: Caller
+    ) -> None:
         self._orchestrator = orchestrator
+        name, request = linked_call(start)
         self._merge_deltas = request.merge_deltas
-        self._start: completion_link_pb2.CompleteStart | None = completion_link_pb2.CompleteStart(
-            authorization=caller.authorization, request=request
-        )
-        self._span = request_span(COMPLETION_LINK.span_name, trace.SpanKind.CLIENT)
+        self._chat_id = caller.chat_id if start.WhichOneof("stored") else ""
+        # A send or regenerate (the requests with an idempotency key) is sent again only with its key.
+        starts_stored_run = "idempotency_key" in request.DESCRIPTOR.fields_by_name
+        self._resendable = not starts_stored_run or bool(request.idempotency_key)
+        self._start: completion_link_pb2.CompleteStart | None = start
+        self._span = request_span(name, trace.SpanKind.CLIENT)
         self._frames: deque[completion_link_pb2.CompleteResponseFrame] = deque()
         self._failed_on: set[str] = set()  # replicas where it failed UNAVAILABLE
         self._attempts = 1
         self._ended = False
-        self._open(self._start)
+        self._open(start)
 
     def _open(self, start: completion_link_pb2.CompleteStart) -> None:
-        self._start_by = asyncio.get_running_loop().time() + self._orchestrator.completion_start_timeout_s
-        self._replica, self._link = self._orchestrator.least_busy_link(self._failed_on)
+        # A new run's first event (`started`) comes once the replica took it: one that does not come in
+        # time is refused, as gRPC sheds a call not taken. StreamRun's first event may be the run's
+        # next token, however far off.
+        self._start_by = (
+            None
+            if start.HasField("stream_run")
+            else asyncio.get_running_loop().time() + self._orchestrator.completion_start_timeout_s
+        )
+        self._replica, self._link = self._orchestrator.least_busy_link(self._chat_id, self._failed_on)
         self._request_id = start.request_id = secrets.token_hex(8)
         self._feed = self._link.open(
             start, trace_context(self._span), timeout_ms=round(self._orchestrator.stream_timeout_s * 1000)
@@ -297,12 +323,15 @@ class LinkedComplete:
                     async with asyncio.timeout_at(self._start_by):
                         self._frames.extend(await self._feed.take())
             except TimeoutError:
-                self._end()  # its `cancel` goes out: should the run start after all, it stops
+                # Its `cancel` goes out: should the run start after all, a Complete stops (a send's run
+                # goes on, which a retry with its idempotency key joins).
+                self._end()
                 raise _not_started(self._orchestrator.completion_start_timeout_s) from None
             except ServiceError as error:
                 start = self._start
                 if (
                     start is None
+                    or not self._resendable
                     or self._attempts >= START_ATTEMPTS
                     or error.code != grpc.StatusCode.UNAVAILABLE
                 ):
@@ -341,7 +370,8 @@ class LinkedComplete:
         return completion_link_pb2.CompleteResponseFrame(event=merged)
 
     def cancel(self) -> None:
-        """The caller left: the answer is cancelled (a Complete cannot be resumed)."""
+        """The caller left: a Complete's answer is cancelled (it cannot be resumed), a stored chat's run
+        goes on."""
         self._end()
 
     def _end(self, error: ServiceError | None = None) -> None:
@@ -382,7 +412,9 @@ class Orchestrator:
     or draining (its health says so first) is passed over, and a call that reads or repeats harmlessly
     (``IDEMPOTENT_METHODS``) is tried again on another replica when one refuses it UNAVAILABLE. Complete
     goes on the replicas' completion links when ``completion_links`` > 0, the least busy link of those
-    up. ``start`` before use (it resolves the names once)."""
+    up, and with ``chat_links`` so do a stored chat's streams, on a link of its chat's replica (behind a
+    proxy that balances, Envoy's internal listener, a link's replica is not the chat's: leave it off).
+    ``start`` before use (it resolves the names once)."""
 
     def __init__(
         self,
@@ -392,6 +424,7 @@ class Orchestrator:
         drain: Drain,
         completion_links: int = 0,
         completion_start_timeout_s: float = 30.0,
+        chat_links: bool = False,
     ) -> None:
         self.target = target
         self.drain = drain
@@ -399,6 +432,7 @@ class Orchestrator:
         self.stream_timeout_s = stream_timeout_s
         self.completion_links = completion_links
         self.completion_start_timeout_s = completion_start_timeout_s
+        self.chat_links = chat_links
         self._replicas = Replicas(
             target,
             lambda address: OrchestratorReplica(address, completion_links),
@@ -411,11 +445,19 @@ class Orchestrator:
     async def close(self) -> None:
         await self._replicas.close()
 
-    def least_busy_link(self, failed_on: Container[str] = ()) -> tuple[OrchestratorReplica, Link]:
-        """The completion link with the fewest requests of the replicas up, but those a request
-        ``failed_on`` (unless only they are left); raises the error of a call that cannot connect when
-        no replica is known."""
-        replicas = self._replicas.candidates(failed_on) or self._replicas.candidates()
+    def least_busy_link(
+        self, chat_id: str = "", failed_on: Container[str] = ()
+    ) -> tuple[OrchestratorReplica, Link]:
+        """The completion link with the fewest requests of the chat's replica (``chat_id``), or of the
+        replicas up (no chat), but those a request ``failed_on`` (unless only they are left); raises the
+        error of a call that cannot connect when no replica is known."""
+        if not self._replicas.candidates(failed_on):
+            failed_on = ()
+        if chat_id:
+            chosen = self._replicas.pick(chat_id, failed_on)
+            replicas = [] if chosen is None else [chosen]
+        else:
+            replicas = self._replicas.candidates(failed_on)
         links = [(replica, link) for replica in replicas for link in replica.links]
         if not links:
             raise _unreachable()
@@ -454,24 +496,30 @@ class Orchestrator:
 
     def stream(self, method: str, request: Message, caller: Caller) -> RunStream:
         try:
-            if method == "Complete" and self.completion_links:
-                assert isinstance(request, chat_pb2.CompleteRequest)
-                return RunStream(LinkedComplete(self, request, caller), self.drain)
-            call = self._call(method, request, caller)
+            call = self._run_call(method, request, caller)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from exc
         if method == "Complete":
             return RunStream(call, self.drain)
 
-        def reattach(run_id: str, after_seq: int) -> grpc.aio.UnaryStreamCall:
+        def reattach(run_id: str, after_seq: int) -> EventCall:
             attach = chat_pb2.StreamRunRequest(
                 run_id=run_id, after_seq=after_seq, merge_deltas=getattr(request, "merge_deltas", False)
             )
-            return self._call("StreamRun", attach, caller)
+            return self._run_call("StreamRun", attach, caller)
 
         if isinstance(request, chat_pb2.StreamRunRequest):
             return RunStream(call, self.drain, reattach, request.run_id, request.after_seq)
         return RunStream(call, self.drain, reattach)
+
+    def _run_call(self, method: str, request: Message, caller: Caller) -> EventCall:
+        """A run-event stream: on a completion link (Complete, and a stored chat's streams with
+        ``chat_links``), else a call."""
+        if self.completion_links and (method == "Complete" or self.chat_links):
+            start = completion_link_pb2.CompleteStart(authorization=caller.authorization)
+            getattr(start, _LINK_START_FIELDS[method]).CopyFrom(request)
+            return LinkedRun(self, start, caller)
+        return self._call(method, request, caller)
 
     def _call(self, method: str, request: Message, caller: Caller) -> grpc.aio.UnaryStreamCall:
         """A stream call on the caller's replica; raises the error of a call that cannot connect when no

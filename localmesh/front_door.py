@@ -78,11 +78,11 @@ def front_door_specs(
     not the edge's own (a proxy in front of it); ``edge_via_envoy``: the edge reaches the orchestrators
     through Envoy's internal listener (the default) rather than each replica itself."""
     config = _envoy_config(ports, orchestrator_ports, keys, otlp, edge_dialed)
-    orchestrators = (
-        f"127.0.0.1:{ports.envoy_internal}"
-        if edge_via_envoy
-        else ",".join(f"127.0.0.1:{port}" for port in orchestrator_ports)
-    )
+    if edge_via_envoy:
+        # Envoy balances the links themselves, so a link's replica is not a stored chat's.
+        orchestrators, chat_links = f"127.0.0.1:{ports.envoy_internal}", "false"
+    else:
+        orchestrators, chat_links = ",".join(f"127.0.0.1:{port}" for port in orchestrator_ports), "true"
     config_path = write_config(config, run_dir / "envoy.yaml")
     edge = ServiceSpec(
         name="edge",
@@ -94,6 +94,8 @@ def front_door_specs(
             str(ports.edge),
             "--orchestrator",
             orchestrators,
+            "--chat-links",
+            chat_links,
             *(edge_flags or []),
             *keys.service_flags(),
         ],

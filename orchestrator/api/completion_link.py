@@ -1,11 +1,13 @@
-"""CompletionLinkService: the edge's Complete calls, many on one stream (``meshkit.links``).
+"""CompletionLinkService: the edge's Complete calls, and its stored chats' run streams, many on one
+stream (``meshkit.links``).
 
-Each request is a Complete call in all but its transport: the token its start carries is verified as
-the call's metadata is, its request is checked as its run is made, its events are followed to the end
-within its deadline, and a failure ends it with the status the call would have ended with. A `cancel`
-(the caller left) cancels the answer, as cancelling the call does, and so does the stream ending.
+Each request is its call in all but its transport: the token its start carries is verified as the call's
+metadata is, its request is checked as its run is made (``service.run_events``, the calls' own), its
+events are followed to the end within its deadline, and a failure ends it with the status the call
+would have ended with. A `cancel` (the caller left), or the stream ending, is the call cancelled: a
+Complete's answer is cancelled, a stored chat's run goes on without this reader (``Runs.answer``).
 
-Why: a Complete call costs a gRPC message per event each way, and gRPC sends each with a system call of
+Why: a run-event call costs a gRPC message per event each way, and gRPC sends each with a system call of
 its own (a quarter of the orchestrator's main thread holding 100 SSE streams went to those sends). Here
 the events of every request of one loop turn leave in one message.
 """
@@ -20,13 +22,14 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from chatmesh.chat.v1 import completion_link_pb2, completion_link_pb2_grpc
+from chatmesh.chat.v1 import chat_pb2, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import ServiceError
 from chatmesh.identity import TokenVerifier, Unauthenticated
+from chatmesh.linked_calls import linked_call
 from meshkit.deadline import Deadline
 from meshkit.links import LinkMessages, ServedRequests
+from orchestrator.api.service import run_events
 from orchestrator.errors import from_exception
-from orchestrator.runs.complete import CompleteRun
 from orchestrator.runs.context import RunContext
 from orchestrator.runs.lifecycle import SHUTTING_DOWN
 
@@ -77,17 +80,19 @@ class _ServedCompletes(ServedRequests):
             identity = self._service.verifier.identity(frame.start.authorization)
         except Unauthenticated as exc:
             raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+        name, request = linked_call(frame.start)
+        self.span(request_id).update_name(name)
         try:
-            run = CompleteRun(self._service.ctx, identity, frame.start.request)
+            events = run_events(self._service.ctx, identity, request)
         except Exception as exc:
             raise from_exception(exc) from None
         timeout_s = frame.timeout_ms / 1000 if frame.timeout_ms else None
-        merge = frame.start.request.merge_deltas
-        task = self._tasks[request_id] = asyncio.create_task(self._follow(request_id, run, merge, timeout_s))
+        task = self._tasks[request_id] = asyncio.create_task(self._follow(request_id, events, timeout_s))
         task.add_done_callback(functools.partial(self._cancelled_before_it_ran, request_id))
 
     def cancel(self, request_id: str) -> None:
-        self._tasks[request_id].cancel()  # ``Runs.answer`` cancels a Complete its caller left
+        # ``Runs.answer`` cancels a Complete its caller left; a stored chat's run goes on.
+        self._tasks[request_id].cancel()
 
     def _cancelled_before_it_ran(self, request_id: str, task: asyncio.Task[None]) -> None:
         # A `cancel` in the message of its `start` cancels the task before its first step, which
@@ -101,7 +106,7 @@ class _ServedCompletes(ServedRequests):
         self._tasks.pop(request_id).cancel()
 
     async def _follow(
-        self, request_id: str, run: CompleteRun, merge_deltas: bool, timeout_s: float | None
+        self, request_id: str, events: AsyncIterator[chat_pb2.RunEvent], timeout_s: float | None
     ) -> None:
         loop = asyncio.get_running_loop()
         error: ServiceError | None = None
@@ -110,7 +115,6 @@ class _ServedCompletes(ServedRequests):
                 trace.use_span(self.span(request_id), end_on_exit=False),
                 Deadline(None if timeout_s is None else loop.time() + timeout_s) as deadline,
             ):
-                events = self._service.ctx.runs.answer(run, merge_deltas)
                 while True:
                     event = await deadline.wait(anext(events))
                     self.send(COMPLETION_LINK.response_frame(request_id=request_id, event=event))

@@ -28,6 +28,7 @@ from orchestrator import convert
 from orchestrator.errors import from_exception
 from orchestrator.policy.admission import Budgets
 from orchestrator.router_client import RouterClient
+from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.complete import CompleteRun
 from orchestrator.runs.context import RunContext
 from orchestrator.runs.regenerate import RegenerateRun
@@ -79,38 +80,56 @@ def unary(method: Callable[[Any, Identity, Any], Awaitable[Any]]):
     return handler
 
 
-def streaming(response: type):
-    """A run-event stream: ``method`` yields RunEvents, the client gets them wrapped in ``response``."""
+RunStreamRequest = (
+    chat_pb2.SendMessageRequest
+    | chat_pb2.RegenerateMessageRequest
+    | chat_pb2.CompleteRequest
+    | chat_pb2.StreamRunRequest
+)
 
-    def wrap(method: Callable[[Any, Identity, Any], AsyncIterator[chat_pb2.RunEvent]]):
-        @functools.wraps(method)
-        async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext):
-            identity = await _identity(self, context)
-            events = method(self, identity, request)
-            remaining = context.time_remaining()
-            end = (
-                None
-                if remaining is None
-                else asyncio.get_running_loop().time() + remaining - DEADLINE_MARGIN_S
+
+def run_events(
+    ctx: RunContext, identity: Identity, request: RunStreamRequest
+) -> AsyncIterator[chat_pb2.RunEvent]:
+    """The events of a run-event stream's request, as a call or on a completion link: a new run's
+    (checked here: a refusal raises before any read or write) or, for StreamRun, an existing run's."""
+    if isinstance(request, chat_pb2.StreamRunRequest):
+        limits.check_id(request.run_id, "run_id")
+        return ctx.runs.stream(identity.user_id, request.run_id, request.after_seq, request.merge_deltas)
+    run: AnswerRun
+    if isinstance(request, chat_pb2.SendMessageRequest):
+        run = SendRun(ctx, identity, request)
+    elif isinstance(request, chat_pb2.RegenerateMessageRequest):
+        run = RegenerateRun(ctx, identity, request)
+    else:
+        run = CompleteRun(ctx, identity, request)
+    return ctx.runs.answer(run, request.merge_deltas)
+
+
+def run_stream(response: type):
+    """A run-event stream's handler: its request's events (``run_events``), each wrapped in ``response``."""
+
+    async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext):
+        identity = await _identity(self, context)
+        remaining = context.time_remaining()
+        end = None if remaining is None else asyncio.get_running_loop().time() + remaining - DEADLINE_MARGIN_S
+        try:
+            events = run_events(self.ctx, identity, request)
+            with Deadline(end) as deadline:
+                while True:
+                    event = await deadline.wait(anext(events))
+                    yield response(event=event)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the call's deadline passed; the run goes on: resume it with StreamRun(run_id, after_seq)",
             )
-            try:
-                with Deadline(end) as deadline:
-                    while True:
-                        event = await deadline.wait(anext(events))
-                        yield response(event=event)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    "the call's deadline passed; the run goes on: resume it with StreamRun(run_id, after_seq)",
-                )
-            except Exception as exc:
-                await _abort(context, exc)
+        except Exception as exc:
+            await _abort(context, exc)
 
-        return handler
-
-    return wrap
+    return handler
 
 
 class ChatService(chat_pb2_grpc.ChatServiceServicer):
@@ -200,28 +219,10 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
     # A run's request is checked when its object is made (a refusal costs no read or write); the
     # run then goes on as a task of this replica, and the call follows its events.
 
-    @streaming(chat_pb2.SendMessageResponse)
-    async def SendMessage(self, identity: Identity, request: chat_pb2.SendMessageRequest):
-        async for event in self.runs.answer(SendRun(self.ctx, identity, request), request.merge_deltas):
-            yield event
-
-    @streaming(chat_pb2.RegenerateMessageResponse)
-    async def RegenerateMessage(self, identity: Identity, request: chat_pb2.RegenerateMessageRequest):
-        async for event in self.runs.answer(RegenerateRun(self.ctx, identity, request), request.merge_deltas):
-            yield event
-
-    @streaming(chat_pb2.CompleteResponse)
-    async def Complete(self, identity: Identity, request: chat_pb2.CompleteRequest):
-        async for event in self.runs.answer(CompleteRun(self.ctx, identity, request), request.merge_deltas):
-            yield event
-
-    @streaming(chat_pb2.StreamRunResponse)
-    async def StreamRun(self, identity: Identity, request: chat_pb2.StreamRunRequest):
-        limits.check_id(request.run_id, "run_id")
-        async for event in self.runs.stream(
-            identity.user_id, request.run_id, request.after_seq, request.merge_deltas
-        ):
-            yield event
+    SendMessage = run_stream(chat_pb2.SendMessageResponse)
+    RegenerateMessage = run_stream(chat_pb2.RegenerateMessageResponse)
+    Complete = run_stream(chat_pb2.CompleteResponse)
+    StreamRun = run_stream(chat_pb2.StreamRunResponse)
 
     @unary
     async def GetRun(self, identity: Identity, request: chat_pb2.GetRunRequest):

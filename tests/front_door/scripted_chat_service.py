@@ -34,6 +34,7 @@ from google.rpc import error_details_pb2, status_pb2
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort, from_status
 from chatmesh.identity import AUTHORIZATION_HEADER, Identity, TokenVerifier, Unauthenticated
+from chatmesh.linked_calls import call_method, linked_call
 from localmesh.dev_jwt import ISSUER
 from meshkit.links import LinkMessages, ServedRequests
 from meshkit.serving import GrpcServer, start_grpc_server
@@ -535,6 +536,10 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
 COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
 
 
+# In the metadata the scripted calls record for a request that came on a CompleteMany stream.
+LINKED = ("x-scripted-via", "completion-link")
+
+
 class _Aborted(Exception):
     def __init__(self, error: ServiceError) -> None:
         self.error = error
@@ -547,7 +552,7 @@ class _LinkedCallContext:
     stream is the transport's)."""
 
     def __init__(self, authorization: str) -> None:
-        self._metadata = ((AUTHORIZATION_HEADER, authorization),)
+        self._metadata = ((AUTHORIZATION_HEADER, authorization), LINKED)
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -561,7 +566,8 @@ class _LinkedCallContext:
 
 
 class ScriptedCompletionLink(completion_link_pb2_grpc.CompletionLinkServiceServicer):
-    """CompleteMany over the scripted Complete: each request is that call, run with its start's token."""
+    """CompleteMany over the scripted calls: each request is its call (Complete, or the stored chat's
+    SendMessage, RegenerateMessage or StreamRun), run with its start's token."""
 
     def __init__(self, service: ScriptedChatService) -> None:
         self._service = service
@@ -588,9 +594,10 @@ class _ScriptedCompletes(ServedRequests):
 
     async def _complete(self, request_id: str, start) -> None:
         context = _LinkedCallContext(start.authorization)
+        name, request = linked_call(start)
         error = None
         try:
-            async for response in self._service.Complete(start.request, context):
+            async for response in getattr(self._service, call_method(name))(request, context):
                 self.send(COMPLETION_LINK.response_frame(request_id=request_id, event=response.event))
         except _Aborted as aborted:
             error = aborted.error

@@ -1,6 +1,6 @@
-"""The edge's client of the chat service (``edge/orchestrator.py``: ``Orchestrator``, ``LinkedComplete``)
-against ScriptedChatService over real gRPC: what ``RunStream`` reads of a Complete on a completion link,
-and what a refused call gives the caller."""
+"""The edge's client of the chat service (``edge/orchestrator.py``: ``Orchestrator``, ``LinkedRun``)
+against ScriptedChatService over real gRPC: what ``RunStream`` reads of a Complete, or of a stored chat's
+stream, on a completion link, and what a refused call gives the caller."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.identity import Identity
 from edge.drain import Drain
 from edge.errors import BUSY_MESSAGE, ApiError
-from edge.orchestrator import Caller, Orchestrator
+from edge.orchestrator import START_ATTEMPTS, Caller, Orchestrator
 from tests.fixtures.identity import bearer
-from tests.front_door.scripted_chat_service import ScriptedChatServer, scripted_text
+from tests.front_door.scripted_chat_service import LINKED, ScriptedChatServer, scripted_text
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,17 @@ def scripted() -> AsyncIterator[ScriptedChatServer]:
 async def orchestrator(scripted: ScriptedChatServer) -> AsyncIterator[Orchestrator]:
     client = Orchestrator(
         f"127.0.0.1:{scripted.port}", 10.0, 60.0, Drain(), completion_links=2, completion_start_timeout_s=1.0
+    )
+    await client.start()
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def chat_links(scripted: ScriptedChatServer) -> AsyncIterator[Orchestrator]:
+    """The edge's client with a stored chat's streams on the links too (the edge's default)."""
+    client = Orchestrator(
+        f"127.0.0.1:{scripted.port}", 10.0, 60.0, Drain(), completion_links=2, chat_links=True
     )
     await client.start()
     yield client
@@ -109,3 +120,61 @@ async def test_a_read_refused_unavailable_by_the_one_address_known_is_the_client
     assert refused.value.status == 503 and "busy" in refused.value.message
     assert refused.value.retry_after_s == 3
     assert len(scripted.service.calls_to("GetUsage")) == calls + 1
+
+
+async def new_chat(orchestrator: Orchestrator, user: str) -> Caller:
+    """A new chat of ``user``'s, and the caller for it."""
+    reply = await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(), caller(user))
+    return caller(user).for_chat(reply.chat.chat_id)
+
+
+def linked(call_metadata: dict[str, str]) -> bool:
+    return call_metadata.get(LINKED[0]) == LINKED[1]
+
+
+async def test_a_stored_chats_send_on_a_link_leaves_its_run_going_when_read_no_more_and_resumes_on_a_link(
+    scripted: ScriptedChatServer, chat_links: Orchestrator
+) -> None:
+    who = await new_chat(chat_links, "stored-links-user")
+    send = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 10 30", merge_deltas=False)
+    stream = chat_links.stream("SendMessage", send, who)
+    first = await stream.opening()
+    seen = [first]
+    async for event in stream.rest():
+        seen.append(event)
+        if len(seen) == 3:
+            break
+    stream.detach()  # the reader left: a stored chat's run goes on
+    assert linked(scripted.service.calls_to("SendMessage")[-1].metadata)
+    await asyncio.sleep(0.5)  # its last tokens come meanwhile
+    attach = chat_pb2.StreamRunRequest(run_id=first.started.run_id, after_seq=seen[-1].seq)
+    resumed = chat_links.stream("StreamRun", attach, who)
+    opening = await resumed.opening()
+    rest = [event async for event in resumed.events(opening)]
+    assert linked(scripted.service.calls_to("StreamRun")[-1].metadata)
+    assert [event.seq for event in rest] == list(range(seen[-1].seq + 1, seen[-1].seq + 1 + len(rest)))
+    text = "".join(event.delta.text for event in [*seen, *rest] if event.HasField("delta"))
+    assert text == scripted_text(10) and rest[-1].HasField("done")
+
+
+async def test_a_stored_send_refused_unavailable_before_its_first_event_goes_again_only_with_its_key(
+    scripted: ScriptedChatServer, chat_links: Orchestrator
+) -> None:
+    who = await new_chat(chat_links, "stored-refused-user")
+    refusal = {"retry_after_s": 0.5, "times": START_ATTEMPTS - 1}
+    # With an idempotency key: a run it started is joined, so it is sent again, as a Complete is.
+    calls = len(scripted.service.calls_to("SendMessage"))
+    keyed = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1", idempotency_key="k-1")
+    with scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "shutting down", **refusal):
+        stream = chat_links.stream("SendMessage", keyed, who)
+        first = await stream.opening()
+        assert first.HasField("started")
+        assert [event.WhichOneof("kind") async for event in stream.events(first)][-1] == "done"
+    assert len(scripted.service.calls_to("SendMessage")) == calls + START_ATTEMPTS
+    # Without one it could start twice: the refusal is the client's (a 503 to retry), after one attempt.
+    bare = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1")
+    failing = scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "shutting down", **refusal)
+    with failing, pytest.raises(ApiError) as refused:
+        await chat_links.stream("SendMessage", bare, who).opening()
+    assert refused.value.status == 503 and refused.value.retry_after_s == 0.5
+    assert len(scripted.service.calls_to("SendMessage")) == calls + START_ATTEMPTS + 1

@@ -2,11 +2,14 @@
 ``edge/orchestrator.py:Orchestrator`` over ``meshkit/replicas.py``), through the real Envoy and edge to
 two real replicas over the shared mesh: a chat's sends stay on one replica while chats spread over both;
 a replica that drains (SIGTERM) is passed over for new sends as soon as its health says NOT_SERVING (it
-refuses them half a second later), and the answer it was streaming goes on from the other replica."""
+refuses them half a second later), and the answer it was streaming goes on from the other replica. A
+stored chat's streams travel on the edge's completion links, each on a link to its chat's replica: one
+replica killed (SIGKILL) under them, its answers go on from the other, which adopts their runs."""
 
 from __future__ import annotations
 
 import re
+import signal
 import threading
 import uuid
 from pathlib import Path
@@ -15,6 +18,7 @@ import httpx
 
 from localmesh.dev_jwt import DevKeys
 from meshkit.launcher import Launcher, free_port
+from meshkit.replicas import rendezvous
 from tests.fixtures.front_door import start_front_door
 from tests.fixtures.orchestrator import Mesh, orchestrator_spec
 from tests.front_door.helpers import send, wait_for
@@ -23,6 +27,10 @@ from tests.front_door.sse_client import Event, iter_events
 CHATS = 16  # all of them on one of two replicas by chance: 2 in 2^16
 SHORT = {"options": {"max_tokens": 4}}
 _SENDS = re.compile(r'^chatmesh_orchestrator_runs_total\{[^}]*kind="send"[^}]*\} (\S+)$', re.M)
+
+
+# A killed replica's runs are adopted within a few seconds (its heartbeats stop; another reaps).
+FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
 
 
 def sends_ended(metrics_url: str) -> float:
@@ -112,3 +120,69 @@ def test_a_chats_sends_stay_on_one_replica_chats_spread_and_a_draining_replica_i
             # Stored as streamed, across the handover.
             stored = client.get(f"/v1/chats/{draining[0]}/messages").json()["messages"][0]
             assert stored["content"] == "".join(e.data["text"] for e in long_answer if e.event == "delta")
+
+
+def test_stored_answers_on_links_to_a_replica_killed_under_them_go_on_from_the_other(
+    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
+):
+    with Launcher(tmp_path, echo=lambda line: None) as launcher:
+        names, ports = [], []
+        for _ in range(2):
+            name, port = f"orchestrator-{uuid.uuid4().hex[:6]}", free_port()
+            cql_port = mesh.cassandra.node.config.cql_port
+            launcher.start(
+                orchestrator_spec(
+                    name, port, free_port(), mesh.router_address, cql_port, replica_id=name, **FAST_REAPING
+                )
+            )
+            names.append(name)
+            ports.append(port)
+        door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=False)
+        addresses = [f"127.0.0.1:{port}" for port in ports]
+        users = [f"u-{uuid.uuid4().hex[:8]}" for _ in range(40)]
+        # Three chats the edge puts on each replica (as it picks: rendezvous hashing on the chat id).
+        chats: dict[int, list[tuple[str, str]]] = {0: [], 1: []}
+        for user in users:
+            with door.client(user, "enterprise") as client:
+                chat = client.post("/v1/chats", json={}).json()["chat_id"]
+            home = max((0, 1), key=lambda n: rendezvous(chat, addresses[n]))
+            if len(chats[home]) < 3:
+                chats[home].append((user, chat))
+            if len(chats[0]) == len(chats[1]) == 3:
+                break
+        streams = [*chats[0], *chats[1]]
+        streamed: list[list[Event]] = [[] for _ in streams]
+        started = [threading.Event() for _ in streams]
+
+        def stream_answer(n: int) -> None:  # 5 s at the engines' 200 tokens a second
+            user, chat = streams[n]
+            body = {"content": "long", "options": {"max_tokens": 1000}}
+            with (
+                door.client(user, "enterprise") as client,
+                client.stream("POST", f"/v1/chats/{chat}/messages", json=body, timeout=90) as reply,
+            ):
+                assert reply.status_code == 200, reply.read()
+                for event in iter_events(reply):
+                    streamed[n].append(event)
+                    if event.event == "delta":
+                        started[n].set()
+
+        threads = [
+            threading.Thread(target=stream_answer, args=(n,), daemon=True) for n in range(len(streams))
+        ]
+        for thread in threads:
+            thread.start()
+        for event in started:
+            assert event.wait(30), "an answer did not start"
+        launcher.signal(names[0], signal.SIGKILL)
+        for thread in threads:
+            thread.join(90)
+            assert not thread.is_alive()
+        # Every answer whole (each event once, every token once), and stored as it streamed: those of
+        # the dead replica's chats too (adopted by the other, the edge attaching there on a link).
+        for (user, chat), events in zip(streams, streamed, strict=True):
+            assert answered(events), [event.event for event in events[-3:]]
+            with door.client(user, "enterprise") as client:
+                stored = client.get(f"/v1/chats/{chat}/messages").json()["messages"][0]
+            assert stored["content"] == "".join(e.data["text"] for e in events if e.event == "delta")
+        launcher.forget(names[0])

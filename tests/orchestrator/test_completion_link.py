@@ -1,5 +1,6 @@
-"""CompletionLinkService: many Complete calls on one CompleteMany stream, through real processes (the
-orchestrator, a router, null engines, Cassandra), each request keeping a Complete call's contract."""
+"""CompletionLinkService: many Complete calls (and stored chats' streams) on one CompleteMany stream,
+through real processes (the orchestrator, a router, null engines, Cassandra), each request keeping its
+call's contract."""
 
 from __future__ import annotations
 
@@ -41,16 +42,26 @@ def complete_request(text: str, max_tokens: int, seed: int = 7) -> chat_pb2.Comp
     )
 
 
+# The CompleteStart field of each call's request.
+START_FIELDS = {
+    chat_pb2.CompleteRequest: "request",
+    chat_pb2.SendMessageRequest: "send",
+    chat_pb2.RegenerateMessageRequest: "regenerate",
+    chat_pb2.StreamRunRequest: "stream_run",
+}
+
+
 def open_request(
     link: Link,
-    request: chat_pb2.CompleteRequest,
+    request: chat_pb2.CompleteRequest | chat_pb2.SendMessageRequest | chat_pb2.StreamRunRequest,
     user: str | None = None,
     timeout_ms: int = 0,
     trace_context: dict[str, str] | None = None,
     **start,
 ) -> tuple[str, RequestFeed]:
     start.setdefault("authorization", dict(bearer(user or new_user()))["authorization"])
-    frame = completion_link_pb2.CompleteStart(request_id=f"r-{time.monotonic_ns()}", request=request, **start)
+    start[START_FIELDS[type(request)]] = request
+    frame = completion_link_pb2.CompleteStart(request_id=f"r-{time.monotonic_ns()}", **start)
     return frame.request_id, link.open(frame, trace_context or {}, timeout_ms=timeout_ms)
 
 
@@ -194,3 +205,41 @@ async def test_a_cancel_in_the_message_of_its_start_ends_the_request_and_the_str
     frames = [frame async for response in call for frame in response.frames]
     assert [frame.WhichOneof("kind") for frame in frames] == ["failed"]
     assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_a_stored_chats_send_on_a_link_outlives_the_link_and_streamrun_on_another_resumes_it(
+    client: ChatClient, link: Link
+) -> None:
+    chat = await client.create_chat()
+    options = chat_pb2.GenerationOptions(max_tokens=80, seed=3)
+    send = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content="a stored question", options=options)
+    _, feed = open_request(link, send, user=client.user)
+    seen: list[chat_pb2.RunEvent] = []
+    while not any(event.HasField("delta") for event in seen):
+        seen += [frame.event for frame in await feed.take()]
+    link.close()  # the edge went away: a stored chat's run goes on (a Complete's would be cancelled)
+    stub = completion_link_pb2_grpc.CompletionLinkServiceStub(client.channel)
+    relinked = Link(stub.CompleteMany, COMPLETION_LINK, "the orchestrator")
+    try:
+        attach = chat_pb2.StreamRunRequest(run_id=seen[0].started.run_id, after_seq=seen[-1].seq)
+        rest, error = await read(open_request(relinked, attach, user=client.user)[1])
+    finally:
+        relinked.close()
+    assert error is None and rest[-1].HasField("done")
+    assert [event.seq for event in seen + rest] == list(range(1, len(seen) + len(rest) + 1))
+    assert rest[-2].usage.completion_tokens == 80
+    # Stored once, as streamed: the question and its whole answer.
+    listed = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert [message.content for message in listed.messages] == [text(seen + rest), "a stored question"]
+
+
+async def test_a_stored_chats_send_on_a_link_is_refused_as_its_call_would_be(
+    client: ChatClient, link: Link
+) -> None:
+    # Another user's chat is not found, as for the call: the token its start carries is who asks.
+    others = chat_pb2.SendMessageRequest(chat_id=(await client.create_chat()).chat_id, content="mine now?")
+    events, error = await read(open_request(link, others, user=new_user())[1])
+    assert events == [] and error is not None and error.code == grpc.StatusCode.NOT_FOUND
+    not_a_run = chat_pb2.StreamRunRequest(run_id="../etc")
+    events, error = await read(open_request(link, not_a_run, user=client.user)[1])
+    assert events == [] and error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -35,14 +35,20 @@ class CompleteRequestFrame(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start: _Optional[_Union[CompleteStart, _Mapping]] = ..., cancel: _Optional[_Union[CompleteCancel, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class CompleteStart(_message.Message):
-    __slots__ = ("request_id", "authorization", "request")
+    __slots__ = ("request_id", "authorization", "request", "send", "regenerate", "stream_run")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    SEND_FIELD_NUMBER: _ClassVar[int]
+    REGENERATE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_RUN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     authorization: str
     request: _chat_pb2.CompleteRequest
-    def __init__(self, request_id: _Optional[str] = ..., authorization: _Optional[str] = ..., request: _Optional[_Union[_chat_pb2.CompleteRequest, _Mapping]] = ...) -> None: ...
+    send: _chat_pb2.SendMessageRequest
+    regenerate: _chat_pb2.RegenerateMessageRequest
+    stream_run: _chat_pb2.StreamRunRequest
+    def __init__(self, request_id: _Optional[str] = ..., authorization: _Optional[str] = ..., request: _Optional[_Union[_chat_pb2.CompleteRequest, _Mapping]] = ..., send: _Optional[_Union[_chat_pb2.SendMessageRequest, _Mapping]] = ..., regenerate: _Optional[_Union[_chat_pb2.RegenerateMessageRequest, _Mapping]] = ..., stream_run: _Optional[_Union[_chat_pb2.StreamRunRequest, _Mapping]] = ...) -> None: ...
 
 class CompleteCancel(_message.Message):
     __slots__ = ()

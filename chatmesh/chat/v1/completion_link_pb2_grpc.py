@@ -53,6 +53,9 @@ class CompletionLinkServiceServicer:
         Complete call's metadata is; its events follow, then `finished`, or `failed` with the status the
         call would have ended with. A `cancel` is the caller leaving: the answer is cancelled (nobody could
         resume it), as when a Complete call is cancelled. When the stream ends, every request on it ends.
+        A request may instead be a stored chat's run stream (SendMessage, RegenerateMessage or StreamRun:
+        `CompleteStart.stored`), which keeps that call's contract: its `cancel`, or the stream ending, only
+        detaches it (the run goes on until it ends or CancelRun stops it; StreamRun resumes it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,23 @@
+"""What a CompletionLinkService request stands for, read one way by the edge that sends it and the
+orchestrator that serves it: a call of ChatService's (a Complete, or a stored chat's SendMessage,
+RegenerateMessage or StreamRun) and that call's request."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chatmesh.chat.v1 import completion_link_pb2
+
+_SERVICE = completion_link_pb2.DESCRIPTOR.services_by_name["CompletionLinkService"].full_name
+
+
+def linked_call(start: completion_link_pb2.CompleteStart) -> tuple[str, Any]:
+    """The name of the call ``start`` stands for (``CompletionLinkService/SendMessage``: its spans'
+    name, as a Complete's is ``…/Complete``) and its request."""
+    request = getattr(start, start.WhichOneof("stored") or "request")
+    return f"{_SERVICE}/{request.DESCRIPTOR.name.removesuffix('Request')}", request
+
+
+def call_method(name: str) -> str:
+    """The ChatService method of a ``linked_call`` name."""
+    return name.rpartition("/")[2]
