@@ -634,13 +634,13 @@ def print_lag(result: Held) -> None:
 
 
 # What each process relays: its CPU time per token relayed is that hop's cost. Envoy carries every token
-# twice (orchestrator -> edge on the internal listener, edge -> client on the public one).
+# once (edge -> client), twice with --edge-via envoy (orchestrator -> edge on the internal listener too).
 HOPS = {
     "engine": "engine -> router (the engines' own sending)",
     "router": "router -> orchestrator",
     "orchestrator": "orchestrator -> edge",
     "edge": "edge -> client (SSE)",
-    "envoy": "Envoy, both passes",
+    "envoy": "Envoy, every pass",
 }
 DOOR = ("router", "orchestrator", "edge", "envoy")
 MEMORY_HOPS = (*HOPS, "client")
@@ -940,9 +940,9 @@ def main() -> None:
     parser.add_argument(
         "--edge-via",
         choices=("direct", "envoy"),
-        default="envoy",
-        help="the edge reaches the orchestrators through Envoy's internal listener (make run's way), or each "
-        "replica itself (the Helm chart's)",
+        default="direct",
+        help="the edge reaches each orchestrator replica itself (make run's and the Helm chart's way), or "
+        "goes through Envoy's internal listener",
     )
     parser.add_argument(
         "--orchestrators", type=int, default=1, help="orchestrator replicas (Envoy spreads calls over them)"

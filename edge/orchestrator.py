@@ -273,10 +273,8 @@ class LinkedRun:
     as one (``chatmesh.run_events``) when the request asked for merged deltas, as the orchestrator merges
     them for a call whose reader fell behind. A request refused UNAVAILABLE before its first event (its
     replica drains, or its stream broke, which cancels it there) is sent again (``START_ATTEMPTS`` in
-    all), to another replica than those where it failed (when there is one), on a new stream (its start,
-    conversation and all, is kept until the first event only): a Complete or StreamRun repeats harmlessly,
-    a send or regenerate only with an idempotency key (which joins the run should it have started; without
-    one it could start twice, so its failure is the client's to retry, as its call's is)."""
+    all; ``_resendable`` says which), to another replica than those where it failed (when there is one),
+    on a new stream (its start, conversation and all, is kept until the first event only)."""
 
     def __init__(
         self, orchestrator: Orchestrator, start: completion_link_pb2.CompleteStart, caller: Caller
@@ -285,9 +283,10 @@ class LinkedRun:
         name, request = linked_call(start)
         self._merge_deltas = request.merge_deltas
         self._chat_id = caller.chat_id if start.WhichOneof("stored") else ""
-        # A send or regenerate (the requests with an idempotency key) is sent again only with its key.
-        starts_stored_run = "idempotency_key" in request.DESCRIPTOR.fields_by_name
-        self._resendable = not starts_stored_run or bool(request.idempotency_key)
+        # A send or regenerate (the requests with an idempotency key) is sent again only with its key,
+        # and only when its stream broke: a refusal is the client's to read, with its retry delay.
+        self._starts_stored_run = "idempotency_key" in request.DESCRIPTOR.fields_by_name
+        self._has_key = self._starts_stored_run and bool(request.idempotency_key)
         self._start: completion_link_pb2.CompleteStart | None = start
         self._span = request_span(name, trace.SpanKind.CLIENT)
         self._frames: deque[completion_link_pb2.CompleteResponseFrame] = deque()
@@ -329,12 +328,7 @@ class LinkedRun:
                 raise _not_started(self._orchestrator.completion_start_timeout_s) from None
             except ServiceError as error:
                 start = self._start
-                if (
-                    start is None
-                    or not self._resendable
-                    or self._attempts >= START_ATTEMPTS
-                    or error.code != grpc.StatusCode.UNAVAILABLE
-                ):
+                if start is None or self._attempts >= START_ATTEMPTS or not self._resendable(error):
                     self._end(error)
                     raise _call_error(error) from None
                 # It goes to another replica than the one that refused it (draining) or whose stream
@@ -354,6 +348,16 @@ class LinkedRun:
         if self._merge_deltas and frame.event.HasField("delta") and self._frames:
             return self._merged(frame)
         return frame
+
+    def _resendable(self, error: ServiceError) -> bool:
+        """Whether a request that failed with ``error`` before its first event goes again: UNAVAILABLE
+        (its replica refused it draining, or its stream broke) for a Complete or StreamRun, which repeat
+        harmlessly; a send or regenerate only when its stream broke (the replica is gone: nobody else
+        can answer the client sooner) and it has an idempotency key (which joins its run should it have
+        started: without one it could start twice)."""
+        if error.code != grpc.StatusCode.UNAVAILABLE:
+            return False
+        return not self._starts_stored_run or (self._has_key and isinstance(error, LinkBroken))
 
     def _merged(self, first: completion_link_pb2.CompleteResponseFrame) -> Any:
         deltas, last = [first.event.delta], first.event.seq

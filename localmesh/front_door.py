@@ -1,12 +1,12 @@
 """The front door of the local mesh (``make run``): the edge and Envoy, and what to tell the person.
 
 ``front_door_specs`` renders and validates Envoy's config into the run directory and returns the launcher
-specs for the edge and Envoy (in that order; Envoy health-checks the edge). The edge reaches the
-orchestrator through Envoy's loopback-only internal listener, so its calls get the same ring hash on the
-chat id, retries and health checks as gRPC clients coming through the public port, and Envoy gathers the
-orchestrators' per-event writes into fewer, larger ones to the edge (cheaper for the edge than reaching
-each replica itself, as the Helm chart's edge does, while a stored chat's stream is a call: README,
-"The edge and the orchestrator replicas"). ``edge_via_envoy=False`` sends it to each replica itself.
+specs for the edge and Envoy (in that order; Envoy health-checks the edge). The edge reaches each
+orchestrator replica itself, as the Helm chart's does: a chat's calls and streams on its replica, its
+stored streams and the OpenAI answers many to a stream on completion links (cheaper than a pass through
+Envoy's internal listener, measured: README, "The edge and the orchestrator replicas").
+``edge_via_envoy=True`` sends it through that loopback-only listener instead (Envoy's ring hash on the
+chat id, retries and health checks; a stored chat's streams then stay calls).
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ def front_door_specs(
     edge_flags: list[str] | None = None,
     otlp: tuple[str, int] | None = None,
     edge_dialed: int | None = None,
-    edge_via_envoy: bool = True,
+    edge_via_envoy: bool = False,
 ) -> list[ServiceSpec]:
     """``edge_flags``: more ``python -m edge`` flags; ``otlp``: where Envoy sends its spans (default:
     OTEL_EXPORTER_OTLP_ENDPOINT, else nowhere); ``edge_dialed``: the port Envoy dials for the edge when
     not the edge's own (a proxy in front of it); ``edge_via_envoy``: the edge reaches the orchestrators
-    through Envoy's internal listener (the default) rather than each replica itself."""
+    through Envoy's internal listener rather than each replica itself (the default)."""
     config = _envoy_config(ports, orchestrator_ports, keys, otlp, edge_dialed)
     if edge_via_envoy:
         # Envoy balances the links themselves, so a link's replica is not a stored chat's.

@@ -1,4 +1,4 @@
-"""The scripted front door: real Envoy -> real edge -> (Envoy's internal listener) -> ScriptedChatService.
+"""The scripted front door: real Envoy -> real edge -> ScriptedChatService (the edge reaching it itself).
 
 ScriptedChatService (tests/front_door/scripted_chat_service.py) stands in for the orchestrator where a test
 must script what the chat service does (inject a failure, delay a call, see exactly which calls reached

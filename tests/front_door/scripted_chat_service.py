@@ -240,6 +240,8 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, failure: Failure) -> None:
         if failure.transport:
+            if isinstance(context, _LinkedCallContext):
+                raise _LinkBreaks  # on a completion link only a broken stream is the transport's
             await context.abort(failure.code, failure.message)
         if failure.retry_after_s is not None:
             await abort(context, ServiceError(failure.code, failure.message, failure.retry_after_s))
@@ -540,6 +542,10 @@ COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
 LINKED = ("x-scripted-via", "completion-link")
 
 
+class _LinkBreaks(Exception):
+    """A transport failure scripted for a request on a completion link: its stream breaks."""
+
+
 class _Aborted(Exception):
     def __init__(self, error: ServiceError) -> None:
         self.error = error
@@ -573,15 +579,27 @@ class ScriptedCompletionLink(completion_link_pb2_grpc.CompletionLinkServiceServi
         self._service = service
 
     async def CompleteMany(self, request_iterator, context):
-        async for message in _ScriptedCompletes(self._service).serve(request_iterator, set()):
+        served = _ScriptedCompletes(self._service)
+        async for message in served.serve(request_iterator, set()):
             yield message
+        if served.broken:  # every request on it fails UNAVAILABLE, without status details
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: the completion link broke")
 
 
 class _ScriptedCompletes(ServedRequests):
     def __init__(self, service: ScriptedChatService) -> None:
-        super().__init__(COMPLETION_LINK, lambda: False)
+        super().__init__(COMPLETION_LINK, lambda: self.broken)
         self._service = service
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.broken = False
+
+    def _break(self) -> None:
+        """Ends the stream with an error: every request on it stops, and says nothing more."""
+        self.broken = True
+        for request_id in list(self._tasks):
+            self._tasks.pop(request_id).cancel()
+            self.end(request_id)
+        self.news.set()
 
     def start(self, request_id: str, frame) -> None:
         self._tasks[request_id] = asyncio.create_task(self._complete(request_id, frame.start))
@@ -601,6 +619,9 @@ class _ScriptedCompletes(ServedRequests):
                 self.send(COMPLETION_LINK.response_frame(request_id=request_id, event=response.event))
         except _Aborted as aborted:
             error = aborted.error
+        except _LinkBreaks:
+            self._break()
+            return
         except asyncio.CancelledError:
             error = ServiceError(grpc.StatusCode.CANCELLED, "the caller cancelled the request")
         self.finish(request_id, error)

@@ -157,24 +157,41 @@ async def test_a_stored_chats_send_on_a_link_leaves_its_run_going_when_read_no_m
     assert text == scripted_text(10) and rest[-1].HasField("done")
 
 
-async def test_a_stored_send_refused_unavailable_before_its_first_event_goes_again_only_with_its_key(
+async def test_a_stored_send_whose_link_breaks_before_its_first_event_goes_again_only_with_its_key(
     scripted: ScriptedChatServer, chat_links: Orchestrator
 ) -> None:
-    who = await new_chat(chat_links, "stored-refused-user")
-    refusal = {"retry_after_s": 0.5, "times": START_ATTEMPTS - 1}
-    # With an idempotency key: a run it started is joined, so it is sent again, as a Complete is.
+    who = await new_chat(chat_links, "stored-broken-user")
+    broken = {"transport": True, "times": START_ATTEMPTS - 1}  # on a link: its stream breaks
+    # With an idempotency key: a run it started is joined, so it goes again, on a new stream.
     calls = len(scripted.service.calls_to("SendMessage"))
     keyed = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1", idempotency_key="k-1")
-    with scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "shutting down", **refusal):
+    with scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "Socket closed", **broken):
         stream = chat_links.stream("SendMessage", keyed, who)
         first = await stream.opening()
         assert first.HasField("started")
         assert [event.WhichOneof("kind") async for event in stream.events(first)][-1] == "done"
     assert len(scripted.service.calls_to("SendMessage")) == calls + START_ATTEMPTS
-    # Without one it could start twice: the refusal is the client's (a 503 to retry), after one attempt.
+    # Without one it could start twice: the client's to retry (503), after one attempt.
     bare = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1")
-    failing = scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "shutting down", **refusal)
+    failing = scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "Socket closed", **broken)
     with failing, pytest.raises(ApiError) as refused:
         await chat_links.stream("SendMessage", bare, who).opening()
-    assert refused.value.status == 503 and refused.value.retry_after_s == 0.5
+    assert refused.value.status == 503 and "Socket" not in refused.value.message
     assert len(scripted.service.calls_to("SendMessage")) == calls + START_ATTEMPTS + 1
+
+
+async def test_a_stored_send_refused_unavailable_is_the_clients_to_retry_with_its_delay(
+    scripted: ScriptedChatServer, chat_links: Orchestrator
+) -> None:
+    # A refusal (a replica draining, or busy) is the orchestrator's answer: the client reads it, with its
+    # retry delay (the chat page counts it down), even with an idempotency key.
+    who = await new_chat(chat_links, "stored-refused-user")
+    calls = len(scripted.service.calls_to("SendMessage"))
+    keyed = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1", idempotency_key="k-2")
+    refusing = scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "busy", retry_after_s=2)
+    with refusing, pytest.raises(ApiError) as refused:
+        await chat_links.stream("SendMessage", keyed, who).opening()
+    assert (
+        refused.value.status == 503 and refused.value.message == "busy" and refused.value.retry_after_s == 2
+    )
+    assert len(scripted.service.calls_to("SendMessage")) == calls + 1

@@ -94,7 +94,11 @@ def test_stream_of_a_chat_run_that_breaks_unavailable_is_attached_again_after_it
     # UNAVAILABLE: the replica streaming it is gone or draining, and the run goes on elsewhere.
     events = send(client, chat_id, "break !tokens 6 1 !abort UNAVAILABLE 2")
     assert events[-1].event == "done"
-    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    # Each event once, in order (deltas that arrived together come as one, numbered as the last), and
+    # every token once.
+    seqs = [e.seq for e in events]
+    assert seqs == sorted(set(seqs)) and seqs[-1] == 9  # started, six deltas, usage, done
+    assert sum(e.data["token_count"] for e in events if e.event == "delta") == 6
     again = front_door.scripted.calls_to("StreamRun")[-1].request
     assert again.run_id == events[0].data["run_id"] and again.after_seq == 3  # started + 2 deltas
 
@@ -182,10 +186,20 @@ def test_a_status_from_the_transport_is_a_503_to_retry_without_the_transports_te
     error = assert_json_error(reply, 503)
     assert says in error["message"] and "10.0.0.7" not in error["message"]
     assert error["code"] == "unavailable" and reply.headers["retry-after"] == "1"
-    # A stream refused before its first event says the same, as an HTTP status.
-    with front_door.scripted.failing("SendMessage", code, transport_text, transport=True):
+
+
+def test_a_send_whose_link_breaks_before_its_first_event_is_a_503_to_retry_without_the_transports_text(
+    front_door: ScriptedFrontDoor, client: httpx.Client, chat_id: str
+):
+    # A send travels on a completion link, where the transport's failure is the stream breaking.
+    transport_text = "Socket closed by 10.0.0.7:50050"
+    with front_door.scripted.failing(
+        "SendMessage", grpc.StatusCode.UNAVAILABLE, transport_text, transport=True
+    ):
         reply = client.post(f"/v1/chats/{chat_id}/messages", json={"content": "hi"})
-    assert says in assert_json_error(reply, 503)["message"] and reply.headers["retry-after"] == "1"
+    error = assert_json_error(reply, 503)
+    assert "cannot be reached" in error["message"] and "10.0.0.7" not in error["message"]
+    assert reply.headers["retry-after"] == "1"
 
 
 def test_internal_errors_do_not_leak_details(front_door: ScriptedFrontDoor, client: httpx.Client):
