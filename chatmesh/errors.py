@@ -30,6 +30,9 @@ STATUS_DETAILS_KEY = "grpc-status-details-bin"
 # ErrorInfo.reason of an INVALID_ARGUMENT caused by a size limit (the edge answers HTTP 413).
 PAYLOAD_TOO_LARGE = "PAYLOAD_TOO_LARGE"
 ERROR_DOMAIN = "chatmesh"
+# ErrorInfo.reason of an UNAVAILABLE from a replica that drains, refusing a run before anything of it was
+# stored: it may go to another replica as it is (the edge resends such a send without waiting).
+DRAINING = "DRAINING"
 
 # Statuses whose messages may hold internals: clients get GENERIC_MESSAGE, our logs keep the detail.
 OPAQUE_CODES = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
@@ -184,5 +187,5 @@ def exhausted(message: str, retry_after_s: float) -> ServiceError:
     return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, message, retry_after_s=max(0.0, retry_after_s))
 
 
-def unavailable(message: str, retry_after_s: float | None = None) -> ServiceError:
-    return ServiceError(grpc.StatusCode.UNAVAILABLE, message, retry_after_s=retry_after_s)
+def unavailable(message: str, retry_after_s: float | None = None, reason: str | None = None) -> ServiceError:
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, message, retry_after_s=retry_after_s, reason=reason)

@@ -30,7 +30,7 @@ from google.protobuf.message import Message
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
-from chatmesh.errors import ServiceError
+from chatmesh.errors import DRAINING, ServiceError
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
 from chatmesh.linked_calls import linked_call
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
@@ -283,8 +283,8 @@ class LinkedRun:
         name, request = linked_call(start)
         self._merge_deltas = request.merge_deltas
         self._chat_id = caller.chat_id if start.WhichOneof("stored") else ""
-        # A send or regenerate (the requests with an idempotency key) is sent again only with its key,
-        # and only when its stream broke: a refusal is the client's to read, with its retry delay.
+        # A send or regenerate (the requests with an idempotency key) is sent again only when nothing of
+        # it can have started twice (``_resendable``).
         self._starts_stored_run = "idempotency_key" in request.DESCRIPTOR.fields_by_name
         self._has_key = self._starts_stored_run and bool(request.idempotency_key)
         self._start: completion_link_pb2.CompleteStart | None = start
@@ -352,12 +352,17 @@ class LinkedRun:
     def _resendable(self, error: ServiceError) -> bool:
         """Whether a request that failed with ``error`` before its first event goes again: UNAVAILABLE
         (its replica refused it draining, or its stream broke) for a Complete or StreamRun, which repeat
-        harmlessly; a send or regenerate only when its stream broke (the replica is gone: nobody else
-        can answer the client sooner) and it has an idempotency key (which joins its run should it have
-        started: without one it could start twice)."""
+        harmlessly; a send or regenerate when its replica refused it draining (``DRAINING``: nothing of it
+        was stored), or when its stream broke (the replica is gone, most likely) and it has an idempotency
+        key (which joins its run should it have started: without one it could start twice). Another
+        refusal (busy) is the client's to read, with its retry delay (the chat page counts it down)."""
         if error.code != grpc.StatusCode.UNAVAILABLE:
             return False
-        return not self._starts_stored_run or (self._has_key and isinstance(error, LinkBroken))
+        return (
+            not self._starts_stored_run
+            or error.reason == DRAINING
+            or (self._has_key and isinstance(error, LinkBroken))
+        )
 
     def _merged(self, first: completion_link_pb2.CompleteResponseFrame) -> Any:
         deltas, last = [first.event.delta], first.event.seq

@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import not_found, unavailable
+from chatmesh.errors import DRAINING, not_found, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
@@ -166,7 +166,7 @@ class Runs:
         either undoes the other). The block persists what the run stores; if it fails, everything is
         undone, and after it the admission belongs to ``generate``."""
         if self.draining:
-            raise unavailable(SHUTTING_DOWN, 0.5)
+            raise unavailable(SHUTTING_DOWN, 0.5, reason=DRAINING)  # before anything of it is stored
         with tracer.start_as_current_span("start run") as span:
             span.set_attribute("chatmesh.run_id", info.run_id)
             self.slots.acquire(identity)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
 
 import httpx
 
+from meshkit.launcher import Launcher
 from tests.front_door.sse_client import Event, iter_events
 
 T = TypeVar("T")
@@ -43,3 +46,22 @@ def send(client: httpx.Client, chat_id: str, content: str, **body: object) -> li
         assert reply.status_code == 200, reply.read()
         assert reply.headers["content-type"].startswith("text/event-stream")
         return list(iter_events(reply))
+
+
+def kill_under_answers(
+    launcher: Launcher,
+    name: str,
+    threads: list[threading.Thread],
+    started: list[threading.Event],
+    join_s: float,
+) -> None:
+    """Starts ``threads`` (each streams an answer and sets its ``started`` event at its first text),
+    kills ``name`` (SIGKILL) once every answer has started, and waits for every thread to end."""
+    for thread in threads:
+        thread.start()
+    for event in started:
+        assert event.wait(30), "an answer did not start"
+    launcher.signal(name, signal.SIGKILL)
+    for thread in threads:
+        thread.join(join_s)
+        assert not thread.is_alive()

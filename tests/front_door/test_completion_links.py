@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import DRAINING
 from chatmesh.identity import Identity
 from edge.drain import Drain
 from edge.errors import BUSY_MESSAGE, ApiError
@@ -180,11 +181,11 @@ async def test_a_stored_send_whose_link_breaks_before_its_first_event_goes_again
     assert len(scripted.service.calls_to("SendMessage")) == calls + START_ATTEMPTS + 1
 
 
-async def test_a_stored_send_refused_unavailable_is_the_clients_to_retry_with_its_delay(
+async def test_a_stored_send_refused_busy_is_the_clients_to_retry_and_one_refused_draining_goes_again(
     scripted: ScriptedChatServer, chat_links: Orchestrator
 ) -> None:
-    # A refusal (a replica draining, or busy) is the orchestrator's answer: the client reads it, with its
-    # retry delay (the chat page counts it down), even with an idempotency key.
+    # A refusal (busy) is the orchestrator's answer: the client reads it, with its retry delay (the chat
+    # page counts it down), even with an idempotency key.
     who = await new_chat(chat_links, "stored-refused-user")
     calls = len(scripted.service.calls_to("SendMessage"))
     keyed = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1", idempotency_key="k-2")
@@ -195,3 +196,12 @@ async def test_a_stored_send_refused_unavailable_is_the_clients_to_retry_with_it
         refused.value.status == 503 and refused.value.message == "busy" and refused.value.retry_after_s == 2
     )
     assert len(scripted.service.calls_to("SendMessage")) == calls + 1
+    # A replica that drains refuses before anything of the send is stored (``DRAINING``): it goes to
+    # another replica at once, with or without a key.
+    bare = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1")
+    draining = {"error_reason": DRAINING, "times": START_ATTEMPTS - 1}
+    with scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "shutting down", **draining):
+        stream = chat_links.stream("SendMessage", bare, who)
+        first = await stream.opening()
+        assert [event.WhichOneof("kind") async for event in stream.events(first)][-1] == "done"
+    assert len(scripted.service.calls_to("SendMessage")) == calls + 1 + START_ATTEMPTS

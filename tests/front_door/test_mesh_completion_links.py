@@ -24,6 +24,7 @@ from meshkit.launcher import Launcher, free_port
 from tests.fixtures.front_door import FrontDoor, start_front_door
 from tests.fixtures.orchestrator import Mesh, orchestrator_spec
 from tests.front_door.fuzzing import leaks
+from tests.front_door.helpers import kill_under_answers
 
 PROMPT = [{"role": "user", "content": "a long answer, please"}]
 # 10 s at the mesh engines' 200 tokens a second: still streaming when the replica dies.
@@ -72,14 +73,7 @@ def test_a_replica_killed_under_completions_fails_only_its_own_answers_and_the_n
             threading.Thread(target=stream_answer, args=(door, started[n], streamed[n]), daemon=True)
             for n in range(STREAMS)
         ]
-        for thread in threads:
-            thread.start()
-        for event in started:
-            assert event.wait(30), "an answer did not start"
-        launcher.signal(names[0], signal.SIGKILL)
-        for thread in threads:
-            thread.join(60)
-            assert not thread.is_alive()
+        kill_under_answers(launcher, names[0], threads, started, join_s=60)
 
         finished = [lines for lines in streamed if lines[-1] == "data: [DONE]"]
         failed = [lines for lines in streamed if lines[-1] != "data: [DONE]"]

@@ -9,7 +9,6 @@ replica killed (SIGKILL) under them, its answers go on from the other, which ado
 from __future__ import annotations
 
 import re
-import signal
 import threading
 import uuid
 from pathlib import Path
@@ -21,7 +20,7 @@ from meshkit.launcher import Launcher, free_port
 from meshkit.replicas import rendezvous
 from tests.fixtures.front_door import start_front_door
 from tests.fixtures.orchestrator import Mesh, orchestrator_spec
-from tests.front_door.helpers import send, wait_for
+from tests.front_door.helpers import kill_under_answers, send, wait_for
 from tests.front_door.sse_client import Event, iter_events
 
 CHATS = 16  # all of them on one of two replicas by chance: 2 in 2^16
@@ -170,14 +169,7 @@ def test_stored_answers_on_links_to_a_replica_killed_under_them_go_on_from_the_o
         threads = [
             threading.Thread(target=stream_answer, args=(n,), daemon=True) for n in range(len(streams))
         ]
-        for thread in threads:
-            thread.start()
-        for event in started:
-            assert event.wait(30), "an answer did not start"
-        launcher.signal(names[0], signal.SIGKILL)
-        for thread in threads:
-            thread.join(90)
-            assert not thread.is_alive()
+        kill_under_answers(launcher, names[0], threads, started, join_s=90)
         # Every answer whole (each event once, every token once), and stored as it streamed: those of
         # the dead replica's chats too (adopted by the other, the edge attaching there on a link).
         for (user, chat), events in zip(streams, streamed, strict=True):
