@@ -9,6 +9,21 @@ from typing import Any
 from chatmesh.chat.v1 import completion_link_pb2
 
 _SERVICE = completion_link_pb2.DESCRIPTOR.services_by_name["CompletionLinkService"].full_name
+# The CompleteStart field that carries each call's request.
+_START_FIELDS = {
+    "Complete": "request",
+    "SendMessage": "send",
+    "RegenerateMessage": "regenerate",
+    "StreamRun": "stream_run",
+}
+
+
+def linked_start(method: str, authorization: str, request: Any) -> completion_link_pb2.CompleteStart:
+    """The start of a request that stands for the ChatService call ``method`` with ``request``, made by
+    the caller whose `authorization` value it carries."""
+    start = completion_link_pb2.CompleteStart(authorization=authorization)
+    getattr(start, _START_FIELDS[method]).CopyFrom(request)
+    return start
 
 
 def linked_call(start: completion_link_pb2.CompleteStart) -> tuple[str, Any]:

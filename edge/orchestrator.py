@@ -32,7 +32,7 @@ from opentelemetry import trace
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import DRAINING, ServiceError
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
-from chatmesh.linked_calls import linked_call
+from chatmesh.linked_calls import linked_call, linked_start
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error, from_run_error
@@ -60,14 +60,6 @@ _UNARY_RETRY_DELAY_S = 0.05
 # all: behind Envoy's internal listener the edge cannot tell which links reach a draining replica, and
 # two of them can end in the same moment.
 START_ATTEMPTS = 3
-
-# The field of a CompleteStart that carries each run-event call's request.
-_LINK_START_FIELDS = {
-    "Complete": "request",
-    "SendMessage": "send",
-    "RegenerateMessage": "regenerate",
-    "StreamRun": "stream_run",
-}
 
 # StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed (asking
 # for merged deltas as the call it replaces did).
@@ -525,9 +517,7 @@ class Orchestrator:
         """A run-event stream: on a completion link (Complete, and a stored chat's streams with
         ``chat_links``), else a call."""
         if self.completion_links and (method == "Complete" or self.chat_links):
-            start = completion_link_pb2.CompleteStart(authorization=caller.authorization)
-            getattr(start, _LINK_START_FIELDS[method]).CopyFrom(request)
-            return LinkedRun(self, start, caller)
+            return LinkedRun(self, linked_start(method, caller.authorization, request), caller)
         return self._call(method, request, caller)
 
     def _call(self, method: str, request: Message, caller: Caller) -> grpc.aio.UnaryStreamCall:

@@ -16,6 +16,7 @@ import pytest
 
 from chatmesh.chat.v1 import chat_pb2, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import ServiceError
+from chatmesh.linked_calls import linked_start
 from meshkit.links import Link, LinkBroken, LinkMessages, RequestFeed
 from meshkit.telemetry import TRACE_FILE_ENV
 from tests.fixtures.identity import bearer
@@ -42,26 +43,18 @@ def complete_request(text: str, max_tokens: int, seed: int = 7) -> chat_pb2.Comp
     )
 
 
-# The CompleteStart field of each call's request.
-START_FIELDS = {
-    chat_pb2.CompleteRequest: "request",
-    chat_pb2.SendMessageRequest: "send",
-    chat_pb2.RegenerateMessageRequest: "regenerate",
-    chat_pb2.StreamRunRequest: "stream_run",
-}
-
-
 def open_request(
     link: Link,
     request: chat_pb2.CompleteRequest | chat_pb2.SendMessageRequest | chat_pb2.StreamRunRequest,
     user: str | None = None,
     timeout_ms: int = 0,
     trace_context: dict[str, str] | None = None,
-    **start,
+    authorization: str | None = None,
 ) -> tuple[str, RequestFeed]:
-    start.setdefault("authorization", dict(bearer(user or new_user()))["authorization"])
-    start[START_FIELDS[type(request)]] = request
-    frame = completion_link_pb2.CompleteStart(request_id=f"r-{time.monotonic_ns()}", **start)
+    method = request.DESCRIPTOR.name.removesuffix("Request")  # the call it stands for
+    authorization = authorization or dict(bearer(user or new_user()))["authorization"]
+    frame = linked_start(method, authorization, request)
+    frame.request_id = f"r-{time.monotonic_ns()}"
     return frame.request_id, link.open(frame, trace_context or {}, timeout_ms=timeout_ms)
 
 
