@@ -9,12 +9,11 @@ from typing import Any
 from chatmesh.chat.v1 import completion_link_pb2
 
 _SERVICE = completion_link_pb2.DESCRIPTOR.services_by_name["CompletionLinkService"].full_name
-# The CompleteStart field that carries each call's request.
+# The CompleteStart field that carries each call's request (a `<Method>Request`), read off the proto.
 _START_FIELDS = {
-    "Complete": "request",
-    "SendMessage": "send",
-    "RegenerateMessage": "regenerate",
-    "StreamRun": "stream_run",
+    field.message_type.name.removesuffix("Request"): field.name
+    for field in completion_link_pb2.CompleteStart.DESCRIPTOR.fields
+    if field.message_type is not None
 }
 
 
@@ -31,8 +30,3 @@ def linked_call(start: completion_link_pb2.CompleteStart) -> tuple[str, Any]:
     name, as a Complete's is ``…/Complete``) and its request."""
     request = getattr(start, start.WhichOneof("stored") or "request")
     return f"{_SERVICE}/{request.DESCRIPTOR.name.removesuffix('Request')}", request
-
-
-def call_method(name: str) -> str:
-    """The ChatService method of a ``linked_call`` name."""
-    return name.rpartition("/")[2]

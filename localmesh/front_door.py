@@ -62,6 +62,17 @@ def _envoy_config(
     )
 
 
+def edge_upstream(
+    orchestrator_ports: list[int], internal_port: int, via_envoy: bool
+) -> tuple[str, tuple[str, ...]]:
+    """The edge's ``--orchestrator`` and the flags that go with it: each replica itself, or Envoy's internal
+    listener, which places the completion link streams itself, so that a link's replica would not be a
+    stored chat's (its streams stay calls there)."""
+    if via_envoy:
+        return f"127.0.0.1:{internal_port}", ("--chat-links", "false")
+    return ",".join(f"127.0.0.1:{port}" for port in orchestrator_ports), ("--chat-links", "true")
+
+
 def front_door_specs(
     ports: FrontDoorPorts,
     orchestrator_ports: list[int],
@@ -78,11 +89,7 @@ def front_door_specs(
     not the edge's own (a proxy in front of it); ``edge_via_envoy``: the edge reaches the orchestrators
     through Envoy's internal listener rather than each replica itself (the default)."""
     config = _envoy_config(ports, orchestrator_ports, keys, otlp, edge_dialed)
-    if edge_via_envoy:
-        # Envoy balances the links themselves, so a link's replica is not a stored chat's.
-        orchestrators, chat_links = f"127.0.0.1:{ports.envoy_internal}", "false"
-    else:
-        orchestrators, chat_links = ",".join(f"127.0.0.1:{port}" for port in orchestrator_ports), "true"
+    orchestrators, upstream_flags = edge_upstream(orchestrator_ports, ports.envoy_internal, edge_via_envoy)
     config_path = write_config(config, run_dir / "envoy.yaml")
     edge = ServiceSpec(
         name="edge",
@@ -94,8 +101,7 @@ def front_door_specs(
             str(ports.edge),
             "--orchestrator",
             orchestrators,
-            "--chat-links",
-            chat_links,
+            *upstream_flags,
             *(edge_flags or []),
             *keys.service_flags(),
         ],

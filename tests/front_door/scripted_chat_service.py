@@ -34,7 +34,7 @@ from google.rpc import error_details_pb2, status_pb2
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort, from_status
 from chatmesh.identity import AUTHORIZATION_HEADER, Identity, TokenVerifier, Unauthenticated
-from chatmesh.linked_calls import call_method, linked_call
+from chatmesh.linked_calls import linked_call
 from localmesh.dev_jwt import ISSUER
 from meshkit.links import LinkMessages, ServedRequests
 from meshkit.serving import GrpcServer, start_grpc_server
@@ -615,7 +615,7 @@ class _ScriptedCompletes(ServedRequests):
         name, request = linked_call(start)
         error = None
         try:
-            async for response in getattr(self._service, call_method(name))(request, context):
+            async for response in getattr(self._service, name.rpartition("/")[2])(request, context):
                 self.send(COMPLETION_LINK.response_frame(request_id=request_id, event=response.event))
         except _Aborted as aborted:
             error = aborted.error
