@@ -60,6 +60,9 @@ _UNARY_RETRY_DELAY_S = 0.05
 # all: behind Envoy's internal listener the edge cannot tell which links reach a draining replica, and
 # two of them can end in the same moment.
 START_ATTEMPTS = 3
+# How the idempotency key the edge gives a send or regenerate that came without one begins (``LinkedRun``;
+# keys are the user's own, and 128 random bits follow, so no key a client chose meets one).
+EDGE_KEY_PREFIX = "edge:"
 
 # StreamRun(run_id, after_seq): a call that attaches to a run after the events already relayed (asking
 # for merged deltas as the call it replaces did).
@@ -276,9 +279,12 @@ class LinkedRun:
         self._merge_deltas = request.merge_deltas
         self._chat_id = caller.chat_id if start.WhichOneof("stored") else ""
         # A send or regenerate (the requests with an idempotency key) is sent again only when nothing of
-        # it can have started twice (``_resendable``).
+        # it can start twice (``_resendable``). One that came without a key gets one of the edge's making,
+        # the same on every attempt: sent again after its stream broke, it joins the run it may have
+        # started instead of starting another (the orchestrator would make it a key of its own anyway).
         self._starts_stored_run = "idempotency_key" in request.DESCRIPTOR.fields_by_name
-        self._has_key = self._starts_stored_run and bool(request.idempotency_key)
+        if self._starts_stored_run and not request.idempotency_key:
+            request.idempotency_key = f"{EDGE_KEY_PREFIX}{secrets.token_hex(16)}"
         self._start: completion_link_pb2.CompleteStart | None = start
         self._span = request_span(name, trace.SpanKind.CLIENT)
         self._frames: deque[completion_link_pb2.CompleteResponseFrame] = deque()
@@ -345,16 +351,12 @@ class LinkedRun:
         """Whether a request that failed with ``error`` before its first event goes again: UNAVAILABLE
         (its replica refused it draining, or its stream broke) for a Complete or StreamRun, which repeat
         harmlessly; a send or regenerate when its replica refused it draining (``DRAINING``: nothing of it
-        was stored), or when its stream broke (the replica is gone, most likely) and it has an idempotency
-        key (which joins its run should it have started: without one it could start twice). Another
-        refusal (busy) is the client's to read, with its retry delay (the chat page counts it down)."""
+        was stored), or when its stream broke (the replica is gone, most likely: its idempotency key joins
+        the run should it have started). Another refusal (busy) is the client's to read, with its retry
+        delay (the chat page counts it down)."""
         if error.code != grpc.StatusCode.UNAVAILABLE:
             return False
-        return (
-            not self._starts_stored_run
-            or error.reason == DRAINING
-            or (self._has_key and isinstance(error, LinkBroken))
-        )
+        return not self._starts_stored_run or error.reason == DRAINING or isinstance(error, LinkBroken)
 
     def _merged(self, first: completion_link_pb2.CompleteResponseFrame) -> Any:
         deltas, last = [first.event.delta], first.event.seq

@@ -10,7 +10,7 @@ Scripts, in the text of a user message (SendMessage) or the last message (Comple
     !tokens N MS          answer with N tokens, one every MS milliseconds (default: 12 tokens, 20 ms)
     !runerror CODE K      after K deltas, end the run with a RunError event (code, message, retry 2 s)
     !refusedonce CODE     SendMessage: the first run of an idempotency key (of the message's text, for a
-                          send without one) ends with a RunError before any delta (retry 1 s), as the
+                          send without one of the client's) ends with a RunError before any delta (retry 1 s), as the
                           engine's queue limit refuses a stored send; a retry is answered
     !abort CODE K         after K deltas, abort the RPC itself with CODE
     !degraded MODEL       answer as the router degrading a free request would: from MODEL, degraded
@@ -35,6 +35,7 @@ from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, compl
 from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort, from_status
 from chatmesh.identity import AUTHORIZATION_HEADER, Identity, TokenVerifier, Unauthenticated
 from chatmesh.linked_calls import linked_call
+from edge.orchestrator import EDGE_KEY_PREFIX
 from localmesh.dev_jwt import ISSUER
 from meshkit.links import LinkMessages, ServedRequests
 from meshkit.serving import GrpcServer, start_grpc_server
@@ -458,7 +459,9 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
             chat.title = request.content[:40]
         script = Script.parse(request.content)
         refused = ""
-        refusal_key = request.idempotency_key or f"text:{request.content}"
+        # A key the edge made is one HTTP request's own (its retry gets another): as good as none.
+        client_key = "" if request.idempotency_key.startswith(EDGE_KEY_PREFIX) else request.idempotency_key
+        refusal_key = client_key or f"text:{request.content}"
         if script.refused_once and refusal_key not in self._refused_keys:
             self._refused_keys.add(refusal_key)
             refused = script.refused_once

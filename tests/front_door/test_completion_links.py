@@ -15,7 +15,7 @@ from chatmesh.errors import DRAINING
 from chatmesh.identity import Identity
 from edge.drain import Drain
 from edge.errors import BUSY_MESSAGE, ApiError
-from edge.orchestrator import START_ATTEMPTS, Caller, Orchestrator
+from edge.orchestrator import EDGE_KEY_PREFIX, START_ATTEMPTS, Caller, Orchestrator
 from tests.fixtures.identity import bearer
 from tests.front_door.scripted_chat_service import LINKED, ScriptedChatServer, scripted_text
 
@@ -158,27 +158,36 @@ async def test_a_stored_chats_send_on_a_link_leaves_its_run_going_when_read_no_m
     assert text == scripted_text(10) and rest[-1].HasField("done")
 
 
-async def test_a_stored_send_whose_link_breaks_before_its_first_event_goes_again_only_with_its_key(
+async def test_a_stored_send_whose_link_breaks_before_its_first_event_goes_again_under_one_key(
     scripted: ScriptedChatServer, chat_links: Orchestrator
 ) -> None:
     who = await new_chat(chat_links, "stored-broken-user")
     broken = {"transport": True, "times": START_ATTEMPTS - 1}  # on a link: its stream breaks
-    # With an idempotency key: a run it started is joined, so it goes again, on a new stream.
+    # Its stream broke: a run it started goes on there, and the same idempotency key joins it, so the
+    # send goes again on a new stream under its key: the client's, or (without one) one the edge made.
+    for key in ("k-1", ""):
+        calls = len(scripted.service.calls_to("SendMessage"))
+        send = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1", idempotency_key=key)
+        with scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "Socket closed", **broken):
+            stream = chat_links.stream("SendMessage", send, who)
+            first = await stream.opening()
+            assert first.HasField("started")
+            assert [event.WhichOneof("kind") async for event in stream.events(first)][-1] == "done"
+        attempts = scripted.service.calls_to("SendMessage")[calls:]
+        assert len(attempts) == START_ATTEMPTS
+        keys = {attempt.request.idempotency_key for attempt in attempts}  # type: ignore[attr-defined]
+        (sent,) = keys
+        assert sent == key if key else sent.startswith(EDGE_KEY_PREFIX)
+    # Each send without a key is a send of its own: a key of its own.
     calls = len(scripted.service.calls_to("SendMessage"))
-    keyed = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1", idempotency_key="k-1")
-    with scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "Socket closed", **broken):
-        stream = chat_links.stream("SendMessage", keyed, who)
+    for _ in range(2):
+        bare = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1")
+        stream = chat_links.stream("SendMessage", bare, who)
         first = await stream.opening()
-        assert first.HasField("started")
         assert [event.WhichOneof("kind") async for event in stream.events(first)][-1] == "done"
-    assert len(scripted.service.calls_to("SendMessage")) == calls + START_ATTEMPTS
-    # Without one it could start twice: the client's to retry (503), after one attempt.
-    bare = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1")
-    failing = scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "Socket closed", **broken)
-    with failing, pytest.raises(ApiError) as refused:
-        await chat_links.stream("SendMessage", bare, who).opening()
-    assert refused.value.status == 503 and "Socket" not in refused.value.message
-    assert len(scripted.service.calls_to("SendMessage")) == calls + START_ATTEMPTS + 1
+    sent = scripted.service.calls_to("SendMessage")[calls:]
+    made = [call.request.idempotency_key for call in sent]  # type: ignore[attr-defined]
+    assert len(set(made)) == 2 and all(key.startswith(EDGE_KEY_PREFIX) for key in made)
 
 
 async def test_a_stored_send_refused_busy_is_the_clients_to_retry_and_one_refused_draining_goes_again(
