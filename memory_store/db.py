@@ -49,6 +49,7 @@ from cassandra.pool import Host
 from cassandra.query import (
     BatchStatement,
     BatchType,
+    BoundStatement,
     PreparedStatement,
     SimpleStatement,
     Statement,
@@ -111,22 +112,19 @@ _UNAVAILABLE = (CassandraUnavailable, ReadTimeout, WriteTimeout, OperationTimedO
 # What Cassandra counts for a cell beyond its value (a batch's size is its cells' data: the value, a
 # collection element's path, the 8-byte write timestamp, a TTL's 8 bytes): a bound.
 _CELL_OVERHEAD_BYTES = 16
+_COLLECTIONS = frozenset({"list", "set", "map"})
 
 
-def _value_bytes(writes: Sequence[Write]) -> int:
-    """An upper estimate of the size Cassandra counts for a batch of these writes (every value, keys
-    included, as a cell of its own)."""
+@dataclass(frozen=True)
+class _Bound:
+    """A write bound to its prepared statement, with an upper estimate of the size Cassandra counts for
+    it in a batch: each value serialized as a cell, and each element of a collection that is not frozen
+    (whose elements are cells of their own) a cell more. From the serialized values, so a checkpoint's
+    token ids are not walked a second time to size it."""
 
-    def size(value: Any) -> int:
-        if isinstance(value, str):
-            return len(value.encode()) + _CELL_OVERHEAD_BYTES
-        if isinstance(value, bytes | bytearray):
-            return len(value) + _CELL_OVERHEAD_BYTES
-        if isinstance(value, set | frozenset | list | tuple):
-            return sum(size(item) for item in value)
-        return 16 + _CELL_OVERHEAD_BYTES  # a uuid, a number, a time
-
-    return sum(size(value) for _, values in writes for value in values)
+    name: str
+    statement: BoundStatement
+    size: int
 
 
 class Db:
@@ -141,6 +139,8 @@ class Db:
         self.keyspace = ""
         self.q: dict[str, PreparedStatement] = {}
         self._untraced: set[str] = set()
+        # Per statement, its bind markers whose column is a collection that is not frozen (``_Bound``).
+        self._element_cells: dict[str, tuple[int, ...]] = {}
 
     @classmethod
     async def connect(
@@ -204,6 +204,32 @@ class Db:
         prepared = await asyncio.gather(*(asyncio.to_thread(prepare_one, statements[n]) for n in names))
         self.q.update(zip(names, prepared, strict=True))
         self._untraced.update(name for name in names if not statements[name].traced)
+        self._element_cells.update((name, self._collection_markers(self.q[name])) for name in names)
+
+    def _collection_markers(self, prepared: PreparedStatement) -> tuple[int, ...]:
+        """The bind markers of ``prepared`` whose column is a collection that is not frozen, as the schema
+        says (the protocol does not tell frozen from not); every collection when the schema is not known."""
+        markers = []
+        for i, column in enumerate(prepared.column_metadata):
+            if column.type.typename not in _COLLECTIONS:
+                continue
+            keyspace = self.cluster.metadata.keyspaces.get(column.keyspace_name)
+            table = keyspace.tables.get(column.table_name) if keyspace else None
+            declared = table.columns.get(column.name) if table else None
+            if declared is None or not declared.cql_type.startswith("frozen<"):
+                markers.append(i)
+        return tuple(markers)
+
+    def _bind(self, write: Write) -> _Bound:
+        name, params = write
+        statement = self.q[name].bind(params)
+        size = sum(
+            len(value) + _CELL_OVERHEAD_BYTES for value in statement.values if isinstance(value, bytes)
+        )
+        for i in self._element_cells[name]:
+            if params[i] is not None:
+                size += len(params[i]) * _CELL_OVERHEAD_BYTES
+        return _Bound(name, statement, size)
 
     async def write(self, groups: Sequence[Sequence[Write]]) -> None:
         """Applies the groups concurrently, each at once: a group of one statement as itself, a larger
@@ -223,10 +249,10 @@ class Db:
         stores the batch in the batchlog of other nodes, which replay it if the coordinator fails
         midway). Larger ones take two round trips, ``first`` then ``then``: Cassandra refuses batches
         over its ``batch_size_fail_threshold`` (50 KiB by default)."""
-        together = [write for group in (*first, *then) for write in group]
-        if _value_bytes(together) <= max_batch_bytes:
+        together = [self._bind(write) for group in (*first, *then) for write in group]
+        if sum(write.size for write in together) <= max_batch_bytes:
             try:
-                await self.execute_batch(together)
+                await self._execute_logged(together)
                 return
             except Unavailable:
                 # Seconds after a member dies, a coordinator that does not know it yet may still pick it
@@ -241,11 +267,14 @@ class Db:
     async def execute_batch(self, statements: Sequence[Write]) -> list[Row]:
         """Runs named prepared statements as one logged batch. Every batch the store runs is idempotent
         (fixed values and write timestamps, or a condition)."""
+        return await self._execute_logged([self._bind(write) for write in statements])
+
+    async def _execute_logged(self, writes: Sequence[_Bound]) -> list[Row]:
         batch = BatchStatement(batch_type=BatchType.LOGGED)
-        for name, params in statements:
-            batch.add(self.q[name], params)
+        for write in writes:
+            batch.add(write.statement)
         batch.is_idempotent = True
-        return await self.execute(batch, operation="+".join(name for name, _ in statements))
+        return await self.execute(batch, operation="+".join(write.name for write in writes))
 
     async def write_unlogged(
         self, writes: Sequence[Write], max_batch_bytes: int, max_partitions: int
@@ -259,16 +288,17 @@ class Db:
         One request instead of one per write: the driver's cost per request (a future, a query plan,
         a frame, a callback) is most of a small write's CPU in the writing process."""
         by_replicas: dict[frozenset[Host], list[int]] = {}
-        bound = [self.q[name].bind(params) for name, params in writes]
-        for i, statement in enumerate(bound):
-            replicas = frozenset(self.cluster.metadata.get_replicas(self.keyspace, statement.routing_key))
+        bound = [self._bind(write) for write in writes]
+        for i, write in enumerate(bound):
+            routing_key = write.statement.routing_key
+            replicas = frozenset(self.cluster.metadata.get_replicas(self.keyspace, routing_key))
             by_replicas.setdefault(replicas, []).append(i)
         batches: list[list[int]] = []
         for members in by_replicas.values():
             batch: list[int] = []
             size = 0
             for i in members:
-                write_bytes = _value_bytes([writes[i]])
+                write_bytes = bound[i].size
                 if batch and (len(batch) == max_partitions or size + write_bytes > max_batch_bytes):
                     batches.append(batch)
                     batch, size = [], 0
@@ -279,13 +309,13 @@ class Db:
         traced = not names <= self._untraced
 
         async def apply(members: list[int]) -> bool:
-            statement: Statement = bound[members[0]]
-            operation = writes[members[0]][0]
+            statement: Statement = bound[members[0]].statement
+            operation = bound[members[0]].name
             if len(members) > 1:
                 operation = f"{'+'.join(sorted(names))} (unlogged batch)"
                 statement = BatchStatement(batch_type=BatchType.UNLOGGED)
                 for i in members:
-                    statement.add(bound[i])
+                    statement.add(bound[i].statement)
                 statement.is_idempotent = True
             try:
                 await self.execute(statement, operation=operation, traced=traced)

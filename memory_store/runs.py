@@ -476,12 +476,16 @@ class RunsMixin(MessagesMixin, UsageMixin):
             return None
         if len(deltas) > self.bounds.max_checkpoint_deltas:
             raise InvalidArgument(f"at most {self.bounds.max_checkpoint_deltas} events per checkpoint")
+        # One pass over the events (a replica checkpoints every running answer twice a second).
         first = deltas[0].seq
-        if first < 1 or any(d.seq != first + i for i, d in enumerate(deltas)):
-            raise InvalidArgument("checkpointed events must have consecutive sequence numbers from 1 up")
-        if any(d.token_ids and len(d.token_ids) != d.token_count for d in deltas):
-            raise InvalidArgument("an event's token ids must number its token count")
-        if sum(len(d.text.encode()) for d in deltas) > self.bounds.max_checkpoint_bytes:
+        text_bytes = 0
+        for seq, delta in enumerate(deltas, first):
+            if delta.seq != seq or first < 1:
+                raise InvalidArgument("checkpointed events must have consecutive sequence numbers from 1 up")
+            if delta.token_ids and len(delta.token_ids) != delta.token_count:
+                raise InvalidArgument("an event's token ids must number its token count")
+            text_bytes += len(delta.text) if delta.text.isascii() else len(delta.text.encode())
+        if text_bytes > self.bounds.max_checkpoint_bytes:
             raise InvalidArgument(
                 f"a checkpoint holds at most {self.bounds.max_checkpoint_bytes} bytes of text"
             )

@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 from datetime import timedelta
+from uuid import uuid1
 
 import pytest
 from cassandra.query import SimpleStatement
@@ -547,3 +548,36 @@ async def test_unlogged_writes_are_split_by_partitions_and_bytes(memory_store):
     before = operations_counted()
     assert await memory_store._db.write_unlogged(writes, 0, max_partitions=64) == [True] * 5
     assert requests_sent(before) == {"run_checkpoint": 5}  # no room for two: each alone
+
+
+async def test_a_replicas_pass_of_64_running_answers_goes_in_one_request_under_the_batch_limit(memory_store):
+    # Each answer's half second: 16 one-token events with their token ids. A checkpoint's lists are
+    # frozen (one cell each), so the pass fits the store's 40 KiB: sized as a cell per element, it took 3.
+    user = new_user()
+    chat = await memory_store.create_chat(user, "a full pass")
+    runs = await asyncio.gather(*(start_run(memory_store, user, chat.chat_id, f"q{i}") for i in range(64)))
+    events = [RunDelta(2 + i, f" word{i}", 1, (1000 + i,)) for i in range(16)]
+    before = operations_counted()
+
+    stored = await memory_store.checkpoint_runs([(run, events) for run, _ in runs])
+
+    assert stored == [True] * 64  # Cassandra took the batch (it refuses one over 50 KiB)
+    assert requests_sent(before) == {"run_checkpoint (unlogged batch)": 1}
+    output = await memory_store.read_run_output(user, runs[-1][0].run_id)
+    assert [(d.seq, d.text, d.token_ids) for d in output] == [(d.seq, d.text, d.token_ids) for d in events]
+
+
+async def test_a_collection_that_is_not_frozen_is_sized_a_cell_per_element(memory_store):
+    # A message's search terms are a set (a cell per word: what Cassandra counts in a batch); a
+    # checkpoint's token ids a frozen list (one cell).
+    bind = memory_store._db._bind
+    terms = {f"term{i}" for i in range(100)}
+    words = bind(("search_add", ("user", "text", terms, "u", uuid1(), uuid1())))
+    one = bind(("search_add", ("user", "text", {"term0"}, "u", uuid1(), uuid1())))
+    assert words.size - one.size >= sum(len(term) + 16 for term in terms - {"term0"})
+    user = new_user()
+    chat = await memory_store.create_chat(user, "sized")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "q")
+    long = bind(memory_store._checkpoint(run, [RunDelta(2, "x" * 100, 100, tuple(range(100)))]))
+    short = bind(memory_store._checkpoint(run, [RunDelta(2, "x", 1, (0,))]))
+    assert long.size - short.size < 99 * 16  # less than a cell per further id
