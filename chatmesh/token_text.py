@@ -31,11 +31,12 @@ Response = TypeVar(
 
 def token_pieces(frame: engine_pb2.GenerateTokens) -> list[tuple[int, str]]:
     """(token id, the text that token released) for each of ``frame``'s tokens, in order."""
-    ids, text, ends = list(frame.token_ids), frame.text, list(frame.text_ends)
-    if not ids:
-        return []
+    ids, text = frame.token_ids, frame.text
+    if len(ids) <= 1:  # most frames: a token that released all of the frame's text (ends or none)
+        return [(ids[0], text)] if ids else []
     if not has_text_ends(frame):
         return [(token, "") for token in ids[:-1]] + [(ids[-1], text)]
+    ends = list(frame.text_ends)
     starts = [0, *ends[:-1]]
     return [(token, text[start:end]) for token, start, end in zip(ids, starts, ends, strict=True)]
 

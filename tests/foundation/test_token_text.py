@@ -41,6 +41,11 @@ def test_ends_that_do_not_fit_the_frame_make_it_one_piece_instead_of_raising(end
     assert token_pieces(frame([1, 2, 3], "abc", ends)) == [(1, ""), (2, ""), (3, "abc")]
 
 
+@pytest.mark.parametrize("ends", [[3], [], [2], [7]], ids=["fits", "none", "short", "past"])
+def test_a_one_token_frame_is_its_token_and_all_its_text_whatever_its_ends(ends):
+    assert token_pieces(frame([42], "abc", ends)) == [(42, "abc")]
+
+
 def test_a_frame_without_tokens_has_no_pieces():
     assert token_pieces(frame([], "", [])) == []
 
