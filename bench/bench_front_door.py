@@ -6,9 +6,10 @@ Starts the whole mesh as processes on 127.0.0.1 (a Cassandra node, null engines 
 config) and drives the same answers, C at a time, along three paths:
 
   engine  EngineService.Generate straight to an engine (round robin): the floor
-  openai  POST /v1/chat/completions (stream) through Envoy (JWT, rate limit) -> edge -> Envoy's internal
-          listener -> orchestrator Complete, on the edge's completion links (limits, budget in Cassandra,
-          prompt) -> router -> engine
+  openai  POST /v1/chat/completions (stream) through Envoy (JWT, rate limit) -> edge -> orchestrator
+          Complete, on the edge's completion links (limits, budget in Cassandra, prompt) -> router ->
+          engine (``--edge-via envoy``: the edge reaches the orchestrators through Envoy's internal
+          listener)
   chat    POST /v1/chats/{id}/messages (SSE, the chat page's path) through the same hops, with the
           exchange stored in Cassandra (idempotency claim, history, run, checkpoints, the answer)
 
@@ -33,7 +34,7 @@ Then the hold ramp: the engines restart paced at ``--hold-tokens-per-s`` (slow s
 so what is measured is holding streams, not relaying tokens) with room to decode every stream of the
 largest level at once, and N streams of ``--hold-tokens`` tokens are opened through Envoy, all at once
 or ``--hold-open-rate`` a second, for N = ``--hold-start``, doubling, up to ``--hold-cap``: OpenAI SSE
-streams (``--hold-via sse``, browsers' door: Envoy -> edge -> Envoy -> orchestrator),
+streams (``--hold-via sse``, browsers' door: Envoy -> edge -> orchestrator),
 ChatService.Complete calls over one gRPC connection (``--hold-via grpc``, internal services' door:
 Envoy -> orchestrator), or the chat page's stored sends (``--hold-via chat``, each in a chat of its own
 made before the level: what a stored run costs while it is open, checkpoints and the owner's watch for
