@@ -113,6 +113,8 @@ _UNAVAILABLE = (CassandraUnavailable, ReadTimeout, WriteTimeout, OperationTimedO
 # collection element's path, the 8-byte write timestamp, a TTL's 8 bytes): a bound.
 _CELL_OVERHEAD_BYTES = 16
 _COLLECTIONS = frozenset({"list", "set", "map"})
+# Partitions one request of ``Db.write`` may carry (a message's writes take up to five).
+_MAX_BATCH_PARTITIONS = 16
 
 
 @dataclass(frozen=True)
@@ -231,13 +233,13 @@ class Db:
                 size += len(params[i]) * _CELL_OVERHEAD_BYTES
         return _Bound(name, statement, size)
 
-    async def write(self, groups: Sequence[Sequence[Write]]) -> None:
-        """Applies the groups concurrently, each at once: a group of one statement as itself, a larger
-        one as a logged batch (the store keeps such groups within one partition, where Cassandra
-        applies them as a single mutation, with no batchlog)."""
-        await asyncio.gather(
-            *(self.execute(*group[0]) if len(group) == 1 else self.execute_batch(group) for group in groups)
-        )
+    async def write(self, groups: Sequence[Sequence[Write]], max_batch_bytes: int) -> None:
+        """Applies the groups, each to one partition and each at once (its writes land as one mutation),
+        in as few requests as Cassandra takes well (``_write_groups``); raises the first failure (every
+        write the store makes is idempotent: the caller retries them all)."""
+        for error in await self._write_groups(groups, max_batch_bytes, _MAX_BATCH_PARTITIONS):
+            if error is not None:
+                raise error
 
     async def write_in_order(
         self, first: Sequence[Sequence[Write]], then: Sequence[Sequence[Write]], max_batch_bytes: int
@@ -261,8 +263,8 @@ class Db:
                 # write the store batches carries fixed values and timestamps, so the writes below
                 # and a late replay leave the same rows.
                 pass
-        await self.write(first)
-        await self.write(then)
+        await self.write(first, max_batch_bytes)
+        await self.write(then, max_batch_bytes)
 
     async def execute_batch(self, statements: Sequence[Write]) -> list[Row]:
         """Runs named prepared statements as one logged batch. Every batch the store runs is idempotent
@@ -280,17 +282,29 @@ class Db:
         self, writes: Sequence[Write], max_batch_bytes: int, max_partitions: int
     ) -> list[bool]:
         """Applies independent writes, each idempotent and each to a partition of its own, in as few
-        requests as Cassandra takes well: the writes whose partitions the same nodes hold go as unlogged
-        batches (the coordinator, one of those nodes, applies each write as a request of its own would,
-        with no batchlog), at most ``max_partitions`` and ``max_batch_bytes`` each, all batches at once.
-        Returns whether each write was applied (a failed batch's were not, or not surely: retry them).
+        requests as Cassandra takes well (``_write_groups``, at most ``max_partitions`` a request).
+        Returns whether each write was applied (a failed batch's were not, or not surely: retry them)."""
+        errors = await self._write_groups([[write] for write in writes], max_batch_bytes, max_partitions)
+        for error in {error for error in errors if error is not None}:  # one warning a failed request
+            log.warning("%d writes failed: %s", errors.count(error), error)
+        return [error is None for error in errors]
 
-        One request instead of one per write: the driver's cost per request (a future, a query plan,
-        a frame, a callback) is most of a small write's CPU in the writing process."""
+    async def _write_groups(
+        self, groups: Sequence[Sequence[Write]], max_batch_bytes: int, max_partitions: int
+    ) -> list[BaseException | None]:
+        """Applies groups of idempotent writes, each group to one partition, all at once: the groups
+        whose partitions the same nodes hold go as unlogged batches (the coordinator, one of those nodes,
+        applies each partition's writes as one mutation, as a request of their own would, with no
+        batchlog), at most ``max_partitions`` groups and ``max_batch_bytes`` a request, a group never
+        split between two. Returns each group's failure (None: applied).
+
+        One request instead of one per group: the driver's cost per request (a future, a query plan, a
+        frame, a callback) is most of a small write's CPU in the writing process, and Cassandra's own
+        per request is a share of a small write's there."""
+        bound = [[self._bind(write) for write in group] for group in groups]
         by_replicas: dict[frozenset[Host], list[int]] = {}
-        bound = [self._bind(write) for write in writes]
-        for i, write in enumerate(bound):
-            routing_key = write.statement.routing_key
+        for i, group in enumerate(bound):
+            routing_key = group[0].statement.routing_key
             replicas = frozenset(self.cluster.metadata.get_replicas(self.keyspace, routing_key))
             by_replicas.setdefault(replicas, []).append(i)
         batches: list[list[int]] = []
@@ -298,38 +312,37 @@ class Db:
             batch: list[int] = []
             size = 0
             for i in members:
-                write_bytes = bound[i].size
-                if batch and (len(batch) == max_partitions or size + write_bytes > max_batch_bytes):
+                group_bytes = sum(write.size for write in bound[i])
+                if batch and (len(batch) == max_partitions or size + group_bytes > max_batch_bytes):
                     batches.append(batch)
                     batch, size = [], 0
                 batch.append(i)
-                size += write_bytes
+                size += group_bytes
             batches.append(batch)
-        names = {name for name, _ in writes}
-        traced = not names <= self._untraced
 
-        async def apply(members: list[int]) -> bool:
-            statement: Statement = bound[members[0]].statement
-            operation = bound[members[0]].name
-            if len(members) > 1:
+        async def apply(members: list[int]) -> BaseException | None:
+            writes = [write for i in members for write in bound[i]]
+            names = {write.name for write in writes}
+            statement: Statement = writes[0].statement
+            operation = writes[0].name
+            if len(writes) > 1:
                 operation = f"{'+'.join(sorted(names))} (unlogged batch)"
                 statement = BatchStatement(batch_type=BatchType.UNLOGGED)
-                for i in members:
-                    statement.add(bound[i].statement)
+                for write in writes:
+                    statement.add(write.statement)
                 statement.is_idempotent = True
             try:
-                await self.execute(statement, operation=operation, traced=traced)
+                await self.execute(statement, operation=operation, traced=not names <= self._untraced)
             except Exception as exc:  # its writes stay the caller's to retry
-                log.warning("%s of %d writes failed: %s", operation, len(members), exc)
-                return False
-            return True
+                return exc
+            return None
 
-        applied = [False] * len(writes)
+        errors: list[BaseException | None] = [None] * len(groups)
         outcomes = await asyncio.gather(*(apply(members) for members in batches))
-        for members, ok in zip(batches, outcomes, strict=True):
+        for members, error in zip(batches, outcomes, strict=True):
             for i in members:
-                applied[i] = ok
-        return applied
+                errors[i] = error
+        return errors
 
     async def execute(
         self,

@@ -140,16 +140,25 @@ class MessagesMixin(ChatsMixin):
         if await self._message_row(chat_key, parent_id) is None:
             raise FailedPrecondition(f"message {parent_id} is not in chat {chat_key}")
 
-    async def _write_message(self, chat: Chat, message: Message, extra: Sequence[Write] = ()) -> None:
+    async def _write_message(
+        self,
+        chat: Chat,
+        message: Message,
+        extra: Sequence[Write] = (),
+        others: Sequence[Sequence[Write]] = (),
+    ) -> None:
         """Writes a checked message and moves its chat to the top of the owner's list (with ``extra``,
-        more writes to the owner's partition, in the same mutation).
+        more writes to the owner's partition, in the same mutation; with ``others``, groups of writes to
+        other partitions, in the same request where they fit).
 
         The bucket is registered with the message, and the write is acknowledged only once both are
         stored, so an acknowledged message is always reachable (a message whose bucket failed to
         register was not acknowledged: its retry registers it; a bucket registered for a write that
         then fails stays empty and costs nothing).
         """
-        await self._db.write(self._message_writes(chat, message, extra))
+        await self._db.write(
+            [*self._message_writes(chat, message, extra), *others], self._config.max_batch_bytes
+        )
         self._bucket_registered(chat, message)
 
     def _message_writes(self, chat: Chat, message: Message, extra: Sequence[Write] = ()) -> list[list[Write]]:

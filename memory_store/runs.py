@@ -405,7 +405,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             )
             if asked is not None:
                 await self._write_message(chat, asked)
-            await self._db.write(run_writes)
+            await self._db.write(run_writes, self._config.max_batch_bytes)
         return Run(
             run_id=str(run_key),
             user_id=user_id,
@@ -548,20 +548,21 @@ class RunsMixin(MessagesMixin, UsageMixin):
             stored = [d for d in output if d.seq <= outcome.last_seq]
         else:
             final, stored = await self._ended_run(run, run_key)
-        message = await self._store_answer(final, stored)
         # The user's budget holds the run's reservation (prompt + max_tokens) until now; a run ended
         # without its owner's count (interrupted, orphaned, cancelled elsewhere) is charged what it
-        # stored. An owner that is still alive overwrites this with its own count.
+        # stored. An owner that is still alive overwrites this with its own count. Both go with the
+        # answer, in its request.
         charged = final.usage or Usage(
             prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in stored)
         )
-        cleanup = [
-            self.record_usage(final.user_id, final.run_id, charged),
-            self._db.execute("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key)),
+        cleanup: list[list[Write]] = [
+            [self._usage_write(final.user_id, final.run_id, charged)],
+            [("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key))],
         ]
-        if message is None:  # a stored answer cleared the chat's active run with it
-            cleanup.append(self.clear_active_run(final.user_id, final.chat_id, final.run_id))
-        await asyncio.gather(*cleanup)
+        message = await self._store_answer(final, stored, cleanup)
+        if message is None:  # no answer stored: the cleanup goes alone, and clears the chat's active run
+            cleanup.append([self._active_run_cleared(final.user_id, final.chat_id, final.run_id)])
+            await self._db.write(cleanup, self._config.max_batch_bytes)
         return FinishedRun(run=final, message=message, applied=applied)
 
     async def _ended_run(self, run: Run, run_key: uuid.UUID) -> tuple[Run, list[RunDelta]]:
@@ -575,9 +576,12 @@ class RunsMixin(MessagesMixin, UsageMixin):
             raise Unavailable(f"run {run.run_id} did not finish; retry")
         return final, _deltas(rows, 0, final.last_seq)
 
-    async def _store_answer(self, run: Run, deltas: list[RunDelta]) -> Message | None:
+    async def _store_answer(
+        self, run: Run, deltas: list[RunDelta], others: Sequence[Sequence[Write]]
+    ) -> Message | None:
         """Writes the run's assistant message from its stored output, and with it clears the chat's
-        active run (None if there is nothing to store, or no chat to store it in)."""
+        active run and writes ``others`` (None if there is nothing to store, or no chat to store it in:
+        then nothing is written)."""
         content = "".join(d.text for d in deltas)
         if not content and run.status is not RunStatus.COMPLETED:
             return None
@@ -604,7 +608,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         except NotFound:
             return None  # the chat was deleted while the run went on: nothing to attach the answer to
         await self._write_message(
-            chat, message, [self._active_run_cleared(run.user_id, run.chat_id, run.run_id)]
+            chat, message, [self._active_run_cleared(run.user_id, run.chat_id, run.run_id)], others
         )
         return message
 

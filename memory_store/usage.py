@@ -19,7 +19,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from memory_store.base import StoreBase, micros, now
-from memory_store.db import Cql
+from memory_store.db import Cql, Write
 from memory_store.errors import InvalidArgument
 from memory_store.ids import id_time, parse_id
 from memory_store.models import Usage, UsageWindow
@@ -57,21 +57,17 @@ class UsageMixin(StoreBase):
 
     async def record_usage(self, user_id: str, run_id: str, usage: Usage) -> None:
         """Sets the tokens of ``run_id`` in the user's window (replacing an earlier record of the run)."""
+        await self._db.execute(*self._usage_write(user_id, run_id, usage))
+
+    def _usage_write(self, user_id: str, run_id: str, usage: Usage) -> Write:
+        """The write of ``record_usage``."""
         self._check_user(user_id)
         run_key = parse_id(run_id, "run id")
         if min(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) < 0:
             raise InvalidArgument("token counts must not be negative")
-        await self._db.execute(
-            "usage_put",
-            (
-                user_id,
-                self.window_start(id_time(run_key)),
-                run_key,
-                usage.prompt_tokens,
-                usage.cached_prompt_tokens,
-                usage.completion_tokens,
-            ),
-        )
+        window = self.window_start(id_time(run_key))
+        counts = (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
+        return "usage_put", (user_id, window, run_key, *counts)
 
     async def get_usage(
         self,

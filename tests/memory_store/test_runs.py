@@ -194,6 +194,12 @@ async def test_an_owner_finishing_with_its_output_reads_nothing_back_and_stores_
     # The chat's active run is cleared in the same mutation as the answer's search entry and activity.
     assert "chat_set_last_finished_run" not in sent, sent
     assert any("chat_set_last_finished_run" in name and "activity_insert" in name for name in sent), sent
+    # The answer, the run's usage and its owner-index entry's removal go in one request: with the
+    # finish itself and the chat's ownership check, three in all.
+    assert any(
+        all(write in name for write in ("message_insert", "usage_put", "owner_index_delete")) for name in sent
+    )
+    assert sum(sent.values()) == 3, sent
     stored_run = await memory_store.get_run(user, run.run_id)
     assert finished.run == dataclasses.replace(stored_run, checkpointed_at=None)
     assert finished.message == await memory_store.get_message(user, chat.chat_id, run.assistant_message_id)
@@ -255,6 +261,9 @@ async def test_failed_run_without_output_stores_no_message(memory_store):
     )
     assert failed.message is None
     assert (failed.run.error_code, failed.run.error_message) == ("UNAVAILABLE", "no engine")
+    # With no answer to go with, the run's usage is charged and the chat's active run cleared anyway.
+    assert (await memory_store.get_usage(user)).runs == 1
+    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id is None
     assert [m.message_id for m in (await memory_store.list_messages(user, chat.chat_id)).items] == [
         asked.message_id
     ]
@@ -435,7 +444,8 @@ async def test_a_question_and_its_run_go_as_one_batch_and_a_large_question_first
         together = sum(n for name, n in sent.items() if "message_insert" in name and "run_insert" in name)
         assert together == batches, sent
         if not batches:  # the question first (with the run's index entry), then the run
-            assert "run_insert" in sent and "message_insert" in sent and "owner_index_insert" in sent
+            names = " ".join(sent)
+            assert all(write in names for write in ("run_insert", "message_insert", "owner_index_insert"))
         run = await memory_store.get_run(user, claim.run_id)
         stored = await memory_store.get_message(user, chat.chat_id, claim.user_message_id)
         assert (run.user_message_id, run.generation, stored.content) == (
