@@ -550,8 +550,9 @@ class RunsMixin(MessagesMixin, UsageMixin):
             final, stored = await self._ended_run(run, run_key)
         # The user's budget holds the run's reservation (prompt + max_tokens) until now; a run ended
         # without its owner's count (interrupted, orphaned, cancelled elsewhere) is charged what it
-        # stored. An owner that is still alive overwrites this with its own count. Both go with the
-        # answer, in its request.
+        # stored. An owner that is still alive overwrites this with its own count. The usage, and the
+        # run's leaving its owner's index (which only the reaper reads, for runs in progress), go with
+        # the answer, in its request.
         charged = final.usage or Usage(
             prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in stored)
         )
