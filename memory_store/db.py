@@ -254,7 +254,7 @@ class Db:
         together = [self._bind(write) for group in (*first, *then) for write in group]
         if sum(write.size for write in together) <= max_batch_bytes:
             try:
-                await self._execute_logged(together)
+                await self._execute_logged([(write.name, write.statement) for write in together])
                 return
             except Unavailable:
                 # Seconds after a member dies, a coordinator that does not know it yet may still pick it
@@ -269,14 +269,14 @@ class Db:
     async def execute_batch(self, statements: Sequence[Write]) -> list[Row]:
         """Runs named prepared statements as one logged batch. Every batch the store runs is idempotent
         (fixed values and write timestamps, or a condition)."""
-        return await self._execute_logged([self._bind(write) for write in statements])
+        return await self._execute_logged([(name, self.q[name].bind(params)) for name, params in statements])
 
-    async def _execute_logged(self, writes: Sequence[_Bound]) -> list[Row]:
+    async def _execute_logged(self, statements: Sequence[tuple[str, BoundStatement]]) -> list[Row]:
         batch = BatchStatement(batch_type=BatchType.LOGGED)
-        for write in writes:
-            batch.add(write.statement)
+        for _, statement in statements:
+            batch.add(statement)
         batch.is_idempotent = True
-        return await self.execute(batch, operation="+".join(write.name for write in writes))
+        return await self.execute(batch, operation="+".join(name for name, _ in statements))
 
     async def write_unlogged(
         self, writes: Sequence[Write], max_batch_bytes: int, max_partitions: int
