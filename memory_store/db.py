@@ -233,13 +233,24 @@ class Db:
                 size += len(params[i]) * _CELL_OVERHEAD_BYTES
         return _Bound(name, statement, size)
 
-    async def write(self, groups: Sequence[Sequence[Write]], max_batch_bytes: int) -> None:
+    async def write(
+        self, groups: Sequence[Sequence[Write]], max_batch_bytes: int, then: Sequence[Sequence[Write]] = ()
+    ) -> None:
         """Applies the groups, each to one partition and each at once (its writes land as one mutation),
         in as few requests as Cassandra takes well (``_write_groups``); raises the first failure (every
-        write the store makes is idempotent: the caller retries them all)."""
-        for error in await self._write_groups(groups, max_batch_bytes, _MAX_BATCH_PARTITIONS):
-            if error is not None:
-                raise error
+        write the store makes is idempotent: the caller retries them all).
+
+        ``then``: groups that mark ``groups`` done, so must not be acknowledged without them: in the same
+        request when everything goes in one (acknowledged together; a request that fails may have
+        landed any part, for the caller's retry to complete), otherwise sent once every request of
+        ``groups`` succeeded."""
+        bound = [self._bind_group(group) for group in (*groups, *then)]
+        batches = self._batches(bound, max_batch_bytes, _MAX_BATCH_PARTITIONS)
+        if not then or len(batches) == 1:
+            _raise_first(await self._apply(bound, batches))
+            return
+        for step in (bound[: len(groups)], bound[len(groups) :]):
+            _raise_first(await self._apply(step, self._batches(step, max_batch_bytes, _MAX_BATCH_PARTITIONS)))
 
     async def write_in_order(
         self, first: Sequence[Sequence[Write]], then: Sequence[Sequence[Write]], max_batch_bytes: int
@@ -301,7 +312,16 @@ class Db:
         One request instead of one per group: the driver's cost per request (a future, a query plan, a
         frame, a callback) is most of a small write's CPU in the writing process, and Cassandra's own
         per request is a share of a small write's there."""
-        bound = [[self._bind(write) for write in group] for group in groups]
+        bound = [self._bind_group(group) for group in groups]
+        return await self._apply(bound, self._batches(bound, max_batch_bytes, max_partitions))
+
+    def _bind_group(self, group: Sequence[Write]) -> list[_Bound]:
+        return [self._bind(write) for write in group]
+
+    def _batches(
+        self, bound: Sequence[list[_Bound]], max_batch_bytes: int, max_partitions: int
+    ) -> list[list[int]]:
+        """Which groups go in which request (``_write_groups``), as lists of their indexes."""
         by_replicas: dict[frozenset[Host], list[int]] = {}
         for i, group in enumerate(bound):
             routing_key = group[0].statement.routing_key
@@ -319,6 +339,12 @@ class Db:
                 batch.append(i)
                 size += group_bytes
             batches.append(batch)
+        return batches
+
+    async def _apply(
+        self, bound: Sequence[list[_Bound]], batches: list[list[int]]
+    ) -> list[BaseException | None]:
+        """Sends each of ``batches`` (``_batches``) as a request, all at once; each group's failure."""
 
         async def apply(members: list[int]) -> BaseException | None:
             writes = [write for i in members for write in bound[i]]
@@ -337,7 +363,7 @@ class Db:
                 return exc
             return None
 
-        errors: list[BaseException | None] = [None] * len(groups)
+        errors: list[BaseException | None] = [None] * len(bound)
         outcomes = await asyncio.gather(*(apply(members) for members in batches))
         for members, error in zip(batches, outcomes, strict=True):
             for i in members:
@@ -447,3 +473,10 @@ class Db:
 
     async def close(self) -> None:
         await asyncio.to_thread(self.cluster.shutdown)
+
+
+def _raise_first(errors: Sequence[BaseException | None]) -> None:
+    """Raises the first of the groups' failures (``Db._apply``), if any."""
+    for error in errors:
+        if error is not None:
+            raise error

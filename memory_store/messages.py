@@ -146,10 +146,12 @@ class MessagesMixin(ChatsMixin):
         message: Message,
         extra: Sequence[Write] = (),
         others: Sequence[Sequence[Write]] = (),
+        then: Sequence[Sequence[Write]] = (),
     ) -> None:
         """Writes a checked message and moves its chat to the top of the owner's list (with ``extra``,
         more writes to the owner's partition, in the same mutation; with ``others``, groups of writes to
-        other partitions, in the same request where they fit).
+        other partitions, in the same request where they fit; ``then``, groups never acknowledged
+        without the rest: ``Db.write``).
 
         The bucket is registered with the message, and the write is acknowledged only once both are
         stored, so an acknowledged message is always reachable (a message whose bucket failed to
@@ -157,7 +159,7 @@ class MessagesMixin(ChatsMixin):
         then fails stays empty and costs nothing).
         """
         await self._db.write(
-            [*self._message_writes(chat, message, extra), *others], self._config.max_batch_bytes
+            [*self._message_writes(chat, message, extra), *others], self._config.max_batch_bytes, then
         )
         self._bucket_registered(chat, message)
 

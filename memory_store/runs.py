@@ -24,6 +24,9 @@ Orphans: replicas heartbeat into ``replicas``; ``runs_by_owner`` lists each repl
 by start minute. ``find_orphaned_runs`` returns the in-progress runs of replicas whose heartbeat is
 stale, for another replica to adopt (``adopt_run``: a conditional change of owner, so exactly one
 replica takes each run, and the one it was taken from can no longer finish it) or ``interrupt_run``.
+A run leaves its owner's index with the writes that follow its end (its answer and usage), never
+before them, so a run that ended but is still there had an owner that died in between: it is returned
+too, for ``settle_run`` to store what its end leaves.
 Every finish is conditional on the owner the finishing replica last saw: an owner that was only paused
 and wakes up after its run was adopted gets ``OwnerChanged`` instead of ending the adopter's run.
 
@@ -548,23 +551,33 @@ class RunsMixin(MessagesMixin, UsageMixin):
             stored = [d for d in output if d.seq <= outcome.last_seq]
         else:
             final, stored = await self._ended_run(run, run_key)
+        return FinishedRun(run=final, message=await self._settle(final, stored), applied=applied)
+
+    async def settle_run(self, run: Run) -> FinishedRun:
+        """Stores what the end of ``run`` leaves (its assistant message, usage and chat state, as a
+        finish that lost its race does) and takes it out of its owner's index: for an ended run its
+        owner's index still holds, whose owner may have died between the finish and those writes."""
+        final, stored = await self._ended_run(run, parse_id(run.run_id, "run id"))
+        return FinishedRun(run=final, message=await self._settle(final, stored), applied=False)
+
+    async def _settle(self, final: Run, stored: list[RunDelta]) -> Message | None:
+        """The writes that follow a run's end: its answer (None if none is stored), its usage, and then
+        the removal of its entry in its owner's index, which only goes with or after the rest (the
+        reaper settles an ended run it finds there: ``find_orphaned_runs``)."""
         # The user's budget holds the run's reservation (prompt + max_tokens) until now; a run ended
         # without its owner's count (interrupted, orphaned, cancelled elsewhere) is charged what it
-        # stored. An owner that is still alive overwrites this with its own count. The usage, and the
-        # run's leaving its owner's index (which only the reaper reads, for runs in progress), go with
-        # the answer, in its request.
+        # stored. An owner that is still alive overwrites this with its own count.
         charged = final.usage or Usage(
             prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in stored)
         )
-        cleanup: list[list[Write]] = [
-            [self._usage_write(final.user_id, final.run_id, charged)],
-            [("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key))],
-        ]
-        message = await self._store_answer(final, stored, cleanup)
-        if message is None:  # no answer stored: the cleanup goes alone, and clears the chat's active run
-            cleanup.append([self._active_run_cleared(final.user_id, final.chat_id, final.run_id)])
-            await self._db.write(cleanup, self._config.max_batch_bytes)
-        return FinishedRun(run=final, message=message, applied=applied)
+        usage = [[self._usage_write(final.user_id, final.run_id, charged)]]
+        run_key = parse_id(final.run_id, "run id")
+        settled = [[("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key))]]
+        message = await self._store_answer(final, stored, usage, settled)
+        if message is None:  # no answer stored: the rest goes alone, and clears the chat's active run
+            cleared = [self._active_run_cleared(final.user_id, final.chat_id, final.run_id)]
+            await self._db.write([*usage, cleared], self._config.max_batch_bytes, settled)
+        return message
 
     async def _ended_run(self, run: Run, run_key: uuid.UUID) -> tuple[Run, list[RunDelta]]:
         """The run as it ended, and its stored output, read after a finish (ours or another's)."""
@@ -578,11 +591,15 @@ class RunsMixin(MessagesMixin, UsageMixin):
         return final, _deltas(rows, 0, final.last_seq)
 
     async def _store_answer(
-        self, run: Run, deltas: list[RunDelta], others: Sequence[Sequence[Write]]
+        self,
+        run: Run,
+        deltas: list[RunDelta],
+        others: Sequence[Sequence[Write]],
+        then: Sequence[Sequence[Write]],
     ) -> Message | None:
         """Writes the run's assistant message from its stored output, and with it clears the chat's
-        active run and writes ``others`` (None if there is nothing to store, or no chat to store it in:
-        then nothing is written)."""
+        active run and writes ``others`` and ``then`` (``Db.write``) (None if there is nothing to store,
+        or no chat to store it in: then nothing is written)."""
         content = "".join(d.text for d in deltas)
         if not content and run.status is not RunStatus.COMPLETED:
             return None
@@ -609,7 +626,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         except NotFound:
             return None  # the chat was deleted while the run went on: nothing to attach the answer to
         await self._write_message(
-            chat, message, [self._active_run_cleared(run.user_id, run.chat_id, run.run_id)], others
+            chat, message, [self._active_run_cleared(run.user_id, run.chat_id, run.run_id)], others, then
         )
         return message
 
@@ -681,9 +698,12 @@ class RunsMixin(MessagesMixin, UsageMixin):
         at: datetime | None = None,
         group: str = ORCHESTRATOR,
     ) -> list[Run]:
-        """In-progress runs whose owner has not heartbeated for ``stale_after_s`` seconds, for the
-        caller to ``adopt_run`` (or ``interrupt_run``). Only runs started within ``max_run_age_s`` are
-        considered (no run lives longer). Silent replicas without such runs are forgotten."""
+        """The runs still in the index of a replica that has not heartbeated for ``stale_after_s``
+        seconds: those in progress, for the caller to ``adopt_run`` (or ``interrupt_run``), and those
+        that ended but whose end it may not have stored (it died between its finish and the answer's
+        writes, which take the run out of the index), for the caller to ``settle_run``. Only runs
+        started within ``max_run_age_s`` are considered (no run lives longer). Silent replicas without
+        such runs are forgotten."""
         at = at or now()
         replicas = await self._db.execute("replica_list", (group,))
         stale = [
@@ -710,7 +730,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         states = await asyncio.gather(*(bounded("run_get", (key,)) for key in run_keys))
         orphans = []
         for key, rows in zip(run_keys, states, strict=True):
-            if rows and rows[0]["status"] == RunStatus.IN_PROGRESS.value and rows[0]["owner_id"] in stale:
+            if rows and rows[0]["status"] is not None and rows[0]["owner_id"] in stale:
                 orphans.append(_run(key, rows[0]))
         # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
         # (if it was only paused, its next heartbeat brings it back).

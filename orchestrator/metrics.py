@@ -88,7 +88,8 @@ class OrchestratorMetrics(ComponentMetrics):
         self.orphans_reaped = self.counter(
             "orphaned_runs_total",
             "Runs of lost replicas taken over here, by outcome (adopted: continued here; interrupted: "
-            "ended with their checkpointed output, having no stored generation to continue from)",
+            "ended with their checkpointed output, having no stored generation to continue from; "
+            "settled: ended by their replica, which died before storing the answer it had)",
             ["outcome"],
         )
         self.runs_left = self.counter(

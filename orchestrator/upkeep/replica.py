@@ -10,6 +10,8 @@ that cannot be continued (stored before runs kept their request) is ended as INT
 checkpointed output, as before. An owner that was only paused, not dead, finds its run adopted and
 leaves it (``Stop.SUPERSEDED``): the adopter signals it, and its watch over its runs
 (``runs/remote_ends.py``, a pass every SIGNAL_POLL_S) reads the run again and finds the new owner.
+A run its lost owner had ended but not settled (it died after the finish, before the answer's writes
+landed) is settled by the same pass: its answer, usage and chat state stored from its stored output.
 
 A replica shutting down hands its unfinished runs over: once their output is checkpointed, its last
 heartbeat is dated to the epoch (``leave``), so the other replicas' next pass adopts them at once
@@ -92,16 +94,27 @@ class Replica:
 
     async def reap(self) -> int:
         """Adopts the in-progress runs of silent replicas (ending as interrupted those that cannot be
-        continued); returns how many this replica adopted."""
-        orphans = await self.store.find_orphaned_runs(
+        continued), and settles the runs they ended without storing what the end leaves; returns how
+        many runs this replica adopted."""
+        found = await self.store.find_orphaned_runs(
             stale_after_s=self.config.orphan_after_s, group=self.group
         )
-        # Our own heartbeat may have lagged: our runs are alive. Each adoption runs to its end even if
-        # this pass times out: a run made ours must go on here (nobody else would take it now).
-        taken = await asyncio.gather(
-            *(asyncio.shield(self._adopt(run)) for run in orphans if run.owner_id != self.replica_id)
+        # Our own heartbeat may have lagged: our runs are alive.
+        orphans = [run for run in found if run.owner_id != self.replica_id]
+        # Each adoption runs to its end even if this pass times out: a run made ours must go on here
+        # (nobody else would take it now).
+        adopted, _ = await asyncio.gather(
+            asyncio.gather(*(asyncio.shield(self._adopt(run)) for run in orphans if not run.status.terminal)),
+            asyncio.gather(*(self._settle(run) for run in orphans if run.status.terminal)),
         )
-        return sum(taken)
+        return sum(adopted)
+
+    async def _settle(self, run: Run) -> None:
+        """Stores the end of a run its silent owner ended (its answer, usage and chat state): the same
+        writes whichever replica makes them, any number of times."""
+        async with self._adopting:
+            await self.store.settle_run(run)
+        METRICS.orphans_reaped.labels("settled").inc()
 
     async def _adopt(self, run: Run) -> bool:
         async with self._adopting:

@@ -13,7 +13,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from memory_store import db
 from memory_store.base import now
-from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged
+from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
 from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
 from tests.memory_store.builders import message, new_user, operations_counted, requests_sent, start_run
 
@@ -302,6 +302,113 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     # The second pass found nothing left of the silent replica and forgot it: no more scans of it.
     replicas = await memory_store._db.execute("replica_list", ("orchestrator",))
     assert dead not in {r["replica_id"] for r in replicas} and alive in {r["replica_id"] for r in replicas}
+
+
+async def test_a_run_ended_by_an_owner_that_died_before_storing_its_answer_is_settled(
+    memory_store, monkeypatch
+):
+    user = new_user()
+    owner = f"replica-lost-{user}"
+    await memory_store.heartbeat_replica(owner)
+    chat = await memory_store.create_chat(user, "lost between the finish and the answer")
+    run, asked = await start_run(memory_store, user, chat.chat_id, "q", owner=owner, prompt_tokens=40)
+    await memory_store.checkpoint_run(run, deltas(2, "an "))
+    output = deltas(2, "an ", "answer")
+
+    # The owner's finish wins; the request with its answer then fails (a node timed out), and the owner
+    # dies before its retry.
+    async def timed_out(*args, **kwargs):
+        raise Unavailable("Cassandra did not answer in time")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(memory_store._db, "write", timed_out)
+        with pytest.raises(Unavailable):
+            await memory_store.finish_run(
+                run,
+                RunOutcome(
+                    RunStatus.COMPLETED, 4, FinishReason.STOP, tail=tuple(output[1:]), usage=Usage(40, 0, 2)
+                ),
+                output,
+            )
+    assert (await memory_store.get_run(user, run.run_id)).status is RunStatus.COMPLETED
+    history = (await memory_store.get_branch(user, chat.chat_id, None)).messages
+    assert [m.message_id for m in history] == [asked.message_id]
+
+    # While its owner heartbeats, the run is its owner's (whose retry stores the end).
+    assert run.run_id not in {r.run_id for r in await memory_store.find_orphaned_runs(stale_after_s=30)}
+    await memory_store.heartbeat_replica(owner, at=now() - timedelta(seconds=120))
+    [found] = [r for r in await memory_store.find_orphaned_runs(stale_after_s=30) if r.user_id == user]
+    assert (found.run_id, found.status) == (run.run_id, RunStatus.COMPLETED)
+
+    settled = await memory_store.settle_run(found)
+    assert not settled.applied and settled.run.status is RunStatus.COMPLETED
+    answer = settled.message
+    assert (answer.message_id, answer.content) == (run.assistant_message_id, "an answer")
+    assert (answer.status, answer.parent_id) == (MessageStatus.COMPLETE, asked.message_id)
+    assert (await memory_store.get_usage(user)).usage == Usage(40, 0, 2)
+    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id is None
+    # Settled twice (two reapers): the same answer, stored once.
+    await memory_store.settle_run(found)
+    history = (await memory_store.get_branch(user, chat.chat_id, None)).messages
+    assert [(m.message_id, m.content) for m in history] == [
+        (asked.message_id, "q"),
+        (answer.message_id, "an answer"),
+    ]
+    # It left its owner's index: the next pass finds nothing of the owner, and forgets it.
+    assert run.run_id not in {r.run_id for r in await memory_store.find_orphaned_runs(stale_after_s=30)}
+    replicas = await memory_store._db.execute("replica_list", ("orchestrator",))
+    assert owner not in {r["replica_id"] for r in replicas}
+
+
+async def test_writes_that_mark_others_done_never_land_before_them(memory_store, monkeypatch):
+    store_db, owner = memory_store._db, f"replica-{new_user()}"
+    done_entry, *entries = [uuid1() for _ in range(7)]
+    await store_db.execute("owner_index_insert", (owner, 1, done_entry))
+
+    def inserted(run_id):
+        return [("owner_index_insert", (owner, 2, run_id))]
+
+    removed = [[("owner_index_delete", (owner, 1, done_entry))]]
+
+    async def indexed(bucket):
+        return {row["run_id"] for row in await store_db.execute("owner_index_scan", (owner, bucket))}
+
+    # When everything fits in one request, the mark goes in it.
+    before = operations_counted()
+    await store_db.write([inserted(entries[0]), inserted(entries[1])], 40_000, then=removed)
+    assert sum(requests_sent(before).values()) == 1
+    assert (await indexed(1), await indexed(2)) == (set(), {entries[0], entries[1]})
+
+    # When the writes take two requests (here: too many bytes for one), the mark is sent once both
+    # succeeded, and not at all if one fails.
+    await store_db.execute("owner_index_insert", (owner, 1, done_entry))
+    execute, seen = store_db.execute, []
+
+    async def spied(statement, *args, fail=False, **kwargs):
+        seen.append(("sent", kwargs["operation"]))
+        if fail:
+            raise Unavailable("Cassandra did not answer in time")
+        rows = await execute(statement, *args, **kwargs)
+        seen.append(("done", kwargs["operation"]))
+        return rows
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store_db, "execute", spied)
+        await store_db.write([inserted(entries[2]), inserted(entries[3])], 1, then=removed)
+    assert seen == [("sent", "owner_index_insert")] * 2 + [("done", "owner_index_insert")] * 2 + [
+        ("sent", "owner_index_delete"),
+        ("done", "owner_index_delete"),
+    ]
+    assert await indexed(1) == set()
+
+    await store_db.execute("owner_index_insert", (owner, 1, done_entry))
+    seen.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(store_db, "execute", lambda *a, **k: spied(*a, fail=not seen, **k))
+        with pytest.raises(Unavailable):
+            await store_db.write([inserted(entries[4]), inserted(entries[5])], 1, then=removed)
+    assert ("sent", "owner_index_delete") not in seen
+    assert await indexed(1) == {done_entry}
 
 
 async def test_a_silent_replicas_run_is_adopted_by_exactly_one_replica_with_what_it_needs(memory_store):

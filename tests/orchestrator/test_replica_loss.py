@@ -12,11 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import grpc
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from chatmesh.chat.v1 import chat_pb2
+from memory_store.base import now
+from memory_store.errors import Unavailable
+from memory_store.models import FinishReason, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.store import MemoryStore
 from tests.fixtures.answers import (
     ANSWER,
     QUESTION,
@@ -32,6 +41,7 @@ from tests.fixtures.orchestrator import (
     events,
     read_until,
 )
+from tests.memory_store.builders import start_run
 
 FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
 
@@ -142,3 +152,61 @@ async def test_a_paused_replica_whose_run_was_adopted_leaves_it_to_the_adopter(
     finally:
         mesh.stop_orchestrator(victim)
         mesh.stop_orchestrator(survivor)
+
+
+async def test_a_run_a_lost_replica_ended_without_storing_its_answer_is_settled_by_another(
+    mesh: Mesh, connect: Callable[..., ChatClient], memory_store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a replica leaves when it dies after its finish won but before the request with its answer
+    landed (Cassandra failed that one): a run ended, in its index, with no answer in the chat. Another
+    replica's reaper stores the answer from the run's stored output."""
+    group = f"settle-{time.monotonic_ns()}"  # this test's replicas only
+    reaper = mesh.start_orchestrator(replica_group=group, **FAST_REAPING)
+    try:
+        client = connect(reaper.address)
+        chat = await client.create_chat()
+        lost = f"replica-lost-{client.user}"
+        await memory_store.heartbeat_replica(lost, group=group)
+        run, asked = await start_run(
+            memory_store, client.user, chat.chat_id, "q", owner=lost, prompt_tokens=9
+        )
+        output = [RunDelta(2, "Stored ", 1), RunDelta(3, "at last", 2)]
+        await memory_store.checkpoint_run(run, output[:1])
+
+        async def timed_out(*args: object, **kwargs: object) -> None:
+            raise Unavailable("Cassandra did not answer in time")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(memory_store._db, "write", timed_out)
+            with pytest.raises(Unavailable):
+                ended = RunOutcome(
+                    RunStatus.COMPLETED, 4, FinishReason.STOP, tail=(output[1],), usage=Usage(9, 0, 3)
+                )
+                await memory_store.finish_run(run, ended, output)
+        await memory_store.heartbeat_replica(lost, at=now() - timedelta(seconds=60), group=group)
+
+        deadline = time.monotonic() + 20
+        request = chat_pb2.ListMessagesRequest(chat_id=chat.chat_id)
+        while len((page := await client.call("ListMessages", request)).messages) < 2:
+            assert time.monotonic() < deadline, "the reaper did not settle the run"
+            await asyncio.sleep(0.2)
+        answer, question = page.messages
+        assert question.message_id == asked.message_id
+        assert (answer.message_id, answer.content, answer.parent_id) == (
+            run.assistant_message_id,
+            "Stored at last",
+            asked.message_id,
+        )
+        assert (answer.finish_reason, answer.run_id) == (chat_pb2.FINISH_REASON_STOP, run.run_id)
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            text = (await http.get(reaper.metrics_url)).text
+        reaped = {
+            sample.labels["outcome"]: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "chatmesh_orchestrator_orphaned_runs"
+            for sample in family.samples
+            if sample.name.endswith("_total")
+        }
+        assert reaped == {"settled": 1.0}
+    finally:
+        mesh.stop_orchestrator(reaper)
