@@ -28,7 +28,9 @@ orchestrator and router together). Plotted to ``--cost-plot``.
 Then the cost per request: ``--cost-requests`` short answers (``--cost-request-tokens`` tokens) along
 each of the openai and chat paths, ``--cost-concurrency`` at a time, each from a user of its own; each
 process's CPU time over the whole batch, per request: milliseconds of CPU a request costs in each
-process, Cassandra included (what a send costs the mesh, beside what each token costs it).
+process, Cassandra included (what a send costs the mesh, beside what each token costs it). Cassandra's
+JIT compiler threads are read apart (``its JIT``; ``bench/process_usage.py``): a node started minutes
+ago still compiles, one that has served for days does not.
 
 Then the hold ramp: the engines restart paced at ``--hold-tokens-per-s`` (slow streams cost little CPU,
 so what is measured is holding streams, not relaying tokens) with room to decode every stream of the
@@ -549,7 +551,7 @@ async def hold_ramp(
         f"\nhold ramp: {path} of {args.hold_tokens} tokens through Envoy, opened {opening}, null engines "
         f"paced at {args.hold_tokens_per_s:g} tokens/s per stream, cap {args.hold_cap}\n"
         f"{'streams':>7} {'held':>5} {'peak open':>9} {'all answered by':>15} {'first chunk p50/p99':>20}  "
-        f"KiB per open stream ({', '.join(MEMORY_HOPS)})  cores busy (same, then cassandra)  errors",
+        f"KiB per open stream ({', '.join(MEMORY_HOPS)})  cores busy (same, then cassandra, its JIT)  errors",
         flush=True,
     )
     results: list[Held] = []
@@ -569,7 +571,9 @@ async def hold_ramp(
             )
             results.append(result)
             memory = " ".join(f"{result.bytes_per_stream.get(hop, 0) / 1024:.1f}" for hop in MEMORY_HOPS)
-            cores = " ".join(f"{result.cores.get(hop, 0):.2f}" for hop in (*MEMORY_HOPS, "cassandra"))
+            cores = " ".join(
+                f"{result.cores.get(hop, 0):.2f}" for hop in (*MEMORY_HOPS, "cassandra", "cassandra JIT")
+            )
             print(
                 f"{streams:>7} {'yes' if result.held else 'NO':>5} {result.peak_open:>9} "
                 f"{result.open_s:>14.1f}s {result.first_p50:>9.1f}s / {result.first_p99:.1f}s  "
@@ -762,8 +766,8 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
         f"open, per token the client received\n"
         f"{'streams':>7} {'tokens/s':>8} "
         + " ".join(f"{hop:>12}" for hop in HOPS)
-        + f" {'door':>7} {'door tok/s/core':>15} {'client':>7} {'cassandra':>9} {'tok/event':>9}"
-        + "  (µs CPU per token; tokens per chunk or delta the client got)",
+        + f" {'door':>7} {'door tok/s/core':>15} {'client':>7} {'cassandra':>9} {'its JIT':>7} {'tok/event':>9}"
+        + "  (µs CPU per token; its JIT: Cassandra's compiler threads, apart; tokens per chunk or delta the client got)",
         flush=True,
     )
     results = []
@@ -778,7 +782,7 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
                 f"{streams:>7} {cost.tokens_per_s:>8,.0f} "
                 + " ".join(f"{us[hop]:>12.1f}" for hop in HOPS)
                 + f" {cost.door_us:>7.1f} {1e6 / cost.door_us:>15,.0f} {us['client']:>7.1f} "
-                f"{us.get('cassandra', 0):>9.1f} {cost.tokens_per_event:>9.2f}",
+                f"{us.get('cassandra', 0):>9.1f} {us.get('cassandra JIT', 0):>7.1f} {cost.tokens_per_event:>9.2f}",
                 flush=True,
             )
             if cost.cancels:
@@ -810,16 +814,35 @@ async def request_cost(
     return {hop: seconds * 1e3 / requests for hop, seconds in cpu.items()}
 
 
+async def warm_door(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> None:
+    """``--warm-door-sends`` short stored sends through the door, then how much of Cassandra's CPU its JIT
+    compilers still took over the last fifth of them (what is left of its warming)."""
+    door = Door(url, keys, args.cost_request_tokens)
+    try:
+        began = time.perf_counter()
+        await request_cost(door, "chat", args.warm_door_sends * 4 // 5, 10, pids)
+        last = await request_cost(door, "chat", max(1, args.warm_door_sends // 5), 10, pids)
+    finally:
+        await door.close()
+    print(
+        f"warmed the door: {args.warm_door_sends} stored sends in {time.perf_counter() - began:.0f}s; over the "
+        f"last fifth Cassandra used {last.get('cassandra', 0):.1f} ms of CPU a send and its JIT compilers "
+        f"{last.get('cassandra JIT', 0):.1f} more",
+        flush=True,
+    )
+
+
 async def request_costs(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> None:
     door = Door(url, keys, args.cost_request_tokens)
-    columns = (*HOPS, "cassandra", "client")
+    columns = (*HOPS, "cassandra", "cassandra JIT", "client")
     print(
         f"\ncost per request: {args.cost_requests} requests a path, {args.cost_concurrency} at a time, "
         f"{args.cost_request_tokens} tokens each, a user and a chat of its own each; CPU of each process "
         f"from the first request to the last end, per request\n"
         f"{'path':<7} "
         + " ".join(f"{name:>12}" for name in columns)
-        + f" {'door':>7} {'door+db':>8} {'requests/s/core':>15}  (ms CPU per request; door+db: door and Cassandra)",
+        + f" {'door':>7} {'door+db':>8} {'requests/s/core':>15}  (ms CPU per request; door+db: door and "
+        "Cassandra, its JIT compilers apart)",
         flush=True,
     )
     try:
@@ -954,6 +977,13 @@ def main() -> None:
         default=6000,
         help="sends' statements run on Cassandra before measuring (a fresh JVM compiles for thousands)",
     )
+    parser.add_argument(
+        "--warm-door-sends",
+        type=int,
+        default=0,
+        help="short stored sends through the door before measuring, 10 at a time (Cassandra's JIT compiles "
+        "the mesh's own requests; the statements of --warm-sends are not all of them)",
+    )
     parser.add_argument("--hold-cap", type=int, default=2000, help="most streams the ramp opens (0: no ramp)")
     parser.add_argument("--hold-start", type=int, default=250, help="the ramp's first level (then doubling)")
     parser.add_argument("--hold-tokens", type=int, default=60, help="tokens per stream in the ramp")
@@ -1015,6 +1045,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
         )
         url = start_door(launcher, orchestrators, run_dir, keys, args.edge_via == "envoy")
         asyncio.run(wait_for_engines(router, len(engines)))
+        if args.warm_door_sends:
+            asyncio.run(warm_door(args, url, keys, process_ids(launcher)))
         if args.concurrency:
             rows = asyncio.run(latency(args, engines, router, orchestrators[0], url, keys))
             plot(
