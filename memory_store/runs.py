@@ -278,6 +278,19 @@ class RunsMixin(MessagesMixin, UsageMixin):
             start_lease=lease if mine else None,
         )
 
+    def unkeyed_claim(self, start_lease_s: float = 0.0) -> Claim:
+        """The ids of a send that came without an idempotency key, made here and stored nowhere: no
+        retry can name its run, so there is nothing for a claim to guard (no Paxos round), and its
+        start lease is its own for ``start_lease_s``."""
+        return Claim(
+            run_id=str(new_id()),
+            user_message_id=str(new_id()),
+            assistant_message_id=str(new_id()),
+            created=True,
+            fingerprint_matches=True,
+            start_lease=now() + timedelta(seconds=start_lease_s),
+        )
+
     async def take_start_lease(self, user_id: str, key: str, lease_s: float) -> datetime | None:
         """Takes the start lease of a claimed key if nobody holds it: its expiry if taken, else None.
 

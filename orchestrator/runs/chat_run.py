@@ -85,6 +85,7 @@ class ChatRun(AnswerRun):
     async def claim(self) -> Claim | None:
         """Claims the idempotency key: the ids of this run. None when an attempt with the key started
         its run, or is starting it (here or on another replica): this one joins that run, live at once.
+        A request without a key claims nothing: its ids are its own (``unkeyed_claim``).
 
         Only the attempt holding the key's start lease starts its run (the first one, or a retry once
         an earlier attempt was refused or lost), so a retry never generates the answer a second time.
@@ -93,6 +94,10 @@ class ChatRun(AnswerRun):
         """
         store, user = self.ctx.store, self.identity.user_id
         lease_s = self.ctx.config.runs.start_lease_s
+        if not self._retryable:  # nothing can join it: no claim to store
+            claim = store.unkeyed_claim(lease_s)
+            self._lease, self._leased_at = claim.start_lease, time.monotonic()
+            return claim
         with tracer.start_as_current_span("claim idempotency key"):
             claim = await store.claim_idempotency_key(user, self._key, self._fingerprint, lease_s)
         if not claim.fingerprint_matches:

@@ -17,9 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 import grpc
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from chatmesh.chat.v1 import chat_pb2
 from memory_store.base import now
@@ -198,15 +196,8 @@ async def test_a_run_a_lost_replica_ended_without_storing_its_answer_is_settled_
             asked.message_id,
         )
         assert (answer.finish_reason, answer.run_id) == (chat_pb2.FINISH_REASON_STOP, run.run_id)
-        async with httpx.AsyncClient(timeout=5.0) as http:
-            text = (await http.get(reaper.metrics_url)).text
-        reaped = {
-            sample.labels["outcome"]: sample.value
-            for family in text_string_to_metric_families(text)
-            if family.name == "chatmesh_orchestrator_orphaned_runs"
-            for sample in family.samples
-            if sample.name.endswith("_total")
-        }
-        assert reaped == {"settled": 1.0}
+        reaped = "chatmesh_orchestrator_orphaned_runs"
+        assert await reaper.counted(reaped, outcome="settled") == 1
+        assert await reaper.counted(reaped) == 1  # nothing adopted or interrupted
     finally:
         mesh.stop_orchestrator(reaper)

@@ -16,7 +16,7 @@ from chatmesh.chat.v1 import chat_pb2
 from memory_store import MemoryStore
 from memory_store.models import Message, Role
 from orchestrator.runs.chat_run import _fingerprint
-from tests.fixtures.orchestrator import ChatClient, MeshFactory, answer_text, collect, read_until
+from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, answer_text, collect, read_until
 
 
 async def test_a_retry_on_another_replica_during_a_slow_placement_joins_the_run_and_it_runs_once(
@@ -59,6 +59,33 @@ async def test_a_retry_on_another_replica_during_a_slow_placement_joins_the_run_
     page = await on_first.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
     assert [m.role for m in reversed(page.messages)] == [chat_pb2.ROLE_USER, chat_pb2.ROLE_ASSISTANT]
     assert page.messages[0].content == answer_text(runs[0])
+
+
+async def claims_made(mesh: Mesh) -> float:
+    """The idempotency claims the shared mesh's orchestrator has sent to Cassandra so far."""
+    return await mesh.orchestrator.counted(
+        "db_client_operation_duration_seconds", "_count", db_operation_name="claim"
+    )
+
+
+async def test_a_send_without_a_key_claims_nothing_and_one_with_a_key_claims_it(
+    mesh: Mesh, client: ChatClient
+) -> None:
+    chat = await client.create_chat()
+    short = chat_pb2.GenerationOptions(max_tokens=4)
+    before = await claims_made(mesh)
+    # Nothing can retry a send without a key: its ids are its own, and no Paxos round claims them.
+    first = await collect(client.send(chat.chat_id, "Hello", options=short))
+    second = await collect(client.send(chat.chat_id, "Hello", options=short))
+    assert first[-1].HasField("done") and second[-1].HasField("done")
+    assert first[0].started.run_id != second[0].started.run_id
+    assert await claims_made(mesh) == before
+    keyed = await collect(
+        client.send(chat.chat_id, "Hello", options=short, idempotency_key=f"k-{uuid.uuid4()}")
+    )
+    assert keyed[-1].HasField("done") and await claims_made(mesh) == before + 1
+    page = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert len(page.messages) == 6
 
 
 async def test_a_refused_send_can_be_retried_with_its_key_at_once(client: ChatClient) -> None:
