@@ -73,7 +73,8 @@ class ChatRun(AnswerRun):
         # A request without a key is its own run: only retries that carry a key can join.
         self._key = key or f"auto:{uuid.uuid4().hex}"
         self._retryable = bool(key)
-        self._fingerprint = _fingerprint(self.kind, request)
+        # What a retry with the key is compared by (a request without one is never compared).
+        self._fingerprint = _fingerprint(self.kind, request) if key else b""
         # The key's start lease while this attempt holds it (``claim``), and when it was taken.
         self._lease: datetime | None = None
         self._leased_at = 0.0
