@@ -37,6 +37,7 @@ from orchestrator.prompting.prompter import Prompter
 from orchestrator.router_client import RouterClient
 from orchestrator.runs.checkpoints import CheckpointWriter
 from orchestrator.runs.context import RunContext
+from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.runs.relay import RelayDeps, usage_settled_after_s
 from orchestrator.upkeep.after_runs import Upkeep
@@ -108,7 +109,9 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
         config.runs.checkpoint_interval_ms / 1000,
         config.runs.store_deadline_s,
     )
-    deps = RelayDeps(store, create_moderator(config.moderation), config.runs, router, checkpoints)
+    late_ends = LateEnds(store, config.runs.store_deadline_s)
+    moderator = create_moderator(config.moderation)
+    deps = RelayDeps(store, moderator, config.runs, router, checkpoints, late_ends)
     budgets = Budgets(store, config.budgets, usage_settled_after_s(config.runs))
     runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs), tokenizer.fingerprint)
     summary_config = config.summaries
@@ -144,7 +147,7 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
     ctx = RunContext(config, store, runs, prompter, deps.moderator, upkeep, model)
     service = ChatService(ctx, budgets, router, context_window, verifier)
     completion_link = CompletionLinkService(ctx, verifier)
-    replica = Replica(config.replica_id, config.replica_group, store, runs, config.runs)
+    replica = Replica(config.replica_id, config.replica_group, store, runs, late_ends, config.runs)
     await replica.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
 

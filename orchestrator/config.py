@@ -112,6 +112,9 @@ class RunConfig:
     follow_poll_ms: int = 200
     # Every Cassandra call of a send has this deadline on top of the driver's own request timeout.
     store_deadline_s: float = 10.0
+    # Storing a run's end is retried this long before its clients are told it failed; the replica then
+    # keeps trying in the background until it lands (runs/late_ends.py).
+    finish_retry_s: float = setting(120.0, "how long a run's end is retried before its streams fail")
 
     @property
     def start_lease_s(self) -> float:

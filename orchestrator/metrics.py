@@ -98,6 +98,16 @@ class OrchestratorMetrics(ComponentMetrics):
             "elsewhere while this replica was unreachable)",
             ["reason"],
         )
+        self.late_ends = self.gauge(
+            "late_run_ends_waiting",
+            "Run ends not stored within --finish-retry-s, which this replica keeps trying to store",
+        )
+        self.late_ends_done = self.counter(
+            "late_run_ends_total",
+            "Late run ends no longer waiting, by outcome (stored; taken_over: the run is another "
+            "replica's now; dropped: refused by the store, logged)",
+            ["outcome"],
+        )
         self.router_failovers = self.counter(
             "router_failovers_total", "Answers that went on through another router after theirs failed"
         )

@@ -25,6 +25,9 @@ and no duplicate.
 When this replica shuts down (or finds another replica adopted the run while it was unreachable), it
 does not end the run: it hands it over. Its output is checkpointed, the router told to stop, and the
 streams attached here end with UNAVAILABLE, to resume (after_seq) where the run goes on.
+
+An end that cannot be stored for ``finish_retry_s`` (Cassandra unreachable all that while) ends the
+streams with UNAVAILABLE, and this replica stores it later, as they were told (``late_ends.py``).
 """
 
 from __future__ import annotations
@@ -55,20 +58,18 @@ from orchestrator.metrics import METRICS
 from orchestrator.policy.moderation import Moderator
 from orchestrator.router_client import GenerateStream, RouterClient, RouterError, continued
 from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints
+from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.live_run import LiveRun
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
 
 log = logging.getLogger(__name__)
 
-# How long storing a run's end is retried before the replica gives up on it (and logs it).
-FINISH_RETRY_S = 120.0
-
 
 def usage_settled_after_s(config: RunConfig) -> float:
     """How long after a run starts its usage record may still change: its generation ends by
     ``max_run_s`` (an adopter goes on past its first owner's deadline, hence twice), and its owner
-    records the end within ``FINISH_RETRY_S`` of it."""
-    return 2 * config.max_run_s + FINISH_RETRY_S
+    records the end within ``finish_retry_s`` of it (or later, a late end: ``late_ends.py``)."""
+    return 2 * config.max_run_s + config.finish_retry_s
 
 
 # How many times one answer goes on through another router after its router failed mid-stream.
@@ -123,6 +124,7 @@ class RelayDeps:
     config: RunConfig
     router: RouterClient
     checkpoints: CheckpointWriter
+    late_ends: LateEnds
 
 
 class Relay:
@@ -298,22 +300,31 @@ class Relay:
         message_id = ""
         if self.stored_run is not None:
             try:
-                ended = await self._store_end(status, reason, usage, error, tail)
+                ended = await self._store_end(self._outcome(status, reason, usage, error, tail))
             except OwnerChanged:
                 self.stop_reason = Stop.SUPERSEDED
                 return self._leave(usage)
-            if ended is None:
+            except Exception as exc:  # refused: no retry would take it
+                log.error("run %s could not be finished: %s", self.live.info.run_id, exc, exc_info=exc)
                 status, reason = RunStatus.FAILED, FinishReason.ERROR
                 error = unavailable("the answer could not be stored; regenerate it", 1.0)
             else:
-                if not ended.applied:
-                    # Someone else ended it first: their verdict is the run's.
-                    status, reason = ended.run.status, ended.run.finish_reason
-                    with contextlib.suppress(MemoryStoreError, TimeoutError):
-                        await self.deps.store.record_usage(
-                            self.live.info.user_id, self.live.info.run_id, usage
-                        )
-                message_id = ended.message.message_id if ended.message else ""
+                if ended is None:
+                    # Cassandra unreachable all along: the streams end now, told what the end stored
+                    # later says.
+                    status, reason = RunStatus.FAILED, FinishReason.ERROR
+                    error = unavailable("the answer could not be stored in time; it is stored later", 1.0)
+                    late = self._outcome(status, reason, usage, error, tail)
+                    self.deps.late_ends.add(self.stored_run, late, self._output())
+                else:
+                    if not ended.applied:
+                        # Someone else ended it first: their verdict is the run's.
+                        status, reason = ended.run.status, ended.run.finish_reason
+                        with contextlib.suppress(MemoryStoreError, TimeoutError):
+                            await self.deps.store.record_usage(
+                                self.live.info.user_id, self.live.info.run_id, usage
+                            )
+                    message_id = ended.message.message_id if ended.message else ""
         self._publish_end(status, reason, usage, error, message_id)
         self._observe(status, reason, usage)
         return RunEnd(self.live, status, reason, usage, message_id)
@@ -336,49 +347,46 @@ class Relay:
             return RunStatus.CANCELLED, reason
         return RunStatus.COMPLETED, reason
 
-    async def _store_end(
+    def _outcome(
         self,
         status: RunStatus,
         reason: FinishReason | None,
         usage: Usage,
         error: ServiceError | None,
         tail: list[RunDelta],
-    ) -> FinishedRun | None:
-        """finish_run, retried while Cassandra is unavailable (it is idempotent); None if it never took."""
-        assert self.stored_run is not None
+    ) -> RunOutcome:
         failed = status in (RunStatus.FAILED, RunStatus.INTERRUPTED)
-        error_code = error.code.name if error else (INTERRUPTED_CODE if failed else None)
-        error_message = error.message if error else (INTERRUPTED_MESSAGE if failed else None)
-        outcome = RunOutcome(
+        return RunOutcome(
             status=status,
             # The seq of the last event this run will have: error, or usage + done.
             last_seq=self.live.last_seq + (1 if failed else 2),
             finish_reason=reason,
             tail=tuple(tail),
             usage=usage,
-            error_code=error_code,
-            error_message=error_message,
+            error_code=error.code.name if error else (INTERRUPTED_CODE if failed else None),
+            error_message=error.message if error else (INTERRUPTED_MESSAGE if failed else None),
         )
-        # Every delta this run has, checkpointed or in the tail (an adopted run's live events start
-        # with the checkpoints it was adopted with): a finish that wins stores the answer from it.
-        output = [RunDelta(seq, text, token_count) for seq, text, token_count in self.live.deltas()]
-        deadline = time.monotonic() + FINISH_RETRY_S
+
+    def _output(self) -> list[RunDelta]:
+        """Every delta this run has, checkpointed or in the tail (an adopted run's live events start
+        with the checkpoints it was adopted with): a finish that wins stores the answer from it."""
+        return [RunDelta(seq, text, token_count) for seq, text, token_count in self.live.deltas()]
+
+    async def _store_end(self, outcome: RunOutcome) -> FinishedRun | None:
+        """finish_run, retried while Cassandra is unavailable (it is idempotent) for ``finish_retry_s``;
+        None if it was unavailable all that while (any other failure is raised)."""
+        assert self.stored_run is not None
+        output = self._output()
+        retry_s = self.deps.config.finish_retry_s
+        deadline = time.monotonic() + retry_s
         delay = 0.1
         while True:
             try:
                 async with asyncio.timeout(self.deps.config.store_deadline_s):
                     return await self.deps.store.finish_run(self.stored_run, outcome, output)
-            except Exception as exc:
-                retryable = isinstance(exc, (TimeoutError, Unavailable))
-                if not retryable:
-                    log.error("run %s could not be finished: %s", self.live.info.run_id, exc, exc_info=exc)
-                    return None
+            except (TimeoutError, Unavailable):
                 if time.monotonic() + delay > deadline:
-                    log.error(
-                        "run %s could not be stored for %.0fs; giving up",
-                        self.live.info.run_id,
-                        FINISH_RETRY_S,
-                    )
+                    log.error("run %s could not be stored for %.0fs", self.live.info.run_id, retry_s)
                     return None
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

@@ -13,9 +13,12 @@ leaves it (``Stop.SUPERSEDED``): the adopter signals it, and its watch over its 
 A run its lost owner had ended but not settled (it died after the finish, before the answer's writes
 landed) is settled by the same pass: its answer, usage and chat state stored from its stored output.
 
+Each replica also stores, every ``reap_interval_s``, the ends its runs could not store in time
+(``runs/late_ends.py``): its own runs, which nobody else takes while it heartbeats.
+
 A replica shutting down hands its unfinished runs over: once their output is checkpointed, its last
 heartbeat is dated to the epoch (``leave``), so the other replicas' next pass adopts them at once
-rather than after ``orphan_after_s``.
+rather than after ``orphan_after_s``. Late ends it still could not store are left the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from memory_store.models import Run
 from memory_store.store import MemoryStore
 from orchestrator.config import RunConfig
 from orchestrator.metrics import METRICS
+from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.runs.remote_ends import SIGNAL_POLL_S, RemoteEnds
 
@@ -40,12 +44,19 @@ GONE = datetime(2000, 1, 1, tzinfo=UTC)
 
 class Replica:
     def __init__(
-        self, replica_id: str, group: str, store: MemoryStore, runs: Runs, config: RunConfig
+        self,
+        replica_id: str,
+        group: str,
+        store: MemoryStore,
+        runs: Runs,
+        late_ends: LateEnds,
+        config: RunConfig,
     ) -> None:
         self.replica_id = replica_id
         self.group = group
         self.store = store
         self.runs = runs
+        self.late_ends = late_ends
         self.config = config
         self._tasks: list[asyncio.Task[None]] = []
         # Adoptions at once (each a conditional write and a read; the run's placement is its own task).
@@ -60,19 +71,23 @@ class Replica:
                 self._every(self.config.heartbeat_interval_s, self._heartbeat), name="heartbeat"
             ),
             asyncio.create_task(self._every(self.config.reap_interval_s, self.reap), name="reaper"),
+            asyncio.create_task(
+                self._every(self.config.reap_interval_s, self.late_ends.store_all), name="late-ends"
+            ),
             asyncio.create_task(self._every(1.0, self._sweep), name="sweep"),
             asyncio.create_task(self._every(SIGNAL_POLL_S, self.remote_ends.poll), name="remote-ends"),
         ]
 
     async def leave(self, handed_over: int) -> None:
         """Stops the loops and says this replica is gone (called after its runs ended or were handed
-        over): with runs handed over, its heartbeat is dated so that another replica adopts them at its
-        next pass (and forgets this one once none are left); otherwise the heartbeat is dropped."""
+        over): with runs handed over, or late ends it still cannot store, its heartbeat is dated so that
+        another replica takes them at its next pass (and forgets this one once none are left);
+        otherwise the heartbeat is dropped."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
-            if handed_over:
+            if handed_over or await self.late_ends.store_all():
                 await self.store.heartbeat_replica(self.replica_id, at=GONE, group=self.group)
             else:
                 await self.store.forget_replica(self.replica_id, self.group)

@@ -28,6 +28,7 @@ REQUIRED_ALERTS = {
     "ChatmeshShedRate",
     "ChatmeshFailovers",
     "ChatmeshCassandraErrors",
+    "ChatmeshRunEndsUnstored",
     "ChatmeshEventLoopSaturated",
 }
 
