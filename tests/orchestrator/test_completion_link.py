@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.chat.v1 import chat_pb2, completion_link_pb2, completion_link_pb2_grpc
-from chatmesh.errors import ServiceError
+from chatmesh.errors import DRAINING, ServiceError
 from chatmesh.linked_calls import linked_start
 from meshkit.links import Link, LinkBroken, LinkMessages, RequestFeed
 from meshkit.telemetry import TRACE_FILE_ENV
@@ -236,3 +238,46 @@ async def test_a_stored_chats_send_on_a_link_is_refused_as_its_call_would_be(
     not_a_run = chat_pb2.StreamRunRequest(run_id="../etc")
     events, error = await read(open_request(link, not_a_run, user=client.user)[1])
     assert events == [] and error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def until_draining(address: str, timeout_s: float = 10.0) -> None:
+    """Waits until the server at ``address`` no longer says SERVING (it began to drain)."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                return  # it takes no new calls any more
+            assert time.monotonic() < deadline, f"{address} did not begin to drain"
+            await asyncio.sleep(0.05)
+
+
+async def test_a_draining_replica_refuses_a_send_on_an_open_link_as_draining_and_stores_nothing(
+    mesh: Mesh, connect: Callable[..., ChatClient]
+) -> None:
+    # The refusal the edge sends to another replica (edge/orchestrator.py, `_resendable`): a replica
+    # drains while a Complete keeps its link open (its runs get --drain-grace-s less a second), and a
+    # send that arrives on that link meanwhile is refused before anything of it is stored.
+    with mesh.replica(drain_grace_s=6) as replica:
+        client = connect(replica.address)
+        chat = await client.create_chat()
+        stub = completion_link_pb2_grpc.CompletionLinkServiceStub(client.channel)
+        link = Link(stub.CompleteMany, COMPLETION_LINK, "the orchestrator")
+        try:
+            _, busy = open_request(link, complete_request("Keep this link open.", 2000), user=client.user)
+            await busy.take()  # its first frame: it runs
+            mesh.launcher.signal(replica.name, signal.SIGTERM)
+            await until_draining(replica.address)
+            send = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content="Too late?")
+            events, error = await read(open_request(link, send, user=client.user)[1])
+        finally:
+            link.close()
+    assert events == [] and error is not None
+    assert (error.code, error.reason) == (grpc.StatusCode.UNAVAILABLE, DRAINING), error
+    elsewhere = connect(mesh.orchestrator.address, client.user)
+    listed = await elsewhere.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert list(listed.messages) == []
