@@ -307,6 +307,18 @@ def store() -> Dashboard:
                 "s",
                 quantiles("chatmesh_orchestrator_prompt_assembly_seconds", ""),
             ),
+            Panel(
+                "Run ends waiting to be stored",
+                "Answers whose end Cassandra did not take within --finish-retry-s, by orchestrator pod: "
+                "their replica retries them until they land (alert: ChatmeshRunEndsUnstored).",
+                "short",
+                (
+                    Target(
+                        f"max by (pod) (chatmesh_orchestrator_late_run_ends_waiting{{{NS}}})",
+                        "{{pod}}",
+                    ),
+                ),
+            ),
         ],
     )
 
