@@ -11,8 +11,10 @@ and if an attempt that timed out did land, its verdict stands and only what foll
 A pass stops at its first failure: while Cassandra is down one attempt a pass is enough to find out.
 A run another replica owns by now (it took this one for dead while Cassandra could not hear its
 heartbeat) is that replica's to end, and is dropped here. A replica that shuts down with ends still
-here counts them as handed over (``Runs.shutdown``): its heartbeat is dated so that another replica's
-reaper settles them, or adopts a run whose end never landed and regenerates the same answer.
+here leaves them as it leaves runs it hands over (``Replica.leave``): its heartbeat is dated so that
+another replica's reaper settles them, or adopts a run whose end never landed and regenerates the same
+answer. The ends live in memory only: a replica killed with some leaves their runs to the reaper too
+(its heartbeat goes stale), which regenerates them to COMPLETED though their streams were told FAILED.
 """
 
 from __future__ import annotations
