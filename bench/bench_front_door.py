@@ -17,13 +17,13 @@ The null engine computes nothing, so every millisecond above the engine row is t
 ("mesh overhead, null engine"). Reported per path and concurrency: TTFT p50/p99 (request sent to first
 text), TPOT p50/p99 ((last text - first text) / (tokens - 1)), and the ratios to engine-direct.
 
-Then the relay cost: for each of ``--cost-streams`` (10, 50, 100, 200), that many long streams along
-``--cost-path`` (OpenAI streams, or the chat page's stored sends, each in a chat of its own, whose runs
-are cancelled after the window) are opened at once; once every one has its first token, each
+Then the relay cost: for each of ``--cost-path`` (OpenAI streams, the chat page's stored sends, each in
+a chat of its own, whose runs are cancelled after the window, or both in turn) and each of
+``--cost-streams`` (10, 50, 100, 200), that many long streams along it are opened at once; once every one has its first token, each
 process's CPU time (/proc) is read over ``--cost-window-s`` and divided by the tokens the client
 received meanwhile: microseconds of CPU per relayed token, by hop (the engines, router, orchestrator,
 edge, and Envoy for both its passes), and the door's tokens per second per core (Envoy, edge,
-orchestrator and router together). Plotted to ``--cost-plot``.
+orchestrator and router together). Plotted to ``--cost-plot``, a panel a path.
 
 Then the cost per request: ``--cost-requests`` short answers (``--cost-request-tokens`` tokens) along
 each of the openai and chat paths, ``--cost-concurrency`` at a time, each from a user of its own; each
@@ -48,7 +48,7 @@ is a lean one (bench/sse_client.py): httpx's pool costs O(open streams) per new 
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_front_door.py \
         [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] \
-        [--cost-streams 10 50 100 200] [--cost-window-s 10] [--cost-path openai|chat] \
+        [--cost-streams 10 50 100 200] [--cost-window-s 10] [--cost-path openai chat] \
         [--cost-requests 200] [--cost-concurrency 10] \
         [--cost-request-tokens 8] [--hold-start 250] [--hold-cap 2000] [--hold-tokens 60] \
         [--hold-via sse|grpc|chat] [--hold-open-rate 0] \
@@ -696,6 +696,7 @@ def by_hop(values: Mapping[str, float]) -> dict[str, float]:
 
 @dataclass
 class Cost:
+    path: str  # openai or chat
     streams: int
     tokens_per_s: float  # tokens the client received per second in the window
     tokens_per_event: float  # tokens per chunk or delta it received then (over 1: the door merged them)
@@ -757,41 +758,44 @@ async def relay_cost(
         cancels = await door.cancel_runs()  # a chat's run goes on when its stream is dropped
     cpu = by_hop(after.cpu_since(before))
     us_per_token = {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()}
-    return Cost(streams, relayed / elapsed, per_event, us_per_token, cancels)
+    return Cost(path, streams, relayed / elapsed, per_event, us_per_token, cancels)
 
 
 async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> list[Cost]:
     tokens = min(4096, round(args.tokens_per_s * (args.cost_window_s + 60)))
     door = Door(url, keys, tokens)
-    streams_of = {"openai": "OpenAI streams", "chat": "the chat page's sends (stored runs)"}[args.cost_path]
-    print(
-        f"\nrelay cost: {streams_of} through Envoy, null engines paced at {args.tokens_per_s:g} tokens/s "
-        f"per stream, CPU time of each process over a {args.cost_window_s:g} s window with every stream "
-        f"open, per token the client received\n"
-        f"{'streams':>7} {'tokens/s':>8} "
-        + " ".join(f"{hop:>12}" for hop in HOPS)
-        + f" {'door':>7} {'door tok/s/core':>15} {'client':>7} {'cassandra':>9} {'its JIT':>7} {'tok/event':>9}"
-        + "  (µs CPU per token; its JIT: Cassandra's compiler threads, apart; tokens per chunk or delta the client got)",
-        flush=True,
-    )
     results = []
     try:
-        for streams in args.cost_streams:
-            for i in range(streams):
-                door.auth(i)
-            cost = await relay_cost(door, args.cost_path, streams, tokens, args.cost_window_s, pids)
-            results.append(cost)
-            us = cost.us_per_token
+        for path in args.cost_path:
+            streams_of = {"openai": "OpenAI streams", "chat": "the chat page's sends (stored runs)"}[path]
             print(
-                f"{streams:>7} {cost.tokens_per_s:>8,.0f} "
-                + " ".join(f"{us[hop]:>12.1f}" for hop in HOPS)
-                + f" {cost.door_us:>7.1f} {1e6 / cost.door_us:>15,.0f} {us['client']:>7.1f} "
-                f"{us.get('cassandra', 0):>9.1f} {us.get('cassandra JIT', 0):>7.1f} {cost.tokens_per_event:>9.2f}",
+                f"\nrelay cost: {streams_of} through Envoy, null engines paced at {args.tokens_per_s:g} "
+                f"tokens/s per stream, CPU time of each process over a {args.cost_window_s:g} s window with "
+                f"every stream open, per token the client received\n"
+                f"{'streams':>7} {'tokens/s':>8} "
+                + " ".join(f"{hop:>12}" for hop in HOPS)
+                + f" {'door':>7} {'door tok/s/core':>15} {'client':>7} {'cassandra':>9} {'its JIT':>7}"
+                f" {'tok/event':>9}  (µs CPU per token; its JIT: Cassandra's compiler threads, apart; tokens"
+                " per chunk or delta the client got)",
                 flush=True,
             )
-            if cost.cancels:
-                print(f"{'':>7} cancels answered: {dict(cost.cancels.most_common())}", flush=True)
-            await asyncio.sleep(2.0)  # the cancelled runs end before the next level
+            for streams in args.cost_streams:
+                for i in range(streams):
+                    door.auth(i)
+                cost = await relay_cost(door, path, streams, tokens, args.cost_window_s, pids)
+                results.append(cost)
+                us = cost.us_per_token
+                print(
+                    f"{streams:>7} {cost.tokens_per_s:>8,.0f} "
+                    + " ".join(f"{us[hop]:>12.1f}" for hop in HOPS)
+                    + f" {cost.door_us:>7.1f} {1e6 / cost.door_us:>15,.0f} {us['client']:>7.1f} "
+                    f"{us.get('cassandra', 0):>9.1f} {us.get('cassandra JIT', 0):>7.1f}"
+                    f" {cost.tokens_per_event:>9.2f}",
+                    flush=True,
+                )
+                if cost.cancels:
+                    print(f"{'':>7} cancels answered: {dict(cost.cancels.most_common())}", flush=True)
+                await asyncio.sleep(2.0)  # the cancelled runs end before the next level
     finally:
         await door.close()
     return results
@@ -865,22 +869,28 @@ async def request_costs(args: argparse.Namespace, url: str, keys: DevKeys, pids:
 
 
 def plot_cost(costs: list[Cost], path: Path, title: str) -> None:
+    """A panel a path: each level's CPU per relayed token stacked by hop (and Cassandra's, its JIT
+    compilers apart), its tokens/s above the bar."""
     plt = pyplot()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    xs = [str(c.streams) for c in costs]
-    bottom = [0.0] * len(costs)
-    for hop, label in HOPS.items():
-        heights = [c.us_per_token[hop] for c in costs]
-        ax.bar(xs, heights, bottom=bottom, label=label)
-        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-    for x, c, top in zip(xs, costs, bottom, strict=True):
-        ax.annotate(f"{c.tokens_per_s:,.0f} tok/s", (x, top), ha="center", va="bottom", fontsize=8)
-    ax.set_xlabel("concurrent streams")
-    ax.set_ylabel("CPU µs per relayed token")
-    ax.legend(fontsize=8)
-    ax.set_title(title, fontsize=9)
+    paths = list(dict.fromkeys(c.path for c in costs))
+    fig, axes = plt.subplots(1, len(paths), figsize=(5.5 * len(paths) + 2, 4.2), sharey=True, squeeze=False)
+    for ax, name in zip(axes[0], paths, strict=True):
+        mine = [c for c in costs if c.path == name]
+        xs = [str(c.streams) for c in mine]
+        bottom = [0.0] * len(mine)
+        for hop, label in {**HOPS, "cassandra": "Cassandra (the runs' and budgets' writes)"}.items():
+            heights = [c.us_per_token.get(hop, 0.0) for c in mine]
+            ax.bar(xs, heights, bottom=bottom, label=label)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        for x, c, top in zip(xs, mine, bottom, strict=True):
+            ax.annotate(f"{c.tokens_per_s:,.0f} tok/s", (x, top), ha="center", va="bottom", fontsize=8)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title({"openai": "OpenAI streams", "chat": "the chat page's stored sends"}[name], fontsize=9)
+    axes[0][0].set_ylabel("CPU µs per relayed token")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -1014,8 +1024,9 @@ def main() -> None:
     parser.add_argument(
         "--cost-path",
         choices=("openai", "chat"),
-        default="openai",
-        help="the streams whose relay is costed: OpenAI streams, or the chat page's stored sends",
+        nargs="+",
+        default=["openai"],
+        help="the streams whose relay is costed, in turn: OpenAI streams, the chat page's stored sends",
     )
     parser.add_argument(
         "--pin-door",
@@ -1067,7 +1078,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             plot_cost(
                 costs,
                 args.cost_plot,
-                f"CPU per relayed token by hop ({args.cost_path} path), null engines at "
+                f"CPU per relayed token by hop, null engines at "
                 f"{args.tokens_per_s:g} tok/s per stream; shared 2-core machine",
             )
         if args.cost_requests:
