@@ -43,8 +43,9 @@ made before the level: what a stored run costs while it is open, checkpoints and
 a remote end included; the orchestrators' Cassandra requests a second, by statement, are printed). A level is held when every stream got its first token while all N were open,
 and every one then finished with all its tokens and no error. The ramp stops at the first level that is
 not held. Each level reports the memory each process added per open stream (its peak resident size
-during the level less its size before it) and the cores each kept busy over the level. The SSE client
-is a lean one (bench/sse_client.py): httpx's pool costs O(open streams) per new request.
+during the level less its size before it) and the cores each kept busy over the level. The streams'
+client is a lean one (bench/sse_client.py), on both paths: httpx's pool costs O(open streams) per new
+request, and its line reader cost a stored chat's stream ~2.5x the OpenAI stream's client CPU a token.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_front_door.py \
         [--concurrency 1 50 500] [--requests 20] [--tokens 32] [--tokens-per-s 50] \
@@ -227,7 +228,7 @@ class Door:
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        async for data in post_events(self.host, self.port, "/v1/chat/completions", body, self.auth(i)):
+        async for _, data in post_events(self.host, self.port, "/v1/chat/completions", body, self.auth(i)):
             if data == "[DONE]":
                 continue
             chunk = json.loads(data)
@@ -257,21 +258,18 @@ class Door:
         """For each `delta` event of a send's answer in ``chat_id`` (the chat page's stream), its token
         count. Its run outlives a dropped stream: ``cancel_runs`` stops it."""
         body = {"content": QUESTION, "options": {"max_tokens": tokens, "temperature": 0}}
-        event = ""
-        async with self.http.stream(
-            "POST", f"/v1/chats/{chat_id}/messages", json=body, headers=self.auth(i)
-        ) as reply:
-            if reply.status_code != 200:
-                raise StreamFailedError(f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}")
-            async for line in reply.aiter_lines():
-                if line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: ") and event == "started":
-                    self._runs[i] = json.loads(line[6:])["run_id"]
-                elif line.startswith("data: ") and event == "delta":
-                    yield json.loads(line[6:])["token_count"]
-                elif line.startswith("data: ") and event == "error":
-                    raise StreamFailedError(line[6:])
+        try:
+            async for event, data in post_events(
+                self.host, self.port, f"/v1/chats/{chat_id}/messages", body, self.auth(i)
+            ):
+                if event == "started":
+                    self._runs[i] = json.loads(data)["run_id"]
+                elif event == "delta":
+                    yield json.loads(data)["token_count"]
+                elif event == "error":
+                    raise StreamFailedError(data)
+        except SseFailedError as exc:
+            raise StreamFailedError(str(exc)) from None
 
     async def cancel_runs(self) -> Counter[str]:
         """Cancels the runs of the chat sends made so far (a run that ended meanwhile stays as it is), all

@@ -19,8 +19,9 @@ class SseFailedError(RuntimeError):
 
 async def post_events(
     host: str, port: int, path: str, body: dict, headers: dict[str, str]
-) -> AsyncIterator[str]:
-    """POSTs ``body`` as JSON and yields the ``data:`` value of every event of the response."""
+) -> AsyncIterator[tuple[str, str]]:
+    """POSTs ``body`` as JSON and yields each event of the response as (its ``event:`` name, ``message``
+    when it has none; its ``data:`` value)."""
     payload = json.dumps(body).encode()
     head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
@@ -41,9 +42,14 @@ async def post_events(
                 chunked = True
         if status != 200:
             raise SseFailedError(f"HTTP {status}: {(await reader.read(200))!r}")
+        name = "message"
         async for line in _lines(reader, chunked):
-            if line.startswith("data: "):
-                yield line[6:]
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                yield name, line[6:]
+            elif not line:  # an event ends at a blank line
+                name = "message"
     finally:
         writer.close()
 
