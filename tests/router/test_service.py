@@ -109,6 +109,9 @@ async def test_load_dominates_when_the_engine_holding_the_prefix_is_saturated(
 
 
 async def test_a_burst_on_a_hot_prefix_spreads_once_the_holders_load_outweighs_the_hit(stub, tok):
+    # From healthy, idle engines, as the router sees them: an earlier test's requests still in its view
+    # (a busy box delays load reports) could make the other engine look full, and keep the burst home.
+    await wait_until(lambda: _router_sees_idle(stub), what="the router to see healthy, idle engines")
     system = "You summarise long documents for busy readers. " * 30
     home = (await generate(stub, start_frame(chat(tok, system, "Warm up."), max_tokens=2))).engine_id
     # Each request counts on its engine the moment it is placed, so a burst does not all pile onto
@@ -116,8 +119,10 @@ async def test_a_burst_on_a_hot_prefix_spreads_once_the_holders_load_outweighs_t
     burst = await asyncio.gather(
         *(generate(stub, start_frame(chat(tok, system, f"Document {i}."), max_tokens=30)) for i in range(24))
     )
+    after = await list_engines(stub)
     engines = [outcome.engine_id for outcome in burst]
-    assert home in engines and len(set(engines)) == 2, engines
+    seen = {e.engine_id: (e.healthy, e.load.running_requests, e.inflight_requests) for e in after.values()}
+    assert home in engines and len(set(engines)) == 2, (engines, "the router's view after it:", seen)
 
 
 def direct_request(stub, request_id, prompt, max_tokens):
@@ -134,6 +139,17 @@ def direct_request(stub, request_id, prompt, max_tokens):
         await asyncio.Event().wait()  # keep the request side open: a half-close is not a cancel anyway
 
     return stub.Generate(frames(), timeout=TIMEOUT_S)
+
+
+async def _router_sees_idle(stub) -> bool:
+    engines = await list_engines(stub)
+    return all(
+        e.healthy
+        and e.inflight_requests == 0
+        and e.load.running_requests == 0
+        and e.load.waiting_requests == 0
+        for e in engines.values()
+    )
 
 
 async def _running(stub, engine_id: str, at_least: int) -> bool:
