@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -35,9 +34,8 @@ from cassandra.concurrent import execute_concurrent  # noqa: E402
 from cassandra.query import BatchStatement, BatchType  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
+from bench.private_node import private_node  # noqa: E402
 from bench.process_usage import compiler_seconds, cpu_seconds  # noqa: E402
-from memory_store.node import CassandraNode, NodeConfig  # noqa: E402
-from meshkit.launcher import Launcher, free_port  # noqa: E402
 
 BODY = "x" * 200  # about a short message's text
 SCHEMA = (
@@ -132,15 +130,7 @@ def main() -> None:
     if args.rounds <= args.warm_rounds:
         parser.error("--rounds must be more than --warm-rounds")
     print(f"machine: {machine()}")
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-cassandra-requests-") as tmp,
-        Launcher(Path(tmp) / "run", echo=lambda _: None) as launcher,
-    ):
-        config = NodeConfig(
-            data_dir=Path(tmp) / "data", cql_port=free_port(), storage_port=free_port(), jmx_port=free_port()
-        )
-        node = CassandraNode(config, launcher)
-        report = node.start()
+    with private_node("bench-cassandra-requests-") as (config, report):
         print(
             f"node: single Cassandra node on 127.0.0.1 (make run's configuration), started in {report.startup_s:.1f}s"
         )
@@ -158,7 +148,6 @@ def main() -> None:
                         measured[name].append(result)
         finally:
             cluster.shutdown()
-        node.stop()
     print(
         f"\n{args.requests:,} requests a kind a round, {args.in_flight} in flight, {args.rounds - args.warm_rounds} "
         f"rounds measured after {args.warm_rounds} warming; ms a request, median (range)"

@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
+from bench.private_node import private_node  # noqa: E402
 from bench.process_usage import cpu_seconds  # noqa: E402
 from memory_store.config import StoreConfig  # noqa: E402
 from memory_store.ids import new_id  # noqa: E402
@@ -60,9 +60,8 @@ from memory_store.models import (  # noqa: E402
     RunStatus,
     Usage,
 )
-from memory_store.node import CassandraNode, NodeConfig, rss_mib  # noqa: E402
+from memory_store.node import rss_mib  # noqa: E402
 from memory_store.store import MemoryStore  # noqa: E402
-from meshkit.launcher import Launcher, free_port  # noqa: E402
 from orchestrator.config import BudgetConfig, RunConfig  # noqa: E402
 from orchestrator.policy.admission import Budgets  # noqa: E402
 from orchestrator.runs.relay import usage_settled_after_s  # noqa: E402
@@ -298,15 +297,7 @@ async def warm_node(store: MemoryStore, sends: int) -> None:
 
 async def bench(args: argparse.Namespace) -> None:
     print(f"machine: {machine()}")
-    with (
-        tempfile.TemporaryDirectory(prefix="bench-cassandra-") as tmp,
-        Launcher(Path(tmp) / "run", echo=lambda _: None) as launcher,
-    ):
-        config = NodeConfig(
-            data_dir=Path(tmp) / "data", cql_port=free_port(), storage_port=free_port(), jmx_port=free_port()
-        )
-        node = CassandraNode(config, launcher)
-        report = node.start()
+    with private_node("bench-cassandra-") as (config, report):
         version = next(config.lib_dir.glob("cassandra-all-*.jar")).stem.removeprefix("cassandra-all-")
         print(
             f"node: Apache Cassandra {version}, single node on 127.0.0.1, heap {config.heap_min}..{config.heap_max}, "
@@ -328,7 +319,6 @@ async def bench(args: argparse.Namespace) -> None:
         finally:
             await store.close()
         print(f"node RSS after the run: {rss_mib(report.pid):.0f} MiB")
-        node.stop()
     print()
     print(f"{'operation':<30} {'chats':>5} {'ops':>6} {'p50 ms':>8} {'p99 ms':>8} {'ops/s':>8}")
     for name, concurrency, samples, wall in results:
