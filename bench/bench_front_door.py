@@ -19,8 +19,8 @@ text), TPOT p50/p99 ((last text - first text) / (tokens - 1)), and the ratios to
 
 Then the relay cost: for each of ``--cost-path`` (OpenAI streams, the chat page's stored sends, each in
 a chat of its own, whose runs are cancelled after the window, or both in turn) and each of
-``--cost-streams`` (10, 50, 100, 200), that many long streams along it are opened at once; once every one has its first token, each
-process's CPU time (/proc) is read over ``--cost-window-s`` and divided by the tokens the client
+``--cost-streams`` (10, 50, 100, 200), that many long streams along it are opened at once; once every
+one has its first token, each process's CPU time (/proc) is read over ``--cost-window-s`` and divided by the tokens the client
 received meanwhile: microseconds of CPU per relayed token, by hop (the engines, router, orchestrator,
 edge, and Envoy for both its passes), and the door's tokens per second per core (Envoy, edge,
 orchestrator and router together). Plotted to ``--cost-plot``, a panel a path.
@@ -650,6 +650,8 @@ HOPS = {
     "envoy": "Envoy, every pass",
 }
 DOOR = ("router", "orchestrator", "edge", "envoy")
+# The streams the relay cost can be read on (``--cost-path``).
+COST_PATHS = {"openai": "OpenAI streams", "chat": "the chat page's sends (stored runs)"}
 MEMORY_HOPS = (*HOPS, "client")
 # The hops that are Python services: each reports its event loop's lag.
 LAG_HOPS = ("engine", "router", "orchestrator", "edge")
@@ -765,9 +767,8 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
     results = []
     try:
         for path in args.cost_path:
-            streams_of = {"openai": "OpenAI streams", "chat": "the chat page's sends (stored runs)"}[path]
             print(
-                f"\nrelay cost: {streams_of} through Envoy, null engines paced at {args.tokens_per_s:g} "
+                f"\nrelay cost: {COST_PATHS[path]} through Envoy, null engines paced at {args.tokens_per_s:g} "
                 f"tokens/s per stream, CPU time of each process over a {args.cost_window_s:g} s window with "
                 f"every stream open, per token the client received\n"
                 f"{'streams':>7} {'tokens/s':>8} "
@@ -885,7 +886,7 @@ def plot_cost(costs: list[Cost], path: Path, title: str) -> None:
         for x, c, top in zip(xs, mine, bottom, strict=True):
             ax.annotate(f"{c.tokens_per_s:,.0f} tok/s", (x, top), ha="center", va="bottom", fontsize=8)
         ax.set_xlabel("concurrent streams")
-        ax.set_title({"openai": "OpenAI streams", "chat": "the chat page's stored sends"}[name], fontsize=9)
+        ax.set_title(COST_PATHS[name], fontsize=9)
     axes[0][0].set_ylabel("CPU µs per relayed token")
     axes[0][-1].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -1021,7 +1022,7 @@ def main() -> None:
     parser.add_argument("--cost-window-s", type=float, default=10.0, help="CPU is read over this window")
     parser.add_argument(
         "--cost-path",
-        choices=("openai", "chat"),
+        choices=tuple(COST_PATHS),
         nargs="+",
         default=["openai"],
         help="the streams whose relay is costed, in turn: OpenAI streams, the chat page's stored sends",
@@ -1076,8 +1077,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             plot_cost(
                 costs,
                 args.cost_plot,
-                f"CPU per relayed token by hop, null engines at "
-                f"{args.tokens_per_s:g} tok/s per stream; shared 2-core machine",
+                f"CPU per relayed token by hop, null engines at {args.tokens_per_s:g} tok/s per stream; "
+                "shared 2-core machine",
             )
         if args.cost_requests:
             asyncio.run(request_costs(args, url, keys, pids))
