@@ -702,6 +702,7 @@ class Cost:
     tokens_per_event: float  # tokens per chunk or delta it received then (over 1: the door merged them)
     us_per_token: dict[str, float]  # CPU microseconds per relayed token, by hop
     cancels: Counter[str]  # how the cancels of a chat level's runs were answered (Door.cancel_runs)
+    lag: dict[str, loop_lag.LagHistogram]  # each hop's event loop lag over the window (most lagging replica)
 
     @property
     def door_us(self) -> float:
@@ -709,7 +710,13 @@ class Cost:
 
 
 async def relay_cost(
-    door: Door, path: str, streams: int, tokens: int, window_s: float, pids: dict[str, int]
+    door: Door,
+    path: str,
+    streams: int,
+    tokens: int,
+    window_s: float,
+    pids: dict[str, int],
+    lag_ports: Mapping[str, int],
 ) -> Cost:
     """Opens ``streams`` long streams along ``path`` (``openai``, or ``chat``: a send in a new chat
     each); once every one has its first token (and a second for the opening burst to settle), reads
@@ -744,9 +751,11 @@ async def relay_cost(
                 + (f", the first with {failed[0]!r}" if failed else "")
             ) from None
         await asyncio.sleep(1.0)
+        lag_before = await loop_lag.scrape(lag_ports)
         before, counted, events_before, began = Usage.of(pids), received, events, time.perf_counter()
         await asyncio.sleep(window_s)
         after, relayed, elapsed = Usage.of(pids), received - counted, time.perf_counter() - began
+        lag = lag_since(await loop_lag.scrape(lag_ports), lag_before)
         per_event = relayed / max(1, events - events_before)
         failed = [t for t in tasks if t.done() and t.exception() is not None]
         if failed:
@@ -758,10 +767,12 @@ async def relay_cost(
         cancels = await door.cancel_runs()  # a chat's run goes on when its stream is dropped
     cpu = by_hop(after.cpu_since(before))
     us_per_token = {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()}
-    return Cost(path, streams, relayed / elapsed, per_event, us_per_token, cancels)
+    return Cost(path, streams, relayed / elapsed, per_event, us_per_token, cancels, lag)
 
 
-async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int]) -> list[Cost]:
+async def cost_levels(
+    args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int], lag_ports: Mapping[str, int]
+) -> list[Cost]:
     tokens = min(4096, round(args.tokens_per_s * (args.cost_window_s + 60)))
     door = Door(url, keys, tokens)
     results = []
@@ -781,7 +792,7 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
             for streams in args.cost_streams:
                 for i in range(streams):
                     door.auth(i)
-                cost = await relay_cost(door, path, streams, tokens, args.cost_window_s, pids)
+                cost = await relay_cost(door, path, streams, tokens, args.cost_window_s, pids, lag_ports)
                 results.append(cost)
                 us = cost.us_per_token
                 print(
@@ -790,6 +801,13 @@ async def cost_levels(args: argparse.Namespace, url: str, keys: DevKeys, pids: d
                     + f" {cost.door_us:>7.1f} {1e6 / cost.door_us:>15,.0f} {us['client']:>7.1f} "
                     f"{us.get('cassandra', 0):>9.1f} {us.get('cassandra JIT', 0):>7.1f}"
                     f" {cost.tokens_per_event:>9.2f}",
+                    flush=True,
+                )
+                print(
+                    f"{'':>7} event loop lag over the window, ms mean/p99: "
+                    + ", ".join(
+                        f"{hop} {loop_lag.describe(cost.lag[hop])}" for hop in LAG_HOPS if hop in cost.lag
+                    ),
                     flush=True,
                 )
                 if cost.cancels:
@@ -985,6 +1003,12 @@ def main() -> None:
         "--orchestrators", type=int, default=1, help="orchestrator replicas (Envoy spreads calls over them)"
     )
     parser.add_argument(
+        "--stream-interval-max-ms",
+        type=int,
+        default=None,
+        help="the orchestrators' --stream-interval-max-ms (default: theirs; 0: every delta alone, always)",
+    )
+    parser.add_argument(
         "--warm-sends",
         type=int,
         default=6000,
@@ -1054,8 +1078,15 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
     with Launcher(run_dir, echo=print) as launcher:
         print("starting Cassandra, engines, router, orchestrator, edge and Envoy ...", flush=True)
         keys = generate_keys(run_dir / "dev-jwt")
+        interval = args.stream_interval_max_ms
         engines, router, orchestrators = start_mesh(
-            launcher, args, run_dir, keys, args.warm_sends, args.orchestrators
+            launcher,
+            args,
+            run_dir,
+            keys,
+            args.warm_sends,
+            args.orchestrators,
+            () if interval is None else ("--stream-interval-max-ms", str(interval)),
         )
         url = start_door(launcher, orchestrators, run_dir, keys, args.edge_via == "envoy")
         asyncio.run(wait_for_engines(router, len(engines)))
@@ -1073,7 +1104,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
         if args.pin_door:
             pin_door(pids)
         if args.cost_streams:
-            costs = asyncio.run(cost_levels(args, url, keys, pids))
+            costs = asyncio.run(cost_levels(args, url, keys, pids, loop_lag.metrics_ports(launcher)))
             plot_cost(
                 costs,
                 args.cost_plot,

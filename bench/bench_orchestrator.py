@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -244,9 +244,11 @@ def start_mesh(
     keys: DevKeys,
     warm_sends: int = 0,
     orchestrators: int = 1,
+    orchestrator_flags: Sequence[str] = (),
 ) -> tuple[list[str], str, list[str]]:
     """Cassandra, ``args.engines`` null engines, a router and ``orchestrators`` orchestrator replicas
-    (``orchestrator``, or ``orchestrator-<i>`` for several); their addresses."""
+    (``orchestrator``, or ``orchestrator-<i>`` for several, each with ``orchestrator_flags`` besides
+    the bench's own); their addresses."""
     cql_port = free_port()
     CassandraNode(
         NodeConfig(
@@ -281,6 +283,7 @@ def start_mesh(
                     "--titles",
                     "false",
                 ),
+                *orchestrator_flags,
                 *keys.service_flags(),
             )
         )

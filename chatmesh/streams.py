@@ -123,15 +123,33 @@ class Wakeup:
         self._waiters.clear()
 
     async def wait(self) -> None:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        waiter = self._loop.create_future()
-        self._waiters.append(waiter)
+        waiter = self._waiter()
         try:
             await waiter
         finally:
             if waiter.cancelled() and waiter in self._waiters:
                 self._waiters.remove(waiter)
+
+    async def wait_or(self, other: Wakeup) -> None:
+        """Returns at the next notify of this one or of ``other``. The waiter leaves ``other``'s list as
+        it returns and this one's at its next notify (taking it off a list is a walk of the list), so
+        ``other`` is the one with few waiters: a run's end beside a tick every stream waits on."""
+        waiter = self._waiter()
+        other._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if waiter in other._waiters:
+                other._waiters.remove(waiter)
+            if waiter.cancelled() and waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def _waiter(self) -> asyncio.Future[None]:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        return waiter
 
 
 class Arrivals(Generic[Frame]):

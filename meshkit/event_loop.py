@@ -107,10 +107,31 @@ class EventLoopMetrics(ComponentMetrics):
 
 METRICS = EventLoopMetrics()
 
+# How much of the recent lag each new sample replaces: at four samples a second, the recent lag is about
+# the last two seconds' (a lone late timer moves it a quarter of the way).
+RECENT_LAG_WEIGHT = 0.25
 
-async def watch_lag(
-    observe: Callable[[float], None] = METRICS.lag.observe, every_s: float = LAG_SAMPLE_S
-) -> None:
+
+class RecentLag:
+    """The loop's lag of late: the mean of ``watch_lag``'s samples, weighted toward the newest. What a
+    process reads of its own saturation to adapt to it (``meshkit.pacing``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def observe(self, lag_s: float) -> None:
+        self.seconds += RECENT_LAG_WEIGHT * (lag_s - self.seconds)
+
+
+RECENT_LAG = RecentLag()
+
+
+def _observe_lag(lag_s: float) -> None:
+    METRICS.lag.observe(lag_s)
+    RECENT_LAG.observe(lag_s)
+
+
+async def watch_lag(observe: Callable[[float], None] = _observe_lag, every_s: float = LAG_SAMPLE_S) -> None:
     """Observes the running loop's lag every ``every_s`` until cancelled.
 
     A Python service's saturation signal, in the unit its callers feel: a CPU share is averaged over

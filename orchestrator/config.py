@@ -106,6 +106,9 @@ class RunConfig:
     # How long a cancel waits for the router's final frame before abandoning the stream.
     cancel_timeout_s: float = 5.0
     max_subscribers_per_run: int = setting(64, "streams attached to one run")
+    # While this replica's event loop runs late, a stream's deltas gather up to this long and leave as
+    # one event (meshkit.pacing); while it keeps up, each leaves as it is made.
+    stream_interval_max_ms: int = setting(100, "longest a stream's deltas gather under load (0: never)")
     # A finished run stays in memory this long for fast replays, then replays come from Cassandra.
     finished_ttl_s: float = 30.0
     # Replicas that do not own a run follow its checkpoints this often.

@@ -38,6 +38,7 @@ from chatmesh.tiers import tier_of_proto
 from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
+from meshkit.pacing import StreamPacer
 from orchestrator import convert
 from orchestrator.config import RunConfig
 from orchestrator.metrics import METRICS
@@ -86,6 +87,8 @@ class Runs:
         self.slots = slots
         self.fingerprint = tokenizer_fingerprint
         self.draining = False
+        self.pacer = StreamPacer(self.config.stream_interval_max_ms / 1000)
+        METRICS.stream_interval.set_function(lambda: self.pacer.interval_s)
         self._live: dict[str, LiveRun] = {}
         self._relays: dict[str, Relay] = {}
         # Every run task, from `start` to its last step: the replica holds them, no client does.
@@ -230,7 +233,7 @@ class Runs:
         """The run goes live with its `started` event (whoever waits in ``start`` is released), then the
         relay streams the answer until it ends and stores the end once. Returns how it ended."""
         info = admission.info
-        live = LiveRun(info, self.config.max_subscribers_per_run)
+        live = LiveRun(info, self.config.max_subscribers_per_run, self.pacer)
         live.append(started=_started(info))
         relay = Relay(self.deps, live, admission.stream, admission.start, stored_run, run.arrived_at)
         run.live = live
@@ -291,7 +294,7 @@ class Runs:
             user_message_id=run.user_message_id or "",
             assistant_message_id=run.assistant_message_id,
         )
-        live = LiveRun(info, self.config.max_subscribers_per_run)
+        live = LiveRun(info, self.config.max_subscribers_per_run, self.pacer)
         live.append(started=_started(info))
         for delta in output:
             live.append_delta(delta.text, delta.token_count)

@@ -14,12 +14,15 @@ A follower that asked to ``merge_deltas`` gets the deltas waiting when it reads 
 as the last of them. A follower wakes when the run appends, so one that keeps up gets each delta
 alone, when it is made; one that is behind gets one message where it would get several. A stream is
 behind when it attaches to a run in progress, replays one, waits on a slow client, or when several
-tokens arrive in one router frame (the relay appends them at once). On a box whose engines share the
-door's cores no stream falls behind otherwise, so it did not lower the cost per token there (README).
+tokens arrive in one router frame (the relay appends them at once). While the replica's loop runs
+late, such a follower also lets the deltas after each one it sent gather for the replica's stream
+interval (``meshkit.pacing``): a loaded replica sends fewer, fuller events, an idle one each delta as
+it is made.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import exhausted, unavailable
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from chatmesh.streams import Wakeup
+from meshkit.pacing import StreamPacer
 from orchestrator.metrics import METRICS
 
 # started + usage + done, or started + error.
@@ -57,8 +61,9 @@ class RunInfo:
 
 
 class LiveRun:
-    def __init__(self, info: RunInfo, max_subscribers: int) -> None:
+    def __init__(self, info: RunInfo, max_subscribers: int, pacer: StreamPacer) -> None:
         self.info = info
+        self.pacer = pacer
         self.max_events = info.max_tokens + _FRAME_EVENTS
         self.max_subscribers = max_subscribers
         # The events in order: a delta as (text, token count), any other kind as its RunEvent.
@@ -70,6 +75,11 @@ class LiveRun:
         # The run went on elsewhere (this replica handed it over, or another adopted it).
         self.handed_over = False
         self._changed = Wakeup()
+        self._ended = Wakeup()  # the run finished or was handed over: nothing more gathers
+        # How far apart its last two deltas came: one that comes slower than the stream interval has
+        # nothing to gather with, and its followers do not wait for a tick.
+        self._last_delta_at = -math.inf
+        self._delta_gap_s = math.inf
 
     @property
     def finished(self) -> bool:
@@ -93,6 +103,8 @@ class LiveRun:
         """Adds the next delta and wakes every follower; returns its sequence number."""
         seq = self._next_seq()
         self._events.append((text, token_count))
+        now = time.monotonic()
+        self._delta_gap_s, self._last_delta_at = now - self._last_delta_at, now
         self._changed.notify()
         return seq
 
@@ -137,6 +149,7 @@ class LiveRun:
         self.status = status
         self.finished_at = time.monotonic()
         self._changed.notify()
+        self._ended.notify()
 
     def hand_over(self) -> None:
         """The run goes on on another replica: followers get the events here, then UNAVAILABLE, and
@@ -144,10 +157,12 @@ class LiveRun:
         self.handed_over = True
         self.finished_at = time.monotonic()
         self._changed.notify()
+        self._ended.notify()
 
     async def follow(self, after_seq: int, merge_deltas: bool = False) -> AsyncIterator[chat_pb2.RunEvent]:
         """Events with seq > after_seq, then live ones until the run ends (with ``merge_deltas``, the
-        deltas waiting at each read as one)."""
+        deltas waiting at each read as one, and after each delta sent, those that gather meanwhile
+        for the stream interval)."""
         if self.subscribers >= self.max_subscribers:
             raise exhausted(
                 f"run {self.info.run_id} already has {self.max_subscribers} streams attached; "
@@ -163,6 +178,8 @@ class LiveRun:
                     event = self._merged_after(position) if merge_deltas else self.event(position + 1)
                     position = event.seq
                     yield event
+                    if merge_deltas and event.HasField("delta") and self._gathers():
+                        await self.pacer.gather(until=self._ended)
                 if self.handed_over:
                     raise unavailable(
                         f"the answer goes on on another replica; resume after event {position}", 0.2
@@ -173,6 +190,11 @@ class LiveRun:
         finally:
             self.subscribers -= 1
             METRICS.subscribers.dec()
+
+    def _gathers(self) -> bool:
+        """Whether a follower that just sent a delta lets the next ones gather: the replica is loaded,
+        the run goes on, and its deltas come faster than the interval."""
+        return not self.finished and self._delta_gap_s < self.pacer.interval_s
 
     def text(self) -> str:
         return "".join(text for _, text, _ in self.deltas())

@@ -9,15 +9,18 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
+from chatmesh.streams import Wakeup
 from memory_store.models import FinishReason, RunDelta, RunStatus, Usage
+from meshkit.event_loop import RecentLag
+from meshkit.pacing import StreamPacer
 from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.replay import INTERRUPTED_CODE, started_event, terminal_events
 from tests.fixtures.runs import stored_run
 
 
-def live_run(max_tokens: int = 100, max_subscribers: int = 4) -> LiveRun:
+def live_run(max_tokens: int = 100, max_subscribers: int = 4, pacer: StreamPacer | None = None) -> LiveRun:
     info = RunInfo("run-1", "user-1", "pro", "send", "model", max_tokens, chat_id="chat-1")
-    run = LiveRun(info, max_subscribers)
+    run = LiveRun(info, max_subscribers, pacer or StreamPacer(0.0))
     run.append(started=chat_pb2.RunStarted(run_id="run-1"))
     return run
 
@@ -155,3 +158,80 @@ def test_a_failed_run_without_output_has_no_answer_to_point_to() -> None:
     run = stored_run(status=RunStatus.CANCELLED, last_seq=1, finish_reason=FinishReason.CANCELLED)
     [done] = terminal_events(run, [], 0)
     assert done.seq == 2 and done.done.assistant_message_id == ""
+
+
+def loaded_pacer(lag_s: float = 0.02, max_interval_s: float = 0.1) -> StreamPacer:
+    lag = RecentLag()
+    lag.seconds = lag_s
+    return StreamPacer(max_interval_s, lag)
+
+
+async def test_under_load_a_merging_follower_gets_each_delta_it_waited_for_at_once_then_what_gathers() -> (
+    None
+):
+    run = live_run(pacer=loaded_pacer())  # a 40 ms stream interval
+    merged = run.follow(0, merge_deltas=True)
+    assert described(await anext(merged)) == (1, "started")
+    # Deltas 5 ms apart. The first two were waited for: each leaves at once, alone.
+    for i in range(2):
+        reading = asyncio.ensure_future(anext(merged))
+        await asyncio.sleep(0.005)
+        run.append_delta(f"t{i}", 1)
+        assert described(await asyncio.wait_for(reading, 0.02)) == (i + 2, "delta", f"t{i}", 1)
+    # They come faster than the interval: the next ones gather for it, and leave as one at its tick.
+    loop = asyncio.get_running_loop()
+    reading, sent_at = asyncio.ensure_future(anext(merged)), loop.time()
+    for i in range(2, 5):
+        await asyncio.sleep(0.005)
+        run.append_delta(f"t{i}", 1)
+    assert described(await reading) == (6, "delta", "t2t3t4", 3)
+    assert loop.time() - sent_at >= 0.035
+    # The end waits for no tick: the last delta and the end leave as the run ends.
+    reading = asyncio.ensure_future(anext(merged))
+    await asyncio.sleep(0.005)
+    run.append_delta("t5", 1)
+    run.append(done=chat_pb2.Done())
+    run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+    assert described(await asyncio.wait_for(reading, 0.02)) == (7, "delta", "t5", 1)
+    assert [described(e) async for e in merged] == [(8, "done")]
+
+
+class CountingPacer(StreamPacer):
+    def __init__(self, lag_s: float) -> None:
+        lag = RecentLag()
+        lag.seconds = lag_s
+        super().__init__(0.1, lag)
+        self.gathered = 0
+
+    async def gather(self, until: Wakeup) -> None:
+        self.gathered += 1
+        await super().gather(until)
+
+
+async def test_under_load_deltas_further_apart_than_the_interval_wait_for_no_tick() -> None:
+    pacer = CountingPacer(lag_s=0.02)  # 40 ms
+    run = live_run(pacer=pacer)
+    merged = run.follow(0, merge_deltas=True)
+    assert (await anext(merged)).seq == 1
+    for i in range(3):  # 50 ms apart: nothing would gather with them
+        reading = asyncio.ensure_future(anext(merged))
+        await asyncio.sleep(0.05)
+        run.append_delta(f"t{i}", 1)
+        assert described(await asyncio.wait_for(reading, 0.02)) == (i + 2, "delta", f"t{i}", 1)
+    assert pacer.gathered == 0
+    # Then two right after the last: they gather for a tick, and leave as one.
+    run.append_delta("t3", 1)
+    run.append_delta("t4", 1)
+    assert described(await anext(merged)) == (6, "delta", "t3t4", 2)
+    assert pacer.gathered == 1
+
+
+async def test_under_load_a_follower_that_asked_for_every_delta_still_gets_each_as_it_is_made() -> None:
+    run = live_run(pacer=loaded_pacer())
+    each = run.follow(0)
+    assert (await anext(each)).seq == 1
+    for i in range(3):
+        reading = asyncio.ensure_future(anext(each))
+        await asyncio.sleep(0.001)
+        run.append_delta(f"t{i}", 1)
+        assert described(await asyncio.wait_for(reading, 0.02)) == (i + 2, "delta", f"t{i}", 1)

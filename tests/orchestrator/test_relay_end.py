@@ -14,6 +14,7 @@ from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
 from memory_store.errors import InvalidArgument, OwnerChanged, Unavailable
 from memory_store.models import Run, RunDelta, RunOutcome, RunStatus
+from meshkit.pacing import StreamPacer
 from orchestrator.config import ModerationConfig, RunConfig
 from orchestrator.policy.moderation import create_moderator
 from orchestrator.runs.checkpoints import CheckpointWriter
@@ -83,7 +84,7 @@ async def relay_end(
     )
     run = stored_run("run-1")
     info = RunInfo(run.run_id, run.user_id, "pro", "send", "model", 16, run.chat_id, "q", "a")
-    live = LiveRun(info, max_subscribers=4)
+    live = LiveRun(info, max_subscribers=4, pacer=StreamPacer(0.0))
     live.append(started=chat_pb2.RunStarted(run_id=run.run_id))
     start = router_pb2.GenerateStart(request_id="r", prompt_token_ids=[1, 2, 3, 4, 5])
     relay = Relay(deps, live, Answer(), start, run, arrived_at=0.0)  # type: ignore[arg-type]
