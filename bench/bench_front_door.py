@@ -703,6 +703,7 @@ class Cost:
     us_per_token: dict[str, float]  # CPU microseconds per relayed token, by hop
     cancels: Counter[str]  # how the cancels of a chat level's runs were answered (Door.cancel_runs)
     lag: dict[str, loop_lag.LagHistogram]  # each hop's event loop lag over the window (most lagging replica)
+    gaps_ms: tuple[float, float]  # p50 and p99 of the time between a stream's events in the window
 
     @property
     def door_us(self) -> float:
@@ -724,6 +725,7 @@ async def relay_cost(
     Then the streams are closed and their runs cancelled."""
     received = events = started = 0
     all_started = asyncio.Event()
+    window: list[float] | None = None  # the gaps between a stream's events while the window is open
     chats = await door.new_chats(streams) if path == "chat" else []
 
     def chunks(i: int) -> AsyncIterator[int]:
@@ -731,9 +733,13 @@ async def relay_cost(
 
     async def one(i: int) -> None:
         nonlocal received, events, started
-        first = True
+        first, last_at = True, 0.0
         async for count in chunks(i):
             received, events = received + count, events + 1
+            now = time.perf_counter()
+            if window is not None:
+                window.append(now - last_at)
+            last_at = now
             if first:
                 first, started = False, started + 1
                 if started == streams:
@@ -753,8 +759,10 @@ async def relay_cost(
         await asyncio.sleep(1.0)
         lag_before = await loop_lag.scrape(lag_ports)
         before, counted, events_before, began = Usage.of(pids), received, events, time.perf_counter()
+        window = gaps = []
         await asyncio.sleep(window_s)
         after, relayed, elapsed = Usage.of(pids), received - counted, time.perf_counter() - began
+        window = None
         lag = lag_since(await loop_lag.scrape(lag_ports), lag_before)
         per_event = relayed / max(1, events - events_before)
         failed = [t for t in tasks if t.done() and t.exception() is not None]
@@ -767,7 +775,8 @@ async def relay_cost(
         cancels = await door.cancel_runs()  # a chat's run goes on when its stream is dropped
     cpu = by_hop(after.cpu_since(before))
     us_per_token = {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()}
-    return Cost(path, streams, relayed / elapsed, per_event, us_per_token, cancels, lag)
+    gaps_ms = (1000 * percentile(gaps, 0.5), 1000 * percentile(gaps, 0.99)) if gaps else (0.0, 0.0)
+    return Cost(path, streams, relayed / elapsed, per_event, us_per_token, cancels, lag, gaps_ms)
 
 
 async def cost_levels(
@@ -804,7 +813,8 @@ async def cost_levels(
                     flush=True,
                 )
                 print(
-                    f"{'':>7} event loop lag over the window, ms mean/p99: "
+                    f"{'':>7} a stream's events {cost.gaps_ms[0]:.1f} / {cost.gaps_ms[1]:.1f} ms apart (p50 / p99);"
+                    " event loop lag over the window, ms mean/p99: "
                     + ", ".join(
                         f"{hop} {loop_lag.describe(cost.lag[hop])}" for hop in LAG_HOPS if hop in cost.lag
                     ),
