@@ -6,7 +6,7 @@ Why: past the relay's own work, each event costs every hop after it the same wha
 link frame, the edge's SSE event and its write, Envoy's pass, the client's read), so merged deltas are
 what a saturated door can give up to serve more tokens (README, "Streams that gather under load").
 vLLM's ``--stream-interval`` merges N tokens always; here nothing waits while the loop keeps up, and
-under load a delta waits about as long again as the loop already makes everything wait.
+under load a delta waits a small multiple of what the loop already makes everything wait.
 
     interval = 0                                  while the loop's recent lag < ENGAGE_LAG_S
              = min(max_interval_s, GAIN x lag)   once it is later than that

@@ -136,6 +136,19 @@ def door() -> Dashboard:
                 quantiles("chatmesh_event_loop_lag_seconds", "pod"),
             ),
             Panel(
+                "Stream interval by orchestrator pod",
+                "How long a stream's deltas gather before they leave as one event: 0 while the replica "
+                "keeps up; about twice its loop's lag once it runs late, up to --stream-interval-max-ms "
+                "(answers arrive in fewer, fuller pieces). Held at the bound: the replicas are short of CPU.",
+                "s",
+                (
+                    Target(
+                        f"max by (pod) (chatmesh_orchestrator_stream_interval_seconds{{{NS}}})",
+                        "{{pod}}",
+                    ),
+                ),
+            ),
+            Panel(
                 "Full garbage-collector passes by pod",
                 "How long each full pass of the garbage collector (generation 2, over every tracked "
                 "object) held the pod's one thread: when it rises with the loop's lag, the heap is the cause.",
