@@ -235,3 +235,20 @@ async def test_under_load_a_follower_that_asked_for_every_delta_still_gets_each_
         await asyncio.sleep(0.001)
         run.append_delta(f"t{i}", 1)
         assert described(await asyncio.wait_for(reading, 0.02)) == (i + 2, "delta", f"t{i}", 1)
+
+
+async def test_under_load_a_gathering_follower_of_a_run_handed_over_resumes_elsewhere_at_once() -> None:
+    run = live_run(pacer=loaded_pacer(lag_s=0.05))  # 100 ms
+    merged = run.follow(0, merge_deltas=True)
+    assert (await anext(merged)).seq == 1
+    run.append_delta("t0", 1)
+    run.append_delta("t1", 1)
+    assert described(await anext(merged)) == (3, "delta", "t0t1", 2)
+    reading = asyncio.ensure_future(anext(merged))  # gathering for the tick
+    await asyncio.sleep(0.005)
+    run.append_delta("t2", 1)
+    run.hand_over()
+    assert described(await asyncio.wait_for(reading, 0.02)) == (4, "delta", "t2", 1)
+    with pytest.raises(ServiceError) as caught:
+        await asyncio.wait_for(anext(merged), 0.02)
+    assert caught.value.code.name == "UNAVAILABLE"
