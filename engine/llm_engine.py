@@ -240,7 +240,7 @@ class LLMEngine:
                 SequenceChunk(
                     token_ids=np.asarray(req.token_ids[start : start + num_new], dtype=np.int32),
                     start_position=start,
-                    block_table=np.asarray(req.block_table, dtype=np.int32),
+                    block_table=req.block_table,
                     needs_logits=start + num_new == req.num_tokens,
                 )
             )
@@ -252,8 +252,12 @@ class LLMEngine:
             return
         self.scheduler.update(batch)
         sampled = [req for req, chunk in zip(batch.scheduled, chunks, strict=True) if chunk.needs_logits]
+        known_argmax = getattr(self.runner, "argmax", None)
         tokens = sample(
-            logits, [req.request.sampling for req in sampled], [req.num_output_tokens for req in sampled]
+            logits,
+            [req.request.sampling for req in sampled],
+            [req.num_output_tokens for req in sampled],
+            argmax=known_argmax() if known_argmax is not None else None,
         )
         for req, token in zip(sampled, tokens, strict=True):
             req.token_ids.append(token)

@@ -27,12 +27,22 @@ def uniform(seed: int, position: int) -> float:
     return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)
 
 
-def sample(logits: np.ndarray, params: Sequence[SamplingParams], positions: Sequence[int]) -> list[int]:
-    """One token per row of ``logits`` [n, vocab]; ``positions[r]`` is row r's output position."""
-    # One vectorized argmax over every row beats copying out the greedy rows first.
-    tokens = (
-        np.argmax(logits, axis=1).tolist() if any(p.temperature == 0.0 for p in params) else [0] * len(params)
-    )
+def sample(
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    argmax: np.ndarray | None = None,
+) -> list[int]:
+    """One token per row of ``logits`` [n, vocab]; ``positions[r]`` is row r's output position.
+
+    ``argmax``: each row's argmax (ties: lowest id), when the runner that made the logits already has it;
+    greedy rows then cost no scan of the vocabulary.
+    """
+    if not any(p.temperature == 0.0 for p in params):
+        tokens = [0] * len(params)
+    else:
+        # One vectorized argmax over every row beats copying out the greedy rows first.
+        tokens = (np.argmax(logits, axis=1) if argmax is None else argmax).tolist()
     for r, p in enumerate(params):
         if p.temperature != 0.0:
             tokens[r] = sample_one(logits[r], p, uniform(p.seed, positions[r]))

@@ -7,6 +7,10 @@ cache, KV events, detokenization. Never the default backend; GetModelInfo says `
 Each step takes at least ``1 / tokens_per_s`` seconds, so every running stream gets about that many
 tokens per second. The token at sequence position p is ``token_cycle[p % len(token_cycle)]`` (ordinary
 text tokens, never end-of-sequence), so outputs are deterministic and run to max_tokens.
+
+It tells the engine each row's argmax (``argmax``: the token it chose), as a GPU runner that picks on
+the device would, so a greedy step does not scan the whole vocabulary of every row on the host; rows
+sampled with a temperature still go through the host sampler over the full logits.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class NullModelRunner:
         # One logits buffer reused every step: only the chosen entries change.
         self._logits = np.zeros((0, spec.vocab_size), dtype=np.float32)
         self._chosen = np.zeros(0, dtype=np.int64)
+        self._rows = 0  # rows of logits the last step returned
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return 0  # no KV tensors
@@ -55,7 +60,12 @@ class NullModelRunner:
         self._logits[index, self._chosen[:rows]] = 0.0
         self._chosen[:rows] = self._cycle[np.asarray(ends, dtype=np.int64) % len(self._cycle)]
         self._logits[index, self._chosen[:rows]] = _CHOSEN_LOGIT
+        self._rows = rows
         return self._logits[:rows]
+
+    def argmax(self) -> np.ndarray:
+        """Each row's argmax in the last ``execute``'s logits: the token it chose (the one nonzero)."""
+        return self._chosen[: self._rows]
 
     def close(self) -> None:
         pass

@@ -36,7 +36,9 @@ class SequenceChunk:
         np.ndarray
     )  # int32 [n]: tokens whose KV this step computes (a prefill chunk, or 1 decode token)
     start_position: int  # position of token_ids[0] in the sequence; positions below it are already cached
-    block_table: np.ndarray  # int32: physical block ids covering positions [0, start_position + n)
+    # Physical block ids covering positions [0, start_position + n): the request's own list, read only
+    # while ``execute`` runs (no copy per chunk per step; a runner that keeps it copies it).
+    block_table: Sequence[int]
     needs_logits: bool  # True when the chunk ends at the sequence's newest token (sample from it)
 
 
@@ -64,6 +66,11 @@ class ModelRunner(Protocol):
         """Releases workers, shared memory and device memory."""
         ...
 
+    # Optional: a runner that knows the argmax of each row of the logits its last ``execute`` returned
+    # (ties: lowest id) without scanning them has a method ``argmax() -> np.ndarray``; greedy rows are
+    # then picked from it. The null runner does (it put the chosen token there); a GPU runner could
+    # take it on the device instead of a host scan of every row's whole vocabulary.
+    #
     # Optional: a runner whose workers can die between steps (tensor parallelism) has an attribute
     # ``on_failure: Callable[[str], None] | None``; the engine sets it to ``LLMEngine.fail`` and the
     # runner calls it, from any thread, when it can no longer compute.

@@ -25,6 +25,13 @@ def test_greedy_takes_the_argmax_and_ties_go_to_the_lowest_id():
     assert sample(np.stack([logits, logits_with({9: 2.0})]), [SamplingParams()] * 2, [0, 0]) == [5, 9]
 
 
+def test_a_runners_known_argmax_picks_the_greedy_rows_and_the_others_still_sample_their_logits():
+    rows = np.stack([logits_with({5: 3.0}), logits_with({8: 9.0})])
+    params = [SamplingParams(), SamplingParams(temperature=0.5, seed=3)]
+    # The argmax the runner says is what a greedy row gets (here not the logits' own, to tell them apart).
+    assert sample(rows, params, [0, 0], argmax=np.array([6, 0])) == [6, 8]
+
+
 def test_top_k_1_is_greedy_at_any_temperature():
     logits = logits_with({3: 1.0, 4: 0.9, 8: 0.95})
     assert set(draws(logits, SamplingParams(temperature=2.0, top_k=1), n=200)) == {3}

@@ -49,11 +49,12 @@ class TokenFunctionRunner:
             if len(chunk.block_table) * self.block_size < end:
                 raise RuntimeError(f"block table of {len(chunk.block_table)} blocks cannot hold {end} tokens")
             positions = np.arange(chunk.start_position, end)
-            blocks, offsets = chunk.block_table[positions // self.block_size], positions % self.block_size
+            table = np.asarray(chunk.block_table)
+            blocks, offsets = table[positions // self.block_size], positions % self.block_size
             self.kv[blocks, offsets] = chunk.token_ids
             if chunk.needs_logits:
                 everything = np.arange(end)
-                seen = self.kv[chunk.block_table[everything // self.block_size], everything % self.block_size]
+                seen = self.kv[table[everything // self.block_size], everything % self.block_size]
                 if (seen < 0).any():
                     raise RuntimeError("read a KV slot that was never written")
                 rows.append(self.logits_for(seen))
