@@ -14,7 +14,14 @@ from chatmesh.chat.v1 import chat_pb2
 from memory_store.models import RunStatus
 from memory_store.store import MemoryStore
 from tests.fixtures.cassandra import CassandraTestNode, wait_until_usable
-from tests.fixtures.orchestrator import ChatClient, MeshFactory, answer_text, collect, read_until
+from tests.fixtures.orchestrator import (
+    ChatClient,
+    MeshFactory,
+    answer_text,
+    collect,
+    read_until,
+    wait_until_serving,
+)
 
 pytestmark = pytest.mark.usefixtures("router_required")
 
@@ -27,12 +34,13 @@ async def test_an_end_cassandra_could_not_take_is_stored_by_its_replica_once_it_
     connect: Callable[..., ChatClient],
     cassandra_node: CassandraTestNode,
     memory_store: MemoryStore,
+    client: ChatClient,  # a user of the shared mesh, whose orchestrator loses the node too
 ) -> None:
     # A mesh of its own, so a replica group of its own: no other replica takes its run for orphaned
     # while Cassandra is down (its heartbeats stop), and nobody but the run's owner can end it.
     mesh = start_mesh(1, "null", engine_flags={"null_tokens_per_s": 20}, finish_retry_s=2, reap_interval_s=1)
     owner = mesh.orchestrator
-    client = connect(owner.address)
+    shared, client = client, connect(owner.address)
     chat = await client.create_chat()
     call = client.send(chat.chat_id, "Tell me a story.", options=chat_pb2.GenerationOptions(max_tokens=40))
     head = await read_until(call, 3)
@@ -48,6 +56,8 @@ async def test_an_end_cassandra_could_not_take_is_stored_by_its_replica_once_it_
     finally:
         await asyncio.to_thread(cassandra_node.restart)
     await wait_until_usable(memory_store)
+    # The shared mesh's orchestrator lost the node too, and the tests after this one use it.
+    await wait_until_serving(shared)
 
     # Its replica stores the end it told its streams (the run's status first, then what follows it):
     # the run ends, the chat gets the answer that was streamed, once, and names no run in progress.
