@@ -395,12 +395,17 @@ class Runs:
         is ended in Cassandra after its owner's next checkpoint, waited for half that time at most."""
         live = self._local(user_id, run_id)
         if live is not None:
-            await self._check_chat_kept(user_id, live.info.chat_id, run_id)
+            answer_by = time.monotonic() + answer_within_s
             relay = self._relays.get(run_id)
             if relay is not None:
+                # Stopped before anything is read: it is the caller's own run (``_local``), and its
+                # engine work is freed at once however late Cassandra answers (under load, or not at
+                # all). A run whose chat was deleted meanwhile is stopped all the same, and NOT_FOUND.
                 relay.stop(Stop.CANCELLED)
+            await self._check_chat_kept(user_id, live.info.chat_id, run_id)
+            if relay is not None:
                 longest_s = self.config.cancel_timeout_s + self.config.store_deadline_s
-                await relay.wait(min(answer_within_s, longest_s))
+                await relay.wait(min(answer_by - time.monotonic(), longest_s))
             return _live_proto(live)
         run = await self._stored(user_id, run_id)
         await self._check_chat_kept(user_id, run.chat_id, run_id)

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from tests.fixtures.cassandra import CassandraTestNode
 from tests.fixtures.orchestrator import (
     ChatClient,
     Mesh,
@@ -182,6 +183,32 @@ async def test_cancel_stops_the_run_at_once_frees_the_engine_and_keeps_what_was_
     # Cancelling a finished run changes nothing.
     again = (await client.call("CancelRun", chat_pb2.CancelRunRequest(run_id=run_id))).run
     assert again.status == chat_pb2.RUN_STATUS_CANCELLED and again.last_seq == run[-1].seq
+
+
+async def test_a_cancel_frees_the_engine_at_once_while_cassandra_answers_nothing(
+    client: ChatClient, mesh: Mesh, cassandra_node: CassandraTestNode
+) -> None:
+    chat = await client.create_chat()
+    call = long_send(client, chat.chat_id, 3000)
+    head = await read_until(call, 6)
+    run_id = head[0].started.run_id
+    cancel = chat_pb2.CancelRunRequest(run_id=run_id)
+
+    with cassandra_node.paused():
+        # Nothing the cancel would read (the chat, to tell a deleted one's run) nor its end can be
+        # stored in time, so its caller's deadline passes; the run stopped before any of that.
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await client.stub.CancelRun(cancel, metadata=client.metadata(), timeout=2.0)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await asyncio.to_thread(mesh.engine_requests) == 0
+
+    # Once the node answers again, the end is stored: the stream ends cancelled, with the answer.
+    run = head + await asyncio.wait_for(collect(call), 60)
+    assert kinds(run)[-2:] == ["usage", "done"]
+    assert run[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
+    assert run[-2].usage.completion_tokens < 3000
+    answer = (await chat_messages(client, chat.chat_id))[-1]
+    assert answer.content == answer_text(run) and answer.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
 
 
 async def test_a_cancel_whose_end_outlasts_the_callers_deadline_answers_cancelling_in_time(
