@@ -390,22 +390,32 @@ class Runs:
         """Stops the run at once; a finished run is left as it is. A deleted chat's run is NOT_FOUND.
 
         Answers with the run's end once it is stored; a run of this replica whose end takes longer
-        than ``answer_within_s`` (the caller's deadline, less the way back) is answered CANCELLING
-        instead: it emits nothing more, and its end is stored after the answer. Another replica's run
-        is ended in Cassandra after its owner's next checkpoint, waited for half that time at most."""
+        than half of ``answer_within_s`` (the caller's deadline, less the way back) is answered
+        CANCELLING instead: it emits nothing more, and its end is stored after the answer. Another
+        replica's run is ended in Cassandra after its owner's next checkpoint, waited for half that
+        time at most."""
         live = self._local(user_id, run_id)
         if live is not None:
-            answer_by = time.monotonic() + answer_within_s
+            # Half the caller's time at most, so that the answer (CANCELLING, if the end is not stored
+            # by then) still reaches it through loops that run seconds late past saturation.
+            loop = asyncio.get_running_loop()
+            answer_by = loop.time() + answer_within_s / 2
             relay = self._relays.get(run_id)
             if relay is not None:
                 # Stopped before anything is read: it is the caller's own run (``_local``), and its
                 # engine work is freed at once however late Cassandra answers (under load, or not at
                 # all). A run whose chat was deleted meanwhile is stopped all the same, and NOT_FOUND.
                 relay.stop(Stop.CANCELLED)
-            await self._check_chat_kept(user_id, live.info.chat_id, run_id)
+            try:
+                async with asyncio.timeout_at(answer_by):
+                    await self._check_chat_kept(user_id, live.info.chat_id, run_id)
+            except TimeoutError:
+                # Cassandra did not tell in time whether the chat is still there: the run, stopped, is
+                # answered as it stands rather than not at all.
+                return _live_proto(live)
             if relay is not None:
                 longest_s = self.config.cancel_timeout_s + self.config.store_deadline_s
-                await relay.wait(min(answer_by - time.monotonic(), longest_s))
+                await relay.wait(min(answer_by - loop.time(), longest_s))
             return _live_proto(live)
         run = await self._stored(user_id, run_id)
         await self._check_chat_kept(user_id, run.chat_id, run_id)
