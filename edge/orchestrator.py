@@ -1,6 +1,6 @@
 """The edge's only dependency: ChatService over gRPC, called with the caller's own token as metadata
-(and CompletionLinkService, which carries its run-event streams many to a stream: ``OrchestratorReplica``,
-``LinkedRun``).
+(and CompletionLinkService, which carries its run-event streams, and with ``chat_links`` its unary calls,
+many to a stream: ``OrchestratorReplica``, ``LinkedRun``, ``linked_unary``).
 The edge reaches the orchestrator replicas itself (``Orchestrator``: a chat's calls on one replica, by
 its id) or through Envoy's internal listener, which does the same.
 
@@ -32,7 +32,7 @@ from opentelemetry import trace
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import DRAINING, ServiceError
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, Identity
-from chatmesh.linked_calls import linked_call, linked_start
+from chatmesh.linked_calls import linked_call, linked_start, method_of, reply_response
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error, from_run_error
@@ -230,9 +230,9 @@ class RunStream:
 
 class OrchestratorReplica(Replica):
     """One orchestrator replica (or Envoy's internal listener in front of them all): its ChatService stub
-    and ``count`` CompleteMany streams (``meshkit.links.Link``) carrying the edge's Complete calls: the
-    events of every answer on one stream cross in one message a loop turn, where a Complete call costs
-    a message per event each way."""
+    and ``count`` CompleteMany streams (``meshkit.links.Link``) carrying the edge's Complete calls (and
+    with ``chat_links`` its other calls): the events of every answer on one stream cross in one message a
+    loop turn, where a Complete call costs a message per event each way."""
 
     def __init__(self, address: str, links: int) -> None:
         super().__init__(address)
@@ -387,11 +387,47 @@ class LinkedRun:
         self._span.end()
 
 
+async def linked_unary(link: Link, start: completion_link_pb2.CompleteStart, timeout_s: float) -> Any:
+    """The response of the unary call ``start`` stands for, made on ``link`` within ``timeout_s``;
+    a failure raises the AioRpcError the call would have raised (DEADLINE_EXCEEDED past its time, when
+    its `cancel` goes out). Why not a call: the orchestrator's gRPC server takes one new call a loop turn,
+    and a replica whose loop runs late under load (800 stored streams) took a few a second, so a cancel
+    waited there for longer than its time; the requests of one link message start in one turn."""
+    name, request = linked_call(start)
+    method = method_of(request)
+    span = request_span(name, trace.SpanKind.CLIENT)
+    start.request_id = secrets.token_hex(8)
+    feed = link.open(start, trace_context(span), timeout_ms=round(timeout_s * 1000))
+    try:
+        async with asyncio.timeout(timeout_s):
+            while frames := await feed.take():
+                for frame in frames:
+                    if frame.WhichOneof("kind") == "reply":
+                        return reply_response(method, frame.reply)
+        raise ValueError(f"the {method} call ended without its response")
+    except TimeoutError:
+        span.set_status(trace.StatusCode.ERROR, "the call's deadline passed")
+        raise _transport_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+    except ServiceError as error:
+        span.set_status(trace.StatusCode.ERROR, error.message)
+        raise _call_error(error) from None
+    except ValueError as exc:  # the orchestrator answered out of contract
+        span.set_status(trace.StatusCode.ERROR, str(exc))
+        raise _transport_error(grpc.StatusCode.INTERNAL, str(exc)) from None
+    finally:
+        link.release(start.request_id)
+        span.end()
+
+
 def _not_started(timeout_s: float) -> grpc.aio.AioRpcError:
     """A request whose run did not start in time, as gRPC reports a call it shed: CANCELLED without
     details (the edge answers 503, too busy, retry)."""
-    message = f"the answer did not start within {timeout_s:g} s"
-    return grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+    return _transport_error(grpc.StatusCode.CANCELLED, f"the answer did not start within {timeout_s:g} s")
+
+
+def _transport_error(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
+    """A failure as the transport reports one: without status details (its text is not for users)."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
 
 
 def _call_error(error: ServiceError) -> grpc.aio.AioRpcError:
@@ -416,7 +452,8 @@ class Orchestrator:
     (``IDEMPOTENT_METHODS``) is tried again on another replica when one refuses it UNAVAILABLE. Complete
     goes on the replicas' completion links when ``completion_links`` > 0, the least busy link of those
     up, and with ``chat_links`` so do a stored chat's streams, on a link of its chat's replica (behind a
-    proxy that balances, Envoy's internal listener, a link's replica is not the chat's: leave it off).
+    proxy that balances, Envoy's internal listener, a link's replica is not the chat's: leave it off), and
+    its unary calls too.
     ``start`` before use (it resolves the names once)."""
 
     def __init__(
@@ -469,7 +506,8 @@ class Orchestrator:
     async def unary(self, method: str, request: Message, caller: Caller) -> Any:
         """Calls ``method`` with a deadline and returns its response message; a failure raises the
         matching ApiError. (The stub's method is looked up by name, so the response type is the caller's
-        to know.)"""
+        to know.) With ``chat_links`` it goes on the least busy completion link of the replica its call
+        would go to (``linked_unary``)."""
         tried: set[str] = set()
         attempts = UNARY_ATTEMPTS if method in IDEMPOTENT_METHODS else 1
         while True:
@@ -477,6 +515,10 @@ class Orchestrator:
             try:
                 if replica is None:
                     raise _unreachable()
+                if self.completion_links and self.chat_links:
+                    link = min(replica.links, key=lambda link: link.requests)
+                    start = linked_start(method, caller.authorization, request)
+                    return await linked_unary(link, start, self.unary_timeout_s)
                 return await getattr(replica.stub, method)(
                     request, metadata=caller.metadata(), timeout=self.unary_timeout_s
                 )

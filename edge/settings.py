@@ -26,12 +26,13 @@ class EdgeSettings:
         4, "CompleteMany streams carrying the OpenAI routes' answers (0: a Complete call per answer)"
     )
     # A stored chat's streams (send, regenerate, resume) go on the links too, each on a link of its chat's
-    # replica, so its events too cross many to a message. Behind Envoy's internal listener a link's
-    # replica is Envoy's choice, not the chat's (the run is followed from Cassandra there): off.
+    # replica, so its events too cross many to a message, and so do the unary calls (CancelRun...), which
+    # a saturated orchestrator would otherwise accept one a loop turn. Behind Envoy's internal listener a
+    # link's replica is Envoy's choice, not the chat's (the run is followed from Cassandra there): off.
     chat_links: bool = setting(
         True,
-        "stored chats' streams on the completion links too, on the chat's replica (false behind a "
-        "balancing proxy: Envoy's internal listener)",
+        "stored chats' streams and the unary calls on the completion links too, on the chat's replica "
+        "(false behind a balancing proxy: Envoy's internal listener)",
     )
     # gRPC sheds a Complete call the orchestrator has not taken within its --max-pending-s (30 s); an
     # answer on a link is not a call, so the edge refuses it itself (503, too busy) after as long.

@@ -146,7 +146,7 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
     prompter = Prompter(store, tokenizer, config.prompt, context_window)
     ctx = RunContext(config, store, runs, prompter, deps.moderator, upkeep, model)
     service = ChatService(ctx, budgets, router, context_window, verifier)
-    completion_link = CompletionLinkService(ctx, verifier)
+    completion_link = CompletionLinkService(service, verifier)
     replica = Replica(config.replica_id, config.replica_group, store, runs, late_ends, config.runs)
     await replica.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)

@@ -1,15 +1,19 @@
-"""CompletionLinkService: the edge's Complete calls, and its stored chats' run streams, many on one
-stream (``meshkit.links``).
+"""CompletionLinkService: the edge's Complete calls, its stored chats' run streams, and its unary
+calls, many on one stream (``meshkit.links``).
 
 Each request is its call in all but its transport: the token its start carries is verified as the call's
 metadata is, its request is checked as its run is made (``service.run_events``, the calls' own), its
 events are followed to the end within its deadline, and a failure ends it with the status the call
 would have ended with. A `cancel` (the caller left), or the stream ending, is the call cancelled: a
-Complete's answer is cancelled, a stored chat's run goes on without this reader (``Runs.answer``).
+Complete's answer is cancelled, a stored chat's run goes on without this reader (``Runs.answer``). A
+unary call is answered by ``ChatService.answer``, as the call is, its response the one `reply`.
 
 Why: a run-event call costs a gRPC message per event each way, and gRPC sends each with a system call of
 its own (a quarter of the orchestrator's main thread holding 100 SSE streams went to those sends). Here
-the events of every request of one loop turn leave in one message.
+the events of every request of one loop turn leave in one message. And every call costs the server an
+accept, which gRPC's asyncio server does one a loop turn: with 800 stored streams open (the loop ~200 ms
+late) CancelRun calls were taken ~5 a second, and most of them ran past their 10 s; the requests of one
+message here start in one turn.
 """
 
 from __future__ import annotations
@@ -18,19 +22,19 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from opentelemetry import trace
 
-from chatmesh.chat.v1 import chat_pb2, completion_link_pb2, completion_link_pb2_grpc
+from chatmesh.chat.v1 import completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import ServiceError
-from chatmesh.identity import TokenVerifier, Unauthenticated
-from chatmesh.linked_calls import linked_call
+from chatmesh.identity import Identity, TokenVerifier, Unauthenticated
+from chatmesh.linked_calls import UNARY_CALLS, linked_call, linked_reply, method_of
 from meshkit.deadline import Deadline
 from meshkit.links import LinkMessages, ServedRequests
-from orchestrator.api.service import run_events
+from orchestrator.api.service import ChatService, run_events
 from orchestrator.errors import from_exception
-from orchestrator.runs.context import RunContext
 from orchestrator.runs.lifecycle import SHUTTING_DOWN
 
 log = logging.getLogger(__name__)
@@ -40,8 +44,8 @@ CALLER_LEFT = "the caller cancelled the request"
 
 
 class CompletionLinkService(completion_link_pb2_grpc.CompletionLinkServiceServicer):
-    def __init__(self, ctx: RunContext, verifier: TokenVerifier) -> None:
-        self.ctx = ctx
+    def __init__(self, chat: ChatService, verifier: TokenVerifier) -> None:
+        self.chat = chat
         self.verifier = verifier
         self.draining = False
         self._streams: set[asyncio.Event] = set()  # wake-ups of the open CompleteMany calls
@@ -67,8 +71,8 @@ class CompletionLinkService(completion_link_pb2_grpc.CompletionLinkServiceServic
 
 
 class _ServedCompletes(ServedRequests):
-    """The requests of one ``CompleteMany`` call: each follows its run in a task of its own, under its
-    server span."""
+    """The requests of one ``CompleteMany`` call: each follows its run (or answers its unary call) in a
+    task of its own, under its server span."""
 
     def __init__(self, service: CompletionLinkService) -> None:
         super().__init__(COMPLETION_LINK, lambda: service.draining)
@@ -82,12 +86,17 @@ class _ServedCompletes(ServedRequests):
             raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
         name, request = linked_call(frame.start)
         self.span(request_id).update_name(name)
-        try:
-            events = run_events(self._service.ctx, identity, request)
-        except Exception as exc:
-            raise from_exception(exc) from None
         timeout_s = frame.timeout_ms / 1000 if frame.timeout_ms else None
-        task = self._tasks[request_id] = asyncio.create_task(self._follow(request_id, events, timeout_s))
+        method = method_of(request)
+        if method in UNARY_CALLS:
+            frames = self._reply(method, identity, request, timeout_s)
+        else:
+            try:
+                events = run_events(self._service.chat.ctx, identity, request)
+            except Exception as exc:
+                raise from_exception(exc) from None
+            frames = (COMPLETION_LINK.response_frame(event=event) async for event in events)
+        task = self._tasks[request_id] = asyncio.create_task(self._follow(request_id, frames, timeout_s))
         task.add_done_callback(functools.partial(self._cancelled_before_it_ran, request_id))
 
     def cancel(self, request_id: str) -> None:
@@ -105,8 +114,17 @@ class _ServedCompletes(ServedRequests):
     def stop(self, request_id: str) -> None:
         self._tasks.pop(request_id).cancel()
 
+    async def _reply(
+        self, method: str, identity: Identity, request: Any, within_s: float | None
+    ) -> AsyncIterator[completion_link_pb2.CompleteResponseFrame]:
+        response = await self._service.chat.answer(method, identity, request, within_s)
+        yield COMPLETION_LINK.response_frame(reply=linked_reply(method, response))
+
     async def _follow(
-        self, request_id: str, events: AsyncIterator[chat_pb2.RunEvent], timeout_s: float | None
+        self,
+        request_id: str,
+        frames: AsyncIterator[completion_link_pb2.CompleteResponseFrame],
+        timeout_s: float | None,
     ) -> None:
         loop = asyncio.get_running_loop()
         error: ServiceError | None = None
@@ -116,8 +134,9 @@ class _ServedCompletes(ServedRequests):
                 Deadline(None if timeout_s is None else loop.time() + timeout_s) as deadline,
             ):
                 while True:
-                    event = await deadline.wait(anext(events))
-                    self.send(COMPLETION_LINK.response_frame(request_id=request_id, event=event))
+                    frame = await deadline.wait(anext(frames))
+                    frame.request_id = request_id
+                    self.send(frame)
         except StopAsyncIteration:
             pass
         except TimeoutError:

@@ -64,16 +64,19 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await abort(context, from_exception(exc))
 
 
-def unary(method: Callable[[Any, Identity, Any], Awaitable[Any]]):
+UnaryMethod = Callable[[Any, Identity, Any], Awaitable[Any]]
+# ChatService's unary methods by name, as ``answer`` calls them (the ``unary`` handlers' own).
+_UNARY_METHODS: dict[str, UnaryMethod] = {}
+
+
+def unary(method: UnaryMethod):
+    _UNARY_METHODS[method.__name__] = method
+
     @functools.wraps(method)
     async def handler(self: ChatService, request: Any, context: grpc.aio.ServicerContext) -> Any:
         identity = await _identity(self, context)
-        remaining = context.time_remaining()
-        budget_s = min(remaining or DEFAULT_UNARY_DEADLINE_S, DEFAULT_UNARY_DEADLINE_S)
-        _call_ends_at.set(asyncio.get_running_loop().time() + budget_s)
         try:
-            async with asyncio.timeout(budget_s):
-                return await method(self, identity, request)
+            return await self.answer(method.__name__, identity, request, context.time_remaining())
         except Exception as exc:
             await _abort(context, exc)
 
@@ -149,6 +152,15 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         self.router = router
         self.limits: Limits = ctx.config.limits
         self.context_window = context_window
+
+    async def answer(self, method: str, identity: Identity, request: Any, within_s: float | None) -> Any:
+        """The response of the unary call ``method`` for ``identity``, as a call or on a completion link:
+        within the caller's time (``within_s``; at most ``DEFAULT_UNARY_DEADLINE_S``, which a call
+        without a deadline gets), else TimeoutError."""
+        budget_s = min(within_s or DEFAULT_UNARY_DEADLINE_S, DEFAULT_UNARY_DEADLINE_S)
+        _call_ends_at.set(asyncio.get_running_loop().time() + budget_s)
+        async with asyncio.timeout(budget_s):
+            return await _UNARY_METHODS[method](self, identity, request)
 
     # -- chats ----------------------------------------------------------------------------------
 

@@ -1,10 +1,20 @@
-"""``chatmesh.linked_calls``: the call a CompletionLinkService request stands for, the same for the edge
-and the orchestrator."""
+"""``chatmesh.linked_calls``: the call a CompletionLinkService request stands for, and a unary call's
+reply, the same for the edge and the orchestrator."""
 
 from __future__ import annotations
 
+import pytest
+from google.protobuf.message_factory import GetMessageClass
+
 from chatmesh.chat.v1 import chat_pb2, completion_link_pb2
-from chatmesh.linked_calls import linked_call, linked_start
+from chatmesh.linked_calls import (
+    UNARY_CALLS,
+    linked_call,
+    linked_reply,
+    linked_start,
+    method_of,
+    reply_response,
+)
 
 
 def test_each_start_names_the_call_it_stands_for_and_carries_its_request():
@@ -26,3 +36,25 @@ def test_each_start_names_the_call_it_stands_for_and_carries_its_request():
         assert linked_start(method, "Bearer t", request) == completion_link_pb2.CompleteStart(
             authorization="Bearer t", **{start.WhichOneof("stored") or "request": request}
         )
+
+
+def test_every_unary_call_of_chatservice_can_go_on_a_link_and_its_reply_carries_its_response():
+    [service] = [s for s in chat_pb2.DESCRIPTOR.services_by_name.values() if s.name == "ChatService"]
+    unary = {m.name for m in service.methods if not m.server_streaming}
+    assert unary == UNARY_CALLS  # a unary call added to ChatService needs its start and reply fields
+    for method in sorted(unary):
+        rpc = service.methods_by_name[method]
+        request = GetMessageClass(rpc.input_type)()
+        name, carried = linked_call(linked_start(method, "Bearer t", request))
+        assert name == f"chatmesh.chat.v1.CompletionLinkService/{method}"
+        assert method_of(carried) == method
+        response = GetMessageClass(rpc.output_type)()
+        assert reply_response(method, linked_reply(method, response)) == response
+
+
+def test_a_reply_that_carries_another_calls_response_is_refused():
+    reply = linked_reply("GetRun", chat_pb2.GetRunResponse(run=chat_pb2.Run(run_id="r")))
+    with pytest.raises(ValueError, match="CancelRun call carries get_run"):
+        reply_response("CancelRun", reply)
+    with pytest.raises(ValueError):
+        reply_response("GetRun", completion_link_pb2.CallReply())

@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,7 +34,7 @@ from google.rpc import error_details_pb2, status_pb2
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort, from_status
 from chatmesh.identity import AUTHORIZATION_HEADER, Identity, TokenVerifier, Unauthenticated
-from chatmesh.linked_calls import linked_call
+from chatmesh.linked_calls import UNARY_CALLS, linked_call, linked_reply, method_of
 from edge.orchestrator import EDGE_KEY_PREFIX
 from localmesh.dev_jwt import ISSUER
 from meshkit.links import LinkMessages, ServedRequests
@@ -556,12 +556,12 @@ class _Aborted(Exception):
 
 class _LinkedCallContext:
     """The part of a call's context the scripted Complete uses, for a request on a CompleteMany stream:
-    its metadata is the token its start carries, and an abort ends the request with its status (a
+    its metadata is the token and trace context its start carries, and an abort ends the request with its status (a
     failure scripted as the transport's is a status like any other here: on a real link only a broken
     stream is the transport's)."""
 
-    def __init__(self, authorization: str) -> None:
-        self._metadata = ((AUTHORIZATION_HEADER, authorization), LINKED)
+    def __init__(self, authorization: str, trace_context: Mapping[str, str]) -> None:
+        self._metadata = ((AUTHORIZATION_HEADER, authorization), LINKED, *trace_context.items())
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -575,8 +575,8 @@ class _LinkedCallContext:
 
 
 class ScriptedCompletionLink(completion_link_pb2_grpc.CompletionLinkServiceServicer):
-    """CompleteMany over the scripted calls: each request is its call (Complete, or the stored chat's
-    SendMessage, RegenerateMessage or StreamRun), run with its start's token."""
+    """CompleteMany over the scripted calls: each request is its call (Complete, the stored chat's
+    SendMessage, RegenerateMessage or StreamRun, or a unary call), run with its start's token."""
 
     def __init__(self, service: ScriptedChatService) -> None:
         self._service = service
@@ -605,7 +605,7 @@ class _ScriptedCompletes(ServedRequests):
         self.news.set()
 
     def start(self, request_id: str, frame) -> None:
-        self._tasks[request_id] = asyncio.create_task(self._complete(request_id, frame.start))
+        self._tasks[request_id] = asyncio.create_task(self._complete(request_id, frame))
 
     def cancel(self, request_id: str) -> None:
         self._tasks[request_id].cancel()
@@ -613,13 +613,19 @@ class _ScriptedCompletes(ServedRequests):
     def stop(self, request_id: str) -> None:
         self._tasks.pop(request_id).cancel()
 
-    async def _complete(self, request_id: str, start) -> None:
-        context = _LinkedCallContext(start.authorization)
-        name, request = linked_call(start)
+    async def _complete(self, request_id: str, frame) -> None:
+        context = _LinkedCallContext(frame.start.authorization, frame.trace_context)
+        _, request = linked_call(frame.start)
+        method = method_of(request)
+        call = getattr(self._service, method)
         error = None
         try:
-            async for response in getattr(self._service, name.rpartition("/")[2])(request, context):
-                self.send(COMPLETION_LINK.response_frame(request_id=request_id, event=response.event))
+            if method in UNARY_CALLS:
+                reply = linked_reply(method, await call(request, context))
+                self.send(COMPLETION_LINK.response_frame(request_id=request_id, reply=reply))
+            else:
+                async for response in call(request, context):
+                    self.send(COMPLETION_LINK.response_frame(request_id=request_id, event=response.event))
         except _Aborted as aborted:
             error = aborted.error
         except _LinkBreaks:

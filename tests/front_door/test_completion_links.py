@@ -123,6 +123,52 @@ async def test_a_read_refused_unavailable_by_the_one_address_known_is_the_client
     assert len(scripted.service.calls_to("GetUsage")) == calls + 1
 
 
+async def test_a_call_shed_by_grpc_is_a_503_too_busy_without_the_transports_text(
+    scripted: ScriptedChatServer, orchestrator: Orchestrator
+) -> None:
+    # Without chat links (behind Envoy's internal listener) a unary call is a call, which gRPC sheds
+    # with CANCELLED once it waited past the orchestrator's --max-pending-s.
+    transport_text = "Socket closed by 10.0.0.7:50050"
+    shed = scripted.service.failing("CreateChat", grpc.StatusCode.CANCELLED, transport_text, transport=True)
+    with shed, pytest.raises(ApiError) as refused:
+        await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(), caller())
+    assert refused.value.status == 503 and refused.value.message == BUSY_MESSAGE
+    assert refused.value.retry_after_s == 1.0
+
+
+async def test_with_chat_links_a_unary_call_goes_on_a_link_as_the_call_and_its_deadline_holds(
+    scripted: ScriptedChatServer,
+) -> None:
+    quick = Orchestrator(
+        f"127.0.0.1:{scripted.port}", 0.5, 60.0, Drain(), completion_links=2, chat_links=True
+    )
+    await quick.start()
+    try:
+        who = await new_chat(quick, "linked-unary-user")
+        reply = await quick.unary("GetChat", chat_pb2.GetChatRequest(chat_id=who.chat_id), who)
+        assert reply.chat.chat_id == who.chat_id
+        call = scripted.service.calls_to("GetChat")[-1]
+        # On a link, with the caller's token, and answered with that call's response.
+        assert call.metadata[LINKED[0]] == LINKED[1]
+        assert call.metadata["authorization"] == who.authorization
+        # Refused as the call is: its status, with the details the service gave.
+        refusing = scripted.service.failing(
+            "GetRun", grpc.StatusCode.RESOURCE_EXHAUSTED, "scripted: busy", retry_after_s=3
+        )
+        with refusing, pytest.raises(ApiError) as refused:
+            await quick.unary("GetRun", chat_pb2.GetRunRequest(run_id="r-1"), who)
+        assert refused.value.status == 429 and refused.value.retry_after_s == 3
+        # Past its deadline it is a 504 (its `cancel` went out), and the link carries the next call.
+        started = asyncio.get_running_loop().time()
+        with scripted.service.delay("GetChat", 2.0), pytest.raises(ApiError) as late:
+            await quick.unary("GetChat", chat_pb2.GetChatRequest(chat_id=who.chat_id), who)
+        assert late.value.status == 504
+        assert asyncio.get_running_loop().time() - started < 1.5
+        assert (await quick.unary("GetChat", chat_pb2.GetChatRequest(chat_id=who.chat_id), who)).chat
+    finally:
+        await quick.close()
+
+
 async def new_chat(orchestrator: Orchestrator, user: str) -> Caller:
     """A new chat of ``user``'s, and the caller for it."""
     reply = await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(), caller(user))

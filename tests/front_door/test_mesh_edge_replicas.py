@@ -4,21 +4,26 @@ two real replicas over the shared mesh: a chat's sends stay on one replica while
 a replica that drains (SIGTERM) is passed over for new sends as soon as its health says NOT_SERVING (it
 refuses them half a second later), and the answer it was streaming goes on from the other replica. A
 stored chat's streams travel on the edge's completion links, each on a link to its chat's replica: one
-replica killed (SIGKILL) under them, its answers go on from the other, which adopts their runs."""
+replica killed (SIGKILL) under them, its answers go on from the other, which adopts their runs. Its
+unary calls travel on those links too: a cancel and a read held by a replica that hangs (SIGSTOP) are
+answered by the other once it is killed."""
 
 from __future__ import annotations
 
 import re
+import signal
 import threading
+import time
 import uuid
 from pathlib import Path
 
 import httpx
 
+from chatmesh.identity import CHAT_ID_HEADER
 from localmesh.dev_jwt import DevKeys
 from meshkit.launcher import Launcher, free_port
 from meshkit.replicas import rendezvous
-from tests.fixtures.front_door import start_front_door
+from tests.fixtures.front_door import FrontDoor, start_front_door
 from tests.fixtures.orchestrator import Mesh, orchestrator_spec
 from tests.front_door.helpers import kill_under_answers, send, wait_for
 from tests.front_door.sse_client import Event, iter_events
@@ -121,53 +126,67 @@ def test_a_chats_sends_stay_on_one_replica_chats_spread_and_a_draining_replica_i
             assert stored["content"] == "".join(e.data["text"] for e in long_answer if e.event == "delta")
 
 
+def stream_answer(
+    door: FrontDoor, user: str, chat: str, max_tokens: int, streamed: list[Event], started: threading.Event
+) -> None:
+    """Streams an answer of ``max_tokens`` in ``chat`` into ``streamed``, setting ``started`` at its first
+    text."""
+    body = {"content": "long", "options": {"max_tokens": max_tokens}}
+    with (
+        door.client(user, "enterprise") as client,
+        client.stream("POST", f"/v1/chats/{chat}/messages", json=body, timeout=90) as reply,
+    ):
+        assert reply.status_code == 200, reply.read()
+        for event in iter_events(reply):
+            streamed.append(event)
+            if event.event == "delta":
+                started.set()
+
+
+def two_fast_reaping_replicas(
+    launcher: Launcher, dev_jwt_keys: DevKeys, mesh: Mesh
+) -> tuple[list[str], FrontDoor, dict[int, list[tuple[str, str]]]]:
+    """Two replicas that adopt a dead one's runs within seconds, the door reaching them itself, and
+    three chats (user, chat id) the edge puts on each (as it picks: rendezvous hashing on the chat id)."""
+    names, ports = [], []
+    for _ in range(2):
+        name, port = f"orchestrator-{uuid.uuid4().hex[:6]}", free_port()
+        cql_port = mesh.cassandra.node.config.cql_port
+        launcher.start(
+            orchestrator_spec(
+                name, port, free_port(), mesh.router_address, cql_port, replica_id=name, **FAST_REAPING
+            )
+        )
+        names.append(name)
+        ports.append(port)
+    door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=False)
+    addresses = [f"127.0.0.1:{port}" for port in ports]
+    chats: dict[int, list[tuple[str, str]]] = {0: [], 1: []}
+    for _ in range(40):
+        user = f"u-{uuid.uuid4().hex[:8]}"
+        with door.client(user, "enterprise") as client:
+            chat = client.post("/v1/chats", json={}).json()["chat_id"]
+        home = max((0, 1), key=lambda n: rendezvous(chat, addresses[n]))
+        if len(chats[home]) < 3:
+            chats[home].append((user, chat))
+        if len(chats[0]) == len(chats[1]) == 3:
+            break
+    return names, door, chats
+
+
 def test_stored_answers_on_links_to_a_replica_killed_under_them_go_on_from_the_other(
     tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
 ):
     with Launcher(tmp_path, echo=lambda line: None) as launcher:
-        names, ports = [], []
-        for _ in range(2):
-            name, port = f"orchestrator-{uuid.uuid4().hex[:6]}", free_port()
-            cql_port = mesh.cassandra.node.config.cql_port
-            launcher.start(
-                orchestrator_spec(
-                    name, port, free_port(), mesh.router_address, cql_port, replica_id=name, **FAST_REAPING
-                )
-            )
-            names.append(name)
-            ports.append(port)
-        door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=False)
-        addresses = [f"127.0.0.1:{port}" for port in ports]
-        users = [f"u-{uuid.uuid4().hex[:8]}" for _ in range(40)]
-        # Three chats the edge puts on each replica (as it picks: rendezvous hashing on the chat id).
-        chats: dict[int, list[tuple[str, str]]] = {0: [], 1: []}
-        for user in users:
-            with door.client(user, "enterprise") as client:
-                chat = client.post("/v1/chats", json={}).json()["chat_id"]
-            home = max((0, 1), key=lambda n: rendezvous(chat, addresses[n]))
-            if len(chats[home]) < 3:
-                chats[home].append((user, chat))
-            if len(chats[0]) == len(chats[1]) == 3:
-                break
+        names, door, chats = two_fast_reaping_replicas(launcher, dev_jwt_keys, mesh)
         streams = [*chats[0], *chats[1]]
         streamed: list[list[Event]] = [[] for _ in streams]
         started = [threading.Event() for _ in streams]
-
-        def stream_answer(n: int) -> None:  # 5 s at the engines' 200 tokens a second
-            user, chat = streams[n]
-            body = {"content": "long", "options": {"max_tokens": 1000}}
-            with (
-                door.client(user, "enterprise") as client,
-                client.stream("POST", f"/v1/chats/{chat}/messages", json=body, timeout=90) as reply,
-            ):
-                assert reply.status_code == 200, reply.read()
-                for event in iter_events(reply):
-                    streamed[n].append(event)
-                    if event.event == "delta":
-                        started[n].set()
-
         threads = [
-            threading.Thread(target=stream_answer, args=(n,), daemon=True) for n in range(len(streams))
+            threading.Thread(  # 5 s at the engines' 200 tokens a second
+                target=stream_answer, args=(door, *streams[n], 1000, streamed[n], started[n]), daemon=True
+            )
+            for n in range(len(streams))
         ]
         kill_under_answers(launcher, names[0], threads, started, join_s=90)
         # Every answer whole (each event once, every token once), and stored as it streamed: those of
@@ -177,4 +196,56 @@ def test_stored_answers_on_links_to_a_replica_killed_under_them_go_on_from_the_o
             with door.client(user, "enterprise") as client:
                 stored = client.get(f"/v1/chats/{chat}/messages").json()["messages"][0]
             assert stored["content"] == "".join(e.data["text"] for e in events if e.event == "delta")
+        launcher.forget(names[0])
+
+
+def test_a_cancel_and_a_read_on_a_link_to_a_replica_that_hangs_then_dies_are_answered_by_the_other(
+    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
+):
+    # The edge's unary calls travel on its links too: a replica that stops answering (SIGSTOP) holds
+    # them; once it is killed (SIGKILL) its links break, and a read or a cancel, which repeat
+    # harmlessly, go to the other replica, which ends the dead one's run in Cassandra.
+    with Launcher(tmp_path, echo=lambda line: None) as launcher:
+        names, door, chats = two_fast_reaping_replicas(launcher, dev_jwt_keys, mesh)
+        user, chat = chats[0][0]
+        streamed: list[Event] = []
+        started = threading.Event()
+        streaming = threading.Thread(  # 10 s at the engines' 200 tokens a second
+            target=stream_answer, args=(door, user, chat, 2000, streamed, started), daemon=True
+        )
+        streaming.start()
+        assert started.wait(30), "the answer did not start"
+        run_id = streamed[0].data["run_id"]
+        launcher.signal(names[0], signal.SIGSTOP)
+        replies: dict[str, httpx.Response] = {}
+
+        def ask(what: str, method: str, path: str) -> None:
+            with door.client(user, "enterprise") as client:
+                replies[what] = client.request(method, path, headers={CHAT_ID_HEADER: chat}, timeout=30)
+
+        asking = [
+            threading.Thread(target=ask, args=("cancel", "POST", f"/v1/runs/{run_id}/cancel")),
+            threading.Thread(target=ask, args=("read", "GET", f"/v1/chats/{chat}")),
+        ]
+        for thread in asking:
+            thread.start()
+        time.sleep(1.0)
+        assert not replies, "answered by a replica that is stopped"
+        launcher.signal(names[0], signal.SIGKILL)
+        for thread in asking:
+            thread.join(30)
+        assert replies["read"].status_code == 200 and replies["read"].json()["chat_id"] == chat
+        assert replies["cancel"].status_code == 200, replies["cancel"].text
+        assert replies["cancel"].json()["status"] in ("cancelled", "cancelling")
+        with door.client(user, "enterprise") as client:
+            wait_for(
+                lambda: (
+                    client.get(f"/v1/runs/{run_id}", headers={CHAT_ID_HEADER: chat}).json()["status"]
+                    == "cancelled"
+                ),
+                timeout_s=30,
+                what="the run stored cancelled",
+            )
+        streaming.join(60)
+        assert not streaming.is_alive()
         launcher.forget(names[0])

@@ -1,6 +1,6 @@
-"""CompletionLinkService: many Complete calls (and stored chats' streams) on one CompleteMany stream,
-through real processes (the orchestrator, a router, null engines, Cassandra), each request keeping its
-call's contract."""
+"""CompletionLinkService: many Complete calls (and stored chats' streams, and unary calls) on one
+CompleteMany stream, through real processes (the orchestrator, a router, null engines, Cassandra), each
+request keeping its call's contract."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -18,11 +19,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.chat.v1 import chat_pb2, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.errors import DRAINING, ServiceError
-from chatmesh.linked_calls import linked_start
+from chatmesh.linked_calls import linked_start, reply_response
 from meshkit.links import Link, LinkBroken, LinkMessages, RequestFeed
 from meshkit.telemetry import TRACE_FILE_ENV
 from tests.fixtures.identity import bearer
-from tests.fixtures.orchestrator import ChatClient, Mesh, collect, new_user
+from tests.fixtures.orchestrator import ChatClient, Mesh, collect, new_user, read_until
 from tests.orchestrator.test_tracing import wait_for_trace
 
 pytestmark = pytest.mark.usefixtures("router_required")
@@ -47,7 +48,7 @@ def complete_request(text: str, max_tokens: int, seed: int = 7) -> chat_pb2.Comp
 
 def open_request(
     link: Link,
-    request: chat_pb2.CompleteRequest | chat_pb2.SendMessageRequest | chat_pb2.StreamRunRequest,
+    request: Any,
     user: str | None = None,
     timeout_ms: int = 0,
     trace_context: dict[str, str] | None = None,
@@ -73,6 +74,21 @@ async def read(feed: RequestFeed) -> tuple[list[chat_pb2.RunEvent], ServiceError
     except ServiceError as error:
         return events, error
     return events, None
+
+
+async def answer(link: Link, request: Any, user: str) -> tuple[Any, ServiceError | None]:
+    """A unary call on the link: its response (one `reply`, then `finished`), or how it failed."""
+    method = request.DESCRIPTOR.name.removesuffix("Request")
+    _, feed = open_request(link, request, user=user)
+    frames = []
+    try:
+        while batch := await feed.take():
+            frames += batch
+    except ServiceError as error:
+        assert frames == []
+        return None, error
+    assert [frame.WhichOneof("kind") for frame in frames] == ["reply", "finished"]
+    return reply_response(method, frames[0].reply), None
 
 
 def text(events: list[chat_pb2.RunEvent]) -> str:
@@ -238,6 +254,38 @@ async def test_a_stored_chats_send_on_a_link_is_refused_as_its_call_would_be(
     not_a_run = chat_pb2.StreamRunRequest(run_id="../etc")
     events, error = await read(open_request(link, not_a_run, user=client.user)[1])
     assert events == [] and error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_unary_calls_on_a_link_answer_as_the_calls_do_and_its_cancel_frees_the_engine_at_once(
+    client: ChatClient, mesh: Mesh, link: Link
+) -> None:
+    created, error = await answer(link, chat_pb2.CreateChatRequest(title="linked"), client.user)
+    assert error is None
+    chat_id = created.chat.chat_id
+    # Stored as the call stores it, for the caller its start's token proves.
+    assert (await client.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat_id))).chat == created.chat
+    got, error = await answer(link, chat_pb2.GetChatRequest(chat_id=chat_id), client.user)
+    assert error is None and got.chat == created.chat
+    # Refused as the calls are: another user's chat is not found, a malformed id is invalid.
+    _, error = await answer(link, chat_pb2.GetChatRequest(chat_id=chat_id), new_user())
+    assert error is not None and error.code == grpc.StatusCode.NOT_FOUND
+    _, error = await answer(link, chat_pb2.GetRunRequest(run_id="../etc"), client.user)
+    assert error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid id" in error.message
+
+    # CancelRun on the link stops a running answer at once, and its end is stored.
+    options = chat_pb2.GenerationOptions(max_tokens=3000)
+    send = client.send(chat_id, "Tell me a long story.", options=options)
+    head = await read_until(send, 6)
+    run_id = head[0].started.run_id
+    cancelled, error = await answer(link, chat_pb2.CancelRunRequest(run_id=run_id), client.user)
+    assert error is None and cancelled.run.status == chat_pb2.RUN_STATUS_CANCELLED
+    assert mesh.engine_requests() == 0
+    run = head + await asyncio.wait_for(collect(send), 10)
+    assert run[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
+    got, error = await answer(link, chat_pb2.GetRunRequest(run_id=run_id), client.user)
+    assert error is None and got.run.status == chat_pb2.RUN_STATUS_CANCELLED
+    assert got.run.last_seq == run[-1].seq
 
 
 async def until_draining(address: str, timeout_s: float = 10.0) -> None:

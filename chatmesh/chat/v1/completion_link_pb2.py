@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from chatmesh.chat.v1 import chat_pb2 as chatmesh_dot_chat_dot_v1_dot_chat__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&chatmesh/chat/v1/completion_link.proto\x12\x10\x63hatmesh.chat.v1\x1a\x1b\x63hatmesh/chat/v1/chat.proto\"M\n\x13\x43ompleteManyRequest\x12\x36\n\x06\x66rames\x18\x01 \x03(\x0b\x32&.chatmesh.chat.v1.CompleteRequestFrame\"\xb2\x02\n\x14\x43ompleteRequestFrame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x05start\x18\x02 \x01(\x0b\x32\x1f.chatmesh.chat.v1.CompleteStartH\x00\x12\x32\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32 .chatmesh.chat.v1.CompleteCancelH\x00\x12O\n\rtrace_context\x18\x04 \x03(\x0b\x32\x38.chatmesh.chat.v1.CompleteRequestFrame.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\xaa\x02\n\rCompleteStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rauthorization\x18\x02 \x01(\t\x12\x32\n\x07request\x18\x03 \x01(\x0b\x32!.chatmesh.chat.v1.CompleteRequest\x12\x34\n\x04send\x18\x04 \x01(\x0b\x32$.chatmesh.chat.v1.SendMessageRequestH\x00\x12@\n\nregenerate\x18\x05 \x01(\x0b\x32*.chatmesh.chat.v1.RegenerateMessageRequestH\x00\x12\x38\n\nstream_run\x18\x06 \x01(\x0b\x32\".chatmesh.chat.v1.StreamRunRequestH\x00\x42\x08\n\x06stored\"\x10\n\x0e\x43ompleteCancel\"O\n\x14\x43ompleteManyResponse\x12\x37\n\x06\x66rames\x18\x01 \x03(\x0b\x32\'.chatmesh.chat.v1.CompleteResponseFrame\"\xcc\x01\n\x15\x43ompleteResponseFrame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1a.chatmesh.chat.v1.RunEventH\x00\x12\x36\n\x08\x66inished\x18\x03 \x01(\x0b\x32\".chatmesh.chat.v1.CompleteFinishedH\x00\x12\x32\n\x06\x66\x61iled\x18\x04 \x01(\x0b\x32 .chatmesh.chat.v1.CompleteFailedH\x00\x42\x06\n\x04kind\"\x12\n\x10\x43ompleteFinished\" \n\x0e\x43ompleteFailed\x12\x0e\n\x06status\x18\x01 \x01(\x0c\x32z\n\x15\x43ompletionLinkService\x12\x61\n\x0c\x43ompleteMany\x12%.chatmesh.chat.v1.CompleteManyRequest\x1a&.chatmesh.chat.v1.CompleteManyResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&chatmesh/chat/v1/completion_link.proto\x12\x10\x63hatmesh.chat.v1\x1a\x1b\x63hatmesh/chat/v1/chat.proto\"M\n\x13\x43ompleteManyRequest\x12\x36\n\x06\x66rames\x18\x01 \x03(\x0b\x32&.chatmesh.chat.v1.CompleteRequestFrame\"\xb2\x02\n\x14\x43ompleteRequestFrame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x05start\x18\x02 \x01(\x0b\x32\x1f.chatmesh.chat.v1.CompleteStartH\x00\x12\x32\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32 .chatmesh.chat.v1.CompleteCancelH\x00\x12O\n\rtrace_context\x18\x04 \x03(\x0b\x32\x38.chatmesh.chat.v1.CompleteRequestFrame.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"\xae\x07\n\rCompleteStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rauthorization\x18\x02 \x01(\t\x12\x32\n\x07request\x18\x03 \x01(\x0b\x32!.chatmesh.chat.v1.CompleteRequest\x12\x34\n\x04send\x18\x04 \x01(\x0b\x32$.chatmesh.chat.v1.SendMessageRequestH\x00\x12@\n\nregenerate\x18\x05 \x01(\x0b\x32*.chatmesh.chat.v1.RegenerateMessageRequestH\x00\x12\x38\n\nstream_run\x18\x06 \x01(\x0b\x32\".chatmesh.chat.v1.StreamRunRequestH\x00\x12:\n\x0b\x63reate_chat\x18\x07 \x01(\x0b\x32#.chatmesh.chat.v1.CreateChatRequestH\x00\x12\x34\n\x08get_chat\x18\x08 \x01(\x0b\x32 .chatmesh.chat.v1.GetChatRequestH\x00\x12\x38\n\nlist_chats\x18\t \x01(\x0b\x32\".chatmesh.chat.v1.ListChatsRequestH\x00\x12:\n\x0brename_chat\x18\n \x01(\x0b\x32#.chatmesh.chat.v1.RenameChatRequestH\x00\x12:\n\x0b\x64\x65lete_chat\x18\x0b \x01(\x0b\x32#.chatmesh.chat.v1.DeleteChatRequestH\x00\x12>\n\rlist_messages\x18\x0c \x01(\x0b\x32%.chatmesh.chat.v1.ListMessagesRequestH\x00\x12\x32\n\x07get_run\x18\r \x01(\x0b\x32\x1f.chatmesh.chat.v1.GetRunRequestH\x00\x12\x38\n\ncancel_run\x18\x0e \x01(\x0b\x32\".chatmesh.chat.v1.CancelRunRequestH\x00\x12:\n\x0blist_models\x18\x0f \x01(\x0b\x32#.chatmesh.chat.v1.ListModelsRequestH\x00\x12\x36\n\tget_usage\x18\x10 \x01(\x0b\x32!.chatmesh.chat.v1.GetUsageRequestH\x00\x12<\n\x0csearch_chats\x18\x11 \x01(\x0b\x32$.chatmesh.chat.v1.SearchChatsRequestH\x00\x42\x08\n\x06stored\"\x10\n\x0e\x43ompleteCancel\"O\n\x14\x43ompleteManyResponse\x12\x37\n\x06\x66rames\x18\x01 \x03(\x0b\x32\'.chatmesh.chat.v1.CompleteResponseFrame\"\xfa\x01\n\x15\x43ompleteResponseFrame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x1a.chatmesh.chat.v1.RunEventH\x00\x12\x36\n\x08\x66inished\x18\x03 \x01(\x0b\x32\".chatmesh.chat.v1.CompleteFinishedH\x00\x12\x32\n\x06\x66\x61iled\x18\x04 \x01(\x0b\x32 .chatmesh.chat.v1.CompleteFailedH\x00\x12,\n\x05reply\x18\x05 \x01(\x0b\x32\x1b.chatmesh.chat.v1.CallReplyH\x00\x42\x06\n\x04kind\"\xa6\x05\n\tCallReply\x12;\n\x0b\x63reate_chat\x18\x01 \x01(\x0b\x32$.chatmesh.chat.v1.CreateChatResponseH\x00\x12\x35\n\x08get_chat\x18\x02 \x01(\x0b\x32!.chatmesh.chat.v1.GetChatResponseH\x00\x12\x39\n\nlist_chats\x18\x03 \x01(\x0b\x32#.chatmesh.chat.v1.ListChatsResponseH\x00\x12;\n\x0brename_chat\x18\x04 \x01(\x0b\x32$.chatmesh.chat.v1.RenameChatResponseH\x00\x12;\n\x0b\x64\x65lete_chat\x18\x05 \x01(\x0b\x32$.chatmesh.chat.v1.DeleteChatResponseH\x00\x12?\n\rlist_messages\x18\x06 \x01(\x0b\x32&.chatmesh.chat.v1.ListMessagesResponseH\x00\x12\x33\n\x07get_run\x18\x07 \x01(\x0b\x32 .chatmesh.chat.v1.GetRunResponseH\x00\x12\x39\n\ncancel_run\x18\x08 \x01(\x0b\x32#.chatmesh.chat.v1.CancelRunResponseH\x00\x12;\n\x0blist_models\x18\t \x01(\x0b\x32$.chatmesh.chat.v1.ListModelsResponseH\x00\x12\x37\n\tget_usage\x18\n \x01(\x0b\x32\".chatmesh.chat.v1.GetUsageResponseH\x00\x12=\n\x0csearch_chats\x18\x0b \x01(\x0b\x32%.chatmesh.chat.v1.SearchChatsResponseH\x00\x42\n\n\x08response\"\x12\n\x10\x43ompleteFinished\" \n\x0e\x43ompleteFailed\x12\x0e\n\x06status\x18\x01 \x01(\x0c\x32z\n\x15\x43ompletionLinkService\x12\x61\n\x0c\x43ompleteMany\x12%.chatmesh.chat.v1.CompleteManyRequest\x1a&.chatmesh.chat.v1.CompleteManyResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,17 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETEREQUESTFRAME_TRACECONTEXTENTRY']._serialized_start=416
   _globals['_COMPLETEREQUESTFRAME_TRACECONTEXTENTRY']._serialized_end=467
   _globals['_COMPLETESTART']._serialized_start=478
-  _globals['_COMPLETESTART']._serialized_end=776
-  _globals['_COMPLETECANCEL']._serialized_start=778
-  _globals['_COMPLETECANCEL']._serialized_end=794
-  _globals['_COMPLETEMANYRESPONSE']._serialized_start=796
-  _globals['_COMPLETEMANYRESPONSE']._serialized_end=875
-  _globals['_COMPLETERESPONSEFRAME']._serialized_start=878
-  _globals['_COMPLETERESPONSEFRAME']._serialized_end=1082
-  _globals['_COMPLETEFINISHED']._serialized_start=1084
-  _globals['_COMPLETEFINISHED']._serialized_end=1102
-  _globals['_COMPLETEFAILED']._serialized_start=1104
-  _globals['_COMPLETEFAILED']._serialized_end=1136
-  _globals['_COMPLETIONLINKSERVICE']._serialized_start=1138
-  _globals['_COMPLETIONLINKSERVICE']._serialized_end=1260
+  _globals['_COMPLETESTART']._serialized_end=1420
+  _globals['_COMPLETECANCEL']._serialized_start=1422
+  _globals['_COMPLETECANCEL']._serialized_end=1438
+  _globals['_COMPLETEMANYRESPONSE']._serialized_start=1440
+  _globals['_COMPLETEMANYRESPONSE']._serialized_end=1519
+  _globals['_COMPLETERESPONSEFRAME']._serialized_start=1522
+  _globals['_COMPLETERESPONSEFRAME']._serialized_end=1772
+  _globals['_CALLREPLY']._serialized_start=1775
+  _globals['_CALLREPLY']._serialized_end=2453
+  _globals['_COMPLETEFINISHED']._serialized_start=2455
+  _globals['_COMPLETEFINISHED']._serialized_end=2473
+  _globals['_COMPLETEFAILED']._serialized_start=2475
+  _globals['_COMPLETEFAILED']._serialized_end=2507
+  _globals['_COMPLETIONLINKSERVICE']._serialized_start=2509
+  _globals['_COMPLETIONLINKSERVICE']._serialized_end=2631
 # @@protoc_insertion_point(module_scope)

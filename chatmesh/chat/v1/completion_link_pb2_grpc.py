@@ -55,7 +55,11 @@ class CompletionLinkServiceServicer:
         resume it), as when a Complete call is cancelled. When the stream ends, every request on it ends.
         A request may instead be a stored chat's run stream (SendMessage, RegenerateMessage or StreamRun:
         `CompleteStart.stored`), which keeps that call's contract: its `cancel`, or the stream ending, only
-        detaches it (the run goes on until it ends or CancelRun stops it; StreamRun resumes it).
+        detaches it (the run goes on until it ends or CancelRun stops it; StreamRun resumes it). Or it may
+        be one of ChatService's unary calls (CancelRun, GetRun, CreateChat...), answered by one `reply`
+        (the call's response), then `finished`, or by `failed`; its `cancel` is that call cancelled. A
+        call costs the server one new call accepted, and gRPC's asyncio server accepts one a loop turn: on
+        a replica whose loop runs late, a request on a stream waits for no such turn.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
