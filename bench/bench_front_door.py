@@ -271,13 +271,16 @@ class Door:
         except SseFailedError as exc:
             raise StreamFailedError(str(exc)) from None
 
-    async def cancel_runs(self) -> Counter[str]:
+    async def cancel_runs(self) -> tuple[Counter[str], list[float]]:
         """Cancels the runs of the chat sends made so far (a run that ended meanwhile stays as it is), all
         at once. Returns how the cancels were answered: the run's status (``cancelling``: stopped, its end
         not yet stored when the answer was due), and each refusal (5xx), which is tried again a second
-        later, as cancelling twice is harmless."""
+        later, as cancelling twice is harmless; and the seconds until each run's cancel was answered
+        with its status (its tries included)."""
         runs, self._runs = self._runs, {}
         answers: Counter[str] = Counter()
+        answered_s: list[float] = []
+        asked = time.perf_counter()
 
         async def cancel(i: int, run: str) -> None:
             for attempt in range(1, CANCEL_TRIES + 1):
@@ -285,12 +288,13 @@ class Door:
                 if reply.status_code < 500 or attempt == CANCEL_TRIES:
                     reply.raise_for_status()
                     answers[reply.json()["status"]] += 1
+                    answered_s.append(time.perf_counter() - asked)
                     return
                 answers[f"HTTP {reply.status_code} (tried again)"] += 1
                 await asyncio.sleep(1.0)
 
         await asyncio.gather(*(cancel(i, run) for i, run in runs.items()))
-        return answers
+        return answers, answered_s
 
     async def new_chats(self, count: int) -> list[str]:
         # httpx's pool costs O(requests in flight) per request: thousands at once take the client minutes.
@@ -702,6 +706,7 @@ class Cost:
     tokens_per_event: float  # tokens per chunk or delta it received then (over 1: the door merged them)
     us_per_token: dict[str, float]  # CPU microseconds per relayed token, by hop
     cancels: Counter[str]  # how the cancels of a chat level's runs were answered (Door.cancel_runs)
+    cancel_s: tuple[float, float]  # p50 and p99 of the seconds until a run's cancel was answered
     lag: dict[str, loop_lag.LagHistogram]  # each hop's event loop lag over the window (most lagging replica)
     gaps_ms: tuple[float, float]  # p50 and p99 of the time between a stream's events in the window
 
@@ -772,11 +777,12 @@ async def relay_cost(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        cancels = await door.cancel_runs()  # a chat's run goes on when its stream is dropped
+        cancels, answered_s = await door.cancel_runs()  # a chat's run goes on when its stream is dropped
     cpu = by_hop(after.cpu_since(before))
     us_per_token = {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()}
     gaps_ms = (1000 * percentile(gaps, 0.5), 1000 * percentile(gaps, 0.99)) if gaps else (0.0, 0.0)
-    return Cost(path, streams, relayed / elapsed, per_event, us_per_token, cancels, lag, gaps_ms)
+    cancel_s = (percentile(answered_s, 0.5), percentile(answered_s, 0.99)) if answered_s else (0.0, 0.0)
+    return Cost(path, streams, relayed / elapsed, per_event, us_per_token, cancels, cancel_s, lag, gaps_ms)
 
 
 async def cost_levels(
@@ -821,7 +827,11 @@ async def cost_levels(
                     flush=True,
                 )
                 if cost.cancels:
-                    print(f"{'':>7} cancels answered: {dict(cost.cancels.most_common())}", flush=True)
+                    print(
+                        f"{'':>7} cancels answered: {dict(cost.cancels.most_common())}, a run's in"
+                        f" {cost.cancel_s[0]:.1f} / {cost.cancel_s[1]:.1f} s (p50 / p99, its tries included)",
+                        flush=True,
+                    )
                 await asyncio.sleep(2.0)  # the cancelled runs end before the next level
     finally:
         await door.close()
