@@ -78,6 +78,7 @@ from pathlib import Path
 
 import grpc
 import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,6 +112,9 @@ PATHS = ("engine", "openai", "chat")
 # Tries of each run's cancel after a relay-cost level (a second apart).
 CANCEL_TRIES = 10
 # Prompt tokens per stream the hold ramp's engines make room for (QUESTION's prompt is ~50).
+# How often the relay-cost window asks each orchestrator's health, as a readiness probe does (its
+# answer time: how long a probe of a replica that busy waits, against the probe's timeout).
+HEALTH_PROBE_INTERVAL_S = 0.5
 PROMPT_ROOM = 128
 
 
@@ -707,12 +711,40 @@ class Cost:
     us_per_token: dict[str, float]  # CPU microseconds per relayed token, by hop
     cancels: Counter[str]  # how the cancels of a chat level's runs were answered (Door.cancel_runs)
     cancel_s: tuple[float, float]  # p50 and p99 of the seconds until a run's cancel was answered
+    health_ms: list[float]  # how long each health check of an orchestrator took in the window
     lag: dict[str, loop_lag.LagHistogram]  # each hop's event loop lag over the window (most lagging replica)
     gaps_ms: tuple[float, float]  # p50 and p99 of the time between a stream's events in the window
 
     @property
     def door_us(self) -> float:
         return sum(self.us_per_token[hop] for hop in DOOR)
+
+
+async def probe_health(orchestrators: Sequence[str], answered_ms: list[float]) -> None:
+    """Asks each orchestrator's gRPC health every ``HEALTH_PROBE_INTERVAL_S`` (a new call each time, as
+    a kubelet's probe is), adding how long each took to be answered, until cancelled."""
+    channels = [grpc.aio.insecure_channel(address) for address in orchestrators]
+    stubs = [health_pb2_grpc.HealthStub(channel) for channel in channels]
+
+    async def check(stub: health_pb2_grpc.HealthStub) -> None:
+        asked = time.perf_counter()
+        with contextlib.suppress(grpc.RpcError):
+            await stub.Check(health_pb2.HealthCheckRequest(), timeout=30.0)
+        answered_ms.append(1000 * (time.perf_counter() - asked))
+
+    checks: set[asyncio.Task[None]] = set()
+    try:
+        while True:
+            for stub in stubs:
+                task = asyncio.create_task(check(stub))
+                checks.add(task)
+                task.add_done_callback(checks.discard)
+            await asyncio.sleep(HEALTH_PROBE_INTERVAL_S)
+    finally:
+        for task in checks:
+            task.cancel()
+        for channel in channels:
+            await channel.close()
 
 
 async def relay_cost(
@@ -723,11 +755,13 @@ async def relay_cost(
     window_s: float,
     pids: dict[str, int],
     lag_ports: Mapping[str, int],
+    orchestrators: Sequence[str],
 ) -> Cost:
     """Opens ``streams`` long streams along ``path`` (``openai``, or ``chat``: a send in a new chat
     each); once every one has its first token (and a second for the opening burst to settle), reads
-    each process's CPU time over ``window_s`` and divides by the tokens the client received meanwhile.
-    Then the streams are closed and their runs cancelled."""
+    each process's CPU time over ``window_s`` and divides by the tokens the client received meanwhile,
+    asking the ``orchestrators``' health meanwhile (``probe_health``). Then the streams are closed and
+    their runs cancelled."""
     received = events = started = 0
     all_started = asyncio.Event()
     window: list[float] | None = None  # the gaps between a stream's events while the window is open
@@ -765,7 +799,10 @@ async def relay_cost(
         lag_before = await loop_lag.scrape(lag_ports)
         before, counted, events_before, began = Usage.of(pids), received, events, time.perf_counter()
         window = gaps = []
+        health_ms: list[float] = []
+        probing = asyncio.create_task(probe_health(orchestrators, health_ms))
         await asyncio.sleep(window_s)
+        probing.cancel()
         after, relayed, elapsed = Usage.of(pids), received - counted, time.perf_counter() - began
         window = None
         lag = lag_since(await loop_lag.scrape(lag_ports), lag_before)
@@ -782,11 +819,18 @@ async def relay_cost(
     us_per_token = {hop: seconds * 1e6 / relayed for hop, seconds in cpu.items()}
     gaps_ms = (1000 * percentile(gaps, 0.5), 1000 * percentile(gaps, 0.99)) if gaps else (0.0, 0.0)
     cancel_s = (percentile(answered_s, 0.5), percentile(answered_s, 0.99)) if answered_s else (0.0, 0.0)
-    return Cost(path, streams, relayed / elapsed, per_event, us_per_token, cancels, cancel_s, lag, gaps_ms)
+    return Cost(
+        path, streams, relayed / elapsed, per_event, us_per_token, cancels, cancel_s, health_ms, lag, gaps_ms
+    )
 
 
 async def cost_levels(
-    args: argparse.Namespace, url: str, keys: DevKeys, pids: dict[str, int], lag_ports: Mapping[str, int]
+    args: argparse.Namespace,
+    url: str,
+    keys: DevKeys,
+    pids: dict[str, int],
+    lag_ports: Mapping[str, int],
+    orchestrators: Sequence[str],
 ) -> list[Cost]:
     tokens = min(4096, round(args.tokens_per_s * (args.cost_window_s + 60)))
     door = Door(url, keys, tokens)
@@ -807,7 +851,9 @@ async def cost_levels(
             for streams in args.cost_streams:
                 for i in range(streams):
                     door.auth(i)
-                cost = await relay_cost(door, path, streams, tokens, args.cost_window_s, pids, lag_ports)
+                cost = await relay_cost(
+                    door, path, streams, tokens, args.cost_window_s, pids, lag_ports, orchestrators
+                )
                 results.append(cost)
                 us = cost.us_per_token
                 print(
@@ -826,6 +872,14 @@ async def cost_levels(
                     ),
                     flush=True,
                 )
+                if cost.health_ms:
+                    print(
+                        f"{'':>7} {len(cost.health_ms)} health checks of the orchestrators over the window,"
+                        f" answered in {percentile(cost.health_ms, 0.5):.0f} / {percentile(cost.health_ms, 0.99):.0f}"
+                        f" / {max(cost.health_ms):.0f} ms (p50 / p99 / max), over 1 s (a readiness probe's"
+                        f" default timeout): {sum(ms > 1000 for ms in cost.health_ms)}",
+                        flush=True,
+                    )
                 if cost.cancels:
                     print(
                         f"{'':>7} cancels answered: {dict(cost.cancels.most_common())}, a run's in"
@@ -1124,7 +1178,9 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
         if args.pin_door:
             pin_door(pids)
         if args.cost_streams:
-            costs = asyncio.run(cost_levels(args, url, keys, pids, loop_lag.metrics_ports(launcher)))
+            costs = asyncio.run(
+                cost_levels(args, url, keys, pids, loop_lag.metrics_ports(launcher), orchestrators)
+            )
             plot_cost(
                 costs,
                 args.cost_plot,

@@ -137,6 +137,11 @@ class EnvoyConfig:
     # closed it failed 503 "connection termination".
     edge_idle_timeout_s: float = 60.0
     health_check_interval_s: float = 5.0
+    # How long an orchestrator's health answer may take. A busy replica answers late, not NOT_SERVING
+    # (a draining one says so at once, a dead one refuses the connection): at 800 stored streams on two
+    # cores, twice what they relay, its answers took 2.5-3.0 s (bench_front_door's health probe), and a
+    # 1 s timeout ejected every such replica, moving its load onto the others.
+    health_check_timeout_s: float = 5.0
     # Open streams Envoy holds at once (circuit breakers, connection limit).
     max_open_streams: int = 100_000
     access_log_path: str = "/dev/stdout"
@@ -198,6 +203,7 @@ def render_config(config: EnvoyConfig) -> str:
         stream_idle_timeout_s=_seconds(config.stream_idle_timeout_s),
         edge_idle_timeout_s=_seconds(config.edge_idle_timeout_s),
         health_check_interval_s=_seconds(config.health_check_interval_s),
+        health_check_timeout_s=_seconds(config.health_check_timeout_s),
         max_open_streams=config.max_open_streams,
         access_log_path=config.access_log_path,
         otlp=config.otlp,
