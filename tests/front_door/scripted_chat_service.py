@@ -555,10 +555,10 @@ class _Aborted(Exception):
 
 
 class _LinkedCallContext:
-    """The part of a call's context the scripted Complete uses, for a request on a CompleteMany stream:
-    its metadata is the token and trace context its start carries, and an abort ends the request with its status (a
-    failure scripted as the transport's is a status like any other here: on a real link only a broken
-    stream is the transport's)."""
+    """The part of a call's context the scripted calls use, for a request on a CompleteMany stream: its
+    metadata is the token and trace context its start carries, and an abort ends the request with its
+    status (a failure scripted as the transport's is a status like any other here: on a real link only a
+    broken stream is the transport's)."""
 
     def __init__(self, authorization: str, trace_context: Mapping[str, str]) -> None:
         self._metadata = ((AUTHORIZATION_HEADER, authorization), LINKED, *trace_context.items())
