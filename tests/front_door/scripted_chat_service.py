@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
@@ -580,18 +580,30 @@ class ScriptedCompletionLink(completion_link_pb2_grpc.CompletionLinkServiceServi
 
     def __init__(self, service: ScriptedChatService) -> None:
         self._service = service
+        self.draining = False
+        self._streams: set[asyncio.Event] = set()  # wake-ups of the open CompleteMany calls
+
+    def drain(self) -> None:
+        """As an orchestrator that drains: a new stream is refused UNAVAILABLE before it is read, an
+        open one ends once no request is left on it (its health stays SERVING: a proxy's checks have not
+        seen the drain yet)."""
+        self.draining = True
+        for wake in self._streams:
+            wake.set()
 
     async def CompleteMany(self, request_iterator, context):
-        served = _ScriptedCompletes(self._service)
-        async for message in served.serve(request_iterator, set()):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: draining")
+        served = _ScriptedCompletes(self._service, lambda: self.draining)
+        async for message in served.serve(request_iterator, self._streams):
             yield message
         if served.broken:  # every request on it fails UNAVAILABLE, without status details
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: the completion link broke")
 
 
 class _ScriptedCompletes(ServedRequests):
-    def __init__(self, service: ScriptedChatService) -> None:
-        super().__init__(COMPLETION_LINK, lambda: self.broken)
+    def __init__(self, service: ScriptedChatService, draining: Callable[[], bool]) -> None:
+        super().__init__(COMPLETION_LINK, lambda: self.broken or draining())
         self._service = service
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.broken = False
@@ -647,15 +659,14 @@ class ScriptedChatServer:
             target=self._loop.run_forever, name="scripted-chat-service", daemon=True
         )
         self._server: GrpcServer | None = None
+        self.completion_link = ScriptedCompletionLink(self.service)
 
     def start(self) -> ScriptedChatServer:
         self._thread.start()
 
         def add(server: grpc.aio.Server) -> list[str]:
             chat_pb2_grpc.add_ChatServiceServicer_to_server(self.service, server)
-            completion_link_pb2_grpc.add_CompletionLinkServiceServicer_to_server(
-                ScriptedCompletionLink(self.service), server
-            )
+            completion_link_pb2_grpc.add_CompletionLinkServiceServicer_to_server(self.completion_link, server)
             return [
                 chat_pb2.DESCRIPTOR.services_by_name["ChatService"].full_name,
                 completion_link_pb2.DESCRIPTOR.services_by_name["CompletionLinkService"].full_name,
@@ -664,6 +675,10 @@ class ScriptedChatServer:
         self._server = asyncio.run_coroutine_threadsafe(start_grpc_server(add, 0), self._loop).result(30)
         self.port = self._server.port
         return self
+
+    def drain_links(self) -> None:
+        """Its completion links drain (``ScriptedCompletionLink.drain``), on its own loop."""
+        self._loop.call_soon_threadsafe(self.completion_link.drain)
 
     def stop(self) -> None:
         if self._server is not None:
