@@ -1,8 +1,8 @@
 """The edge's completion links under a crash: the OpenAI route's answers travel many to a CompleteMany
 stream, each stream to an orchestrator replica. Through the real Envoy and edge to two real replicas
 over the shared mesh; one is killed (SIGKILL), or drains, while eight answers stream. The edge reaches
-the replicas through Envoy's internal listener (``make run``'s way) or each itself (the Helm chart's):
-both are tested."""
+each replica itself (``make run``'s way and the Helm chart's) or goes through Envoy's internal listener
+(``localmesh.front_door``'s ``edge_via_envoy``): both are tested."""
 
 from __future__ import annotations
 
