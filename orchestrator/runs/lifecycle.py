@@ -35,7 +35,7 @@ from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
-from memory_store.errors import MemoryStoreError, NotFound
+from memory_store.errors import MemoryStoreError, NotFound, OwnerChanged
 from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from meshkit.pacing import StreamPacer
@@ -427,12 +427,18 @@ class Runs:
         run = await self._next_checkpoint(run, answer_within_s / 2)
         if run.status.terminal:
             return convert.run(run)
-        ended = await self.store.finish_run(
-            run,
-            RunOutcome(
-                status=RunStatus.CANCELLED, last_seq=run.last_seq, finish_reason=FinishReason.CANCELLED
-            ),
-        )
+        try:
+            ended = await self.store.finish_run(
+                run,
+                RunOutcome(
+                    status=RunStatus.CANCELLED, last_seq=run.last_seq, finish_reason=FinishReason.CANCELLED
+                ),
+            )
+        except OwnerChanged:
+            # Adopted meanwhile (its owner was found dead, by this replica's reaper or another's): its
+            # new owner generates it now, so the cancel goes again, and stops it there (the caller
+            # read 409 for it, when a cancel came as its owner died).
+            return await self.cancel(user_id, run_id, answer_within_s / 2)
         if ended.applied:
             await self._signal_owner(run)
         return convert.run(ended.run)
