@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from edge.settings import EdgeSettings
 from localmesh.dev_jwt import DevKeys
 from meshkit.launcher import Launcher
 from tests.fixtures.front_door import FrontDoor, start_front_door
 from tests.front_door.scripted_chat_service import ScriptedChatServer, scripted_text
 
-LINKS = 4  # the edge's default --completion-links
+LINKS = EdgeSettings.completion_links  # the edge's default --completion-links
 # Half a second each: answers asked together are all running at once, one on each link.
 ANSWER = {"model": "", "messages": [{"role": "user", "content": "!tokens 25 20"}], "max_tokens": 25}
 
