@@ -65,8 +65,8 @@ class RecordingRunner:
 
 @pytest.fixture(scope="module")
 def model_runner(request: pytest.FixtureRequest, model_checkpoint) -> CpuModelRunner:
-    """The kernels the engine itself picks on this CPU (native-int8 with AVX-512 VNNI, native with AVX-512,
-    numpy otherwise)."""
+    """The kernels the engine itself picks on this CPU (native-int8 with AVX-512 VNNI, native with AVX-512
+    or AVX2, numpy otherwise)."""
     kernels = select_kernels(None, None, model_checkpoint.config)
     return request.getfixturevalue(f"{kernels.name.replace('-', '_')}_runner")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
@@ -10,6 +12,7 @@ from gguf import quants
 from engine.model import kernels as kernels_module
 from engine.model.checkpoint import LlamaConfig, WeightMatrix, rope_tables
 from engine.model.kernels import select_kernels
+from engine.model.kernels.build import ISAS, ensure_built
 from engine.model.kernels.native import NativeKernels, NativeUnavailable, NoVnni, load_library
 from engine.model.kernels.numpy_kernels import NumpyKernels
 from engine.model.kernels.packing import (
@@ -37,7 +40,7 @@ def native() -> NativeKernels:
 
 @pytest.fixture(scope="module")
 def native_int8() -> NativeKernels:
-    require_native()
+    require_native(int8=True)
     return NativeKernels(num_threads=2, q8_activations=True)
 
 
@@ -58,8 +61,8 @@ def random_matrix(qtype: QType, out_features: int, in_features: int) -> WeightMa
         (QType.Q8_0, FORMAT_Q8_0_VNNI, True),
     ],
 )
-def test_packed_weights_expand_to_exactly_ggufs_dequantized_values(native, native_int8, qtype, fmt, int8):
-    kernels = native_int8 if int8 else native
+def test_packed_weights_expand_to_exactly_ggufs_dequantized_values(request, qtype, fmt, int8):
+    kernels = request.getfixturevalue("native_int8" if int8 else "native")
     matrix = random_matrix(qtype, 40, 96)  # 40 rows: two full panels and a partial one
     packed = kernels.pack(matrix)
     assert packed.fmt == fmt
@@ -104,8 +107,8 @@ def test_q8_rounding_keeps_each_block_within_half_a_code():
 
 @pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
-def test_native_linear_rows_do_not_depend_on_the_rest_of_the_batch(native, native_int8, qtype, int8):
-    kernels = native_int8 if int8 else native
+def test_native_linear_rows_do_not_depend_on_the_rest_of_the_batch(request, qtype, int8):
+    kernels = request.getfixturevalue("native_int8" if int8 else "native")
     packed = kernels.pack(random_matrix(qtype, 96, 576))
     x = RNG.standard_normal((37, 576)).astype(np.float32)
     together = kernels.linear(x, packed)
@@ -168,6 +171,18 @@ def test_native_elementwise_kernels_match_numpy(native):
     reference.rope(theirs, positions, tables, SHAPE)
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(ours[:, 12 * 64 :], qkv[:, 12 * 64 :])  # v heads untouched
+
+
+def test_both_builds_compile_whichever_this_cpu_runs(tmp_path, monkeypatch):
+    """An image is built on one CPU and serves on another: the build this CPU does not run must compile
+    too (it is only compiled here, never loaded)."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc here")
+    monkeypatch.setenv("CHATMESH_KERNEL_BUILD_DIR", str(tmp_path))
+    built = {name: ensure_built(isa) for name, isa in ISAS.items()}
+    assert sorted(built) == ["avx2", "avx512"]
+    assert all(path.is_file() and path.parent == tmp_path for path in built.values())
+    assert len(set(built.values())) == 2
 
 
 def test_auto_selection_falls_back_to_numpy_when_native_is_unavailable(monkeypatch):

@@ -1,12 +1,14 @@
 """Numeric kernels of the CPU runner, in two interchangeable implementations.
 
-``native``: C with AVX-512 (gemm.c, attention.c), built by gcc at `make setup` or first use, loaded with
-ctypes; batch-invariant (results per sequence are bit-identical whatever the batch); float32 activations,
-the reference forward's numbers. ``native-int8``: the same, but Q4_1/Q8_0 weights multiply activations
+``native``: C (gemm.c, attention.c) in an AVX-512 build and an AVX2 one (simd16.h: the same lane
+arithmetic either way), built by gcc at `make setup` or first use, loaded with ctypes; batch-invariant
+(results per sequence are bit-identical whatever the batch); float32 activations, the reference
+forward's numbers. ``native-int8``: the same, but Q4_1/Q8_0 weights multiply activations
 rounded to 8 bits per 32-value block (gemm_q8.c, AVX-512 VNNI; ``engine.model.q8_activations``), as
 llama.cpp computes this GGUF: about twice the throughput, still batch-invariant (each row is rounded on
 its own), and greedy answers that differ from float32's on near-ties (README, "int8 and greedy answers").
-``numpy``: plain numpy/OpenBLAS, float32, correct on any CPU numpy runs on. ``select_kernels("auto")``, the
+``numpy``: plain numpy/OpenBLAS, float32, correct on any CPU numpy runs on, but not batch-invariant:
+the fallback where neither build runs (not x86-64, or older than AVX2). ``select_kernels("auto")``, the
 default, takes the fastest this CPU and build allow: native-int8, else native, else numpy, logging why.
 """
 
@@ -89,9 +91,14 @@ def select_kernels(
                 raise
             log.info("%s; using native (float32 activations)", exc)
         except NativeUnavailable as exc:
-            # Not built, no AVX-512, or a model outside their limits: no native set can run here.
+            # Not built, neither AVX-512 nor AVX2, or a model outside their limits: no native set runs.
             if name != "auto":
                 raise
-            log.warning("native kernels unavailable (%s); using numpy kernels, several times slower", exc)
+            log.warning(
+                "native kernels unavailable (%s); using numpy kernels: several times slower, and not "
+                "batch-invariant (a sampled answer continued after a failover may part from what was "
+                "streamed)",
+                exc,
+            )
             break
     return NumpyKernels()

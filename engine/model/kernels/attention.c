@@ -10,37 +10,31 @@
 // heads of a GQA group share every K/V load. Each item is computed alone, in a fixed order, so results
 // do not depend on batch composition or chunking.
 
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "pool.h"
+#include "simd16.h"
 
-// e^x with x clamped to [-87, 88]: Cody-Waite reduction, degree-6 polynomial, 2^n applied with scalef.
+// e^x with x clamped to [-87, 88]: Cody-Waite reduction, degree-6 polynomial, times 2^n.
 // Relative error ~2 ulp.
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+static inline vf16 vf_exp(vf16 x) {
+    x = vf_max(vf_min(x, vf_set1(88.0f)), vf_set1(-87.0f));
+    vf16 n = vf_round(vf_mul(x, vf_set1(1.44269504f)));
+    vf16 r = vf_fnmadd(n, vf_set1(0.693359375f), x);
+    r = vf_fnmadd(n, vf_set1(-2.12194440e-4f), r);
+    vf16 p = vf_set1(1.0f / 720);
+    p = vf_fmadd(p, r, vf_set1(1.0f / 120));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 24));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 6));
+    p = vf_fmadd(p, r, vf_set1(0.5f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    return vf_scale2(p, n);
 }
 
-static inline __mmask16 tail_mask(int n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-
-// 16 float16 values (lanes outside `valid` read as 0) as float32; the conversion is exact.
-static inline __m512 load_f16(__mmask16 valid, const uint16_t *p) {
-    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, p));
-}
+static inline lanes16 tail_mask(int n) { return n >= 16 ? (lanes16)0xFFFF : (lanes16)((1u << n) - 1); }
 
 enum { MAX_GROUP = 16, MAX_VEC = 16 };  // query heads per kv head; head_dim / 16
 // Segments ahead whose K/V are prefetched while one is computed. One segment's work is shorter than a
@@ -95,16 +89,16 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
     const int *table = block_tables + (long)token_seq[t] * max_blocks;
     const float *qh[MAX_GROUP];
     float *sc[MAX_GROUP];
-    __m512 mx[MAX_GROUP];
+    vf16 mx[MAX_GROUP];
     for (int h = 0; h < G; h++) {
         qh[h] = q + (long)t * q_stride + (long)(g * G + h) * head_dim;
         sc[h] = scores + (long)h * 16 * nseg;
-        mx[h] = _mm512_set1_ps(-INFINITY);
+        mx[h] = vf_set1(-INFINITY);
     }
     // scores: for each segment, sum over d of q_h[d] * K[block][g][d][seg keys] (two chains).
     for (int s = 0; s < nseg; s++) {
         const int j0 = s * seg_len;  // first position of the segment
-        const __mmask16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
+        const lanes16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
         const uint16_t *kb = k_cache + (long)table[j0 / block_size] * block_elems +
                           (long)g * head_dim * block_size + j0 % block_size;
         // Keys of a later segment, fetched while this one is scored: its block lies anywhere in the
@@ -112,43 +106,42 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
         const int j1 = (s + PREFETCH_AHEAD < nseg ? s + PREFETCH_AHEAD : nseg - 1) * seg_len;
         const uint16_t *kn = k_cache + (long)table[j1 / block_size] * block_elems +
                           (long)g * head_dim * block_size + j1 % block_size;
-        __m512 even[MAX_GROUP], odd[MAX_GROUP];
-        for (int h = 0; h < G; h++) even[h] = odd[h] = _mm512_setzero_ps();
+        vf16 even[MAX_GROUP], odd[MAX_GROUP];
+        for (int h = 0; h < G; h++) even[h] = odd[h] = vf_zero();
         for (int d = 0; d < head_dim; d += 2) {
             _mm_prefetch((const char *)(kn + (long)d * block_size), _MM_HINT_T0);
             _mm_prefetch((const char *)(kn + (long)(d + 1) * block_size), _MM_HINT_T0);
-            const __m512 k0 = load_f16(valid, kb + (long)d * block_size);
-            const __m512 k1 = load_f16(valid, kb + (long)(d + 1) * block_size);
+            const vf16 k0 = vf_load_f16_masked(valid, kb + (long)d * block_size);
+            const vf16 k1 = vf_load_f16_masked(valid, kb + (long)(d + 1) * block_size);
             for (int h = 0; h < G; h++) {
-                even[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d]), k0, even[h]);
-                odd[h] = _mm512_fmadd_ps(_mm512_set1_ps(qh[h][d + 1]), k1, odd[h]);
+                even[h] = vf_fmadd(vf_set1(qh[h][d]), k0, even[h]);
+                odd[h] = vf_fmadd(vf_set1(qh[h][d + 1]), k1, odd[h]);
             }
         }
         for (int h = 0; h < G; h++) {
-            __m512 v = _mm512_mul_ps(_mm512_add_ps(even[h], odd[h]), _mm512_set1_ps(scale));
-            v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, v);
-            _mm512_store_ps(sc[h] + s * 16, v);
-            mx[h] = _mm512_max_ps(mx[h], v);
+            vf16 v = vf_mul(vf_add(even[h], odd[h]), vf_set1(scale));
+            v = vf_select(valid, v, vf_set1(-INFINITY));
+            vf_store(sc[h] + s * 16, v);
+            mx[h] = vf_max(mx[h], v);
         }
     }
     // softmax numerators in place; out = sum_j p_j v_j / sum_j p_j
     float inv_sum[MAX_GROUP];
     for (int h = 0; h < G; h++) {
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[h]));
-        __m512 sum = _mm512_setzero_ps();
+        const vf16 m = vf_set1(vf_hmax(mx[h]));
+        vf16 sum = vf_zero();
         for (int s = 0; s < nseg; s++) {
-            const __m512 x = _mm512_load_ps(sc[h] + s * 16);
+            const vf16 x = vf_load(sc[h] + s * 16);
             // exp512 clamps at -87, so masked lanes (-inf) are zeroed explicitly
-            const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(x, m)));
-            _mm512_store_ps(sc[h] + s * 16, e);
-            sum = _mm512_add_ps(sum, e);
+            const vf16 e = vf_select(vf_above_neg_inf(x), vf_exp(vf_sub(x, m)), vf_zero());
+            vf_store(sc[h] + s * 16, e);
+            sum = vf_add(sum, e);
         }
-        inv_sum[h] = 1.0f / _mm512_reduce_add_ps(sum);
+        inv_sum[h] = 1.0f / vf_sum(sum);
     }
-    __m512 acc[MAX_GROUP][MAX_VEC];
+    vf16 acc[MAX_GROUP][MAX_VEC];
     for (int h = 0; h < G; h++)
-        for (int v = 0; v < nv; v++) acc[h][v] = _mm512_setzero_ps();
+        for (int v = 0; v < nv; v++) acc[h][v] = vf_zero();
     for (int s = 0; s < nseg; s++) {
         const int j0 = s * seg_len;
         const int n = L - j0 < seg_len ? L - j0 : seg_len;
@@ -161,16 +154,16 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
             const uint16_t *vp = vb + j * v_row;
             for (int v = 0; v < nv; v++) {
                 _mm_prefetch((const char *)(vn + j * v_row + v * 16), _MM_HINT_T0);
-                const __m512 vv = load_f16(0xFFFF, vp + v * 16);
+                const vf16 vv = vf_load_f16(vp + v * 16);
                 for (int h = 0; h < G; h++)
-                    acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h][s * 16 + j]), vv, acc[h][v]);
+                    acc[h][v] = vf_fmadd(vf_set1(sc[h][s * 16 + j]), vv, acc[h][v]);
             }
         }
     }
     for (int h = 0; h < G; h++) {
         float *o = out + (long)t * num_heads * head_dim + (long)(g * G + h) * head_dim;
         for (int v = 0; v < nv; v++)
-            _mm512_storeu_ps(o + v * 16, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inv_sum[h])));
+            vf_store(o + v * 16, vf_mul(acc[h][v], vf_set1(inv_sum[h])));
     }
 }
 
@@ -208,15 +201,15 @@ void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_k
 void cm_rms_norm(const float *x, int T, int H, const float *w, float eps, float *out) {
     for (int t = 0; t < T; t++) {
         const float *xr = x + (long)t * H;
-        __m512 ss = _mm512_setzero_ps();
+        vf16 ss = vf_zero();
         for (int i = 0; i < H; i += 16) {
-            __m512 v = _mm512_loadu_ps(xr + i);
-            ss = _mm512_fmadd_ps(v, v, ss);
+            vf16 v = vf_load(xr + i);
+            ss = vf_fmadd(v, v, ss);
         }
-        const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / H + eps));
+        const vf16 inv = vf_set1(1.0f / sqrtf(vf_sum(ss) / H + eps));
         for (int i = 0; i < H; i += 16)
-            _mm512_storeu_ps(out + (long)t * H + i,
-                             _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(xr + i), inv), _mm512_loadu_ps(w + i)));
+            vf_store(out + (long)t * H + i,
+                             vf_mul(vf_mul(vf_load(xr + i), inv), vf_load(w + i)));
     }
 }
 
@@ -243,11 +236,11 @@ void cm_silu_mul(const float *gu, int T, int F, float *out) {
     for (int t = 0; t < T; t++) {
         const float *g = gu + (long)t * 2 * F, *u = g + F;
         for (int f = 0; f < F; f += 16) {
-            const __mmask16 k = tail_mask(F - f);
-            const __m512 gv = _mm512_maskz_loadu_ps(k, g + f);
-            const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                             _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            _mm512_mask_storeu_ps(out + (long)t * F + f, k, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_maskz_loadu_ps(k, u + f)));
+            const lanes16 k = tail_mask(F - f);
+            const vf16 gv = vf_load_masked(k, g + f);
+            const vf16 sig = vf_div(vf_set1(1.0f),
+                                             vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
+            vf_store_masked(out + (long)t * F + f, k, vf_mul(vf_mul(gv, sig), vf_load_masked(k, u + f)));
         }
     }
 }

@@ -1,9 +1,11 @@
 """Builds the native kernel library from the C sources beside this file, with the system's gcc.
 
-The library is named after a digest of its sources and flags, so an edited source is rebuilt on next use
-and two checkouts never load each other's build. `make setup` builds it (`python -m engine.model.kernels`);
-a runner that finds it missing builds it on first use; without gcc or on a CPU/architecture it does not
-support, the runner uses the numpy kernels instead and says so.
+Two builds of the same sources: AVX-512 (with the VNNI int8 GEMM) and AVX2 (+FMA, F16C; no int8 GEMM);
+the loader asks a small probe library which one this CPU runs. Each is named after a digest of its
+sources and flags, so an edited source is rebuilt on next use and two checkouts never load each other's
+build. `make setup` builds both (`python -m engine.model.kernels`: an image built on one CPU runs on
+another); a runner that finds its build missing compiles it on first use; without gcc or on a CPU or
+architecture neither supports, the runner uses the numpy kernels instead and says so.
 """
 
 from __future__ import annotations
@@ -13,29 +15,40 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent
-SOURCES = ("gemm.c", "gemm_q8.c", "attention.c", "layer_stack.c", "pool.c", "tp_barrier.c")
-# Only the int8 GEMM may use VNNI: the rest of the library must run on AVX-512 CPUs without it.
-EXTRA_FLAGS = {"gemm_q8.c": ("-mavx512vnni",)}
-HEADERS = ("pool.h",)
-# Compiled without ISA flags, so the library can be loaded and asked about the CPU on any x86-64.
+SOURCES = ("gemm.c", "attention.c", "layer_stack.c", "pool.c", "tp_barrier.c")
+HEADERS = ("pool.h", "simd16.h")
+# Compiled without ISA flags, so it can be loaded and asked about the CPU on any x86-64: alone (the probe
+# that picks a build) and inside each build.
 CPU_CHECK_SOURCE = "cpu_check.c"
 # -ffp-contract=off: a*b+c stays two roundings unless the code asks for an FMA (dequantization must
 # match gguf's float32 arithmetic bit for bit).
-CFLAGS = (
-    "-O3",
-    "-fPIC",
-    "-pthread",
-    "-ffp-contract=off",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512dq",
-    "-mfma",
-    "-mf16c",
-)
+BASE_FLAGS = ("-O3", "-fPIC", "-pthread", "-ffp-contract=off")
+
+
+@dataclass(frozen=True)
+class Isa:
+    """One build of the kernels: the same sources (simd16.h maps their vectors onto the ISA)."""
+
+    name: str
+    flags: tuple[str, ...]
+    extra_sources: tuple[str, ...] = ()
+    extra_flags: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+ISAS = {
+    # Only the int8 GEMM may use VNNI: the rest of the library must run on AVX-512 CPUs without it.
+    "avx512": Isa(
+        "avx512",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCM_WITH_GEMM_Q8"),
+        extra_sources=("gemm_q8.c",),
+        extra_flags={"gemm_q8.c": ("-mavx512vnni",)},
+    ),
+    "avx2": Isa("avx2", ("-mavx2", "-mfma", "-mf16c")),
+}
 
 
 class KernelBuildError(RuntimeError):
@@ -53,16 +66,35 @@ def build_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "chatmesh" / "kernels"
 
 
-def library_path() -> Path:
-    digest = hashlib.sha256(" ".join(CFLAGS + sum(EXTRA_FLAGS.values(), ())).encode())
-    for name in (*SOURCES, *HEADERS, CPU_CHECK_SOURCE):
+def _digest(flags: tuple[str, ...], sources: tuple[str, ...]) -> str:
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for name in sources:
         digest.update((SOURCE_DIR / name).read_bytes())
-    return build_dir() / f"libchatmesh_kernels-{digest.hexdigest()[:12]}.so"
+    return digest.hexdigest()[:12]
 
 
-def ensure_built(verbose: bool = False) -> Path:
-    """Path of the up-to-date library, compiling it first if needed. Raises KernelBuildError."""
-    target = library_path()
+def library_path(isa: Isa) -> Path:
+    flags = isa.flags + sum(isa.extra_flags.values(), ())
+    sources = (*SOURCES, *isa.extra_sources, *HEADERS, CPU_CHECK_SOURCE)
+    return build_dir() / f"libchatmesh_kernels-{isa.name}-{_digest(BASE_FLAGS + flags, sources)}.so"
+
+
+def probe_path() -> Path:
+    return build_dir() / f"libchatmesh_cpu_check-{_digest(('-O2',), (CPU_CHECK_SOURCE,))}.so"
+
+
+def ensure_built(isa: Isa, verbose: bool = False) -> Path:
+    """Path of the up-to-date library for ``isa``, compiling it first if needed. Raises KernelBuildError."""
+    units = [(n, BASE_FLAGS + isa.flags + isa.extra_flags.get(n, ())) for n in (*SOURCES, *isa.extra_sources)]
+    return _ensure(library_path(isa), [*units, (CPU_CHECK_SOURCE, ("-O2", "-fPIC"))], verbose)
+
+
+def ensure_probe_built() -> Path:
+    """The CPU check alone (``cm_cpu_level``), to choose a build before loading one."""
+    return _ensure(probe_path(), [(CPU_CHECK_SOURCE, ("-O2", "-fPIC"))], verbose=False)
+
+
+def _ensure(target: Path, units: list[tuple[str, tuple[str, ...]]], verbose: bool) -> Path:
     if target.exists():
         return target
     compiler = shutil.which(os.environ.get("CC", "gcc"))
@@ -75,9 +107,7 @@ def ensure_built(verbose: bool = False) -> Path:
         print(f"compiling native kernels with {compiler} -> {target}", flush=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = []
-        for name, flags in [(n, CFLAGS + EXTRA_FLAGS.get(n, ())) for n in SOURCES] + [
-            (CPU_CHECK_SOURCE, ("-O2", "-fPIC"))
-        ]:
+        for name, flags in units:
             obj = Path(tmp) / (name + ".o")
             _run([compiler, *flags, "-c", str(SOURCE_DIR / name), "-o", str(obj)])
             objects.append(str(obj))

@@ -11,10 +11,10 @@
 // it lands in, or the thread that computes it. A sequence's results therefore do not depend on what else
 // is in the batch or on how its prompt was chunked.
 
-#include <immintrin.h>
 #include <stdint.h>
 
 #include "pool.h"
+#include "simd16.h"
 
 enum { FMT_F32 = 0, FMT_Q4_1 = 1, FMT_Q8_0 = 2 };
 enum { NR = 16, QK = 32, KC = 128 };
@@ -26,29 +26,26 @@ static inline long block_bytes(int fmt) {
 
 // Q4_1 codes: 16 bytes per k pair; byte n holds row k's code in its low nibble and row k+1's in its high.
 static inline void expand_q4_1(const uint8_t *blk, int k_lo, int k_hi, float *dst, long ds) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+    const vf16 d = vf_load_f16((const uint16_t *)blk);
+    const vf16 m = vf_load_f16((const uint16_t *)(blk + 32));
     const uint8_t *codes = blk + 64;
     const __m128i low4 = _mm_set1_epi8(0x0F);
     for (int k = k_lo; k < k_hi; k += 2) {
         __m128i pair = _mm_loadu_si128((const __m128i *)(codes + (k / 2) * 16));
         __m128i q0 = _mm_and_si128(pair, low4);
         __m128i q1 = _mm_and_si128(_mm_srli_epi16(pair, 4), low4);
-        __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q0));
-        __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q1));
-        _mm512_store_ps(dst + (long)(k - k_lo) * ds, _mm512_add_ps(_mm512_mul_ps(d, w0), m));
-        _mm512_store_ps(dst + (long)(k - k_lo + 1) * ds, _mm512_add_ps(_mm512_mul_ps(d, w1), m));
+        vf_store(dst + (long)(k - k_lo) * ds, vf_add(vf_mul(d, vf_from_u8(q0)), m));
+        vf_store(dst + (long)(k - k_lo + 1) * ds, vf_add(vf_mul(d, vf_from_u8(q1)), m));
     }
 }
 
 // Q8_0 codes: 16 signed bytes per k (one per output row).
 static inline void expand_q8_0(const uint8_t *blk, int k_lo, int k_hi, float *dst, long ds) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const vf16 d = vf_load_f16((const uint16_t *)blk);
     const int8_t *codes = (const int8_t *)(blk + 32);
     for (int k = k_lo; k < k_hi; k++) {
         __m128i q = _mm_loadu_si128((const __m128i *)(codes + k * 16));
-        __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-        _mm512_store_ps(dst + (long)(k - k_lo) * ds, _mm512_mul_ps(w, d));
+        vf_store(dst + (long)(k - k_lo) * ds, vf_mul(vf_from_i8(q), d));
     }
 }
 
@@ -66,37 +63,42 @@ static void expand_panel(int fmt, const uint8_t *panel, int k0, int kc, float *d
 }
 
 // Both macros below keep accumulators c0[r], c1[r] (rows r, panels 0 and 1) and end by storing them.
-#define STORE_ROWS(R)                                         \
-    for (int r = 0; r < R; r++) {                             \
-        _mm512_mask_storeu_ps(C + r * ldc, m0, c0[r]);        \
-        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c1[r]);   \
+#define STORE_ROWS(R)                                 \
+    for (int r = 0; r < R; r++) {                     \
+        vf_store_masked(C + r * ldc, m0, c0[r]);      \
+        vf_store_masked(C + r * ldc + 16, m1, c1[r]); \
     }
 
 // R rows x 32 outputs (two panels at w0 and w1, k stride ws), k in [0, kc). first: start from zero
 // (else continue the chain from C). m0/m1 mask the outputs that exist.
-#define DEFINE_TILE(R)                                                                                   \
-    static void tile_##R(const float *A, long lda, int kc, const float *w0, const float *w1, long ws,     \
-                         float *C, long ldc, int first, __mmask16 m0, __mmask16 m1) {                   \
-        __m512 c0[R], c1[R];                                                                             \
-        for (int r = 0; r < R; r++) {                                                                    \
-            c0[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, C + r * ldc);                \
-            c1[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);           \
-        }                                                                                                \
-        for (int k = 0; k < kc; k++) {                                                                   \
-            __m512 b0 = _mm512_loadu_ps(w0 + k * ws);                                                    \
-            __m512 b1 = _mm512_loadu_ps(w1 + k * ws);                                                    \
-            _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) {                                       \
-                __m512 a = _mm512_set1_ps(A[r * lda + k]);                                               \
-                c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);                                                   \
-                c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);                                                   \
-            }                                                                                            \
-        }                                                                                                \
-        STORE_ROWS(R);                                                                                   \
+#define DEFINE_TILE(R)                                                                                \
+    static void tile_##R(const float *A, long lda, int kc, const float *w0, const float *w1, long ws, \
+                         float *C, long ldc, int first, lanes16 m0, lanes16 m1) {                     \
+        vf16 c0[R], c1[R];                                                                            \
+        for (int r = 0; r < R; r++) {                                                                 \
+            c0[r] = first ? vf_zero() : vf_load_masked(m0, C + r * ldc);                              \
+            c1[r] = first ? vf_zero() : vf_load_masked(m1, C + r * ldc + 16);                         \
+        }                                                                                             \
+        for (int k = 0; k < kc; k++) {                                                                \
+            vf16 b0 = vf_load(w0 + k * ws);                                                           \
+            vf16 b1 = vf_load(w1 + k * ws);                                                           \
+            _Pragma("GCC unroll 12") for (int r = 0; r < R; r++) {                                    \
+                vf16 a = vf_set1(A[r * lda + k]);                                                     \
+                c0[r] = vf_fmadd(a, b0, c0[r]);                                                       \
+                c1[r] = vf_fmadd(a, b1, c1[r]);                                                       \
+            }                                                                                         \
+        }                                                                                             \
+        STORE_ROWS(R);                                                                                \
     }
 
 DEFINE_TILE(1)
 DEFINE_TILE(2)
 DEFINE_TILE(3)
+typedef void (*tile_fn)(const float *, long, int, const float *, const float *, long, float *, long, int,
+                        lanes16, lanes16);
+// Rows per tile: a row's two accumulators (two registers each with AVX2) must stay in registers beside
+// the weights: 32 AVX-512 registers hold 12 rows, 16 AVX2 ones 3. Any tiling gives the same bits.
+#if defined(__AVX512F__)
 DEFINE_TILE(4)
 DEFINE_TILE(5)
 DEFINE_TILE(6)
@@ -106,20 +108,21 @@ DEFINE_TILE(9)
 DEFINE_TILE(10)
 DEFINE_TILE(11)
 DEFINE_TILE(12)
-
-typedef void (*tile_fn)(const float *, long, int, const float *, const float *, long, float *, long, int,
-                        __mmask16, __mmask16);
-static const tile_fn TILES[13] = {0,       tile_1,  tile_2,  tile_3,  tile_4,  tile_5, tile_6,
-                                  tile_7, tile_8,  tile_9,  tile_10, tile_11, tile_12};
 enum { MR = 12 };
+static const tile_fn TILES[MR + 1] = {0,       tile_1,  tile_2,  tile_3,  tile_4,  tile_5, tile_6,
+                                      tile_7, tile_8,  tile_9,  tile_10, tile_11, tile_12};
+#else
+enum { MR = 3 };
+static const tile_fn TILES[MR + 1] = {0, tile_1, tile_2, tile_3};
+#endif
 
-static inline __mmask16 valid_mask(long n0, long N) {
+static inline lanes16 valid_mask(long n0, long N) {
     long v = N - n0;
-    return v >= 16 ? (__mmask16)0xFFFF : v <= 0 ? (__mmask16)0 : (__mmask16)((1u << v) - 1);
+    return v >= 16 ? (lanes16)0xFFFF : v <= 0 ? (lanes16)0 : (lanes16)((1u << v) - 1);
 }
 
 static void rows(const float *A, long lda, int M, int kc, const float *w0, const float *w1, long ws, float *C,
-                 long ldc, int first, __mmask16 m0, __mmask16 m1) {
+                 long ldc, int first, lanes16 m0, lanes16 m1) {
     for (int i = 0; i < M; i += MR) {
         int r = M - i < MR ? M - i : MR;
         TILES[r](A + (long)i * lda, lda, kc, w0, w1, ws, C + (long)i * ldc, ldc, first, m0, m1);
@@ -129,67 +132,72 @@ static void rows(const float *A, long lda, int M, int kc, const float *w0, const
 // Few rows (decode of a handful of sequences): expand each pair of k rows of both panels in registers
 // and use it at once, skipping the scratch round trip. Same values, same FMA order per output as the
 // scratch path, so results are bit-identical whichever path a batch size takes.
-#define DEFINE_FUSED(R)                                                                                  \
+#define DEFINE_FUSED(R)                                                                                   \
     static void fused_##R(int fmt, const float *A, long lda, int K, const uint8_t *p0, const uint8_t *p1, \
-                          float *C, long ldc, __mmask16 m0, __mmask16 m1) {                              \
-        __m512 c0[R], c1[R];                                                                             \
-        for (int r = 0; r < R; r++) c0[r] = c1[r] = _mm512_setzero_ps();                                 \
-        const long bb = block_bytes(fmt);                                                                \
-        const __m128i low4 = _mm_set1_epi8(0x0F);                                                        \
-        for (int kb = 0; kb < K; kb += QK) {                                                             \
-            const uint8_t *b0 = p0 + (kb / QK) * bb, *b1 = p1 + (kb / QK) * bb;                          \
-            const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b0));                 \
-            const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b1));                 \
-            if (fmt == FMT_Q4_1) {                                                                       \
-                const __m512 n0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b0 + 32)));       \
-                const __m512 n1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b1 + 32)));       \
-                for (int j = 0; j < QK / 2; j++) {                                                       \
-                    const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + 64 + j * 16));             \
-                    const __m128i q1 = _mm_loadu_si128((const __m128i *)(b1 + 64 + j * 16));             \
-                    const __m512 w00 = _mm512_add_ps(                                                    \
-                        _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q0, low4)))), n0); \
-                    const __m512 w01 = _mm512_add_ps(                                                    \
-                        _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                       \
-                                              _mm_and_si128(_mm_srli_epi16(q0, 4), low4)))), n0);        \
-                    const __m512 w10 = _mm512_add_ps(                                                    \
-                        _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q1, low4)))), n1); \
-                    const __m512 w11 = _mm512_add_ps(                                                    \
-                        _mm512_mul_ps(d1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(                       \
-                                              _mm_and_si128(_mm_srli_epi16(q1, 4), low4)))), n1);        \
-                    const int k = kb + 2 * j;                                                            \
-                    for (int r = 0; r < R; r++) {                                                        \
-                        const __m512 a0 = _mm512_set1_ps(A[r * lda + k]);                                \
-                        const __m512 a1 = _mm512_set1_ps(A[r * lda + k + 1]);                            \
-                        c0[r] = _mm512_fmadd_ps(a1, w01, _mm512_fmadd_ps(a0, w00, c0[r]));               \
-                        c1[r] = _mm512_fmadd_ps(a1, w11, _mm512_fmadd_ps(a0, w10, c1[r]));               \
-                    }                                                                                    \
-                }                                                                                        \
-            } else {                                                                                     \
-                for (int j = 0; j < QK; j++) {                                                           \
-                    const __m512 w0 = _mm512_mul_ps(                                                     \
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b0 + 32 + j * 16)))), d0); \
-                    const __m512 w1 = _mm512_mul_ps(                                                     \
-                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b1 + 32 + j * 16)))), d1); \
-                    for (int r = 0; r < R; r++) {                                                        \
-                        const __m512 a = _mm512_set1_ps(A[r * lda + kb + j]);                            \
-                        c0[r] = _mm512_fmadd_ps(a, w0, c0[r]);                                           \
-                        c1[r] = _mm512_fmadd_ps(a, w1, c1[r]);                                           \
-                    }                                                                                    \
-                }                                                                                        \
-            }                                                                                            \
-        }                                                                                                \
-        STORE_ROWS(R);                                                                                   \
+                          float *C, long ldc, lanes16 m0, lanes16 m1) {                                   \
+        vf16 c0[R], c1[R];                                                                                \
+        for (int r = 0; r < R; r++) c0[r] = c1[r] = vf_zero();                                            \
+        const long bb = block_bytes(fmt);                                                                 \
+        const __m128i low4 = _mm_set1_epi8(0x0F);                                                         \
+        for (int kb = 0; kb < K; kb += QK) {                                                              \
+            const uint8_t *b0 = p0 + (kb / QK) * bb, *b1 = p1 + (kb / QK) * bb;                           \
+            const vf16 d0 = vf_load_f16((const uint16_t *)b0);                                            \
+            const vf16 d1 = vf_load_f16((const uint16_t *)b1);                                            \
+            if (fmt == FMT_Q4_1) {                                                                        \
+                const vf16 n0 = vf_load_f16((const uint16_t *)(b0 + 32));                                 \
+                const vf16 n1 = vf_load_f16((const uint16_t *)(b1 + 32));                                 \
+                for (int j = 0; j < QK / 2; j++) {                                                        \
+                    const __m128i q0 = _mm_loadu_si128((const __m128i *)(b0 + 64 + j * 16));              \
+                    const __m128i q1 = _mm_loadu_si128((const __m128i *)(b1 + 64 + j * 16));              \
+                    const vf16 w00 = vf_add(                                                              \
+                        vf_mul(d0, vf_from_u8(_mm_and_si128(q0, low4))), n0);                             \
+                    const vf16 w01 = vf_add(                                                              \
+                        vf_mul(d0, vf_from_u8((                                                           \
+                                              _mm_and_si128(_mm_srli_epi16(q0, 4), low4)))), n0);         \
+                    const vf16 w10 = vf_add(                                                              \
+                        vf_mul(d1, vf_from_u8(_mm_and_si128(q1, low4))), n1);                             \
+                    const vf16 w11 = vf_add(                                                              \
+                        vf_mul(d1, vf_from_u8((                                                           \
+                                              _mm_and_si128(_mm_srli_epi16(q1, 4), low4)))), n1);         \
+                    const int k = kb + 2 * j;                                                             \
+                    for (int r = 0; r < R; r++) {                                                         \
+                        const vf16 a0 = vf_set1(A[r * lda + k]);                                          \
+                        const vf16 a1 = vf_set1(A[r * lda + k + 1]);                                      \
+                        c0[r] = vf_fmadd(a1, w01, vf_fmadd(a0, w00, c0[r]));                              \
+                        c1[r] = vf_fmadd(a1, w11, vf_fmadd(a0, w10, c1[r]));                              \
+                    }                                                                                     \
+                }                                                                                         \
+            } else {                                                                                      \
+                for (int j = 0; j < QK; j++) {                                                            \
+                    const vf16 w0 = vf_mul(                                                               \
+                        vf_from_i8((_mm_loadu_si128((const __m128i *)(b0 + 32 + j * 16)))), d0);          \
+                    const vf16 w1 = vf_mul(                                                               \
+                        vf_from_i8((_mm_loadu_si128((const __m128i *)(b1 + 32 + j * 16)))), d1);          \
+                    for (int r = 0; r < R; r++) {                                                         \
+                        const vf16 a = vf_set1(A[r * lda + kb + j]);                                      \
+                        c0[r] = vf_fmadd(a, w0, c0[r]);                                                   \
+                        c1[r] = vf_fmadd(a, w1, c1[r]);                                                   \
+                    }                                                                                     \
+                }                                                                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        STORE_ROWS(R);                                                                                    \
     }
 
 DEFINE_FUSED(1)
 DEFINE_FUSED(2)
+typedef void (*fused_fn)(int, const float *, long, int, const uint8_t *, const uint8_t *, float *, long,
+                         lanes16, lanes16);
+// As for tiles: four weight vectors and each row's two accumulators in registers.
+#if defined(__AVX512F__)
 DEFINE_FUSED(3)
 DEFINE_FUSED(4)
-
-typedef void (*fused_fn)(int, const float *, long, int, const uint8_t *, const uint8_t *, float *, long,
-                         __mmask16, __mmask16);
-static const fused_fn FUSED[5] = {0, fused_1, fused_2, fused_3, fused_4};
 enum { FUSED_MAX_ROWS = 4 };
+static const fused_fn FUSED[FUSED_MAX_ROWS + 1] = {0, fused_1, fused_2, fused_3, fused_4};
+#else
+enum { FUSED_MAX_ROWS = 2 };
+static const fused_fn FUSED[FUSED_MAX_ROWS + 1] = {0, fused_1, fused_2};
+#endif
 
 typedef struct {
     int fmt, M, K, N, panels;
@@ -204,8 +212,8 @@ static void gemm_task(void *arg, long pp) {
     const gemm_job *j = arg;
     const int p0 = 2 * (int)pp, has_p1 = p0 + 1 < j->panels;
     const int p1 = has_p1 ? p0 + 1 : p0;
-    const __mmask16 m0 = valid_mask((long)p0 * NR, j->N);
-    const __mmask16 m1 = has_p1 ? valid_mask((long)p1 * NR, j->N) : 0;
+    const lanes16 m0 = valid_mask((long)p0 * NR, j->N);
+    const lanes16 m1 = has_p1 ? valid_mask((long)p1 * NR, j->N) : 0;
     float *Cp = j->C + (long)p0 * NR;
     const uint8_t *w0 = j->W + p0 * j->panel_bytes, *w1 = j->W + p1 * j->panel_bytes;
     if (j->fmt == FMT_F32) {

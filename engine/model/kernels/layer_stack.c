@@ -7,14 +7,16 @@
 // order as the Python loop, so the two give bit-identical results (a test checks this); the Python loop
 // remains for the numpy kernels and for tensor-parallel ranks, which all-reduce between kernels.
 
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-enum { FMT_Q4_1_VNNI = 3 };  // packing.py: formats 3 and 4 are the int8 GEMM's
+#include "simd16.h"
 
 void cm_gemm(int fmt, const float *A, long lda, int M, int K, const void *W, int N, float *C, long ldc);
+#if defined(CM_WITH_GEMM_Q8)  // the AVX-512 build's int8 GEMM (gemm_q8.c, VNNI); the AVX2 build has none
+enum { FMT_Q4_1_VNNI = 3 };   // packing.py: formats 3 and 4 are the int8 GEMM's
 void cm_gemm_q8(int fmt, const float *A, long lda, int M, int K, const void *W, int N, float *C, long ldc);
+#endif
 void cm_rms_norm(const float *x, int T, int H, const float *w, float eps, float *out);
 void cm_rope(float *x, long stride, int T, int num_heads, int head_dim, const int *pos, const float *cos_t,
              const float *sin_t);
@@ -42,14 +44,19 @@ typedef struct {
 } cm_model;
 
 static void linear(const cm_matrix *w, const float *a, int M, int K, float *c) {
-    (w->fmt >= FMT_Q4_1_VNNI ? cm_gemm_q8 : cm_gemm)(w->fmt, a, K, M, K, w->data, w->out_features, c,
-                                                     w->out_features);
+#if defined(CM_WITH_GEMM_Q8)
+    if (w->fmt >= FMT_Q4_1_VNNI) {
+        cm_gemm_q8(w->fmt, a, K, M, K, w->data, w->out_features, c, w->out_features);
+        return;
+    }
+#endif
+    cm_gemm(w->fmt, a, K, M, K, w->data, w->out_features, c, w->out_features);
 }
 
 static void add_into(float *x, const float *y, long n) {
     long i = 0;
     for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(x + i, _mm512_add_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        vf_store(x + i, vf_add(vf_load(x + i), vf_load(y + i)));
     for (; i < n; i++) x[i] += y[i];
 }
 
@@ -66,8 +73,7 @@ static void store_kv(const cm_model *m, const cm_layer *l, const float *qkv, lon
         for (long i = 0; i < kv_width; i++) kb[i * bs + offset] = _cvtss_sh(k[i], _MM_FROUND_TO_NEAREST_INT);
         uint16_t *vb = l->v_cache + (block * bs + offset) * kv_width;
         for (long i = 0; i < kv_width; i += 16)
-            _mm256_storeu_si256((__m256i *)(vb + i),
-                                _mm512_cvtps_ph(_mm512_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT));
+            vf_store_f16(vb + i, vf_load(v + i));
     }
 }
 

@@ -1,4 +1,5 @@
-"""ctypes face of the native kernels (gemm.c, gemm_q8.c, attention.c; tp_barrier.c for tensor parallelism). Weights stay in GGUF's quantized numbers."""
+"""ctypes face of the native kernels (gemm.c, gemm_q8.c, attention.c; tp_barrier.c for tensor parallelism),
+in the build this CPU runs (AVX-512 or AVX2, see build.py). Weights stay in GGUF's quantized numbers."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import platform
 import numpy as np
 
 from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
-from engine.model.kernels.build import KernelBuildError, ensure_built
+from engine.model.kernels.build import ISAS, Isa, KernelBuildError, ensure_built, ensure_probe_built
 from engine.model.kernels.packing import VNNI_FORMATS, PackedMatrix, pack
 from engine.model.step_batch import StepBatch
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "cm_cpu_supported": (ctypes.c_int, []),
+    "cm_cpu_level": (ctypes.c_int, []),
     "cm_cpu_supports_vnni": (ctypes.c_int, []),
     "cm_set_threads": (None, [_I]),
     "cm_get_threads": (ctypes.c_int, []),
@@ -32,6 +33,7 @@ _SIGNATURES = {
     "cm_tp_arrive": (ctypes.c_uint32, [_P, _I]),
     "cm_tp_wait": (ctypes.c_int, [_P, ctypes.c_uint32, _I]),
 }
+_INT8_FUNCTIONS = ("cm_gemm_q8", "cm_unpack_q8")  # only the AVX-512 build has them
 
 
 class _Matrix(ctypes.Structure):
@@ -68,7 +70,7 @@ class NativeUnavailable(RuntimeError):
 
 
 class UnsupportedCpu(NativeUnavailable):
-    """This machine cannot run them at all (not x86-64, or no AVX-512): numpy is the right choice."""
+    """This machine cannot run them at all (not x86-64, or neither AVX-512 nor AVX2): numpy it is."""
 
 
 class NoVnni(NativeUnavailable):
@@ -76,19 +78,36 @@ class NoVnni(NativeUnavailable):
 
 
 @functools.cache
-def load_library() -> ctypes.CDLL:
-    """The built library, checked against this CPU. Raises NativeUnavailable saying why not."""
+def cpu_isa() -> Isa:
+    """The build of the kernels this CPU runs, asked of the probe library. Raises NativeUnavailable."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise UnsupportedCpu(f"the native kernels are for x86-64 with AVX-512; this is {platform.machine()}")
+        raise UnsupportedCpu(
+            f"the native kernels are for x86-64 (AVX-512 or AVX2); this is {platform.machine()}"
+        )
     try:
-        lib = ctypes.CDLL(str(ensure_built()))
+        probe = ctypes.CDLL(str(ensure_probe_built()))
+    except (KernelBuildError, OSError) as exc:
+        raise NativeUnavailable(str(exc)) from exc
+    level = probe.cm_cpu_level()
+    if level == 0:
+        raise UnsupportedCpu("this CPU has neither AVX-512 (F, BW, VL, DQ) nor AVX2 with FMA and F16C")
+    return ISAS["avx512" if level == 2 else "avx2"]
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL:
+    """The built library for this CPU. Raises NativeUnavailable saying why not."""
+    isa = cpu_isa()
+    try:
+        lib = ctypes.CDLL(str(ensure_built(isa)))
     except (KernelBuildError, OSError) as exc:
         raise NativeUnavailable(str(exc)) from exc
     for name, (restype, argtypes) in _SIGNATURES.items():
+        if name in _INT8_FUNCTIONS and not hasattr(lib, name):
+            continue
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    if not lib.cm_cpu_supported():
-        raise UnsupportedCpu("this CPU lacks AVX-512 (F, BW, VL, DQ) or FMA")
+    assert lib.cm_cpu_level() >= (2 if isa.name == "avx512" else 1)
     return lib
 
 
@@ -181,6 +200,7 @@ class NativeKernels:
         self.q8_activations = q8_activations
         self.name = "native-int8" if q8_activations else "native"
         self.lib = load_library()
+        self.isa = cpu_isa().name  # the same numbers either way (simd16.h); for logs and benchmarks
         if q8_activations and not self.lib.cm_cpu_supports_vnni():
             raise NoVnni("native-int8 needs AVX-512 VNNI, which this CPU lacks")
         self.num_threads = num_threads or len(os.sched_getaffinity(0))
