@@ -71,3 +71,12 @@ def chat_id(client: httpx.Client) -> str:
     reply = client.post("/v1/chats", json={"title": "test chat"})
     assert reply.status_code == 201, reply.text
     return reply.json()["chat_id"]
+
+
+@pytest.fixture
+def two_replicas() -> Iterator[tuple[ScriptedChatServer, ScriptedChatServer]]:
+    """Two ScriptedChatServers, for tests of how Envoy places calls over orchestrator replicas."""
+    servers = ScriptedChatServer().start(), ScriptedChatServer().start()
+    yield servers
+    for server in servers:
+        server.stop()

@@ -681,6 +681,9 @@ class ScriptedChatServer:
         self._loop.call_soon_threadsafe(self.completion_link.drain)
 
     def stop(self) -> None:
+        """Stops serving (its port refuses connections from then on); once stopped, does nothing."""
+        if not self._thread.is_alive():
+            return
         if self._server is not None:
             asyncio.run_coroutine_threadsafe(self._server.server.stop(0), self._loop).result(30)
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -7,10 +7,7 @@ at the chart's interval)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from edge.settings import EdgeSettings
 from localmesh.dev_jwt import DevKeys
@@ -21,14 +18,6 @@ from tests.front_door.scripted_chat_service import ScriptedChatServer, scripted_
 LINKS = EdgeSettings.completion_links  # the edge's default --completion-links
 # Half a second each: answers asked together are all running at once, one on each link.
 ANSWER = {"model": "", "messages": [{"role": "user", "content": "!tokens 25 20"}], "max_tokens": 25}
-
-
-@pytest.fixture
-def replicas() -> Iterator[tuple[ScriptedChatServer, ScriptedChatServer]]:
-    servers = ScriptedChatServer().start(), ScriptedChatServer().start()
-    yield servers
-    for server in servers:
-        server.stop()
 
 
 def answers_together(door: FrontDoor, count: int) -> list[tuple[int, str]]:
@@ -50,9 +39,9 @@ def answers_together(door: FrontDoor, count: int) -> list[tuple[int, str]]:
 
 
 def test_a_link_stream_a_draining_replica_refuses_goes_to_the_other_however_idle_the_draining_one(
-    tmp_path: Path, dev_jwt_keys: DevKeys, replicas: tuple[ScriptedChatServer, ScriptedChatServer]
+    tmp_path: Path, dev_jwt_keys: DevKeys, two_replicas: tuple[ScriptedChatServer, ScriptedChatServer]
 ):
-    draining, serving = replicas
+    draining, serving = two_replicas
     with Launcher(tmp_path, echo=lambda line: None) as launcher:
         door = start_front_door(launcher, dev_jwt_keys, [draining.port, serving.port], edge_via_envoy=True)
         # Four answers at once open the four links, which Envoy spreads over both replicas.
