@@ -145,15 +145,25 @@ def run_chatmesh(kernels: str) -> dict[str, float]:
     out["ttft_cold_s"], out["ttft_cached_s"] = statistics.median(colds), statistics.median(warms)
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     # what one decode step reads from memory at least: every packed weight matrix once
-    matrices = [m for layer in runner._layers for m in (layer.qkv, layer.wo, layer.gate_up, layer.down)]
-    out["weight_mib"] = sum(m.data.nbytes for m in [*matrices, runner._lm_head]) / 2**20
+    matrices = [
+        packed_size(m) for layer in runner._layers for m in (layer.qkv, layer.wo, layer.gate_up, layer.down)
+    ]
+    lm_head = packed_size(runner._lm_head)
+    out["weight_mib"] = sum(nbytes for nbytes, _ in [*matrices, lm_head]) / 2**20
     # and what it computes at least: a multiply and an add per weight (attention over these short
     # contexts adds under 1 %); a prompt token skips the LM head, which only the last one needs
-    macs = sum(m.out_features * m.in_features for m in matrices)
-    out["gflop_per_token"] = 2 * (macs + runner._lm_head.out_features * runner._lm_head.in_features) / 1e9
+    macs = sum(weights for _, weights in matrices)
+    out["gflop_per_token"] = 2 * (macs + lm_head[1]) / 1e9
     out["gflop_per_prompt_token"] = 2 * macs / 1e9
     out.update(paged_vs_dense_long(runner))  # last: its larger pool must not count in the peak RSS
     return out
+
+
+def packed_size(matrix) -> tuple[int, int]:
+    """(bytes, weights) of a packed matrix: the native kernels' panels or numpy's float32 [in, out]."""
+    if isinstance(matrix, np.ndarray):
+        return matrix.nbytes, matrix.size
+    return matrix.data.nbytes, matrix.out_features * matrix.in_features
 
 
 def paged_vs_dense_long(runner) -> dict[str, float]:
