@@ -24,6 +24,7 @@ HEADERS = ("pool.h", "simd16.h")
 # Compiled without ISA flags, so it can be loaded and asked about the CPU on any x86-64: alone (the probe
 # that picks a build) and inside each build.
 CPU_CHECK_SOURCE = "cpu_check.c"
+CPU_CHECK_UNIT = (CPU_CHECK_SOURCE, ("-O2", "-fPIC"))
 # -ffp-contract=off: a*b+c stays two roundings unless the code asks for an FMA (dequantization must
 # match gguf's float32 arithmetic bit for bit).
 BASE_FLAGS = ("-O3", "-fPIC", "-pthread", "-ffp-contract=off")
@@ -80,18 +81,18 @@ def library_path(isa: Isa) -> Path:
 
 
 def probe_path() -> Path:
-    return build_dir() / f"libchatmesh_cpu_check-{_digest(('-O2',), (CPU_CHECK_SOURCE,))}.so"
+    return build_dir() / f"libchatmesh_cpu_check-{_digest(CPU_CHECK_UNIT[1], (CPU_CHECK_SOURCE,))}.so"
 
 
 def ensure_built(isa: Isa, verbose: bool = False) -> Path:
     """Path of the up-to-date library for ``isa``, compiling it first if needed. Raises KernelBuildError."""
     units = [(n, BASE_FLAGS + isa.flags + isa.extra_flags.get(n, ())) for n in (*SOURCES, *isa.extra_sources)]
-    return _ensure(library_path(isa), [*units, (CPU_CHECK_SOURCE, ("-O2", "-fPIC"))], verbose)
+    return _ensure(library_path(isa), [*units, CPU_CHECK_UNIT], verbose)
 
 
 def ensure_probe_built() -> Path:
     """The CPU check alone (``cm_cpu_level``), to choose a build before loading one."""
-    return _ensure(probe_path(), [(CPU_CHECK_SOURCE, ("-O2", "-fPIC"))], verbose=False)
+    return _ensure(probe_path(), [CPU_CHECK_UNIT], verbose=False)
 
 
 def _ensure(target: Path, units: list[tuple[str, tuple[str, ...]]], verbose: bool) -> Path:
