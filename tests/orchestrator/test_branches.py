@@ -4,7 +4,6 @@ being continued. Titles come from the engine after the first exchange."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT
-from tests.fixtures.orchestrator import ChatClient, answer_text, collect
+from tests.fixtures.orchestrator import ChatClient, answer_text, chat_title, collect
 
 pytestmark = pytest.mark.usefixtures("router_required")
 
@@ -94,12 +93,7 @@ async def test_the_engine_titles_a_chat_after_its_first_exchange(client: ChatCli
     chat = await client.create_chat()
     assert chat.title == ""
     await collect(client.send(chat.chat_id, "Plan a weekend in Lisbon", options=opts()))
-    deadline = time.monotonic() + 30
-    while not (
-        title := (await client.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat.chat_id))).chat.title
-    ):
-        assert time.monotonic() < deadline, "no title was generated"
-        await asyncio.sleep(0.2)
+    title = await chat_title(client, chat.chat_id)
     # The null engine's text, cleaned into a title: one line, no trailing punctuation.
     assert 0 < len(title) <= 80 and "\n" not in title and not title.endswith(".")
 

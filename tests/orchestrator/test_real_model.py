@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections.abc import Callable
 
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
-from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, answer_text, collect, read_until
+from tests.fixtures.orchestrator import (
+    ChatClient,
+    Mesh,
+    MeshFactory,
+    answer_text,
+    chat_title,
+    collect,
+    read_until,
+)
 
 SENDS_TO_FIND_A_LONG_ANSWER = 5
 
@@ -42,12 +49,7 @@ async def test_the_real_model_answers_a_question_and_titles_the_chat(real_client
     page = await real_client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
     assert page.messages[0].content == text
 
-    deadline = time.monotonic() + 120
-    while not (
-        title := (await real_client.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat.chat_id))).chat.title
-    ):
-        assert time.monotonic() < deadline, "the engine gave the chat no title"
-        await asyncio.sleep(0.5)
+    title = await chat_title(real_client, chat.chat_id, within_s=120)
     assert 0 < len(title) <= 80 and "\n" not in title
 
 
