@@ -30,5 +30,12 @@ def client(mesh: Mesh, connect: Callable[..., ChatClient]) -> ChatClient:
 
 
 @pytest.fixture
+def engines_idle(mesh: Mesh) -> None:
+    """For tests that count the shared mesh's engine requests: none is left from earlier tests (the
+    title every completed first exchange asks for is generated after that test has ended)."""
+    mesh.wait_until_engines_idle()
+
+
+@pytest.fixture
 def router_required() -> None:
     """For modules whose tests generate answers: ``pytestmark = pytest.mark.usefixtures(...)``."""

@@ -53,6 +53,7 @@ async def test_complete_streams_an_answer_stores_nothing_and_counts_its_tokens(c
     assert after.used_tokens - before.used_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+@pytest.mark.usefixtures("engines_idle")
 async def test_a_complete_whose_caller_leaves_is_cancelled_and_charged_what_it_generated(
     client: ChatClient, mesh: Mesh
 ) -> None:

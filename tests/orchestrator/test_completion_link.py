@@ -23,7 +23,7 @@ from chatmesh.linked_calls import linked_start, reply_response
 from meshkit.links import Link, LinkBroken, LinkMessages, RequestFeed
 from meshkit.telemetry import TRACE_FILE_ENV
 from tests.fixtures.identity import bearer
-from tests.fixtures.orchestrator import ChatClient, Mesh, chat_title, collect, new_user, read_until
+from tests.fixtures.orchestrator import ChatClient, Mesh, collect, new_user, read_until
 from tests.orchestrator.test_tracing import wait_for_trace
 
 pytestmark = pytest.mark.usefixtures("router_required")
@@ -134,6 +134,7 @@ async def test_a_request_is_refused_as_its_call_would_be_and_the_others_on_the_l
     assert error is None and events[-1].HasField("done")
 
 
+@pytest.mark.usefixtures("engines_idle")
 async def test_a_cancel_stops_the_answer_frees_the_engine_and_charges_what_was_generated(
     client: ChatClient, mesh: Mesh, link: Link
 ) -> None:
@@ -149,6 +150,7 @@ async def test_a_cancel_stops_the_answer_frees_the_engine_and_charges_what_was_g
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.usefixtures("engines_idle")
 async def test_a_request_past_its_deadline_ends_deadline_exceeded_and_frees_the_engine(
     mesh: Mesh, link: Link
 ) -> None:
@@ -160,6 +162,7 @@ async def test_a_request_past_its_deadline_ends_deadline_exceeded_and_frees_the_
     assert mesh.engine_requests() == 0
 
 
+@pytest.mark.usefixtures("engines_idle")
 async def test_when_the_link_ends_every_answer_on_it_is_cancelled(mesh: Mesh, link: Link) -> None:
     feeds = [open_request(link, complete_request(f"long answer {n}", 2000))[1] for n in range(3)]
     for feed in feeds:
@@ -242,9 +245,6 @@ async def test_a_stored_chats_send_on_a_link_outlives_the_link_and_streamrun_on_
     # Stored once, as streamed: the question and its whole answer.
     listed = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
     assert [message.content for message in listed.messages] == [text(seen + rest), "a stored question"]
-    # Its first exchange completed, so the engine titles the chat in the background: waited for, so that
-    # no engine work of this test is left for the next one's engine count (a full run saw it there).
-    await chat_title(client, chat.chat_id)
 
 
 async def test_a_stored_chats_send_on_a_link_is_refused_as_its_call_would_be(
@@ -259,6 +259,7 @@ async def test_a_stored_chats_send_on_a_link_is_refused_as_its_call_would_be(
     assert events == [] and error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.usefixtures("engines_idle")
 async def test_unary_calls_on_a_link_answer_as_the_calls_do_and_its_cancel_frees_the_engine_at_once(
     client: ChatClient, mesh: Mesh, link: Link
 ) -> None:

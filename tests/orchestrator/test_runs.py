@@ -161,6 +161,7 @@ async def test_streams_that_ask_for_merged_deltas_get_the_waiting_ones_as_one_an
             assert kinds(got).count("delta") == 1
 
 
+@pytest.mark.usefixtures("engines_idle")
 async def test_cancel_stops_the_run_at_once_frees_the_engine_and_keeps_what_was_said(
     client: ChatClient, mesh: Mesh
 ) -> None:
@@ -213,6 +214,7 @@ async def test_a_cancel_frees_the_engine_and_answers_in_time_while_cassandra_ans
     assert answer.content == answer_text(run) and answer.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
 
 
+@pytest.mark.usefixtures("engines_idle")
 async def test_a_cancel_whose_end_outlasts_the_callers_deadline_answers_cancelling_in_time(
     start_mesh: MeshFactory, connect: Callable[..., ChatClient]
 ) -> None:
@@ -251,6 +253,7 @@ async def test_a_cancel_whose_end_outlasts_the_callers_deadline_answers_cancelli
     assert mesh.engine_requests() == 0
 
 
+@pytest.mark.usefixtures("engines_idle")
 async def test_deleting_a_chat_stops_its_running_answer_and_frees_the_engine(
     client: ChatClient, mesh: Mesh
 ) -> None:
