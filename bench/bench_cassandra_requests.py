@@ -8,7 +8,9 @@ runs ``--requests`` requests of each kind, ``--in-flight`` at a time, kind after
 rounds; the first ``--warm-rounds`` only warm the JVM (its JIT compiles for thousands of requests). Each
 kind's node CPU (every thread, /proc) is divided by its requests, its JIT compiler threads apart, and
 printed as the median over the measured rounds with their range. The client is the DataStax driver
-straight (no memory_store code), so the numbers are the node's alone.
+straight (no memory_store code), so the node's numbers are its own; the client's CPU a request (this
+process, every thread: what the driver alone spends on a request, before any of the orchestrator's code)
+is printed beside them.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_cassandra_requests.py \\
         [--requests 2000] [--in-flight 16] [--rounds 6] [--warm-rounds 2]
@@ -106,16 +108,37 @@ def request_kinds(session: Session) -> dict[str, Kind]:
     }
 
 
-def measure(session: Session, pid: int, kind: Kind, count: int, in_flight: int) -> tuple[float, float, float]:
-    """(node CPU ms, its JIT's ms, wall ms) per request of ``kind``, ``count`` of them."""
+@dataclass(frozen=True)
+class Measured:
+    """Milliseconds a request of one kind, over one round."""
+
+    node_cpu: float  # the node's CPU, its JIT compilers apart
+    node_jit: float
+    client_cpu: float  # this process's CPU: the driver's
+    wall: float
+
+
+def measure(session: Session, pid: int, kind: Kind, count: int, in_flight: int) -> Measured:
+    """What a request of ``kind`` costs, ``count`` of them."""
     first = [request for i in range(count) for request in kind.before(i)]
     execute_concurrent(session, first, concurrency=in_flight, raise_on_first_error=True)
     requests = [request for i in range(count) for request in kind.make(i)]
-    cpu, jit, began = cpu_seconds(pid), compiler_seconds(pid), time.perf_counter()
+    cpu, jit, client, began = (
+        cpu_seconds(pid),
+        compiler_seconds(pid),
+        time.process_time(),
+        time.perf_counter(),
+    )
     execute_concurrent(session, requests, concurrency=in_flight, raise_on_first_error=True)
-    wall = time.perf_counter() - began
+    wall, client_cpu = time.perf_counter() - began, time.process_time() - client
     spent_jit = compiler_seconds(pid) - jit
-    return ((cpu_seconds(pid) - cpu - spent_jit) * 1e3 / count, spent_jit * 1e3 / count, wall * 1e3 / count)
+    per_request = 1e3 / count
+    return Measured(
+        node_cpu=(cpu_seconds(pid) - cpu - spent_jit) * per_request,
+        node_jit=spent_jit * per_request,
+        client_cpu=client_cpu * per_request,
+        wall=wall * per_request,
+    )
 
 
 def main() -> None:
@@ -140,7 +163,7 @@ def main() -> None:
             for statement in SCHEMA:
                 session.execute(statement)
             kinds = request_kinds(session)
-            measured: dict[str, list[tuple[float, float, float]]] = {name: [] for name in kinds}
+            measured: dict[str, list[Measured]] = {name: [] for name in kinds}
             for round_ in range(args.rounds):
                 for name, kind in kinds.items():
                     result = measure(session, report.pid, kind, args.requests, args.in_flight)
@@ -152,12 +175,15 @@ def main() -> None:
         f"\n{args.requests:,} requests a kind a round, {args.in_flight} in flight, {args.rounds - args.warm_rounds} "
         f"rounds measured after {args.warm_rounds} warming; ms a request, median (range)"
     )
-    print(f"{'request':<38} {'node CPU':>20} {'its JIT':>8} {'wall':>7}")
+    print(f"{'request':<38} {'node CPU':>20} {'its JIT':>8} {'client CPU':>20} {'wall':>7}")
     for name, results in measured.items():
-        node_ms = [r[0] for r in results]
+        node_ms = [r.node_cpu for r in results]
+        client_ms = [r.client_cpu for r in results]
         print(
             f"{name:<38} {statistics.median(node_ms):>7.3f} ({min(node_ms):.3f}-{max(node_ms):.3f})"
-            f" {statistics.median(r[1] for r in results):>8.3f} {statistics.median(r[2] for r in results):>7.3f}"
+            f" {statistics.median(r.node_jit for r in results):>8.3f}"
+            f" {statistics.median(client_ms):>7.3f} ({min(client_ms):.3f}-{max(client_ms):.3f})"
+            f" {statistics.median(r.wall for r in results):>7.3f}"
         )
 
 
