@@ -214,7 +214,6 @@ async def test_a_cancel_frees_the_engine_and_answers_in_time_while_cassandra_ans
     assert answer.content == answer_text(run) and answer.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
 
 
-@pytest.mark.usefixtures("engines_idle")
 async def test_a_cancel_whose_end_outlasts_the_callers_deadline_answers_cancelling_in_time(
     start_mesh: MeshFactory, connect: Callable[..., ChatClient]
 ) -> None:
