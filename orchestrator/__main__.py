@@ -23,7 +23,7 @@ from chatmesh.gguf_header import read_gguf_metadata
 from chatmesh.identity import TokenVerifier
 from chatmesh.limits import Generation
 from chatmesh.model_files import bundled_model_path
-from chatmesh.tokenizer import load_tokenizer
+from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
 from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
 from meshkit import event_loop, serving, telemetry
@@ -70,9 +70,13 @@ async def connect_store(config: OrchestratorConfig) -> MemoryStore:
             await asyncio.sleep(2.0)
 
 
-async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVerifier) -> None:
-    model_path = Path(config.model_file) if config.model_file else bundled_model_path()
-    tokenizer = load_tokenizer(str(model_path))
+async def serve(
+    args: Namespace,
+    config: OrchestratorConfig,
+    verifier: TokenVerifier,
+    model_path: Path,
+    tokenizer: ChatTokenizer,
+) -> None:
     model_window = model_context_length(model_path)
     context_window = min(config.prompt.context_window or model_window, model_window)
     log.info(
@@ -185,8 +189,14 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"python -m orchestrator: {exc}")
     telemetry.setup("orchestrator")
+    model_path = Path(config.model_file) if config.model_file else bundled_model_path()
     try:
-        event_loop.run(serve(args, config, verifier))
+        tokenizer = load_tokenizer(str(model_path))
+    except (ValueError, OSError) as exc:  # a tokenizer it does not implement, or no such file
+        log.error("cannot start the orchestrator: %s", exc)
+        sys.exit(2)
+    try:
+        event_loop.run(serve(args, config, verifier, model_path, tokenizer))
     except serving.PortInUseError as exc:
         log.error("%s", exc)
         sys.exit(1)

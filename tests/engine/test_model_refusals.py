@@ -27,7 +27,6 @@ from tests.fixtures.identity import session_keys
 START_TIMEOUT_S = 30.0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 0: tokenizer.ggml.pre is never read")
 @pytest.mark.parametrize(
     ("change", "named"),
     [
@@ -49,7 +48,6 @@ def test_a_gguf_with_smollms_tokenizer_loads(tmp_path: Path) -> None:
     assert ChatTokenizer.from_gguf(path).fingerprint == load_tokenizer().fingerprint
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 0: rope_freqs.weight is ignored")
 def test_a_gguf_with_rope_frequency_factors_is_refused(tmp_path: Path) -> None:
     metadata, weights = tiny_llama_metadata(), tiny_llama(vocab_size=49152)
     assert load_gguf(write_gguf(tmp_path / "plain.gguf", metadata, weights)).config.num_layers == 1
@@ -68,9 +66,6 @@ def hf_tokenizer_dir(directory: Path, edit) -> Path:
     return directory
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 54 item 0: a tokenizer.json normalizer or BPE option is ignored"
-)
 @pytest.mark.parametrize(
     ("edit", "named"),
     [
@@ -104,7 +99,6 @@ def refusal(argv: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 0: the engine serves a GGUF with rope_freqs.weight")
 def test_the_engine_refuses_to_start_on_a_model_it_would_compute_wrongly(tmp_path: Path) -> None:
     factors = {"rope_freqs.weight": np.ones(2, dtype=np.float32)}
     path = write_gguf(tmp_path / "llama31.gguf", tiny_llama_metadata(), {**tiny_llama(49152), **factors})
@@ -113,7 +107,6 @@ def test_the_engine_refuses_to_start_on_a_model_it_would_compute_wrongly(tmp_pat
     assert "rope_freqs.weight" in ended.stderr and "Traceback" not in ended.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 0: the orchestrator loads a llama-bpe tokenizer")
 def test_the_orchestrator_refuses_to_start_on_a_tokenizer_it_would_split_wrongly(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "llama3.gguf", bundled_metadata({"tokenizer.ggml.pre": "llama-bpe"}))
     argv = ["-m", "orchestrator", "--model-file", str(path), *ports(), *session_keys().service_flags()]
