@@ -1,8 +1,10 @@
 """A run in memory on the replica generating it: its events in order, and the streams following them.
 
 Events are numbered from 1 (``started``), then ``delta``s, then ``usage`` and ``done`` (or one
-``error``). The buffer is append-only and bounded by the run's ``max_tokens`` (at most one delta per
-token), so any follower can start from any sequence number. Followers read it at their own pace: the
+``error``). The buffer is append-only and bounded by the run's ``max_tokens``: at most one delta per
+token, and one more for the text the engine held back (the start of a stop string, part of a
+character) and flushed when the answer ended. A delta past that bound is refused, never the end: room
+for it is kept, so followers always get it. Any follower can start from any sequence number. Followers read it at their own pace: the
 writer never waits for them, so a slow stream slows neither the run nor the other streams, and a
 stream that falls behind simply reads on from where it was.
 
@@ -35,8 +37,12 @@ from chatmesh.streams import Wakeup
 from meshkit.pacing import StreamPacer
 from orchestrator.metrics import METRICS
 
-# started + usage + done, or started + error.
+# The events of a run that are no delta: started + usage + done, or started + error.
 _FRAME_EVENTS = 3
+# Those after the last delta, for which a delta always leaves room.
+_END_EVENTS = 2
+# Deltas that carry no token: the held-back text an engine flushes at the end.
+_FLUSHED_DELTAS = 1
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class LiveRun:
     def __init__(self, info: RunInfo, max_subscribers: int, pacer: StreamPacer) -> None:
         self.info = info
         self.pacer = pacer
-        self.max_events = info.max_tokens + _FRAME_EVENTS
+        self.max_events = info.max_tokens + _FLUSHED_DELTAS + _FRAME_EVENTS
         self.max_subscribers = max_subscribers
         # The events in order: a delta as (text, token count), any other kind as its RunEvent.
         self._events: list[chat_pb2.RunEvent | tuple[str, int]] = []
@@ -102,6 +108,10 @@ class LiveRun:
     def append_delta(self, text: str, token_count: int) -> int:
         """Adds the next delta and wakes every follower; returns its sequence number."""
         seq = self._next_seq()
+        if seq > self.max_events - _END_EVENTS:
+            raise RuntimeError(
+                f"run {self.info.run_id} exceeded its {self.max_events - _FRAME_EVENTS} deltas"
+            )
         self._events.append((text, token_count))
         now = time.monotonic()
         self._delta_gap_s, self._last_delta_at = now - self._last_delta_at, now

@@ -400,26 +400,29 @@ class Relay:
         message_id: str,
     ) -> None:
         live = self.live
-        if status in (RunStatus.FAILED, RunStatus.INTERRUPTED):
-            if status is RunStatus.INTERRUPTED:
-                run_error = chat_pb2.RunError(code=INTERRUPTED_CODE, message=INTERRUPTED_MESSAGE)
+        try:
+            if status in (RunStatus.FAILED, RunStatus.INTERRUPTED):
+                if status is RunStatus.INTERRUPTED:
+                    run_error = chat_pb2.RunError(code=INTERRUPTED_CODE, message=INTERRUPTED_MESSAGE)
+                else:
+                    error = error or unavailable("the answer failed")
+                    run_error = chat_pb2.RunError(
+                        code=error.code.name,
+                        message=error.message,
+                        retry_after_ms=round((error.retry_after_s or 0) * 1000),
+                    )
+                live.append(error=run_error)
             else:
-                error = error or unavailable("the answer failed")
-                run_error = chat_pb2.RunError(
-                    code=error.code.name,
-                    message=error.message,
-                    retry_after_ms=round((error.retry_after_s or 0) * 1000),
+                live.append(usage=convert.usage(usage))
+                live.append(
+                    done=chat_pb2.Done(
+                        finish_reason=convert.finish_reason(reason),
+                        assistant_message_id=message_id,
+                    )
                 )
-            live.append(error=run_error)
-        else:
-            live.append(usage=convert.usage(usage))
-            live.append(
-                done=chat_pb2.Done(
-                    finish_reason=convert.finish_reason(reason),
-                    assistant_message_id=message_id,
-                )
-            )
-        live.finish(convert.RUN_STATUSES[status])
+        finally:
+            # Whatever happened, the run has ended here: its followers' streams end rather than wait.
+            live.finish(convert.RUN_STATUSES[status])
 
     def _observe(self, status: RunStatus, reason: FinishReason | None, usage: Usage) -> None:
         info = self.live.info

@@ -82,9 +82,6 @@ async def test_an_empty_model_name_means_the_default_model(client: ChatClient) -
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 54 item 2: a flushed delta at max_tokens leaves no room for done"
-)
 async def test_text_held_back_for_a_stop_string_and_flushed_at_max_tokens_still_ends_the_run(
     client: ChatClient,
 ) -> None:

@@ -109,7 +109,6 @@ async def test_a_merged_delta_carries_at_most_the_bound_so_a_late_follower_gets_
     assert "".join(e.delta.text for e in events) == "x" * 600 and events[-1].seq == 602
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 2: the bound has no room for text flushed at the end")
 async def test_the_buffer_is_bounded_by_max_tokens_and_followers_by_the_subscriber_limit() -> None:
     run = live_run(max_tokens=3, max_subscribers=1)
     assert run.last_seq == 1  # started
