@@ -18,6 +18,7 @@ from starlette.routing import Route
 from chatmesh.chat.v1 import chat_pb2
 from edge.bodies import read_model
 from edge.chats_api import caller_of
+from edge.client_gone import unless_client_leaves
 from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
 from edge.orchestrator import RunStream
@@ -156,7 +157,7 @@ async def chat_completions(request: Request) -> Response:
             ),
         )
         return sse_response(events, settings.streams)
-    return JSONResponse(await _collect(stream, first, completion_id, model))
+    return JSONResponse(await unless_client_leaves(request, _collect(stream, first, completion_id, model)))
 
 
 async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: str, model: str) -> dict:

@@ -29,6 +29,7 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import REFUSED_BEFORE_ANSWER
 from edge.bodies import read_model
 from edge.chats_api import caller_of, idempotency_key_of
+from edge.client_gone import unless_client_leaves
 from edge.convert import options_proto
 from edge.errors import ApiError
 from edge.openai_api import ROLES
@@ -278,7 +279,8 @@ async def create_response(request: Request) -> Response:
         record.apply(first)
         stream.detach()
         return JSONResponse(record.json())
-    await _fold(stream, record, first)
+    # A stored response goes on when its client leaves; one not stored (a Complete) is cancelled.
+    await unless_client_leaves(request, _fold(stream, record, first))
     return JSONResponse(record.json())
 
 

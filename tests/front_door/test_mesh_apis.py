@@ -116,7 +116,6 @@ def drop_mid_call(door: MeshFrontDoor, user: str, path: str, body: dict) -> None
         wait_for(lambda: door.mesh.engine_requests() > 0, what="the answer to start generating")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 5: an abandoned non-streamed call goes on generating")
 @pytest.mark.parametrize(
     ("path", "body"),
     [
