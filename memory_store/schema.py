@@ -7,7 +7,7 @@ schema before the next one reads or writes the new tables. In a multi-replica de
 from one place (``python -m memory_store schema`` as a deploy job): concurrent DDL from several
 clients can race in Cassandra 5.0.
 
-Why the tables look the way they do (see docs/memory_store.md for the full story):
+Why the tables look the way they do (see docs/architecture/memory_store.md for the full story):
 
 - ``messages``: ``((chat_id, bucket), message_id)`` newest first, like Discord. ``bucket`` is the day of
   the message id (``BUCKET_SECONDS``), so a partition holds one chat's messages of one day: bounded by

@@ -19,7 +19,7 @@ TIMEOUT_S = 30
 
 def capital_question(tokenizer: ChatTokenizer) -> list[int]:
     """The prompt the service tests send: one user turn, chat template applied. Not the bare question,
-    whose first token is a near-tie (README, "int8 and greedy answers"): every kernel set answers Paris."""
+    whose first token is a near-tie (docs/benchmarks/engine.md, "int8 and greedy answers"): every kernel set answers Paris."""
     return tokenizer.encode_chat(
         [ChatMessage("user", "What is the capital of France? Answer in one sentence.")]
     )

@@ -45,7 +45,7 @@ SCENARIOS = {
     "defaults": (),
     "full": ("values-full.yaml",),
     "gpu": ("values-gpu.yaml",),
-    "seeds": ("../../helm/chatmesh/values-seeds-scale.yaml",),  # one cell of docs/capacity.md
+    "seeds": ("../../helm/chatmesh/values-seeds-scale.yaml",),  # one cell of docs/operations/capacity.md
 }
 FULL = "cm-chatmesh"
 
@@ -227,7 +227,7 @@ def test_every_chatmesh_variable_is_a_real_flag_and_the_service_accepts_its_valu
 
 
 def test_the_seeds_cell_has_the_shape_of_the_capacity_model(rendered):
-    """docs/capacity.md: a cell is 110 engines of block size 64, 35 routers, 52 orchestrators, 35 edges."""
+    """docs/operations/capacity.md: a cell is 110 engines of block size 64, 35 routers, 52 orchestrators, 35 edges."""
     chart = rendered["seeds"]
     assert chart.get("StatefulSet", f"{FULL}-engine")["spec"]["replicas"] == 110
     assert env_of(chart.container("engine", "engine"))["CHATMESH_ENGINE_BLOCK_SIZE"] == "64"

@@ -72,7 +72,7 @@ numbers without YAML's float formatting (2097152, not 2.097152e+06).
 
 {{/*
 CHATMESH_<SERVICE>_<FLAG> variables: (dict "service" "router" "flags" (dict "port" 50051 ...)).
-The services read these as their flags' defaults (chatmesh/config.py).
+The services read these as their flags' defaults (meshkit/config.py).
 */}}
 {{- define "chatmesh.flagEnv" -}}
 {{- $service := .service -}}
