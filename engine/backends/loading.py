@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
 
+from chatmesh.model_files import hf_config, model_context_length
 from chatmesh.tokenizer import ChatTokenizer, hf_model_name
 from engine.backends.hosted import GenerationBackend, HostedEngine
 from engine.backends.triton import TritonBackend
 from engine.backends.trtllm import TrtllmBackend
 from engine.config import EngineConfig
 from engine.metrics import EngineMetrics
-from engine.model.hf_loader import CONFIG_FILE, is_hf_dir
+from engine.model.hf_loader import is_hf_dir
 from engine.model.runner import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -24,11 +24,7 @@ def hosted_model_spec(model_path: Path) -> ModelSpec:
     (the router's pool, the orchestrator's tokenizer must agree) and the context window; the shape is
     only reported. The architecture is not checked here: TensorRT-LLM (or the Triton server) validates
     its own model, and refusing what our CPU loader cannot run would refuse models it serves."""
-    config = json.loads((model_path / CONFIG_FILE).read_text())
-    text = config.get("text_config") or config  # multimodal configs keep the language model's fields here
-    context = text.get("max_position_embeddings")
-    if not context:
-        raise ValueError(f"{model_path}/{CONFIG_FILE}: no max_position_embeddings (the context window)")
+    config, text = hf_config(model_path)
     heads = int(text.get("num_attention_heads") or 0)
     return ModelSpec(
         name=hf_model_name(model_path, config),
@@ -36,7 +32,7 @@ def hosted_model_spec(model_path: Path) -> ModelSpec:
         num_kv_heads=int(text.get("num_key_value_heads") or heads),
         head_dim=int(text.get("head_dim") or (int(text.get("hidden_size") or 0) // heads if heads else 0)),
         vocab_size=int(text.get("vocab_size") or 0),
-        context_length=int(context),
+        context_length=model_context_length(model_path),
     )
 
 
