@@ -128,8 +128,12 @@ def test_multi_node_needs_trtllm_and_an_even_gpu_split():
     base = ("values-full.yaml",)
     with pytest.raises(HelmError, match=r"needs engine\.backend=trtllm"):
         render(base, ("engine.backend=cuda",))
-    with pytest.raises(HelmError, match=r"tensorParallelSize \(6\) must divide evenly over .*nodes \(4\)"):
-        render(base, ("engine.tensorParallelSize=6", "engine.multiNode.nodes=4"))
+    # values-full has 2 pipeline stages: 3 x 2 = 6 GPUs do not split over 4 nodes.
+    with pytest.raises(
+        HelmError,
+        match=r"tensorParallelSize x pipelineParallelSize \(6\) must divide evenly over .*nodes \(4\)",
+    ):
+        render(base, ("engine.tensorParallelSize=3", "engine.multiNode.nodes=4"))
 
 
 # -- probes, flags, discovery --------------------------------------------------------------------
@@ -401,11 +405,13 @@ def _gpus(container: dict) -> int | None:
 def test_engine_gpus_equal_the_tensor_parallel_size(rendered):
     assert _gpus(rendered["defaults"].container("engine", "engine")) is None  # cpu backend
     single = rendered["gpu"]
-    assert _gpus(single.container("engine", "engine")) == 4
-    args = single.container("engine", "engine")["args"]
-    assert args == ["engine", "--tensor-parallel-size", "4"]  # extraArgs are templates over values
-    assert env_of(single.container("engine", "engine"))["CHATMESH_ENGINE_BACKEND"] == "cuda"
-    # Multi-node: TP 8 over 2 nodes is 4 GPUs per pod, and MPI starts 8 ranks, 4 slots per host.
+    engine = single.container("engine", "engine")
+    assert _gpus(engine) == 4
+    # cuda: one rank per GPU under torchrun, the engine told the same size.
+    assert engine["args"] == ["torchrun", "--standalone", "--nproc-per-node", "4", "--module", "engine"]
+    assert env_of(engine)["CHATMESH_ENGINE_BACKEND"] == "cuda"
+    assert env_of(engine)["CHATMESH_ENGINE_TENSOR_PARALLEL_SIZE"] == "4"
+    # Multi-node: TP 4 x PP 2 over 2 nodes is 4 GPUs per pod, and MPI starts 8 ranks, 4 slots per host.
     multi = rendered["full"]
     leader, worker = multi.container("engine", "engine"), multi.container("engine", "worker")
     assert _gpus(leader) == _gpus(worker) == 4
@@ -413,7 +419,8 @@ def test_engine_gpus_equal_the_tensor_parallel_size(rendered):
     assert "mpirun --allow-run-as-root -np 8" in script
     assert script.count(":4") == 2
     assert "trtllm-llmapi-launch python -m engine" in script
-    assert leader["args"][1:] == ["engine", "--model", "/models/llama-70b"]
+    # extraArgs are templates over the values.
+    assert leader["args"][1:] == ["engine", "--served-model-name", "llama-70b"]
     pod = next(spec for c, meta, spec in multi.pod_specs() if c == "engine")
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert {"name": "shm", "mountPath": "/dev/shm"} in leader["volumeMounts"]
