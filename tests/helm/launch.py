@@ -123,3 +123,21 @@ def _mpirun(argv: list[str]) -> Launch:
     inner = parse_launch(program)
     assert inner is not None, f"mpirun starts {argv[i:]}, not a chatmesh service"
     return Launch(inner.service, inner.args, "mpirun", ranks, prefix, hosts)
+
+
+def service_parsers() -> dict:
+    """Each Python service's own parser: argv -> (namespace, its config, built and validated), or exit 2
+    with the reason. memory_store has no config object (None)."""
+    from edge.__main__ import parse_args as edge_args
+    from engine.__main__ import parse_args as engine_args
+    from memory_store.__main__ import parse_args as memory_store_args
+    from orchestrator.config import parse as orchestrator_args
+    from router.__main__ import parse_args as router_args
+
+    return {
+        "engine": engine_args,
+        "router": router_args,
+        "orchestrator": orchestrator_args,
+        "edge": edge_args,
+        "memory_store": lambda argv: (memory_store_args(argv), None),
+    }

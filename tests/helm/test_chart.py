@@ -32,6 +32,7 @@ from tests.helm.chart import (
     render,
     value_args,
 )
+from tests.helm.launch import service_parsers
 
 # The minimum Kubernetes the chart supports (grpc probes are GA in 1.27) and the newest schemas shipped.
 K8S_VERSIONS = ("1.27.0", "1.37.0")
@@ -194,18 +195,8 @@ def _flag_envs(parse) -> set[str]:
 
 
 def _parsers():
-    from edge.__main__ import parse_args as edge_args
-    from engine.__main__ import parse_args as engine_args
-    from orchestrator.config import parse as orchestrator_args
-    from router.__main__ import parse_args as router_args
-
-    # Each: argv → (namespace, the service's config: built and validated, or a usage error).
-    return {
-        "engine": engine_args,
-        "router": router_args,
-        "orchestrator": orchestrator_args,
-        "edge": edge_args,
-    }
+    """The services the chart configures through CHATMESH_* variables (memory_store takes arguments)."""
+    return {name: parse for name, parse in service_parsers().items() if name != "memory_store"}
 
 
 @pytest.mark.parametrize("scenario", ["defaults", "full", "gpu", "seeds"])

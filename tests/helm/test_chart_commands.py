@@ -22,7 +22,7 @@ import pytest
 
 from engine.model.cuda_runner import torchrun_world_size
 from tests.helm.chart import CHART, REQUIRED_SETS, ROOT, VALUES_DIR, Rendered, env_of, render
-from tests.helm.launch import SHELLS, Launch, container_argv, parse_launch, run_script
+from tests.helm.launch import SHELLS, Launch, container_argv, parse_launch, run_script, service_parsers
 
 GPU = "nvidia.com/gpu"
 # Containers that start no chatmesh service: other projects' images (Envoy, Cassandra, the collector), and
@@ -75,22 +75,6 @@ def releases(tmp_path_factory) -> dict[str, Rendered]:
     return {name: render(s.files, s.sets) for name, s in scenarios(tmp).items()}
 
 
-def _parsers():
-    from edge.__main__ import parse_args as edge_args
-    from engine.__main__ import parse_args as engine_args
-    from memory_store.__main__ import parse_args as memory_store_args
-    from orchestrator.config import parse as orchestrator_args
-    from router.__main__ import parse_args as router_args
-
-    return {
-        "engine": engine_args,
-        "router": router_args,
-        "orchestrator": orchestrator_args,
-        "edge": edge_args,
-        "memory_store": lambda argv: (memory_store_args(argv), None),
-    }
-
-
 def _parse(service: str, argv: list[str], env: dict[str, str], monkeypatch):
     """The service's own parse of ``argv`` under ``env``; a refusal (exit 2) fails with its message."""
     for name in [n for n in os.environ if n.startswith("CHATMESH_")]:
@@ -101,7 +85,7 @@ def _parse(service: str, argv: list[str], env: dict[str, str], monkeypatch):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return _parsers()[service](argv)
+            return service_parsers()[service](argv)
     except SystemExit as exc:
         pytest.fail(
             f"{service} refuses {argv} with the chart's environment: {err.getvalue().strip()} ({exc})"
