@@ -34,6 +34,7 @@ class Launch:
         default_factory=list
     )  # what mpirun runs before python (trtllm-llmapi-launch)
     mpi_hosts: list[tuple[str, int]] = field(default_factory=list)  # (host, slots)
+    mpi_mca: dict[str, str] = field(default_factory=dict)  # --mca name value
 
 
 def container_argv(container: dict) -> list[str]:
@@ -103,7 +104,7 @@ MPI_FLAGS = {"--oversubscribe", "--allow-run-as-root"}
 
 
 def _mpirun(argv: list[str]) -> Launch:
-    ranks, hosts, i = 0, [], 0
+    ranks, hosts, mca, i = 0, [], {}, 0
     while i < len(argv) and argv[i].startswith("-"):
         option = argv[i]
         if option in MPI_FLAGS:
@@ -115,6 +116,8 @@ def _mpirun(argv: list[str]) -> Launch:
             ranks = int(values[0])
         elif option in ("--host", "-H"):
             hosts = [(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1])) for h in values[0].split(",")]
+        elif option in ("--mca", "-mca"):
+            mca[values[0]] = values[1]
         i += 1 + MPI_OPTIONS[option]
     program = argv[i:]
     prefix = []
@@ -122,7 +125,7 @@ def _mpirun(argv: list[str]) -> Launch:
         prefix.append(program.pop(0))
     inner = parse_launch(program)
     assert inner is not None, f"mpirun starts {argv[i:]}, not a chatmesh service"
-    return Launch(inner.service, inner.args, "mpirun", ranks, prefix, hosts)
+    return Launch(inner.service, inner.args, "mpirun", ranks, prefix, hosts, mca)
 
 
 def service_parsers() -> dict:

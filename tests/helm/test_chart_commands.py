@@ -114,7 +114,7 @@ def _mounted_path(path: str, container: dict, volumes: dict[str, dict]) -> dict:
     return volumes[mount["name"]]
 
 
-def _check_engine(config, launch: Launch, container: dict, group_size: int) -> None:
+def _check_engine(args, config, launch: Launch, container: dict, group_size: int) -> None:
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     gpus = int(container.get("resources", {}).get("limits", {}).get(GPU, 0)) * group_size
     if config.backend in ("cuda", "trtllm"):
@@ -135,6 +135,9 @@ def _check_engine(config, launch: Launch, container: dict, group_size: int) -> N
         assert (launch.launcher, launch.ranks, launch.mpi_program) == ("mpirun", 1, [])
     else:
         assert launch.launcher == "", f"--backend {config.backend} at {tp} x {pp} needs no launcher"
+    if launch.launcher == "mpirun":
+        # mpirun kills its ranks this long after passing SIGTERM on: never before the engine's drain ends.
+        assert float(launch.mpi_mca["odls_base_sigkill_timeout"]) > args.drain_grace_s
 
 
 def test_every_values_file_and_doc_recipe_renders_commands_the_services_accept(
@@ -155,11 +158,11 @@ def test_every_values_file_and_doc_recipe_renders_commands_the_services_accept(
                     launches = _launches(container, env, group_size, tmp_path)
                     assert launches, f"{scenario}: {container['name']} starts no chatmesh service"
                     for launch in launches:
-                        _, config = _parse(launch.service, launch.args, env, monkeypatch)
+                        args, config = _parse(launch.service, launch.args, env, monkeypatch)
                         services.add(launch.service)
                         where = f"{scenario}: {container['name']}"
                         if launch.service == "engine":
-                            _check_engine(config, launch, container, group_size)
+                            _check_engine(args, config, launch, container, group_size)
                             models["engine"].add(config.model_path)
                             if config.model_path is not None:
                                 _mounted_path(str(config.model_path), container, volumes)

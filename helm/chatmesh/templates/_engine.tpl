@@ -59,7 +59,9 @@ The engine container's arguments on one node (the image's entrypoint runs `engin
 and anything else as given): one process, or the launcher its backend needs for several ranks. cuda: one
 rank per GPU under torchrun (the engine checks WORLD_SIZE against its --tensor-parallel-size). trtllm:
 TensorRT-LLM's LLM API spawns its own MPI workers on one node; NVIDIA's advice for containers is to start
-the process as an MPI singleton, `mpirun -n 1`, which the spawn then extends. (list of engine flags)
+the process as an MPI singleton, `mpirun -n 1`, which the spawn then extends. mpirun passes SIGTERM on
+and kills what is left after odls_base_sigkill_timeout: the drain's whole grace period, not its default
+second. (dict "root" $ "args" <engine flags>)
 */}}
 {{- define "chatmesh.engineLaunch" -}}
 {{- $v := .root.Values.engine -}}
@@ -73,7 +75,7 @@ the process as an MPI singleton, `mpirun -n 1`, which the spawn then extends. (l
 {{- if and (eq $v.backend "cuda") (gt $world 1) -}}
 {{- toJson (concat (list "torchrun" "--standalone" "--nproc-per-node" (toString $world) "--module" "engine") .args) -}}
 {{- else if and (eq $v.backend "trtllm") (gt $world 1) -}}
-{{- toJson (concat (list "mpirun" "-n" "1" "--oversubscribe" "--allow-run-as-root" "python" "-m" "engine") .args) -}}
+{{- toJson (concat (list "mpirun" "-n" "1" "--oversubscribe" "--allow-run-as-root" "--mca" "odls_base_sigkill_timeout" (include "chatmesh.terminationGrace" (dict "root" .root "drain" $v.drainGraceSeconds)) "python" "-m" "engine") .args) -}}
 {{- else -}}
 {{- toJson (concat (list "engine") .args) -}}
 {{- end -}}
