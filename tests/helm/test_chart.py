@@ -20,6 +20,8 @@ from localmesh.dev_jwt import generate_keys
 from meshkit.envoy import EnvoyConfig, chat_service_methods, write_config
 from tests.helm.chart import (
     CHART,
+    CRD_KINDS,
+    K8S_VERSIONS,
     NAMESPACE,
     RELEASE,
     REQUIRED_SETS,
@@ -34,14 +36,6 @@ from tests.helm.chart import (
 )
 from tests.helm.launch import service_parsers
 
-# The minimum Kubernetes the chart supports (grpc probes are GA in 1.27) and the newest schemas shipped.
-K8S_VERSIONS = ("1.27.0", "1.37.0")
-CRD_KINDS = {
-    "ServiceMonitor": "monitoring.coreos.com/v1",
-    "PrometheusRule": "monitoring.coreos.com/v1",
-    "ScaledObject": "keda.sh/v1alpha1",
-    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1",
-}
 SCENARIOS = {
     "defaults": (),
     "full": ("values-full.yaml",),

@@ -18,10 +18,21 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 
 from engine.model.cuda_runner import torchrun_world_size
-from tests.helm.chart import CHART, REQUIRED_SETS, ROOT, VALUES_DIR, Rendered, env_of, render
+from tests.helm.chart import (
+    CHART,
+    CRD_KINDS,
+    K8S_VERSIONS,
+    REQUIRED_SETS,
+    ROOT,
+    VALUES_DIR,
+    Rendered,
+    env_of,
+    render,
+)
 from tests.helm.launch import SHELLS, Launch, container_argv, parse_launch, run_script, service_parsers
 
 GPU = "nvidia.com/gpu"
@@ -30,18 +41,19 @@ GPU = "nvidia.com/gpu"
 # runs its output through Envoy), the model copy, and the multi-node workers' sshd.
 NOT_SERVICES = {"envoy", "cassandra", "otel-collector", "render-config", "copy-model", "worker"}
 DOCS = (ROOT / "docs" / "deploy.md", ROOT / "docs" / "gpu.md")
-DOC_BLOCK = re.compile(r"<!-- chart-values: (\S+) -->\n```yaml\n(.*?)```", re.DOTALL)
+# `<!-- chart-values: NAME [on BASE] -->` before a yaml fence: a values file, rendered on top of BASE's.
+DOC_BLOCK = re.compile(r"<!-- chart-values: (\S+)(?: on (\S+))? -->\n```yaml\n(.*?)```", re.DOTALL)
 # A LeaderWorkerSet pod's view of its group (what LWS sets), for the leader's host list.
 LWS_ENV = {"LWS_LEADER_ADDRESS": "cm-chatmesh-engine-0.cm-chatmesh-engine.chat", "LWS_WORKER_INDEX": "0"}
 
 
-def doc_values() -> dict[str, str]:
-    """The values blocks the docs mark as rendered (``<!-- chart-values: NAME -->`` + a yaml fence)."""
+def doc_values() -> dict[str, tuple[str, str]]:
+    """The values blocks the docs mark as rendered: name -> (the block it goes on top of, its text)."""
     blocks = {}
     for doc in DOCS:
-        for name, text in DOC_BLOCK.findall(doc.read_text()):
+        for name, base, text in DOC_BLOCK.findall(doc.read_text()):
             assert name not in blocks, f"two doc blocks named {name}"
-            blocks[name] = text
+            blocks[name] = (base, text)
     return blocks
 
 
@@ -52,20 +64,26 @@ class Scenario:
 
 
 def scenarios(tmp: Path) -> dict[str, Scenario]:
-    """Every values file of tests/helm and the chart, and every doc recipe (written to ``tmp``)."""
+    """Every values file of tests/helm and the chart, and every doc recipe (written to ``tmp``, on top of
+    the install flags docs/deploy.md gives first)."""
     found = {"defaults": Scenario(sets=REQUIRED_SETS)}
     for path in sorted([*VALUES_DIR.glob("values*.yaml"), *CHART.glob("values-*.yaml")]):
         found[path.name] = Scenario((str(path),))
     docs = doc_values()
-    for name, text in docs.items():
+    for name, (_, text) in docs.items():
         (tmp / f"{name}.yaml").write_text(text)
-    recipe = str(tmp / "gpu-trtllm.yaml")
-    # docs/deploy.md: the one-node recipe as written (TP 4), at one GPU, and with the multi-node overlay.
-    found["doc:gpu-trtllm"] = Scenario((recipe,), REQUIRED_SETS)
-    found["doc:gpu-trtllm tp1"] = Scenario((recipe,), (*REQUIRED_SETS, "engine.tensorParallelSize=1"))
-    found["doc:gpu-multinode"] = Scenario((recipe, str(tmp / "gpu-multinode.yaml")), REQUIRED_SETS)
-    found["doc:model-gguf"] = Scenario((str(tmp / "model-gguf.yaml"),), REQUIRED_SETS)
-    assert set(docs) == {"gpu-trtllm", "gpu-multinode", "model-gguf"}, sorted(docs)
+
+    def files(name: str) -> tuple[str, ...]:
+        base = docs[name][0]
+        return (*(files(base) if base else ()), str(tmp / f"{name}.yaml"))
+
+    for name in docs:
+        found[f"doc:{name}"] = Scenario(files(name), REQUIRED_SETS)
+    # docs/deploy.md: "For one GPU set tensorParallelSize: 1".
+    found["doc:gpu-trtllm tp1"] = Scenario(
+        files("gpu-trtllm"), (*REQUIRED_SETS, "engine.tensorParallelSize=1")
+    )
+    assert {"gpu-trtllm", "gpu-multinode", "model-gguf", "model-image"} <= set(docs), sorted(docs)
     return found
 
 
@@ -195,3 +213,29 @@ def _pods(obj: dict):
         lws = obj["spec"]["leaderWorkerTemplate"]
         yield lws["leaderTemplate"]["spec"], lws["size"]
         yield lws["workerTemplate"]["spec"], lws["size"]
+
+
+def test_doc_recipes_render_objects_kubernetes_accepts(releases):
+    """The recipes' objects pass the API's schema (strict: no unknown field), the LeaderWorkerSet's
+    templates as Pods; the newest schemas, since image volumes need Kubernetes 1.33+."""
+    for scenario, chart in releases.items():
+        if not scenario.startswith("doc:"):
+            continue
+        for obj in chart.objects:
+            if obj["kind"] == "LeaderWorkerSet":
+                lws = obj["spec"]["leaderWorkerTemplate"]
+                objects = [
+                    {"apiVersion": "v1", "kind": "Pod", **lws[r]}
+                    for r in ("leaderTemplate", "workerTemplate")
+                ]
+                for pod in objects:
+                    pod["metadata"] = {"name": "lws-pod", **pod["metadata"]}
+            elif obj["kind"] in CRD_KINDS:
+                continue
+            else:
+                objects = [obj]
+            for item in objects:
+                try:
+                    kubernetes_validate.validate(item, K8S_VERSIONS[-1], strict=True)
+                except kubernetes_validate.ValidationError as exc:
+                    pytest.fail(f"{scenario}: {item['kind']} {item['metadata']['name']}: {exc.message}")
