@@ -458,6 +458,21 @@ def test_orchestrator_and_edge_autoscale_and_every_service_has_a_disruption_budg
     assert rendered["full"].get("Deployment", f"{FULL}-orchestrator")["spec"]["replicas"] == 4
 
 
+def test_multi_node_engines_are_disrupted_one_group_at_a_time(rendered):
+    """One budget over every pod of every group (leaders and workers): an evicted pod takes its group
+    down, whose pods then count as unavailable, so no other eviction is allowed until that group is back.
+    (A budget per group index would let a drain take one pod of every group at once.)"""
+    chart = rendered["full"]
+    budget = chart.get("PodDisruptionBudget", f"{FULL}-engine")["spec"]
+    assert budget["maxUnavailable"] == 1
+    selected = [
+        meta["labels"].get("chatmesh.io/engine-role")
+        for _, meta, _ in chart.pod_specs()
+        if labels_match(budget["selector"]["matchLabels"], meta["labels"])
+    ]
+    assert selected == ["leader", "worker"]
+
+
 # -- Envoy ---------------------------------------------------------------------------------------
 
 
