@@ -119,6 +119,13 @@ def test_missing_cassandra_or_jwks_fails_saying_what_to_set():
         render(sets=("cassandra.contactPoints[0]=c",))
 
 
+def test_a_hosted_backend_without_a_model_fails_saying_what_to_set():
+    with pytest.raises(
+        HelmError, match=r"engine\.backend=trtllm serves a Hugging Face directory: set model\.path"
+    ):
+        render(sets=(*REQUIRED_SETS, "engine.backend=trtllm"))
+
+
 def test_multi_node_needs_trtllm_and_an_even_gpu_split():
     base = ("values-full.yaml",)
     with pytest.raises(HelmError, match=r"needs engine\.backend=trtllm"):

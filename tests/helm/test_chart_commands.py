@@ -21,6 +21,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
+from engine.config import HOSTED_BACKENDS
 from engine.model.cuda_runner import torchrun_world_size
 from tests.helm.chart import (
     CHART,
@@ -134,6 +135,8 @@ def _mounted_path(path: str, container: dict, volumes: dict[str, dict]) -> dict:
 
 def _check_engine(args, config, launch: Launch, container: dict, group_size: int) -> None:
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if config.backend in HOSTED_BACKENDS:  # they refuse the bundled GGUF at start
+        assert config.model_path is not None, f"--backend {config.backend} without a Hugging Face directory"
     gpus = int(container.get("resources", {}).get("limits", {}).get(GPU, 0)) * group_size
     if config.backend in ("cuda", "trtllm"):
         assert gpus == tp * pp, f"{config.backend}: {gpus} GPUs asked for, tensor x pipeline = {tp} x {pp}"
