@@ -77,7 +77,8 @@ FROM nvcr.io/nvidia/tensorrt-llm/release:${TRTLLM_TAG} AS trtllm
 RUN apt-get update \
  && apt-get install -y --no-install-recommends openssh-server openssh-client \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --uid 10001 --no-create-home --shell /bin/sh chatmesh
+ && useradd --uid 10001 --no-create-home --shell /bin/sh chatmesh \
+ && { command -v python >/dev/null || ln -s "$(command -v python3)" /usr/local/bin/python; }
 COPY --from=build /app /app
 WORKDIR /app
 RUN pip install --no-cache-dir --disable-pip-version-check -e . \
