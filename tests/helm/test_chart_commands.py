@@ -242,3 +242,69 @@ def test_doc_recipes_render_objects_kubernetes_accepts(releases):
                     kubernetes_validate.validate(item, K8S_VERSIONS[-1], strict=True)
                 except kubernetes_validate.ValidationError as exc:
                     pytest.fail(f"{scenario}: {item['kind']} {item['metadata']['name']}: {exc.message}")
+
+
+def test_the_rendered_cpu_engine_serves_the_mounted_model_the_orchestrator_reads(tmp_path):
+    """The rendered command, run: the engine container's argv and environment from a release whose model
+    volume is a host path holding the bundled GGUF (mounted where it lies here, so the rendered path is
+    real), started as the pod would start it (ports moved to free ones). It serves that model, with the
+    tokenizer and context window the orchestrator's rendered --model-file gives it."""
+    import subprocess
+    import sys
+    import time
+
+    import grpc
+
+    from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+    from chatmesh.model_files import bundled_model_path, model_context_length
+    from chatmesh.tokenizer import load_tokenizer
+    from meshkit.launcher import GrpcHealthy, free_port
+
+    model = bundled_model_path()
+    chart = render(
+        (),
+        (
+            *REQUIRED_SETS,
+            f"model.path={model.name}",
+            "model.source=hostPath",
+            f"model.hostPath.path={model.parent}",
+            f"model.mountPath={model.parent}",
+        ),
+    )
+    engine = chart.container("engine", "engine")
+    [launch] = _launches(engine, env_of(engine), 1, tmp_path)
+    orchestrator_model = env_of(chart.container("orchestrator", "orchestrator"))[
+        "CHATMESH_ORCHESTRATOR_MODEL_FILE"
+    ]
+    port = free_port()
+    env = {k: v if v is not None else "engine-0" for k, v in env_of(engine).items()}
+    env |= {
+        "CHATMESH_ENGINE_PORT": str(port),
+        "CHATMESH_ENGINE_METRICS_PORT": "0",
+        "CHATMESH_ENGINE_HOST": "127.0.0.1",
+    }
+    log = tmp_path / "engine.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", launch.service, *launch.args],
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("CHATMESH_")}, **env},
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not GrpcHealthy(port)():
+            assert process.poll() is None, f"the rendered engine exited: {log.read_text()}"
+            assert time.monotonic() < deadline, "the rendered engine did not become healthy in 120 s"
+            time.sleep(0.5)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(
+                engine_pb2.GetModelInfoRequest(), timeout=10
+            )
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    tokenizer = load_tokenizer(orchestrator_model)
+    assert orchestrator_model == env["CHATMESH_ENGINE_MODEL"] == str(model)
+    assert (info.model, info.tokenizer_fingerprint) == (tokenizer.model_name, tokenizer.fingerprint)
+    assert info.context_length == model_context_length(Path(orchestrator_model))
