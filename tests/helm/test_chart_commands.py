@@ -15,14 +15,22 @@ import contextlib
 import io
 import os
 import re
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import kubernetes_validate
 import pytest
 
+from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.model_files import bundled_model_path, model_context_length
+from chatmesh.tokenizer import load_tokenizer
 from engine.config import HOSTED_BACKENDS
 from engine.model.cuda_runner import torchrun_world_size
+from meshkit.launcher import GrpcHealthy, free_port
 from tests.helm.chart import (
     CHART,
     CRD_KINDS,
@@ -249,17 +257,6 @@ def test_the_rendered_cpu_engine_serves_the_mounted_model_the_orchestrator_reads
     volume is a host path holding the bundled GGUF (mounted where it lies here, so the rendered path is
     real), started as the pod would start it (ports moved to free ones). It serves that model, with the
     tokenizer and context window the orchestrator's rendered --model-file gives it."""
-    import subprocess
-    import sys
-    import time
-
-    import grpc
-
-    from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-    from chatmesh.model_files import bundled_model_path, model_context_length
-    from chatmesh.tokenizer import load_tokenizer
-    from meshkit.launcher import GrpcHealthy, free_port
-
     model = bundled_model_path()
     chart = render(
         (),
