@@ -126,10 +126,24 @@ def test_a_hosted_backend_without_a_model_fails_saying_what_to_set():
         render(sets=(*REQUIRED_SETS, "engine.backend=trtllm"))
 
 
+def test_parallelism_a_backend_cannot_run_fails_at_render_saying_why():
+    triton = ("engine.backend=triton", "model.path=m", "model.pvc.claimName=models")
+    with pytest.raises(
+        HelmError, match=r"tensorParallelSize \(2\) needs engine\.backend cpu, cuda or trtllm"
+    ):
+        render(sets=(*REQUIRED_SETS, *triton, "engine.tensorParallelSize=2"))
+    with pytest.raises(HelmError, match=r"pipelineParallelSize \(2\) needs engine\.backend=trtllm"):
+        render(sets=(*REQUIRED_SETS, "engine.backend=cuda", "engine.pipelineParallelSize=2"))
+    with pytest.raises(HelmError, match=r"model\.pvc\.claimName: name the PersistentVolumeClaim"):
+        render(sets=(*REQUIRED_SETS, "model.path=m"))
+
+
 def test_multi_node_needs_trtllm_and_an_even_gpu_split():
     base = ("values-full.yaml",)
     with pytest.raises(HelmError, match=r"needs engine\.backend=trtllm"):
         render(base, ("engine.backend=cuda",))
+    with pytest.raises(HelmError, match=r"engine\.multiNode\.sshSecret: a Secret with id_ed25519"):
+        render(base, ("engine.multiNode.sshSecret=",))
     # values-full has 2 pipeline stages: 3 x 2 = 6 GPUs do not split over 4 nodes.
     with pytest.raises(
         HelmError,

@@ -48,7 +48,6 @@ volumeMounts:
 {{- end }}
 {{- end -}}
 
-
 {{/* Ranks of one engine: tensor x pipeline parallel. */}}
 {{- define "chatmesh.engineWorld" -}}
 {{- mul (int .Values.engine.tensorParallelSize) (int .Values.engine.pipelineParallelSize) -}}
