@@ -19,10 +19,9 @@ from pathlib import Path
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
-from chatmesh.gguf_header import read_gguf_metadata
 from chatmesh.identity import TokenVerifier
 from chatmesh.limits import Generation
-from chatmesh.model_files import bundled_model_path
+from chatmesh.model_files import bundled_model_path, model_context_length
 from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
 from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
@@ -49,11 +48,6 @@ from orchestrator.upkeep.titles import Titler
 log = logging.getLogger("orchestrator")
 
 CASSANDRA_WAIT_S = 120.0
-
-
-def model_context_length(path: Path) -> int:
-    metadata = read_gguf_metadata(path)
-    return int(metadata.get(f"{metadata.get('general.architecture', 'llama')}.context_length") or 2048)
 
 
 async def connect_store(config: OrchestratorConfig) -> MemoryStore:

@@ -174,7 +174,9 @@ class OrchestratorConfig:
     replica_group: str = setting("orchestrator", "the replicas that adopt each other's runs (one deployment)")
     router_timeout_s: float = setting(5.0, "deadline of unary router calls (ListEngines)")
     model_file: str = setting(
-        "", "GGUF whose tokenizer and chat template prompts use (default: the bundled model)"
+        "",
+        "GGUF file or Hugging Face directory whose tokenizer, chat template and context window prompts use "
+        "(default: the bundled model)",
     )
     # Model used when a request names none; empty: the model of the tokenizer.
     default_model: str = setting("", "model for requests that name none (default: the tokenizer's model)")
