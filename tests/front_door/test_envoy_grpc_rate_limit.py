@@ -15,10 +15,6 @@ from tests.fixtures.front_door import TEST_RATE_LIMITS
 from tests.front_door.conftest import ScriptedFrontDoor
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Envoy maps its rate limit's 429 to UNAVAILABLE, with a JSON message and no RetryInfo",
-)
 def test_a_rate_limited_grpc_call_is_resource_exhausted_with_a_retry_info(
     front_door: ScriptedFrontDoor, user: str
 ):

@@ -4,6 +4,7 @@ services' own flag parsers and Envoy's own validator judge what it renders."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import json
@@ -12,10 +13,12 @@ import os
 import re
 from pathlib import Path
 
+import grpc
 import kubernetes_validate
 import pytest
 import yaml
 
+from chatmesh import errors
 from localmesh.dev_jwt import generate_keys
 from meshkit.envoy import EnvoyConfig, chat_service_methods, write_config
 from tests.helm.chart import (
@@ -554,6 +557,17 @@ def test_envoy_rate_limits_and_cors_come_from_values(tmp_path):
     settings["jwks_path"] = str(tmp_path / "jwks.json")
     text = Path(write_config(EnvoyConfig.from_dict(settings), tmp_path / "e.yaml", check=False)).read_text()
     assert "token_bucket: {max_tokens: 3, tokens_per_fill: 1, fill_interval: 6s}" in text
+    # A gRPC call the generate limit refuses: RESOURCE_EXHAUSTED with a RetryInfo of the values' longest
+    # refill interval (free: every 6 s), as the orchestrator's own limits answer.
+    routes = yaml.safe_load(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    routes = routes["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    send = next(r for r in routes if r["match"].get("path") == "/chatmesh.chat.v1.ChatService/SendMessage")
+    limit = send["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
+    assert limit["rate_limited_as_resource_exhausted"] is True
+    headers = {h["header"]["key"]: h["header"]["value"] for h in limit["response_headers_to_add"]}
+    refusal = errors.from_status(base64.b64decode(headers["grpc-status-details-bin"]))
+    assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.retry_after_s == 6
+    assert headers["retry-after"] == "6"
     assert '- exact: "https://chat.example.com"' in text
     # existingSecret unset: the chart makes the Secret from the inline JWKS.
     secret = chart.get("Secret", f"{FULL}-envoy-jwks")
