@@ -7,7 +7,16 @@ from engine.kv_events import apply_events
 from engine.outputs import FinishReason
 from engine.request import Priority
 from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
-from tests.engine.core_helpers import DrivenEngine, make_engine, prompt, request, results, tokenizer
+from tests.engine.core_helpers import (
+    DrivenEngine,
+    make_engine,
+    prompt,
+    request,
+    results,
+    tokenizer,
+    word_tokens,
+)
+from tests.engine.token_function_runner import TokenFunctionRunner
 
 
 def eos() -> frozenset[int]:
@@ -196,6 +205,37 @@ def test_resumed_output_continues_exactly_like_the_uninterrupted_request(samplin
     # The first engine's text up to the cut plus the new engine's text is the whole text.
     first_part = "".join(o.text for o in whole.outputs if o.index < cut)
     assert first_part + rest.text == full.text
+
+
+def test_text_held_back_where_a_request_is_resumed_is_released_by_the_engine_that_goes_on():
+    """At a failover the client has tokens whose text the first engine held back: an unfinished UTF-8
+    character, the start of a stop string. Resumed after any of its tokens, the request's text from
+    the second engine completes the first one's exactly, and a stop string begun before the cut
+    matches after it."""
+    tok = tokenizer()
+    # Words, and pieces of characters split across tokens.
+    candidates = word_tokens() + tok.encode(" 東京 🙂 café ½")
+    stop = (" dog sat", " 🙂 the")
+    ids = prompt(14, salt=6)
+    whole = make_engine(TokenFunctionRunner(tok.vocab_size, candidates))
+    whole.engine.add_request(request("a", ids, max_tokens=32, stop=stop))
+    full = whole.run()["a"]
+    assert full.finish.reason == FinishReason.STOP and full.finish.matched_stop == " dog sat"
+    held = []
+    for cut in range(1, len(full.token_ids)):
+        before = "".join(o.text for o in whole.outputs if o.index < cut)
+        held.append(tok.decode(full.token_ids[:cut]).removeprefix(before))
+        resumed = make_engine(TokenFunctionRunner(tok.vocab_size, candidates))
+        resumed.engine.add_request(
+            request("b", ids, max_tokens=32, resumed=tuple(full.token_ids[:cut]), stop=stop)
+        )
+        rest = resumed.run()["b"]
+        assert rest.token_ids == full.token_ids[cut:], cut
+        assert before + rest.text == full.text, cut
+        assert (rest.finish.reason, rest.finish.matched_stop) == (full.finish.reason, " dog sat"), cut
+    # The cuts the test needs: inside a character, inside a stop string that goes on not to match, and
+    # inside the one that matches (the last token completes it).
+    assert "\ufffd" in held and " 🙂" in held and held[-1] == " dog"
 
 
 def test_resumed_output_that_already_reached_max_tokens_finishes_at_once():
