@@ -188,6 +188,44 @@ async def test_text_held_back_at_a_stop_string_prefix_survives_a_kill_9(
         assert ". A journey of a thousand miles begins with a single step." in outcome.text
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the router refuses resumed_output_token_ids as long as max_tokens (nothing left to generate)",
+)
+async def test_a_request_resumed_after_its_last_token_ends_with_the_text_held_back_at_the_end(
+    stub, tok, cluster, engine_launcher
+):
+    """The stream broke after the last token and before `finished` (its router died there, or the
+    replica relaying it): the orchestrator asks again with every token. Nothing is left to generate but
+    the end the broken stream would have had: `finished` (length) with the text held back at the end."""
+    await wait_until(
+        lambda: live_engines_healthy(stub, cluster, engine_launcher), what="live engines healthy"
+    )
+    prompt = prompt_for(tok, "proverbs")
+
+    def request(max_tokens: int) -> router_pb2.GenerateStart:
+        start = start_frame(prompt, max_tokens=max_tokens)
+        start.sampling.stop.append(HELD_TO_SINGLE)
+        return start
+
+    whole = await generate(stub, request(70))
+    # Output long enough to end holding ". A" back.
+    length = next(
+        n
+        for n in range(1, 71)
+        if held_back(tok, Outcome(token_ids=whole.token_ids[:n], pieces=whole.pieces[:n])) == ". A"
+    )
+    unbroken = await generate(stub, request(length))
+    assert unbroken.finished.text == ". A"  # flushed at the max-tokens finish
+    resumed = request(length)
+    resumed.resumed_output_token_ids[:] = unbroken.token_ids
+    outcome = await generate(stub, resumed)
+    assert outcome.token_ids == [] and outcome.finished.finish_reason == unbroken.finished.finish_reason
+    assert outcome.finished.text == ". A"
+    usage = outcome.finished.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), length)
+
+
 def held_back(tok, outcome: Outcome) -> str:
     """The text of the client's tokens that it has not got yet (held back at a stop string's start)."""
     released = "".join(text for _, text in outcome.pieces)
