@@ -188,10 +188,6 @@ async def test_text_held_back_at_a_stop_string_prefix_survives_a_kill_9(
         assert ". A journey of a thousand miles begins with a single step." in outcome.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the router refuses resumed_output_token_ids as long as max_tokens (nothing left to generate)",
-)
 async def test_a_request_resumed_after_its_last_token_ends_with_the_text_held_back_at_the_end(
     stub, tok, cluster, engine_launcher
 ):
