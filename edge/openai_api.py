@@ -16,10 +16,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
-from edge.bodies import read_model
+from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of
 from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
+from edge.openai_fields import without_no_ops
 from edge.orchestrator import RunStream
 from edge.schemas import ChatCompletionIn
 from edge.sse import Item, TextEvent, compact_json, relay, sse_response
@@ -126,7 +127,9 @@ async def chat_completions(request: Request) -> Response:
     started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
     caller = caller_of(request)
-    body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
+    body = validate_model(
+        ChatCompletionIn, without_no_ops(ChatCompletionIn, await read_json(request, settings.max_body_bytes))
+    )
     stream = orchestrator.stream("Complete", complete_request(body), caller)
     try:
         first = await stream.opening_answer()

@@ -27,11 +27,12 @@ from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import REFUSED_BEFORE_ANSWER
-from edge.bodies import read_model
+from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of, idempotency_key_of
 from edge.convert import options_proto
 from edge.errors import ApiError
 from edge.openai_api import ROLES
+from edge.openai_fields import without_no_ops
 from edge.orchestrator import Caller, Orchestrator, RunStream
 from edge.params import unsigned
 from edge.response_events import ResponseEvents
@@ -255,7 +256,9 @@ async def create_response(request: Request) -> Response:
     started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
     caller = caller_of(request)
-    body = await read_model(request, ResponseCreateIn, settings.max_body_bytes)
+    body = validate_model(
+        ResponseCreateIn, without_no_ops(ResponseCreateIn, await read_json(request, settings.max_body_bytes))
+    )
     record = ResponseRecord(
         model=body.model,
         store=body.store,
