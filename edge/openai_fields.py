@@ -1,7 +1,7 @@
 """The OpenAI fields chatmesh knows but does not implement, and the values of each it takes as no-ops.
 
 OpenAI's SDKs and the frameworks over them send fields at values that ask for nothing (``n: 1``,
-``presence_penalty: 0``, ``logit_bias: {}``, ``user``, ``tool_choice: "none"``); refusing those would
+``tools: []``, ``store: false``, ``user``, ``tool_choice: "none"``); refusing those would
 break real clients. Any other value asks for something chatmesh would not do, so it is refused naming the
 field (400 ``unsupported_value``), never ignored; a field neither in a body's model nor in its table here
 is refused as OpenAI refuses it (the model's ``extra="forbid"``: 400 naming it). ``null`` is "not given"
@@ -61,12 +61,6 @@ _MESSAGE: dict[str, NoOp] = {
 NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
     ChatCompletionIn: {
         "n": NoOp((1,), _ONE_CHOICE),
-        "presence_penalty": NoOp((0,), "presence_penalty is not served yet"),
-        "frequency_penalty": NoOp((0,), "frequency_penalty is not served yet"),
-        "logit_bias": NoOp(({},), "logit_bias is not served yet"),
-        "logprobs": NoOp((False,), "logprobs are not served yet"),
-        "top_logprobs": NoOp((0,), "logprobs are not served yet"),
-        "min_p": NoOp((0,), "min_p is not served yet"),
         "user": NoOp(ANY, "callers are identified by their token"),
         "safety_identifier": NoOp(ANY, "callers are identified by their token"),
         "prompt_cache_key": NoOp(ANY, "prompt caching is automatic"),
@@ -93,7 +87,7 @@ NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
     ChatMessageIn: _MESSAGE,
     TextPart: {
         "annotations": NoOp(([],), "annotations are not served"),
-        "logprobs": NoOp(([],), "logprobs are not served yet"),
+        "logprobs": NoOp(([],), "logprobs are only echoed back in input items"),
     },
     ResponseCreateIn: {
         "tools": NoOp(([],), _TOOLS),
@@ -103,7 +97,7 @@ NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
         "text": NoOp(
             ({"format": {"type": "text"}}, {"format": {"type": "text"}, "verbosity": "medium"}), _SCHEMAS
         ),
-        "top_logprobs": NoOp((0,), "logprobs are not served yet"),
+        "top_logprobs": NoOp((0,), "logprobs are served on Chat Completions only"),
         "include": NoOp(([],), "no extra output data is served"),
         "reasoning": NoOp(({},), _NO_REASONING),
         "truncation": NoOp(("disabled",), "over-long input is refused, not truncated"),

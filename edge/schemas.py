@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from chatmesh.limits import Limits
+from chatmesh.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Limits
 
 # The limits the API fixes. Those an operator sets (message size, model-name length, max_tokens) are the
 # orchestrator's flags: the edge leaves them to the orchestrator, whose refusals it maps (413, 400).
@@ -22,6 +22,10 @@ UINT64_MAX = 2**64 - 1
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Seed = Annotated[int, Field(ge=0, le=UINT64_MAX)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# OpenAI's logit_bias: token ids (of the served model's tokenizer) as JSON object keys.
+TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class Strict(BaseModel):
@@ -95,6 +99,13 @@ class ChatCompletionIn(Strict):
     max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     # OpenAI's newer name for max_tokens; wins when both are given.
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's extension (OpenAI has none): drop tokens less likely than min_p times the likeliest.
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

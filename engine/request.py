@@ -23,6 +23,21 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    min_p: float = 0.0  # 0: off; else drop tokens below min_p times the likeliest's probability
+    logprobs: bool = False  # report each sampled token's log-probability
+    top_logprobs: int = 0  # and this many likeliest alternatives
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before the pick (greedy decoding then needs them too)."""
+        return bool(self.logit_bias) or self.penalizes
+
+    @property
+    def penalizes(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)
