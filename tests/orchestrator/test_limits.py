@@ -88,6 +88,20 @@ async def test_each_bad_send_field_is_named(client: ChatClient, request_fields: 
     assert bad_field(error) == field
 
 
+async def test_a_field_this_server_does_not_know_is_refused_not_ignored(client: ChatClient) -> None:
+    # Field 99 as a varint: what a field added by newer protos looks like to this server.
+    newer = b"\x98\x06\x01"
+    chat = await client.create_chat()
+    send = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content="hello")
+    send.options.MergeFromString(newer)
+    error = await refused(client.stream("SendMessage", send))
+    assert bad_field(error) == "options" and "field number 99" in error.details()
+    page = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert list(page.messages) == []
+    listing = chat_pb2.ListChatsRequest.FromString(chat_pb2.ListChatsRequest().SerializeToString() + newer)
+    assert bad_field(await refused(client.call("ListChats", listing))) == "request"
+
+
 async def test_page_sizes_and_titles_are_bounded(client: ChatClient) -> None:
     chat = await client.create_chat()
     for call, field in [
