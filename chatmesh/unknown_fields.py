@@ -20,11 +20,12 @@ def unknown_field(message: Message, path: str = "") -> tuple[str, int] | None:
     if len(found):
         return path, found[0].field_number
     for field, value in message.ListFields():
-        if field.type != FieldDescriptor.TYPE_MESSAGE:
+        entry = field.message_type
+        if entry is None:  # a scalar
             continue
         name = f"{path}.{field.name}" if path else field.name
-        if field.message_type.GetOptions().map_entry:
-            if field.message_type.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
+        if entry.GetOptions().map_entry:
+            if entry.fields_by_name["value"].type == FieldDescriptor.TYPE_MESSAGE:
                 items = [(f"{name}[{key!r}]", item) for key, item in value.items()]
             else:
                 items = []
