@@ -49,13 +49,12 @@ def sample(
         # One vectorized argmax over every row beats copying out the greedy rows first.
         tokens = (np.argmax(logits, axis=1) if argmax is None else argmax).tolist()
     for r, p in enumerate(params):
-        row = logits[r]
         if p.adjusts_logits:
-            row = adjusted(row, p, outputs[r] if outputs is not None else ())
-            if p.temperature == 0.0:
-                tokens[r] = int(np.argmax(row))
-        if p.temperature != 0.0:
-            tokens[r] = sample_one(row, p, uniform(p.seed, positions[r]))
+            row = adjusted(logits[r], p, outputs[r] if outputs is not None else ())
+            greedy = p.temperature == 0.0
+            tokens[r] = int(np.argmax(row)) if greedy else sample_one(row, p, uniform(p.seed, positions[r]))
+        elif p.temperature != 0.0:
+            tokens[r] = sample_one(logits[r], p, uniform(p.seed, positions[r]))
     return tokens
 
 
