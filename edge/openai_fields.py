@@ -14,10 +14,12 @@ model (edge/schemas.py) and deleting its row here.
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
+from starlette.datastructures import QueryParams
 
 from edge.bodies import model_in
 from edge.errors import ApiError
@@ -111,6 +113,29 @@ NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
         "prompt": NoOp((), "stored prompt templates are not served"),
     },
 }
+
+
+# Query parameters of ``GET /v1/responses/{id}`` that are known but not served (``stream`` and
+# ``starting_after`` are served).
+RETRIEVE_QUERY_NO_OPS: dict[str, NoOp] = {
+    "include_obfuscation": NoOp(("true", "false"), "streams carry no obfuscation padding"),
+    "include[]": NoOp((), "no extra output data is served"),
+}
+
+
+def check_query(
+    query: QueryParams, served: Collection[str] = (), no_ops: Mapping[str, NoOp] | None = None
+) -> None:
+    """Refuses a query parameter that is neither ``served`` nor at a no-op value, naming it (400)."""
+    for name, value in query.multi_items():
+        if name in served:
+            continue
+        if no_ops is not None and name in no_ops:
+            _check(no_ops[name], value, name)
+            continue
+        raise ApiError(
+            400, f"Unrecognized request argument supplied: {name}", code="unknown_parameter", param=name
+        )
 
 
 def without_no_ops(model: type[BaseModel], body: dict) -> dict:

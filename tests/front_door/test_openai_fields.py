@@ -203,3 +203,21 @@ def _route(route: str) -> tuple[str, dict]:
     if route == "chat":
         return "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     return "/v1/responses", {"model": MODEL}
+
+
+def test_retrieving_a_response_refuses_query_parameters_it_does_not_serve(
+    front_door: ScriptedFrontDoor, user: str
+):
+    with front_door.client(user) as client:
+        created = client.post("/v1/responses", json={"model": MODEL, "input": "!tokens 2 1"}).json()
+        path = f"/v1/responses/{created['id']}"
+        assert client.get(path, params={"include_obfuscation": "false"}).status_code == 200
+        for params, param, code in [
+            ({"include[]": "message.output_text.logprobs"}, "include[]", "unsupported_value"),
+            ({"starting_afterr": "3"}, "starting_afterr", "unknown_parameter"),
+        ]:
+            reply = client.get(path, params=params)
+            assert reply.status_code == 400, reply.text
+            assert (reply.json()["error"]["param"], reply.json()["error"]["code"]) == (param, code)
+        reply = client.post(f"{path}/cancel", params={"force": "true"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "force"
