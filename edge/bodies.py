@@ -153,19 +153,19 @@ def _param(model: type[BaseModel], error: ErrorDetails) -> str:
             path += f"[{part}]"
         elif current is not None and part in current.model_fields:
             path += f".{part}" if path else part
-            current = model_in(current.model_fields[part].annotation)
+            current = _model_in(current.model_fields[part].annotation)
         elif error["type"] == "extra_forbidden" and i == last:
             name = part or '""'  # the unknown field itself, even one named ""
             path += f".{name}" if path else name
     return path
 
 
-def model_in(annotation: Any) -> type[BaseModel] | None:
+def _model_in(annotation: Any) -> type[BaseModel] | None:
     """The model a field's values are checked against (inside list[...], X | None, ...), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if get_origin(annotation) in (list, Union, types.UnionType) or get_args(annotation):
         for arg in get_args(annotation):
-            if (found := model_in(arg)) is not None:
+            if (found := _model_in(arg)) is not None:
                 return found
     return None

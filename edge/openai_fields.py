@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 from starlette.datastructures import QueryParams
 
-from edge.bodies import model_in
 from edge.errors import ApiError
 from edge.schemas import ChatCompletionIn, ChatMessageIn, ResponseCreateIn, StreamOptionsIn, TextPart
 
@@ -159,17 +158,34 @@ def _strip(model: type[BaseModel], body: dict, path: str) -> dict:
 
 
 def _strip_nested(annotation: Any, value: Any, param: str) -> Any:
-    nested = model_in(annotation)
-    if nested is None:
+    models = _models_in(annotation)
+    if not models:
         return value
     if isinstance(value, dict):
-        return _strip(nested, value, param)
+        return _strip(_member_for(models, value), value, param)
     if isinstance(value, list):
         return [
-            _strip(nested, item, f"{param}[{i}]") if isinstance(item, dict) else item
+            _strip(_member_for(models, item), item, f"{param}[{i}]") if isinstance(item, dict) else item
             for i, item in enumerate(value)
         ]
     return value
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's objects are checked against (inside list[...], unions, X | None)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
+
+
+def _member_for(models: list[type[BaseModel]], item: dict) -> type[BaseModel]:
+    """The model of a union that a JSON object is for: the one whose ``type`` literal holds the object's
+    ``type`` (a Responses input item), else the one without a ``type`` field (a message)."""
+    for model in models:
+        field = model.model_fields.get("type")
+        if field is not None and item.get("type") in get_args(field.annotation):
+            return model
+    return next((model for model in models if "type" not in model.model_fields), models[0])
 
 
 def _check(no_op: NoOp, value: Any, param: str) -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import openai
 import pytest
 
+from edge.openai_fields import without_no_ops
+from edge.schemas import ChatMessageIn, Strict
 from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.scripted_chat_service import MODEL
 
@@ -221,3 +224,24 @@ def test_retrieving_a_response_refuses_query_parameters_it_does_not_serve(
             assert (reply.json()["error"]["param"], reply.json()["error"]["code"]) == (param, code)
         reply = client.post(f"{path}/cancel", params={"force": "true"})
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "force"
+
+
+class _FunctionCall(Strict):
+    type: Literal["function_call"]
+    name: str
+
+
+class _Items(Strict):
+    input: list[_FunctionCall | ChatMessageIn]
+
+
+def test_each_item_of_a_union_is_read_as_the_member_its_type_names():
+    body = {
+        "input": [
+            {"type": "function_call", "name": "f"},
+            {"type": "message", "id": "msg_1", "status": "completed", "role": "user", "content": "hi"},
+        ]
+    }
+    assert without_no_ops(_Items, body) == {
+        "input": [{"type": "function_call", "name": "f"}, {"role": "user", "content": "hi"}]
+    }
