@@ -89,7 +89,11 @@ def check_content(content: str, limits: Limits, field: str = "content") -> None:
         raise invalid(field, f"{field} must not be empty")
 
 
-def generation(options: chat_pb2.GenerationOptions, limits: Limits, default_model: str) -> Generation:
+def generation(
+    options: chat_pb2.GenerationOptions, limits: Limits, default_model: str, vocab_size: int | None = None
+) -> Generation:
+    """``options`` checked and with defaults applied; ``vocab_size``: the served tokenizer's, which
+    ``logit_bias`` token ids must be within (None: left to the engine)."""
     if len(options.model) > limits.max_model_chars:
         raise invalid("options.model", f"model names have at most {limits.max_model_chars} characters")
     max_tokens = options.max_tokens or limits.default_max_tokens
@@ -116,6 +120,11 @@ def generation(options: chat_pb2.GenerationOptions, limits: Limits, default_mode
         raise invalid("options.logit_bias", f"logit_bias has at most {MAX_LOGIT_BIAS} entries")
     if not all(math.isfinite(bias) and -100.0 <= bias <= 100.0 for bias in options.logit_bias.values()):
         raise invalid("options.logit_bias", "logit_bias values must be in [-100, 100]")
+    if vocab_size is not None and options.logit_bias and max(options.logit_bias) >= vocab_size:
+        raise invalid(
+            "options.logit_bias",
+            f"logit_bias names token id {max(options.logit_bias)}, beyond the vocabulary of {vocab_size}",
+        )
     if options.top_logprobs > MAX_TOP_LOGPROBS:
         raise invalid("options.top_logprobs", f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
     if options.top_logprobs and not options.logprobs:

@@ -96,6 +96,7 @@ def test_bad_knobs_are_400_naming_them(sdk: openai.OpenAI):
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {str(BANG): 101}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),  # beyond the served vocabulary
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"n": 2}, "n"),

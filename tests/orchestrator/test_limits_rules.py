@@ -73,6 +73,14 @@ def test_the_sampling_knobs_carry_over_with_the_bias_sorted_by_token() -> None:
     assert gen.logit_bias == ((2, 4.0), (9, -3.0)) and (gen.logprobs, gen.top_logprobs) == (True, 3)
 
 
+def test_a_logit_bias_beyond_the_served_vocabulary_is_refused() -> None:
+    options = chat_pb2.GenerationOptions(logit_bias={99: 1.0})
+    assert generation(options, LIMITS, "SmolLM2", vocab_size=100).logit_bias == ((99, 1.0),)
+    with pytest.raises(ServiceError) as caught:
+        generation(chat_pb2.GenerationOptions(logit_bias={100: 1.0}), LIMITS, "SmolLM2", vocab_size=100)
+    assert caught.value.field == "options.logit_bias" and "vocabulary of 100" in caught.value.message
+
+
 def test_message_size_is_counted_in_utf8_bytes_and_marked_too_large() -> None:
     check_content("é" * (LIMITS.max_message_bytes // 2), LIMITS)
     with pytest.raises(ServiceError) as caught:
