@@ -192,6 +192,13 @@ def test_no_op_values_pass_through_the_sdk(front_door: ScriptedFrontDoor, user: 
         user="end-user-7",
     )
     assert response.status == "completed"
+    chunks = sdk.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "!tokens 2 1"}],
+        stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},  # type: ignore[typeddict-unknown-key]
+    )
+    assert [chunk.usage.completion_tokens for chunk in chunks if chunk.usage] == [2]
 
 
 def test_the_sdk_raises_bad_request_for_an_unserved_value(front_door: ScriptedFrontDoor, user: str):
