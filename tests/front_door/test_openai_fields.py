@@ -196,7 +196,7 @@ def test_no_op_values_pass_through_the_sdk(front_door: ScriptedFrontDoor, user: 
         model=MODEL,
         messages=[{"role": "user", "content": "!tokens 2 1"}],
         stream=True,
-        stream_options={"include_usage": True, "include_obfuscation": False},  # type: ignore[typeddict-unknown-key]
+        stream_options={"include_usage": True, "include_obfuscation": False},
     )
     assert [chunk.usage.completion_tokens for chunk in chunks if chunk.usage] == [2]
 
