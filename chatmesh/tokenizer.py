@@ -66,6 +66,7 @@ class ChatTokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self._markup = _build_bpe(tokens, merges, control_token_ids)
+        self._control_ids = frozenset(control_token_ids)
         # Same vocabulary, but control-token strings in the input stay plain text.
         self._plain = _build_bpe(tokens, merges, control_token_ids)
         self._plain.encode_special_tokens = True
@@ -180,6 +181,16 @@ class ChatTokenizer:
         """Text of ``token_ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
         return self._markup.decode(list(token_ids), skip_special_tokens=skip_control)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for: a byte-level token may hold part of a UTF-8 character, so
+        its bytes, not its text, are what it is (OpenAI's logprobs report them as ``bytes``)."""
+        piece = self._markup.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._control_ids or any(c not in _BYTE_OF_CHAR for c in piece):
+            return piece.encode("utf-8")
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
+
     # -- chat template -------------------------------------------------------------------------------
 
     def render(
@@ -281,6 +292,23 @@ def _as_dict(message: ChatMessage | Mapping[str, str]) -> dict[str, str]:
     if isinstance(message, ChatMessage):
         return {"role": message.role, "content": message.content}
     return {"role": message["role"], "content": message["content"]}
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE token stands for (GPT-2's printable mapping: bytes
+    that print as themselves keep their character, the others take the characters from U+0100 on)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {byte: chr(byte) for byte in printable}
+    others = (byte for byte in range(256) if byte not in chars)
+    chars.update({byte: chr(256 + n) for n, byte in enumerate(others)})
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 def _build_bpe(

@@ -8,6 +8,7 @@ cached prompt tokens, and errors in OpenAI's error-object shape.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
 
 from sse_starlette import ServerSentEvent
@@ -16,11 +17,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
-from edge.bodies import read_model
+from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of
 from edge.client_gone import unless_client_leaves
 from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
+from edge.openai_fields import without_no_ops
 from edge.orchestrator import RunStream
 from edge.schemas import ChatCompletionIn
 from edge.sse import Item, TextEvent, compact_json, relay, sse_response
@@ -49,18 +51,39 @@ def openai_usage(usage: chat_pb2.Usage) -> dict:
 
 
 def complete_request(body: ChatCompletionIn) -> chat_pb2.CompleteRequest:
+    options = options_proto(
+        model=body.model,
+        max_tokens=body.max_completion_tokens or body.max_tokens or 0,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_list(),
+    )
+    options.presence_penalty = body.presence_penalty or 0.0
+    options.frequency_penalty = body.frequency_penalty or 0.0
+    options.min_p = body.min_p or 0.0
+    options.logit_bias.update({int(token): bias for token, bias in (body.logit_bias or {}).items()})
+    options.logprobs = bool(body.logprobs)
+    options.top_logprobs = body.top_logprobs or 0
     return chat_pb2.CompleteRequest(
         messages=[chat_pb2.PromptMessage(role=ROLES[m.role], content=m.text()) for m in body.messages],
-        options=options_proto(
-            model=body.model,
-            max_tokens=body.max_completion_tokens or body.max_tokens or 0,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=body.stop_list(),
-        ),
+        options=options,
         merge_deltas=True,
     )
+
+
+def logprobs_json(logprobs: Sequence[chat_pb2.TokenLogprob]) -> list[dict]:
+    """OpenAI's ``logprobs.content``: per token its text, logprob, bytes and likeliest alternatives."""
+    return [{**_token_json(lp), "top_logprobs": [_token_json(top) for top in lp.top]} for lp in logprobs]
+
+
+def _token_json(logprob: chat_pb2.TokenLogprob) -> dict:
+    # A token holding part of a UTF-8 character has no text of its own: its bytes say what it is.
+    return {
+        "token": logprob.token_bytes.decode("utf-8", errors="backslashreplace"),
+        "logprob": logprob.logprob,
+        "bytes": list(logprob.token_bytes),
+    }
 
 
 def openai_names(error: ApiError) -> ApiError:
@@ -74,7 +97,7 @@ def openai_names(error: ApiError) -> ApiError:
 class ChunkWriter:
     """Turns run events into ``chat.completion.chunk`` objects."""
 
-    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+    def __init__(self, completion_id: str, model: str, include_usage: bool, logprobs: bool = False) -> None:
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -82,11 +105,14 @@ class ChunkWriter:
             "model": model,
         }
         self.include_usage = include_usage
+        self.logprobs = logprobs
         self.usage: chat_pb2.Usage | None = None
         self._content = TextEvent(lambda text: self.chunk({"content": text}))  # a delta's chunk
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> ServerSentEvent:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(
+        self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None
+    ) -> ServerSentEvent:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         body = {**self.base, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None  # as OpenAI does: present and null on every chunk but the last
@@ -97,6 +123,9 @@ class ChunkWriter:
         if kind == "started":
             return [self.chunk({"role": "assistant", "content": ""})]
         if kind == "delta":
+            if self.logprobs:  # the rare stream that asked for them: the slow, general encoding
+                content = {"content": logprobs_json(event.delta.logprobs), "refusal": None}
+                return [self.chunk({"content": event.delta.text}, logprobs=content)]
             return [self._content(event.delta.text)]
         if kind == "usage":
             self.usage = event.usage
@@ -127,7 +156,9 @@ async def chat_completions(request: Request) -> Response:
     started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
     caller = caller_of(request)
-    body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
+    body = validate_model(
+        ChatCompletionIn, without_no_ops(ChatCompletionIn, await read_json(request, settings.max_body_bytes))
+    )
     stream = orchestrator.stream("Complete", complete_request(body), caller)
     try:
         first = await stream.opening_answer()
@@ -138,7 +169,10 @@ async def chat_completions(request: Request) -> Response:
     model = run.model or body.model
     if body.stream:
         writer = ChunkWriter(
-            completion_id, model, bool(body.stream_options and body.stream_options.include_usage)
+            completion_id,
+            model,
+            bool(body.stream_options and body.stream_options.include_usage),
+            logprobs=bool(body.logprobs),
         )
         events = relay(
             stream,
@@ -157,18 +191,26 @@ async def chat_completions(request: Request) -> Response:
             ),
         )
         return sse_response(events, settings.streams)
-    return JSONResponse(await unless_client_leaves(request, _collect(stream, first, completion_id, model)))
+    return JSONResponse(
+        await unless_client_leaves(
+            request, _collect(stream, first, completion_id, model, bool(body.logprobs))
+        )
+    )
 
 
-async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: str, model: str) -> dict:
+async def _collect(
+    stream: RunStream, first: chat_pb2.RunEvent, completion_id: str, model: str, logprobs: bool
+) -> dict:
     """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
     text: list[str] = []
+    token_logprobs: list[chat_pb2.TokenLogprob] = []
     usage, finish = chat_pb2.Usage(), chat_pb2.FINISH_REASON_STOP
     async with aclosing(stream.events(first)) as events:
         async for event in events:
             kind = event.WhichOneof("kind")
             if kind == "delta":
                 text.append(event.delta.text)
+                token_logprobs += event.delta.logprobs
             elif kind == "usage":
                 usage = event.usage
             elif kind == "done":
@@ -184,7 +226,7 @@ async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: s
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": "".join(text), "refusal": None},
-                "logprobs": None,
+                "logprobs": {"content": logprobs_json(token_logprobs), "refusal": None} if logprobs else None,
                 "finish_reason": openai_finish_reason(finish),
             }
         ],

@@ -27,12 +27,13 @@ from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import REFUSED_BEFORE_ANSWER
-from edge.bodies import read_model
+from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of, idempotency_key_of
 from edge.client_gone import unless_client_leaves
 from edge.convert import options_proto
 from edge.errors import ApiError
 from edge.openai_api import ROLES
+from edge.openai_fields import RETRIEVE_QUERY_NO_OPS, check_query, without_no_ops
 from edge.orchestrator import Caller, Orchestrator, RunStream
 from edge.params import unsigned
 from edge.response_events import ResponseEvents
@@ -256,7 +257,9 @@ async def create_response(request: Request) -> Response:
     started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
     caller = caller_of(request)
-    body = await read_model(request, ResponseCreateIn, settings.max_body_bytes)
+    body = validate_model(
+        ResponseCreateIn, without_no_ops(ResponseCreateIn, await read_json(request, settings.max_body_bytes))
+    )
     record = ResponseRecord(
         model=body.model,
         store=body.store,
@@ -308,6 +311,7 @@ async def _response_at(orchestrator: Orchestrator, caller: Caller, run: chat_pb2
 @openai_errors
 async def retrieve_response(request: Request) -> Response:
     started = time.monotonic()
+    check_query(request.query_params, ("stream", "starting_after"), RETRIEVE_QUERY_NO_OPS)
     streamed, starting_after = _query_bool(request, "stream"), _query_int(request, "starting_after", -1)
     orchestrator, routed, run = await _stored_run(request)
     if not streamed:
@@ -320,6 +324,7 @@ async def retrieve_response(request: Request) -> Response:
 
 @openai_errors
 async def cancel_response(request: Request) -> Response:
+    check_query(request.query_params)
     orchestrator, routed, run = await _stored_run(request)
     # Cancelling an ended response leaves it as it is (CancelRun is a no-op then).
     reply = await orchestrator.unary("CancelRun", chat_pb2.CancelRunRequest(run_id=run.run_id), routed)
@@ -328,6 +333,7 @@ async def cancel_response(request: Request) -> Response:
 
 @openai_errors
 async def delete_response(request: Request) -> Response:
+    check_query(request.query_params)
     orchestrator, routed, run = await _stored_run(request)
     await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=run.chat_id), routed)
     return JSONResponse({"id": request.path_params["response_id"], "object": "response", "deleted": True})

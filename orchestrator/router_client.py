@@ -55,6 +55,12 @@ def start_frame(
         top_p=generation.top_p,
         max_tokens=generation.max_tokens,
         stop=list(generation.stop),
+        presence_penalty=generation.presence_penalty,
+        frequency_penalty=generation.frequency_penalty,
+        logit_bias=dict(generation.logit_bias),
+        min_p=generation.min_p,
+        logprobs=generation.logprobs,
+        top_logprobs=generation.top_logprobs,
     )
     # A seed of its own when the caller gave none: sampling is a function of (seed, position), so the
     # answer can be continued on another router or by another replica, token for token.

@@ -51,7 +51,7 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
-from chatmesh.token_text import coalesced, token_pieces, tokens_frame
+from chatmesh.token_text import coalesced, tokens_after
 from meshkit.deadline import Deadline
 from meshkit.links import Link, RequestFeed
 from meshkit.telemetry import request_span, trace_context
@@ -351,7 +351,7 @@ class Relay:
             if skip >= len(tokens.token_ids):
                 return None
             # The text of the tokens dropped went out with them; a frame without per-token ends keeps all.
-            tokens = tokens_frame(have, token_pieces(tokens)[skip:])
+            tokens = tokens_after(tokens, skip)
         self.output.extend(tokens.token_ids)
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()

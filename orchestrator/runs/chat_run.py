@@ -18,7 +18,7 @@ import grpc
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import REFUSED_BEFORE_ANSWER, ServiceError, unavailable
+from chatmesh.errors import REFUSED_BEFORE_ANSWER, ServiceError, invalid, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
@@ -68,6 +68,11 @@ class ChatRun(AnswerRun):
         self, ctx: RunContext, identity: Identity, request: ChatRequest, key: str, options: Generation
     ) -> None:
         super().__init__(identity)
+        if options.logprobs:
+            # Its events keep text, not logprobs: a resumed or replayed stream could not give them again.
+            raise invalid(
+                "options.logprobs", "logprobs are served on Complete only (stored answers keep none)"
+            )
         self.ctx = ctx
         self.options = options
         # A request without a key is its own run: only retries that carry a key can join.

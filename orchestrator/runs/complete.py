@@ -33,7 +33,13 @@ class CompleteRun(AnswerRun):
     def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.CompleteRequest) -> None:
         super().__init__(identity)
         self.ctx = ctx
-        self.options = checked(limits.generation, request.options, ctx.config.limits, ctx.default_model)
+        self.options = checked(
+            limits.generation,
+            request.options,
+            ctx.config.limits,
+            ctx.default_model,
+            ctx.prompter.tokenizer.vocab_size,
+        )
         messages = self._conversation(request)
         self.system: list[ChatMessage] = []
         while messages and messages[0].role == "system":

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -105,14 +105,22 @@ class LiveRun:
         self._changed.notify()
         return event
 
-    def append_delta(self, text: str, token_count: int) -> int:
-        """Adds the next delta and wakes every follower; returns its sequence number."""
+    def append_delta(
+        self, text: str, token_count: int, logprobs: Sequence[chat_pb2.TokenLogprob] = ()
+    ) -> int:
+        """Adds the next delta and wakes every follower; returns its sequence number. One with
+        ``logprobs`` is kept as its event (and is never merged with others: the rare caller that asks for
+        them pays the event's memory)."""
         seq = self._next_seq()
         if seq > self.max_events - _END_EVENTS:
             raise RuntimeError(
                 f"run {self.info.run_id} exceeded its {self.max_events - _FRAME_EVENTS} deltas"
             )
-        self._events.append((text, token_count))
+        if logprobs:
+            delta = chat_pb2.Delta(text=text, token_count=token_count, logprobs=logprobs)
+            self._events.append(chat_pb2.RunEvent(seq=seq, delta=delta))
+        else:
+            self._events.append((text, token_count))
         now = time.monotonic()
         self._delta_gap_s, self._last_delta_at = now - self._last_delta_at, now
         self._changed.notify()
@@ -147,6 +155,8 @@ class LiveRun:
         for seq, kept in enumerate(self._events, 1):
             if isinstance(kept, tuple):
                 yield seq, *kept
+            elif kept.HasField("delta"):
+                yield seq, kept.delta.text, kept.delta.token_count
 
     def cancelling(self) -> None:
         """CancelRun stopped the run: no output follows, and until its end is stored it reads as

@@ -157,6 +157,7 @@ class Relay:
         # carried by a delta (their text is held back).
         self._output_ids = array("I", start.resumed_output_token_ids)
         self._unsent_ids: list[int] = []
+        self._unsent_logprobs: list[chat_pb2.TokenLogprob] = []
         self._first_delta_at: float | None = None
         self._checkpointer: RunCheckpoints | None = None
         self._ended = asyncio.Event()
@@ -251,17 +252,22 @@ class Relay:
         unstored run (Complete) is never replayed, so its deltas follow the frames, and a reader that
         fell behind gets one delta for all that the router merged."""
         if self.stored_run is None:
-            self._emit(tokens.text, tokens.token_ids)
+            self._emit(tokens.text, tokens.token_ids, tokens.logprobs)
             return
         for token_id, text in token_pieces(tokens):
             self._emit(text, (token_id,))
 
-    def _emit(self, text: str, token_ids: Sequence[int]) -> None:
-        """Turns released text into a delta event (tokens without text yet ride on the next one)."""
+    def _emit(
+        self, text: str, token_ids: Sequence[int], logprobs: Sequence[engine_pb2.TokenLogprob] = ()
+    ) -> None:
+        """Turns released text into a delta event (tokens without text yet, and their logprobs, ride on
+        the next one)."""
         if self.stop_reason is not None:
             return
         self._output_ids.extend(token_ids)
         self._unsent_ids.extend(token_ids)
+        # engine.v1's TokenLogprob and chat.v1's have the same fields and numbers: the bytes carry over.
+        self._unsent_logprobs += [chat_pb2.TokenLogprob.FromString(lp.SerializeToString()) for lp in logprobs]
         if not text:
             return
         if self.screen.check(text).blocked:
@@ -269,7 +275,8 @@ class Relay:
             return
         covered = tuple(self._unsent_ids)
         self._unsent_ids.clear()
-        seq = self.live.append_delta(text, len(covered))
+        seq = self.live.append_delta(text, len(covered), self._unsent_logprobs)
+        self._unsent_logprobs = []
         if self._first_delta_at is None:
             self._first_delta_at = time.monotonic()
             info = self.live.info

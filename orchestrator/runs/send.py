@@ -32,7 +32,13 @@ class SendRun(ChatRun):
     def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.SendMessageRequest) -> None:
         checked(limits.check_id, request.chat_id, "chat_id")
         checked(limits.check_content, request.content, ctx.config.limits)
-        options = checked(limits.generation, request.options, ctx.config.limits, ctx.default_model)
+        options = checked(
+            limits.generation,
+            request.options,
+            ctx.config.limits,
+            ctx.default_model,
+            ctx.prompter.tokenizer.vocab_size,
+        )
         checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
         if request.branch_from_root and request.parent_message_id:
             raise invalid("parent_message_id", "parent_message_id must be empty with branch_from_root")

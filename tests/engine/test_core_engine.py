@@ -404,3 +404,62 @@ def test_a_failure_reported_from_another_thread_stops_the_step_loop_and_ends_req
     assert finish.error == "rank 1 exited"
     with pytest.raises(EngineUnavailableError, match="rank 1 exited"):
         test.engine.add_request(request("late", prompt(4)))
+
+
+_KNOBS = {
+    "temperature": 0.9,
+    "seed": 5,
+    "presence_penalty": 0.6,
+    "frequency_penalty": 0.4,
+    "logit_bias": ((3, 1.5), (40, -2.0)),
+    "min_p": 0.02,
+}
+
+
+def test_penalized_biased_sampling_is_the_same_alone_or_batched():
+    ids = prompt(12, salt=6)
+
+    def sampled(others: int) -> list[int]:
+        test = make_engine()
+        for i in range(others):
+            test.engine.add_request(
+                request(f"o{i}", prompt(4 + i, salt=i), max_tokens=5, temperature=1.0, seed=i)
+            )
+        test.engine.add_request(request("x", ids, max_tokens=16, **_KNOBS))
+        return test.run()["x"].token_ids
+
+    assert sampled(0) == sampled(4)
+
+
+def test_penalties_count_resumed_output_so_a_failover_continues_exactly():
+    ids = prompt(14, salt=7)
+    whole = make_engine()
+    whole.engine.add_request(request("a", ids, max_tokens=16, **_KNOBS))
+    full = whole.run()["a"].token_ids
+    resumed = make_engine()
+    resumed.engine.add_request(request("b", ids, max_tokens=16, resumed=tuple(full[:7]), **_KNOBS))
+    assert resumed.run()["b"].token_ids == full[7:]
+
+
+def test_logprobs_come_with_each_token_and_do_not_depend_on_the_batch():
+    ids = prompt(10, salt=8)
+
+    def outputs(others: int) -> list:
+        test = make_engine()
+        for i in range(others):
+            test.engine.add_request(request(f"o{i}", prompt(6 + i, salt=i), max_tokens=4))
+        test.engine.add_request(request("x", ids, max_tokens=8, logprobs=True, top_logprobs=3))
+        test.run()
+        return [(o.token_ids, o.logprobs) for o in test.outputs if o.request_id == "x" and o.token_ids]
+
+    alone = outputs(0)
+    assert alone == outputs(3)
+    for token_ids, logprobs in alone:
+        assert [lp.token_id for lp in logprobs] == token_ids
+        for lp in logprobs:
+            # Greedy: the sampled token is the likeliest, and its logprob the top one's.
+            assert lp.top[0] == (lp.token_id, lp.logprob) and len(lp.top) == 3 and lp.logprob <= 0.0
+    others = make_engine()
+    others.engine.add_request(request("y", ids, max_tokens=4))
+    others.run()
+    assert all(not o.logprobs for o in others.outputs), "none unless asked"
