@@ -249,6 +249,25 @@ async def test_late_checkpoint_does_not_change_a_finished_answer(memory_store):
     assert (await memory_store.get_run(user, run.run_id)).last_seq == 2
 
 
+async def test_two_starters_checkpointing_one_run_alike_leave_it_readable(memory_store):
+    # Two attempts started the same run id (a lease that passed on too early) and generated apart:
+    # their checkpoints of the same events carry the same write timestamp, so Cassandra keeps each
+    # cell by value, possibly one writer's texts beside the other's counts. Every list of a row is
+    # one writer's whole list, all as long as the row's events: a read never meets lists of unequal
+    # length (the strict zip in runs._deltas holds), whichever cells won.
+    user = new_user()
+    chat = await memory_store.create_chat(user, "two starters")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "hi")
+    first = [RunDelta(2, "Once", 1, (5,)), RunDelta(3, " upon", 2, (6, 7))]
+    second = [RunDelta(2, "Hi", 2, (8, 9)), RunDelta(3, " there", 1, (10,))]
+    await memory_store.checkpoint_run(run, first)
+    await memory_store.checkpoint_run(dataclasses.replace(run, owner_id="replica-b"), second)
+    output = await memory_store.read_run_output(user, run.run_id)
+    assert [d.seq for d in output] == [2, 3]
+    assert all(len(d.token_ids) in (0, d.token_count) for d in output)
+    assert (await memory_store.get_run(user, run.run_id)).last_seq == 3
+
+
 async def test_failed_run_without_output_stores_no_message(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "engine down")
