@@ -14,17 +14,16 @@ from collections.abc import Awaitable
 from datetime import datetime
 from typing import TypeVar
 
-import grpc
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import REFUSED_BEFORE_ANSWER, ServiceError, unavailable
+from chatmesh.errors import REFUSED_BEFORE_ANSWER, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import Chat, Claim, Message, Run, RunStatus
 from orchestrator.prompting.prompt import Prompt
-from orchestrator.runs.answer_run import AnswerRun
+from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.context import RunContext
 from orchestrator.runs.lifecycle import Admission
 from orchestrator.runs.live_run import RunInfo
@@ -83,6 +82,10 @@ class ChatRun(AnswerRun):
     def idempotency_key(self) -> str:
         return self._key
 
+    @property
+    def fingerprint(self) -> bytes:
+        return self._fingerprint
+
     async def claim(self) -> Claim | None:
         """Claims the idempotency key: the ids of this run. None when an attempt with the key started
         its run, or is starting it (here or on another replica): this one joins that run, live at once.
@@ -102,11 +105,7 @@ class ChatRun(AnswerRun):
         with tracer.start_as_current_span("claim idempotency key"):
             claim = await store.claim_idempotency_key(user, self._key, self._fingerprint, lease_s)
         if not claim.fingerprint_matches:
-            raise ServiceError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                "this idempotency key was already used for a different request; "
-                "use a new key for a new message",
-            )
+            raise key_reused()
         self._lease = claim.start_lease
         deadline = time.monotonic() + lease_s
         while self._lease is None:

@@ -46,7 +46,7 @@ from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.router_client import GenerateStream, RouterClient, continued, start_frame
 from orchestrator.runs import replay
-from orchestrator.runs.answer_run import AnswerRun
+from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
 
@@ -93,30 +93,36 @@ class Runs:
         self._relays: dict[str, Relay] = {}
         # Every run task, from `start` to its last step: the replica holds them, no client does.
         self._tasks: set[asyncio.Task[object]] = set()
-        # Runs on their way to going live, by (user, idempotency key): a duplicate waits for the same one.
-        self._starting: dict[tuple[str, str], asyncio.Future[str]] = {}
+        # Runs on their way to going live, by (user, idempotency key): a duplicate (the same request)
+        # waits for the same one.
+        self._starting: dict[tuple[str, str], AnswerRun] = {}
 
     # -- the steps of a run, in order ------------------------------------------------------------
 
     async def start(self, run: AnswerRun) -> str:
         """Runs ``run`` as a task of this replica and returns its run id once it is live (or joined an
         earlier run of its idempotency key); a refusal before that is raised here. A duplicate of a run
-        still starting (same user and key) waits for that one instead of starting its own.
+        still starting (same user, key and request) waits for that one instead of starting its own; a
+        different request with its key is ALREADY_EXISTS, as the key's claim would answer it.
 
         A stored run outlives a caller who goes away; a run nothing could ever attach to (Complete,
         whose client never learnt its run id) is abandoned with a caller who leaves before it is live
         (and, through ``answer``, after).
         """
         key = (run.identity.user_id, run.idempotency_key) if run.idempotency_key else None
-        started = self._starting.get(key) if key else None
+        earlier = self._starting.get(key) if key else None
         task = None
-        if started is None:
+        if earlier is not None:
+            if earlier.fingerprint != run.fingerprint:
+                raise key_reused()  # as its claim would say: the key is another request's
+            started = earlier.started
+        else:
             started = run.started
             task = asyncio.create_task(self._execute(run), name=f"{run.kind}-run")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             if key is not None:
-                self._starting[key] = started
+                self._starting[key] = run
                 started.add_done_callback(lambda _: self._starting.pop(key, None))
         try:
             return await asyncio.shield(started)

@@ -38,7 +38,6 @@ async def to_the_end(events) -> list[chat_pb2.RunEvent]:
     return [event async for event in events]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 7: joined before the fingerprints are compared")
 async def test_a_different_request_with_the_key_of_a_run_still_starting_is_refused(
     memory_store: MemoryStore, mesh: Mesh
 ) -> None:
