@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import DRAINING, not_found, unavailable
+from chatmesh.errors import DRAINING, ServiceError, not_found, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
@@ -225,9 +225,13 @@ class Runs:
                 place.cancel()
             # The budget's verdict is the more useful one to report, so wait for both.
             await asyncio.wait([reserve, place])
-            if reserve.done() and not reserve.cancelled() and reserve.exception() is None:
+            # Only a refusal of the budget's own is sure to have written nothing: a reservation that
+            # failed, or was cancelled (the caller left, the replica shuts down), may have its write
+            # on its way, and the release, sent after it, is the later write.
+            refused = not reserve.cancelled() and isinstance(reserve.exception(), ServiceError)
+            if not refused:
                 with contextlib.suppress(MemoryStoreError, TimeoutError):
-                    await self.budgets.release(identity.user_id, info.run_id)
+                    await asyncio.shield(self.budgets.release(identity.user_id, info.run_id))
             for step in (reserve, place):
                 failure = step.exception() if step.done() and not step.cancelled() else None
                 if failure is not None:
