@@ -206,6 +206,7 @@ class ChatRun(AnswerRun):
             user_message_id=asked.message_id if asked else None,
             prompt_tokens=len(admission.prompt.token_ids),
             generation=admission.start.SerializeToString(),
+            charge_id=admission.charge_id,
             asked=asked,
             chat=chat,
         )

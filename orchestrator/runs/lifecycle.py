@@ -36,6 +36,7 @@ from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
 from memory_store.errors import MemoryStoreError, NotFound, OwnerChanged
+from memory_store.ids import new_id
 from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from meshkit.pacing import StreamPacer
@@ -67,6 +68,9 @@ class Admission:
     # The request the router placed (its seed included): what continues the run if its router dies,
     # and what a stored run keeps for a replica that adopts it.
     start: router_pb2.GenerateStart
+    # The id the run's usage is charged under, made as its budget was reserved (memory_store/usage.py):
+    # the run is charged in the window it starts in, however old its run id (a key claimed long ago).
+    charge_id: str
 
 
 class Runs:
@@ -179,6 +183,7 @@ class Runs:
         with tracer.start_as_current_span("start run") as span:
             span.set_attribute("chatmesh.run_id", info.run_id)
             self.slots.acquire(identity)
+            charge_id = str(new_id())
             try:
                 start = start_frame(
                     info.run_id,
@@ -189,29 +194,29 @@ class Runs:
                     self.fingerprint,
                     new_session=info.stored and prompt.opens_session,
                 )
-                stream = await self._place(identity, info, start, options)
+                stream = await self._place(identity, charge_id, start, options)
                 placed = _as_placed(info, stream.routed)
                 # A continuation (another router, another replica) stays on the weights it started on.
                 start.model = placed.model
-                admission = Admission(identity, placed, prompt, stream, start)
+                admission = Admission(identity, placed, prompt, stream, start, charge_id)
                 try:
                     yield admission
                 except BaseException:
                     stream.abort()
                     with contextlib.suppress(MemoryStoreError, TimeoutError):
-                        await self.budgets.release(identity.user_id, info.run_id)
+                        await self.budgets.release(identity.user_id, charge_id)
                     raise
             except BaseException:
                 self.slots.release(identity.user_id)
                 raise
 
     async def _place(
-        self, identity: Identity, info: RunInfo, start: router_pb2.GenerateStart, options: Generation
+        self, identity: Identity, charge_id: str, start: router_pb2.GenerateStart, options: Generation
     ) -> GenerateStream:
-        """Reserves the budget and has the router place the request, both at once (a refusal of either
-        undoes the other): returns the placed stream."""
+        """Reserves the budget (under ``charge_id``) and has the router place the request, both at once
+        (a refusal of either undoes the other): returns the placed stream."""
         estimate = Usage(prompt_tokens=len(start.prompt_token_ids), completion_tokens=options.max_tokens)
-        reserve = asyncio.ensure_future(self.budgets.reserve(identity, info.run_id, estimate))
+        reserve = asyncio.ensure_future(self.budgets.reserve(identity, charge_id, estimate))
         place = asyncio.ensure_future(
             self.router.place(start, self.config.max_run_s, self.config.placement_timeout_s)
         )
@@ -231,7 +236,7 @@ class Runs:
             refused = not reserve.cancelled() and isinstance(reserve.exception(), ServiceError)
             if not refused:
                 with contextlib.suppress(MemoryStoreError, TimeoutError):
-                    await asyncio.shield(self.budgets.release(identity.user_id, info.run_id))
+                    await asyncio.shield(self.budgets.release(identity.user_id, charge_id))
             for step in (reserve, place):
                 failure = step.exception() if step.done() and not step.cancelled() else None
                 if failure is not None:

@@ -89,7 +89,6 @@ async def test_a_request_larger_than_the_whole_budget_is_invalid_not_exhausted(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 1: charged to the window its key was claimed in")
 async def test_a_keyed_send_refused_after_its_claim_and_retried_after_the_reset_is_charged_in_the_new_window(
     budget_client: ChatClient,
 ) -> None:

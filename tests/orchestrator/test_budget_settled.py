@@ -113,7 +113,6 @@ async def test_a_user_of_few_runs_keeps_one_plain_read(memory_store: MemoryStore
     assert seen.reads == [(None, None, admission.FOLD_AFTER_RUNS)] * 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 1: a run started long after its claim is not counted")
 async def test_a_run_started_long_after_its_key_was_claimed_is_counted_past_the_settled_sum(
     memory_store: MemoryStore, mesh: Mesh
 ) -> None:
