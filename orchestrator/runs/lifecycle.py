@@ -97,6 +97,8 @@ class Runs:
         self._relays: dict[str, Relay] = {}
         # Every run task, from `start` to its last step: the replica holds them, no client does.
         self._tasks: set[asyncio.Task[object]] = set()
+        # Adopted runs asked to stop while they are being placed again: stopped once placed.
+        self._stop_when_placed: dict[str, Stop] = {}
         # Runs on their way to going live, by (user, idempotency key): a duplicate (the same request)
         # waits for the same one.
         self._starting: dict[tuple[str, str], AnswerRun] = {}
@@ -333,12 +335,27 @@ class Runs:
         try:
             stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
         except Exception as exc:
+            self._stop_when_placed.pop(run.run_id, None)
             self._live.pop(run.run_id, None)
             log.warning("run %s could not be placed again (%s); interrupting it", run.run_id, exc)
             with contextlib.suppress(MemoryStoreError, TimeoutError):
                 await self.store.finish_run(run, _interrupted(live.last_seq))
             return
-        await self._relay(Relay(self.deps, live, stream, frame, run, time.monotonic()))
+        relay = Relay(self.deps, live, stream, frame, run, time.monotonic())
+        stop = self._stop_when_placed.pop(run.run_id, None)
+        if stop is not None:
+            relay.stop(stop)  # its end is stored as any stopped run's
+        await self._relay(relay)
+
+    def _stop(self, live: LiveRun, reason: Stop) -> None:
+        """Stops a run held here; an adopted one being placed again stops as soon as it is placed."""
+        relay = self._relays.get(live.info.run_id)
+        if relay is not None:
+            relay.stop(reason)
+        elif not live.finished:
+            self._stop_when_placed[live.info.run_id] = reason
+            if reason is Stop.CANCELLED:
+                live.cancelling()
 
     def relays(self) -> list[Relay]:
         """The runs this replica relays now."""
@@ -416,11 +433,10 @@ class Runs:
             loop = asyncio.get_running_loop()
             answer_by = loop.time() + answer_within_s / 2
             relay = self._relays.get(run_id)
-            if relay is not None:
-                # Stopped before anything is read: it is the caller's own run (``_local``), and its
-                # engine work is freed at once however late Cassandra answers (under load, or not at
-                # all). A run whose chat was deleted meanwhile is stopped all the same, and NOT_FOUND.
-                relay.stop(Stop.CANCELLED)
+            # Stopped before anything is read: it is the caller's own run (``_local``), and its engine
+            # work is freed at once however late Cassandra answers (under load, or not at all). A run
+            # whose chat was deleted meanwhile is stopped all the same, and NOT_FOUND.
+            self._stop(live, Stop.CANCELLED)
             try:
                 async with asyncio.timeout_at(answer_by):
                     await self._check_chat_kept(user_id, live.info.chat_id, run_id)
@@ -483,9 +499,9 @@ class Runs:
 
     def cancel_chat(self, user_id: str, chat_id: str) -> None:
         """Stops this replica's runs of a chat (it was deleted: nobody waits for their ends)."""
-        for relay in list(self._relays.values()):
-            if relay.live.info.user_id == user_id and relay.live.info.chat_id == chat_id:
-                relay.stop(Stop.CANCELLED)
+        for live in list(self._live.values()):
+            if live.info.user_id == user_id and live.info.chat_id == chat_id:
+                self._stop(live, Stop.CANCELLED)
 
     # -- upkeep ---------------------------------------------------------------------------------
 

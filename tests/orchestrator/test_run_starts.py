@@ -89,7 +89,6 @@ async def test_a_caller_who_leaves_while_its_reservation_is_on_its_way_is_not_ch
         assert (window.runs, window.usage) == (1, Usage())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54: a cancel during an adopted run's placement is dropped")
 async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
     memory_store: MemoryStore, mesh: Mesh
 ) -> None:
