@@ -15,6 +15,7 @@ from memory_store import db
 from memory_store.base import now
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
 from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.store import MemoryStore
 from tests.memory_store.builders import message, new_user, operations_counted, requests_sent, start_run
 
 
@@ -87,6 +88,26 @@ async def test_only_one_attempt_at_a_time_holds_a_keys_start_lease(memory_store)
     assert latest is not None
     await memory_store.release_start_lease(user, "k", taken)
     assert await memory_store.take_start_lease(user, "k", 30) is None
+
+
+@pytest.mark.xfail(strict=True, reason="issue 54: a lease update refreshes the TTL of its own cells only")
+async def test_a_key_leased_late_in_its_life_expires_whole(cassandra_node):
+    # Keys live 4 s here. A lease given up (or taken) late in a key's life rewrites its lease cell with a
+    # full TTL: once the claim's own cells expire, the key must be free, not another request's.
+    store = await MemoryStore.connect(dataclasses.replace(cassandra_node.store_config, idempotency_ttl_s=4))
+    try:
+        user = new_user()
+        first = await store.claim_idempotency_key(user, "k", b"request", start_lease_s=30)
+        await asyncio.sleep(2.0)
+        await store.release_start_lease(user, "k", first.start_lease)  # refused late in the key's life
+        await asyncio.sleep(2.5)  # the claim's cells have expired, the lease's has not
+        again = await store.claim_idempotency_key(user, "k", b"another request", start_lease_s=30)
+        assert again.created and again.fingerprint_matches and again.start_lease is not None
+        assert again.run_id != first.run_id and again.user_message_id != first.user_message_id
+        retried = await store.claim_idempotency_key(user, "k", b"another request")
+        assert (retried.created, retried.fingerprint_matches, retried.run_id) == (False, True, again.run_id)
+    finally:
+        await store.close()
 
 
 async def test_a_keys_run_is_renewed_once_however_many_retries_race(memory_store):
