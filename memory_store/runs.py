@@ -87,6 +87,14 @@ STATEMENTS = {
         # Running it again leaves the same row: the first claim's. The caller recognises its own ids.
         idempotent=True,
     ),
+    # A key whose claim expired, while a lease or renewal written later (each write sets the TTL of its
+    # own cells only) keeps some of its cells: claimed afresh, as a key without a row.
+    "claim_expired": Cql(
+        "UPDATE idempotency_keys USING TTL ? SET fingerprint = ?, run_id = ?, user_message_id = ?, "
+        "assistant_message_id = ?, starting_until = ? WHERE user_id = ? AND key = ? IF fingerprint = null",
+        # As "claim": running it again leaves the first attempt's row, which the caller recognises.
+        idempotent=True,
+    ),
     # Conditional: the outcome of a timed-out attempt is unknown, and a retry could take a lease twice.
     "lease_take": Cql(
         "UPDATE idempotency_keys USING TTL ? SET starting_until = ? WHERE user_id = ? AND key = ? "
@@ -246,8 +254,9 @@ class RunsMixin(MessagesMixin, UsageMixin):
     ) -> Claim:
         """Reserves the ids of a send (run, user message, assistant message) for ``(user_id, key)``.
 
-        The same key always returns the same ids, however many callers race; ``fingerprint`` (a hash
-        of the request) tells a true retry from a different request reusing the key. The call that
+        The same key always returns the same ids, however many callers race, until it expires
+        (``idempotency_ttl_s`` after its claim); ``fingerprint`` (a hash of the request) tells a true
+        retry from a different request reusing the key. The call that
         creates the claim also holds its start lease for ``start_lease_s`` (``take_start_lease``).
         """
         self._check_user(user_id)
@@ -267,6 +276,11 @@ class RunsMixin(MessagesMixin, UsageMixin):
             self._config.idempotency_ttl_s,
         )
         row = await self._contended("claim", params)
+        if not row["[applied]"] and row["fingerprint"] is None:
+            # Only a claim writes the fingerprint, and nothing outlives it but later writes' cells.
+            ttl = self._config.idempotency_ttl_s
+            ids = (fingerprint, run_id, user_message_id, assistant_message_id, lease)
+            row = await self._contended("claim_expired", (ttl, *ids, user_id, key))
         mine = row["[applied]"] or row["run_id"] == run_id
         return Claim(
             run_id=str(row["run_id"] if not row["[applied]"] else run_id),

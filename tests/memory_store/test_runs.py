@@ -90,7 +90,6 @@ async def test_only_one_attempt_at_a_time_holds_a_keys_start_lease(memory_store)
     assert await memory_store.take_start_lease(user, "k", 30) is None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54: a lease update refreshes the TTL of its own cells only")
 async def test_a_key_leased_late_in_its_life_expires_whole(cassandra_node):
     # Keys live 4 s here. A lease given up (or taken) late in a key's life rewrites its lease cell with a
     # full TTL: once the claim's own cells expire, the key must be free, not another request's.
