@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -18,6 +19,7 @@ from memory_store.models import Message, Role, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator.router_client import start_frame
 from orchestrator.runs.complete import CompleteRun
+from orchestrator.runs.context import RunContext
 from orchestrator.runs.send import SendRun
 from tests.fixtures.orchestrator import Mesh
 from tests.fixtures.replica_in_process import Held, replica_in_process
@@ -38,94 +40,102 @@ async def to_the_end(events) -> list[chat_pb2.RunEvent]:
     return [event async for event in events]
 
 
-async def test_a_different_request_with_the_key_of_a_run_still_starting_is_refused(
-    memory_store: MemoryStore, mesh: Mesh
-) -> None:
+@pytest.fixture
+async def replica(memory_store: MemoryStore, mesh: Mesh) -> AsyncIterator[tuple[Held, RunContext]]:
+    """A replica in this process, and its store, which holds (or fails) what the test asks it to."""
     store = Held(memory_store)
     async with replica_in_process(store, mesh.router_address) as ctx:
-        me = Identity(f"user-{uuid.uuid4().hex[:12]}", "pro")
-        chat = await memory_store.create_chat(me.user_id)
-        key = uuid.uuid4().hex
-        claiming = store.hold("claim_idempotency_key")
-        first = SendRun(ctx, me, send(key, chat.chat_id, "the first question"))
-        starting = asyncio.create_task(ctx.runs.start(first))
-        await claiming.reached.wait()  # the first is starting: its claim is on its way
+        yield store, ctx
 
-        other = SendRun(ctx, me, send(key, chat.chat_id, "another question"))
-        with pytest.raises(ServiceError) as refused:
-            # A join would wait for the first (held): the timeout only bounds that failure.
-            await asyncio.wait_for(ctx.runs.start(other), 5.0)
-        assert refused.value.code is grpc.StatusCode.ALREADY_EXISTS
 
-        claiming.open()
-        run_id = await starting
-        assert first.live is not None and first.live.info.run_id == run_id
-        await to_the_end(first.live.follow(0))
-        stored = await memory_store.get_run(me.user_id, run_id)
-        assert stored.status is RunStatus.COMPLETED
+def someone() -> Identity:
+    return Identity(f"user-{uuid.uuid4().hex[:12]}", "pro")
+
+
+async def test_a_different_request_with_the_key_of_a_run_still_starting_is_refused(
+    memory_store: MemoryStore, replica: tuple[Held, RunContext]
+) -> None:
+    store, ctx = replica
+    me = someone()
+    chat = await memory_store.create_chat(me.user_id)
+    key = uuid.uuid4().hex
+    claiming = store.hold("claim_idempotency_key")
+    first = SendRun(ctx, me, send(key, chat.chat_id, "the first question"))
+    starting = asyncio.create_task(ctx.runs.start(first))
+    await claiming.reached.wait()  # the first is starting: its claim is on its way
+
+    other = SendRun(ctx, me, send(key, chat.chat_id, "another question"))
+    with pytest.raises(ServiceError) as refused:
+        # A join would wait for the first (held): the timeout only bounds that failure.
+        await asyncio.wait_for(ctx.runs.start(other), 5.0)
+    assert refused.value.code is grpc.StatusCode.ALREADY_EXISTS
+
+    claiming.open()
+    run_id = await starting
+    assert first.live is not None and first.live.info.run_id == run_id
+    await to_the_end(first.live.follow(0))
+    stored = await memory_store.get_run(me.user_id, run_id)
+    assert stored.status is RunStatus.COMPLETED
 
 
 async def test_a_caller_who_leaves_while_its_reservation_is_on_its_way_is_not_charged(
-    memory_store: MemoryStore, mesh: Mesh
+    memory_store: MemoryStore, replica: tuple[Held, RunContext]
 ) -> None:
-    store = Held(memory_store)
-    async with replica_in_process(store, mesh.router_address) as ctx:
-        me = Identity(f"user-{uuid.uuid4().hex[:12]}", "pro")
-        reserving = store.hold("record_usage", sent_first=True)  # the write lands, its answer is late
-        request = chat_pb2.CompleteRequest(
-            messages=[chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content="hello")],
-            options=chat_pb2.GenerationOptions(max_tokens=64),
-        )
-        caller = asyncio.create_task(ctx.runs.start(CompleteRun(ctx, me, request)))
-        await reserving.reached.wait()
-        caller.cancel()  # a Complete's caller leaves: its run is abandoned during placement
-        with pytest.raises(asyncio.CancelledError):
-            await caller
-        assert reserving.call is not None
-        await reserving.call  # the reservation (prompt + 64) landed
-        reserving.open()
-        await ctx.runs.shutdown(5.0)  # the run's task has ended (its undoing included)
-        window = await memory_store.get_usage(me.user_id)
-        assert (window.runs, window.usage) == (1, Usage())
+    store, ctx = replica
+    me = someone()
+    reserving = store.hold("record_usage", sent_first=True)  # the write lands, its answer is late
+    request = chat_pb2.CompleteRequest(
+        messages=[chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content="hello")],
+        options=chat_pb2.GenerationOptions(max_tokens=64),
+    )
+    caller = asyncio.create_task(ctx.runs.start(CompleteRun(ctx, me, request)))
+    await reserving.reached.wait()
+    caller.cancel()  # a Complete's caller leaves: its run is abandoned during placement
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert reserving.call is not None
+    await reserving.call  # the reservation (prompt + 64) landed
+    reserving.open()
+    await ctx.runs.shutdown(5.0)  # the run's task has ended (its undoing included)
+    window = await memory_store.get_usage(me.user_id)
+    assert (window.runs, window.usage) == (1, Usage())
 
 
 async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
-    memory_store: MemoryStore, mesh: Mesh
+    memory_store: MemoryStore, replica: tuple[Held, RunContext]
 ) -> None:
-    async with replica_in_process(memory_store, mesh.router_address) as ctx:
-        # A run of a replica that died before its first checkpoint, stored as a send stores it.
-        user = f"user-{uuid.uuid4().hex[:12]}"
-        chat = await memory_store.create_chat(user)
-        claim = await memory_store.claim_idempotency_key(user, uuid.uuid4().hex, b"fingerprint")
-        asked = Message(claim.user_message_id, chat.chat_id, Role.USER, "tell me a story")
-        prompt = ctx.prompter.tokenizer.encode("tell me a story")
-        options = Generation(ctx.default_model, 400, temperature=0.7, top_p=1.0, seed=None, stop=())
-        generation = start_frame(claim.run_id, prompt, options, "pro", chat.chat_id, ctx.runs.fingerprint)
-        orphan = await memory_store.create_run(
-            user,
-            chat.chat_id,
-            run_id=claim.run_id,
-            parent_message_id=asked.message_id,
-            assistant_message_id=claim.assistant_message_id,
-            model=ctx.default_model,
-            owner_id=f"dead-{uuid.uuid4().hex[:6]}",
-            user_message_id=asked.message_id,
-            prompt_tokens=len(prompt),
-            generation=generation.SerializeToString(),
-            asked=asked,
-        )
-        router = Held(ctx.runs.router)
-        ctx.runs.router = router  # type: ignore[assignment]
-        placing = router.hold("place")
-        assert await ctx.runs.adopt(orphan, ctx.config.replica_id)
-        await placing.reached.wait()  # adopted, and being placed again
+    _, ctx = replica
+    # A run of a replica that died before its first checkpoint, stored as a send stores it.
+    user = f"user-{uuid.uuid4().hex[:12]}"
+    chat = await memory_store.create_chat(user)
+    claim = await memory_store.claim_idempotency_key(user, uuid.uuid4().hex, b"fingerprint")
+    asked = Message(claim.user_message_id, chat.chat_id, Role.USER, "tell me a story")
+    prompt = ctx.prompter.tokenizer.encode("tell me a story")
+    options = Generation(ctx.default_model, 400, temperature=0.7, top_p=1.0, seed=None, stop=())
+    generation = start_frame(claim.run_id, prompt, options, "pro", chat.chat_id, ctx.runs.fingerprint)
+    orphan = await memory_store.create_run(
+        user,
+        chat.chat_id,
+        run_id=claim.run_id,
+        parent_message_id=asked.message_id,
+        assistant_message_id=claim.assistant_message_id,
+        model=ctx.default_model,
+        owner_id=f"dead-{uuid.uuid4().hex[:6]}",
+        user_message_id=asked.message_id,
+        prompt_tokens=len(prompt),
+        generation=generation.SerializeToString(),
+        asked=asked,
+    )
+    router = Held(ctx.runs.router)
+    ctx.runs.router = router  # type: ignore[assignment]
+    placing = router.hold("place")
+    assert await ctx.runs.adopt(orphan, ctx.config.replica_id)
+    await placing.reached.wait()  # adopted, and being placed again
 
-        answered = await ctx.runs.cancel(user, claim.run_id, 2.0)
-        assert answered.status in (chat_pb2.RUN_STATUS_CANCELLING, chat_pb2.RUN_STATUS_CANCELLED)
-        placing.open()
-        events = await to_the_end(ctx.runs.stream(user, claim.run_id, 0))
-        assert (
-            events[-1].HasField("done") and events[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
-        )
-        stored = await memory_store.get_run(user, claim.run_id)
-        assert stored.status is RunStatus.CANCELLED
+    answered = await ctx.runs.cancel(user, claim.run_id, 2.0)
+    assert answered.status in (chat_pb2.RUN_STATUS_CANCELLING, chat_pb2.RUN_STATUS_CANCELLED)
+    placing.open()
+    events = await to_the_end(ctx.runs.stream(user, claim.run_id, 0))
+    assert events[-1].HasField("done") and events[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
+    stored = await memory_store.get_run(user, claim.run_id)
+    assert stored.status is RunStatus.CANCELLED
