@@ -256,8 +256,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
 
         The same key always returns the same ids, however many callers race, until it expires
         (``idempotency_ttl_s`` after its claim); ``fingerprint`` (a hash of the request) tells a true
-        retry from a different request reusing the key. The call that
-        creates the claim also holds its start lease for ``start_lease_s`` (``take_start_lease``).
+        retry from a different request reusing the key. The call that creates the claim also holds its
+        start lease for ``start_lease_s`` (``take_start_lease``).
         """
         self._check_user(user_id)
         self._check_idempotency_key(key)

@@ -1,10 +1,10 @@
 """Token usage per user and budget window, idempotent per run.
 
-Each run's usage is one row of the user's window partition, keyed by the run's charge id, so recording the same run
-again (a retried finish, or an estimate at start replaced by the actual count at the end) overwrites
-it instead of adding to it. Cassandra counters would double count a retried increment. Reading a
-user's usage is one single-partition aggregate; a window holds at most the runs the user's budget and
-rate limits allowed in it. The table's ``run_id`` column holds charge ids.
+Each run's usage is one row of the user's window partition, keyed by the run's charge id, so recording
+the same run again (a retried finish, or an estimate at start replaced by the actual count at the end)
+overwrites it instead of adding to it. Cassandra counters would double count a retried increment.
+Reading a user's usage is one single-partition aggregate; a window holds at most the runs the user's
+budget and rate limits allowed in it. The table's ``run_id`` column holds charge ids.
 
 A run is charged under its charge id, a timeuuid made when its budget is reserved (its start) and
 kept in its run row: every record of one run (the reservation, its owner's count, the charge of a
@@ -41,7 +41,7 @@ STATEMENTS = {
         "FROM usage_by_run WHERE user_id = ? AND window_start = ?",
         True,
     ),
-    # Runs charged from (after, until]: maxTimeuuid bounds every id of an instant's millisecond on one side.
+    # Runs started in (after, until]: maxTimeuuid bounds every id of an instant's millisecond on one side.
     "usage_sum_range": Cql(
         "SELECT sum(prompt_tokens) AS prompt, sum(cached_prompt_tokens) AS cached, "
         "sum(completion_tokens) AS completion, count(*) AS runs "
@@ -84,8 +84,8 @@ class UsageMixin(StoreBase):
         made_until: datetime | None = None,
     ) -> UsageWindow:
         """The user's usage in the window containing ``at`` (default: now): of every run in it, or with
-        ``made_after`` / ``made_until``, of the runs charged from then (by their charge ids: their
-        starts) only, in (made_after, made_until]."""
+        ``made_after`` / ``made_until``, of the runs that started (their charge ids were made) in
+        (made_after, made_until] only."""
         self._check_user(user_id)
         start = self.window_start(at or now())
         end = start + timedelta(seconds=self._config.usage_window_s)
