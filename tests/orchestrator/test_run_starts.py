@@ -15,6 +15,7 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
+from memory_store.errors import Unavailable
 from memory_store.models import Message, Role, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator.router_client import start_frame
@@ -139,3 +140,38 @@ async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
     assert events[-1].HasField("done") and events[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
     stored = await memory_store.get_run(user, claim.run_id)
     assert stored.status is RunStatus.CANCELLED
+
+
+@pytest.mark.xfail(
+    strict=True, reason="issue 54: a keyless retry asks again a question stored without its run"
+)
+async def test_a_keyless_send_whose_question_landed_without_its_run_is_asked_once_by_its_retry(
+    memory_store: MemoryStore, replica: tuple[Held, RunContext], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, ctx = replica
+    me = someone()
+    chat = await memory_store.create_chat(me.user_id)
+    request = send("", chat.chat_id, "What is the capital of France?")
+    db = memory_store._db
+
+    async def question_only(first, then, max_batch_bytes: int) -> None:
+        # The ordered fallback's first write (the question) lands; the run's times out.
+        await db.write(first, max_batch_bytes)
+        raise Unavailable("the run's write timed out")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(db, "write_in_order", question_only)
+        with pytest.raises(Unavailable):
+            await ctx.runs.start(SendRun(ctx, me, request))
+
+    retry = SendRun(ctx, me, request)
+    await ctx.runs.start(retry)
+    assert retry.live is not None
+    await to_the_end(retry.live.follow(0))
+    # One question, answered by the retry's run.
+    page = await memory_store.list_messages(me.user_id, chat.chat_id)
+    messages = list(reversed(page.items))
+    assert [m.role for m in messages] == [Role.USER, Role.ASSISTANT]
+    asked, answer = messages
+    assert (asked.role, asked.content, answer.role) == (Role.USER, request.content, Role.ASSISTANT)
+    assert (answer.parent_id, answer.message_id) == (asked.message_id, retry.live.info.assistant_message_id)
