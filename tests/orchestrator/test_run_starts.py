@@ -142,9 +142,6 @@ async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
     assert stored.status is RunStatus.CANCELLED
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 54: a keyless retry asks again a question stored without its run"
-)
 async def test_a_keyless_send_whose_question_landed_without_its_run_is_asked_once_by_its_retry(
     memory_store: MemoryStore, replica: tuple[Held, RunContext], monkeypatch: pytest.MonkeyPatch
 ) -> None:
