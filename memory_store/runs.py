@@ -77,7 +77,7 @@ _MAX_FINGERPRINT_BYTES = 64
 _RUN_STATE = (
     "user_id, chat_id, user_message_id, parent_message_id, assistant_message_id, model, owner_id, status, "
     "finish_reason, last_seq, checkpointed_at, finished_at, prompt_tokens, cached_prompt_tokens, "
-    "completion_tokens, error_code, error_message, generation"
+    "completion_tokens, error_code, error_message, generation, charge_id"
 )
 
 STATEMENTS = {
@@ -85,6 +85,14 @@ STATEMENTS = {
         "INSERT INTO idempotency_keys (user_id, key, fingerprint, run_id, user_message_id, "
         "assistant_message_id, starting_until) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
         # Running it again leaves the same row: the first claim's. The caller recognises its own ids.
+        idempotent=True,
+    ),
+    # A key whose claim expired, while a lease or renewal written later (each write sets the TTL of its
+    # own cells only) keeps some of its cells: claimed afresh, as a key without a row.
+    "claim_expired": Cql(
+        "UPDATE idempotency_keys USING TTL ? SET fingerprint = ?, run_id = ?, user_message_id = ?, "
+        "assistant_message_id = ?, starting_until = ? WHERE user_id = ? AND key = ? IF fingerprint = null",
+        # As "claim": running it again leaves the first attempt's row, which the caller recognises.
         idempotent=True,
     ),
     # Conditional: the outcome of a timed-out attempt is unknown, and a retry could take a lease twice.
@@ -113,8 +121,8 @@ STATEMENTS = {
     ),
     "run_insert": Cql(
         "INSERT INTO runs (run_id, user_id, chat_id, user_message_id, parent_message_id, "
-        "assistant_message_id, model, owner_id, status, prompt_tokens, generation, last_seq) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
+        "assistant_message_id, model, owner_id, status, prompt_tokens, generation, charge_id, last_seq) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
         True,
     ),
     # Once a second per running answer: a span each would be most of a send's trace, and a third of
@@ -186,6 +194,7 @@ def _run(run_id: uuid.UUID, row: Row) -> Run:
         error_message=row["error_message"],
         prompt_tokens=row["prompt_tokens"] or 0,
         generation=row["generation"] or b"",
+        charge_id=str(row["charge_id"] or run_id),
     )
 
 
@@ -245,9 +254,10 @@ class RunsMixin(MessagesMixin, UsageMixin):
     ) -> Claim:
         """Reserves the ids of a send (run, user message, assistant message) for ``(user_id, key)``.
 
-        The same key always returns the same ids, however many callers race; ``fingerprint`` (a hash
-        of the request) tells a true retry from a different request reusing the key. The call that
-        creates the claim also holds its start lease for ``start_lease_s`` (``take_start_lease``).
+        The same key always returns the same ids, however many callers race, until it expires
+        (``idempotency_ttl_s`` after its claim); ``fingerprint`` (a hash of the request) tells a true
+        retry from a different request reusing the key. The call that creates the claim also holds its
+        start lease for ``start_lease_s`` (``take_start_lease``).
         """
         self._check_user(user_id)
         self._check_idempotency_key(key)
@@ -266,6 +276,11 @@ class RunsMixin(MessagesMixin, UsageMixin):
             self._config.idempotency_ttl_s,
         )
         row = await self._contended("claim", params)
+        if not row["[applied]"] and row["fingerprint"] is None:
+            # Only a claim writes the fingerprint, and nothing outlives it but later writes' cells.
+            ttl = self._config.idempotency_ttl_s
+            ids = (fingerprint, run_id, user_message_id, assistant_message_id, lease)
+            row = await self._contended("claim_expired", (ttl, *ids, user_id, key))
         mine = row["[applied]"] or row["run_id"] == run_id
         return Claim(
             run_id=str(row["run_id"] if not row["[applied]"] else run_id),
@@ -349,6 +364,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         user_message_id: str | None = None,
         prompt_tokens: int = 0,
         generation: bytes = b"",
+        charge_id: str = "",
         asked: Message | None = None,
         chat: Chat | None = None,
     ) -> Run:
@@ -358,6 +374,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
         moves a run that has progressed or finished back to its start. ``prompt_tokens`` is what the
         run is charged for its prompt if it ends without its owner's count (``finish_run``);
         ``generation`` is how it is generated (opaque here), for a replica that adopts it.
+        ``charge_id`` is the id its budget was reserved under (``record_usage``; default: its run id),
+        which every later charge of the run uses.
 
         ``asked`` is the user message the run answers (its parent, and its ``user_message_id``), stored
         by this same call, as a send does: the run is written only once the message is, so a run never
@@ -371,6 +389,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         parent = parse_id(parent_message_id, "parent message id")
         assistant = parse_id(assistant_message_id, "assistant message id")
         user_message = parse_optional_id(user_message_id, "user message id")
+        charge_key = parse_id(charge_id, "charge id") if charge_id else run_key
         if not owner_id or len(model) > self.limits.max_model_chars:
             raise InvalidArgument("a run needs an owner id and a model name of reasonable length")
         if len(generation) > self.bounds.max_generation_bytes:
@@ -401,6 +420,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                         RunStatus.IN_PROGRESS.value,
                         prompt_tokens,
                         unset(generation or None),
+                        charge_key,
                         id_micros(run_key),
                     ),
                 )
@@ -435,6 +455,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             user_message_id=id_str(user_message),
             prompt_tokens=prompt_tokens,
             generation=generation,
+            charge_id=str(charge_key),
         )
 
     async def adopt_run(self, run: Run, owner_id: str) -> Run | None:
@@ -583,7 +604,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         charged = final.usage or Usage(
             prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in stored)
         )
-        usage = [[self._usage_write(final.user_id, final.run_id, charged)]]
+        usage = [[self._usage_write(final.user_id, final.charge_id, charged)]]
         run_key = parse_id(final.run_id, "run id")
         settled = [[("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key))]]
         message = await self._store_answer(final, stored, usage, settled)

@@ -87,4 +87,4 @@ class CompleteRun(AnswerRun):
         # 3. Live: `started`, then the answer streamed until it ends.
         end = await self.ctx.runs.generate(self, admission, None)
         # 4. The reservation becomes the actual count (no stored finish does it for an unstored run).
-        await self.ctx.store.record_usage(self.identity.user_id, info.run_id, end.usage)
+        await self.ctx.store.record_usage(self.identity.user_id, admission.charge_id, end.usage)

@@ -30,12 +30,13 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import DRAINING, not_found, unavailable
+from chatmesh.errors import DRAINING, ServiceError, not_found, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
 from memory_store.errors import MemoryStoreError, NotFound, OwnerChanged
+from memory_store.ids import new_id
 from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from meshkit.pacing import StreamPacer
@@ -46,7 +47,7 @@ from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.router_client import GenerateStream, RouterClient, continued, start_frame
 from orchestrator.runs import replay
-from orchestrator.runs.answer_run import AnswerRun
+from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
 
@@ -67,6 +68,9 @@ class Admission:
     # The request the router placed (its seed included): what continues the run if its router dies,
     # and what a stored run keeps for a replica that adopts it.
     start: router_pb2.GenerateStart
+    # The id the run's usage is charged under, made as its budget was reserved (memory_store/usage.py):
+    # the run is charged in the window it starts in, however old its run id (a key claimed long ago).
+    charge_id: str
 
 
 class Runs:
@@ -93,30 +97,38 @@ class Runs:
         self._relays: dict[str, Relay] = {}
         # Every run task, from `start` to its last step: the replica holds them, no client does.
         self._tasks: set[asyncio.Task[object]] = set()
-        # Runs on their way to going live, by (user, idempotency key): a duplicate waits for the same one.
-        self._starting: dict[tuple[str, str], asyncio.Future[str]] = {}
+        # Adopted runs asked to stop while they are being placed again: stopped once placed.
+        self._stop_when_placed: dict[str, Stop] = {}
+        # Runs on their way to going live, by (user, idempotency key): a duplicate (the same request)
+        # waits for the same one.
+        self._starting: dict[tuple[str, str], AnswerRun] = {}
 
     # -- the steps of a run, in order ------------------------------------------------------------
 
     async def start(self, run: AnswerRun) -> str:
         """Runs ``run`` as a task of this replica and returns its run id once it is live (or joined an
         earlier run of its idempotency key); a refusal before that is raised here. A duplicate of a run
-        still starting (same user and key) waits for that one instead of starting its own.
+        still starting (same user, key and request) waits for that one instead of starting its own; a
+        different request with its key is ALREADY_EXISTS, as the key's claim would answer it.
 
         A stored run outlives a caller who goes away; a run nothing could ever attach to (Complete,
         whose client never learnt its run id) is abandoned with a caller who leaves before it is live
         (and, through ``answer``, after).
         """
         key = (run.identity.user_id, run.idempotency_key) if run.idempotency_key else None
-        started = self._starting.get(key) if key else None
+        earlier = self._starting.get(key) if key else None
         task = None
-        if started is None:
+        if earlier is not None:
+            if earlier.fingerprint != run.fingerprint:
+                raise key_reused()  # as its claim would say: the key is another request's
+            started = earlier.started
+        else:
             started = run.started
             task = asyncio.create_task(self._execute(run), name=f"{run.kind}-run")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             if key is not None:
-                self._starting[key] = started
+                self._starting[key] = run
                 started.add_done_callback(lambda _: self._starting.pop(key, None))
         try:
             return await asyncio.shield(started)
@@ -173,6 +185,7 @@ class Runs:
         with tracer.start_as_current_span("start run") as span:
             span.set_attribute("chatmesh.run_id", info.run_id)
             self.slots.acquire(identity)
+            charge_id = str(new_id())
             try:
                 start = start_frame(
                     info.run_id,
@@ -183,29 +196,29 @@ class Runs:
                     self.fingerprint,
                     new_session=info.stored and prompt.opens_session,
                 )
-                stream = await self._place(identity, info, start, options)
+                stream = await self._place(identity, charge_id, start, options)
                 placed = _as_placed(info, stream.routed)
                 # A continuation (another router, another replica) stays on the weights it started on.
                 start.model = placed.model
-                admission = Admission(identity, placed, prompt, stream, start)
+                admission = Admission(identity, placed, prompt, stream, start, charge_id)
                 try:
                     yield admission
                 except BaseException:
                     stream.abort()
                     with contextlib.suppress(MemoryStoreError, TimeoutError):
-                        await self.budgets.release(identity.user_id, info.run_id)
+                        await self.budgets.release(identity.user_id, charge_id)
                     raise
             except BaseException:
                 self.slots.release(identity.user_id)
                 raise
 
     async def _place(
-        self, identity: Identity, info: RunInfo, start: router_pb2.GenerateStart, options: Generation
+        self, identity: Identity, charge_id: str, start: router_pb2.GenerateStart, options: Generation
     ) -> GenerateStream:
-        """Reserves the budget and has the router place the request, both at once (a refusal of either
-        undoes the other): returns the placed stream."""
+        """Reserves the budget (under ``charge_id``) and has the router place the request, both at once
+        (a refusal of either undoes the other): returns the placed stream."""
         estimate = Usage(prompt_tokens=len(start.prompt_token_ids), completion_tokens=options.max_tokens)
-        reserve = asyncio.ensure_future(self.budgets.reserve(identity, info.run_id, estimate))
+        reserve = asyncio.ensure_future(self.budgets.reserve(identity, charge_id, estimate))
         place = asyncio.ensure_future(
             self.router.place(start, self.config.max_run_s, self.config.placement_timeout_s)
         )
@@ -219,9 +232,13 @@ class Runs:
                 place.cancel()
             # The budget's verdict is the more useful one to report, so wait for both.
             await asyncio.wait([reserve, place])
-            if reserve.done() and not reserve.cancelled() and reserve.exception() is None:
+            # Only a refusal of the budget's own is sure to have written nothing: a reservation that
+            # failed, or was cancelled (the caller left, the replica shuts down), may have its write
+            # on its way, and the release, sent after it, is the later write.
+            refused = not reserve.cancelled() and isinstance(reserve.exception(), ServiceError)
+            if not refused:
                 with contextlib.suppress(MemoryStoreError, TimeoutError):
-                    await self.budgets.release(identity.user_id, info.run_id)
+                    await asyncio.shield(self.budgets.release(identity.user_id, charge_id))
             for step in (reserve, place):
                 failure = step.exception() if step.done() and not step.cancelled() else None
                 if failure is not None:
@@ -318,12 +335,27 @@ class Runs:
         try:
             stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
         except Exception as exc:
+            self._stop_when_placed.pop(run.run_id, None)
             self._live.pop(run.run_id, None)
             log.warning("run %s could not be placed again (%s); interrupting it", run.run_id, exc)
             with contextlib.suppress(MemoryStoreError, TimeoutError):
                 await self.store.finish_run(run, _interrupted(live.last_seq))
             return
-        await self._relay(Relay(self.deps, live, stream, frame, run, time.monotonic()))
+        relay = Relay(self.deps, live, stream, frame, run, time.monotonic())
+        stop = self._stop_when_placed.pop(run.run_id, None)
+        if stop is not None:
+            relay.stop(stop)  # its end is stored as any stopped run's
+        await self._relay(relay)
+
+    def _stop(self, live: LiveRun, reason: Stop) -> None:
+        """Stops a run held here; an adopted one being placed again stops as soon as it is placed."""
+        relay = self._relays.get(live.info.run_id)
+        if relay is not None:
+            relay.stop(reason)
+        elif not live.finished:
+            self._stop_when_placed[live.info.run_id] = reason
+            if reason is Stop.CANCELLED:
+                live.cancelling()
 
     def relays(self) -> list[Relay]:
         """The runs this replica relays now."""
@@ -401,11 +433,10 @@ class Runs:
             loop = asyncio.get_running_loop()
             answer_by = loop.time() + answer_within_s / 2
             relay = self._relays.get(run_id)
-            if relay is not None:
-                # Stopped before anything is read: it is the caller's own run (``_local``), and its
-                # engine work is freed at once however late Cassandra answers (under load, or not at
-                # all). A run whose chat was deleted meanwhile is stopped all the same, and NOT_FOUND.
-                relay.stop(Stop.CANCELLED)
+            # Stopped before anything is read: it is the caller's own run (``_local``), and its engine
+            # work is freed at once however late Cassandra answers (under load, or not at all). A run
+            # whose chat was deleted meanwhile is stopped all the same, and NOT_FOUND.
+            self._stop(live, Stop.CANCELLED)
             try:
                 async with asyncio.timeout_at(answer_by):
                     await self._check_chat_kept(user_id, live.info.chat_id, run_id)
@@ -468,9 +499,9 @@ class Runs:
 
     def cancel_chat(self, user_id: str, chat_id: str) -> None:
         """Stops this replica's runs of a chat (it was deleted: nobody waits for their ends)."""
-        for relay in list(self._relays.values()):
-            if relay.live.info.user_id == user_id and relay.live.info.chat_id == chat_id:
-                relay.stop(Stop.CANCELLED)
+        for live in list(self._live.values()):
+            if live.info.user_id == user_id and live.info.chat_id == chat_id:
+                self._stop(live, Stop.CANCELLED)
 
     # -- upkeep ---------------------------------------------------------------------------------
 

@@ -329,7 +329,7 @@ class Relay:
                         status, reason = ended.run.status, ended.run.finish_reason
                         with contextlib.suppress(MemoryStoreError, TimeoutError):
                             await self.deps.store.record_usage(
-                                self.live.info.user_id, self.live.info.run_id, usage
+                                self.live.info.user_id, self.stored_run.charge_id, usage
                             )
                     message_id = ended.message.message_id if ended.message else ""
         self._publish_end(status, reason, usage, error, message_id)
