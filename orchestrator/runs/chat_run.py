@@ -17,7 +17,7 @@ from typing import TypeVar
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import REFUSED_BEFORE_ANSWER, ServiceError, invalid, unavailable
+from chatmesh.errors import REFUSED_BEFORE_ANSWER, invalid, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
