@@ -81,10 +81,10 @@ class Parts:
     jobs: BackgroundJobs
     replica: Replica
 
-    async def stop(self, handed_over: int) -> None:
-        """After the drain, which handed ``handed_over`` runs over (or without one): the runs it left
-        are handed over, the last checkpoints and background jobs end, and the replica leaves."""
-        handed_over += await self.ctx.runs.shutdown(0.0)
+    async def stop(self) -> None:
+        """After the drain (or without one): the runs it left are handed over, the last checkpoints and
+        background jobs end, and the replica leaves."""
+        handed_over = await self.ctx.runs.shutdown(0.0)
         await self.checkpoints.close()
         await self.jobs.close()
         await self.replica.leave(handed_over)
@@ -202,8 +202,8 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
     try:
         await serving.serve("orchestrator", args, add_services, on_drain=on_drain)
     finally:
-        drained = await asyncio.gather(*shutdown, return_exceptions=True)
-        await parts.stop(sum(n for n in drained if isinstance(n, int)))
+        await asyncio.gather(*shutdown, return_exceptions=True)
+        await parts.stop()
         await router.close()
         await store.close()
 

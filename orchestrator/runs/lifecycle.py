@@ -87,6 +87,10 @@ class Runs:
         self.slots = slots
         self.fingerprint = tokenizer_fingerprint
         self.draining = False
+        # Set once a draining replica's grace is over: every run still live here is handed over.
+        self._handing_over = False
+        # Runs handed over to another replica at shutdown, for ``Replica.leave``.
+        self.handed_over = 0
         self.pacer = StreamPacer(self.config.stream_interval_max_ms / 1000)
         METRICS.stream_interval.set_function(lambda: self.pacer.interval_s)
         self._live: dict[str, LiveRun] = {}
@@ -248,10 +252,14 @@ class Runs:
         run_id = relay.live.info.run_id
         self._live[run_id] = relay.live
         self._relays[run_id] = relay
+        if self._handing_over:  # it went live after the drain's grace: it goes on elsewhere at once
+            self._leave_at_shutdown(relay)
         try:
             return await relay.run()
         finally:
             self._relays.pop(run_id, None)
+            if relay.live.handed_over and relay.stop_reason is Stop.HANDED_OVER:
+                self.handed_over += 1
             if relay.live.handed_over:
                 # New streams of the run follow it where it goes on (through Cassandra from here).
                 self._live.pop(run_id, None)
@@ -317,6 +325,12 @@ class Runs:
         interrupted with its checkpointed output (it is this replica's: nobody else would end it)."""
         try:
             stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
+        except asyncio.CancelledError:
+            # The replica shut down before the run went on here: it stays as adopted, its output
+            # checkpointed, for another replica to adopt in turn.
+            self._live.pop(run.run_id, None)
+            self.handed_over += 1
+            raise
         except Exception as exc:
             self._live.pop(run.run_id, None)
             log.warning("run %s could not be placed again (%s); interrupting it", run.run_id, exc)
@@ -485,36 +499,42 @@ class Runs:
         """Lets runs finish for ``grace_s``, then hands the rest over: their output so far is stored
         and another replica adopts them (once this one says it is gone: ``Replica.leave``), so clients
         resuming elsewhere get the whole answer. A Complete, which nobody could resume, is interrupted.
-        Returns how many runs were handed over."""
+
+        Runs that go live while the replica drains (sends already past the draining check, adoptions
+        under way) are runs like the others: they get what is left of the grace, and one that goes live
+        after it is handed over at once (``_relay``). Returns how many runs this replica handed over
+        (in every call: the server calls it again once it stopped serving)."""
         self.draining = True
-        relays = list(self._relays.values())
-        handed_over = 0
-        if relays:
-            log.info("waiting up to %.0fs for %d runs to finish", grace_s, len(relays))
-            await asyncio.gather(*(relay.wait(grace_s) for relay in relays))
-            left = [relay for relay in relays if not relay.live.finished]
-            if left:
-                log.warning("handing over %d runs still generating", len(left))
-                for relay in left:
-                    if relay.stored_run is not None:
-                        relay.stop(Stop.HANDED_OVER)
-                        handed_over += 1
-                    else:
-                        relay.stop(Stop.INTERRUPTED)
-                await asyncio.gather(
-                    *(
-                        relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)
-                        for relay in left
-                    )
-                )
-        # Ended runs finish their last step (usage, titles); runs still on their way to going live
-        # (placement, persistence) end with the replica, as refusals their callers may retry elsewhere.
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.config.store_deadline_s)
+        loop = asyncio.get_running_loop()
+        hand_over_at = loop.time() + grace_s
+        if self._tasks and grace_s > 0:
+            log.info("waiting up to %.0fs for %d runs to finish", grace_s, len(self._tasks))
+        await self._until_ended(hand_over_at)
+        self._handing_over = True
+        left = list(self._relays.values())
+        if left:
+            log.warning("handing over %d runs still generating", len(left))
+        for relay in left:
+            self._leave_at_shutdown(relay)
+        # Runs handed over store their output; runs on their way to going live (placement,
+        # persistence) go on, and are handed over as they go live. Whatever is still on its way after
+        # that ends with the replica: a run not yet stored as a refusal its caller may retry elsewhere;
+        # one whose row may have landed is found in this replica's index (``Replica.leave``).
+        await self._until_ended(loop.time() + self.config.cancel_timeout_s + self.config.store_deadline_s)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        return handed_over
+        return self.handed_over
+
+    async def _until_ended(self, deadline: float) -> None:
+        """Waits until every run task has ended (those started meanwhile too), or ``deadline``."""
+        loop = asyncio.get_running_loop()
+        while self._tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(list(self._tasks), timeout=left)
+
+    def _leave_at_shutdown(self, relay: Relay) -> None:
+        """A stored run is handed over (another replica adopts it); a Complete is interrupted."""
+        relay.stop(Stop.HANDED_OVER if relay.stored_run is not None else Stop.INTERRUPTED)
 
 
 def _interrupted(last_seq: int) -> RunOutcome:
