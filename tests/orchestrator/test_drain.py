@@ -10,23 +10,16 @@ are real processes. A replica killed or terminated as a process: test_replica_lo
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable
-from datetime import timedelta
 
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.limits import Generation
-from memory_store.base import now
-from memory_store.models import Run
 from memory_store.store import MemoryStore
-from orchestrator.router_client import start_frame
 from orchestrator.runs.send import SendRun
 from tests.fixtures.answers import ANSWER, QUESTION, assert_answer_complete_and_stored, undisturbed_answer
 from tests.fixtures.in_process import InProcessReplica, in_process_replica, within
 from tests.fixtures.orchestrator import ChatClient, Mesh, collect
-from tests.memory_store.builders import start_run
 
 pytestmark = pytest.mark.usefixtures("router_required")
 
@@ -43,29 +36,6 @@ async def drain_started(drainer: InProcessReplica, grace_s: float) -> asyncio.Ta
     await asyncio.sleep(0)  # the task's first step runs before this one's next
     assert drainer.runs.draining
     return draining
-
-
-async def orphan_of_a_lost_replica(
-    drainer: InProcessReplica, store: MemoryStore, client: ChatClient, group: str
-) -> tuple[str, Run]:
-    """A run stored by a replica of ``group`` found silent, with its request, nothing generated yet:
-    what the drainer's reaper adopts. Returns its chat and the run."""
-    lost = f"lost-{uuid.uuid4().hex[:6]}"
-    await store.heartbeat_replica(lost, at=now() - timedelta(seconds=30), group=group)
-    chat = await client.create_chat()
-    ctx = drainer.parts.ctx
-    generation = start_frame(
-        str(uuid.uuid4()),
-        ctx.prompter.tokenizer.encode(QUESTION),
-        Generation(ctx.default_model, ANSWER.max_tokens, ANSWER.temperature, 0.0, None, ()),
-        "pro",
-        chat.chat_id,
-        drainer.runs.fingerprint,
-    )
-    run, _ = await start_run(
-        store, client.user, chat.chat_id, QUESTION, owner=lost, generation=generation.SerializeToString()
-    )
-    return chat.chat_id, run
 
 
 async def test_runs_that_go_live_during_a_drain_are_handed_over_and_answered_elsewhere(
@@ -88,7 +58,8 @@ async def test_runs_that_go_live_during_a_drain_are_handed_over_and_answered_els
         )
         await within(placing.reached.wait(), 10, "the send did not reach its placement")
         # An adoption under way (its reaper found a silent replica's run), held at its write.
-        adopted_chat, orphan = await orphan_of_a_lost_replica(drainer, memory_store, client, group)
+        adopted_chat = (await client.create_chat()).chat_id
+        orphan = await drainer.orphan(memory_store, client.user, adopted_chat, QUESTION, ANSWER)
         adopting = drainer.store.hold("adopt_run")
         adoption = asyncio.create_task(drainer.runs.adopt(orphan, drainer.replica_id))
         await within(adopting.reached.wait(), 10, "the adoption did not reach its write")
