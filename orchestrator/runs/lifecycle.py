@@ -99,6 +99,8 @@ class Runs:
         self._tasks: set[asyncio.Task[object]] = set()
         # Runs on their way to going live, by (user, idempotency key): a duplicate waits for the same one.
         self._starting: dict[tuple[str, str], asyncio.Future[str]] = {}
+        # The ids of runs admitted here and not yet live, and of adoptions under way (``holds``).
+        self._pending: set[str] = set()
 
     # -- the steps of a run, in order ------------------------------------------------------------
 
@@ -174,6 +176,19 @@ class Runs:
         undone, and after it the admission belongs to ``generate``."""
         if self.draining:
             raise unavailable(SHUTTING_DOWN, 0.5, reason=DRAINING)  # before anything of it is stored
+        # Until the block ends: then the run is live (``generate`` goes on without a pause), or it was
+        # refused, though its row may have landed (the reaper continues it: ``Replica.reap_own``).
+        self._pending.add(info.run_id)
+        try:
+            async with self._admitted(identity, info, prompt, options) as admission:
+                yield admission
+        finally:
+            self._pending.discard(info.run_id)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(
+        self, identity: Identity, info: RunInfo, prompt: Prompt, options: Generation
+    ) -> AsyncIterator[Admission]:
         with tracer.start_as_current_span("start run") as span:
             span.set_attribute("chatmesh.run_id", info.run_id)
             self.slots.acquire(identity)
@@ -270,13 +285,24 @@ class Runs:
         after it, through the router, with the run's own seed: the rest of the answer, its events and
         their sequence numbers are the ones the lost replica would have produced. Returns whether this
         replica adopted it (another replica may have been first); a run that cannot be continued
-        (stored before runs kept their generation) is ended as interrupted instead."""
-        if self.draining:
+        (stored before runs kept their generation) is ended as interrupted instead.
+
+        ``orphan`` may be this replica's own run, one it does not hold (``Replica.reap_own``): it is
+        continued the same way."""
+        if self.draining or self.holds(orphan.run_id):
             return False
+        self._pending.add(orphan.run_id)
+        try:
+            return await self._adopt(orphan, replica_id)
+        finally:
+            self._pending.discard(orphan.run_id)
+
+    async def _adopt(self, orphan: Run, replica_id: str) -> bool:
         run = await self.store.adopt_run(orphan, replica_id)
         if run is None:
             return False
-        await self._signal_owner(orphan)  # in case it was only paused: it must stop generating
+        if orphan.owner_id != replica_id:
+            await self._signal_owner(orphan)  # in case it was only paused: it must stop generating
         try:
             output = await self.store.read_run_output(run.user_id, run.run_id)
         except Exception:
@@ -342,6 +368,11 @@ class Runs:
     def relays(self) -> list[Relay]:
         """The runs this replica relays now."""
         return list(self._relays.values())
+
+    def holds(self, run_id: str) -> bool:
+        """Whether this replica has the run in hand: starting it, adopting it, generating it, holding
+        it after its end, or storing its end later."""
+        return run_id in self._pending or run_id in self._live or self.deps.late_ends.holds(run_id)
 
     def is_running(self, run_id: str) -> bool:
         """Whether the run is generating here (not ended, not handed over)."""
