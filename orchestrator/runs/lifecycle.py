@@ -23,8 +23,9 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
@@ -51,6 +52,7 @@ from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # What a replica that drains answers new work with (another replica will take it).
 SHUTTING_DOWN = "this replica is shutting down; retry (another replica will answer)"
 tracer = trace.get_tracer("orchestrator")
@@ -118,9 +120,7 @@ class Runs:
         task = None
         if started is None:
             started = run.started
-            task = asyncio.create_task(self._execute(run), name=f"{run.kind}-run")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self._task(self._execute(run), f"{run.kind}-run")
             if key is not None:
                 self._starting[key] = started
                 started.add_done_callback(lambda _: self._starting.pop(key, None))
@@ -150,6 +150,13 @@ class Runs:
             relay = self._relays.get(run_id)
             if relay is not None and not run.outlives_caller:
                 relay.stop(Stop.CANCELLED)  # a no-op once the run has ended
+
+    def _task(self, work: Coroutine[object, object, T], name: str) -> asyncio.Task[T]:
+        """``work`` as a task of this replica (``shutdown`` waits for it, then cancels it)."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _execute(self, run: AnswerRun) -> None:
         try:
@@ -291,11 +298,12 @@ class Runs:
         continued the same way."""
         if self.draining or self.holds(orphan.run_id):
             return False
+        # A task of the replica's from the start, so that a drain waits for it (and it goes on if the
+        # reaper's pass gives up waiting: a run made ours must go on here).
         self._pending.add(orphan.run_id)
-        try:
-            return await self._adopt(orphan, replica_id)
-        finally:
-            self._pending.discard(orphan.run_id)
+        adoption = self._task(self._adopt(orphan, replica_id), "adoption")
+        adoption.add_done_callback(lambda _: self._pending.discard(orphan.run_id))
+        return await asyncio.shield(adoption)
 
     async def _adopt(self, orphan: Run, replica_id: str) -> bool:
         run = await self.store.adopt_run(orphan, replica_id)
@@ -334,9 +342,7 @@ class Runs:
             live.append_delta(delta.text, delta.token_count)
         frame = continued(start, [token for delta in output for token in delta.token_ids])
         self._live[info.run_id] = live
-        task = asyncio.create_task(self._continue_adopted(run, live, frame), name="adopted-run")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._task(self._continue_adopted(run, live, frame), "adopted-run")
         log.warning(
             "run %s of replica %s adopted here at event %d (%d tokens)",
             run.run_id,

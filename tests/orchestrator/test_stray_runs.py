@@ -109,8 +109,10 @@ async def test_a_run_whose_adoption_could_not_be_given_back_is_continued_by_its_
 async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_answered_elsewhere(
     mesh: Mesh, connect: Callable[..., ChatClient], memory_store: MemoryStore
 ) -> None:
-    client = connect(mesh.orchestrator.address)  # of the replica's group: it adopts what it leaves
+    taker = mesh.orchestrator  # of the replica's group: it adopts what the replica leaves
+    client = connect(taker.address)
     reference = await undisturbed_answer(client)
+    adopted_before = await taker.counted("chatmesh_orchestrator_orphaned_runs", outcome="adopted")
     async with in_process_replica(memory_store, mesh.router_address, mesh.replica_group, **QUICK) as replica:
         chat = await client.create_chat()
         # The question and its run land; Cassandra's answer is slow, past the end of the shutdown.
@@ -126,4 +128,8 @@ async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_
         await replica.stop()
     run_id = (await client.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat.chat_id))).chat.active_run_id
     assert run_id
+    # Its heartbeat dated for the others, the replica's run is adopted at their next pass.
+    await taker.until_counted(
+        "chatmesh_orchestrator_orphaned_runs", adopted_before + 1, 30, outcome="adopted"
+    )
     await answered_by_the_mesh(client, chat.chat_id, run_id, reference)
