@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -462,11 +462,15 @@ class RunsMixin(MessagesMixin, UsageMixin):
         """Makes replica ``owner_id`` the owner of ``run`` if it is still in progress and still owned by
         ``run.owner_id`` (the replica found silent): the run as adopted, or None if another replica
         adopted or ended it first. The run is indexed under its new owner first, so it can always be
-        found again if the adopter dies too."""
+        found again if the adopter dies too. Its own owner may take it up again (a run it found it
+        does not hold): the write then only checks that it is still in progress and still its own."""
         if not owner_id:
             raise InvalidArgument("a run needs an owner id")
         run_key = parse_id(run.run_id, "run id")
         bucket = _owner_bucket(run_key)
+        if owner_id == run.owner_id:  # its owner takes it up again: its index entry stays as it is
+            applied = (await self._db.execute("run_adopt", (owner_id, run_key, run.owner_id)))[0]["[applied]"]
+            return run if applied else None
         await self._db.execute("owner_index_insert", (owner_id, bucket, run_key))
         applied = (await self._db.execute("run_adopt", (owner_id, run_key, run.owner_id)))[0]["[applied]"]
         if not applied:
@@ -745,6 +749,35 @@ class RunsMixin(MessagesMixin, UsageMixin):
             for r in replicas
             if utc(r["heartbeat_at"]) < at - timedelta(seconds=stale_after_s)
         ]
+        orphans = await self._indexed_runs(stale, at, max_run_age_s)
+        # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
+        # (if it was only paused, its next heartbeat brings it back).
+        done = set(stale) - {run.owner_id for run in orphans}
+        await asyncio.gather(*(self.forget_replica(owner, group) for owner in done))
+        return orphans
+
+    async def find_owned_runs(
+        self,
+        owner_id: str,
+        skip: Callable[[str], bool] = lambda run_id: False,
+        max_run_age_s: float = 3600.0,
+        at: datetime | None = None,
+    ) -> list[Run]:
+        """The runs in replica ``owner_id``'s index, as ``find_orphaned_runs`` finds those of a silent
+        replica (in progress, or ended without what the end leaves stored), for a replica to find its
+        own that it does not know it holds. ``skip``: run ids not to read (those it knows it holds)."""
+        return await self._indexed_runs([owner_id], at or now(), max_run_age_s, skip)
+
+    async def _indexed_runs(
+        self,
+        owners: Sequence[str],
+        at: datetime,
+        max_run_age_s: float,
+        skip: Callable[[str], bool] = lambda run_id: False,
+    ) -> list[Run]:
+        """The runs started within ``max_run_age_s`` of ``at`` that the indexes of ``owners`` hold and
+        that one of them still owns (an entry whose run was never written, or was adopted since, is
+        passed over), but for those ``skip`` names."""
         last = micros(at) // 1_000_000 // RUN_INDEX_BUCKET_SECONDS
         first = (micros(at) // 1_000_000 - int(max_run_age_s)) // RUN_INDEX_BUCKET_SECONDS
         limit = asyncio.Semaphore(16)
@@ -756,18 +789,18 @@ class RunsMixin(MessagesMixin, UsageMixin):
         scans = await asyncio.gather(
             *(
                 bounded("owner_index_scan", (owner, bucket))
-                for owner in stale
+                for owner in owners
                 for bucket in range(first, last + 1)
             )
         )
-        run_keys = list(dict.fromkeys(row["run_id"] for rows in scans for row in rows))
+        run_keys = [
+            key
+            for key in dict.fromkeys(row["run_id"] for rows in scans for row in rows)
+            if not skip(str(key))
+        ]
         states = await asyncio.gather(*(bounded("run_get", (key,)) for key in run_keys))
-        orphans = []
-        for key, rows in zip(run_keys, states, strict=True):
-            if rows and rows[0]["status"] is not None and rows[0]["owner_id"] in stale:
-                orphans.append(_run(key, rows[0]))
-        # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
-        # (if it was only paused, its next heartbeat brings it back).
-        done = set(stale) - {run.owner_id for run in orphans}
-        await asyncio.gather(*(self.forget_replica(owner, group) for owner in done))
-        return orphans
+        return [
+            _run(key, rows[0])
+            for key, rows in zip(run_keys, states, strict=True)
+            if rows and rows[0]["status"] is not None and rows[0]["owner_id"] in owners
+        ]

@@ -14,6 +14,7 @@ import logging
 import sys
 import time
 from argparse import Namespace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -64,42 +65,33 @@ async def connect_store(config: OrchestratorConfig) -> MemoryStore:
             await asyncio.sleep(2.0)
 
 
-async def serve(
-    args: Namespace,
-    config: OrchestratorConfig,
-    verifier: TokenVerifier,
-    model_path: Path,
-    tokenizer: ChatTokenizer,
-) -> None:
-    model_window = model_context_length(model_path)
-    context_window = min(config.prompt.context_window or model_window, model_window)
-    log.info(
-        "tokenizer loaded: %s (fingerprint %s, context window %d tokens)",
-        tokenizer.model_name,
-        tokenizer.fingerprint,
-        context_window,
-    )
-    store_config = config.store
-    log.info(
-        "connecting to Cassandra at %s:%d (keyspace %s)",
-        ",".join(store_config.contact_points),
-        store_config.port,
-        store_config.keyspace,
-    )
-    store = await connect_store(config)
-    log.info("Cassandra connected%s", ", schema applied" if store_config.apply_schema else "")
-    router = RouterClient(config.router, config.router_timeout_s)
-    try:
-        engines = await router.list_engines()
-        log.info(
-            "router reachable at %s: %d engines, %d healthy",
-            config.router,
-            len(engines),
-            sum(e.healthy for e in engines),
-        )
-    except Exception as exc:
-        log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
+@dataclass(frozen=True)
+class Parts:
+    """A replica's parts, wired together: what its calls use, and what keeps its runs."""
 
+    ctx: RunContext
+    budgets: Budgets
+    checkpoints: CheckpointWriter
+    jobs: BackgroundJobs
+    replica: Replica
+
+    async def stop(self) -> None:
+        """After the drain (or without one): the runs it left are handed over, the last checkpoints and
+        background jobs end, and the replica leaves."""
+        handed_over = await self.ctx.runs.shutdown(0.0)
+        await self.checkpoints.close()
+        await self.jobs.close()
+        await self.replica.leave(handed_over)
+
+
+def assemble(
+    config: OrchestratorConfig,
+    store: MemoryStore,
+    router: RouterClient,
+    tokenizer: ChatTokenizer,
+    context_window: int,
+) -> Parts:
+    """The replica's parts over its store, router and tokenizer (nothing started yet: ``Replica.join``)."""
     model = config.default_model or tokenizer.model_name
     checkpoints = CheckpointWriter(
         store,
@@ -143,10 +135,51 @@ async def serve(
     )
     prompter = Prompter(store, tokenizer, config.prompt, context_window)
     ctx = RunContext(config, store, runs, prompter, deps.moderator, upkeep, model)
-    service = ChatService(ctx, budgets, router, context_window, verifier)
-    completion_link = CompletionLinkService(service, verifier)
     replica = Replica(config.replica_id, config.replica_group, store, runs, late_ends, config.runs)
-    await replica.join()
+    return Parts(ctx, budgets, checkpoints, jobs, replica)
+
+
+async def serve(
+    args: Namespace,
+    config: OrchestratorConfig,
+    verifier: TokenVerifier,
+    model_path: Path,
+    tokenizer: ChatTokenizer,
+) -> None:
+    model_window = model_context_length(model_path)
+    context_window = min(config.prompt.context_window or model_window, model_window)
+    log.info(
+        "tokenizer loaded: %s (fingerprint %s, context window %d tokens)",
+        tokenizer.model_name,
+        tokenizer.fingerprint,
+        context_window,
+    )
+    store_config = config.store
+    log.info(
+        "connecting to Cassandra at %s:%d (keyspace %s)",
+        ",".join(store_config.contact_points),
+        store_config.port,
+        store_config.keyspace,
+    )
+    store = await connect_store(config)
+    log.info("Cassandra connected%s", ", schema applied" if store_config.apply_schema else "")
+    router = RouterClient(config.router, config.router_timeout_s)
+    try:
+        engines = await router.list_engines()
+        log.info(
+            "router reachable at %s: %d engines, %d healthy",
+            config.router,
+            len(engines),
+            sum(e.healthy for e in engines),
+        )
+    except Exception as exc:
+        log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
+
+    parts = assemble(config, store, router, tokenizer, context_window)
+    ctx, runs = parts.ctx, parts.ctx.runs
+    service = ChatService(ctx, parts.budgets, router, context_window, verifier)
+    completion_link = CompletionLinkService(service, verifier)
+    await parts.replica.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
 
     def add_services(server: grpc.aio.Server) -> list[str]:
@@ -167,11 +200,8 @@ async def serve(
     try:
         await serving.serve("orchestrator", args, add_services, on_drain=on_drain)
     finally:
-        drained = await asyncio.gather(*shutdown, return_exceptions=True)
-        handed_over = sum(n for n in drained if isinstance(n, int)) + await runs.shutdown(0.0)
-        await checkpoints.close()
-        await jobs.close()
-        await replica.leave(handed_over)
+        await asyncio.gather(*shutdown, return_exceptions=True)
+        await parts.stop()
         await router.close()
         await store.close()
 

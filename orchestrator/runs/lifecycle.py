@@ -23,8 +23,9 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
@@ -52,6 +53,7 @@ from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # What a replica that drains answers new work with (another replica will take it).
 SHUTTING_DOWN = "this replica is shutting down; retry (another replica will answer)"
 tracer = trace.get_tracer("orchestrator")
@@ -91,6 +93,10 @@ class Runs:
         self.slots = slots
         self.fingerprint = tokenizer_fingerprint
         self.draining = False
+        # Set once a draining replica's grace is over: every run still live here is handed over.
+        self._handing_over = False
+        # Runs handed over to another replica at shutdown, for ``Replica.leave``.
+        self.handed_over = 0
         self.pacer = StreamPacer(self.config.stream_interval_max_ms / 1000)
         METRICS.stream_interval.set_function(lambda: self.pacer.interval_s)
         self._live: dict[str, LiveRun] = {}
@@ -102,6 +108,8 @@ class Runs:
         # Runs on their way to going live, by (user, idempotency key): a duplicate (the same request)
         # waits for the same one.
         self._starting: dict[tuple[str, str], AnswerRun] = {}
+        # The ids of runs admitted here and not yet live, and of adoptions under way (``holds``).
+        self._pending: set[str] = set()
 
     # -- the steps of a run, in order ------------------------------------------------------------
 
@@ -124,9 +132,7 @@ class Runs:
             started = earlier.started
         else:
             started = run.started
-            task = asyncio.create_task(self._execute(run), name=f"{run.kind}-run")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self._task(self._execute(run), f"{run.kind}-run")
             if key is not None:
                 self._starting[key] = run
                 started.add_done_callback(lambda _: self._starting.pop(key, None))
@@ -157,6 +163,13 @@ class Runs:
             if relay is not None and not run.outlives_caller:
                 relay.stop(Stop.CANCELLED)  # a no-op once the run has ended
 
+    def _task(self, work: Coroutine[object, object, T], name: str) -> asyncio.Task[T]:
+        """``work`` as a task of this replica (``shutdown`` waits for it, then cancels it)."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def _execute(self, run: AnswerRun) -> None:
         try:
             await run.execute()
@@ -182,6 +195,19 @@ class Runs:
         undone, and after it the admission belongs to ``generate``."""
         if self.draining:
             raise unavailable(SHUTTING_DOWN, 0.5, reason=DRAINING)  # before anything of it is stored
+        # Until the block ends: then the run is live (``generate`` goes on without a pause), or it was
+        # refused, though its row may have landed (the reaper continues it: ``Replica.reap_own``).
+        self._pending.add(info.run_id)
+        try:
+            async with self._admitted(identity, info, prompt, options) as admission:
+                yield admission
+        finally:
+            self._pending.discard(info.run_id)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(
+        self, identity: Identity, info: RunInfo, prompt: Prompt, options: Generation
+    ) -> AsyncIterator[Admission]:
         with tracer.start_as_current_span("start run") as span:
             span.set_attribute("chatmesh.run_id", info.run_id)
             self.slots.acquire(identity)
@@ -265,10 +291,14 @@ class Runs:
         run_id = relay.live.info.run_id
         self._live[run_id] = relay.live
         self._relays[run_id] = relay
+        if self._handing_over:  # it went live after the drain's grace: it goes on elsewhere at once
+            self._leave_at_shutdown(relay)
         try:
             return await relay.run()
         finally:
             self._relays.pop(run_id, None)
+            if relay.live.handed_over and relay.stop_reason is Stop.HANDED_OVER:
+                self.handed_over += 1
             if relay.live.handed_over:
                 # New streams of the run follow it where it goes on (through Cassandra from here).
                 self._live.pop(run_id, None)
@@ -279,13 +309,25 @@ class Runs:
         after it, through the router, with the run's own seed: the rest of the answer, its events and
         their sequence numbers are the ones the lost replica would have produced. Returns whether this
         replica adopted it (another replica may have been first); a run that cannot be continued
-        (stored before runs kept their generation) is ended as interrupted instead."""
-        if self.draining:
+        (stored before runs kept their generation) is ended as interrupted instead.
+
+        ``orphan`` may be this replica's own run, one it does not hold (``Replica.reap_own``): it is
+        continued the same way."""
+        if self.draining or self.holds(orphan.run_id):
             return False
+        # A task of the replica's from the start, so that a drain waits for it (and it goes on if the
+        # reaper's pass gives up waiting: a run made ours must go on here).
+        self._pending.add(orphan.run_id)
+        adoption = self._task(self._adopt(orphan, replica_id), "adoption")
+        adoption.add_done_callback(lambda _: self._pending.discard(orphan.run_id))
+        return await asyncio.shield(adoption)
+
+    async def _adopt(self, orphan: Run, replica_id: str) -> bool:
         run = await self.store.adopt_run(orphan, replica_id)
         if run is None:
             return False
-        await self._signal_owner(orphan)  # in case it was only paused: it must stop generating
+        if orphan.owner_id != replica_id:
+            await self._signal_owner(orphan)  # in case it was only paused: it must stop generating
         try:
             output = await self.store.read_run_output(run.user_id, run.run_id)
         except Exception:
@@ -317,9 +359,7 @@ class Runs:
             live.append_delta(delta.text, delta.token_count)
         frame = continued(start, [token for delta in output for token in delta.token_ids])
         self._live[info.run_id] = live
-        task = asyncio.create_task(self._continue_adopted(run, live, frame), name="adopted-run")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._task(self._continue_adopted(run, live, frame), "adopted-run")
         log.warning(
             "run %s of replica %s adopted here at event %d (%d tokens)",
             run.run_id,
@@ -334,6 +374,13 @@ class Runs:
         interrupted with its checkpointed output (it is this replica's: nobody else would end it)."""
         try:
             stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
+        except asyncio.CancelledError:
+            # The replica shut down before the run went on here: it stays as adopted, its output
+            # checkpointed, for another replica to adopt in turn.
+            self._stop_when_placed.pop(run.run_id, None)
+            self._live.pop(run.run_id, None)
+            self.handed_over += 1
+            raise
         except Exception as exc:
             self._stop_when_placed.pop(run.run_id, None)
             self._live.pop(run.run_id, None)
@@ -360,6 +407,11 @@ class Runs:
     def relays(self) -> list[Relay]:
         """The runs this replica relays now."""
         return list(self._relays.values())
+
+    def holds(self, run_id: str) -> bool:
+        """Whether this replica has the run in hand: starting it, adopting it, generating it, holding
+        it after its end, or storing its end later."""
+        return run_id in self._pending or run_id in self._live or self.deps.late_ends.holds(run_id)
 
     def is_running(self, run_id: str) -> bool:
         """Whether the run is generating here (not ended, not handed over)."""
@@ -516,36 +568,42 @@ class Runs:
         """Lets runs finish for ``grace_s``, then hands the rest over: their output so far is stored
         and another replica adopts them (once this one says it is gone: ``Replica.leave``), so clients
         resuming elsewhere get the whole answer. A Complete, which nobody could resume, is interrupted.
-        Returns how many runs were handed over."""
+
+        Runs that go live while the replica drains (sends already past the draining check, adoptions
+        under way) are runs like the others: they get what is left of the grace, and one that goes live
+        after it is handed over at once (``_relay``). Returns how many runs this replica handed over
+        (in every call: the server calls it again once it stopped serving)."""
         self.draining = True
-        relays = list(self._relays.values())
-        handed_over = 0
-        if relays:
-            log.info("waiting up to %.0fs for %d runs to finish", grace_s, len(relays))
-            await asyncio.gather(*(relay.wait(grace_s) for relay in relays))
-            left = [relay for relay in relays if not relay.live.finished]
-            if left:
-                log.warning("handing over %d runs still generating", len(left))
-                for relay in left:
-                    if relay.stored_run is not None:
-                        relay.stop(Stop.HANDED_OVER)
-                        handed_over += 1
-                    else:
-                        relay.stop(Stop.INTERRUPTED)
-                await asyncio.gather(
-                    *(
-                        relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)
-                        for relay in left
-                    )
-                )
-        # Ended runs finish their last step (usage, titles); runs still on their way to going live
-        # (placement, persistence) end with the replica, as refusals their callers may retry elsewhere.
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.config.store_deadline_s)
+        loop = asyncio.get_running_loop()
+        hand_over_at = loop.time() + grace_s
+        if self._tasks and grace_s > 0:
+            log.info("waiting up to %.0fs for %d runs to finish", grace_s, len(self._tasks))
+        await self._until_ended(hand_over_at)
+        self._handing_over = True
+        left = list(self._relays.values())
+        if left:
+            log.warning("handing over %d runs still generating", len(left))
+        for relay in left:
+            self._leave_at_shutdown(relay)
+        # Runs handed over store their output; runs on their way to going live (placement,
+        # persistence) go on, and are handed over as they go live. Whatever is still on its way after
+        # that ends with the replica: a run not yet stored as a refusal its caller may retry elsewhere;
+        # one whose row may have landed is found in this replica's index (``Replica.leave``).
+        await self._until_ended(loop.time() + self.config.cancel_timeout_s + self.config.store_deadline_s)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        return handed_over
+        return self.handed_over
+
+    async def _until_ended(self, deadline: float) -> None:
+        """Waits until every run task has ended (those started meanwhile too), or ``deadline``."""
+        loop = asyncio.get_running_loop()
+        while self._tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(list(self._tasks), timeout=left)
+
+    def _leave_at_shutdown(self, relay: Relay) -> None:
+        """A stored run is handed over (another replica adopts it); a Complete is interrupted."""
+        relay.stop(Stop.HANDED_OVER if relay.stored_run is not None else Stop.INTERRUPTED)
 
 
 def _interrupted(last_seq: int) -> RunOutcome:

@@ -310,6 +310,29 @@ async def test_failed_run_without_output_stores_no_message(memory_store):
         await memory_store.finish_run(run, RunOutcome(RunStatus.IN_PROGRESS, 1))
 
 
+async def test_a_replica_finds_its_own_runs_and_takes_them_up_again_keeping_their_index_entry(memory_store):
+    user = new_user()
+    owner = f"replica-own-{user}"
+    chat = await memory_store.create_chat(user, "own runs")
+    stray, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=owner)
+    held, _ = await start_run(memory_store, user, chat.chat_id, "q2", owner=owner)
+
+    found = await memory_store.find_owned_runs(owner, skip=lambda run_id: run_id == held.run_id)
+    assert [r.run_id for r in found] == [stray.run_id]
+    assert found[0].status is RunStatus.IN_PROGRESS and found[0].owner_id == owner
+
+    # Its owner takes it up again: still its own, still in its index (found again if it dies now).
+    taken = await memory_store.adopt_run(found[0], owner)
+    assert taken is not None and taken.owner_id == owner
+    assert {r.run_id for r in await memory_store.find_owned_runs(owner)} == {stray.run_id, held.run_id}
+    # Not once it ended, or once another replica owns it.
+    await memory_store.finish_run(taken, RunOutcome(RunStatus.CANCELLED, 2, FinishReason.CANCELLED))
+    assert await memory_store.adopt_run(found[0], owner) is None
+    assert await memory_store.adopt_run(held, f"replica-other-{user}") is not None
+    assert await memory_store.adopt_run(held, owner) is None
+    assert await memory_store.find_owned_runs(owner) == []
+
+
 async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     user = new_user()
     dead, alive = f"replica-dead-{user}", f"replica-alive-{user}"
