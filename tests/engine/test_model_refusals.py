@@ -137,3 +137,9 @@ def test_the_orchestrator_refuses_to_start_on_a_tokenizer_it_would_split_wrongly
     ended = refusal(argv)
     assert ended.returncode == 2, ended.stderr
     assert "llama-bpe" in ended.stderr and "Traceback" not in ended.stderr
+
+
+def test_a_gguf_of_an_architecture_the_engine_does_not_run_is_refused_naming_it(tmp_path: Path) -> None:
+    metadata = {**tiny_llama_metadata(), "general.architecture": "qwen2"}
+    with pytest.raises(ValueError, match=r"architecture 'qwen2' is not supported \(only llama, gemma3\)"):
+        load_gguf(write_gguf(tmp_path / "qwen2.gguf", metadata, tiny_llama(vocab_size=49152)))
