@@ -236,3 +236,10 @@ def test_seeded_sampling_is_a_function_of_seed_and_position(runner, tokenizer) -
     tokens = done["a"].token_ids
     [gen] = PagedDriver(runner, num_blocks=8).generate([prompt + tokens[:-1]], 1, keep_logits=True)
     assert tokens[-1] == sample_one(gen.logits[0], params, uniform(7, len(tokens) - 1))
+
+
+def test_converting_gemma_to_a_llama_directory_is_refused(tmp_path: Path) -> None:
+    from engine.model.convert_gguf_to_hf import convert
+
+    with pytest.raises(ValueError, match="only the llama architecture converts, not 'gemma3'"):
+        convert(gemma3_model_path(), tmp_path / "out")
