@@ -139,6 +139,14 @@ def test_the_orchestrator_refuses_to_start_on_a_tokenizer_it_would_split_wrongly
     assert "llama-bpe" in ended.stderr and "Traceback" not in ended.stderr
 
 
+def test_the_orchestrator_refuses_to_start_on_a_model_without_a_chat_template(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "base.gguf", bundled_metadata({"tokenizer.chat_template": REMOVED}))
+    argv = ["-m", "orchestrator", "--model-file", str(path), *ports(), *session_keys().service_flags()]
+    ended = refusal(argv)
+    assert ended.returncode == 2, ended.stderr
+    assert "has no chat template" in ended.stderr and "Traceback" not in ended.stderr
+
+
 def test_a_gguf_of_an_architecture_the_engine_does_not_run_is_refused_naming_it(tmp_path: Path) -> None:
     metadata = {**tiny_llama_metadata(), "general.architecture": "qwen2"}
     with pytest.raises(ValueError, match=r"architecture 'qwen2' is not supported \(only llama, gemma3\)"):
