@@ -6,7 +6,8 @@ Regenerate it (and commit the result) when the model or llama-cpp-python changes
     scripts/provision_bench.sh && .venv/bin/python bench/make_gemma3_fixture.py
 
 Tokenizer cases: llama.cpp's ``tokenize(text, add_bos=True, special=False)`` (what a completion prompt
-is) and ``detokenize`` of those ids, over texts chosen for what SentencePiece gets wrong: unicode, digit
+is) and ``detokenize`` of those ids, and the ids with the same vocabulary but ``add_space_prefix`` on
+(tests/fixtures/gguf_files.py writes that vocabulary-only file), over texts chosen for what SentencePiece gets wrong: unicode, digit
 and whitespace runs, byte fallback, typed control markers that must stay text. Logit cases: the top
 next-token logits after prompts short and long; the long one (past the 512-token sliding window) tells
 whether the local layers mask what lies outside their window. Greedy: the first tokens llama.cpp picks.
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from chatmesh.model_files import gemma3_model_path
+from tests.fixtures.gguf_files import space_prefixed_gemma_vocab
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "gemma3_llamacpp.json"
 TOP_K = 20
@@ -87,6 +90,15 @@ def main() -> None:
         ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
         decoded = llm.detokenize(ids[1:]).decode("utf-8", errors="replace")
         tokenizer_cases.append({"text": text, "token_ids": ids, "detokenized": decoded})
+    # The same texts through the same vocabulary with add_space_prefix on (Llama 2's, Mistral's way).
+    with tempfile.TemporaryDirectory() as scratch:
+        vocab = Llama(
+            model_path=str(space_prefixed_gemma_vocab(Path(scratch) / "vocab.gguf")), vocab_only=True
+        )
+        space_prefix_cases = [
+            {"text": text, "token_ids": vocab.tokenize(text.encode("utf-8"), add_bos=True, special=False)}
+            for text in TOKENIZER_TEXTS
+        ]
     logit_cases = []
     for text in [*LOGIT_PROMPTS, LONG_PROMPT]:
         ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
@@ -122,6 +134,7 @@ def main() -> None:
                 "model_file": path.name,
                 "model_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                 "tokenizer_cases": tokenizer_cases,
+                "space_prefix_cases": space_prefix_cases,
                 "logit_cases": logit_cases,
                 "greedy_cases": greedy_cases,
             },

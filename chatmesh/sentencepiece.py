@@ -5,8 +5,8 @@ their scores and their types are the whole model. Encoding, in llama.cpp's order
 1. the text is split around the tokens matched before anything else, longest first: user-defined ones
    always (Gemma's whitespace runs and HTML tags), control ones only in template markup
    (``parse_special``), so a ``<start_of_turn>`` typed by a user stays text;
-2. in each remaining piece, spaces become U+2581 (no space is prefixed: files that ask for one,
-   ``add_space_prefix``, are refused by ``chatmesh.tokenizer`` until a parity test covers them);
+2. each remaining piece gets a leading space when ``add_space_prefix`` says so (Llama 2's, Mistral's;
+   not Gemma's) and it starts the text or follows a matched token; spaces become U+2581;
 3. starting from single characters, the adjacent pair whose concatenation is a token with the highest
    score merges (ties: the leftmost), until no pair forms a token;
 4. a symbol that is no token becomes one ``<0xXX>`` token per UTF-8 byte (byte fallback), or unknown.
@@ -29,6 +29,7 @@ class SentencePieceCodec:
         scores: Sequence[float],
         token_types: Sequence[int],
         unknown_id: int | None,
+        add_space_prefix: bool,
     ) -> None:
         if not len(tokens) == len(scores) == len(token_types):
             raise ValueError(
@@ -40,6 +41,7 @@ class SentencePieceCodec:
         self._scores = list(scores)
         self._types = list(token_types)
         self._unknown_id = unknown_id
+        self.add_space_prefix = add_space_prefix
         # Later duplicates lose, as in llama.cpp's token_to_id map (first insertion wins).
         self._ids: dict[str, int] = {}
         for i, token in enumerate(self._tokens):
@@ -58,11 +60,16 @@ class SentencePieceCodec:
     def encode(self, text: str, parse_special: bool) -> list[int]:
         """Ids of ``text``; ``parse_special``: control-token strings in it become those tokens."""
         ids: list[int] = []
+        after_token = True  # the text's start counts as following a token (for the space prefix)
         for piece in self._partition(text, self._special if parse_special else self._user_defined):
             if isinstance(piece, int):
                 ids.append(piece)
-            else:
-                self._encode_piece(piece.replace(" ", SPACE), ids)
+                after_token = True
+                continue
+            if self.add_space_prefix and after_token:
+                piece = " " + piece
+            self._encode_piece(piece.replace(" ", SPACE), ids)
+            after_token = False
         return ids
 
     def _partition(self, text: str, matched_first: list[int]) -> list[str | int]:
@@ -136,7 +143,9 @@ class SentencePieceCodec:
     # -- decode --------------------------------------------------------------------------------------
 
     def decode(self, ids: Sequence[int], skip_control: bool) -> str:
-        """Text of ``ids``; incomplete UTF-8 (a character cut between byte tokens) decodes to U+FFFD."""
+        """Text of ``ids``; incomplete UTF-8 (a character cut between byte tokens) decodes to U+FFFD.
+        With ``add_space_prefix``, llama.cpp's detokenizer drops the first token's leading space; this
+        keeps it, so that decoding stays prefix-stable for streamed output (engine.detokenizer)."""
         out = bytearray()
         for token_id in ids:
             kind, token = self._types[token_id], self._tokens[token_id]

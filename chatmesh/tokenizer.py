@@ -115,8 +115,16 @@ class ChatTokenizer:
         codec: TokenCodec
         if metadata["tokenizer.ggml.model"] == "llama":
             scores = required("tokenizer.ggml.scores")
-            codec = SentencePieceCodec(tokens, scores, token_types, field("tokenizer.ggml.unknown_token_id"))
+            codec = SentencePieceCodec(
+                tokens,
+                scores,
+                token_types,
+                field("tokenizer.ggml.unknown_token_id"),
+                # llama.cpp's default for SentencePiece when the file does not say
+                add_space_prefix=bool(field("tokenizer.ggml.add_space_prefix", True)),
+            )
             identity = ["sentencepiece", *tokens, "\x00", *map(repr, scores), "\x00", *map(str, token_types)]
+            identity.append(f"add_space_prefix={codec.add_space_prefix}")
             add_bos_default = True
         else:
             merges = required("tokenizer.ggml.merges")
@@ -390,13 +398,6 @@ def _refuse_other_gguf_tokenizers(path: str | Path, metadata: Mapping[str, objec
         raise ValueError(
             f"{path}: unsupported tokenizer: {said}; chatmesh implements 'gpt2' with pre-tokenizer 'smollm' "
             f"(SmolLM's: {_OURS}) and 'llama' (SentencePiece with byte fallback, pre-tokenizer 'default')"
-        )
-    # llama.cpp's default for SentencePiece, when the file does not say, is to prefix a space.
-    if found[0] == "llama" and metadata.get("tokenizer.ggml.add_space_prefix", True):
-        raise ValueError(
-            f"{path}: unsupported tokenizer: tokenizer.ggml.model 'llama' (SentencePiece) with "
-            "tokenizer.ggml.add_space_prefix true or not set (Llama 2's and Mistral's); chatmesh implements "
-            "it without the space prefix (Gemma's), the one a parity test against llama.cpp covers"
         )
 
 

@@ -37,23 +37,6 @@ START_TIMEOUT_S = 30.0
             "tokenizer.ggml.model is 'llama', tokenizer.ggml.pre is 'smollm'",
         ),
         ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model is 'bert'"),
-        # SentencePiece as Llama 2 and Mistral have it (a space prefixed): no parity test covers it yet
-        (
-            {
-                "tokenizer.ggml.model": "llama",
-                "tokenizer.ggml.pre": "default",
-                "tokenizer.ggml.add_space_prefix": True,
-            },
-            "tokenizer.ggml.add_space_prefix true or not set",
-        ),
-        (
-            {
-                "tokenizer.ggml.model": "llama",
-                "tokenizer.ggml.pre": "default",
-                "tokenizer.ggml.add_space_prefix": REMOVED,
-            },
-            "tokenizer.ggml.add_space_prefix true or not set",
-        ),
         # SentencePiece without its scores
         ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default"}, "needs tokenizer.ggml.scores"),
     ],

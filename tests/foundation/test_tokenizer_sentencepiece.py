@@ -12,6 +12,7 @@ import pytest
 
 from chatmesh.model_files import gemma3_model_path
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer, NoChatTemplate, load_tokenizer
+from tests.fixtures.gguf_files import space_prefixed_gemma_vocab
 
 FIXTURE = Path(__file__).resolve().parent.parent / "data" / "gemma3_llamacpp.json"
 START_OF_TURN = 105  # a control token of Gemma's vocabulary
@@ -42,6 +43,17 @@ def test_decoding_gives_llama_cpps_text_and_the_original_back(gemma: ChatTokeniz
         # llama.cpp too): every other text comes back as it went in.
         if "\u2581" not in case["text"]:
             assert gemma.decode(ids) == case["text"]
+
+
+def test_with_a_space_prefix_as_llama_2_and_mistral_have_it_ids_are_llama_cpps_too(
+    llamacpp: dict, tmp_path: Path
+) -> None:
+    """The same vocabulary with ``add_space_prefix`` on: a space before the text and after every matched
+    token (user-defined whitespace runs, tags), as llama.cpp does."""
+    prefixed = ChatTokenizer.from_gguf(space_prefixed_gemma_vocab(tmp_path / "vocab.gguf"))
+    for case in llamacpp["space_prefix_cases"]:
+        assert prefixed.encode_prompt(case["text"]) == case["token_ids"], case["text"]
+    assert prefixed.fingerprint != ChatTokenizer.from_gguf(gemma3_model_path()).fingerprint
 
 
 def test_a_typed_turn_marker_stays_text_and_markup_may_use_it(gemma: ChatTokenizer) -> None:
