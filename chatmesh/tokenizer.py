@@ -463,10 +463,17 @@ def model_name(basename: object, size_label: object, path: str | Path) -> str:
     return Path(path).stem
 
 
+# The tokenizers loaded in this process, one per fingerprint: a GGUF and the directory converted from it
+# (same vocabulary, template and name) share one, whichever path loaded it.
+_LOADED: dict[str, ChatTokenizer] = {}
+
+
 @functools.cache
 def load_tokenizer(path: str | None = None) -> ChatTokenizer:
     """The tokenizer of the GGUF file or Hugging Face directory at ``path`` (default: the bundled
-    SmolLM2 GGUF), loaded once per process."""
+    SmolLM2 GGUF), loaded once per path and kept once per fingerprint in this process."""
     if path is not None and Path(path).is_dir():
-        return ChatTokenizer.from_hf_dir(path)
-    return ChatTokenizer.from_gguf(path or bundled_model_path())
+        tokenizer = ChatTokenizer.from_hf_dir(path)
+    else:
+        tokenizer = ChatTokenizer.from_gguf(path or bundled_model_path())
+    return _LOADED.setdefault(tokenizer.fingerprint, tokenizer)
