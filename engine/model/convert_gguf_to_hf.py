@@ -87,6 +87,11 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") 
     out.mkdir(parents=True, exist_ok=True)
     log.info("reading %s", gguf_path)
     checkpoint = load_gguf(gguf_path)
+    if checkpoint.config.architecture != "llama":
+        # The directory would be a LlamaForCausalLM without the architecture's own layers and norms.
+        raise ValueError(
+            f"{gguf_path}: only the llama architecture converts, not {checkpoint.config.architecture!r}"
+        )
     tokenizer = ChatTokenizer.from_gguf(gguf_path)
     log.info("dequantizing %d layers to %s", checkpoint.config.num_layers, dtype)
     save_file(hf_tensors(checkpoint, DTYPES[dtype]), out / "model.safetensors", metadata={"format": "pt"})

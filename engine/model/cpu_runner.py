@@ -1,12 +1,16 @@
-"""The CPU model runner: a LLaMA forward over the paged KV cache, every sequence of a step in one batch.
+"""The CPU model runner: a LLaMA-family forward (LLaMA, Gemma 3) over the paged KV cache, every sequence
+of a step in one batch.
 
 Per step, the tokens of all chunks (prefill chunks and decode tokens alike) are flattened into one
 ``[T, hidden]`` activation, so each weight matrix is read once per step and applied with one GEMM.
 Per layer: RMSNorm → one fused QKV GEMM → RoPE on q and k → K/V written into the cache slots of this
 step → attention of each token over its own sequence's blocks → output GEMM → RMSNorm → one fused
 gate|up GEMM → SwiGLU → down GEMM. Logits are computed only for rows that need them. The native kernels
-run the whole layer stack in one C call (``layer_stack``); the numpy kernels and tensor-parallel ranks
-(which all-reduce between kernels) run the same sequence one kernel call at a time (``_run_layers``).
+run the whole layer stack in one C call (``layer_stack``, LLaMA only); the numpy kernels, tensor-parallel
+ranks (which all-reduce between kernels) and Gemma 3 run the same sequence one kernel call at a time
+(``_run_layers``). Gemma 3 adds, per layer: RMSNorm of each q and k head after the QKV GEMM, RMSNorm of
+the attention and FFN outputs before their residual adds, GELU instead of SiLU, and on its local layers
+a sliding window and their own RoPE base; its embeddings are scaled by sqrt(hidden).
 
 KV cache: float16 arrays per layer (``KV_DTYPE``), indexed by the engine core's block ids on axis 0:
 K ``[num_blocks, num_kv_heads, head_dim, block_size]`` (a block's keys transposed, so attention scores a
@@ -49,6 +53,10 @@ class _Layer:
     ffn_norm: np.ndarray
     gate_up: object  # packed [gate | up] rows
     down: object
+    q_norm: np.ndarray | None = None  # Gemma 3's (see LlamaLayer)
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
 
 
 class CpuModelRunner:
@@ -93,12 +101,24 @@ class CpuModelRunner:
                 ffn_norm=layer.ffn_norm,
                 gate_up=pack(_stack("gate_up", [take_rows(layer.w_gate, ffn), take_rows(layer.w_up, ffn)])),
                 down=pack(take_columns(layer.w_down, ffn)),
+                q_norm=layer.q_norm,
+                k_norm=layer.k_norm,
+                post_attn_norm=layer.post_attn_norm,
+                post_ffn_norm=layer.post_ffn_norm,
             )
             for layer in checkpoint.layers
         ]
         self._output_norm = checkpoint.output_norm
         self._lm_head = pack(take_rows(checkpoint.lm_head, shard.vocab))
         self._rope = rope_tables(self.config)
+        # Per layer, its RoPE tables (one set per base: Gemma 3's local layers have their own).
+        tables = {self.config.rope_theta: self._rope}
+        for i in range(self.config.num_layers):
+            theta = self.config.layer_rope_theta(i)
+            if theta not in tables:
+                tables[theta] = rope_tables(self.config, theta=theta)
+        self._layer_ropes = [tables[self.config.layer_rope_theta(i)] for i in range(self.config.num_layers)]
+        self._gated = kernels.gelu_mul if self.config.activation == "gelu_tanh" else kernels.silu_mul
         self._k_cache: list[np.ndarray] = []
         self._v_cache: list[np.ndarray] = []
         self._block_size = 0
@@ -141,10 +161,11 @@ class CpuModelRunner:
         self._k_cache = [np.zeros(k_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._v_cache = [np.zeros(v_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._block_size = block_size
-        # A tensor-parallel rank all-reduces between kernels: it runs the per-kernel loop.
+        # A tensor-parallel rank all-reduces between kernels, and the C stack is LLaMA's: those run the
+        # per-kernel loop.
         self._layer_stack = (
             self.kernels.layer_stack(self._layers, self._k_cache, self._v_cache, self._rope, cfg)
-            if isinstance(self._collective, SingleRank)
+            if isinstance(self._collective, SingleRank) and cfg.architecture == "llama"
             else None
         )
 
@@ -162,6 +183,8 @@ class CpuModelRunner:
         """The step's logits (on a tensor-parallel rank other than 0: None, its share went to rank 0)."""
         cfg, ops = self._local, self.kernels
         x = self._embedding.dequantize_rows(batch.token_ids)
+        if cfg.embedding_scale != 1.0:
+            x *= np.float32(cfg.embedding_scale)
         if self._layer_stack:
             self._layer_stack(x, batch)
         else:
@@ -178,21 +201,41 @@ class CpuModelRunner:
         heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_width, kv_width = heads * hd, kv_heads * hd
         slot_block, slot_offset = np.divmod(batch.slots, self._block_size)
-        for layer, k_cache, v_cache in zip(self._layers, self._k_cache, self._v_cache, strict=True):
-            h = ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
+        for i, (layer, k_cache, v_cache) in enumerate(
+            zip(self._layers, self._k_cache, self._v_cache, strict=True)
+        ):
+            h = ops.rms_norm(x, layer.attn_norm, eps)
             qkv = ops.linear(h, layer.qkv)
-            ops.rope(qkv, batch.positions, self._rope, cfg)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                _norm_heads(ops, qkv, slice(0, q_width), layer.q_norm, eps, hd)
+                _norm_heads(ops, qkv, slice(q_width, q_width + kv_width), layer.k_norm, eps, hd)
+            ops.rope(qkv, batch.positions, self._layer_ropes[i], cfg)
             k_cache[slot_block, :, :, slot_offset] = qkv[:, q_width : q_width + kv_width].reshape(
                 -1, kv_heads, hd
             )
             v_cache.reshape(-1, kv_width)[batch.slots] = qkv[:, q_width + kv_width :]
-            attn = ops.attention(qkv, k_cache, v_cache, batch, cfg)
-            x += reduce(ops.linear(attn, layer.wo))
-            h = ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            x += reduce(ops.linear(ops.silu_mul(ops.linear(h, layer.gate_up)), layer.down))
+            attn = ops.attention(qkv, k_cache, v_cache, batch, cfg, window=self.config.window(i))
+            x += _post_norm(ops, reduce(ops.linear(attn, layer.wo)), layer.post_attn_norm, eps)
+            h = ops.rms_norm(x, layer.ffn_norm, eps)
+            ffn = reduce(ops.linear(self._gated(ops.linear(h, layer.gate_up)), layer.down))
+            x += _post_norm(ops, ffn, layer.post_ffn_norm, eps)
 
     def close(self) -> None:
         self._k_cache, self._v_cache, self._layer_stack = [], [], None
+
+
+def _norm_heads(
+    ops: Kernels, qkv: np.ndarray, columns: slice, weight: np.ndarray, eps: float, hd: int
+) -> None:
+    """RMSNorm of each head_dim-wide head in ``qkv[:, columns]``, in place."""
+    heads = np.ascontiguousarray(qkv[:, columns]).reshape(-1, hd)
+    qkv[:, columns] = ops.rms_norm(heads, weight, eps).reshape(len(qkv), -1)
+
+
+def _post_norm(ops: Kernels, out: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """A sublayer's output as its residual add takes it: RMSNorm-ed where the model has a post-norm."""
+    return out if weight is None else ops.rms_norm(out, weight, eps)
 
 
 def _scaled(heads: Span, head_dim: int) -> Span:

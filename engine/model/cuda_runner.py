@@ -295,6 +295,11 @@ def torchrun_world_size(tensor_parallel_size: int, environ: Mapping[str, str]) -
 def create_cuda_runner(checkpoint: LlamaCheckpoint, dtype: str = "bfloat16") -> CudaModelRunner:
     """The rank-0 runner. Under ``torchrun`` (``WORLD_SIZE`` > 1) this joins the NCCL group; ranks > 0
     serve rank 0's commands here and exit when it closes — only rank 0 ever returns."""
+    if checkpoint.config.architecture != "llama":
+        raise ValueError(
+            f"the cuda backend runs the llama architecture only, not {checkpoint.config.architecture!r}: "
+            "serve this model on the cpu backend"
+        )
     torch = import_torch()
     if not torch.cuda.is_available():
         raise RuntimeError("the cuda backend found no CUDA device (torch.cuda.is_available() is False)")

@@ -6,6 +6,7 @@ the tokenizer lives in ``chatmesh.tokenizer``. Tensor payloads, types and dequan
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,15 +17,22 @@ from chatmesh.gguf_header import read_gguf_header
 from chatmesh.tokenizer import model_name
 from engine.model.checkpoint import LlamaCheckpoint, LlamaConfig, LlamaLayer, WeightMatrix
 
+# What llama.cpp's graph for an architecture fixes that its GGUF does not state.
+GEMMA3_GLOBAL_EVERY = 6  # layers 5, 11, 17, ... attend to everything; the others to a sliding window
+GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # RoPE base of the sliding-window layers
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+
 
 def load_gguf(path: str | Path) -> LlamaCheckpoint:
     fields, tensors = read_gguf(path)
     arch = fields.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: architecture {arch!r} is not supported (only {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     # Positions rotated otherwise than by plain RoPE: the model would load and compute wrong logits.
-    if fields.get("llama.rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"{path}: RoPE scaling {fields['llama.rope.scaling.type']!r} is not supported")
+    if fields.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"{path}: RoPE scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported")
     if "rope_freqs.weight" in tensors:
         raise ValueError(
             f"{path}: tensor rope_freqs.weight (RoPE frequency factors: Llama 3.1's rope scaling) is not "
@@ -32,13 +40,14 @@ def load_gguf(path: str | Path) -> LlamaCheckpoint:
         )
 
     def meta(key: str, default: Any = None) -> Any:
-        value = fields.get(f"llama.{key}", default)
+        value = fields.get(f"{arch}.{key}", default)
         if value is None:
-            raise ValueError(f"{path}: GGUF metadata llama.{key} is missing")
+            raise ValueError(f"{path}: GGUF metadata {arch}.{key} is missing")
         return value
 
     hidden = int(meta("embedding_length"))
     num_heads = int(meta("attention.head_count"))
+    num_layers = int(meta("block_count"))
 
     def matrix(name: str) -> WeightMatrix:
         if name not in tensors:
@@ -47,13 +56,15 @@ def load_gguf(path: str | Path) -> LlamaCheckpoint:
         return WeightMatrix(name, qtype, shape, data)
 
     def vector(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{path}: tensor {name} is missing")
         qtype, _, data = tensors[name]
         return gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(-1)
 
     embedding = matrix("token_embd.weight")
     config = LlamaConfig(
         name=_model_name(fields, path),
-        num_layers=int(meta("block_count")),
+        num_layers=num_layers,
         hidden_size=hidden,
         intermediate_size=int(meta("feed_forward_length")),
         num_heads=num_heads,
@@ -64,22 +75,79 @@ def load_gguf(path: str | Path) -> LlamaCheckpoint:
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
     )
-    layers = [
-        LlamaLayer(
-            attn_norm=vector(f"blk.{i}.attn_norm.weight"),
-            wq=matrix(f"blk.{i}.attn_q.weight"),
-            wk=matrix(f"blk.{i}.attn_k.weight"),
-            wv=matrix(f"blk.{i}.attn_v.weight"),
-            wo=matrix(f"blk.{i}.attn_output.weight"),
-            ffn_norm=vector(f"blk.{i}.ffn_norm.weight"),
-            w_gate=matrix(f"blk.{i}.ffn_gate.weight"),
-            w_up=matrix(f"blk.{i}.ffn_up.weight"),
-            w_down=matrix(f"blk.{i}.ffn_down.weight"),
+    if arch == "gemma3":
+        config = _gemma3_config(path, config, meta)
+    # Gemma rotates half-split pairs (llama.cpp's NEOX RoPE); its q/k rows are reordered to the
+    # interleaved pairs the kernels rotate (see checkpoint.py).
+    order = _interleaved_pair_order(config.head_dim) if arch == "gemma3" else None
+
+    def rotated(name: str) -> WeightMatrix:
+        m = matrix(name)
+        if order is None:
+            return m
+        heads = m.shape[0] // config.head_dim
+        rows = (np.arange(heads)[:, None] * config.head_dim + order[None, :]).reshape(-1)
+        return WeightMatrix(m.name, m.qtype, m.shape, np.ascontiguousarray(m.data[rows]))
+
+    def layer(i: int) -> LlamaLayer:
+        b = f"blk.{i}"
+        extras = {}
+        if arch == "gemma3":
+            assert order is not None
+            extras = {
+                "q_norm": np.ascontiguousarray(vector(f"{b}.attn_q_norm.weight")[order]),
+                "k_norm": np.ascontiguousarray(vector(f"{b}.attn_k_norm.weight")[order]),
+                "post_attn_norm": vector(f"{b}.post_attention_norm.weight"),
+                "post_ffn_norm": vector(f"{b}.post_ffw_norm.weight"),
+            }
+        return LlamaLayer(
+            attn_norm=vector(f"{b}.attn_norm.weight"),
+            wq=rotated(f"{b}.attn_q.weight"),
+            wk=rotated(f"{b}.attn_k.weight"),
+            wv=matrix(f"{b}.attn_v.weight"),
+            wo=matrix(f"{b}.attn_output.weight"),
+            ffn_norm=vector(f"{b}.ffn_norm.weight"),
+            w_gate=matrix(f"{b}.ffn_gate.weight"),
+            w_up=matrix(f"{b}.ffn_up.weight"),
+            w_down=matrix(f"{b}.ffn_down.weight"),
+            **extras,
         )
-        for i in range(config.num_layers)
-    ]
+
+    layers = [layer(i) for i in range(config.num_layers)]
     lm_head = matrix("output.weight") if "output.weight" in tensors else embedding
     return LlamaCheckpoint(config, embedding, layers, vector("output_norm.weight"), lm_head)
+
+
+def _gemma3_config(path: str | Path, config: LlamaConfig, meta: Any) -> LlamaConfig:
+    """Gemma 3 as llama.cpp's graph computes it (src/models/gemma3.cpp and its hparams): head size from
+    key_length, embeddings times sqrt(hidden), GELU(tanh), every sixth layer global (RoPE base from the
+    file) and the others windowed (RoPE base 10,000), the RMSNorm weights used as stored (the converter
+    folded Gemma's 1 + w into them), and no final logit soft-capping on this sliding-window variant."""
+    head_dim = int(meta("attention.key_length"))
+    if int(meta("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"{path}: key and value head sizes differ, which the engine does not implement")
+    if config.num_layers == 62:
+        # llama.cpp scales 27B's queries by 1/sqrt(hidden/heads), not 1/sqrt(head_dim).
+        raise ValueError(f"{path}: Gemma 3 27B (62 layers) scales its queries otherwise: not supported")
+    window = int(meta("attention.sliding_window"))
+    return replace(
+        config,
+        architecture="gemma3",
+        head_dim=head_dim,
+        embedding_scale=float(np.sqrt(np.float32(config.hidden_size), dtype=np.float32)),
+        activation="gelu_tanh",
+        layer_windows=tuple(
+            0 if i % GEMMA3_GLOBAL_EVERY == GEMMA3_GLOBAL_EVERY - 1 else window
+            for i in range(config.num_layers)
+        ),
+        local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
+    )
+
+
+def _interleaved_pair_order(head_dim: int) -> np.ndarray:
+    """Rows of a head such that pair (2i, 2i+1) holds what half-split RoPE rotates together (i, i + d/2)."""
+    half = head_dim // 2
+    return np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
 
 
 def _model_name(fields: dict[str, object], path: str | Path) -> str:

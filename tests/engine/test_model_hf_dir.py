@@ -137,6 +137,10 @@ def test_directory_tokenizer_is_the_ggufs(hf_dir, chat_tokenizer):
     assert load_tokenizer(str(hf_dir)).fingerprint == chat_tokenizer.fingerprint
 
 
+def test_the_process_keeps_one_tokenizer_per_fingerprint_whichever_path_loaded_it(hf_dir, chat_tokenizer):
+    assert load_tokenizer(str(hf_dir)) is chat_tokenizer
+
+
 def test_a_tokenizer_with_another_pre_tokenizer_is_refused(hf_dir, tmp_path):
     for name in ("tokenizer_config.json", "config.json"):
         (tmp_path / name).write_text((hf_dir / name).read_text())

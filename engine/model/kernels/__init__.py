@@ -53,14 +53,25 @@ class Kernels(Protocol):
         ...
 
     def attention(
-        self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
+        self,
+        qkv: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        batch: StepBatch,
+        config: LlamaConfig,
+        window: int = 0,
     ) -> np.ndarray:
         """Causal attention of every token's query heads (the leading columns of ``qkv``) over its own
-        sequence's cached K/V (float16), positions 0..pos. Returns [T, num_heads * head_dim]."""
+        sequence's cached K/V (float16), positions 0..pos (``window`` > 0: only the last ``window`` of
+        them, pos itself included). Returns [T, num_heads * head_dim]."""
         ...
 
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         """[T, 2F] (gate | up) → silu(gate) * up, [T, F]."""
+        ...
+
+    def gelu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        """[T, 2F] (gate | up) → gelu(gate) * up with GELU's tanh approximation, [T, F]."""
         ...
 
 

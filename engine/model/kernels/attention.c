@@ -4,7 +4,8 @@
 //   K: [num_blocks, num_kv_heads, head_dim, block_size]  keys of a block transposed, so the scores of a
 //      whole block are head_dim broadcast-FMAs into one vector, with no horizontal sums;
 //   V: [num_blocks, block_size, num_kv_heads, head_dim]  one value row per position.
-// A token at position `pos` attends to positions 0..pos, found through its sequence's block table; the
+// A token at position `pos` attends to positions 0..pos (pos-window+1..pos on a sliding-window layer),
+// found through its sequence's block table; the
 // K/V of the current step are written into the cache before this runs, so a prefill chunk attends to
 // the cached prefix and causally to itself in one pass. Work items are (token, kv head): the query
 // heads of a GQA group share every K/V load. Each item is computed alone, in a fixed order, so results
@@ -48,6 +49,7 @@ typedef struct {
     float *out;
     long q_stride;
     int num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len;
+    int window;  // sliding window: a token sees the last `window` positions (itself included); 0: all
     float scale;
 } attention_job;
 
@@ -86,6 +88,9 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
     const int t = (int)(item / num_kv_heads), g = (int)(item % num_kv_heads);
     const int L = token_pos[t] + 1;
     const int nseg = (L + seg_len - 1) / seg_len;
+    // First visible position, and the segment holding it: the segments before it are never read.
+    const int lo = jb->window > 0 && L > jb->window ? L - jb->window : 0;
+    const int s0 = lo / seg_len;
     const int *table = block_tables + (long)token_seq[t] * max_blocks;
     const float *qh[MAX_GROUP];
     float *sc[MAX_GROUP];
@@ -96,9 +101,11 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
         mx[h] = vf_set1(-INFINITY);
     }
     // scores: for each segment, sum over d of q_h[d] * K[block][g][d][seg keys] (two chains).
-    for (int s = 0; s < nseg; s++) {
+    for (int s = s0; s < nseg; s++) {
         const int j0 = s * seg_len;  // first position of the segment
-        const lanes16 valid = tail_mask(L - j0 < seg_len ? L - j0 : seg_len);
+        // Positions j0.. up to pos, less those before the window (only ever in the first segment).
+        const lanes16 valid = (lanes16)(tail_mask(L - j0 < seg_len ? L - j0 : seg_len) &
+                                        ~tail_mask(lo > j0 ? lo - j0 : 0));
         const uint16_t *kb = k_cache + (long)table[j0 / block_size] * block_elems +
                           (long)g * head_dim * block_size + j0 % block_size;
         // Keys of a later segment, fetched while this one is scored: its block lies anywhere in the
@@ -130,7 +137,7 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
     for (int h = 0; h < G; h++) {
         const vf16 m = vf_set1(vf_hmax(mx[h]));
         vf16 sum = vf_zero();
-        for (int s = 0; s < nseg; s++) {
+        for (int s = s0; s < nseg; s++) {
             const vf16 x = vf_load(sc[h] + s * 16);
             // exp512 clamps at -87, so masked lanes (-inf) are zeroed explicitly
             const vf16 e = vf_select(vf_above_neg_inf(x), vf_exp(vf_sub(x, m)), vf_zero());
@@ -142,7 +149,7 @@ static inline __attribute__((always_inline)) void attend(const attention_job *jb
     vf16 acc[MAX_GROUP][MAX_VEC];
     for (int h = 0; h < G; h++)
         for (int v = 0; v < nv; v++) acc[h][v] = vf_zero();
-    for (int s = 0; s < nseg; s++) {
+    for (int s = s0; s < nseg; s++) {  // positions before the window have probability 0
         const int j0 = s * seg_len;
         const int n = L - j0 < seg_len ? L - j0 : seg_len;
         const uint16_t *vb = v_cache + (long)table[j0 / block_size] * block_elems +
@@ -189,11 +196,11 @@ static void attention_task(void *arg, long item) {
 // positions, each inside one block.
 void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_kv_heads, int head_dim,
                   const uint16_t *k_cache, const uint16_t *v_cache, int block_size, const int *token_seq,
-                  const int *token_pos, const int *block_tables, int max_blocks, int max_len, float scale,
-                  float *out) {
+                  const int *token_pos, const int *block_tables, int max_blocks, int max_len, int window,
+                  float scale, float *out) {
     attention_job job = {q,         k_cache,      v_cache,  token_seq,  token_pos,  block_tables, out,
                          q_stride,  num_heads,    num_kv_heads, head_dim, block_size, max_blocks, max_len,
-                         scale};
+                         window,    scale};
     cm_parallel_for((long)T * num_kv_heads, attention_task, &job);
 }
 
@@ -231,16 +238,27 @@ void cm_rope(float *x, long stride, int T, int num_heads, int head_dim, const in
     }
 }
 
-// out[t, f] = silu(gu[t, f]) * gu[t, F + f]: gate and up projections side by side in one [T, 2F] row.
-void cm_silu_mul(const float *gu, int T, int F, float *out) {
+// out[t, f] = act(gu[t, f]) * gu[t, F + f]: gate and up projections side by side in one [T, 2F] row.
+// act(g) = g * sigmoid(z(g)): SiLU with z = g; GELU's tanh form, 0.5 g (1 + tanh(u)) with
+// u = sqrt(2/pi) (g + 0.044715 g^3), is the same with z = 2u.
+static inline __attribute__((always_inline)) void gated(const float *gu, int T, int F, float *out,
+                                                        const int gelu) {
     for (int t = 0; t < T; t++) {
         const float *g = gu + (long)t * 2 * F, *u = g + F;
         for (int f = 0; f < F; f += 16) {
             const lanes16 k = tail_mask(F - f);
             const vf16 gv = vf_load_masked(k, g + f);
-            const vf16 sig = vf_div(vf_set1(1.0f),
-                                             vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
+            vf16 z = gv;
+            if (gelu) {
+                const vf16 cube = vf_mul(vf_mul(gv, gv), gv);
+                z = vf_mul(vf_set1(1.5957691216f), vf_fmadd(vf_set1(0.044715f), cube, gv));  // 2 sqrt(2/pi)
+            }
+            const vf16 sig = vf_div(vf_set1(1.0f), vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), z))));
             vf_store_masked(out + (long)t * F + f, k, vf_mul(vf_mul(gv, sig), vf_load_masked(k, u + f)));
         }
     }
 }
+
+void cm_silu_mul(const float *gu, int T, int F, float *out) { gated(gu, T, F, out, 0); }
+
+void cm_gelu_mul(const float *gu, int T, int F, float *out) { gated(gu, T, F, out, 1); }

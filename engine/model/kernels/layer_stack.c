@@ -22,8 +22,8 @@ void cm_rope(float *x, long stride, int T, int num_heads, int head_dim, const in
              const float *sin_t);
 void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_kv_heads, int head_dim,
                   const uint16_t *k_cache, const uint16_t *v_cache, int block_size, const int *token_seq,
-                  const int *token_pos, const int *block_tables, int max_blocks, int max_len, float scale,
-                  float *out);
+                  const int *token_pos, const int *block_tables, int max_blocks, int max_len, int window,
+                  float scale, float *out);
 void cm_silu_mul(const float *gu, int T, int F, float *out);
 
 typedef struct {
@@ -95,7 +95,7 @@ int cm_layer_stack(const cm_model *m, const cm_layer *layers, float *x, int T, c
         cm_rope(qkv, qkv_w, T, m->num_heads + m->num_kv_heads, hd, positions, m->rope_cos, m->rope_sin);
         store_kv(m, l, qkv, qkv_w, T, slots);
         cm_attention(qkv, qkv_w, T, m->num_heads, m->num_kv_heads, hd, l->k_cache, l->v_cache, m->block_size,
-                     token_seq, positions, block_tables, max_blocks, max_len, m->scale, attn);
+                     token_seq, positions, block_tables, max_blocks, max_len, 0, m->scale, attn);
         linear(&l->wo, attn, T, (int)attn_w, out);
         add_into(x, out, (long)T * H);
         cm_rms_norm(x, T, H, l->ffn_norm, m->eps, h);

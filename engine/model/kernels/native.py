@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.model.checkpoint import LlamaConfig, RopeTables, WeightMatrix
 from engine.model.kernels.build import ISAS, Isa, KernelBuildError, ensure_built, ensure_probe_built
-from engine.model.kernels.packing import VNNI_FORMATS, PackedMatrix, pack
+from engine.model.kernels.packing import FORMAT_F32, NR, VNNI_FORMATS, PackedMatrix, pack
 from engine.model.step_batch import StepBatch
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -25,10 +25,11 @@ _SIGNATURES = {
     "cm_unpack": (None, [_I, _P, _I, _I, _P]),
     "cm_gemm_q8": (None, [_I, _P, _L, _I, _I, _P, _I, _P, _L]),
     "cm_unpack_q8": (None, [_I, _P, _I, _I, _P]),
-    "cm_attention": (None, [_P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _F, _P]),
+    "cm_attention": (None, [_P, _L, _I, _I, _I, _I, _P, _P, _I, _P, _P, _P, _I, _I, _I, _F, _P]),
     "cm_rms_norm": (None, [_P, _I, _I, _P, _F, _P]),
     "cm_rope": (None, [_P, _L, _I, _I, _I, _P, _P, _P]),
     "cm_silu_mul": (None, [_P, _I, _I, _P]),
+    "cm_gelu_mul": (None, [_P, _I, _I, _P]),
     "cm_layer_stack": (ctypes.c_int, [_P, _P, _P, _I, _P, _P, _P, _P, _I, _I]),
     "cm_tp_arrive": (ctypes.c_uint32, [_P, _I]),
     "cm_tp_wait": (ctypes.c_int, [_P, ctypes.c_uint32, _I]),
@@ -241,7 +242,10 @@ class NativeKernels:
         return NativeLayerStack(self.lib, layers, k_cache, v_cache, tables, config)
 
     def unpack(self, packed: PackedMatrix) -> np.ndarray:
-        """float32 [out, in] as the GEMM sees it (quantized formats only; for tests)."""
+        """float32 [out, in] as the GEMM sees it."""
+        if packed.fmt == FORMAT_F32:
+            panels = packed.data.reshape(-1, packed.in_features, NR).transpose(0, 2, 1)
+            return np.ascontiguousarray(panels.reshape(-1, packed.in_features)[: packed.out_features])
         out = np.empty((packed.out_features, packed.in_features), dtype=np.float32)
         unpack = self.lib.cm_unpack_q8 if packed.fmt in VNNI_FORMATS else self.lib.cm_unpack
         unpack(packed.fmt, _ptr(packed.data), packed.in_features, packed.out_features, _ptr(out))
@@ -269,7 +273,13 @@ class NativeKernels:
         )
 
     def attention(
-        self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
+        self,
+        qkv: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        batch: StepBatch,
+        config: LlamaConfig,
+        window: int = 0,
     ) -> np.ndarray:
         _f32(qkv), _f16(k_cache), _f16(v_cache)
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -289,14 +299,22 @@ class NativeKernels:
             _ptr(batch.block_tables),
             batch.block_tables.shape[1],
             batch.max_len,
+            window,
             1.0 / float(np.sqrt(head_dim)),
             _ptr(out),
         )
         return out
 
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        return self._gated(self.lib.cm_silu_mul, gate_up)
+
+    def gelu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        return self._gated(self.lib.cm_gelu_mul, gate_up)
+
+    @staticmethod
+    def _gated(kernel, gate_up: np.ndarray) -> np.ndarray:
         _f32(gate_up)
         rows, width = gate_up.shape
         out = np.empty((rows, width // 2), dtype=np.float32)
-        self.lib.cm_silu_mul(_ptr(gate_up), rows, width // 2, _ptr(out))
+        kernel(_ptr(gate_up), rows, width // 2, _ptr(out))
         return out

@@ -37,7 +37,13 @@ class NumpyKernels:
         x[..., 1] = even * s + odd * c
 
     def attention(
-        self, qkv: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, batch: StepBatch, config: LlamaConfig
+        self,
+        qkv: np.ndarray,
+        k_cache: np.ndarray,
+        v_cache: np.ndarray,
+        batch: StepBatch,
+        config: LlamaConfig,
+        window: int = 0,
     ) -> np.ndarray:
         num_heads, num_kv_heads, head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         group = num_heads // num_kv_heads
@@ -54,7 +60,11 @@ class NumpyKernels:
             keys, values = keys.astype(np.float32), values.astype(np.float32)  # float16 in the cache
             q = qkv[r0:r1, : num_heads * head_dim].reshape(r1 - r0, num_kv_heads, group, head_dim)
             scores = np.einsum("nkgd,lkd->kgnl", q, keys) * scale
-            scores[..., np.arange(span)[None, :] > positions[:, None]] = -np.inf
+            key_positions = np.arange(span)[None, :]
+            hidden = key_positions > positions[:, None]
+            if window:
+                hidden |= key_positions <= positions[:, None] - window
+            scores[..., hidden] = -np.inf
             probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)
             out[r0:r1] = np.einsum("kgnl,lkd->nkgd", probs, values).reshape(r1 - r0, -1)
@@ -63,3 +73,10 @@ class NumpyKernels:
     def silu_mul(self, gate_up: np.ndarray) -> np.ndarray:
         gate, up = np.split(gate_up, 2, axis=-1)
         return gate / (np.float32(1.0) + np.exp(-gate)) * up
+
+    def gelu_mul(self, gate_up: np.ndarray) -> np.ndarray:
+        """GELU's tanh form as g * sigmoid(2u), u = sqrt(2/pi) (g + 0.044715 g^3)."""
+        gate, up = np.split(gate_up, 2, axis=-1)
+        z = np.float32(1.5957691216) * (gate + np.float32(0.044715) * gate * gate * gate)
+        # e^-z capped where float32 would overflow (the native kernel's exp clamps alike): gelu(g) = 0 there
+        return gate / (np.float32(1.0) + np.exp(np.minimum(-z, np.float32(88.0)))) * up
