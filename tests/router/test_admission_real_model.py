@@ -55,7 +55,6 @@ async def one_turn(router, start: router_pb2.GenerateStart) -> tuple[str, float,
         return "dropped" if stream.outcome.routed else "refused", time.perf_counter() - sent, error
 
 
-@pytest.mark.xfail(strict=True, reason="issue 54 item 9: admission counts queued requests, not steps")
 async def test_a_burst_whose_prefill_cannot_start_in_time_is_refused_at_once_and_the_rest_served_in_time(
     real_engine_router,
 ):
