@@ -120,6 +120,8 @@ class Queues:
     higher_rate: np.ndarray  # requests of higher tiers sent there per second lately
     steps: Steps | None = None  # the engines' step models (rows without one: all zeros)
     own_prefill: np.ndarray | None = None  # the request's own prompt tokens to compute there
+    # Its prompt tokens beyond the deepest prefix any engine of its pool caches (0: own_prefill's least).
+    shortest_prefill: int = 0
     # The TTFT objectives of the tiers above the request's, lowest first (Steps.higher_ahead's columns):
     # admitting it must not slow the engine's steps past what they allow.
     higher_objectives_s: tuple[float, ...] = ()
@@ -232,24 +234,30 @@ def excess_wait_s(queues: Queues, objective_s: float) -> np.ndarray:
     modeled = Steps(*(getattr(steps, name)[rows] for name in Steps.__dataclass_fields__))
     own = np.maximum(1, queues.own_prefill[rows])
     excess[rows] = slot_wait[rows] + compute_ttft_s(modeled, own, modeled.prefill_ahead)
-    excess[rows] -= allowed_ttft_s(modeled, own, objective_s)
+    shortest = queues.shortest_prefill or int(own.min())
+    excess[rows] -= allowed_ttft_s(modeled, own, shortest, objective_s)
     # A higher tier's request sent next (of as many prompt tokens, for want of knowing its own) decodes
     # beside this one in every step after. (This one's prefill, a step or two, is not held against it:
     # that would refuse every long prompt wherever a higher tier has a tight objective.)
     taken = replace(modeled, decoding=modeled.decoding + 1)
     for column, higher_objective_s in enumerate(queues.higher_objectives_s):
         ttft = compute_ttft_s(taken, own, modeled.higher_ahead[:, column])
-        excess[rows] = np.maximum(excess[rows], ttft - allowed_ttft_s(taken, own, higher_objective_s))
+        allowed = allowed_ttft_s(taken, own, shortest, higher_objective_s)
+        excess[rows] = np.maximum(excess[rows], ttft - allowed)
     return excess
 
 
-def allowed_ttft_s(steps: Steps, own_prefill: np.ndarray, objective_s: float) -> np.ndarray:
-    """The time to a first token each engine may take for a request of ``own_prefill`` prompt tokens:
-    the objective, for a request that would meet it on an idle engine; for one that would not (a long
-    prompt), what it takes there with no other prompt token pending (a decode step in progress, then
-    its own prefill beside the decoding requests): it is served where nothing else delays it."""
+def allowed_ttft_s(steps: Steps, own_prefill: np.ndarray, shortest: int, objective_s: float) -> np.ndarray:
+    """The time to a first token each engine may take for a request of ``own_prefill`` prompt tokens
+    there: the objective, for a request that would meet it on an idle engine with only ``shortest`` to
+    compute (its prompt cached as deep as anywhere in its pool); for one that would not (a long prompt),
+    what it takes there with no other prompt token pending (a decode step in progress, then its own
+    prefill beside the decoding requests): it is served where nothing else delays it. (The best cache,
+    not each engine's own: a chat turn whose history is cached on a busy engine must not be let in,
+    later than its objective, where it is not.)"""
     none = np.zeros_like(own_prefill)
-    idle = compute_ttft_s(replace(steps, decoding=none, prefill_pending=none), own_prefill, none)
+    best = np.full_like(own_prefill, shortest)
+    idle = compute_ttft_s(replace(steps, decoding=none, prefill_pending=none), best, none)
     unhurried = compute_ttft_s(replace(steps, prefill_pending=none), own_prefill, none)
     return np.where(idle <= objective_s, objective_s, unhurried)
 
@@ -277,7 +285,10 @@ def retry_after_rows(queues: Queues, limit: np.ndarray, objective_s: float | Non
 
 
 def _columns(
-    views: Sequence[QueueView], tier: int, own_prefill: int, higher_objectives_s: tuple[float, ...]
+    views: Sequence[QueueView],
+    tier: int,
+    own_prefill: int | Sequence[int],
+    higher_objectives_s: tuple[float, ...],
 ) -> Queues:
     rank = tier_of_proto(tier).rank
     return Queues(
@@ -288,8 +299,8 @@ def _columns(
         np.array([q.head_ttft_s for q in views], dtype=np.float64),
         np.array([q.higher_rate[rank] for q in views], dtype=np.float64),
         Steps.of([q.steps for q in views], rank),
-        np.full(len(views), own_prefill, dtype=np.int64),
-        higher_objectives_s,
+        own_prefill=np.broadcast_to(np.asarray(own_prefill, dtype=np.int64), (len(views),)),
+        higher_objectives_s=higher_objectives_s,
     )
 
 
@@ -298,11 +309,12 @@ def admissible(
     tier: int,
     free_queue_fraction: float,
     objective_s: float | None = None,
-    own_prefill: int = 1,
+    own_prefill: int | Sequence[int] = 1,
     higher_objectives_s: tuple[float, ...] = (),
 ) -> list[str]:
     """The engines that may take a request of ``tier`` with ``own_prefill`` prompt tokens to compute
-    now (empty: shed it); ``higher_objectives_s``: the tiers' above it, to keep within reach."""
+    (on every engine, or on each) now (empty: shed it); ``higher_objectives_s``: the tiers' above it,
+    to keep within reach."""
     queues = _columns(views, tier, own_prefill, higher_objectives_s)
     rows = admissible_rows(queues, limits(queues.max_waiting, tier, free_queue_fraction), objective_s)
     return [q.engine_id for q, ok in zip(views, rows, strict=True) if ok]
@@ -313,7 +325,7 @@ def retry_after_s(
     tier: int,
     free_queue_fraction: float,
     objective_s: float | None = None,
-    own_prefill: int = 1,
+    own_prefill: int | Sequence[int] = 1,
     higher_objectives_s: tuple[float, ...] = (),
 ) -> float:
     """When a shed request of ``tier`` should come back: the soonest any engine is predicted to take it."""

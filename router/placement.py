@@ -145,10 +145,12 @@ class Placer:
             retry_after,
         )
 
-    def _queues(self, plan: RequestPlan, rows: np.ndarray, rank: int) -> admission.Queues:
-        """The rows' queues as ``plan``, a request of tier ``rank``, sees them."""
+    def _queues(self, plan: RequestPlan, rows: np.ndarray, rank: int, pool: np.ndarray) -> admission.Queues:
+        """The rows' queues as ``plan``, a request of tier ``rank``, sees them; ``pool``: the rows of
+        its pool it may go to (where its prompt is cached deepest counts)."""
         loads = self.registry.loads
         cached, block_sizes = self._cached_blocks(plan, rows)
+        pool_cached, pool_block_sizes = self._cached_blocks(plan, pool)
         return admission.Queues(
             loads.waiting[rows],
             loads.max_waiting[rows],
@@ -165,8 +167,9 @@ class Placer:
                 loads.prefill_ahead[rows, rank],
                 loads.prefill_ahead[rows, rank + 1 :],
             ),
-            len(plan.prompt) - cached * block_sizes,
-            tuple(self.config.ttft_objective_s[name] for name in TIERS[rank + 1 :]),
+            own_prefill=len(plan.prompt) - cached * block_sizes,
+            shortest_prefill=max(1, len(plan.prompt) - int((pool_cached * pool_block_sizes).max(initial=0))),
+            higher_objectives_s=tuple(self.config.ttft_objective_s[name] for name in TIERS[rank + 1 :]),
         )
 
     def _may_keep_waiting(self, rows: np.ndarray) -> np.ndarray:
@@ -179,15 +182,24 @@ class Placer:
         return (loads.waiting[rows] > 0) | stepping
 
     def _admissible(
-        self, plan: RequestPlan, rows: np.ndarray, cap: int, rank: int, objective: float | None
+        self,
+        plan: RequestPlan,
+        rows: np.ndarray,
+        cap: int,
+        rank: int,
+        objective: float | None,
+        pool: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Which ``rows`` take ``plan``: under ``cap``'s queue depth, its wait fitting ``objective``."""
+        """Which ``rows`` take ``plan``: under ``cap``'s queue depth, its wait fitting ``objective``.
+        ``pool``: the rows it may go to, when more than ``rows``."""
         limit = self._limit_column(cap)[rows]
         allowed = self.registry.loads.waiting[rows] < limit
         asked = (allowed & self._may_keep_waiting(rows)).nonzero()[0]
         if len(asked) and objective is not None:
             allowed[asked] = admission.admissible_rows(
-                self._queues(plan, rows[asked], rank), limit[asked], objective
+                self._queues(plan, rows[asked], rank, rows if pool is None else pool),
+                limit[asked],
+                objective,
             )
         return allowed
 
@@ -195,7 +207,7 @@ class Placer:
         self, plan: RequestPlan, rows: np.ndarray, cap: int, rank: int, objective: float | None
     ) -> float:
         limit = self._limit_column(cap)[rows]
-        return admission.retry_after_rows(self._queues(plan, rows, rank), limit, objective)
+        return admission.retry_after_rows(self._queues(plan, rows, rank, rows), limit, objective)
 
     def _limit_column(self, cap: int) -> np.ndarray:
         """Every slot's queue depth at which it stops taking requests under ``cap``'s count rule."""
@@ -223,17 +235,20 @@ class Placer:
         if hint is not None and hint[1] > pool.cached_blocks[hint[0]]:
             return None
         choice = self._policy_choice(plan, pool)
-        if not self._admits(plan, self.registry.index.slot(choice.engine_id), cap, rank, objective):
+        row = self.registry.index.slot(choice.engine_id)
+        if not self._admits(plan, row, rows, cap, rank, objective):
             return None
         return self._placed(plan, choice, model, False)
 
-    def _admits(self, plan: RequestPlan, row: int, cap: int, rank: int, objective: float | None) -> bool:
+    def _admits(
+        self, plan: RequestPlan, row: int, pool: np.ndarray, cap: int, rank: int, objective: float | None
+    ) -> bool:
         """``_admissible`` for one row. An engine that cannot keep the request waiting takes it if its
         cap lets anything wait (most engines, most of the time: a few numbers read, no column built)."""
         one = np.array([row])
         if not self._may_keep_waiting(one)[0]:
             return bool(self._limit_column(cap)[row] > 0)
-        return bool(self._admissible(plan, one, cap, rank, objective)[0])
+        return bool(self._admissible(plan, one, cap, rank, objective, pool)[0])
 
     def _choose(self, plan: RequestPlan, rows: np.ndarray, model: str, degraded: bool = False) -> Placement:
         """The policy's pick among admitted ``rows``."""

@@ -250,3 +250,14 @@ def test_a_lower_tier_is_refused_before_its_decoding_slows_the_steps_past_a_high
     assert admissible([stepping(decoding=100)], FREE, 0.5, 2.0, 40) == ["e0"], "with no tier above"
     # Enterprise itself has no tier above to leave room for: at 99 decoding, 0.208 + 0.288 s fits 0.5 s.
     assert admissible([stepping(decoding=99)], ENTERPRISE, 0.5, 0.5, 40) == ["e0"]
+
+
+def test_a_turn_refused_where_its_history_is_cached_is_not_let_in_where_it_is_not():
+    # Cached on "home": 40 tokens of its own, but 400 of pro's pending there (past 1 s). On "away" it
+    # would prefill its whole 500-token history: 1.01 s on an idle engine, 1.05 s beside 10 decoding.
+    # A prompt that fits the objective somewhere (40 tokens: 0.09 s) is held to it everywhere, not let
+    # in late where its history is not cached.
+    fleet = [stepping((400, 400, 400), decoding=10, name="home"), stepping(decoding=10, name="away")]
+    assert admissible(fleet, PRO, 0.5, 1.0, own_prefill=(40, 500)) == []
+    # A prompt long everywhere is still served where nothing else is pending.
+    assert admissible(fleet, PRO, 0.5, 1.0, own_prefill=(600, 600)) == ["away"]
