@@ -7,7 +7,16 @@ from engine.kv_events import apply_events
 from engine.outputs import FinishReason
 from engine.request import Priority
 from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
-from tests.engine.core_helpers import DrivenEngine, make_engine, prompt, request, results, tokenizer
+from tests.engine.core_helpers import (
+    DrivenEngine,
+    make_engine,
+    prompt,
+    request,
+    results,
+    tokenizer,
+    word_tokens,
+)
+from tests.engine.token_function_runner import TokenFunctionRunner
 
 
 def eos() -> frozenset[int]:
@@ -364,3 +373,35 @@ def test_a_failure_reported_from_another_thread_stops_the_step_loop_and_ends_req
     assert finish.error == "rank 1 exited"
     with pytest.raises(EngineUnavailableError, match="rank 1 exited"):
         test.engine.add_request(request("late", prompt(4)))
+
+
+class TimedRunner(TokenFunctionRunner):
+    """Steps that take 20 ms + 1 ms a token on a clock of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(tokenizer().vocab_size, word_tokens())
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def execute(self, chunks):
+        self.now += 0.02 + 0.001 * sum(len(chunk.token_ids) for chunk in chunks)
+        return super().execute(chunks)
+
+
+def test_the_load_says_the_prompt_tokens_still_to_compute_and_the_step_time_per_token():
+    runner = TimedRunner()
+    test = make_engine(runner, clock=runner.clock, max_batched_tokens=16)
+    engine = test.engine
+    assert (engine.stats.step_fixed_s, engine.stats.step_token_s) == (0.0, 0.0), "no step yet"
+    engine.add_request(request("long", prompt(40), max_tokens=30))
+    engine.step()  # 16 of its 40 prompt tokens
+    assert engine.stats.prefill_tokens == 24
+    while engine.stats.prefill_tokens:
+        engine.step()
+    for _ in range(5):  # decode steps of one token each
+        engine.step()
+    assert engine.stats.step_fixed_s == pytest.approx(0.02) and engine.stats.step_token_s == pytest.approx(
+        0.001
+    )
