@@ -47,8 +47,9 @@ started yet, and everything another router sent there (counted ahead of everyone
 prompt tokens beyond the engine's cached prefix (from the prefix index); *decoding* are the requests
 running there and those ahead, which will be decoding by then. The *slot wait* is the count-based wait
 above (0 while nothing is blocked for want of running slots or KV blocks). A request whose own prefill
-would exceed its objective even on an idle engine (a long prompt) is held instead to what it takes
-with no other prompt token pending there: it is still served, where nothing else delays it.
+would exceed its objective even on an idle engine, with its prompt cached as deep as anywhere in its
+pool (a long prompt), is held instead to what it takes with no other prompt token pending there: it is
+still served, where nothing else delays it.
 The second line is what engines' priorities cannot give: a step carries every tier's tokens, so each
 request a lower tier adds makes every later step longer for the tiers above too (one decode token in
 each). A lower tier is refused before it slows the steps past what a higher tier's objective allows;
@@ -194,26 +195,22 @@ def step_s(steps: Steps, tokens: np.ndarray) -> np.ndarray:
 
 def compute_ttft_s(steps: Steps, own_prefill: np.ndarray, ahead: np.ndarray) -> np.ndarray:
     """Each engine's time until the request's first token from the step in progress on: that step,
-    then the steps that compute the ``ahead`` prompt tokens and the request's own (the last of them,
-    which also samples its first token, may be partial). Every step also carries one token of each
-    decoding request."""
+    then the steps that compute the ``ahead`` prompt tokens and the request's own."""
     decoding = np.minimum(steps.decoding, steps.budget)
-    room = np.maximum(1, steps.budget - decoding)
     busy = decoding + steps.prefill_pending > 0
     in_progress = np.where(
         busy, step_s(steps, np.minimum(steps.budget, decoding + steps.prefill_pending)), 0.0
     )
-    tokens = ahead + np.maximum(1, own_prefill)
-    full_steps = (tokens - 1) // room
-    last = tokens - full_steps * room
-    return in_progress + full_steps * step_s(steps, steps.budget) + step_s(steps, decoding + last)
+    return in_progress + first_token_after_start_s(steps, ahead + np.maximum(1, own_prefill))
 
 
-def first_token_after_start_s(steps: Steps, own_prefill: np.ndarray) -> np.ndarray:
-    """Each engine's time from the step that starts the request's prefill to its first token."""
+def first_token_after_start_s(steps: Steps, prefill: np.ndarray) -> np.ndarray:
+    """Each engine's time from the step that starts computing ``prefill`` prompt tokens to the end of
+    the step that finishes them (and samples the first token): full steps, then a last one that may be
+    partial, each also carrying one token of every decoding request."""
     decoding = np.minimum(steps.decoding, steps.budget)
     room = np.maximum(1, steps.budget - decoding)
-    tokens = np.maximum(1, own_prefill)
+    tokens = np.maximum(1, prefill)
     full_steps = (tokens - 1) // room
     return full_steps * step_s(steps, steps.budget) + step_s(steps, decoding + tokens - full_steps * room)
 
@@ -222,9 +219,9 @@ def excess_wait_s(queues: Queues, objective_s: float) -> np.ndarray:
     """How much longer than its budget each engine would keep the request waiting (<= 0: it fits; an
     engine whose drain rate is unknown predicts no slot wait, so only its compute can refuse it).
     Where the engine reports its step time, the compute is the steps until the request's prefill is
-    done, held to the objective (or, when its own prefill alone on an idle engine exceeds that, to
-    that); and, once it is taken, a request of each higher tier sent next must still fit its own
-    objective. Elsewhere the compute is the measured head-of-queue TTFT."""
+    done, held to the objective (a long prompt: to ``allowed_ttft_s``); and, once it is taken, a
+    request of each higher tier sent next must still fit its own objective. Elsewhere the compute is
+    the measured head-of-queue TTFT."""
     slot_wait = predicted_wait_s(queues)
     excess = slot_wait - np.maximum(0.0, objective_s - queues.head_ttft_s)
     steps = queues.steps
