@@ -53,7 +53,10 @@ still served, where nothing else delays it.
 The second line is what engines' priorities cannot give: a step carries every tier's tokens, so each
 request a lower tier adds makes every later step longer for the tiers above too (one decode token in
 each). A lower tier is refused before it slows the steps past what a higher tier's objective allows;
-the higher tier's next request is taken to be as long as this one. An engine that reports no step time (hosted
+the higher tier's next request is taken to be as long as this one. Every prediction there also gets the
+engine's *margin*: how much later than predicted this router's recent requests there got their first
+tokens (the hops, a CPU shared with other work, the line's own error), at its 90th percentile, so that
+the objective holds at the tail, not the median. An engine that reports no step time (hosted
 engines, or before its first step) keeps the rule above: ``head-of-queue TTFT`` stands for its compute.
 
 **Cold start.** Until an engine has finished two requests its drain rate is unknown, and the count
@@ -103,6 +106,7 @@ class StepModel:
     decoding: int  # requests that will be decoding while a new request's prefill runs
     prefill_pending: int  # every prompt token still to compute there
     prefill_ahead: tuple[int, ...]  # per tier rank: of those, the ones a new request of that rank waits for
+    margin_s: float = 0.0  # how much later than predicted first tokens came there lately (added to each)
 
 
 # An engine that reports no step time: every column 0.
@@ -139,6 +143,7 @@ class Steps:
     prefill_pending: np.ndarray
     prefill_ahead: np.ndarray  # of the request's tier rank
     higher_ahead: np.ndarray  # of each tier rank above it, lowest first (one column each)
+    margin_s: np.ndarray
 
     @classmethod
     def of(cls, models: Sequence[StepModel | None], rank: int) -> Steps:
@@ -154,6 +159,7 @@ class Steps:
             np.array([m.prefill_ahead[rank + 1 :] for m in known], dtype=np.int64).reshape(
                 len(known), len(TIERS) - rank - 1
             ),
+            np.array([m.margin_s for m in known], dtype=np.float64),
         )
 
     @property
@@ -230,7 +236,7 @@ def excess_wait_s(queues: Queues, objective_s: float) -> np.ndarray:
     rows = known.nonzero()[0]
     modeled = Steps(*(getattr(steps, name)[rows] for name in Steps.__dataclass_fields__))
     own = np.maximum(1, queues.own_prefill[rows])
-    excess[rows] = slot_wait[rows] + compute_ttft_s(modeled, own, modeled.prefill_ahead)
+    excess[rows] = slot_wait[rows] + compute_ttft_s(modeled, own, modeled.prefill_ahead) + modeled.margin_s
     shortest = queues.shortest_prefill or int(own.min())
     excess[rows] -= allowed_ttft_s(modeled, own, shortest, objective_s)
     # A higher tier's request sent next (of as many prompt tokens, for want of knowing its own) decodes
@@ -238,7 +244,7 @@ def excess_wait_s(queues: Queues, objective_s: float) -> np.ndarray:
     # that would refuse every long prompt wherever a higher tier has a tight objective.)
     taken = replace(modeled, decoding=modeled.decoding + 1)
     for column, higher_objective_s in enumerate(queues.higher_objectives_s):
-        ttft = compute_ttft_s(taken, own, modeled.higher_ahead[:, column])
+        ttft = compute_ttft_s(taken, own, modeled.higher_ahead[:, column]) + modeled.margin_s
         allowed = allowed_ttft_s(taken, own, shortest, higher_objective_s)
         excess[rows] = np.maximum(excess[rows], ttft - allowed)
     return excess
@@ -254,8 +260,8 @@ def allowed_ttft_s(steps: Steps, own_prefill: np.ndarray, shortest: int, objecti
     later than its objective, where it is not.)"""
     none = np.zeros_like(own_prefill)
     best = np.full_like(own_prefill, shortest)
-    idle = compute_ttft_s(replace(steps, decoding=none, prefill_pending=none), best, none)
-    unhurried = compute_ttft_s(replace(steps, prefill_pending=none), own_prefill, none)
+    idle = compute_ttft_s(replace(steps, decoding=none, prefill_pending=none), best, none) + steps.margin_s
+    unhurried = compute_ttft_s(replace(steps, prefill_pending=none), own_prefill, none) + steps.margin_s
     return np.where(idle <= objective_s, objective_s, unhurried)
 
 

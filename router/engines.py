@@ -15,8 +15,10 @@ counting), and the engine's time to a first token for requests that found nothin
 head-of-queue TTFT: prefill and first step, as seen from here). For an engine that reports its step
 time it keeps, per tier rank, the prompt tokens of this router's requests there that have no first token
 yet (beyond the prefix the index predicted cached), and the report's pending prompt tokens beyond them
-(the foreign prefill): what a new request's prefill waits for. Times come from ``clock`` (the
-simulation passes its virtual one).
+(the foreign prefill): what a new request's prefill waits for; and how much later than predicted its
+requests' first tokens came (the hops, the CPU the engine shares, the step model's own error): the
+90th percentile of the last ``SAMPLES`` misses is the margin admission adds to every prediction there.
+Times come from ``clock`` (the simulation passes its virtual one).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ import numpy as np
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.tiers import TIERS
 from meshkit.links import Link, LinkMessages
-from router.admission import QueueView, StepModel, Steps, first_token_after_start_s
+from router.admission import QueueView, StepModel, Steps, compute_ttft_s, first_token_after_start_s
 from router.loads import LoadTable
 
 ENGINE_LINK = LinkMessages.of(engine_pb2)
-# Recent samples the drain rate and the head-of-queue TTFT are taken over.
+# Recent samples the drain rate, the head-of-queue TTFT and the prediction's margin are taken over.
 SAMPLES = 32
+# The share of recent first tokens the margin covers: it is added to predictions held to a p99.
+MARGIN_QUANTILE = 0.9
 # The admission rate per tier is an exponentially decaying count: each request adds 1/tau per second.
 # 1 s: a paid surge must count within a second, or the free requests admitted meanwhile starve.
 ADMITTED_RATE_TAU_S = 1.0
@@ -52,6 +56,7 @@ class _Inflight:
     dispatched_at: float
     at_head: bool  # nothing was queued there when it was sent: its TTFT is the engine's head-of-queue one
     prefill: int  # its prompt tokens to compute there (beyond the cached prefix predicted)
+    predicted_ttft_s: float  # its time to a first token as the step model predicted it (0: no model)
     blocks: int = 0  # context blocks so far
     started: bool = False  # a token came back (until then it counts as waiting)
 
@@ -78,6 +83,9 @@ class EngineState:
     finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttft_s: float = 0.0  # their median: its time to a first token with nothing queued (0: unknown)
+    # How much later than the step model predicted this router's recent requests got their first token.
+    ttft_misses: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    ttft_margin_s: float = 0.0  # their MARGIN_QUANTILE, at least 0
     # Per tier rank: the decaying rate of requests sent here, as of the last one sent (admitted_at).
     admitted_rates: list[float] = field(default_factory=lambda: [0.0] * len(TIERS))
     admitted_at: list[float] = field(default_factory=lambda: [0.0] * len(TIERS))
@@ -140,7 +148,12 @@ class EngineState:
         self.admitted_rates[rank] = self._admitted_rate(rank, now) + 1 / ADMITTED_RATE_TAU_S
         self.admitted_at[rank] = now
         prefill = max(1, context_tokens - cached_tokens)
-        self.inflight[request_id] = _Inflight(rank, now, at_head, prefill)
+        model = self.step_model()
+        predicted = 0.0
+        if model is not None:
+            steps = Steps.of([model], rank)
+            predicted = float(compute_ttft_s(steps, np.array([prefill]), steps.prefill_ahead)[0])
+        self.inflight[request_id] = _Inflight(rank, now, at_head, prefill, predicted)
         self.inflight_waiting += 1
         self.waiting_by_rank[rank] += 1
         self.prefill_by_rank[rank] += prefill
@@ -157,9 +170,14 @@ class EngineState:
             self.inflight_waiting -= 1
             self.waiting_by_rank[request.rank] -= 1
             self.prefill_by_rank[request.rank] -= request.prefill
+            ttft = self.clock() - request.dispatched_at
             if request.at_head:
-                self.head_ttfts.append(self.clock() - request.dispatched_at)
+                self.head_ttfts.append(ttft)
                 self.head_ttft_s = statistics.median(self.head_ttfts)
+            if request.predicted_ttft_s:
+                self.ttft_misses.append(ttft - request.predicted_ttft_s)
+                at = min(len(self.ttft_misses) - 1, round(MARGIN_QUANTILE * (len(self.ttft_misses) - 1)))
+                self.ttft_margin_s = max(0.0, sorted(self.ttft_misses)[at])
         if self._resize(request_id, context_tokens) or started:  # most tokens change neither
             self._publish()
 
@@ -265,7 +283,8 @@ class EngineState:
         model = self.step_model()
         if model is None:
             return self.head_ttft_s
-        return float(first_token_after_start_s(Steps.of([model], 0), np.array([prefill_tokens]))[0])
+        steps = Steps.of([model], 0)
+        return float(first_token_after_start_s(steps, np.array([prefill_tokens]))[0]) + model.margin_s
 
     def step_model(self) -> StepModel | None:
         """What the engine's steps take and the prompt tokens pending there; None when it does not
@@ -283,5 +302,11 @@ class EngineState:
         if load.max_running_requests:
             decoding = min(decoding, load.max_running_requests)
         return StepModel(
-            load.max_batched_tokens, load.step_fixed_s, load.step_token_s, decoding, pending, tuple(ahead)
+            load.max_batched_tokens,
+            load.step_fixed_s,
+            load.step_token_s,
+            decoding,
+            pending,
+            tuple(ahead),
+            self.ttft_margin_s,
         )

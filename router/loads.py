@@ -62,6 +62,7 @@ class LoadTable(Generic[State]):
         self.decoding = np.zeros(capacity, dtype=np.int64)
         self.prefill_pending = np.zeros(capacity, dtype=np.int64)
         self.prefill_ahead = np.zeros((capacity, len(TIERS)), dtype=np.int64)  # per tier rank
+        self.ttft_margin_s = np.zeros(capacity, dtype=np.float64)
         self.rendezvous_key = np.zeros(capacity, dtype=np.uint64)
         self.order = np.zeros(0, dtype=np.int64)  # attached rows in engine-id order
         # Bumped whenever which rows are attached, healthy, in which pool, or their queue bound changes:
@@ -153,6 +154,7 @@ class LoadTable(Generic[State]):
         self.decoding[slot] = steps.decoding
         self.prefill_pending[slot] = steps.prefill_pending
         self.prefill_ahead[slot] = steps.prefill_ahead
+        self.ttft_margin_s[slot] = steps.margin_s
 
     def _reorder(self) -> None:
         rows = [slot for slot, state in enumerate(self.states) if state is not None]

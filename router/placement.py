@@ -166,6 +166,7 @@ class Placer:
                 loads.prefill_pending[rows],
                 loads.prefill_ahead[rows, rank],
                 loads.prefill_ahead[rows, rank + 1 :],
+                loads.ttft_margin_s[rows],
             ),
             own_prefill=len(plan.prompt) - cached * block_sizes,
             shortest_prefill=max(1, len(plan.prompt) - int((pool_cached * pool_block_sizes).max(initial=0))),

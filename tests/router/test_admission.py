@@ -261,3 +261,12 @@ def test_a_turn_refused_where_its_history_is_cached_is_not_let_in_where_it_is_no
     assert admissible(fleet, PRO, 0.5, 1.0, own_prefill=(40, 500)) == []
     # A prompt long everywhere is still served where nothing else is pending.
     assert admissible(fleet, PRO, 0.5, 1.0, own_prefill=(600, 600)) == ["away"]
+
+
+def test_the_engines_recent_margin_is_added_to_every_prediction_there():
+    # With 40 decoding, 0.09 + 0.17 s predicted fits enterprise's 0.5 s; not with first tokens lately
+    # 0.3 s later than predicted there.
+    steps = StepModel(512, 0.01, 0.002, 40, 0, (0, 0, 0), margin_s=0.3)
+    late = QueueView("e0", 0, 256, 8.0, (0, 0, 0), steps=steps)
+    assert admissible([stepping(decoding=40)], ENTERPRISE, 0.5, 0.5, own_prefill=40) == ["e0"]
+    assert admissible([late], ENTERPRISE, 0.5, 0.5, own_prefill=40) == []

@@ -515,3 +515,20 @@ def test_an_engine_that_queues_nothing_refuses_at_once_what_its_steps_cannot_sta
     assert refused(chooser, tier=router_pb2.TIER_FREE).code == grpc.StatusCode.RESOURCE_EXHAUSTED
     # Under the count rule the same engine takes everything.
     assert place(placer(registry, admission="count"), tier=pro) == "a1"
+
+
+def test_engine_state_learns_how_much_later_than_predicted_first_tokens_come():
+    clock = Clock()
+    state = measured_engine("a1", clock)
+    state.report(stepping_report())
+    assert state.step_model().margin_s == 0.0
+    for i in range(10):  # predicted 10 + 2 x 41 ms = 92 ms on an idle engine; each comes 300 ms later
+        state.report(stepping_report())
+        state.dispatched(f"late-{i}", 41, tier_of_proto(router_pb2.TIER_PRO).rank)
+        clock.now += 0.092 + 0.3
+        state.progressed(f"late-{i}", 42)
+        state.ended(f"late-{i}", completed=True)
+    assert state.step_model().margin_s == pytest.approx(0.3)
+    # The queue limit leaves room for it too: its own prefill after starting, and the margin.
+    state.report(stepping_report())
+    assert state.start_to_first_token_s(41) == pytest.approx(0.092 + 0.3)
