@@ -45,14 +45,14 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.bench_admission import TIER_MIX, WARMUP_LOAD, Sent  # noqa: E402
-from bench.bench_router import percentile, wait_for_engines  # noqa: E402
+from bench.bench_admission import TIER_MIX, WARMUP_LOAD, Sent, start_mesh  # noqa: E402
+from bench.bench_router import percentile  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2  # noqa: E402
 from chatmesh.errors import retry_after_s  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tiers import TIERS, TTFT_OBJECTIVES_S, tier_named  # noqa: E402
-from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
+from meshkit.launcher import Launcher  # noqa: E402
 
 SYSTEM_TOKENS = 450
 QUESTION_TOKENS = (20, 60)
@@ -173,21 +173,7 @@ async def drive(address: str, args) -> dict:
 
 def run_rule(rule: str, args, run_dir: Path) -> dict:
     with Launcher(run_dir / rule, echo=lambda line: None) as launcher:
-        engines = []
-        for i in range(args.engines):
-            port = free_port()
-            argv = [sys.executable, "-m", "engine", "--port", str(port), "--engine-id", f"e{i}"]
-            argv += ["--backend", "cpu", *args.engine_flag]
-            ready = GrpcHealthy(port)
-            spec = ServiceSpec(f"e{i}", argv, ports=(port,), ready=ready, cwd=ROOT, ready_timeout_s=300)
-            engines.append(launcher.start(spec))
-        port = free_port()
-        argv = [sys.executable, "-m", "router", "--port", str(port), "--admission", rule]
-        for engine in engines:
-            argv += ["--engine", f"{engine.spec.name}=127.0.0.1:{engine.spec.ports[0]}"]
-        launcher.start(ServiceSpec("router", argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT))
-        address = f"127.0.0.1:{port}"
-        wait_for_engines(address, args.engines)
+        address = start_mesh(launcher, args.engines, ["--backend", "cpu", *args.engine_flag], rule, 300)
         print(f"  --admission {rule}:", flush=True)
         return asyncio.run(drive(address, args))
 
