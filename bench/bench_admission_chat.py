@@ -16,8 +16,9 @@ default: two engines share a 2-core box), kept for the whole run so every phase 
 system prompt cached. Per rule:
 
 1. **Capacity**: ``--capacity-chats`` chats per engine, each sending its next turn as soon as the last
-   ended (closed loop, enterprise tier so that nothing is refused), for ``--capacity-s`` seconds after a
-   warm-up of the same length; capacity is the requests finished per second.
+   ended (closed loop), for ``--capacity-s`` seconds after a warm-up of the same length, through a
+   second router over the same engines admitting by the count rule (which refuses nothing here: the
+   engines' throughput, not what a rule lets through); capacity is the requests finished per second.
 2. **Each load** L of ``--loads``: Poisson arrivals at 0.5x capacity for ``--warmup-s`` (not in the
    figures: the router learns the engines' pace), then at L x capacity for ``--duration-s``; then the
    mesh drains before the next load.
@@ -154,16 +155,18 @@ async def drive_load(stub, load: ChatLoad, capacity: float, factor: float, args)
     return list(await asyncio.gather(*calls))
 
 
-async def drive(address: str, args) -> dict:
+async def drive(address: str, capacity_address: str, args) -> dict:
     rng = random.Random(args.seed)
     system = [rng.randrange(*VOCAB) for _ in range(SYSTEM_TOKENS)]
     out: dict = {"loads": {}}
+    chats = args.capacity_chats * args.engines
+    async with grpc.aio.insecure_channel(capacity_address) as channel:
+        stub = router_pb2_grpc.RouterServiceStub(channel)
+        capacity = await measure_capacity(stub, ChatLoad(system, args.turns, rng), chats, args.capacity_s)
+    out["capacity_per_s"] = capacity
+    print(f"    capacity: {capacity:.2f} requests/s ({chats} closed-loop chats)", flush=True)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
-        chats = args.capacity_chats * args.engines
-        capacity = await measure_capacity(stub, ChatLoad(system, args.turns, rng), chats, args.capacity_s)
-        out["capacity_per_s"] = capacity
-        print(f"    capacity: {capacity:.2f} requests/s ({chats} closed-loop chats)", flush=True)
         for factor in args.loads:
             load = ChatLoad(system, args.turns, random.Random(args.seed + 1))
             print(f"    {factor:g}x = {factor * capacity:.2f} requests/s ...", flush=True)
@@ -173,9 +176,10 @@ async def drive(address: str, args) -> dict:
 
 def run_rule(rule: str, args, run_dir: Path) -> dict:
     with Launcher(run_dir / rule, echo=lambda line: None) as launcher:
-        address = start_mesh(launcher, args.engines, ["--backend", "cpu", *args.engine_flag], rule, 300)
+        flags = ["--backend", "cpu", *args.engine_flag]
+        routers = start_mesh(launcher, args.engines, flags, sorted({rule, "count"}), 300)
         print(f"  --admission {rule}:", flush=True)
-        return asyncio.run(drive(address, args))
+        return asyncio.run(drive(routers[rule], routers["count"], args))
 
 
 def summarize(rule: str, factor: float, results: list[Sent], args) -> list[dict]:
