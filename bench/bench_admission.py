@@ -109,24 +109,37 @@ async def drive(address: str, plan: list[tuple[float, str]], args) -> list[Sent]
         return list(await asyncio.gather(*calls))
 
 
-def run_rule(rule: str, plan: list[tuple[float, str]], args, run_dir: Path) -> list[Sent]:
-    with Launcher(run_dir / rule, echo=lambda line: None) as launcher:
-        engines = []
-        for i in range(args.engines):
-            port = free_port()
-            argv = [sys.executable, "-m", "engine", "--port", str(port), "--engine-id", f"e{i}"]
-            argv += ["--backend", "null", "--null-tokens-per-s", str(args.tokens_per_s)]
-            argv += ["--max-running-requests", str(args.running)]
-            engines.append(
-                launcher.start(ServiceSpec(f"e{i}", argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT))
-            )
+def start_mesh(
+    launcher: Launcher, count: int, engine_flags: list[str], rules: list[str], ready_s: float = 60
+) -> dict[str, str]:
+    """Starts ``count`` engines (``python -m engine`` with ``engine_flags``) and, for each of ``rules``,
+    a router over all of them admitting by it; each rule's router address, once it sees every engine
+    healthy."""
+    engines = []
+    for i in range(count):
+        port = free_port()
+        argv = [sys.executable, "-m", "engine", "--port", str(port), "--engine-id", f"e{i}", *engine_flags]
+        ready = GrpcHealthy(port)
+        spec = ServiceSpec(f"e{i}", argv, ports=(port,), ready=ready, cwd=ROOT, ready_timeout_s=ready_s)
+        engines.append(launcher.start(spec))
+    addresses = {}
+    for rule in rules:
         port = free_port()
         argv = [sys.executable, "-m", "router", "--port", str(port), "--admission", rule]
         for engine in engines:
             argv += ["--engine", f"{engine.spec.name}=127.0.0.1:{engine.spec.ports[0]}"]
-        launcher.start(ServiceSpec("router", argv, ports=(port,), ready=GrpcHealthy(port), cwd=ROOT))
-        address = f"127.0.0.1:{port}"
-        wait_for_engines(address, args.engines)
+        ready = GrpcHealthy(port)
+        launcher.start(ServiceSpec(f"router-{rule}", argv, ports=(port,), ready=ready, cwd=ROOT))
+        addresses[rule] = f"127.0.0.1:{port}"
+        wait_for_engines(addresses[rule], count)
+    return addresses
+
+
+def run_rule(rule: str, plan: list[tuple[float, str]], args, run_dir: Path) -> list[Sent]:
+    with Launcher(run_dir / rule, echo=lambda line: None) as launcher:
+        flags = ["--backend", "null", "--null-tokens-per-s", str(args.tokens_per_s)]
+        flags += ["--max-running-requests", str(args.running)]
+        address = start_mesh(launcher, args.engines, flags, [rule])[rule]
         print(f"  --admission {rule}: {len(plan)} requests over {args.duration_s:g} s ...", flush=True)
         return asyncio.run(drive(address, plan, args))
 

@@ -35,6 +35,7 @@ from engine.request import EngineRequest, Request
 from engine.request_tracker import RequestTracker, TrackedRequest
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_cost import StepCost
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class LLMEngine:
         self.tracker = RequestTracker(tokenizer, self._release, metrics, clock)
         self._clock = clock
         self._metrics = metrics
+        self.step_cost = StepCost()  # step thread only
         self._requests: dict[str, Request] = {}  # step thread only: the scheduler's side of each request
         # The inbox (with the tracker's admitted requests), shared with other threads.
         self._wakeup = threading.Condition()
@@ -203,6 +205,7 @@ class LLMEngine:
         if self.failure:
             return False
         outputs: list[RequestOutput] = []
+        began = self._clock()
         self._take_inbox(outputs)
         batch = self.scheduler.schedule()
         # Only what this step had no room to start expires: a request whose limit passed while the step
@@ -211,6 +214,7 @@ class LLMEngine:
             outputs.append(self.tracker.expire(self._tracked(req)))
         if batch.scheduled:
             self._execute(batch, outputs)
+            self.step_cost.observe(sum(batch.scheduled.values()), self._clock() - began)
         self.events.flush()
         self.stats = self._current_stats()
         if self._metrics is not None:
@@ -295,6 +299,7 @@ class LLMEngine:
         self.on_failure(message)
 
     def _current_stats(self) -> EngineStats:
+        step_fixed_s, step_token_s = self.step_cost.line()
         return EngineStats(
             waiting_requests=self.scheduler.num_waiting + self.tracker.num_admitted,
             blocked_requests=self.scheduler.num_waiting,
@@ -305,4 +310,7 @@ class LLMEngine:
             prefix_queried_tokens=self.scheduler.prefix_queried_tokens,
             generated_tokens=self.tracker.generated_tokens,
             preemptions=self.scheduler.num_preemptions,
+            prefill_tokens=self.scheduler.prefill_tokens,
+            step_fixed_s=step_fixed_s,
+            step_token_s=step_token_s,
         )

@@ -42,6 +42,15 @@ class EngineMetrics(ComponentMetrics):
             "Requests refused (RESOURCE_EXHAUSTED) after waiting past their queue limit without starting.",
         )
         self.generated_tokens = self.counter("generated_tokens", "Output tokens sampled.")
+        self.prefill_pending = self.gauge(
+            "prefill_pending_tokens", "Prompt tokens still to compute before their requests' first tokens."
+        )
+        self.step_fixed = self.gauge(
+            "step_fixed_seconds", "A step's time apart from its tokens, as fitted over the recent steps."
+        )
+        self.step_token = self.gauge(
+            "step_token_seconds", "A step's time for each token it computes, as fitted over the recent steps."
+        )
         self._last = EngineStats()
 
     def observe_step(self, stats: EngineStats) -> None:
@@ -49,6 +58,9 @@ class EngineMetrics(ComponentMetrics):
         self.waiting.set(stats.waiting_requests)
         self.running.set(stats.running_requests)
         self.kv_usage.set(stats.kv_usage)
+        self.prefill_pending.set(stats.prefill_tokens)
+        self.step_fixed.set(stats.step_fixed_s)
+        self.step_token.set(stats.step_token_s)
         self.prefix_hit_ratio.set(stats.prefix_hit_ratio)
         self.prefix_queried.inc(stats.prefix_queried_tokens - last.prefix_queried_tokens)
         self.prefix_hits.inc(stats.prefix_hit_tokens - last.prefix_hit_tokens)

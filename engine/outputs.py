@@ -65,6 +65,10 @@ class EngineStats:
     prefix_queried_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    prefill_tokens: int = 0  # prompt tokens still to compute before their first tokens
+    # Its step time lately: step_fixed_s + step_token_s x tokens a step computes (0, 0: not measured).
+    step_fixed_s: float = 0.0
+    step_token_s: float = 0.0
 
     @property
     def kv_usage(self) -> float:

@@ -85,6 +85,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of its full blocks, filled lazily
     num_stored_blocks: int = 0  # leading blocks that are prefix-cache entries (hits, or stored after a step)
     num_prefix_hit_tokens: int | None = None  # context tokens the prefix cache served at first schedule
+    queued_prefill_tokens: int = 0  # while waiting: its tokens beyond the prefix cache's when it was queued
     status: RequestStatus = RequestStatus.WAITING
 
     def __post_init__(self) -> None:

@@ -53,6 +53,7 @@ class Scheduler:
         # are stale.
         self._deadlines: list[tuple[float, int, Request]] = []
         self.num_waiting = 0
+        self.waiting_prefill_tokens = 0  # the waiting requests' queued_prefill_tokens
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0
@@ -62,6 +63,11 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         heapq.heappush(self._waiting, (req.sort_key, req))
         self.num_waiting += 1
+        # Looked up once here (its block hashes are kept for its scheduling): what the router predicts
+        # a new request's wait from must not count prompt tokens the cache holds.
+        cached = len(self.kv.get_computed_blocks(req)) * self.kv.block_size
+        req.queued_prefill_tokens = req.num_tokens - cached
+        self.waiting_prefill_tokens += req.queued_prefill_tokens
         if req.queue_deadline is not None and not req.started:
             heapq.heappush(self._deadlines, (req.queue_deadline, req.serial, req))
 
@@ -76,6 +82,13 @@ class Scheduler:
                 expired.append(req)
         return expired
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens still to compute before first tokens: running prefills' rest (a decoding
+        request has one token to compute, its last sampled one) and the waiting requests'."""
+        running = sum(n for req in self.running if (n := req.num_uncomputed_tokens) > 1)
+        return running + self.waiting_prefill_tokens
+
     def has_work(self) -> bool:
         return bool(self.num_waiting or self.running)
 
@@ -85,6 +98,7 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.num_waiting -= 1  # its heap entry is skipped when it surfaces
+            self.waiting_prefill_tokens -= req.queued_prefill_tokens
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
 
@@ -125,6 +139,7 @@ class Scheduler:
                 continue
             heapq.heappop(self._waiting)
             self.num_waiting -= 1
+            self.waiting_prefill_tokens -= req.queued_prefill_tokens
             self.prefix_queried_tokens += req.num_tokens
             self.prefix_hit_tokens += num_computed
             if req.num_prefix_hit_tokens is None:

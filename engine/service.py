@@ -261,6 +261,10 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             prefix_queried_tokens=stats.prefix_queried_tokens,
             generated_tokens=stats.generated_tokens,
             serving=self.serving,
+            prefill_tokens=stats.prefill_tokens,
+            max_batched_tokens=self.engine.config.max_batched_tokens,
+            step_fixed_s=stats.step_fixed_s,
+            step_token_s=stats.step_token_s,
         )
 
 

@@ -27,6 +27,38 @@ drains only at what they leave over: the drain rate less the rate this router ha
 that engine requests of higher tiers. An engine whose queue is empty always fits (its wait is 0): a
 request whose own prefill alone exceeds its objective is still served, on an idle engine.
 
+**On an engine that computes, the wait is the steps until its prefill is done.** Queued requests are
+not what keeps a request from its first token on a real model: a CPU engine runs 64 requests at once
+and queues none, yet every request it starts must wait for the step in progress, then for the steps
+that compute the prompt tokens ahead of it and its own, each of those steps also carrying one token of
+every request decoding there (issue 54: 1.7 s median on two SmolLM2 engines with nothing queued). An
+engine that steps itself reports what that takes (``EngineLoad``: its prompt tokens still to compute,
+its step's token budget, and its step time fitted as ``fixed + per token x tokens``), so, with
+``room = budget - decoding`` prompt tokens a step::
+
+    time to first token = step(decoding + min(room, every prompt token pending))    the step in progress
+                        + steps(prompt tokens ahead of it + its own) x step(budget)  its prefill's steps
+    admit where   slot wait + time to first token <= objective
+            and   for each higher tier: the time to first token of its next request, with this one
+                  decoding there too, <= that tier's objective
+
+*Ahead* counts the pending prompt tokens of this router's requests of its tier and higher ones not
+started yet, and everything another router sent there (counted ahead of everyone); *its own* are its
+prompt tokens beyond the engine's cached prefix (from the prefix index); *decoding* are the requests
+running there and those ahead, which will be decoding by then. The *slot wait* is the count-based wait
+above (0 while nothing is blocked for want of running slots or KV blocks). A request whose own prefill
+would exceed its objective even on an idle engine, with its prompt cached as deep as anywhere in its
+pool (a long prompt), is held instead to what it takes with no other prompt token pending there: it is
+still served, where nothing else delays it.
+The second line is what engines' priorities cannot give: a step carries every tier's tokens, so each
+request a lower tier adds makes every later step longer for the tiers above too (one decode token in
+each). A lower tier is refused before it slows the steps past what a higher tier's objective allows;
+the higher tier's next request is taken to be as long as this one. Every prediction there also gets the
+engine's *margin*: how much later than predicted this router's recent requests there got their first
+tokens (the hops, a CPU shared with other work, the line's own error), at its 90th percentile, so that
+the objective holds at the tail, not the median. An engine that reports no step time (hosted
+engines, or before its first step) keeps the rule above: ``head-of-queue TTFT`` stands for its compute.
+
 **Cold start.** Until an engine has finished two requests its drain rate is unknown, and the count
 rule alone decides for it.
 
@@ -38,12 +70,12 @@ fallen to the budget (``wait - budget``: the queue ahead drains at the drain rat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from chatmesh.router.v1 import router_pb2
-from chatmesh.tiers import tier_of_proto
+from chatmesh.tiers import TIERS, tier_of_proto
 
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 30.0
@@ -61,6 +93,24 @@ class QueueView:
     ahead: tuple[int, ...]  # per tier rank: queued requests a new one of that rank waits behind
     head_ttft_s: float = 0.0  # its time to a first token at the head of its queue (0: unknown)
     higher_rate: tuple[float, ...] = (0.0, 0.0, 0.0)  # per tier rank: higher tiers sent here per second
+    steps: StepModel | None = None  # what its steps take (None: it does not say)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What an engine's steps take (its load report), and the prompt tokens pending there."""
+
+    budget: int  # tokens one step computes at most
+    fixed_s: float  # step time = fixed_s + token_s x tokens computed
+    token_s: float
+    decoding: int  # requests that will be decoding while a new request's prefill runs
+    prefill_pending: int  # every prompt token still to compute there
+    prefill_ahead: tuple[int, ...]  # per tier rank: of those, the ones a new request of that rank waits for
+    margin_s: float = 0.0  # how much later than predicted first tokens came there lately (added to each)
+
+
+# An engine that reports no step time: every column 0.
+NO_STEPS = StepModel(0, 0.0, 0.0, 0, 0, (0,) * len(TIERS))
 
 
 @dataclass(frozen=True)
@@ -73,6 +123,49 @@ class Queues:
     drain_rate: np.ndarray  # requests finished per second lately (0: unknown)
     head_ttft_s: np.ndarray  # time to a first token at the head of the queue (0: unknown)
     higher_rate: np.ndarray  # requests of higher tiers sent there per second lately
+    steps: Steps | None = None  # the engines' step models (rows without one: all zeros)
+    own_prefill: np.ndarray | None = None  # the request's own prompt tokens to compute there
+    # Its prompt tokens beyond the deepest prefix any engine of its pool caches (0: own_prefill's least).
+    shortest_prefill: int = 0
+    # The TTFT objectives of the tiers above the request's, lowest first (Steps.higher_ahead's columns):
+    # admitting it must not slow the engine's steps past what they allow.
+    higher_objectives_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Steps:
+    """``StepModel`` as columns, as a request of one tier sees them (one row per engine)."""
+
+    budget: np.ndarray
+    fixed_s: np.ndarray
+    token_s: np.ndarray
+    decoding: np.ndarray
+    prefill_pending: np.ndarray
+    prefill_ahead: np.ndarray  # of the request's tier rank
+    higher_ahead: np.ndarray  # of each tier rank above it, lowest first (one column each)
+    margin_s: np.ndarray
+
+    @classmethod
+    def of(cls, models: Sequence[StepModel | None], rank: int) -> Steps:
+        """The columns of ``models`` (None: an engine that reports no step time) for tier ``rank``."""
+        known = [m or NO_STEPS for m in models]
+        return cls(
+            np.array([m.budget for m in known], dtype=np.int64),
+            np.array([m.fixed_s for m in known], dtype=np.float64),
+            np.array([m.token_s for m in known], dtype=np.float64),
+            np.array([m.decoding for m in known], dtype=np.int64),
+            np.array([m.prefill_pending for m in known], dtype=np.int64),
+            np.array([m.prefill_ahead[rank] for m in known], dtype=np.int64),
+            np.array([m.prefill_ahead[rank + 1 :] for m in known], dtype=np.int64).reshape(
+                len(known), len(TIERS) - rank - 1
+            ),
+            np.array([m.margin_s for m in known], dtype=np.float64),
+        )
+
+    @property
+    def known(self) -> np.ndarray:
+        """Rows whose engine reports its step time."""
+        return (self.budget > 0) & ((self.fixed_s > 0) | (self.token_s > 0))
 
 
 def is_premium(tier: int) -> bool:
@@ -101,10 +194,75 @@ def predicted_wait_s(queues: Queues) -> np.ndarray:
     return waits
 
 
+def step_s(steps: Steps, tokens: np.ndarray) -> np.ndarray:
+    """Each engine's time for a step of ``tokens`` tokens."""
+    return steps.fixed_s + steps.token_s * tokens
+
+
+def compute_ttft_s(steps: Steps, own_prefill: np.ndarray, ahead: np.ndarray) -> np.ndarray:
+    """Each engine's time until the request's first token from the step in progress on: that step,
+    then the steps that compute the ``ahead`` prompt tokens and the request's own."""
+    decoding = np.minimum(steps.decoding, steps.budget)
+    busy = decoding + steps.prefill_pending > 0
+    in_progress = np.where(
+        busy, step_s(steps, np.minimum(steps.budget, decoding + steps.prefill_pending)), 0.0
+    )
+    return in_progress + first_token_after_start_s(steps, ahead + np.maximum(1, own_prefill))
+
+
+def first_token_after_start_s(steps: Steps, prefill: np.ndarray) -> np.ndarray:
+    """Each engine's time from the step that starts computing ``prefill`` prompt tokens to the end of
+    the step that finishes them (and samples the first token): full steps, then a last one that may be
+    partial, each also carrying one token of every decoding request."""
+    decoding = np.minimum(steps.decoding, steps.budget)
+    room = np.maximum(1, steps.budget - decoding)
+    tokens = np.maximum(1, prefill)
+    full_steps = (tokens - 1) // room
+    return full_steps * step_s(steps, steps.budget) + step_s(steps, decoding + tokens - full_steps * room)
+
+
 def excess_wait_s(queues: Queues, objective_s: float) -> np.ndarray:
     """How much longer than its budget each engine would keep the request waiting (<= 0: it fits; an
-    engine whose drain rate is unknown predicts no wait, so it always fits)."""
-    return predicted_wait_s(queues) - np.maximum(0.0, objective_s - queues.head_ttft_s)
+    engine whose drain rate is unknown predicts no slot wait, so only its compute can refuse it).
+    Where the engine reports its step time, the compute is the steps until the request's prefill is
+    done, held to the objective (a long prompt: to ``allowed_ttft_s``); and, once it is taken, a
+    request of each higher tier sent next must still fit its own objective. Elsewhere the compute is
+    the measured head-of-queue TTFT."""
+    slot_wait = predicted_wait_s(queues)
+    excess = slot_wait - np.maximum(0.0, objective_s - queues.head_ttft_s)
+    steps = queues.steps
+    if steps is None or queues.own_prefill is None or not (known := steps.known).any():
+        return excess
+    rows = known.nonzero()[0]
+    modeled = Steps(*(getattr(steps, name)[rows] for name in Steps.__dataclass_fields__))
+    own = np.maximum(1, queues.own_prefill[rows])
+    excess[rows] = slot_wait[rows] + compute_ttft_s(modeled, own, modeled.prefill_ahead) + modeled.margin_s
+    shortest = queues.shortest_prefill or int(own.min())
+    excess[rows] -= allowed_ttft_s(modeled, own, shortest, objective_s)
+    # A higher tier's request sent next (of as many prompt tokens, for want of knowing its own) decodes
+    # beside this one in every step after. (This one's prefill, a step or two, is not held against it:
+    # that would refuse every long prompt wherever a higher tier has a tight objective.)
+    taken = replace(modeled, decoding=modeled.decoding + 1)
+    for column, higher_objective_s in enumerate(queues.higher_objectives_s):
+        ttft = compute_ttft_s(taken, own, modeled.higher_ahead[:, column]) + modeled.margin_s
+        allowed = allowed_ttft_s(taken, own, shortest, higher_objective_s)
+        excess[rows] = np.maximum(excess[rows], ttft - allowed)
+    return excess
+
+
+def allowed_ttft_s(steps: Steps, own_prefill: np.ndarray, shortest: int, objective_s: float) -> np.ndarray:
+    """The time to a first token each engine may take for a request of ``own_prefill`` prompt tokens
+    there: the objective, for a request that would meet it on an idle engine with only ``shortest`` to
+    compute (its prompt cached as deep as anywhere in its pool); for one that would not (a long prompt),
+    what it takes there with no other prompt token pending (a decode step in progress, then its own
+    prefill beside the decoding requests): it is served where nothing else delays it. (The best cache,
+    not each engine's own: a chat turn whose history is cached on a busy engine must not be let in,
+    later than its objective, where it is not.)"""
+    none = np.zeros_like(own_prefill)
+    best = np.full_like(own_prefill, shortest)
+    idle = compute_ttft_s(replace(steps, decoding=none, prefill_pending=none), best, none) + steps.margin_s
+    unhurried = compute_ttft_s(replace(steps, prefill_pending=none), own_prefill, none) + steps.margin_s
+    return np.where(idle <= objective_s, objective_s, unhurried)
 
 
 def admissible_rows(queues: Queues, limit: np.ndarray, objective_s: float | None) -> np.ndarray:
@@ -129,7 +287,12 @@ def retry_after_rows(queues: Queues, limit: np.ndarray, objective_s: float | Non
     return min(RETRY_MAX_S, max(RETRY_MIN_S, float(waits.min())))
 
 
-def _columns(views: Sequence[QueueView], tier: int) -> Queues:
+def _columns(
+    views: Sequence[QueueView],
+    tier: int,
+    own_prefill: int | Sequence[int],
+    higher_objectives_s: tuple[float, ...],
+) -> Queues:
     rank = tier_of_proto(tier).rank
     return Queues(
         np.array([q.waiting for q in views], dtype=np.int64),
@@ -138,21 +301,36 @@ def _columns(views: Sequence[QueueView], tier: int) -> Queues:
         np.array([q.drain_rate for q in views], dtype=np.float64),
         np.array([q.head_ttft_s for q in views], dtype=np.float64),
         np.array([q.higher_rate[rank] for q in views], dtype=np.float64),
+        Steps.of([q.steps for q in views], rank),
+        own_prefill=np.broadcast_to(np.asarray(own_prefill, dtype=np.int64), (len(views),)),
+        higher_objectives_s=higher_objectives_s,
     )
 
 
 def admissible(
-    views: Sequence[QueueView], tier: int, free_queue_fraction: float, objective_s: float | None = None
+    views: Sequence[QueueView],
+    tier: int,
+    free_queue_fraction: float,
+    objective_s: float | None = None,
+    own_prefill: int | Sequence[int] = 1,
+    higher_objectives_s: tuple[float, ...] = (),
 ) -> list[str]:
-    """The engines that may take a request of ``tier`` now (empty: shed it)."""
-    queues = _columns(views, tier)
+    """The engines that may take a request of ``tier`` with ``own_prefill`` prompt tokens to compute
+    (on every engine, or on each) now (empty: shed it); ``higher_objectives_s``: the tiers' above it,
+    to keep within reach."""
+    queues = _columns(views, tier, own_prefill, higher_objectives_s)
     rows = admissible_rows(queues, limits(queues.max_waiting, tier, free_queue_fraction), objective_s)
     return [q.engine_id for q, ok in zip(views, rows, strict=True) if ok]
 
 
 def retry_after_s(
-    views: Sequence[QueueView], tier: int, free_queue_fraction: float, objective_s: float | None = None
+    views: Sequence[QueueView],
+    tier: int,
+    free_queue_fraction: float,
+    objective_s: float | None = None,
+    own_prefill: int | Sequence[int] = 1,
+    higher_objectives_s: tuple[float, ...] = (),
 ) -> float:
     """When a shed request of ``tier`` should come back: the soonest any engine is predicted to take it."""
-    queues = _columns(views, tier)
+    queues = _columns(views, tier, own_prefill, higher_objectives_s)
     return retry_after_rows(queues, limits(queues.max_waiting, tier, free_queue_fraction), objective_s)

@@ -12,8 +12,13 @@ For admission by predicted wait (``router.admission``) it also keeps this router
 tier rank, the rate at which its requests finish here, the rate at which it sends each tier here
 (decaying with a time constant of ``ADMITTED_RATE_TAU_S``, so a tier that stops arriving stops
 counting), and the engine's time to a first token for requests that found nothing queued (its
-head-of-queue TTFT: prefill and first step, as seen from here). Times come from ``clock`` (the
-simulation passes its virtual one).
+head-of-queue TTFT: prefill and first step, as seen from here). For an engine that reports its step
+time it keeps, per tier rank, the prompt tokens of this router's requests there that have no first token
+yet (beyond the prefix the index predicted cached), and the report's pending prompt tokens beyond them
+(the foreign prefill): what a new request's prefill waits for; and how much later than predicted its
+requests' first tokens came (the hops, the CPU the engine shares, the step model's own error): the
+90th percentile of the last ``SAMPLES`` misses is the margin admission adds to every prediction there.
+Times come from ``clock`` (the simulation passes its virtual one).
 """
 
 from __future__ import annotations
@@ -27,16 +32,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import grpc
+import numpy as np
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.tiers import TIERS
 from meshkit.links import Link, LinkMessages
-from router.admission import QueueView
+from router.admission import QueueView, StepModel, Steps, compute_ttft_s, first_token_after_start_s
 from router.loads import LoadTable
 
 ENGINE_LINK = LinkMessages.of(engine_pb2)
-# Recent samples the drain rate and the head-of-queue TTFT are taken over.
+# Recent samples the drain rate, the head-of-queue TTFT and the prediction's margin are taken over.
 SAMPLES = 32
+# The share of recent first tokens the margin covers: it is added to predictions held to a p99.
+MARGIN_QUANTILE = 0.9
 # The admission rate per tier is an exponentially decaying count: each request adds 1/tau per second.
 # 1 s: a paid surge must count within a second, or the free requests admitted meanwhile starve.
 ADMITTED_RATE_TAU_S = 1.0
@@ -47,6 +55,8 @@ class _Inflight:
     rank: int  # its tier's rank (chatmesh.tiers): engines serve higher ranks first
     dispatched_at: float
     at_head: bool  # nothing was queued there when it was sent: its TTFT is the engine's head-of-queue one
+    prefill: int  # its prompt tokens to compute there (beyond the cached prefix predicted)
+    predicted_ttft_s: float  # its time to a first token as the step model predicted it (0: no model)
     blocks: int = 0  # context blocks so far
     started: bool = False  # a token came back (until then it counts as waiting)
 
@@ -64,6 +74,8 @@ class EngineState:
     inflight_blocks: int = 0
     inflight_waiting: int = 0  # of those, not started yet
     waiting_by_rank: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # the same, per tier rank
+    prefill_by_rank: list[int] = field(default_factory=lambda: [0] * len(TIERS))  # their prefill tokens
+    foreign_prefill: int = 0  # prompt tokens pending at the last report beyond this router's requests
     foreign_blocks: int = 0  # blocks in use at the last report beyond this router's requests
     foreign_waiting: int = 0  # queued at the last report beyond this router's requests
     started_since_report: int = 0  # this router's requests that took a running slot since the last report
@@ -71,6 +83,9 @@ class EngineState:
     finish_times: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     head_ttft_s: float = 0.0  # their median: its time to a first token with nothing queued (0: unknown)
+    # How much later than the step model predicted this router's recent requests got their first token.
+    ttft_misses: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    ttft_margin_s: float = 0.0  # their MARGIN_QUANTILE, at least 0
     # Per tier rank: the decaying rate of requests sent here, as of the last one sent (admitted_at).
     admitted_rates: list[float] = field(default_factory=lambda: [0.0] * len(TIERS))
     admitted_at: list[float] = field(default_factory=lambda: [0.0] * len(TIERS))
@@ -119,20 +134,29 @@ class EngineState:
         self.load = load
         self.foreign_blocks = max(0, load.kv_blocks_used - self.inflight_blocks)
         self.foreign_waiting = max(0, load.waiting_requests - self.inflight_waiting)
+        self.foreign_prefill = max(0, load.prefill_tokens - sum(self.prefill_by_rank))
         self.started_since_report = 0
         self._publish()
 
     # -- this router's requests ----------------------------------------------------------------------
 
-    def dispatched(self, request_id: str, context_tokens: int, rank: int = 0) -> None:
-        """Sent here; ``rank``: its tier's (``chatmesh.tiers.Tier.rank``)."""
+    def dispatched(self, request_id: str, context_tokens: int, rank: int = 0, cached_tokens: int = 0) -> None:
+        """Sent here; ``rank``: its tier's (``chatmesh.tiers.Tier.rank``); ``cached_tokens``: of its
+        context, the prefix predicted cached here."""
         at_head = self.inflight_waiting + self.foreign_waiting == 0
         now = self.clock()
         self.admitted_rates[rank] = self._admitted_rate(rank, now) + 1 / ADMITTED_RATE_TAU_S
         self.admitted_at[rank] = now
-        self.inflight[request_id] = _Inflight(rank, now, at_head)
+        prefill = max(1, context_tokens - cached_tokens)
+        model = self.step_model()
+        predicted = 0.0
+        if model is not None:
+            steps = Steps.of([model], rank)
+            predicted = float(compute_ttft_s(steps, np.array([prefill]), steps.prefill_ahead)[0])
+        self.inflight[request_id] = _Inflight(rank, now, at_head, prefill, predicted)
         self.inflight_waiting += 1
         self.waiting_by_rank[rank] += 1
+        self.prefill_by_rank[rank] += prefill
         self._resize(request_id, context_tokens)
         self._publish()
 
@@ -145,9 +169,15 @@ class EngineState:
             self.started_since_report += 1
             self.inflight_waiting -= 1
             self.waiting_by_rank[request.rank] -= 1
+            self.prefill_by_rank[request.rank] -= request.prefill
+            ttft = self.clock() - request.dispatched_at
             if request.at_head:
-                self.head_ttfts.append(self.clock() - request.dispatched_at)
+                self.head_ttfts.append(ttft)
                 self.head_ttft_s = statistics.median(self.head_ttfts)
+            if request.predicted_ttft_s:
+                self.ttft_misses.append(ttft - request.predicted_ttft_s)
+                at = min(len(self.ttft_misses) - 1, round(MARGIN_QUANTILE * (len(self.ttft_misses) - 1)))
+                self.ttft_margin_s = max(0.0, sorted(self.ttft_misses)[at])
         if self._resize(request_id, context_tokens) or started:  # most tokens change neither
             self._publish()
 
@@ -158,6 +188,7 @@ class EngineState:
             if not request.started:
                 self.inflight_waiting -= 1
                 self.waiting_by_rank[request.rank] -= 1
+                self.prefill_by_rank[request.rank] -= request.prefill
         if completed:
             self.finish_times.append(self.clock())
         self._publish()
@@ -243,4 +274,39 @@ class EngineState:
             tuple(ahead),
             self.head_ttft_s,
             tuple(higher_rate),
+            self.step_model(),
+        )
+
+    def start_to_first_token_s(self, prefill_tokens: int) -> float:
+        """The engine's time from the step that starts a request's prefill of ``prefill_tokens`` tokens
+        to its first token: from its step time where it reports one, else its head-of-queue TTFT."""
+        model = self.step_model()
+        if model is None:
+            return self.head_ttft_s
+        steps = Steps.of([model], 0)
+        return float(first_token_after_start_s(steps, np.array([prefill_tokens]))[0]) + model.margin_s
+
+    def step_model(self) -> StepModel | None:
+        """What the engine's steps take and the prompt tokens pending there; None when it does not
+        report its step time. A new request's prefill waits for this router's requests of its tier and
+        higher ones with no first token yet (engines schedule higher priorities first) and for everyone
+        else's (their tiers are unknown); by then every request running or ahead of it is decoding."""
+        load = self.load
+        if load is None or not load.max_batched_tokens or not (load.step_fixed_s or load.step_token_s):
+            return None
+        ahead, pending = [0] * len(TIERS), self.foreign_prefill
+        for rank in reversed(range(len(TIERS))):
+            pending += self.prefill_by_rank[rank]
+            ahead[rank] = pending
+        decoding = load.running_requests + self.started_since_report + self.inflight_waiting
+        if load.max_running_requests:
+            decoding = min(decoding, load.max_running_requests)
+        return StepModel(
+            load.max_batched_tokens,
+            load.step_fixed_s,
+            load.step_token_s,
+            decoding,
+            pending,
+            tuple(ahead),
+            self.ttft_margin_s,
         )

@@ -15,7 +15,7 @@ import numpy as np
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.tiers import TIERS
-from router.admission import QueueView
+from router.admission import NO_STEPS, QueueView
 from router.policy import engine_key
 
 _NO_POOL = -1
@@ -55,6 +55,14 @@ class LoadTable(Generic[State]):
         self.drain_rate = np.zeros(capacity, dtype=np.float64)
         self.head_ttft_s = np.zeros(capacity, dtype=np.float64)
         self.higher_rate = np.zeros((capacity, len(TIERS)), dtype=np.float64)  # per tier rank
+        # The engine's step model (router.admission.StepModel); all zeros where it reports none.
+        self.step_budget = np.zeros(capacity, dtype=np.int64)
+        self.step_fixed_s = np.zeros(capacity, dtype=np.float64)
+        self.step_token_s = np.zeros(capacity, dtype=np.float64)
+        self.decoding = np.zeros(capacity, dtype=np.int64)
+        self.prefill_pending = np.zeros(capacity, dtype=np.int64)
+        self.prefill_ahead = np.zeros((capacity, len(TIERS)), dtype=np.int64)  # per tier rank
+        self.ttft_margin_s = np.zeros(capacity, dtype=np.float64)
         self.rendezvous_key = np.zeros(capacity, dtype=np.uint64)
         self.order = np.zeros(0, dtype=np.int64)  # attached rows in engine-id order
         # Bumped whenever which rows are attached, healthy, in which pool, or their queue bound changes:
@@ -139,6 +147,14 @@ class LoadTable(Generic[State]):
         self.drain_rate[slot] = view.drain_rate
         self.head_ttft_s[slot] = view.head_ttft_s
         self.higher_rate[slot] = view.higher_rate
+        steps = view.steps or NO_STEPS
+        self.step_budget[slot] = steps.budget
+        self.step_fixed_s[slot] = steps.fixed_s
+        self.step_token_s[slot] = steps.token_s
+        self.decoding[slot] = steps.decoding
+        self.prefill_pending[slot] = steps.prefill_pending
+        self.prefill_ahead[slot] = steps.prefill_ahead
+        self.ttft_margin_s[slot] = steps.margin_s
 
     def _reorder(self) -> None:
         rows = [slot for slot, state in enumerate(self.states) if state is not None]

@@ -28,7 +28,7 @@ import numpy as np
 from chatmesh.block_hash import block_hashes
 from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
-from chatmesh.tiers import tier_of_proto
+from chatmesh.tiers import TIERS, tier_of_proto
 from router import admission
 from router.config import RouterConfig
 from router.engines import EngineState
@@ -121,7 +121,7 @@ class Placer:
         quick = self._pick_if_admitted(plan, rows, model, cap, tier.rank, objective)
         if quick is not None:
             return quick
-        allowed = self._admissible(rows, cap, tier.rank, objective)
+        allowed = self._admissible(plan, rows, cap, tier.rank, objective)
         if allowed.any():
             return self._choose(plan, rows[allowed], model)
         cheaper = self._cheaper.get(model) if admit and not admission.is_premium(plan.tier) else None
@@ -129,15 +129,15 @@ class Placer:
         # The cheaper pool exists for the requests degraded to it: any engine with headroom takes one
         # (whose predicted wait fits the request's own objective).
         cheaper_cap = router_pb2.TIER_ENTERPRISE
-        cheaper_allowed = self._admissible(cheaper_rows, cheaper_cap, tier.rank, objective)
+        cheaper_allowed = self._admissible(plan, cheaper_rows, cheaper_cap, tier.rank, objective)
         if cheaper and cheaper_allowed.any():
             self.metrics.degraded.labels(model, cheaper).inc()
             return self._choose(plan, cheaper_rows[cheaper_allowed], cheaper, degraded=True)
         self.metrics.shed.labels(tier.name).inc()
-        retry_after = self._retry_after_s(rows, cap, tier.rank, objective)
+        retry_after = self._retry_after_s(plan, rows, cap, tier.rank, objective)
         if len(cheaper_rows):
             retry_after = min(
-                retry_after, self._retry_after_s(cheaper_rows, cheaper_cap, tier.rank, objective)
+                retry_after, self._retry_after_s(plan, cheaper_rows, cheaper_cap, tier.rank, objective)
             )
         raise ServiceError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -145,9 +145,12 @@ class Placer:
             retry_after,
         )
 
-    def _queues(self, rows: np.ndarray, rank: int) -> admission.Queues:
-        """The rows' queues as a request of tier ``rank`` sees them."""
+    def _queues(self, plan: RequestPlan, rows: np.ndarray, rank: int, pool: np.ndarray) -> admission.Queues:
+        """The rows' queues as ``plan``, a request of tier ``rank``, sees them; ``pool``: the rows of
+        its pool it may go to (where its prompt is cached deepest counts)."""
         loads = self.registry.loads
+        cached, block_sizes = self._cached_blocks(plan, rows)
+        pool_cached, pool_block_sizes = self._cached_blocks(plan, pool)
         return admission.Queues(
             loads.waiting[rows],
             loads.max_waiting[rows],
@@ -155,26 +158,57 @@ class Placer:
             loads.drain_rate[rows],
             loads.head_ttft_s[rows],
             loads.higher_rate[rows, rank],
+            admission.Steps(
+                loads.step_budget[rows],
+                loads.step_fixed_s[rows],
+                loads.step_token_s[rows],
+                loads.decoding[rows],
+                loads.prefill_pending[rows],
+                loads.prefill_ahead[rows, rank],
+                loads.prefill_ahead[rows, rank + 1 :],
+                loads.ttft_margin_s[rows],
+            ),
+            own_prefill=len(plan.prompt) - cached * block_sizes,
+            shortest_prefill=max(1, len(plan.prompt) - int((pool_cached * pool_block_sizes).max(initial=0))),
+            higher_objectives_s=tuple(self.config.ttft_objective_s[name] for name in TIERS[rank + 1 :]),
         )
 
-    def _admissible(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> np.ndarray:
-        """Which ``rows`` take the request: under ``cap``'s queue depth, its wait fitting ``objective``.
-        Only engines with a queue can keep a request waiting, so the wait rule is asked of those alone
-        (usually few: the rest need no more columns read)."""
+    def _may_keep_waiting(self, rows: np.ndarray) -> np.ndarray:
+        """Which ``rows`` can keep a new request from its first token beyond its own prefill: engines
+        with a queue, and engines that report their step time with anything running or pending (the
+        step in progress and the prefill ahead). Only those are asked the wait rule (usually few: the
+        rest need no more columns read)."""
         loads = self.registry.loads
+        stepping = (loads.step_budget[rows] > 0) & (loads.decoding[rows] + loads.prefill_pending[rows] > 0)
+        return (loads.waiting[rows] > 0) | stepping
+
+    def _admissible(
+        self,
+        plan: RequestPlan,
+        rows: np.ndarray,
+        cap: int,
+        rank: int,
+        objective: float | None,
+        pool: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Which ``rows`` take ``plan``: under ``cap``'s queue depth, its wait fitting ``objective``.
+        ``pool``: the rows it may go to, when more than ``rows``."""
         limit = self._limit_column(cap)[rows]
-        waiting = loads.waiting[rows]
-        allowed = waiting < limit
-        queued = (allowed & (waiting > 0)).nonzero()[0]
-        if len(queued):
-            allowed[queued] = admission.admissible_rows(
-                self._queues(rows[queued], rank), limit[queued], objective
+        allowed = self.registry.loads.waiting[rows] < limit
+        asked = (allowed & self._may_keep_waiting(rows)).nonzero()[0]
+        if len(asked) and objective is not None:
+            allowed[asked] = admission.admissible_rows(
+                self._queues(plan, rows[asked], rank, rows if pool is None else pool),
+                limit[asked],
+                objective,
             )
         return allowed
 
-    def _retry_after_s(self, rows: np.ndarray, cap: int, rank: int, objective: float | None) -> float:
+    def _retry_after_s(
+        self, plan: RequestPlan, rows: np.ndarray, cap: int, rank: int, objective: float | None
+    ) -> float:
         limit = self._limit_column(cap)[rows]
-        return admission.retry_after_rows(self._queues(rows, rank), limit, objective)
+        return admission.retry_after_rows(self._queues(plan, rows, rank, rows), limit, objective)
 
     def _limit_column(self, cap: int) -> np.ndarray:
         """Every slot's queue depth at which it stops taking requests under ``cap``'s count rule."""
@@ -202,16 +236,20 @@ class Placer:
         if hint is not None and hint[1] > pool.cached_blocks[hint[0]]:
             return None
         choice = self._policy_choice(plan, pool)
-        if not self._admits(self.registry.index.slot(choice.engine_id), cap, rank, objective):
+        row = self.registry.index.slot(choice.engine_id)
+        if not self._admits(plan, row, rows, cap, rank, objective):
             return None
         return self._placed(plan, choice, model, False)
 
-    def _admits(self, row: int, cap: int, rank: int, objective: float | None) -> bool:
-        """``_admissible`` for one row. An engine with nothing waiting takes the request if its cap
-        lets anything wait (most engines, most of the time: two numbers read, no column built)."""
-        if self.registry.loads.waiting[row] == 0:
+    def _admits(
+        self, plan: RequestPlan, row: int, pool: np.ndarray, cap: int, rank: int, objective: float | None
+    ) -> bool:
+        """``_admissible`` for one row. An engine that cannot keep the request waiting takes it if its
+        cap lets anything wait (most engines, most of the time: a few numbers read, no column built)."""
+        one = np.array([row])
+        if not self._may_keep_waiting(one)[0]:
             return bool(self._limit_column(cap)[row] > 0)
-        return bool(self._admissible(np.array([row]), cap, rank, objective)[0])
+        return bool(self._admissible(plan, one, cap, rank, objective, pool)[0])
 
     def _choose(self, plan: RequestPlan, rows: np.ndarray, model: str, degraded: bool = False) -> Placement:
         """The policy's pick among admitted ``rows``."""
@@ -313,19 +351,25 @@ class Placer:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, self._nothing_healthy(plan, exclude))
         return rows
 
+    def _cached_blocks(self, plan: RequestPlan, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray | int]:
+        """Each row's cached prefix of ``plan``'s prompt in blocks, and its block size (one number for
+        the usual pool of one block size and seed)."""
+        loads = self.registry.loads
+        hashing = None if loads.one_hashing else loads.hashing[rows]
+        if hashing is None or (hashing == hashing[0]).all():
+            group = int(loads.hashing[rows[0]])
+            return self._depth(plan, group)[rows], loads.hashing_of(group)[0]
+        cached = np.zeros(len(rows), dtype=np.int64)
+        for group in np.unique(hashing):
+            depth = self._depth(plan, int(group))
+            same = hashing == group
+            cached[same] = depth[rows[same]]
+        return cached, loads.block_size[rows]
+
     def _candidates(self, plan: RequestPlan, rows: np.ndarray) -> Pool:
         """The rows' columns with each engine's cached prefix, hashed with its block size and seed."""
         loads = self.registry.loads
-        hashing = None if loads.one_hashing else loads.hashing[rows]
-        if hashing is None or (hashing == hashing[0]).all():  # one block size and seed: the usual pool
-            group = int(loads.hashing[rows[0]])
-            cached, block_sizes = self._depth(plan, group)[rows], loads.hashing_of(group)[0]
-        else:
-            cached, block_sizes = np.zeros(len(rows), dtype=np.int64), loads.block_size[rows]
-            for group in np.unique(hashing):
-                depth = self._depth(plan, int(group))
-                same = hashing == group
-                cached[same] = depth[rows[same]]
+        cached, block_sizes = self._cached_blocks(plan, rows)
         return Pool(
             rows,
             loads.engine_ids,

@@ -158,9 +158,9 @@ class Relay:
             engine = placement.engine
             attempt_id = self.start.request_id if attempt == 1 else f"{self.start.request_id}#{attempt}"
             # Counted on the engine before anything awaits, so the next placement already sees it.
-            engine.dispatched(
-                attempt_id, len(self.plan.prompt) + len(self.output), tier_of_proto(self.plan.tier).rank
-            )
+            context = len(self.plan.prompt) + len(self.output)
+            rank = tier_of_proto(self.plan.tier).rank
+            engine.dispatched(attempt_id, context, rank, placement.predicted_cached_tokens)
             try:
                 emit(
                     router_pb2.ResponseFrame(
@@ -173,7 +173,8 @@ class Relay:
                         )
                     )
                 )
-                await self._stream(placement, attempt_id, self._queue_limit_s(engine), emit)
+                queue_limit_s = self._queue_limit_s(engine, context - placement.predicted_cached_tokens)
+                await self._stream(placement, attempt_id, queue_limit_s, emit)
                 return
             except AttemptFailed as exc:
                 failures.append((engine.engine_id, exc))
@@ -199,16 +200,17 @@ class Relay:
 
     # -- one attempt ---------------------------------------------------------------------------------
 
-    def _queue_limit_s(self, engine: EngineState) -> float:
+    def _queue_limit_s(self, engine: EngineState, prefill_tokens: int) -> float:
         """How long ``engine`` may keep this attempt queued before its first step: what is left of the
-        tier's TTFT objective less the engine's time to a first token at the head of its queue (on a
-        failover too: an engine that refused it as full, or died, spent part of it). 0 (no limit) for a
-        request held to no objective: under the count rule, or once its client has output (a
-        continuation, a failover mid-answer)."""
+        tier's TTFT objective less the engine's time from that step to a first token (its prefill of
+        ``prefill_tokens`` at its current step time, or its measured head-of-queue TTFT) (on a failover
+        too: an engine that refused it as full, or died, spent part of it). 0 (no limit) for a request
+        held to no objective: under the count rule, or once its client has output (a continuation, a
+        failover mid-answer)."""
         objective = self.config.objective_s(tier_of_proto(self.plan.tier).name, admit=True)
         if objective is None or self.output:
             return 0.0
-        left = objective - (time.monotonic() - self.arrival) - engine.head_ttft_s
+        left = objective - (time.monotonic() - self.arrival) - engine.start_to_first_token_s(prefill_tokens)
         return max(MIN_QUEUE_LIMIT_S, left)
 
     async def _stream(self, placement: Placement, attempt_id: str, queue_limit_s: float, emit: Emit) -> None:

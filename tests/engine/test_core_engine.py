@@ -463,3 +463,35 @@ def test_logprobs_come_with_each_token_and_do_not_depend_on_the_batch():
     others.engine.add_request(request("y", ids, max_tokens=4))
     others.run()
     assert all(not o.logprobs for o in others.outputs), "none unless asked"
+
+
+class TimedRunner(TokenFunctionRunner):
+    """Steps that take 20 ms + 1 ms a token on a clock of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(tokenizer().vocab_size, word_tokens())
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def execute(self, chunks):
+        self.now += 0.02 + 0.001 * sum(len(chunk.token_ids) for chunk in chunks)
+        return super().execute(chunks)
+
+
+def test_the_load_says_the_prompt_tokens_still_to_compute_and_the_step_time_per_token():
+    runner = TimedRunner()
+    test = make_engine(runner, clock=runner.clock, max_batched_tokens=16)
+    engine = test.engine
+    assert (engine.stats.step_fixed_s, engine.stats.step_token_s) == (0.0, 0.0), "no step yet"
+    engine.add_request(request("long", prompt(40), max_tokens=30))
+    engine.step()  # 16 of its 40 prompt tokens
+    assert engine.stats.prefill_tokens == 24
+    while engine.stats.prefill_tokens:
+        engine.step()
+    for _ in range(5):  # decode steps of one token each
+        engine.step()
+    assert engine.stats.step_fixed_s == pytest.approx(0.02) and engine.stats.step_token_s == pytest.approx(
+        0.001
+    )

@@ -244,3 +244,22 @@ def test_a_request_scheduled_once_never_expires_even_when_preempted_back_to_wait
     step(s)  # displaces `low` back to the queue
     assert low.status is RequestStatus.WAITING
     assert s.expire(50.0) == []
+
+
+def test_the_prompt_tokens_still_to_compute_count_running_prefills_and_waiting_prompts_beyond_the_cache():
+    s = scheduler(budget=16)
+    first = new_request(20, name="first")
+    s.add(first)
+    assert s.prefill_tokens == 20
+    step(s)  # 16 of its 20
+    assert s.prefill_tokens == 4
+    step(s)  # the last 4: it decodes now (one token to compute each step, not a prefill)
+    assert s.prefill_tokens == 0
+    # A request sharing its first 16 tokens (4 cached blocks) waits for 4 + 6 of its own.
+    shared = EngineRequest("shared", (*first.token_ids[:16], 901, 902, 903, 904, 905, 906))
+    s.add(Request(shared, 0.0, AGING_S))
+    other = new_request(12, name="other")
+    s.add(other)
+    assert s.prefill_tokens == 6 + 12
+    s.finish(other)  # a waiting request cancelled takes its tokens out
+    assert s.prefill_tokens == 6

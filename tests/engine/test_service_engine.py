@@ -307,6 +307,9 @@ async def test_prometheus_metrics_use_the_genai_names(stub, prompt, null_engine)
         "chatmesh_engine_prefix_cache_hit_ratio",
         "chatmesh_engine_preemptions_total",
         "chatmesh_engine_generated_tokens_total",
+        "chatmesh_engine_prefill_pending_tokens",
+        "chatmesh_engine_step_fixed_seconds",
+        "chatmesh_engine_step_token_seconds",
     ):
         assert name in body, name
     ttft_count = next(

@@ -1,11 +1,22 @@
 """Admission by tier as a pure function of the engines' queues: the count rule (the cap) and the wait rule
-(predicted wait against the tier's TTFT objective)."""
+(predicted wait against the tier's TTFT objective: queued requests, or the steps of an engine that
+reports its step time)."""
 
+import numpy as np
 import pytest
 
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import TTFT_OBJECTIVES_S
-from router.admission import QueueView, admissible, retry_after_s, safe_depth
+from router.admission import (
+    QueueView,
+    StepModel,
+    Steps,
+    admissible,
+    compute_ttft_s,
+    first_token_after_start_s,
+    retry_after_s,
+    safe_depth,
+)
 
 FREE, PRO, ENTERPRISE, UNSPECIFIED = (
     router_pb2.TIER_FREE,
@@ -162,3 +173,100 @@ def test_higher_tiers_arriving_meanwhile_slow_a_lower_tiers_queue_down_to_what_t
     assert retry_after_s(starved, FREE, 0.5, 2.0) == 30.0
     # ... while the top tier, passed by no one, is judged on the drain rate alone.
     assert admissible([engine((1, 0, 0), 8.0, higher_rate=(8.0, 0.0, 0.0))], ENTERPRISE, 0.5, 0.5) == ["e0"]
+
+
+# -- the wait on an engine that computes: the steps until the request's prefill is done ---------------
+
+
+def stepping(
+    prefill_ahead: tuple[int, int, int] = (0, 0, 0),
+    decoding: int = 0,
+    pending: int | None = None,
+    name: str = "e0",
+    budget: int = 512,
+    fixed_s: float = 0.01,
+    token_s: float = 0.002,
+) -> QueueView:
+    """An engine that queues nothing and reports its step time: 10 ms + 2 ms a token by default."""
+    pending = prefill_ahead[0] if pending is None else pending
+    steps = StepModel(budget, fixed_s, token_s, decoding, pending, prefill_ahead)
+    return QueueView(name, 0, 256, 8.0, (0, 0, 0), steps=steps)
+
+
+def test_the_time_to_a_first_token_is_the_step_in_progress_and_the_steps_of_the_prefill_ahead_and_its_own():
+    steps = Steps.of([stepping((900, 900, 900), decoding=12).steps], 0)
+    # The step in progress: 12 decodes + min(500 room, 900 pending) = 512 tokens, 1.034 s. Then 900 + 100
+    # tokens at 500 a step: one full step of 512 tokens (1.034 s) and a last one of 12 + 500 (1.034 s).
+    assert compute_ttft_s(steps, np.array([100]), steps.prefill_ahead)[0] == pytest.approx(3 * 1.034)
+    # From its own first step: 100 tokens and 12 decodes, one step.
+    assert first_token_after_start_s(steps, np.array([100]))[0] == pytest.approx(0.01 + 0.002 * 112)
+    # An idle engine: its own step alone, nothing in progress.
+    idle = Steps.of([stepping().steps], 0)
+    assert compute_ttft_s(idle, np.array([40]), idle.prefill_ahead)[0] == pytest.approx(0.01 + 0.002 * 40)
+
+
+def test_an_engine_that_queues_nothing_is_refused_when_the_prefill_ahead_outlasts_the_objective():
+    # 200 tokens ahead and 20 decoding: in progress 10 + 2 x 220 ms = 0.45 s, then one step of
+    # 20 + 200 + 40 = 260 tokens, 0.53 s: 0.98 s fits pro's 1 s; 300 ahead does not.
+    assert admissible([stepping((200, 200, 200), decoding=20)], PRO, 0.5, 1.0, own_prefill=40) == ["e0"]
+    assert admissible([stepping((300, 300, 300), decoding=20)], PRO, 0.5, 1.0, own_prefill=40) == []
+    # The retry delay is how much longer than the objective it would wait: with 600 ahead, a full step
+    # in progress (1.034 s), then 640 tokens at 492 a step: a full one and one of 20 + 148 tokens.
+    late = retry_after_s([stepping((600, 600, 600), decoding=20)], PRO, 0.5, 1.0, own_prefill=40)
+    assert late == pytest.approx(2 * 1.034 + 0.01 + 0.002 * 168 - 1.0)
+
+
+def test_a_tier_waits_only_for_the_prefill_of_its_own_and_higher_tiers():
+    # 300 free prompt tokens pending, none of higher tiers: only the step in progress (0.65 s) holds
+    # pro back (then its own step: 0.13 s); free also waits for those 300 tokens (a step of 0.73 s).
+    mixed = [stepping((300, 0, 0), decoding=20, pending=300)]
+    assert admissible(mixed, FREE, 0.5, 1.0, own_prefill=40) == []
+    assert admissible(mixed, PRO, 0.5, 1.0, own_prefill=40) == ["e0"]
+
+
+def test_a_request_whose_own_prefill_outlasts_its_objective_is_served_where_nothing_is_ahead():
+    # 1,000 tokens of its own are two steps, ~2 s: more than pro's 1 s on any engine.
+    long_prompt = 1_000
+    fleet = [
+        stepping((0, 0, 0), decoding=4, name="clear"),
+        stepping((100, 100, 100), decoding=4, name="ahead"),
+    ]
+    assert admissible(fleet, PRO, 0.5, 1.0, own_prefill=long_prompt) == ["clear"]
+
+
+def test_an_engine_that_reports_no_step_time_keeps_the_queue_count_rule():
+    # The same engine with no step model: nothing queued, so it fits whatever its steps would take.
+    unknown = QueueView("e0", 0, 256, 8.0, (0, 0, 0), steps=StepModel(0, 0.0, 0.0, 20, 5_000, (5_000,) * 3))
+    assert admissible([unknown], FREE, 0.5, 2.0, own_prefill=40) == ["e0"]
+
+
+def test_a_lower_tier_is_refused_before_its_decoding_slows_the_steps_past_a_higher_tiers_objective():
+    # Nothing pending, 80 decoding: free's own first token (a decode step, 0.17 s, then 80 + 40 tokens,
+    # 0.25 s) fits its 2 s. But an enterprise request sent next, with this one decoding too, would wait
+    # 0.172 + 0.252 = 0.424 s: within 0.5 s; at 100 decoding, 0.212 + 0.292 = 0.504 s: not.
+    enterprise = (TTFT_OBJECTIVES_S["pro"], TTFT_OBJECTIVES_S["enterprise"])
+    assert admissible([stepping(decoding=80)], FREE, 0.5, 2.0, 40, enterprise) == ["e0"]
+    assert admissible([stepping(decoding=100)], FREE, 0.5, 2.0, 40, enterprise) == []
+    assert admissible([stepping(decoding=100)], FREE, 0.5, 2.0, 40) == ["e0"], "with no tier above"
+    # Enterprise itself has no tier above to leave room for: at 99 decoding, 0.208 + 0.288 s fits 0.5 s.
+    assert admissible([stepping(decoding=99)], ENTERPRISE, 0.5, 0.5, 40) == ["e0"]
+
+
+def test_a_turn_refused_where_its_history_is_cached_is_not_let_in_where_it_is_not():
+    # Cached on "home": 40 tokens of its own, but 400 of pro's pending there (past 1 s). On "away" it
+    # would prefill its whole 500-token history: 1.01 s on an idle engine, 1.05 s beside 10 decoding.
+    # A prompt that fits the objective somewhere (40 tokens: 0.09 s) is held to it everywhere, not let
+    # in late where its history is not cached.
+    fleet = [stepping((400, 400, 400), decoding=10, name="home"), stepping(decoding=10, name="away")]
+    assert admissible(fleet, PRO, 0.5, 1.0, own_prefill=(40, 500)) == []
+    # A prompt long everywhere is still served where nothing else is pending.
+    assert admissible(fleet, PRO, 0.5, 1.0, own_prefill=(600, 600)) == ["away"]
+
+
+def test_the_engines_recent_margin_is_added_to_every_prediction_there():
+    # With 40 decoding, 0.09 + 0.17 s predicted fits enterprise's 0.5 s; not with first tokens lately
+    # 0.3 s later than predicted there.
+    steps = StepModel(512, 0.01, 0.002, 40, 0, (0, 0, 0), margin_s=0.3)
+    late = QueueView("e0", 0, 256, 8.0, (0, 0, 0), steps=steps)
+    assert admissible([stepping(decoding=40)], ENTERPRISE, 0.5, 0.5, own_prefill=40) == ["e0"]
+    assert admissible([late], ENTERPRISE, 0.5, 0.5, own_prefill=40) == []

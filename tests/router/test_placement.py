@@ -458,3 +458,77 @@ def test_the_pick_asked_of_admission_alone_is_the_pick_among_the_admitted_engine
 
 def refused_code(chooser: Placer, **plan) -> grpc.StatusCode:
     return refused(chooser, **plan).code
+
+
+def stepping_report(running: int = 0, prefill: int = 0, token_s: float = 0.002) -> engine_pb2.EngineLoad:
+    """An engine that queues nothing and steps at 10 ms + ``token_s`` a token, 512 tokens a step at most."""
+    return engine_pb2.EngineLoad(
+        running_requests=running,
+        max_running_requests=64,
+        max_waiting_requests=256,
+        serving=True,
+        prefill_tokens=prefill,
+        max_batched_tokens=512,
+        step_fixed_s=0.01,
+        step_token_s=token_s,
+    )
+
+
+def test_engine_state_counts_the_prompt_tokens_its_requests_still_have_to_prefill_by_tier():
+    clock = Clock()
+    state = measured_engine("a1", clock)
+    state.report(stepping_report(running=3, prefill=700))  # another router's 700 tokens pending there
+    assert state.step_model().prefill_ahead == (700, 700, 700)
+    state.dispatched("free", 500, tier_of_proto(router_pb2.TIER_FREE).rank, cached_tokens=450)
+    state.dispatched("pro", 480, tier_of_proto(router_pb2.TIER_PRO).rank, cached_tokens=448)
+    model = state.step_model()
+    # A free request waits for both, a pro one for the pro one, enterprise only for the foreign tokens.
+    assert model.prefill_ahead == (700 + 50 + 32, 700 + 32, 700) and model.prefill_pending == 782
+    assert model.decoding == 3 + 2  # the running ones, and these two once their prefill is done
+    # The next report counts them in the engine's pending tokens: they are not foreign.
+    state.report(stepping_report(running=3, prefill=782))
+    assert state.step_model().prefill_ahead == (782, 732, 700)
+    state.progressed("pro", 481)  # its first token: its prefill is done
+    state.ended("free", completed=False)  # refused or cancelled before its first token
+    assert state.step_model().prefill_ahead == (700, 700, 700)
+    # An engine that reports no step time has no step model: admission counts its queue.
+    state.report(engine_pb2.EngineLoad(running_requests=3, max_waiting_requests=256, serving=True))
+    assert state.step_model() is None
+
+
+def test_an_engine_that_queues_nothing_refuses_at_once_what_its_steps_cannot_start_in_time():
+    clock = Clock()
+    state = measured_engine("a1", clock)
+    registry = Registry(state)
+    state.report(stepping_report(running=20, token_s=0.0005))  # a full step: 0.266 s
+    chooser = placer(registry)
+    pro = router_pb2.TIER_PRO
+    assert place(chooser, tier=pro) == "a1"
+    # 2,000 pro prompt tokens pending there, nothing queued: a pro request's 100 tokens are the fifth
+    # step after the one in progress (~1.4 s), past its 1 s objective.
+    state.dispatched("long", 2_000, tier_of_proto(pro).rank)
+    assert state.queue_view().waiting == 0
+    err = refused(chooser, tier=pro)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s >= 0.5
+    # Enterprise waits for none of it but the step in progress (0.27 + 0.07 s); free waits for it too.
+    assert place(chooser, tier=router_pb2.TIER_ENTERPRISE) == "a1"
+    assert refused(chooser, tier=router_pb2.TIER_FREE).code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Under the count rule the same engine takes everything.
+    assert place(placer(registry, admission="count"), tier=pro) == "a1"
+
+
+def test_engine_state_learns_how_much_later_than_predicted_first_tokens_come():
+    clock = Clock()
+    state = measured_engine("a1", clock)
+    state.report(stepping_report())
+    assert state.step_model().margin_s == 0.0
+    for i in range(10):  # predicted 10 + 2 x 41 ms = 92 ms on an idle engine; each comes 300 ms later
+        state.report(stepping_report())
+        state.dispatched(f"late-{i}", 41, tier_of_proto(router_pb2.TIER_PRO).rank)
+        clock.now += 0.092 + 0.3
+        state.progressed(f"late-{i}", 42)
+        state.ended(f"late-{i}", completed=True)
+    assert state.step_model().margin_s == pytest.approx(0.3)
+    # The queue limit leaves room for it too: its own prefill after starting, and the margin.
+    state.report(stepping_report())
+    assert state.start_to_first_token_s(41) == pytest.approx(0.092 + 0.3)

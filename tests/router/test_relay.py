@@ -205,8 +205,8 @@ def scripted_engine(engine_id: str, link: ScriptedLink) -> SimpleNamespace:
         engine_id=engine_id,
         info=None,
         link=link,
-        head_ttft_s=0.1,
-        dispatched=lambda request_id, tokens, rank: None,
+        start_to_first_token_s=lambda prefill_tokens: 0.1,
+        dispatched=lambda request_id, tokens, rank, cached_tokens: None,
         progressed=lambda request_id, tokens: None,
         ended=lambda request_id, completed: None,
     )

@@ -276,7 +276,7 @@ class KvEventsResponse(_message.Message):
     def __init__(self, engine_instance_id: _Optional[str] = ..., snapshot: _Optional[_Union[KvSnapshot, _Mapping]] = ..., batch: _Optional[_Union[KvEventBatch, _Mapping]] = ...) -> None: ...
 
 class EngineLoad(_message.Message):
-    __slots__ = ("waiting_requests", "running_requests", "max_waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_usage", "prefix_hit_tokens", "prefix_queried_tokens", "generated_tokens", "serving", "max_running_requests", "blocked_requests")
+    __slots__ = ("waiting_requests", "running_requests", "max_waiting_requests", "kv_blocks_total", "kv_blocks_used", "kv_usage", "prefix_hit_tokens", "prefix_queried_tokens", "generated_tokens", "serving", "max_running_requests", "blocked_requests", "prefill_tokens", "max_batched_tokens", "step_fixed_s", "step_token_s")
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +289,10 @@ class EngineLoad(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BLOCKED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIXED_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     waiting_requests: int
     running_requests: int
     max_waiting_requests: int
@@ -301,7 +305,11 @@ class EngineLoad(_message.Message):
     serving: bool
     max_running_requests: int
     blocked_requests: int
-    def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., serving: _Optional[bool] = ..., max_running_requests: _Optional[int] = ..., blocked_requests: _Optional[int] = ...) -> None: ...
+    prefill_tokens: int
+    max_batched_tokens: int
+    step_fixed_s: float
+    step_token_s: float
+    def __init__(self, waiting_requests: _Optional[int] = ..., running_requests: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_queried_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., serving: _Optional[bool] = ..., max_running_requests: _Optional[int] = ..., blocked_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., step_fixed_s: _Optional[float] = ..., step_token_s: _Optional[float] = ...) -> None: ...
 
 class WatchLoadRequest(_message.Message):
     __slots__ = ("interval_ms",)
