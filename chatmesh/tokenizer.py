@@ -165,7 +165,7 @@ class ChatTokenizer:
         """Writes ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template) so that
         ``from_hf_dir`` (and Hugging Face's own loaders) rebuild this tokenizer."""
         directory = Path(directory)
-        (directory / "tokenizer.json").write_text(self._markup.to_str(pretty=True))
+        (directory / "tokenizer.json").write_text(self.tokenizer_json(pretty=True))
         name = self._markup.id_to_token
         settings = {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -177,6 +177,10 @@ class ChatTokenizer:
             "clean_up_tokenization_spaces": False,
         }
         (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False))
+
+    def tokenizer_json(self, pretty: bool = False) -> str:
+        """The tokenizer as Hugging Face's ``tokenizer.json`` text (what grammar libraries load)."""
+        return self._markup.to_str(pretty=pretty)
 
     # -- text <-> ids --------------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@
 in an inbox. The step loop runs in its own thread, so the model never blocks the event loop:
 
     take the inbox (new requests, cancels: their blocks are freed here, before scheduling)
-    → refuse the waiting requests past their queue limit → schedule → run the model → sample → detokenize and check stops → free finished requests
+    → refuse the waiting requests past their queue limit → schedule → run the model → mask the logits
+    of constrained requests (engine.structured) → sample → detokenize and check stops → free finished requests
     → publish the step's KV events as one batch → publish the load → hand all outputs over in one call.
 
 A request's life around the step (admission, replay of resumed output, the stop rule, its finish,
@@ -34,6 +35,7 @@ from engine.request import EngineRequest, Request
 from engine.request_tracker import RequestTracker, TrackedRequest
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.structured import masked_logits
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,7 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.instance_id = uuid.uuid4().hex
+        self.constrained_decoding = True  # its step masks the logits of constrained requests
         spec = runner.spec
         bytes_per_block = runner.kv_bytes_per_block(config.block_size)
         num_blocks = size_kv_pool(config, spec.context_length, bytes_per_block)
@@ -223,6 +226,8 @@ class LLMEngine:
             # Into the scheduler under the lock, so the waiting count admission reads is never short.
             for tracked in new:
                 scheduled = Request(tracked.request, tracked.arrival, self.config.priority_aging_s)
+                if (grammar := tracked.request.grammar) is not None:
+                    scheduled.grammar = grammar.start(tracked.request.resumed_output_token_ids)
                 self._requests[scheduled.request_id] = scheduled
                 self.scheduler.add(scheduled)
         for tracked in new:
@@ -253,14 +258,28 @@ class LLMEngine:
         self.scheduler.update(batch)
         sampled = [req for req, chunk in zip(batch.scheduled, chunks, strict=True) if chunk.needs_logits]
         known_argmax = getattr(self.runner, "argmax", None)
+        argmax = known_argmax() if known_argmax is not None else None
+        constrained = [r for r, req in enumerate(sampled) if req.grammar is not None]
+        if constrained:
+            masked = masked_logits(logits, constrained, [sampled[r].grammar for r in constrained])  # type: ignore[misc]
+            if len(constrained) == len(sampled):
+                logits = masked
+            else:
+                logits = logits.copy()
+                logits[constrained] = masked
+            if argmax is not None:  # the runner's argmax was of the unmasked rows
+                argmax = argmax.copy()
+                argmax[constrained] = np.argmax(masked, axis=1)
         tokens = sample(
             logits,
             [req.request.sampling for req in sampled],
             [req.num_output_tokens for req in sampled],
-            argmax=known_argmax() if known_argmax is not None else None,
+            argmax=argmax,
         )
         for req, token in zip(sampled, tokens, strict=True):
             req.token_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.advance(token)
             outputs.append(self.tracker.add_tokens(self._tracked(req), [token]))
 
     def _tracked(self, req: Request) -> TrackedRequest:

@@ -6,6 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
+from engine.structured import CompiledGrammar, Constraint, GrammarState
+
 
 class Priority(IntEnum):
     LOW = 1
@@ -23,6 +25,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # what the output must match (engine.structured)
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class EngineRequest:
     priority: Priority = Priority.NORMAL
     # The longest it may wait before it is first scheduled (0: no limit): past it, it is refused.
     max_queue_s: float = 0.0
+    # ``sampling.constraint`` compiled for the served tokenizer (the service compiles it before the
+    # engine takes the request).
+    grammar: CompiledGrammar | None = None
 
 
 class RequestStatus(Enum):
@@ -70,6 +76,7 @@ class Request:
     num_stored_blocks: int = 0  # leading blocks that are prefix-cache entries (hits, or stored after a step)
     num_prefix_hit_tokens: int | None = None  # context tokens the prefix cache served at first schedule
     status: RequestStatus = RequestStatus.WAITING
+    grammar: GrammarState | None = None  # where its output is in its constraint's grammar, if any
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.request.prompt_token_ids, *self.request.resumed_output_token_ids]

@@ -116,6 +116,7 @@ class HostedEngine:
         self.tensor_parallel_size = backend.tensor_parallel_size
         self.tokenizer = tokenizer
         self.instance_id = uuid.uuid4().hex
+        self.constrained_decoding = False  # the backend samples; it takes no token masks from us
         self.context_length = spec.context_length
         self.events = KvEventLog(config.kv_events_buffer)
         self.on_outputs: Callable[[list[RequestOutput]], None] = lambda outputs: None
