@@ -2,7 +2,9 @@
 
 Works with the official ``openai`` SDK unmodified (``base_url=<envoy>/v1``, ``api_key=<JWT>``): streaming
 ``data:`` chunks ending in ``data: [DONE]``, ``stream_options.include_usage``, finish reasons, usage with
-cached prompt tokens, and errors in OpenAI's error-object shape.
+cached prompt tokens, and errors in OpenAI's error-object shape. Structured outputs (``response_format``,
+``structured_outputs``) and tools (``tools``, ``tool_choice``, ``tool_calls`` in answers and history):
+edge.structured_outputs and edge.tools.
 """
 
 from __future__ import annotations
@@ -21,8 +23,19 @@ from edge.chats_api import caller_of
 from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
 from edge.orchestrator import RunStream
-from edge.schemas import ChatCompletionIn
+from edge.schemas import ChatCompletionIn, ChatMessageIn
 from edge.sse import Item, TextEvent, compact_json, relay, sse_response
+from edge.structured_outputs import refused_constraint, response_format_proto
+from edge.tools import (
+    ToolCall,
+    ToolCallParser,
+    Tools,
+    calls_text,
+    parse_answer,
+    result_text,
+    tools_for,
+    with_tools_described,
+)
 
 ROLES = {
     "system": chat_pb2.ROLE_SYSTEM,
@@ -32,9 +45,11 @@ ROLES = {
 }
 
 
-def openai_finish_reason(reason: chat_pb2.FinishReason) -> str:
+def openai_finish_reason(reason: chat_pb2.FinishReason, called_tools: bool = False) -> str:
     # OpenAI has no "cancelled": a stopped answer simply ended.
     name = FINISH_REASONS.get(reason) or "stop"
+    if name == "stop" and called_tools:
+        return "tool_calls"
     return name if name in ("stop", "length", "content_filter") else "stop"
 
 
@@ -47,19 +62,56 @@ def openai_usage(usage: chat_pb2.Usage) -> dict:
     }
 
 
-def complete_request(body: ChatCompletionIn) -> chat_pb2.CompleteRequest:
-    return chat_pb2.CompleteRequest(
-        messages=[chat_pb2.PromptMessage(role=ROLES[m.role], content=m.text()) for m in body.messages],
-        options=options_proto(
-            model=body.model,
-            max_tokens=body.max_completion_tokens or body.max_tokens or 0,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop=body.stop_list(),
-        ),
-        merge_deltas=True,
+def prompt_message(message: ChatMessageIn) -> chat_pb2.PromptMessage:
+    """A message of the body as the model reads it: tool calls and results in edge.tools' format."""
+    if message.role == "tool":
+        return chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content=result_text(message.text()))
+    parts = [message.text(), calls_text(message.tool_calls or [])]
+    return chat_pb2.PromptMessage(role=ROLES[message.role], content="\n".join(p for p in parts if p))
+
+
+def answer_tools(body: ChatCompletionIn) -> Tools | None:
+    """The tools the answer may call (None: a plain answer); 400 naming the parameter at fault."""
+    try:
+        tools = tools_for(body.functions(), body.tool_choice, body.parallel_tool_calls)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), code="invalid_value", param="tool_choice") from None
+    if tools is not None and (body.response_format or body.structured_outputs):
+        raise ApiError(
+            400, "tools cannot be combined with response_format or structured_outputs here", param="tools"
+        )
+    if body.response_format and body.response_format.type != "text" and body.structured_outputs:
+        raise ApiError(
+            400, "give response_format or structured_outputs, not both", param="structured_outputs"
+        )
+    return tools
+
+
+def complete_request(body: ChatCompletionIn, tools: Tools | None) -> chat_pb2.CompleteRequest:
+    messages = [prompt_message(m) for m in body.messages]
+    options = options_proto(
+        model=body.model,
+        max_tokens=body.max_completion_tokens or body.max_tokens or 0,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_list(),
     )
+    if tools is not None:
+        messages = with_tools_described(messages, tools)
+        options.structured.CopyFrom(tools.constraint())
+    elif body.structured_outputs is not None:
+        options.structured.CopyFrom(body.structured_outputs.proto())
+    elif (structured := response_format_proto(body.response_format)) is not None:
+        options.structured.CopyFrom(structured)
+    return chat_pb2.CompleteRequest(messages=messages, options=options, merge_deltas=True)
+
+
+def constraint_param(body: ChatCompletionIn) -> str:
+    """The body's field a constraint the engine refused came from."""
+    if body.tools:
+        return "tools"
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
 
 
 def openai_names(error: ApiError) -> ApiError:
@@ -71,9 +123,11 @@ def openai_names(error: ApiError) -> ApiError:
 
 
 class ChunkWriter:
-    """Turns run events into ``chat.completion.chunk`` objects."""
+    """Turns run events into ``chat.completion.chunk`` objects (a tool call as one delta when its
+    ``</tool_call>`` arrives)."""
 
-    def __init__(self, completion_id: str, model: str, include_usage: bool) -> None:
+    def __init__(self, completion_id: str, model: str, include_usage: bool, tools: Tools | None) -> None:
+        self.calls = ToolCallParser(completion_id) if tools is not None else None
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -96,12 +150,17 @@ class ChunkWriter:
         if kind == "started":
             return [self.chunk({"role": "assistant", "content": ""})]
         if kind == "delta":
-            return [self._content(event.delta.text)]
+            if self.calls is None:
+                return [self._content(event.delta.text)]
+            text, calls = self.calls.feed(event.delta.text)
+            return self._tool_deltas(text, calls)
         if kind == "usage":
             self.usage = event.usage
             return []
         if kind == "done":
-            out: list[Item] = [self.chunk({}, openai_finish_reason(event.done.finish_reason))]
+            out = self._tool_deltas(self.calls.rest(), []) if self.calls is not None else []
+            called = bool(self.calls and self.calls.calls)
+            out.append(self.chunk({}, openai_finish_reason(event.done.finish_reason, called)))
             if self.include_usage:
                 out.append(
                     _data({**self.base, "choices": [], "usage": openai_usage(self.usage or chat_pb2.Usage())})
@@ -111,6 +170,13 @@ class ChunkWriter:
             e = event.error
             return self.error(from_run_error(e.code, e.message, e.retry_after_ms))
         return []
+
+    def _tool_deltas(self, text: str, calls: list[ToolCall]) -> list[Item]:
+        out: list[Item] = [self._content(text)] if text else []
+        assert self.calls is not None
+        first = len(self.calls.calls) - len(calls)
+        out += [self.chunk({"tool_calls": [call.chat_json(first + i)]}) for i, call in enumerate(calls)]
+        return out
 
     @staticmethod
     def error(error: ApiError) -> list[Item]:
@@ -127,17 +193,18 @@ async def chat_completions(request: Request) -> Response:
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
     caller = caller_of(request)
     body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
-    stream = orchestrator.stream("Complete", complete_request(body), caller)
+    tools = answer_tools(body)
+    stream = orchestrator.stream("Complete", complete_request(body, tools), caller)
     try:
         first = await stream.opening_answer()
     except ApiError as error:
-        raise openai_names(error) from None
+        raise refused_constraint(openai_names(error), constraint_param(body)) from None
     run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()
     completion_id = f"chatcmpl-{run.run_id or int(started * 1e6)}"
     model = run.model or body.model
     if body.stream:
         writer = ChunkWriter(
-            completion_id, model, bool(body.stream_options and body.stream_options.include_usage)
+            completion_id, model, bool(body.stream_options and body.stream_options.include_usage), tools
         )
         events = relay(
             stream,
@@ -156,10 +223,12 @@ async def chat_completions(request: Request) -> Response:
             ),
         )
         return sse_response(events, settings.streams)
-    return JSONResponse(await _collect(stream, first, completion_id, model))
+    return JSONResponse(await _collect(stream, first, completion_id, model, tools))
 
 
-async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: str, model: str) -> dict:
+async def _collect(
+    stream: RunStream, first: chat_pb2.RunEvent, completion_id: str, model: str, tools: Tools | None
+) -> dict:
     """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
     text: list[str] = []
     usage, finish = chat_pb2.Usage(), chat_pb2.FINISH_REASON_STOP
@@ -174,6 +243,12 @@ async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: s
                 finish = event.done.finish_reason
             elif kind == "error":
                 raise from_run_error(event.error.code, event.error.message, event.error.retry_after_ms)
+    message: dict = {"role": "assistant", "content": "".join(text), "refusal": None}
+    calls: list[ToolCall] = []
+    if tools is not None:
+        message["content"], calls = parse_answer(message["content"], completion_id)
+        if calls:
+            message["tool_calls"] = [call.chat_json() for call in calls]
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -182,9 +257,9 @@ async def _collect(stream: RunStream, first: chat_pb2.RunEvent, completion_id: s
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(text), "refusal": None},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": openai_finish_reason(finish),
+                "finish_reason": openai_finish_reason(finish, bool(calls)),
             }
         ],
         "usage": openai_usage(usage),

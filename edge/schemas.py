@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from chatmesh.limits import Limits
+from edge.structured_outputs import ResponseFormatIn, StructuredOutputsIn, TextIn
+from edge.tools import FunctionIn, ResponseToolIn, ToolCallIn, ToolChoice, ToolIn
 
 # The limits the API fixes. Those an operator sets (message size, model-name length, max_tokens) are the
 # orchestrator's flags: the edge leaves them to the orchestrator, whose refusals it maps (413, 400).
@@ -69,14 +71,36 @@ class ChatMessageIn(BaseModel):
     "message", is ignored as any unknown field)."""
 
     model_config = ConfigDict(extra="ignore")
-    # "developer" is OpenAI's newer name for "system".
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # "developer" is OpenAI's newer name for "system"; "tool" gives a tool call's result back.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None: an assistant turn that only called tools.
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool result's call
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+class FunctionCallItemIn(BaseModel):
+    """A Responses API input item: a function call of an earlier answer, given back."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItemIn(BaseModel):
+    """A Responses API input item: the result of a function call."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
 
 
 class StreamOptionsIn(BaseModel):
@@ -100,6 +124,15 @@ class ChatCompletionIn(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     # One choice per request is all chatmesh generates.
     n: Literal[1] | None = None
+    response_format: ResponseFormatIn | None = None
+    # vLLM's extension: a JSON schema, regex, choice or grammar (docs/structured-outputs.md).
+    structured_outputs: StructuredOutputsIn | None = None
+    tools: list[ToolIn] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def functions(self) -> list[FunctionIn]:
+        return [tool.function for tool in self.tools or []]
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -107,12 +140,16 @@ class ChatCompletionIn(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+InputItem = FunctionCallItemIn | FunctionCallOutputItemIn | ChatMessageIn
+
+
 class ResponseCreateIn(BaseModel):
-    """``POST /v1/responses``: the text subset of OpenAI's Responses API (no tools, files or images)."""
+    """``POST /v1/responses``: text and function calling in OpenAI's Responses API (no files, images
+    or hosted tools)."""
 
     model_config = ConfigDict(extra="ignore")
     model: str = ""
-    input: str | Annotated[list[ChatMessageIn], Field(min_length=1, max_length=API.max_prompt_messages)]
+    input: str | Annotated[list[InputItem], Field(min_length=1, max_length=API.max_prompt_messages)]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, max_length=API.max_id_chars)
     # Stored responses are runs of a chat (retrievable, resumable, chainable); unstored ones are not kept.
@@ -122,10 +159,26 @@ class ResponseCreateIn(BaseModel):
     max_output_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    # Tools are not served here: refusing them beats answering as if they had been offered.
-    tools: Annotated[list[dict], Field(max_length=0)] = Field(default_factory=list)
+    text: TextIn | None = None
+    tools: list[ResponseToolIn] = Field(default_factory=list, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def messages(self) -> list[ChatMessageIn]:
+        """The input as chat messages: a function call given back is an assistant turn that called it,
+        its output a tool result."""
         if isinstance(self.input, str):
             return [ChatMessageIn(role="user", content=self.input)]
-        return list(self.input)
+        messages: list[ChatMessageIn] = []
+        for item in self.input:
+            if isinstance(item, FunctionCallItemIn):
+                call = ToolCallIn(id=item.call_id, function={"name": item.name, "arguments": item.arguments})
+                if messages and messages[-1].role == "assistant" and messages[-1].tool_calls is not None:
+                    messages[-1].tool_calls.append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append(ChatMessageIn(role="assistant", tool_calls=[call]))
+            elif isinstance(item, FunctionCallOutputItemIn):
+                messages.append(ChatMessageIn(role="tool", content=item.output, tool_call_id=item.call_id))
+            else:
+                messages.append(item)
+        return messages

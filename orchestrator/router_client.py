@@ -55,6 +55,7 @@ def start_frame(
         top_p=generation.top_p,
         max_tokens=generation.max_tokens,
         stop=list(generation.stop),
+        structured=generation.structured,
     )
     # A seed of its own when the caller gave none: sampling is a function of (seed, position), so the
     # answer can be continued on another router or by another replica, token for token.
