@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from chatmesh.limits import Limits
 from edge.structured_outputs import ResponseFormatIn, StructuredOutputsIn, TextIn
@@ -75,8 +75,22 @@ class ChatMessageIn(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # None: an assistant turn that only called tools.
     content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
-    tool_call_id: str | None = None  # a tool result's call
+    tool_calls: list[ToolCallIn] | None = Field(None, validate_default=True)  # an assistant turn's calls
+    tool_call_id: str | None = Field(None, validate_default=True)  # a tool result's call
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _result_names_its_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if (info.data.get("role") == "tool") != (value is not None):
+            raise ValueError("a tool message, and only a tool message, names its call's tool_call_id")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, value: list[ToolCallIn] | None, info: ValidationInfo) -> object:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return value
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):

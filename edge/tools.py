@@ -207,13 +207,16 @@ class ToolCallParser:
             return released, []
         completed = []
         while (end := self._held.find(CALL_CLOSE)) >= 0:
-            body = self._held[:end].strip().removeprefix(CALL_OPEN)
-            self._held = self._held[end + len(CALL_CLOSE) :].lstrip("\n")
-            call = json.loads(body)
-            completed.append(
-                ToolCall(call_id(self.seed, len(self.calls)), call["name"], json.dumps(call["arguments"]))
-            )
-            self.calls.extend(completed[-1:])
+            block = self._held[: end + len(CALL_CLOSE)]
+            self._held = self._held[len(block) :].lstrip("\n")
+            try:
+                call = json.loads(block.removeprefix(CALL_OPEN).removesuffix(CALL_CLOSE))
+                name, arguments = call["name"], json.dumps(call["arguments"])
+            except (ValueError, KeyError, TypeError):  # never under the grammar: text written unconstrained
+                self._mode, released, self._held = "text", block + self._held, ""
+                return released, completed
+            completed.append(ToolCall(call_id(self.seed, len(self.calls)), name, arguments))
+            self.calls.append(completed[-1])
         return "", completed
 
     def rest(self) -> str:

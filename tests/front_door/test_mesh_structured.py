@@ -216,3 +216,43 @@ def test_tool_choice_naming_an_unknown_function_is_a_400(sdk: openai.OpenAI):
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert refused.value.body["param"] == "tool_choice"
+
+
+def test_responses_parse_with_a_pydantic_text_format_gives_a_validated_object(sdk: openai.OpenAI):
+    response = sdk.responses.parse(
+        model="",
+        input="Describe a person who lives in Rome, in JSON.",
+        text_format=Person,
+        temperature=0,
+        max_output_tokens=96,
+    )
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, Person)
+    assert response.text.format.type == "json_schema"
+
+
+def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: openai.OpenAI):
+    tool = {"type": "function", **TIME_TOOL["function"]}
+    called = sdk.responses.create(
+        model="",
+        input="What time is it in Tokyo?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=64,
+    )
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "get_time" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), TIME_TOOL["function"]["parameters"])
+    again = sdk.responses.retrieve(called.id)
+    assert [item.model_dump() for item in again.output] == [call.model_dump()], "the same items, read again"
+    answered = sdk.responses.create(
+        model="",
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
+        tools=[tool],
+        temperature=0,
+        max_output_tokens=48,
+    )
+    assert answered.status in ("completed", "incomplete") and answered.output

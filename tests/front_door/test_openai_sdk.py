@@ -78,7 +78,8 @@ def test_sdk_sees_typed_errors(front_door: ScriptedFrontDoor, sdk: openai.OpenAI
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
@@ -86,7 +87,7 @@ def test_sdk_sees_typed_errors(front_door: ScriptedFrontDoor, sdk: openai.OpenAI
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2**32}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ],
-    ids=["role", "n", "no-messages", "content-type", "part-type", "max-tokens-past-uint32", "temperature"],
+    ids=["role", "tool-result-without-its-call", "n", "no-messages", "content-type", "part-type", "max-tokens-past-uint32", "temperature"],
 )
 def test_validation_errors_are_openais_400_invalid_request_error_with_param(
     front_door: ScriptedFrontDoor, sdk: openai.OpenAI, body: dict, param: str
