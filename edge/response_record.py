@@ -145,7 +145,7 @@ class ResponseRecord:
         if not calls:
             return [self.message_item()]
         status = "completed" if self.status == "completed" else "incomplete"
-        items = [
+        items: list[dict] = [
             {
                 "id": "fc_" + call.id.removeprefix("call_"),
                 "type": "function_call",

@@ -205,7 +205,7 @@ class ToolCallParser:
         if self._mode == "text":
             released, self._held = self._held, ""
             return released, []
-        completed = []
+        completed: list[ToolCall] = []
         while (end := self._held.find(CALL_CLOSE)) >= 0:
             block = self._held[: end + len(CALL_CLOSE)]
             self._held = self._held[len(block) :].lstrip("\n")

@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.numpy as llg_numpy
@@ -28,9 +29,12 @@ import numpy as np
 
 from chatmesh.tokenizer import ChatTokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # only in the type stubs
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # How JSON is written: compact, one space after ',' and ':' (what json.dumps writes), nothing else.
-JSON_FORMAT: llguidance.JsonCompileOptions = {
+JSON_FORMAT: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

@@ -87,7 +87,16 @@ def test_sdk_sees_typed_errors(front_door: ScriptedFrontDoor, sdk: openai.OpenAI
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2**32}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ],
-    ids=["role", "tool-result-without-its-call", "n", "no-messages", "content-type", "part-type", "max-tokens-past-uint32", "temperature"],
+    ids=[
+        "role",
+        "tool-result-without-its-call",
+        "n",
+        "no-messages",
+        "content-type",
+        "part-type",
+        "max-tokens-past-uint32",
+        "temperature",
+    ],
 )
 def test_validation_errors_are_openais_400_invalid_request_error_with_param(
     front_door: ScriptedFrontDoor, sdk: openai.OpenAI, body: dict, param: str
