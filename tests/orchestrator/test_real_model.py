@@ -108,7 +108,10 @@ async def test_a_constrained_answer_adopted_after_its_replica_died_keeps_its_con
     mask would differ) and the whole answer validates."""
     schema = {
         "type": "object",
-        "properties": {"title": {"type": "string"}, "story": {"type": "string", "minLength": 300}},
+        "properties": {
+            "title": {"type": "string", "maxLength": 60},
+            "story": {"type": "string", "minLength": 300, "maxLength": 600},
+        },
         "required": ["title", "story"],
         "additionalProperties": False,
     }
@@ -124,7 +127,8 @@ async def test_a_constrained_answer_adopted_after_its_replica_died_keeps_its_con
             structured=chat_pb2.StructuredOutput(json_schema=json.dumps(schema)),
         )
         chat = await on_victim.create_chat()
-        # At least 300 characters of story: the answer is still going after 40 events.
+        # At least 300 characters of story: the answer is still going after 40 events; at most 600, so
+        # it ends within max_tokens.
         seen = await read_until(
             on_victim.send(chat.chat_id, "Write a story about a dragon.", options=options), 40
         )
