@@ -2,6 +2,10 @@
 one run: the numbers behind docs/structured-outputs.md.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_structured.py [--reps 3] [--max-tokens 256]
+        [--suite-only]
+
+CPU-time rates (this process's, all threads) are steadier than wall time on a machine shared with
+other work; both are printed.
 
 1. The schema suite (tests/data/json_schemas, each schema in the system turn, its description as the
    ask), all in one batch, greedy and at temperature 0.7: how many finish with ``stop`` within
@@ -20,16 +24,20 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jsonschema  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
 from chatmesh.model_files import bundled_model_path  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
+from engine import llm_engine  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.cpu_runner import CpuModelRunner  # noqa: E402
@@ -37,7 +45,13 @@ from engine.model.gguf_loader import load_gguf  # noqa: E402
 from engine.model.kernels import select_kernels  # noqa: E402
 from engine.outputs import FinishReason, RequestOutput  # noqa: E402
 from engine.request import EngineRequest, SamplingParams  # noqa: E402
-from engine.structured import CompiledGrammar, Constraint, GrammarCompiler  # noqa: E402
+from engine.structured import (  # noqa: E402
+    CompiledGrammar,
+    Constraint,
+    GrammarCompiler,
+    GrammarState,
+    masked_logits,
+)
 
 SCHEMAS = ROOT / "tests" / "data" / "json_schemas"
 STREAMS = 32
@@ -117,7 +131,14 @@ def suite(bench: Bench, max_tokens: int, temperature: float) -> dict:
     return {"schemas": len(schemas), "stop": stopped, "invalid": invalid, "cut_by_max_tokens": cut}
 
 
-def decode_round(bench: Bench, constrained: bool) -> float:
+@dataclass
+class Round:
+    wall_tok_s: float  # aggregate decode tokens per second of wall time
+    cpu_tok_s: float  # per second of this process's CPU time (all threads): steadier on a busy machine
+    mask_ms_per_step: float  # wall time in masked_logits per step (0 unconstrained)
+
+
+def decode_round(bench: Bench, constrained: bool) -> Round:
     """Aggregate decode tokens/s of STREAMS streams over the steps where all of them decode."""
     prompt = bench.tokenizer.encode_chat([ChatMessage("user", "Take notes on the history of Rome.")])
     grammar = bench.compiler.compile(Constraint("json_schema", json.dumps(ENDLESS))) if constrained else None
@@ -128,23 +149,38 @@ def decode_round(bench: Bench, constrained: bool) -> float:
         r.num_computed_tokens < r.num_tokens - 1 for r in bench.engine.scheduler.running
     ):
         bench.engine.step()  # the prompts' prefill
-    steps, start = 0, time.perf_counter()
+    MASK_TIMES.clear()
+    steps, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while bench.engine.has_unfinished_requests():
         running = len(bench.engine.scheduler.running)
         bench.engine.step()
         if running == STREAMS:
             steps += 1
-    elapsed = time.perf_counter() - start
-    return STREAMS * steps / elapsed
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return Round(STREAMS * steps / elapsed, STREAMS * steps / cpu, sum(MASK_TIMES) * 1e3 / steps)
+
+
+MASK_TIMES: list[float] = []
+
+
+def _timed_masks(logits: np.ndarray, rows: Sequence[int], states: Sequence[GrammarState]) -> np.ndarray:
+    start = time.perf_counter()
+    masked = masked_logits(logits, rows, states)
+    MASK_TIMES.append(time.perf_counter() - start)
+    return masked
+
+
+llm_engine.masked_logits = _timed_masks  # the step's mask, timed (the engine calls it by this name)
 
 
 def first_token_s(bench: Bench, grammar: CompiledGrammar | None, prompt: list[int]) -> float:
+    """CPU seconds (this process, all threads) from the request's arrival to its first token."""
     bench.outputs.clear()
-    start = time.perf_counter()
+    start = time.process_time()
     bench.engine.add_request(bench.request(prompt, grammar, 1))
     while not bench.outputs:
         bench.engine.step()
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     while bench.engine.has_unfinished_requests():
         bench.engine.step()
     return elapsed
@@ -172,6 +208,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--suite-only", action="store_true", help="part 1 only")
     args = parser.parse_args()
     print(machine())
     bench = Bench()
@@ -179,24 +216,32 @@ def main() -> None:
     for temperature in (0.0, 0.7):
         report[f"suite_t{temperature}"] = suite(bench, args.max_tokens, temperature)
         print(f"suite, temperature {temperature}:", json.dumps(report[f"suite_t{temperature}"]))
+    if args.suite_only:
+        return
 
-    rates: dict[bool, list[float]] = {False: [], True: []}
+    rounds: dict[bool, list[Round]] = {False: [], True: []}
     for _ in range(args.reps):
         for constrained in (False, True):
-            rates[constrained].append(decode_round(bench, constrained))
-    ratios = [c / u for c, u in zip(rates[True], rates[False], strict=True)]
+            rounds[constrained].append(decode_round(bench, constrained))
+    for label, pick in (("wall", lambda r: r.wall_tok_s), ("CPU", lambda r: r.cpu_tok_s)):
+        free, held = [pick(r) for r in rounds[False]], [pick(r) for r in rounds[True]]
+        ratios = [c / u for c, u in zip(held, free, strict=True)]
+        print(
+            f"decode, {STREAMS} streams x {DECODE_TOKENS} tokens, aggregate tok/s of {label} time: unconstrained "
+            f"{statistics.median(free):.0f} [{min(free):.0f}, {max(free):.0f}], constrained "
+            f"{statistics.median(held):.0f} [{min(held):.0f}, {max(held):.0f}]; constrained/unconstrained "
+            f"per round: {', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f})"
+        )
+    masks = [r.mask_ms_per_step for r in rounds[True]]
     print(
-        f"decode, {STREAMS} streams x {DECODE_TOKENS} tokens (aggregate tok/s): unconstrained "
-        f"{statistics.median(rates[False]):.0f} [{min(rates[False]):.0f}, {max(rates[False]):.0f}], "
-        f"constrained {statistics.median(rates[True]):.0f} [{min(rates[True]):.0f}, {max(rates[True]):.0f}]; "
-        f"constrained/unconstrained per round: {', '.join(f'{r:.3f}' for r in ratios)}"
+        f"mask of {STREAMS} rows per step (ms, wall): median {statistics.median(masks):.2f} [{min(masks):.2f}, {max(masks):.2f}]"
     )
 
     schema = json.loads((SCHEMAS / "person.json").read_text())
     prompt = bench.prompt(schema)
     grammar = bench.compiler.compile(Constraint("json_schema", json.dumps(schema)))
     first_token_s(bench, None, prompt)  # the prompt's KV in the prefix cache
-    pairs = [(first_token_s(bench, None, prompt), first_token_s(bench, grammar, prompt)) for _ in range(20)]
+    pairs = [(first_token_s(bench, None, prompt), first_token_s(bench, grammar, prompt)) for _ in range(40)]
     extra_ms = [(c - u) * 1e3 for u, c in pairs]
     admit = []
     constraint = Constraint("json_schema", json.dumps(schema))
@@ -207,7 +252,7 @@ def main() -> None:
         cached.start(())
         admit.append((time.perf_counter() - start) * 1e6)
     print(
-        f"first token, cached schema, prompt KV cached (ms): unconstrained "
+        f"first token, cached schema, prompt KV cached (ms of CPU): unconstrained "
         f"{statistics.median(u for u, _ in pairs) * 1e3:.2f}, constrained {statistics.median(c for _, c in pairs) * 1e3:.2f}; "
         f"extra per pair p50 {statistics.median(extra_ms):.2f} ms [{min(extra_ms):.2f}, {max(extra_ms):.2f}]; "
         f"service admission of a cached constraint p50 {statistics.median(admit):.1f} µs"

@@ -90,7 +90,7 @@ class LLMEngine:
         self.on_failure: Callable[[str], None] = lambda message: None
         self.tracker = RequestTracker(tokenizer, self._release, metrics, clock)
         self._clock = clock
-        self._metrics = metrics
+        self.metrics = metrics
         self._requests: dict[str, Request] = {}  # step thread only: the scheduler's side of each request
         # The inbox (with the tracker's admitted requests), shared with other threads.
         self._wakeup = threading.Condition()
@@ -213,8 +213,8 @@ class LLMEngine:
             self._execute(batch, outputs)
         self.events.flush()
         self.stats = self._current_stats()
-        if self._metrics is not None:
-            self._metrics.observe_step(self.stats)
+        if self.metrics is not None:
+            self.metrics.observe_step(self.stats)
         if outputs:
             self.on_outputs(outputs)
         return bool(batch.scheduled or outputs)

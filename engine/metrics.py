@@ -42,6 +42,15 @@ class EngineMetrics(ComponentMetrics):
             "Requests refused (RESOURCE_EXHAUSTED) after waiting past their queue limit without starting.",
         )
         self.generated_tokens = self.counter("generated_tokens", "Output tokens sampled.")
+        self.grammar_compile = self.histogram(
+            "grammar_compile_seconds",
+            "Time to compile a request's output constraint not in the cache (waiting for a compile thread "
+            "included), by outcome: compiled, or refused as invalid or unsupported.",
+            ["outcome"],
+        )
+        self.grammar_cache_hits = self.counter(
+            "grammar_cache_hits", "Constrained requests whose constraint was compiled already (no compile)."
+        )
         self._last = EngineStats()
 
     def observe_step(self, stats: EngineStats) -> None:

@@ -18,6 +18,7 @@ from chatmesh.streams import StartThenCancel
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_events import BlocksStored, KvEventBatch, KvEventLog, SubscriberOverflow
+from engine.metrics import EngineMetrics
 from engine.model.runner import ModelSpec
 from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput
 from engine.request import EngineRequest
@@ -46,6 +47,7 @@ class ServedEngine(Protocol):
     tokenizer: ChatTokenizer
     instance_id: str
     constrained_decoding: bool  # whether it masks logits for requests with a constraint (structured)
+    metrics: EngineMetrics | None
     context_length: int  # the longest request it takes (prompt + max_tokens)
     events: KvEventLog
     stats: EngineStats  # the load after the last step
@@ -173,6 +175,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             return request
         assert self._grammars is not None  # validated
         compiled = self._grammars.cached(constraint)
+        if compiled is not None and self.engine.metrics is not None:
+            self.engine.metrics.grammar_cache_hits.inc()
         return None if compiled is None else self._with_grammar(request, compiled)
 
     async def with_compiled_grammar(self, request: EngineRequest) -> EngineRequest:
@@ -180,11 +184,18 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         the problem if it does not compile."""
         constraint = request.sampling.constraint
         assert constraint is not None and self._grammars is not None
+        started = self._loop.time()
         try:
             compiled = await self._loop.run_in_executor(self._compiles, self._grammars.compile, constraint)
         except ValueError as exc:
+            self._observe_compile(started, "refused")
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.structured: {exc}") from None
+        self._observe_compile(started, "compiled")
         return self._with_grammar(request, compiled)
+
+    def _observe_compile(self, started: float, outcome: str) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.grammar_compile.labels(outcome).observe(self._loop.time() - started)
 
     def _with_grammar(self, request: EngineRequest, compiled: CompiledGrammar) -> EngineRequest:
         try:  # output resumed after a failover must be what the constraint allows

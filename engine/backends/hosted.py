@@ -123,7 +123,7 @@ class HostedEngine:
         self.on_failure: Callable[[str], None] = lambda message: None
         self.stats = EngineStats()
         self.tracker = RequestTracker(tokenizer, self._release, metrics, clock)
-        self._metrics = metrics
+        self.metrics = metrics
         self._tasks: dict[str, asyncio.Task] = {}  # loop: each request's stream through the backend
         self._counters = _Counters()  # loop
         self._load_warned = False  # loop
@@ -314,5 +314,5 @@ class HostedEngine:
             prefix_queried_tokens=c.prefix_queried_tokens,
             generated_tokens=self.tracker.generated_tokens,
         )
-        if self._metrics is not None:
-            self._metrics.observe_step(self.stats)
+        if self.metrics is not None:
+            self.metrics.observe_step(self.stats)

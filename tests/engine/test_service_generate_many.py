@@ -6,6 +6,7 @@ frees whatever it still holds."""
 import asyncio
 import re
 import signal
+import urllib.request
 
 import grpc
 import pytest
@@ -174,7 +175,7 @@ def constrained_frame(
 
 
 async def test_constrained_requests_share_a_stream_with_free_ones_and_one_that_does_not_compile_fails_alone(
-    stub, prompt
+    stub, prompt, null_engine
 ):
     """A constraint compiles in the service's compile threads (the first of each distinct one; later
     ones come from the cache) while the stream goes on; one that does not compile is refused,
@@ -214,3 +215,15 @@ async def test_constrained_requests_share_a_stream_with_free_ones_and_one_that_d
             stub, constrained("bad", prompt, engine_pb2.StructuredOutput(json_schema="{"))
         ).rest()
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not JSON" in refused.value.details()
+    url = f"http://127.0.0.1:{null_engine.metrics_port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    for series in (
+        'grammar_compile_seconds_count{outcome="compiled"}',
+        'grammar_compile_seconds_count{outcome="refused"}',
+    ):
+        assert float(_sample(body, f"chatmesh_engine_{series}")) >= 1, series
+    assert float(_sample(body, "chatmesh_engine_grammar_cache_hits_total")) >= 1, "the second choice request"
+
+
+def _sample(exposition: str, series: str) -> str:
+    return next(line.split()[-1] for line in exposition.splitlines() if line.startswith(series + " "))
