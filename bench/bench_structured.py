@@ -11,7 +11,8 @@ other work; both are printed.
    ask), all in one batch, greedy and at temperature 0.7: how many finish with ``stop`` within
    ``--max-tokens``, and whether every finished output validates (jsonschema).
 2. Decode throughput of 32 streams all constrained to one cached schema against 32 unconstrained, the
-   same prompt, the same number of tokens (the schema cannot end sooner), rounds alternated.
+   same prompt, the same number of tokens (the schema cannot end sooner), rounds alternated; greedy
+   (where a row whose best token its grammar allows needs no masking pass) and at temperature 0.7.
 3. First-token cost of a cached schema: one request alone, constrained against not (its prompt's KV
    cached, so the step is one token), and the service's admission of a cached constraint.
 4. Compile time (cold, no cache) of every schema in the suite, ``--reps`` times: p50 / p99.
@@ -50,7 +51,7 @@ from engine.structured import (  # noqa: E402
     Constraint,
     GrammarCompiler,
     GrammarState,
-    masked_logits,
+    constrained_logits,
 )
 
 SCHEMAS = ROOT / "tests" / "data" / "json_schemas"
@@ -135,15 +136,17 @@ def suite(bench: Bench, max_tokens: int, temperature: float) -> dict:
 class Round:
     wall_tok_s: float  # aggregate decode tokens per second of wall time
     cpu_tok_s: float  # per second of this process's CPU time (all threads): steadier on a busy machine
-    mask_ms_per_step: float  # wall time in masked_logits per step (0 unconstrained)
+    mask_ms_per_step: float  # wall time in constrained_logits per step (0 unconstrained)
 
 
-def decode_round(bench: Bench, constrained: bool) -> Round:
+def decode_round(bench: Bench, constrained: bool, temperature: float) -> Round:
     """Aggregate decode tokens/s of STREAMS streams over the steps where all of them decode."""
     prompt = bench.tokenizer.encode_chat([ChatMessage("user", "Take notes on the history of Rome.")])
     grammar = bench.compiler.compile(Constraint("json_schema", json.dumps(ENDLESS))) if constrained else None
     for _ in range(STREAMS):
-        bench.engine.add_request(bench.request(prompt, grammar, DECODE_TOKENS, ignore_eos=True))
+        bench.engine.add_request(
+            bench.request(prompt, grammar, DECODE_TOKENS, ignore_eos=True, temperature=temperature, seed=3)
+        )
     bench.outputs.clear()
     while len(bench.engine.scheduler.running) < STREAMS or any(
         r.num_computed_tokens < r.num_tokens - 1 for r in bench.engine.scheduler.running
@@ -163,14 +166,42 @@ def decode_round(bench: Bench, constrained: bool) -> Round:
 MASK_TIMES: list[float] = []
 
 
-def _timed_masks(logits: np.ndarray, rows: Sequence[int], states: Sequence[GrammarState]) -> np.ndarray:
+def _timed_masks(
+    logits: np.ndarray,
+    argmax: np.ndarray | None,
+    rows: Sequence[int],
+    states: Sequence[GrammarState],
+    greedy: Sequence[bool],
+) -> tuple[np.ndarray, np.ndarray | None]:
     start = time.perf_counter()
-    masked = masked_logits(logits, rows, states)
+    constrained = constrained_logits(logits, argmax, rows, states, greedy)
     MASK_TIMES.append(time.perf_counter() - start)
-    return masked
+    return constrained
 
 
-llm_engine.masked_logits = _timed_masks  # the step's mask, timed (the engine calls it by this name)
+llm_engine.constrained_logits = _timed_masks  # the step's masks, timed (the engine calls it by this name)
+
+
+def decode_side_by_side(bench: Bench, temperature: float, reps: int) -> None:
+    rounds: dict[bool, list[Round]] = {False: [], True: []}
+    for _ in range(reps):
+        for constrained in (False, True):
+            rounds[constrained].append(decode_round(bench, constrained, temperature))
+    what = f"decode at temperature {temperature}, {STREAMS} streams x {DECODE_TOKENS} tokens"
+    for label, pick in (("wall", lambda r: r.wall_tok_s), ("CPU", lambda r: r.cpu_tok_s)):
+        free, held = [pick(r) for r in rounds[False]], [pick(r) for r in rounds[True]]
+        ratios = [c / u for c, u in zip(held, free, strict=True)]
+        print(
+            f"{what}, aggregate tok/s of {label} time: unconstrained {statistics.median(free):.0f} "
+            f"[{min(free):.0f}, {max(free):.0f}], constrained {statistics.median(held):.0f} "
+            f"[{min(held):.0f}, {max(held):.0f}]; constrained/unconstrained per round: "
+            f"{', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f})"
+        )
+    masks = [r.mask_ms_per_step for r in rounds[True]]
+    print(
+        f"{what}: masks per step (ms, wall): median {statistics.median(masks):.2f} "
+        f"[{min(masks):.2f}, {max(masks):.2f}]"
+    )
 
 
 def first_token_s(bench: Bench, grammar: CompiledGrammar | None, prompt: list[int]) -> float:
@@ -219,23 +250,8 @@ def main() -> None:
     if args.suite_only:
         return
 
-    rounds: dict[bool, list[Round]] = {False: [], True: []}
-    for _ in range(args.reps):
-        for constrained in (False, True):
-            rounds[constrained].append(decode_round(bench, constrained))
-    for label, pick in (("wall", lambda r: r.wall_tok_s), ("CPU", lambda r: r.cpu_tok_s)):
-        free, held = [pick(r) for r in rounds[False]], [pick(r) for r in rounds[True]]
-        ratios = [c / u for c, u in zip(held, free, strict=True)]
-        print(
-            f"decode, {STREAMS} streams x {DECODE_TOKENS} tokens, aggregate tok/s of {label} time: unconstrained "
-            f"{statistics.median(free):.0f} [{min(free):.0f}, {max(free):.0f}], constrained "
-            f"{statistics.median(held):.0f} [{min(held):.0f}, {max(held):.0f}]; constrained/unconstrained "
-            f"per round: {', '.join(f'{r:.3f}' for r in ratios)} (median {statistics.median(ratios):.3f})"
-        )
-    masks = [r.mask_ms_per_step for r in rounds[True]]
-    print(
-        f"mask of {STREAMS} rows per step (ms, wall): median {statistics.median(masks):.2f} [{min(masks):.2f}, {max(masks):.2f}]"
-    )
+    for temperature in (0.0, 0.7):
+        decode_side_by_side(bench, temperature, args.reps)
 
     schema = json.loads((SCHEMAS / "person.json").read_text())
     prompt = bench.prompt(schema)

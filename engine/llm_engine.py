@@ -35,7 +35,7 @@ from engine.request import EngineRequest, Request
 from engine.request_tracker import RequestTracker, TrackedRequest
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.structured import masked_logits
+from engine.structured import constrained_logits
 
 log = logging.getLogger(__name__)
 
@@ -261,15 +261,13 @@ class LLMEngine:
         argmax = known_argmax() if known_argmax is not None else None
         constrained = [r for r, req in enumerate(sampled) if req.grammar is not None]
         if constrained:
-            masked = masked_logits(logits, constrained, [sampled[r].grammar for r in constrained])  # type: ignore[misc]
-            if len(constrained) == len(sampled):
-                logits = masked
-            else:
-                logits = logits.copy()
-                logits[constrained] = masked
-            if argmax is not None:  # the runner's argmax was of the unmasked rows
-                argmax = argmax.copy()
-                argmax[constrained] = np.argmax(masked, axis=1)
+            logits, argmax = constrained_logits(
+                logits,
+                argmax,
+                constrained,
+                [sampled[r].grammar for r in constrained],  # type: ignore[misc]
+                [sampled[r].request.sampling.temperature == 0.0 for r in constrained],
+            )
         tokens = sample(
             logits,
             [req.request.sampling for req in sampled],

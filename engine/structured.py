@@ -7,7 +7,7 @@ tokenizer, once per distinct constraint (an LRU cache; the engine serves one mod
 per model and schema): the service compiles off the step thread and off the event loop, and refuses
 a constraint that does not compile, naming the problem, before anything runs. Each request then gets
 a ``GrammarState`` of its own (a copy of the compiled matcher: microseconds), which the step thread
-advances with every token sampled; ``masked_logits`` sets every token the grammar forbids to -inf.
+advances with every token sampled; ``constrained_logits`` sets every token the grammar forbids to -inf.
 
 JSON is generated compact (``", "`` and ``": "`` between items, no other whitespace), so a small model
 cannot spend its tokens on runs of spaces and newlines, and any output is a fixed function of the
@@ -150,16 +150,49 @@ class GrammarCompiler:
             return self._llg_tokenizer
 
 
-def masked_logits(logits: np.ndarray, rows: Sequence[int], states: Sequence[GrammarState]) -> np.ndarray:
-    """``logits``' ``rows`` (a new array; runners reuse their buffers) with every token the row's
-    state's grammar forbids at -inf. One bitmask for all the rows, expanded and applied at once."""
+def allowed_tokens(states: Sequence[GrammarState], width: int) -> np.ndarray:
+    """Which tokens each state's grammar allows next: one bool row per state, ``width`` wide (a model's
+    logits may be wider than its tokenizer's vocabulary: padding tokens, never allowed)."""
     vocab = states[0].vocab_size  # one served tokenizer
-    bitmask = llg_numpy.allocate_token_bitmask(len(rows), vocab)
+    bitmask = llg_numpy.allocate_token_bitmask(len(states), vocab)
     for i, state in enumerate(states):
         llg_numpy.fill_next_token_bitmask(state.matcher, bitmask, i)
-    allowed = np.zeros((len(rows), logits.shape[1]), dtype=bool)  # tokens past the tokenizer's: never
-    allowed[:, :vocab] = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    return np.where(allowed, logits[np.asarray(rows)], np.float32(-np.inf))
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(bool)[:, :vocab]
+    if width <= vocab:
+        return bits[:, :width]
+    wide = np.zeros((len(states), width), dtype=bool)
+    wide[:, :vocab] = bits
+    return wide
+
+
+def constrained_logits(
+    logits: np.ndarray,
+    argmax: np.ndarray | None,
+    rows: Sequence[int],
+    states: Sequence[GrammarState],
+    greedy: Sequence[bool],
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The step's logits and argmax (the runner's, if it has it) with ``rows`` constrained by their
+    ``states``: every token a row's grammar forbids at -inf. A greedy row whose argmax its grammar
+    allows is left as it is (the best allowed token is the best token: no pass over its logits). The
+    runner's buffers are never written: masked rows go into a copy."""
+    allowed = allowed_tokens(states, logits.shape[1])
+    masked = [
+        i for i, r in enumerate(rows) if not (greedy[i] and argmax is not None and allowed[i, argmax[r]])
+    ]
+    if not masked:
+        return logits, argmax
+    where = [rows[i] for i in masked]
+    values = np.where(allowed[masked], logits[where], np.float32(-np.inf))
+    if len(where) == len(logits):  # every row (in order: rows ascend)
+        logits = values
+    else:
+        logits = logits.copy()
+        logits[where] = values
+    if argmax is not None:
+        argmax = argmax.copy()
+        argmax[where] = np.argmax(values, axis=1)
+    return logits, argmax
 
 
 def _problem(error: str) -> str:

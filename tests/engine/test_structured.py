@@ -180,3 +180,31 @@ def test_a_compiled_constraint_is_kept_per_distinct_constraint(compiler):
 
 def _json(name: str) -> Constraint:
     return Constraint("json_schema", json.dumps(schema(name)))
+
+
+def test_masks_leave_free_rows_and_the_runners_buffer_alone_and_skip_greedy_rows_whose_best_is_allowed(
+    compiler, chat_tokenizer
+):
+    import numpy as np
+
+    from engine.structured import allowed_tokens, constrained_logits
+
+    grammar = compiler.compile(Constraint("choice", json.dumps(["yes", "no"])))
+    states = [grammar.start(), grammar.start()]
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((4, chat_tokenizer.vocab_size + 8), dtype=np.float32)  # 8 padding tokens
+    allowed = allowed_tokens(states, logits.shape[1])
+    assert not allowed[:, chat_tokenizer.vocab_size :].any(), "padding tokens are never allowed"
+    yes = chat_tokenizer.encode("yes")[0]
+    assert allowed[0, yes] and allowed.sum(axis=1).tolist() == [allowed[0].sum()] * 2
+    logits[1, yes] = 100.0  # row 1's best token is allowed: greedy, it needs no masking
+    argmax = np.argmax(logits, axis=1)
+    before = logits.copy()
+    out, best = constrained_logits(logits, argmax, [1, 3], states, [True, True])
+    assert np.array_equal(logits, before) and best is not argmax, "the runner's arrays are not written"
+    assert np.array_equal(out[[0, 2]], before[[0, 2]]), "free rows unchanged"
+    assert np.array_equal(out[1], before[1]) and best[1] == yes, "an allowed best token: left as it is"
+    assert np.isinf(out[3][~allowed[1]]).all() and np.array_equal(out[3][allowed[1]], before[3][allowed[1]])
+    assert allowed[1, best[3]] and best[3] == np.argmax(out[3])
+    sampled, _ = constrained_logits(logits, argmax, [1, 3], states, [False, False])
+    assert np.isinf(sampled[1][~allowed[0]]).all(), "a sampled row is always masked"
