@@ -74,7 +74,9 @@ def openai_errors(
                 exc.status = 400
             if exc.param is not None:
                 exc.param = (
-                    _PARAMS.get(exc.param) or _PARAMS.get(exc.param.split("[")[0]) or exc.param.split(".")[0]
+                    _PARAMS.get(exc.param)
+                    or _PARAMS.get(exc.param.split("[")[0])
+                    or exc.param.split(".")[0].split("[")[0]
                 )
             raise
 

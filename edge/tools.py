@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from chatmesh.chat.v1 import chat_pb2
 from edge.structured_outputs import FunctionName
@@ -55,6 +55,13 @@ class ResponseToolIn(FunctionIn):
     """A Responses API tool (the function's fields beside ``type``)."""
 
     type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_function(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "function":
+            raise ValueError(f"tools of type {data.get('type')!r} are not served here: only function tools")
+        return data
 
 
 class ChosenFunctionIn(BaseModel):
