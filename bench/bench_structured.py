@@ -141,7 +141,8 @@ class Round:
 
 def decode_round(bench: Bench, constrained: bool, temperature: float) -> Round:
     """Aggregate decode tokens/s of STREAMS streams over the steps where all of them decode."""
-    prompt = bench.tokenizer.encode_chat([ChatMessage("user", "Take notes on the history of Rome.")])
+    # The ask a constrained request makes (the schema in the system turn), for both sides alike.
+    prompt = bench.prompt({**ENDLESS, "description": "Take notes on the history of Rome."})
     grammar = bench.compiler.compile(Constraint("json_schema", json.dumps(ENDLESS))) if constrained else None
     for _ in range(STREAMS):
         bench.engine.add_request(

@@ -163,7 +163,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         if request.sampling.constraint is not None and self._grammars is None:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"the {self.engine.backend} backend does not support structured outputs (sampling.structured)",
+                f"sampling.structured: the {self.engine.backend} backend does not support structured outputs",
             )
         return request
 
