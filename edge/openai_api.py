@@ -75,7 +75,8 @@ def answer_tools(body: ChatCompletionIn) -> Tools | None:
     try:
         tools = tools_for(body.functions(), body.tool_choice, body.parallel_tool_calls)
     except ValueError as exc:
-        raise ApiError(400, str(exc), code="invalid_value", param="tool_choice") from None
+        param = "tool_choice" if body.tool_choice is not None else "parallel_tool_calls"
+        raise ApiError(400, str(exc), code="invalid_value", param=param) from None
     if tools is not None and (body.response_format or body.structured_outputs):
         raise ApiError(
             400, "tools cannot be combined with response_format or structured_outputs here", param="tools"

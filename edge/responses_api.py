@@ -92,7 +92,9 @@ def _tools(body: ResponseCreateIn) -> Tools | None:
     try:
         tools = tools_for(list(body.tools), body.tool_choice, body.parallel_tool_calls)
     except ValueError as exc:
-        raise _bad("tool_choice", str(exc)) from None
+        raise _bad(
+            "tool_choice" if body.tool_choice is not None else "parallel_tool_calls", str(exc)
+        ) from None
     if tools is not None and text_format_proto(body.text) is not None:
         raise _bad("tools", "tools cannot be combined with a text.format other than text here")
     if tools is not None and body.stream:

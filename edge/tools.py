@@ -171,7 +171,9 @@ class Tools:
 
 def tools_for(functions: list[FunctionIn], choice: ToolChoice | None, parallel: bool | None) -> Tools | None:
     """The request's tools as they apply to its answer; None when none may be called. Raises ValueError
-    for a ``tool_choice`` that names a function not among them."""
+    for a ``tool_choice`` that names a function not among them, or tool settings without tools."""
+    if not functions and (choice not in (None, "none") or parallel is not None):
+        raise ValueError("tool_choice and parallel_tool_calls are only allowed when tools are given")
     if not functions or choice == "none":
         return None
     resolved = "auto" if choice is None else choice if isinstance(choice, str) else choice.chosen()
@@ -215,15 +217,16 @@ class ToolCallParser:
         completed: list[ToolCall] = []
         while (end := self._held.find(CALL_CLOSE)) >= 0:
             block = self._held[: end + len(CALL_CLOSE)]
-            self._held = self._held[len(block) :].lstrip("\n")
+            self._held = self._held[len(block) :]
             try:
-                call = json.loads(block.removeprefix(CALL_OPEN).removesuffix(CALL_CLOSE))
+                call = json.loads(block.lstrip("\n").removeprefix(CALL_OPEN).removesuffix(CALL_CLOSE))
                 name, arguments = call["name"], json.dumps(call["arguments"])
             except (ValueError, KeyError, TypeError):  # never under the grammar: text written unconstrained
                 self._mode, released, self._held = "text", block + self._held, ""
                 return released, completed
             completed.append(ToolCall(call_id(self.seed, len(self.calls)), name, arguments))
             self.calls.append(completed[-1])
+        self._held = self._held.lstrip("\n")  # between calls (it may come in a later piece)
         return "", completed
 
     def rest(self) -> str:
