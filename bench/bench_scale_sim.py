@@ -12,12 +12,12 @@ users and engines (router/sim/__init__.py). What it reports:
    tier, open streams, requests lost, the index's memory and the KV event ingestion per router core.
 3. Router replicas: several replicas each following every engine's events; their indexes agree, and
    the fan-out costs each replica the whole event stream.
-4. TTFT vs load (kv_aware), for the README's plot.
+4. TTFT vs load (kv_aware), for docs/benchmarks/scale_sim.md's plot.
 5. What the simulation hands the router pre-computed: hashing a prompt's blocks (real clock).
 
 Simulated time is short (16 s of arrivals: a 4.8 s ramp, figures from 7.2 s on, then the run drains), chats
 join mid-conversation with their history cached on a random engine (a fleet already warm), and think
-time is compressed to 2 s: see README "Placement at the seeds' scale".
+time is compressed to 2 s: see docs/benchmarks/scale_sim.md.
 """
 
 from __future__ import annotations

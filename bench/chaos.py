@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline-s", type=float, default=10.0, help="load alone before the first fault")
     parser.add_argument("--settle-s", type=float, default=3.0, help="load alone after each recovery")
     parser.add_argument("--json", type=Path, default=ROOT / ".run" / "chaos" / "result.json")
-    parser.add_argument("--markdown", action="store_true", help="print the table for the README too")
+    parser.add_argument("--markdown", action="store_true", help="print the table for docs/ too")
     parser.add_argument(
         "--run-dir", type=Path, help="keep the services' data and logs here (default: a temp dir)"
     )

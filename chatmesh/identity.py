@@ -6,7 +6,7 @@ the orchestrator verify the same token again, against the same JWKS file, issuer
 the ``x-chatmesh-user-id``/``x-chatmesh-tier`` headers either. Envoy still derives those two from the
 verified claims for its own use (per-user rate limits, the access log); anyone who can reach a service
 directly could forge them. The edge passes the caller's token on to the orchestrator, so one proof
-travels the whole path. The trust model, key sources and rotation: docs/architecture.md#identity.
+travels the whole path. The trust model, key sources and rotation: docs/architecture/overview.md#identity-and-trust.
 """
 
 from __future__ import annotations

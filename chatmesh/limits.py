@@ -54,6 +54,9 @@ class Limits:
 
 # Sampling defaults when a request leaves them unset (the proto's "absent selects the default").
 DEFAULT_TEMPERATURE = 0.7
+# Bounds of the sampling knobs (OpenAI's: top_logprobs 0..20; logit_bias is bounded by us).
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,12 @@ class Generation:
     stop: tuple[str, ...]
     # What the answer must match (the engine checks and compiles it); None: free text.
     structured: engine_pb2.StructuredOutput | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    min_p: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 def check_content(content: str, limits: Limits, field: str = "content") -> None:
@@ -83,7 +92,11 @@ def check_content(content: str, limits: Limits, field: str = "content") -> None:
         raise invalid(field, f"{field} must not be empty")
 
 
-def generation(options: chat_pb2.GenerationOptions, limits: Limits, default_model: str) -> Generation:
+def generation(
+    options: chat_pb2.GenerationOptions, limits: Limits, default_model: str, vocab_size: int | None = None
+) -> Generation:
+    """``options`` checked and with defaults applied; ``vocab_size``: the served tokenizer's, which
+    ``logit_bias`` token ids must be within (None: left to the engine)."""
     if len(options.model) > limits.max_model_chars:
         raise invalid("options.model", f"model names have at most {limits.max_model_chars} characters")
     max_tokens = options.max_tokens or limits.default_max_tokens
@@ -100,6 +113,25 @@ def generation(options: chat_pb2.GenerationOptions, limits: Limits, default_mode
     for stop in options.stop:
         if not 1 <= len(stop) <= limits.max_stop_chars:
             raise invalid("options.stop", f"stop sequences have 1..{limits.max_stop_chars} characters")
+    for knob in ("presence_penalty", "frequency_penalty"):
+        value = getattr(options, knob)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise invalid(f"options.{knob}", f"{knob} must be in [-2, 2]")
+    if not (math.isfinite(options.min_p) and 0.0 <= options.min_p <= 1.0):
+        raise invalid("options.min_p", "min_p must be in [0, 1]")
+    if len(options.logit_bias) > MAX_LOGIT_BIAS:
+        raise invalid("options.logit_bias", f"logit_bias has at most {MAX_LOGIT_BIAS} entries")
+    if not all(math.isfinite(bias) and -100.0 <= bias <= 100.0 for bias in options.logit_bias.values()):
+        raise invalid("options.logit_bias", "logit_bias values must be in [-100, 100]")
+    if vocab_size is not None and options.logit_bias and max(options.logit_bias) >= vocab_size:
+        raise invalid(
+            "options.logit_bias",
+            f"logit_bias names token id {max(options.logit_bias)}, beyond the vocabulary of {vocab_size}",
+        )
+    if options.top_logprobs > MAX_TOP_LOGPROBS:
+        raise invalid("options.top_logprobs", f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}")
+    if options.top_logprobs and not options.logprobs:
+        raise invalid("options.top_logprobs", "top_logprobs needs logprobs")
     return Generation(
         model=options.model or default_model,
         max_tokens=max_tokens,
@@ -108,6 +140,12 @@ def generation(options: chat_pb2.GenerationOptions, limits: Limits, default_mode
         seed=options.seed if options.HasField("seed") else None,
         stop=tuple(options.stop),
         structured=_structured(options.structured) if options.HasField("structured") else None,
+        presence_penalty=options.presence_penalty,
+        frequency_penalty=options.frequency_penalty,
+        logit_bias=tuple(sorted(options.logit_bias.items())),
+        min_p=options.min_p,
+        logprobs=options.logprobs,
+        top_logprobs=options.top_logprobs,
     )
 
 

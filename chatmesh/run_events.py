@@ -13,10 +13,16 @@ from chatmesh.chat.v1 import chat_pb2
 MAX_MERGED_DELTAS = 256
 
 
-def merged_delta(last_seq: int, deltas: Sequence[tuple[str, int]]) -> chat_pb2.RunEvent:
-    """Consecutive deltas, given as (text, token count) and ending at ``last_seq``, as one event."""
+def merged_delta(
+    last_seq: int,
+    deltas: Sequence[tuple[str, int]],
+    logprobs: Sequence[chat_pb2.TokenLogprob] = (),
+) -> chat_pb2.RunEvent:
+    """Consecutive deltas, given as (text, token count) and ending at ``last_seq``, as one event (with
+    ``logprobs``, the deltas' own, in order)."""
     if len(deltas) == 1:
         text, token_count = deltas[0]
     else:
         text, token_count = "".join(text for text, _ in deltas), sum(count for _, count in deltas)
-    return chat_pb2.RunEvent(seq=last_seq, delta=chat_pb2.Delta(text=text, token_count=token_count))
+    delta = chat_pb2.Delta(text=text, token_count=token_count, logprobs=logprobs)
+    return chat_pb2.RunEvent(seq=last_seq, delta=delta)

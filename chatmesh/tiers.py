@@ -2,8 +2,8 @@
 ``router.v1.Tier`` on the wire, the ``engine.v1.Priority`` the router asks engines to schedule it at, and
 its time-to-first-token objective (the router admits a request only where its predicted wait fits it).
 
-The objectives: enterprise 0.5 s is the seeds' TTFT target (docs/capacity.md); free 2 s is the
-operations SLO's threshold (docs/operations.md); pro sits between. They are defaults: the router takes
+The objectives: enterprise 0.5 s is the seeds' TTFT target (docs/operations/capacity.md); free 2 s is the
+operations SLO's threshold (docs/operations/monitoring.md); pro sits between. They are defaults: the router takes
 ``--ttft-objective-<tier>-s``. A stricter objective for a higher tier is not a harsher rule for it:
 engines schedule higher priorities first, so a request waits only behind its own tier and those above.
 """

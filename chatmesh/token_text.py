@@ -52,10 +52,20 @@ def tokens_frame(index: int, pieces: Sequence[tuple[int, str]]) -> engine_pb2.Ge
 
 
 def merge_frames(frames: Sequence[engine_pb2.GenerateTokens]) -> engine_pb2.GenerateTokens:
-    """Consecutive frames as one, each token's piece of text kept (the first frame's ``index``)."""
+    """Consecutive frames as one, each token's piece of text and logprobs kept (the first frame's ``index``)."""
     if len(frames) == 1:
         return frames[0]
-    return tokens_frame(frames[0].index, [piece for frame in frames for piece in token_pieces(frame)])
+    merged = tokens_frame(frames[0].index, [piece for frame in frames for piece in token_pieces(frame)])
+    for frame in frames:
+        merged.logprobs.extend(frame.logprobs)
+    return merged
+
+
+def tokens_after(frame: engine_pb2.GenerateTokens, skip: int) -> engine_pb2.GenerateTokens:
+    """``frame`` without its first ``skip`` tokens (their text and logprobs went out with them)."""
+    rest = tokens_frame(frame.index + skip, token_pieces(frame)[skip:])
+    rest.logprobs.extend(frame.logprobs[skip:])
+    return rest
 
 
 def coalesced(responses: Sequence[Response]) -> list[Response]:

@@ -6,6 +6,8 @@ Hugging Face model directory (``tokenizer.json``, ``tokenizer_config.json``'s ``
 see them. A directory converted from a GGUF (``engine.model.convert_gguf_to_hf``) yields the same
 tokenizer, the same model name and the same fingerprint as the GGUF. The ``fingerprint``
 identifies vocab + merges + template; engines advertise it and refuse prompts tokenized with another.
+It implements SmolLM's byte-level BPE only: a file naming another tokenizer is refused at load, naming
+what differs, since it would load and split text into ids the model never saw.
 
 Prompt-injection safety: text from users is tokenized with special-token matching off, so typing
 ``<|im_end|>`` in a message yields ordinary text tokens, never a control token. Only the chat
@@ -64,6 +66,7 @@ class ChatTokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self._markup = _build_bpe(tokens, merges, control_token_ids)
+        self._control_ids = frozenset(control_token_ids)
         # Same vocabulary, but control-token strings in the input stay plain text.
         self._plain = _build_bpe(tokens, merges, control_token_ids)
         self._plain.encode_special_tokens = True
@@ -90,8 +93,7 @@ class ChatTokenizer:
     def from_gguf(cls, path: str | Path) -> ChatTokenizer:
         metadata = read_gguf_metadata(path)
         field = metadata.get
-        if field("tokenizer.ggml.model") != "gpt2" or field("tokenizer.ggml.tokens") is None:
-            raise ValueError(f"{path}: only GGUF files with a byte-level BPE (gpt2) tokenizer are supported")
+        _refuse_other_gguf_tokenizers(path, metadata)
 
         def required(key: str) -> Any:
             value = metadata.get(key)
@@ -123,21 +125,12 @@ class ChatTokenizer:
         settings = _read_json(path / "tokenizer_config.json")
         config = _read_json(path / "config.json")
         generation = {**config, **_read_json(path / "generation_config.json")}
-        if spec.get("model", {}).get("type") != "BPE" or spec.get("decoder", {}).get("type") != "ByteLevel":
-            raise ValueError(f"{path}/tokenizer.json: only byte-level BPE tokenizers are supported")
+        _refuse_other_hf_tokenizers(path / "tokenizer.json", spec)
         by_id = {i: token for token, i in spec["model"]["vocab"].items()}
         by_id.update({added["id"]: added["content"] for added in spec.get("added_tokens", [])})
         tokens = [by_id[i] for i in range(len(by_id))]
         control_ids = [added["id"] for added in spec.get("added_tokens", []) if added.get("special")]
         merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
-        probe = tokenizers.Tokenizer(models.BPE())
-        probe.pre_tokenizer = _pre_tokenizer()
-        ours = json.loads(probe.to_str())["pre_tokenizer"]
-        if _without_offsets(spec.get("pre_tokenizer")) != _without_offsets(ours):
-            raise ValueError(
-                f"{path}/tokenizer.json: pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))} differs from "
-                "the one chatmesh implements (digits split one by one, then GPT-2 byte-level)"
-            )
         template = settings.get("chat_template")
         if not isinstance(template, str):
             raise ValueError(f"{path}/tokenizer_config.json: chat_template (a Jinja string) is missing")
@@ -191,6 +184,16 @@ class ChatTokenizer:
     def decode(self, token_ids: Sequence[int], skip_control: bool = True) -> str:
         """Text of ``token_ids``. Bytes of an incomplete UTF-8 character decode to U+FFFD."""
         return self._markup.decode(list(token_ids), skip_special_tokens=skip_control)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` stands for: a byte-level token may hold part of a UTF-8 character, so
+        its bytes, not its text, are what it is (OpenAI's logprobs report them as ``bytes``)."""
+        piece = self._markup.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._control_ids or any(c not in _BYTE_OF_CHAR for c in piece):
+            return piece.encode("utf-8")
+        return bytes(_BYTE_OF_CHAR[c] for c in piece)
 
     # -- chat template -------------------------------------------------------------------------------
 
@@ -295,6 +298,23 @@ def _as_dict(message: ChatMessage | Mapping[str, str]) -> dict[str, str]:
     return {"role": message["role"], "content": message["content"]}
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE token stands for (GPT-2's printable mapping: bytes
+    that print as themselves keep their character, the others take the characters from U+0100 on)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = {byte: chr(byte) for byte in printable}
+    others = (byte for byte in range(256) if byte not in chars)
+    chars.update({byte: chr(256 + n) for n, byte in enumerate(others)})
+    return {char: byte for byte, char in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 def _build_bpe(
     tokens: Sequence[str], merges: Sequence[str], control_ids: Sequence[int]
 ) -> tokenizers.Tokenizer:
@@ -307,6 +327,58 @@ def _build_bpe(
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in control_ids])
     return tok
+
+
+# What chatmesh's tokenizer implements (``_build_bpe``): byte-level BPE with SmolLM's pre-tokenizer. Any
+# other loads without error and splits text into ids the model never saw, so it is refused here, at
+# start: GGUF metadata names them (llama.cpp's names), a tokenizer.json spells them out.
+_GGUF_TOKENIZER = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm"}
+# tokenizer.json BPE options that change the ids; ours has each off.
+_BPE_OPTIONS = (
+    "dropout",
+    "continuing_subword_prefix",
+    "end_of_word_suffix",
+    "byte_fallback",
+    "ignore_merges",
+)
+_OURS = "byte-level BPE, digits split one by one, then GPT-2 byte-level pre-tokenization"
+
+
+def _refuse_other_gguf_tokenizers(path: str | Path, metadata: Mapping[str, object]) -> None:
+    for key, supported in _GGUF_TOKENIZER.items():
+        found = metadata.get(key)
+        if found != supported:
+            said = "is not set" if found is None else f"is {found!r}"
+            raise ValueError(
+                f"{path}: unsupported tokenizer: {key} {said}; chatmesh implements only {supported!r} "
+                f"(SmolLM's: {_OURS})"
+            )
+
+
+def _refuse_other_hf_tokenizers(path: Path, spec: Mapping[str, Any]) -> None:
+    model, decoder = spec.get("model") or {}, spec.get("decoder") or {}
+    if model.get("type") != "BPE" or decoder.get("type") != "ByteLevel":
+        raise ValueError(
+            f"{path}: unsupported tokenizer: model {model.get('type')!r} with decoder "
+            f"{decoder.get('type')!r}; chatmesh implements only {_OURS}"
+        )
+    if spec.get("normalizer") is not None:
+        raise ValueError(
+            f"{path}: unsupported tokenizer: normalizer {json.dumps(spec['normalizer'])}; chatmesh "
+            f"implements only {_OURS}, without a normalizer"
+        )
+    if options := [option for option in _BPE_OPTIONS if model.get(option)]:
+        raise ValueError(
+            f"{path}: unsupported tokenizer: BPE {', '.join(options)} set; chatmesh implements none"
+        )
+    probe = tokenizers.Tokenizer(models.BPE())
+    probe.pre_tokenizer = _pre_tokenizer()
+    ours = json.loads(probe.to_str())["pre_tokenizer"]
+    if _without_offsets(spec.get("pre_tokenizer")) != _without_offsets(ours):
+        raise ValueError(
+            f"{path}: unsupported tokenizer: pre-tokenizer {json.dumps(spec.get('pre_tokenizer'))} differs "
+            f"from the one chatmesh implements ({_OURS})"
+        )
 
 
 def _read_json(path: Path) -> dict:

@@ -22,6 +22,7 @@ from starlette.staticfiles import StaticFiles
 
 from chatmesh.identity import TokenVerifier
 from edge import chats_api, openai_api, responses_api
+from edge.client_gone import ClientGone, client_gone
 from edge.drain import Drain
 from edge.errors import ApiError
 from edge.observability import ObservabilityMiddleware
@@ -98,7 +99,12 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
         middleware=[Middleware(ObservabilityMiddleware)],
-        exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: unexpected_error},
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: http_error,
+            ClientGone: client_gone,
+            Exception: unexpected_error,
+        },
         lifespan=lifespan,
     )
     app.state.settings = settings

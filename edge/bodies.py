@@ -112,19 +112,30 @@ def check_content_type(request: Request) -> None:
         raise ApiError(415, f"content type {content_type!r} is not supported; send application/json")
 
 
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The body as a JSON object (see ``parse_json_object``)."""
+    check_content_type(request)
+    return parse_json_object(await read_body(request, max_bytes))
+
+
 async def read_model(request: Request, model: type[Model], max_bytes: int) -> Model:
     """The body checked against ``model``; field errors are 400 naming the first bad field."""
-    check_content_type(request)
-    data = parse_json_object(await read_body(request, max_bytes))
-    return validate_model(model, data)
+    return validate_model(model, await read_json(request, max_bytes))
 
 
 def validate_model(model: type[Model], data: dict) -> Model:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors(include_url=False, include_input=False)[0]
+        errors = exc.errors(include_url=False, include_input=False)
+        # An unknown field is what to name first: a union's other members fail on it too ("not a string").
+        unknown = [error for error in errors if error["type"] == "extra_forbidden"]
+        first = (unknown or errors)[0]
         param = _param(model, first) or None
+        if unknown:
+            raise ApiError(
+                400, f"Unrecognized request argument supplied: {param}", code="unknown_parameter", param=param
+            ) from exc
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise ApiError(
             400, f"{param or 'body'}: {first['msg']}{more}", code="invalid_value", param=param

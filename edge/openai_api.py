@@ -10,6 +10,7 @@ edge.structured_outputs and edge.tools.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import aclosing
 
 from sse_starlette import ServerSentEvent
@@ -18,10 +19,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
-from edge.bodies import read_model
+from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of
+from edge.client_gone import unless_client_leaves
 from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
+from edge.openai_fields import without_no_ops
 from edge.orchestrator import RunStream
 from edge.schemas import ChatCompletionIn, ChatMessageIn
 from edge.sse import Item, TextEvent, compact_json, relay, sse_response
@@ -77,6 +80,8 @@ def answer_tools(body: ChatCompletionIn) -> Tools | None:
     except ValueError as exc:
         param = "tool_choice" if body.tool_choice is not None else "parallel_tool_calls"
         raise ApiError(400, str(exc), code="invalid_value", param=param) from None
+    if tools is not None and body.logprobs:
+        raise ApiError(400, "logprobs cannot be combined with tools here", param="logprobs")
     if tools is not None and (body.response_format or body.structured_outputs):
         raise ApiError(
             400, "tools cannot be combined with response_format or structured_outputs here", param="tools"
@@ -98,6 +103,12 @@ def complete_request(body: ChatCompletionIn, tools: Tools | None) -> chat_pb2.Co
         seed=body.seed,
         stop=body.stop_list(),
     )
+    options.presence_penalty = body.presence_penalty or 0.0
+    options.frequency_penalty = body.frequency_penalty or 0.0
+    options.min_p = body.min_p or 0.0
+    options.logit_bias.update({int(token): bias for token, bias in (body.logit_bias or {}).items()})
+    options.logprobs = bool(body.logprobs)
+    options.top_logprobs = body.top_logprobs or 0
     if tools is not None:
         messages = with_tools_described(messages, tools)
         options.structured.CopyFrom(tools.constraint())
@@ -115,6 +126,20 @@ def constraint_param(body: ChatCompletionIn) -> str:
     return "structured_outputs" if body.structured_outputs is not None else "response_format"
 
 
+def logprobs_json(logprobs: Sequence[chat_pb2.TokenLogprob]) -> list[dict]:
+    """OpenAI's ``logprobs.content``: per token its text, logprob, bytes and likeliest alternatives."""
+    return [{**_token_json(lp), "top_logprobs": [_token_json(top) for top in lp.top]} for lp in logprobs]
+
+
+def _token_json(logprob: chat_pb2.TokenLogprob) -> dict:
+    # A token holding part of a UTF-8 character has no text of its own: its bytes say what it is.
+    return {
+        "token": logprob.token_bytes.decode("utf-8", errors="backslashreplace"),
+        "logprob": logprob.logprob,
+        "bytes": list(logprob.token_bytes),
+    }
+
+
 def openai_names(error: ApiError) -> ApiError:
     """``error`` naming the body's field as OpenAI's API does: CompleteRequest nests the sampling fields
     in ``options``, OpenAI's body has them at the top (``options.max_tokens`` is ``max_tokens``)."""
@@ -127,7 +152,9 @@ class ChunkWriter:
     """Turns run events into ``chat.completion.chunk`` objects (a tool call as one delta when its
     ``</tool_call>`` arrives)."""
 
-    def __init__(self, completion_id: str, model: str, include_usage: bool, tools: Tools | None) -> None:
+    def __init__(
+        self, completion_id: str, model: str, include_usage: bool, tools: Tools | None, logprobs: bool = False
+    ) -> None:
         self.calls = ToolCallParser(completion_id) if tools is not None else None
         self.base = {
             "id": completion_id,
@@ -136,11 +163,14 @@ class ChunkWriter:
             "model": model,
         }
         self.include_usage = include_usage
+        self.logprobs = logprobs
         self.usage: chat_pb2.Usage | None = None
         self._content = TextEvent(lambda text: self.chunk({"content": text}))  # a delta's chunk
 
-    def chunk(self, delta: dict, finish_reason: str | None = None) -> ServerSentEvent:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(
+        self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None
+    ) -> ServerSentEvent:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         body = {**self.base, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None  # as OpenAI does: present and null on every chunk but the last
@@ -151,10 +181,13 @@ class ChunkWriter:
         if kind == "started":
             return [self.chunk({"role": "assistant", "content": ""})]
         if kind == "delta":
-            if self.calls is None:
-                return [self._content(event.delta.text)]
-            text, calls = self.calls.feed(event.delta.text)
-            return self._tool_deltas(text, calls)
+            if self.calls is not None:  # logprobs are refused with tools
+                text, calls = self.calls.feed(event.delta.text)
+                return self._tool_deltas(text, calls)
+            if self.logprobs:  # the rare stream that asked for them: the slow, general encoding
+                content = {"content": logprobs_json(event.delta.logprobs), "refusal": None}
+                return [self.chunk({"content": event.delta.text}, logprobs=content)]
+            return [self._content(event.delta.text)]
         if kind == "usage":
             self.usage = event.usage
             return []
@@ -193,7 +226,9 @@ async def chat_completions(request: Request) -> Response:
     started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
     caller = caller_of(request)
-    body = await read_model(request, ChatCompletionIn, settings.max_body_bytes)
+    body = validate_model(
+        ChatCompletionIn, without_no_ops(ChatCompletionIn, await read_json(request, settings.max_body_bytes))
+    )
     tools = answer_tools(body)
     stream = orchestrator.stream("Complete", complete_request(body, tools), caller)
     try:
@@ -205,7 +240,11 @@ async def chat_completions(request: Request) -> Response:
     model = run.model or body.model
     if body.stream:
         writer = ChunkWriter(
-            completion_id, model, bool(body.stream_options and body.stream_options.include_usage), tools
+            completion_id,
+            model,
+            bool(body.stream_options and body.stream_options.include_usage),
+            tools,
+            logprobs=bool(body.logprobs),
         )
         events = relay(
             stream,
@@ -224,20 +263,31 @@ async def chat_completions(request: Request) -> Response:
             ),
         )
         return sse_response(events, settings.streams)
-    return JSONResponse(await _collect(stream, first, completion_id, model, tools))
+    return JSONResponse(
+        await unless_client_leaves(
+            request, _collect(stream, first, completion_id, model, tools, bool(body.logprobs))
+        )
+    )
 
 
 async def _collect(
-    stream: RunStream, first: chat_pb2.RunEvent, completion_id: str, model: str, tools: Tools | None
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    completion_id: str,
+    model: str,
+    tools: Tools | None,
+    logprobs: bool,
 ) -> dict:
     """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
     text: list[str] = []
+    token_logprobs: list[chat_pb2.TokenLogprob] = []
     usage, finish = chat_pb2.Usage(), chat_pb2.FINISH_REASON_STOP
     async with aclosing(stream.events(first)) as events:
         async for event in events:
             kind = event.WhichOneof("kind")
             if kind == "delta":
                 text.append(event.delta.text)
+                token_logprobs += event.delta.logprobs
             elif kind == "usage":
                 usage = event.usage
             elif kind == "done":
@@ -259,7 +309,7 @@ async def _collect(
             {
                 "index": 0,
                 "message": message,
-                "logprobs": None,
+                "logprobs": {"content": logprobs_json(token_logprobs), "refusal": None} if logprobs else None,
                 "finish_reason": openai_finish_reason(finish, bool(calls)),
             }
         ],

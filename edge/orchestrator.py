@@ -369,7 +369,11 @@ class LinkedRun:
             event = self._frames.popleft().event
             deltas.append(event.delta)
             last = event.seq
-        merged = merged_delta(last, [(delta.text, delta.token_count) for delta in deltas])
+        merged = merged_delta(
+            last,
+            [(delta.text, delta.token_count) for delta in deltas],
+            [logprob for delta in deltas for logprob in delta.logprobs],
+        )
         return completion_link_pb2.CompleteResponseFrame(event=merged)
 
     def cancel(self) -> None:

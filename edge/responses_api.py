@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -32,11 +33,13 @@ from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import REFUSED_BEFORE_ANSWER
-from edge.bodies import read_model
+from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of, idempotency_key_of
+from edge.client_gone import unless_client_leaves
 from edge.convert import options_proto
 from edge.errors import ApiError
 from edge.openai_api import prompt_message
+from edge.openai_fields import RETRIEVE_QUERY_NO_OPS, check_query, without_no_ops
 from edge.orchestrator import Caller, Orchestrator, RunStream
 from edge.params import unsigned
 from edge.response_events import ResponseEvents
@@ -76,7 +79,8 @@ def openai_errors(
                 exc.param = (
                     _PARAMS.get(exc.param)
                     or _PARAMS.get(exc.param.split("[")[0])
-                    or exc.param.split(".")[0].split("[")[0]
+                    # The top-level field: "tools[0].type" is "tools" (a query's "include[]" stays).
+                    or re.sub(r"\[\d+\]$", "", exc.param.split(".")[0])
                 )
             raise
 
@@ -305,7 +309,9 @@ async def create_response(request: Request) -> Response:
     started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
     caller = caller_of(request)
-    body = await read_model(request, ResponseCreateIn, settings.max_body_bytes)
+    body = validate_model(
+        ResponseCreateIn, without_no_ops(ResponseCreateIn, await read_json(request, settings.max_body_bytes))
+    )
     tools = _tools(body)
     record = ResponseRecord(
         model=body.model,
@@ -335,7 +341,8 @@ async def create_response(request: Request) -> Response:
         record.apply(first)
         stream.detach()
         return JSONResponse(record.json())
-    await _fold(stream, record, first)
+    # A stored response goes on when its client leaves; one not stored (a Complete) is cancelled.
+    await unless_client_leaves(request, _fold(stream, record, first))
     return JSONResponse(record.json())
 
 
@@ -363,6 +370,7 @@ async def _response_at(orchestrator: Orchestrator, caller: Caller, run: chat_pb2
 @openai_errors
 async def retrieve_response(request: Request) -> Response:
     started = time.monotonic()
+    check_query(request.query_params, ("stream", "starting_after"), RETRIEVE_QUERY_NO_OPS)
     streamed, starting_after = _query_bool(request, "stream"), _query_int(request, "starting_after", -1)
     orchestrator, routed, run = await _stored_run(request)
     if not streamed:
@@ -375,6 +383,7 @@ async def retrieve_response(request: Request) -> Response:
 
 @openai_errors
 async def cancel_response(request: Request) -> Response:
+    check_query(request.query_params)
     orchestrator, routed, run = await _stored_run(request)
     # Cancelling an ended response leaves it as it is (CancelRun is a no-op then).
     reply = await orchestrator.unary("CancelRun", chat_pb2.CancelRunRequest(run_id=run.run_id), routed)
@@ -383,6 +392,7 @@ async def cancel_response(request: Request) -> Response:
 
 @openai_errors
 async def delete_response(request: Request) -> Response:
+    check_query(request.query_params)
     orchestrator, routed, run = await _stored_run(request)
     await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=run.chat_id), routed)
     return JSONResponse({"id": request.path_params["response_id"], "object": "response", "deleted": True})

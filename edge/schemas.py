@@ -1,16 +1,18 @@
 """Request bodies the edge accepts, as pydantic models: the page's REST API and OpenAI's chat completions.
 
-The page's API refuses unknown fields (a typo is an error, not a silent default). The OpenAI-compatible
-body ignores fields it does not know, as OpenAI-compatible servers do, so SDK upgrades keep working.
+Every body refuses unknown fields (a typo is an error, not a silent default), as OpenAI's API does. The
+OpenAI fields chatmesh knows but does not serve are accepted at their no-op values only, by
+edge/openai_fields.py, before these models see a body.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from chatmesh.limits import Limits
+from chatmesh.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Limits
+from edge.strict import Strict
 from edge.structured_outputs import ResponseFormatIn, StructuredOutputsIn, TextIn
 from edge.tools import FunctionIn, ResponseToolIn, ToolCallIn, ToolChoice, ToolIn
 
@@ -23,10 +25,10 @@ UINT64_MAX = 2**64 - 1
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Seed = Annotated[int, Field(ge=0, le=UINT64_MAX)]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# OpenAI's logit_bias: token ids (of the served model's tokenizer) as JSON object keys.
+TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class GenerationOptionsIn(Strict):
@@ -58,19 +60,17 @@ class RegenerateIn(Strict):
     options: GenerationOptionsIn = Field(default_factory=GenerationOptionsIn)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(Strict):
     # "text" in chat completions; the Responses API's input items say "input_text", and an assistant
     # turn given back as input carries its "output_text".
     type: Literal["text", "input_text", "output_text"]
     text: str
 
 
-class ChatMessageIn(BaseModel):
+class ChatMessageIn(Strict):
     """A message of chat completions, and an input message item of the Responses API (whose ``type``,
-    "message", is ignored as any unknown field)."""
+    "message", is a no-op of edge/openai_fields.py)."""
 
-    model_config = ConfigDict(extra="ignore")
     # "developer" is OpenAI's newer name for "system"; "tool" gives a tool call's result back.
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # None: an assistant turn that only called tools.
@@ -98,32 +98,28 @@ class ChatMessageIn(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class FunctionCallItemIn(BaseModel):
+class FunctionCallItemIn(Strict):
     """A Responses API input item: a function call of an earlier answer, given back."""
 
-    model_config = ConfigDict(extra="ignore")
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
 
 
-class FunctionCallOutputItemIn(BaseModel):
+class FunctionCallOutputItemIn(Strict):
     """A Responses API input item: the result of a function call."""
 
-    model_config = ConfigDict(extra="ignore")
     type: Literal["function_call_output"]
     call_id: str
     output: str
 
 
-class StreamOptionsIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class StreamOptionsIn(Strict):
     include_usage: bool = False
 
 
-class ChatCompletionIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatCompletionIn(Strict):
     # Empty: the server's default model (OpenAI requires it; we do not, so curl examples stay short).
     model: str = ""
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=API.max_prompt_messages)
@@ -136,14 +132,19 @@ class ChatCompletionIn(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     # OpenAI's newer name for max_tokens; wins when both are given.
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
-    # One choice per request is all chatmesh generates.
-    n: Literal[1] | None = None
     response_format: ResponseFormatIn | None = None
     # vLLM's extension: a JSON schema, regex, choice or grammar (docs/structured-outputs.md).
     structured_outputs: StructuredOutputsIn | None = None
     tools: list[ToolIn] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's extension (OpenAI has none): drop tokens less likely than min_p times the likeliest.
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     def functions(self) -> list[FunctionIn]:
         return [tool.function for tool in self.tools or []]
@@ -157,11 +158,10 @@ class ChatCompletionIn(BaseModel):
 InputItem = FunctionCallItemIn | FunctionCallOutputItemIn | ChatMessageIn
 
 
-class ResponseCreateIn(BaseModel):
+class ResponseCreateIn(Strict):
     """``POST /v1/responses``: text and function calling in OpenAI's Responses API (no files, images
     or hosted tools)."""
 
-    model_config = ConfigDict(extra="ignore")
     model: str = ""
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=API.max_prompt_messages)]
     instructions: str | None = None

@@ -11,20 +11,21 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from chatmesh.chat.v1 import chat_pb2
 from edge.errors import ApiError
+from edge.strict import Strict
 
 # The engine's name for the constraint in its refusals: the edge names the body's field instead.
 ENGINE_FIELD = "sampling.structured"
 FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
 
 
-class JsonSchemaIn(BaseModel):
+class JsonSchemaIn(Strict):
     """``response_format.json_schema`` of Chat Completions."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
     name: FunctionName
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
@@ -32,10 +33,9 @@ class JsonSchemaIn(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormatIn(BaseModel):
+class ResponseFormatIn(Strict):
     """Chat Completions' ``response_format``."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaIn | None = None
 
@@ -46,10 +46,10 @@ class ResponseFormatIn(BaseModel):
         return self
 
 
-class TextFormatIn(BaseModel):
+class TextFormatIn(Strict):
     """The Responses API's ``text.format`` (the json_schema fields beside ``type``)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     name: FunctionName | None = None
     description: str | None = None
@@ -63,18 +63,16 @@ class TextFormatIn(BaseModel):
         return self
 
 
-class TextIn(BaseModel):
+class TextIn(Strict):
     """The Responses API's ``text``."""
 
-    model_config = ConfigDict(extra="forbid")
     format: TextFormatIn | None = None
     verbosity: Literal["medium"] | None = None  # the only one served: the default
 
 
-class StructuredOutputsIn(BaseModel):
+class StructuredOutputsIn(Strict):
     """vLLM's ``structured_outputs`` (an extension of Chat Completions): exactly one constraint."""
 
-    model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     json_object: Literal[True] | None = None
     regex: str | None = None

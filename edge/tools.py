@@ -23,9 +23,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 
 from chatmesh.chat.v1 import chat_pb2
+from edge.strict import Strict
 from edge.structured_outputs import FunctionName
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -35,18 +36,16 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-class FunctionIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionIn(Strict):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # strict or not, the arguments are constrained to ``parameters``
 
 
-class ToolIn(BaseModel):
+class ToolIn(Strict):
     """A Chat Completions tool."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: FunctionIn
 
@@ -64,15 +63,13 @@ class ResponseToolIn(FunctionIn):
         return data
 
 
-class ChosenFunctionIn(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChosenFunctionIn(Strict):
     name: FunctionName
 
 
-class NamedToolChoiceIn(BaseModel):
+class NamedToolChoiceIn(Strict):
     """``tool_choice`` naming a function: Chat Completions' shape or the Responses API's."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["function"]
     function: ChosenFunctionIn | None = None
     name: FunctionName | None = None
@@ -87,16 +84,14 @@ class NamedToolChoiceIn(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoiceIn
 
 
-class CalledFunctionIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class CalledFunctionIn(Strict):
     name: str
     arguments: str
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(Strict):
     """An assistant message's tool call given back in the history."""
 
-    model_config = ConfigDict(extra="ignore")
     id: str
     type: Literal["function"] = "function"
     function: CalledFunctionIn
@@ -171,9 +166,12 @@ class Tools:
 
 def tools_for(functions: list[FunctionIn], choice: ToolChoice | None, parallel: bool | None) -> Tools | None:
     """The request's tools as they apply to its answer; None when none may be called. Raises ValueError
-    for a ``tool_choice`` that names a function not among them, or tool settings without tools."""
-    if not functions and (choice not in (None, "none") or parallel is not None):
-        raise ValueError("tool_choice and parallel_tool_calls are only allowed when tools are given")
+    for a ``tool_choice`` that names a function not among them, or tool settings without tools ("none"
+    and "auto" ask for nothing without tools, and clients send them so: they are answered in text)."""
+    if not functions and (choice not in (None, "none", "auto") or parallel is not None):
+        raise ValueError(
+            "a tool_choice other than 'none' or 'auto', and parallel_tool_calls, are only allowed when tools are given"
+        )
     if not functions or choice == "none":
         return None
     resolved = "auto" if choice is None else choice if isinstance(choice, str) else choice.chosen()

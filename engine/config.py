@@ -10,6 +10,11 @@ from meshkit.config import setting
 
 BACKENDS = ("cpu", "null", "cuda", "trtllm", "triton")
 HOSTED_BACKENDS = ("trtllm", "triton")  # engines with their own scheduler and KV cache (engine.backends)
+# Backends that shard a model over ranks themselves, and how each is launched (docs/gpu.md): cpu starts
+# its own rank processes; cuda ranks are torchrun's (its world size); trtllm's LLM API spawns its MPI
+# workers on one node, or joins the ranks `mpirun ... trtllm-llmapi-launch` started across nodes.
+TENSOR_PARALLEL_BACKENDS = ("cpu", "cuda", "trtllm")
+PIPELINE_PARALLEL_BACKENDS = ("trtllm",)
 
 
 def _model_path(flag: str) -> Path | None:
@@ -39,7 +44,12 @@ class EngineConfig:
         0, "compute threads of the cpu backend, per rank (0: its default)", flag="threads"
     )
     tensor_parallel_size: int = setting(
-        1, "cpu backend: shard the model over this many ranks (processes; at most the model's KV heads)"
+        1,
+        "shard each layer over this many ranks: cpu (processes, at most the model's KV heads), cuda (torchrun's "
+        "world size), trtllm (GPUs, TensorRT-LLM's tensor_parallel_size)",
+    )
+    pipeline_parallel_size: int = setting(
+        1, "trtllm: split the layers over this many stages (TensorRT-LLM's pipeline_parallel_size)"
     )
     null_tokens_per_s: float = setting(50.0, "null backend: tokens per second per stream (0: unpaced)")
     gpu_memory_fraction: float = setting(0.9, "trtllm: share of free GPU memory for the KV cache")
@@ -67,10 +77,9 @@ class EngineConfig:
         problems = []
         if self.backend not in BACKENDS:
             problems.append(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.tensor_parallel_size < 1 or (self.tensor_parallel_size > 1 and self.backend != "cpu"):
-            problems.append(
-                f"tensor parallel size must be 1, or > 1 on the cpu backend, got {self.tensor_parallel_size}"
-            )
+        problems += _parallelism_problems(
+            self.backend, self.tensor_parallel_size, self.pipeline_parallel_size
+        )
         if self.block_size <= 0:
             problems.append("block size must be positive")
         if self.num_kv_blocks < 0 or self.kv_memory_gib <= 0:
@@ -89,3 +98,21 @@ class EngineConfig:
             problems.append("priority aging, null token rate and KV event buffer must be positive")
         if problems:
             raise ValueError("invalid engine configuration: " + "; ".join(problems))
+
+
+def _parallelism_problems(backend: str, tp: int, pp: int) -> list[str]:
+    if tp < 1 or pp < 1:
+        return [f"tensor and pipeline parallel sizes must be >= 1, got {tp} and {pp}"]
+    problems = []
+    if tp > 1 and backend not in TENSOR_PARALLEL_BACKENDS:
+        why = (
+            "the Triton server shards the model (launch_triton_server.py --world_size); this engine is its client"
+            if backend == "triton"
+            else "it computes no model"
+        )
+        problems.append(
+            f"--backend {backend} runs no tensor parallelism ({why}), got tensor parallel size {tp}"
+        )
+    if pp > 1 and backend not in PIPELINE_PARALLEL_BACKENDS:
+        problems.append(f"pipeline parallelism is trtllm's only, got {pp} on --backend {backend}")
+    return problems

@@ -28,6 +28,7 @@ from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, size_kv_pool
 from engine.kv_events import KvEventLog
+from engine.logprobs import token_logprob
 from engine.metrics import EngineMetrics
 from engine.model.runner import ModelRunner, ModelSpec, SequenceChunk
 from engine.outputs import EngineStats, FinishReason, RequestOutput
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
+    serves_extra_knobs = True  # engine.sampler and engine.logprobs apply them all
+
     def __init__(
         self,
         config: EngineConfig,
@@ -259,6 +262,9 @@ class LLMEngine:
         sampled = [req for req, chunk in zip(batch.scheduled, chunks, strict=True) if chunk.needs_logits]
         known_argmax = getattr(self.runner, "argmax", None)
         argmax = known_argmax() if known_argmax is not None else None
+        params = [req.request.sampling for req in sampled]
+        # The model's own distribution, for logprobs: constraints, bias and penalties only steer the pick.
+        model_logits = logits
         constrained = [r for r, req in enumerate(sampled) if req.grammar is not None]
         if constrained:
             logits, argmax = constrained_logits(
@@ -266,19 +272,27 @@ class LLMEngine:
                 argmax,
                 constrained,
                 [sampled[r].grammar for r in constrained],  # type: ignore[misc]
-                [sampled[r].request.sampling.temperature == 0.0 for r in constrained],
+                # The runner's argmax is the pick only where the sampler changes no logit.
+                [params[r].temperature == 0.0 and not params[r].adjusts_logits for r in constrained],
             )
         tokens = sample(
             logits,
-            [req.request.sampling for req in sampled],
+            params,
             [req.num_output_tokens for req in sampled],
+            # A request's output so far, copied only for those that penalize what they said.
+            outputs=[
+                req.token_ids[req.num_prompt_tokens :] if p.penalizes else ()
+                for req, p in zip(sampled, params, strict=True)
+            ],
             argmax=argmax,
         )
-        for req, token in zip(sampled, tokens, strict=True):
+        for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
             req.token_ids.append(token)
             if req.grammar is not None:
                 req.grammar.advance(token)
-            outputs.append(self.tracker.add_tokens(self._tracked(req), [token]))
+            p = params[row]
+            logprobs = [token_logprob(model_logits[row], token, p.top_logprobs)] if p.logprobs else None
+            outputs.append(self.tracker.add_tokens(self._tracked(req), [token], logprobs))
 
     def _tracked(self, req: Request) -> TrackedRequest:
         """The tracker's side of ``req``, told the prefix-cache hit the scheduler found for it (usage

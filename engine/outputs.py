@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from chatmesh.errors import ServiceError
+from engine.logprobs import TokenLogprob
 
 
 class FinishReason(Enum):
@@ -45,6 +46,8 @@ class RequestOutput:
     # Per token, the end offset in ``text`` (code points) of what it and the tokens before it released:
     # GenerateTokens.text_ends, so a reader can split merged frames back into per-token pieces.
     text_ends: list[int] = field(default_factory=list)
+    # With SamplingParams.logprobs: one per token of token_ids.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

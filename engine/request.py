@@ -26,6 +26,22 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     constraint: Constraint | None = None  # what the output must match (engine.structured)
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
+    min_p: float = 0.0  # 0: off; else drop tokens below min_p times the likeliest's probability
+    logprobs: bool = False  # report each sampled token's log-probability
+    top_logprobs: int = 0  # and this many likeliest alternatives
+    # Derived once, read for every row of every step (a property call there cost the sampler 2x on a
+    # greedy batch of 32).
+    penalizes: bool = field(init=False)
+    # Whether the logits are changed before the pick (greedy decoding then needs them too).
+    adjusts_logits: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        penalizes = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        object.__setattr__(self, "penalizes", penalizes)
+        object.__setattr__(self, "adjusts_logits", penalizes or bool(self.logit_bias))
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import grpc
 from chatmesh.errors import ServiceError
 from chatmesh.tokenizer import ChatTokenizer
 from engine.detokenizer import Detokenizer
+from engine.logprobs import TokenLogprob
 from engine.metrics import EngineMetrics
 from engine.outputs import Finish, FinishReason, RequestOutput, Usage
 from engine.request import EngineRequest
@@ -177,13 +178,20 @@ class RequestTracker:
                 return self.end(tracked, reason, matched_stop)
         return None
 
-    def add_tokens(self, tracked: TrackedRequest, token_ids: Sequence[int]) -> RequestOutput:
-        """New output tokens, in order: what they release, and the finish if one of them ends the request
-        (tokens after it are dropped)."""
+    def add_tokens(
+        self,
+        tracked: TrackedRequest,
+        token_ids: Sequence[int],
+        logprobs: Sequence[TokenLogprob] | None = None,
+    ) -> RequestOutput:
+        """New output tokens, in order (with ``logprobs``, one per token): what they release, and the
+        finish if one of them ends the request (tokens after it are dropped)."""
         now = self._clock()
         output = RequestOutput(tracked.request_id, tracked.num_output_tokens, [], "")
         texts, released = [], 0
-        for token in token_ids:
+        for i, token in enumerate(token_ids):
+            if logprobs is not None:
+                output.logprobs.append(logprobs[i])
             if tracked.first_token_at is None:
                 tracked.first_token_at = now
                 if self._metrics is not None:

@@ -1,7 +1,9 @@
-"""Picks each next token from the logits: greedy, or temperature with top-k and top-p.
+"""Picks each next token from the logits: greedy, or temperature with top-k, top-p and min-p, after the
+request's logit bias and presence / frequency penalties.
 
 Reproducible by construction: the one random number a draw uses for output position ``i`` is a hash
-of ``(seed, i)``, nothing else. The same seed gives the same output on any engine, at any batch
+of ``(seed, i)``, nothing else, and the logits are adjusted from the request's own output so far (resumed
+output included), nothing else. The same seed gives the same output on any engine, at any batch
 position, and a request re-dispatched after a failover continues exactly where it left off.
 The draw is an inverse-CDF pick over the candidates sorted by logit (ties: lower token id first).
 """
@@ -9,6 +11,7 @@ The draw is an inverse-CDF pick over the candidates sorted by logit (ties: lower
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,12 +34,14 @@ def sample(
     logits: np.ndarray,
     params: Sequence[SamplingParams],
     positions: Sequence[int],
+    outputs: Sequence[Sequence[int]] | None = None,
     argmax: np.ndarray | None = None,
 ) -> list[int]:
     """One token per row of ``logits`` [n, vocab]; ``positions[r]`` is row r's output position.
 
-    ``argmax``: each row's argmax (ties: lowest id), when the runner that made the logits already has it;
-    greedy rows then cost no scan of the vocabulary.
+    ``outputs[r]``: row r's output tokens so far (resumed ones included), read only for a row whose
+    params penalize. ``argmax``: each row's argmax (ties: lowest id), when the runner that made the logits
+    already has it; greedy rows then cost no scan of the vocabulary.
     """
     if not any(p.temperature == 0.0 for p in params):
         tokens = [0] * len(params)
@@ -44,18 +49,38 @@ def sample(
         # One vectorized argmax over every row beats copying out the greedy rows first.
         tokens = (np.argmax(logits, axis=1) if argmax is None else argmax).tolist()
     for r, p in enumerate(params):
-        if p.temperature != 0.0:
+        if p.adjusts_logits:
+            row = adjusted(logits[r], p, outputs[r] if outputs is not None else ())
+            greedy = p.temperature == 0.0
+            tokens[r] = int(np.argmax(row)) if greedy else sample_one(row, p, uniform(p.seed, positions[r]))
+        elif p.temperature != 0.0:
             tokens[r] = sample_one(logits[r], p, uniform(p.seed, positions[r]))
     return tokens
+
+
+def adjusted(logits: np.ndarray, params: SamplingParams, output: Sequence[int]) -> np.ndarray:
+    """``logits`` plus the request's bias, less its penalties on the tokens of ``output``, as OpenAI
+    defines them: ``l[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty``."""
+    row = logits.astype(np.float64)  # a copy: the runner's logits stay as they are
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        row[list(ids)] += bias
+    if params.penalizes and len(output):
+        seen, counts = np.unique(np.asarray(output, dtype=np.int64), return_counts=True)
+        row[seen] -= params.presence_penalty + params.frequency_penalty * counts
+    return row
 
 
 def sample_one(logits: np.ndarray, params: SamplingParams, u: float) -> int:
     """A draw from softmax(logits / temperature) restricted by top-k then top-p, using ``u`` in [0, 1)."""
     scaled = logits.astype(np.float64) / params.temperature
+    if params.min_p > 0.0:
+        # p >= min_p * p_max, in logits: scaled >= max + log(min_p). The likeliest token always stays.
+        scaled[scaled < scaled.max() + math.log(params.min_p)] = -np.inf
     vocab = scaled.shape[0]
     top_p = params.top_p if 0.0 < params.top_p < 1.0 else 1.0
     if 0 < params.top_k < vocab:
-        candidates = _best(scaled, params.top_k)
+        candidates = best_ids(scaled, params.top_k)
         probs = np.exp(scaled[candidates] - scaled[candidates[0]])
         total = probs.sum()
     else:
@@ -75,7 +100,7 @@ def sample_one(logits: np.ndarray, params: SamplingParams, u: float) -> int:
     return int(candidates[pick])
 
 
-def _best(scaled: np.ndarray, k: int) -> np.ndarray:
+def best_ids(scaled: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k highest values, sorted by value descending, then id ascending."""
     part = np.argpartition(-scaled, k - 1)[:k]
     # Ties at the k-th value would leave the choice to the partition; take all, keep the lowest ids.
@@ -87,8 +112,8 @@ def _nucleus_superset(scaled: np.ndarray, probs: np.ndarray, mass: float) -> np.
     """The best tokens, sorted, holding at least ``mass`` of ``probs`` (probe few, widen as needed)."""
     k = _NUCLEUS_PROBE
     while k < scaled.shape[0]:
-        best = _best(scaled, k)
+        best = best_ids(scaled, k)
         if probs[best].sum() >= mass:
             return best
         k *= 8
-    return _best(scaled, scaled.shape[0])
+    return best_ids(scaled, scaled.shape[0])

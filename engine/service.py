@@ -53,6 +53,8 @@ class ServedEngine(Protocol):
     stats: EngineStats  # the load after the last step
     on_outputs: Callable[[list[RequestOutput]], Any]  # called with each step's outputs
     on_failure: Callable[[str], Any]  # called once when it stops serving
+    # Whether it applies penalties, logit bias, min-p and logprobs (engine.validation.EXTRA_KNOBS).
+    serves_extra_knobs: bool
 
     @property
     def spec(self) -> ModelSpec: ...
@@ -78,7 +80,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self.engine = engine
         self._loop = asyncio.get_running_loop()
         self.failed = asyncio.Event()  # set when the engine reports a failure; health should go NOT_SERVING
-        self.dispatcher = OutputDispatcher(self._loop, on_error=lambda message: self.failed.set())
+        self.dispatcher = OutputDispatcher(
+            self._loop, on_error=lambda message: self.failed.set(), token_bytes=engine.tokenizer.token_bytes
+        )
         engine.on_outputs = self.dispatcher.submit
         engine.on_failure = lambda message: self._loop.call_soon_threadsafe(self.failed.set)
         self.draining = False
@@ -88,6 +92,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             tokenizer_fingerprint=engine.tokenizer.fingerprint,
             vocab_size=engine.spec.vocab_size,
             context_length=engine.context_length,
+            serves_extra_knobs=engine.serves_extra_knobs,
         )
         # Constraints compile in threads of their own: a slow one stalls neither the step nor the loop.
         self._grammars = GrammarCompiler(engine.tokenizer) if engine.constrained_decoding else None

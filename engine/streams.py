@@ -18,15 +18,23 @@ import threading
 from collections.abc import Callable
 
 from chatmesh.engine.v1 import engine_pb2
+from engine.logprobs import TokenLogprob
 from engine.outputs import Finish, RequestOutput
 
 
 class RequestStream:
     """What one request's client has not been sent yet."""
 
-    def __init__(self, request_id: str, on_news: Callable[[RequestStream], None]) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        on_news: Callable[[RequestStream], None],
+        token_bytes: Callable[[int], bytes] = lambda token_id: b"",
+    ) -> None:
         self.request_id = request_id
         self._on_news = on_news
+        self._token_bytes = token_bytes
+        self._logprobs: list[engine_pb2.TokenLogprob] = []
         self._index = 0
         self._token_ids: list[int] = []
         self._text: list[str] = []
@@ -42,6 +50,7 @@ class RequestStream:
             self._text.append(output.text)
             self._text_ends += [self._text_length + end for end in output.text_ends]
             self._text_length += len(output.text)
+            self._logprobs += [self._logprob_proto(logprob) for logprob in output.logprobs]
         if output.finish is not None:
             self._finish = output.finish
         self._on_news(self)
@@ -55,18 +64,35 @@ class RequestStream:
                 token_ids=self._token_ids,
                 text="".join(self._text),
                 text_ends=self._text_ends,
+                logprobs=self._logprobs,
             )
             self._token_ids, self._text, self._text_ends, self._text_length = [], [], [], 0
+            self._logprobs = []
         return tokens, self._finish
+
+    def _logprob_proto(self, logprob: TokenLogprob) -> engine_pb2.TokenLogprob:
+        return engine_pb2.TokenLogprob(
+            token_id=logprob.token_id,
+            token_bytes=self._token_bytes(logprob.token_id),
+            logprob=logprob.logprob,
+            top=[
+                engine_pb2.TokenLogprob(token_id=token, token_bytes=self._token_bytes(token), logprob=value)
+                for token, value in logprob.top
+            ],
+        )
 
 
 class OutputDispatcher:
     """Hands each step's outputs to the streams of their requests."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, on_error: Callable[[str], None] | None = None
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_error: Callable[[str], None] | None = None,
+        token_bytes: Callable[[int], bytes] = lambda token_id: b"",
     ) -> None:
         self._loop = loop
+        self._token_bytes = token_bytes  # for the logprobs a request asked for
         self._on_error = on_error or (lambda message: None)
         self._lock = threading.Lock()
         self._pending: list[RequestOutput] = []
@@ -74,7 +100,7 @@ class OutputDispatcher:
 
     def open(self, request_id: str, on_news: Callable[[RequestStream], None]) -> RequestStream:
         """The stream of ``request_id``'s outputs; ``on_news`` is called on the loop each time some arrive."""
-        stream = self._streams[request_id] = RequestStream(request_id, on_news)
+        stream = self._streams[request_id] = RequestStream(request_id, on_news, self._token_bytes)
         return stream
 
     def close(self, request_id: str) -> None:

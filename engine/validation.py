@@ -21,6 +21,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOP_LOGPROBS = 20
+# The sampling knobs beyond temperature, top-p and top-k, by their SamplingParams field: what a backend
+# that cannot apply them refuses rather than ignores.
+EXTRA_KNOBS = ("presence_penalty", "frequency_penalty", "logit_bias", "min_p", "logprobs", "top_logprobs")
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,8 @@ class ServedModel:
     tokenizer_fingerprint: str
     vocab_size: int
     context_length: int
+    # Whether the engine applies EXTRA_KNOBS (our own sampler does; a hosted backend's may not).
+    serves_extra_knobs: bool = True
 
 
 def _invalid(message: str) -> ServiceError:
@@ -97,6 +104,7 @@ def _sampling_from_proto(params: engine_pb2.SamplingParams, model: ServedModel) 
         raise _invalid(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(params.stop_token_ids)}")
     if params.stop_token_ids and max(params.stop_token_ids) >= model.vocab_size:
         raise _invalid(f"stop token id {max(params.stop_token_ids)} is beyond the vocabulary")
+    _check_extra_knobs(params, model)
     return SamplingParams(
         temperature=params.temperature,
         top_p=params.top_p if 0.0 < params.top_p < 1.0 else 1.0,
@@ -108,6 +116,12 @@ def _sampling_from_proto(params: engine_pb2.SamplingParams, model: ServedModel) 
         stop_token_ids=frozenset(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         constraint=_constraint_from_proto(params.structured) if params.HasField("structured") else None,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=tuple(sorted(params.logit_bias.items())),
+        min_p=params.min_p,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs if params.logprobs else 0,
     )
 
 
@@ -141,3 +155,25 @@ def _constraint_from_proto(structured: engine_pb2.StructuredOutput) -> Constrain
         if not isinstance(schema, dict):
             raise _invalid("sampling.structured.json_schema must be a JSON object")
     return Constraint(kind, spec)
+
+
+def _check_extra_knobs(params: engine_pb2.SamplingParams, model: ServedModel) -> None:
+    if not model.serves_extra_knobs:
+        for knob in EXTRA_KNOBS:
+            if getattr(params, knob):
+                raise _invalid(f"sampling.{knob} is not served by this engine's backend")
+    for knob in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, knob)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise _invalid(f"sampling.{knob} must be in [-2, 2], got {value}")
+    if not (math.isfinite(params.min_p) and 0.0 <= params.min_p <= 1.0):
+        raise _invalid(f"sampling.min_p must be in [0, 1], got {params.min_p}")
+    if params.top_logprobs > MAX_TOP_LOGPROBS:
+        raise _invalid(f"sampling.top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {params.top_logprobs}")
+    if len(params.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise _invalid(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries, got {len(params.logit_bias)}")
+    for token, bias in params.logit_bias.items():
+        if token >= model.vocab_size:
+            raise _invalid(f"logit_bias token id {token} is beyond the vocabulary of {model.vocab_size}")
+        if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+            raise _invalid(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")

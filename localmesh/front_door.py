@@ -4,7 +4,7 @@
 specs for the edge and Envoy (in that order; Envoy health-checks the edge). The edge reaches each
 orchestrator replica itself, as the Helm chart's does: a chat's calls and streams on its replica, its
 stored streams and the OpenAI answers many to a stream on completion links (cheaper than a pass through
-Envoy's internal listener, measured: README, "The edge and the orchestrator replicas").
+Envoy's internal listener, measured: docs/benchmarks/front_door.md, "The edge and the orchestrator replicas").
 ``edge_via_envoy=True`` sends it through that loopback-only listener instead (Envoy's ring hash on the
 chat id, retries and health checks; a stored chat's streams then stay calls).
 """
@@ -117,7 +117,7 @@ def welcome(ports: FrontDoorPorts, token: str, user: str, tier: str) -> str:
     auth = "-H \"Authorization: Bearer $TOKEN\" -H 'Content-Type: application/json'"
     # A question with one right answer, greedy: the examples show the model answering, not sampling noise.
     # Asked bare, its first token is a near-tie that 8-bit and float32 activations break differently
-    # (README, "int8 and greedy answers"); asked for one sentence, every kernel set answers Paris.
+    # (docs/benchmarks/engine.md, "int8 and greedy answers"); asked for one sentence, every kernel set answers Paris.
     question = "What is the capital of France? Answer in one sentence."
     completion = json.dumps(
         {"stream": True, "temperature": 0, "messages": [{"role": "user", "content": question}]}

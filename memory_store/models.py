@@ -209,6 +209,9 @@ class Run:
     # How the answer is generated, opaque to the store (the orchestrator's serialized router request,
     # seed included): a replica that adopts the run continues it with this. Empty for older runs.
     generation: bytes = b""
+    # The id its usage is charged under (usage.py), made as its budget was reserved: the window it is
+    # charged in is the one it started in. Its run id for runs stored before charge ids.
+    charge_id: str = ""
 
 
 @dataclass(frozen=True)

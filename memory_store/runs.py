@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -77,7 +77,7 @@ _MAX_FINGERPRINT_BYTES = 64
 _RUN_STATE = (
     "user_id, chat_id, user_message_id, parent_message_id, assistant_message_id, model, owner_id, status, "
     "finish_reason, last_seq, checkpointed_at, finished_at, prompt_tokens, cached_prompt_tokens, "
-    "completion_tokens, error_code, error_message, generation"
+    "completion_tokens, error_code, error_message, generation, charge_id"
 )
 
 STATEMENTS = {
@@ -85,6 +85,14 @@ STATEMENTS = {
         "INSERT INTO idempotency_keys (user_id, key, fingerprint, run_id, user_message_id, "
         "assistant_message_id, starting_until) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
         # Running it again leaves the same row: the first claim's. The caller recognises its own ids.
+        idempotent=True,
+    ),
+    # A key whose claim expired, while a lease or renewal written later (each write sets the TTL of its
+    # own cells only) keeps some of its cells: claimed afresh, as a key without a row.
+    "claim_expired": Cql(
+        "UPDATE idempotency_keys USING TTL ? SET fingerprint = ?, run_id = ?, user_message_id = ?, "
+        "assistant_message_id = ?, starting_until = ? WHERE user_id = ? AND key = ? IF fingerprint = null",
+        # As "claim": running it again leaves the first attempt's row, which the caller recognises.
         idempotent=True,
     ),
     # Conditional: the outcome of a timed-out attempt is unknown, and a retry could take a lease twice.
@@ -113,8 +121,8 @@ STATEMENTS = {
     ),
     "run_insert": Cql(
         "INSERT INTO runs (run_id, user_id, chat_id, user_message_id, parent_message_id, "
-        "assistant_message_id, model, owner_id, status, prompt_tokens, generation, last_seq) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
+        "assistant_message_id, model, owner_id, status, prompt_tokens, generation, charge_id, last_seq) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
         True,
     ),
     # Once a second per running answer: a span each would be most of a send's trace, and a third of
@@ -186,6 +194,7 @@ def _run(run_id: uuid.UUID, row: Row) -> Run:
         error_message=row["error_message"],
         prompt_tokens=row["prompt_tokens"] or 0,
         generation=row["generation"] or b"",
+        charge_id=str(row["charge_id"] or run_id),
     )
 
 
@@ -245,9 +254,10 @@ class RunsMixin(MessagesMixin, UsageMixin):
     ) -> Claim:
         """Reserves the ids of a send (run, user message, assistant message) for ``(user_id, key)``.
 
-        The same key always returns the same ids, however many callers race; ``fingerprint`` (a hash
-        of the request) tells a true retry from a different request reusing the key. The call that
-        creates the claim also holds its start lease for ``start_lease_s`` (``take_start_lease``).
+        The same key always returns the same ids, however many callers race, until it expires
+        (``idempotency_ttl_s`` after its claim); ``fingerprint`` (a hash of the request) tells a true
+        retry from a different request reusing the key. The call that creates the claim also holds its
+        start lease for ``start_lease_s`` (``take_start_lease``).
         """
         self._check_user(user_id)
         self._check_idempotency_key(key)
@@ -266,6 +276,11 @@ class RunsMixin(MessagesMixin, UsageMixin):
             self._config.idempotency_ttl_s,
         )
         row = await self._contended("claim", params)
+        if not row["[applied]"] and row["fingerprint"] is None:
+            # Only a claim writes the fingerprint, and nothing outlives it but later writes' cells.
+            ttl = self._config.idempotency_ttl_s
+            ids = (fingerprint, run_id, user_message_id, assistant_message_id, lease)
+            row = await self._contended("claim_expired", (ttl, *ids, user_id, key))
         mine = row["[applied]"] or row["run_id"] == run_id
         return Claim(
             run_id=str(row["run_id"] if not row["[applied]"] else run_id),
@@ -349,6 +364,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         user_message_id: str | None = None,
         prompt_tokens: int = 0,
         generation: bytes = b"",
+        charge_id: str = "",
         asked: Message | None = None,
         chat: Chat | None = None,
     ) -> Run:
@@ -358,6 +374,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
         moves a run that has progressed or finished back to its start. ``prompt_tokens`` is what the
         run is charged for its prompt if it ends without its owner's count (``finish_run``);
         ``generation`` is how it is generated (opaque here), for a replica that adopts it.
+        ``charge_id`` is the id its budget was reserved under (``record_usage``; default: its run id),
+        which every later charge of the run uses.
 
         ``asked`` is the user message the run answers (its parent, and its ``user_message_id``), stored
         by this same call, as a send does: the run is written only once the message is, so a run never
@@ -371,6 +389,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         parent = parse_id(parent_message_id, "parent message id")
         assistant = parse_id(assistant_message_id, "assistant message id")
         user_message = parse_optional_id(user_message_id, "user message id")
+        charge_key = parse_id(charge_id, "charge id") if charge_id else run_key
         if not owner_id or len(model) > self.limits.max_model_chars:
             raise InvalidArgument("a run needs an owner id and a model name of reasonable length")
         if len(generation) > self.bounds.max_generation_bytes:
@@ -401,6 +420,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                         RunStatus.IN_PROGRESS.value,
                         prompt_tokens,
                         unset(generation or None),
+                        charge_key,
                         id_micros(run_key),
                     ),
                 )
@@ -435,17 +455,22 @@ class RunsMixin(MessagesMixin, UsageMixin):
             user_message_id=id_str(user_message),
             prompt_tokens=prompt_tokens,
             generation=generation,
+            charge_id=str(charge_key),
         )
 
     async def adopt_run(self, run: Run, owner_id: str) -> Run | None:
         """Makes replica ``owner_id`` the owner of ``run`` if it is still in progress and still owned by
         ``run.owner_id`` (the replica found silent): the run as adopted, or None if another replica
         adopted or ended it first. The run is indexed under its new owner first, so it can always be
-        found again if the adopter dies too."""
+        found again if the adopter dies too. Its own owner may take it up again (a run it found it
+        does not hold): the write then only checks that it is still in progress and still its own."""
         if not owner_id:
             raise InvalidArgument("a run needs an owner id")
         run_key = parse_id(run.run_id, "run id")
         bucket = _owner_bucket(run_key)
+        if owner_id == run.owner_id:  # its owner takes it up again: its index entry stays as it is
+            applied = (await self._db.execute("run_adopt", (owner_id, run_key, run.owner_id)))[0]["[applied]"]
+            return run if applied else None
         await self._db.execute("owner_index_insert", (owner_id, bucket, run_key))
         applied = (await self._db.execute("run_adopt", (owner_id, run_key, run.owner_id)))[0]["[applied]"]
         if not applied:
@@ -583,7 +608,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         charged = final.usage or Usage(
             prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in stored)
         )
-        usage = [[self._usage_write(final.user_id, final.run_id, charged)]]
+        usage = [[self._usage_write(final.user_id, final.charge_id, charged)]]
         run_key = parse_id(final.run_id, "run id")
         settled = [[("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key))]]
         message = await self._store_answer(final, stored, usage, settled)
@@ -724,6 +749,35 @@ class RunsMixin(MessagesMixin, UsageMixin):
             for r in replicas
             if utc(r["heartbeat_at"]) < at - timedelta(seconds=stale_after_s)
         ]
+        orphans = await self._indexed_runs(stale, at, max_run_age_s)
+        # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
+        # (if it was only paused, its next heartbeat brings it back).
+        done = set(stale) - {run.owner_id for run in orphans}
+        await asyncio.gather(*(self.forget_replica(owner, group) for owner in done))
+        return orphans
+
+    async def find_owned_runs(
+        self,
+        owner_id: str,
+        skip: Callable[[str], bool] = lambda run_id: False,
+        max_run_age_s: float = 3600.0,
+        at: datetime | None = None,
+    ) -> list[Run]:
+        """The runs in replica ``owner_id``'s index, as ``find_orphaned_runs`` finds those of a silent
+        replica (in progress, or ended without what the end leaves stored), for a replica to find its
+        own that it does not know it holds. ``skip``: run ids not to read (those it knows it holds)."""
+        return await self._indexed_runs([owner_id], at or now(), max_run_age_s, skip)
+
+    async def _indexed_runs(
+        self,
+        owners: Sequence[str],
+        at: datetime,
+        max_run_age_s: float,
+        skip: Callable[[str], bool] = lambda run_id: False,
+    ) -> list[Run]:
+        """The runs started within ``max_run_age_s`` of ``at`` that the indexes of ``owners`` hold and
+        that one of them still owns (an entry whose run was never written, or was adopted since, is
+        passed over), but for those ``skip`` names."""
         last = micros(at) // 1_000_000 // RUN_INDEX_BUCKET_SECONDS
         first = (micros(at) // 1_000_000 - int(max_run_age_s)) // RUN_INDEX_BUCKET_SECONDS
         limit = asyncio.Semaphore(16)
@@ -735,18 +789,18 @@ class RunsMixin(MessagesMixin, UsageMixin):
         scans = await asyncio.gather(
             *(
                 bounded("owner_index_scan", (owner, bucket))
-                for owner in stale
+                for owner in owners
                 for bucket in range(first, last + 1)
             )
         )
-        run_keys = list(dict.fromkeys(row["run_id"] for rows in scans for row in rows))
+        run_keys = [
+            key
+            for key in dict.fromkeys(row["run_id"] for rows in scans for row in rows)
+            if not skip(str(key))
+        ]
         states = await asyncio.gather(*(bounded("run_get", (key,)) for key in run_keys))
-        orphans = []
-        for key, rows in zip(run_keys, states, strict=True):
-            if rows and rows[0]["status"] is not None and rows[0]["owner_id"] in stale:
-                orphans.append(_run(key, rows[0]))
-        # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
-        # (if it was only paused, its next heartbeat brings it back).
-        done = set(stale) - {run.owner_id for run in orphans}
-        await asyncio.gather(*(self.forget_replica(owner, group) for owner in done))
-        return orphans
+        return [
+            _run(key, rows[0])
+            for key, rows in zip(run_keys, states, strict=True)
+            if rows and rows[0]["status"] is not None and rows[0]["owner_id"] in owners
+        ]

@@ -7,7 +7,7 @@ schema before the next one reads or writes the new tables. In a multi-replica de
 from one place (``python -m memory_store schema`` as a deploy job): concurrent DDL from several
 clients can race in Cassandra 5.0.
 
-Why the tables look the way they do (see docs/memory_store.md for the full story):
+Why the tables look the way they do (see docs/architecture/memory_store.md for the full story):
 
 - ``messages``: ``((chat_id, bucket), message_id)`` newest first, like Discord. ``bucket`` is the day of
   the message id (``BUCKET_SECONDS``), so a partition holds one chat's messages of one day: bounded by
@@ -154,7 +154,8 @@ MIGRATIONS: tuple[Migration, ...] = (
                 PRIMARY KEY ((service), replica_id))
               WITH gc_grace_seconds = 3600""",
             # One row per run and budget window: recording the same run twice is an upsert, not a
-            # double count (counters would double count a retried increment).
+            # double count (counters would double count a retried increment). ``run_id`` holds the
+            # run's charge id (usage.py; its run id for runs stored before migration 7).
             """CREATE TABLE IF NOT EXISTS usage_by_run (
                 user_id text,
                 window_start timestamp,
@@ -228,6 +229,14 @@ MIGRATIONS: tuple[Migration, ...] = (
                 PRIMARY KEY ((owner_id, bucket), run_id))
               WITH default_time_to_live = {RUN_SIGNAL_TTL_S}
               AND gc_grace_seconds = {RUN_SIGNAL_TTL_S}""",
+        ),
+    ),
+    Migration(
+        7,
+        "runs: the id their usage is charged under (made when their budget is reserved)",
+        (
+            # usage.py: a run is charged in the window it starts in, whoever records its end.
+            "ALTER TABLE runs ADD IF NOT EXISTS charge_id timeuuid static",
         ),
     ),
 )

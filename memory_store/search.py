@@ -18,7 +18,7 @@ never shows. Pages are cursors over ``(chat_id, item_id)``, signed for the user 
 
 What it costs: each stored message (and title) writes one more row, about its text plus its distinct
 words, and one SAI entry per distinct word (a memtable insert, then part of the SSTable's index); a
-search reads one partition, intersecting one posting list per query word (docs/memory_store.md).
+search reads one partition, intersecting one posting list per query word (docs/architecture/memory_store.md).
 """
 
 from __future__ import annotations

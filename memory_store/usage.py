@@ -1,12 +1,17 @@
 """Token usage per user and budget window, idempotent per run.
 
-Each run's usage is one row of the user's window partition, keyed by run id, so recording the same run
-again (a retried finish, or an estimate at start replaced by the actual count at the end) overwrites
-it instead of adding to it. Cassandra counters would double count a retried increment. Reading a
-user's usage is one single-partition aggregate; a window holds at most the runs the user's budget and
-rate limits allowed in it.
+Each run's usage is one row of the user's window partition, keyed by the run's charge id, so recording
+the same run again (a retried finish, or an estimate at start replaced by the actual count at the end)
+overwrites it instead of adding to it. Cassandra counters would double count a retried increment.
+Reading a user's usage is one single-partition aggregate; a window holds at most the runs the user's
+budget and rate limits allowed in it. The table's ``run_id`` column holds charge ids.
 
-A run's window is the one its id was made in, so every record of one run lands in the same window.
+A run is charged under its charge id, a timeuuid made when its budget is reserved (its start) and
+kept in its run row: every record of one run (the reservation, its owner's count, the charge of a
+replica that reaped or adopted it) lands in the window the run started in, in its place in the order
+of the window's runs by start. A run id can be days older than its start: a send refused after it
+claimed its idempotency key keeps the key's run id for its retry, which the refusal's RetryInfo may
+send after the window reset. Runs stored before charge ids are charged under their run id.
 
 The aggregate reads every run of the window, so its cost grows with the runs the user made in it (a
 warm node's CPU: ~0.5-1.3 ms for up to a few hundred runs, 1.7 ms for 1,000, 6.5 ms for 4,000;
@@ -36,7 +41,7 @@ STATEMENTS = {
         "FROM usage_by_run WHERE user_id = ? AND window_start = ?",
         True,
     ),
-    # Runs made in (after, until]: maxTimeuuid bounds every id of an instant's millisecond on one side.
+    # Runs started in (after, until]: maxTimeuuid bounds every id of an instant's millisecond on one side.
     "usage_sum_range": Cql(
         "SELECT sum(prompt_tokens) AS prompt, sum(cached_prompt_tokens) AS cached, "
         "sum(completion_tokens) AS completion, count(*) AS runs "
@@ -45,7 +50,7 @@ STATEMENTS = {
         True,
     ),
 }
-# Before any run id of a window: maxTimeuuid's resolution is a millisecond.
+# Before any charge id of a window: maxTimeuuid's resolution is a millisecond.
 _BEFORE_WINDOW = timedelta(milliseconds=1)
 
 
@@ -55,19 +60,20 @@ class UsageMixin(StoreBase):
         seconds = micros(at) // 1_000_000
         return datetime.fromtimestamp(seconds - seconds % self._config.usage_window_s, UTC)
 
-    async def record_usage(self, user_id: str, run_id: str, usage: Usage) -> None:
-        """Sets the tokens of ``run_id`` in the user's window (replacing an earlier record of the run)."""
-        await self._db.execute(*self._usage_write(user_id, run_id, usage))
+    async def record_usage(self, user_id: str, charge_id: str, usage: Usage) -> None:
+        """Sets the tokens charged under ``charge_id`` (a run's: ``Run.charge_id``) in the window it was
+        made in, replacing an earlier record of the run."""
+        await self._db.execute(*self._usage_write(user_id, charge_id, usage))
 
-    def _usage_write(self, user_id: str, run_id: str, usage: Usage) -> Write:
+    def _usage_write(self, user_id: str, charge_id: str, usage: Usage) -> Write:
         """The write of ``record_usage``."""
         self._check_user(user_id)
-        run_key = parse_id(run_id, "run id")
+        charge_key = parse_id(charge_id, "charge id")
         if min(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) < 0:
             raise InvalidArgument("token counts must not be negative")
-        window = self.window_start(id_time(run_key))
+        window = self.window_start(id_time(charge_key))
         counts = (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
-        return "usage_put", (user_id, window, run_key, *counts)
+        return "usage_put", (user_id, window, charge_key, *counts)
 
     async def get_usage(
         self,
@@ -78,7 +84,8 @@ class UsageMixin(StoreBase):
         made_until: datetime | None = None,
     ) -> UsageWindow:
         """The user's usage in the window containing ``at`` (default: now): of every run in it, or with
-        ``made_after`` / ``made_until``, of the runs made in (made_after, made_until] only."""
+        ``made_after`` / ``made_until``, of the runs that started (their charge ids were made) in
+        (made_after, made_until] only."""
         self._check_user(user_id)
         start = self.window_start(at or now())
         end = start + timedelta(seconds=self._config.usage_window_s)

@@ -8,6 +8,7 @@ and by ``make run`` never share hot-restart memory.
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import shutil
@@ -19,6 +20,7 @@ from pathlib import Path
 import jinja2
 import yaml
 
+from chatmesh import errors
 from chatmesh.chat.v1 import chat_pb2, completion_link_pb2
 from chatmesh.identity import IDENTITY_HEADERS, JWT_AUDIENCE
 from meshkit.launcher import HttpOk, ServiceSpec
@@ -54,6 +56,19 @@ class RouteLimits:
     def retry_after_s(self) -> int:
         # One header value for every tier: the longest refill interval is always long enough.
         return max(bucket.fill_interval_s for bucket in self.tiers.values())
+
+    def grpc_refusal(self) -> str:
+        """What a gRPC call this limit refuses carries in ``grpc-status-details-bin`` (base64): the
+        status with a ``RetryInfo`` that the orchestrator's own limits send, so one handler serves both."""
+        refusal = errors.exhausted(GRPC_RATE_LIMITED_MESSAGE, self.retry_after_s)
+        return base64.b64encode(refusal.status()).decode("ascii")
+
+
+# A rate-limited gRPC call's status message (its grpc-message and its status details' message must match:
+# gRPC's readers of rich statuses refuse details whose message differs from the call's).
+GRPC_RATE_LIMITED_MESSAGE = (
+    "rate limit reached: too many requests from this user; retry after RetryInfo's delay"
+)
 
 
 DEFAULT_RATE_LIMITS: dict[str, RouteLimits] = {
@@ -196,6 +211,8 @@ def render_config(config: EnvoyConfig) -> str:
         identity_headers=IDENTITY_HEADERS,
         cors_origins=config.cors_origins,
         rate_limits=config.rate_limits,
+        grpc_rate_limited_status={name: limits.grpc_refusal() for name, limits in config.rate_limits.items()},
+        grpc_rate_limited_message=GRPC_RATE_LIMITED_MESSAGE,
         grpc_methods=chat_service_methods(),
         completion_link_path=completion_link_path(),
         edge_limited_routes=EDGE_GENERATE_ROUTES,

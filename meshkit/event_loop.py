@@ -4,7 +4,7 @@ garbage collector tuned for a server's heap, and the loop's lag measured.
 Every token crosses four Python processes, each paying the event loop's own work per message (waking
 tasks, timers, transport writes) besides gRPC's; uvloop does that work in C. gRPC's asyncio stack runs on
 any asyncio loop. ``CHATMESH_EVENT_LOOP=asyncio`` runs the standard library's loop instead: to compare
-(README, "uvloop"), or to use asyncio's debug mode.
+(docs/benchmarks/front_door.md, "uvloop in every service"), or to use asyncio's debug mode.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ async def watch_lag(observe: Callable[[float], None] = _observe_lag, every_s: fl
     the process's threads and over a scrape interval, while this is how long anything ready waits for
     the one thread that runs it. Once the loop is behind, new calls wait too: a replica whose relaying
     leaves too little of its thread for the calls arriving takes them more slowly than they come, and
-    they wait in gRPC's queue until ``--max-pending-s`` sheds them (README, "Saturation, read off the
+    they wait in gRPC's queue until ``--max-pending-s`` sheds them (docs/benchmarks/front_door.md, "Saturation, read off the
     event loops")."""
     loop = asyncio.get_running_loop()
     while True:

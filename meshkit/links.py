@@ -8,7 +8,7 @@ CompleteMany). The client holds a ``Link``; the server serves each call with a `
 Why one stream: gRPC costs the same per message whatever it carries (~30 µs of CPU a message in
 Python, both sides), and with a stream per request every token was a message. On a shared stream one
 engine step's tokens for all of a router's requests there cross as one message, and the starts and
-cancels of one loop turn go out as one (README, "relay cost").
+cancels of one loop turn go out as one (docs/benchmarks/front_door.md, "Relay cost per hop").
 
 Each request keeps ``Generate``'s contract, per request id: ``open`` sends its `start` (with the trace
 context of its span), ``cancel`` its one `cancel`, and ``release`` is the caller letting go of it (a

@@ -4,7 +4,7 @@ as one event, on a tick every such stream shares.
 
 Why: past the relay's own work, each event costs every hop after it the same whatever it carries (the
 link frame, the edge's SSE event and its write, Envoy's pass, the client's read), so merged deltas are
-what a saturated door can give up to serve more tokens (README, "Streams that gather under load").
+what a saturated door can give up to serve more tokens (docs/benchmarks/front_door.md, "Streams that gather under load").
 vLLM's ``--stream-interval`` merges N tokens always; here nothing waits while the loop keeps up, and
 under load a delta waits a small multiple of what the loop already makes everything wait.
 

@@ -14,16 +14,16 @@ import logging
 import sys
 import time
 from argparse import Namespace
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
-from chatmesh.gguf_header import read_gguf_metadata
 from chatmesh.identity import TokenVerifier
 from chatmesh.limits import Generation
-from chatmesh.model_files import bundled_model_path
-from chatmesh.tokenizer import load_tokenizer
+from chatmesh.model_files import bundled_model_path, model_context_length
+from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
 from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
 from meshkit import event_loop, serving, telemetry
@@ -51,11 +51,6 @@ log = logging.getLogger("orchestrator")
 CASSANDRA_WAIT_S = 120.0
 
 
-def model_context_length(path: Path) -> int:
-    metadata = read_gguf_metadata(path)
-    return int(metadata.get(f"{metadata.get('general.architecture', 'llama')}.context_length") or 2048)
-
-
 async def connect_store(config: OrchestratorConfig) -> MemoryStore:
     """Connects to Cassandra, waiting for it while it starts (the mesh starts it first, but a node
     restarting or a slow start must not crash the orchestrator)."""
@@ -70,38 +65,33 @@ async def connect_store(config: OrchestratorConfig) -> MemoryStore:
             await asyncio.sleep(2.0)
 
 
-async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVerifier) -> None:
-    model_path = Path(config.model_file) if config.model_file else bundled_model_path()
-    tokenizer = load_tokenizer(str(model_path))
-    model_window = model_context_length(model_path)
-    context_window = min(config.prompt.context_window or model_window, model_window)
-    log.info(
-        "tokenizer loaded: %s (fingerprint %s, context window %d tokens)",
-        tokenizer.model_name,
-        tokenizer.fingerprint,
-        context_window,
-    )
-    store_config = config.store
-    log.info(
-        "connecting to Cassandra at %s:%d (keyspace %s)",
-        ",".join(store_config.contact_points),
-        store_config.port,
-        store_config.keyspace,
-    )
-    store = await connect_store(config)
-    log.info("Cassandra connected%s", ", schema applied" if store_config.apply_schema else "")
-    router = RouterClient(config.router, config.router_timeout_s)
-    try:
-        engines = await router.list_engines()
-        log.info(
-            "router reachable at %s: %d engines, %d healthy",
-            config.router,
-            len(engines),
-            sum(e.healthy for e in engines),
-        )
-    except Exception as exc:
-        log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
+@dataclass(frozen=True)
+class Parts:
+    """A replica's parts, wired together: what its calls use, and what keeps its runs."""
 
+    ctx: RunContext
+    budgets: Budgets
+    checkpoints: CheckpointWriter
+    jobs: BackgroundJobs
+    replica: Replica
+
+    async def stop(self) -> None:
+        """After the drain (or without one): the runs it left are handed over, the last checkpoints and
+        background jobs end, and the replica leaves."""
+        handed_over = await self.ctx.runs.shutdown(0.0)
+        await self.checkpoints.close()
+        await self.jobs.close()
+        await self.replica.leave(handed_over)
+
+
+def assemble(
+    config: OrchestratorConfig,
+    store: MemoryStore,
+    router: RouterClient,
+    tokenizer: ChatTokenizer,
+    context_window: int,
+) -> Parts:
+    """The replica's parts over its store, router and tokenizer (nothing started yet: ``Replica.join``)."""
     model = config.default_model or tokenizer.model_name
     checkpoints = CheckpointWriter(
         store,
@@ -145,10 +135,51 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
     )
     prompter = Prompter(store, tokenizer, config.prompt, context_window)
     ctx = RunContext(config, store, runs, prompter, deps.moderator, upkeep, model)
-    service = ChatService(ctx, budgets, router, context_window, verifier)
-    completion_link = CompletionLinkService(service, verifier)
     replica = Replica(config.replica_id, config.replica_group, store, runs, late_ends, config.runs)
-    await replica.join()
+    return Parts(ctx, budgets, checkpoints, jobs, replica)
+
+
+async def serve(
+    args: Namespace,
+    config: OrchestratorConfig,
+    verifier: TokenVerifier,
+    model_path: Path,
+    tokenizer: ChatTokenizer,
+) -> None:
+    model_window = model_context_length(model_path)
+    context_window = min(config.prompt.context_window or model_window, model_window)
+    log.info(
+        "tokenizer loaded: %s (fingerprint %s, context window %d tokens)",
+        tokenizer.model_name,
+        tokenizer.fingerprint,
+        context_window,
+    )
+    store_config = config.store
+    log.info(
+        "connecting to Cassandra at %s:%d (keyspace %s)",
+        ",".join(store_config.contact_points),
+        store_config.port,
+        store_config.keyspace,
+    )
+    store = await connect_store(config)
+    log.info("Cassandra connected%s", ", schema applied" if store_config.apply_schema else "")
+    router = RouterClient(config.router, config.router_timeout_s)
+    try:
+        engines = await router.list_engines()
+        log.info(
+            "router reachable at %s: %d engines, %d healthy",
+            config.router,
+            len(engines),
+            sum(e.healthy for e in engines),
+        )
+    except Exception as exc:
+        log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
+
+    parts = assemble(config, store, router, tokenizer, context_window)
+    ctx, runs = parts.ctx, parts.ctx.runs
+    service = ChatService(ctx, parts.budgets, router, context_window, verifier)
+    completion_link = CompletionLinkService(service, verifier)
+    await parts.replica.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
 
     def add_services(server: grpc.aio.Server) -> list[str]:
@@ -169,11 +200,8 @@ async def serve(args: Namespace, config: OrchestratorConfig, verifier: TokenVeri
     try:
         await serving.serve("orchestrator", args, add_services, on_drain=on_drain)
     finally:
-        drained = await asyncio.gather(*shutdown, return_exceptions=True)
-        handed_over = sum(n for n in drained if isinstance(n, int)) + await runs.shutdown(0.0)
-        await checkpoints.close()
-        await jobs.close()
-        await replica.leave(handed_over)
+        await asyncio.gather(*shutdown, return_exceptions=True)
+        await parts.stop()
         await router.close()
         await store.close()
 
@@ -185,8 +213,14 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"python -m orchestrator: {exc}")
     telemetry.setup("orchestrator")
+    model_path = Path(config.model_file) if config.model_file else bundled_model_path()
     try:
-        event_loop.run(serve(args, config, verifier))
+        tokenizer = load_tokenizer(str(model_path))
+    except (ValueError, OSError) as exc:  # a tokenizer it does not implement, or no such file
+        log.error("cannot start the orchestrator: %s", exc)
+        sys.exit(2)
+    try:
+        event_loop.run(serve(args, config, verifier, model_path, tokenizer))
     except serving.PortInUseError as exc:
         log.error("%s", exc)
         sys.exit(1)

@@ -90,6 +90,12 @@ class SummaryConfig:
     timeout_s: float = 120.0
 
 
+# A start lease is one replica's clock read by another's, and a write sent as its deadline passed may
+# still land (within Cassandra's own write timeout, 2 s by default): what a start lease leaves beyond
+# the deadlines of its holder's steps.
+LEASE_SKEW_S = 5.0
+
+
 @dataclass(frozen=True)
 class RunConfig:
     # Checkpoint partial output every this many events or this many milliseconds, whichever comes first.
@@ -120,10 +126,22 @@ class RunConfig:
     finish_retry_s: float = setting(120.0, "how long a run's end is retried before its streams fail")
 
     @property
+    def create_run_s(self) -> float:
+        """The longest a run's creation takes (memory_store's ``create_run``): its logged batch, and when
+        that fails, the ordered fallback's two writes, one after the other, each within the store
+        deadline."""
+        return 3 * self.store_deadline_s
+
+    @property
     def start_lease_s(self) -> float:
-        """How long the attempt that claimed an idempotency key may take to start its run (reads,
-        placement, persistence): retries of the key on other replicas wait for that run meanwhile."""
-        return self.placement_timeout_s + 3 * self.store_deadline_s
+        """How long the attempt that claimed an idempotency key may take to start its run: retries of the
+        key on other replicas wait for that run meanwhile. Its steps, each within its deadline: the claim
+        and the reads beside it, the placement with the budget's read and write beside it, the run's
+        creation; and LEASE_SKEW_S. With the defaults: 10 + max(30, 2 x 10) + 3 x 10 + 5 = 75 s. The
+        holder begins the run's creation only with ``create_run_s`` + LEASE_SKEW_S of it left
+        (``ChatRun.create_run``), so the run is written before the lease can pass to another attempt."""
+        placement_s = max(self.placement_timeout_s, 2 * self.store_deadline_s)
+        return self.store_deadline_s + placement_s + self.create_run_s + LEASE_SKEW_S
 
     def __post_init__(self) -> None:
         if self.orphan_after_s < 3 * self.heartbeat_interval_s:
@@ -174,7 +192,9 @@ class OrchestratorConfig:
     replica_group: str = setting("orchestrator", "the replicas that adopt each other's runs (one deployment)")
     router_timeout_s: float = setting(5.0, "deadline of unary router calls (ListEngines)")
     model_file: str = setting(
-        "", "GGUF whose tokenizer and chat template prompts use (default: the bundled model)"
+        "",
+        "GGUF file or Hugging Face directory whose tokenizer, chat template and context window prompts use "
+        "(default: the bundled model)",
     )
     # Model used when a request names none; empty: the model of the tokenizer.
     default_model: str = setting("", "model for requests that name none (default: the tokenizer's model)")
@@ -188,6 +208,13 @@ class OrchestratorConfig:
     identity: IdentityConfig = nested(IdentityConfig)
 
     def __post_init__(self) -> None:
+        if self.store.request_timeout_s > self.runs.store_deadline_s:
+            # A request could outlast the deadline its step is given, and land after a start lease
+            # (RunConfig.start_lease_s) passed on.
+            raise ValueError(
+                f"--cassandra-timeout-s ({self.store.request_timeout_s}) must be at most the store "
+                f"deadline of a send's steps ({self.runs.store_deadline_s} s)"
+            )
         # The store checks writes against the same limits, and counts usage in the same windows.
         store = dataclasses.replace(self.store, limits=self.limits, usage_window_s=self.budgets.window_s)
         object.__setattr__(self, "store", store)

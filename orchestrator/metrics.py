@@ -92,6 +92,13 @@ class OrchestratorMetrics(ComponentMetrics):
             "settled: ended by their replica, which died before storing the answer it had)",
             ["outcome"],
         )
+        self.strays_reaped = self.counter(
+            "stray_runs_total",
+            "Runs of this replica it found it did not have in hand (a start that failed after its run "
+            "landed, a lost give-back or interrupt write), taken up by its reaper, by outcome "
+            "(continued: generated on here; settled: ended, with what the end leaves now stored)",
+            ["outcome"],
+        )
         self.runs_left = self.counter(
             "runs_left_total",
             "Runs this replica left to another one (handed_over at shutdown, superseded: adopted "

@@ -16,6 +16,7 @@ sampling seed, so a generation whose router dies goes on through another one exa
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -56,10 +57,16 @@ def start_frame(
         max_tokens=generation.max_tokens,
         stop=list(generation.stop),
         structured=generation.structured,
+        presence_penalty=generation.presence_penalty,
+        frequency_penalty=generation.frequency_penalty,
+        logit_bias=dict(generation.logit_bias),
+        min_p=generation.min_p,
+        logprobs=generation.logprobs,
+        top_logprobs=generation.top_logprobs,
     )
     # A seed of its own when the caller gave none: sampling is a function of (seed, position), so the
     # answer can be continued on another router or by another replica, token for token.
-    sampling.seed = generation.seed if generation.seed is not None else secrets.randbits(63)
+    sampling.seed = generation.seed if generation.seed is not None else request_seed(request_id)
     return router_pb2.GenerateStart(
         request_id=request_id,
         model=generation.model,
@@ -70,6 +77,14 @@ def start_frame(
         tokenizer_fingerprint=fingerprint,
         new_session=new_session,
     )
+
+
+def request_seed(request_id: str) -> int:
+    """The sampling seed of a request whose caller chose none: a function of its id (a run's id), so two
+    attempts that ever start the same run (a start lease taken over while its holder still wrote the
+    run) generate the same answer and store the same checkpoints, while another run (a regenerated
+    answer) samples anew."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
 
 
 def continued(start: router_pb2.GenerateStart, output_token_ids: Sequence[int]) -> router_pb2.GenerateStart:

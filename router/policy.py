@@ -16,7 +16,7 @@ memory-bound, so every active KV block costs decode time. Our CPU engines are co
 request costs about one token of compute per step, whatever its context, so its context blocks overstate
 its remaining work roughly by context ÷ remaining output (20-30 in multi-turn chat), while every
 prefill block is 16 tokens of real compute. Measured on the router benchmark (bench/bench_router.py,
-README): weight 1 moved a third of follow-up turns away from their cached history (hit rate 74 % against
+docs/benchmarks/router.md): weight 1 moved a third of follow-up turns away from their cached history (hit rate 74 % against
 the oracle's 89 %); weight 16 kept 89 % and had the lowest TTFT. Use ``--overlap-weight 1`` for GPU
 engines.
 
@@ -38,7 +38,7 @@ counts as 16 blocks of prefill at the default overlap weight) new chats spread b
 hold, and a cached shared prefix decides between engines holding about as many. Measured, it did spread
 them (48 requests on each engine instead of 120, 36, 36, 0) but gained no throughput on our CPU engines
 (two share each core, so an idle one leaves its core to its partner, and a bigger batch costs less per
-token) and none in the simulation, with TTFT no better or a little worse (README, "Router"); hence off.
+token) and none in the simulation, with TTFT no better or a little worse (docs/benchmarks/router.md); hence off.
 
 A session hint (``with_hint``, router/sessions.py) credits the engine that last ran the chat with the
 blocks the router saw it compute, for when the KV events saying so have not reached the index yet; it

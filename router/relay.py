@@ -5,12 +5,16 @@
                  └──── place elsewhere (attempt + 1), resuming with the tokens already sent ◄┘
 
 Each attempt sends the original prompt plus every token the client already has (the ones its caller
-resumed with, then the ones relayed here) as ``resumed_output_token_ids``: the engine treats them as context, counts them toward max_tokens, does
-not send them again, and draws position i's sample from (seed, i), so a greedy or seeded stream goes
-on exactly as it would have. Token ``index`` values continue across attempts; ``routed`` is sent for
-each placement. An error that is the request's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) is
-returned as is; a full engine queue (RESOURCE_EXHAUSTED) or a failing engine means another attempt,
-up to ``max_attempts``, then UNAVAILABLE naming what each engine said.
+resumed with, then the ones relayed here) as ``resumed_output_token_ids``: the engine treats them as
+context, counts them toward max_tokens, does not send them again, and draws position i's sample from
+(seed, i), so a greedy or seeded stream goes on exactly as it would have. It also replays them through
+its detokenizer and stop rule, so text the failed engine held back (a stop string's start, an unfinished
+character) is released, or the stop string matched, by the next one: released text is a function of the
+tokens (``engine/detokenizer.py``), and nothing else of the first engine's state needs to travel. Token
+``index`` values continue across attempts; ``routed`` is sent for each placement. An error that is the
+request's fault (INVALID_ARGUMENT, FAILED_PRECONDITION, ...) is returned as is; a full engine queue
+(RESOURCE_EXHAUSTED) or a failing engine means another attempt, up to ``max_attempts``, then UNAVAILABLE
+naming what each engine said.
 
 Under the wait rule every attempt of a request whose client has no token yet also tells the engine how
 long it may queue: what is left of its tier's TTFT objective less the engine's own time to a first
@@ -47,7 +51,7 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
-from chatmesh.token_text import coalesced, token_pieces, tokens_frame
+from chatmesh.token_text import coalesced, tokens_after
 from meshkit.deadline import Deadline
 from meshkit.links import Link, RequestFeed
 from meshkit.telemetry import request_span, trace_context
@@ -347,7 +351,7 @@ class Relay:
             if skip >= len(tokens.token_ids):
                 return None
             # The text of the tokens dropped went out with them; a frame without per-token ends keeps all.
-            tokens = tokens_frame(have, token_pieces(tokens)[skip:])
+            tokens = tokens_after(tokens, skip)
         self.output.extend(tokens.token_ids)
         if self._first_token_at is None:
             self._first_token_at = time.monotonic()

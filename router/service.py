@@ -206,8 +206,10 @@ def _invalid(start: router_pb2.GenerateStart) -> str:
         return "prompt_token_ids must not be empty"
     if start.sampling.max_tokens <= 0:
         return "sampling.max_tokens must be > 0"
-    if len(start.resumed_output_token_ids) >= start.sampling.max_tokens:
-        return "resumed_output_token_ids must be fewer than sampling.max_tokens (nothing left to generate)"
+    # As many as max_tokens is a request whose stream broke between its last token and its end: the
+    # engine ends it at once, with the text it held back (part of a stop string, of a character).
+    if len(start.resumed_output_token_ids) > start.sampling.max_tokens:
+        return "resumed_output_token_ids must not outnumber sampling.max_tokens"
     if not is_tier_proto(start.tier):
         return f"unknown tier {start.tier}"
     return ""

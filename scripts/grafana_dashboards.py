@@ -5,7 +5,7 @@
 
 Every query reads metrics the services export (tests/helm/test_observability_metrics.py scrapes a
 running mesh to prove it). Every panel filters on the `$namespace` variable (the release's namespace,
-a target label the ServiceMonitors give every series). docs/operations.md describes the dashboards.
+a target label the ServiceMonitors give every series). docs/operations/monitoring.md describes the dashboards.
 """
 
 from __future__ import annotations

@@ -99,6 +99,10 @@ class _Counters:
 class HostedEngine:
     """Serves a ``GenerationBackend`` with ``LLMEngine``'s interface (what EngineService calls)."""
 
+    # A backend samples with its own sampler, which is given temperature, top-p, top-k and seed only:
+    # requests for more are refused rather than answered without them.
+    serves_extra_knobs = False
+
     def __init__(
         self,
         config: EngineConfig,

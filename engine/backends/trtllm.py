@@ -6,7 +6,7 @@ Everything below is written against TensorRT-LLM's documented LLM API; the pure 
 that documentation (tests/engine/test_backend_trtllm.py). docs/gpu.md says what an SRE runs.
 
 How it is driven:
-- ``LLM(model=<HF dir>, tensor_parallel_size=N, skip_tokenizer_init=True, kv_cache_config=
+- ``LLM(model=<HF dir>, tensor_parallel_size=N, pipeline_parallel_size=P, skip_tokenizer_init=True, kv_cache_config=
   KvCacheConfig(enable_block_reuse=True, event_buffer_max_size=..., tokens_per_block=<our block
   size>))``. Prompts go in as token ids (our tokenizer is the contract); text and stop strings are
   ours (``HostedEngine``), so TensorRT-LLM's detokenizer is off.
@@ -215,7 +215,8 @@ class KvEventTranslator:
 
 class TrtllmBackend:
     """``GenerationBackend`` over an in-process ``tensorrt_llm.LLM`` (which owns the GPUs and, with
-    ``tensor_parallel_size`` > 1, its MPI workers)."""
+    more than one rank, its MPI workers: on one node it spawns them itself; across nodes they are the
+    ranks ``mpirun ... trtllm-llmapi-launch`` started, which this process joins as rank 0)."""
 
     name = "trtllm"
 
@@ -223,6 +224,7 @@ class TrtllmBackend:
         self,
         model_dir: Path,
         tensor_parallel_size: int,
+        pipeline_parallel_size: int,
         block_size: int,
         block_hash_seed: int,
         eos_ids: Collection[int],
@@ -230,6 +232,7 @@ class TrtllmBackend:
     ) -> None:
         self.model_dir = model_dir
         self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
         self.block_size = block_size
         self.eos_ids = tuple(eos_ids)
         self.gpu_memory_fraction = gpu_memory_fraction
@@ -250,15 +253,17 @@ class TrtllmBackend:
             free_gpu_memory_fraction=self.gpu_memory_fraction,
         )
         log.info(
-            "loading %s into TensorRT-LLM (tensor parallel %d, %d tokens per KV block)",
+            "loading %s into TensorRT-LLM (tensor parallel %d, pipeline parallel %d, %d tokens per KV block)",
             self.model_dir,
             self.tensor_parallel_size,
+            self.pipeline_parallel_size,
             self.block_size,
         )
         self._llm = await asyncio.to_thread(
             trtllm.LLM,
             model=str(self.model_dir),
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             skip_tokenizer_init=True,
             kv_cache_config=kv_cache_config,
             enable_iter_perf_stats=True,

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -276,6 +276,20 @@ class _PagedAttention:
 def _rms_norm(torch, x, weight, eps: float):
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def torchrun_world_size(tensor_parallel_size: int, environ: Mapping[str, str]) -> int:
+    """The ranks torchrun started (``WORLD_SIZE``; 1 without torchrun), which must be the configured
+    tensor-parallel size: the engine reports that size, and a chart or script that says 4 GPUs must not
+    silently run on 1. Checked before torch is imported or a weight read."""
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if world != tensor_parallel_size:
+        raise ValueError(
+            f"--backend cuda --tensor-parallel-size {tensor_parallel_size} runs one rank per GPU under "
+            f"torchrun (torchrun --nproc-per-node {tensor_parallel_size} --module engine ...); this process "
+            f"is one of {world} (WORLD_SIZE)"
+        )
+    return world
 
 
 def create_cuda_runner(checkpoint: LlamaCheckpoint, dtype: str = "bfloat16") -> CudaModelRunner:

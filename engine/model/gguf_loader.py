@@ -22,6 +22,14 @@ def load_gguf(path: str | Path) -> LlamaCheckpoint:
     arch = fields.get("general.architecture")
     if arch != "llama":
         raise ValueError(f"{path}: architecture {arch!r} is not supported (only llama)")
+    # Positions rotated otherwise than by plain RoPE: the model would load and compute wrong logits.
+    if fields.get("llama.rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"{path}: RoPE scaling {fields['llama.rope.scaling.type']!r} is not supported")
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(
+            f"{path}: tensor rope_freqs.weight (RoPE frequency factors: Llama 3.1's rope scaling) is not "
+            "supported"
+        )
 
     def meta(key: str, default: Any = None) -> Any:
         value = fields.get(f"llama.{key}", default)
@@ -56,8 +64,6 @@ def load_gguf(path: str | Path) -> LlamaCheckpoint:
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
     )
-    if fields.get("llama.rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"{path}: RoPE scaling is not supported")
     layers = [
         LlamaLayer(
             attn_norm=vector(f"blk.{i}.attn_norm.weight"),

@@ -84,7 +84,7 @@ def read_hf_config(path: str | Path) -> dict:
 
 
 def hf_llama_config(path: str | Path) -> LlamaConfig:
-    """The model's shape from ``config.json`` alone (hosted backends need no weights here)."""
+    """The model's shape from ``config.json`` alone, checked against what our runners compute."""
     hf = read_hf_config(path)
     hidden, num_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     return LlamaConfig(

@@ -57,8 +57,9 @@ def create_runner(
         checkpoint = load_checkpoint(model_path)
         return CpuModelRunner(checkpoint, select_kernels(None, num_threads, checkpoint.config))
     if backend == "cuda":
-        from engine.model.cuda_runner import create_cuda_runner, import_torch
+        from engine.model.cuda_runner import create_cuda_runner, import_torch, torchrun_world_size
 
+        torchrun_world_size(tensor_parallel_size, os.environ)
         import_torch()  # fails with instructions before the weights are read
         log.info("loading %s on the cuda backend", model_path)
         return create_cuda_runner(load_checkpoint(model_path))

@@ -137,7 +137,7 @@ def table(rows: list[Row]) -> str:
 
 
 def markdown(rows: list[Row]) -> str:
-    """The table as the README shows it."""
+    """The table as docs/benchmarks/chaos.md shows it."""
     head = "| fault | injected | answers | completed | gaps | dups | stored ≠ streamed | lost | errors | resumes | recover p50 / max (s) |"
     lines = [head, "|" + "---|" * 11]
     for r in rows:

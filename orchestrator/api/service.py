@@ -16,12 +16,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from chatmesh import limits
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
-from chatmesh.errors import abort
+from chatmesh.errors import abort, invalid
 from chatmesh.identity import Identity, TokenVerifier, Unauthenticated
 from chatmesh.limits import Limits
+from chatmesh.unknown_fields import unknown_field
 from memory_store.store import MemoryStore
 from meshkit.deadline import Deadline
 from orchestrator import convert
@@ -96,6 +98,7 @@ def run_events(
 ) -> AsyncIterator[chat_pb2.RunEvent]:
     """The events of a run-event stream's request, as a call or on a completion link: a new run's
     (checked here: a refusal raises before any read or write) or, for StreamRun, an existing run's."""
+    known_fields_only(request)
     if isinstance(request, chat_pb2.StreamRunRequest):
         limits.check_id(request.run_id, "run_id")
         return ctx.runs.stream(identity.user_id, request.run_id, request.after_seq, request.merge_deltas)
@@ -107,6 +110,18 @@ def run_events(
     else:
         run = CompleteRun(ctx, identity, request)
     return ctx.runs.answer(run, request.merge_deltas)
+
+
+def known_fields_only(request: Message) -> None:
+    """Refuses a request carrying a field this server's protos do not define (a newer client's): what
+    it asks for would otherwise be silently ignored."""
+    if (found := unknown_field(request)) is not None:
+        where, number = found
+        raise invalid(
+            where or "request",
+            f"{where or 'the request'} carries field number {number}, which this server does not know "
+            "(a client built from newer protos?); it is refused rather than ignored",
+        )
 
 
 def run_stream(response: type):
@@ -157,6 +172,7 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         """The response of the unary call ``method`` for ``identity``, as a call or on a completion link:
         within the caller's time (``within_s``; at most ``DEFAULT_UNARY_DEADLINE_S``, which a call
         without a deadline gets), else TimeoutError."""
+        known_fields_only(request)
         budget_s = min(within_s or DEFAULT_UNARY_DEADLINE_S, DEFAULT_UNARY_DEADLINE_S)
         _call_ends_at.set(asyncio.get_running_loop().time() + budget_s)
         async with asyncio.timeout(budget_s):

@@ -15,7 +15,9 @@ Reading the window sums every run the user made in it, which grows with the runs
 a day would cost Cassandra ~6.5 ms of CPU a send for it by evening, against ≤ 1.3 ms for a few. A
 run's record stops changing once the run has ended and its owner has recorded its count, so each
 replica keeps, per user who made more than ``FOLD_AFTER_RUNS`` runs, the sum of the window's runs made
-before ``settled_after_s`` ago, and reads only the runs made since. Such a sum misses a record that
+before ``settled_after_s`` ago, and reads only the runs made since. A run is "made" when its budget is
+reserved: its record is keyed by a charge id made then (memory_store/usage.py), never by its run id,
+which a send retried with an old idempotency key made long before. Such a sum misses a record that
 changes later than that: a run adopted more than once, still going, or charged that late.
 It then counts the record as it was when folded: mostly the reservation, never less than the charge
 (the user is refused early, not let past the budget); for a run reaped and then adopted, the output
@@ -122,8 +124,9 @@ class Budgets:
         while len(self._settled) > FOLDED_USERS:
             self._settled.popitem(last=False)
 
-    async def reserve(self, identity: Identity, run_id: str, estimate: Usage) -> None:
-        """Reserves ``estimate`` for ``run_id`` if the user's window has room (else RESOURCE_EXHAUSTED)."""
+    async def reserve(self, identity: Identity, charge_id: str, estimate: Usage) -> None:
+        """Reserves ``estimate`` under ``charge_id`` (a run's, made now: the run is charged in the window
+        checked here) if the user's window has room (else RESOURCE_EXHAUSTED)."""
         limit = self.limit(identity.tier)
         if limit and estimate.total_tokens > limit:
             raise invalid(
@@ -144,11 +147,11 @@ class Budgets:
                         f"{window.end.isoformat()}",
                         wait_s,
                     )
-            await self._store.record_usage(identity.user_id, run_id, estimate)
+            await self._store.record_usage(identity.user_id, charge_id, estimate)
 
-    async def release(self, user_id: str, run_id: str) -> None:
+    async def release(self, user_id: str, charge_id: str) -> None:
         """Returns a reservation whose run never started."""
-        await self._store.record_usage(user_id, run_id, Usage())
+        await self._store.record_usage(user_id, charge_id, Usage())
 
     @asynccontextmanager
     async def _user_lock(self, user_id: str) -> AsyncIterator[None]:

@@ -13,6 +13,9 @@ import time
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+import grpc
+
+from chatmesh.errors import ServiceError
 from chatmesh.identity import Identity
 from orchestrator.runs.live_run import LiveRun
 
@@ -39,6 +42,11 @@ class AnswerRun(ABC):
         """Duplicates with the same key join one run (empty: every request is a run of its own)."""
         return ""
 
+    @property
+    def fingerprint(self) -> bytes:
+        """What tells a duplicate with the same key from another request reusing it."""
+        return b""
+
     @abstractmethod
     async def execute(self) -> None:
         """The whole run, step by step: raises a refusal before it is live."""
@@ -46,6 +54,14 @@ class AnswerRun(ABC):
     async def abandoned(self) -> None:
         """Undoes what the run holds outside this replica when it is refused before going live."""
         return  # Complete holds nothing outside the replica
+
+
+def key_reused() -> ServiceError:
+    """The answer to a request whose idempotency key an earlier, different request used."""
+    return ServiceError(
+        grpc.StatusCode.ALREADY_EXISTS,
+        "this idempotency key was already used for a different request; use a new key for a new message",
+    )
 
 
 def _observe_refusal(started: asyncio.Future[str]) -> None:

@@ -14,17 +14,17 @@ from collections.abc import Awaitable
 from datetime import datetime
 from typing import TypeVar
 
-import grpc
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import REFUSED_BEFORE_ANSWER, ServiceError, unavailable
+from chatmesh.errors import REFUSED_BEFORE_ANSWER, invalid, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import Chat, Claim, Message, Run, RunStatus
+from orchestrator.config import LEASE_SKEW_S
 from orchestrator.prompting.prompt import Prompt
-from orchestrator.runs.answer_run import AnswerRun
+from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.context import RunContext
 from orchestrator.runs.lifecycle import Admission
 from orchestrator.runs.live_run import RunInfo
@@ -38,8 +38,6 @@ ChatRequest = chat_pb2.SendMessageRequest | chat_pb2.RegenerateMessageRequest
 
 # How often a retry looks for the run an earlier attempt is starting.
 LEASE_POLL_S = 0.2
-# A lease holder starts its run only with this much of the lease left (clocks and a last write).
-LEASE_MARGIN_S = 5.0
 
 
 def ended_unanswered(run: Run) -> bool:
@@ -68,6 +66,11 @@ class ChatRun(AnswerRun):
         self, ctx: RunContext, identity: Identity, request: ChatRequest, key: str, options: Generation
     ) -> None:
         super().__init__(identity)
+        if options.logprobs:
+            # Its events keep text, not logprobs: a resumed or replayed stream could not give them again.
+            raise invalid(
+                "options.logprobs", "logprobs are served on Complete only (stored answers keep none)"
+            )
         self.ctx = ctx
         self.options = options
         # A request without a key is its own run: only retries that carry a key can join.
@@ -83,6 +86,10 @@ class ChatRun(AnswerRun):
     def idempotency_key(self) -> str:
         return self._key
 
+    @property
+    def fingerprint(self) -> bytes:
+        return self._fingerprint
+
     async def claim(self) -> Claim | None:
         """Claims the idempotency key: the ids of this run. None when an attempt with the key started
         its run, or is starting it (here or on another replica): this one joins that run, live at once.
@@ -96,31 +103,32 @@ class ChatRun(AnswerRun):
         store, user = self.ctx.store, self.identity.user_id
         lease_s = self.ctx.config.runs.start_lease_s
         if not self._retryable:  # nothing can join it: no claim to store
+            self._leased_at = time.monotonic()
             claim = store.unkeyed_claim(lease_s)
-            self._lease, self._leased_at = claim.start_lease, time.monotonic()
+            self._lease = claim.start_lease
             return claim
+        # A lease runs from before the call that took it was sent (its expiry is reckoned then).
+        sent = time.monotonic()
         with tracer.start_as_current_span("claim idempotency key"):
             claim = await store.claim_idempotency_key(user, self._key, self._fingerprint, lease_s)
         if not claim.fingerprint_matches:
-            raise ServiceError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                "this idempotency key was already used for a different request; "
-                "use a new key for a new message",
-            )
-        self._lease = claim.start_lease
+            raise key_reused()
+        self._lease, leased_at = claim.start_lease, sent
         deadline = time.monotonic() + lease_s
         while self._lease is None:
             found = await self._key_run(claim.run_id)
             if found is _KeyRun.UNANSWERED:
+                sent = time.monotonic()
                 renewed = await store.renew_claim(user, self._key, claim, lease_s)
                 if renewed is None:  # another retry renewed it first: wait for its run
                     renewed = await store.claim_idempotency_key(user, self._key, self._fingerprint, lease_s)
-                claim, self._lease = renewed, renewed.start_lease
+                claim, self._lease, leased_at = renewed, renewed.start_lease, sent
                 continue
             if found is _KeyRun.GOING:
                 self.started.set_result(claim.run_id)
                 return None
-            self._lease = await store.take_start_lease(user, self._key, lease_s)
+            sent = time.monotonic()
+            self._lease, leased_at = await store.take_start_lease(user, self._key, lease_s), sent
             if self._lease is None:
                 if time.monotonic() > deadline:
                     raise unavailable(
@@ -131,7 +139,7 @@ class ChatRun(AnswerRun):
                 # The earlier attempt started the run just before its lease ran out: join it (or, had
                 # it ended unanswered already, renew it).
                 self._lease = None
-        self._leased_at = time.monotonic()
+        self._leased_at = leased_at
         return claim
 
     async def claim_while(self, reads: Awaitable[T]) -> tuple[Claim, T] | None:
@@ -192,24 +200,29 @@ class ChatRun(AnswerRun):
         replica dies, another one adopts it and continues it from its stored generation). ``asked`` is
         the user message it answers when the run stores it too (a send), in the same round trips;
         ``chat``, the chat as read with the branch ``asked`` continues (nothing is read again)."""
-        if time.monotonic() - self._leased_at > self.ctx.config.runs.start_lease_s - LEASE_MARGIN_S:
-            # A retry elsewhere may hold the key's lease by now and start the run itself.
+        runs = self.ctx.config.runs
+        if time.monotonic() - self._leased_at > runs.start_lease_s - runs.create_run_s - LEASE_SKEW_S:
+            # Its writes could land after the lease passed to a retry elsewhere, which would start the
+            # run too (the same answer, from the same seed: router_client.request_seed, but twice).
             raise unavailable("starting the answer took too long; retry", 1.0)
         info = admission.info
-        return await self.ctx.store.create_run(
-            info.user_id,
-            info.chat_id,
-            run_id=info.run_id,
-            parent_message_id=parent_id,
-            assistant_message_id=info.assistant_message_id,
-            model=info.model,
-            owner_id=self.ctx.config.replica_id,
-            user_message_id=asked.message_id if asked else None,
-            prompt_tokens=len(admission.prompt.token_ids),
-            generation=admission.start.SerializeToString(),
-            asked=asked,
-            chat=chat,
-        )
+        # No write of it goes out past its share of the lease.
+        async with asyncio.timeout(runs.create_run_s):
+            return await self.ctx.store.create_run(
+                info.user_id,
+                info.chat_id,
+                run_id=info.run_id,
+                parent_message_id=parent_id,
+                assistant_message_id=info.assistant_message_id,
+                model=info.model,
+                owner_id=self.ctx.config.replica_id,
+                user_message_id=asked.message_id if asked else None,
+                prompt_tokens=len(admission.prompt.token_ids),
+                generation=admission.start.SerializeToString(),
+                charge_id=admission.charge_id,
+                asked=asked,
+                chat=chat,
+            )
 
     def refresh_summary(self, chat_id: str, prompt: Prompt, end: RunEnd) -> None:
         """A history that outgrows its share of the prompt gets a new rolling summary (background)."""

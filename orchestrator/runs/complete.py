@@ -33,7 +33,13 @@ class CompleteRun(AnswerRun):
     def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.CompleteRequest) -> None:
         super().__init__(identity)
         self.ctx = ctx
-        self.options = checked(limits.generation, request.options, ctx.config.limits, ctx.default_model)
+        self.options = checked(
+            limits.generation,
+            request.options,
+            ctx.config.limits,
+            ctx.default_model,
+            ctx.prompter.tokenizer.vocab_size,
+        )
         messages = self._conversation(request)
         self.system: list[ChatMessage] = []
         while messages and messages[0].role == "system":
@@ -81,4 +87,4 @@ class CompleteRun(AnswerRun):
         # 3. Live: `started`, then the answer streamed until it ends.
         end = await self.ctx.runs.generate(self, admission, None)
         # 4. The reservation becomes the actual count (no stored finish does it for an unstored run).
-        await self.ctx.store.record_usage(self.identity.user_id, info.run_id, end.usage)
+        await self.ctx.store.record_usage(self.identity.user_id, admission.charge_id, end.usage)

@@ -49,6 +49,10 @@ class LateEnds:
         METRICS.late_ends.set(len(self._ends))
         log.warning("run %s: its end is stored once the store answers again", run.run_id)
 
+    def holds(self, run_id: str) -> bool:
+        """Whether the run's end waits here to be stored."""
+        return run_id in self._ends
+
     async def store_all(self) -> int:
         """Tries to store each end waiting, oldest first, until one fails for want of Cassandra;
         returns how many are still waiting."""

@@ -23,19 +23,21 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import TypeVar
 
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.errors import DRAINING, not_found, unavailable
+from chatmesh.errors import DRAINING, ServiceError, not_found, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
 from memory_store.errors import MemoryStoreError, NotFound, OwnerChanged
+from memory_store.ids import new_id
 from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
 from meshkit.pacing import StreamPacer
@@ -46,11 +48,12 @@ from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.router_client import GenerateStream, RouterClient, continued, start_frame
 from orchestrator.runs import replay
-from orchestrator.runs.answer_run import AnswerRun
+from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # What a replica that drains answers new work with (another replica will take it).
 SHUTTING_DOWN = "this replica is shutting down; retry (another replica will answer)"
 tracer = trace.get_tracer("orchestrator")
@@ -67,6 +70,9 @@ class Admission:
     # The request the router placed (its seed included): what continues the run if its router dies,
     # and what a stored run keeps for a replica that adopts it.
     start: router_pb2.GenerateStart
+    # The id the run's usage is charged under, made as its budget was reserved (memory_store/usage.py):
+    # the run is charged in the window it starts in, however old its run id (a key claimed long ago).
+    charge_id: str
 
 
 class Runs:
@@ -87,36 +93,48 @@ class Runs:
         self.slots = slots
         self.fingerprint = tokenizer_fingerprint
         self.draining = False
+        # Set once a draining replica's grace is over: every run still live here is handed over.
+        self._handing_over = False
+        # Runs handed over to another replica at shutdown, for ``Replica.leave``.
+        self.handed_over = 0
         self.pacer = StreamPacer(self.config.stream_interval_max_ms / 1000)
         METRICS.stream_interval.set_function(lambda: self.pacer.interval_s)
         self._live: dict[str, LiveRun] = {}
         self._relays: dict[str, Relay] = {}
         # Every run task, from `start` to its last step: the replica holds them, no client does.
         self._tasks: set[asyncio.Task[object]] = set()
-        # Runs on their way to going live, by (user, idempotency key): a duplicate waits for the same one.
-        self._starting: dict[tuple[str, str], asyncio.Future[str]] = {}
+        # Adopted runs asked to stop while they are being placed again: stopped once placed.
+        self._stop_when_placed: dict[str, Stop] = {}
+        # Runs on their way to going live, by (user, idempotency key): a duplicate (the same request)
+        # waits for the same one.
+        self._starting: dict[tuple[str, str], AnswerRun] = {}
+        # The ids of runs admitted here and not yet live, and of adoptions under way (``holds``).
+        self._pending: set[str] = set()
 
     # -- the steps of a run, in order ------------------------------------------------------------
 
     async def start(self, run: AnswerRun) -> str:
         """Runs ``run`` as a task of this replica and returns its run id once it is live (or joined an
         earlier run of its idempotency key); a refusal before that is raised here. A duplicate of a run
-        still starting (same user and key) waits for that one instead of starting its own.
+        still starting (same user, key and request) waits for that one instead of starting its own; a
+        different request with its key is ALREADY_EXISTS, as the key's claim would answer it.
 
         A stored run outlives a caller who goes away; a run nothing could ever attach to (Complete,
         whose client never learnt its run id) is abandoned with a caller who leaves before it is live
         (and, through ``answer``, after).
         """
         key = (run.identity.user_id, run.idempotency_key) if run.idempotency_key else None
-        started = self._starting.get(key) if key else None
+        earlier = self._starting.get(key) if key else None
         task = None
-        if started is None:
+        if earlier is not None:
+            if earlier.fingerprint != run.fingerprint:
+                raise key_reused()  # as its claim would say: the key is another request's
+            started = earlier.started
+        else:
             started = run.started
-            task = asyncio.create_task(self._execute(run), name=f"{run.kind}-run")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self._task(self._execute(run), f"{run.kind}-run")
             if key is not None:
-                self._starting[key] = started
+                self._starting[key] = run
                 started.add_done_callback(lambda _: self._starting.pop(key, None))
         try:
             return await asyncio.shield(started)
@@ -145,6 +163,13 @@ class Runs:
             if relay is not None and not run.outlives_caller:
                 relay.stop(Stop.CANCELLED)  # a no-op once the run has ended
 
+    def _task(self, work: Coroutine[object, object, T], name: str) -> asyncio.Task[T]:
+        """``work`` as a task of this replica (``shutdown`` waits for it, then cancels it)."""
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
     async def _execute(self, run: AnswerRun) -> None:
         try:
             await run.execute()
@@ -170,9 +195,23 @@ class Runs:
         undone, and after it the admission belongs to ``generate``."""
         if self.draining:
             raise unavailable(SHUTTING_DOWN, 0.5, reason=DRAINING)  # before anything of it is stored
+        # Until the block ends: then the run is live (``generate`` goes on without a pause), or it was
+        # refused, though its row may have landed (the reaper continues it: ``Replica.reap_own``).
+        self._pending.add(info.run_id)
+        try:
+            async with self._admitted(identity, info, prompt, options) as admission:
+                yield admission
+        finally:
+            self._pending.discard(info.run_id)
+
+    @contextlib.asynccontextmanager
+    async def _admitted(
+        self, identity: Identity, info: RunInfo, prompt: Prompt, options: Generation
+    ) -> AsyncIterator[Admission]:
         with tracer.start_as_current_span("start run") as span:
             span.set_attribute("chatmesh.run_id", info.run_id)
             self.slots.acquire(identity)
+            charge_id = str(new_id())
             try:
                 start = start_frame(
                     info.run_id,
@@ -183,29 +222,29 @@ class Runs:
                     self.fingerprint,
                     new_session=info.stored and prompt.opens_session,
                 )
-                stream = await self._place(identity, info, start, options)
+                stream = await self._place(identity, charge_id, start, options)
                 placed = _as_placed(info, stream.routed)
                 # A continuation (another router, another replica) stays on the weights it started on.
                 start.model = placed.model
-                admission = Admission(identity, placed, prompt, stream, start)
+                admission = Admission(identity, placed, prompt, stream, start, charge_id)
                 try:
                     yield admission
                 except BaseException:
                     stream.abort()
                     with contextlib.suppress(MemoryStoreError, TimeoutError):
-                        await self.budgets.release(identity.user_id, info.run_id)
+                        await self.budgets.release(identity.user_id, charge_id)
                     raise
             except BaseException:
                 self.slots.release(identity.user_id)
                 raise
 
     async def _place(
-        self, identity: Identity, info: RunInfo, start: router_pb2.GenerateStart, options: Generation
+        self, identity: Identity, charge_id: str, start: router_pb2.GenerateStart, options: Generation
     ) -> GenerateStream:
-        """Reserves the budget and has the router place the request, both at once (a refusal of either
-        undoes the other): returns the placed stream."""
+        """Reserves the budget (under ``charge_id``) and has the router place the request, both at once
+        (a refusal of either undoes the other): returns the placed stream."""
         estimate = Usage(prompt_tokens=len(start.prompt_token_ids), completion_tokens=options.max_tokens)
-        reserve = asyncio.ensure_future(self.budgets.reserve(identity, info.run_id, estimate))
+        reserve = asyncio.ensure_future(self.budgets.reserve(identity, charge_id, estimate))
         place = asyncio.ensure_future(
             self.router.place(start, self.config.max_run_s, self.config.placement_timeout_s)
         )
@@ -219,9 +258,13 @@ class Runs:
                 place.cancel()
             # The budget's verdict is the more useful one to report, so wait for both.
             await asyncio.wait([reserve, place])
-            if reserve.done() and not reserve.cancelled() and reserve.exception() is None:
+            # Only a refusal of the budget's own is sure to have written nothing: a reservation that
+            # failed, or was cancelled (the caller left, the replica shuts down), may have its write
+            # on its way, and the release, sent after it, is the later write.
+            refused = not reserve.cancelled() and isinstance(reserve.exception(), ServiceError)
+            if not refused:
                 with contextlib.suppress(MemoryStoreError, TimeoutError):
-                    await self.budgets.release(identity.user_id, info.run_id)
+                    await asyncio.shield(self.budgets.release(identity.user_id, charge_id))
             for step in (reserve, place):
                 failure = step.exception() if step.done() and not step.cancelled() else None
                 if failure is not None:
@@ -248,10 +291,14 @@ class Runs:
         run_id = relay.live.info.run_id
         self._live[run_id] = relay.live
         self._relays[run_id] = relay
+        if self._handing_over:  # it went live after the drain's grace: it goes on elsewhere at once
+            self._leave_at_shutdown(relay)
         try:
             return await relay.run()
         finally:
             self._relays.pop(run_id, None)
+            if relay.live.handed_over and relay.stop_reason is Stop.HANDED_OVER:
+                self.handed_over += 1
             if relay.live.handed_over:
                 # New streams of the run follow it where it goes on (through Cassandra from here).
                 self._live.pop(run_id, None)
@@ -262,13 +309,25 @@ class Runs:
         after it, through the router, with the run's own seed: the rest of the answer, its events and
         their sequence numbers are the ones the lost replica would have produced. Returns whether this
         replica adopted it (another replica may have been first); a run that cannot be continued
-        (stored before runs kept their generation) is ended as interrupted instead."""
-        if self.draining:
+        (stored before runs kept their generation) is ended as interrupted instead.
+
+        ``orphan`` may be this replica's own run, one it does not hold (``Replica.reap_own``): it is
+        continued the same way."""
+        if self.draining or self.holds(orphan.run_id):
             return False
+        # A task of the replica's from the start, so that a drain waits for it (and it goes on if the
+        # reaper's pass gives up waiting: a run made ours must go on here).
+        self._pending.add(orphan.run_id)
+        adoption = self._task(self._adopt(orphan, replica_id), "adoption")
+        adoption.add_done_callback(lambda _: self._pending.discard(orphan.run_id))
+        return await asyncio.shield(adoption)
+
+    async def _adopt(self, orphan: Run, replica_id: str) -> bool:
         run = await self.store.adopt_run(orphan, replica_id)
         if run is None:
             return False
-        await self._signal_owner(orphan)  # in case it was only paused: it must stop generating
+        if orphan.owner_id != replica_id:
+            await self._signal_owner(orphan)  # in case it was only paused: it must stop generating
         try:
             output = await self.store.read_run_output(run.user_id, run.run_id)
         except Exception:
@@ -300,9 +359,7 @@ class Runs:
             live.append_delta(delta.text, delta.token_count)
         frame = continued(start, [token for delta in output for token in delta.token_ids])
         self._live[info.run_id] = live
-        task = asyncio.create_task(self._continue_adopted(run, live, frame), name="adopted-run")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._task(self._continue_adopted(run, live, frame), "adopted-run")
         log.warning(
             "run %s of replica %s adopted here at event %d (%d tokens)",
             run.run_id,
@@ -317,17 +374,44 @@ class Runs:
         interrupted with its checkpointed output (it is this replica's: nobody else would end it)."""
         try:
             stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
+        except asyncio.CancelledError:
+            # The replica shut down before the run went on here: it stays as adopted, its output
+            # checkpointed, for another replica to adopt in turn.
+            self._stop_when_placed.pop(run.run_id, None)
+            self._live.pop(run.run_id, None)
+            self.handed_over += 1
+            raise
         except Exception as exc:
+            self._stop_when_placed.pop(run.run_id, None)
             self._live.pop(run.run_id, None)
             log.warning("run %s could not be placed again (%s); interrupting it", run.run_id, exc)
             with contextlib.suppress(MemoryStoreError, TimeoutError):
                 await self.store.finish_run(run, _interrupted(live.last_seq))
             return
-        await self._relay(Relay(self.deps, live, stream, frame, run, time.monotonic()))
+        relay = Relay(self.deps, live, stream, frame, run, time.monotonic())
+        stop = self._stop_when_placed.pop(run.run_id, None)
+        if stop is not None:
+            relay.stop(stop)  # its end is stored as any stopped run's
+        await self._relay(relay)
+
+    def _stop(self, live: LiveRun, reason: Stop) -> None:
+        """Stops a run held here; an adopted one being placed again stops as soon as it is placed."""
+        relay = self._relays.get(live.info.run_id)
+        if relay is not None:
+            relay.stop(reason)
+        elif not live.finished:
+            self._stop_when_placed[live.info.run_id] = reason
+            if reason is Stop.CANCELLED:
+                live.cancelling()
 
     def relays(self) -> list[Relay]:
         """The runs this replica relays now."""
         return list(self._relays.values())
+
+    def holds(self, run_id: str) -> bool:
+        """Whether this replica has the run in hand: starting it, adopting it, generating it, holding
+        it after its end, or storing its end later."""
+        return run_id in self._pending or run_id in self._live or self.deps.late_ends.holds(run_id)
 
     def is_running(self, run_id: str) -> bool:
         """Whether the run is generating here (not ended, not handed over)."""
@@ -401,11 +485,10 @@ class Runs:
             loop = asyncio.get_running_loop()
             answer_by = loop.time() + answer_within_s / 2
             relay = self._relays.get(run_id)
-            if relay is not None:
-                # Stopped before anything is read: it is the caller's own run (``_local``), and its
-                # engine work is freed at once however late Cassandra answers (under load, or not at
-                # all). A run whose chat was deleted meanwhile is stopped all the same, and NOT_FOUND.
-                relay.stop(Stop.CANCELLED)
+            # Stopped before anything is read: it is the caller's own run (``_local``), and its engine
+            # work is freed at once however late Cassandra answers (under load, or not at all). A run
+            # whose chat was deleted meanwhile is stopped all the same, and NOT_FOUND.
+            self._stop(live, Stop.CANCELLED)
             try:
                 async with asyncio.timeout_at(answer_by):
                     await self._check_chat_kept(user_id, live.info.chat_id, run_id)
@@ -468,9 +551,9 @@ class Runs:
 
     def cancel_chat(self, user_id: str, chat_id: str) -> None:
         """Stops this replica's runs of a chat (it was deleted: nobody waits for their ends)."""
-        for relay in list(self._relays.values()):
-            if relay.live.info.user_id == user_id and relay.live.info.chat_id == chat_id:
-                relay.stop(Stop.CANCELLED)
+        for live in list(self._live.values()):
+            if live.info.user_id == user_id and live.info.chat_id == chat_id:
+                self._stop(live, Stop.CANCELLED)
 
     # -- upkeep ---------------------------------------------------------------------------------
 
@@ -485,36 +568,42 @@ class Runs:
         """Lets runs finish for ``grace_s``, then hands the rest over: their output so far is stored
         and another replica adopts them (once this one says it is gone: ``Replica.leave``), so clients
         resuming elsewhere get the whole answer. A Complete, which nobody could resume, is interrupted.
-        Returns how many runs were handed over."""
+
+        Runs that go live while the replica drains (sends already past the draining check, adoptions
+        under way) are runs like the others: they get what is left of the grace, and one that goes live
+        after it is handed over at once (``_relay``). Returns how many runs this replica handed over
+        (in every call: the server calls it again once it stopped serving)."""
         self.draining = True
-        relays = list(self._relays.values())
-        handed_over = 0
-        if relays:
-            log.info("waiting up to %.0fs for %d runs to finish", grace_s, len(relays))
-            await asyncio.gather(*(relay.wait(grace_s) for relay in relays))
-            left = [relay for relay in relays if not relay.live.finished]
-            if left:
-                log.warning("handing over %d runs still generating", len(left))
-                for relay in left:
-                    if relay.stored_run is not None:
-                        relay.stop(Stop.HANDED_OVER)
-                        handed_over += 1
-                    else:
-                        relay.stop(Stop.INTERRUPTED)
-                await asyncio.gather(
-                    *(
-                        relay.wait(self.config.cancel_timeout_s + self.config.store_deadline_s)
-                        for relay in left
-                    )
-                )
-        # Ended runs finish their last step (usage, titles); runs still on their way to going live
-        # (placement, persistence) end with the replica, as refusals their callers may retry elsewhere.
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.config.store_deadline_s)
+        loop = asyncio.get_running_loop()
+        hand_over_at = loop.time() + grace_s
+        if self._tasks and grace_s > 0:
+            log.info("waiting up to %.0fs for %d runs to finish", grace_s, len(self._tasks))
+        await self._until_ended(hand_over_at)
+        self._handing_over = True
+        left = list(self._relays.values())
+        if left:
+            log.warning("handing over %d runs still generating", len(left))
+        for relay in left:
+            self._leave_at_shutdown(relay)
+        # Runs handed over store their output; runs on their way to going live (placement,
+        # persistence) go on, and are handed over as they go live. Whatever is still on its way after
+        # that ends with the replica: a run not yet stored as a refusal its caller may retry elsewhere;
+        # one whose row may have landed is found in this replica's index (``Replica.leave``).
+        await self._until_ended(loop.time() + self.config.cancel_timeout_s + self.config.store_deadline_s)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        return handed_over
+        return self.handed_over
+
+    async def _until_ended(self, deadline: float) -> None:
+        """Waits until every run task has ended (those started meanwhile too), or ``deadline``."""
+        loop = asyncio.get_running_loop()
+        while self._tasks and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(list(self._tasks), timeout=left)
+
+    def _leave_at_shutdown(self, relay: Relay) -> None:
+        """A stored run is handed over (another replica adopts it); a Complete is interrupted."""
+        relay.stop(Stop.HANDED_OVER if relay.stored_run is not None else Stop.INTERRUPTED)
 
 
 def _interrupted(last_seq: int) -> RunOutcome:

@@ -1,8 +1,10 @@
 """A run in memory on the replica generating it: its events in order, and the streams following them.
 
 Events are numbered from 1 (``started``), then ``delta``s, then ``usage`` and ``done`` (or one
-``error``). The buffer is append-only and bounded by the run's ``max_tokens`` (at most one delta per
-token), so any follower can start from any sequence number. Followers read it at their own pace: the
+``error``). The buffer is append-only and bounded by the run's ``max_tokens``: at most one delta per
+token, and one more for the text the engine held back (the start of a stop string, part of a
+character) and flushed when the answer ended. A delta past that bound is refused, never the end: room
+for it is kept, so followers always get it. Any follower can start from any sequence number. Followers read it at their own pace: the
 writer never waits for them, so a slow stream slows neither the run nor the other streams, and a
 stream that falls behind simply reads on from where it was.
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -35,8 +37,12 @@ from chatmesh.streams import Wakeup
 from meshkit.pacing import StreamPacer
 from orchestrator.metrics import METRICS
 
-# started + usage + done, or started + error.
+# The events of a run that are no delta: started + usage + done, or started + error.
 _FRAME_EVENTS = 3
+# Those after the last delta, for which a delta always leaves room.
+_END_EVENTS = 2
+# Deltas that carry no token: the held-back text an engine flushes at the end.
+_FLUSHED_DELTAS = 1
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class LiveRun:
     def __init__(self, info: RunInfo, max_subscribers: int, pacer: StreamPacer) -> None:
         self.info = info
         self.pacer = pacer
-        self.max_events = info.max_tokens + _FRAME_EVENTS
+        self.max_events = info.max_tokens + _FLUSHED_DELTAS + _FRAME_EVENTS
         self.max_subscribers = max_subscribers
         # The events in order: a delta as (text, token count), any other kind as its RunEvent.
         self._events: list[chat_pb2.RunEvent | tuple[str, int]] = []
@@ -99,10 +105,22 @@ class LiveRun:
         self._changed.notify()
         return event
 
-    def append_delta(self, text: str, token_count: int) -> int:
-        """Adds the next delta and wakes every follower; returns its sequence number."""
+    def append_delta(
+        self, text: str, token_count: int, logprobs: Sequence[chat_pb2.TokenLogprob] = ()
+    ) -> int:
+        """Adds the next delta and wakes every follower; returns its sequence number. One with
+        ``logprobs`` is kept as its event (and is never merged with others: the rare caller that asks for
+        them pays the event's memory)."""
         seq = self._next_seq()
-        self._events.append((text, token_count))
+        if seq > self.max_events - _END_EVENTS:
+            raise RuntimeError(
+                f"run {self.info.run_id} exceeded its {self.max_events - _FRAME_EVENTS} deltas"
+            )
+        if logprobs:
+            delta = chat_pb2.Delta(text=text, token_count=token_count, logprobs=logprobs)
+            self._events.append(chat_pb2.RunEvent(seq=seq, delta=delta))
+        else:
+            self._events.append((text, token_count))
         now = time.monotonic()
         self._delta_gap_s, self._last_delta_at = now - self._last_delta_at, now
         self._changed.notify()
@@ -137,6 +155,8 @@ class LiveRun:
         for seq, kept in enumerate(self._events, 1):
             if isinstance(kept, tuple):
                 yield seq, *kept
+            elif kept.HasField("delta"):
+                yield seq, kept.delta.text, kept.delta.token_count
 
     def cancelling(self) -> None:
         """CancelRun stopped the run: no output follows, and until its end is stored it reads as

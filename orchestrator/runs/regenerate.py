@@ -23,7 +23,13 @@ class RegenerateRun(ChatRun):
     ) -> None:
         checked(limits.check_id, request.chat_id, "chat_id")
         checked(limits.check_id, request.message_id, "message_id")
-        options = checked(limits.generation, request.options, ctx.config.limits, ctx.default_model)
+        options = checked(
+            limits.generation,
+            request.options,
+            ctx.config.limits,
+            ctx.default_model,
+            ctx.prompter.tokenizer.vocab_size,
+        )
         checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
         super().__init__(ctx, identity, request, request.idempotency_key, options)
         self.request = request

@@ -157,6 +157,7 @@ class Relay:
         # carried by a delta (their text is held back).
         self._output_ids = array("I", start.resumed_output_token_ids)
         self._unsent_ids: list[int] = []
+        self._unsent_logprobs: list[chat_pb2.TokenLogprob] = []
         self._first_delta_at: float | None = None
         self._checkpointer: RunCheckpoints | None = None
         self._ended = asyncio.Event()
@@ -251,17 +252,22 @@ class Relay:
         unstored run (Complete) is never replayed, so its deltas follow the frames, and a reader that
         fell behind gets one delta for all that the router merged."""
         if self.stored_run is None:
-            self._emit(tokens.text, tokens.token_ids)
+            self._emit(tokens.text, tokens.token_ids, tokens.logprobs)
             return
         for token_id, text in token_pieces(tokens):
             self._emit(text, (token_id,))
 
-    def _emit(self, text: str, token_ids: Sequence[int]) -> None:
-        """Turns released text into a delta event (tokens without text yet ride on the next one)."""
+    def _emit(
+        self, text: str, token_ids: Sequence[int], logprobs: Sequence[engine_pb2.TokenLogprob] = ()
+    ) -> None:
+        """Turns released text into a delta event (tokens without text yet, and their logprobs, ride on
+        the next one)."""
         if self.stop_reason is not None:
             return
         self._output_ids.extend(token_ids)
         self._unsent_ids.extend(token_ids)
+        # engine.v1's TokenLogprob and chat.v1's have the same fields and numbers: the bytes carry over.
+        self._unsent_logprobs += [chat_pb2.TokenLogprob.FromString(lp.SerializeToString()) for lp in logprobs]
         if not text:
             return
         if self.screen.check(text).blocked:
@@ -269,7 +275,8 @@ class Relay:
             return
         covered = tuple(self._unsent_ids)
         self._unsent_ids.clear()
-        seq = self.live.append_delta(text, len(covered))
+        seq = self.live.append_delta(text, len(covered), self._unsent_logprobs)
+        self._unsent_logprobs = []
         if self._first_delta_at is None:
             self._first_delta_at = time.monotonic()
             info = self.live.info
@@ -322,7 +329,7 @@ class Relay:
                         status, reason = ended.run.status, ended.run.finish_reason
                         with contextlib.suppress(MemoryStoreError, TimeoutError):
                             await self.deps.store.record_usage(
-                                self.live.info.user_id, self.live.info.run_id, usage
+                                self.live.info.user_id, self.stored_run.charge_id, usage
                             )
                     message_id = ended.message.message_id if ended.message else ""
         self._publish_end(status, reason, usage, error, message_id)
@@ -400,26 +407,29 @@ class Relay:
         message_id: str,
     ) -> None:
         live = self.live
-        if status in (RunStatus.FAILED, RunStatus.INTERRUPTED):
-            if status is RunStatus.INTERRUPTED:
-                run_error = chat_pb2.RunError(code=INTERRUPTED_CODE, message=INTERRUPTED_MESSAGE)
+        try:
+            if status in (RunStatus.FAILED, RunStatus.INTERRUPTED):
+                if status is RunStatus.INTERRUPTED:
+                    run_error = chat_pb2.RunError(code=INTERRUPTED_CODE, message=INTERRUPTED_MESSAGE)
+                else:
+                    error = error or unavailable("the answer failed")
+                    run_error = chat_pb2.RunError(
+                        code=error.code.name,
+                        message=error.message,
+                        retry_after_ms=round((error.retry_after_s or 0) * 1000),
+                    )
+                live.append(error=run_error)
             else:
-                error = error or unavailable("the answer failed")
-                run_error = chat_pb2.RunError(
-                    code=error.code.name,
-                    message=error.message,
-                    retry_after_ms=round((error.retry_after_s or 0) * 1000),
+                live.append(usage=convert.usage(usage))
+                live.append(
+                    done=chat_pb2.Done(
+                        finish_reason=convert.finish_reason(reason),
+                        assistant_message_id=message_id,
+                    )
                 )
-            live.append(error=run_error)
-        else:
-            live.append(usage=convert.usage(usage))
-            live.append(
-                done=chat_pb2.Done(
-                    finish_reason=convert.finish_reason(reason),
-                    assistant_message_id=message_id,
-                )
-            )
-        live.finish(convert.RUN_STATUSES[status])
+        finally:
+            # Whatever happened, the run has ended here: its followers' streams end rather than wait.
+            live.finish(convert.RUN_STATUSES[status])
 
     def _observe(self, status: RunStatus, reason: FinishReason | None, usage: Usage) -> None:
         info = self.live.info

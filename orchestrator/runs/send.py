@@ -32,7 +32,13 @@ class SendRun(ChatRun):
     def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.SendMessageRequest) -> None:
         checked(limits.check_id, request.chat_id, "chat_id")
         checked(limits.check_content, request.content, ctx.config.limits)
-        options = checked(limits.generation, request.options, ctx.config.limits, ctx.default_model)
+        options = checked(
+            limits.generation,
+            request.options,
+            ctx.config.limits,
+            ctx.default_model,
+            ctx.prompter.tokenizer.vocab_size,
+        )
         checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
         if request.branch_from_root and request.parent_message_id:
             raise invalid("parent_message_id", "parent_message_id must be empty with branch_from_root")
@@ -53,12 +59,13 @@ class SendRun(ChatRun):
         if claimed is None:
             return
         claim, history = claimed
-        if history.leaf_id == claim.user_message_id:
+        if history.leaf_id == claim.user_message_id or await self._asked_without_its_run(history):
             # The chat's newest message is this send's own: an earlier attempt stored it and was lost
-            # before storing its run (a question too large to go in one batch with its run is written
-            # first). Answer that message, after the one it follows; storing it again below rewrites
-            # the same row.
+            # (or refused) before storing its run (a question too large to go in one batch with its run
+            # is written first, and so is one whose batch failed). Answer that message, after the one
+            # it follows; storing it again below rewrites the same row.
             own = history.messages[-1]
+            claim = dataclasses.replace(claim, user_message_id=own.message_id)
             history = dataclasses.replace(history, messages=history.messages[:-1], leaf_id=own.parent_id)
         parent_id = history.leaf_id
         if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(claim.user_message_id).time:
@@ -98,6 +105,23 @@ class SendRun(ChatRun):
         if parent_id is None and end.status is RunStatus.COMPLETED:
             self.ctx.upkeep.name_chat(user, chat_id, self.request.content, end.live.text())
         self.refresh_summary(chat_id, prompt, end)
+
+    async def _asked_without_its_run(self, history: History) -> bool:
+        """Whether the branch ends at this keyless send's question, stored by an earlier attempt of it
+        without its run. A send without a key has no claim to name its question by: its retry knows it
+        by its place (the newest message, where the send continues), its content and a run that never
+        came to be, and answers it rather than asking it twice. (Any other retry of a keyless send is
+        a new message: nothing tells it from one sent again on purpose.)"""
+        if self.request.idempotency_key or not history.messages:
+            return False
+        last = history.messages[-1]
+        if last.role is not Role.USER or last.content != self.request.content or not last.run_id:
+            return False
+        try:
+            await self.ctx.store.get_run(self.identity.user_id, last.run_id)
+        except NotFound:
+            return True
+        return False
 
     async def _history(self) -> History:
         """The branch the new message follows: the one ending at the message named, at the chat's

@@ -2,7 +2,7 @@
 
 A step of our engine's continuous-batching scheduler runs every running request's next decode token and
 up to a token budget of prefill, in one forward pass. Its time is modelled as a line fitted to our CPU
-engine's measurements (README "Engine: the CPU model runner vs llama.cpp", 2-core Xeon, SmolLM2-135M Q4_1)::
+engine's measurements (docs/benchmarks/engine.md, 2-core Xeon, SmolLM2-135M Q4_1)::
 
     step_ms = fixed + per_sequence · decoding + per_prefill_token · prefill_tokens
               + per_context_token · (context tokens the decoding requests attend over)

@@ -19,7 +19,7 @@ TIMEOUT_S = 30
 
 def capital_question(tokenizer: ChatTokenizer) -> list[int]:
     """The prompt the service tests send: one user turn, chat template applied. Not the bare question,
-    whose first token is a near-tie (README, "int8 and greedy answers"): every kernel set answers Paris."""
+    whose first token is a near-tie (docs/benchmarks/engine.md, "int8 and greedy answers"): every kernel set answers Paris."""
     return tokenizer.encode_chat(
         [ChatMessage("user", "What is the capital of France? Answer in one sentence.")]
     )
@@ -90,6 +90,7 @@ class Outcome:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     pieces: list[tuple[int, str]] = field(default_factory=list)  # each token and the text it released
+    logprobs: list[engine_pb2.TokenLogprob] = field(default_factory=list)  # when the request asked
     frames: int = 0
     finished: engine_pb2.GenerateFinished | None = None
     first_index: int | None = None
@@ -109,6 +110,7 @@ class Outcome:
             self.token_ids += frame.tokens.token_ids
             self.text += frame.tokens.text
             self.pieces += token_pieces(frame.tokens)
+            self.logprobs += frame.tokens.logprobs
             self.frames += 1
         else:
             assert kind == "finished", f"unexpected {kind} frame"

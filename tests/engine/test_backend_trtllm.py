@@ -12,14 +12,17 @@ import importlib.util
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
+import threading
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from chatmesh.block_hash import BLOCK_HASH_SEED, block_hashes
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
+from engine.__main__ import parse_args
 from engine.backends.hosted import KvUsage
+from engine.backends.loading import load_hosted_engine
 from engine.backends.trtllm import (
     KvEventTranslator,
     delta_from_output,
@@ -226,3 +229,96 @@ def test_engine_process_with_trtllm_but_no_tensorrt_llm_exits_with_instructions(
     )
     assert done.returncode == 2
     assert "TensorRT-LLM" in done.stderr and "docs/gpu.md" in done.stderr
+
+
+# -- what reaches TensorRT-LLM's LLM() -----------------------------------------------------------------
+
+
+class _StubLLM:
+    """Stands in for ``tensorrt_llm.LLM`` (not installable here): records its keyword arguments and
+    answers the calls the backend makes while it starts and stops."""
+
+    created: list[dict] = []
+
+    def __init__(self, **kwargs) -> None:
+        self.created.append(kwargs)
+        self.args = SimpleNamespace(max_seq_len=4096)
+        self._closed = threading.Event()
+
+    def get_kv_cache_events(self, timeout):
+        self._closed.wait(timeout)
+        return []
+
+    def get_stats(self, timeout):
+        return []
+
+    def shutdown(self) -> None:
+        self._closed.set()
+
+
+@pytest.fixture
+def stub_tensorrt_llm(monkeypatch):
+    """A ``tensorrt_llm`` module whose ``LLM`` records what it was given; ``KvCacheConfig`` keeps its kwargs."""
+    package, llmapi = ModuleType("tensorrt_llm"), ModuleType("tensorrt_llm.llmapi")
+    package.LLM = _StubLLM
+    llmapi.KvCacheConfig = lambda **kwargs: SimpleNamespace(**kwargs)
+    package.llmapi = llmapi
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", package)
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.llmapi", llmapi)
+    _StubLLM.created = []
+    return _StubLLM.created
+
+
+def _hf_dir(path, **overrides):
+    """config.json (SmolLM2's shape, with ``overrides``) and the bundled tokenizer's files."""
+    tok = load_tokenizer()
+    config = {**hf_config(load_gguf(bundled_model_path()), tok, "float32"), **overrides}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    tok.save_hf_files(path)
+    return path
+
+
+def test_tensor_and_pipeline_parallel_sizes_reach_llm_and_the_architecture_is_tensorrt_llms(
+    tmp_path, stub_tensorrt_llm
+):
+    """A model our CPU loader refuses (another architecture, RoPE scaling) starts on trtllm: TensorRT-LLM
+    validates its own model. What the flags say reaches LLM() as TensorRT-LLM's keywords."""
+    model = _hf_dir(
+        tmp_path / "qwen-like",
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=32768,
+        hidden_act="gelu",
+    )
+    _, config = parse_args(
+        ["--backend", "trtllm", "--model", str(model), "--tensor-parallel-size", "4",
+         "--pipeline-parallel-size", "2", "--block-size", "32", "--gpu-memory-fraction", "0.85"]
+    )  # fmt: skip
+    engine = load_hosted_engine(config, model, load_tokenizer(str(model)))  # build_engine's hosted path
+    try:
+        [kwargs] = stub_tensorrt_llm
+        assert kwargs["model"] == str(model)
+        assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (4, 2)
+        assert kwargs["skip_tokenizer_init"] is True
+        kv = kwargs["kv_cache_config"]
+        assert (kv.tokens_per_block, kv.free_gpu_memory_fraction, kv.enable_block_reuse) == (32, 0.85, True)
+        # What our side keeps: the served name and context window from config.json, TP as reported.
+        assert engine.tensor_parallel_size == 4
+        assert engine.spec.context_length == 32768
+        assert engine.spec.name == load_tokenizer(str(model)).model_name
+    finally:
+        engine.stop()
+        engine.close()
+
+
+def test_a_model_directory_without_a_context_window_is_refused_naming_the_field(tmp_path, stub_tensorrt_llm):
+    config = json.loads(json.dumps(hf_config(load_gguf(bundled_model_path()), load_tokenizer(), "float32")))
+    del config["max_position_embeddings"]
+    model = _hf_dir(tmp_path / "m")
+    (model / "config.json").write_text(json.dumps(config))
+    _, engine_config = parse_args(["--backend", "trtllm", "--model", str(model)])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        load_hosted_engine(engine_config, model, load_tokenizer(str(model)))
+    assert stub_tensorrt_llm == []

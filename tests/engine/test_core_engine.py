@@ -7,7 +7,16 @@ from engine.kv_events import apply_events
 from engine.outputs import FinishReason
 from engine.request import Priority
 from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
-from tests.engine.core_helpers import DrivenEngine, make_engine, prompt, request, results, tokenizer
+from tests.engine.core_helpers import (
+    DrivenEngine,
+    make_engine,
+    prompt,
+    request,
+    results,
+    tokenizer,
+    word_tokens,
+)
+from tests.engine.token_function_runner import TokenFunctionRunner
 
 
 def eos() -> frozenset[int]:
@@ -198,6 +207,37 @@ def test_resumed_output_continues_exactly_like_the_uninterrupted_request(samplin
     assert first_part + rest.text == full.text
 
 
+def test_text_held_back_where_a_request_is_resumed_is_released_by_the_engine_that_goes_on():
+    """At a failover the client has tokens whose text the first engine held back: an unfinished UTF-8
+    character, the start of a stop string. Resumed after any of its tokens, the request's text from
+    the second engine completes the first one's exactly, and a stop string begun before the cut
+    matches after it."""
+    tok = tokenizer()
+    # Words, and pieces of characters split across tokens.
+    candidates = word_tokens() + tok.encode(" 東京 🙂 café ½")
+    stop = (" dog sat", " 🙂 the")
+    ids = prompt(14, salt=6)
+    whole = make_engine(TokenFunctionRunner(tok.vocab_size, candidates))
+    whole.engine.add_request(request("a", ids, max_tokens=32, stop=stop))
+    full = whole.run()["a"]
+    assert full.finish.reason == FinishReason.STOP and full.finish.matched_stop == " dog sat"
+    held = []
+    for cut in range(1, len(full.token_ids)):
+        before = "".join(o.text for o in whole.outputs if o.index < cut)
+        held.append(tok.decode(full.token_ids[:cut]).removeprefix(before))
+        resumed = make_engine(TokenFunctionRunner(tok.vocab_size, candidates))
+        resumed.engine.add_request(
+            request("b", ids, max_tokens=32, resumed=tuple(full.token_ids[:cut]), stop=stop)
+        )
+        rest = resumed.run()["b"]
+        assert rest.token_ids == full.token_ids[cut:], cut
+        assert before + rest.text == full.text, cut
+        assert (rest.finish.reason, rest.finish.matched_stop) == (full.finish.reason, " dog sat"), cut
+    # The cuts the test needs: inside a character, inside a stop string that goes on not to match, and
+    # inside the one that matches (the last token completes it).
+    assert "\ufffd" in held and " 🙂" in held and held[-1] == " dog"
+
+
 def test_resumed_output_that_already_reached_max_tokens_finishes_at_once():
     test = make_engine()
     test.engine.add_request(request("done", prompt(9), max_tokens=3, resumed=tuple(prompt(3, salt=8))))
@@ -364,3 +404,62 @@ def test_a_failure_reported_from_another_thread_stops_the_step_loop_and_ends_req
     assert finish.error == "rank 1 exited"
     with pytest.raises(EngineUnavailableError, match="rank 1 exited"):
         test.engine.add_request(request("late", prompt(4)))
+
+
+_KNOBS = {
+    "temperature": 0.9,
+    "seed": 5,
+    "presence_penalty": 0.6,
+    "frequency_penalty": 0.4,
+    "logit_bias": ((3, 1.5), (40, -2.0)),
+    "min_p": 0.02,
+}
+
+
+def test_penalized_biased_sampling_is_the_same_alone_or_batched():
+    ids = prompt(12, salt=6)
+
+    def sampled(others: int) -> list[int]:
+        test = make_engine()
+        for i in range(others):
+            test.engine.add_request(
+                request(f"o{i}", prompt(4 + i, salt=i), max_tokens=5, temperature=1.0, seed=i)
+            )
+        test.engine.add_request(request("x", ids, max_tokens=16, **_KNOBS))
+        return test.run()["x"].token_ids
+
+    assert sampled(0) == sampled(4)
+
+
+def test_penalties_count_resumed_output_so_a_failover_continues_exactly():
+    ids = prompt(14, salt=7)
+    whole = make_engine()
+    whole.engine.add_request(request("a", ids, max_tokens=16, **_KNOBS))
+    full = whole.run()["a"].token_ids
+    resumed = make_engine()
+    resumed.engine.add_request(request("b", ids, max_tokens=16, resumed=tuple(full[:7]), **_KNOBS))
+    assert resumed.run()["b"].token_ids == full[7:]
+
+
+def test_logprobs_come_with_each_token_and_do_not_depend_on_the_batch():
+    ids = prompt(10, salt=8)
+
+    def outputs(others: int) -> list:
+        test = make_engine()
+        for i in range(others):
+            test.engine.add_request(request(f"o{i}", prompt(6 + i, salt=i), max_tokens=4))
+        test.engine.add_request(request("x", ids, max_tokens=8, logprobs=True, top_logprobs=3))
+        test.run()
+        return [(o.token_ids, o.logprobs) for o in test.outputs if o.request_id == "x" and o.token_ids]
+
+    alone = outputs(0)
+    assert alone == outputs(3)
+    for token_ids, logprobs in alone:
+        assert [lp.token_id for lp in logprobs] == token_ids
+        for lp in logprobs:
+            # Greedy: the sampled token is the likeliest, and its logprob the top one's.
+            assert lp.top[0] == (lp.token_id, lp.logprob) and len(lp.top) == 3 and lp.logprob <= 0.0
+    others = make_engine()
+    others.engine.add_request(request("y", ids, max_tokens=4))
+    others.run()
+    assert all(not o.logprobs for o in others.outputs), "none unless asked"

@@ -1,10 +1,12 @@
-"""Sampling semantics (greedy, temperature, top-k, top-p) and reproducibility per (seed, position)."""
+"""Sampling semantics (greedy, temperature, top-k, top-p, min-p, logit bias, penalties), logprobs, and
+reproducibility per (seed, position)."""
 
 import numpy as np
 import pytest
 
+from engine.logprobs import token_logprob
 from engine.request import SamplingParams
-from engine.sampler import sample, sample_one, uniform
+from engine.sampler import adjusted, sample, sample_one, uniform
 
 VOCAB = 1000
 
@@ -94,3 +96,78 @@ def test_the_draw_depends_only_on_seed_and_position():
 def test_samples_never_pick_a_token_with_negligible_probability(params):
     logits = logits_with({100: 5.0, 200: 4.0}, rest=-1e4)
     assert set(draws(logits, params, n=500)) <= {100, 200}
+
+
+# -- logit bias, penalties, min-p: pure functions of (logits, params, output so far) ---------------------
+
+
+def test_penalties_follow_openais_formula_on_the_output_so_far():
+    logits = logits_with({1: 1.0, 2: 1.0, 3: 1.0})
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    row = adjusted(logits, params, [2, 3, 3, 3])
+    assert row[1] == pytest.approx(1.0)
+    assert row[2] == pytest.approx(1.0 - 0.5 - 0.25 * 1)
+    assert row[3] == pytest.approx(1.0 - 0.5 - 0.25 * 3)
+    assert logits[3] == 1.0, "the runner's logits are left as they were"
+
+
+def test_a_negative_penalty_favours_what_was_said():
+    row = adjusted(logits_with({1: 1.0, 2: 1.0}), SamplingParams(presence_penalty=-1.0), [2])
+    assert row[2] > row[1]
+
+
+def test_logit_bias_decides_greedy_decoding_and_bans_tokens_from_sampling():
+    logits = logits_with({5: 3.0, 9: 2.0})
+    forced = SamplingParams(logit_bias=((9, 5.0),))
+    assert sample(np.stack([logits]), [forced], [0]) == [9]
+    banned = SamplingParams(temperature=1.5, seed=4, logit_bias=((5, -100.0),))
+    assert 5 not in {sample(np.stack([logits]), [banned], [i])[0] for i in range(300)}
+
+
+def test_greedy_with_a_penalty_moves_off_a_repeated_token():
+    logits = logits_with({5: 3.0, 9: 2.5})
+    params = SamplingParams(frequency_penalty=1.0)
+    assert sample(np.stack([logits]), [params], [0], outputs=[[]]) == [5]
+    assert sample(np.stack([logits]), [params], [1], outputs=[[5]]) == [9]
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_likeliest():
+    # probabilities ~ 0.6, 0.3, 0.1: min_p 0.4 keeps tokens with p >= 0.24.
+    logits = logits_with({10: np.log(0.6), 11: np.log(0.3), 12: np.log(0.1)}, rest=-60.0)
+    assert set(draws(logits, SamplingParams(temperature=1.0, min_p=0.4, seed=2), n=2000)) == {10, 11}
+    assert set(draws(logits, SamplingParams(temperature=1.0, min_p=0.1, seed=2), n=2000)) == {10, 11, 12}
+    assert set(draws(logits, SamplingParams(temperature=1.0, min_p=1.0, seed=2), n=200)) == {10}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.9, seed=11, presence_penalty=0.7, frequency_penalty=0.3),
+        SamplingParams(temperature=0.9, seed=11, logit_bias=((3, 2.0), (7, -1.0)), min_p=0.05),
+        SamplingParams(frequency_penalty=2.0, logit_bias=((4, 1.5),)),
+    ],
+    ids=["penalties", "bias-min-p", "greedy-penalized"],
+)
+def test_the_knobs_pick_the_same_token_alone_or_anywhere_in_a_batch(params):
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(4, VOCAB)).astype(np.float32)
+    output = [3, 4, 4, 7, 3, 3]
+    alone = sample(rows[2:3], [params], [6], outputs=[output])
+    others = [SamplingParams(temperature=1.0, seed=i) for i in range(3)]
+    batched = sample(
+        rows, [others[0], others[1], params, others[2]], [0, 1, 6, 2], outputs=[[], [], output, []]
+    )
+    assert batched[2] == alone[0]
+
+
+# -- logprobs ------------------------------------------------------------------------------------------
+
+
+def test_token_logprob_is_the_log_softmax_of_the_raw_logits_with_the_likeliest_first():
+    logits = logits_with({4: 2.0, 6: 1.0, 8: 2.0}, rest=-5.0)
+    expected = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    found = token_logprob(logits, 6, top=3)
+    assert found.token_id == 6 and found.logprob == pytest.approx(expected[6])
+    assert [token for token, _ in found.top] == [4, 8, 6]  # ties: lower id first
+    assert [value for _, value in found.top] == pytest.approx([expected[4], expected[8], expected[6]])
+    assert token_logprob(logits, 6, top=0).top == ()

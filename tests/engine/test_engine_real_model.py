@@ -376,7 +376,7 @@ def test_top_k_1_and_a_tiny_top_p_are_greedy_at_any_temperature(model_runner, ch
 
 
 def test_a_stop_string_ends_the_text_exactly_before_it(model_runner, chat, chat_tokenizer):
-    prompt = chat("What is the capital of France? Answer in one sentence.")  # not a near-tie (README)
+    prompt = chat("What is the capital of France? Answer in one sentence.")  # not a near-tie
     full = run_alone(model_runner, prompt, 16)
     text = chat_tokenizer.decode(full.token_ids)
     assert "Paris" in text

@@ -132,6 +132,43 @@ async def test_bad_requests_get_clear_statuses(stub, prompt, case):
     assert mentions in err.value.details()
 
 
+@pytest.mark.parametrize(
+    ("knob", "value", "mentions"),
+    [
+        ("presence_penalty", 2.5, "presence_penalty must be in [-2, 2]"),
+        ("frequency_penalty", float("nan"), "frequency_penalty"),
+        ("min_p", 1.5, "min_p"),
+        ("top_logprobs", 21, "top_logprobs"),
+        ("logit_bias", {49152: 1.0}, "beyond the vocabulary"),
+        ("logit_bias", {5: 101.0}, "[-100, 100]"),
+    ],
+    ids=["presence", "frequency-nan", "min-p", "top-logprobs", "bias-token", "bias-value"],
+)
+async def test_bad_sampling_knobs_are_invalid_argument_naming_them(stub, prompt, knob, value, mentions):
+    start = start_frame("bad-knob", prompt, max_tokens=4)
+    if knob == "logit_bias":
+        start.sampling.logit_bias.update(value)
+    else:
+        setattr(start.sampling, knob, value)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await Stream.start(stub, start).rest()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert mentions in err.value.details()
+
+
+async def test_logprobs_come_per_token_with_the_tokens_bytes(stub, tok, prompt):
+    start = start_frame("logprobs-1", prompt, max_tokens=12)
+    start.sampling.logprobs, start.sampling.top_logprobs = True, 2
+    outcome = await Stream.start(stub, start).rest()
+    assert [lp.token_id for lp in outcome.logprobs] == outcome.token_ids
+    assert all(len(lp.top) == 2 and lp.logprob <= 0.0 for lp in outcome.logprobs)
+    spelled = b"".join(lp.token_bytes for lp in outcome.logprobs)
+    assert spelled.decode("utf-8", errors="replace") == tok.decode(outcome.token_ids, skip_control=False)
+    assert all(top.token_bytes == tok.token_bytes(top.token_id) for lp in outcome.logprobs for top in lp.top)
+    plain = await Stream.start(stub, start_frame("logprobs-2", prompt, max_tokens=4)).rest()
+    assert plain.logprobs == [], "none unless asked"
+
+
 async def test_a_stream_must_begin_with_start(stub):
     stream = Stream.open(stub, engine_pb2.GenerateRequest(cancel=engine_pb2.GenerateCancel()))
     with pytest.raises(grpc.aio.AioRpcError) as err:

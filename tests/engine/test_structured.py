@@ -208,3 +208,40 @@ def test_masks_leave_free_rows_and_the_runners_buffer_alone_and_skip_greedy_rows
     assert allowed[1, best[3]] and best[3] == np.argmax(out[3])
     sampled, _ = constrained_logits(logits, argmax, [1, 3], states, [False, False])
     assert np.isinf(sampled[1][~allowed[0]]).all(), "a sampled row is always masked"
+
+
+class _RunnerThatKnowsArgmax:
+    """The real runner, telling the engine each row's argmax as a GPU runner that picks on the device
+    does: the engine then skips masking a greedy row whose argmax its grammar allows."""
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+        self._logits = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)
+
+    def execute(self, chunks):
+        self._logits = self._runner.execute(chunks)
+        return self._logits
+
+    def argmax(self):
+        import numpy as np
+
+        return np.argmax(self._logits, axis=1)
+
+
+def test_a_greedy_constrained_row_whose_logits_the_sampler_changes_still_keeps_to_its_grammar(
+    model_runner,  # noqa: F811
+    compiler,
+    chat_tokenizer,
+):
+    runner = _RunnerThatKnowsArgmax(model_runner)
+    (one,) = chat_tokenizer.encode("1")
+    prompt = chat_tokenizer.encode_chat([ChatMessage("user", "What is the capital of France?")])
+    biased = {"max_tokens": 6, "logit_bias": ((one, 100.0),)}
+    free = run(runner, request("free", prompt, **biased))["free"]
+    assert free.text.startswith("1"), "the bias alone picks the digit"
+    no_digits = Constraint("regex", "[^0-9]*")
+    done = run(runner, constrained(compiler, "c", prompt, no_digits, **biased))["c"]
+    assert done.text and not any(ch.isdigit() for ch in done.text), done.text

@@ -502,6 +502,11 @@ def proto_messages(draw: st.DrawFn, kind: type[Message], ids: Ids, depth: int = 
         if not draw(st.booleans()):
             continue
         repeated = fd.is_repeated
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            key_fd, value_fd = fd.message_type.fields_by_name["key"], fd.message_type.fields_by_name["value"]
+            for _ in range(draw(st.integers(0, 5))):  # the maps of ChatService requests hold scalars
+                getattr(message, fd.name)[_scalar(draw, key_fd, ids)] = _scalar(draw, value_fd, ids)
+            continue
         for _ in range(draw(st.integers(0, 5)) if repeated else 1):
             target = getattr(message, fd.name)
             if fd.message_type is not None:

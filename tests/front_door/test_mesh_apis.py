@@ -4,7 +4,10 @@ gRPC ChatService clients with a JWT and deadlines."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import grpc
 import openai
@@ -13,6 +16,7 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.identity import CHAT_ID_HEADER, USER_ID_HEADER
 from tests.fixtures.front_door import MeshFrontDoor
+from tests.front_door.helpers import wait_for
 
 PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
 
@@ -95,6 +99,54 @@ def test_a_closed_openai_stream_stops_its_answer_and_frees_the_free_users_slot(
         again = client.post("/v1/chat/completions", json={"model": "", "messages": PROMPT, "max_tokens": 4})
         assert again.status_code == 200, again.text
         assert again.json()["usage"]["completion_tokens"] == 4
+
+
+def drop_mid_call(door: MeshFrontDoor, user: str, path: str, body: dict) -> None:
+    """Sends a call through Envoy as a free ``user`` and leaves once the engines generate its answer: the
+    connection closes before any reply (Envoy resets the call's HTTP/2 stream to the edge)."""
+    payload = json.dumps(body).encode()
+    address = urlsplit(door.url)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {address.netloc}\r\n"
+        f"Authorization: {door.auth(user, 'free')['Authorization']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+    )
+    with socket.create_connection((address.hostname, address.port), timeout=10) as connection:
+        connection.sendall(head.encode() + payload)
+        wait_for(lambda: door.mesh.engine_requests() > 0, what="the answer to start generating")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"model": "", "messages": PROMPT, "max_tokens": 2000}),
+        (
+            "/v1/responses",
+            {"model": "", "input": "Say something.", "store": False, "max_output_tokens": 2000},
+        ),
+    ],
+    ids=["chat-completion", "unstored-response"],
+)
+def test_a_non_streamed_call_its_client_leaves_stops_its_answer_and_frees_the_free_users_slot(
+    mesh_front_door: MeshFrontDoor, user: str, path: str, body: dict
+):
+    mesh_front_door.mesh.wait_until_engines_idle()
+    # The door's replica lets a free user have one answer at a time; this one would take 10 s.
+    drop_mid_call(mesh_front_door, user, path, body)
+    # Left alone, the engines would go on ~10 s.
+    wait_for(lambda: mesh_front_door.mesh.engine_requests() == 0, 3.0, "the engines to drop the answer")
+    with mesh_front_door.client(user, "free") as client:
+        # Charged what was generated until it left, not prompt + max_tokens (polled slowly: a free
+        # user's API bucket holds 8 requests).
+        deadline = time.monotonic() + 5
+        while (used := client.get("/v1/usage").json()["used_tokens"]) >= 1000:
+            assert time.monotonic() < deadline, f"still charged {used} tokens"
+            time.sleep(1.0)
+        # Its run slot is free again: the next call is answered, not refused with 429.
+        again = client.post(
+            path, json={**body, "max_tokens" if "max_tokens" in body else "max_output_tokens": 4}
+        )
+        assert again.status_code == 200, again.text
 
 
 # -- gRPC through Envoy -------------------------------------------------------------------------------------

@@ -22,6 +22,15 @@ REQUIRED_SETS = ("cassandra.contactPoints[0]=cassandra.db.svc", "envoy.jwt.exist
 
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "Job")
 
+# The minimum Kubernetes the chart supports (grpc probes are GA in 1.27) and the newest schemas shipped.
+K8S_VERSIONS = ("1.27.0", "1.37.0")
+CRD_KINDS = {
+    "ServiceMonitor": "monitoring.coreos.com/v1",
+    "PrometheusRule": "monitoring.coreos.com/v1",
+    "ScaledObject": "keda.sh/v1alpha1",
+    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1",
+}
+
 
 class HelmError(RuntimeError):
     """helm exited non-zero; the message is its stderr."""

@@ -4,6 +4,7 @@ services' own flag parsers and Envoy's own validator judge what it renders."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import io
 import json
@@ -12,14 +13,18 @@ import os
 import re
 from pathlib import Path
 
+import grpc
 import kubernetes_validate
 import pytest
 import yaml
 
+from chatmesh import errors
 from localmesh.dev_jwt import generate_keys
 from meshkit.envoy import EnvoyConfig, chat_service_methods, write_config
 from tests.helm.chart import (
     CHART,
+    CRD_KINDS,
+    K8S_VERSIONS,
     NAMESPACE,
     RELEASE,
     REQUIRED_SETS,
@@ -32,20 +37,13 @@ from tests.helm.chart import (
     render,
     value_args,
 )
+from tests.helm.launch import service_parsers
 
-# The minimum Kubernetes the chart supports (grpc probes are GA in 1.27) and the newest schemas shipped.
-K8S_VERSIONS = ("1.27.0", "1.37.0")
-CRD_KINDS = {
-    "ServiceMonitor": "monitoring.coreos.com/v1",
-    "PrometheusRule": "monitoring.coreos.com/v1",
-    "ScaledObject": "keda.sh/v1alpha1",
-    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1",
-}
 SCENARIOS = {
     "defaults": (),
     "full": ("values-full.yaml",),
     "gpu": ("values-gpu.yaml",),
-    "seeds": ("../../helm/chatmesh/values-seeds-scale.yaml",),  # one cell of docs/capacity.md
+    "seeds": ("../../helm/chatmesh/values-seeds-scale.yaml",),  # one cell of docs/operations/capacity.md
 }
 FULL = "cm-chatmesh"
 
@@ -124,12 +122,37 @@ def test_missing_cassandra_or_jwks_fails_saying_what_to_set():
         render(sets=("cassandra.contactPoints[0]=c",))
 
 
+def test_a_hosted_backend_without_a_model_fails_saying_what_to_set():
+    with pytest.raises(
+        HelmError, match=r"engine\.backend=trtllm serves a Hugging Face directory: set model\.path"
+    ):
+        render(sets=(*REQUIRED_SETS, "engine.backend=trtllm"))
+
+
+def test_parallelism_a_backend_cannot_run_fails_at_render_saying_why():
+    triton = ("engine.backend=triton", "model.path=m", "model.pvc.claimName=models")
+    with pytest.raises(
+        HelmError, match=r"tensorParallelSize \(2\) needs engine\.backend cpu, cuda or trtllm"
+    ):
+        render(sets=(*REQUIRED_SETS, *triton, "engine.tensorParallelSize=2"))
+    with pytest.raises(HelmError, match=r"pipelineParallelSize \(2\) needs engine\.backend=trtllm"):
+        render(sets=(*REQUIRED_SETS, "engine.backend=cuda", "engine.pipelineParallelSize=2"))
+    with pytest.raises(HelmError, match=r"model\.pvc\.claimName: name the PersistentVolumeClaim"):
+        render(sets=(*REQUIRED_SETS, "model.path=m"))
+
+
 def test_multi_node_needs_trtllm_and_an_even_gpu_split():
     base = ("values-full.yaml",)
     with pytest.raises(HelmError, match=r"needs engine\.backend=trtllm"):
         render(base, ("engine.backend=cuda",))
-    with pytest.raises(HelmError, match=r"tensorParallelSize \(6\) must divide evenly over .*nodes \(4\)"):
-        render(base, ("engine.tensorParallelSize=6", "engine.multiNode.nodes=4"))
+    with pytest.raises(HelmError, match=r"engine\.multiNode\.sshSecret: a Secret with id_ed25519"):
+        render(base, ("engine.multiNode.sshSecret=",))
+    # values-full has 2 pipeline stages: 3 x 2 = 6 GPUs do not split over 4 nodes.
+    with pytest.raises(
+        HelmError,
+        match=r"tensorParallelSize x pipelineParallelSize \(6\) must divide evenly over .*nodes \(4\)",
+    ):
+        render(base, ("engine.tensorParallelSize=3", "engine.multiNode.nodes=4"))
 
 
 # -- probes, flags, discovery --------------------------------------------------------------------
@@ -190,18 +213,8 @@ def _flag_envs(parse) -> set[str]:
 
 
 def _parsers():
-    from edge.__main__ import parse_args as edge_args
-    from engine.__main__ import parse_args as engine_args
-    from orchestrator.config import parse as orchestrator_args
-    from router.__main__ import parse_args as router_args
-
-    # Each: argv → (namespace, the service's config: built and validated, or a usage error).
-    return {
-        "engine": engine_args,
-        "router": router_args,
-        "orchestrator": orchestrator_args,
-        "edge": edge_args,
-    }
+    """The services the chart configures through CHATMESH_* variables (memory_store takes arguments)."""
+    return {name: parse for name, parse in service_parsers().items() if name != "memory_store"}
 
 
 @pytest.mark.parametrize("scenario", ["defaults", "full", "gpu", "seeds"])
@@ -227,7 +240,7 @@ def test_every_chatmesh_variable_is_a_real_flag_and_the_service_accepts_its_valu
 
 
 def test_the_seeds_cell_has_the_shape_of_the_capacity_model(rendered):
-    """docs/capacity.md: a cell is 110 engines of block size 64, 35 routers, 52 orchestrators, 35 edges."""
+    """docs/operations/capacity.md: a cell is 110 engines of block size 64, 35 routers, 52 orchestrators, 35 edges."""
     chart = rendered["seeds"]
     assert chart.get("StatefulSet", f"{FULL}-engine")["spec"]["replicas"] == 110
     assert env_of(chart.container("engine", "engine"))["CHATMESH_ENGINE_BLOCK_SIZE"] == "64"
@@ -401,11 +414,13 @@ def _gpus(container: dict) -> int | None:
 def test_engine_gpus_equal_the_tensor_parallel_size(rendered):
     assert _gpus(rendered["defaults"].container("engine", "engine")) is None  # cpu backend
     single = rendered["gpu"]
-    assert _gpus(single.container("engine", "engine")) == 4
-    args = single.container("engine", "engine")["args"]
-    assert args == ["engine", "--tensor-parallel-size", "4"]  # extraArgs are templates over values
-    assert env_of(single.container("engine", "engine"))["CHATMESH_ENGINE_BACKEND"] == "cuda"
-    # Multi-node: TP 8 over 2 nodes is 4 GPUs per pod, and MPI starts 8 ranks, 4 slots per host.
+    engine = single.container("engine", "engine")
+    assert _gpus(engine) == 4
+    # cuda: one rank per GPU under torchrun, the engine told the same size.
+    assert engine["args"] == ["torchrun", "--standalone", "--nproc-per-node", "4", "--module", "engine"]
+    assert env_of(engine)["CHATMESH_ENGINE_BACKEND"] == "cuda"
+    assert env_of(engine)["CHATMESH_ENGINE_TENSOR_PARALLEL_SIZE"] == "4"
+    # Multi-node: TP 4 x PP 2 over 2 nodes is 4 GPUs per pod, and MPI starts 8 ranks, 4 slots per host.
     multi = rendered["full"]
     leader, worker = multi.container("engine", "engine"), multi.container("engine", "worker")
     assert _gpus(leader) == _gpus(worker) == 4
@@ -413,7 +428,8 @@ def test_engine_gpus_equal_the_tensor_parallel_size(rendered):
     assert "mpirun --allow-run-as-root -np 8" in script
     assert script.count(":4") == 2
     assert "trtllm-llmapi-launch python -m engine" in script
-    assert leader["args"][1:] == ["engine", "--model", "/models/llama-70b"]
+    # extraArgs are templates over the values.
+    assert leader["args"][1:] == ["engine", "--served-model-name", "llama-70b"]
     pod = next(spec for c, meta, spec in multi.pod_specs() if c == "engine")
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert {"name": "shm", "mountPath": "/dev/shm"} in leader["volumeMounts"]
@@ -464,6 +480,21 @@ def test_orchestrator_and_edge_autoscale_and_every_service_has_a_disruption_budg
     assert pdbs[f"{FULL}-orchestrator"]["minAvailable"] == 2
     # With autoscaling off, replicas is the values' number.
     assert rendered["full"].get("Deployment", f"{FULL}-orchestrator")["spec"]["replicas"] == 4
+
+
+def test_multi_node_engines_are_disrupted_one_group_at_a_time(rendered):
+    """One budget over every pod of every group (leaders and workers): an evicted pod takes its group
+    down, whose pods then count as unavailable, so no other eviction is allowed until that group is back.
+    (A budget per group index would let a drain take one pod of every group at once.)"""
+    chart = rendered["full"]
+    budget = chart.get("PodDisruptionBudget", f"{FULL}-engine")["spec"]
+    assert budget["maxUnavailable"] == 1
+    selected = [
+        meta["labels"].get("chatmesh.io/engine-role")
+        for _, meta, _ in chart.pod_specs()
+        if labels_match(budget["selector"]["matchLabels"], meta["labels"])
+    ]
+    assert selected == ["leader", "worker"]
 
 
 # -- Envoy ---------------------------------------------------------------------------------------
@@ -526,6 +557,17 @@ def test_envoy_rate_limits_and_cors_come_from_values(tmp_path):
     settings["jwks_path"] = str(tmp_path / "jwks.json")
     text = Path(write_config(EnvoyConfig.from_dict(settings), tmp_path / "e.yaml", check=False)).read_text()
     assert "token_bucket: {max_tokens: 3, tokens_per_fill: 1, fill_interval: 6s}" in text
+    # A gRPC call the generate limit refuses: RESOURCE_EXHAUSTED with a RetryInfo of the values' longest
+    # refill interval (free: every 6 s), as the orchestrator's own limits answer.
+    routes = yaml.safe_load(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    routes = routes["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    send = next(r for r in routes if r["match"].get("path") == "/chatmesh.chat.v1.ChatService/SendMessage")
+    limit = send["typed_per_filter_config"]["envoy.filters.http.local_ratelimit"]
+    assert limit["rate_limited_as_resource_exhausted"] is True
+    headers = {h["header"]["key"]: h["header"]["value"] for h in limit["response_headers_to_add"]}
+    refusal = errors.from_status(base64.b64decode(headers["grpc-status-details-bin"]))
+    assert refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED and refusal.retry_after_s == 6
+    assert headers["retry-after"] == "6"
     assert '- exact: "https://chat.example.com"' in text
     # existingSecret unset: the chart makes the Secret from the inline JWKS.
     secret = chart.get("Secret", f"{FULL}-envoy-jwks")

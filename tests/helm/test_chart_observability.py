@@ -1,5 +1,5 @@
 """The chart's observability for SREs: Grafana dashboards as sidecar ConfigMaps, PrometheusRule alerts with
-runbooks in docs/operations.md, the engines' KEDA autoscaler, and the OpenTelemetry Collector. CRDs are
+runbooks in docs/operations/monitoring.md, the engines' KEDA autoscaler, and the OpenTelemetry Collector. CRDs are
 not in kubernetes-validate's schemas, so their shape is checked here against what their APIs require;
 that every metric they read is real is test_observability_metrics.py's job."""
 
@@ -18,7 +18,7 @@ from tests.helm.observability import DASHBOARD_LABEL, alert_rules, dashboards, q
 from tests.helm.promql import parse
 
 FULL = "cm-chatmesh"
-OPERATIONS_DOC = ROOT / "docs" / "operations.md"
+OPERATIONS_DOC = ROOT / "docs" / "operations" / "monitoring.md"
 DASHBOARD_DIR = CHART / "dashboards"
 REQUIRED_ALERTS = {
     "ChatmeshTTFTBudgetBurnFast",
@@ -100,7 +100,7 @@ def test_dashboard_panels_are_laid_out_and_read_the_namespace_variable(full):
 
 
 def _doc_anchors() -> set[str]:
-    """GitHub's anchors of docs/operations.md's headings."""
+    """GitHub's anchors of docs/operations/monitoring.md's headings."""
     headings = re.findall(r"^#+\s+(.+?)\s*$", OPERATIONS_DOC.read_text(), re.MULTILINE)
     return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
 
@@ -111,7 +111,7 @@ def test_every_alert_has_a_severity_a_duration_and_a_runbook_section_that_exists
     rules = alert_rules(full)
     assert {r["alert"] for r in rules} >= REQUIRED_ALERTS
     anchors = _doc_anchors()
-    base = "https://github.com/chatmesh/chatmesh/blob/main/docs/operations.md#"
+    base = "https://github.com/chatmesh/chatmesh/blob/main/docs/operations/monitoring.md#"
     for rule in rules:
         assert set(rule) == {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
         assert re.fullmatch(r"\d+[mh]", rule["for"])

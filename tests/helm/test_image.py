@@ -51,3 +51,38 @@ def test_chart_app_version_is_the_project_version():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     chart = (CHART / "Chart.yaml").read_text()
     assert f'appVersion: "{project["project"]["version"]}"' in chart
+
+
+def _stages() -> dict[str, str]:
+    """Each named build stage's text (FROM line included), and the last stage under ''."""
+    parts = re.split(r"^(?=FROM )", DOCKERFILE, flags=re.MULTILINE)[1:]
+    named = {}
+    for part in parts:
+        match = re.match(r"FROM \S+(?: AS (\S+))?", part)
+        named[match.group(1) or ""] = part
+    return named
+
+
+def test_gpu_targets_add_their_backend_and_keep_the_entrypoint_and_user():
+    """Not built here (no Docker engine): the recipe's shape. `gpu` adds a GPU extra the project declares;
+    `trtllm` starts from NVIDIA's release image and adds sshd for multi-node groups; every image runs the
+    one entrypoint as the uid the chart's pods run as; `docker build .` still builds the CPU image."""
+    stages = _stages()
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    gpu_extras = set(re.search(r'case "\$GPU" in ([\w|]+)\)', stages["gpu-build"]).group(1).split("|"))
+    assert gpu_extras == {"cuda", "triton"} <= extras
+    assert '-e ".[$GPU]"' in stages["gpu-build"]
+    assert (
+        stages["gpu"].startswith("FROM runtime AS gpu") and "--from=gpu-build /opt/chatmesh" in stages["gpu"]
+    )
+    trtllm = stages["trtllm"]
+    assert trtllm.startswith("FROM nvcr.io/nvidia/tensorrt-llm/release:${TRTLLM_TAG} AS trtllm")
+    assert "openssh-server" in trtllm  # the chart's multi-node workers run /usr/sbin/sshd
+    uid = render(sets=REQUIRED_SETS).objects  # the pods' user
+    run_as = next(o for o in uid if o["kind"] == "Deployment")["spec"]["template"]["spec"]["securityContext"]
+    for name in ("runtime", "trtllm"):
+        assert "--from=entrypoint --chmod=0755 /chatmesh-entrypoint" in stages[name]
+        assert 'ENTRYPOINT ["chatmesh-entrypoint"]' in stages[name]
+        assert f"USER {run_as['runAsUser']}" in stages[name]
+        assert f"useradd --uid {run_as['runAsUser']}" in stages[name]
+    assert stages[""].strip() == "FROM runtime"

@@ -15,6 +15,7 @@ from memory_store import db
 from memory_store.base import now
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
 from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.store import MemoryStore
 from tests.memory_store.builders import message, new_user, operations_counted, requests_sent, start_run
 
 
@@ -87,6 +88,25 @@ async def test_only_one_attempt_at_a_time_holds_a_keys_start_lease(memory_store)
     assert latest is not None
     await memory_store.release_start_lease(user, "k", taken)
     assert await memory_store.take_start_lease(user, "k", 30) is None
+
+
+async def test_a_key_leased_late_in_its_life_expires_whole(cassandra_node):
+    # Keys live 4 s here. A lease given up (or taken) late in a key's life rewrites its lease cell with a
+    # full TTL: once the claim's own cells expire, the key must be free, not another request's.
+    store = await MemoryStore.connect(dataclasses.replace(cassandra_node.store_config, idempotency_ttl_s=4))
+    try:
+        user = new_user()
+        first = await store.claim_idempotency_key(user, "k", b"request", start_lease_s=30)
+        await asyncio.sleep(2.0)
+        await store.release_start_lease(user, "k", first.start_lease)  # refused late in the key's life
+        await asyncio.sleep(2.5)  # the claim's cells have expired, the lease's has not
+        again = await store.claim_idempotency_key(user, "k", b"another request", start_lease_s=30)
+        assert again.created and again.fingerprint_matches and again.start_lease is not None
+        assert again.run_id != first.run_id and again.user_message_id != first.user_message_id
+        retried = await store.claim_idempotency_key(user, "k", b"another request")
+        assert (retried.created, retried.fingerprint_matches, retried.run_id) == (False, True, again.run_id)
+    finally:
+        await store.close()
 
 
 async def test_a_keys_run_is_renewed_once_however_many_retries_race(memory_store):
@@ -249,6 +269,25 @@ async def test_late_checkpoint_does_not_change_a_finished_answer(memory_store):
     assert (await memory_store.get_run(user, run.run_id)).last_seq == 2
 
 
+async def test_two_starters_checkpointing_one_run_alike_leave_it_readable(memory_store):
+    # Two attempts started the same run id (a lease that passed on too early) and generated apart:
+    # their checkpoints of the same events carry the same write timestamp, so Cassandra keeps each
+    # cell by value, possibly one writer's texts beside the other's counts. Every list of a row is
+    # one writer's whole list, all as long as the row's events: a read never meets lists of unequal
+    # length (the strict zip in runs._deltas holds), whichever cells won.
+    user = new_user()
+    chat = await memory_store.create_chat(user, "two starters")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "hi")
+    first = [RunDelta(2, "Once", 1, (5,)), RunDelta(3, " upon", 2, (6, 7))]
+    second = [RunDelta(2, "Hi", 2, (8, 9)), RunDelta(3, " there", 1, (10,))]
+    await memory_store.checkpoint_run(run, first)
+    await memory_store.checkpoint_run(dataclasses.replace(run, owner_id="replica-b"), second)
+    output = await memory_store.read_run_output(user, run.run_id)
+    assert [d.seq for d in output] == [2, 3]
+    assert all(len(d.token_ids) in (0, d.token_count) for d in output)
+    assert (await memory_store.get_run(user, run.run_id)).last_seq == 3
+
+
 async def test_failed_run_without_output_stores_no_message(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "engine down")
@@ -269,6 +308,29 @@ async def test_failed_run_without_output_stores_no_message(memory_store):
     ]
     with pytest.raises(InvalidArgument):
         await memory_store.finish_run(run, RunOutcome(RunStatus.IN_PROGRESS, 1))
+
+
+async def test_a_replica_finds_its_own_runs_and_takes_them_up_again_keeping_their_index_entry(memory_store):
+    user = new_user()
+    owner = f"replica-own-{user}"
+    chat = await memory_store.create_chat(user, "own runs")
+    stray, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=owner)
+    held, _ = await start_run(memory_store, user, chat.chat_id, "q2", owner=owner)
+
+    found = await memory_store.find_owned_runs(owner, skip=lambda run_id: run_id == held.run_id)
+    assert [r.run_id for r in found] == [stray.run_id]
+    assert found[0].status is RunStatus.IN_PROGRESS and found[0].owner_id == owner
+
+    # Its owner takes it up again: still its own, still in its index (found again if it dies now).
+    taken = await memory_store.adopt_run(found[0], owner)
+    assert taken is not None and taken.owner_id == owner
+    assert {r.run_id for r in await memory_store.find_owned_runs(owner)} == {stray.run_id, held.run_id}
+    # Not once it ended, or once another replica owns it.
+    await memory_store.finish_run(taken, RunOutcome(RunStatus.CANCELLED, 2, FinishReason.CANCELLED))
+    assert await memory_store.adopt_run(found[0], owner) is None
+    assert await memory_store.adopt_run(held, f"replica-other-{user}") is not None
+    assert await memory_store.adopt_run(held, owner) is None
+    assert await memory_store.find_owned_runs(owner) == []
 
 
 async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):

@@ -6,6 +6,8 @@ as ``max_tokens`` says; prompts are real (the model's tokenizer and chat templat
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -78,3 +80,27 @@ async def test_an_empty_model_name_means_the_default_model(client: ChatClient) -
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await collect(client.send(chat.chat_id, "hi", options=options(2, model="no-such-model")))
     assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_text_held_back_for_a_stop_string_and_flushed_at_max_tokens_still_ends_the_run(
+    client: ChatClient,
+) -> None:
+    # The null engines' text depends only on the prompt's length: the same question, the same 7 tokens.
+    plain = await collect(
+        client.send((await client.create_chat()).chat_id, "Hello there", options=options(7))
+    )
+    words = [e.delta.text for e in plain if e.HasField("delta")]
+    assert len(words) == 7 and len(words[-1]) > 1 and not any(w.endswith(words[-1][-1]) for w in words[:-1])
+    # A stop string the 7th token's last character begins: the engine holds it back until max_tokens
+    # ends the answer, then flushes it, one delta more than there are tokens.
+    stop = words[-1][-1] + "\u2042"
+    chat = await client.create_chat()
+    call = client.send(chat.chat_id, "Hello there", options=options(7, stop=[stop]))
+    run = await asyncio.wait_for(collect(call), 10)
+
+    assert kinds(run) == ["started"] + ["delta"] * 8 + ["usage", "done"]
+    assert [e.delta.text for e in run[1:-2]] == [*words[:-1], words[-1][:-1], words[-1][-1]]
+    assert run[-1].done.finish_reason == chat_pb2.FINISH_REASON_LENGTH
+    # A stream that follows the run from its start gets the same end.
+    followed = await asyncio.wait_for(collect(client.stream_run(run[0].started.run_id)), 10)
+    assert followed == run

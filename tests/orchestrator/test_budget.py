@@ -87,3 +87,24 @@ async def test_a_request_larger_than_the_whole_budget_is_invalid_not_exhausted(
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await collect(budget_client.send(chat.chat_id, "big", options=opts(BUDGET + 1)))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_keyed_send_refused_after_its_claim_and_retried_after_the_reset_is_charged_in_the_new_window(
+    budget_client: ChatClient,
+) -> None:
+    chats = [(await budget_client.create_chat()).chat_id for _ in range(2)]
+    await start_of_a_window()
+    await collect(budget_client.send(chats[0], "hello", options=opts(150)))
+    # Claimed (its run id made now), then refused: the budget is spent.
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await collect(budget_client.send(chats[1], "again", options=opts(150), idempotency_key="k1"))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    delay = retry_after_s(caught.value)
+    assert delay is not None
+
+    # Retried with its key once the window reset, as its RetryInfo says: charged in this window.
+    await asyncio.sleep(delay + 0.2)
+    retried = await collect(budget_client.send(chats[1], "again", options=opts(150), idempotency_key="k1"))
+    assert retried[-1].HasField("done")
+    charged = retried[-2].usage.prompt_tokens + retried[-2].usage.completion_tokens
+    assert (await usage(budget_client)).used_tokens == charged

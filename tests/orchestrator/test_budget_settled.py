@@ -1,6 +1,7 @@
 """The budget's window read for a user of many runs (orchestrator/policy/admission.py): the sum of the
 runs old enough to no longer change is kept, and only the runs made since are read, with the same total
-as a read of the whole window. On a real Cassandra node."""
+as a read of the whole window. On a real Cassandra node (and, for a run's charge, a replica's runs in this
+process over the shared mesh's router)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,20 @@ import asyncio
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.identity import Identity
+from memory_store.errors import Unavailable
 from memory_store.ids import new_id
 from memory_store.models import Usage, UsageWindow
 from memory_store.store import MemoryStore
 from orchestrator.config import BudgetConfig
 from orchestrator.policy import admission
 from orchestrator.policy.admission import Budgets
+from orchestrator.runs.send import SendRun
+from tests.fixtures.orchestrator import Mesh
+from tests.fixtures.replica_in_process import Held, replica_in_process
 
 SETTLED_AFTER_S = 2.0
 RUN = Usage(prompt_tokens=10, cached_prompt_tokens=0, completion_tokens=5)
@@ -102,3 +111,51 @@ async def test_a_user_of_few_runs_keeps_one_plain_read(memory_store: MemoryStore
         assert window.runs == admission.FOLD_AFTER_RUNS
     await asyncio.sleep(0.2)
     assert seen.reads == [(None, None, admission.FOLD_AFTER_RUNS)] * 2
+
+
+async def test_a_run_started_long_after_its_key_was_claimed_is_counted_past_the_settled_sum(
+    memory_store: MemoryStore, mesh: Mesh
+) -> None:
+    user = await _user_with_runs(memory_store, old=admission.FOLD_AFTER_RUNS + 6, recent=0)
+    store = Held(memory_store)
+    # The window's runs settle 2 s after they start (2 x max_run_s + finish_retry_s).
+    async with replica_in_process(store, mesh.router_address, max_run_s=0.75, finish_retry_s=0.5) as ctx:
+        budgets = ctx.runs.budgets
+        me = Identity(user, "pro")
+        chat = await memory_store.create_chat(user)
+        request = chat_pb2.SendMessageRequest(
+            chat_id=chat.chat_id,
+            content="hello",
+            idempotency_key="k1",
+            options=chat_pb2.GenerationOptions(max_tokens=8),
+        )
+        # The first attempt claims the key (its run id is made now) and is refused: the budget's read of
+        # the window fails (so nothing is folded yet).
+        store.fail("get_usage", Unavailable("Cassandra did not answer in time"))
+        with pytest.raises(Unavailable):
+            await ctx.runs.start(SendRun(ctx, me, request))
+        claimed_at = datetime.now(UTC)
+
+        # Once the claim is older than the settled sum, the runs up to then are folded into it.
+        await asyncio.sleep(2 * 0.75 + 0.5 + 1.0)
+        await budgets.window(user)
+        for _ in range(200):
+            if user not in budgets._folding:
+                break
+            await asyncio.sleep(0.02)
+        assert budgets._settled[user].until > claimed_at
+
+        # The retry starts the run of the claimed key now, and is charged for it now.
+        retry = SendRun(ctx, me, request)
+        run_id = await ctx.runs.start(retry)
+        assert retry.live is not None
+        [event async for event in retry.live.follow(0)]
+        charged = (await memory_store.get_run(user, run_id)).usage
+        assert charged is not None and charged.total_tokens > 0
+        window = await budgets.window(user)
+        whole = await memory_store.get_usage(user)
+        assert window.usage == whole.usage
+        assert (
+            window.usage.total_tokens
+            == (admission.FOLD_AFTER_RUNS + 6) * RUN.total_tokens + charged.total_tokens
+        )

@@ -74,6 +74,9 @@ async def test_a_message_over_32_kib_is_too_large_and_nothing_is_stored(client: 
         ({"options": chat_pb2.GenerationOptions(max_tokens=100_000)}, "options.max_tokens"),
         ({"options": chat_pb2.GenerationOptions(temperature=3.0)}, "options.temperature"),
         ({"options": chat_pb2.GenerationOptions(stop=["a", "b", "c", "d", "e"])}, "options.stop"),
+        ({"options": chat_pb2.GenerationOptions(presence_penalty=-3.0)}, "options.presence_penalty"),
+        # A stored answer keeps no logprobs to give again on a resumed stream.
+        ({"options": chat_pb2.GenerationOptions(logprobs=True)}, "options.logprobs"),
         ({"idempotency_key": "k" * 129}, "idempotency_key"),
         ({"parent_message_id": "x", "branch_from_root": True}, "parent_message_id"),
     ],
@@ -83,6 +86,20 @@ async def test_each_bad_send_field_is_named(client: ChatClient, request_fields: 
     fields = {"content": "hello", **request_fields}
     error = await refused(client.send(chat.chat_id, **fields))
     assert bad_field(error) == field
+
+
+async def test_a_field_this_server_does_not_know_is_refused_not_ignored(client: ChatClient) -> None:
+    # Field 99 as a varint: what a field added by newer protos looks like to this server.
+    newer = b"\x98\x06\x01"
+    chat = await client.create_chat()
+    send = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content="hello")
+    send.options.MergeFromString(newer)
+    error = await refused(client.stream("SendMessage", send))
+    assert bad_field(error) == "options" and "field number 99" in error.details()
+    page = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert list(page.messages) == []
+    listing = chat_pb2.ListChatsRequest.FromString(chat_pb2.ListChatsRequest().SerializeToString() + newer)
+    assert bad_field(await refused(client.call("ListChats", listing))) == "request"
 
 
 async def test_page_sizes_and_titles_are_bounded(client: ChatClient) -> None:

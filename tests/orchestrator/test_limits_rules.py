@@ -41,12 +41,44 @@ def test_unset_options_take_the_defaults_and_an_empty_model_the_default_model() 
         (chat_pb2.GenerationOptions(stop=["a", "b", "c", "d", "e"]), "options.stop"),
         (chat_pb2.GenerationOptions(stop=[""]), "options.stop"),
         (chat_pb2.GenerationOptions(model="m" * 200), "options.model"),
+        (chat_pb2.GenerationOptions(presence_penalty=2.01), "options.presence_penalty"),
+        (chat_pb2.GenerationOptions(frequency_penalty=float("inf")), "options.frequency_penalty"),
+        (chat_pb2.GenerationOptions(min_p=-0.1), "options.min_p"),
+        (chat_pb2.GenerationOptions(logit_bias={5: 100.5}), "options.logit_bias"),
+        (chat_pb2.GenerationOptions(logit_bias={i: 1.0 for i in range(1025)}), "options.logit_bias"),
+        (chat_pb2.GenerationOptions(logprobs=True, top_logprobs=21), "options.top_logprobs"),
+        (chat_pb2.GenerationOptions(top_logprobs=2), "options.top_logprobs"),
     ],
 )
 def test_each_bad_option_is_refused_naming_its_field(options: chat_pb2.GenerationOptions, field: str) -> None:
     with pytest.raises(ServiceError) as caught:
         generation(options, LIMITS, "SmolLM2")
     assert caught.value.code.name == "INVALID_ARGUMENT" and caught.value.field == field
+
+
+def test_the_sampling_knobs_carry_over_with_the_bias_sorted_by_token() -> None:
+    gen = generation(
+        chat_pb2.GenerationOptions(
+            presence_penalty=-0.5,
+            frequency_penalty=1.5,
+            logit_bias={9: -3.0, 2: 4.0},
+            min_p=0.1,
+            logprobs=True,
+            top_logprobs=3,
+        ),
+        LIMITS,
+        "SmolLM2",
+    )
+    assert (gen.presence_penalty, gen.frequency_penalty, gen.min_p) == pytest.approx((-0.5, 1.5, 0.1))
+    assert gen.logit_bias == ((2, 4.0), (9, -3.0)) and (gen.logprobs, gen.top_logprobs) == (True, 3)
+
+
+def test_a_logit_bias_beyond_the_served_vocabulary_is_refused() -> None:
+    options = chat_pb2.GenerationOptions(logit_bias={99: 1.0})
+    assert generation(options, LIMITS, "SmolLM2", vocab_size=100).logit_bias == ((99, 1.0),)
+    with pytest.raises(ServiceError) as caught:
+        generation(chat_pb2.GenerationOptions(logit_bias={100: 1.0}), LIMITS, "SmolLM2", vocab_size=100)
+    assert caught.value.field == "options.logit_bias" and "vocabulary of 100" in caught.value.message
 
 
 def test_message_size_is_counted_in_utf8_bytes_and_marked_too_large() -> None:

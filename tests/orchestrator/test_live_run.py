@@ -111,12 +111,19 @@ async def test_a_merged_delta_carries_at_most_the_bound_so_a_late_follower_gets_
 
 async def test_the_buffer_is_bounded_by_max_tokens_and_followers_by_the_subscriber_limit() -> None:
     run = live_run(max_tokens=3, max_subscribers=1)
+    assert run.last_seq == 1  # started
+    # A delta a token, and one more: the text an engine held back (the start of a stop string, part
+    # of a character) and flushed when max_tokens ended the answer.
     for _ in range(3):
         run.append_delta("x", 1)
-    run.append(usage=chat_pb2.Usage())
-    run.append(done=chat_pb2.Done())
+    run.append_delta("held back", 0)
     with pytest.raises(RuntimeError):
         run.append_delta("too many", 1)
+    # The end always fits.
+    run.append(usage=chat_pb2.Usage())
+    run.append(done=chat_pb2.Done())
+    run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+    assert run.last_seq == 7
     first = run.follow(0)
     await anext(first)
     with pytest.raises(ServiceError) as caught:

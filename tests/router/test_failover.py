@@ -11,10 +11,10 @@ import signal
 import grpc
 import pytest
 
-from chatmesh.router.v1 import router_pb2_grpc
+from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.tokenizer import ChatMessage
 from tests.engine.service_client import wait_until
-from tests.router.router_client import Stream, generate, list_engines, start_frame
+from tests.router.router_client import Outcome, Stream, generate, list_engines, start_frame
 
 TOKENS_PER_S = 50  # slow enough that a stream is still running when the test strikes
 STALL_TIMEOUT_S = 2.0  # the router's accept and idle timeouts here
@@ -137,3 +137,94 @@ async def test_attempts_are_bounded_then_the_request_fails_with_a_clear_unavaila
     assert engine.name in err.value.details() and "no healthy engine" in err.value.details()
     assert stream.outcome.token_ids, "the client had tokens before the failure"
     assert stream.outcome.finished is None
+
+
+# Stop strings that hold text back on the null engines' text ("... lazy dog. A journey of a thousand
+# miles begins with a single step. ..."): from "." after "dog" the text may still be the stop string's start.
+HELD_TO_SINGLE = (
+    ". A journey of a thousand miles begins with a single sneeze"  # never matches: released at " step"
+)
+HELD_TO_BEGINS = ". A journey of a thousand miles begins"  # matches at " begins"
+
+
+@pytest.mark.parametrize("stop", [HELD_TO_SINGLE, HELD_TO_BEGINS], ids=["released-later", "matched-across"])
+async def test_text_held_back_at_a_stop_string_prefix_survives_a_kill_9(
+    stub, tok, cluster, engine_launcher, stop
+):
+    """The client has tokens whose text the dead engine held back (". A", the start of ``stop``): the
+    engine that goes on replays them into the same held-back state, so that text reaches the client
+    (with " step") or the stop string matches across the two engines, exactly as without the failure."""
+    await wait_until(
+        lambda: live_engines_healthy(stub, cluster, engine_launcher), what="live engines healthy"
+    )
+    prompt = prompt_for(tok, "proverbs")
+
+    def request() -> router_pb2.GenerateStart:
+        start = start_frame(prompt, max_tokens=70)
+        start.sampling.stop.append(stop)
+        return start
+
+    reference = await generate(stub, request())
+    stream = Stream.start(stub, request())
+    victim = (await stream.until("routed")).routed.engine_id
+    # Strike while the engine holds ". A" back: the client has the tokens, not their text.
+    while held_back(tok, stream.outcome) != ". A":
+        assert (await stream.read()).WhichOneof("kind") == "tokens", "finished before the text was held"
+    kill(engine_launcher, victim)
+    outcome = await stream.rest()
+    assert [r.attempt for r in outcome.routed] == [1, 2]
+    cut = outcome.tokens_after_routed[0]
+    failed_over_at = Outcome(token_ids=outcome.token_ids[:cut], pieces=outcome.pieces[:cut])
+    assert held_back(tok, failed_over_at).startswith(". A"), "the engine died while it held text back"
+    assert outcome.tokens_after_routed[1] > 0, "the second engine went on"
+    assert outcome.token_ids == reference.token_ids
+    assert outcome.text == reference.text
+    assert outcome.pieces == reference.pieces
+    assert outcome.finished.finish_reason == reference.finished.finish_reason
+    assert outcome.finished.matched_stop == reference.finished.matched_stop
+    if stop == HELD_TO_BEGINS:
+        assert outcome.finished.matched_stop == stop and outcome.text.endswith(" lazy dog")
+    else:
+        assert ". A journey of a thousand miles begins with a single step." in outcome.text
+
+
+async def test_a_request_resumed_after_its_last_token_ends_with_the_text_held_back_at_the_end(
+    stub, tok, cluster, engine_launcher
+):
+    """The stream broke after the last token and before `finished` (its router died there, or the
+    replica relaying it): the orchestrator asks again with every token. Nothing is left to generate but
+    the end the broken stream would have had: `finished` (length) with the text held back at the end."""
+    await wait_until(
+        lambda: live_engines_healthy(stub, cluster, engine_launcher), what="live engines healthy"
+    )
+    prompt = prompt_for(tok, "proverbs")
+
+    def request(max_tokens: int) -> router_pb2.GenerateStart:
+        start = start_frame(prompt, max_tokens=max_tokens)
+        start.sampling.stop.append(HELD_TO_SINGLE)
+        return start
+
+    whole = await generate(stub, request(70))
+    # Output long enough to end holding ". A" back.
+    length = next(
+        n
+        for n in range(1, 71)
+        if held_back(tok, Outcome(token_ids=whole.token_ids[:n], pieces=whole.pieces[:n])) == ". A"
+    )
+    unbroken = await generate(stub, request(length))
+    assert unbroken.finished.text == ". A"  # flushed at the max-tokens finish
+    resumed = request(length)
+    resumed.resumed_output_token_ids[:] = unbroken.token_ids
+    outcome = await generate(stub, resumed)
+    assert outcome.token_ids == [] and outcome.finished.finish_reason == unbroken.finished.finish_reason
+    assert outcome.finished.text == ". A"
+    usage = outcome.finished.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), length)
+
+
+def held_back(tok, outcome: Outcome) -> str:
+    """The text of the client's tokens that it has not got yet (held back at a stop string's start)."""
+    released = "".join(text for _, text in outcome.pieces)
+    decoded = tok.decode(outcome.token_ids)
+    assert decoded.startswith(released)
+    return decoded[len(released) :]

@@ -206,6 +206,15 @@ async def test_unknown_model_is_not_found_and_a_foreign_tokenizer_is_refused(stu
         (router_pb2.GenerateStart(prompt_token_ids=[1, 2]), "request_id"),
         (router_pb2.GenerateStart(request_id="r"), "prompt_token_ids"),
         (router_pb2.GenerateStart(request_id="r", prompt_token_ids=[1]), "max_tokens"),
+        (
+            router_pb2.GenerateStart(
+                request_id="r",
+                prompt_token_ids=[1],
+                sampling=engine_pb2.SamplingParams(max_tokens=2),
+                resumed_output_token_ids=[5, 6, 7],
+            ),
+            "resumed_output_token_ids must not outnumber",
+        ),
     ],
 )
 async def test_malformed_starts_are_invalid_arguments(stub, start, message):

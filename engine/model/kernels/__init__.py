@@ -6,7 +6,7 @@ arithmetic either way), built by gcc at `make setup` or first use, loaded with c
 forward's numbers. ``native-int8``: the same, but Q4_1/Q8_0 weights multiply activations
 rounded to 8 bits per 32-value block (gemm_q8.c, AVX-512 VNNI; ``engine.model.q8_activations``), as
 llama.cpp computes this GGUF: about twice the throughput, still batch-invariant (each row is rounded on
-its own), and greedy answers that differ from float32's on near-ties (README, "int8 and greedy answers").
+its own), and greedy answers that differ from float32's on near-ties (docs/benchmarks/engine.md, "int8 and greedy answers").
 ``numpy``: plain numpy/OpenBLAS, float32, correct on any CPU numpy runs on, but not batch-invariant:
 the fallback where neither build runs (not x86-64, or older than AVX2). ``select_kernels("auto")``, the
 default, takes the fastest this CPU and build allow: native-int8, else native, else numpy, logging why.

@@ -72,7 +72,7 @@ numbers without YAML's float formatting (2097152, not 2.097152e+06).
 
 {{/*
 CHATMESH_<SERVICE>_<FLAG> variables: (dict "service" "router" "flags" (dict "port" 50051 ...)).
-The services read these as their flags' defaults (chatmesh/config.py).
+The services read these as their flags' defaults (meshkit/config.py).
 */}}
 {{- define "chatmesh.flagEnv" -}}
 {{- $service := .service -}}
@@ -303,16 +303,17 @@ affinity:
 {{- if has .Values.engine.backend (list "cuda" "trtllm") }}true{{ end -}}
 {{- end -}}
 
-{{/* GPUs per engine pod: the tensor-parallel size, split evenly over the nodes of a multi-node group. */}}
+{{/* GPUs per engine pod: the engine's ranks (tensor x pipeline parallel), split evenly over the nodes of a
+multi-node group. */}}
 {{- define "chatmesh.gpusPerPod" -}}
-{{- $tp := int .Values.engine.tensorParallelSize -}}
+{{- $world := include "chatmesh.engineWorld" . | int -}}
 {{- if .Values.engine.multiNode.enabled -}}
 {{- $nodes := int .Values.engine.multiNode.nodes -}}
-{{- if ne (mod $tp $nodes) 0 -}}
-{{- fail (printf "engine.tensorParallelSize (%d) must divide evenly over engine.multiNode.nodes (%d)" $tp $nodes) -}}
+{{- if ne (mod $world $nodes) 0 -}}
+{{- fail (printf "engine.tensorParallelSize x pipelineParallelSize (%d) must divide evenly over engine.multiNode.nodes (%d)" $world $nodes) -}}
 {{- end -}}
-{{- div $tp $nodes -}}
+{{- div $world $nodes -}}
 {{- else -}}
-{{- $tp -}}
+{{- $world -}}
 {{- end -}}
 {{- end -}}

@@ -1,0 +1,139 @@
+"""The sampling surface end to end through the real mesh (Envoy -> edge -> orchestrator -> router -> null
+engines, whose every step scores its chosen token 100 and the rest 0): the official ``openai`` SDK,
+unmodified, asks for logit bias, penalties, min-p and logprobs, and the engines' sampler applies them."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import openai
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.tokenizer import load_tokenizer
+from tests.fixtures.front_door import MeshFrontDoor
+
+PROMPT = [{"role": "user", "content": "Say something."}]
+# "!" is one token whose id is below every token the null engines choose, so a bias that ties it with
+# their choice wins the tie (greedy: the lowest id).
+BANG = load_tokenizer().encode("!")[0]
+
+
+@pytest.fixture
+def sdk(mesh_front_door: MeshFrontDoor, user: str) -> openai.OpenAI:
+    return mesh_front_door.sdk(user)
+
+
+def _model(sdk: openai.OpenAI) -> str:
+    return sdk.models.list().data[0].id
+
+
+def test_logit_bias_and_a_presence_penalty_reach_the_engines_sampler(sdk: openai.OpenAI):
+    model = _model(sdk)
+    forced = sdk.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=6, temperature=0, logit_bias={str(BANG): 100}
+    )
+    assert forced.choices[0].message.content == "!" * 6
+    # The penalty takes 2 off "!" once it was said: it loses every later tie.
+    penalized = sdk.chat.completions.create(
+        model=model,
+        messages=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logit_bias={str(BANG): 100},
+        presence_penalty=2.0,
+    )
+    content = penalized.choices[0].message.content
+    assert content.startswith("!") and content.count("!") == 1 and len(content) > 1
+    # min-p at 1 keeps only the likeliest token: any temperature then decodes greedily.
+    greedy = sdk.chat.completions.create(model=model, messages=PROMPT, max_tokens=6, temperature=0)
+    sampled = sdk.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=6, temperature=2, extra_body={"min_p": 1.0}
+    )
+    assert sampled.choices[0].message.content == greedy.choices[0].message.content
+
+
+def test_logprobs_in_openais_shape_streamed_or_not(sdk: openai.OpenAI):
+    model = _model(sdk)
+    reply = sdk.chat.completions.create(
+        model=model, messages=PROMPT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 8
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:
+        assert bytes(entry.bytes).decode() == entry.token
+        # The chosen token scores 100 and the rest 0: it holds nearly all of the probability.
+        assert -1e-6 < entry.logprob <= 0.0
+        assert [top.token for top in entry.top_logprobs][:1] == [entry.token] and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[1].logprob == pytest.approx(-100 - math.log(1 + math.exp(-100)), abs=0.1)
+    chunks = list(
+        sdk.chat.completions.create(
+            model=model,
+            messages=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+        )
+    )
+    streamed = [
+        entry
+        for chunk in chunks
+        if chunk.choices and chunk.choices[0].logprobs
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    plain = sdk.chat.completions.create(model=model, messages=PROMPT, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_bad_knobs_are_400_naming_them(sdk: openai.OpenAI):
+    model = _model(sdk)
+    for fields, param in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {str(BANG): 101}}, "logit_bias"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias"),  # beyond the served vocabulary
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"n": 2}, "n"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.chat.completions.create(model=model, messages=PROMPT, max_tokens=2, **fields)
+        assert refused.value.param == param, (fields, refused.value.body)
+
+
+def test_grpc_callers_get_logprobs_on_complete_and_invalid_argument_on_a_stored_send(
+    mesh_front_door: MeshFrontDoor, user: str
+):
+    metadata = mesh_front_door.grpc_auth(user)
+    with grpc.insecure_channel(mesh_front_door.envoy.grpc_target) as channel:
+        chats = chat_pb2_grpc.ChatServiceStub(channel)
+        options = chat_pb2.GenerationOptions(max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=1)
+        events = list(
+            chats.Complete(
+                chat_pb2.CompleteRequest(
+                    messages=[chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content="Hi.")], options=options
+                ),
+                metadata=metadata,
+                timeout=30,
+            )
+        )
+        deltas = [e.event.delta for e in events if e.event.HasField("delta")]
+        logprobs = [lp for delta in deltas for lp in delta.logprobs]
+        assert len(logprobs) == 4 and all(len(lp.top) == 1 for lp in logprobs)
+        assert b"".join(lp.token_bytes for lp in logprobs).decode() == "".join(d.text for d in deltas)
+        chat = chats.CreateChat(chat_pb2.CreateChatRequest(), metadata=metadata, timeout=10).chat
+        with pytest.raises(grpc.RpcError) as refused:
+            list(
+                chats.SendMessage(
+                    chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content="Hi.", options=options),
+                    metadata=metadata,
+                    timeout=30,
+                )
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "logprobs are served on Complete only" in refused.value.details()
