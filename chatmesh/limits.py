@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import invalid, too_large
 
 
@@ -69,6 +70,8 @@ class Generation:
     top_p: float
     seed: int | None
     stop: tuple[str, ...]
+    # What the answer must match (the engine checks and compiles it); None: free text.
+    structured: engine_pb2.StructuredOutput | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
@@ -136,6 +139,7 @@ def generation(
         top_p=0.0 if top_p == 1.0 else top_p,
         seed=options.seed if options.HasField("seed") else None,
         stop=tuple(options.stop),
+        structured=_structured(options.structured) if options.HasField("structured") else None,
         presence_penalty=options.presence_penalty,
         frequency_penalty=options.frequency_penalty,
         logit_bias=tuple(sorted(options.logit_bias.items())),
@@ -143,6 +147,16 @@ def generation(
         logprobs=options.logprobs,
         top_logprobs=options.top_logprobs,
     )
+
+
+def _structured(public: chat_pb2.StructuredOutput) -> engine_pb2.StructuredOutput:
+    """The public API's constraint as the engine's message (the same oneof, field for field)."""
+    kind = public.WhichOneof("kind")
+    if kind is None:
+        raise invalid("options.structured", "options.structured names no constraint")
+    if kind == "choice":
+        return engine_pb2.StructuredOutput(choice=engine_pb2.Choices(choices=public.choice.choices))
+    return engine_pb2.StructuredOutput(**{kind: getattr(public, kind)})
 
 
 def page_size(requested: int, default: int, maximum: int) -> int:

@@ -2,7 +2,9 @@
 
 Works with the official ``openai`` SDK unmodified (``base_url=<envoy>/v1``, ``api_key=<JWT>``): streaming
 ``data:`` chunks ending in ``data: [DONE]``, ``stream_options.include_usage``, finish reasons, usage with
-cached prompt tokens, and errors in OpenAI's error-object shape.
+cached prompt tokens, and errors in OpenAI's error-object shape. Structured outputs (``response_format``,
+``structured_outputs``) and tools (``tools``, ``tool_choice``, ``tool_calls`` in answers and history):
+edge.structured_outputs and edge.tools.
 """
 
 from __future__ import annotations
@@ -24,8 +26,19 @@ from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
 from edge.openai_fields import without_no_ops
 from edge.orchestrator import RunStream
-from edge.schemas import ChatCompletionIn
+from edge.schemas import ChatCompletionIn, ChatMessageIn
 from edge.sse import Item, TextEvent, compact_json, relay, sse_response
+from edge.structured_outputs import refused_constraint, response_format_proto
+from edge.tools import (
+    ToolCall,
+    ToolCallParser,
+    Tools,
+    calls_text,
+    parse_answer,
+    result_text,
+    tools_for,
+    with_tools_described,
+)
 
 ROLES = {
     "system": chat_pb2.ROLE_SYSTEM,
@@ -35,9 +48,11 @@ ROLES = {
 }
 
 
-def openai_finish_reason(reason: chat_pb2.FinishReason) -> str:
+def openai_finish_reason(reason: chat_pb2.FinishReason, called_tools: bool = False) -> str:
     # OpenAI has no "cancelled": a stopped answer simply ended.
     name = FINISH_REASONS.get(reason) or "stop"
+    if name == "stop" and called_tools:
+        return "tool_calls"
     return name if name in ("stop", "length", "content_filter") else "stop"
 
 
@@ -50,7 +65,36 @@ def openai_usage(usage: chat_pb2.Usage) -> dict:
     }
 
 
-def complete_request(body: ChatCompletionIn) -> chat_pb2.CompleteRequest:
+def prompt_message(message: ChatMessageIn) -> chat_pb2.PromptMessage:
+    """A message of the body as the model reads it: tool calls and results in edge.tools' format."""
+    if message.role == "tool":
+        return chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content=result_text(message.text()))
+    parts = [message.text(), calls_text(message.tool_calls or [])]
+    return chat_pb2.PromptMessage(role=ROLES[message.role], content="\n".join(p for p in parts if p))
+
+
+def answer_tools(body: ChatCompletionIn) -> Tools | None:
+    """The tools the answer may call (None: a plain answer); 400 naming the parameter at fault."""
+    try:
+        tools = tools_for(body.functions(), body.tool_choice, body.parallel_tool_calls)
+    except ValueError as exc:
+        param = "tool_choice" if body.tool_choice is not None else "parallel_tool_calls"
+        raise ApiError(400, str(exc), code="invalid_value", param=param) from None
+    if tools is not None and body.logprobs:
+        raise ApiError(400, "logprobs cannot be combined with tools here", param="logprobs")
+    if tools is not None and (body.response_format or body.structured_outputs):
+        raise ApiError(
+            400, "tools cannot be combined with response_format or structured_outputs here", param="tools"
+        )
+    if body.response_format and body.response_format.type != "text" and body.structured_outputs:
+        raise ApiError(
+            400, "give response_format or structured_outputs, not both", param="structured_outputs"
+        )
+    return tools
+
+
+def complete_request(body: ChatCompletionIn, tools: Tools | None) -> chat_pb2.CompleteRequest:
+    messages = [prompt_message(m) for m in body.messages]
     options = options_proto(
         model=body.model,
         max_tokens=body.max_completion_tokens or body.max_tokens or 0,
@@ -65,11 +109,21 @@ def complete_request(body: ChatCompletionIn) -> chat_pb2.CompleteRequest:
     options.logit_bias.update({int(token): bias for token, bias in (body.logit_bias or {}).items()})
     options.logprobs = bool(body.logprobs)
     options.top_logprobs = body.top_logprobs or 0
-    return chat_pb2.CompleteRequest(
-        messages=[chat_pb2.PromptMessage(role=ROLES[m.role], content=m.text()) for m in body.messages],
-        options=options,
-        merge_deltas=True,
-    )
+    if tools is not None:
+        messages = with_tools_described(messages, tools)
+        options.structured.CopyFrom(tools.constraint())
+    elif body.structured_outputs is not None:
+        options.structured.CopyFrom(body.structured_outputs.proto())
+    elif (structured := response_format_proto(body.response_format)) is not None:
+        options.structured.CopyFrom(structured)
+    return chat_pb2.CompleteRequest(messages=messages, options=options, merge_deltas=True)
+
+
+def constraint_param(body: ChatCompletionIn) -> str:
+    """The body's field a constraint the engine refused came from."""
+    if body.tools:
+        return "tools"
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
 
 
 def logprobs_json(logprobs: Sequence[chat_pb2.TokenLogprob]) -> list[dict]:
@@ -95,9 +149,13 @@ def openai_names(error: ApiError) -> ApiError:
 
 
 class ChunkWriter:
-    """Turns run events into ``chat.completion.chunk`` objects."""
+    """Turns run events into ``chat.completion.chunk`` objects (a tool call as one delta when its
+    ``</tool_call>`` arrives)."""
 
-    def __init__(self, completion_id: str, model: str, include_usage: bool, logprobs: bool = False) -> None:
+    def __init__(
+        self, completion_id: str, model: str, include_usage: bool, tools: Tools | None, logprobs: bool = False
+    ) -> None:
+        self.calls = ToolCallParser(completion_id) if tools is not None else None
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -123,6 +181,9 @@ class ChunkWriter:
         if kind == "started":
             return [self.chunk({"role": "assistant", "content": ""})]
         if kind == "delta":
+            if self.calls is not None:  # logprobs are refused with tools
+                text, calls = self.calls.feed(event.delta.text)
+                return self._tool_deltas(text, calls)
             if self.logprobs:  # the rare stream that asked for them: the slow, general encoding
                 content = {"content": logprobs_json(event.delta.logprobs), "refusal": None}
                 return [self.chunk({"content": event.delta.text}, logprobs=content)]
@@ -131,7 +192,9 @@ class ChunkWriter:
             self.usage = event.usage
             return []
         if kind == "done":
-            out: list[Item] = [self.chunk({}, openai_finish_reason(event.done.finish_reason))]
+            out = self._tool_deltas(self.calls.rest(), []) if self.calls is not None else []
+            called = bool(self.calls and self.calls.calls)
+            out.append(self.chunk({}, openai_finish_reason(event.done.finish_reason, called)))
             if self.include_usage:
                 out.append(
                     _data({**self.base, "choices": [], "usage": openai_usage(self.usage or chat_pb2.Usage())})
@@ -141,6 +204,13 @@ class ChunkWriter:
             e = event.error
             return self.error(from_run_error(e.code, e.message, e.retry_after_ms))
         return []
+
+    def _tool_deltas(self, text: str, calls: list[ToolCall]) -> list[Item]:
+        out: list[Item] = [self._content(text)] if text else []
+        assert self.calls is not None
+        first = len(self.calls.calls) - len(calls)
+        out += [self.chunk({"tool_calls": [call.chat_json(first + i)]}) for i, call in enumerate(calls)]
+        return out
 
     @staticmethod
     def error(error: ApiError) -> list[Item]:
@@ -159,11 +229,12 @@ async def chat_completions(request: Request) -> Response:
     body = validate_model(
         ChatCompletionIn, without_no_ops(ChatCompletionIn, await read_json(request, settings.max_body_bytes))
     )
-    stream = orchestrator.stream("Complete", complete_request(body), caller)
+    tools = answer_tools(body)
+    stream = orchestrator.stream("Complete", complete_request(body, tools), caller)
     try:
         first = await stream.opening_answer()
     except ApiError as error:
-        raise openai_names(error) from None
+        raise refused_constraint(openai_names(error), constraint_param(body)) from None
     run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()
     completion_id = f"chatcmpl-{run.run_id or int(started * 1e6)}"
     model = run.model or body.model
@@ -172,6 +243,7 @@ async def chat_completions(request: Request) -> Response:
             completion_id,
             model,
             bool(body.stream_options and body.stream_options.include_usage),
+            tools,
             logprobs=bool(body.logprobs),
         )
         events = relay(
@@ -193,13 +265,18 @@ async def chat_completions(request: Request) -> Response:
         return sse_response(events, settings.streams)
     return JSONResponse(
         await unless_client_leaves(
-            request, _collect(stream, first, completion_id, model, bool(body.logprobs))
+            request, _collect(stream, first, completion_id, model, tools, bool(body.logprobs))
         )
     )
 
 
 async def _collect(
-    stream: RunStream, first: chat_pb2.RunEvent, completion_id: str, model: str, logprobs: bool
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    completion_id: str,
+    model: str,
+    tools: Tools | None,
+    logprobs: bool,
 ) -> dict:
     """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
     text: list[str] = []
@@ -217,6 +294,12 @@ async def _collect(
                 finish = event.done.finish_reason
             elif kind == "error":
                 raise from_run_error(event.error.code, event.error.message, event.error.retry_after_ms)
+    message: dict = {"role": "assistant", "content": "".join(text), "refusal": None}
+    calls: list[ToolCall] = []
+    if tools is not None:
+        message["content"], calls = parse_answer(message["content"], completion_id)
+        if calls:
+            message["tool_calls"] = [call.chat_json() for call in calls]
     return {
         "id": completion_id,
         "object": "chat.completion",
@@ -225,9 +308,9 @@ async def _collect(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(text), "refusal": None},
+                "message": message,
                 "logprobs": {"content": logprobs_json(token_logprobs), "refusal": None} if logprobs else None,
-                "finish_reason": openai_finish_reason(finish),
+                "finish_reason": openai_finish_reason(finish, bool(calls)),
             }
         ],
         "usage": openai_usage(usage),

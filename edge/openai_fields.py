@@ -1,7 +1,7 @@
 """The OpenAI fields chatmesh knows but does not implement, and the values of each it takes as no-ops.
 
 OpenAI's SDKs and the frameworks over them send fields at values that ask for nothing (``n: 1``,
-``tools: []``, ``store: false``, ``user``, ``tool_choice: "none"``); refusing those would
+``store: false``, ``user``, ``modalities: ["text"]``); refusing those would
 break real clients. Any other value asks for something chatmesh would not do, so it is refused naming the
 field (400 ``unsupported_value``), never ignored; a field neither in a body's model nor in its table here
 is refused as OpenAI refuses it (the model's ``extra="forbid"``: 400 naming it). ``null`` is "not given"
@@ -22,7 +22,15 @@ from pydantic import BaseModel
 from starlette.datastructures import QueryParams
 
 from edge.errors import ApiError
-from edge.schemas import ChatCompletionIn, ChatMessageIn, ResponseCreateIn, StreamOptionsIn, TextPart
+from edge.schemas import (
+    ChatCompletionIn,
+    ChatMessageIn,
+    FunctionCallItemIn,
+    FunctionCallOutputItemIn,
+    ResponseCreateIn,
+    StreamOptionsIn,
+    TextPart,
+)
 
 # Accepts every value: the field asks nothing of the answer (an end-user id, a cache-routing hint).
 ANY = None
@@ -37,8 +45,7 @@ class NoOp:
     missing: str
 
 
-_TOOLS = "tools (function calling) are not served yet"
-_SCHEMAS = "structured output (json_object / json_schema) is not served yet"
+_FUNCTIONS = "the deprecated functions API is not served: give tools (docs/structured-outputs.md)"
 _ONE_CHOICE = "one choice per request is generated"
 _NO_STORE = "completions are not stored for distillation or evals"
 _TEXT_ONLY = "text is the only output"
@@ -47,16 +54,19 @@ _NO_REASONING = "the served models do not reason in hidden tokens"
 # Fields of an assistant message that the SDKs echo back as null or empty when a caller appends the
 # previous answer to `messages`, and the Responses API's message item fields.
 _MESSAGE: dict[str, NoOp] = {
-    "type": NoOp(("message",), "input items other than messages are not served"),
+    "type": NoOp(("message",), "input items other than messages and function calls are not served"),
     "id": NoOp(ANY, "an item id is only echoed"),
     "status": NoOp(("completed", "incomplete", "in_progress"), "an item status is only echoed"),
     "name": NoOp(ANY, "participant names are not part of the prompt"),
     "refusal": NoOp((), "an assistant message carries its refusal as content"),
-    "tool_calls": NoOp(([],), _TOOLS),
-    "tool_call_id": NoOp((), _TOOLS),
-    "function_call": NoOp((), _TOOLS),
+    "function_call": NoOp((), _FUNCTIONS),
     "audio": NoOp((), _TEXT_ONLY),
     "annotations": NoOp(([],), "annotations are not served"),
+}
+
+_ECHOED_ITEM: dict[str, NoOp] = {
+    "id": _MESSAGE["id"],
+    "status": _MESSAGE["status"],
 }
 
 NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
@@ -68,12 +78,8 @@ NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
         "metadata": NoOp(ANY, "metadata is kept with stored completions only"),
         "store": NoOp((False,), _NO_STORE),
         "service_tier": NoOp(("auto", "default"), "the service tier comes from the caller's token"),
-        "response_format": NoOp(({"type": "text"},), _SCHEMAS),
-        "tools": NoOp(([],), _TOOLS),
-        "tool_choice": NoOp(("none", "auto"), _TOOLS),
-        "parallel_tool_calls": NoOp((), _TOOLS),
-        "functions": NoOp(([],), _TOOLS),
-        "function_call": NoOp(("none", "auto"), _TOOLS),
+        "functions": NoOp(([],), _FUNCTIONS),
+        "function_call": NoOp(("none", "auto"), _FUNCTIONS),
         "modalities": NoOp((["text"],), _TEXT_ONLY),
         "audio": NoOp((), _TEXT_ONLY),
         "prediction": NoOp((), "predicted outputs are not served"),
@@ -86,17 +92,16 @@ NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
         "include_obfuscation": NoOp((True, False), "chunks carry no obfuscation padding"),
     },
     ChatMessageIn: _MESSAGE,
+    # The Responses API's function call items, as the SDKs give an earlier answer's output back.
+    FunctionCallItemIn: _ECHOED_ITEM,
+    FunctionCallOutputItemIn: _ECHOED_ITEM,
     TextPart: {
         "annotations": NoOp(([],), "annotations are not served"),
         "logprobs": NoOp(([],), "logprobs are only echoed back in input items"),
     },
     ResponseCreateIn: {
-        "tools": NoOp(([],), _TOOLS),
-        "tool_choice": NoOp(("none", "auto"), _TOOLS),
-        "parallel_tool_calls": NoOp((), _TOOLS),
-        "max_tool_calls": NoOp((), _TOOLS),
-        "text": NoOp(
-            ({"format": {"type": "text"}}, {"format": {"type": "text"}, "verbosity": "medium"}), _SCHEMAS
+        "max_tool_calls": NoOp(
+            (), "a cap on tool calls is not served (parallel_tool_calls: false allows one)"
         ),
         "top_logprobs": NoOp((0,), "logprobs are served on Chat Completions only"),
         "include": NoOp(([],), "no extra output data is served"),

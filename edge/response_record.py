@@ -1,7 +1,8 @@
 """A Responses API ``response`` object, folded from the events of the run behind it.
 
-A response is a run: its id is ``resp_`` + the run id (hex), its one output message ``msg_`` + the
-assistant message id (or the run id for an unstored response). Everything the object says comes from
+A response is a run: its id is ``resp_`` + the run id (hex), its output message ``msg_`` + the
+assistant message id (or the run id for an unstored response). An answer made of tool calls (edge.tools'
+format, which only a request with tools is constrained to) is output as ``function_call`` items instead. Everything the object says comes from
 the run's events (``started``, ``delta``s, ``usage``, ``done`` or ``error``), so the same object is
 rebuilt on any replica, at any time, from the events the orchestrator replays out of Cassandra.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 from chatmesh.chat.v1 import chat_pb2
 from edge.errors import ApiError
+from edge.tools import parse_answer
 
 RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"
@@ -75,6 +77,10 @@ class ResponseRecord:
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    text_format: dict | None = None
+    tools: list[dict] = field(default_factory=list)
+    tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True
     # From the run's events.
     run_id: str = ""
     message_id: str = ""
@@ -131,6 +137,30 @@ class ResponseRecord:
             "content": [self.text_part()] if with_text else [],
         }
 
+    def output(self) -> list[dict]:
+        """The output items: the message, or the calls its text makes (ids derived from the run's)."""
+        if not self.ended:
+            return [self.message_item()]
+        content, calls = parse_answer(self.output_text(), self.run_id)
+        if not calls:
+            return [self.message_item()]
+        status = "completed" if self.status == "completed" else "incomplete"
+        items: list[dict] = [
+            {
+                "id": "fc_" + call.id.removeprefix("call_"),
+                "type": "function_call",
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": call.arguments,
+                "status": status,
+            }
+            for call in calls
+        ]
+        if content:  # a call the answer did not finish (cut by max_output_tokens)
+            text = {"type": "output_text", "text": content, "annotations": [], "logprobs": []}
+            items.append({**self.message_item(), "content": [text]})
+        return items
+
     def json(self, with_output: bool = True) -> dict:
         return {
             "id": self.id,
@@ -144,14 +174,14 @@ class ResponseRecord:
             "max_output_tokens": self.max_output_tokens,
             "metadata": {},
             "model": self.model,
-            "output": [self.message_item()] if with_output and self.message_id else [],
-            "parallel_tool_calls": False,
+            "output": self.output() if with_output and self.message_id else [],
+            "parallel_tool_calls": self.parallel_tool_calls,
             "previous_response_id": self.previous_response_id,
             "store": self.store,
             "temperature": self.temperature,
-            "text": {"format": {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
+            "text": {"format": self.text_format or {"type": "text"}},
+            "tool_choice": self.tool_choice,
+            "tools": self.tools,
             "top_p": self.top_p,
             "truncation": "disabled",
             "usage": usage_json(self.usage) if self.usage is not None else None,

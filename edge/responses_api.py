@@ -8,6 +8,11 @@ GET    /v1/responses/{id}?stream=true&starting_after=N   StreamRun: the stream e
 POST   /v1/responses/{id}/cancel          CancelRun
 DELETE /v1/responses/{id}                 DeleteChat: the conversation the response belongs to
 
+Structured output (``text.format``) and function calling (``tools``, ``tool_choice``,
+``function_call`` output items, ``function_call`` / ``function_call_output`` input items) work as in
+Chat Completions (edge.structured_outputs, edge.tools); a stored response's input may be the outputs of
+the calls its previous response made.
+
 A stored response *is* a run of a chat (``resp_<run id>``), so it lives in Cassandra, not in an edge or
 orchestrator process: any replica retrieves it, resumes its stream or cancels it, also after the replica
 that generated it is gone. A conversation chained with previous_response_id is one chat whose message
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from collections.abc import Awaitable, Callable
 
@@ -32,7 +38,7 @@ from edge.chats_api import caller_of, idempotency_key_of
 from edge.client_gone import unless_client_leaves
 from edge.convert import options_proto
 from edge.errors import ApiError
-from edge.openai_api import ROLES
+from edge.openai_api import prompt_message
 from edge.openai_fields import RETRIEVE_QUERY_NO_OPS, check_query, without_no_ops
 from edge.orchestrator import Caller, Orchestrator, RunStream
 from edge.params import unsigned
@@ -40,6 +46,8 @@ from edge.response_events import ResponseEvents
 from edge.response_record import ResponseRecord, response_not_found, run_id_of
 from edge.schemas import ResponseCreateIn
 from edge.sse import relay, sse_response
+from edge.structured_outputs import refused_constraint, text_format_proto
+from edge.tools import Tools, tools_for, with_tools_described
 
 # The orchestrator's field names for what the Responses API calls otherwise.
 _PARAMS = {
@@ -69,7 +77,10 @@ def openai_errors(
                 exc.status = 400
             if exc.param is not None:
                 exc.param = (
-                    _PARAMS.get(exc.param) or _PARAMS.get(exc.param.split("[")[0]) or exc.param.split(".")[0]
+                    _PARAMS.get(exc.param)
+                    or _PARAMS.get(exc.param.split("[")[0])
+                    # The top-level field: "tools[0].type" is "tools" (a query's "include[]" stays).
+                    or re.sub(r"\[\d+\]$", "", exc.param.split(".")[0])
                 )
             raise
 
@@ -80,16 +91,35 @@ def _bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, code="invalid_value", param=param)
 
 
-def _options(body: ResponseCreateIn) -> chat_pb2.GenerationOptions:
-    return options_proto(
+def _tools(body: ResponseCreateIn) -> Tools | None:
+    """The tools the answer may call (None: a plain answer)."""
+    try:
+        tools = tools_for(list(body.tools), body.tool_choice, body.parallel_tool_calls)
+    except ValueError as exc:
+        raise _bad(
+            "tool_choice" if body.tool_choice is not None else "parallel_tool_calls", str(exc)
+        ) from None
+    if tools is not None and text_format_proto(body.text) is not None:
+        raise _bad("tools", "tools cannot be combined with a text.format other than text here")
+    if tools is not None and body.stream:
+        raise _bad("stream", "streamed responses with tools are not served yet: use stream: false")
+    return tools
+
+
+def _options(body: ResponseCreateIn, tools: Tools | None) -> chat_pb2.GenerationOptions:
+    options = options_proto(
         model=body.model,
         max_tokens=body.max_output_tokens or 0,
         temperature=body.temperature,
         top_p=body.top_p,
     )
+    structured = tools.constraint() if tools is not None else text_format_proto(body.text)
+    if structured is not None:
+        options.structured.CopyFrom(structured)
+    return options
 
 
-def _complete_request(body: ResponseCreateIn) -> chat_pb2.CompleteRequest:
+def _complete_request(body: ResponseCreateIn, tools: Tools | None) -> chat_pb2.CompleteRequest:
     if body.previous_response_id:
         raise _bad("previous_response_id", "previous_response_id needs a stored response (store: true)")
     if body.background:
@@ -99,23 +129,38 @@ def _complete_request(body: ResponseCreateIn) -> chat_pb2.CompleteRequest:
         if body.instructions
         else []
     )
-    return chat_pb2.CompleteRequest(
-        messages=system
-        + [chat_pb2.PromptMessage(role=ROLES[m.role], content=m.text()) for m in body.messages()],
-        options=_options(body),
-    )
+    messages = system + [prompt_message(m) for m in body.messages()]
+    if tools is not None:
+        messages = with_tools_described(messages, tools)
+    return chat_pb2.CompleteRequest(messages=messages, options=_options(body, tools))
 
 
 def _stored_input(body: ResponseCreateIn) -> str:
-    """A stored response adds one user message to its chat; earlier turns are the chat's own."""
+    """A stored response adds one user message to its chat (or the outputs of the calls its previous
+    response made, which the model reads as one); earlier turns are the chat's own."""
     messages = body.messages()
-    if len(messages) != 1 or messages[0].role != "user":
-        raise _bad(
-            "input",
-            "a stored response takes one user message as input (earlier turns come from "
-            "previous_response_id); send a whole conversation with store: false",
-        )
-    return messages[0].text()
+    if len(messages) == 1 and messages[0].role == "user":
+        return messages[0].text()
+    if messages and body.previous_response_id and all(m.role == "tool" for m in messages):
+        return "\n".join(prompt_message(m).content for m in messages)
+    raise _bad(
+        "input",
+        "a stored response takes one user message, or function_call_output items, as input (earlier "
+        "turns come from previous_response_id); send a whole conversation with store: false",
+    )
+
+
+def _tool_choice_json(tools: Tools | None, offered: bool) -> str | dict:
+    if tools is None:
+        return "none" if offered else "auto"
+    if tools.choice in ("auto", "required"):
+        return tools.choice
+    return {"type": "function", "name": tools.choice}
+
+
+def _instructions(body: ResponseCreateIn, tools: Tools | None) -> str:
+    parts = [body.instructions or "", tools.system_text() if tools is not None else ""]
+    return "\n\n".join(part for part in parts if part)
 
 
 async def _stored_run(request: Request) -> tuple[Orchestrator, Caller, chat_pb2.Run]:
@@ -149,7 +194,7 @@ async def _delete_quietly(orchestrator: Orchestrator, routed: Caller, chat_id: s
 
 
 async def _send(
-    orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn, key: str
+    orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn, tools: Tools | None, key: str
 ) -> tuple[RunStream, chat_pb2.RunEvent]:
     """The stored response's stream and first event (see ``_opening``). With ``key`` (the
     Idempotency-Key) a retry creates no second conversation (CreateChat with the key gets the first
@@ -172,8 +217,8 @@ async def _send(
         chat_id=chat_id,
         content=content,
         parent_message_id=parent_id,
-        options=_options(body),
-        instructions=body.instructions or "",
+        options=_options(body, tools),
+        instructions=_instructions(body, tools),
         idempotency_key=key,
     )
     stream = orchestrator.stream("SendMessage", send, routed)
@@ -190,6 +235,13 @@ async def _send(
 
 
 async def _opening(stream: RunStream, body: ResponseCreateIn) -> chat_pb2.RunEvent:
+    try:
+        return await _first_event(stream, body)
+    except ApiError as error:
+        raise refused_constraint(error, "tools" if body.tools else "text.format") from None
+
+
+async def _first_event(stream: RunStream, body: ResponseCreateIn) -> chat_pb2.RunEvent:
     """The create's first event. A background create answers at its run's start. Any other, streamed or
     not, waits for the event after it: a run refused before any output (the engine's queue limit, no
     engine left) is the HTTP error to retry (429 or 503 with Retry-After), as a refusal at the door is,
@@ -260,6 +312,7 @@ async def create_response(request: Request) -> Response:
     body = validate_model(
         ResponseCreateIn, without_no_ops(ResponseCreateIn, await read_json(request, settings.max_body_bytes))
     )
+    tools = _tools(body)
     record = ResponseRecord(
         model=body.model,
         store=body.store,
@@ -269,11 +322,17 @@ async def create_response(request: Request) -> Response:
         max_output_tokens=body.max_output_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
+        text_format=body.text.format.model_dump(by_alias=True, exclude_none=True)
+        if body.text is not None and body.text.format is not None
+        else None,
+        tools=[tool.model_dump(exclude_none=True) for tool in body.tools],
+        tool_choice=_tool_choice_json(tools, bool(body.tools)),
+        parallel_tool_calls=tools.parallel if tools is not None else True,
     )
     if body.store:
-        stream, first = await _send(orchestrator, caller, body, idempotency_key_of(request))
+        stream, first = await _send(orchestrator, caller, body, tools, idempotency_key_of(request))
     else:
-        stream = orchestrator.stream("Complete", _complete_request(body), caller)
+        stream = orchestrator.stream("Complete", _complete_request(body, tools), caller)
         first = await _opening(stream, body)
     if body.stream:
         return _stream_response(request, stream, first, record, started)

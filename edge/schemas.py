@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from chatmesh.limits import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Limits
+from edge.strict import Strict
+from edge.structured_outputs import ResponseFormatIn, StructuredOutputsIn, TextIn
+from edge.tools import FunctionIn, ResponseToolIn, ToolCallIn, ToolChoice, ToolIn
 
 # The limits the API fixes. Those an operator sets (message size, model-name length, max_tokens) are the
 # orchestrator's flags: the edge leaves them to the orchestrator, whose refusals it maps (413, 400).
@@ -26,10 +29,6 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 # OpenAI's logit_bias: token ids (of the served model's tokenizer) as JSON object keys.
 TokenId = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
 
 class GenerationOptionsIn(Strict):
@@ -72,14 +71,48 @@ class ChatMessageIn(Strict):
     """A message of chat completions, and an input message item of the Responses API (whose ``type``,
     "message", is a no-op of edge/openai_fields.py)."""
 
-    # "developer" is OpenAI's newer name for "system".
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    # "developer" is OpenAI's newer name for "system"; "tool" gives a tool call's result back.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None: an assistant turn that only called tools.
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, validate_default=True)  # an assistant turn's calls
+    tool_call_id: str | None = Field(None, validate_default=True)  # a tool result's call
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _result_names_its_call(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if (info.data.get("role") == "tool") != (value is not None):
+            raise ValueError("a tool message, and only a tool message, names its call's tool_call_id")
+        return value
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_are_the_assistants(cls, value: list[ToolCallIn] | None, info: ValidationInfo) -> object:
+        if value is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return value
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+
+class FunctionCallItemIn(Strict):
+    """A Responses API input item: a function call of an earlier answer, given back."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItemIn(Strict):
+    """A Responses API input item: the result of a function call."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
 
 
 class StreamOptionsIn(Strict):
@@ -99,6 +132,12 @@ class ChatCompletionIn(Strict):
     max_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     # OpenAI's newer name for max_tokens; wins when both are given.
     max_completion_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
+    response_format: ResponseFormatIn | None = None
+    # vLLM's extension: a JSON schema, regex, choice or grammar (docs/structured-outputs.md).
+    structured_outputs: StructuredOutputsIn | None = None
+    tools: list[ToolIn] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
@@ -107,17 +146,24 @@ class ChatCompletionIn(Strict):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
+    def functions(self) -> list[FunctionIn]:
+        return [tool.function for tool in self.tools or []]
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+InputItem = FunctionCallItemIn | FunctionCallOutputItemIn | ChatMessageIn
+
+
 class ResponseCreateIn(Strict):
-    """``POST /v1/responses``: the text subset of OpenAI's Responses API (no tools, files or images)."""
+    """``POST /v1/responses``: text and function calling in OpenAI's Responses API (no files, images
+    or hosted tools)."""
 
     model: str = ""
-    input: str | Annotated[list[ChatMessageIn], Field(min_length=1, max_length=API.max_prompt_messages)]
+    input: str | Annotated[list[InputItem], Field(min_length=1, max_length=API.max_prompt_messages)]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, max_length=API.max_id_chars)
     # Stored responses are runs of a chat (retrievable, resumable, chainable); unstored ones are not kept.
@@ -127,8 +173,26 @@ class ResponseCreateIn(Strict):
     max_output_tokens: int | None = Field(None, ge=1, le=UINT32_MAX)
     temperature: Temperature | None = None
     top_p: TopP | None = None
+    text: TextIn | None = None
+    tools: list[ResponseToolIn] = Field(default_factory=list, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def messages(self) -> list[ChatMessageIn]:
+        """The input as chat messages: a function call given back is an assistant turn that called it,
+        its output a tool result."""
         if isinstance(self.input, str):
             return [ChatMessageIn(role="user", content=self.input)]
-        return list(self.input)
+        messages: list[ChatMessageIn] = []
+        for item in self.input:
+            if isinstance(item, FunctionCallItemIn):
+                call = ToolCallIn(id=item.call_id, function={"name": item.name, "arguments": item.arguments})
+                if messages and messages[-1].role == "assistant" and messages[-1].tool_calls is not None:
+                    messages[-1].tool_calls.append(call)  # parallel calls: one assistant turn
+                else:
+                    messages.append(ChatMessageIn(role="assistant", tool_calls=[call]))
+            elif isinstance(item, FunctionCallOutputItemIn):
+                messages.append(ChatMessageIn(role="tool", content=item.output, tool_call_id=item.call_id))
+            else:
+                messages.append(item)
+        return messages

@@ -4,7 +4,8 @@
 in an inbox. The step loop runs in its own thread, so the model never blocks the event loop:
 
     take the inbox (new requests, cancels: their blocks are freed here, before scheduling)
-    → refuse the waiting requests past their queue limit → schedule → run the model → sample → detokenize and check stops → free finished requests
+    → refuse the waiting requests past their queue limit → schedule → run the model → mask the logits
+    of constrained requests (engine.structured) → sample → detokenize and check stops → free finished requests
     → publish the step's KV events as one batch → publish the load → hand all outputs over in one call.
 
 A request's life around the step (admission, replay of resumed output, the stop rule, its finish,
@@ -36,6 +37,7 @@ from engine.request_tracker import RequestTracker, TrackedRequest
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_cost import StepCost
+from engine.structured import constrained_logits
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class LLMEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.instance_id = uuid.uuid4().hex
+        self.constrained_decoding = True  # its step masks the logits of constrained requests
         spec = runner.spec
         bytes_per_block = runner.kv_bytes_per_block(config.block_size)
         num_blocks = size_kv_pool(config, spec.context_length, bytes_per_block)
@@ -91,7 +94,7 @@ class LLMEngine:
         self.on_failure: Callable[[str], None] = lambda message: None
         self.tracker = RequestTracker(tokenizer, self._release, metrics, clock)
         self._clock = clock
-        self._metrics = metrics
+        self.metrics = metrics
         self.step_cost = StepCost()  # step thread only
         self._requests: dict[str, Request] = {}  # step thread only: the scheduler's side of each request
         # The inbox (with the tracker's admitted requests), shared with other threads.
@@ -217,8 +220,8 @@ class LLMEngine:
             self.step_cost.observe(sum(batch.scheduled.values()), self._clock() - began)
         self.events.flush()
         self.stats = self._current_stats()
-        if self._metrics is not None:
-            self._metrics.observe_step(self.stats)
+        if self.metrics is not None:
+            self.metrics.observe_step(self.stats)
         if outputs:
             self.on_outputs(outputs)
         return bool(batch.scheduled or outputs)
@@ -230,6 +233,8 @@ class LLMEngine:
             # Into the scheduler under the lock, so the waiting count admission reads is never short.
             for tracked in new:
                 scheduled = Request(tracked.request, tracked.arrival, self.config.priority_aging_s)
+                if (grammar := tracked.request.grammar) is not None:
+                    scheduled.grammar = grammar.start(tracked.request.resumed_output_token_ids)
                 self._requests[scheduled.request_id] = scheduled
                 self.scheduler.add(scheduled)
         for tracked in new:
@@ -260,7 +265,20 @@ class LLMEngine:
         self.scheduler.update(batch)
         sampled = [req for req, chunk in zip(batch.scheduled, chunks, strict=True) if chunk.needs_logits]
         known_argmax = getattr(self.runner, "argmax", None)
+        argmax = known_argmax() if known_argmax is not None else None
         params = [req.request.sampling for req in sampled]
+        # The model's own distribution, for logprobs: constraints, bias and penalties only steer the pick.
+        model_logits = logits
+        constrained = [r for r, req in enumerate(sampled) if req.grammar is not None]
+        if constrained:
+            logits, argmax = constrained_logits(
+                logits,
+                argmax,
+                constrained,
+                [sampled[r].grammar for r in constrained],  # type: ignore[misc]
+                # The runner's argmax is the pick only where the sampler changes no logit.
+                [params[r].temperature == 0.0 and not params[r].adjusts_logits for r in constrained],
+            )
         tokens = sample(
             logits,
             params,
@@ -270,12 +288,14 @@ class LLMEngine:
                 req.token_ids[req.num_prompt_tokens :] if p.penalizes else ()
                 for req, p in zip(sampled, params, strict=True)
             ],
-            argmax=known_argmax() if known_argmax is not None else None,
+            argmax=argmax,
         )
         for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
             req.token_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.advance(token)
             p = params[row]
-            logprobs = [token_logprob(logits[row], token, p.top_logprobs)] if p.logprobs else None
+            logprobs = [token_logprob(model_logits[row], token, p.top_logprobs)] if p.logprobs else None
             outputs.append(self.tracker.add_tokens(self._tracked(req), [token], logprobs))
 
     def _tracked(self, req: Request) -> TrackedRequest:

@@ -51,6 +51,15 @@ class EngineMetrics(ComponentMetrics):
         self.step_token = self.gauge(
             "step_token_seconds", "A step's time for each token it computes, as fitted over the recent steps."
         )
+        self.grammar_compile = self.histogram(
+            "grammar_compile_seconds",
+            "Time to compile a request's output constraint not in the cache (waiting for a compile thread "
+            "included), by outcome: compiled, or refused as invalid or unsupported.",
+            ["outcome"],
+        )
+        self.grammar_cache_hits = self.counter(
+            "grammar_cache_hits", "Constrained requests whose constraint was compiled already (no compile)."
+        )
         self._last = EngineStats()
 
     def observe_step(self, stats: EngineStats) -> None:

@@ -6,6 +6,8 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
+from engine.structured import CompiledGrammar, Constraint, GrammarState
+
 
 class Priority(IntEnum):
     LOW = 1
@@ -23,6 +25,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # what the output must match (engine.structured)
     presence_penalty: float = 0.0  # subtracted once from each token already in the output
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), sorted by id
@@ -53,6 +56,9 @@ class EngineRequest:
     priority: Priority = Priority.NORMAL
     # The longest it may wait before it is first scheduled (0: no limit): past it, it is refused.
     max_queue_s: float = 0.0
+    # ``sampling.constraint`` compiled for the served tokenizer (the service compiles it before the
+    # engine takes the request).
+    grammar: CompiledGrammar | None = None
 
 
 class RequestStatus(Enum):
@@ -87,6 +93,7 @@ class Request:
     num_prefix_hit_tokens: int | None = None  # context tokens the prefix cache served at first schedule
     queued_prefill_tokens: int = 0  # while waiting: its tokens beyond the prefix cache's when it was queued
     status: RequestStatus = RequestStatus.WAITING
+    grammar: GrammarState | None = None  # where its output is in its constraint's grammar, if any
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.request.prompt_token_ids, *self.request.resumed_output_token_ids]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import grpc
@@ -16,10 +18,12 @@ from chatmesh.streams import StartThenCancel
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_events import BlocksStored, KvEventBatch, KvEventLog, SubscriberOverflow
+from engine.metrics import EngineMetrics
 from engine.model.runner import ModelSpec
 from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput
 from engine.request import EngineRequest
 from engine.streams import OutputDispatcher, RequestStream
+from engine.structured import CompiledGrammar, GrammarCompiler
 from engine.validation import ServedModel, request_from_proto
 from meshkit.links import LinkMessages, ServedRequests
 
@@ -42,6 +46,8 @@ class ServedEngine(Protocol):
     config: EngineConfig
     tokenizer: ChatTokenizer
     instance_id: str
+    constrained_decoding: bool  # whether it masks logits for requests with a constraint (structured)
+    metrics: EngineMetrics | None
     context_length: int  # the longest request it takes (prompt + max_tokens)
     events: KvEventLog
     stats: EngineStats  # the load after the last step
@@ -88,6 +94,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             context_length=engine.context_length,
             serves_extra_knobs=engine.serves_extra_knobs,
         )
+        # Constraints compile in threads of their own: a slow one stalls neither the step nor the loop.
+        self._grammars = GrammarCompiler(engine.tokenizer) if engine.constrained_decoding else None
+        self._compiles = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
 
     async def drain(self) -> None:
         """Stops taking requests; ends the watch streams, and each GenerateMany stream once no request is
@@ -108,7 +117,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         requests = StartThenCancel(request_iterator)
         start = await requests.start(context)
         try:
-            request = self.admit(start)
+            request = self.validated(start)
+            request = self.with_cached_grammar(request) or await self.with_compiled_grammar(request)
+            self.add(request)
         except ServiceError as exc:  # an invalid request, or one the engine did not take
             await abort(context, exc)
 
@@ -147,13 +158,62 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         async for message in _ManyRequests(self).serve(request_iterator, self._watchers):
             yield message
 
-    def admit(self, start: engine_pb2.GenerateStart) -> EngineRequest:
-        """The request ``start`` asks for, queued in the engine; raises ServiceError if it is not taken."""
+    # -- admission: validated, its constraint compiled, then queued in the engine --------------------
+
+    def validated(self, start: engine_pb2.GenerateStart) -> EngineRequest:
+        """The request ``start`` asks for; raises ServiceError if it is not taken."""
         if not self.serving:
             raise unavailable(self.engine.failure or "the engine is draining")
         request = request_from_proto(start, self._model)
-        self.engine.add_request(request)
+        if request.sampling.constraint is not None and self._grammars is None:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"sampling.structured: the {self.engine.backend} backend does not support structured outputs",
+            )
         return request
+
+    def with_cached_grammar(self, request: EngineRequest) -> EngineRequest | None:
+        """``request`` ready for the engine without a compile (no constraint, or one compiled before);
+        None if its constraint needs ``with_compiled_grammar``."""
+        constraint = request.sampling.constraint
+        if constraint is None:
+            return request
+        assert self._grammars is not None  # validated
+        compiled = self._grammars.cached(constraint)
+        if compiled is not None and self.engine.metrics is not None:
+            self.engine.metrics.grammar_cache_hits.inc()
+        return None if compiled is None else self._with_grammar(request, compiled)
+
+    async def with_compiled_grammar(self, request: EngineRequest) -> EngineRequest:
+        """``request`` with its constraint compiled (in the compile threads); INVALID_ARGUMENT naming
+        the problem if it does not compile."""
+        constraint = request.sampling.constraint
+        assert constraint is not None and self._grammars is not None
+        started = self._loop.time()
+        try:
+            compiled = await self._loop.run_in_executor(self._compiles, self._grammars.compile, constraint)
+        except ValueError as exc:
+            self._observe_compile(started, "refused")
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.structured: {exc}") from None
+        self._observe_compile(started, "compiled")
+        return self._with_grammar(request, compiled)
+
+    def _observe_compile(self, started: float, outcome: str) -> None:
+        if self.engine.metrics is not None:
+            self.engine.metrics.grammar_compile.labels(outcome).observe(self._loop.time() - started)
+
+    def _with_grammar(self, request: EngineRequest, compiled: CompiledGrammar) -> EngineRequest:
+        try:  # output resumed after a failover must be what the constraint allows
+            compiled.start(request.resumed_output_token_ids)
+        except ValueError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        return dataclasses.replace(request, grammar=compiled)
+
+    def add(self, request: EngineRequest) -> None:
+        """Queues ``request`` in the engine; raises ServiceError (full, draining) if it is not taken."""
+        if not self.serving:
+            raise unavailable(self.engine.failure or "the engine is draining")
+        self.engine.add_request(request)
 
     def accepted(self, request: EngineRequest) -> engine_pb2.GenerateAccepted:
         return engine_pb2.GenerateAccepted(
@@ -276,17 +336,46 @@ class _ManyRequests(ServedRequests):
         super().__init__(ENGINE_MESSAGES, lambda: service.draining)
         self._service = service
         self._with_news: dict[str, RequestStream] = {}  # in the order news came
+        # Requests whose constraint is compiling, and those of them the client cancelled meanwhile.
+        self._compiling: dict[str, asyncio.Task] = {}
+        self._cancelled_compiling: set[str] = set()
 
     def start(self, request_id: str, frame: engine_pb2.RequestFrame) -> None:
-        request = self._service.admit(frame.start)
+        request = self._service.validated(frame.start)
+        ready = self._service.with_cached_grammar(request)
+        if ready is not None:
+            self._add(request_id, ready)
+        else:
+            self._compiling[request_id] = asyncio.ensure_future(self._compile_then_add(request_id, request))
+
+    async def _compile_then_add(self, request_id: str, request: EngineRequest) -> None:
+        try:
+            self._add(request_id, await self._service.with_compiled_grammar(request))
+        except ServiceError as exc:
+            self.end(request_id, error=exc)
+        finally:
+            self._compiling.pop(request_id, None)
+        if request_id in self._cancelled_compiling:  # it ends as cancelled, as any other would
+            self._cancelled_compiling.discard(request_id)
+            self._service.engine.cancel(request_id)
+
+    def _add(self, request_id: str, request: EngineRequest) -> None:
+        self._service.add(request)
         # Before any await: no output can be delivered earlier.
         self._service.dispatcher.open(request_id, self._stream_has_news)
         self.send(engine_pb2.ResponseFrame(request_id=request_id, accepted=self._service.accepted(request)))
 
     def cancel(self, request_id: str) -> None:
-        self._service.engine.cancel(request_id)
+        if request_id in self._compiling:
+            self._cancelled_compiling.add(request_id)
+        else:
+            self._service.engine.cancel(request_id)
 
     def stop(self, request_id: str) -> None:
+        if (compiling := self._compiling.pop(request_id, None)) is not None:
+            compiling.cancel()
+            self._cancelled_compiling.discard(request_id)
+            return
         self._with_news.pop(request_id, None)
         self._service.dispatcher.close(request_id)
         self._service.engine.cancel(request_id)

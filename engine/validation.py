@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from dataclasses import dataclass
@@ -12,12 +13,14 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.tiers import engine_priority
 from engine.request import EngineRequest, Priority, SamplingParams
+from engine.structured import MAX_CONSTRAINT_CHARS, Constraint
 
 # Bounds on what one request may ask for; beyond them the request is refused, not truncated.
 MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOP_LOGPROBS = 20
 # The sampling knobs beyond temperature, top-p and top-k, by their SamplingParams field: what a backend
@@ -112,6 +115,7 @@ def _sampling_from_proto(params: engine_pb2.SamplingParams, model: ServedModel) 
         stop=tuple(params.stop),
         stop_token_ids=frozenset(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        constraint=_constraint_from_proto(params.structured) if params.HasField("structured") else None,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         logit_bias=tuple(sorted(params.logit_bias.items())),
@@ -119,6 +123,38 @@ def _sampling_from_proto(params: engine_pb2.SamplingParams, model: ServedModel) 
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs if params.logprobs else 0,
     )
+
+
+def _constraint_from_proto(structured: engine_pb2.StructuredOutput) -> Constraint:
+    """What the output must match, checked for shape (whether it compiles is the service's check)."""
+    kind = structured.WhichOneof("kind")
+    if kind is None:
+        raise _invalid("sampling.structured names no constraint")
+    if kind == "json_object":
+        if not structured.json_object:
+            raise _invalid("sampling.structured.json_object must be true (or the constraint absent)")
+        return Constraint("json_object")
+    if kind == "choice":
+        choices = list(structured.choice.choices)
+        if not choices or len(choices) > MAX_CHOICES or not all(choices):
+            raise _invalid(f"sampling.structured.choice must hold 1 to {MAX_CHOICES} non-empty strings")
+        spec = json.dumps(choices)
+    else:
+        spec = getattr(structured, kind)
+        if not spec:
+            raise _invalid(f"sampling.structured.{kind} must not be empty")
+    if len(spec) > MAX_CONSTRAINT_CHARS:
+        raise _invalid(
+            f"sampling.structured.{kind} has {len(spec)} characters; the limit is {MAX_CONSTRAINT_CHARS}"
+        )
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except ValueError as exc:
+            raise _invalid(f"sampling.structured.json_schema is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise _invalid("sampling.structured.json_schema must be a JSON object")
+    return Constraint(kind, spec)
 
 
 def _check_extra_knobs(params: engine_pb2.SamplingParams, model: ServedModel) -> None:

@@ -56,6 +56,7 @@ def start_frame(
         top_p=generation.top_p,
         max_tokens=generation.max_tokens,
         stop=list(generation.stop),
+        structured=generation.structured,
         presence_penalty=generation.presence_penalty,
         frequency_penalty=generation.frequency_penalty,
         logit_bias=dict(generation.logit_bias),

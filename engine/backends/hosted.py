@@ -120,13 +120,14 @@ class HostedEngine:
         self.tensor_parallel_size = backend.tensor_parallel_size
         self.tokenizer = tokenizer
         self.instance_id = uuid.uuid4().hex
+        self.constrained_decoding = False  # the backend samples; it takes no token masks from us
         self.context_length = spec.context_length
         self.events = KvEventLog(config.kv_events_buffer)
         self.on_outputs: Callable[[list[RequestOutput]], None] = lambda outputs: None
         self.on_failure: Callable[[str], None] = lambda message: None
         self.stats = EngineStats()
         self.tracker = RequestTracker(tokenizer, self._release, metrics, clock)
-        self._metrics = metrics
+        self.metrics = metrics
         self._tasks: dict[str, asyncio.Task] = {}  # loop: each request's stream through the backend
         self._counters = _Counters()  # loop
         self._load_warned = False  # loop
@@ -317,5 +318,5 @@ class HostedEngine:
             prefix_queried_tokens=c.prefix_queried_tokens,
             generated_tokens=self.tracker.generated_tokens,
         )
-        if self._metrics is not None:
-            self._metrics.observe_step(self.stats)
+        if self.metrics is not None:
+            self.metrics.observe_step(self.stats)

@@ -4,7 +4,9 @@ for all of them share a message, refusals end one request and not the stream, an
 frees whatever it still holds."""
 
 import asyncio
+import re
 import signal
+import urllib.request
 
 import grpc
 import pytest
@@ -156,3 +158,72 @@ async def test_a_draining_engine_refuses_new_starts_finishes_the_rest_and_ends_t
         assert await many.call.code() == grpc.StatusCode.OK
     assert await asyncio.to_thread(launcher.running[engine.name].process.wait, 30) == 0
     launcher.forget(engine.name)
+
+
+def constrained(
+    request_id: str, prompt: list[int], structured: engine_pb2.StructuredOutput
+) -> engine_pb2.GenerateStart:
+    frame = start_frame(request_id, prompt, max_tokens=40)
+    frame.sampling.structured.CopyFrom(structured)
+    return frame
+
+
+def constrained_frame(
+    request_id: str, prompt: list[int], structured: engine_pb2.StructuredOutput
+) -> engine_pb2.RequestFrame:
+    return engine_pb2.RequestFrame(request_id=request_id, start=constrained(request_id, prompt, structured))
+
+
+async def test_constrained_requests_share_a_stream_with_free_ones_and_one_that_does_not_compile_fails_alone(
+    stub, prompt, null_engine
+):
+    """A constraint compiles in the service's compile threads (the first of each distinct one; later
+    ones come from the cache) while the stream goes on; one that does not compile is refused,
+    INVALID_ARGUMENT naming the problem, before the engine takes it; a request cancelled while its
+    constraint compiles ends cancelled."""
+    choice = engine_pb2.StructuredOutput(choice=engine_pb2.Choices(choices=["Paris", "Lyon"]))
+    pattern = engine_pb2.StructuredOutput(regex="(yes|no)! [a-z]{3,5}")
+    fresh = engine_pb2.StructuredOutput(regex=f"[a-c]{{{len(prompt)}}}")  # distinct from any cached one
+    many = open_many(
+        stub,
+        constrained_frame("choice", prompt, choice),
+        constrained_frame("regex", prompt, pattern),
+        constrained_frame("broken", prompt, engine_pb2.StructuredOutput(regex="[a-")),
+        start("free", prompt, max_tokens=10),
+        constrained_frame("gone", prompt, fresh),
+        cancel("gone"),
+    )
+    await many.until(
+        lambda: all(many.ended(r) for r in ("choice", "regex", "free", "gone")) and "broken" in many.failed
+    )
+    assert many.outcomes["choice"].text in ("Paris", "Lyon")
+    assert many.outcomes["choice"].finished.finish_reason == engine_pb2.FINISH_REASON_STOP
+    assert re.fullmatch(r"(yes|no)! [a-z]{3,5}", many.outcomes["regex"].text)
+    assert many.outcomes["free"].finished.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    assert many.outcomes["gone"].finished.finish_reason == engine_pb2.FINISH_REASON_CANCELLED
+    broken = from_status(many.failed["broken"].status)
+    assert broken.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.structured" in broken.message and "unclosed character class" in broken.message
+    assert "broken" not in many.outcomes, "refused before anything ran: not even accepted"
+    await wait_until(lambda: idle(stub), what="every request's blocks freed")
+    many.half_close()
+    # Generate (one request a stream) takes the same constraints.
+    alone = await Stream.start(stub, constrained("alone", prompt, choice)).rest()
+    assert alone.text == many.outcomes["choice"].text
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await Stream.start(
+            stub, constrained("bad", prompt, engine_pb2.StructuredOutput(json_schema="{"))
+        ).rest()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not JSON" in refused.value.details()
+    url = f"http://127.0.0.1:{null_engine.metrics_port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    for series in (
+        'grammar_compile_seconds_count{outcome="compiled"}',
+        'grammar_compile_seconds_count{outcome="refused"}',
+    ):
+        assert float(_sample(body, f"chatmesh_engine_{series}")) >= 1, series
+    assert float(_sample(body, "chatmesh_engine_grammar_cache_hits_total")) >= 1, "the second choice request"
+
+
+def _sample(exposition: str, series: str) -> str:
+    return next(line.split()[-1] for line in exposition.splitlines() if line.startswith(series + " "))

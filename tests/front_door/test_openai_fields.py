@@ -85,9 +85,23 @@ def test_what_real_clients_send_is_accepted(front_door: ScriptedFrontDoor, user:
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "detail": "low"}]}]},
             "messages[0].content[0].detail",
         ),
+        (
+            "chat",
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}, "strictly": True}}]},
+            "tools[0].function.strictly",
+        ),
         ("responses", {"input": "hi", "temprature": 0.2}, "temprature"),
     ],
-    ids=["top-level", "vllm-extension", "empty-name", "stream-options", "message", "text-part", "responses"],
+    ids=[
+        "top-level",
+        "vllm-extension",
+        "empty-name",
+        "stream-options",
+        "message",
+        "text-part",
+        "tool",
+        "responses",
+    ],
 )
 def test_unknown_fields_are_refused_naming_them(
     front_door: ScriptedFrontDoor, user: str, route: str, body: dict, param: str
@@ -108,25 +122,32 @@ def test_unknown_fields_are_refused_naming_them(
     [
         ("chat", {"n": 2}, "n"),
         ("chat", {"n": True}, "n"),
-        ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ("chat", {"tool_choice": "required"}, "tool_choice"),
-        ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls"),
-        (
-            "chat",
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-            "response_format",
-        ),
-        ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ("chat", {"function_call": {"name": "f"}}, "function_call"),
+        ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
         ("chat", {"store": True}, "store"),
         ("chat", {"modalities": ["text", "audio"]}, "modalities"),
         ("chat", {"reasoning_effort": "high"}, "reasoning_effort"),
         (
             "chat",
-            {"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
-            "messages[0].tool_calls",
+            {
+                "messages": [
+                    {"role": "assistant", "content": "x", "function_call": {"name": "f", "arguments": ""}}
+                ]
+            },
+            "messages[0].function_call",
         ),
-        ("responses", {"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
-        ("responses", {"input": "hi", "text": {"format": {"type": "json_object"}}}, "text"),
+        ("responses", {"input": "hi", "max_tool_calls": 2}, "max_tool_calls"),
+        ("responses", {"input": "hi", "top_logprobs": 3}, "top_logprobs"),
+        (
+            "responses",
+            {
+                "input": [
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "status": "x"}
+                ]
+            },
+            "input",  # the Responses API names a body's top-level field
+        ),
         ("responses", {"input": "hi", "conversation": "conv_123"}, "conversation"),
         ("responses", {"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
         ("responses", {"input": "hi", "truncation": "auto"}, "truncation"),
@@ -134,17 +155,16 @@ def test_unknown_fields_are_refused_naming_them(
     ids=[
         "n",
         "n-true",
-        "tools",
-        "tool-choice",
-        "parallel-tool-calls",
-        "json-schema",
-        "json-object",
+        "functions",
+        "function-call",
+        "prediction",
         "store",
         "audio",
         "reasoning-effort",
-        "history-tool-calls",
-        "responses-tools",
-        "responses-text-format",
+        "history-function-call",
+        "responses-max-tool-calls",
+        "responses-top-logprobs",
+        "responses-function-call-item-status",
         "responses-conversation",
         "responses-reasoning",
         "responses-truncation",
@@ -204,9 +224,9 @@ def test_no_op_values_pass_through_the_sdk(front_door: ScriptedFrontDoor, user: 
 def test_the_sdk_raises_bad_request_for_an_unserved_value(front_door: ScriptedFrontDoor, user: str):
     with pytest.raises(openai.BadRequestError) as refused:
         front_door.sdk(user).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], tool_choice="required"
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], reasoning_effort="high"
         )
-    assert refused.value.param == "tool_choice" and refused.value.code == "unsupported_value"
+    assert refused.value.param == "reasoning_effort" and refused.value.code == "unsupported_value"
 
 
 def _route(route: str) -> tuple[str, dict]:

@@ -3,6 +3,8 @@ edge, answered by ScriptedChatService (not the orchestrator)."""
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import openai
 import pytest
@@ -78,7 +80,8 @@ def test_sdk_sees_typed_errors(front_door: ScriptedFrontDoor, sdk: openai.OpenAI
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
@@ -86,7 +89,16 @@ def test_sdk_sees_typed_errors(front_door: ScriptedFrontDoor, sdk: openai.OpenAI
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2**32}, "max_tokens"),
         ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ],
-    ids=["role", "n", "no-messages", "content-type", "part-type", "max-tokens-past-uint32", "temperature"],
+    ids=[
+        "role",
+        "tool-result-without-its-call",
+        "n",
+        "no-messages",
+        "content-type",
+        "part-type",
+        "max-tokens-past-uint32",
+        "temperature",
+    ],
 )
 def test_validation_errors_are_openais_400_invalid_request_error_with_param(
     front_door: ScriptedFrontDoor, sdk: openai.OpenAI, body: dict, param: str
@@ -196,3 +208,79 @@ def test_a_refusal_other_than_unavailable_is_not_sent_again(
     with refusing, pytest.raises(openai.RateLimitError):
         sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert len(front_door.scripted.calls_to("Complete")) == calls + 1
+
+
+def test_formats_and_tools_reach_the_chat_service_as_one_constraint(
+    front_door: ScriptedFrontDoor, sdk: openai.OpenAI
+):
+    def sent(**body: object) -> chat_pb2.CompleteRequest:
+        sdk.chat.completions.create(model=MODEL, max_tokens=2, **body)  # type: ignore[call-overload]
+        return front_door.scripted.calls_to("Complete")[-1].request
+
+    question = [{"role": "user", "content": "!tokens 1 1"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    json_schema = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    assert (
+        json.loads(sent(messages=question, response_format=json_schema).options.structured.json_schema)
+        == schema
+    )
+    assert sent(messages=question, response_format={"type": "json_object"}).options.structured.json_object
+    assert not sent(messages=question, response_format={"type": "text"}).options.HasField("structured")
+    choice = sent(messages=question, extra_body={"structured_outputs": {"choice": ["x", "y"]}})
+    assert list(choice.options.structured.choice.choices) == ["x", "y"]
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    history = [
+        {"role": "system", "content": "Be brief."},
+        *question,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "09:41"},
+    ]
+    called = sent(messages=history, tools=[tool], tool_choice="required")
+    assert (
+        "<tool_call>" in called.options.structured.grammar
+        and '"const": "get_time"' in called.options.structured.grammar
+    )
+    system, _, assistant, result = called.messages
+    assert system.content.startswith("Be brief.\n\n# Tools") and '"name": "get_time"' in system.content
+    assert assistant.content == '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert result.role == chat_pb2.ROLE_USER and result.content == "<tool_response>\n09:41\n</tool_response>"
+    assert not sent(messages=question, tools=[tool], tool_choice="none").options.HasField("structured")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "response_format": {"type": "json_object"},
+            },
+            "tools",
+        ),
+    ],
+    ids=[
+        "tool-choice-without-tools",
+        "parallel-without-tools",
+        "schema-missing",
+        "two-constraints",
+        "tools-and-format",
+    ],
+)
+def test_inconsistent_structured_output_and_tool_settings_are_400s_naming_the_parameter(
+    front_door: ScriptedFrontDoor, sdk: openai.OpenAI, body: dict, param: str
+):
+    before = len(front_door.scripted.calls_to("Complete"))
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body=body)
+    assert refused.value.param == param, refused.value.body
+    assert len(front_door.scripted.calls_to("Complete")) == before

@@ -1,0 +1,258 @@
+"""Structured outputs and tools through the official ``openai`` SDK, unmodified, against the whole
+system on the real model: Envoy -> edge -> orchestrator -> router -> a cpu engine (SmolLM2-135M)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from localmesh.dev_jwt import DevKeys
+from meshkit.launcher import Launcher
+from tests.fixtures.front_door import FrontDoor, start_front_door
+from tests.fixtures.orchestrator import MeshFactory
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The current time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string"}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    city: Literal["Paris", "London", "Rome"]
+
+
+@pytest.fixture(scope="module")
+def model_door(
+    tmp_path_factory: pytest.TempPathFactory, dev_jwt_keys: DevKeys, start_mesh: MeshFactory
+) -> Iterator[FrontDoor]:
+    mesh = start_mesh(1, "cpu")
+    with Launcher(tmp_path_factory.mktemp("structured-door"), echo=lambda line: None) as launcher:
+        yield start_front_door(launcher, dev_jwt_keys, [mesh.orchestrator.port])
+
+
+@pytest.fixture
+def sdk(model_door: FrontDoor) -> openai.OpenAI:
+    return model_door.sdk("structured-user")
+
+
+def ask(content: str, system: str | None = None) -> list[dict]:
+    return [
+        *([{"role": "system", "content": system}] if system else []),
+        {"role": "user", "content": content},
+    ]
+
+
+def test_parse_with_a_pydantic_model_gives_a_validated_object(sdk: openai.OpenAI):
+    completion = sdk.chat.completions.parse(
+        model="",
+        messages=ask("Describe a person who lives in Paris, in JSON."),
+        response_format=Person,
+        temperature=0,
+        max_tokens=96,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Person)
+    assert choice.message.parsed.city in ("Paris", "London", "Rome")
+
+
+def test_parse_cut_by_max_tokens_raises_as_against_openai(sdk: openai.OpenAI):
+    with pytest.raises(openai.LengthFinishReasonError):
+        sdk.chat.completions.parse(
+            model="", messages=ask("Describe a person."), response_format=Person, temperature=0, max_tokens=5
+        )
+
+
+def test_a_streamed_json_object_parses(sdk: openai.OpenAI):
+    chunks = list(
+        sdk.chat.completions.create(
+            model="",
+            messages=ask("Give the capital of France as JSON."),
+            response_format={"type": "json_object"},
+            temperature=0,
+            max_tokens=64,
+            stream=True,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(text), dict)
+
+
+def test_the_structured_outputs_extension_takes_a_choice_and_a_regex(sdk: openai.OpenAI):
+    choice = sdk.chat.completions.create(
+        model="",
+        messages=ask("What is the capital of France?"),
+        extra_body={"structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}},
+        temperature=0,
+    )
+    assert choice.choices[0].message.content in ("Paris", "Lyon", "Nice")
+    year = sdk.chat.completions.create(
+        model="",
+        messages=ask("In which year did the French Revolution begin?"),
+        extra_body={"structured_outputs": {"regex": "[0-9]{4}"}},
+        temperature=0,
+    )
+    assert year.choices[0].message.content.isdigit() and len(year.choices[0].message.content) == 4
+
+
+def test_a_schema_the_engine_cannot_compile_is_a_400_naming_response_format(sdk: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(
+            model="",
+            messages=ask("hi"),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "broken", "schema": {"type": "string", "format": "no-such-format"}},
+            },
+        )
+    error = refused.value.body
+    assert error["param"] == "response_format" and "no-such-format" in error["message"]
+    assert "sampling" not in error["message"], "the engine's own field names stay inside"
+
+
+def test_a_required_tool_call_is_a_tool_call_whose_arguments_follow_the_schema(sdk: openai.OpenAI):
+    completion = sdk.chat.completions.create(
+        model="",
+        messages=ask("What is the weather in Paris?"),
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required",
+        # With parallel calls allowed, this small model calls tool after tool until max_tokens.
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=96,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_a_named_tool_is_called_streamed_as_deltas_and_its_result_answered(sdk: openai.OpenAI):
+    messages = ask("What time is it in Tokyo?")
+    stream = sdk.chat.completions.create(
+        model="",
+        messages=messages,
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        temperature=0,
+        max_tokens=64,
+        stream=True,
+    )
+    chunks = list(stream)
+    calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert [c.function.name for c in calls] == ["get_time"] and calls[0].index == 0
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    arguments = json.loads(calls[0].function.arguments)
+    jsonschema.validate(arguments, TIME_TOOL["function"]["parameters"])
+    # The call and its result go back in the history; with "auto" the model may now answer in text.
+    follow_up = sdk.chat.completions.create(
+        model="",
+        messages=[
+            *messages,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": calls[0].id,
+                        "type": "function",
+                        "function": {"name": "get_time", "arguments": calls[0].function.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "09:41"},
+        ],
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        temperature=0,
+        max_tokens=48,
+    )
+    answer = follow_up.choices[0]
+    assert answer.finish_reason in ("stop", "tool_calls", "length")
+    assert answer.message.content or answer.message.tool_calls
+
+
+def test_tool_choice_naming_an_unknown_function_is_a_400(sdk: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(
+            model="",
+            messages=ask("hi"),
+            tools=[WEATHER_TOOL],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+    assert refused.value.body["param"] == "tool_choice"
+
+
+def test_responses_parse_with_a_pydantic_text_format_gives_a_validated_object(sdk: openai.OpenAI):
+    response = sdk.responses.parse(
+        model="",
+        input="Describe a person who lives in Rome, in JSON.",
+        text_format=Person,
+        temperature=0,
+        max_output_tokens=96,
+    )
+    assert response.status == "completed"
+    assert isinstance(response.output_parsed, Person)
+    assert response.text.format.type == "json_schema"
+
+
+def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: openai.OpenAI):
+    tool = {"type": "function", **TIME_TOOL["function"]}
+    called = sdk.responses.create(
+        model="",
+        input="What time is it in Tokyo?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=64,
+    )
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "get_time" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), TIME_TOOL["function"]["parameters"])
+    again = sdk.responses.retrieve(called.id)
+    assert [item.model_dump() for item in again.output] == [call.model_dump()], "the same items, read again"
+    answered = sdk.responses.create(
+        model="",
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
+        tools=[tool],
+        temperature=0,
+        max_output_tokens=48,
+    )
+    assert answered.status in ("completed", "incomplete") and answered.output
