@@ -1,6 +1,7 @@
 // chatmesh chat page: plain JavaScript over the edge's REST + SSE API (see edge/chats_api.py).
 // Answers stream over fetch() (POST bodies and the Authorization header rule out EventSource). The run
 // being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
+import { handleCopyButtons, renderMarkdown, StreamingAnswer } from "./render.js";
 import { takeTokenFromUrl } from "./token.js";
 
 const $ = (selector) => document.querySelector(selector);
@@ -22,7 +23,9 @@ const state = {
   chatId: null,
   messages: [],     // every message of the open chat (all branches)
   leafId: null,     // the branch on screen ends here
-  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, base: [messages before], user: text|null}
+  rendered: new Map(), // message_id -> its answer rendered (a message's content never changes)
+  atBottom: true,   // the message list is scrolled to its end (streaming keeps it there)
+  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, base: [messages before], user: text|null, view}
 };
 
 class ApiError extends Error {
@@ -138,18 +141,32 @@ async function loadChats(more = false) {
 
 function renderChats() {
   const list = $("#chat-list");
-  list.replaceChildren(...state.chats.map((chat) => {
+  keepingFocus(list, () => list.replaceChildren(...state.chats.map((chat) => {
     const item = document.createElement("li");
-    item.setAttribute("aria-current", String(chat.chat_id === state.chatId));
-    const open = button(chat.title || "Untitled chat", () => openChat(chat.chat_id), "open");
-    const rename = button("✎", () => renameChat(chat), "icon");
+    const current = chat.chat_id === state.chatId;
+    item.setAttribute("aria-current", String(current));
+    const open = button(chat.title || "Untitled chat", () => openChat(chat.chat_id), "open", `open:${chat.chat_id}`);
+    if (current) open.setAttribute("aria-current", "page");
+    const rename = button("✎", () => renameChat(chat), "icon", `rename:${chat.chat_id}`);
     rename.setAttribute("aria-label", `Rename ${chat.title}`);
     const remove = button("×", () => deleteChat(chat), "icon");
     remove.setAttribute("aria-label", `Delete ${chat.title}`);
     item.append(open, rename, remove);
     return item;
-  }));
+  })), () => $("#new-chat"));
   $("#more-chats").hidden = !state.nextChats || state.search !== null;
+}
+
+// Re-rendering a list replaces its buttons: focus moves to the new button that does the same thing
+// (the same data-focus-key), or else to `fallback()`, instead of being dropped on the page's body.
+function keepingFocus(container, render, fallback) {
+  const active = document.activeElement;
+  const inside = active !== null && active !== document.body && container.contains(active);
+  const key = inside ? active.dataset.focusKey : undefined;
+  render();
+  if (!inside || container.contains(active)) return;
+  const twin = key && container.querySelector(`[data-focus-key="${CSS.escape(key)}"]`);
+  (twin || fallback()).focus();
 }
 
 // ---- search -----------------------------------------------------------------------------------------
@@ -195,11 +212,13 @@ function renderSearch() {
   $("#search-results").replaceChildren(...items);
 }
 
-function button(label, onClick, className) {
+// `focusKey` names what the button does, so that focus finds its twin after a re-render (keepingFocus).
+function button(label, onClick, className, focusKey) {
   const element = document.createElement("button");
   element.type = "button";
   element.textContent = label;
   if (className) element.className = className;
+  if (focusKey) element.dataset.focusKey = focusKey;
   element.addEventListener("click", () => onClick().catch(fail));
   return element;
 }
@@ -222,6 +241,7 @@ async function deleteChat(chat) {
 function newChat() {
   state.chatId = null;
   state.messages = [];
+  state.rendered.clear();
   state.leafId = null;
   $("#chat-title").textContent = "New chat";
   history.replaceState(null, "", "/");
@@ -233,6 +253,7 @@ function newChat() {
 // ---- messages: a tree, shown one branch at a time --------------------------------------------------
 
 async function openChat(chatId, { resume = true } = {}) {
+  if (chatId !== state.chatId) state.rendered.clear();
   state.chatId = chatId;
   state.leafId = null;
   history.replaceState(null, "", `/?chat=${encodeURIComponent(chatId)}`);
@@ -291,7 +312,8 @@ function renderMessages() {
     if (state.live.user !== null) items.push(messageItem({ role: "user", content: state.live.user }, byParent, false));
     items.push(liveItem());
   }
-  $("#messages").replaceChildren(...items);
+  const list = $("#messages");
+  keepingFocus(list, () => list.replaceChildren(...items), () => $("#prompt"));
   scrollDown();
 }
 
@@ -301,7 +323,8 @@ function messageItem(message, byParent, isLast) {
   item.dataset.messageId = message.message_id || "";
   const content = document.createElement("div");
   content.className = "content";
-  content.textContent = message.content;
+  if (message.role === "assistant") content.append(renderedAnswer(message));
+  else content.textContent = message.content;
   const meta = document.createElement("div");
   meta.className = "meta muted";
   item.append(content, meta);
@@ -316,9 +339,10 @@ function messageItem(message, byParent, isLast) {
       state.leafId = newestLeaf(target, byParent).message_id;
       renderMessages();
     };
-    const previous = button("‹", show(-1));
+    const branchPoint = message.parent_id || "root";
+    const previous = button("‹", show(-1), null, `previous:${branchPoint}`);
     previous.setAttribute("aria-label", "Previous version");
-    const next = button("›", show(1));
+    const next = button("›", show(1), null, `next:${branchPoint}`);
     next.setAttribute("aria-label", "Next version");
     const label = document.createElement("span");
     label.textContent = `${position} / ${siblings.length}`;
@@ -327,12 +351,19 @@ function messageItem(message, byParent, isLast) {
   if (message.role === "assistant") {
     if (message.model) meta.append(modelLabel(message.model));
     meta.append(usageLabel(message.usage, message.finish_reason));
-    if (isLast) meta.append(button("Regenerate", () => regenerate(message)));
+    if (isLast) meta.append(button("Regenerate", () => regenerate(message), null, "regenerate"));
   } else if (message.parent_id) {
     // Editing the first message would need a "no parent" branch point, which the API cannot express yet.
-    meta.append(button("Edit", async () => editMessage(item, message)));
+    meta.append(button("Edit", async () => editMessage(item, message), null, `edit:${message.message_id}`));
   }
   return item;
+}
+
+// A stored answer's Markdown, parsed and sanitized once per message (a message's content never changes).
+function renderedAnswer(message) {
+  if (!message.message_id) return renderMarkdown(message.content);
+  if (!state.rendered.has(message.message_id)) state.rendered.set(message.message_id, renderMarkdown(message.content));
+  return state.rendered.get(message.message_id).cloneNode(true);
 }
 
 // Which model wrote an answer: under load a free-tier answer may come from a cheaper model.
@@ -361,7 +392,9 @@ function liveItem() {
   item.dataset.streaming = "true";
   const content = document.createElement("div");
   content.className = "content";
-  content.textContent = state.live.text;
+  if (state.live.view) state.live.view.stop();
+  state.live.view = new StreamingAnswer(content, followBottom);
+  state.live.view.update(state.live.text);
   const meta = document.createElement("div");
   meta.className = "meta muted";
   if (state.live.model) meta.append(modelLabel(state.live.model, state.live.degraded));
@@ -372,6 +405,15 @@ function liveItem() {
 function scrollDown() {
   const list = $("#messages");
   list.scrollTop = list.scrollHeight;
+  state.atBottom = true;
+}
+
+// While an answer streams, the list follows it only if the reader was at the bottom: someone who
+// scrolled up to read stays where they are.
+const BOTTOM_SLACK_PX = 48;
+
+function followBottom() {
+  if (state.atBottom) scrollDown();
 }
 
 function editMessage(item, message) {
@@ -450,9 +492,7 @@ async function consume(response) {
         $("#stop").disabled = false;
       } else if (event.event === "delta") {
         state.live.text += data.text;
-        const live = $("#live .content");
-        if (live) live.textContent = state.live.text;
-        scrollDown();
+        if (state.live.view) state.live.view.update(state.live.text);
       } else if (event.event === "usage") {
         state.live.usage = data;
       } else if (event.event === "done") {
@@ -499,12 +539,34 @@ function startLive(base, userText, seed = {}) {
 }
 
 async function finishLive() {
+  const { runId, view, text } = state.live;
+  const streamed = view ? view.finish() : null;
   state.live = null;
   setBusy(false);
   state.leafId = null;
   await Promise.all([loadMessages(), loadChats()]);
+  // The answer as stored is the text just rendered while streaming: it is shown as it is.
+  const stored = runId && state.messages.find((m) => m.run_id === runId && m.role === "assistant");
+  if (streamed && stored && stored.content === text) state.rendered.set(stored.message_id, streamed);
   renderMessages();
+  announceAnswer(stored);
   showUsage();
+}
+
+// The live region (#announcer) speaks an answer once, when it is complete: the whole streamed list is
+// not live, so assistive technology is never told about single tokens.
+const ANNOUNCE_MAX_CHARS = 4000;
+
+function announceAnswer(answer) {
+  if (!answer) return;
+  const item = $(`#messages li[data-message-id="${CSS.escape(answer.message_id)}"] .content`);
+  const spoken = item ? item.cloneNode(true) : null;
+  if (!spoken) return;
+  for (const copy of spoken.querySelectorAll(".copy-code")) copy.remove();
+  let text = spoken.textContent.replace(/\s+/g, " ").trim();
+  if (text.length > ANNOUNCE_MAX_CHARS) text = `${text.slice(0, ANNOUNCE_MAX_CHARS)}… (the answer continues in the chat)`;
+  const stopped = answer.finish_reason && answer.finish_reason !== "stop" ? ` (${answer.finish_reason})` : "";
+  $("#announcer").textContent = `Answer${stopped}: ${text}`;
 }
 
 // The token budget is shown for information; if it cannot be read, the label stays empty.
@@ -519,6 +581,8 @@ async function showUsage() {
 }
 
 function setBusy(busy) {
+  if (busy) $("#announcer").textContent = "";
+  else if (document.activeElement === $("#stop")) $("#prompt").focus(); // #stop is about to hide
   $("#send").disabled = busy;
   $("#stop").hidden = !busy;
   $("#stop").disabled = !(state.live && state.live.runId);
@@ -585,6 +649,7 @@ async function resumeRun(runId) {
 
 async function stop() {
   if (!state.live || !state.live.runId) return;
+  if (document.activeElement === $("#stop")) $("#prompt").focus(); // a disabled button drops focus
   $("#stop").disabled = true;
   await json(`/v1/runs/${state.live.runId}/cancel`, { method: "POST" });
 }
@@ -617,6 +682,11 @@ async function start() {
     }
   });
   $("#stop").addEventListener("click", () => stop().catch(fail));
+  handleCopyButtons($("#messages"));
+  $("#messages").addEventListener("scroll", () => {
+    const list = $("#messages");
+    state.atBottom = list.scrollHeight - list.scrollTop - list.clientHeight <= BOTTOM_SLACK_PX;
+  }, { passive: true });
   $("#new-chat").addEventListener("click", newChat);
   $("#more-chats").addEventListener("click", () => loadChats(true).catch(fail));
   $("#search").addEventListener("submit", (event) => {
