@@ -56,6 +56,10 @@ DOMPurify.addHook("afterSanitizeAttributes", (node) => {
 // Sanitized HTML as a fragment, with a copy button on each code block and wide tables scrolling alone.
 function fragmentOf(html) {
   const fragment = DOMPurify.sanitize(html, PURIFY);
+  // The newlines marked puts between blocks: layout ignores them, but an answer's text should not have them.
+  for (const node of [...fragment.childNodes]) {
+    if (node.nodeType === Node.TEXT_NODE && !node.data.trim()) node.remove();
+  }
   for (const pre of fragment.querySelectorAll("pre")) {
     const block = document.createElement("div");
     block.className = "code-block";
