@@ -21,7 +21,9 @@ const state = {
   nextChats: null,
   search: null,     // {query, hits, next} while the sidebar shows search results
   chatId: null,
-  messages: [],     // every message of the open chat (all branches)
+  messages: [],     // the open chat's messages loaded so far, newest first (all branches)
+  older: null,      // page token of the next older page of messages (null: none left)
+  loadingOlder: false,
   leafId: null,     // the branch on screen ends here
   rendered: new Map(), // message_id -> its answer rendered (a message's content never changes)
   atBottom: true,   // the message list is scrolled to its end (streaming keeps it there)
@@ -241,6 +243,7 @@ async function deleteChat(chat) {
 function newChat() {
   state.chatId = null;
   state.messages = [];
+  state.older = null;
   state.rendered.clear();
   state.leafId = null;
   $("#chat-title").textContent = "New chat";
@@ -256,7 +259,10 @@ async function openChat(chatId, { resume = true } = {}) {
   if (chatId !== state.chatId) state.rendered.clear();
   state.chatId = chatId;
   state.leafId = null;
+  state.messages = [];
+  state.older = null;
   history.replaceState(null, "", `/?chat=${encodeURIComponent(chatId)}`);
+  showSkeleton();
   const [chat] = await Promise.all([json(`/v1/chats/${chatId}`), loadMessages()]);
   $("#chat-title").textContent = chat.title || "Untitled chat";
   renderChats();
@@ -264,17 +270,49 @@ async function openChat(chatId, { resume = true } = {}) {
   if (resume && chat.active_run_id && !state.live) await resumeRun(chat.active_run_id);
 }
 
+// A chat opens with its newest page of messages; older pages load as the reader scrolls up (loadOlder).
+const MESSAGE_PAGE = 100;
+
+// The newest page, merged into what is loaded (a message never changes, so one copy of each is kept).
 async function loadMessages() {
-  const all = [];
-  let token = null;
-  do {
-    const params = new URLSearchParams({ page_size: "200" });
-    if (token) params.set("page_token", token);
-    const page = await json(`/v1/chats/${state.chatId}/messages?${params}`);
-    all.push(...page.messages);
-    token = page.next_page_token;
-  } while (token && all.length < 2000);
-  state.messages = all; // newest first
+  const page = await json(`/v1/chats/${state.chatId}/messages?page_size=${MESSAGE_PAGE}`);
+  const first = state.messages.length === 0;
+  state.messages = page.messages.concat(withoutIds(state.messages, page.messages));
+  if (first) state.older = page.next_page_token;
+}
+
+function withoutIds(messages, others) {
+  const ids = new Set(others.map((m) => m.message_id));
+  return messages.filter((m) => !ids.has(m.message_id));
+}
+
+// The next older page, shown above what is on screen without moving it.
+async function loadOlder() {
+  if (!state.older || state.loadingOlder || state.live) return;
+  const chatId = state.chatId;
+  state.loadingOlder = true;
+  try {
+    const params = new URLSearchParams({ page_size: String(MESSAGE_PAGE), page_token: state.older });
+    const page = await json(`/v1/chats/${chatId}/messages?${params}`);
+    if (chatId !== state.chatId || state.live) return;
+    state.messages = state.messages.concat(withoutIds(page.messages, state.messages));
+    state.older = page.next_page_token;
+    renderMessages({ keepScroll: true });
+  } finally {
+    state.loadingOlder = false;
+  }
+}
+
+// Placeholders while a chat's messages load (hidden from assistive technology: the list is aria-busy).
+function showSkeleton() {
+  const list = $("#messages");
+  list.setAttribute("aria-busy", "true");
+  list.replaceChildren(...["user", "assistant", "user", "assistant"].map((role) => {
+    const item = document.createElement("li");
+    item.className = `message ${role} skeleton`;
+    item.setAttribute("aria-hidden", "true");
+    return item;
+  }));
 }
 
 function children() {
@@ -304,17 +342,30 @@ function newestLeaf(message, byParent) {
   return current;
 }
 
-function renderMessages() {
+// `keepScroll`: older messages were added above, and what the reader sees stays where it is.
+function renderMessages({ keepScroll = false } = {}) {
   const byParent = children();
   const path = state.live ? state.live.base : branch();
   const items = path.map((message, index) => messageItem(message, byParent, index === path.length - 1));
+  if (state.older && !state.live) items.unshift(olderItem());
   if (state.live) {
     if (state.live.user !== null) items.push(messageItem({ role: "user", content: state.live.user }, byParent, false));
     items.push(liveItem());
   }
   const list = $("#messages");
+  const fromBottom = list.scrollHeight - list.scrollTop;
   keepingFocus(list, () => list.replaceChildren(...items), () => $("#prompt"));
-  scrollDown();
+  list.setAttribute("aria-busy", String(Boolean(state.live)));
+  if (keepScroll) list.scrollTop = list.scrollHeight - fromBottom;
+  else scrollDown();
+}
+
+// The way to older messages for keyboards and screen readers (scrolling near the top loads them too).
+function olderItem() {
+  const item = document.createElement("li");
+  item.className = "older";
+  item.append(button("Load older messages", loadOlder, null, "older"));
+  return item;
 }
 
 function messageItem(message, byParent, isLast) {
@@ -411,6 +462,7 @@ function scrollDown() {
 // While an answer streams, the list follows it only if the reader was at the bottom: someone who
 // scrolled up to read stays where they are.
 const BOTTOM_SLACK_PX = 48;
+const OLDER_SLACK_PX = 400; // this close to the top, the next older page is fetched
 
 function followBottom() {
   if (state.atBottom) scrollDown();
@@ -686,6 +738,7 @@ async function start() {
   $("#messages").addEventListener("scroll", () => {
     const list = $("#messages");
     state.atBottom = list.scrollHeight - list.scrollTop - list.clientHeight <= BOTTOM_SLACK_PX;
+    if (list.scrollTop < OLDER_SLACK_PX) loadOlder().catch(fail);
   }, { passive: true });
   $("#new-chat").addEventListener("click", newChat);
   $("#more-chats").addEventListener("click", () => loadChats(true).catch(fail));
