@@ -374,7 +374,7 @@ function messageItem(message, byParent, isLast) {
   item.dataset.messageId = message.message_id || "";
   const content = document.createElement("div");
   content.className = "content";
-  if (message.role === "assistant") content.append(renderedAnswer(message));
+  if (message.role === "assistant") showAnswer(message, content);
   else content.textContent = message.content;
   const meta = document.createElement("div");
   meta.className = "meta muted";
@@ -410,11 +410,22 @@ function messageItem(message, byParent, isLast) {
   return item;
 }
 
-// A stored answer's Markdown, parsed and sanitized once per message (a message's content never changes).
-function renderedAnswer(message) {
-  if (!message.message_id) return renderMarkdown(message.content);
-  if (!state.rendered.has(message.message_id)) state.rendered.set(message.message_id, renderMarkdown(message.content));
-  return state.rendered.get(message.message_id).cloneNode(true);
+// A stored answer's Markdown, parsed and sanitized once per message (a message's content never changes):
+// kept once it is wholly shown (a big table fills in over a few tasks), and copied from then on.
+function showAnswer(message, content) {
+  const kept = state.rendered.get(message.message_id);
+  if (kept) {
+    content.append(kept.cloneNode(true));
+    return;
+  }
+  const { fragment, complete } = renderMarkdown(message.content);
+  content.append(fragment);
+  complete.then((whole) => {
+    if (!whole || !message.message_id) return;
+    const copy = document.createDocumentFragment();
+    for (const block of content.childNodes) copy.append(block.cloneNode(true));
+    state.rendered.set(message.message_id, copy);
+  });
 }
 
 // Which model wrote an answer: under load a free-tier answer may come from a cheaper model.

@@ -83,9 +83,66 @@ function fragmentOf(html) {
   return fragment;
 }
 
-// A whole answer (a stored message), rendered once.
+// Big tables are shown a chunk of rows at a time: their first rows at once, the rest appended in later
+// tasks, a chunk per task, so sanitizing and laying out thousands of rows never freezes the page.
+const TABLE_CHUNK_ROWS = 200;
+const pendingRows = []; // {tbody, token, from, settle}: rows still to append, oldest first
+let pumping = false;
+
+// Blocks rendered and sanitized; `complete` resolves true once every row of every table is shown (false
+// if the page dropped the table first).
+function blocksOf(tokens) {
+  const fragment = document.createDocumentFragment();
+  const waits = [];
+  let run = [];
+  const flush = () => {
+    if (run.length) fragment.append(fragmentOf(markdown.parser(run)));
+    run = [];
+  };
+  for (const token of tokens) {
+    if (token.type !== "table" || token.rows.length <= TABLE_CHUNK_ROWS) {
+      run.push(token);
+      continue;
+    }
+    flush();
+    const first = fragmentOf(markdown.parser([{ ...token, rows: token.rows.slice(0, TABLE_CHUNK_ROWS) }]));
+    const tbody = first.querySelector("tbody");
+    waits.push(new Promise((settle) => pendingRows.push({ tbody, token, from: TABLE_CHUNK_ROWS, settle })));
+    fragment.append(first);
+  }
+  flush();
+  if (waits.length && !pumping) {
+    pumping = true;
+    setTimeout(appendRows, 0);
+  }
+  return { fragment, complete: Promise.all(waits).then((shown) => shown.every(Boolean)) };
+}
+
+function appendRows() {
+  const job = pendingRows[0];
+  if (!job) {
+    pumping = false;
+    return;
+  }
+  if (!job.tbody.isConnected) {
+    pendingRows.shift();
+    job.settle(false);
+  } else {
+    const rows = job.token.rows.slice(job.from, job.from + TABLE_CHUNK_ROWS);
+    const part = fragmentOf(markdown.parser([{ ...job.token, rows }]));
+    job.tbody.append(...part.querySelectorAll("tbody > tr"));
+    job.from += rows.length;
+    if (job.from >= job.token.rows.length) {
+      pendingRows.shift();
+      job.settle(true);
+    }
+  }
+  setTimeout(appendRows, 0);
+}
+
+// A whole answer (a stored message): {fragment, complete} as blocksOf gives them.
 export function renderMarkdown(text) {
-  return fragmentOf(markdown.parse(text));
+  return blocksOf(markdown.lexer(text));
 }
 
 // Copies a code block when its button is pressed (one listener for a whole message list).
@@ -145,7 +202,7 @@ export class StreamingAnswer {
       done.links = tokens.links;
       const raw = done.map((token) => token.raw).join("");
       if (tail.startsWith(raw)) { // the lexer kept the text as it was (no \r\n to normalize)
-        this.finished.append(fragmentOf(markdown.parser(done)));
+        this.finished.append(blocksOf(done).fragment);
         this.committed += raw.length;
         tail = tail.slice(raw.length);
         const rest = tokens.slice(last);
@@ -162,7 +219,7 @@ export class StreamingAnswer {
       this.plain = { node, retryAt: tail.length * PLAIN_RETRY_GROWTH };
     } else {
       this.plain = null;
-      this.open.replaceChildren(fragmentOf(markdown.parser(tokens)));
+      this.open.replaceChildren(blocksOf(tokens).fragment);
     }
   }
 
@@ -173,15 +230,16 @@ export class StreamingAnswer {
 
   // Renders the whole answer (the open block too) and returns a copy of it, so the stored message it
   // became can be shown without parsing and sanitizing the answer a second time. Null when the answer
-  // defines reference links, which blocks rendered apart may have missed.
+  // defines reference links, which blocks rendered apart may have missed, or a table is still filling.
   finish() {
     this.stop();
     const tail = this.text.slice(this.committed);
-    this.finished.append(fragmentOf(markdown.parse(tail)));
+    this.finished.append(blocksOf(markdown.lexer(tail)).fragment);
     this.committed = this.text.length;
     this.open.replaceChildren();
     this.plain = null;
     if (REFERENCE_DEFINITION.test(this.text)) return null;
+    if (pendingRows.some((job) => this.finished.contains(job.tbody))) return null; // a table is still filling
     const whole = document.createDocumentFragment();
     for (const block of this.finished.childNodes) whole.append(block.cloneNode(true));
     return whole;
