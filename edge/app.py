@@ -10,7 +10,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -18,7 +17,6 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
 
 from chatmesh.identity import TokenVerifier
 from edge import chats_api, openai_api, responses_api
@@ -29,9 +27,9 @@ from edge.observability import ObservabilityMiddleware
 from edge.ops import api as ops_api
 from edge.ops.scrape import Scraper
 from edge.orchestrator import Orchestrator
+from edge.pages import STATIC_DIR, PageFiles, page
 from edge.settings import EdgeSettings
 
-STATIC_DIR = Path(__file__).parent / "static"
 log = logging.getLogger(__name__)
 
 
@@ -43,7 +41,7 @@ async def healthz(request: Request) -> JSONResponse:
 
 
 async def index(_: Request) -> FileResponse:
-    return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
+    return page("index.html")
 
 
 async def api_error(_: Request, exc: Exception) -> Response:
@@ -96,7 +94,7 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
             *responses_api.routes,
             *ops_api.routes,
             Route("/", index, methods=["GET"]),
-            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+            Mount("/static", PageFiles(directory=STATIC_DIR), name="static"),
         ],
         middleware=[Middleware(ObservabilityMiddleware)],
         exception_handlers={

@@ -18,8 +18,7 @@ from edge.ops.overview import overview
 from edge.ops.scrape import Scraper
 from edge.ops.settings import OpsSettings
 from edge.ops.traces import find_run_trace
-
-PAGE = Path(__file__).resolve().parents[1] / "static" / "ops.html"
+from edge.pages import page
 
 
 def require_operator(request: Request) -> None:
@@ -34,8 +33,8 @@ def require_operator(request: Request) -> None:
         )
 
 
-async def page(_: Request) -> FileResponse:
-    return FileResponse(PAGE, headers={"Cache-Control": "no-cache"})
+async def ops_page(_: Request) -> FileResponse:
+    return page("ops.html")
 
 
 async def ops_overview(request: Request) -> JSONResponse:
@@ -65,7 +64,7 @@ async def run_trace(request: Request) -> JSONResponse:
 
 
 routes = [
-    Route("/ops", page, methods=["GET"]),
+    Route("/ops", ops_page, methods=["GET"]),
     Route("/v1/ops/overview", ops_overview, methods=["GET"]),
     Route("/v1/ops/runs/{run_id}/trace", run_trace, methods=["GET"]),
 ]

@@ -1,6 +1,7 @@
 // chatmesh chat page: plain JavaScript over the edge's REST + SSE API (see edge/chats_api.py).
 // Answers stream over fetch() (POST bodies and the Authorization header rule out EventSource). The run
 // being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
+import { handleCopyButtons, renderMarkdown, StreamingAnswer } from "./render.js";
 import { takeTokenFromUrl } from "./token.js";
 
 const $ = (selector) => document.querySelector(selector);
@@ -20,9 +21,13 @@ const state = {
   nextChats: null,
   search: null,     // {query, hits, next} while the sidebar shows search results
   chatId: null,
-  messages: [],     // every message of the open chat (all branches)
+  messages: [],     // the open chat's messages loaded so far, newest first (all branches)
+  older: null,      // page token of the next older page of messages (null: none left)
+  loadingOlder: false,
   leafId: null,     // the branch on screen ends here
-  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, base: [messages before], user: text|null}
+  rendered: new Map(), // message_id -> its answer rendered (a message's content never changes)
+  atBottom: true,   // the message list is scrolled to its end (streaming keeps it there)
+  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, base: [messages before], user: text|null, view}
 };
 
 class ApiError extends Error {
@@ -138,18 +143,32 @@ async function loadChats(more = false) {
 
 function renderChats() {
   const list = $("#chat-list");
-  list.replaceChildren(...state.chats.map((chat) => {
+  keepingFocus(list, () => list.replaceChildren(...state.chats.map((chat) => {
     const item = document.createElement("li");
-    item.setAttribute("aria-current", String(chat.chat_id === state.chatId));
-    const open = button(chat.title || "Untitled chat", () => openChat(chat.chat_id), "open");
-    const rename = button("✎", () => renameChat(chat), "icon");
+    const current = chat.chat_id === state.chatId;
+    item.setAttribute("aria-current", String(current));
+    const open = button(chat.title || "Untitled chat", () => openChat(chat.chat_id), "open", `open:${chat.chat_id}`);
+    if (current) open.setAttribute("aria-current", "page");
+    const rename = button("✎", () => renameChat(chat), "icon", `rename:${chat.chat_id}`);
     rename.setAttribute("aria-label", `Rename ${chat.title}`);
     const remove = button("×", () => deleteChat(chat), "icon");
     remove.setAttribute("aria-label", `Delete ${chat.title}`);
     item.append(open, rename, remove);
     return item;
-  }));
+  })), () => $("#new-chat"));
   $("#more-chats").hidden = !state.nextChats || state.search !== null;
+}
+
+// Re-rendering a list replaces its buttons: focus moves to the new button that does the same thing
+// (the same data-focus-key), or else to `fallback()`, instead of being dropped on the page's body.
+function keepingFocus(container, render, fallback) {
+  const active = document.activeElement;
+  const inside = active !== null && active !== document.body && container.contains(active);
+  const key = inside ? active.dataset.focusKey : undefined;
+  render();
+  if (!inside || container.contains(active)) return;
+  const twin = key && container.querySelector(`[data-focus-key="${CSS.escape(key)}"]`);
+  (twin || fallback()).focus();
 }
 
 // ---- search -----------------------------------------------------------------------------------------
@@ -195,11 +214,13 @@ function renderSearch() {
   $("#search-results").replaceChildren(...items);
 }
 
-function button(label, onClick, className) {
+// `focusKey` names what the button does, so that focus finds its twin after a re-render (keepingFocus).
+function button(label, onClick, className, focusKey) {
   const element = document.createElement("button");
   element.type = "button";
   element.textContent = label;
   if (className) element.className = className;
+  if (focusKey) element.dataset.focusKey = focusKey;
   element.addEventListener("click", () => onClick().catch(fail));
   return element;
 }
@@ -222,6 +243,8 @@ async function deleteChat(chat) {
 function newChat() {
   state.chatId = null;
   state.messages = [];
+  state.older = null;
+  state.rendered.clear();
   state.leafId = null;
   $("#chat-title").textContent = "New chat";
   history.replaceState(null, "", "/");
@@ -233,9 +256,13 @@ function newChat() {
 // ---- messages: a tree, shown one branch at a time --------------------------------------------------
 
 async function openChat(chatId, { resume = true } = {}) {
+  if (chatId !== state.chatId) state.rendered.clear();
   state.chatId = chatId;
   state.leafId = null;
+  state.messages = [];
+  state.older = null;
   history.replaceState(null, "", `/?chat=${encodeURIComponent(chatId)}`);
+  showSkeleton();
   const [chat] = await Promise.all([json(`/v1/chats/${chatId}`), loadMessages()]);
   $("#chat-title").textContent = chat.title || "Untitled chat";
   renderChats();
@@ -243,17 +270,49 @@ async function openChat(chatId, { resume = true } = {}) {
   if (resume && chat.active_run_id && !state.live) await resumeRun(chat.active_run_id);
 }
 
+// A chat opens with its newest page of messages; older pages load as the reader scrolls up (loadOlder).
+const MESSAGE_PAGE = 100;
+
+// The newest page, merged into what is loaded (a message never changes, so one copy of each is kept).
 async function loadMessages() {
-  const all = [];
-  let token = null;
-  do {
-    const params = new URLSearchParams({ page_size: "200" });
-    if (token) params.set("page_token", token);
-    const page = await json(`/v1/chats/${state.chatId}/messages?${params}`);
-    all.push(...page.messages);
-    token = page.next_page_token;
-  } while (token && all.length < 2000);
-  state.messages = all; // newest first
+  const page = await json(`/v1/chats/${state.chatId}/messages?page_size=${MESSAGE_PAGE}`);
+  const first = state.messages.length === 0;
+  state.messages = page.messages.concat(withoutIds(state.messages, page.messages));
+  if (first) state.older = page.next_page_token;
+}
+
+function withoutIds(messages, others) {
+  const ids = new Set(others.map((m) => m.message_id));
+  return messages.filter((m) => !ids.has(m.message_id));
+}
+
+// The next older page, shown above what is on screen without moving it.
+async function loadOlder() {
+  if (!state.older || state.loadingOlder || state.live) return;
+  const chatId = state.chatId;
+  state.loadingOlder = true;
+  try {
+    const params = new URLSearchParams({ page_size: String(MESSAGE_PAGE), page_token: state.older });
+    const page = await json(`/v1/chats/${chatId}/messages?${params}`);
+    if (chatId !== state.chatId || state.live) return;
+    state.messages = state.messages.concat(withoutIds(page.messages, state.messages));
+    state.older = page.next_page_token;
+    renderMessages({ keepScroll: true });
+  } finally {
+    state.loadingOlder = false;
+  }
+}
+
+// Placeholders while a chat's messages load (hidden from assistive technology: the list is aria-busy).
+function showSkeleton() {
+  const list = $("#messages");
+  list.setAttribute("aria-busy", "true");
+  list.replaceChildren(...["user", "assistant", "user", "assistant"].map((role) => {
+    const item = document.createElement("li");
+    item.className = `message ${role} skeleton`;
+    item.setAttribute("aria-hidden", "true");
+    return item;
+  }));
 }
 
 function children() {
@@ -283,16 +342,30 @@ function newestLeaf(message, byParent) {
   return current;
 }
 
-function renderMessages() {
+// `keepScroll`: older messages were added above, and what the reader sees stays where it is.
+function renderMessages({ keepScroll = false } = {}) {
   const byParent = children();
   const path = state.live ? state.live.base : branch();
   const items = path.map((message, index) => messageItem(message, byParent, index === path.length - 1));
+  if (state.older && !state.live) items.unshift(olderItem());
   if (state.live) {
     if (state.live.user !== null) items.push(messageItem({ role: "user", content: state.live.user }, byParent, false));
     items.push(liveItem());
   }
-  $("#messages").replaceChildren(...items);
-  scrollDown();
+  const list = $("#messages");
+  const fromBottom = list.scrollHeight - list.scrollTop;
+  keepingFocus(list, () => list.replaceChildren(...items), () => $("#prompt"));
+  list.setAttribute("aria-busy", String(Boolean(state.live)));
+  if (keepScroll) list.scrollTop = list.scrollHeight - fromBottom;
+  else scrollDown();
+}
+
+// The way to older messages for keyboards and screen readers (scrolling near the top loads them too).
+function olderItem() {
+  const item = document.createElement("li");
+  item.className = "older";
+  item.append(button("Load older messages", loadOlder, null, "older"));
+  return item;
 }
 
 function messageItem(message, byParent, isLast) {
@@ -301,7 +374,8 @@ function messageItem(message, byParent, isLast) {
   item.dataset.messageId = message.message_id || "";
   const content = document.createElement("div");
   content.className = "content";
-  content.textContent = message.content;
+  if (message.role === "assistant") showAnswer(message, content);
+  else content.textContent = message.content;
   const meta = document.createElement("div");
   meta.className = "meta muted";
   item.append(content, meta);
@@ -316,9 +390,10 @@ function messageItem(message, byParent, isLast) {
       state.leafId = newestLeaf(target, byParent).message_id;
       renderMessages();
     };
-    const previous = button("‹", show(-1));
+    const branchPoint = message.parent_id || "root";
+    const previous = button("‹", show(-1), null, `previous:${branchPoint}`);
     previous.setAttribute("aria-label", "Previous version");
-    const next = button("›", show(1));
+    const next = button("›", show(1), null, `next:${branchPoint}`);
     next.setAttribute("aria-label", "Next version");
     const label = document.createElement("span");
     label.textContent = `${position} / ${siblings.length}`;
@@ -327,12 +402,30 @@ function messageItem(message, byParent, isLast) {
   if (message.role === "assistant") {
     if (message.model) meta.append(modelLabel(message.model));
     meta.append(usageLabel(message.usage, message.finish_reason));
-    if (isLast) meta.append(button("Regenerate", () => regenerate(message)));
+    if (isLast) meta.append(button("Regenerate", () => regenerate(message), null, "regenerate"));
   } else if (message.parent_id) {
     // Editing the first message would need a "no parent" branch point, which the API cannot express yet.
-    meta.append(button("Edit", async () => editMessage(item, message)));
+    meta.append(button("Edit", async () => editMessage(item, message), null, `edit:${message.message_id}`));
   }
   return item;
+}
+
+// A stored answer's Markdown, parsed and sanitized once per message (a message's content never changes):
+// kept once it is wholly shown (a big table fills in over a few tasks), and copied from then on.
+function showAnswer(message, content) {
+  const kept = state.rendered.get(message.message_id);
+  if (kept) {
+    content.append(kept.cloneNode(true));
+    return;
+  }
+  const { fragment, complete } = renderMarkdown(message.content);
+  content.append(fragment);
+  complete.then((whole) => {
+    if (!whole || !message.message_id) return;
+    const copy = document.createDocumentFragment();
+    for (const block of content.childNodes) copy.append(block.cloneNode(true));
+    state.rendered.set(message.message_id, copy);
+  });
 }
 
 // Which model wrote an answer: under load a free-tier answer may come from a cheaper model.
@@ -361,7 +454,9 @@ function liveItem() {
   item.dataset.streaming = "true";
   const content = document.createElement("div");
   content.className = "content";
-  content.textContent = state.live.text;
+  if (state.live.view) state.live.view.stop();
+  state.live.view = new StreamingAnswer(content, followBottom);
+  state.live.view.update(state.live.text);
   const meta = document.createElement("div");
   meta.className = "meta muted";
   if (state.live.model) meta.append(modelLabel(state.live.model, state.live.degraded));
@@ -372,6 +467,16 @@ function liveItem() {
 function scrollDown() {
   const list = $("#messages");
   list.scrollTop = list.scrollHeight;
+  state.atBottom = true;
+}
+
+// While an answer streams, the list follows it only if the reader was at the bottom: someone who
+// scrolled up to read stays where they are.
+const BOTTOM_SLACK_PX = 48;
+const OLDER_SLACK_PX = 400; // this close to the top, the next older page is fetched
+
+function followBottom() {
+  if (state.atBottom) scrollDown();
 }
 
 function editMessage(item, message) {
@@ -450,9 +555,7 @@ async function consume(response) {
         $("#stop").disabled = false;
       } else if (event.event === "delta") {
         state.live.text += data.text;
-        const live = $("#live .content");
-        if (live) live.textContent = state.live.text;
-        scrollDown();
+        if (state.live.view) state.live.view.update(state.live.text);
       } else if (event.event === "usage") {
         state.live.usage = data;
       } else if (event.event === "done") {
@@ -499,12 +602,34 @@ function startLive(base, userText, seed = {}) {
 }
 
 async function finishLive() {
+  const { runId, view, text } = state.live;
+  const streamed = view ? view.finish() : null;
   state.live = null;
   setBusy(false);
   state.leafId = null;
   await Promise.all([loadMessages(), loadChats()]);
+  // The answer as stored is the text just rendered while streaming: it is shown as it is.
+  const stored = runId && state.messages.find((m) => m.run_id === runId && m.role === "assistant");
+  if (streamed && stored && stored.content === text) state.rendered.set(stored.message_id, streamed);
   renderMessages();
+  announceAnswer(stored);
   showUsage();
+}
+
+// The live region (#announcer) speaks an answer once, when it is complete: the whole streamed list is
+// not live, so assistive technology is never told about single tokens.
+const ANNOUNCE_MAX_CHARS = 4000;
+
+function announceAnswer(answer) {
+  if (!answer) return;
+  const item = $(`#messages li[data-message-id="${CSS.escape(answer.message_id)}"] .content`);
+  const spoken = item ? item.cloneNode(true) : null;
+  if (!spoken) return;
+  for (const copy of spoken.querySelectorAll(".copy-code")) copy.remove();
+  let text = spoken.textContent.replace(/\s+/g, " ").trim();
+  if (text.length > ANNOUNCE_MAX_CHARS) text = `${text.slice(0, ANNOUNCE_MAX_CHARS)}… (the answer continues in the chat)`;
+  const stopped = answer.finish_reason && answer.finish_reason !== "stop" ? ` (${answer.finish_reason})` : "";
+  $("#announcer").textContent = `Answer${stopped}: ${text}`;
 }
 
 // The token budget is shown for information; if it cannot be read, the label stays empty.
@@ -519,6 +644,8 @@ async function showUsage() {
 }
 
 function setBusy(busy) {
+  if (busy) $("#announcer").textContent = "";
+  else if (document.activeElement === $("#stop")) $("#prompt").focus(); // #stop is about to hide
   $("#send").disabled = busy;
   $("#stop").hidden = !busy;
   $("#stop").disabled = !(state.live && state.live.runId);
@@ -585,6 +712,7 @@ async function resumeRun(runId) {
 
 async function stop() {
   if (!state.live || !state.live.runId) return;
+  if (document.activeElement === $("#stop")) $("#prompt").focus(); // a disabled button drops focus
   $("#stop").disabled = true;
   await json(`/v1/runs/${state.live.runId}/cancel`, { method: "POST" });
 }
@@ -617,6 +745,12 @@ async function start() {
     }
   });
   $("#stop").addEventListener("click", () => stop().catch(fail));
+  handleCopyButtons($("#messages"));
+  $("#messages").addEventListener("scroll", () => {
+    const list = $("#messages");
+    state.atBottom = list.scrollHeight - list.scrollTop - list.clientHeight <= BOTTOM_SLACK_PX;
+    if (list.scrollTop < OLDER_SLACK_PX) loadOlder().catch(fail);
+  }, { passive: true });
   $("#new-chat").addEventListener("click", newChat);
   $("#more-chats").addEventListener("click", () => loadChats(true).catch(fail));
   $("#search").addEventListener("submit", (event) => {

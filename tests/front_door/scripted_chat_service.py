@@ -14,6 +14,8 @@ Scripts, in the text of a user message (SendMessage) or the last message (Comple
                           engine's queue limit refuses a stored send; a retry is answered
     !abort CODE K         after K deltas, abort the RPC itself with CODE
     !degraded MODEL       answer as the router degrading a free request would: from MODEL, degraded
+    !answer NAME MS       answer with the tokens registered as NAME (``answering(NAME, tokens)``), one
+                          every MS milliseconds
 Unary failures are injected with ``failing(method, code, ...)``; ``delay(method, seconds)`` slows one.
 """
 
@@ -106,6 +108,7 @@ class Script:
     abort: tuple[grpc.StatusCode, int] | None = None
     degraded_to: str = ""
     refused_once: str = ""
+    answer: str = ""
 
     @classmethod
     def parse(cls, text: str) -> Script:
@@ -123,6 +126,8 @@ class Script:
                 script.degraded_to = args[0]
             elif word == "!refusedonce":
                 script.refused_once = args[0]
+            elif word == "!answer":
+                script.answer, script.interval_s = args[0], int(args[1]) / 1000
         return script
 
 
@@ -191,6 +196,7 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         self.runs: dict[str, Run] = {}
         self._failures: dict[str, Failure] = {}
         self._delays: dict[str, float] = {}
+        self._answers: dict[str, list[str]] = {}
         # Idempotency keys (or texts, for sends without one) whose first run was refused (``!refusedonce``).
         self._refused_keys: set[str] = set()
         # It proves callers as the orchestrator does: with the session's keys, from the token alone.
@@ -215,6 +221,15 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
             yield
         finally:
             self._delays.pop(method, None)
+
+    @contextlib.contextmanager
+    def answering(self, name: str, tokens: list[str]) -> Iterator[None]:
+        """Runs whose message says ``!answer NAME MS`` answer with these tokens."""
+        self._answers[name] = tokens
+        try:
+            yield
+        finally:
+            self._answers.pop(name, None)
 
     def calls_to(self, method: str) -> list[Call]:
         return [call for call in self.calls if call.method == method]
@@ -331,7 +346,11 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
             return
         text: list[str] = []
         finish, status = chat_pb2.FINISH_REASON_STOP, chat_pb2.RUN_STATUS_COMPLETED
-        limit = min(script.tokens, options.max_tokens or script.tokens)
+        if script.answer:
+            tokens = self._answers[script.answer]
+        else:
+            tokens = [scripted_token(i) for i in range(script.tokens)]
+        limit = min(len(tokens), options.max_tokens or len(tokens))
         try:
             for i in range(limit):
                 if script.run_error and i == script.run_error[1]:
@@ -342,10 +361,10 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
                     await run.finish(chat_pb2.RUN_STATUS_FAILED)
                     return
                 await asyncio.sleep(script.interval_s)
-                word = scripted_token(i)
+                word = tokens[i]
                 text.append(word)
                 await run.publish(delta=chat_pb2.Delta(text=word, token_count=1))
-            if limit < script.tokens:
+            if limit < len(tokens):
                 finish = chat_pb2.FINISH_REASON_LENGTH
         except asyncio.CancelledError:
             finish, status = chat_pb2.FINISH_REASON_CANCELLED, chat_pb2.RUN_STATUS_CANCELLED

@@ -65,7 +65,7 @@ def test_an_answer_refused_after_its_question_was_stored_is_retried_with_the_sam
 
 
 def test_rename_and_delete_from_the_sidebar(page):
-    send(page, "A chat to tidy away !tokens 2 10")
+    send(page, "A chat to tidy away !tokens 2 150")
     page.wait_for_selector("#live", state="detached")
     page.once("dialog", lambda dialog: dialog.accept("Tidy title"))
     page.get_by_role("button", name="Rename A chat to tidy away").click()
