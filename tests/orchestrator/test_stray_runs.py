@@ -22,7 +22,7 @@ from memory_store.store import MemoryStore
 from orchestrator.metrics import METRICS
 from orchestrator.runs.send import SendRun
 from tests.fixtures.answers import ANSWER, QUESTION, assert_answer_complete_and_stored, undisturbed_answer
-from tests.fixtures.in_process import in_process_replica, within
+from tests.fixtures.in_process import At, in_process_replica, within
 from tests.fixtures.orchestrator import ChatClient, Mesh, answer_text, collect
 
 pytestmark = pytest.mark.usefixtures("router_required")
@@ -116,7 +116,7 @@ async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_
     async with in_process_replica(memory_store, mesh.router_address, mesh.replica_group, **QUICK) as replica:
         chat = await client.create_chat()
         # The question and its run land; Cassandra's answer is slow, past the end of the shutdown.
-        creating = replica.store.hold("create_run", landed=True)
+        creating = replica.store.hold("create_run", At.LANDED)
         request = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content=QUESTION, options=ANSWER)
         sending = asyncio.create_task(
             replica.runs.start(SendRun(replica.parts.ctx, replica.identity(client.user), request))
