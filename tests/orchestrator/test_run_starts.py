@@ -148,7 +148,7 @@ async def test_a_keyless_send_whose_question_landed_without_its_run_is_asked_onc
     me = someone()
     chat = await memory_store.create_chat(me.user_id)
     request = send("", chat.chat_id, "What is the capital of France?")
-    db = memory_store._db
+    db = replica.store._db
 
     async def question_only(first, then, max_batch_bytes: int) -> None:
         # The ordered fallback's first write (the question) lands; the run's times out.

@@ -113,7 +113,10 @@ async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_
     client = connect(taker.address)
     reference = await undisturbed_answer(client)
     adopted_before = await taker.counted("chatmesh_orchestrator_orphaned_runs", outcome="adopted")
-    async with in_process_replica(memory_store, mesh.router_address, mesh.replica_group, **QUICK) as replica:
+    # The shutdown cuts the start short (its grace, then the cancel timeout and the store deadline: 3.5 s)
+    # before the run's creation gives up on its write (create_run_s, 3 x the store deadline: 6 s).
+    quick = {**QUICK, "cancel_timeout_s": 1.0}
+    async with in_process_replica(memory_store, mesh.router_address, mesh.replica_group, **quick) as replica:
         chat = await client.create_chat()
         # The question and its run land; Cassandra's answer is slow, past the end of the shutdown.
         creating = replica.store.hold("create_run", At.LANDED)
