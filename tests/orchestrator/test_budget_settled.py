@@ -21,8 +21,8 @@ from orchestrator.config import BudgetConfig
 from orchestrator.policy import admission
 from orchestrator.policy.admission import Budgets
 from orchestrator.runs.send import SendRun
+from tests.fixtures.in_process import in_process_replica
 from tests.fixtures.orchestrator import Mesh
-from tests.fixtures.replica_in_process import Held, replica_in_process
 
 SETTLED_AFTER_S = 2.0
 RUN = Usage(prompt_tokens=10, cached_prompt_tokens=0, completion_tokens=5)
@@ -117,9 +117,11 @@ async def test_a_run_started_long_after_its_key_was_claimed_is_counted_past_the_
     memory_store: MemoryStore, mesh: Mesh
 ) -> None:
     user = await _user_with_runs(memory_store, old=admission.FOLD_AFTER_RUNS + 6, recent=0)
-    store = Held(memory_store)
     # The window's runs settle 2 s after they start (2 x max_run_s + finish_retry_s).
-    async with replica_in_process(store, mesh.router_address, max_run_s=0.75, finish_retry_s=0.5) as ctx:
+    async with in_process_replica(
+        memory_store, mesh.router_address, max_run_s=0.75, finish_retry_s=0.5
+    ) as replica:
+        ctx = replica.parts.ctx
         budgets = ctx.runs.budgets
         me = Identity(user, "pro")
         chat = await memory_store.create_chat(user)
@@ -131,9 +133,10 @@ async def test_a_run_started_long_after_its_key_was_claimed_is_counted_past_the_
         )
         # The first attempt claims the key (its run id is made now) and is refused: the budget's read of
         # the window fails (so nothing is folded yet).
-        store.fail("get_usage", Unavailable("Cassandra did not answer in time"))
+        replica.store.fail("get_usage")
         with pytest.raises(Unavailable):
             await ctx.runs.start(SendRun(ctx, me, request))
+        replica.store.clear("get_usage")
         claimed_at = datetime.now(UTC)
 
         # Once the claim is older than the settled sum, the runs up to then are folded into it.

@@ -1,6 +1,7 @@
-"""A run on its way to going live, with the race held open by a seam inside the replica: a replica's
-runs in this process (tests/fixtures/replica_in_process.py) over the real Cassandra node and the shared
-mesh's router and null engines, whose store (or router) holds a named call until the test lets it go."""
+"""A run on its way to going live, with the race held open by a seam inside the replica: a replica in
+this process (tests/fixtures/in_process.py, wired as the server wires it) over the real Cassandra node and
+the shared mesh's router and null engines, whose store (or router) holds a named call until the test lets
+it go."""
 
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ from memory_store.models import Message, Role, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator.router_client import start_frame
 from orchestrator.runs.complete import CompleteRun
-from orchestrator.runs.context import RunContext
 from orchestrator.runs.send import SendRun
+from tests.fixtures.in_process import At, InProcessReplica, in_process_replica
 from tests.fixtures.orchestrator import Mesh
-from tests.fixtures.replica_in_process import Held, replica_in_process
 
 pytestmark = pytest.mark.usefixtures("router_required")
 
@@ -42,11 +42,11 @@ async def to_the_end(events) -> list[chat_pb2.RunEvent]:
 
 
 @pytest.fixture
-async def replica(memory_store: MemoryStore, mesh: Mesh) -> AsyncIterator[tuple[Held, RunContext]]:
-    """A replica in this process, and its store, which holds (or fails) what the test asks it to."""
-    store = Held(memory_store)
-    async with replica_in_process(store, mesh.router_address) as ctx:
-        yield store, ctx
+async def replica(memory_store: MemoryStore, mesh: Mesh) -> AsyncIterator[InProcessReplica]:
+    """A replica in this process (of a group of its own), whose store and router hold (or fail) what
+    the test asks them to."""
+    async with in_process_replica(memory_store, mesh.router_address) as replica:
+        yield replica
 
 
 def someone() -> Identity:
@@ -54,9 +54,9 @@ def someone() -> Identity:
 
 
 async def test_a_different_request_with_the_key_of_a_run_still_starting_is_refused(
-    memory_store: MemoryStore, replica: tuple[Held, RunContext]
+    memory_store: MemoryStore, replica: InProcessReplica
 ) -> None:
-    store, ctx = replica
+    store, ctx = replica.store, replica.parts.ctx
     me = someone()
     chat = await memory_store.create_chat(me.user_id)
     key = uuid.uuid4().hex
@@ -71,7 +71,7 @@ async def test_a_different_request_with_the_key_of_a_run_still_starting_is_refus
         await asyncio.wait_for(ctx.runs.start(other), 5.0)
     assert refused.value.code is grpc.StatusCode.ALREADY_EXISTS
 
-    claiming.open()
+    claiming.release()
     run_id = await starting
     assert first.live is not None and first.live.info.run_id == run_id
     await to_the_end(first.live.follow(0))
@@ -80,32 +80,33 @@ async def test_a_different_request_with_the_key_of_a_run_still_starting_is_refus
 
 
 async def test_a_caller_who_leaves_while_its_reservation_is_on_its_way_is_not_charged(
-    memory_store: MemoryStore, replica: tuple[Held, RunContext]
+    memory_store: MemoryStore, replica: InProcessReplica
 ) -> None:
-    store, ctx = replica
+    store, ctx = replica.store, replica.parts.ctx
     me = someone()
-    reserving = store.hold("record_usage", sent_first=True)  # the write lands, its answer is late
+    reserving = store.hold("record_usage", At.SENT)  # the write lands, its answer is late
     request = chat_pb2.CompleteRequest(
         messages=[chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content="hello")],
         options=chat_pb2.GenerationOptions(max_tokens=64),
     )
     caller = asyncio.create_task(ctx.runs.start(CompleteRun(ctx, me, request)))
     await reserving.reached.wait()
+    store.clear("record_usage")  # the next writes (the release) are not held
     caller.cancel()  # a Complete's caller leaves: its run is abandoned during placement
     with pytest.raises(asyncio.CancelledError):
         await caller
     assert reserving.call is not None
     await reserving.call  # the reservation (prompt + 64) landed
-    reserving.open()
+    reserving.release()
     await ctx.runs.shutdown(5.0)  # the run's task has ended (its undoing included)
     window = await memory_store.get_usage(me.user_id)
     assert (window.runs, window.usage) == (1, Usage())
 
 
 async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
-    memory_store: MemoryStore, replica: tuple[Held, RunContext]
+    memory_store: MemoryStore, replica: InProcessReplica
 ) -> None:
-    _, ctx = replica
+    ctx = replica.parts.ctx
     # A run of a replica that died before its first checkpoint, stored as a send stores it.
     user = f"user-{uuid.uuid4().hex[:12]}"
     chat = await memory_store.create_chat(user)
@@ -127,15 +128,13 @@ async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
         generation=generation.SerializeToString(),
         asked=asked,
     )
-    router = Held(ctx.runs.router)
-    ctx.runs.router = router  # type: ignore[assignment]
-    placing = router.hold("place")
+    placing = replica.router.hold("place")
     assert await ctx.runs.adopt(orphan, ctx.config.replica_id)
     await placing.reached.wait()  # adopted, and being placed again
 
     answered = await ctx.runs.cancel(user, claim.run_id, 2.0)
     assert answered.status in (chat_pb2.RUN_STATUS_CANCELLING, chat_pb2.RUN_STATUS_CANCELLED)
-    placing.open()
+    placing.release()
     events = await to_the_end(ctx.runs.stream(user, claim.run_id, 0))
     assert events[-1].HasField("done") and events[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
     stored = await memory_store.get_run(user, claim.run_id)
@@ -143,13 +142,13 @@ async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
 
 
 async def test_a_keyless_send_whose_question_landed_without_its_run_is_asked_once_by_its_retry(
-    memory_store: MemoryStore, replica: tuple[Held, RunContext], monkeypatch: pytest.MonkeyPatch
+    memory_store: MemoryStore, replica: InProcessReplica, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, ctx = replica
+    ctx = replica.parts.ctx
     me = someone()
     chat = await memory_store.create_chat(me.user_id)
     request = send("", chat.chat_id, "What is the capital of France?")
-    db = memory_store._db
+    db = replica.store._db
 
     async def question_only(first, then, max_batch_bytes: int) -> None:
         # The ordered fallback's first write (the question) lands; the run's times out.

@@ -22,7 +22,7 @@ from memory_store.store import MemoryStore
 from orchestrator.metrics import METRICS
 from orchestrator.runs.send import SendRun
 from tests.fixtures.answers import ANSWER, QUESTION, assert_answer_complete_and_stored, undisturbed_answer
-from tests.fixtures.in_process import in_process_replica, within
+from tests.fixtures.in_process import At, InProcessReplica, in_process_replica, within
 from tests.fixtures.orchestrator import ChatClient, Mesh, answer_text, collect
 
 pytestmark = pytest.mark.usefixtures("router_required")
@@ -67,13 +67,31 @@ async def test_a_run_stored_by_a_start_that_failed_is_answered_and_its_keyed_ret
 
 
 async def answered_by_the_mesh(
-    client: ChatClient, chat_id: str, run_id: str, reference: str | None = None
+    client: ChatClient,
+    chat_id: str,
+    run_id: str,
+    reference: str | None = None,
+    relayed_by: InProcessReplica | None = None,
 ) -> None:
     """The run is answered whole (by whichever replica goes on with it), its answer is ``reference``
-    (None: a run whose prompt is no chat's, with no answer to compare), and its chat stops generating."""
+    (None: a run whose prompt is no chat's, with no answer to compare), and its chat stops generating.
+    ``relayed_by``: the replica that goes on with it, whose run's end (the ``done`` a stream through
+    another replica reads from Cassandra) lands before the answer's writes: they are read once its
+    relay has ended."""
     streamed = await within(collect(client.stream_run(run_id)), 60, "the run was not answered")
+    if relayed_by is not None:
+        await relay_ended(relayed_by, run_id)
     reference = answer_text(streamed) if reference is None else reference
     await assert_answer_complete_and_stored(client, chat_id, run_id, streamed, reference)
+
+
+async def relay_ended(replica: InProcessReplica, run_id: str) -> None:
+    for _ in range(600):
+        relayed = any(relay.live.info.run_id == run_id for relay in replica.runs.relays())
+        if not relayed and not replica.runs.deps.late_ends.holds(run_id):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the relay of run {run_id} did not end within 30s")
 
 
 async def test_a_run_whose_adoption_could_not_be_given_back_is_continued_by_its_adopter(
@@ -99,7 +117,7 @@ async def test_a_run_whose_adoption_could_not_be_given_back_is_continued_by_its_
         replica.store.clear("adopt_run")
         assert (await memory_store.get_run(client.user, orphan.run_id)).owner_id == replica.replica_id
 
-        await answered_by_the_mesh(client, chat.chat_id, orphan.run_id)
+        await answered_by_the_mesh(client, chat.chat_id, orphan.run_id, relayed_by=replica)
         continued = METRICS.registry.get_sample_value(
             "chatmesh_orchestrator_stray_runs_total", {"outcome": "continued"}
         )
@@ -113,10 +131,13 @@ async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_
     client = connect(taker.address)
     reference = await undisturbed_answer(client)
     adopted_before = await taker.counted("chatmesh_orchestrator_orphaned_runs", outcome="adopted")
-    async with in_process_replica(memory_store, mesh.router_address, mesh.replica_group, **QUICK) as replica:
+    # The shutdown cuts the start short (its grace, then the cancel timeout and the store deadline: 3.5 s)
+    # before the run's creation gives up on its write (create_run_s, 3 x the store deadline: 6 s).
+    quick = {**QUICK, "cancel_timeout_s": 1.0}
+    async with in_process_replica(memory_store, mesh.router_address, mesh.replica_group, **quick) as replica:
         chat = await client.create_chat()
         # The question and its run land; Cassandra's answer is slow, past the end of the shutdown.
-        creating = replica.store.hold("create_run", landed=True)
+        creating = replica.store.hold("create_run", At.LANDED)
         request = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content=QUESTION, options=ANSWER)
         sending = asyncio.create_task(
             replica.runs.start(SendRun(replica.parts.ctx, replica.identity(client.user), request))
