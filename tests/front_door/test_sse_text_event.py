@@ -25,7 +25,7 @@ TEXTS = st.one_of(
 
 @given(model=TEXTS, text=TEXTS, include_usage=st.booleans())
 def test_a_content_chunk_is_the_chunk_encoded_whole(model: str, text: str, include_usage: bool) -> None:
-    writer = ChunkWriter("chatcmpl-1", model, include_usage)
+    writer = ChunkWriter("chatcmpl-1", model, include_usage, tools=None)
     [sent] = writer.events(chat_pb2.RunEvent(seq=3, delta=chat_pb2.Delta(text=text)))
     assert sent == writer.chunk({"content": text}).encode()
     data = json.loads(sent.decode().removeprefix("data: ").removesuffix("\r\n\r\n"))
