@@ -68,6 +68,18 @@ def test_what_real_clients_send_is_accepted(front_door: ScriptedFrontDoor, user:
     assert len(front_door.scripted.calls_to(method)) == before + 1
 
 
+def _refused(front_door: ScriptedFrontDoor, user: str, route: str, body: dict) -> dict:
+    """The OpenAI error a request to ``route`` with ``body`` (over the route's defaults) gets: a 400
+    answered before any call reached the orchestrator."""
+    before = _calls(front_door)
+    path, defaults = _route(route)
+    with front_door.client(user) as client:
+        reply = client.post(path, json={**defaults, **body})
+    assert reply.status_code == 400, reply.text
+    assert _calls(front_door) == before
+    return reply.json()["error"]
+
+
 @pytest.mark.parametrize(
     ("route", "body", "param"),
     [
@@ -103,18 +115,6 @@ def test_what_real_clients_send_is_accepted(front_door: ScriptedFrontDoor, user:
         "responses",
     ],
 )
-def _refused(front_door: ScriptedFrontDoor, user: str, route: str, body: dict) -> dict:
-    """The OpenAI error a request to ``route`` with ``body`` (over the route's defaults) gets: a 400
-    answered before any call reached the orchestrator."""
-    before = _calls(front_door)
-    path, defaults = _route(route)
-    with front_door.client(user) as client:
-        reply = client.post(path, json={**defaults, **body})
-    assert reply.status_code == 400, reply.text
-    assert _calls(front_door) == before
-    return reply.json()["error"]
-
-
 def test_unknown_fields_are_refused_naming_them(
     front_door: ScriptedFrontDoor, user: str, route: str, body: dict, param: str
 ):
