@@ -44,10 +44,10 @@ async def drain_started(drainer: InProcessReplica, grace_s: float) -> asyncio.Ta
 async def test_runs_that_go_live_during_a_drain_are_handed_over_and_answered_elsewhere(
     mesh: Mesh, connect: Callable[..., ChatClient], memory_store: MemoryStore, grace_s: float
 ) -> None:
-    taker = mesh.orchestrator  # of the drainer's group: it adopts what the drainer hands over
-    client = connect(taker.address)
+    # The drainer's group: its replicas adopt what the drainer hands over (whichever claims it first).
+    client = connect(mesh.orchestrator.address)
     group = mesh.replica_group
-    adopted_before = await taker.counted(ORPHANED, outcome="adopted")
+    adopted_before = await mesh.counted(ORPHANED, outcome="adopted")
     reference = await undisturbed_answer(client)
     async with in_process_replica(
         memory_store, mesh.router_address, group, orphan_after_s=60.0, store_deadline_s=3.0
@@ -76,11 +76,11 @@ async def test_runs_that_go_live_during_a_drain_are_handed_over_and_answered_els
         await drainer.stop()
 
     assert handed_over == 2
-    # Both are adopted at once by the replica that goes on with them (its next reaper pass), and
+    # Both are adopted at once by the group's replicas (their next reaper pass), and
     # answered there, whole; the chats are no longer generating. (Streams are opened once it holds
     # them: a stream it replays from Cassandra may get `done` from the stored end a moment before its
     # own GetRun, from the run it holds, says so.)
-    await taker.until_counted(ORPHANED, adopted_before + 2, TAKEN_OVER_WITHIN_S, outcome="adopted")
+    await mesh.until_counted(ORPHANED, adopted_before + 2, TAKEN_OVER_WITHIN_S, outcome="adopted")
     sent = await within(collect(client.stream_run(run_id)), TAKEN_OVER_WITHIN_S, "the send was not answered")
     await assert_answer_complete_and_stored(client, chat.chat_id, run_id, sent, reference)
     continued = await within(
@@ -89,4 +89,4 @@ async def test_runs_that_go_live_during_a_drain_are_handed_over_and_answered_els
     assert continued[-1].HasField("done"), continued[-1]
     got = (await client.call("GetChat", chat_pb2.GetChatRequest(chat_id=adopted_chat))).chat
     assert got.active_run_id == ""
-    assert await taker.counted(ORPHANED, outcome="adopted") == adopted_before + 2
+    assert await mesh.counted(ORPHANED, outcome="adopted") == adopted_before + 2
