@@ -1,9 +1,10 @@
 """A LLaMA-family checkpoint in memory, independent of the file format it came from.
 
-Two architectures share these classes: LLaMA, and Gemma 3, whose differences are optional fields
-(``None`` or their LLaMA value otherwise): embeddings scaled by sqrt(hidden), per-head RMSNorm of q and
-k, RMSNorm of the attention and FFN outputs before their residual adds, a GELU-gated FFN, and
-sliding-window layers with their own RoPE base.
+Several architectures share these classes: LLaMA (Llama 3's RoPE frequency factors, Mistral's sliding
+window), Qwen2, Qwen3 and Gemma 3, whose differences are optional fields (``None``, empty or their
+LLaMA value otherwise): biases on q, k and v (Qwen2), per-head RMSNorm of q and k (Qwen3, Gemma 3),
+embeddings scaled by sqrt(hidden), RMSNorm of the attention and FFN outputs before their residual adds,
+a GELU-gated FFN, and sliding-window layers with their own RoPE base (Gemma 3).
 
 Loaders (``gguf_loader`` today; a Hugging Face safetensors loader or a GPU backend's loader later) produce a
 ``LlamaCheckpoint``; runners consume it and pack the weights for their kernels. Weight matrices stay in
@@ -43,12 +44,15 @@ class LlamaConfig:
     context_length: int
     rope_theta: float
     rms_norm_eps: float
-    architecture: str = "llama"  # GGUF's general.architecture: "llama" | "gemma3"
+    architecture: str = "llama"  # GGUF's general.architecture: "llama" | "qwen2" | "qwen3" | "gemma3"
     embedding_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden_size))
     activation: str = "silu"  # of the gated FFN: "silu" | "gelu_tanh"
     # Per layer: how many positions (itself included) a token attends to; 0 or absent: all of them.
     layer_windows: tuple[int, ...] = ()
     local_rope_theta: float | None = None  # RoPE base of the sliding-window layers, if not rope_theta
+    # Per rotated pair, a divisor of its frequency (Llama 3's rope scaling, llama.cpp's rope_freqs); () or 1s:
+    # plain RoPE.
+    rope_freq_factors: tuple[float, ...] = ()
 
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
@@ -111,6 +115,8 @@ class LlamaLayer:
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None
     post_ffn_norm: np.ndarray | None = None
+    # Qwen2 only: the biases of q, k and v, as one float32 [q | k | v] vector (q and k in the rows' order).
+    qkv_bias: np.ndarray | None = None
 
 
 @dataclass(eq=False)
@@ -124,7 +130,8 @@ class LlamaCheckpoint:
 
 @dataclass(frozen=True)
 class RopeTables:
-    """cos and sin, float32 ``[positions, head_dim // 2]``, of angle ``pos * theta ** (-2i / head_dim)``."""
+    """cos and sin, float32 ``[positions, head_dim // 2]``, of angle ``pos * theta ** (-2i / head_dim) / f_i``
+    (``f_i``: the config's frequency factors, 1 without them)."""
 
     cos: np.ndarray
     sin: np.ndarray
@@ -137,5 +144,7 @@ def rope_tables(config: LlamaConfig, length: int | None = None, theta: float | N
     inv_freq = (theta or config.rope_theta) ** (
         -np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim
     )
+    if config.rope_freq_factors:
+        inv_freq = inv_freq / np.asarray(config.rope_freq_factors, dtype=np.float64)
     angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
     return RopeTables(np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32))

@@ -87,10 +87,15 @@ def convert(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float32") 
     out.mkdir(parents=True, exist_ok=True)
     log.info("reading %s", gguf_path)
     checkpoint = load_gguf(gguf_path)
-    if checkpoint.config.architecture != "llama":
-        # The directory would be a LlamaForCausalLM without the architecture's own layers and norms.
+    cfg = checkpoint.config
+    # The directory would be a plain LlamaForCausalLM: without the architecture's own layers and norms,
+    # its window or its RoPE frequency factors.
+    if cfg.architecture != "llama":
+        raise ValueError(f"{gguf_path}: only the llama architecture converts, not {cfg.architecture!r}")
+    if cfg.layer_windows or cfg.rope_freq_factors:
+        what = "a sliding window" if cfg.layer_windows else "RoPE frequency factors (rope_freqs.weight)"
         raise ValueError(
-            f"{gguf_path}: only the llama architecture converts, not {checkpoint.config.architecture!r}"
+            f"{gguf_path}: a llama with {what} does not convert (a plain LlamaForCausalLM has none)"
         )
     tokenizer = ChatTokenizer.from_gguf(gguf_path)
     log.info("dequantizing %d layers to %s", checkpoint.config.num_layers, dtype)

@@ -1,14 +1,15 @@
-"""The CPU model runner: a LLaMA-family forward (LLaMA, Gemma 3) over the paged KV cache, every sequence
-of a step in one batch.
+"""The CPU model runner: a LLaMA-family forward (LLaMA, Qwen2, Qwen3, Gemma 3) over the paged KV cache,
+every sequence of a step in one batch.
 
 Per step, the tokens of all chunks (prefill chunks and decode tokens alike) are flattened into one
 ``[T, hidden]`` activation, so each weight matrix is read once per step and applied with one GEMM.
 Per layer: RMSNorm → one fused QKV GEMM → RoPE on q and k → K/V written into the cache slots of this
 step → attention of each token over its own sequence's blocks → output GEMM → RMSNorm → one fused
 gate|up GEMM → SwiGLU → down GEMM. Logits are computed only for rows that need them. The native kernels
-run the whole layer stack in one C call (``layer_stack``, LLaMA only); the numpy kernels, tensor-parallel
-ranks (which all-reduce between kernels) and Gemma 3 run the same sequence one kernel call at a time
-(``_run_layers``). Gemma 3 adds, per layer: RMSNorm of each q and k head after the QKV GEMM, RMSNorm of
+run the whole layer stack in one C call (``layer_stack``, LLaMA without a sliding window only); the numpy
+kernels, tensor-parallel ranks (which all-reduce between kernels) and the other architectures run the same
+sequence one kernel call at a time (``_run_layers``). Qwen2 adds the biases of q, k and v after the QKV
+GEMM; Qwen3 RMS-normalizes each q and k head before RoPE; Gemma 3 adds, per layer: RMSNorm of each q and k head after the QKV GEMM, RMSNorm of
 the attention and FFN outputs before their residual adds, GELU instead of SiLU, and on its local layers
 a sliding window and their own RoPE base; its embeddings are scaled by sqrt(hidden).
 
@@ -53,7 +54,8 @@ class _Layer:
     ffn_norm: np.ndarray
     gate_up: object  # packed [gate | up] rows
     down: object
-    q_norm: np.ndarray | None = None  # Gemma 3's (see LlamaLayer)
+    qkv_bias: np.ndarray | None = None  # Qwen2's, this rank's [q | k | v] share (see LlamaLayer)
+    q_norm: np.ndarray | None = None  # Qwen3's and Gemma 3's (see LlamaLayer)
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None
     post_ffn_norm: np.ndarray | None = None
@@ -101,6 +103,7 @@ class CpuModelRunner:
                 ffn_norm=layer.ffn_norm,
                 gate_up=pack(_stack("gate_up", [take_rows(layer.w_gate, ffn), take_rows(layer.w_up, ffn)])),
                 down=pack(take_columns(layer.w_down, ffn)),
+                qkv_bias=_qkv_bias_share(layer.qkv_bias, self.config, q_rows, kv_rows),
                 q_norm=layer.q_norm,
                 k_norm=layer.k_norm,
                 post_attn_norm=layer.post_attn_norm,
@@ -161,11 +164,13 @@ class CpuModelRunner:
         self._k_cache = [np.zeros(k_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._v_cache = [np.zeros(v_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._block_size = block_size
-        # A tensor-parallel rank all-reduces between kernels, and the C stack is LLaMA's: those run the
-        # per-kernel loop.
+        # A tensor-parallel rank all-reduces between kernels, and the C stack is plain LLaMA's (no
+        # window, bias or extra norm): those run the per-kernel loop.
         self._layer_stack = (
             self.kernels.layer_stack(self._layers, self._k_cache, self._v_cache, self._rope, cfg)
-            if isinstance(self._collective, SingleRank) and cfg.architecture == "llama"
+            if isinstance(self._collective, SingleRank)
+            and cfg.architecture == "llama"
+            and not cfg.layer_windows
             else None
         )
 
@@ -207,6 +212,8 @@ class CpuModelRunner:
         ):
             h = ops.rms_norm(x, layer.attn_norm, eps)
             qkv = ops.linear(h, layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv += layer.qkv_bias
             if layer.q_norm is not None and layer.k_norm is not None:
                 _norm_heads(ops, qkv, slice(0, q_width), layer.q_norm, eps, hd)
                 _norm_heads(ops, qkv, slice(q_width, q_width + kv_width), layer.k_norm, eps, hd)
@@ -236,6 +243,17 @@ def _norm_heads(
 def _post_norm(ops: Kernels, out: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
     """A sublayer's output as its residual add takes it: RMSNorm-ed where the model has a post-norm."""
     return out if weight is None else ops.rms_norm(out, weight, eps)
+
+
+def _qkv_bias_share(
+    bias: np.ndarray | None, config: LlamaConfig, q_rows: Span, kv_rows: Span
+) -> np.ndarray | None:
+    """A rank's part of a [q | k | v] bias: its q heads', then its k and v heads'."""
+    if bias is None:
+        return None
+    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    k, v = bias[q_width : q_width + kv_width], bias[q_width + kv_width :]
+    return np.concatenate([bias[q_rows.as_slice()], k[kv_rows.as_slice()], v[kv_rows.as_slice()]])
 
 
 def _scaled(heads: Span, head_dim: int) -> Span:

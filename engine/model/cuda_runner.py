@@ -295,9 +295,11 @@ def torchrun_world_size(tensor_parallel_size: int, environ: Mapping[str, str]) -
 def create_cuda_runner(checkpoint: LlamaCheckpoint, dtype: str = "bfloat16") -> CudaModelRunner:
     """The rank-0 runner. Under ``torchrun`` (``WORLD_SIZE`` > 1) this joins the NCCL group; ranks > 0
     serve rank 0's commands here and exit when it closes — only rank 0 ever returns."""
-    if checkpoint.config.architecture != "llama":
+    cfg = checkpoint.config
+    if cfg.architecture != "llama" or cfg.layer_windows:
+        what = "a sliding window" if cfg.architecture == "llama" else repr(cfg.architecture)
         raise ValueError(
-            f"the cuda backend runs the llama architecture only, not {checkpoint.config.architecture!r}: "
+            f"the cuda backend runs the llama architecture without a sliding window only, not {what}: "
             "serve this model on the cpu backend"
         )
     torch = import_torch()

@@ -20,7 +20,14 @@ from engine.model.checkpoint import LlamaCheckpoint, LlamaConfig, LlamaLayer, We
 # What llama.cpp's graph for an architecture fixes that its GGUF does not state.
 GEMMA3_GLOBAL_EVERY = 6  # layers 5, 11, 17, ... attend to everything; the others to a sliding window
 GEMMA3_LOCAL_ROPE_THETA = 10_000.0  # RoPE base of the sliding-window layers
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# Architectures whose RoPE rotates half-split pairs (llama.cpp's NEOX); the others rotate interleaved ones.
+HALF_SPLIT_ROPE = ("qwen2", "qwen3", "gemma3")
+# Tensor types whose dequantization the engine's packing is tested on (bit-equal to gguf's); a file with
+# another is refused rather than run on an untested path.
+SUPPORTED_TENSOR_TYPES = frozenset(
+    gguf.GGMLQuantizationType[name] for name in ("F32", "F16", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")
+)
 
 
 def load_gguf(path: str | Path) -> LlamaCheckpoint:
@@ -30,14 +37,16 @@ def load_gguf(path: str | Path) -> LlamaCheckpoint:
         raise ValueError(
             f"{path}: architecture {arch!r} is not supported (only {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    _refuse_unsupported_tensor_types(path, tensors)
     # Positions rotated otherwise than by plain RoPE: the model would load and compute wrong logits.
     if fields.get(f"{arch}.rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"{path}: RoPE scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported")
-    if "rope_freqs.weight" in tensors:
         raise ValueError(
-            f"{path}: tensor rope_freqs.weight (RoPE frequency factors: Llama 3.1's rope scaling) is not "
-            "supported"
+            f"{path}: RoPE scaling {fields[f'{arch}.rope.scaling.type']!r} is not supported (only Llama 3's "
+            "frequency factors, rope_freqs.weight)"
         )
+    if "rope_freqs.weight" in tensors and arch != "llama":
+        # llama.cpp reads the factors for llama only; elsewhere what they mean is not defined.
+        raise ValueError(f"{path}: tensor rope_freqs.weight on architecture {arch!r} is not supported")
 
     def meta(key: str, default: Any = None) -> Any:
         value = fields.get(f"{arch}.{key}", default)
@@ -77,29 +86,54 @@ def load_gguf(path: str | Path) -> LlamaCheckpoint:
     )
     if arch == "gemma3":
         config = _gemma3_config(path, config, meta)
-    # Gemma rotates half-split pairs (llama.cpp's NEOX RoPE); its q/k rows are reordered to the
-    # interleaved pairs the kernels rotate (see checkpoint.py).
-    order = _interleaved_pair_order(config.head_dim) if arch == "gemma3" else None
+    else:
+        config = _llama_like_config(path, config, arch, tensors, meta)
+    # Half-split pairs (llama.cpp's NEOX RoPE): q/k rows are reordered to the interleaved pairs the
+    # kernels rotate (see checkpoint.py).
+    order = _interleaved_pair_order(config.head_dim) if arch in HALF_SPLIT_ROPE else None
+
+    def head_rows(count: int) -> np.ndarray:
+        """Rows of ``count`` heads in the order the kernels rotate them."""
+        assert order is not None
+        heads = count // config.head_dim
+        return (np.arange(heads)[:, None] * config.head_dim + order[None, :]).reshape(-1)
 
     def rotated(name: str) -> WeightMatrix:
         m = matrix(name)
         if order is None:
             return m
-        heads = m.shape[0] // config.head_dim
-        rows = (np.arange(heads)[:, None] * config.head_dim + order[None, :]).reshape(-1)
-        return WeightMatrix(m.name, m.qtype, m.shape, np.ascontiguousarray(m.data[rows]))
+        return WeightMatrix(m.name, m.qtype, m.shape, np.ascontiguousarray(m.data[head_rows(m.shape[0])]))
+
+    def rotated_vector(name: str) -> np.ndarray:
+        v = vector(name)
+        return v if order is None else np.ascontiguousarray(v[head_rows(len(v))])
+
+    # Qwen2's biases on q, k and v: all three or none (llama.cpp's graph adds each where present).
+    biases = [f"blk.0.attn_{t}.bias" in tensors for t in "qkv"]
+    if any(biases) and not all(biases):
+        raise ValueError(f"{path}: biases on only some of attn_q, attn_k, attn_v are not supported")
 
     def layer(i: int) -> LlamaLayer:
         b = f"blk.{i}"
-        extras = {}
+        extras: dict[str, np.ndarray] = {}
+        if arch in ("gemma3", "qwen3"):
+            extras |= {
+                "q_norm": rotated_vector(f"{b}.attn_q_norm.weight"),
+                "k_norm": rotated_vector(f"{b}.attn_k_norm.weight"),
+            }
         if arch == "gemma3":
-            assert order is not None
-            extras = {
-                "q_norm": np.ascontiguousarray(vector(f"{b}.attn_q_norm.weight")[order]),
-                "k_norm": np.ascontiguousarray(vector(f"{b}.attn_k_norm.weight")[order]),
+            extras |= {
                 "post_attn_norm": vector(f"{b}.post_attention_norm.weight"),
                 "post_ffn_norm": vector(f"{b}.post_ffw_norm.weight"),
             }
+        if all(biases):
+            extras["qkv_bias"] = np.concatenate(
+                [
+                    rotated_vector(f"{b}.attn_q.bias"),
+                    rotated_vector(f"{b}.attn_k.bias"),
+                    vector(f"{b}.attn_v.bias"),
+                ]
+            )
         return LlamaLayer(
             attn_norm=vector(f"{b}.attn_norm.weight"),
             wq=rotated(f"{b}.attn_q.weight"),
@@ -142,6 +176,52 @@ def _gemma3_config(path: str | Path, config: LlamaConfig, meta: Any) -> LlamaCon
         ),
         local_rope_theta=GEMMA3_LOCAL_ROPE_THETA,
     )
+
+
+def _llama_like_config(
+    path: str | Path,
+    config: LlamaConfig,
+    arch: str,
+    tensors: dict[str, Tensor],
+    meta: Any,
+) -> LlamaConfig:
+    """LLaMA, Qwen2 and Qwen3 as llama.cpp's graphs compute them: Qwen3's head size from key_length
+    (not hidden / heads), Llama 3's RoPE frequency factors, and on ``llama`` a Mistral-style sliding
+    window on every layer."""
+    head_dim = int(meta("attention.key_length", config.hidden_size // config.num_heads))
+    if int(meta("attention.value_length", head_dim)) != head_dim:
+        raise ValueError(f"{path}: key and value head sizes differ, which the engine does not implement")
+    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"{path}: RoPE on part of each head (rope.dimension_count) is not supported")
+    factors: tuple[float, ...] = ()
+    if "rope_freqs.weight" in tensors:
+        qtype, _, data = tensors["rope_freqs.weight"]
+        values = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(-1)
+        if len(values) != head_dim // 2:
+            raise ValueError(f"{path}: rope_freqs.weight has {len(values)} factors, not head_dim / 2")
+        factors = tuple(float(v) for v in values)
+    window = int(meta("attention.sliding_window", 0))
+    if window and window < config.context_length and arch != "llama":
+        # llama.cpp's qwen2/qwen3 graphs ignore the key: a file that means it would be computed wrongly.
+        raise ValueError(f"{path}: {arch}.attention.sliding_window ({window}) is not supported on {arch!r}")
+    return replace(
+        config,
+        architecture=arch,
+        head_dim=head_dim,
+        rope_freq_factors=factors,
+        # Mistral's window: every layer. llama.cpp ignores this key on `llama` (docs/models.md).
+        layer_windows=(window,) * config.num_layers if window and arch == "llama" else (),
+    )
+
+
+def _refuse_unsupported_tensor_types(path: str | Path, tensors: dict[str, Tensor]) -> None:
+    for name, (qtype, _, _) in tensors.items():
+        if qtype not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+            raise ValueError(
+                f"{path}: tensor {name} is of type {qtype.name}, which the engine does not run "
+                f"(only {supported})"
+            )
 
 
 def _interleaved_pair_order(head_dim: int) -> np.ndarray:
