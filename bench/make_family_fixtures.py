@@ -6,7 +6,7 @@ SHA-256 against the one recorded here (the file the test runs is the one llama.c
 the engine's logits, so tests never need llama.cpp. Regenerate (and commit the result) when the
 generator or llama-cpp-python changes:
 
-    .venv/bin/python bench/make_family_fixtures.py
+    .venv/bin/python -m bench.make_family_fixtures
 
 Prompts are token ids (the files carry SmolLM2's vocabulary; no tokenizer is under test). Per prompt:
 llama.cpp's top TOP_K logits and the logits of SAMPLED other ids, so the comparison covers the whole
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from chatmesh.gguf_header import read_gguf_metadata
 from tests.fixtures.family_ggufs import FAMILIES, Family, write_family_gguf
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "data" / "family_llamacpp.json"
@@ -86,8 +87,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for family in FAMILIES.values():
             path = write_family_gguf(family, Path(scratch) / f"{family.name}.gguf")
-            from chatmesh.gguf_header import read_gguf_metadata
-
             vocab_size = len(read_gguf_metadata(path)["tokenizer.ggml.tokens"])  # type: ignore[arg-type]
             entry: dict = {
                 "gguf_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
@@ -103,17 +102,12 @@ def main() -> None:
                 entry["window_ignored_by_llamacpp"] = bool(diff == 0.0)
                 print(f"  {family.name}: llama.cpp with and without the window key: max |diff| {diff}")
             families[family.name] = entry
-    OUT.write_text(
-        json.dumps(
-            {
-                "generator": "bench/make_family_fixtures.py",
-                "llama_cpp_python": __version__,
-                "families": families,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    fixture = {
+        "generator": "bench/make_family_fixtures.py",
+        "llama_cpp_python": __version__,
+        "families": families,
+    }
+    OUT.write_text(json.dumps(fixture, indent=1) + "\n")
     print(f"wrote {OUT}")
 
 

@@ -32,6 +32,7 @@ from engine.model.cpu_runner import CpuModelRunner
 from engine.model.gguf_loader import load_gguf
 from engine.model.kernels import select_kernels
 from engine.model.kernels.native import NativeKernels
+from engine.model.tp.runner import TensorParallelRunner
 from tests.engine.paged_driver import PagedDriver
 from tests.fixtures.family_ggufs import FAMILIES, write_family_gguf
 from tests.fixtures.model import require_native
@@ -131,3 +132,19 @@ def test_a_sequence_computes_the_same_alone_in_a_batch_and_chunked(checkpoints, 
     assert batch[-1].tokens == alone[0].tokens
     for ours, theirs in zip(batch[-1].logits, alone[0].logits, strict=True):
         np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_two_tensor_parallel_ranks_agree_with_llama_cpp(tmp_path: Path, llamacpp, family: str) -> None:
+    """Each rank adds its own heads' share of the q/k/v biases (qwen2) and norms its own heads (qwen3)."""
+    require_native()
+    cases = llamacpp[family]["cases"]
+    runner = TensorParallelRunner(write_family_gguf(FAMILIES[family], tmp_path / "model.gguf"), 2, 1)
+    try:
+        gens = PagedDriver(runner, num_blocks=64).generate(
+            [c["prompt_token_ids"] for c in cases], 1, keep_logits=True
+        )
+    finally:
+        runner.close()
+    for gen, case in zip(gens, cases, strict=True):
+        assert worst_difference(gen.logits[0], case) < LOGIT_TOL
