@@ -12,9 +12,9 @@ Prompts are token ids (the files carry SmolLM2's vocabulary; no tokenizer is und
 llama.cpp's top TOP_K logits and the logits of SAMPLED other ids, so the comparison covers the whole
 distribution, not only its head.
 
-Mistral's sliding window: llama.cpp ignores ``llama.attention.sliding_window`` (its llama graph builds
-no window mask; measured here: the same logits with and without the key, recorded as
-``window_ignored_by_llamacpp``). The Mistral file has one layer, so the last token's logits with a
+Mistral's sliding window: llama.cpp ignores ``llama.attention.sliding_window`` (``load_hparams`` in its
+src/llama-model.cpp reads no window for LLM_ARCH_LLAMA; measured here: the same logits with and without
+the key, recorded as ``window_ignored_by_llamacpp``). The Mistral file has one layer, so the last token's logits with a
 window of W are those of the last W tokens alone (RoPE is relative): llama.cpp evaluates those for the
 prompts longer than the window (``llamacpp_token_ids``).
 """
