@@ -73,19 +73,19 @@ class Toolbox:
         take a tool away silently)."""
         self.config = config
         self.tools = tools
-        self._allowed: dict[str, tuple[Tool, ...]] = {}
+        self._allowed: dict[str, tuple[str, ...]] = {}
         for tier in tiers:
             names = config.allowed_for(tier)
             if unknown := [name for name in names if name not in tools]:
                 raise ValueError(f"--tools-{tier} names unknown tools {unknown}; known: {sorted(tools)}")
-            self._allowed[tier] = tuple(tools[name] for name in names)
+            self._allowed[tier] = names
 
     def tools_for(self, tier: str, steps_taken: int) -> Tools | None:
         """The tools an answer of ``tier`` is offered after ``steps_taken`` steps (None: answer in text)."""
         allowed = self._allowed.get(tier, ())
         if not self.config.enabled or not allowed or steps_taken >= self.config.max_steps:
             return None
-        return Tools(tuple(tool.function for tool in allowed), "auto", parallel=False)
+        return Tools(tuple(self.tools[name].function for name in allowed), "auto", parallel=False)
 
     async def run(self, user_id: str, tier: str, call: ToolCall) -> StepResult:
         """Runs one call; never raises (but for cancellation): a failure is a result."""
@@ -100,9 +100,9 @@ class Toolbox:
         return StepResult(call.id, call.name, outcome, text)
 
     async def _outcome(self, user_id: str, tier: str, call: ToolCall) -> tuple[str, str]:
-        tool = self.tools.get(call.name)
-        if tool is None or tool not in self._allowed.get(tier, ()):
+        if call.name not in self._allowed.get(tier, ()):
             return "refused", f"There is no tool {call.name[:64]!r} you may call."
+        tool = self.tools[call.name]
         try:
             arguments = json.loads(call.arguments)
         except ValueError:
