@@ -1,0 +1,145 @@
+"""Tools the orchestrator runs itself (docs/tools.md), through real processes: Cassandra, a router, a
+null engine whose text is scripted to be a calculator call (so no test depends on a model choosing to
+call a tool), and orchestrator replicas with ``--tools``. A step is two stored, numbered events between
+the answer's deltas; the answer goes on after it as a continuation of the same run; a replica killed
+around a step leaves it to another, which never runs the tool again and finishes the answer."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from chatmesh.chat.v1 import chat_pb2
+from chatmesh.model_files import bundled_model_path
+from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from orchestrator.config import DEFAULT_SYSTEM_PROMPT, ToolConfig
+from orchestrator.tools.toolbox import Toolbox, builtin_tools
+from tests.fixtures.orchestrator import (
+    ChatClient,
+    Mesh,
+    MeshFactory,
+    OrchestratorProcess,
+    collect,
+    events,
+    kinds,
+)
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+TOOL_FLAGS = {"tools": True, "tool_max_steps": 1}
+FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
+OPTIONS = chat_pb2.GenerationOptions(max_tokens=48, temperature=0.0)
+TOKENIZER = load_tokenizer(str(bundled_model_path()))
+CALL_TOKENS = len(TOKENIZER.encode(CALL))
+
+
+def aligned_question(text: str) -> str:
+    """``text`` padded so that the prompt of a new chat's first message is a whole number of the null
+    engine's cycles: the engine's text at a position is its cycle's token there, so the answer then
+    starts with the call (the prompt the orchestrator assembles: its system prompt, the tools, the
+    question)."""
+    tools = Toolbox(ToolConfig(enabled=True), builtin_tools(None), ("free", "pro", "enterprise")).tools_for(
+        "pro", 0
+    )  # type: ignore[arg-type]
+    assert tools is not None
+    system = ChatMessage("system", f"{DEFAULT_SYSTEM_PROMPT}\n\n{tools.system_text()}")
+    for pad in range(4 * CALL_TOKENS):
+        question = text + " a" * pad
+        if len(TOKENIZER.encode_chat([system, ChatMessage("user", question)])) % CALL_TOKENS == 0:
+            return question
+    raise AssertionError("no padding aligns the prompt with the null engine's cycle")
+
+
+@pytest.fixture(scope="module")
+def tool_mesh(start_mesh: MeshFactory) -> Iterator[Mesh]:
+    mesh = start_mesh(
+        1, "null", engine_flags={"null_tokens_per_s": 40, "null_text": CALL}, **TOOL_FLAGS, **FAST_REAPING
+    )
+    yield mesh
+    for replica in list(mesh.orchestrators):
+        mesh.stop_orchestrator(replica)
+
+
+def assert_one_step_between_deltas(
+    run: list[chat_pb2.RunEvent],
+) -> tuple[chat_pb2.ToolStepStarted, chat_pb2.ToolStepResult]:
+    assert [event.seq for event in run] == list(range(1, len(run) + 1)), "a gap or a duplicate"
+    seen = kinds(run)
+    assert seen.count("step_started") == 1 and seen.count("step_result") == 1, seen
+    at = seen.index("step_started")
+    assert seen[at + 1] == "step_result" and "delta" in seen[1:at] and "delta" in seen[at + 2 :], seen
+    assert seen[-2:] == ["usage", "done"], seen
+    started, result = run[at].step_started, run[at + 1].step_result
+    assert started.tool == result.tool == "calculator" and started.call_id == result.call_id
+    return started, result
+
+
+async def test_a_tool_call_is_a_stored_step_and_the_answer_goes_on_after_it(
+    tool_mesh: Mesh, connect: Callable[..., ChatClient]
+) -> None:
+    replica = tool_mesh.orchestrator
+    client = connect(replica.address)
+    ran = await replica.counted("chatmesh_orchestrator_tool_calls", tool="calculator", outcome="ok")
+    chat = await client.create_chat("tools")
+    run = await collect(client.send(chat.chat_id, aligned_question("What is 6 * 7?"), options=OPTIONS))
+
+    started, result = assert_one_step_between_deltas(run)
+    assert started.arguments == '{"expression": "6 * 7"}'
+    assert (result.outcome, result.text) == (chat_pb2.TOOL_OUTCOME_OK, "42")
+    assert (
+        await replica.counted("chatmesh_orchestrator_tool_calls", tool="calculator", outcome="ok") == ran + 1
+    )
+    text = "".join(e.delta.text for e in run if e.HasField("delta"))
+    assert text.startswith(CALL)
+    # Both turns' prompts are charged (the second holds the first, its call and the result).
+    usage = run[-2].usage
+    first_prompt = len(TOKENIZER.encode_chat([ChatMessage("user", "")])) + 1  # a lower bound of any prompt
+    assert usage.prompt_tokens > 2 * first_prompt and usage.completion_tokens == OPTIONS.max_tokens
+
+    # Any replica replays it from Cassandra, steps in place; the answer stored is the streamed text.
+    with tool_mesh.replica(**TOOL_FLAGS) as other:
+        replayed = await collect(connect(other.address, client.user).stream_run(run[0].started.run_id))
+    assert [e for e in replayed if not e.HasField("delta")] == [e for e in run if not e.HasField("delta")]
+    assert "".join(e.delta.text for e in replayed if e.HasField("delta")) == text
+    messages = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
+    assert messages.messages[0].content == text
+
+
+async def test_a_replica_killed_at_a_tool_step_leaves_it_to_another_which_never_runs_it_again(
+    tool_mesh: Mesh, connect: Callable[..., ChatClient]
+) -> None:
+    survivor = tool_mesh.orchestrator
+    victim = tool_mesh.start_orchestrator(**TOOL_FLAGS, **FAST_REAPING)
+    on_victim = connect(victim.address)
+    chat = await on_victim.create_chat("killed at a step")
+    ran_on_survivor = await survivor.counted(
+        "chatmesh_orchestrator_tool_calls", tool="calculator", outcome="ok"
+    )
+
+    seen: list[chat_pb2.RunEvent] = []
+    async for event in events(on_victim.send(chat.chat_id, aligned_question("And 6 * 7?"), options=OPTIONS)):
+        seen.append(event)
+        if event.HasField("step_started"):
+            break  # stored before the tool runs: kill the replica now, around the tool's run
+    kill(tool_mesh, victim)
+
+    rest = await asyncio.wait_for(
+        collect(connect(survivor.address, on_victim.user).stream_run(seen[0].started.run_id, seen[-1].seq)),
+        60,
+    )
+    _, result = assert_one_step_between_deltas(seen + rest)
+    # The victim ran it (its result stored) or was killed before: then the survivor says so, never runs it.
+    assert result.outcome in (chat_pb2.TOOL_OUTCOME_OK, chat_pb2.TOOL_OUTCOME_INTERRUPTED)
+    assert (
+        await survivor.counted("chatmesh_orchestrator_tool_calls", tool="calculator", outcome="ok")
+        == ran_on_survivor
+    )
+    assert rest[-1].done.assistant_message_id
+
+
+def kill(mesh: Mesh, victim: OrchestratorProcess) -> None:
+    mesh.launcher.signal(victim.name, signal.SIGKILL)
+    mesh.launcher.forget(victim.name)
+    mesh.orchestrators.remove(victim)
