@@ -78,8 +78,8 @@ def _value(node: ast.expr) -> int | float:
 def _check_power(base: int | float, exponent: int | float) -> None:
     """Refuses a power whose result would be too large before computing it (2 ** 10**9 would take
     the CPU for minutes and the memory with it)."""
-    whole = isinstance(base, int) and isinstance(exponent, int)
-    if whole and exponent > 0 and abs(base) > 1 and exponent * base.bit_length() > MAX_INT_BITS:
+    bits = base.bit_length() if isinstance(base, int) else 0
+    if isinstance(exponent, int) and exponent > 0 and abs(base) > 1 and exponent * bits > MAX_INT_BITS:
         raise CalculatorError("the result is too large")
     if base < 0 and not float(exponent).is_integer():
         raise CalculatorError("a negative number to a fractional power is not a real number")
