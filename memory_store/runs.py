@@ -137,6 +137,13 @@ STATEMENTS = {
         "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, steps) VALUES (?, ?, ?, ?, ?, ?)",
         True,
     ),
+    # A tool step, alone in its row: of two replicas that both think they own the run (one taken for
+    # dead, and its adopter), the first to store an event at that seq keeps it.
+    "run_step": Cql(
+        "INSERT INTO runs (run_id, first_seq, texts, token_counts, steps) VALUES (?, ?, ?, ?, ?) IF NOT EXISTS",
+        # Running it again leaves the first attempt's row, which the caller recognises.
+        idempotent=True,
+    ),
     "run_finish": Cql(
         "UPDATE runs SET status = ?, finish_reason = ?, last_seq = ?, finished_at = ?, prompt_tokens = ?, "
         "cached_prompt_tokens = ?, completion_tokens = ?, error_code = ?, error_message = ? "
@@ -501,6 +508,21 @@ class RunsMixin(MessagesMixin, UsageMixin):
         Returns whether each run's events were stored; a run whose were not keeps them to retry."""
         writes = [self._checkpoint(run, deltas) for run, deltas in checkpoints]
         return await self._db.write_unlogged(writes, self._config.max_batch_bytes, CHECKPOINT_BATCH_RUNS)
+
+    async def store_step(self, run: Run, step: RunDelta) -> str:
+        """Stores a tool step event (``step.step``, its record) in a row of its own unless an event is
+        stored at its seq already; returns the record the event at that seq holds: ``step.step`` if it
+        is this one, another step's, or "" (a text event). The caller's pending events before it must
+        be stored first (``checkpoint_run``)."""
+        if not step.step or step.text or step.token_count:
+            raise InvalidArgument("a step event holds a step record and no text")
+        self._check_deltas([step])
+        run_key = parse_id(run.run_id, "run id")
+        row = await self._contended("run_step", (run_key, step.seq, [""], [0], [step.step]))
+        if row["[applied]"]:
+            return step.step
+        steps = row.get("steps") or ()
+        return steps[0] if steps else ""
 
     def _checkpoint(self, run: Run, deltas: Sequence[RunDelta]) -> Write:
         first_seq = self._check_deltas(deltas)

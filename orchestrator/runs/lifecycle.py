@@ -52,7 +52,7 @@ from orchestrator.runs import replay
 from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
-from orchestrator.runs.tool_steps import ToolLoop, result_record, step_event
+from orchestrator.runs.tool_steps import ToolLoop, result_of, result_record, step_event
 from orchestrator.tools.toolbox import interrupted_result
 
 log = logging.getLogger(__name__)
@@ -371,7 +371,13 @@ class Runs:
         self._live[info.run_id] = live
         if pending is not None and tools is not None:
             # Found started, never finished: the tool may have run; it is never run again.
-            frame, turn_ids = await self._interrupted_step(run, live, tools, pending, frame, turn_ids)
+            try:
+                frame, turn_ids = await self._interrupted_step(run, live, tools, pending, frame, turn_ids)
+            except ValueError as exc:
+                log.warning("run %s cannot be continued (%s); interrupting it", run.run_id, exc)
+                self._live.pop(run.run_id, None)
+                await self.store.finish_run(run, _interrupted(live.last_seq))
+                return False
         frame = continued(frame, turn_ids)
         self._task(self._continue_adopted(run, live, frame, tools), "adopted-run")
         log.warning(
@@ -395,21 +401,24 @@ class Runs:
         """Stores an "interrupted" result for a step an adopted run's lost replica started and never
         finished; returns the next turn's request and its (empty) output. If the result cannot be
         stored, the run is given back, for a later pass to adopt again."""
-        result = interrupted_result(call)
-        record = result_record(result)
-        seq = live.last_seq + 1
+        mine = interrupted_result(call)
+        record = result_record(mine)
         try:
             async with asyncio.timeout(self.config.store_deadline_s):
-                await self.store.checkpoint_run(run, [RunDelta(seq, "", 0, (), record)])
+                stored = await self.store.store_step(run, RunDelta(live.last_seq + 1, "", 0, (), record))
         except BaseException:
             self._live.pop(run.run_id, None)
             with contextlib.suppress(MemoryStoreError, TimeoutError):
                 await self.store.adopt_run(run, run.owner_id)  # no-op unless it is still ours
             raise
-        live.append(**step_event(record))
-        METRICS.tool_calls.labels(
-            call.name if call.name in tools.toolbox.tools else "unknown", "interrupted"
-        ).inc()
+        # The lost replica's own result, if it was stored first (it was only paused).
+        result = result_of(stored)
+        if result is None or result.call_id != call.id:
+            raise ValueError(f"the event after step {call.id} is no result of it")
+        live.append(**step_event(stored))
+        if stored == record:
+            tool = call.name if call.name in tools.toolbox.tools else "unknown"
+            METRICS.tool_calls.labels(tool, "interrupted").inc()
         prompt = len(frame.prompt_token_ids)
         completion = tools.earlier.completion_tokens + len(turn_ids)
         following = tools.next_turn(turn_ids, Usage(prompt, 0, len(turn_ids)), result, completion)

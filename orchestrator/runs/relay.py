@@ -67,8 +67,15 @@ from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints
 from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.live_run import LiveRun
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
-from orchestrator.runs.tool_steps import ToolLoop, result_record, started_record, step_event
-from orchestrator.tools.toolbox import Toolbox
+from orchestrator.runs.tool_steps import (
+    ToolLoop,
+    call_of,
+    result_of,
+    result_record,
+    started_record,
+    step_event,
+)
+from orchestrator.tools.toolbox import Toolbox, interrupted_result
 
 log = logging.getLogger(__name__)
 
@@ -296,28 +303,42 @@ class Relay:
 
     async def _step(self, call: ToolCall, finished) -> router_pb2.GenerateStart | None:
         """Stores the step started, runs the tool, stores its result: the next turn's request (None
-        when the answer has no tokens left). The tool runs only once its step is stored."""
-        assert self.tools is not None
-        await self._store_step(started_record(call))
-        result = await self.tools.run(call)
-        await self._store_step(result_record(result))
+        when the answer has no tokens left). The tool runs only once its step is stored as this
+        replica's; a step another replica stored first (this one was taken for dead meanwhile) is left
+        to it: the result here is "interrupted", unless that replica's result is stored first."""
+        assert self.tools is not None and self.stored_run is not None
+        mine = started_record(call, self.stored_run.owner_id)
+        stored = await self._store_step(mine)
+        if stored == mine:
+            result = await self.tools.run(call)
+        elif (call_of(stored) or call).id == call.id:
+            result = interrupted_result(call)
+        else:
+            raise unavailable("this answer's events diverged from those stored; resume it", 1.0)
+        result = result_of(await self._store_step(result_record(result))) or result
         usage = _usage_of(finished) or Usage(self.prompt_tokens, 0, len(self._output_ids))
         completion = self.tools.earlier.completion_tokens + usage.completion_tokens
         return self.tools.next_turn(self._output_ids, usage, result, completion)
 
-    async def _store_step(self, record: str) -> None:
-        """Stores a step event with every event before it, then publishes it: a stream never shows a
-        step that a replica adopting the run would not find (a step it does not find started, it
-        starts; one found started without its result, it answers "interrupted"). One that cannot be
-        stored ends the run; the run's end stores it with its tail."""
+    async def _store_step(self, record: str) -> str:
+        """Stores a step event (after every event before it), then publishes it; returns the record
+        stored at its seq: ``record``, or what another replica stored there first. A stream never
+        shows a step that a replica adopting the run would not find. One that cannot be stored ends
+        the run (unpublished)."""
+        assert self._checkpointer is not None and self.stored_run is not None
         seq = self.live.last_seq + 1
-        stored = True
-        if self._checkpointer is not None:
-            self._checkpointer.add(RunDelta(seq, "", 0, (), record))
-            stored = await self._checkpointer.store_now(self.deps.config.store_deadline_s)
-        self.live.append(**step_event(record))
-        if not stored:
+        deadline_s = self.deps.config.store_deadline_s
+        if not await self._checkpointer.store_now(deadline_s):
             raise unavailable("a tool step could not be stored; the answer stops here", 1.0)
+        try:
+            async with asyncio.timeout(deadline_s):
+                stored = await self.deps.store.store_step(self.stored_run, RunDelta(seq, "", 0, (), record))
+        except (TimeoutError, MemoryStoreError):
+            raise unavailable("a tool step could not be stored; the answer stops here", 1.0) from None
+        if not stored:
+            raise unavailable("this answer's events diverged from those stored; resume it", 1.0)
+        self.live.append(**step_event(stored))
+        return stored
 
     def _begin_turn(self, start: router_pb2.GenerateStart) -> None:
         """The model's turn after a step, the same run's next generation, is the current one now."""

@@ -29,8 +29,12 @@ OUTCOMES = {
 }
 
 
-def started_record(call: ToolCall) -> str:
-    return json.dumps({"started": {"call_id": call.id, "tool": call.name, "arguments": call.arguments}})
+def started_record(call: ToolCall, by: str) -> str:
+    """The record of a step started by replica ``by``: two replicas that both think they own a run (one
+    taken for dead, and its adopter) store different records for the same call, and only the one whose
+    record is stored runs the tool (memory_store's ``store_step``)."""
+    started = {"call_id": call.id, "tool": call.name, "arguments": call.arguments}
+    return json.dumps({"started": started, "by": by})
 
 
 def result_record(result: StepResult) -> str:
@@ -62,7 +66,7 @@ def step_event(record: str) -> dict:
     }
 
 
-def _call_of(record: str) -> ToolCall | None:
+def call_of(record: str) -> ToolCall | None:
     step = json.loads(record)
     if "started" not in step:
         return None
@@ -70,7 +74,7 @@ def _call_of(record: str) -> ToolCall | None:
     return ToolCall(started["call_id"], started["tool"], started["arguments"])
 
 
-def _result_of(record: str) -> StepResult | None:
+def result_of(record: str) -> StepResult | None:
     step = json.loads(record)
     if "result" not in step:
         return None
@@ -154,10 +158,10 @@ class ToolLoop:
                 turn_ids += event.token_ids
                 completion += event.token_count
                 continue
-            if (call := _call_of(event.step)) is not None:
+            if (call := call_of(event.step)) is not None:
                 pending = call
                 continue
-            result = _result_of(event.step)
+            result = result_of(event.step)
             assert result is not None
             prompt = len(frame.prompt_token_ids)
             next_frame = self.next_turn(turn_ids, Usage(prompt, 0, len(turn_ids)), result, completion)

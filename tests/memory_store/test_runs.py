@@ -193,6 +193,22 @@ async def test_tool_steps_are_stored_among_the_output_events_in_order(memory_sto
     assert [(d.seq, d.step) for d in replay] == [(5, ""), (6, started), (7, "")]
 
 
+async def test_of_two_replicas_storing_a_step_at_one_seq_the_first_keeps_it(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "one step")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "what time is it?")
+    await memory_store.checkpoint_run(run, [RunDelta(2, "<tool_call>", 2, (10, 11))])
+    mine = '{"started": {"call_id": "c1", "tool": "clock", "arguments": "{}"}, "by": "replica-a"}'
+    theirs = '{"started": {"call_id": "c1", "tool": "clock", "arguments": "{}"}, "by": "replica-b"}'
+    assert await memory_store.store_step(run, RunDelta(3, "", 0, (), mine)) == mine
+    assert await memory_store.store_step(run, RunDelta(3, "", 0, (), mine)) == mine  # a retry: its own
+    assert await memory_store.store_step(run, RunDelta(3, "", 0, (), theirs)) == mine
+    assert await memory_store.store_step(run, RunDelta(2, "", 0, (), theirs)) == ""  # a text event
+    assert [d.step for d in await memory_store.read_run_output(user, run.run_id)] == ["", mine]
+    with pytest.raises(InvalidArgument, match="step record"):
+        await memory_store.store_step(run, RunDelta(4, "text", 1, (12,)))
+
+
 async def test_retried_finish_stores_the_answer_once_and_counts_usage_once(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "finish twice")

@@ -101,7 +101,7 @@ def test_an_adopter_rebuilds_the_turn_the_lost_replica_was_in():
     result = StepResult(call.id, call.name, "ok", "42")
     expected = live.next_turn(turn, Usage(3, 0, len(turn)), result, len(turn))
     # After the result and two tokens of the next turn.
-    output = _events(turn, started_record(call), result_record(result))
+    output = _events(turn, started_record(call, "replica-a"), result_record(result))
     output.append(RunDelta(5, "The", 2, (11, 12)))
     frame, turn_ids, pending = _loop().replay(output)
     assert frame == expected and turn_ids == [11, 12] and pending is None
@@ -112,7 +112,7 @@ def test_an_adopter_finds_a_step_started_without_its_result():
     loop = _loop()
     call = loop.call_in(CALL, finished_by_stop=True)
     assert call is not None
-    frame, turn_ids, pending = _loop().replay(_events(turn, started_record(call)))
+    frame, turn_ids, pending = _loop().replay(_events(turn, started_record(call, "replica-a")))
     assert pending == call and turn_ids == turn and frame == _first(_toolbox())
 
 
