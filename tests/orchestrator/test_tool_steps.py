@@ -7,16 +7,27 @@ around a step leaves it to another, which never runs the tool again and finishes
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import signal
+import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.engine.v1 import engine_pb2
+from chatmesh.limits import Generation
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from chatmesh.tool_format import ToolCall
+from memory_store.models import RunDelta
+from memory_store.store import MemoryStore
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT, ToolConfig
-from orchestrator.tools.toolbox import Toolbox, builtin_tools
+from orchestrator.router_client import start_frame
+from orchestrator.runs.tool_steps import started_record
+from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools
+from tests.fixtures.in_process import in_process_replica, within
 from tests.fixtures.orchestrator import (
     ChatClient,
     Mesh,
@@ -26,6 +37,7 @@ from tests.fixtures.orchestrator import (
     events,
     kinds,
 )
+from tests.memory_store.builders import start_run
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
 TOOL_FLAGS = {"tools": True, "tool_max_steps": 1}
@@ -137,6 +149,71 @@ async def test_a_replica_killed_at_a_tool_step_leaves_it_to_another_which_never_
         == ran_on_survivor
     )
     assert rest[-1].done.assistant_message_id
+
+
+async def test_a_step_found_started_without_its_result_is_answered_interrupted_never_run_again(
+    tool_mesh: Mesh, connect: Callable[..., ChatClient], memory_store: MemoryStore
+) -> None:
+    """The lost replica stored the call and its step started, then died: whether its tool ran is not
+    known. The adopter (a replica in this process, its calculator a seam that would block) stores the
+    result "interrupted", never calls the tool, and finishes the answer after it."""
+    client = connect(tool_mesh.orchestrator.address)
+    tools = ToolConfig(enabled=True, max_steps=1)
+    async with in_process_replica(memory_store, tool_mesh.router_address, tools=tools) as replica:
+        toolbox = replica.parts.ctx.runs.deps.toolbox
+        assert toolbox is not None
+        called = asyncio.Event()
+
+        async def blocks(_user: str, _arguments: dict[str, Any]) -> str:
+            called.set()
+            await asyncio.Event().wait()
+            return ""
+
+        toolbox.tools["calculator"] = Tool(toolbox.tools["calculator"].function, blocks)
+        offered = toolbox.tools_for("pro", 0)
+        assert offered is not None
+        chat = await client.create_chat("adopted at a step")
+        lost = f"lost-{uuid.uuid4().hex[:6]}"
+        await memory_store.heartbeat_replica(lost, group=replica.parts.replica.group)
+        ctx = replica.parts.ctx
+        options = Generation(ctx.default_model, 48, 0.0, 0.0, None, ())
+        grammar = engine_pb2.StructuredOutput(grammar=offered.constraint().grammar)
+        generation = start_frame(
+            str(uuid.uuid4()),
+            TOKENIZER.encode_chat([ChatMessage("user", "What is 6 * 7?")]),
+            dataclasses.replace(options, structured=grammar),
+            "pro",
+            chat.chat_id,
+            replica.runs.fingerprint,
+        )
+        run, _ = await start_run(
+            memory_store,
+            client.user,
+            chat.chat_id,
+            "What is 6 * 7?",
+            owner=lost,
+            generation=generation.SerializeToString(),
+        )
+        call_ids = TOKENIZER.encode(CALL)
+        await memory_store.checkpoint_run(run, [RunDelta(2, CALL, len(call_ids), tuple(call_ids))])
+        call = ToolCall("call_lost", "calculator", '{"expression": "6 * 7"}')
+        step = started_record(call, lost)
+        assert await memory_store.store_step(run, RunDelta(3, "", 0, (), step)) == step
+
+        assert await within(replica.runs.adopt(run, lost), 30, "the replica did not adopt the run")
+        streamed = [event async for event in replica.runs.stream(client.user, run.run_id, 0)]
+        assert [event.seq for event in streamed] == list(range(1, len(streamed) + 1))
+        assert kinds(streamed)[:4] == ["started", "delta", "step_started", "step_result"]
+        result = streamed[3].step_result
+        assert (result.call_id, result.outcome) == ("call_lost", chat_pb2.TOOL_OUTCOME_INTERRUPTED)
+        assert "not run again" in result.text
+        assert kinds(streamed)[4] == "delta" and kinds(streamed)[-2:] == ["usage", "done"]
+        assert not called.is_set(), "the tool ran again"
+        # The result is stored: any replica replays the same events.
+        replayed = await collect(client.stream_run(run.run_id))
+        assert [e for e in replayed if not e.HasField("delta")] == [
+            e for e in streamed if not e.HasField("delta")
+        ]
 
 
 def kill(mesh: Mesh, victim: OrchestratorProcess) -> None:
