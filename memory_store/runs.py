@@ -140,7 +140,8 @@ STATEMENTS = {
     # A tool step, alone in its row: of two replicas that both think they own the run (one taken for
     # dead, and its adopter), the first to store an event at that seq keeps it.
     "run_step": Cql(
-        "INSERT INTO runs (run_id, first_seq, texts, token_counts, steps) VALUES (?, ?, ?, ?, ?) IF NOT EXISTS",
+        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, steps) VALUES (?, ?, ?, ?, ?, ?) "
+        "IF NOT EXISTS",
         # Running it again leaves the first attempt's row, which the caller recognises.
         idempotent=True,
     ),
@@ -510,15 +511,16 @@ class RunsMixin(MessagesMixin, UsageMixin):
         return await self._db.write_unlogged(writes, self._config.max_batch_bytes, CHECKPOINT_BATCH_RUNS)
 
     async def store_step(self, run: Run, step: RunDelta) -> str:
-        """Stores a tool step event (``step.step``, its record) in a row of its own unless an event is
-        stored at its seq already; returns the record the event at that seq holds: ``step.step`` if it
-        is this one, another step's, or "" (a text event). The caller's pending events before it must
-        be stored first (``checkpoint_run``)."""
-        if not step.step or step.text or step.token_count:
+        """Stores a tool step event (``step.step``, its record, and the tokens of the call it holds)
+        in a row of its own unless an event is stored at its seq already; returns the record the event
+        at that seq holds: ``step.step`` if it is this one, another step's, or "" (a text event). The
+        caller's pending events before it must be stored first (``checkpoint_run``)."""
+        if not step.step or step.text:
             raise InvalidArgument("a step event holds a step record and no text")
         self._check_deltas([step])
         run_key = parse_id(run.run_id, "run id")
-        row = await self._contended("run_step", (run_key, step.seq, [""], [0], [step.step]))
+        params = (run_key, step.seq, [""], [step.token_count], _token_ids([step]), [step.step])
+        row = await self._contended("run_step", params)
         if row["[applied]"]:
             return step.step
         steps = row.get("steps") or ()

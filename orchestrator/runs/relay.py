@@ -181,8 +181,11 @@ class Relay:
         self.stored_run = stored_run
         self.arrived_at = arrived_at
         self.tools = tools
-        # The current model turn's text (what a tool call is parsed from).
-        self._turn_text: list[str] = []
+        # A turn offered tools whose text begins as a call does (its grammar lets text begin with
+        # anything else) is held back here to its end: a call is a step, its text never an answer's.
+        self._call_text: list[str] | None = None
+        # Whether the current turn's first text came (it decides; an adopted turn with output is text).
+        self._decided = bool(start.resumed_output_token_ids)
         who = f"user {live.info.user_id}, run {live.info.run_id}"
         self.screen = deps.moderator.output_screen(who)
         # Patterns may straddle the resumption point: the screen first sees what is already out.
@@ -298,8 +301,14 @@ class Relay:
         """The tool call the turn ended with, where its run has tools and it may call one."""
         if self.tools is None or finished is None or self.stop_reason is not None:
             return None
+        if self._call_text is None:
+            return None
         stopped = finished.finish_reason == engine_pb2.FINISH_REASON_STOP
-        return self.tools.call_in("".join(self._turn_text), stopped)
+        call = self.tools.call_in("".join(self._call_text), stopped)
+        if call is None:  # not a call after all (cut by max_tokens): it is text
+            held, self._call_text = "".join(self._call_text), None
+            self._emit(held, ())
+        return call
 
     async def _step(self, call: ToolCall, finished) -> router_pb2.GenerateStart | None:
         """Stores the step started, runs the tool, stores its result: the next turn's request (None
@@ -308,7 +317,9 @@ class Relay:
         to it: the result here is "interrupted", unless that replica's result is stored first."""
         assert self.tools is not None and self.stored_run is not None
         mine = started_record(call, self.stored_run.owner_id)
-        stored = await self._store_step(mine)
+        # The call's tokens go with its step (its text is in no delta): an adopter rebuilds from them.
+        call_ids, self._unsent_ids = tuple(self._unsent_ids), []
+        stored = await self._store_step(mine, call_ids)
         if stored == mine:
             result = await self.tools.run(call)
         elif (call_of(stored) or call).id == call.id:
@@ -320,7 +331,7 @@ class Relay:
         completion = self.tools.earlier.completion_tokens + usage.completion_tokens
         return self.tools.next_turn(self._output_ids, usage, result, completion)
 
-    async def _store_step(self, record: str) -> str:
+    async def _store_step(self, record: str, token_ids: tuple[int, ...] = ()) -> str:
         """Stores a step event (after every event before it), then publishes it; returns the record
         stored at its seq: ``record``, or what another replica stored there first. A stream never
         shows a step that a replica adopting the run would not find. One that cannot be stored ends
@@ -332,7 +343,8 @@ class Relay:
             raise unavailable("a tool step could not be stored; the answer stops here", 1.0)
         try:
             async with asyncio.timeout(deadline_s):
-                stored = await self.deps.store.store_step(self.stored_run, RunDelta(seq, "", 0, (), record))
+                step = RunDelta(seq, "", len(token_ids), token_ids, record)
+                stored = await self.deps.store.store_step(self.stored_run, step)
         except (TimeoutError, MemoryStoreError):
             raise unavailable("a tool step could not be stored; the answer stops here", 1.0) from None
         if not stored:
@@ -345,7 +357,8 @@ class Relay:
         self.start = start
         self.prompt_tokens = 0  # charged once it is placed
         self._output_ids = array("I")
-        self._turn_text = []
+        self._call_text = None
+        self._decided = False
 
     async def _place_turn(self) -> None:
         config = self.deps.config
@@ -386,11 +399,11 @@ class Relay:
         self._unsent_logprobs += [chat_pb2.TokenLogprob.FromString(lp.SerializeToString()) for lp in logprobs]
         if not text:
             return
+        if self._holds_call(text):
+            return
         if self.screen.check(text).blocked:
             self.stop(Stop.CONTENT_FILTER)
             return
-        if self.tools is not None:
-            self._turn_text.append(text)
         covered = tuple(self._unsent_ids)
         self._unsent_ids.clear()
         seq = self.live.append_delta(text, len(covered), self._unsent_logprobs)
@@ -403,6 +416,19 @@ class Relay:
             )
         if self._checkpointer is not None:
             self._checkpointer.add(RunDelta(seq, text, len(covered), covered))
+
+    def _holds_call(self, text: str) -> bool:
+        """Whether ``text`` is held back as part of a tool call (the turn's first text decides)."""
+        if self._call_text is not None:
+            self._call_text.append(text)
+            return True
+        if self._decided:
+            return False
+        self._decided = True
+        if self.tools is None or not text.startswith("<") or not self.tools.offered():
+            return False
+        self._call_text = [text]
+        return True
 
     # -- the end --------------------------------------------------------------------------------
 

@@ -112,9 +112,13 @@ class ToolLoop:
             return None
         return cls(toolbox, tokenizer, first, user_id, tier)  # type: ignore[arg-type]
 
+    def offered(self) -> bool:
+        """Whether the current turn was offered the tools."""
+        return self.toolbox.tools_for(self.tier, self.steps) is not None
+
     def call_in(self, turn_text: str, finished_by_stop: bool) -> ToolCall | None:
         """The tool call a turn that was offered tools ended with, if any (one per turn)."""
-        if not finished_by_stop or self.toolbox.tools_for(self.tier, self.steps) is None:
+        if not finished_by_stop or not self.offered():
             return None
         _, calls = parse_answer(turn_text, f"{self.first.request_id.partition('~')[0]}:{self.steps}")
         return calls[0] if calls else None
@@ -159,6 +163,8 @@ class ToolLoop:
                 completion += event.token_count
                 continue
             if (call := call_of(event.step)) is not None:
+                turn_ids += event.token_ids  # the call's own tokens
+                completion += event.token_count
                 pending = call
                 continue
             result = result_of(event.step)

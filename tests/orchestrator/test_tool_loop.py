@@ -87,9 +87,11 @@ def test_no_turn_follows_when_no_tokens_are_left():
     assert loop.steps == 0 and loop.earlier == Usage()
 
 
-def _events(turn: list[int], *records: str) -> list[RunDelta]:
-    events = [RunDelta(2, "call", len(turn), tuple(turn))]
-    events += [RunDelta(3 + i, "", 0, (), record) for i, record in enumerate(records)]
+def _events(turn: list[int], started: str, *results: str) -> list[RunDelta]:
+    """A run's events: the step started (holding the call's tokens: its text is in no delta), then
+    ``results``."""
+    events = [RunDelta(2, "", len(turn), tuple(turn), started)]
+    events += [RunDelta(3 + i, "", 0, (), record) for i, record in enumerate(results)]
     return events
 
 
@@ -102,7 +104,7 @@ def test_an_adopter_rebuilds_the_turn_the_lost_replica_was_in():
     expected = live.next_turn(turn, Usage(3, 0, len(turn)), result, len(turn))
     # After the result and two tokens of the next turn.
     output = _events(turn, started_record(call, "replica-a"), result_record(result))
-    output.append(RunDelta(5, "The", 2, (11, 12)))
+    output.append(RunDelta(4, "The", 2, (11, 12)))
     frame, turn_ids, pending = _loop().replay(output)
     assert frame == expected and turn_ids == [11, 12] and pending is None
 
