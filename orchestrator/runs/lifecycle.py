@@ -343,6 +343,8 @@ class Runs:
             start = _generation(run, output)
             tier = tier_of_proto(start.tier).name
             tools = self.deps.tool_loop(start, run.user_id, tier)
+            if tools is None and any(delta.step for delta in output):
+                raise ValueError("it took tool steps, and this replica runs no tools (--tools)")
             frame, turn_ids, pending = tools.replay(output) if tools else (start, _token_ids(output), None)
         except ValueError as exc:
             log.warning("run %s cannot be continued (%s); interrupting it", run.run_id, exc)

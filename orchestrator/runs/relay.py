@@ -326,7 +326,10 @@ class Relay:
             result = interrupted_result(call)
         else:
             raise unavailable("this answer's events diverged from those stored; resume it", 1.0)
-        result = result_of(await self._store_step(result_record(result))) or result
+        kept = result_of(await self._store_step(result_record(result)))
+        if kept is None or kept.call_id != call.id:
+            raise unavailable("this answer's events diverged from those stored; resume it", 1.0)
+        result = kept  # ours, or the result the replica that ran the tool stored first
         usage = _usage_of(finished) or Usage(self.prompt_tokens, 0, len(self._output_ids))
         completion = self.tools.earlier.completion_tokens + usage.completion_tokens
         return self.tools.next_turn(self._output_ids, usage, result, completion)
