@@ -1,5 +1,6 @@
-"""The orchestrator's own tools as pure parts (orchestrator/tools): the calculator evaluates arithmetic
-and nothing else, within bounds; the clock; and the toolbox's rules, where every failure is a result."""
+"""The orchestrator's own tools (orchestrator/tools): the calculator evaluates arithmetic and nothing
+else, within bounds; the clock; the chat search over the session's Cassandra; and the toolbox's rules,
+where every failure is a result."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from chatmesh.tool_format import Function, ToolCall
 from orchestrator.config import ToolConfig
 from orchestrator.metrics import METRICS
 from orchestrator.tools.calculator import CalculatorError, evaluate
+from orchestrator.tools.chat_search import ChatSearch
 from orchestrator.tools.clock import clock
 from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools, interrupted_result
+from tests.memory_store.builders import message, new_user
 
 TIERS = ("free", "pro", "enterprise")
 
@@ -158,3 +161,18 @@ def test_a_long_result_is_cut_and_says_so():
 def test_an_interrupted_step_is_a_result_not_a_rerun():
     result = interrupted_result(_call("calculator", expression="1"))
     assert result.outcome == "interrupted" and "not run again" in result.text
+
+
+async def test_the_chat_search_finds_the_callers_chats_only(memory_store):
+    """The retrieval SearchChats uses, in the session's Cassandra, bound to the caller."""
+    owner, other = new_user(), new_user()
+    chat = await memory_store.create_chat(owner, "Garden plans")
+    await memory_store.append_message(owner, message(chat.chat_id, "plant tulips by the fence in march"))
+    search = ChatSearch(memory_store)
+    found = await search(owner, {"query": "tulips fence"})
+    assert "Garden plans" in found and "tulips" in found and found.count("\n") == 0
+    assert await search(other, {"query": "tulips"}) == "No chat mentions 'tulips'."
+    with pytest.raises(ValueError, match="non-empty"):
+        await search(owner, {"query": " "})
+    with pytest.raises(ValueError, match="at least one word"):
+        await search(owner, {"query": "!!!"})
