@@ -53,7 +53,6 @@ from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
 from orchestrator.runs.tool_steps import ToolLoop, result_of, result_record, step_event
-from orchestrator.tools.toolbox import interrupted_result
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -403,8 +402,7 @@ class Runs:
         """Stores an "interrupted" result for a step an adopted run's lost replica started and never
         finished; returns the next turn's request and its (empty) output. If the result cannot be
         stored, the run is given back, for a later pass to adopt again."""
-        mine = interrupted_result(call)
-        record = result_record(mine)
+        record = result_record(tools.toolbox.interrupted(call))
         try:
             async with asyncio.timeout(self.config.store_deadline_s):
                 stored = await self.store.store_step(run, RunDelta(live.last_seq + 1, "", 0, (), record))
@@ -418,9 +416,6 @@ class Runs:
         if result is None or result.call_id != call.id:
             raise ValueError(f"the event after step {call.id} is no result of it")
         live.append(**step_event(stored))
-        if stored == record:
-            tool = call.name if call.name in tools.toolbox.tools else "unknown"
-            METRICS.tool_calls.labels(tool, "interrupted").inc()
         prompt = len(frame.prompt_token_ids)
         completion = tools.earlier.completion_tokens + len(turn_ids)
         following = tools.next_turn(turn_ids, Usage(prompt, 0, len(turn_ids)), result, completion)

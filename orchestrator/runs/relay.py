@@ -75,7 +75,7 @@ from orchestrator.runs.tool_steps import (
     started_record,
     step_event,
 )
-from orchestrator.tools.toolbox import Toolbox, interrupted_result
+from orchestrator.tools.toolbox import Toolbox
 
 log = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ class Relay:
         if stored == mine:
             result = await self.tools.run(call)
         elif (call_of(stored) or call).id == call.id:
-            result = interrupted_result(call)
+            result = self.tools.toolbox.interrupted(call)
         else:
             raise unavailable("this answer's events diverged from those stored; resume it", 1.0)
         kept = result_of(await self._store_step(result_record(result)))

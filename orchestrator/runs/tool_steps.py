@@ -154,7 +154,7 @@ class ToolLoop:
         self, output: Sequence[RunDelta]
     ) -> tuple[router_pb2.GenerateStart, list[int], ToolCall | None]:
         """From an adopted run's events: the current turn's request, its output so far, and a step
-        found started without its result (whose result the adopter stores: ``interrupted_result``)."""
+        found started without its result (whose result the adopter stores: ``Toolbox.interrupted``)."""
         frame, turn_ids, completion = self.first, list[int](), 0
         pending: ToolCall | None = None
         for event in output:

@@ -3,7 +3,7 @@ timeout, its result cut to size and every failure made a result the model reads 
 
 A call's outcome is one of ``ok``, ``error`` (bad arguments, or the tool failed), ``timeout``,
 ``refused`` (a tool this tier may not call, or none of that name) and ``interrupted`` (the replica
-running it was lost: ``interrupted_result``, never a second run).
+running it was lost: ``Toolbox.interrupted``, never a second run).
 """
 
 from __future__ import annotations
@@ -50,11 +50,6 @@ class StepResult:
     text: str
 
 
-def interrupted_result(call: ToolCall) -> StepResult:
-    """The result of a step found started but never finished: the tool is not run again."""
-    return StepResult(call.id, call.name, "interrupted", INTERRUPTED_TEXT)
-
-
 def builtin_tools(store: MemoryStore) -> dict[str, Tool]:
     search = chat_search.ChatSearch(store)
     return {
@@ -87,6 +82,15 @@ class Toolbox:
             return None
         return Tools(tuple(self.tools[name].function for name in allowed), "auto", parallel=False)
 
+    def interrupted(self, call: ToolCall) -> StepResult:
+        """The result of a step found started but never finished (or started by another replica): the
+        tool is not run again."""
+        METRICS.tool_calls.labels(self._metric_name(call), "interrupted").inc()
+        return StepResult(call.id, call.name, "interrupted", INTERRUPTED_TEXT)
+
+    def _metric_name(self, call: ToolCall) -> str:
+        return call.name if call.name in self.tools else "unknown"  # the model's names are not bounded
+
     async def run(self, user_id: str, tier: str, call: ToolCall) -> StepResult:
         """Runs one call; never raises (but for cancellation): a failure is a result."""
         started = time.monotonic()
@@ -94,7 +98,7 @@ class Toolbox:
         if len(text) > self.config.max_result_chars:
             cut = self.config.max_result_chars - 40
             text = f"{text[:cut]}\n[result cut at {cut} characters]"
-        METRICS.tool_calls.labels(call.name if call.name in self.tools else "unknown", outcome).inc()
+        METRICS.tool_calls.labels(self._metric_name(call), outcome).inc()
         if outcome != "refused":
             METRICS.tool_duration.labels(call.name).observe(time.monotonic() - started)
         return StepResult(call.id, call.name, outcome, text)

@@ -16,7 +16,7 @@ from orchestrator.metrics import METRICS
 from orchestrator.tools.calculator import CalculatorError, evaluate
 from orchestrator.tools.chat_search import ChatSearch
 from orchestrator.tools.clock import clock
-from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools, interrupted_result
+from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools
 from tests.memory_store.builders import message, new_user
 
 TIERS = ("free", "pro", "enterprise")
@@ -159,8 +159,10 @@ def test_a_long_result_is_cut_and_says_so():
 
 
 def test_an_interrupted_step_is_a_result_not_a_rerun():
-    result = interrupted_result(_call("calculator", expression="1"))
+    before = _counted("calculator", "interrupted")
+    result = _toolbox().interrupted(_call("calculator", expression="1"))
     assert result.outcome == "interrupted" and "not run again" in result.text
+    assert _counted("calculator", "interrupted") == before + 1
 
 
 async def test_the_chat_search_finds_the_callers_chats_only(memory_store):
