@@ -20,7 +20,7 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.limits import Generation
 from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
-from chatmesh.tool_format import ToolCall
+from chatmesh.tool_format import ToolCall, result_text
 from memory_store.models import RunDelta
 from memory_store.store import MemoryStore
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT, ToolConfig
@@ -47,16 +47,25 @@ TOKENIZER = load_tokenizer(str(bundled_model_path()))
 CALL_TOKENS = len(TOKENIZER.encode(CALL))
 
 
+def aligned_prompt(text: str) -> list[int]:
+    """The prompt of a new chat's first message ``aligned_question(text)``."""
+    return TOKENIZER.encode_chat([_system(), ChatMessage("user", aligned_question(text))])
+
+
+def _system() -> ChatMessage:
+    tools = Toolbox(ToolConfig(enabled=True), builtin_tools(None), ("free", "pro", "enterprise")).tools_for(
+        "pro", 0
+    )  # type: ignore[arg-type]
+    assert tools is not None
+    return ChatMessage("system", f"{DEFAULT_SYSTEM_PROMPT}\n\n{tools.system_text()}")
+
+
 def aligned_question(text: str) -> str:
     """``text`` padded so that the prompt of a new chat's first message is a whole number of the null
     engine's cycles: the engine's text at a position is its cycle's token there, so the answer then
     starts with the call (the prompt the orchestrator assembles: its system prompt, the tools, the
     question)."""
-    tools = Toolbox(ToolConfig(enabled=True), builtin_tools(None), ("free", "pro", "enterprise")).tools_for(
-        "pro", 0
-    )  # type: ignore[arg-type]
-    assert tools is not None
-    system = ChatMessage("system", f"{DEFAULT_SYSTEM_PROMPT}\n\n{tools.system_text()}")
+    system = _system()
     for pad in range(4 * CALL_TOKENS):
         question = text + " a" * pad
         if len(TOKENIZER.encode_chat([system, ChatMessage("user", question)])) % CALL_TOKENS == 0:
@@ -107,8 +116,9 @@ async def test_a_tool_call_is_a_stored_step_and_the_answer_goes_on_after_it(
     text = "".join(e.delta.text for e in run if e.HasField("delta"))
     # Both turns' prompts are charged (the second holds the first, its call and the result).
     usage = run[-2].usage
-    first_prompt = len(TOKENIZER.encode_chat([ChatMessage("user", "")])) + 1  # a lower bound of any prompt
-    assert usage.prompt_tokens > 2 * first_prompt and usage.completion_tokens == OPTIONS.max_tokens
+    first = len(aligned_prompt("What is 6 * 7?"))
+    second = first + CALL_TOKENS + len(TOKENIZER.user_turn_after_answer(result_text("42")))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (first + second, OPTIONS.max_tokens)
 
     # Any replica replays it from Cassandra, steps in place; the answer stored is the streamed text.
     with tool_mesh.replica(**TOOL_FLAGS) as other:
