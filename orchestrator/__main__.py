@@ -104,8 +104,10 @@ def assemble(
     late_ends = LateEnds(store, config.runs.store_deadline_s)
     moderator = create_moderator(config.moderation)
     toolbox = Toolbox(config.tools, builtin_tools(store), TIERS) if config.tools.enabled else None
-    deps = RelayDeps(store, moderator, config.runs, router, checkpoints, late_ends, toolbox, tokenizer)
     budgets = Budgets(store, config.budgets, usage_settled_after_s(config.runs))
+    deps = RelayDeps(
+        store, moderator, config.runs, router, checkpoints, late_ends, toolbox, tokenizer, budgets
+    )
     runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs), tokenizer.fingerprint)
     summary_config = config.summaries
     jobs = BackgroundJobs(summary_config.concurrency, summary_config.queue, summary_config.timeout_s)

@@ -61,6 +61,7 @@ from orchestrator import convert
 from orchestrator.config import RunConfig
 from orchestrator.errors import from_downstream, from_exception
 from orchestrator.metrics import METRICS
+from orchestrator.policy.admission import Budgets
 from orchestrator.policy.moderation import Moderator
 from orchestrator.router_client import GenerateStream, RouterClient, RouterError, continued
 from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints
@@ -143,6 +144,8 @@ class RelayDeps:
     # The orchestrator's own tools (None: off), and the tokenizer their results are encoded with.
     toolbox: Toolbox | None = None
     tokenizer: ChatTokenizer | None = None
+    # Where a turn after a tool step asks for the tokens of its prompt (beyond the run's reservation).
+    budgets: Budgets | None = None
 
     def tool_loop(self, first: router_pb2.GenerateStart, user_id: str, tier: str) -> ToolLoop | None:
         """The tool loop of a stored run whose first turn is ``first`` (None: it was offered no tools)."""
@@ -364,7 +367,11 @@ class Relay:
         self._decided = False
 
     async def _place_turn(self) -> None:
-        config = self.deps.config
+        """Places the turn after a step, once the user's budget has room for its prompt (the run's
+        reservation holds its first prompt and max_tokens)."""
+        config, budgets, tools = self.deps.config, self.deps.budgets, self.tools
+        if budgets is not None and tools is not None:
+            await budgets.check_more(tools.user_id, tools.tier, len(self.start.prompt_token_ids))
         self.stream = await self.deps.router.place(self.start, config.max_run_s, config.placement_timeout_s)
         self.prompt_tokens = len(self.start.prompt_token_ids)
         if self.stop_reason is not None:  # stopped while it was being placed

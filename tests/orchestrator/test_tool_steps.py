@@ -121,12 +121,29 @@ async def test_a_tool_call_is_a_stored_step_and_the_answer_goes_on_after_it(
     assert (usage.prompt_tokens, usage.completion_tokens) == (first + second, OPTIONS.max_tokens)
 
     # Any replica replays it from Cassandra, steps in place; the answer stored is the streamed text.
-    with tool_mesh.replica(**TOOL_FLAGS) as other:
+    with tool_mesh.replica(**TOOL_FLAGS, **FAST_REAPING) as other:
         replayed = await collect(connect(other.address, client.user).stream_run(run[0].started.run_id))
     assert [e for e in replayed if not e.HasField("delta")] == [e for e in run if not e.HasField("delta")]
     assert "".join(e.delta.text for e in replayed if e.HasField("delta")) == text
     messages = await client.call("ListMessages", chat_pb2.ListMessagesRequest(chat_id=chat.chat_id))
     assert messages.messages[0].content == text
+
+
+async def test_the_turn_after_a_step_needs_room_in_the_budget_for_its_prompt(
+    tool_mesh: Mesh, connect: Callable[..., ChatClient]
+) -> None:
+    """The run's reservation holds its first prompt and max_tokens; the next turn's prompt (the first,
+    the call, the result) is more, and a budget one token short of it ends the answer after the step."""
+    question = "Is 6 * 7 42?"
+    first = len(aligned_prompt(question))
+    second = first + CALL_TOKENS + len(TOKENIZER.user_turn_after_answer(result_text("42")))
+    budget = first + OPTIONS.max_tokens + second - 1
+    with tool_mesh.replica(**TOOL_FLAGS, **FAST_REAPING, budget_pro_tokens=budget) as replica:
+        client = connect(replica.address)
+        chat = await client.create_chat("a tight budget")
+        run = await collect(client.send(chat.chat_id, aligned_question(question), options=OPTIONS))
+    assert kinds(run) == ["started", "step_started", "step_result", "error"], kinds(run)
+    assert run[-1].error.code == "RESOURCE_EXHAUSTED" and "after a tool step" in run[-1].error.message
 
 
 async def test_a_replica_killed_at_a_tool_step_leaves_it_to_another_which_never_runs_it_again(
