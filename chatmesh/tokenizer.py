@@ -269,6 +269,27 @@ class ChatTokenizer:
         ids += self._markup_ids(skeleton)
         return ids
 
+    def user_turn_after_answer(self, content: str) -> list[int]:
+        """The ids that follow an assistant's answer to go on with a user turn holding ``content``, up to
+        the next answer's start: the template's end of the answer, the user turn (``content`` encoded
+        as text: it never yields a control token), and the assistant's header. A tool's result goes
+        back to the model so, after the tokens of the answer that called it."""
+        answer, user = (f"\x00{uuid.uuid4().hex}\x00" for _ in range(2))
+        skeleton = self._chat_template().render(
+            messages=[
+                {"role": "user", "content": "?"},
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": user},
+            ],
+            add_generation_prompt=True,
+            bos_token="",
+            eos_token="",
+        )
+        between, found, rest = skeleton.partition(answer)[2].partition(user)
+        if not found:
+            raise ValueError("the chat template dropped a message's content")
+        return [*self._markup_ids(between), *self.encode(content), *self._markup_ids(rest)]
+
     def _chat_template(self) -> Any:
         if self._template is None:
             raise NoChatTemplate(

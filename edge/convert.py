@@ -140,4 +140,11 @@ def event_json(event: chat_pb2.RunEvent) -> tuple[str, dict]:
             "message": event.error.message,
             "retry_after_ms": event.error.retry_after_ms,
         }
+    if kind == "step_started":
+        started = event.step_started
+        return kind, {"call_id": started.call_id, "tool": started.tool, "arguments": started.arguments}
+    if kind == "step_result":
+        result = event.step_result
+        outcome = chat_pb2.ToolOutcome.Name(result.outcome).removeprefix("TOOL_OUTCOME_").lower()
+        return kind, {"call_id": result.call_id, "tool": result.tool, "outcome": outcome, "text": result.text}
     return "unknown", {}

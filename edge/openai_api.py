@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.tool_format import ToolCall, ToolCallParser, Tools, parse_answer, result_text
 from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of
 from edge.client_gone import unless_client_leaves
@@ -29,16 +30,7 @@ from edge.orchestrator import RunStream
 from edge.schemas import ChatCompletionIn, ChatMessageIn
 from edge.sse import Item, TextEvent, compact_json, relay, sse_response
 from edge.structured_outputs import refused_constraint, response_format_proto
-from edge.tools import (
-    ToolCall,
-    ToolCallParser,
-    Tools,
-    calls_text,
-    parse_answer,
-    result_text,
-    tools_for,
-    with_tools_described,
-)
+from edge.tools import calls_text, tools_for, with_tools_described
 
 ROLES = {
     "system": chat_pb2.ROLE_SYSTEM,

@@ -14,8 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.tool_format import parse_answer
 from edge.errors import ApiError
-from edge.tools import parse_answer
 
 RESPONSE_PREFIX = "resp_"
 MESSAGE_PREFIX = "msg_"

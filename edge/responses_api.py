@@ -33,6 +33,7 @@ from starlette.routing import Route
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import REFUSED_BEFORE_ANSWER
+from chatmesh.tool_format import Tools
 from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of, idempotency_key_of
 from edge.client_gone import unless_client_leaves
@@ -47,7 +48,7 @@ from edge.response_record import ResponseRecord, response_not_found, run_id_of
 from edge.schemas import ResponseCreateIn
 from edge.sse import relay, sse_response
 from edge.structured_outputs import refused_constraint, text_format_proto
-from edge.tools import Tools, tools_for, with_tools_described
+from edge.tools import tools_for, with_tools_described
 
 # The orchestrator's field names for what the Responses API calls otherwise.
 _PARAMS = {

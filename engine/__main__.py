@@ -48,6 +48,7 @@ def build_engine(config: EngineConfig) -> ServedEngine:
         config.num_threads or None,
         config.null_tokens_per_s,
         config.tensor_parallel_size,
+        null_text=config.null_text,
     )
     engine = LLMEngine(config, runner, tokenizer, metrics=EngineMetrics())
     log.info(

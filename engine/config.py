@@ -52,6 +52,9 @@ class EngineConfig:
         1, "trtllm: split the layers over this many stages (TensorRT-LLM's pipeline_parallel_size)"
     )
     null_tokens_per_s: float = setting(50.0, "null backend: tokens per second per stream (0: unpaced)")
+    # Scripts the null backend's output (a tool call, for tests of tool steps that must not depend on a
+    # model choosing to call one); empty: its default text.
+    null_text: str = setting("", "null backend: the text its output cycles through (default: a pangram)")
     gpu_memory_fraction: float = setting(0.9, "trtllm: share of free GPU memory for the KV cache")
     triton_url: str = setting("127.0.0.1:8001", "triton: the Triton server's gRPC host:port")
     triton_model: str = setting("tensorrt_llm", "triton: name of the decoupled TensorRT-LLM model")

@@ -169,7 +169,7 @@ class Claim:
 
 @dataclass(frozen=True)
 class RunDelta:
-    """One text event of a run's output stream."""
+    """One event of a run's output stream: text, or a tool step (``step``)."""
 
     seq: int
     text: str
@@ -177,6 +177,8 @@ class RunDelta:
     # The output token ids the event covers (``token_count`` of them; empty where they were not kept):
     # a replica adopting the run resumes the generation from them.
     token_ids: tuple[int, ...] = ()
+    # A tool step's record (orchestrator/runs/tool_steps.py, JSON) where the event is one; no text then.
+    step: str = ""
 
 
 @dataclass(frozen=True)

@@ -128,13 +128,22 @@ STATEMENTS = {
     # Once a second per running answer: a span each would be most of a send's trace, and a third of
     # the write's CPU in the orchestrator.
     "run_checkpoint": Cql(
-        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, last_seq, checkpointed_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, steps, last_seq, checkpointed_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
         True,
         traced=False,
     ),
     "run_tail": Cql(
-        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids) VALUES (?, ?, ?, ?, ?)", True
+        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, steps) VALUES (?, ?, ?, ?, ?, ?)",
+        True,
+    ),
+    # A tool step, alone in its row: of two replicas that both think they own the run (one taken for
+    # dead, and its adopter), the first to store an event at that seq keeps it.
+    "run_step": Cql(
+        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, steps) VALUES (?, ?, ?, ?, ?, ?) "
+        "IF NOT EXISTS",
+        # Running it again leaves the first attempt's row, which the caller recognises.
+        idempotent=True,
     ),
     "run_finish": Cql(
         "UPDATE runs SET status = ?, finish_reason = ?, last_seq = ?, finished_at = ?, prompt_tokens = ?, "
@@ -148,7 +157,8 @@ STATEMENTS = {
     ),
     "run_get": Cql(f"SELECT {_RUN_STATE} FROM runs WHERE run_id = ? LIMIT 1", True),
     "run_read": Cql(
-        f"SELECT {_RUN_STATE}, first_seq, texts, token_counts, token_ids FROM runs WHERE run_id = ?", True
+        f"SELECT {_RUN_STATE}, first_seq, texts, token_counts, token_ids, steps FROM runs WHERE run_id = ?",
+        True,
     ),
     "owner_index_insert": Cql("INSERT INTO runs_by_owner (owner_id, bucket, run_id) VALUES (?, ?, ?)", True),
     "owner_index_delete": Cql(
@@ -231,14 +241,23 @@ def _deltas(rows: Sequence[Row], after_seq: int, upto_seq: int | None) -> list[R
         # A row's token ids are its events' ids end to end, split by their counts (none in older rows).
         ids = row.get("token_ids") or ()
         kept = len(ids) == sum(counts)
+        steps = row.get("steps") or ()
         start = 0
         for i, (text, tokens) in enumerate(zip(row["texts"] or (), counts, strict=True)):
             seq = row["first_seq"] + i
             fresh = not out or seq > out[-1].seq
             if fresh and seq > after_seq and (upto_seq is None or seq <= upto_seq):
-                out.append(RunDelta(seq, text, tokens, tuple(ids[start : start + tokens]) if kept else ()))
+                step = steps[i] if i < len(steps) else ""
+                out.append(
+                    RunDelta(seq, text, tokens, tuple(ids[start : start + tokens]) if kept else (), step)
+                )
             start += tokens
     return out
+
+
+def _steps(deltas: Sequence[RunDelta]) -> list[str] | None:
+    """A checkpoint row's step records, one per event ("" for text), None where it holds no step."""
+    return [d.step for d in deltas] if any(d.step for d in deltas) else None
 
 
 def _token_ids(deltas: Sequence[RunDelta]) -> list[int] | None:
@@ -491,6 +510,22 @@ class RunsMixin(MessagesMixin, UsageMixin):
         writes = [self._checkpoint(run, deltas) for run, deltas in checkpoints]
         return await self._db.write_unlogged(writes, self._config.max_batch_bytes, CHECKPOINT_BATCH_RUNS)
 
+    async def store_step(self, run: Run, step: RunDelta) -> str:
+        """Stores a tool step event (``step.step``, its record, and the tokens of the call it holds)
+        in a row of its own unless an event is stored at its seq already; returns the record the event
+        at that seq holds: ``step.step`` if it is this one, another step's, or "" (a text event). The
+        caller's pending events before it must be stored first (``checkpoint_run``)."""
+        if not step.step or step.text:
+            raise InvalidArgument("a step event holds a step record and no text")
+        self._check_deltas([step])
+        run_key = parse_id(run.run_id, "run id")
+        params = (run_key, step.seq, [""], [step.token_count], _token_ids([step]), [step.step])
+        row = await self._contended("run_step", params)
+        if row["[applied]"]:
+            return step.step
+        steps = row.get("steps") or ()
+        return steps[0] if steps else ""
+
     def _checkpoint(self, run: Run, deltas: Sequence[RunDelta]) -> Write:
         first_seq = self._check_deltas(deltas)
         if first_seq is None:
@@ -505,6 +540,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                 [d.text for d in deltas],
                 [d.token_count for d in deltas],
                 _token_ids(deltas),
+                _steps(deltas),
                 last_seq,
                 now(),
                 id_micros(run_key) + last_seq,
@@ -526,6 +562,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             if delta.token_ids and len(delta.token_ids) != delta.token_count:
                 raise InvalidArgument("an event's token ids must number its token count")
             text_bytes += len(delta.text) if delta.text.isascii() else len(delta.text.encode())
+            text_bytes += len(delta.step)
         if text_bytes > self.bounds.max_checkpoint_bytes:
             raise InvalidArgument(
                 f"a checkpoint holds at most {self.bounds.max_checkpoint_bytes} bytes of text"
@@ -582,7 +619,10 @@ class RunsMixin(MessagesMixin, UsageMixin):
         if first_seq is not None:
             texts = [d.text for d in outcome.tail]
             counts = [d.token_count for d in outcome.tail]
-            statements.append(("run_tail", (run_key, first_seq, texts, counts, _token_ids(outcome.tail))))
+            tail = outcome.tail
+            statements.append(
+                ("run_tail", (run_key, first_seq, texts, counts, _token_ids(tail), _steps(tail)))
+            )
         applied = (await self._db.execute_batch(statements))[0]["[applied]"]
         if applied and output is not None:
             final = _finished(run, outcome, finished_at)

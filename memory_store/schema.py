@@ -239,6 +239,14 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE runs ADD IF NOT EXISTS charge_id timeuuid static",
         ),
     ),
+    Migration(
+        8,
+        "runs: tool steps among their output events",
+        (
+            # orchestrator/runs/tool_steps.py: per event of a checkpoint row, its step record or "".
+            "ALTER TABLE runs ADD IF NOT EXISTS steps frozen<list<text>>",
+        ),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

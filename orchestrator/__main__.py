@@ -23,6 +23,7 @@ from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, compl
 from chatmesh.identity import TokenVerifier
 from chatmesh.limits import Generation
 from chatmesh.model_files import bundled_model_path, model_context_length
+from chatmesh.tiers import TIERS
 from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
 from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
@@ -40,6 +41,7 @@ from orchestrator.runs.context import RunContext
 from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.runs.relay import RelayDeps, usage_settled_after_s
+from orchestrator.tools.toolbox import Toolbox, builtin_tools
 from orchestrator.upkeep.after_runs import Upkeep
 from orchestrator.upkeep.jobs import BackgroundJobs
 from orchestrator.upkeep.replica import Replica
@@ -101,8 +103,11 @@ def assemble(
     )
     late_ends = LateEnds(store, config.runs.store_deadline_s)
     moderator = create_moderator(config.moderation)
-    deps = RelayDeps(store, moderator, config.runs, router, checkpoints, late_ends)
+    toolbox = Toolbox(config.tools, builtin_tools(store), TIERS) if config.tools.enabled else None
     budgets = Budgets(store, config.budgets, usage_settled_after_s(config.runs))
+    deps = RelayDeps(
+        store, moderator, config.runs, router, checkpoints, late_ends, toolbox, tokenizer, budgets
+    )
     runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs), tokenizer.fingerprint)
     summary_config = config.summaries
     jobs = BackgroundJobs(summary_config.concurrency, summary_config.queue, summary_config.timeout_s)

@@ -90,6 +90,45 @@ class SummaryConfig:
     timeout_s: float = 120.0
 
 
+@dataclass(frozen=True)
+class ToolConfig:
+    """The tools the orchestrator runs itself in stored chats (docs/tools.md)."""
+
+    enabled: bool = setting(
+        False, "let stored chats' answers call the orchestrator's own tools", flag="tools"
+    )
+    # Comma-separated tool names per tier; a tool not listed is neither described to the model nor run.
+    allowed: dict[str, str] = setting(
+        default_factory=lambda: {
+            "free": "calculator,clock",
+            "pro": "calculator,clock,search_chats",
+            "enterprise": "calculator,clock,search_chats",
+        },
+        help="tools a {key} user's answers may call (comma-separated)",
+        flag="tools-{key}",
+        per=TIERS,
+    )
+    timeout_s: float = setting(
+        5.0, "a tool call taking longer is cancelled (the model sees a timeout)", flag="tool-timeout-s"
+    )
+    max_steps: int = setting(
+        4, "tool steps one answer may take; then it answers in text", flag="tool-max-steps"
+    )
+    max_result_chars: int = setting(
+        4000, "a tool result longer than this is cut (and says so)", flag="tool-max-result-chars"
+    )
+
+    def allowed_for(self, tier: str) -> tuple[str, ...]:
+        return tuple(name.strip() for name in self.allowed.get(tier, "").split(",") if name.strip())
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.max_steps < 1 or self.max_result_chars < 64:
+            raise ValueError(
+                "--tool-timeout-s must be positive, --tool-max-steps at least 1 and "
+                "--tool-max-result-chars at least 64"
+            )
+
+
 # A start lease is one replica's clock read by another's, and a write sent as its deadline passed may
 # still land (within Cassandra's own write timeout, 2 s by default): what a start lease leaves beyond
 # the deadlines of its holder's steps.
@@ -205,6 +244,7 @@ class OrchestratorConfig:
     summaries: SummaryConfig = nested(SummaryConfig)
     runs: RunConfig = nested(RunConfig)
     moderation: ModerationConfig = nested(ModerationConfig)
+    tools: ToolConfig = nested(ToolConfig)
     identity: IdentityConfig = nested(IdentityConfig)
 
     def __post_init__(self) -> None:

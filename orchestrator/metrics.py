@@ -118,6 +118,18 @@ class OrchestratorMetrics(ComponentMetrics):
         self.router_failovers = self.counter(
             "router_failovers_total", "Answers that went on through another router after theirs failed"
         )
+        self.tool_calls = self.counter(
+            "tool_calls_total",
+            "Calls of the orchestrator's own tools, by tool and outcome (ok, error, timeout, refused; "
+            "interrupted: found started after its replica was lost, never run again)",
+            ["tool", "outcome"],
+        )
+        self.tool_duration = self.histogram(
+            "tool_duration_seconds",
+            "How long a tool call ran, whatever its outcome",
+            ["tool"],
+            _LATENCY_BUCKETS,
+        )
         self.subscribers = self.gauge("run_subscribers", "Streams attached to runs on this replica")
         self.stream_interval = self.gauge(
             "stream_interval_seconds",

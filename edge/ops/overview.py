@@ -134,6 +134,22 @@ def budgets(rounds: Sequence[Round]) -> dict:
     }
 
 
+def tools(last: Round) -> list[dict]:
+    """One row per tool the orchestrators run (docs/tools.md): its calls by outcome, and their mean
+    duration (None before the first)."""
+    rows: dict[str, dict] = {}
+    for _, labels, value in last.series("chatmesh_orchestrator_tool_calls_total"):
+        named = dict(labels)
+        calls = rows.setdefault(named["tool"], {"tool": named["tool"], "calls": defaultdict(float)})["calls"]
+        calls[named["outcome"]] += value
+    seconds = by_label(last, "chatmesh_orchestrator_tool_duration_seconds_sum", "tool")
+    timed = by_label(last, "chatmesh_orchestrator_tool_duration_seconds_count", "tool")
+    for tool, row in rows.items():
+        row["calls"] = dict(row["calls"])
+        row["mean_s"] = seconds[tool] / timed[tool] if timed.get(tool) else None
+    return sorted(rows.values(), key=lambda row: row["tool"])
+
+
 def overview(rounds: Sequence[Round], targets: dict[str, str]) -> dict:
     """The page's whole JSON: ``targets`` are the scraped endpoints by name."""
     if not rounds:
@@ -157,4 +173,5 @@ def overview(rounds: Sequence[Round], targets: dict[str, str]) -> dict:
         "router": router(rounds),
         "latency": latency(rounds),
         "budgets": budgets(rounds),
+        "tools": tools(last),
     }

@@ -136,6 +136,18 @@ function drawBudgets(budgets, shed) {
   }
 }
 
+function drawTools(tools) {
+  const body = $("#tools tbody");
+  body.replaceChildren();
+  for (const tool of tools) {
+    const row = body.insertRow();
+    row.dataset.tool = tool.tool;
+    cell(row, tool.tool);
+    cell(row, pairs(tool.calls), "calls");
+    cell(row, tool.mean_s === null ? "" : `${(tool.mean_s * 1000).toFixed(1)} ms`, "mean");
+  }
+}
+
 function drawTargets(targets) {
   $("#targets").replaceChildren(
     ...targets.map((t) => {
@@ -163,6 +175,7 @@ async function refresh() {
     drawChart($("#chart-ttft"), view.latency.ttft);
     drawChart($("#chart-tpot"), view.latency.tpot);
     drawBudgets(view.budgets, view.router.shed);
+    drawTools(view.tools);
     drawTargets(view.targets);
   } catch (error) {
     showBanner(error.message);

@@ -33,6 +33,7 @@ def create_runner(
     num_threads: int | None = None,
     null_tokens_per_s: float = 0.0,
     tensor_parallel_size: int = 1,
+    null_text: str = "",
 ) -> ModelRunner:
     """The runner for ``backend`` serving ``model_path`` (whose tokenizer is ``tokenizer``).
     ``num_threads``: compute threads per rank (default: this process's CPUs shared among the ranks)."""
@@ -73,5 +74,5 @@ def create_runner(
             vocab_size=tokenizer.vocab_size,
             context_length=NULL_CONTEXT_LENGTH,
         )
-        return NullModelRunner(spec, tokenizer.encode(NULL_TEXT), null_tokens_per_s)
+        return NullModelRunner(spec, tokenizer.encode(null_text or NULL_TEXT), null_tokens_per_s)
     raise ValueError(f"unknown backend {backend!r}: expected cpu, cuda or null")

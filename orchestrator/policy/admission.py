@@ -136,18 +136,28 @@ class Budgets:
             )
         async with self._user_lock(identity.user_id):
             if limit:
-                window = await self.window(identity.user_id)
-                used = window.usage.total_tokens
-                if used + estimate.total_tokens > limit:
-                    METRICS.budget_rejections.labels(identity.tier, "tokens").inc()
-                    wait_s = (window.end - datetime.now(UTC)).total_seconds()
-                    raise exhausted(
-                        f"token budget spent: {used} of {limit} tokens used in this window and this "
-                        f"request may use {estimate.total_tokens}; the budget resets at "
-                        f"{window.end.isoformat()}",
-                        wait_s,
-                    )
+                await self._check_room(
+                    identity.user_id, identity.tier, limit, estimate.total_tokens, "this request"
+                )
             await self._store.record_usage(identity.user_id, charge_id, estimate)
+
+    async def check_more(self, user_id: str, tier: str, tokens: int) -> None:
+        """Refuses (RESOURCE_EXHAUSTED) ``tokens`` more than a running answer reserved (the prompt of
+        its turn after a tool step, docs/tools.md) when the user's window has no room for them."""
+        if limit := self.limit(tier):
+            await self._check_room(user_id, tier, limit, tokens, "the answer's turn after a tool step")
+
+    async def _check_room(self, user_id: str, tier: str, limit: int, tokens: int, what: str) -> None:
+        window = await self.window(user_id)
+        used = window.usage.total_tokens
+        if used + tokens > limit:
+            METRICS.budget_rejections.labels(tier, "tokens").inc()
+            wait_s = (window.end - datetime.now(UTC)).total_seconds()
+            raise exhausted(
+                f"token budget spent: {used} of {limit} tokens used in this window and {what} may use "
+                f"{tokens}; the budget resets at {window.end.isoformat()}",
+                wait_s,
+            )
 
     async def release(self, user_id: str, charge_id: str) -> None:
         """Returns a reservation whose run never started."""

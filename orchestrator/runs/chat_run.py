@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import enum
 import hashlib
 import time
@@ -17,9 +18,11 @@ from typing import TypeVar
 from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import REFUSED_BEFORE_ANSWER, invalid, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
+from chatmesh.tokenizer import ChatMessage
 from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import Chat, Claim, Message, Run, RunStatus
 from orchestrator.config import LEASE_SKEW_S
@@ -72,6 +75,13 @@ class ChatRun(AnswerRun):
                 "options.logprobs", "logprobs are served on Complete only (stored answers keep none)"
             )
         self.ctx = ctx
+        # The orchestrator's own tools this answer is offered (docs/tools.md): not with a constraint of
+        # the caller's, which the tools' grammar would replace.
+        toolbox = ctx.runs.deps.toolbox
+        self.tools = toolbox.tools_for(identity.tier, 0) if toolbox and options.structured is None else None
+        if self.tools is not None:
+            grammar = self.tools.constraint().grammar
+            options = dataclasses.replace(options, structured=engine_pb2.StructuredOutput(grammar=grammar))
         self.options = options
         # A request without a key is its own run: only retries that carry a key can join.
         self._key = key or f"auto:{uuid.uuid4().hex}"
@@ -180,6 +190,14 @@ class ChatRun(AnswerRun):
             with contextlib.suppress(MemoryStoreError, TimeoutError):
                 await self.ctx.store.release_start_lease(self.identity.user_id, self._key, self._lease)
 
+    def system_turns(self, instructions: str = "") -> list[ChatMessage] | None:
+        """The prompt's system turn: ``instructions`` or the configured system prompt (None), with the
+        tools offered described after it."""
+        if self.tools is None:
+            return [ChatMessage("system", instructions)] if instructions else None
+        base = instructions or self.ctx.config.prompt.system_prompt
+        return [ChatMessage("system", f"{base}\n\n{self.tools.system_text()}")]
+
     def run_info(self, claim: Claim, chat_id: str, user_message_id: str = "") -> RunInfo:
         return RunInfo(
             run_id=claim.run_id,
@@ -188,6 +206,7 @@ class ChatRun(AnswerRun):
             kind=self.kind,
             model=self.options.model,
             max_tokens=self.options.max_tokens,
+            max_tool_steps=self.ctx.config.tools.max_steps if self.tools is not None else 0,
             chat_id=chat_id,
             user_message_id=user_message_id,
             assistant_message_id=claim.assistant_message_id,

@@ -46,6 +46,22 @@ class RunCheckpoints:
         if len(self.pending) == self._writer.every_events:
             self._writer.wake()
 
+    async def store_now(self, within_s: float) -> bool:
+        """Stores every pending delta now, in order, retrying for ``within_s``: whether all landed. A tool
+        step is stored so before its tool runs (docs/tools.md). The writer's passes leave the run alone
+        meanwhile (after one writing it lands), so no delta is written by both."""
+        await self._writer.forget(self)
+        try:
+            deadline = time.monotonic() + within_s
+            while self.pending:
+                if time.monotonic() >= deadline:
+                    return False
+                if not await self._writer.write([self]):
+                    await asyncio.sleep(FLUSH_RETRY_S)
+            return True
+        finally:
+            self._writer.resume(self)
+
     async def close(self, flush_within_s: float = 0.0) -> list[RunDelta]:
         """Stops writing the run (after a write of it in flight lands) and returns the deltas not yet
         stored. With ``flush_within_s``, it first stores them, retrying for that long (a run handed to
@@ -81,6 +97,10 @@ class CheckpointWriter:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def resume(self, checkpoints: RunCheckpoints) -> None:
+        """Writes a run again that ``forget`` left (``RunCheckpoints.store_now``)."""
+        self._runs.add(checkpoints)
 
     async def forget(self, checkpoints: RunCheckpoints) -> None:
         """Writes no more of a run, once a pass writing it has landed."""

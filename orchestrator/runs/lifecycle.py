@@ -36,6 +36,7 @@ from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import tier_of_proto
+from chatmesh.tool_format import ToolCall
 from memory_store.errors import MemoryStoreError, NotFound, OwnerChanged
 from memory_store.ids import new_id
 from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
@@ -51,6 +52,7 @@ from orchestrator.runs import replay
 from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd, Stop
+from orchestrator.runs.tool_steps import ToolLoop, result_of, result_record, step_event
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -278,7 +280,8 @@ class Runs:
         info = admission.info
         live = LiveRun(info, self.config.max_subscribers_per_run, self.pacer)
         live.append(started=_started(info))
-        relay = Relay(self.deps, live, admission.stream, admission.start, stored_run, run.arrived_at)
+        tools = self.deps.tool_loop(admission.start, info.user_id, info.tier) if stored_run else None
+        relay = Relay(self.deps, live, admission.stream, admission.start, stored_run, run.arrived_at, tools)
         run.live = live
         run.started.set_result(info.run_id)
         try:
@@ -337,6 +340,11 @@ class Runs:
             raise
         try:
             start = _generation(run, output)
+            tier = tier_of_proto(start.tier).name
+            tools = self.deps.tool_loop(start, run.user_id, tier)
+            if tools is None and any(delta.step for delta in output):
+                raise ValueError("it took tool steps, and this replica runs no tools (--tools)")
+            frame, turn_ids, pending = tools.replay(output) if tools else (start, _token_ids(output), None)
         except ValueError as exc:
             log.warning("run %s cannot be continued (%s); interrupting it", run.run_id, exc)
             await self.store.finish_run(run, _interrupted(run.last_seq))
@@ -345,10 +353,11 @@ class Runs:
         info = RunInfo(
             run_id=run.run_id,
             user_id=run.user_id,
-            tier=tier_of_proto(start.tier).name,
+            tier=tier,
             kind="send" if run.user_message_id else "regenerate",
             model=run.model,
             max_tokens=start.sampling.max_tokens,
+            max_tool_steps=tools.toolbox.config.max_steps if tools else 0,
             chat_id=run.chat_id,
             user_message_id=run.user_message_id or "",
             assistant_message_id=run.assistant_message_id,
@@ -356,10 +365,22 @@ class Runs:
         live = LiveRun(info, self.config.max_subscribers_per_run, self.pacer)
         live.append(started=_started(info))
         for delta in output:
-            live.append_delta(delta.text, delta.token_count)
-        frame = continued(start, [token for delta in output for token in delta.token_ids])
+            if delta.step:
+                live.append(**step_event(delta.step))
+            else:
+                live.append_delta(delta.text, delta.token_count)
         self._live[info.run_id] = live
-        self._task(self._continue_adopted(run, live, frame), "adopted-run")
+        if pending is not None and tools is not None:
+            # Found started, never finished: the tool may have run; it is never run again.
+            try:
+                frame, turn_ids = await self._interrupted_step(run, live, tools, pending, frame, turn_ids)
+            except ValueError as exc:
+                log.warning("run %s cannot be continued (%s); interrupting it", run.run_id, exc)
+                self._live.pop(run.run_id, None)
+                await self.store.finish_run(run, _interrupted(live.last_seq))
+                return False
+        frame = continued(frame, turn_ids)
+        self._task(self._continue_adopted(run, live, frame, tools), "adopted-run")
         log.warning(
             "run %s of replica %s adopted here at event %d (%d tokens)",
             run.run_id,
@@ -369,7 +390,42 @@ class Runs:
         )
         return True
 
-    async def _continue_adopted(self, run: Run, live: LiveRun, frame: router_pb2.GenerateStart) -> None:
+    async def _interrupted_step(
+        self,
+        run: Run,
+        live: LiveRun,
+        tools: ToolLoop,
+        call: ToolCall,
+        frame: router_pb2.GenerateStart,
+        turn_ids: list[int],
+    ) -> tuple[router_pb2.GenerateStart, list[int]]:
+        """Stores an "interrupted" result for a step an adopted run's lost replica started and never
+        finished; returns the next turn's request and its (empty) output. If the result cannot be
+        stored, the run is given back, for a later pass to adopt again."""
+        record = result_record(tools.toolbox.interrupted(call))
+        try:
+            async with asyncio.timeout(self.config.store_deadline_s):
+                stored = await self.store.store_step(run, RunDelta(live.last_seq + 1, "", 0, (), record))
+        except BaseException:
+            self._live.pop(run.run_id, None)
+            with contextlib.suppress(MemoryStoreError, TimeoutError):
+                await self.store.adopt_run(run, run.owner_id)  # no-op unless it is still ours
+            raise
+        # The lost replica's own result, if it was stored first (it was only paused).
+        result = result_of(stored)
+        if result is None or result.call_id != call.id:
+            raise ValueError(f"the event after step {call.id} is no result of it")
+        live.append(**step_event(stored))
+        prompt = len(frame.prompt_token_ids)
+        completion = tools.earlier.completion_tokens + len(turn_ids)
+        following = tools.next_turn(turn_ids, Usage(prompt, 0, len(turn_ids)), result, completion)
+        if following is None:
+            raise ValueError("its answer has no tokens left after its last tool step")
+        return following, []
+
+    async def _continue_adopted(
+        self, run: Run, live: LiveRun, frame: router_pb2.GenerateStart, tools: ToolLoop | None
+    ) -> None:
         """Places an adopted run again and relays it to its end; one no router will place is ended as
         interrupted with its checkpointed output (it is this replica's: nobody else would end it)."""
         try:
@@ -388,7 +444,7 @@ class Runs:
             with contextlib.suppress(MemoryStoreError, TimeoutError):
                 await self.store.finish_run(run, _interrupted(live.last_seq))
             return
-        relay = Relay(self.deps, live, stream, frame, run, time.monotonic())
+        relay = Relay(self.deps, live, stream, frame, run, time.monotonic(), tools)
         stop = self._stop_when_placed.pop(run.run_id, None)
         if stop is not None:
             relay.stop(stop)  # its end is stored as any stopped run's
@@ -630,6 +686,10 @@ def _generation(run: Run, output: list[RunDelta]) -> router_pb2.GenerateStart:
         return router_pb2.GenerateStart.FromString(run.generation)
     except DecodeError:
         raise ValueError("its stored generation does not parse") from None
+
+
+def _token_ids(output: list[RunDelta]) -> list[int]:
+    return [token for delta in output for token in delta.token_ids]
 
 
 def _started(info: RunInfo) -> chat_pb2.RunStarted:

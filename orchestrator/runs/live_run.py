@@ -1,7 +1,7 @@
 """A run in memory on the replica generating it: its events in order, and the streams following them.
 
-Events are numbered from 1 (``started``), then ``delta``s, then ``usage`` and ``done`` (or one
-``error``). The buffer is append-only and bounded by the run's ``max_tokens``: at most one delta per
+Events are numbered from 1 (``started``), then ``delta``s (and tool steps among them, docs/tools.md),
+then ``usage`` and ``done`` (or one ``error``). The buffer is append-only and bounded by the run's ``max_tokens``: at most one delta per
 token, and one more for the text the engine held back (the start of a stop string, part of a
 character) and flushed when the answer ended. A delta past that bound is refused, never the end: room
 for it is kept, so followers always get it. Any follower can start from any sequence number. Followers read it at their own pace: the
@@ -41,8 +41,10 @@ from orchestrator.metrics import METRICS
 _FRAME_EVENTS = 3
 # Those after the last delta, for which a delta always leaves room.
 _END_EVENTS = 2
-# Deltas that carry no token: the held-back text an engine flushes at the end.
+# Deltas that carry no token: the held-back text an engine flushes at the end (of each model turn).
 _FLUSHED_DELTAS = 1
+# The events of a tool step: started, result.
+_STEP_EVENTS = 2
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class RunInfo:
     assistant_message_id: str = ""
     # The router placed it in a cheaper model's pool (free tier under load); ``model`` is that model.
     degraded: bool = False
+    # Tool steps its answer may take (docs/tools.md): each adds two events, and a turn's flushed text.
+    max_tool_steps: int = 0
 
     @property
     def stored(self) -> bool:
@@ -70,7 +74,8 @@ class LiveRun:
     def __init__(self, info: RunInfo, max_subscribers: int, pacer: StreamPacer) -> None:
         self.info = info
         self.pacer = pacer
-        self.max_events = info.max_tokens + _FLUSHED_DELTAS + _FRAME_EVENTS
+        steps = info.max_tool_steps * (_STEP_EVENTS + _FLUSHED_DELTAS)
+        self.max_events = info.max_tokens + _FLUSHED_DELTAS + _FRAME_EVENTS + steps
         self.max_subscribers = max_subscribers
         # The events in order: a delta as (text, token count), any other kind as its RunEvent.
         self._events: list[chat_pb2.RunEvent | tuple[str, int]] = []

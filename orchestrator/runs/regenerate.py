@@ -55,7 +55,9 @@ class RegenerateRun(ChatRun):
         # 2. The prompt: the branch up to the question, after the summary, fitted to the window.
         question_id = answer.parent_id
         history = await self.ctx.prompter.history(user, chat_id, question_id)
-        prompt = self.ctx.prompter.continue_branch(history, self.options, [], "message_id")
+        prompt = self.ctx.prompter.continue_branch(
+            history, self.options, [], "message_id", system=self.system_turns()
+        )
         info = self.run_info(claim, chat_id)
         # 3. Admission, then the run persisted (the question is stored already).
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:

@@ -26,6 +26,10 @@ When this replica shuts down (or finds another replica adopted the run while it 
 does not end the run: it hands it over. Its output is checkpointed, the router told to stop, and the
 streams attached here end with UNAVAILABLE, to resume (after_seq) where the run goes on.
 
+A run offered the orchestrator's own tools (``tool_steps.py``, docs/tools.md) may end a model turn with
+a tool call: its "step started" event is stored before the tool runs, its "step result" after, and the
+next turn goes on as a new generation of the same run, its events numbered on.
+
 An end that cannot be stored for ``finish_retry_s`` (Cassandra unreachable all that while) ends the
 streams with UNAVAILABLE, and this replica stores it later, as they were told (``late_ends.py``).
 """
@@ -48,6 +52,8 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, unavailable
 from chatmesh.router.v1 import router_pb2
 from chatmesh.token_text import token_pieces
+from chatmesh.tokenizer import ChatTokenizer
+from chatmesh.tool_format import ToolCall
 from memory_store.errors import MemoryStoreError, OwnerChanged, Unavailable
 from memory_store.models import FinishedRun, FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
 from memory_store.store import MemoryStore
@@ -55,12 +61,22 @@ from orchestrator import convert
 from orchestrator.config import RunConfig
 from orchestrator.errors import from_downstream, from_exception
 from orchestrator.metrics import METRICS
+from orchestrator.policy.admission import Budgets
 from orchestrator.policy.moderation import Moderator
 from orchestrator.router_client import GenerateStream, RouterClient, RouterError, continued
 from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints
 from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.live_run import LiveRun
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
+from orchestrator.runs.tool_steps import (
+    ToolLoop,
+    call_of,
+    result_of,
+    result_record,
+    started_record,
+    step_event,
+)
+from orchestrator.tools.toolbox import Toolbox
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +141,25 @@ class RelayDeps:
     router: RouterClient
     checkpoints: CheckpointWriter
     late_ends: LateEnds
+    # The orchestrator's own tools (None: off), and the tokenizer their results are encoded with.
+    toolbox: Toolbox | None = None
+    tokenizer: ChatTokenizer | None = None
+    # Where a turn after a tool step asks for the tokens of its prompt (beyond the run's reservation).
+    budgets: Budgets | None = None
+
+    def tool_loop(self, first: router_pb2.GenerateStart, user_id: str, tier: str) -> ToolLoop | None:
+        """The tool loop of a stored run whose first turn is ``first`` (None: it was offered no tools)."""
+        if self.toolbox is None or self.tokenizer is None:
+            return None
+        return ToolLoop.of(self.toolbox, self.tokenizer, first, user_id, tier)
+
+
+def _usage_of(finished) -> Usage | None:
+    """A turn's usage as its router counted it."""
+    if finished is None or not finished.HasField("usage"):
+        return None
+    u = finished.usage
+    return Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens)
 
 
 class Relay:
@@ -136,9 +171,11 @@ class Relay:
         start: router_pb2.GenerateStart,
         stored_run: Run | None,
         arrived_at: float,
+        tools: ToolLoop | None = None,
     ) -> None:
         """``start`` is the request ``stream`` was opened with: its ``resumed_output_token_ids`` are the
-        output ``live`` already holds (an adopted run's checkpointed deltas)."""
+        output of its turn ``live`` already holds (an adopted run's checkpointed deltas). ``tools``: the
+        run's tool loop, where its turns may call the orchestrator's tools."""
         self.deps = deps
         self.live = live
         self.stream = stream
@@ -146,6 +183,12 @@ class Relay:
         self.prompt_tokens = len(start.prompt_token_ids)
         self.stored_run = stored_run
         self.arrived_at = arrived_at
+        self.tools = tools
+        # A turn offered tools whose text begins as a call does (its grammar lets text begin with
+        # anything else) is held back here to its end: a call is a step, its text never an answer's.
+        self._call_text: list[str] | None = None
+        # Whether the current turn's first text came (it decides; an adopted turn with output is text).
+        self._decided = bool(start.resumed_output_token_ids)
         who = f"user {live.info.user_id}, run {live.info.run_id}"
         self.screen = deps.moderator.output_screen(who)
         # Patterns may straddle the resumption point: the screen first sees what is already out.
@@ -153,8 +196,8 @@ class Relay:
             self.screen.check(resumed_text)
         # Set when the run must stop early; no output is emitted after it.
         self.stop_reason: Stop | None = None
-        # Every output token so far (4 bytes each; a list of ints would take 36), and those not yet
-        # carried by a delta (their text is held back).
+        # Every output token of the current turn so far (4 bytes each; a list of ints would take 36),
+        # and those not yet carried by a delta (their text is held back).
         self._output_ids = array("I", start.resumed_output_token_ids)
         self._unsent_ids: list[int] = []
         self._unsent_logprobs: list[chat_pb2.TokenLogprob] = []
@@ -191,32 +234,19 @@ class Relay:
         error: ServiceError | None = None
         try:
             async with asyncio.timeout(self.deps.config.max_run_s):
-                for failover in range(MAX_ROUTER_FAILOVERS + 1):
-                    if failover:
-                        METRICS.router_failovers.inc()
-                        await self._continue_elsewhere()
-                    try:
-                        async for frame in self.stream.frames(self._relay_tokens):
-                            if frame.WhichOneof("kind") == "finished":
-                                finished = frame.finished
-                                self._emit(finished.text, ())
-                    except RouterError as exc:
-                        if self.stop_reason is not None:
-                            break
-                        if exc.error.code not in _ROUTER_LOST or failover == MAX_ROUTER_FAILOVERS:
-                            raise
-                        log.warning(
-                            "run %s: its router failed (%s); going on through another",
-                            self.live.info.run_id,
-                            exc.error,
-                        )
-                        continue
-                    if finished is not None or self.stop_reason is not None:
+                while True:
+                    finished = await self._turn()
+                    call = self._tool_call(finished)
+                    if call is None:
                         break
-                    log.warning(
-                        "run %s: its router ended the stream early; going on through another",
-                        self.live.info.run_id,
-                    )
+                    start = await self._step(call, finished)
+                    if start is None:
+                        break  # no tokens left for another turn: the answer ends with the result
+                    finished = None  # the turn is counted in the tool loop's usage
+                    self._begin_turn(start)
+                    if self.stop_reason is not None:
+                        break
+                    await self._place_turn()
         except RouterError as exc:
             if self.stop_reason is None:
                 error = from_downstream(exc.error, "the router")
@@ -237,6 +267,115 @@ class Relay:
         finally:
             METRICS.active_runs.dec()
             self._ended.set()
+
+    async def _turn(self):
+        """Relays one model turn's frames; returns its ``finished`` frame (None if it stopped early)."""
+        finished = None
+        for failover in range(MAX_ROUTER_FAILOVERS + 1):
+            if failover:
+                METRICS.router_failovers.inc()
+                await self._continue_elsewhere()
+            try:
+                async for frame in self.stream.frames(self._relay_tokens):
+                    if frame.WhichOneof("kind") == "finished":
+                        finished = frame.finished
+                        self._emit(finished.text, ())
+            except RouterError as exc:
+                if self.stop_reason is not None:
+                    break
+                if exc.error.code not in _ROUTER_LOST or failover == MAX_ROUTER_FAILOVERS:
+                    raise
+                log.warning(
+                    "run %s: its router failed (%s); going on through another",
+                    self.live.info.run_id,
+                    exc.error,
+                )
+                continue
+            if finished is not None or self.stop_reason is not None:
+                break
+            log.warning(
+                "run %s: its router ended the stream early; going on through another", self.live.info.run_id
+            )
+        return finished
+
+    # -- tool steps -----------------------------------------------------------------------------
+
+    def _tool_call(self, finished) -> ToolCall | None:
+        """The tool call the turn ended with, where its run has tools and it may call one."""
+        if self.tools is None or finished is None or self.stop_reason is not None:
+            return None
+        if self._call_text is None:
+            return None
+        stopped = finished.finish_reason == engine_pb2.FINISH_REASON_STOP
+        call = self.tools.call_in("".join(self._call_text), stopped)
+        if call is None:  # not a call after all (cut by max_tokens): it is text
+            held, self._call_text = "".join(self._call_text), None
+            self._emit(held, ())
+        return call
+
+    async def _step(self, call: ToolCall, finished) -> router_pb2.GenerateStart | None:
+        """Stores the step started, runs the tool, stores its result: the next turn's request (None
+        when the answer has no tokens left). The tool runs only once its step is stored as this
+        replica's; a step another replica stored first (this one was taken for dead meanwhile) is left
+        to it: the result here is "interrupted", unless that replica's result is stored first."""
+        assert self.tools is not None and self.stored_run is not None
+        mine = started_record(call, self.stored_run.owner_id)
+        # The call's tokens go with its step (its text is in no delta): an adopter rebuilds from them.
+        call_ids, self._unsent_ids = tuple(self._unsent_ids), []
+        stored = await self._store_step(mine, call_ids)
+        if stored == mine:
+            result = await self.tools.run(call)
+        elif (call_of(stored) or call).id == call.id:
+            result = self.tools.toolbox.interrupted(call)
+        else:
+            raise unavailable("this answer's events diverged from those stored; resume it", 1.0)
+        kept = result_of(await self._store_step(result_record(result)))
+        if kept is None or kept.call_id != call.id:
+            raise unavailable("this answer's events diverged from those stored; resume it", 1.0)
+        result = kept  # ours, or the result the replica that ran the tool stored first
+        usage = _usage_of(finished) or Usage(self.prompt_tokens, 0, len(self._output_ids))
+        completion = self.tools.earlier.completion_tokens + usage.completion_tokens
+        return self.tools.next_turn(self._output_ids, usage, result, completion)
+
+    async def _store_step(self, record: str, token_ids: tuple[int, ...] = ()) -> str:
+        """Stores a step event (after every event before it), then publishes it; returns the record
+        stored at its seq: ``record``, or what another replica stored there first. A stream never
+        shows a step that a replica adopting the run would not find. One that cannot be stored ends
+        the run (unpublished)."""
+        assert self._checkpointer is not None and self.stored_run is not None
+        seq = self.live.last_seq + 1
+        deadline_s = self.deps.config.store_deadline_s
+        if not await self._checkpointer.store_now(deadline_s):
+            raise unavailable("a tool step could not be stored; the answer stops here", 1.0)
+        try:
+            async with asyncio.timeout(deadline_s):
+                step = RunDelta(seq, "", len(token_ids), token_ids, record)
+                stored = await self.deps.store.store_step(self.stored_run, step)
+        except (TimeoutError, MemoryStoreError):
+            raise unavailable("a tool step could not be stored; the answer stops here", 1.0) from None
+        if not stored:
+            raise unavailable("this answer's events diverged from those stored; resume it", 1.0)
+        self.live.append(**step_event(stored))
+        return stored
+
+    def _begin_turn(self, start: router_pb2.GenerateStart) -> None:
+        """The model's turn after a step, the same run's next generation, is the current one now."""
+        self.start = start
+        self.prompt_tokens = 0  # charged once it is placed
+        self._output_ids = array("I")
+        self._call_text = None
+        self._decided = False
+
+    async def _place_turn(self) -> None:
+        """Places the turn after a step, once the user's budget has room for its prompt (the run's
+        reservation holds its first prompt and max_tokens)."""
+        config, budgets, tools = self.deps.config, self.deps.budgets, self.tools
+        if budgets is not None and tools is not None:
+            await budgets.check_more(tools.user_id, tools.tier, len(self.start.prompt_token_ids))
+        self.stream = await self.deps.router.place(self.start, config.max_run_s, config.placement_timeout_s)
+        self.prompt_tokens = len(self.start.prompt_token_ids)
+        if self.stop_reason is not None:  # stopped while it was being placed
+            self.stream.cancel()
 
     async def _continue_elsewhere(self) -> None:
         """Opens the run's request again through the routers that are up, resuming after the output
@@ -270,6 +409,8 @@ class Relay:
         self._unsent_logprobs += [chat_pb2.TokenLogprob.FromString(lp.SerializeToString()) for lp in logprobs]
         if not text:
             return
+        if self._holds_call(text):
+            return
         if self.screen.check(text).blocked:
             self.stop(Stop.CONTENT_FILTER)
             return
@@ -286,14 +427,27 @@ class Relay:
         if self._checkpointer is not None:
             self._checkpointer.add(RunDelta(seq, text, len(covered), covered))
 
+    def _holds_call(self, text: str) -> bool:
+        """Whether ``text`` is held back as part of a tool call (the turn's first text decides)."""
+        if self._call_text is not None:
+            self._call_text.append(text)
+            return True
+        if self._decided:
+            return False
+        self._decided = True
+        if self.tools is None or not text.startswith("<") or not self.tools.offered():
+            return False
+        self._call_text = [text]
+        return True
+
     # -- the end --------------------------------------------------------------------------------
 
     async def _finish(self, finished, error: ServiceError | None) -> RunEnd:
-        if finished is not None and finished.HasField("usage"):
-            u = finished.usage
-            usage = Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens)
-        elif self._output_ids or self.stop_reason is not None:
-            usage = Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self._output_ids))
+        earlier = self.tools.earlier if self.tools is not None else Usage()
+        if (turn := _usage_of(finished)) is not None:
+            usage = earlier + turn
+        elif self._output_ids or self.stop_reason is not None or earlier.total_tokens:
+            usage = earlier + Usage(prompt_tokens=self.prompt_tokens, completion_tokens=len(self._output_ids))
         else:
             usage = Usage()  # failed before its first token: charged nothing (its retry answers it)
         tail = []

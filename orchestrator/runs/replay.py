@@ -14,13 +14,14 @@ the end of the run and never a repeated sequence number.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from memory_store.models import Run, RunDelta, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator import convert
+from orchestrator.runs.tool_steps import step_event
 
 INTERRUPTED_CODE = "ABORTED"
 INTERRUPTED_MESSAGE = (
@@ -70,6 +71,22 @@ def terminal_events(run: Run, deltas: Sequence[RunDelta], after_seq: int) -> lis
     return [event for event in events if event.seq > after_seq]
 
 
+def _batches(events: Sequence[RunDelta], most: int) -> Iterator[list[RunDelta]]:
+    """Consecutive text events, up to ``most`` at a time, and each tool step alone."""
+    batch: list[RunDelta] = []
+    for event in events:
+        if event.step or len(batch) == most:
+            if batch:
+                yield batch
+            batch = []
+        if event.step:
+            yield [event]
+        else:
+            batch.append(event)
+    if batch:
+        yield batch
+
+
 async def follow_stored(
     store: MemoryStore, user_id: str, run: Run, after_seq: int, poll_s: float, merge_deltas: bool = False
 ) -> AsyncIterator[chat_pb2.RunEvent]:
@@ -84,11 +101,12 @@ async def follow_stored(
         ended = run.status.terminal
         deltas = await store.read_run_output(user_id, run.run_id, after_seq=0)
         fresh = [delta for delta in deltas if delta.seq > position]
-        step = MAX_MERGED_DELTAS if merge_deltas else 1
-        for start in range(0, len(fresh), step):
-            batch = fresh[start : start + step]
+        for batch in _batches(fresh, MAX_MERGED_DELTAS if merge_deltas else 1):
             position = batch[-1].seq
-            yield merged_delta(position, [(delta.text, delta.token_count) for delta in batch])
+            if batch[0].step:
+                yield chat_pb2.RunEvent(seq=position, **step_event(batch[0].step))
+            else:
+                yield merged_delta(position, [(delta.text, delta.token_count) for delta in batch])
         if ended:
             for event in terminal_events(run, deltas, position):
                 yield event

@@ -76,13 +76,12 @@ class SendRun(ChatRun):
                 "with a new idempotency key",
             )
         # 2. The prompt: the branch after the summary, then the new message, fitted to the window.
-        instructions = self.request.instructions
         prompt = self.ctx.prompter.continue_branch(
             history,
             self.options,
             [ChatMessage("user", self.request.content)],
             "content",
-            system=[ChatMessage("system", instructions)] if instructions else None,
+            system=self.system_turns(self.request.instructions),
         )
         info = self.run_info(claim, chat_id, claim.user_message_id)
         # 3. Admission (a run slot; the budget reserved while the router places the request), then the

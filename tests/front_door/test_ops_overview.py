@@ -93,3 +93,23 @@ def test_each_target_shows_its_own_event_loop_lag_over_the_window():
     assert 0.5 < lags["orchestrator"] <= 1.0
     # One round is no window yet.
     assert overview(rounds[:1], {"router": "http://r/metrics"})["targets"][0]["loop_lag_p99_s"] is None
+
+
+def test_the_tools_rows_count_calls_by_outcome_and_their_mean_duration():
+    orchestrator_text = (
+        'chatmesh_orchestrator_tool_calls_total{tool="calculator",outcome="ok"} 3\n'
+        'chatmesh_orchestrator_tool_calls_total{tool="calculator",outcome="error"} 1\n'
+        'chatmesh_orchestrator_tool_calls_total{tool="clock",outcome="interrupted"} 1\n'
+        'chatmesh_orchestrator_tool_duration_seconds_sum{tool="calculator"} 0.008\n'
+        'chatmesh_orchestrator_tool_duration_seconds_count{tool="calculator"} 4\n'
+    )
+    # Two replicas add up.
+    scrapes = {name: Scrape(parse(orchestrator_text)) for name in ("o1", "o2")}
+    view = overview([Round(0.0, scrapes)], {"o1": "http://o1/metrics", "o2": "http://o2/metrics"})
+    calculator, clock = view["tools"]
+    assert calculator == {
+        "tool": "calculator",
+        "calls": {"ok": 6, "error": 2},
+        "mean_s": pytest.approx(0.002),
+    }
+    assert clock == {"tool": "clock", "calls": {"interrupted": 2}, "mean_s": None}

@@ -8,13 +8,12 @@ import json
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.tool_format import ToolCallParser, parse_answer
 from edge.tools import (
     FunctionIn,
     NamedToolChoiceIn,
     ToolCallIn,
-    ToolCallParser,
     calls_text,
-    parse_answer,
     tools_for,
     with_tools_described,
 )

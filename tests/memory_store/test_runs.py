@@ -164,6 +164,51 @@ async def test_checkpointed_output_replays_from_any_sequence_number(memory_store
         await memory_store.get_run(new_user(), run.run_id)
 
 
+async def test_tool_steps_are_stored_among_the_output_events_in_order(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "tools")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "what is 6 * 7?")
+    started = '{"started": {"call_id": "c1", "tool": "calculator", "arguments": "{}"}}'
+    result = '{"result": {"call_id": "c1", "tool": "calculator", "outcome": "ok", "text": "42"}}'
+    call = RunDelta(2, "<tool_call>", 2, (10, 11))
+    await memory_store.checkpoint_run(run, [call, RunDelta(3, "", 0, (), started)])
+    await memory_store.checkpoint_run(run, [RunDelta(4, "", 0, (), result), RunDelta(5, "It", 1, (12,))])
+    assert await memory_store.read_run_output(user, run.run_id) == [
+        call,
+        RunDelta(3, "", 0, (), started),
+        RunDelta(4, "", 0, (), result),
+        RunDelta(5, "It", 1, (12,)),
+    ]
+    # A finish's tail keeps its steps too, and the answer is the text alone.
+    outcome = RunOutcome(
+        status=RunStatus.COMPLETED,
+        last_seq=9,
+        finish_reason=FinishReason.STOP,
+        tail=(RunDelta(6, "", 0, (), started), RunDelta(7, " is 42", 2, (13, 14))),
+        usage=Usage(prompt_tokens=30, completion_tokens=5),
+    )
+    finished = await memory_store.finish_run(run, outcome)
+    assert finished.message is not None and finished.message.content == "<tool_call>It is 42"
+    replay = await memory_store.read_run_output(user, run.run_id, after_seq=4)
+    assert [(d.seq, d.step) for d in replay] == [(5, ""), (6, started), (7, "")]
+
+
+async def test_of_two_replicas_storing_a_step_at_one_seq_the_first_keeps_it(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "one step")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "what time is it?")
+    await memory_store.checkpoint_run(run, [RunDelta(2, "<tool_call>", 2, (10, 11))])
+    mine = '{"started": {"call_id": "c1", "tool": "clock", "arguments": "{}"}, "by": "replica-a"}'
+    theirs = '{"started": {"call_id": "c1", "tool": "clock", "arguments": "{}"}, "by": "replica-b"}'
+    assert await memory_store.store_step(run, RunDelta(3, "", 0, (), mine)) == mine
+    assert await memory_store.store_step(run, RunDelta(3, "", 0, (), mine)) == mine  # a retry: its own
+    assert await memory_store.store_step(run, RunDelta(3, "", 0, (), theirs)) == mine
+    assert await memory_store.store_step(run, RunDelta(2, "", 0, (), theirs)) == ""  # a text event
+    assert [d.step for d in await memory_store.read_run_output(user, run.run_id)] == ["", mine]
+    with pytest.raises(InvalidArgument, match="step record"):
+        await memory_store.store_step(run, RunDelta(4, "text", 1, (12,)))
+
+
 async def test_retried_finish_stores_the_answer_once_and_counts_usage_once(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "finish twice")

@@ -35,6 +35,15 @@ class RunStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RUN_STATUS_FAILED: _ClassVar[RunStatus]
     RUN_STATUS_INTERRUPTED: _ClassVar[RunStatus]
     RUN_STATUS_CANCELLING: _ClassVar[RunStatus]
+
+class ToolOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_OUTCOME_UNSPECIFIED: _ClassVar[ToolOutcome]
+    TOOL_OUTCOME_OK: _ClassVar[ToolOutcome]
+    TOOL_OUTCOME_ERROR: _ClassVar[ToolOutcome]
+    TOOL_OUTCOME_TIMEOUT: _ClassVar[ToolOutcome]
+    TOOL_OUTCOME_REFUSED: _ClassVar[ToolOutcome]
+    TOOL_OUTCOME_INTERRUPTED: _ClassVar[ToolOutcome]
 ROLE_UNSPECIFIED: Role
 ROLE_USER: Role
 ROLE_ASSISTANT: Role
@@ -52,6 +61,12 @@ RUN_STATUS_CANCELLED: RunStatus
 RUN_STATUS_FAILED: RunStatus
 RUN_STATUS_INTERRUPTED: RunStatus
 RUN_STATUS_CANCELLING: RunStatus
+TOOL_OUTCOME_UNSPECIFIED: ToolOutcome
+TOOL_OUTCOME_OK: ToolOutcome
+TOOL_OUTCOME_ERROR: ToolOutcome
+TOOL_OUTCOME_TIMEOUT: ToolOutcome
+TOOL_OUTCOME_REFUSED: ToolOutcome
+TOOL_OUTCOME_INTERRUPTED: ToolOutcome
 
 class Chat(_message.Message):
     __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id")
@@ -217,20 +232,46 @@ class RunError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class RunEvent(_message.Message):
-    __slots__ = ("seq", "started", "delta", "usage", "done", "error")
+    __slots__ = ("seq", "started", "delta", "usage", "done", "error", "step_started", "step_result")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STARTED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_STARTED_FIELD_NUMBER: _ClassVar[int]
+    STEP_RESULT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     started: RunStarted
     delta: Delta
     usage: Usage
     done: Done
     error: RunError
-    def __init__(self, seq: _Optional[int] = ..., started: _Optional[_Union[RunStarted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ...) -> None: ...
+    step_started: ToolStepStarted
+    step_result: ToolStepResult
+    def __init__(self, seq: _Optional[int] = ..., started: _Optional[_Union[RunStarted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ..., step_started: _Optional[_Union[ToolStepStarted, _Mapping]] = ..., step_result: _Optional[_Union[ToolStepResult, _Mapping]] = ...) -> None: ...
+
+class ToolStepStarted(_message.Message):
+    __slots__ = ("call_id", "tool", "arguments")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    tool: str
+    arguments: str
+    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class ToolStepResult(_message.Message):
+    __slots__ = ("call_id", "tool", "outcome", "text")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    tool: str
+    outcome: ToolOutcome
+    text: str
+    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., outcome: _Optional[_Union[ToolOutcome, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class CreateChatRequest(_message.Message):
     __slots__ = ("title", "idempotency_key")
