@@ -32,13 +32,7 @@ class SendRun(ChatRun):
     def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.SendMessageRequest) -> None:
         checked(limits.check_id, request.chat_id, "chat_id")
         checked(limits.check_content, request.content, ctx.config.limits)
-        options = checked(
-            limits.generation,
-            request.options,
-            ctx.config.limits,
-            ctx.default_model,
-            ctx.prompter.tokenizer.vocab_size,
-        )
+        self.model, options = ctx.models.resolve(request.options, ctx.config.limits, chat=True)
         checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
         if request.branch_from_root and request.parent_message_id:
             raise invalid("parent_message_id", "parent_message_id must be empty with branch_from_root")
@@ -77,7 +71,7 @@ class SendRun(ChatRun):
             )
         # 2. The prompt: the branch after the summary, then the new message, fitted to the window.
         instructions = self.request.instructions
-        prompt = self.ctx.prompter.continue_branch(
+        prompt = self.model.prompter.continue_branch(
             history,
             self.options,
             [ChatMessage("user", self.request.content)],
@@ -93,7 +87,7 @@ class SendRun(ChatRun):
             role=Role.USER,
             content=self.request.content,
             parent_id=parent_id,
-            token_count=len(self.ctx.prompter.tokenizer.encode(self.request.content)),
+            token_count=len(self.model.tokenizer.encode(self.request.content)),
             run_id=claim.run_id,
         )
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
@@ -130,7 +124,7 @@ class SendRun(ChatRun):
         if request.branch_from_root:
             return History([], None, None, await self.ctx.store.get_chat(user, request.chat_id))
         try:
-            return await self.ctx.prompter.history(user, request.chat_id, request.parent_message_id or None)
+            return await self.model.prompter.history(user, request.chat_id, request.parent_message_id or None)
         except NotFound:
             if not request.parent_message_id:
                 raise

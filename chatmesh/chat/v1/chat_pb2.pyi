@@ -427,14 +427,16 @@ class PromptMessage(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("messages", "options", "merge_deltas")
+    __slots__ = ("messages", "options", "merge_deltas", "prompt")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     MERGE_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[PromptMessage]
     options: GenerationOptions
     merge_deltas: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[PromptMessage, _Mapping]]] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., merge_deltas: _Optional[bool] = ...) -> None: ...
+    prompt: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[PromptMessage, _Mapping]]] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., merge_deltas: _Optional[bool] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("event",)
@@ -447,14 +449,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("model_id", "context_length", "engines")
+    __slots__ = ("model_id", "context_length", "engines", "kind", "licence")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LICENCE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     context_length: int
     engines: int
-    def __init__(self, model_id: _Optional[str] = ..., context_length: _Optional[int] = ..., engines: _Optional[int] = ...) -> None: ...
+    kind: str
+    licence: str
+    def __init__(self, model_id: _Optional[str] = ..., context_length: _Optional[int] = ..., engines: _Optional[int] = ..., kind: _Optional[str] = ..., licence: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
