@@ -197,14 +197,14 @@ class OrchestratorConfig:
     model_files: tuple[str, ...] = setting(
         (),
         "a served model's GGUF file or Hugging Face directory, as PATH or NAME=PATH, whose tokenizer, "
-        "chat template and context window its prompts use (repeatable; default: the bundled model)",
+        "chat template and context window its prompts use (repeatable; none: the bundled model)",
         flag="model-file",
         flag_default=[],
         parse=tuple,
         repeat=True,
     )
     # Model used when a request names none; empty: the first model file's with a chat template.
-    default_model: str = setting("", "model for requests that name none (default: the first chat model)")
+    default_model: str = setting("", "model for requests that name none; empty: the first chat model")
     store: StoreConfig = nested(StoreConfig)
     limits: Limits = nested(Limits)
     budgets: BudgetConfig = nested(BudgetConfig)

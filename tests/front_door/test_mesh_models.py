@@ -125,7 +125,7 @@ def test_a_streamed_completion_is_the_same_text_token_by_token_with_usage(
 
 def test_completion_logprobs_stop_and_refused_fields(two_models: TwoModels, sdk: openai.OpenAI) -> None:
     reply = sdk.completions.create(
-        model=two_models.completion, prompt=QUESTION, max_tokens=6, temperature=0, logprobs=2, stop=["."]
+        model=two_models.completion, prompt=QUESTION, max_tokens=12, temperature=0, logprobs=2, stop=["."]
     )
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and len(logprobs.tokens) == len(logprobs.token_logprobs) >= 1
@@ -150,7 +150,7 @@ def test_a_chat_on_the_completion_model_is_refused_before_anything_is_stored(
         )
     assert (refused.value.type, refused.value.param) == ("invalid_request_error", "model")
     with two_models.door.client(user) as client:
-        chat_id = client.post("/v1/chats", json={}).json()["chat"]["chat_id"]
+        chat_id = client.post("/v1/chats", json={}).json()["chat_id"]
         sent = client.post(
             f"/v1/chats/{chat_id}/messages",
             json={"content": "Hi", "options": {"model": two_models.completion, "max_tokens": 4}},
