@@ -25,13 +25,13 @@ from edge.openai_api import (
     gathered,
     openai_finish_reason,
     openai_names,
+    openai_stream,
     openai_usage,
-    restarting,
     sampling_options,
 )
 from edge.openai_fields import without_no_ops
 from edge.schemas import CompletionIn
-from edge.sse import Item, TextEvent, compact_json, relay, sse_response
+from edge.sse import Item, TextEvent, compact_json
 
 
 def completion_request(body: CompletionIn) -> chat_pb2.CompleteRequest:
@@ -138,18 +138,7 @@ async def completions(request: Request) -> Response:
         writer = TextChunkWriter(
             completion_id, model, bool(body.stream_options and body.stream_options.include_usage), logprobs
         )
-        events = relay(
-            stream,
-            first,
-            "openai",
-            started,
-            request.app.state.drain,
-            writer.events,
-            writer.error,
-            closing=lambda: [ServerSentEvent(data="[DONE]")],
-            drained=lambda: writer.error(restarting()),
-        )
-        return sse_response(events, settings.streams)
+        return openai_stream(request, stream, first, started, writer.events, writer.error)
     answer = await unless_client_leaves(request, gathered(stream, first))
     return JSONResponse(
         {

@@ -10,7 +10,7 @@ edge.structured_outputs and edge.tools.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -235,6 +235,30 @@ def _data(body: dict) -> ServerSentEvent:
     return ServerSentEvent(data=compact_json(body))
 
 
+def openai_stream(
+    request: Request,
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    started: float,
+    to_sse: Callable[[chat_pb2.RunEvent], Sequence[Item]],
+    on_error: Callable[[ApiError], Sequence[Item]],
+) -> Response:
+    """An OpenAI route's SSE response: the run's events as ``to_sse`` writes them, then ``data: [DONE]``;
+    a stream the edge drains ends with an error telling the client to retry."""
+    events = relay(
+        stream,
+        first,
+        "openai",
+        started,
+        request.app.state.drain,
+        to_sse,
+        on_error,
+        closing=lambda: [ServerSentEvent(data="[DONE]")],
+        drained=lambda: on_error(restarting()),
+    )
+    return sse_response(events, request.app.state.settings.streams)
+
+
 async def chat_completions(request: Request) -> Response:
     started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
@@ -259,18 +283,7 @@ async def chat_completions(request: Request) -> Response:
             tools,
             logprobs=bool(body.logprobs),
         )
-        events = relay(
-            stream,
-            first,
-            "openai",
-            started,
-            request.app.state.drain,
-            writer.events,
-            writer.error,
-            closing=lambda: [ServerSentEvent(data="[DONE]")],
-            drained=lambda: writer.error(restarting()),
-        )
-        return sse_response(events, settings.streams)
+        return openai_stream(request, stream, first, started, writer.events, writer.error)
     return JSONResponse(
         await unless_client_leaves(
             request, _collect(stream, first, completion_id, model, tools, bool(body.logprobs))

@@ -162,7 +162,8 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
         assert "Paris" in grpc_client and "FINISH_REASON_STOP" in grpc_client, grpc_client
         # Both models, each with its kind and licence; Gemma 3 completes a prompt through Envoy.
         envoy = re.search(r"(http://127\.0\.0\.1:\d+)/v1/chat/completions", printed).group(1)
-        sdk = openai.OpenAI(base_url=f"{envoy}/v1", api_key=token, max_retries=0)
+        # Retries as the SDK makes them: Gemma's one-thread engine may be past the TTFT objective a moment.
+        sdk = openai.OpenAI(base_url=f"{envoy}/v1", api_key=token, max_retries=4)
         kinds = {model.id: model.model_dump()["kind"] for model in sdk.models.list().data}
         assert sorted(kinds.values()) == ["chat", "chat", "completion"], kinds
         [gemma] = [name for name, kind in kinds.items() if kind == "completion"]
