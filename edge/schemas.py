@@ -42,6 +42,8 @@ class GenerationOptionsIn(Strict):
 
 class CreateChatIn(Strict):
     title: str = Field("", max_length=API.max_title_chars)
+    # A chat model (GET /v1/models, kind "chat"); empty: the server's default at each send.
+    model: str = ""
 
 
 class RenameChatIn(Strict):

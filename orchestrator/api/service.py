@@ -182,7 +182,11 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
     async def CreateChat(self, identity: Identity, request: chat_pb2.CreateChatRequest):
         limits.check_title(request.title, self.limits, allow_empty=True)
         limits.check_idempotency_key(request.idempotency_key, self.limits)
-        chat = await self.store.create_chat(identity.user_id, request.title, request.idempotency_key)
+        if len(request.model) > self.limits.max_model_chars:
+            raise invalid("model", f"model names have at most {self.limits.max_model_chars} characters")
+        # A model named is one that takes chats (empty: the default model at each send).
+        model = self.ctx.models.for_chat(request.model, field="model").name if request.model else ""
+        chat = await self.store.create_chat(identity.user_id, request.title, request.idempotency_key, model)
         return chat_pb2.CreateChatResponse(chat=convert.chat(chat))
 
     @unary

@@ -121,27 +121,28 @@ class Models:
     def names(self) -> str:
         return ", ".join(sorted(self.by_name))
 
-    def get(self, name: str) -> ServedModel:
-        """The model ``name`` (empty: the default); NOT_FOUND naming the served ones for another."""
+    def get(self, name: str, field: str = "options.model") -> ServedModel:
+        """The model ``name`` (empty: the default); NOT_FOUND naming the served ones for another
+        (``field``: the request's field naming it)."""
         model = self.by_name.get(name or self.default)
         if model is None:
             raise refused(
                 ServiceError(
                     grpc.StatusCode.NOT_FOUND,
                     f"model {name!r} not found; served models: {self.names()}",
-                    field="options.model",
+                    field=field,
                 )
             )
         return model
 
-    def for_chat(self, name: str) -> ServedModel:
+    def for_chat(self, name: str, field: str = "options.model") -> ServedModel:
         """``get``, refusing a completion model (INVALID_ARGUMENT): it has no chat template to render
         turns with."""
-        model = self.get(name)
+        model = self.get(name, field)
         if model.kind != CHAT:
             raise refused(
                 invalid(
-                    "options.model",
+                    field,
                     f"{model.name} is a completion model (a base model without a chat template): it "
                     "continues prompts (/v1/completions) and takes no chats; chat with "
                     f"{self.default if self.by_name[self.default].kind == CHAT else 'a chat model'}",

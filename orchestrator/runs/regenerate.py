@@ -49,7 +49,9 @@ class RegenerateRun(ChatRun):
         # 2. The prompt: the branch up to the question, after the summary, fitted to the window.
         question_id = answer.parent_id
         history = await self.model.prompter.history(user, chat_id, question_id)
+        self.answer_as_the_chat(history.chat, self.request.options)
         prompt = self.model.prompter.continue_branch(history, self.options, [], "message_id")
+        await self.switch_chat(history.chat, self.request.options)
         info = self.run_info(claim, chat_id)
         # 3. Admission, then the run persisted (the question is stored already).
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:

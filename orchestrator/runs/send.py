@@ -69,7 +69,9 @@ class SendRun(ChatRun):
                 "to this chat at the same time, or a retry of an old idempotency key); send it again "
                 "with a new idempotency key",
             )
-        # 2. The prompt: the branch after the summary, then the new message, fitted to the window.
+        # 2. The prompt: the branch after the summary, then the new message, fitted to the window, in
+        #    the template of the model answering (the request's, else the chat's).
+        self.answer_as_the_chat(history.chat, self.request.options)
         instructions = self.request.instructions
         prompt = self.model.prompter.continue_branch(
             history,
@@ -78,6 +80,7 @@ class SendRun(ChatRun):
             "content",
             system=[ChatMessage("system", instructions)] if instructions else None,
         )
+        await self.switch_chat(history.chat, self.request.options)
         info = self.run_info(claim, chat_id, claim.user_message_id)
         # 3. Admission (a run slot; the budget reserved while the router places the request), then the
         #    user message and the run persisted together, now that the answer will be generated.

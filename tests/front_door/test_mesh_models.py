@@ -160,6 +160,15 @@ def test_a_chat_on_the_completion_model_is_refused_before_anything_is_stored(
         )
         assert sent.status_code == 400 and "/v1/completions" in sent.json()["error"]["message"]
         assert client.get(f"/v1/chats/{chat_id}/messages").json()["messages"] == []
+        # A chat is created for a chat model, and records it; for Gemma or a model not served, none is.
+        on_gemma = client.post("/v1/chats", json={"model": two_models.completion})
+        assert on_gemma.status_code == 400 and on_gemma.json()["error"]["param"] == "model"
+        missing = client.post("/v1/chats", json={"model": "no-such-model"})
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert [c["chat_id"] for c in client.get("/v1/chats").json()["chats"]] == [chat_id]
+        made = client.post("/v1/chats", json={"model": two_models.chat}).json()
+        assert made["model"] == two_models.chat
+        assert client.get(f"/v1/chats/{made['chat_id']}").json()["model"] == two_models.chat
 
 
 async def test_an_unknown_model_is_refused_404_before_anything_is_stored(

@@ -54,18 +54,20 @@ RUN_STATUS_INTERRUPTED: RunStatus
 RUN_STATUS_CANCELLING: RunStatus
 
 class Chat(_message.Message):
-    __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id")
+    __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id", "model")
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     chat_id: str
     title: str
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
     active_run_id: str
-    def __init__(self, chat_id: _Optional[str] = ..., title: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., active_run_id: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, chat_id: _Optional[str] = ..., title: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., active_run_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")
@@ -233,12 +235,14 @@ class RunEvent(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., started: _Optional[_Union[RunStarted, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., error: _Optional[_Union[RunError, _Mapping]] = ...) -> None: ...
 
 class CreateChatRequest(_message.Message):
-    __slots__ = ("title", "idempotency_key")
+    __slots__ = ("title", "idempotency_key", "model")
     TITLE_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     title: str
     idempotency_key: str
-    def __init__(self, title: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, title: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class CreateChatResponse(_message.Message):
     __slots__ = ("chat",)
