@@ -57,7 +57,7 @@ class PromptConfig:
     # A chat's prompt is assembled again at every send from messages that never change: the ids of the
     # texts of recent prompts are kept (4 bytes a token, and the text), least recently used dropped.
     encoded_cache_tokens: int = setting(
-        2_000_000, "token ids of recent prompts' texts kept for the next assembly (0: none)"
+        2_000_000, "token ids of recent prompts' texts kept for the next assembly, per tokenizer (0: none)"
     )
 
     def __post_init__(self) -> None:

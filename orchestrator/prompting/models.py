@@ -20,7 +20,7 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError, invalid
 from chatmesh.limits import Generation, Limits
 from chatmesh.model_files import bundled_model_path, model_context_length, model_licence
-from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
+from chatmesh.tokenizer import ChatTokenizer, EncodedTexts, load_tokenizer
 from memory_store.store import MemoryStore
 from orchestrator.config import PromptConfig
 from orchestrator.policy.refusals import checked, refused
@@ -112,9 +112,17 @@ class Models:
     ) -> Models:
         """The models of ``specs``, each prompted within its window (at most ``config``'s)."""
         served = {}
+        # Encoded texts are kept per tokenizer: models of one tokenizer (a pool and its -lite twin) share
+        # them, models of two never do.
+        recent: dict[str, EncodedTexts] = {}
         for spec in specs:
             window = min(config.context_window or spec.context_window, spec.context_window)
-            prompter = Prompter(store, spec.tokenizer, config, window)
+            cache = None
+            if config.encoded_cache_tokens:
+                cache = recent.setdefault(
+                    spec.tokenizer.fingerprint, EncodedTexts(config.encoded_cache_tokens)
+                )
+            prompter = Prompter(store, spec.tokenizer, config, window, cache)
             served[spec.name] = ServedModel(spec.name, spec.tokenizer, window, spec.licence, prompter)
         return cls(served, default_model(specs, default))
 

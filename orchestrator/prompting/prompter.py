@@ -28,13 +28,19 @@ tracer = trace.get_tracer("orchestrator")
 
 class Prompter:
     def __init__(
-        self, store: MemoryStore, tokenizer: ChatTokenizer, config: PromptConfig, context_window: int
+        self,
+        store: MemoryStore,
+        tokenizer: ChatTokenizer,
+        config: PromptConfig,
+        context_window: int,
+        recent: EncodedTexts | None,
     ) -> None:
         self.store = store
         self.tokenizer = tokenizer
         self.config = config
         self.context_window = context_window
-        self.recent = EncodedTexts(config.encoded_cache_tokens) if config.encoded_cache_tokens else None
+        # The ids of recent prompts' texts, shared by the models of this tokenizer (its fingerprint).
+        self.recent = recent
 
     async def history(self, user_id: str, chat_id: str, leaf_id: str | None) -> History:
         """The stored branch ending at ``leaf_id`` (None: the chat's newest message), after the chat's
