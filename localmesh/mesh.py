@@ -407,6 +407,12 @@ def start(
 
 def main(argv: list[str] | None = None) -> int:
     config, run_dir = parse_args(argv)
+    if config.completion_engines:
+        try:  # before anything starts: the completion pool's weights are assembled by `make setup`
+            gemma3_model_path()
+        except FileNotFoundError as exc:
+            print(f"ERROR: {exc}; or serve no completion pool: --completion-engines 0", file=sys.stderr)
+            return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
