@@ -10,15 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from chatmesh.model_files import bundled_model_path
-from chatmesh.tokenizer import load_tokenizer
 from localmesh.dev_jwt import DevKeys
-from meshkit.launcher import Launcher, free_port
-from tests.fixtures.cassandra import CassandraTestNode
-from tests.fixtures.engines import EngineFactory
+from meshkit.launcher import Launcher
 from tests.fixtures.front_door import FrontDoor, start_front_door
-from tests.fixtures.orchestrator import Mesh
-from tests.fixtures.router import router_spec, wait_for_engines
+from tests.fixtures.orchestrator import MeshFactory
 from tests.front_door.chat_page import chat_page, send
 
 ANSWER_TOKENS = 8
@@ -33,25 +28,12 @@ class PickerMesh:
 
 @pytest.fixture(scope="module")
 def picker_mesh(
-    tmp_path_factory: pytest.TempPathFactory,
-    dev_jwt_keys: DevKeys,
-    mesh_launcher: Launcher,
-    cassandra_node: CassandraTestNode,
-    start_engines: EngineFactory,
+    tmp_path_factory: pytest.TempPathFactory, dev_jwt_keys: DevKeys, start_mesh: MeshFactory
 ) -> Iterator[PickerMesh]:
-    primary = load_tokenizer().model_name
-    other = f"{primary}-other"
-    engines = [*start_engines(1, "null"), *start_engines(1, "null", served_model_name=other)]
-    port = free_port()
-    mesh_launcher.start(router_spec("router-picker", port, engines))
-    wait_for_engines(f"127.0.0.1:{port}", len(engines))
-    mesh = Mesh(mesh_launcher, cassandra_node, engines, f"127.0.0.1:{port}", "router-picker")
-    path = bundled_model_path()
-    orchestrator = mesh.start_orchestrator(
-        model_file=[str(path), f"{other}={path}"], titles=False, default_max_tokens=ANSWER_TOKENS
-    )
+    mesh, primary, other = start_mesh.twin_pools(titles=False, default_max_tokens=ANSWER_TOKENS)
     with Launcher(tmp_path_factory.mktemp("picker-door"), echo=lambda line: None) as launcher:
-        yield PickerMesh(start_front_door(launcher, dev_jwt_keys, [orchestrator.port]), primary, other)
+        door = start_front_door(launcher, dev_jwt_keys, [mesh.orchestrator.port])
+        yield PickerMesh(door, primary, other)
 
 
 def stored_models(door: FrontDoor, user: str) -> tuple[str | None, list[str]]:

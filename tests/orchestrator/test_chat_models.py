@@ -12,13 +12,7 @@ import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.model_files import bundled_model_path
-from chatmesh.tokenizer import load_tokenizer
-from meshkit.launcher import Launcher, free_port
-from tests.fixtures.cassandra import CassandraTestNode
-from tests.fixtures.engines import EngineFactory
-from tests.fixtures.orchestrator import ChatClient, Mesh, collect
-from tests.fixtures.router import router_spec, wait_for_engines
+from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, collect
 
 
 @dataclass(frozen=True)
@@ -29,19 +23,8 @@ class TwoChatModels:
 
 
 @pytest.fixture(scope="module")
-def two_chat_models(
-    mesh_launcher: Launcher, cassandra_node: CassandraTestNode, start_engines: EngineFactory
-) -> TwoChatModels:
-    primary = load_tokenizer().model_name
-    other = f"{primary}-other"
-    engines = [*start_engines(1, "null"), *start_engines(1, "null", served_model_name=other)]
-    port = free_port()
-    mesh_launcher.start(router_spec("router-chat-models", port, engines))
-    wait_for_engines(f"127.0.0.1:{port}", len(engines))
-    mesh = Mesh(mesh_launcher, cassandra_node, engines, f"127.0.0.1:{port}", "router-chat-models")
-    path = bundled_model_path()
-    mesh.start_orchestrator(model_file=[str(path), f"{other}={path}"], titles=False)
-    return TwoChatModels(mesh, primary, other)
+def two_chat_models(start_mesh: MeshFactory) -> TwoChatModels:
+    return TwoChatModels(*start_mesh.twin_pools(titles=False))
 
 
 @pytest.fixture
