@@ -146,8 +146,8 @@ async def serve(
             "model %s: tokenizer %s, %s, context window %d tokens, licence %s",
             spec.name,
             spec.tokenizer.fingerprint,
-            CHAT if spec.tokenizer.chat_template is not None else "completion only (no chat template)",
-            min(config.prompt.context_window or spec.context_window, spec.context_window),
+            spec.kind if spec.kind == CHAT else "completion only (no chat template)",
+            spec.window(config.prompt),
             spec.licence or "not stated",
         )
     store_config = config.store
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as exc:  # a tokenizer it does not implement, or no such file
         log.error("cannot start the orchestrator: %s", exc)
         sys.exit(2)
-    if all(spec.tokenizer.chat_template is None for spec in specs):
+    if all(spec.kind != CHAT for spec in specs):
         # Chats, titles and summaries need a chat template: completion models are served beside one.
         log.error(
             "cannot start the orchestrator: %s has no chat template (a base model, completion only) and "

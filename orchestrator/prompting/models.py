@@ -29,6 +29,11 @@ from orchestrator.prompting.prompter import Prompter
 CHAT, COMPLETION = "chat", "completion"
 
 
+def kind_of(tokenizer: ChatTokenizer) -> str:
+    """A model with a chat template takes chats; one without (a base model) completes prompts."""
+    return CHAT if tokenizer.chat_template is not None else COMPLETION
+
+
 @dataclass(frozen=True)
 class ModelFile:
     """A served model's file and the name requests give it (its tokenizer's model name by default)."""
@@ -53,7 +58,7 @@ class ServedModel:
 
     @property
     def kind(self) -> str:
-        return CHAT if self.tokenizer.chat_template is not None else COMPLETION
+        return kind_of(self.tokenizer)
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,14 @@ class ModelSpec:
     tokenizer: ChatTokenizer
     context_window: int  # as the file declares it
     licence: str
+
+    @property
+    def kind(self) -> str:
+        return kind_of(self.tokenizer)
+
+    def window(self, config: PromptConfig) -> int:
+        """The context window its prompts fit: the file's, capped by ``--context-window``."""
+        return min(config.context_window or self.context_window, self.context_window)
 
     @classmethod
     def load(cls, file: ModelFile) -> ModelSpec:
@@ -95,7 +108,9 @@ def default_model(specs: Sequence[ModelSpec], default: str) -> str:
         )
     if default and default not in names:
         raise ValueError(f"--default-model {default!r} is none of the served models ({', '.join(names)})")
-    chat = [spec.name for spec in specs if spec.tokenizer.chat_template is not None]
+    chat = [spec.name for spec in specs if spec.kind == CHAT]
+    if default and default not in chat:
+        raise ValueError(f"--default-model {default!r} is a completion model; the default one takes chats")
     return default or (chat[0] if chat else names[0])
 
 
@@ -116,7 +131,7 @@ class Models:
         # them, models of two never do.
         recent: dict[str, EncodedTexts] = {}
         for spec in specs:
-            window = min(config.context_window or spec.context_window, spec.context_window)
+            window = spec.window(config)
             cache = None
             if config.encoded_cache_tokens:
                 cache = recent.setdefault(

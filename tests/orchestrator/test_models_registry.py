@@ -59,6 +59,8 @@ def test_unknown_models_and_chats_on_a_completion_model_are_refused_naming_the_f
 def test_a_default_not_served_or_two_files_under_one_name_are_refused(specs: list[ModelSpec]) -> None:
     with pytest.raises(ValueError, match="none of the served models"):
         default_model(specs, "no-such-model")
+    with pytest.raises(ValueError, match="is a completion model"):
+        default_model(specs, "gemma-3-270m-q4_k_m")
     with pytest.raises(ValueError, match="same model name"):
         default_model([*specs, specs[1]], "")
     assert default_model(specs[:1], "") == "gemma-3-270m-q4_k_m"  # no chat model: the first one
