@@ -2,7 +2,7 @@
 Prompter that fits its prompts; a request naming any other model is refused before anything is stored.
 
 Each model's prompts are rendered with its own chat template and counted with its own tokenizer, and
-each Prompter keeps its own cache of encoded texts, so two models never share token ids or counts. A
+encoded texts are kept per tokenizer fingerprint, so two tokenizers never share token ids or counts. A
 model whose file has no chat template (a base model such as Gemma 3 270M) is a completion model: it
 continues prompts (Complete with ``prompt``, ``/v1/completions``) and takes no chats.
 """
