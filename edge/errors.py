@@ -93,6 +93,8 @@ def from_rpc_error(error: grpc.RpcError) -> ApiError:
             parsed.code, parsed.message = grpc.StatusCode.UNAVAILABLE, BUSY_MESSAGE
             parsed.retry_after_s = UNREACHABLE_RETRY_S
     api_error = from_status(parsed.code, parsed.message, parsed.retry_after_s)
+    if parsed.code == grpc.StatusCode.NOT_FOUND and parsed.field in ("options.model", "model"):
+        api_error.code, api_error.param = "model_not_found", parsed.field  # as OpenAI names it
     if parsed.code != grpc.StatusCode.INVALID_ARGUMENT:
         return api_error
     if parsed.too_large is not None:

@@ -10,8 +10,9 @@ edge.structured_outputs and edge.tools.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from sse_starlette import ServerSentEvent
 from starlette.requests import Request
@@ -27,7 +28,7 @@ from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
 from edge.openai_fields import without_no_ops
 from edge.orchestrator import RunStream
-from edge.schemas import ChatCompletionIn, ChatMessageIn
+from edge.schemas import ChatCompletionIn, ChatMessageIn, CompletionIn, stop_list
 from edge.sse import Item, TextEvent, compact_json, relay, sse_response
 from edge.structured_outputs import refused_constraint, response_format_proto
 from edge.tools import calls_text, tools_for, with_tools_described
@@ -46,6 +47,12 @@ def openai_finish_reason(reason: chat_pb2.FinishReason, called_tools: bool = Fal
     if name == "stop" and called_tools:
         return "tool_calls"
     return name if name in ("stop", "length", "content_filter") else "stop"
+
+
+def restarting() -> ApiError:
+    """What a stream the edge drains ends with: OpenAI clients cannot resume a stream, so they are told
+    to retry rather than see it end silently."""
+    return ApiError(503, "the server is restarting; retry the request", type="server_error", code="draining")
 
 
 def openai_usage(usage: chat_pb2.Usage) -> dict:
@@ -85,20 +92,26 @@ def answer_tools(body: ChatCompletionIn) -> Tools | None:
     return tools
 
 
-def complete_request(body: ChatCompletionIn, tools: Tools | None) -> chat_pb2.CompleteRequest:
-    messages = [prompt_message(m) for m in body.messages]
+def sampling_options(body: ChatCompletionIn | CompletionIn, max_tokens: int) -> chat_pb2.GenerationOptions:
+    """The sampling fields both OpenAI completion routes share, as GenerationOptions."""
     options = options_proto(
         model=body.model,
-        max_tokens=body.max_completion_tokens or body.max_tokens or 0,
+        max_tokens=max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
-        stop=body.stop_list(),
+        stop=stop_list(body.stop),
     )
     options.presence_penalty = body.presence_penalty or 0.0
     options.frequency_penalty = body.frequency_penalty or 0.0
     options.min_p = body.min_p or 0.0
     options.logit_bias.update({int(token): bias for token, bias in (body.logit_bias or {}).items()})
+    return options
+
+
+def complete_request(body: ChatCompletionIn, tools: Tools | None) -> chat_pb2.CompleteRequest:
+    messages = [prompt_message(m) for m in body.messages]
+    options = sampling_options(body, body.max_completion_tokens or body.max_tokens or 0)
     options.logprobs = bool(body.logprobs)
     options.top_logprobs = body.top_logprobs or 0
     if tools is not None:
@@ -214,6 +227,30 @@ def _data(body: dict) -> ServerSentEvent:
     return ServerSentEvent(data=compact_json(body))
 
 
+def openai_stream(
+    request: Request,
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    started: float,
+    to_sse: Callable[[chat_pb2.RunEvent], Sequence[Item]],
+    on_error: Callable[[ApiError], Sequence[Item]],
+) -> Response:
+    """An OpenAI route's SSE response: the run's events as ``to_sse`` writes them, then ``data: [DONE]``;
+    a stream the edge drains ends with an error telling the client to retry."""
+    events = relay(
+        stream,
+        first,
+        "openai",
+        started,
+        request.app.state.drain,
+        to_sse,
+        on_error,
+        closing=lambda: [ServerSentEvent(data="[DONE]")],
+        drained=lambda: on_error(restarting()),
+    )
+    return sse_response(events, request.app.state.settings.streams)
+
+
 async def chat_completions(request: Request) -> Response:
     started = time.monotonic()
     orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
@@ -238,23 +275,7 @@ async def chat_completions(request: Request) -> Response:
             tools,
             logprobs=bool(body.logprobs),
         )
-        events = relay(
-            stream,
-            first,
-            "openai",
-            started,
-            request.app.state.drain,
-            writer.events,
-            writer.error,
-            closing=lambda: [ServerSentEvent(data="[DONE]")],
-            # OpenAI clients cannot resume a stream: tell them to retry rather than end it silently.
-            drained=lambda: writer.error(
-                ApiError(
-                    503, "the server is restarting; retry the request", type="server_error", code="draining"
-                )
-            ),
-        )
-        return sse_response(events, settings.streams)
+        return openai_stream(request, stream, first, started, writer.events, writer.error)
     return JSONResponse(
         await unless_client_leaves(
             request, _collect(stream, first, completion_id, model, tools, bool(body.logprobs))
@@ -262,15 +283,18 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
-async def _collect(
-    stream: RunStream,
-    first: chat_pb2.RunEvent,
-    completion_id: str,
-    model: str,
-    tools: Tools | None,
-    logprobs: bool,
-) -> dict:
-    """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
+@dataclass
+class Answer:
+    """A non-streamed answer, gathered from its run's events."""
+
+    text: str
+    logprobs: list[chat_pb2.TokenLogprob]
+    usage: chat_pb2.Usage
+    finish: chat_pb2.FinishReason
+
+
+async def gathered(stream: RunStream, first: chat_pb2.RunEvent) -> Answer:
+    """The whole answer of ``stream``, or the HTTP error its run ended with."""
     text: list[str] = []
     token_logprobs: list[chat_pb2.TokenLogprob] = []
     usage, finish = chat_pb2.Usage(), chat_pb2.FINISH_REASON_STOP
@@ -286,7 +310,20 @@ async def _collect(
                 finish = event.done.finish_reason
             elif kind == "error":
                 raise from_run_error(event.error.code, event.error.message, event.error.retry_after_ms)
-    message: dict = {"role": "assistant", "content": "".join(text), "refusal": None}
+    return Answer("".join(text), token_logprobs, usage, finish)
+
+
+async def _collect(
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    completion_id: str,
+    model: str,
+    tools: Tools | None,
+    logprobs: bool,
+) -> dict:
+    """A non-streamed chat completion."""
+    answer = await gathered(stream, first)
+    message: dict = {"role": "assistant", "content": answer.text, "refusal": None}
     calls: list[ToolCall] = []
     if tools is not None:
         message["content"], calls = parse_answer(message["content"], completion_id)
@@ -301,11 +338,13 @@ async def _collect(
             {
                 "index": 0,
                 "message": message,
-                "logprobs": {"content": logprobs_json(token_logprobs), "refusal": None} if logprobs else None,
-                "finish_reason": openai_finish_reason(finish, bool(calls)),
+                "logprobs": {"content": logprobs_json(answer.logprobs), "refusal": None}
+                if logprobs
+                else None,
+                "finish_reason": openai_finish_reason(answer.finish, bool(calls)),
             }
         ],
-        "usage": openai_usage(usage),
+        "usage": openai_usage(answer.usage),
     }
 
 
@@ -317,6 +356,10 @@ def model_json(model: chat_pb2.Model) -> dict:
         "owned_by": "chatmesh",
         "context_length": model.context_length,
         "engines": model.engines,
+        # Beside OpenAI's fields: what the model takes (chat: /v1/chat/completions and chats;
+        # completion: /v1/completions only) and the licence of its weights.
+        "kind": model.kind,
+        "licence": model.licence,
     }
 
 

@@ -25,6 +25,7 @@ from edge.errors import ApiError
 from edge.schemas import (
     ChatCompletionIn,
     ChatMessageIn,
+    CompletionIn,
     FunctionCallItemIn,
     FunctionCallOutputItemIn,
     ResponseCreateIn,
@@ -86,6 +87,13 @@ NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
         "reasoning_effort": NoOp((), _NO_REASONING),
         "verbosity": NoOp(("medium",), "verbosity is not served"),
         "web_search_options": NoOp((), "web search is not served"),
+    },
+    CompletionIn: {
+        "n": NoOp((1,), _ONE_CHOICE),
+        "best_of": NoOp((1,), _ONE_CHOICE),
+        "echo": NoOp((False,), "the prompt is not echoed back"),
+        "suffix": NoOp((), "insertion (text after the completion) is not served"),
+        "user": NoOp(ANY, "callers are identified by their token"),
     },
     StreamOptionsIn: {
         # OpenAI pads chunks against a length side channel by default; chatmesh sends no padding either way.

@@ -42,6 +42,8 @@ class GenerationOptionsIn(Strict):
 
 class CreateChatIn(Strict):
     title: str = Field("", max_length=API.max_title_chars)
+    # A chat model (GET /v1/models, kind "chat"); empty: the server's default at each send.
+    model: str = ""
 
 
 class RenameChatIn(Strict):
@@ -119,6 +121,13 @@ class StreamOptionsIn(Strict):
     include_usage: bool = False
 
 
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """OpenAI's ``stop``, a string or a list of them, as a list."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
 class ChatCompletionIn(Strict):
     # Empty: the server's default model (OpenAI requires it; we do not, so curl examples stay short).
     model: str = ""
@@ -149,10 +158,27 @@ class ChatCompletionIn(Strict):
     def functions(self) -> list[FunctionIn]:
         return [tool.function for tool in self.tools or []]
 
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+class CompletionIn(Strict):
+    """``POST /v1/completions``, OpenAI's legacy route: one prompt string continued as it is (no chat
+    template), the only input a completion model (a base model) takes."""
+
+    model: str = ""
+    prompt: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptionsIn | None = None
+    # OpenAI's default for this route (16), not chat's.
+    max_tokens: int = Field(16, ge=1, le=UINT32_MAX)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    stop: str | Annotated[list[str], Field(max_length=API.max_stop_sequences)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    # The likeliest alternatives per token (0: the chosen token's logprob alone).
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 InputItem = FunctionCallItemIn | FunctionCallOutputItemIn | ChatMessageIn

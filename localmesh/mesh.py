@@ -11,6 +11,11 @@ orchestrator i uses router i mod R; Envoy spreads chats over the orchestrators (
 id). Cassandra members listen on 127.0.0.1 ... 127.0.0.N with the keyspace replicated to three of them
 (``memory_store/cluster.py``).
 
+Three pools of engines, placed by model: SmolLM2-135M-Instruct (chat), its "-lite" twin (the same
+weights, where free requests degrade to) and Gemma 3 270M (a base model: completions only, under the
+Gemma Terms of Use; ``--completion-engines 0`` leaves it out). The orchestrator prompts each with its
+own tokenizer (one ``--model-file`` per pool).
+
 Every service exposes Prometheus ``/metrics`` on a fixed port (printed at start), and every span lands in
 ``.run/mesh/spans.jsonl``: the Python services write it themselves (``CHATMESH_TRACE_FILE``), Envoy sends
 its spans over OTLP to a small collector that appends them (localmesh/span_collector.py). The edge scrapes
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatmesh.identity import OPERATOR_ROLE
+from chatmesh.model_files import bundled_model_path, gemma3_model_path
 from chatmesh.tokenizer import load_tokenizer
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
@@ -69,6 +75,12 @@ class MeshPorts:
 # requests at most: it costs a fraction of a primary engine and answers more slowly under load.
 LITE_SUFFIX = "-lite"
 LITE_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.1875", "--max-running-requests", "8")
+# The completion pool: Gemma 3 270M (a base model: /v1/completions only; Gemma Terms of Use), one
+# compute thread beside the chat pools on a small box. Its file declares a 32,768-token window; the
+# orchestrator fits its prompts to COMPLETION_CONTEXT, whose KV (18 layers x one 256-wide KV head x
+# K and V in float16: 18 KiB a token, 0.14 GiB) this KV memory holds.
+COMPLETION_CONTEXT = 8192
+COMPLETION_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.1875", "--max-running-requests", "8")
 
 
 def replica_name(tier: str, index: int, replicas: int) -> str:
@@ -85,6 +97,7 @@ class MeshConfig:
     ports: MeshPorts = MeshPorts()
     engines: int = 2
     lite_engines: int = 1  # engines of the cheaper pool (0: the free tier is shed, never degraded)
+    completion_engines: int = 0  # engines of Gemma 3 270M, the completion pool (`make run`: 1)
     orchestrators: int = 1
     routers: int = 1
     cassandra_nodes: int = 1
@@ -105,8 +118,12 @@ class MeshConfig:
         return self.dial_overrides.get(port, port)
 
     def engine_ports(self) -> list[int]:
-        """The primary engines' ports, then the cheaper pool's."""
-        return [self.ports.first_engine + i for i in range(self.engines + self.lite_engines)]
+        """The primary engines' ports, then the cheaper pool's, then the completion pool's."""
+        return [self.ports.first_engine + i for i in range(self.all_engines)]
+
+    @property
+    def all_engines(self) -> int:
+        return self.engines + self.lite_engines + self.completion_engines
 
     def orchestrator_ports(self) -> list[int]:
         return replica_ports(self.ports.orchestrator, self.orchestrators)
@@ -129,7 +146,7 @@ class MeshConfig:
         ports = self.ports
         endpoints = {
             f"engine-{i}": f"http://127.0.0.1:{ports.first_engine_metrics + i}/metrics"
-            for i in range(self.engines + self.lite_engines)
+            for i in range(self.all_engines)
         }
         for tier, first, replicas in (
             ("router", ports.router_metrics, self.routers),
@@ -157,6 +174,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     keys = ensure_keys()
     model = load_tokenizer().model_name  # the bundled weights' name: the primary pool's model
     lite_model = model + LITE_SUFFIX
+    completion_model = gemma3_model_path() if config.completion_engines else None
     spans = span_file(run_dir)
     collector = ServiceSpec(
         name="span-collector",
@@ -166,8 +184,11 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     )
     specs = [collector]
     for i, port in enumerate(config.engine_ports()):
-        lite = i >= config.engines
-        pool_flags = ("--served-model-name", lite_model, *LITE_ENGINE_FLAGS) if lite else ()
+        pool_flags: tuple[str, ...] = ()
+        if i >= config.engines + config.lite_engines:
+            pool_flags = ("--model", str(completion_model), *COMPLETION_ENGINE_FLAGS)
+        elif i >= config.engines:
+            pool_flags = ("--served-model-name", lite_model, *LITE_ENGINE_FLAGS)
         metrics_port = ports.first_engine_metrics + i
         argv = [py, "-m", "engine", "--port", str(port), "--engine-id", f"engine-{i}", *pool_flags]
         specs.append(
@@ -221,6 +242,12 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
         *("--cassandra-replication", cassandra.replication_flag()),
     ]
     orchestrator_metrics = replica_ports(ports.orchestrator_metrics, config.orchestrators)
+    # Every pool's model, each prompted with its own tokenizer: the lite pool under its own name.
+    model_flags = ["--model-file", str(bundled_model_path())]
+    if config.lite_engines:
+        model_flags += ["--model-file", f"{lite_model}={bundled_model_path()}"]
+    if completion_model is not None:
+        model_flags += ["--model-file", str(completion_model), "--context-window", str(COMPLETION_CONTEXT)]
     specs.extend(
         ServiceSpec(
             name=replica_name("orchestrator", i, config.orchestrators),
@@ -237,6 +264,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 "--metrics-port",
                 str(metrics),
                 *keys.service_flags(),
+                *model_flags,
             ],
             ports=(port, metrics),
             ready=GrpcHealthy(port),
@@ -298,6 +326,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument(
         "--lite-engines", type=int, default=1, help="engines of the cheaper pool free requests degrade to"
     )
+    parser.add_argument(
+        "--completion-engines",
+        type=int,
+        default=1,
+        help="engines of Gemma 3 270M, the completion pool (Gemma Terms of Use; 0: none)",
+    )
     parser.add_argument("--orchestrators", type=int, default=1, help="number of orchestrator replicas")
     parser.add_argument("--routers", type=int, default=1, help="number of router replicas")
     parser.add_argument(
@@ -325,6 +359,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
         ports=ports,
         engines=args.engines,
         lite_engines=args.lite_engines,
+        completion_engines=args.completion_engines,
         orchestrators=args.orchestrators,
         routers=args.routers,
         cassandra_nodes=args.cassandra_nodes,
@@ -372,6 +407,12 @@ def start(
 
 def main(argv: list[str] | None = None) -> int:
     config, run_dir = parse_args(argv)
+    if config.completion_engines:
+        try:  # before anything starts: the completion pool's weights are assembled by `make setup`
+            gemma3_model_path()
+        except FileNotFoundError as exc:
+            print(f"ERROR: {exc}; or serve no completion pool: --completion-engines 0", file=sys.stderr)
+            return 1
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

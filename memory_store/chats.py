@@ -17,6 +17,7 @@ written with the run id's time as write timestamp; the chat has an active run wh
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime
@@ -31,11 +32,13 @@ from memory_store.search import delete_statement, title_statement
 
 T = TypeVar("T")
 
-_CHAT_COLUMNS = "chat_id, title, created_at, activity_at, deleted_at, last_run_id, last_finished_run_id"
+_CHAT_COLUMNS = (
+    "chat_id, title, created_at, activity_at, deleted_at, last_run_id, last_finished_run_id, model"
+)
 
 STATEMENTS = {
     "chat_insert": Cql(
-        "INSERT INTO chats (user_id, chat_id, title, created_at, activity_at) VALUES (?, ?, ?, ?, ?) "
+        "INSERT INTO chats (user_id, chat_id, title, created_at, activity_at, model) VALUES (?, ?, ?, ?, ?, ?) "
         "USING TIMESTAMP ?",
         idempotent=True,
     ),
@@ -44,6 +47,7 @@ STATEMENTS = {
     "chat_set_activity": Cql(
         "UPDATE chats USING TIMESTAMP ? SET activity_at = ? WHERE user_id = ? AND chat_id = ?", True
     ),
+    "chat_set_model": Cql("UPDATE chats SET model = ? WHERE user_id = ? AND chat_id = ?", True),
     "chat_set_title": Cql("UPDATE chats SET title = ? WHERE user_id = ? AND chat_id = ?", True),
     "chat_set_deleted": Cql("UPDATE chats SET deleted_at = ? WHERE user_id = ? AND chat_id = ?", True),
     "chat_set_last_run": Cql(
@@ -114,12 +118,16 @@ def _chat(user_id: str, row: Row) -> Chat | None:
         created_at=utc(row["created_at"]),
         updated_at=utc(row["activity_at"]),
         active_run_id=id_str(last) if last is not None and last != finished else None,
+        model=row["model"] or "",
     )
 
 
 class ChatsMixin(StoreBase):
-    async def create_chat(self, user_id: str, title: str = "", idempotency_key: str = "") -> Chat:
-        """A new empty chat owned by ``user_id`` (title may be empty: set it later with rename_chat).
+    async def create_chat(
+        self, user_id: str, title: str = "", idempotency_key: str = "", model: str = ""
+    ) -> Chat:
+        """A new empty chat owned by ``user_id`` (title may be empty: set it later with rename_chat),
+        answered by ``model`` (the caller checks it is served).
 
         With ``idempotency_key``, every call with the same key gets the chat the first one created, as
         it is now (renamed, with messages); ALREADY_EXISTS if that first call had another title, and
@@ -142,13 +150,15 @@ class ChatsMixin(StoreBase):
                 chat_id, at = earlier, _created_at(earlier)
         ts = micros(at)
         statements = [
-            ("chat_insert", (user_id, chat_id, title, at, at, ts)),
+            ("chat_insert", (user_id, chat_id, title, at, at, model, ts)),
             ("activity_insert", (user_id, at, chat_id, ts)),
         ]
         if title:
             statements.append(title_statement(user_id, chat_id, title))
         await self._db.execute_batch(statements)
-        return Chat(chat_id=str(chat_id), user_id=user_id, title=title, created_at=at, updated_at=at)
+        return Chat(
+            chat_id=str(chat_id), user_id=user_id, title=title, created_at=at, updated_at=at, model=model
+        )
 
     async def _claim_chat_key(
         self, user_id: str, key: str, chat_id: uuid.UUID, title: str
@@ -242,14 +252,11 @@ class ChatsMixin(StoreBase):
         at = await self._touch(
             chat, [("chat_set_title", (title, user_id, key)), title_statement(user_id, key, title)]
         )
-        return Chat(
-            chat_id=chat.chat_id,
-            user_id=user_id,
-            title=title,
-            created_at=chat.created_at,
-            updated_at=at,
-            active_run_id=chat.active_run_id,
-        )
+        return dataclasses.replace(chat, title=title, updated_at=at)
+
+    async def set_chat_model(self, user_id: str, chat_id: str, model: str) -> None:
+        """The model the chat's next answers come from (a send switching it); not activity."""
+        await self._db.execute("chat_set_model", (model, user_id, parse_id(chat_id, "chat id")))
 
     async def delete_chat(self, user_id: str, chat_id: str) -> None:
         """Soft delete: the chat vanishes from lists and reads at once; its rows stay for retention."""

@@ -80,6 +80,8 @@ class Chat:
     updated_at: datetime
     # The chat's newest run while it is in progress; None otherwise.
     active_run_id: str | None = None
+    # The model its answers come from when a send names none ("": the orchestrator's default).
+    model: str = ""
 
 
 @dataclass(frozen=True)

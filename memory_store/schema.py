@@ -247,6 +247,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE runs ADD IF NOT EXISTS steps frozen<list<text>>",
         ),
     ),
+    Migration(
+        9,
+        "chats: the model a chat is answered with (empty: the orchestrator's default model)",
+        ("ALTER TABLE chats ADD IF NOT EXISTS model text",),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

@@ -95,6 +95,7 @@ EDGE_GENERATE_ROUTES = (
     {"method": "POST", "regex": r"^/v1/chats/[^/]+/messages$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/chats/[^/]+/messages/[^/]+/regenerate$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/chat/completions$", "limit": "generate"},
+    {"method": "POST", "regex": r"^/v1/completions$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/responses$", "limit": "generate"},
 )
 

@@ -14,17 +14,15 @@ import logging
 import sys
 import time
 from argparse import Namespace
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.identity import TokenVerifier
 from chatmesh.limits import Generation
-from chatmesh.model_files import bundled_model_path, model_context_length
 from chatmesh.tiers import TIERS
-from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
 from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
 from meshkit import event_loop, serving, telemetry
@@ -34,7 +32,7 @@ from orchestrator.api.service import ChatService
 from orchestrator.config import OrchestratorConfig
 from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.policy.moderation import create_moderator
-from orchestrator.prompting.prompter import Prompter
+from orchestrator.prompting.models import CHAT, Models, ModelSpec, default_model, model_files
 from orchestrator.router_client import RouterClient
 from orchestrator.runs.checkpoints import CheckpointWriter
 from orchestrator.runs.context import RunContext
@@ -87,14 +85,13 @@ class Parts:
 
 
 def assemble(
-    config: OrchestratorConfig,
-    store: MemoryStore,
-    router: RouterClient,
-    tokenizer: ChatTokenizer,
-    context_window: int,
+    config: OrchestratorConfig, store: MemoryStore, router: RouterClient, specs: Sequence[ModelSpec]
 ) -> Parts:
-    """The replica's parts over its store, router and tokenizer (nothing started yet: ``Replica.join``)."""
-    model = config.default_model or tokenizer.model_name
+    """The replica's parts over its store, router and models (nothing started yet: ``Replica.join``).
+    Titles and summaries are written by the default model (a chat model)."""
+    models = Models.over(store, specs, config.prompt, config.default_model)
+    writer = models.get(models.default)
+    model, tokenizer, context_window = writer.name, writer.tokenizer, writer.context_window
     checkpoints = CheckpointWriter(
         store,
         config.runs.checkpoint_events,
@@ -105,10 +102,8 @@ def assemble(
     moderator = create_moderator(config.moderation)
     toolbox = Toolbox(config.tools, builtin_tools(store), TIERS) if config.tools.enabled else None
     budgets = Budgets(store, config.budgets, usage_settled_after_s(config.runs))
-    deps = RelayDeps(
-        store, moderator, config.runs, router, checkpoints, late_ends, toolbox, tokenizer, budgets
-    )
-    runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs), tokenizer.fingerprint)
+    deps = RelayDeps(store, moderator, config.runs, router, checkpoints, late_ends, toolbox, models, budgets)
+    runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs))
     summary_config = config.summaries
     jobs = BackgroundJobs(summary_config.concurrency, summary_config.queue, summary_config.timeout_s)
     summary_generation = Generation(
@@ -138,8 +133,7 @@ def assemble(
         if summary_config.enabled
         else None,
     )
-    prompter = Prompter(store, tokenizer, config.prompt, context_window)
-    ctx = RunContext(config, store, runs, prompter, deps.moderator, upkeep, model)
+    ctx = RunContext(config, store, runs, models, deps.moderator, upkeep)
     replica = Replica(config.replica_id, config.replica_group, store, runs, late_ends, config.runs)
     return Parts(ctx, budgets, checkpoints, jobs, replica)
 
@@ -148,17 +142,17 @@ async def serve(
     args: Namespace,
     config: OrchestratorConfig,
     verifier: TokenVerifier,
-    model_path: Path,
-    tokenizer: ChatTokenizer,
+    specs: Sequence[ModelSpec],
 ) -> None:
-    model_window = model_context_length(model_path)
-    context_window = min(config.prompt.context_window or model_window, model_window)
-    log.info(
-        "tokenizer loaded: %s (fingerprint %s, context window %d tokens)",
-        tokenizer.model_name,
-        tokenizer.fingerprint,
-        context_window,
-    )
+    for spec in specs:
+        log.info(
+            "model %s: tokenizer %s, %s, context window %d tokens, licence %s",
+            spec.name,
+            spec.tokenizer.fingerprint,
+            spec.kind if spec.kind == CHAT else "completion only (no chat template)",
+            spec.window(config.prompt),
+            spec.licence or "not stated",
+        )
     store_config = config.store
     log.info(
         "connecting to Cassandra at %s:%d (keyspace %s)",
@@ -180,9 +174,9 @@ async def serve(
     except Exception as exc:
         log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
 
-    parts = assemble(config, store, router, tokenizer, context_window)
+    parts = assemble(config, store, router, specs)
     ctx, runs = parts.ctx, parts.ctx.runs
-    service = ChatService(ctx, parts.budgets, router, context_window, verifier)
+    service = ChatService(ctx, parts.budgets, router, verifier)
     completion_link = CompletionLinkService(service, verifier)
     await parts.replica.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
@@ -218,21 +212,23 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         sys.exit(f"python -m orchestrator: {exc}")
     telemetry.setup("orchestrator")
-    model_path = Path(config.model_file) if config.model_file else bundled_model_path()
+    files = model_files(config.model_files)
     try:
-        tokenizer = load_tokenizer(str(model_path))
+        specs = [ModelSpec.load(file) for file in files]
+        default_model(specs, config.default_model)
     except (ValueError, OSError) as exc:  # a tokenizer it does not implement, or no such file
         log.error("cannot start the orchestrator: %s", exc)
         sys.exit(2)
-    if tokenizer.chat_template is None:  # a base model: every chat would be refused
+    if all(spec.kind != CHAT for spec in specs):
+        # Chats, titles and summaries need a chat template: completion models are served beside one.
         log.error(
-            "cannot start the orchestrator: %s has no chat template (a base model, completion only); "
-            "the orchestrator serves chats",
-            model_path,
+            "cannot start the orchestrator: %s has no chat template (a base model, completion only) and "
+            "no other served model has one; serve a chat model beside it",
+            ", ".join(str(file.path) for file in files),
         )
         sys.exit(2)
     try:
-        event_loop.run(serve(args, config, verifier, model_path, tokenizer))
+        event_loop.run(serve(args, config, verifier, specs))
     except serving.PortInUseError as exc:
         log.error("%s", exc)
         sys.exit(1)

@@ -57,7 +57,7 @@ class PromptConfig:
     # A chat's prompt is assembled again at every send from messages that never change: the ids of the
     # texts of recent prompts are kept (4 bytes a token, and the text), least recently used dropped.
     encoded_cache_tokens: int = setting(
-        2_000_000, "token ids of recent prompts' texts kept for the next assembly (0: none)"
+        2_000_000, "token ids of recent prompts' texts kept for the next assembly, per tokenizer (0: none)"
     )
 
     def __post_init__(self) -> None:
@@ -230,13 +230,20 @@ class OrchestratorConfig:
     # router pool), so two deployments sharing a keyspace never continue each other's answers.
     replica_group: str = setting("orchestrator", "the replicas that adopt each other's runs (one deployment)")
     router_timeout_s: float = setting(5.0, "deadline of unary router calls (ListEngines)")
-    model_file: str = setting(
-        "",
-        "GGUF file or Hugging Face directory whose tokenizer, chat template and context window prompts use "
-        "(default: the bundled model)",
+    # One per served model: the models requests may name are these files' (a request naming another is
+    # refused before anything is stored). NAME=PATH serves the file under another name (a pool of the
+    # same weights an engine serves with --served-model-name).
+    model_files: tuple[str, ...] = setting(
+        (),
+        "a served model's GGUF file or Hugging Face directory, as PATH or NAME=PATH, whose tokenizer, "
+        "chat template and context window its prompts use (repeatable; none: the bundled model)",
+        flag="model-file",
+        flag_default=[],
+        parse=tuple,
+        repeat=True,
     )
-    # Model used when a request names none; empty: the model of the tokenizer.
-    default_model: str = setting("", "model for requests that name none (default: the tokenizer's model)")
+    # Model used when a request names none; empty: the first model file's with a chat template.
+    default_model: str = setting("", "model for requests that name none; empty: the first chat model")
     store: StoreConfig = nested(StoreConfig)
     limits: Limits = nested(Limits)
     budgets: BudgetConfig = nested(BudgetConfig)

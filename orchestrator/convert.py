@@ -55,6 +55,7 @@ def chat(c: models.Chat) -> chat_pb2.Chat:
         create_time=timestamp(c.created_at),
         update_time=timestamp(c.updated_at),
         active_run_id=c.active_run_id or "",
+        model=c.model,
     )
 
 

@@ -247,6 +247,7 @@ function newChat() {
   state.rendered.clear();
   state.leafId = null;
   $("#chat-title").textContent = "New chat";
+  $("#model").value = "";
   history.replaceState(null, "", "/");
   renderChats();
   renderMessages();
@@ -265,6 +266,7 @@ async function openChat(chatId, { resume = true } = {}) {
   showSkeleton();
   const [chat] = await Promise.all([json(`/v1/chats/${chatId}`), loadMessages()]);
   $("#chat-title").textContent = chat.title || "Untitled chat";
+  $("#model").value = chat.model || ""; // a model no longer served shows as the default
   renderChats();
   renderMessages();
   if (resume && chat.active_run_id && !state.live) await resumeRun(chat.active_run_id);
@@ -676,22 +678,40 @@ async function withLive(base, userText, request) {
   return opened;
 }
 
+// ---- models: the chat models a chat may be answered by ----------------------------------------------
+
+// The picker lists the chat models (a completion model takes no chats) and shows only when there is a
+// choice. A request naming the picked model is answered by it and switches the chat to it.
+async function loadModels() {
+  const models = (await json("/v1/models")).data.filter((model) => model.kind === "chat");
+  const picker = $("#model");
+  for (const model of models) picker.append(new Option(model.id, model.id));
+  picker.hidden = models.length < 2;
+}
+
+function pickedModel() {
+  const model = $("#model").value;
+  return model ? { model } : {};
+}
+
 async function send(text, parentId = "") {
   if (!state.chatId) {
-    const chat = await json("/v1/chats", { method: "POST", body: {} });
+    const chat = await json("/v1/chats", { method: "POST", body: pickedModel() });
     state.chatId = chat.chat_id;
     history.replaceState(null, "", `/?chat=${encodeURIComponent(chat.chat_id)}`);
   }
   const path = branch();
   const base = parentId ? path.slice(0, path.findIndex((m) => m.message_id === parentId) + 1) : path;
-  const body = { content: text, parent_message_id: parentId, idempotency_key: crypto.randomUUID() };
+  const body = {
+    content: text, parent_message_id: parentId, idempotency_key: crypto.randomUUID(), options: pickedModel(),
+  };
   return withLive(base, text, () => call(`/v1/chats/${state.chatId}/messages`, { method: "POST", body }));
 }
 
 async function regenerate(answer) {
   const path = branch();
   const base = path.slice(0, path.findIndex((m) => m.message_id === answer.message_id));
-  const body = { idempotency_key: crypto.randomUUID() };
+  const body = { idempotency_key: crypto.randomUUID(), options: pickedModel() };
   await withLive(base, null, () =>
     call(`/v1/chats/${state.chatId}/messages/${answer.message_id}/regenerate`, { method: "POST", body }));
 }
@@ -766,6 +786,9 @@ async function start() {
     state.tier = me.tier;
     $("#whoami").textContent = `Signed in as ${me.user_id} (${me.tier})`;
     showUsage();
+    // The picker is optional: chats go on with the default model if the list cannot be read. Loaded
+    // before a chat opens, so that the chat's model can be shown picked.
+    await loadModels().catch(() => { $("#model").hidden = true; });
     await loadChats();
     const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
     const chatId = new URLSearchParams(location.search).get("chat") || (saved && saved.chatId);

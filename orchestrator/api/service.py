@@ -156,7 +156,6 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         ctx: RunContext,
         budgets: Budgets,
         router: RouterClient,
-        context_window: int,
         verifier: TokenVerifier,
     ) -> None:
         self.ctx = ctx
@@ -166,7 +165,6 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         self.budgets = budgets
         self.router = router
         self.limits: Limits = ctx.config.limits
-        self.context_window = context_window
 
     async def answer(self, method: str, identity: Identity, request: Any, within_s: float | None) -> Any:
         """The response of the unary call ``method`` for ``identity``, as a call or on a completion link:
@@ -184,7 +182,11 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
     async def CreateChat(self, identity: Identity, request: chat_pb2.CreateChatRequest):
         limits.check_title(request.title, self.limits, allow_empty=True)
         limits.check_idempotency_key(request.idempotency_key, self.limits)
-        chat = await self.store.create_chat(identity.user_id, request.title, request.idempotency_key)
+        if len(request.model) > self.limits.max_model_chars:
+            raise invalid("model", f"model names have at most {self.limits.max_model_chars} characters")
+        # A model named is one that takes chats (empty: the default model at each send).
+        model = self.ctx.models.for_chat(request.model, field="model").name if request.model else ""
+        chat = await self.store.create_chat(identity.user_id, request.title, request.idempotency_key, model)
         return chat_pb2.CreateChatResponse(chat=convert.chat(chat))
 
     @unary
@@ -267,17 +269,21 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
 
     @unary
     async def ListModels(self, identity: Identity, request: chat_pb2.ListModelsRequest):
+        """The served models that engines serve (a model no replica prompts for is refused, so it is not
+        listed), with their kind and licence."""
         healthy: dict[str, int] = {}
         for engine in await self.router.list_engines():
-            if engine.model:
+            if engine.model in self.ctx.models.by_name:
                 healthy[engine.model] = healthy.get(engine.model, 0) + int(engine.healthy)
+        served = self.ctx.models.by_name
         return chat_pb2.ListModelsResponse(
             models=[
                 chat_pb2.Model(
                     model_id=model,
-                    # Only the model whose tokenizer this replica prompts with has a known window here.
-                    context_length=self.context_window if model == self.ctx.default_model else 0,
+                    context_length=served[model].context_window,
                     engines=count,
+                    kind=served[model].kind,
+                    licence=served[model].licence,
                 )
                 for model, count in sorted(healthy.items())
             ]

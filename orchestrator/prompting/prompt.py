@@ -44,6 +44,8 @@ class Prompt:
     # Tokens the prompt would need with every available turn (what the summary trigger looks at).
     full_tokens: int
     budget: int
+    # The fingerprint of the tokenizer ``token_ids`` are of: engines of another tokenizer refuse them.
+    fingerprint: str
 
     @property
     def opens_session(self) -> bool:
@@ -102,7 +104,9 @@ def fit_prompt(
     messages, ids = render(len(turns), with_summary)
     full_tokens = len(ids)
     if full_tokens <= budget:
-        return Prompt(ids, messages, len(turns), len(turns), with_summary, full_tokens, budget)
+        return Prompt(
+            ids, messages, len(turns), len(turns), with_summary, full_tokens, budget, tokenizer.fingerprint
+        )
     smallest_messages, smallest = render(1, with_summary)
     if len(smallest) > budget and with_summary:
         # The summary itself does not fit next to the message: answer without it.
@@ -124,7 +128,9 @@ def fit_prompt(
                 first = middle + 1
         if fitting:
             kept, (messages, ids) = fitting
-            return Prompt(ids, messages, len(turns), kept, with_summary, full_tokens, budget)
+            return Prompt(
+                ids, messages, len(turns), kept, with_summary, full_tokens, budget, tokenizer.fingerprint
+            )
     low, high = 1, len(turns) - 1  # `low` turns fit; all of them do not
     best = (smallest_messages, smallest)
     while low < high:
@@ -134,7 +140,7 @@ def fit_prompt(
             low, best = middle, candidate
         else:
             high = middle - 1
-    return Prompt(best[1], best[0], len(turns), low, with_summary, full_tokens, budget)
+    return Prompt(best[1], best[0], len(turns), low, with_summary, full_tokens, budget, tokenizer.fingerprint)
 
 
 def step_boundaries(

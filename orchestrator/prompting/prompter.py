@@ -2,8 +2,9 @@
 
 ``continue_branch`` serves stored chats (the branch ending at a message, read by ``history`` after the
 chat's summary, then the new turns); ``conversation`` serves Complete (a caller-supplied conversation,
-nothing read). Both end in ``fit``: the window minus max_tokens is the budget, ``prompt.fit_prompt`` keeps the newest turns that
-fit, and a prompt that cannot fit is INVALID_ARGUMENT naming the field at fault.
+nothing read). Both end in ``fit``: the window minus max_tokens is the budget, ``prompt.fit_prompt``
+keeps the newest turns that fit. ``completion`` serves a caller's prompt text, continued as it is. A
+prompt that cannot fit is INVALID_ARGUMENT naming the field at fault.
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ tracer = trace.get_tracer("orchestrator")
 
 class Prompter:
     def __init__(
-        self, store: MemoryStore, tokenizer: ChatTokenizer, config: PromptConfig, context_window: int
+        self,
+        store: MemoryStore,
+        tokenizer: ChatTokenizer,
+        config: PromptConfig,
+        context_window: int,
+        recent: EncodedTexts | None,
     ) -> None:
         self.store = store
         self.tokenizer = tokenizer
         self.config = config
         self.context_window = context_window
-        self.recent = EncodedTexts(config.encoded_cache_tokens) if config.encoded_cache_tokens else None
+        # The ids of recent prompts' texts, shared by the models of this tokenizer (its fingerprint).
+        self.recent = recent
 
     async def history(self, user_id: str, chat_id: str, leaf_id: str | None) -> History:
         """The stored branch ending at ``leaf_id`` (None: the chat's newest message), after the chat's
@@ -67,6 +74,21 @@ class Prompter:
                 )
             )
         return prompt
+
+    def completion(self, text: str, options: Generation) -> Prompt:
+        """A completion prompt: ``text`` continued as it is (no template; BOS first where the model
+        wants it), which must fit the window whole next to max_tokens."""
+        ids = self.tokenizer.encode_prompt(text)
+        budget = self.context_window - options.max_tokens
+        if len(ids) > budget:
+            raise refused(
+                invalid(
+                    "prompt",
+                    f"the prompt needs {len(ids)} tokens; {max(budget, 0)} fit in the "
+                    f"{self.context_window}-token context window with max_tokens={options.max_tokens}",
+                )
+            )
+        return Prompt(ids, [], 1, 1, False, len(ids), budget, self.tokenizer.fingerprint)
 
     def fit(
         self,

@@ -26,6 +26,7 @@ from chatmesh.tokenizer import ChatMessage
 from memory_store.errors import MemoryStoreError, NotFound
 from memory_store.models import Chat, Claim, Message, Run, RunStatus
 from orchestrator.config import LEASE_SKEW_S
+from orchestrator.prompting.models import ServedModel
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.context import RunContext
@@ -64,6 +65,8 @@ class ChatRun(AnswerRun):
     """A run of a stored chat: started once per idempotency key, its run row and answer stored."""
 
     outlives_caller = True
+    # The model answering: the one the request names, else the chat's (``answer_as_the_chat``).
+    model: ServedModel
 
     def __init__(
         self, ctx: RunContext, identity: Identity, request: ChatRequest, key: str, options: Generation
@@ -79,10 +82,7 @@ class ChatRun(AnswerRun):
         # the caller's, which the tools' grammar would replace.
         toolbox = ctx.runs.deps.toolbox
         self.tools = toolbox.tools_for(identity.tier, 0) if toolbox and options.structured is None else None
-        if self.tools is not None:
-            grammar = self.tools.constraint().grammar
-            options = dataclasses.replace(options, structured=engine_pb2.StructuredOutput(grammar=grammar))
-        self.options = options
+        self.options = self._offering_tools(options)
         # A request without a key is its own run: only retries that carry a key can join.
         self._key = key or f"auto:{uuid.uuid4().hex}"
         self._retryable = bool(key)
@@ -242,6 +242,33 @@ class ChatRun(AnswerRun):
                 asked=asked,
                 chat=chat,
             )
+
+    def answer_as_the_chat(self, chat: Chat, named: chat_pb2.GenerationOptions) -> None:
+        """A request naming no model is answered by the chat's own (recorded at its creation or by its
+        last switch): the options are checked again for that model."""
+        if named.model or not chat.model or chat.model == self.model.name:
+            return
+        options = chat_pb2.GenerationOptions()
+        options.CopyFrom(named)
+        options.model = chat.model
+        self.model, resolved = self.ctx.models.resolve(options, self.ctx.config.limits, chat=True)
+        self.options = self._offering_tools(resolved)
+
+    def _offering_tools(self, options: Generation) -> Generation:
+        """``options`` constrained to the offered tools' grammar (text, or a call), if any are."""
+        if self.tools is None:
+            return options
+        grammar = self.tools.constraint().grammar
+        return dataclasses.replace(options, structured=engine_pb2.StructuredOutput(grammar=grammar))
+
+    async def switch_chat(self, chat: Chat, named: chat_pb2.GenerationOptions) -> None:
+        """A request naming another model than the chat's switches the chat to it, before the run is
+        admitted: its next requests that name none are answered by it too. Nothing else changes: every
+        prompt renders the stored history anew with the answering model's template and counts it with
+        its tokenizer."""
+        if named.model and self.model.name != (chat.model or self.ctx.models.default):
+            async with asyncio.timeout(self.ctx.config.runs.store_deadline_s):
+                await self.ctx.store.set_chat_model(self.identity.user_id, chat.chat_id, self.model.name)
 
     def refresh_summary(self, chat_id: str, prompt: Prompt, end: RunEnd) -> None:
         """A history that outgrows its share of the prompt gets a new rolling summary (background)."""

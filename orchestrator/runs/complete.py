@@ -33,15 +33,21 @@ class CompleteRun(AnswerRun):
     def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.CompleteRequest) -> None:
         super().__init__(identity)
         self.ctx = ctx
-        self.options = checked(
-            limits.generation,
-            request.options,
-            ctx.config.limits,
-            ctx.default_model,
-            ctx.prompter.tokenizer.vocab_size,
+        # A prompt is continued as it is (any model); a conversation is rendered with the model's chat
+        # template, which a completion model does not have.
+        if request.prompt and request.messages:
+            raise refused(invalid("prompt", "give a prompt or messages, not both"))
+        self.model, self.options = ctx.models.resolve(
+            request.options, ctx.config.limits, chat=not request.prompt
         )
-        messages = self._conversation(request)
         self.system: list[ChatMessage] = []
+        self.messages: list[ChatMessage] = []
+        self.prompt = request.prompt
+        if request.prompt:
+            checked(limits.check_content, request.prompt, ctx.config.limits, "prompt")
+            ctx.moderator.screen_input(request.prompt, "prompt", f"user {identity.user_id}")
+            return
+        messages = self._conversation(request)
         while messages and messages[0].role == "system":
             self.system.append(messages.pop(0))
         if not messages:
@@ -71,8 +77,13 @@ class CompleteRun(AnswerRun):
         return out
 
     async def execute(self) -> None:
-        # 1. The prompt: the conversation as given, which must fit the window whole.
-        prompt = self.ctx.prompter.conversation(self.system, self.messages, self.options)
+        # 1. The prompt: the text or the conversation as given, which must fit the window whole.
+        prompter = self.model.prompter
+        prompt = (
+            prompter.completion(self.prompt, self.options)
+            if self.prompt
+            else prompter.conversation(self.system, self.messages, self.options)
+        )
         info = RunInfo(
             run_id=str(new_id()),
             user_id=self.identity.user_id,

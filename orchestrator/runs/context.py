@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from memory_store.store import MemoryStore
 from orchestrator.config import OrchestratorConfig
 from orchestrator.policy.moderation import Moderator
-from orchestrator.prompting.prompter import Prompter
+from orchestrator.prompting.models import Models
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.upkeep.after_runs import Upkeep
 
@@ -17,8 +17,6 @@ class RunContext:
     config: OrchestratorConfig
     store: MemoryStore
     runs: Runs
-    prompter: Prompter
+    models: Models
     moderator: Moderator
     upkeep: Upkeep
-    # The model of requests that name none.
-    default_model: str

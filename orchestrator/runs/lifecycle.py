@@ -85,7 +85,6 @@ class Runs:
         deps: RelayDeps,
         budgets: Budgets,
         slots: RunSlots,
-        tokenizer_fingerprint: str,
     ) -> None:
         self.store = store
         self.router = router
@@ -93,7 +92,6 @@ class Runs:
         self.config: RunConfig = deps.config
         self.budgets = budgets
         self.slots = slots
-        self.fingerprint = tokenizer_fingerprint
         self.draining = False
         # Set once a draining replica's grace is over: every run still live here is handed over.
         self._handing_over = False
@@ -221,7 +219,7 @@ class Runs:
                     options,
                     identity.tier,
                     info.chat_id or identity.user_id,
-                    self.fingerprint,
+                    prompt.fingerprint,
                     new_session=info.stored and prompt.opens_session,
                 )
                 stream = await self._place(identity, charge_id, start, options)

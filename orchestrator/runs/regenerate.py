@@ -23,13 +23,7 @@ class RegenerateRun(ChatRun):
     ) -> None:
         checked(limits.check_id, request.chat_id, "chat_id")
         checked(limits.check_id, request.message_id, "message_id")
-        options = checked(
-            limits.generation,
-            request.options,
-            ctx.config.limits,
-            ctx.default_model,
-            ctx.prompter.tokenizer.vocab_size,
-        )
+        self.model, options = ctx.models.resolve(request.options, ctx.config.limits, chat=True)
         checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
         super().__init__(ctx, identity, request, request.idempotency_key, options)
         self.request = request
@@ -54,10 +48,12 @@ class RegenerateRun(ChatRun):
             )
         # 2. The prompt: the branch up to the question, after the summary, fitted to the window.
         question_id = answer.parent_id
-        history = await self.ctx.prompter.history(user, chat_id, question_id)
-        prompt = self.ctx.prompter.continue_branch(
+        history = await self.model.prompter.history(user, chat_id, question_id)
+        self.answer_as_the_chat(history.chat, self.request.options)
+        prompt = self.model.prompter.continue_branch(
             history, self.options, [], "message_id", system=self.system_turns()
         )
+        await self.switch_chat(history.chat, self.request.options)
         info = self.run_info(claim, chat_id)
         # 3. Admission, then the run persisted (the question is stored already).
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:

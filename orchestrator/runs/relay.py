@@ -52,7 +52,6 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, unavailable
 from chatmesh.router.v1 import router_pb2
 from chatmesh.token_text import token_pieces
-from chatmesh.tokenizer import ChatTokenizer
 from chatmesh.tool_format import ToolCall
 from memory_store.errors import MemoryStoreError, OwnerChanged, Unavailable
 from memory_store.models import FinishedRun, FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
@@ -63,6 +62,7 @@ from orchestrator.errors import from_downstream, from_exception
 from orchestrator.metrics import METRICS
 from orchestrator.policy.admission import Budgets
 from orchestrator.policy.moderation import Moderator
+from orchestrator.prompting.models import Models
 from orchestrator.router_client import GenerateStream, RouterClient, RouterError, continued
 from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints
 from orchestrator.runs.late_ends import LateEnds
@@ -141,17 +141,21 @@ class RelayDeps:
     router: RouterClient
     checkpoints: CheckpointWriter
     late_ends: LateEnds
-    # The orchestrator's own tools (None: off), and the tokenizer their results are encoded with.
+    # The orchestrator's own tools (None: off), and the served models: a step's result is encoded with
+    # the tokenizer and template of the model its run asked for.
     toolbox: Toolbox | None = None
-    tokenizer: ChatTokenizer | None = None
+    models: Models | None = None
     # Where a turn after a tool step asks for the tokens of its prompt (beyond the run's reservation).
     budgets: Budgets | None = None
 
     def tool_loop(self, first: router_pb2.GenerateStart, user_id: str, tier: str) -> ToolLoop | None:
         """The tool loop of a stored run whose first turn is ``first`` (None: it was offered no tools)."""
-        if self.toolbox is None or self.tokenizer is None:
+        if self.toolbox is None or self.models is None:
             return None
-        return ToolLoop.of(self.toolbox, self.tokenizer, first, user_id, tier)
+        model = self.models.by_name.get(first.model)
+        if model is None:  # an adopted run of a model this replica does not serve
+            raise ValueError(f"its model {first.model!r} is not served here")
+        return ToolLoop.of(self.toolbox, model.tokenizer, first, user_id, tier)
 
 
 def _usage_of(finished) -> Usage | None:

@@ -32,13 +32,7 @@ class SendRun(ChatRun):
     def __init__(self, ctx: RunContext, identity: Identity, request: chat_pb2.SendMessageRequest) -> None:
         checked(limits.check_id, request.chat_id, "chat_id")
         checked(limits.check_content, request.content, ctx.config.limits)
-        options = checked(
-            limits.generation,
-            request.options,
-            ctx.config.limits,
-            ctx.default_model,
-            ctx.prompter.tokenizer.vocab_size,
-        )
+        self.model, options = ctx.models.resolve(request.options, ctx.config.limits, chat=True)
         checked(limits.check_idempotency_key, request.idempotency_key, ctx.config.limits)
         if request.branch_from_root and request.parent_message_id:
             raise invalid("parent_message_id", "parent_message_id must be empty with branch_from_root")
@@ -75,14 +69,17 @@ class SendRun(ChatRun):
                 "to this chat at the same time, or a retry of an old idempotency key); send it again "
                 "with a new idempotency key",
             )
-        # 2. The prompt: the branch after the summary, then the new message, fitted to the window.
-        prompt = self.ctx.prompter.continue_branch(
+        # 2. The prompt: the branch after the summary, then the new message, fitted to the window, in
+        #    the template of the model answering (the request's, else the chat's).
+        self.answer_as_the_chat(history.chat, self.request.options)
+        prompt = self.model.prompter.continue_branch(
             history,
             self.options,
             [ChatMessage("user", self.request.content)],
             "content",
             system=self.system_turns(self.request.instructions),
         )
+        await self.switch_chat(history.chat, self.request.options)
         info = self.run_info(claim, chat_id, claim.user_message_id)
         # 3. Admission (a run slot; the budget reserved while the router places the request), then the
         #    user message and the run persisted together, now that the answer will be generated.
@@ -92,7 +89,7 @@ class SendRun(ChatRun):
             role=Role.USER,
             content=self.request.content,
             parent_id=parent_id,
-            token_count=len(self.ctx.prompter.tokenizer.encode(self.request.content)),
+            token_count=len(self.model.tokenizer.encode(self.request.content)),
             run_id=claim.run_id,
         )
         async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
@@ -129,7 +126,7 @@ class SendRun(ChatRun):
         if request.branch_from_root:
             return History([], None, None, await self.ctx.store.get_chat(user, request.chat_id))
         try:
-            return await self.ctx.prompter.history(user, request.chat_id, request.parent_message_id or None)
+            return await self.model.prompter.history(user, request.chat_id, request.parent_message_id or None)
         except NotFound:
             if not request.parent_message_id:
                 raise

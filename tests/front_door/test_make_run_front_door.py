@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from localmesh.dev_jwt import DIR_ENV, DevKeys
@@ -122,9 +123,9 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
     ]
     argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "2", "--run-dir", str(tmp_path / "run")]
     argv += [part for flag in flags for part in (flag, str(free_port()))]
-    # Two engines of the primary pool, then the cheaper pool's.
-    argv += ["--first-engine-port", str(free_consecutive_ports(3))]
-    argv += ["--first-engine-metrics-port", str(free_consecutive_ports(3))]
+    # Two engines of the primary pool, then the cheaper pool's, then the completion pool's (Gemma 3).
+    argv += ["--first-engine-port", str(free_consecutive_ports(4))]
+    argv += ["--first-engine-metrics-port", str(free_consecutive_ports(4))]
     mesh = subprocess.Popen(
         argv,
         cwd=REPO_ROOT,
@@ -159,6 +160,17 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
         )
         assert " Paris" in stored_answer, stored
         assert "Paris" in grpc_client and "FINISH_REASON_STOP" in grpc_client, grpc_client
+        # Both models, each with its kind and licence; Gemma 3 completes a prompt through Envoy.
+        envoy = re.search(r"(http://127\.0\.0\.1:\d+)/v1/chat/completions", printed).group(1)
+        # Retries as the SDK makes them: Gemma's one-thread engine may be past the TTFT objective a moment.
+        sdk = openai.OpenAI(base_url=f"{envoy}/v1", api_key=token, max_retries=4)
+        kinds = {model.id: model.model_dump()["kind"] for model in sdk.models.list().data}
+        assert sorted(kinds.values()) == ["chat", "chat", "completion"], kinds
+        [gemma] = [name for name, kind in kinds.items() if kind == "completion"]
+        completed = sdk.completions.create(
+            model=gemma, prompt="Q: What is the capital of France?\nA:", max_tokens=8, temperature=0
+        )
+        assert "Paris" in completed.choices[0].text, completed
 
         # Every printed /metrics endpoint answers with its service's metrics; the printed operations page
         # URL signs an operator in, whose token the ops API accepts; the answers above left their spans.
@@ -167,12 +179,13 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
             "engine-0",
             "engine-1",
             "engine-2",
+            "engine-3",
             "router",
             "orchestrator",
             "edge",
             "envoy",
         }, output.text
-        expected = {f"engine-{i}": "gen_ai_server_" for i in range(3)}
+        expected = {f"engine-{i}": "gen_ai_server_" for i in range(4)}
         expected |= {"router": "chatmesh_router_", "envoy": "envoy_"}
         expected |= {"orchestrator": "chatmesh_orchestrator_", "edge": "chatmesh_edge_"}
         for name, url in endpoints.items():
@@ -203,9 +216,9 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
         os.killpg(mesh.pid, signal.SIGINT)
         code = mesh.wait(timeout=120)
     services = [int(pid) for pid in re.findall(r"ready .* pid (\d+)", output.text)]
-    # cassandra, span collector, two engines, the cheaper pool's engine, router, orchestrator, edge, envoy,
-    # the restarted engine
-    assert len(services) == 10
+    # cassandra, span collector, two engines, the cheaper pool's engine, the completion pool's, router,
+    # orchestrator, edge, envoy, the restarted engine
+    assert len(services) == 11
     assert code == 0, output.text[-3000:]
     assert "stopping chatmesh" in output.text
     assert [pid for pid in services if _alive(pid)] == []

@@ -50,5 +50,5 @@ def test_a_model_name_over_the_old_128_characters_passes_the_limits(raised_door:
         chat_id = client.post("/v1/chats", json={}).json()["chat_id"]
         with answer(client, chat_id, "hi", options={"model": "m" * 200}) as reply:
             reply.read()
-            # Past the edge's and the orchestrator's limits: no engine serves that model.
-            assert "no engine serves model" in assert_json_error(reply, 404)["message"]
+            # Past the edge's and the orchestrator's limits: no model of that name is served.
+            assert "not found; served models:" in assert_json_error(reply, 404)["message"]

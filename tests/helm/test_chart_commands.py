@@ -31,6 +31,7 @@ from chatmesh.tokenizer import load_tokenizer
 from engine.config import HOSTED_BACKENDS
 from engine.model.cuda_runner import torchrun_world_size
 from meshkit.launcher import GrpcHealthy, free_port
+from orchestrator.prompting.models import ModelFile
 from tests.helm.chart import (
     CHART,
     CRD_KINDS,
@@ -196,9 +197,10 @@ def test_every_values_file_and_doc_recipe_renders_commands_the_services_accept(
                             if config.model_path is not None:
                                 _mounted_path(str(config.model_path), container, volumes)
                         if launch.service == "orchestrator":
-                            models["orchestrator"].add(config.model_file)
-                            if config.model_file:
-                                _mounted_path(config.model_file, container, volumes)
+                            files = [str(ModelFile.parse(flag).path) for flag in config.model_files]
+                            models["orchestrator"].update(files or [""])
+                            for file in files:
+                                _mounted_path(file, container, volumes)
                         if launch.service in ("orchestrator", "edge"):
                             jwks = env[f"CHATMESH_{launch.service.upper()}_JWKS_FILE"]
                             assert _mounted_path(jwks, container, volumes)["secret"], where

@@ -112,16 +112,17 @@ async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
     chat = await memory_store.create_chat(user)
     claim = await memory_store.claim_idempotency_key(user, uuid.uuid4().hex, b"fingerprint")
     asked = Message(claim.user_message_id, chat.chat_id, Role.USER, "tell me a story")
-    prompt = ctx.prompter.tokenizer.encode("tell me a story")
-    options = Generation(ctx.default_model, 400, temperature=0.7, top_p=1.0, seed=None, stop=())
-    generation = start_frame(claim.run_id, prompt, options, "pro", chat.chat_id, ctx.runs.fingerprint)
+    model = ctx.models.get("")
+    prompt = model.tokenizer.encode("tell me a story")
+    options = Generation(model.name, 400, temperature=0.7, top_p=1.0, seed=None, stop=())
+    generation = start_frame(claim.run_id, prompt, options, "pro", chat.chat_id, model.tokenizer.fingerprint)
     orphan = await memory_store.create_run(
         user,
         chat.chat_id,
         run_id=claim.run_id,
         parent_message_id=asked.message_id,
         assistant_message_id=claim.assistant_message_id,
-        model=ctx.default_model,
+        model=model.name,
         owner_id=f"dead-{uuid.uuid4().hex[:6]}",
         user_message_id=asked.message_id,
         prompt_tokens=len(prompt),

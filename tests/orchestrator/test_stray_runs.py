@@ -150,7 +150,5 @@ async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_
     run_id = (await client.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat.chat_id))).chat.active_run_id
     assert run_id
     # Its heartbeat dated for the others, the replica's run is adopted at their next pass.
-    await mesh.until_counted(
-        "chatmesh_orchestrator_orphaned_runs", adopted_before + 1, 30, outcome="adopted"
-    )
+    await mesh.until_counted("chatmesh_orchestrator_orphaned_runs", adopted_before + 1, 30, outcome="adopted")
     await answered_by_the_mesh(client, chat.chat_id, run_id, reference)

@@ -69,18 +69,20 @@ TOOL_OUTCOME_REFUSED: ToolOutcome
 TOOL_OUTCOME_INTERRUPTED: ToolOutcome
 
 class Chat(_message.Message):
-    __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id")
+    __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id", "model")
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     chat_id: str
     title: str
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
     active_run_id: str
-    def __init__(self, chat_id: _Optional[str] = ..., title: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., active_run_id: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, chat_id: _Optional[str] = ..., title: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., active_run_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")
@@ -274,12 +276,14 @@ class ToolStepResult(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., outcome: _Optional[_Union[ToolOutcome, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class CreateChatRequest(_message.Message):
-    __slots__ = ("title", "idempotency_key")
+    __slots__ = ("title", "idempotency_key", "model")
     TITLE_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     title: str
     idempotency_key: str
-    def __init__(self, title: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    model: str
+    def __init__(self, title: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
 
 class CreateChatResponse(_message.Message):
     __slots__ = ("chat",)
@@ -468,14 +472,16 @@ class PromptMessage(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("messages", "options", "merge_deltas")
+    __slots__ = ("messages", "options", "merge_deltas", "prompt")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
     MERGE_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[PromptMessage]
     options: GenerationOptions
     merge_deltas: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[PromptMessage, _Mapping]]] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., merge_deltas: _Optional[bool] = ...) -> None: ...
+    prompt: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[PromptMessage, _Mapping]]] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., merge_deltas: _Optional[bool] = ..., prompt: _Optional[str] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("event",)
@@ -488,14 +494,18 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Model(_message.Message):
-    __slots__ = ("model_id", "context_length", "engines")
+    __slots__ = ("model_id", "context_length", "engines", "kind", "licence")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LICENCE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     context_length: int
     engines: int
-    def __init__(self, model_id: _Optional[str] = ..., context_length: _Optional[int] = ..., engines: _Optional[int] = ...) -> None: ...
+    kind: str
+    licence: str
+    def __init__(self, model_id: _Optional[str] = ..., context_length: _Optional[int] = ..., engines: _Optional[int] = ..., kind: _Optional[str] = ..., licence: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
