@@ -203,7 +203,7 @@ async def test_a_step_found_started_without_its_result_is_answered_interrupted_n
         lost = f"lost-{uuid.uuid4().hex[:6]}"
         await memory_store.heartbeat_replica(lost, group=replica.parts.replica.group)
         ctx = replica.parts.ctx
-        options = Generation(ctx.default_model, 48, 0.0, 0.0, None, ())
+        options = Generation(ctx.models.default, 48, 0.0, 0.0, None, ())
         grammar = engine_pb2.StructuredOutput(grammar=offered.constraint().grammar)
         generation = start_frame(
             str(uuid.uuid4()),
@@ -211,7 +211,7 @@ async def test_a_step_found_started_without_its_result_is_answered_interrupted_n
             dataclasses.replace(options, structured=grammar),
             "pro",
             chat.chat_id,
-            replica.runs.fingerprint,
+            TOKENIZER.fingerprint,
         )
         run, _ = await start_run(
             memory_store,
