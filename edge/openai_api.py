@@ -9,6 +9,7 @@ edge.structured_outputs and edge.tools.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from contextlib import aclosing
@@ -21,6 +22,7 @@ from starlette.routing import Route
 from chatmesh.chat.v1 import chat_pb2
 from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of
+from edge.choices import ChoiceEvent, Choices
 from edge.client_gone import unless_client_leaves
 from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
@@ -149,11 +151,19 @@ def openai_names(error: ApiError) -> ApiError:
 
 
 class ChunkWriter:
-    """Turns run events into ``chat.completion.chunk`` objects (a tool call as one delta when its
-    ``</tool_call>`` arrives)."""
+    """Turns one choice's run events into ``chat.completion.chunk`` objects (a tool call as one delta
+    when its ``</tool_call>`` arrives). ``usage_last``: its run's usage is the stream's last chunk (one
+    choice); with several, ``ChoiceWriters`` sends their sum."""
 
     def __init__(
-        self, completion_id: str, model: str, include_usage: bool, tools: Tools | None, logprobs: bool = False
+        self,
+        completion_id: str,
+        model: str,
+        include_usage: bool,
+        tools: Tools | None,
+        logprobs: bool = False,
+        index: int = 0,
+        usage_last: bool = True,
     ) -> None:
         self.calls = ToolCallParser(completion_id) if tools is not None else None
         self.base = {
@@ -164,13 +174,15 @@ class ChunkWriter:
         }
         self.include_usage = include_usage
         self.logprobs = logprobs
+        self.index = index
+        self.usage_last = usage_last
         self.usage: chat_pb2.Usage | None = None
         self._content = TextEvent(lambda text: self.chunk({"content": text}))  # a delta's chunk
 
     def chunk(
         self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None
     ) -> ServerSentEvent:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         body = {**self.base, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None  # as OpenAI does: present and null on every chunk but the last
@@ -195,15 +207,16 @@ class ChunkWriter:
             out = self._tool_deltas(self.calls.rest(), []) if self.calls is not None else []
             called = bool(self.calls and self.calls.calls)
             out.append(self.chunk({}, openai_finish_reason(event.done.finish_reason, called)))
-            if self.include_usage:
-                out.append(
-                    _data({**self.base, "choices": [], "usage": openai_usage(self.usage or chat_pb2.Usage())})
-                )
+            if self.include_usage and self.usage_last:
+                out.append(self.usage_chunk(self.usage or chat_pb2.Usage()))
             return out
         if kind == "error":
             e = event.error
             return self.error(from_run_error(e.code, e.message, e.retry_after_ms))
         return []
+
+    def usage_chunk(self, usage: chat_pb2.Usage) -> ServerSentEvent:
+        return _data({**self.base, "choices": [], "usage": openai_usage(usage)})
 
     def _tool_deltas(self, text: str, calls: list[ToolCall]) -> list[Item]:
         out: list[Item] = [self._content(text)] if text else []
@@ -218,6 +231,34 @@ class ChunkWriter:
         return [_data(error.body())]
 
 
+class ChoiceWriters:
+    """The chunks of ``n`` choices: each choice's own ChunkWriter (its index in every chunk), then one
+    usage chunk, summed as OpenAI sums it, and ``[DONE]``."""
+
+    def __init__(self, writers: list[ChunkWriter]) -> None:
+        self.writers = writers
+
+    def events(self, item: ChoiceEvent) -> list[Item]:
+        return self.writers[item.index].events(item.event)
+
+    def closing(self) -> list[Item]:
+        out: list[Item] = []
+        if self.writers[0].include_usage:
+            out.append(self.writers[0].usage_chunk(choices_usage([w.usage for w in self.writers])))
+        return [*out, ServerSentEvent(data="[DONE]")]
+
+
+def choices_usage(usages: Sequence[chat_pb2.Usage | None]) -> chat_pb2.Usage:
+    """The usage of a request's choices as OpenAI counts it: the prompt once (the first choice's, which
+    computed it), the completions summed."""
+    first = usages[0] or chat_pb2.Usage()
+    return chat_pb2.Usage(
+        prompt_tokens=first.prompt_tokens,
+        cached_prompt_tokens=first.cached_prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
+    )
+
+
 def _data(body: dict) -> ServerSentEvent:
     return ServerSentEvent(data=compact_json(body))
 
@@ -230,6 +271,8 @@ async def chat_completions(request: Request) -> Response:
         ChatCompletionIn, without_no_ops(ChatCompletionIn, await read_json(request, settings.max_body_bytes))
     )
     tools = answer_tools(body)
+    if body.n is not None and body.n > 1:
+        return await _choices_response(request, body, tools, started)
     stream = orchestrator.stream("Complete", complete_request(body, tools), caller)
     try:
         first = await stream.opening_answer()
@@ -270,6 +313,64 @@ async def chat_completions(request: Request) -> Response:
     )
 
 
+async def _choices_response(
+    request: Request, body: ChatCompletionIn, tools: Tools | None, started: float
+) -> Response:
+    """A completion of ``body.n`` choices (edge.choices), streamed or whole."""
+    orchestrator, settings = request.app.state.orchestrator, request.app.state.settings
+    n = body.n or 1
+    try:
+        choices = await Choices.open(orchestrator, complete_request(body, tools), caller_of(request), n)
+    except ApiError as error:
+        raise refused_constraint(openai_names(error), constraint_param(body)) from None
+    first = choices.openings[0]
+    run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()
+    completion_id = f"chatcmpl-{run.run_id or int(started * 1e6)}"
+    model = run.model or body.model
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writers = ChoiceWriters(
+            [
+                ChunkWriter(
+                    completion_id, model, include_usage, tools, bool(body.logprobs), i, usage_last=False
+                )
+                for i in range(n)
+            ]
+        )
+        events = relay(
+            choices,
+            choices.first(),
+            "openai",
+            started,
+            request.app.state.drain,
+            writers.events,
+            ChunkWriter.error,
+            closing=writers.closing,
+            drained=lambda: ChunkWriter.error(
+                ApiError(
+                    503, "the server is restarting; retry the request", type="server_error", code="draining"
+                )
+            ),
+        )
+        return sse_response(events, settings.streams)
+
+    async def collected() -> dict:
+        try:
+            answers = await asyncio.gather(
+                *(
+                    _choice(stream, opening, completion_id, tools, bool(body.logprobs), i)
+                    for i, (stream, opening) in enumerate(zip(choices.streams, choices.openings, strict=True))
+                )
+            )
+        finally:
+            choices.detach()
+        return _completion(
+            completion_id, model, [a for a, _ in answers], choices_usage([u for _, u in answers])
+        )
+
+    return JSONResponse(await unless_client_leaves(request, collected()))
+
+
 async def _collect(
     stream: RunStream,
     first: chat_pb2.RunEvent,
@@ -279,6 +380,31 @@ async def _collect(
     logprobs: bool,
 ) -> dict:
     """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
+    choice, usage = await _choice(stream, first, completion_id, tools, logprobs, 0)
+    return _completion(completion_id, model, [choice], usage)
+
+
+def _completion(completion_id: str, model: str, choices: list[dict], usage: chat_pb2.Usage) -> dict:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": openai_usage(usage),
+    }
+
+
+async def _choice(
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    completion_id: str,
+    tools: Tools | None,
+    logprobs: bool,
+    index: int,
+) -> tuple[dict, chat_pb2.Usage]:
+    """One choice of a non-streamed completion and its run's usage, or the HTTP error its run ended
+    with."""
     text: list[str] = []
     token_logprobs: list[chat_pb2.TokenLogprob] = []
     usage, finish = chat_pb2.Usage(), chat_pb2.FINISH_REASON_STOP
@@ -300,21 +426,13 @@ async def _collect(
         message["content"], calls = parse_answer(message["content"], completion_id)
         if calls:
             message["tool_calls"] = [call.chat_json() for call in calls]
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": {"content": logprobs_json(token_logprobs), "refusal": None} if logprobs else None,
-                "finish_reason": openai_finish_reason(finish, bool(calls)),
-            }
-        ],
-        "usage": openai_usage(usage),
+    choice = {
+        "index": index,
+        "message": message,
+        "logprobs": {"content": logprobs_json(token_logprobs), "refusal": None} if logprobs else None,
+        "finish_reason": openai_finish_reason(finish, bool(calls)),
     }
+    return choice, usage
 
 
 def model_json(model: chat_pb2.Model) -> dict:
