@@ -259,6 +259,13 @@ def choices_usage(usages: Sequence[chat_pb2.Usage | None]) -> chat_pb2.Usage:
     )
 
 
+def _draining() -> list[Item]:
+    # OpenAI clients cannot resume a stream: tell them to retry rather than end it silently.
+    return ChunkWriter.error(
+        ApiError(503, "the server is restarting; retry the request", type="server_error", code="draining")
+    )
+
+
 def _data(body: dict) -> ServerSentEvent:
     return ServerSentEvent(data=compact_json(body))
 
@@ -298,12 +305,7 @@ async def chat_completions(request: Request) -> Response:
             writer.events,
             writer.error,
             closing=lambda: [ServerSentEvent(data="[DONE]")],
-            # OpenAI clients cannot resume a stream: tell them to retry rather than end it silently.
-            drained=lambda: writer.error(
-                ApiError(
-                    503, "the server is restarting; retry the request", type="server_error", code="draining"
-                )
-            ),
+            drained=_draining,
         )
         return sse_response(events, settings.streams)
     return JSONResponse(
@@ -346,11 +348,7 @@ async def _choices_response(
             writers.events,
             ChunkWriter.error,
             closing=writers.closing,
-            drained=lambda: ChunkWriter.error(
-                ApiError(
-                    503, "the server is restarting; retry the request", type="server_error", code="draining"
-                )
-            ),
+            drained=_draining,
         )
         return sse_response(events, settings.streams)
 
