@@ -58,6 +58,12 @@ def openai_finish_reason(reason: chat_pb2.FinishReason, called_tools: bool = Fal
     return name if name in ("stop", "length", "content_filter") else "stop"
 
 
+def calls_seed(completion_id: str, index: int) -> str:
+    """What choice ``index``'s tool call ids derive from: the completion's id, and the choice's after
+    the first (no two choices' calls share an id)."""
+    return f"{completion_id}-{index}" if index else completion_id
+
+
 def openai_usage(usage: chat_pb2.Usage) -> dict:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -165,7 +171,7 @@ class ChunkWriter:
         index: int = 0,
         usage_last: bool = True,
     ) -> None:
-        self.calls = ToolCallParser(completion_id) if tools is not None else None
+        self.calls = ToolCallParser(calls_seed(completion_id, index)) if tools is not None else None
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -421,7 +427,7 @@ async def _choice(
     message: dict = {"role": "assistant", "content": "".join(text), "refusal": None}
     calls: list[ToolCall] = []
     if tools is not None:
-        message["content"], calls = parse_answer(message["content"], completion_id)
+        message["content"], calls = parse_answer(message["content"], calls_seed(completion_id, index))
         if calls:
             message["tool_calls"] = [call.chat_json() for call in calls]
     choice = {

@@ -256,3 +256,30 @@ def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: opena
         max_output_tokens=48,
     )
     assert answered.status in ("completed", "incomplete") and answered.output
+
+
+def test_each_of_n_choices_parses_and_calls_tools_under_ids_of_its_own(sdk: openai.OpenAI):
+    parsed = sdk.chat.completions.parse(
+        model="",
+        messages=ask("Describe a person who lives in Paris, in JSON."),
+        response_format=Person,
+        temperature=0.7,
+        seed=3,
+        n=2,
+        max_tokens=96,
+    )
+    assert [choice.index for choice in parsed.choices] == [0, 1]
+    assert all(isinstance(choice.message.parsed, Person) for choice in parsed.choices)
+    called = sdk.chat.completions.create(
+        model="",
+        messages=ask("What is the weather in Paris?"),
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        n=2,
+        max_tokens=96,
+    )
+    [first], [second] = (choice.message.tool_calls for choice in called.choices)
+    assert first.function == second.function  # greedy: the same call
+    assert first.id != second.id
