@@ -4,7 +4,7 @@ Works with the official ``openai`` SDK unmodified (``base_url=<envoy>/v1``, ``ap
 ``data:`` chunks ending in ``data: [DONE]``, ``stream_options.include_usage``, finish reasons, usage with
 cached prompt tokens, and errors in OpenAI's error-object shape. Structured outputs (``response_format``,
 ``structured_outputs``) and tools (``tools``, ``tool_choice``, ``tool_calls`` in answers and history):
-edge.structured_outputs and edge.tools.
+edge.structured_outputs and edge.tools. ``n`` choices, one run each: edge.choices.
 """
 
 from __future__ import annotations
