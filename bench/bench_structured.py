@@ -2,13 +2,13 @@
 one run: the numbers behind docs/structured-outputs.md.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_structured.py [--reps 3] [--max-tokens 256]
-        [--suite-only]
+        [--suite-only] [--seeds 7,11,23]
 
 CPU-time rates (this process's, all threads) are steadier than wall time on a machine shared with
 other work; both are printed.
 
 1. The schema suite (tests/data/json_schemas, each schema in the system turn, its description as the
-   ask), all in one batch, greedy and at temperature 0.7: how many finish with ``stop`` within
+   ask), all in one batch, greedy and at temperature 0.7 (``--seeds``, one suite per seed): how many finish with ``stop`` within
    ``--max-tokens``, and whether every finished output validates (jsonschema).
 2. Decode throughput of 32 streams all constrained to one cached schema against 32 unconstrained, the
    same prompt, the same number of tokens (the schema cannot end sooner), rounds alternated; greedy
@@ -110,12 +110,12 @@ class Bench:
         )
 
 
-def suite(bench: Bench, max_tokens: int, temperature: float) -> dict:
+def suite(bench: Bench, max_tokens: int, temperature: float, seed: int = 7) -> dict:
     schemas = {p.stem: json.loads(p.read_text()) for p in sorted(SCHEMAS.glob("*.json"))}
     requests, names = [], {}
     for name, schema in schemas.items():
         grammar = bench.compiler.compile(Constraint("json_schema", json.dumps(schema)))
-        req = bench.request(bench.prompt(schema), grammar, max_tokens, temperature=temperature, seed=7)
+        req = bench.request(bench.prompt(schema), grammar, max_tokens, temperature=temperature, seed=seed)
         requests.append(req)
         names[req.request_id] = name
     done = bench.run(requests)
@@ -241,13 +241,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--suite-only", action="store_true", help="part 1 only")
+    parser.add_argument(
+        "--seeds", default="7", help="the sampled suite's seeds, comma-separated (greedy needs none)"
+    )
     args = parser.parse_args()
     print(machine())
     bench = Bench()
     report: dict = {"max_tokens": args.max_tokens}
-    for temperature in (0.0, 0.7):
-        report[f"suite_t{temperature}"] = suite(bench, args.max_tokens, temperature)
-        print(f"suite, temperature {temperature}:", json.dumps(report[f"suite_t{temperature}"]))
+    report["suite_t0.0"] = suite(bench, args.max_tokens, 0.0)
+    print("suite, greedy:", json.dumps(report["suite_t0.0"]))
+    for seed in (int(s) for s in args.seeds.split(",")):
+        report[f"suite_t0.7_seed{seed}"] = suite(bench, args.max_tokens, 0.7, seed)
+        print(f"suite, temperature 0.7, seed {seed}:", json.dumps(report[f"suite_t0.7_seed{seed}"]))
     if args.suite_only:
         return
 

@@ -4,11 +4,12 @@ Works with the official ``openai`` SDK unmodified (``base_url=<envoy>/v1``, ``ap
 ``data:`` chunks ending in ``data: [DONE]``, ``stream_options.include_usage``, finish reasons, usage with
 cached prompt tokens, and errors in OpenAI's error-object shape. Structured outputs (``response_format``,
 ``structured_outputs``) and tools (``tools``, ``tool_choice``, ``tool_calls`` in answers and history):
-edge.structured_outputs and edge.tools.
+edge.structured_outputs and edge.tools. ``n`` choices, one run each: edge.choices.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
@@ -23,13 +24,14 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.tool_format import ToolCall, ToolCallParser, Tools, parse_answer, result_text
 from edge.bodies import read_json, validate_model
 from edge.chats_api import caller_of
+from edge.choices import ChoiceEvent, Choices
 from edge.client_gone import unless_client_leaves
 from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
 from edge.openai_fields import without_no_ops
 from edge.orchestrator import RunStream
 from edge.schemas import ChatCompletionIn, ChatMessageIn, CompletionIn, stop_list
-from edge.sse import Item, TextEvent, compact_json, relay, sse_response
+from edge.sse import E, Events, Item, TextEvent, compact_json, relay, sse_response
 from edge.structured_outputs import refused_constraint, response_format_proto
 from edge.tools import calls_text, tools_for, with_tools_described
 
@@ -47,6 +49,12 @@ def openai_finish_reason(reason: chat_pb2.FinishReason, called_tools: bool = Fal
     if name == "stop" and called_tools:
         return "tool_calls"
     return name if name in ("stop", "length", "content_filter") else "stop"
+
+
+def calls_seed(completion_id: str, index: int) -> str:
+    """What choice ``index``'s tool call ids derive from: the completion's id, and the choice's after
+    the first (no two choices' calls share an id)."""
+    return f"{completion_id}-{index}" if index else completion_id
 
 
 def restarting() -> ApiError:
@@ -154,13 +162,21 @@ def openai_names(error: ApiError) -> ApiError:
 
 
 class ChunkWriter:
-    """Turns run events into ``chat.completion.chunk`` objects (a tool call as one delta when its
-    ``</tool_call>`` arrives)."""
+    """Turns one choice's run events into ``chat.completion.chunk`` objects (a tool call as one delta
+    when its ``</tool_call>`` arrives). ``usage_last``: its run's usage is the stream's last chunk (one
+    choice); with several, ``ChoiceWriters`` sends their sum."""
 
     def __init__(
-        self, completion_id: str, model: str, include_usage: bool, tools: Tools | None, logprobs: bool = False
+        self,
+        completion_id: str,
+        model: str,
+        include_usage: bool,
+        tools: Tools | None,
+        logprobs: bool = False,
+        index: int = 0,
+        usage_last: bool = True,
     ) -> None:
-        self.calls = ToolCallParser(completion_id) if tools is not None else None
+        self.calls = ToolCallParser(calls_seed(completion_id, index)) if tools is not None else None
         self.base = {
             "id": completion_id,
             "object": "chat.completion.chunk",
@@ -169,13 +185,15 @@ class ChunkWriter:
         }
         self.include_usage = include_usage
         self.logprobs = logprobs
+        self.index = index
+        self.usage_last = usage_last
         self.usage: chat_pb2.Usage | None = None
         self._content = TextEvent(lambda text: self.chunk({"content": text}))  # a delta's chunk
 
     def chunk(
         self, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None
     ) -> ServerSentEvent:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         body = {**self.base, "choices": [choice]}
         if self.include_usage:
             body["usage"] = None  # as OpenAI does: present and null on every chunk but the last
@@ -200,15 +218,16 @@ class ChunkWriter:
             out = self._tool_deltas(self.calls.rest(), []) if self.calls is not None else []
             called = bool(self.calls and self.calls.calls)
             out.append(self.chunk({}, openai_finish_reason(event.done.finish_reason, called)))
-            if self.include_usage:
-                out.append(
-                    _data({**self.base, "choices": [], "usage": openai_usage(self.usage or chat_pb2.Usage())})
-                )
+            if self.include_usage and self.usage_last:
+                out.append(self.usage_chunk(self.usage or chat_pb2.Usage()))
             return out
         if kind == "error":
             e = event.error
             return self.error(from_run_error(e.code, e.message, e.retry_after_ms))
         return []
+
+    def usage_chunk(self, usage: chat_pb2.Usage) -> ServerSentEvent:
+        return _data({**self.base, "choices": [], "usage": openai_usage(usage)})
 
     def _tool_deltas(self, text: str, calls: list[ToolCall]) -> list[Item]:
         out: list[Item] = [self._content(text)] if text else []
@@ -223,20 +242,49 @@ class ChunkWriter:
         return [_data(error.body())]
 
 
+class ChoiceWriters:
+    """The chunks of ``n`` choices: each choice's own ChunkWriter (its index in every chunk), then one
+    usage chunk, summed as OpenAI sums it, and ``[DONE]``."""
+
+    def __init__(self, writers: list[ChunkWriter]) -> None:
+        self.writers = writers
+
+    def events(self, item: ChoiceEvent) -> list[Item]:
+        return self.writers[item.index].events(item.event)
+
+    def closing(self) -> list[Item]:
+        out: list[Item] = []
+        if self.writers[0].include_usage:
+            out.append(self.writers[0].usage_chunk(choices_usage([w.usage for w in self.writers])))
+        return [*out, ServerSentEvent(data="[DONE]")]
+
+
+def choices_usage(usages: Sequence[chat_pb2.Usage | None]) -> chat_pb2.Usage:
+    """The usage of a request's choices as OpenAI counts it: the prompt once (the first choice's, which
+    computed it), the completions summed."""
+    first = usages[0] or chat_pb2.Usage()
+    return chat_pb2.Usage(
+        prompt_tokens=first.prompt_tokens,
+        cached_prompt_tokens=first.cached_prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
+    )
+
+
 def _data(body: dict) -> ServerSentEvent:
     return ServerSentEvent(data=compact_json(body))
 
 
 def openai_stream(
     request: Request,
-    stream: RunStream,
-    first: chat_pb2.RunEvent,
+    stream: Events[E],
+    first: E,
     started: float,
-    to_sse: Callable[[chat_pb2.RunEvent], Sequence[Item]],
+    to_sse: Callable[[E], Sequence[Item]],
     on_error: Callable[[ApiError], Sequence[Item]],
+    closing: Callable[[], Sequence[Item]] = lambda: [ServerSentEvent(data="[DONE]")],
 ) -> Response:
-    """An OpenAI route's SSE response: the run's events as ``to_sse`` writes them, then ``data: [DONE]``;
-    a stream the edge drains ends with an error telling the client to retry."""
+    """An OpenAI route's SSE response: the run's events as ``to_sse`` writes them, then ``closing``
+    (``data: [DONE]``); a stream the edge drains ends with an error telling the client to retry."""
     events = relay(
         stream,
         first,
@@ -245,7 +293,7 @@ def openai_stream(
         request.app.state.drain,
         to_sse,
         on_error,
-        closing=lambda: [ServerSentEvent(data="[DONE]")],
+        closing=closing,
         drained=lambda: on_error(restarting()),
     )
     return sse_response(events, request.app.state.settings.streams)
@@ -259,6 +307,8 @@ async def chat_completions(request: Request) -> Response:
         ChatCompletionIn, without_no_ops(ChatCompletionIn, await read_json(request, settings.max_body_bytes))
     )
     tools = answer_tools(body)
+    if body.n is not None and body.n > 1:
+        return await _choices_response(request, body, tools, started)
     stream = orchestrator.stream("Complete", complete_request(body, tools), caller)
     try:
         first = await stream.opening_answer()
@@ -281,6 +331,75 @@ async def chat_completions(request: Request) -> Response:
             request, _collect(stream, first, completion_id, model, tools, bool(body.logprobs))
         )
     )
+
+
+async def _choices_response(
+    request: Request, body: ChatCompletionIn, tools: Tools | None, started: float
+) -> Response:
+    """A completion of ``body.n`` choices (edge.choices), streamed or whole."""
+    orchestrator = request.app.state.orchestrator
+    n = body.n or 1
+    try:
+        choices = await Choices.open(orchestrator, complete_request(body, tools), caller_of(request), n)
+    except ApiError as error:
+        raise refused_constraint(openai_names(error), constraint_param(body)) from None
+    first = choices.openings[0]
+    run = first.started if first.WhichOneof("kind") == "started" else chat_pb2.RunStarted()
+    completion_id = f"chatcmpl-{run.run_id or int(started * 1e6)}"
+    model = run.model or body.model
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writers = ChoiceWriters(
+            [
+                ChunkWriter(
+                    completion_id, model, include_usage, tools, bool(body.logprobs), i, usage_last=False
+                )
+                for i in range(n)
+            ]
+        )
+        return openai_stream(
+            request, choices, choices.first(), started, writers.events, ChunkWriter.error, writers.closing
+        )
+
+    async def collected() -> dict:
+        try:
+            answers = await asyncio.gather(
+                *(
+                    _choice(stream, opening, completion_id, tools, bool(body.logprobs), i)
+                    for i, (stream, opening) in enumerate(zip(choices.streams, choices.openings, strict=True))
+                )
+            )
+        finally:
+            choices.detach()
+        return _completion(
+            completion_id, model, [a for a, _ in answers], choices_usage([u for _, u in answers])
+        )
+
+    return JSONResponse(await unless_client_leaves(request, collected()))
+
+
+async def _collect(
+    stream: RunStream,
+    first: chat_pb2.RunEvent,
+    completion_id: str,
+    model: str,
+    tools: Tools | None,
+    logprobs: bool,
+) -> dict:
+    """A non-streamed completion: the whole answer, or the HTTP error its run ended with."""
+    choice, usage = await _choice(stream, first, completion_id, tools, logprobs, 0)
+    return _completion(completion_id, model, [choice], usage)
+
+
+def _completion(completion_id: str, model: str, choices: list[dict], usage: chat_pb2.Usage) -> dict:
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": openai_usage(usage),
+    }
 
 
 @dataclass
@@ -313,39 +432,30 @@ async def gathered(stream: RunStream, first: chat_pb2.RunEvent) -> Answer:
     return Answer("".join(text), token_logprobs, usage, finish)
 
 
-async def _collect(
+async def _choice(
     stream: RunStream,
     first: chat_pb2.RunEvent,
     completion_id: str,
-    model: str,
     tools: Tools | None,
     logprobs: bool,
-) -> dict:
-    """A non-streamed chat completion."""
+    index: int,
+) -> tuple[dict, chat_pb2.Usage]:
+    """One choice of a non-streamed completion and its run's usage, or the HTTP error its run ended
+    with."""
     answer = await gathered(stream, first)
     message: dict = {"role": "assistant", "content": answer.text, "refusal": None}
     calls: list[ToolCall] = []
     if tools is not None:
-        message["content"], calls = parse_answer(message["content"], completion_id)
+        message["content"], calls = parse_answer(message["content"], calls_seed(completion_id, index))
         if calls:
             message["tool_calls"] = [call.chat_json() for call in calls]
-    return {
-        "id": completion_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": {"content": logprobs_json(answer.logprobs), "refusal": None}
-                if logprobs
-                else None,
-                "finish_reason": openai_finish_reason(answer.finish, bool(calls)),
-            }
-        ],
-        "usage": openai_usage(answer.usage),
+    choice = {
+        "index": index,
+        "message": message,
+        "logprobs": {"content": logprobs_json(answer.logprobs), "refusal": None} if logprobs else None,
+        "finish_reason": openai_finish_reason(answer.finish, bool(calls)),
     }
+    return choice, answer.usage
 
 
 def model_json(model: chat_pb2.Model) -> dict:

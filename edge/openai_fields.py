@@ -1,8 +1,7 @@
 """The OpenAI fields chatmesh knows but does not implement, and the values of each it takes as no-ops.
 
-OpenAI's SDKs and the frameworks over them send fields at values that ask for nothing (``n: 1``,
-``store: false``, ``user``, ``modalities: ["text"]``); refusing those would
-break real clients. Any other value asks for something chatmesh would not do, so it is refused naming the
+OpenAI's SDKs and the frameworks over them send fields at values that ask for nothing (``store: false``,
+``user``, ``modalities: ["text"]``); refusing those would break real clients. Any other value asks for something chatmesh would not do, so it is refused naming the
 field (400 ``unsupported_value``), never ignored; a field neither in a body's model nor in its table here
 is refused as OpenAI refuses it (the model's ``extra="forbid"``: 400 naming it). ``null`` is "not given"
 for every field here.
@@ -47,10 +46,10 @@ class NoOp:
 
 
 _FUNCTIONS = "the deprecated functions API is not served: give tools (docs/structured-outputs.md)"
-_ONE_CHOICE = "one choice per request is generated"
 _NO_STORE = "completions are not stored for distillation or evals"
 _TEXT_ONLY = "text is the only output"
 _NO_REASONING = "the served models do not reason in hidden tokens"
+_ONE_CHOICE = "one choice per request is generated on /v1/completions (n is served on chat completions)"
 
 # Fields of an assistant message that the SDKs echo back as null or empty when a caller appends the
 # previous answer to `messages`, and the Responses API's message item fields.
@@ -72,7 +71,6 @@ _ECHOED_ITEM: dict[str, NoOp] = {
 
 NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
     ChatCompletionIn: {
-        "n": NoOp((1,), _ONE_CHOICE),
         "user": NoOp(ANY, "callers are identified by their token"),
         "safety_identifier": NoOp(ANY, "callers are identified by their token"),
         "prompt_cache_key": NoOp(ANY, "prompt caching is automatic"),

@@ -21,6 +21,8 @@ from edge.tools import FunctionIn, ResponseToolIn, ToolCallIn, ToolChoice, ToolI
 API = Limits()
 UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
+# Choices of one Chat Completion (OpenAI allows 128): each is a run of its own (edge/choices.py).
+MAX_CHOICES = 8
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -154,6 +156,8 @@ class ChatCompletionIn(Strict):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Choices, each a run of its own (edge.choices); strict: `true` is not 1.
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, strict=True)
 
     def functions(self) -> list[FunctionIn]:
         return [tool.function for tool in self.tools or []]

@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import grpc
 from prometheus_client import Counter
@@ -95,13 +96,31 @@ def delta_sse(event: chat_pb2.RunEvent) -> bytes:
     return f"id: {event.seq}\r\nevent: delta\r\ndata: {data}\r\n\r\n".encode()
 
 
+class Event(Protocol):
+    """A run's event (a RunEvent, or one choice's of several: edge.choices)."""
+
+    def WhichOneof(self, group: str, /) -> str | None: ...
+
+
+E = TypeVar("E", bound=Event)
+E_co = TypeVar("E_co", bound=Event, covariant=True)
+
+
+class Events(Protocol[E_co]):
+    """What ``relay`` reads: a RunStream, or the merged runs of several choices (edge.choices)."""
+
+    def rest(self) -> AsyncIterator[E_co]: ...
+
+    def detach(self) -> None: ...
+
+
 async def relay(
-    stream: RunStream,
-    first: chat_pb2.RunEvent,
+    stream: Events[E],
+    first: E,
     kind: str,
     request_started: float,
     drain: Drain,
-    to_sse: Callable[[chat_pb2.RunEvent], Sequence[Item]],
+    to_sse: Callable[[E], Sequence[Item]],
     on_error: Callable[[ApiError], Sequence[Item]],
     closing: Callable[[], Sequence[Item]] = list,
     drained: Callable[[], Sequence[Item]] = list,

@@ -11,7 +11,9 @@ advances with every token sampled; ``constrained_logits`` sets every token the g
 
 JSON is generated compact (``", "`` and ``": "`` between items, no other whitespace), so a small model
 cannot spend its tokens on runs of spaces and newlines, and any output is a fixed function of the
-tokens the model prefers.
+tokens the model prefers. A JSON string that loops (``StringLoopGuard``: its last ``LOOP_NGRAM`` tokens
+repeat earlier ones of the same string, verbatim) is ended there: a model caught in a loop inside a
+string, where the grammar allows no end of output, would otherwise write it until ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ JSON_FORMAT: JsonCompileOptions = {
 GRAMMAR_CACHE_SIZE = 256
 MAX_CONSTRAINT_CHARS = 64 * 1024
 MAX_PROBLEM_CHARS = 400  # of a refusal's message
+# A JSON string that repeats this many of its own tokens verbatim is looping, and is ended (only within
+# one string: keys, structure and values copied from other fields never count). Ten tokens is some
+# eight words: a loop, not a figure of speech.
+LOOP_NGRAM = 10
+QUOTE, BACKSLASH = ord('"'), ord("\\")
 
 
 @dataclass(frozen=True)
@@ -72,10 +79,17 @@ class CompiledGrammar:
     """A constraint compiled against one tokenizer: a matcher at the start of the output, never
     advanced itself, that each request copies."""
 
-    def __init__(self, constraint: Constraint, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(
+        self,
+        constraint: Constraint,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        quotes: QuoteTable | None = None,
+    ) -> None:
         self.constraint = constraint
         self.vocab_size = vocab_size  # the tokenizer's (a model's logits may be wider: padding)
         self._pristine = matcher
+        self._quotes = quotes  # JSON only: what StringLoopGuard needs of the tokenizer
 
     def start(self, output_token_ids: Sequence[int] = ()) -> GrammarState:
         """A request's own state, advanced past ``output_token_ids`` (output resumed after a failover
@@ -83,19 +97,101 @@ class CompiledGrammar:
         matcher = self._pristine.deep_copy()
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             raise ValueError(f"the resumed output does not match the constraint: {matcher.get_error()}")
-        return GrammarState(matcher, self.vocab_size)
+        loops = StringLoopGuard(self._quotes) if self._quotes is not None else None
+        if loops is not None:
+            for token in output_token_ids:
+                loops.advance(token)
+        return GrammarState(matcher, self.vocab_size, loops)
 
 
 class GrammarState:
     """One request's place in its grammar (the step thread's)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, loops: StringLoopGuard | None = None
+    ) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.loops = loops
 
     def advance(self, token: int) -> None:
         # A token the mask allowed is always accepted; EOS past the end of the grammar stops it.
         self.matcher.consume_token(token)
+        if self.loops is not None:
+            self.loops.advance(token)
+
+
+class StringLoopGuard:
+    """Whether the JSON string being written is looping: its last ``LOOP_NGRAM`` tokens repeat, verbatim,
+    ``LOOP_NGRAM`` earlier tokens of the same string. Follows the output byte by byte only where a token
+    has a quote or a backslash (the table's ``quoting``); every other token leaves the string state as
+    it was."""
+
+    def __init__(self, table: QuoteTable) -> None:
+        self._table = table
+        self._in_string = False
+        self._escaped = False
+        self._run: list[int] = []  # the tokens wholly inside the current string
+        self._seen: set[tuple[int, ...]] = set()  # its LOOP_NGRAM-grams
+        self.looping = False
+
+    def advance(self, token: int) -> None:
+        text = self._table.quoting.get(token)
+        if text is None:
+            if self._in_string:
+                self._extend(token)
+            return
+        was_in = self._in_string
+        for byte in text:
+            if self._escaped:
+                self._escaped = False
+            elif self._in_string and byte == BACKSLASH:
+                self._escaped = True
+            elif byte == QUOTE:
+                self._in_string = not self._in_string
+        if was_in and self._in_string:
+            self._extend(token)  # an escaped quote or a backslash inside the string
+        else:
+            self._run.clear()
+            self._seen.clear()
+            self.looping = False
+
+    def closing(self) -> np.ndarray | None:
+        """The tokens that would end the string now, if it is looping (None if it is not)."""
+        return self._table.closing if self.looping and not self._escaped else None
+
+    def _extend(self, token: int) -> None:
+        self._run.append(token)
+        if len(self._run) >= LOOP_NGRAM:
+            gram = tuple(self._run[-LOOP_NGRAM:])
+            self.looping = self.looping or gram in self._seen
+            self._seen.add(gram)
+
+
+@dataclass(frozen=True)
+class QuoteTable:
+    """A tokenizer's tokens as JSON strings see them: the bytes of those with a quote or a backslash,
+    and which tokens would end a string (an unescaped quote) written inside one."""
+
+    quoting: dict[int, bytes]
+    closing: np.ndarray  # bool, one per token of the vocabulary
+
+    @classmethod
+    def of(cls, tokenizer: ChatTokenizer) -> QuoteTable:
+        texts = (tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size))
+        quoting = {i: text for i, text in enumerate(texts) if QUOTE in text or BACKSLASH in text}
+        closing = np.zeros(tokenizer.vocab_size, dtype=bool)
+        for i, text in quoting.items():
+            escaped = False
+            for byte in text:
+                if escaped:
+                    escaped = False
+                elif byte == BACKSLASH:
+                    escaped = True
+                elif byte == QUOTE:
+                    closing[i] = True
+                    break
+        return cls(quoting, closing)
 
 
 class GrammarCompiler:
@@ -105,6 +201,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: ChatTokenizer, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
         self._tokenizer = tokenizer
         self._llg_tokenizer: llguidance.LLTokenizer | None = None  # built at the first compile (~0.5 s)
+        self._quotes: QuoteTable | None = None  # built at the first JSON compile
         self._cache: OrderedDict[Constraint, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -134,7 +231,10 @@ class GrammarCompiler:
         llg_numpy.fill_next_token_bitmask(matcher, mask)
         if matcher.is_error():
             raise ValueError(f"unsupported or invalid {constraint.kind}: {_problem(matcher.get_error())}")
-        compiled = CompiledGrammar(constraint, matcher, tokenizer.vocab_size)
+        json_output = constraint.kind in ("json_schema", "json_object")
+        compiled = CompiledGrammar(
+            constraint, matcher, tokenizer.vocab_size, self._quote_table() if json_output else None
+        )
         with self._lock:
             self._cache[constraint] = compiled
             while len(self._cache) > self._cache_size:
@@ -149,6 +249,12 @@ class GrammarCompiler:
                 )
             return self._llg_tokenizer
 
+    def _quote_table(self) -> QuoteTable:
+        with self._lock:
+            if self._quotes is None:
+                self._quotes = QuoteTable.of(self._tokenizer)
+            return self._quotes
+
 
 def allowed_tokens(states: Sequence[GrammarState], width: int) -> np.ndarray:
     """Which tokens each state's grammar allows next: one bool row per state, ``width`` wide (a model's
@@ -158,6 +264,11 @@ def allowed_tokens(states: Sequence[GrammarState], width: int) -> np.ndarray:
     for i, state in enumerate(states):
         llg_numpy.fill_next_token_bitmask(state.matcher, bitmask, i)
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").view(bool)[:, :vocab]
+    for i, state in enumerate(states):
+        if state.loops is not None and (closing := state.loops.closing()) is not None:
+            kept = bits[i] & closing
+            if kept.any():  # a string that may not end here (minLength, a pattern) goes on
+                bits[i] = kept
     if width <= vocab:
         return bits[:, :width]
     wide = np.zeros((len(states), width), dtype=bool)

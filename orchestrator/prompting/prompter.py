@@ -2,9 +2,10 @@
 
 ``continue_branch`` serves stored chats (the branch ending at a message, read by ``history`` after the
 chat's summary, then the new turns); ``conversation`` serves Complete (a caller-supplied conversation,
-nothing read). Both end in ``fit``: the window minus max_tokens is the budget, ``prompt.fit_prompt``
-keeps the newest turns that fit. ``completion`` serves a caller's prompt text, continued as it is. A
-prompt that cannot fit is INVALID_ARGUMENT naming the field at fault.
+nothing read). Both end in ``fit``: the answer's JSON schema, if any, is shown in the system turn
+(prompting/schema_note.py), the window minus max_tokens is the budget, ``prompt.fit_prompt`` keeps the
+newest turns that fit, and a prompt that cannot fit is INVALID_ARGUMENT naming the field at fault.
+``completion`` serves a caller's prompt text, continued as it is.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from orchestrator.metrics import METRICS
 from orchestrator.policy.refusals import refused
 from orchestrator.prompting.history import History, load_history, turns
 from orchestrator.prompting.prompt import Prompt, PromptTooLong, fit_prompt
+from orchestrator.prompting.schema_note import with_schema_shown
 
 tracer = trace.get_tracer("orchestrator")
 
@@ -112,7 +114,11 @@ class Prompter:
             try:
                 prompt = fit_prompt(
                     self.tokenizer,
-                    system or [ChatMessage("system", self.config.system_prompt)],
+                    with_schema_shown(
+                        system or [ChatMessage("system", self.config.system_prompt)],
+                        conversation,
+                        options.structured,
+                    ),
                     conversation,
                     budget,
                     summary,

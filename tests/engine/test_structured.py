@@ -14,7 +14,7 @@ import pytest
 from chatmesh.tokenizer import ChatMessage
 from engine.outputs import FinishReason
 from engine.request import EngineRequest
-from engine.structured import Constraint, GrammarCompiler
+from engine.structured import LOOP_NGRAM, Constraint, GrammarCompiler, allowed_tokens
 from tests.engine.core_helpers import make_engine, request
 from tests.engine.test_engine_real_model import model_runner  # noqa: F401 (the fixture)
 
@@ -245,3 +245,52 @@ def test_a_greedy_constrained_row_whose_logits_the_sampler_changes_still_keeps_t
     no_digits = Constraint("regex", "[^0-9]*")
     done = run(runner, constrained(compiler, "c", prompt, no_digits, **biased))["c"]
     assert done.text and not any(ch.isdigit() for ch in done.text), done.text
+
+
+TWO_STRINGS = Constraint(
+    "json_schema",
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        }
+    ),
+)
+PHRASE = " the cat sat on the mat and"
+
+
+def allowed_after(compiler, chat_tokenizer, text: str):
+    state = compiler.compile(TWO_STRINGS).start(chat_tokenizer.encode(text))
+    return allowed_tokens([state], chat_tokenizer.vocab_size)[0]
+
+
+def closes_a_string(chat_tokenizer, token: int) -> bool:
+    return b'"' in chat_tokenizer.token_bytes(token).replace(b'\\"', b"")
+
+
+def test_a_json_string_that_repeats_itself_verbatim_is_ended_there(compiler, chat_tokenizer):
+    assert 2 * len(chat_tokenizer.encode(PHRASE)) > LOOP_NGRAM  # three times the phrase is a loop
+    looping = allowed_after(compiler, chat_tokenizer, '{"a": "' + PHRASE * 3)
+    assert looping.any() and all(closes_a_string(chat_tokenizer, t) for t in looping.nonzero()[0])
+    # Said once, or twice short of a loop, the string goes on freely.
+    for text in ('{"a": "' + PHRASE, '{"a": "' + PHRASE + " the cat"):
+        free = allowed_after(compiler, chat_tokenizer, text)
+        assert not all(closes_a_string(chat_tokenizer, t) for t in free.nonzero()[0])
+    # Another field copying a value is no loop: each string counts its own tokens.
+    copied = allowed_after(compiler, chat_tokenizer, '{"a": "' + PHRASE * 2 + '", "b": "' + PHRASE * 1)
+    assert not all(closes_a_string(chat_tokenizer, t) for t in copied.nonzero()[0])
+    # An escaped quote does not end the string it is in.
+    escaped = allowed_after(compiler, chat_tokenizer, '{"a": "say \\"hi\\"' + PHRASE * 3)
+    assert all(closes_a_string(chat_tokenizer, t) for t in escaped.nonzero()[0])
+
+
+def test_a_looping_string_that_may_not_end_yet_goes_on(compiler, chat_tokenizer):
+    at_least = Constraint(
+        "json_schema",
+        json.dumps({"type": "object", "properties": {"a": {"type": "string", "minLength": 400}}}),
+    )
+    state = compiler.compile(at_least).start(chat_tokenizer.encode('{"a": "' + PHRASE * 3))
+    allowed = allowed_tokens([state], chat_tokenizer.vocab_size)[0]
+    assert allowed.any() and not any(closes_a_string(chat_tokenizer, t) for t in allowed.nonzero()[0])

@@ -1,17 +1,21 @@
 """The sampling surface end to end through the real mesh (Envoy -> edge -> orchestrator -> router -> null
 engines, whose every step scores its chosen token 100 and the rest 0): the official ``openai`` SDK,
-unmodified, asks for logit bias, penalties, min-p and logprobs, and the engines' sampler applies them."""
+unmodified, asks for logit bias, penalties, min-p, logprobs and ``n`` choices, and the engines' sampler
+applies them."""
 
 from __future__ import annotations
 
 import math
+import uuid
 
 import grpc
 import openai
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.tokenizer import load_tokenizer
+from edge.schemas import MAX_CHOICES
 from tests.fixtures.front_door import MeshFrontDoor
 
 PROMPT = [{"role": "user", "content": "Say something."}]
@@ -99,7 +103,8 @@ def test_bad_knobs_are_400_naming_them(sdk: openai.OpenAI):
         ({"logit_bias": {"999999": 1}}, "logit_bias"),  # beyond the served vocabulary
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": MAX_CHOICES + 1}, "n"),
     ]:
         with pytest.raises(openai.BadRequestError) as refused:
             sdk.chat.completions.create(model=model, messages=PROMPT, max_tokens=2, **fields)
@@ -137,3 +142,88 @@ def test_grpc_callers_get_logprobs_on_complete_and_invalid_argument_on_a_stored_
             )
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "logprobs are served on Complete only" in refused.value.details()
+
+
+def _coin_flips(sdk: openai.OpenAI, **fields: object) -> dict:
+    """A request whose every token is a fair draw of its seed: "!" biased to tie the engines' choice."""
+    return dict(
+        model=_model(sdk),
+        messages=PROMPT,
+        max_tokens=8,
+        temperature=1,
+        seed=11,
+        logit_bias={str(BANG): 100},
+        **fields,
+    )
+
+
+def test_n_choices_each_sample_with_a_seed_of_their_own_that_does_not_depend_on_n(sdk: openai.OpenAI):
+    one = sdk.chat.completions.create(**_coin_flips(sdk))
+    two = sdk.chat.completions.create(**_coin_flips(sdk, n=2))
+    three = sdk.chat.completions.create(**_coin_flips(sdk, n=3))
+    assert [choice.index for choice in three.choices] == [0, 1, 2]
+    texts = [choice.message.content for choice in three.choices]
+    assert len(set(texts)) == 3  # three seeds
+    assert texts[0] == one.choices[0].message.content  # choice 0 is the request as asked
+    assert [choice.message.content for choice in two.choices] == texts[:2]
+    assert [choice.finish_reason for choice in three.choices] == ["length"] * 3
+    # As OpenAI counts it: the prompt once, the completions summed.
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * 8
+    assert three.usage.total_tokens == three.usage.prompt_tokens + 3 * 8
+
+
+def test_n_choices_stream_as_chunks_naming_their_choice(sdk: openai.OpenAI):
+    whole = sdk.chat.completions.create(**_coin_flips(sdk, n=3))
+    chunks = list(
+        sdk.chat.completions.create(
+            **_coin_flips(sdk, n=3), stream=True, stream_options={"include_usage": True}
+        )
+    )
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        assert chunk.usage is None and len(chunk.choices) == 1 and chunk.id == chunks[0].id
+        choice = chunk.choices[0]
+        texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason is not None:
+            finishes[choice.index] = choice.finish_reason
+    assert texts == {i: choice.message.content for i, choice in enumerate(whole.choices)}
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 3 * 8
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def _prefix_cache_tokens(mesh_front_door: MeshFrontDoor) -> tuple[int, int]:
+    """Prompt tokens (looked up, found cached) over the mesh's engines, since they started."""
+    queried = hit = 0
+    for engine in mesh_front_door.mesh.engines:
+        with grpc.insecure_channel(engine.address) as channel:
+            load = (
+                engine_pb2_grpc.EngineServiceStub(channel)
+                .GetLoad(engine_pb2.GetLoadRequest(), timeout=10)
+                .load
+            )
+        queried, hit = queried + load.prefix_queried_tokens, hit + load.prefix_hit_tokens
+    return queried, hit
+
+
+def test_n_choices_prefill_their_prompt_once(sdk: openai.OpenAI, mesh_front_door: MeshFrontDoor):
+    with grpc.insecure_channel(mesh_front_door.mesh.engines[0].address) as channel:
+        info = engine_pb2_grpc.EngineServiceStub(channel).GetModelInfo(
+            engine_pb2.GetModelInfoRequest(), timeout=10
+        )
+    # A prompt of many blocks that no engine has seen.
+    prompt = [{"role": "user", "content": f"{uuid.uuid4()} " + "Tell me about the sea and the sky. " * 40}]
+    queried, hit = _prefix_cache_tokens(mesh_front_door)
+    reply = sdk.chat.completions.create(
+        model=_model(sdk), messages=prompt, max_tokens=4, temperature=1, seed=5, n=4
+    )
+    queried_after, hit_after = _prefix_cache_tokens(mesh_front_door)
+    prompt_tokens = reply.usage.prompt_tokens
+    assert prompt_tokens > 8 * info.block_size and len(reply.choices) == 4
+    assert queried_after - queried == 4 * prompt_tokens  # each choice's run looked its prompt up
+    # Computed: the prompt once, then each sibling only its last, partial block.
+    computed = (queried_after - queried) - (hit_after - hit)
+    assert computed <= prompt_tokens + 3 * info.block_size, (computed, prompt_tokens)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
 from localmesh.dev_jwt import DevKeys
@@ -144,8 +145,9 @@ def test_a_schema_the_engine_cannot_compile_is_a_400_naming_response_format(sdk:
     assert "sampling" not in error["message"], "the engine's own field names stay inside"
 
 
-def test_a_required_tool_call_is_a_tool_call_whose_arguments_follow_the_schema(sdk: openai.OpenAI):
-    completion = sdk.chat.completions.create(
+def required_call(sdk: openai.OpenAI, **fields: Any) -> ChatCompletion:
+    """A greedy answer that must call one of two tools."""
+    return sdk.chat.completions.create(
         model="",
         messages=ask("What is the weather in Paris?"),
         tools=[WEATHER_TOOL, TIME_TOOL],
@@ -154,7 +156,12 @@ def test_a_required_tool_call_is_a_tool_call_whose_arguments_follow_the_schema(s
         parallel_tool_calls=False,
         temperature=0,
         max_tokens=96,
+        **fields,
     )
+
+
+def test_a_required_tool_call_is_a_tool_call_whose_arguments_follow_the_schema(sdk: openai.OpenAI):
+    completion = required_call(sdk)
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
@@ -256,3 +263,21 @@ def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: opena
         max_output_tokens=48,
     )
     assert answered.status in ("completed", "incomplete") and answered.output
+
+
+def test_each_of_n_choices_parses_and_calls_tools_under_ids_of_its_own(sdk: openai.OpenAI):
+    parsed = sdk.chat.completions.parse(
+        model="",
+        messages=ask("Describe a person who lives in Paris, in JSON."),
+        response_format=Person,
+        temperature=0.7,
+        seed=3,
+        n=2,
+        max_tokens=96,
+    )
+    assert [choice.index for choice in parsed.choices] == [0, 1]
+    assert all(isinstance(choice.message.parsed, Person) for choice in parsed.choices)
+    called = required_call(sdk, n=2)
+    [first], [second] = (choice.message.tool_calls for choice in called.choices)
+    assert first.function == second.function  # greedy: the same call
+    assert first.id != second.id

@@ -126,8 +126,6 @@ def test_unknown_fields_are_refused_naming_them(
 @pytest.mark.parametrize(
     ("route", "body", "param"),
     [
-        ("chat", {"n": 2}, "n"),
-        ("chat", {"n": True}, "n"),
         ("chat", {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
         ("chat", {"function_call": {"name": "f"}}, "function_call"),
         ("chat", {"prediction": {"type": "content", "content": "x"}}, "prediction"),
@@ -159,8 +157,6 @@ def test_unknown_fields_are_refused_naming_them(
         ("responses", {"input": "hi", "truncation": "auto"}, "truncation"),
     ],
     ids=[
-        "n",
-        "n-true",
         "functions",
         "function-call",
         "prediction",
@@ -182,6 +178,18 @@ def test_values_chatmesh_does_not_serve_are_refused_naming_the_field(
     error = _refused(front_door, user, route, body)
     assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_value"
     assert error["param"] == param and "not supported" in error["message"]
+
+
+@pytest.mark.parametrize("n", [0, True, 9, 2.5], ids=["zero", "true", "over-the-cap", "fraction"])
+def test_a_choice_count_out_of_range_is_refused_naming_n(front_door: ScriptedFrontDoor, user: str, n: object):
+    error = _refused(front_door, user, "chat", {"n": n})
+    assert error["type"] == "invalid_request_error" and error["param"] == "n"
+
+
+def test_responses_refuse_n(front_door: ScriptedFrontDoor, user: str):
+    # Several answers to one Response are not an OpenAI feature: the field is unknown there.
+    error = _refused(front_door, user, "responses", {"input": "hi", "n": 2})
+    assert error["code"] == "unknown_parameter" and error["param"] == "n"
 
 
 def test_no_op_values_pass_through_the_sdk(front_door: ScriptedFrontDoor, user: str):

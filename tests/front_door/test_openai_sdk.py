@@ -82,7 +82,7 @@ def test_sdk_sees_typed_errors(front_door: ScriptedFrontDoor, sdk: openai.OpenAI
     [
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content"),

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
+from chatmesh.engine.v1 import engine_pb2
 from chatmesh.tokenizer import ChatMessage, EncodedTexts, load_tokenizer
 from orchestrator.prompting.prompt import SUMMARY_HEADING, PromptTooLong, fit_prompt, step_boundaries
+from orchestrator.prompting.schema_note import SCHEMA_NOTE, with_schema_shown
 
 SYSTEM = [ChatMessage("system", "You are terse.")]
 
@@ -181,3 +184,26 @@ def test_a_chat_assembled_again_encodes_only_its_new_turns(monkeypatch) -> None:
     assert encoded == [turns[39].content, turns[40].content]
     # The same prompt as one assembled from nothing kept.
     assert second == fit_prompt(tokenizer, SYSTEM, turns, budget, step_tokens=budget // 3)
+
+
+SCHEMA = '{"type": "object", "properties": {"name": {"type": "string"}}}'
+
+
+def test_a_json_schema_no_message_shows_is_shown_at_the_end_of_the_system_turn() -> None:
+    asked = engine_pb2.StructuredOutput(json_schema=SCHEMA)
+    user = [ChatMessage("user", "Describe a person.")]
+    shown = with_schema_shown(SYSTEM, user, asked)
+    assert shown == [ChatMessage("system", f"You are terse.\n\n{SCHEMA_NOTE}{SCHEMA}")]
+    assert with_schema_shown([], user, asked) == [ChatMessage("system", SCHEMA_NOTE + SCHEMA)]
+    # Shown by the caller already (as sent or compact), or no schema to show: the system turn as it is.
+    pretty = json.dumps(json.loads(SCHEMA), indent=2)
+    spelled = [ChatMessage("user", f"Describe a person as {pretty}")]
+    assert with_schema_shown(SYSTEM, spelled, engine_pb2.StructuredOutput(json_schema=pretty)) == SYSTEM
+    in_system = [ChatMessage("system", f"Follow {SCHEMA}.")]
+    assert with_schema_shown(in_system, user, asked) == in_system
+    for other in (
+        None,
+        engine_pb2.StructuredOutput(json_object=True),
+        engine_pb2.StructuredOutput(regex="a+"),
+    ):
+        assert with_schema_shown(SYSTEM, user, other) == SYSTEM
