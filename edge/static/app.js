@@ -24,6 +24,7 @@ const state = {
   chatId: null,
   path: [],         // the branch on screen as loaded so far, oldest first
   known: new Map(), // message_id -> message: every message of the open chat loaded (for branch arrows)
+  byParent: null,   // known messages by parent id, newest first (children(); null: to be made again)
   older: null,      // page token of the branch's next older page (null: the root is loaded)
   branchFrom: null, // the URL the branch's pages come from (a page token is good for its own URL only)
   loadingOlder: false,
@@ -259,11 +260,12 @@ function newChat() {
 // of the branch load as the reader scrolls up (loadOlder). Only messages near the viewport are in the
 // page (edge/static/window.js), so a chat of thousands of messages opens and scrolls as a short one.
 const MESSAGE_PAGE = 100;
-const RENDERED_KEPT = 300; // answers kept rendered (parsed and sanitized) off screen, the newest shown
+const RENDERED_KEPT = 100; // answers kept rendered (parsed and sanitized) off screen, the newest shown
 
 function forgetChat() {
   state.path = [];
   state.known.clear();
+  state.byParent = null;
   state.older = null;
   state.branchFrom = null;
   state.rendered.clear();
@@ -290,6 +292,7 @@ function branchUrl(leafId) {
 
 function learn(messages) {
   for (const message of messages) state.known.set(message.message_id, message);
+  state.byParent = null;
 }
 
 // The branch that ends at `leafId` (null: at the chat's newest message): its newest page replaces the
@@ -358,15 +361,18 @@ function showSkeleton() {
   messageList().setItems(["user", "assistant", "user", "assistant"].map((role, index) => ({ key: `skeleton:${index}`, skeleton: role })), { fresh: true, toEnd: true, headShown: false });
 }
 
-// Every known message by its parent's id, newest first.
+// Every known message by its parent's id, newest first; made again only once more are known.
 function children() {
+  if (state.byParent) return state.byParent;
   const byParent = new Map();
-  const newestFirst = [...state.known.values()].sort((a, b) => (a.create_time < b.create_time ? 1 : -1));
-  for (const message of newestFirst) {
+  const time = (message) => Date.parse(message.create_time) || 0;
+  for (const message of state.known.values()) {
     const key = message.parent_id || "";
     if (!byParent.has(key)) byParent.set(key, []);
     byParent.get(key).push(message);
   }
+  for (const siblings of byParent.values()) if (siblings.length > 1) siblings.sort((a, b) => time(b) - time(a));
+  state.byParent = byParent;
   return byParent;
 }
 
@@ -829,14 +835,15 @@ async function start() {
   });
   $("#more-results").addEventListener("click", () => searchChats(true).catch(fail));
   try {
-    const me = await json("/v1/me");
+    // The chat in the URL opens at once, alongside who the caller is and their chats.
+    const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
+    const chatId = new URLSearchParams(location.search).get("chat") || (saved && saved.chatId);
+    const opening = chatId ? openChat(chatId).catch(fail) : null;
+    const [me] = await Promise.all([json("/v1/me"), loadChats()]);
     state.tier = me.tier;
     $("#whoami").textContent = `Signed in as ${me.user_id} (${me.tier})`;
     showUsage();
-    await loadChats();
-    const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
-    const chatId = new URLSearchParams(location.search).get("chat") || (saved && saved.chatId);
-    if (chatId) await openChat(chatId);
+    if (opening) await opening;
     else newChat();
   } catch (error) {
     fail(error);

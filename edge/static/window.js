@@ -9,6 +9,7 @@
 const OVERSCAN_PX = 900;    // rendered beyond each edge of the viewport
 const BOTTOM_SLACK_PX = 48; // this close to the end counts as at the end
 const DEFAULT_HEIGHT_PX = 120;
+const RENDER_BUDGET_MS = 12; // new elements made per frame beyond those in view, at most this long
 
 export class WindowedList {
   // `render(item)` makes an item's element; items are objects with a unique `key`. `head`, if given, is
@@ -120,27 +121,52 @@ export class WindowedList {
       const index = this.items.findIndex((item) => item.key === anchor.key);
       if (index >= 0) viewTop = base + slots.slice(0, index).reduce((a, b) => a + b, 0) - anchor.offset;
     }
-    const low = viewTop - OVERSCAN_PX;
-    const high = viewTop + list.clientHeight + OVERSCAN_PX;
-    let start = 0;
-    let position = base;
-    while (start < slots.length && position + slots[start] < low) position += slots[start++];
-    let end = start;
-    let below = position;
-    while (end < slots.length && below <= high) below += slots[end++];
-    this.place(start, end);
+    const [start, end] = this.range(slots, base, viewTop - OVERSCAN_PX, viewTop + list.clientHeight + OVERSCAN_PX);
+    const [seenStart, seenEnd] = this.range(slots, base, viewTop, viewTop + list.clientHeight);
+    // What is in view is always made; the margins around it as long as this frame's budget lasts
+    // (elements already made cost nothing), and the rest in the frames after.
+    const deadline = performance.now() + RENDER_BUDGET_MS;
+    const affordable = (index) => this.nodes.has(this.items[index].key) || performance.now() < deadline;
+    let first = seenStart;
+    let last = seenEnd;
+    for (let index = first; index < last; index++) this.made(index);
+    for (let grew = true; grew;) {
+      grew = false;
+      if (last < end && affordable(last)) this.made(last++), grew = true;
+      if (first > start && affordable(first - 1)) this.made(--first), grew = true;
+    }
+    this.place(first, last);
+    if (first > start || last < end) this.schedule();
     this.measure();
     const sum = (from, to) => {
       let height = 0;
       for (let i = from; i < to; i++) height += (this.heights.get(this.items[i].key) ?? guess) + gap;
       return height;
     };
-    this.top.style.height = `${sum(0, start)}px`;
-    this.bottom.style.height = `${Math.max(0, sum(end, this.items.length) - gap)}px`;
+    this.top.style.height = `${sum(0, first)}px`;
+    this.bottom.style.height = `${Math.max(0, sum(last, this.items.length) - gap)}px`;
     this.restore(anchor);
   }
 
-  // Puts the elements of items [start, end) between the spacers, in order, reusing those already there.
+  // Items [start, end) that lie (even partly) between `low` and `high`, item i starting at
+  // base + sum(slots[0..i)).
+  range(slots, base, low, high) {
+    let start = 0;
+    let position = base;
+    while (start < slots.length - 1 && position + slots[start] < low) position += slots[start++];
+    let end = start;
+    while (end < slots.length && position <= high) position += slots[end++];
+    return [start, end];
+  }
+
+  // Makes item `index`'s element unless it has one.
+  made(index) {
+    const item = this.items[index];
+    if (!this.nodes.has(item.key)) this.nodes.set(item.key, this.render(item));
+  }
+
+  // Puts the elements of items [start, end) between the spacers, in order (made by `made`), and takes
+  // out the others.
   place(start, end) {
     const list = this.scroller;
     if (this.head && this.head.parentNode !== list) list.prepend(this.head);
@@ -157,12 +183,8 @@ export class WindowedList {
       this.nodes.delete(key);
     }
     let cursor = this.top;
-    for (const [key, item] of wanted) {
-      let node = this.nodes.get(key);
-      if (!node) {
-        node = this.render(item);
-        this.nodes.set(key, node);
-      }
+    for (const key of wanted.keys()) {
+      const node = this.nodes.get(key);
       if (cursor.nextSibling !== node) list.insertBefore(node, cursor.nextSibling);
       cursor = node;
     }
