@@ -11,7 +11,7 @@ the network's.
 on a chat of ``--chat-messages`` messages and one of ``--small-chat`` (seeded straight into Cassandra
 with MemoryStore, an exchange a second, answers of ordinary Markdown): the time from navigation until
 the chat's last message is on screen (``--opens`` warm opens after one cold), the longest main-thread
-task while a script scrolls to the top (a screen and a half per frame, older pages loading as it goes),
+task while a script scrolls to the top (``--scroll-px`` a frame, older pages loading as it goes),
 the message elements in the page, and the tab's JS heap (after a garbage collection) for each chat.
 
 Run it under the machine-wide lock:
@@ -197,8 +197,8 @@ WATCH = """(() => {
     requestAnimationFrame(look);
 })()"""
 
-# Scrolls the list up a screen and a half per frame until the chat's first message is on screen.
-SCROLL_TO_TOP = """async (first) => {
+# Scrolls the list up `step` px per frame until the chat's first message is on screen.
+SCROLL_TO_TOP = """async ([first, step]) => {
     const list = document.querySelector("#messages");
     window.__bench.longTasks = [];
     let most = 0, frames = 0;
@@ -207,8 +207,8 @@ SCROLL_TO_TOP = """async (first) => {
         most = Math.max(most, document.querySelectorAll("li.message").length);
         const item = document.querySelector(`li.message[data-message-id="${first}"]`);
         if (item && list.scrollTop === 0) break;
-        if (performance.now() - started > 300000) throw new Error("the first message never showed");
-        list.scrollTop = Math.max(0, list.scrollTop - 1.5 * list.clientHeight);
+        if (performance.now() - started > 600000) throw new Error("the first message never showed");
+        list.scrollTop = Math.max(0, list.scrollTop - step);
         await new Promise((resolve) => requestAnimationFrame(resolve));
         frames++;
     }
@@ -295,7 +295,7 @@ def long_chat(args: argparse.Namespace, playwright) -> None:
             warm = opens[1:]
             heap_open, nodes_open = heap_and_nodes(cdp)
             messages_open = page.locator("li.message").count()
-            scroll = page.evaluate(SCROLL_TO_TOP, first)
+            scroll = page.evaluate(SCROLL_TO_TOP, [first, args.scroll_px])
             heap_top, nodes_top = heap_and_nodes(cdp)
             print(
                 json.dumps(
@@ -314,6 +314,7 @@ def long_chat(args: argparse.Namespace, playwright) -> None:
                             "js_heap_mib": heap_open,
                         },
                         "scroll_to_top": {
+                            "px_per_frame": args.scroll_px,
                             "ms": round(scroll["ms"]),
                             "frames": scroll["frames"],
                             "most_message_nodes": scroll["mostMessageNodes"],
@@ -341,6 +342,9 @@ def main() -> None:
     parser.add_argument("--chat-messages", type=int, default=5000)
     parser.add_argument("--small-chat", type=int, default=100)
     parser.add_argument("--opens", type=int, default=10, help="warm opens of each chat")
+    parser.add_argument(
+        "--scroll-px", type=int, default=400, help="scrolled up per frame (400: a fast fling, ~24,000 px/s)"
+    )
     args = parser.parse_args()
     cases = set(args.cases.split(","))
     print(json.dumps({"machine": machine(), "load_average": os.getloadavg()}), flush=True)

@@ -174,6 +174,7 @@ export class StreamingAnswer {
     this.text = "";
     this.committed = 0; // characters of text rendered into this.finished
     this.plain = null; // {node, retryAt} while the open block is too big to re-render
+    this.table = null; // {tbody, rows} while the open block is a big table growing row by row
     this.frame = 0;
   }
 
@@ -210,6 +211,12 @@ export class StreamingAnswer {
         tokens = rest;
       }
     }
+    if (tokens.length === 1 && tokens[0].type === "table" && tokens[0].rows.length > TABLE_CHUNK_ROWS) {
+      this.plain = null;
+      this.growTable(tokens[0], tail);
+      return;
+    }
+    this.table = null;
     if (tail.length > OPEN_BLOCK_MAX_CHARS) {
       const node = document.createTextNode(tail);
       const pre = document.createElement("pre");
@@ -221,6 +228,23 @@ export class StreamingAnswer {
       this.plain = null;
       this.open.replaceChildren(blocksOf(tokens).fragment);
     }
+  }
+
+  // A big table still being written: rows above its last cannot change, so only the rows new since the
+  // last frame are parsed, sanitized and appended (the last row, maybe cut short, waits for its line's
+  // end). A frame's work is the rows that arrived, not the table.
+  growTable(token, tail) {
+    const complete = /\n\s*$/.test(tail) ? token.rows.length : token.rows.length - 1;
+    if (!this.table) {
+      const first = fragmentOf(markdown.parser([{ ...token, rows: token.rows.slice(0, complete) }]));
+      this.table = { tbody: first.querySelector("tbody"), rows: complete };
+      this.open.replaceChildren(first);
+      return;
+    }
+    if (complete <= this.table.rows) return;
+    const part = fragmentOf(markdown.parser([{ ...token, rows: token.rows.slice(this.table.rows, complete) }]));
+    this.table.tbody.append(...part.querySelectorAll("tbody > tr"));
+    this.table.rows = complete;
   }
 
   stop() {
@@ -238,6 +262,7 @@ export class StreamingAnswer {
     this.committed = this.text.length;
     this.open.replaceChildren();
     this.plain = null;
+    this.table = null;
     if (REFERENCE_DEFINITION.test(this.text)) return null;
     if (pendingRows.some((job) => this.finished.contains(job.tbody))) return null; // a table is still filling
     const whole = document.createDocumentFragment();
