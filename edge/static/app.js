@@ -260,7 +260,7 @@ function newChat() {
 // of the branch load as the reader scrolls up (loadOlder). Only messages near the viewport are in the
 // page (edge/static/window.js), so a chat of thousands of messages opens and scrolls as a short one.
 const MESSAGE_PAGE = 100;
-const RENDERED_KEPT = 100; // answers kept rendered (parsed and sanitized) off screen, the newest shown
+const RENDERED_KEPT = 100; // answers kept rendered (parsed and sanitized) off screen: the last shown
 
 function forgetChat() {
   state.path = [];
