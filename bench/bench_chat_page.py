@@ -1,10 +1,20 @@
-"""The chat page's rendering in Chromium: the main thread's longest task while a Markdown answer streams
-into edge/static/render.js (StreamingAnswer, at most one render per animation frame), and the cost of
-showing a whole stored answer (a big table fills in a chunk of rows per task), for an ordinary answer and for a huge table.
+"""The chat page in Chromium, two cases (docs/benchmarks/chat_page.md).
 
-The page's own files are served with the edge's security headers (edge.pages: so under its CSP) by a
-small stdlib HTTP server; tokens are fed in the page by a timer at a set pace, so the numbers are the
-renderer's, not the network's. Run it under the machine-wide lock:
+``render``: the main thread's longest task while a Markdown answer streams into edge/static/render.js
+(StreamingAnswer, at most one render per animation frame), and the cost of showing a whole stored answer
+(a big table fills in a chunk of rows per task), for an ordinary answer and for a huge table. The page's
+own files are served with the edge's security headers (edge.pages: so under its CSP) by a small stdlib
+HTTP server; tokens are fed in the page by a timer at a set pace, so the numbers are the renderer's, not
+the network's.
+
+``long-chat``: the whole page through Envoy, the edge and an orchestrator over Cassandra (null engine),
+on a chat of ``--chat-messages`` messages and one of ``--small-chat`` (seeded straight into Cassandra
+with MemoryStore, an exchange a second, answers of ordinary Markdown): the time from navigation until
+the chat's last message is on screen (``--opens`` warm opens after one cold), the longest main-thread
+task while a script scrolls to the top (``--scroll-px`` a frame, older pages loading as it goes),
+the message elements in the page, and the tab's JS heap (after a garbage collection) for each chat.
+
+Run it under the machine-wide lock:
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_chat_page.py --repeats 5
 """
@@ -12,14 +22,33 @@ renderer's, not the network's. Run it under the machine-wide lock:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import functools
 import http.server
 import json
+import os
 import statistics
+import sys
+import tempfile
 import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.bench_front_door import start_door
+from bench.bench_orchestrator import start_mesh
+from bench.machine import machine
 from edge.pages import SECURITY_HEADERS, STATIC_DIR
-from meshkit.launcher import free_port
+from localmesh.dev_jwt import generate_keys
+from memory_store.config import StoreConfig
+from memory_store.ids import new_id
+from memory_store.models import FinishReason, Message, Role, Usage
+from memory_store.store import MemoryStore
+from meshkit.launcher import Launcher, free_port
 from tests.fixtures.browser import CHROMIUM_FLAGS, chromium_path
 
 # An ordinary answer: prose, a list, a code block and a small table, repeated to the token count.
@@ -111,49 +140,221 @@ def serve() -> str:
     return f"http://127.0.0.1:{server.server_address[1]}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=1000)
-    parser.add_argument("--table-rows", type=int, default=2000)
-    parser.add_argument("--interval-ms", type=float, default=5.0, help="pause between tokens")
-    args = parser.parse_args()
+def render_cases(args: argparse.Namespace, playwright) -> None:
     url = serve()
-    from playwright.sync_api import sync_playwright
-
     cases = {
         f"stream {args.tokens} Markdown tokens": ordinary_tokens(args.tokens),
         f"stream a {args.table_rows}-row table": table_tokens(args.table_rows),
     }
-    with sync_playwright() as playwright:
+    browser = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
+    page = browser.new_page()
+    page.goto(f"{url}/static/vendor/manifest.json")  # an origin to import the modules from
+    for name, tokens in cases.items():
+        runs = [page.evaluate(STREAM, [tokens, args.interval_ms]) for _ in range(args.repeats)]
+        whole = [page.evaluate(WHOLE, "".join(tokens)) for _ in range(args.repeats)]
+        longest = [run["longestTaskMs"] for run in runs]
+        print(
+            json.dumps(
+                {
+                    "case": name,
+                    "repeats": args.repeats,
+                    "longest_task_ms": {"median": statistics.median(longest), "max": max(longest)},
+                    "frames_rendered_median": statistics.median(run["frames"] for run in runs),
+                    "final_render_ms_median": round(statistics.median(run["finishMs"] for run in runs), 1),
+                    "stored_answer_ms_median": {
+                        "first_shown": round(statistics.median(w["firstMs"] for w in whole), 1),
+                        "wholly_shown": round(statistics.median(w["wholeMs"] for w in whole), 1),
+                        "longest_task": statistics.median(w["longest"] for w in whole),
+                    },
+                }
+            ),
+            flush=True,
+        )
+    browser.close()
+
+
+# Installed before the page's own scripts (by the DevTools protocol, so the page's CSP does not apply):
+# records when the message named by the URL's #last= is first inside the list's view, and every long task.
+WATCH = """(() => {
+    const last = new URLSearchParams(location.hash.slice(1)).get("last");
+    window.__bench = { shownMs: null, longTasks: [] };
+    new PerformanceObserver((list) => {
+        for (const entry of list.getEntries()) window.__bench.longTasks.push(entry.duration);
+    }).observe({ type: "longtask", buffered: true });
+    if (!last) return;
+    const look = () => {
+        const item = document.querySelector(`li.message[data-message-id="${last}"]`);
+        const list = document.querySelector("#messages");
+        if (item && list) {
+            const box = item.getBoundingClientRect(), view = list.getBoundingClientRect();
+            if (box.height > 0 && box.top < view.bottom && box.bottom > view.top) {
+                window.__bench.shownMs = performance.now();
+                return;
+            }
+        }
+        requestAnimationFrame(look);
+    };
+    requestAnimationFrame(look);
+})()"""
+
+# Scrolls the list up `step` px per frame until the chat's first message is on screen.
+SCROLL_TO_TOP = """async ([first, step]) => {
+    const list = document.querySelector("#messages");
+    window.__bench.longTasks = [];
+    let most = 0, frames = 0;
+    const started = performance.now();
+    for (;;) {
+        most = Math.max(most, document.querySelectorAll("li.message").length);
+        const item = document.querySelector(`li.message[data-message-id="${first}"]`);
+        if (item && list.scrollTop === 0) break;
+        if (performance.now() - started > 600000) throw new Error("the first message never showed");
+        list.scrollTop = Math.max(0, list.scrollTop - step);
+        await new Promise((resolve) => requestAnimationFrame(resolve));
+        frames++;
+    }
+    await new Promise((resolve) => setTimeout(resolve, 200));
+    const tasks = window.__bench.longTasks;
+    return { ms: performance.now() - started, frames, mostMessageNodes: most, longTasks: tasks.length,
+             longestTaskMs: tasks.length ? Math.max(...tasks) : 0,
+             over50: tasks.filter((d) => d > 50).length };
+}"""
+
+
+async def seed_chat(store: MemoryStore, user: str, chat_id: str, messages: int) -> tuple[str, str]:
+    """``messages`` messages on one branch (questions and Markdown answers, a second apart, ending now);
+    the ids of the first and the last."""
+    start = datetime.now(UTC) - timedelta(seconds=messages + 5)
+    chain: list[Message] = []
+    for i in range(messages):
+        role = Role.USER if i % 2 == 0 else Role.ASSISTANT
+        content = f"Question {i // 2}: how does step {i} work?" if role is Role.USER else SECTION
+        chain.append(
+            Message(
+                message_id=str(new_id(start + timedelta(seconds=i))),
+                chat_id=chat_id,
+                role=role,
+                content=content,
+                parent_id=chain[-1].message_id if chain else None,
+                model="bench" if role is Role.ASSISTANT else None,
+                finish_reason=FinishReason.STOP if role is Role.ASSISTANT else None,
+                usage=Usage(40, 0, 120) if role is Role.ASSISTANT else None,
+            )
+        )
+    for message in chain:  # one by one: a parent is checked stored when its child is appended
+        await store.append_message(user, message)
+    return chain[0].message_id, chain[-1].message_id
+
+
+def heap_and_nodes(cdp) -> tuple[float, int]:
+    """The tab's JS heap in use (MiB) after a garbage collection, and its DOM node count."""
+    cdp.send("HeapProfiler.collectGarbage")
+    metrics = {m["name"]: m["value"] for m in cdp.send("Performance.getMetrics")["metrics"]}
+    return round(metrics["JSHeapUsedSize"] / 2**20, 1), int(metrics["Nodes"])
+
+
+def long_chat(args: argparse.Namespace, playwright) -> None:
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-chat-page-"))
+    with Launcher(run_dir, echo=lambda line: None) as launcher:
+        keys = generate_keys(run_dir / "dev-jwt")
+        cql_port = free_port()
+        mesh_args = argparse.Namespace(engines=1, tokens_per_s=1000.0)
+        _, _, orchestrators = start_mesh(launcher, mesh_args, run_dir, keys, cql_port=cql_port)
+        url = start_door(launcher, orchestrators, run_dir, keys)
+        user = "bench-reader"
+        token = keys.mint(user, "enterprise")
+        chats = {}
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+            for size in (args.small_chat, args.chat_messages):
+                chats[size] = client.post("/v1/chats", json={"title": f"{size} messages"}).json()["chat_id"]
+
+        async def seed() -> dict[int, tuple[str, str]]:
+            store = await MemoryStore.connect(StoreConfig(port=cql_port, keyspace="chatmesh_bench"))
+            try:
+                return {size: await seed_chat(store, user, chat, size) for size, chat in chats.items()}
+            finally:
+                await store.close()
+
+        # Playwright's sync API runs an event loop in this thread: the seeding has one of its own.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            ends = pool.submit(asyncio.run, seed()).result()
         browser = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_FLAGS)
-        page = browser.new_page()
-        page.goto(f"{url}/static/vendor/manifest.json")  # an origin to import the modules from
-        for name, tokens in cases.items():
-            runs = [page.evaluate(STREAM, [tokens, args.interval_ms]) for _ in range(args.repeats)]
-            whole = [page.evaluate(WHOLE, "".join(tokens)) for _ in range(args.repeats)]
-            longest = [run["longestTaskMs"] for run in runs]
+        context = browser.new_context(viewport={"width": 1280, "height": 800})
+        context.add_init_script(WATCH)
+        page = context.new_page()
+        cdp = context.new_cdp_session(page)
+        cdp.send("Performance.enable")
+        page.goto(f"{url}/#token={token}")
+        page.wait_for_selector(f"#whoami:has-text('{user}')")
+        for size, chat_id in chats.items():
+            first, last = ends[size]
+            opens = []
+            for attempt in range(args.opens + 1):  # the first is cold
+                page.goto(f"{url}/?chat={chat_id}&open={attempt}#last={last}")
+                page.wait_for_function("() => window.__bench.shownMs !== null", timeout=30_000)
+                opens.append(page.evaluate("window.__bench.shownMs"))
+            warm = opens[1:]
+            heap_open, nodes_open = heap_and_nodes(cdp)
+            messages_open = page.locator("li.message").count()
+            scroll = page.evaluate(SCROLL_TO_TOP, [first, args.scroll_px])
+            heap_top, nodes_top = heap_and_nodes(cdp)
             print(
                 json.dumps(
                     {
-                        "case": name,
-                        "repeats": args.repeats,
-                        "longest_task_ms": {"median": statistics.median(longest), "max": max(longest)},
-                        "frames_rendered_median": statistics.median(run["frames"] for run in runs),
-                        "final_render_ms_median": round(
-                            statistics.median(run["finishMs"] for run in runs), 1
-                        ),
-                        "stored_answer_ms_median": {
-                            "first_shown": round(statistics.median(w["firstMs"] for w in whole), 1),
-                            "wholly_shown": round(statistics.median(w["wholeMs"] for w in whole), 1),
-                            "longest_task": statistics.median(w["longest"] for w in whole),
+                        "case": f"a {size}-message chat through Envoy",
+                        "last_shown_ms": {
+                            "p50": round(statistics.median(warm), 1),
+                            "min": round(min(warm), 1),
+                            "max": round(max(warm), 1),
+                            "cold": round(opens[0], 1),
+                            "opens": len(warm),
                         },
+                        "opened": {
+                            "message_nodes": messages_open,
+                            "dom_nodes": nodes_open,
+                            "js_heap_mib": heap_open,
+                        },
+                        "scroll_to_top": {
+                            "px_per_frame": args.scroll_px,
+                            "ms": round(scroll["ms"]),
+                            "frames": scroll["frames"],
+                            "most_message_nodes": scroll["mostMessageNodes"],
+                            "long_tasks": scroll["longTasks"],
+                            "over_50_ms": scroll["over50"],
+                            "longest_task_ms": scroll["longestTaskMs"],
+                        },
+                        "at_top": {"dom_nodes": nodes_top, "js_heap_mib": heap_top},
                     }
-                )
+                ),
+                flush=True,
             )
         browser.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cases", default="render,long-chat", help="comma-separated: render, long-chat")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=1000)
+    parser.add_argument("--table-rows", type=int, default=2000)
+    parser.add_argument("--interval-ms", type=float, default=5.0, help="pause between tokens")
+    parser.add_argument("--chat-messages", type=int, default=5000)
+    parser.add_argument("--small-chat", type=int, default=100)
+    parser.add_argument("--opens", type=int, default=10, help="warm opens of each chat")
+    parser.add_argument(
+        "--scroll-px", type=int, default=400, help="scrolled up per frame (400: a fast fling, ~24,000 px/s)"
+    )
+    args = parser.parse_args()
+    cases = set(args.cases.split(","))
+    print(json.dumps({"machine": machine(), "load_average": os.getloadavg()}), flush=True)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        if "render" in cases:
+            render_cases(args, playwright)
+        if "long-chat" in cases:
+            long_chat(args, playwright)
 
 
 if __name__ == "__main__":

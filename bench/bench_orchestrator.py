@@ -245,11 +245,13 @@ def start_mesh(
     warm_sends: int = 0,
     orchestrators: int = 1,
     orchestrator_flags: Sequence[str] = (),
+    cql_port: int | None = None,
 ) -> tuple[list[str], str, list[str]]:
-    """Cassandra, ``args.engines`` null engines, a router and ``orchestrators`` orchestrator replicas
-    (``orchestrator``, or ``orchestrator-<i>`` for several, each with ``orchestrator_flags`` besides
-    the bench's own); their addresses."""
-    cql_port = free_port()
+    """Cassandra (on ``cql_port``, a free port if None), ``args.engines`` null engines, a router and
+    ``orchestrators`` orchestrator replicas (``orchestrator``, or ``orchestrator-<i>`` for several, each
+    with ``orchestrator_flags`` besides the bench's own); their addresses. The keyspace is
+    ``chatmesh_bench``."""
+    cql_port = cql_port or free_port()
     CassandraNode(
         NodeConfig(
             data_dir=run_dir / "cassandra", cql_port=cql_port, storage_port=free_port(), jmx_port=free_port()

@@ -9,6 +9,8 @@ GET    /v1/chats/{chat_id}                             GetChat
 PATCH  /v1/chats/{chat_id}                             RenameChat
 DELETE /v1/chats/{chat_id}                             DeleteChat                     -> 204
 GET    /v1/chats/{chat_id}/messages?page_size&page_token   ListMessages (newest first)
+GET    /v1/chats/{chat_id}/branch?page_size&page_token     GetBranch from the newest message (leaf first)
+GET    /v1/chats/{chat_id}/messages/{id}/branch?page_size&page_token   GetBranch from message id
 POST   /v1/chats/{chat_id}/messages                    SendMessage        -> text/event-stream
 POST   /v1/chats/{chat_id}/messages/{id}/regenerate    RegenerateMessage  -> text/event-stream
 GET    /v1/runs/{run_id}                               GetRun
@@ -172,12 +174,30 @@ async def list_messages(request: Request) -> JSONResponse:
         chat_pb2.ListMessagesRequest(chat_id=chat_id, page_size=size, page_token=token),
         caller,
     )
+    return _messages_page(reply)
+
+
+def _messages_page(reply: chat_pb2.ListMessagesResponse | chat_pb2.GetBranchResponse) -> JSONResponse:
     return JSONResponse(
         {
             "messages": [message_json(m) for m in reply.messages],
             "next_page_token": reply.next_page_token or None,
         }
     )
+
+
+async def get_branch(request: Request) -> JSONResponse:
+    """A page of the path ending at the message in the URL (or at the chat's newest), leaf first."""
+    orchestrator, _ = _app(request)
+    chat_id = path_id(request, "chat_id", "chat")
+    leaf = path_id(request, "message_id", "message") if "message_id" in request.path_params else ""
+    size, token = page_args(request, API.max_message_page)
+    reply = await orchestrator.unary(
+        "GetBranch",
+        chat_pb2.GetBranchRequest(chat_id=chat_id, leaf_message_id=leaf, page_size=size, page_token=token),
+        caller_of(request, chat_id),
+    )
+    return _messages_page(reply)
 
 
 def idempotency_key_of(request: Request, from_body: str = "") -> str:
@@ -290,6 +310,8 @@ routes = [
     Route("/v1/chats/{chat_id}", delete_chat, methods=["DELETE"]),
     Route("/v1/chats/{chat_id}/messages", list_messages, methods=["GET"]),
     Route("/v1/chats/{chat_id}/messages", send_message, methods=["POST"]),
+    Route("/v1/chats/{chat_id}/branch", get_branch, methods=["GET"]),
+    Route("/v1/chats/{chat_id}/messages/{message_id}/branch", get_branch, methods=["GET"]),
     Route("/v1/chats/{chat_id}/messages/{message_id}/regenerate", regenerate, methods=["POST"]),
     Route("/v1/runs/{run_id}", get_run, methods=["GET"]),
     Route("/v1/runs/{run_id}/events", run_events, methods=["GET"]),

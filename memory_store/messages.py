@@ -12,7 +12,8 @@ bucket and then in older buckets. Messages appended while a client pages are new
 pages neither skip nor repeat a message.
 
 A branch (the path from the root to a message) is read in one pass over the chat, newest to oldest,
-following parent links: a parent is always older than its child, so the walk never goes back.
+following parent links: a parent is always older than its child, so the walk never goes back. A page of
+a branch (``branch_page``) jumps instead: each query starts at the path's next message.
 """
 
 from __future__ import annotations
@@ -294,6 +295,71 @@ class MessagesMixin(ChatsMixin):
         return Branch(
             messages, chat, truncated=target is not None, summary=summary_of(summary[0]) if summary else None
         )
+
+    async def branch_page(
+        self, user_id: str, chat_id: str, leaf_id: str | None, after: str | None, limit: int | None = None
+    ) -> Page[Message]:
+        """A page of the path that ends at ``leaf_id`` (None: the chat's newest message), leaf first;
+        ``after`` is a page cursor of the same chat and leaf (it holds the next message of the path).
+
+        Each query starts at the path's next message and reads as many rows as the page still needs,
+        in that message's bucket (known from its id: no bucket list is read). A branch stored without
+        other branches in between costs one query of ``limit`` rows per page (plus one per day
+        boundary it crosses); a stretch of other branches' messages between two of the path's costs at
+        most one more query, started at the path's next message. The chat's newest message, when it is
+        the leaf, is found as ``list_messages`` finds it (the bucket list and today's bucket at once).
+        """
+        limit = self._page_size(limit, self.limits.default_message_page, self.limits.max_message_page)
+        chat_key = parse_id(chat_id, "chat id")
+        leaf_key = parse_optional_id(leaf_id, "message id")
+        scope = f"{user_id}/{chat_id}/{leaf_id or ''}"
+        start = leaf_key
+        if after:
+            start = parse_id(str(self._cursors.decode(after, "branch", scope)[0]), "page token")
+        chat, (path, following) = await self._with_owner(user_id, chat_id, self._walk(chat_key, start, limit))
+        if not path and (start is not None):
+            raise NotFound(f"message {leaf_id} not found")
+        next_cursor = self._cursors.encode("branch", scope, [str(following)]) if following else None
+        return Page(items=[_message(chat.chat_id, row) for row in path], next_cursor=next_cursor)
+
+    async def _walk(
+        self, chat_key: uuid.UUID, start: uuid.UUID | None, limit: int
+    ) -> tuple[list[Row], uuid.UUID | None]:
+        """Up to ``limit`` rows of the path from ``start`` (None: the newest message) towards the root,
+        and the id of the path's next message (None: the root was reached)."""
+        if start is None:
+            rows = []
+            async for row in self._scan(chat_key, None, limit):
+                rows.append(row)
+                if len(rows) >= limit:
+                    break
+            if not rows:
+                return [], None
+            target: uuid.UUID | None = rows[0]["message_id"]
+        else:
+            target = start
+            rows = await self._db.execute("messages_upto", (chat_key, bucket_of(start), start, limit))
+            if not rows or rows[0]["message_id"] != start:
+                return [], None  # not a message of this chat
+        path: list[Row] = []
+        while target is not None and len(path) < limit:
+            for row in rows:
+                if row["message_id"] == target:
+                    path.append(row)
+                    target = row["parent_id"]
+                    if target is None or len(path) >= limit:
+                        break
+                elif row["message_id"].time < target.time:
+                    break  # older than the path's next message: the rest of the page is off the path
+            if target is None or len(path) >= limit:
+                break
+            rows = await self._db.execute(
+                "messages_upto", (chat_key, bucket_of(target), target, limit - len(path))
+            )
+            if not rows or rows[0]["message_id"] != target:
+                # A parent is checked when its child is stored: only the leaf can be missing.
+                raise RuntimeError(f"message {target} of chat {chat_key} is missing")
+        return path, target
 
     async def _scan(
         self, chat_key: uuid.UUID, start: uuid.UUID | None, page: int, include_start: bool = False

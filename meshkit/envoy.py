@@ -29,7 +29,17 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.j2"
 
 # ChatService calls that read state (or are no-ops when repeated) and so may be retried by Envoy.
 IDEMPOTENT_METHODS = frozenset(
-    {"GetChat", "ListChats", "ListMessages", "GetRun", "CancelRun", "ListModels", "GetUsage", "SearchChats"}
+    {
+        "GetChat",
+        "ListChats",
+        "ListMessages",
+        "GetBranch",
+        "GetRun",
+        "CancelRun",
+        "ListModels",
+        "GetUsage",
+        "SearchChats",
+    }
 )
 # Calls that start generation, which get the tighter "generate" rate limit.
 GENERATE_METHODS = frozenset({"SendMessage", "RegenerateMessage", "Complete"})

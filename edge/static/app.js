@@ -3,6 +3,7 @@
 // being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
 import { handleCopyButtons, renderMarkdown, StreamingAnswer } from "./render.js";
 import { takeTokenFromUrl } from "./token.js";
+import { WindowedList } from "./window.js";
 
 const $ = (selector) => document.querySelector(selector);
 const RUN_KEY = "chatmesh.run";
@@ -21,13 +22,16 @@ const state = {
   nextChats: null,
   search: null,     // {query, hits, next} while the sidebar shows search results
   chatId: null,
-  messages: [],     // the open chat's messages loaded so far, newest first (all branches)
-  older: null,      // page token of the next older page of messages (null: none left)
+  path: [],         // the branch on screen as loaded so far, oldest first
+  known: new Map(), // message_id -> message: every message of the open chat loaded (for branch arrows)
+  byParent: null,   // known messages by parent id, newest first (children(); null: to be made again)
+  older: null,      // page token of the branch's next older page (null: the root is loaded)
+  branchFrom: null, // the URL the branch's pages come from (a page token is good for its own URL only)
   loadingOlder: false,
   leafId: null,     // the branch on screen ends here
-  rendered: new Map(), // message_id -> its answer rendered (a message's content never changes)
-  atBottom: true,   // the message list is scrolled to its end (streaming keeps it there)
-  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, base: [messages before], user: text|null, view}
+  rendered: new Map(), // message_id -> its answer rendered (a message's content never changes), oldest first
+  models: null,     // the model picker's list loading (a promise), then loaded
+  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, baseEnd: last message before, user: text|null, view, item}
 };
 
 class ApiError extends Error {
@@ -242,64 +246,114 @@ async function deleteChat(chat) {
 
 function newChat() {
   state.chatId = null;
-  state.messages = [];
-  state.older = null;
-  state.rendered.clear();
-  state.leafId = null;
+  forgetChat();
   $("#chat-title").textContent = "New chat";
   $("#model").value = "";
   history.replaceState(null, "", "/");
   renderChats();
-  renderMessages();
+  renderMessages({ toEnd: true });
   $("#prompt").focus();
 }
 
 // ---- messages: a tree, shown one branch at a time --------------------------------------------------
 
-async function openChat(chatId, { resume = true } = {}) {
-  if (chatId !== state.chatId) state.rendered.clear();
-  state.chatId = chatId;
-  state.leafId = null;
-  state.messages = [];
+// A chat opens on its branch's newest page (GetBranch from the chat's newest message) and the newest
+// page of all its messages (ListMessages: the versions the branch arrows switch between); older pages
+// of the branch load as the reader scrolls up (loadOlder). Only messages near the viewport are in the
+// page (edge/static/window.js), so a chat of thousands of messages opens and scrolls as a short one.
+const MESSAGE_PAGE = 100;
+const RENDERED_KEPT = 100; // answers kept rendered (parsed and sanitized) off screen: the last shown
+
+function forgetChat() {
+  state.path = [];
+  state.known.clear();
+  state.byParent = null;
   state.older = null;
+  state.branchFrom = null;
+  state.rendered.clear();
+  state.leafId = null;
+}
+
+async function openChat(chatId, { resume = true } = {}) {
+  state.chatId = chatId;
+  forgetChat();
   history.replaceState(null, "", `/?chat=${encodeURIComponent(chatId)}`);
   showSkeleton();
-  const [chat] = await Promise.all([json(`/v1/chats/${chatId}`), loadMessages()]);
+  const [chat] = await Promise.all([json(`/v1/chats/${chatId}`), loadBranch(null), loadRecent()]);
+  if (chatId !== state.chatId) return;
   $("#chat-title").textContent = chat.title || "Untitled chat";
+  await state.models;
+  if (chatId !== state.chatId) return;
   $("#model").value = chat.model || ""; // a model no longer served shows as the default
   renderChats();
-  renderMessages();
+  renderMessages({ fresh: true, toEnd: true });
   if (resume && chat.active_run_id && !state.live) await resumeRun(chat.active_run_id);
 }
 
-// A chat opens with its newest page of messages; older pages load as the reader scrolls up (loadOlder).
-const MESSAGE_PAGE = 100;
-
-// The newest page, merged into what is loaded (a message never changes, so one copy of each is kept).
-async function loadMessages() {
-  const page = await json(`/v1/chats/${state.chatId}/messages?page_size=${MESSAGE_PAGE}`);
-  const first = state.messages.length === 0;
-  state.messages = page.messages.concat(withoutIds(state.messages, page.messages));
-  if (first) state.older = page.next_page_token;
+function branchUrl(leafId) {
+  const chat = `/v1/chats/${encodeURIComponent(state.chatId)}`;
+  return leafId ? `${chat}/messages/${encodeURIComponent(leafId)}/branch` : `${chat}/branch`;
 }
 
-function withoutIds(messages, others) {
-  const ids = new Set(others.map((m) => m.message_id));
-  return messages.filter((m) => !ids.has(m.message_id));
+function learn(messages) {
+  for (const message of messages) state.known.set(message.message_id, message);
+  state.byParent = null;
 }
 
-// The next older page, shown above what is on screen without moving it.
-async function loadOlder() {
-  if (!state.older || state.loadingOlder || state.live) return;
+// The branch that ends at `leafId` (null: at the chat's newest message): its newest page replaces the
+// path on screen.
+async function loadBranch(leafId) {
   const chatId = state.chatId;
+  const from = branchUrl(leafId);
+  const page = await json(`${from}?page_size=${MESSAGE_PAGE}`);
+  if (chatId !== state.chatId) return;
+  learn(page.messages);
+  state.path = page.messages.slice().reverse();
+  state.older = page.next_page_token;
+  state.branchFrom = from;
+  state.leafId = state.path.length ? state.path[state.path.length - 1].message_id : null;
+}
+
+// The chat's newest messages of every branch: the versions a branch arrow can switch to.
+async function loadRecent() {
+  const chatId = state.chatId;
+  const page = await json(`/v1/chats/${encodeURIComponent(chatId)}/messages?page_size=${MESSAGE_PAGE}`);
+  if (chatId === state.chatId) learn(page.messages);
+}
+
+// After an answer: the branch from the chat's newest message, joined onto the path on screen where the
+// two meet (a few messages back), so what was loaded above stays loaded.
+async function extendBranch() {
+  const chatId = state.chatId;
+  const page = await json(`${branchUrl(null)}?page_size=8`);
+  if (chatId !== state.chatId) return;
+  learn(page.messages);
+  const onScreen = new Map(state.path.map((m, index) => [m.message_id, index]));
+  const meet = page.messages.findIndex((m) => onScreen.has(m.message_id));
+  if (meet < 0 && page.next_page_token) {
+    await loadBranch(null);
+    return;
+  }
+  const kept = meet < 0 ? [] : state.path.slice(0, onScreen.get(page.messages[meet].message_id) + 1);
+  if (meet < 0) state.older = null;
+  state.path = kept.concat(page.messages.slice(0, meet < 0 ? undefined : meet).reverse());
+  state.leafId = state.path.length ? state.path[state.path.length - 1].message_id : null;
+}
+
+// The next older page of the branch, shown above what is on screen without moving it.
+async function loadOlder() {
+  if (!state.older || state.loadingOlder) return;
+  const chatId = state.chatId;
+  const from = state.branchFrom;
   state.loadingOlder = true;
   try {
     const params = new URLSearchParams({ page_size: String(MESSAGE_PAGE), page_token: state.older });
-    const page = await json(`/v1/chats/${chatId}/messages?${params}`);
-    if (chatId !== state.chatId || state.live) return;
-    state.messages = state.messages.concat(withoutIds(page.messages, state.messages));
+    const page = await json(`${from}?${params}`);
+    if (chatId !== state.chatId || from !== state.branchFrom) return;
+    learn(page.messages);
+    state.path = page.messages.slice().reverse().concat(state.path);
     state.older = page.next_page_token;
-    renderMessages({ keepScroll: true });
+    renderMessages();
   } finally {
     state.loadingOlder = false;
   }
@@ -309,33 +363,28 @@ async function loadOlder() {
 function showSkeleton() {
   const list = $("#messages");
   list.setAttribute("aria-busy", "true");
-  list.replaceChildren(...["user", "assistant", "user", "assistant"].map((role) => {
-    const item = document.createElement("li");
-    item.className = `message ${role} skeleton`;
-    item.setAttribute("aria-hidden", "true");
-    return item;
-  }));
+  messageList().setItems(["user", "assistant", "user", "assistant"].map((role, index) => ({ key: `skeleton:${index}`, skeleton: role })), { fresh: true, toEnd: true, headShown: false });
 }
 
+// Every known message by its parent's id, newest first; made again only once more are known.
 function children() {
+  if (state.byParent) return state.byParent;
   const byParent = new Map();
-  for (const message of state.messages) {
+  const time = (message) => Date.parse(message.create_time) || 0;
+  for (const message of state.known.values()) {
     const key = message.parent_id || "";
     if (!byParent.has(key)) byParent.set(key, []);
-    byParent.get(key).push(message); // newest first
+    byParent.get(key).push(message);
   }
+  for (const siblings of byParent.values()) if (siblings.length > 1) siblings.sort((a, b) => time(b) - time(a));
+  state.byParent = byParent;
   return byParent;
 }
 
-function branch() {
-  const byId = new Map(state.messages.map((m) => [m.message_id, m]));
-  let leaf = byId.get(state.leafId) || state.messages[0];
-  const path = [];
-  while (leaf) {
-    path.unshift(leaf);
-    leaf = byId.get(leaf.parent_id);
-  }
-  return path;
+// The path on screen up to (and with) `lastId`; all of it for undefined, none of it for null.
+function pathUpTo(lastId) {
+  if (lastId === undefined) return state.path;
+  return state.path.slice(0, state.path.findIndex((m) => m.message_id === lastId) + 1);
 }
 
 function newestLeaf(message, byParent) {
@@ -344,28 +393,57 @@ function newestLeaf(message, byParent) {
   return current;
 }
 
-// `keepScroll`: older messages were added above, and what the reader sees stays where it is.
-function renderMessages({ keepScroll = false } = {}) {
-  const byParent = children();
-  const path = state.live ? state.live.base : branch();
-  const items = path.map((message, index) => messageItem(message, byParent, index === path.length - 1));
-  if (state.older && !state.live) items.unshift(olderItem());
-  if (state.live) {
-    if (state.live.user !== null) items.push(messageItem({ role: "user", content: state.live.user }, byParent, false));
-    items.push(liveItem());
+let windowed = null;
+
+function messageList() {
+  if (!windowed) {
+    const head = olderItem();
+    windowed = new WindowedList($("#messages"), {
+      render: renderItem,
+      head,
+      onScroll: () => {
+        if ($("#messages").scrollTop < OLDER_SLACK_PX) loadOlder().catch(fail);
+      },
+      focusFallback: () => $("#messages"),
+    });
   }
+  return windowed;
+}
+
+// `fresh`: every message's element is made again (a branch switched, the last answer changed);
+// `toEnd`: the list scrolls to its end. Otherwise the reader's place is kept.
+function renderMessages({ fresh = false, toEnd = false } = {}) {
   const list = $("#messages");
-  const fromBottom = list.scrollHeight - list.scrollTop;
-  keepingFocus(list, () => list.replaceChildren(...items), () => $("#prompt"));
+  const byParent = children();
+  const path = state.live ? pathUpTo(state.live.baseEnd) : state.path;
+  const last = path.length ? path[path.length - 1].message_id : null;
+  const items = path.map((message) => ({ key: message.message_id, message, byParent, isLast: message.message_id === last && !state.live }));
+  if (state.live) {
+    if (state.live.user !== null) items.push({ key: "live:user", message: { role: "user", content: state.live.user }, byParent });
+    items.push({ key: "live", live: true });
+  }
+  const headShown = Boolean(state.older);
+  keepingFocus(list, () => messageList().setItems(items, { fresh, toEnd, headShown }), () => $("#prompt"));
   list.setAttribute("aria-busy", String(Boolean(state.live)));
-  if (keepScroll) list.scrollTop = list.scrollHeight - fromBottom;
-  else scrollDown();
+}
+
+function renderItem(item) {
+  if (item.skeleton) {
+    const element = document.createElement("li");
+    element.className = `message ${item.skeleton} skeleton`;
+    element.setAttribute("aria-hidden", "true");
+    return element;
+  }
+  if (item.live) return state.live.item;
+  return messageItem(item.message, item.byParent, item.isLast);
 }
 
 // The way to older messages for keyboards and screen readers (scrolling near the top loads them too).
 function olderItem() {
   const item = document.createElement("li");
   item.className = "older";
+  item.id = "older";
+  item.hidden = true;
   item.append(button("Load older messages", loadOlder, null, "older"));
   return item;
 }
@@ -385,12 +463,12 @@ function messageItem(message, byParent, isLast) {
 
   const siblings = byParent.get(message.parent_id || "") || [message];
   if (siblings.length > 1) {
-    const position = siblings.length - siblings.indexOf(message); // oldest is 1
+    const position = siblings.length - siblings.findIndex((m) => m.message_id === message.message_id); // oldest is 1
     const show = (offset) => async () => {
       const target = siblings[siblings.length - (position + offset)];
       if (!target) return;
-      state.leafId = newestLeaf(target, byParent).message_id;
-      renderMessages();
+      await loadBranch(newestLeaf(target, byParent).message_id);
+      renderMessages({ fresh: true, toEnd: true });
     };
     const branchPoint = message.parent_id || "root";
     const previous = button("‹", show(-1), null, `previous:${branchPoint}`);
@@ -413,10 +491,13 @@ function messageItem(message, byParent, isLast) {
 }
 
 // A stored answer's Markdown, parsed and sanitized once per message (a message's content never changes):
-// kept once it is wholly shown (a big table fills in over a few tasks), and copied from then on.
+// kept once it is wholly shown (a big table fills in over a few tasks), and copied from then on. The
+// most recently shown RENDERED_KEPT are kept: a long chat scrolled end to end keeps no more.
 function showAnswer(message, content) {
   const kept = state.rendered.get(message.message_id);
   if (kept) {
+    state.rendered.delete(message.message_id);
+    state.rendered.set(message.message_id, kept);
     content.append(kept.cloneNode(true));
     return;
   }
@@ -426,8 +507,13 @@ function showAnswer(message, content) {
     if (!whole || !message.message_id) return;
     const copy = document.createDocumentFragment();
     for (const block of content.childNodes) copy.append(block.cloneNode(true));
-    state.rendered.set(message.message_id, copy);
+    keepRendered(message.message_id, copy);
   });
+}
+
+function keepRendered(messageId, fragment) {
+  state.rendered.set(messageId, fragment);
+  if (state.rendered.size > RENDERED_KEPT) state.rendered.delete(state.rendered.keys().next().value);
 }
 
 // Which model wrote an answer: under load a free-tier answer may come from a cheaper model.
@@ -449,6 +535,8 @@ function usageLabel(usage, finishReason) {
   return label;
 }
 
+// The live answer's element, made once per run: the window takes it out and puts it back as the reader
+// scrolls, and the answer goes on rendering into it either way.
 function liveItem() {
   const item = document.createElement("li");
   item.className = "message assistant";
@@ -456,7 +544,6 @@ function liveItem() {
   item.dataset.streaming = "true";
   const content = document.createElement("div");
   content.className = "content";
-  if (state.live.view) state.live.view.stop();
   state.live.view = new StreamingAnswer(content, followBottom);
   state.live.view.update(state.live.text);
   const meta = document.createElement("div");
@@ -466,19 +553,12 @@ function liveItem() {
   return item;
 }
 
-function scrollDown() {
-  const list = $("#messages");
-  list.scrollTop = list.scrollHeight;
-  state.atBottom = true;
-}
-
 // While an answer streams, the list follows it only if the reader was at the bottom: someone who
 // scrolled up to read stays where they are.
-const BOTTOM_SLACK_PX = 48;
 const OLDER_SLACK_PX = 400; // this close to the top, the next older page is fetched
 
 function followBottom() {
-  if (state.atBottom) scrollDown();
+  if (messageList().atBottom) messageList().scrollToEnd();
 }
 
 function editMessage(item, message) {
@@ -490,7 +570,7 @@ function editMessage(item, message) {
     const text = editor.value.trim();
     if (text) await send(text, message.parent_id);
   });
-  const cancel = button("Cancel", async () => renderMessages());
+  const cancel = button("Cancel", async () => renderMessages({ fresh: true }));
   item.replaceChildren(editor, save, cancel);
   editor.focus();
 }
@@ -552,7 +632,7 @@ async function consume(response) {
         state.live.chatId = data.chat_id;
         state.live.model = data.model;
         state.live.degraded = data.degraded;
-        const meta = $("#live .meta");
+        const meta = state.live.item.querySelector(".meta");
         if (meta) meta.replaceChildren(modelLabel(data.model, data.degraded));
         $("#stop").disabled = false;
       } else if (event.event === "delta") {
@@ -597,10 +677,12 @@ async function follow(firstResponse) {
   return outcome;
 }
 
-function startLive(base, userText, seed = {}) {
-  state.live = { runId: null, chatId: state.chatId, lastSeq: 0, text: "", usage: null, base, user: userText, ...seed };
+// `baseEnd`: the message the answer follows on screen (null: none; undefined: the whole path).
+function startLive(baseEnd, userText, seed = {}) {
+  state.live = { runId: null, chatId: state.chatId, lastSeq: 0, text: "", usage: null, baseEnd, user: userText, ...seed };
+  state.live.item = liveItem();
   setBusy(true);
-  renderMessages();
+  renderMessages({ toEnd: true });
 }
 
 async function finishLive() {
@@ -608,12 +690,11 @@ async function finishLive() {
   const streamed = view ? view.finish() : null;
   state.live = null;
   setBusy(false);
-  state.leafId = null;
-  await Promise.all([loadMessages(), loadChats()]);
+  await Promise.all([extendBranch(), loadChats()]);
   // The answer as stored is the text just rendered while streaming: it is shown as it is.
-  const stored = runId && state.messages.find((m) => m.run_id === runId && m.role === "assistant");
-  if (streamed && stored && stored.content === text) state.rendered.set(stored.message_id, streamed);
-  renderMessages();
+  const stored = runId && state.path.find((m) => m.run_id === runId && m.role === "assistant");
+  if (streamed && stored && stored.content === text) keepRendered(stored.message_id, streamed);
+  renderMessages({ fresh: true });
   announceAnswer(stored);
   showUsage();
 }
@@ -624,9 +705,12 @@ const ANNOUNCE_MAX_CHARS = 4000;
 
 function announceAnswer(answer) {
   if (!answer) return;
-  const item = $(`#messages li[data-message-id="${CSS.escape(answer.message_id)}"] .content`);
-  const spoken = item ? item.cloneNode(true) : null;
-  if (!spoken) return;
+  // Its element, or (scrolled out of the window) its rendering kept, or its text.
+  const item = messageList().node(answer.message_id);
+  const kept = state.rendered.get(answer.message_id);
+  const spoken = document.createElement("div");
+  if (item) spoken.append(item.querySelector(".content").cloneNode(true));
+  else spoken.append(kept ? kept.cloneNode(true) : answer.content);
   for (const copy of spoken.querySelectorAll(".copy-code")) copy.remove();
   let text = spoken.textContent.replace(/\s+/g, " ").trim();
   if (text.length > ANNOUNCE_MAX_CHARS) text = `${text.slice(0, ANNOUNCE_MAX_CHARS)}… (the answer continues in the chat)`;
@@ -694,32 +778,29 @@ function pickedModel() {
   return model ? { model } : {};
 }
 
-async function send(text, parentId = "") {
+// `parentId`: the message the new one follows (an edit's); the branch on screen's last by default.
+async function send(text, parentId = state.leafId || "") {
   if (!state.chatId) {
     const chat = await json("/v1/chats", { method: "POST", body: pickedModel() });
     state.chatId = chat.chat_id;
     history.replaceState(null, "", `/?chat=${encodeURIComponent(chat.chat_id)}`);
   }
-  const path = branch();
-  const base = parentId ? path.slice(0, path.findIndex((m) => m.message_id === parentId) + 1) : path;
   const body = {
     content: text, parent_message_id: parentId, idempotency_key: crypto.randomUUID(), options: pickedModel(),
   };
-  return withLive(base, text, () => call(`/v1/chats/${state.chatId}/messages`, { method: "POST", body }));
+  return withLive(parentId || null, text, () => call(`/v1/chats/${state.chatId}/messages`, { method: "POST", body }));
 }
 
 async function regenerate(answer) {
-  const path = branch();
-  const base = path.slice(0, path.findIndex((m) => m.message_id === answer.message_id));
   const body = { idempotency_key: crypto.randomUUID(), options: pickedModel() };
-  await withLive(base, null, () =>
+  await withLive(answer.parent_id || null, null, () =>
     call(`/v1/chats/${state.chatId}/messages/${answer.message_id}/regenerate`, { method: "POST", body }));
 }
 
 async function resumeRun(runId) {
   const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
   const seed = saved && saved.runId === runId ? { runId, lastSeq: saved.lastSeq, text: saved.text } : { runId };
-  startLive(branch(), null, seed);
+  startLive(undefined, null, seed);
   try {
     const response = await call(`/v1/runs/${runId}/events`, { headers: { "Last-Event-ID": String(state.live.lastSeq) } });
     await follow(response);
@@ -766,11 +847,6 @@ async function start() {
   });
   $("#stop").addEventListener("click", () => stop().catch(fail));
   handleCopyButtons($("#messages"));
-  $("#messages").addEventListener("scroll", () => {
-    const list = $("#messages");
-    state.atBottom = list.scrollHeight - list.scrollTop - list.clientHeight <= BOTTOM_SLACK_PX;
-    if (list.scrollTop < OLDER_SLACK_PX) loadOlder().catch(fail);
-  }, { passive: true });
   $("#new-chat").addEventListener("click", newChat);
   $("#more-chats").addEventListener("click", () => loadChats(true).catch(fail));
   $("#search").addEventListener("submit", (event) => {
@@ -782,17 +858,18 @@ async function start() {
   });
   $("#more-results").addEventListener("click", () => searchChats(true).catch(fail));
   try {
-    const me = await json("/v1/me");
+    // The chat in the URL opens at once, alongside who the caller is and their chats.
+    const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
+    const chatId = new URLSearchParams(location.search).get("chat") || (saved && saved.chatId);
+    // The picker is optional: chats go on with the default model if the list cannot be read. A chat
+    // opening shows its model picked once the list is in (state.models).
+    state.models = loadModels().catch(() => { $("#model").hidden = true; });
+    const opening = chatId ? openChat(chatId).catch(fail) : null;
+    const [me] = await Promise.all([json("/v1/me"), loadChats()]);
     state.tier = me.tier;
     $("#whoami").textContent = `Signed in as ${me.user_id} (${me.tier})`;
     showUsage();
-    // The picker is optional: chats go on with the default model if the list cannot be read. Loaded
-    // before a chat opens, so that the chat's model can be shown picked.
-    await loadModels().catch(() => { $("#model").hidden = true; });
-    await loadChats();
-    const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
-    const chatId = new URLSearchParams(location.search).get("chat") || (saved && saved.chatId);
-    if (chatId) await openChat(chatId);
+    if (opening) await opening;
     else newChat();
   } catch (error) {
     fail(error);

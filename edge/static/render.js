@@ -174,6 +174,7 @@ export class StreamingAnswer {
     this.text = "";
     this.committed = 0; // characters of text rendered into this.finished
     this.plain = null; // {node, retryAt} while the open block is too big to re-render
+    this.table = null; // {tbody, head, consumed} while the open block is a big table growing row by row
     this.frame = 0;
   }
 
@@ -185,9 +186,10 @@ export class StreamingAnswer {
   render() {
     this.frame = 0;
     const tail = this.text.slice(this.committed);
-    if (this.plain && tail.length < this.plain.retryAt) {
+    const grown = this.table !== null && this.growTable(tail); // only the table's new rows parsed
+    if (!grown && this.plain && tail.length < this.plain.retryAt) {
       this.plain.node.appendData(tail.slice(this.plain.node.length));
-    } else {
+    } else if (!grown) {
       this.renderTail(tail);
     }
     if (this.onRendered) this.onRendered();
@@ -210,6 +212,12 @@ export class StreamingAnswer {
         tokens = rest;
       }
     }
+    this.table = null;
+    if (tokens.length === 1 && tokens[0].type === "table" && tokens[0].rows.length > TABLE_CHUNK_ROWS) {
+      this.plain = null;
+      this.startTable(tokens[0], tail);
+      return;
+    }
     if (tail.length > OPEN_BLOCK_MAX_CHARS) {
       const node = document.createTextNode(tail);
       const pre = document.createElement("pre");
@@ -221,6 +229,34 @@ export class StreamingAnswer {
       this.plain = null;
       this.open.replaceChildren(blocksOf(tokens).fragment);
     }
+  }
+
+  // A big table still being written: rows above its last cannot change, so from here on only the lines
+  // new since the last frame are parsed (under the table's header), sanitized and appended; the last
+  // line waits for its end. A frame's work is the rows that arrived, not the table.
+  startTable(token, tail) {
+    const consumed = tail.lastIndexOf("\n") + 1;
+    const complete = consumed === tail.length ? token.rows.length : token.rows.length - 1;
+    const first = fragmentOf(markdown.parser([{ ...token, rows: token.rows.slice(0, complete) }]));
+    const head = token.raw.split("\n").slice(0, 2).join("\n") + "\n";
+    this.table = { tbody: first.querySelector("tbody"), head, consumed };
+    this.open.replaceChildren(first);
+  }
+
+  // Appends the table's new complete rows; false when the new lines are not all rows (the table may
+  // have ended: the caller renders the open text again, whole).
+  growTable(tail) {
+    const fresh = tail.slice(this.table.consumed);
+    const end = fresh.lastIndexOf("\n") + 1;
+    if (!end) return true;
+    const lines = fresh.slice(0, end);
+    if (!lines.split("\n").slice(0, -1).every((line) => line.includes("|") && line.trim())) return false;
+    const [token] = markdown.lexer(this.table.head + lines);
+    if (!token || token.type !== "table") return false;
+    const part = fragmentOf(markdown.parser([token]));
+    this.table.tbody.append(...part.querySelectorAll("tbody > tr"));
+    this.table.consumed += end;
+    return true;
   }
 
   stop() {
@@ -238,6 +274,7 @@ export class StreamingAnswer {
     this.committed = this.text.length;
     this.open.replaceChildren();
     this.plain = null;
+    this.table = null;
     if (REFERENCE_DEFINITION.test(this.text)) return null;
     if (pendingRows.some((job) => this.finished.contains(job.tbody))) return null; // a table is still filling
     const whole = document.createDocumentFragment();

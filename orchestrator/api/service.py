@@ -244,6 +244,25 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
             messages=[convert.message(m) for m in page.items], next_page_token=page.next_cursor or ""
         )
 
+    @unary
+    async def GetBranch(self, identity: Identity, request: chat_pb2.GetBranchRequest):
+        limits.check_id(request.chat_id, "chat_id")
+        if request.leaf_message_id:
+            limits.check_id(request.leaf_message_id, "leaf_message_id")
+        size = limits.page_size(
+            request.page_size, self.limits.default_message_page, self.limits.max_message_page
+        )
+        page = await self.store.branch_page(
+            identity.user_id,
+            request.chat_id,
+            request.leaf_message_id or None,
+            request.page_token or None,
+            size,
+        )
+        return chat_pb2.GetBranchResponse(
+            messages=[convert.message(m) for m in page.items], next_page_token=page.next_cursor or ""
+        )
+
     # -- answers --------------------------------------------------------------------------------
 
     # A run's request is checked when its object is made (a refusal costs no read or write); the

@@ -459,6 +459,20 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
             messages=newest_first[start : start + size], next_page_token=str(start + size) if more else ""
         )
 
+    async def GetBranch(self, request, context):
+        identity = await self._enter("GetBranch", request, context)
+        await self._chat(request.chat_id, identity, context)
+        history = self.messages[request.chat_id]
+        by_id = {m.message_id: m for m in history}
+        start = request.page_token or request.leaf_message_id or (history[-1].message_id if history else "")
+        if start and start not in by_id:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"message {start} not found")
+        path, size = [], request.page_size or 50
+        while start and len(path) < size:
+            path.append(by_id[start])
+            start = by_id[start].parent_id
+        return chat_pb2.GetBranchResponse(messages=path, next_page_token=start)
+
     async def SendMessage(self, request, context):
         identity = await self._enter("SendMessage", request, context)
         chat = await self._chat(request.chat_id, identity, context)

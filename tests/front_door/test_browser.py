@@ -45,7 +45,7 @@ def test_rate_limited_send_shows_a_clear_message(page, front_door: ScriptedFront
     assert "Try again in 3600 s" in banner.text_content()
     assert len(front_door.scripted.calls_to("SendMessage")) == sends + 1
     # What was typed is not lost.
-    page.wait_for_function("document.querySelector('#prompt').value === 'hello'")
+    page.wait_for_function("() => document.querySelector('#prompt').value === 'hello'")
 
 
 def test_an_answer_refused_after_its_question_was_stored_is_retried_with_the_same_key(

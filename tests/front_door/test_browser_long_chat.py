@@ -1,18 +1,27 @@
 """A long chat in headless Chromium, through the real Envoy and edge, answered by ScriptedChatService: it
-opens on its newest page of messages with skeletons while they load, older pages come in as the reader
-scrolls up without moving what is on screen, and a message sent shows at once, before the server has it."""
+opens on its branch's newest page (GetBranch) with skeletons while it loads, older pages come in by cursor
+as the reader scrolls up without moving what is on screen, only messages near the view are in the page
+(a bounded number, up to the first message), and a message sent shows at once, before the server has it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.front_door.chat_page import chat_page
+from tests.front_door.chat_page import LIVE, chat_page, live_text
 from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.helpers import send as send_rest
 from tests.front_door.helpers import wait_for
 
 TURNS = 110  # 220 messages: pages of 100, 100 and 20 (within the enterprise burst of sends)
 PAGE = 100
+MAX_NODES = 60  # message elements in the page at once, with the window's margins, for any chat length
+AT_END = "(() => { const l = document.querySelector('#messages'); return l.scrollHeight - l.scrollTop - l.clientHeight < 2; })()"
+# The first message in view (its id) and where its top is on the screen.
+TOP_IN_VIEW = """(() => {
+    const list = document.querySelector('#messages').getBoundingClientRect();
+    const item = [...document.querySelectorAll('li.message')].find((m) => m.getBoundingClientRect().bottom > list.top);
+    return [item.dataset.messageId, item.getBoundingClientRect().top];
+})()"""
 
 
 @pytest.fixture
@@ -31,31 +40,50 @@ def test_a_long_chat_opens_on_its_newest_page_and_loads_older_ones_on_scroll_up(
     front_door: ScriptedFrontDoor, browser_context, user: str, tmp_path, long_chat: str
 ):
     with chat_page(front_door, browser_context, user, tmp_path, "long-chat", "enterprise") as page:
-        with front_door.scripted.delay("ListMessages", 1.5):
+        with front_door.scripted.delay("GetBranch", 1.5):
             page.goto(f"{front_door.url}/?chat={long_chat}")
             page.wait_for_selector("#messages li.skeleton")
             assert page.get_attribute("#messages", "aria-busy") == "true"
             page.wait_for_selector(f"li.message.user:has-text('turn {TURNS - 1} ')")
-        assert page.locator("li.message").count() == PAGE
+        # The branch's newest page, from the chat's newest message; only what is near the view is shown.
+        [opened] = front_door.scripted.calls_to("GetBranch")
+        assert (opened.request.leaf_message_id, opened.request.page_size) == ("", PAGE)
+        assert 0 < page.locator("li.message").count() <= MAX_NODES
         assert page.locator("li.message.user:has-text('turn 0 ')").count() == 0
         assert page.get_attribute("#messages", "aria-busy") == "false"
+        assert page.evaluate(AT_END), "the chat opens at its end"
 
         # Scrolled to the top, the next older page arrives above, and the message that was at the top
         # stays where the reader saw it.
-        for loaded in (2 * PAGE, 2 * TURNS):
-            top = page.locator("li.message").first
-            top_id = top.get_attribute("data-message-id")
-            page.evaluate("document.querySelector('#messages').scrollTop = 0")
-            before = page.evaluate(
-                f"document.querySelector('[data-message-id=\"{top_id}\"]').getBoundingClientRect().top"
+        for pages in (2, 3):
+            with front_door.scripted.delay("GetBranch", 0.5):
+                page.evaluate("document.querySelector('#messages').scrollTop = 0")
+                wait_for(
+                    lambda n=pages: len(front_door.scripted.calls_to("GetBranch")) == n, what="an older page"
+                )
+                top_id, before = page.evaluate(TOP_IN_VIEW)
+            page.wait_for_function(
+                "() => parseFloat(document.querySelector('#messages > .spacer').style.height) > 0"
             )
-            page.wait_for_function(f"() => document.querySelectorAll('li.message').length === {loaded}")
             after = page.evaluate(
                 f"document.querySelector('[data-message-id=\"{top_id}\"]').getBoundingClientRect().top"
             )
             assert abs(after - before) <= 2, (before, after)
+            assert page.locator("li.message").count() <= MAX_NODES
+        # The pages were asked for with the cursor of the page before, for the same branch.
+        tokens = [call.request.page_token for call in front_door.scripted.calls_to("GetBranch")]
+        assert tokens[0] == "" and all(tokens[1:]) and len(set(tokens)) == 3
+
+        # On to the first message: however much is loaded, the page holds a bounded number of them.
+        for _ in range(100):
+            if page.locator("li.message.user:has-text('turn 0 ')").count():
+                break
+            page.evaluate("document.querySelector('#messages').scrollTop = 0")
+            page.wait_for_timeout(50)
+            assert page.locator("li.message").count() <= MAX_NODES
         page.wait_for_selector("li.message.user:has-text('turn 0 ')", state="attached")
-        assert page.locator("li.older").count() == 0, "nothing older is left to load"
+        assert page.locator("li.message").count() <= MAX_NODES
+        assert page.is_hidden("#older"), "nothing older is left to load"
 
 
 def test_a_sent_message_shows_before_the_server_has_it(page_for_send):
@@ -72,3 +100,30 @@ def test_a_sent_message_shows_before_the_server_has_it(page_for_send):
 def page_for_send(front_door: ScriptedFrontDoor, browser_context, user: str, tmp_path):
     with chat_page(front_door, browser_context, user, tmp_path, "optimistic-send") as page:
         yield page, front_door
+
+
+def test_a_reader_who_scrolled_up_stays_put_while_an_answer_streams_and_one_at_the_end_follows_it(
+    front_door: ScriptedFrontDoor, browser_context, user: str, tmp_path, long_chat: str
+):
+    with chat_page(front_door, browser_context, user, tmp_path, "long-chat-streaming", "enterprise") as page:
+        page.goto(f"{front_door.url}/?chat={long_chat}")
+        page.wait_for_selector(f"li.message.user:has-text('turn {TURNS - 1} ')")
+        page.fill("#prompt", "A long answer, please. !tokens 400 15")
+        page.press("#prompt", "Enter")
+        page.wait_for_selector(LIVE)
+        # At the end, the list follows the answer as it grows.
+        grown = page.evaluate("document.querySelector('#messages').scrollHeight")
+        page.wait_for_function(f"() => document.querySelector('#messages').scrollHeight > {grown + 200}")
+        assert page.evaluate(AT_END)
+        # Scrolled up, the reader's place holds while the answer goes on growing below.
+        page.evaluate("document.querySelector('#messages').scrollTop -= 600")
+        page.wait_for_timeout(100)  # the scroll's own frame
+        top_id, before = page.evaluate(TOP_IN_VIEW)
+        length = len(live_text(page))
+        page.wait_for_function(f"() => document.querySelector('{LIVE}').textContent.length > {length + 300}")
+        after = page.evaluate(
+            f"document.querySelector('[data-message-id=\"{top_id}\"]').getBoundingClientRect().top"
+        )
+        assert abs(after - before) <= 2, (before, after)
+        assert not page.evaluate(AT_END)
+        page.wait_for_selector("#live", state="detached", timeout=30_000)

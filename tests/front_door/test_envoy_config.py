@@ -66,6 +66,7 @@ def test_every_chat_service_rpc_is_routed_with_the_right_timeouts(config: EnvoyC
                     "GetChat",
                     "ListChats",
                     "ListMessages",
+                    "GetBranch",
                     "GetRun",
                     "CancelRun",
                     "ListModels",

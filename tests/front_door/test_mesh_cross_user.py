@@ -86,6 +86,8 @@ def _http_calls(own_chat: str, target: Owned) -> list[tuple[str, str, dict | Non
         ("GET", chat, None),
         ("PATCH", chat, {"title": "mine now"}),
         ("GET", f"{chat}/messages", None),
+        ("GET", f"{chat}/branch", None),
+        ("GET", f"{chat}/messages/{target.answer_id}/branch", None),
         ("POST", f"{chat}/messages", {"content": "hi"}),
         ("POST", f"{chat}/messages", {"content": "hi", "parent_message_id": target.answer_id}),
         ("POST", f"{chat}/messages/{target.answer_id}/regenerate", {}),
@@ -141,6 +143,8 @@ def _grpc_calls(target: Owned) -> list[tuple[str, object]]:
         ("GetChat", chat_pb2.GetChatRequest(chat_id=target.chat_id)),
         ("RenameChat", chat_pb2.RenameChatRequest(chat_id=target.chat_id, title="mine now")),
         ("ListMessages", chat_pb2.ListMessagesRequest(chat_id=target.chat_id)),
+        ("GetBranch", chat_pb2.GetBranchRequest(chat_id=target.chat_id)),
+        ("GetBranch", chat_pb2.GetBranchRequest(chat_id=target.chat_id, leaf_message_id=target.answer_id)),
         ("SendMessage", chat_pb2.SendMessageRequest(chat_id=target.chat_id, content="hi")),
         (
             "RegenerateMessage",

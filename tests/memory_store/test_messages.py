@@ -10,7 +10,7 @@ from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import new_id
 from memory_store.messages import bucket_of
 from memory_store.models import FinishReason, Message, MessageStatus, Role, Usage
-from tests.memory_store.builders import message, new_user, regenerated_tree
+from tests.memory_store.builders import message, new_user, operations_counted, regenerated_tree, requests_sent
 
 
 async def read_all_pages(store, user, chat_id, page_size):
@@ -236,3 +236,90 @@ async def test_messages_without_optional_fields_write_no_tombstones(memory_store
     read = [e for e in events if "live rows and" in e]
     assert read, events
     assert all(e.endswith("and 0 tombstone cells") for e in read), read
+
+
+async def read_branch(store, user, chat_id, leaf_id, page_size):
+    """Every page of a branch, leaf first: the ids of each page."""
+    pages, cursor = [], None
+    while True:
+        page = await store.branch_page(user, chat_id, leaf_id, cursor, page_size)
+        pages.append([m.message_id for m in page.items])
+        cursor = page.next_cursor
+        if cursor is None:
+            return pages
+
+
+async def test_a_branch_pages_from_its_leaf_to_the_root_reading_only_what_each_page_needs(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "branches over days")
+    start = datetime.now(UTC) - timedelta(days=4)
+    # A 12-message path over three days (4 a day); off its 5th message grows a 30-message branch, newer
+    # than the path's 6th and older than its 7th; the newest message of all is on that branch.
+    path: list[Message] = []
+    others: list[Message] = []
+    at = start
+    for i in range(12):
+        at += timedelta(hours=25) if i % 4 == 0 else timedelta(seconds=1)
+        path.append(
+            await memory_store.append_message(
+                user, message(chat.chat_id, f"p{i}", path[-1] if path else None, at=at)
+            )
+        )
+        if i == 5:
+            for j in range(30):
+                parent = others[-1] if others else path[4]
+                others.append(
+                    await memory_store.append_message(
+                        user, message(chat.chat_id, f"o{j}", parent, at=at + timedelta(milliseconds=10 + j))
+                    )
+                )
+    newest = await memory_store.append_message(user, message(chat.chat_id, "o-newest", others[-1]))
+    assert len({bucket_of(uuid.UUID(m.message_id)) for m in path}) == 3
+
+    leaf_first = [m.message_id for m in reversed(path)]
+    pages = await read_branch(memory_store, user, chat.chat_id, path[-1].message_id, 5)
+    assert pages == [leaf_first[0:5], leaf_first[5:10], leaf_first[10:12]]
+    # Pages of a day's 4: the leaf's page is one query of 4 rows. The next one reads p7, p6 and 2 rows
+    # of the other branch, then starts again at p5 (p5, p4). A page over a day boundary costs one
+    # query more (p11..p8, then p7 in the day before).
+    before = operations_counted()
+    first = await memory_store.branch_page(user, chat.chat_id, path[-1].message_id, None, 4)
+    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 1}
+    before = operations_counted()
+    second = await memory_store.branch_page(user, chat.chat_id, path[-1].message_id, first.next_cursor, 4)
+    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 2}
+    assert [m.content for m in second.items] == ["p7", "p6", "p5", "p4"]
+    before = operations_counted()
+    await memory_store.branch_page(user, chat.chat_id, path[-1].message_id, None, 5)
+    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 2}
+
+    # No leaf: the chat's newest message is the leaf.
+    newest_first = [m.message_id for m in [newest, *reversed(others), *reversed(path[:5])]]
+    pages = await read_branch(memory_store, user, chat.chat_id, None, 8)
+    assert [i for page in pages for i in page] == newest_first
+
+
+async def test_a_branch_refuses_an_unknown_leaf_another_users_chat_and_a_foreign_cursor(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "refusals")
+    empty = await memory_store.branch_page(user, chat.chat_id, None, None, 5)
+    assert empty.items == [] and empty.next_cursor is None
+    tree = await regenerated_tree(memory_store, user, chat.chat_id)
+    with pytest.raises(NotFound):
+        await memory_store.branch_page(user, chat.chat_id, str(new_id()), None, 5)
+    with pytest.raises(NotFound):
+        await memory_store.branch_page(new_user(), chat.chat_id, tree["a2"].message_id, None, 5)
+    other = await memory_store.create_chat(user, "another")
+    with pytest.raises(NotFound):
+        await memory_store.branch_page(user, other.chat_id, tree["a2"].message_id, None, 5)
+    page = await memory_store.branch_page(user, chat.chat_id, tree["a2"].message_id, None, 2)
+    assert [m.content for m in page.items] == ["a2", "q2"]
+    # A cursor belongs to its chat and leaf.
+    with pytest.raises(InvalidArgument):
+        await memory_store.branch_page(user, chat.chat_id, tree["a1"].message_id, page.next_cursor, 2)
+    rest = await memory_store.branch_page(user, chat.chat_id, tree["a2"].message_id, page.next_cursor, 2)
+    assert [m.content for m in rest.items] == ["a1 regenerated", "q1"] and rest.next_cursor is None
+    assert [
+        m.content
+        for m in (await memory_store.branch_page(user, chat.chat_id, tree["a1"].message_id, None, 9)).items
+    ] == ["a1", "q1"]

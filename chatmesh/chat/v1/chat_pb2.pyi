@@ -361,6 +361,26 @@ class ListMessagesResponse(_message.Message):
     next_page_token: str
     def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
+class GetBranchRequest(_message.Message):
+    __slots__ = ("chat_id", "leaf_message_id", "page_size", "page_token")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAF_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    leaf_message_id: str
+    page_size: int
+    page_token: str
+    def __init__(self, chat_id: _Optional[str] = ..., leaf_message_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class GetBranchResponse(_message.Message):
+    __slots__ = ("messages", "next_page_token")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    next_page_token: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
 class SendMessageRequest(_message.Message):
     __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options", "branch_from_root", "instructions", "merge_deltas")
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]

@@ -81,6 +81,11 @@ class ChatServiceStub:
                 request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.ListMessagesRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.ListMessagesResponse.FromString,
                 _registered_method=True)
+        self.GetBranch = channel.unary_unary(
+                '/chatmesh.chat.v1.ChatService/GetBranch',
+                request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetBranchRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetBranchResponse.FromString,
+                _registered_method=True)
         self.SendMessage = channel.unary_stream(
                 '/chatmesh.chat.v1.ChatService/SendMessage',
                 request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SendMessageRequest.SerializeToString,
@@ -190,6 +195,15 @@ class ChatServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBranch(self, request, context):
+        """GetBranch pages through one branch: the path from a message (the leaf) back to the chat's first
+        message, leaf first. It reads only the path's messages (and those stored between them), never
+        the whole chat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SendMessage(self, request, context):
         """SendMessage stores a user message and streams the assistant's answer as run events.
         Retrying with the same idempotency key joins the same run instead of starting another.
@@ -290,6 +304,11 @@ def add_ChatServiceServicer_to_server(servicer, server):
                     servicer.ListMessages,
                     request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.ListMessagesRequest.FromString,
                     response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.ListMessagesResponse.SerializeToString,
+            ),
+            'GetBranch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBranch,
+                    request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetBranchRequest.FromString,
+                    response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetBranchResponse.SerializeToString,
             ),
             'SendMessage': grpc.unary_stream_rpc_method_handler(
                     servicer.SendMessage,
@@ -516,6 +535,33 @@ class ChatService:
             '/chatmesh.chat.v1.ChatService/ListMessages',
             chatmesh_dot_chat_dot_v1_dot_chat__pb2.ListMessagesRequest.SerializeToString,
             chatmesh_dot_chat_dot_v1_dot_chat__pb2.ListMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBranch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.chat.v1.ChatService/GetBranch',
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetBranchRequest.SerializeToString,
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.GetBranchResponse.FromString,
             options,
             channel_credentials,
             insecure,
