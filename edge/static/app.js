@@ -31,6 +31,7 @@ const state = {
   leafId: null,     // the branch on screen ends here
   rendered: new Map(), // message_id -> its answer rendered (a message's content never changes), oldest first
   models: null,     // the model picker's list loading (a promise), then loaded
+  opening: false,   // a chat's first page is on its way (its skeleton shows)
   live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, baseEnd: last message before, user: text|null, view, item}
 };
 
@@ -265,6 +266,7 @@ const MESSAGE_PAGE = 100;
 const RENDERED_KEPT = 100; // answers kept rendered (parsed and sanitized) off screen: the last shown
 
 function forgetChat() {
+  state.opening = false;
   state.path = [];
   state.known.clear();
   state.byParent = null;
@@ -279,11 +281,12 @@ async function openChat(chatId, { resume = true } = {}) {
   forgetChat();
   history.replaceState(null, "", `/?chat=${encodeURIComponent(chatId)}`);
   showSkeleton();
-  const [chat] = await Promise.all([json(`/v1/chats/${chatId}`), loadBranch(null), loadRecent()]);
+  state.opening = true;
+  // The picker's list too, so that the chat's model shows picked.
+  const [chat] = await Promise.all([json(`/v1/chats/${chatId}`), loadBranch(null), loadRecent(), state.models]);
   if (chatId !== state.chatId) return;
+  state.opening = false;
   $("#chat-title").textContent = chat.title || "Untitled chat";
-  await state.models;
-  if (chatId !== state.chatId) return;
   $("#model").value = chat.model || ""; // a model no longer served shows as the default
   renderChats();
   renderMessages({ fresh: true, toEnd: true });
@@ -342,7 +345,8 @@ async function extendBranch() {
 
 // The next older page of the branch, shown above what is on screen without moving it.
 async function loadOlder() {
-  if (!state.older || state.loadingOlder) return;
+  // Not while the chat opens: its first page is known but the skeleton (at the top) is still shown.
+  if (!state.older || state.loadingOlder || state.opening) return;
   const chatId = state.chatId;
   const from = state.branchFrom;
   state.loadingOlder = true;

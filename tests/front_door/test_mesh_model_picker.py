@@ -50,7 +50,7 @@ def test_the_picked_model_answers_a_new_chat_and_picking_another_switches_it(
     door, primary, other = picker_mesh.door, picker_mesh.primary, picker_mesh.other
     with chat_page(door, browser_context, user, tmp_path, "mesh-model-picker") as page:
         picker = page.locator("#model")
-        assert picker.is_visible()
+        picker.wait_for(state="visible")  # the list loads beside the chats and the caller's tier
         assert picker.locator("option").all_text_contents() == ["Default model", primary, other]
         picker.select_option(other)
         send(page, "Hello.")
