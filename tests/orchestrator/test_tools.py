@@ -65,16 +65,15 @@ def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, why):
         evaluate(expression)
 
 
-def test_clock_tells_the_time_in_the_zone_named():
+async def test_clock_tells_the_time_in_the_zone_named():
     before = datetime.now(UTC).replace(microsecond=0)
-    told = asyncio.run(clock({}))
+    told = await clock({})
     assert datetime.fromisoformat(told.split(" ")[0]) >= before
     assert told.split(" ")[0].endswith("+00:00")
-    assert "(" in asyncio.run(clock({"timezone": "Asia/Tokyo"})) and "+09:00" in asyncio.run(
-        clock({"timezone": "Asia/Tokyo"})
-    )
+    tokyo = await clock({"timezone": "Asia/Tokyo"})
+    assert "(" in tokyo and "+09:00" in tokyo
     with pytest.raises(ValueError, match="unknown timezone"):
-        asyncio.run(clock({"timezone": "Mars/Olympus"}))
+        await clock({"timezone": "Mars/Olympus"})
 
 
 def _toolbox(config: ToolConfig | None = None, extra: dict[str, Tool] | None = None) -> Toolbox:
@@ -106,26 +105,26 @@ def test_an_allow_list_naming_an_unknown_tool_is_refused_at_start():
         _toolbox(ToolConfig(allowed={"free": "calculator,calculater", "pro": "", "enterprise": ""}))
 
 
-def test_a_call_is_run_and_counted():
+async def test_a_call_is_run_and_counted():
     before = _counted("calculator", "ok")
-    result = asyncio.run(_toolbox().run("u1", "free", _call("calculator", expression="6 * 7")))
+    result = await _toolbox().run("u1", "free", _call("calculator", expression="6 * 7"))
     assert (result.outcome, result.text, result.call_id) == ("ok", "42", "call_calculator")
     assert _counted("calculator", "ok") == before + 1
 
 
-def test_failures_are_results_the_model_reads():
+async def test_failures_are_results_the_model_reads():
     box = _toolbox()
-    refused = asyncio.run(box.run("u1", "free", _call("search_chats", query="x")))
+    refused = await box.run("u1", "free", _call("search_chats", query="x"))
     assert refused.outcome == "refused" and "no tool 'search_chats'" in refused.text
-    unknown = asyncio.run(box.run("u1", "free", _call("rm_rf")))
+    unknown = await box.run("u1", "free", _call("rm_rf"))
     assert unknown.outcome == "refused"
-    bad = asyncio.run(box.run("u1", "free", _call("calculator", expression="open('/etc/passwd')")))
+    bad = await box.run("u1", "free", _call("calculator", expression="open('/etc/passwd')"))
     assert bad.outcome == "error" and "not arithmetic" in bad.text
-    not_json = asyncio.run(box.run("u1", "free", ToolCall("c", "calculator", "{nope")))
+    not_json = await box.run("u1", "free", ToolCall("c", "calculator", "{nope"))
     assert not_json.outcome == "error"
 
 
-def test_a_tool_that_raises_or_hangs_becomes_an_error_or_a_timeout():
+async def test_a_tool_that_raises_or_hangs_becomes_an_error_or_a_timeout():
     async def broken(_user, _arguments):
         raise RuntimeError("internal detail")
 
@@ -139,21 +138,21 @@ def test_a_tool_that_raises_or_hangs_becomes_an_error_or_a_timeout():
     box = _toolbox(
         config, {"broken": Tool(Function("broken"), broken), "hangs": Tool(Function("hangs"), hangs)}
     )
-    failed = asyncio.run(box.run("u1", "free", _call("broken")))
+    failed = await box.run("u1", "free", _call("broken"))
     assert (failed.outcome, failed.text) == ("error", "The tool failed.")  # no internal detail
-    timed_out = asyncio.run(box.run("u1", "free", _call("hangs")))
+    timed_out = await box.run("u1", "free", _call("hangs"))
     assert timed_out.outcome == "timeout"
 
 
-def test_a_long_result_is_cut_and_says_so():
+async def test_a_long_result_is_cut_and_says_so():
     async def chatty(_user, _arguments):
         return "x" * 10_000
 
     config = ToolConfig(
         enabled=True, max_result_chars=100, allowed={"free": "chatty", "pro": "", "enterprise": ""}
     )
-    result = asyncio.run(
-        _toolbox(config, {"chatty": Tool(Function("chatty"), chatty)}).run("u", "free", _call("chatty"))
+    result = await _toolbox(config, {"chatty": Tool(Function("chatty"), chatty)}).run(
+        "u", "free", _call("chatty")
     )
     assert len(result.text) <= 100 and result.text.endswith("characters]")
 
