@@ -35,6 +35,7 @@ from gguf import GGMLQuantizationType as QType
 from engine.model.checkpoint import LlamaCheckpoint, LlamaConfig, WeightMatrix, rope_tables
 from engine.model.gguf_loader import load_gguf
 from engine.model.kernels import Kernels, select_kernels
+from engine.model.kernels.packing import as_q8_0
 from engine.model.runner import SequenceChunk
 from engine.model.step_batch import StepBatch, build_step_batch
 from engine.model.tp.collective import Collective, SingleRank
@@ -263,7 +264,8 @@ def _scaled(heads: Span, head_dim: int) -> Span:
 
 def _stack(name: str, matrices: list[WeightMatrix]) -> WeightMatrix:
     """Rows of several [out_i, in] matrices as one [sum out_i, in] matrix, kept in their stored format
-    when they share it, so one GEMM computes all of them."""
+    when they share it (Q5_0 taken as the Q8_0 it equals), so one GEMM computes all of them."""
+    matrices = [as_q8_0(m) for m in matrices]
     first = matrices[0]
     rows = sum(m.shape[0] for m in matrices)
     if all(m.qtype == first.qtype and m.data.ndim == 2 for m in matrices):

@@ -1,6 +1,6 @@
 """Q8 activations: how the CPU engine rounds a quantized matrix's input, which the reference reproduces.
 
-Before a weight matrix stored as Q4_1 or Q8_0 multiplies an activation row, the native GEMM rounds that
+Before a weight matrix stored as Q4_1, Q5_0 or Q8_0 (Q5_0 runs as the Q8_0 it equals) multiplies an activation row, the native GEMM rounds that
 row to int8 codes per block of 32 values (scale = max|x| / 127, code = round-half-even(x / scale)) and
 multiplies codes by codes with VNNI, as llama.cpp does for these formats. Every row is rounded on its own,
 so the result does not depend on the batch. ``round_to_q8`` gives the values those codes stand for; the
@@ -13,7 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 QK = 32  # values per activation block (= the weights' quant block)
-Q8_ACTIVATION_TYPES = frozenset({QType.Q4_1, QType.Q8_0})
+Q8_ACTIVATION_TYPES = frozenset({QType.Q4_1, QType.Q5_0, QType.Q8_0})
 
 
 def round_to_q8(x: np.ndarray) -> np.ndarray:

@@ -11,6 +11,8 @@ For the int8 GEMM (gemm_q8.c, ``int8=True``), laid out for VPDPBUSD (4 consecuti
 - Q8_0_VNNI: f16 d[16], then 8 vectors of 64 bytes: in vector g, byte 4n + i is row n's code for
   k = 4g + i plus 128 (unsigned, as VPDPBUSD wants it; the kernel takes the 128 back out exactly).
 Quantized panels hold exactly GGUF's numbers, so no precision is lost and memory stays the file's size.
+Q5_0 (d * (q - 16), q 5-bit) is rewritten as Q8_0 first (``as_q8_0``): the same scale and codes in
+[-16, 15] as int8, bit-equal once dequantized, so it takes the Q8_0 paths (34 bytes a block, not 22).
 N is padded to a multiple of 16 with zero rows that the kernel never writes out.
 """
 
@@ -39,6 +41,7 @@ class PackedMatrix:
 
 def pack(matrix: WeightMatrix, int8: bool = False) -> PackedMatrix:
     """``int8``: Q4_1/Q8_0 in the int8 GEMM's layout (every other type is float32 either way)."""
+    matrix = as_q8_0(matrix)
     n, k = matrix.shape
     if matrix.qtype == QType.Q4_1:
         if int8:
@@ -51,6 +54,21 @@ def pack(matrix: WeightMatrix, int8: bool = False) -> PackedMatrix:
     w = _pad_rows(matrix.dequantize(), NR)
     panels = w.reshape(-1, NR, k).transpose(0, 2, 1)
     return PackedMatrix(FORMAT_F32, n, k, np.ascontiguousarray(panels, dtype=np.float32))
+
+
+def as_q8_0(matrix: WeightMatrix) -> WeightMatrix:
+    """A Q5_0 matrix as the Q8_0 matrix with the same numbers (each block's f16 scale, and its codes
+    q - 16 as int8); any other matrix as it is."""
+    if matrix.qtype != QType.Q5_0:
+        return matrix
+    n, k = matrix.shape
+    blocks = np.asarray(matrix.data, dtype=np.uint8).reshape(n, k // QK, 22)  # f16 d, u32 qh, 16 qs
+    high = blocks[..., 2:6].copy().view("<u4") >> np.arange(QK, dtype=np.uint32)  # [N, B, 32]: bit j
+    qs = blocks[..., 6:]
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # elements 0..15 low nibbles, 16..31 high
+    codes = (low | ((high & 1).astype(np.uint8) << 4)).astype(np.int8) - np.int8(16)
+    q8 = np.concatenate([blocks[..., 0:2], codes.view(np.uint8)], axis=-1).reshape(n, -1)
+    return WeightMatrix(matrix.name, QType.Q8_0, matrix.shape, q8)
 
 
 def _pad_rows(a: np.ndarray, multiple: int) -> np.ndarray:
