@@ -14,7 +14,7 @@
 
 void cm_gemm(int fmt, const float *A, long lda, int M, int K, const void *W, int N, float *C, long ldc);
 #if defined(CM_WITH_GEMM_Q8)  // the AVX-512 build's int8 GEMM (gemm_q8.c, VNNI); the AVX2 build has none
-enum { FMT_Q4_1_VNNI = 3 };   // packing.py: formats 3 and 4 are the int8 GEMM's
+enum { FMT_Q4_1_VNNI = 3 };   // packing.py: formats 3 to 6 are the int8 GEMM's
 void cm_gemm_q8(int fmt, const float *A, long lda, int M, int K, const void *W, int N, float *C, long ldc);
 #endif
 void cm_rms_norm(const float *x, int T, int H, const float *w, float eps, float *out);
