@@ -216,6 +216,34 @@ def test_a_sequence_decodes_the_same_alone_in_a_batch_and_chunked_past_the_windo
             np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-3)
 
 
+def test_the_native_layer_stack_equals_the_per_kernel_loop_past_the_window(
+    runner, tokenizer, monkeypatch
+) -> None:
+    """Gemma's layers in one C call (head norms, post-norms, GELU gate, each layer's window and RoPE
+    base) against the runner's loop of kernel calls: same tokens and logits, bit for bit, on a prompt
+    prefilled in chunks past the 512-token window and decoded beside a short one."""
+    if not isinstance(runner.kernels, NativeKernels):
+        pytest.skip("the numpy kernels have no layer stack")
+    long_prompt = tokenizer.encode_prompt(" ".join(f"Line {i}: {i} times {i} is {i * i}." for i in range(40)))
+    prompts = [long_prompt, tokenizer.encode_prompt("Once upon a time")]
+
+    def generate() -> list:
+        return PagedDriver(runner, num_blocks=96, shuffle_seed=3).generate(
+            prompts, 3, prefill_chunk=200, keep_logits=True
+        )
+
+    stacked = generate()
+    assert runner._layer_stack, "Gemma runs the layer stack in one call"
+    monkeypatch.setattr(runner.kernels, "layer_stack", lambda *args: None)
+    looped = generate()
+    assert not runner._layer_stack
+    monkeypatch.undo()
+    for ours, theirs in zip(stacked, looped, strict=True):
+        assert ours.tokens == theirs.tokens
+        for a, b in zip(ours.logits, theirs.logits, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def gemma_engine(runner: CpuModelRunner, tokenizer: ChatTokenizer) -> DrivenEngine:
     config = EngineConfig(num_kv_blocks=64, block_size=16, max_batched_tokens=64, max_running_requests=8)
     test = DrivenEngine(engine=None, runner=runner)  # type: ignore[arg-type]

@@ -40,10 +40,11 @@ class Kernels(Protocol):
         ...
 
     def layer_stack(
-        self, layers: list, k_cache: list, v_cache: list, tables: RopeTables, config: LlamaConfig
+        self, layers: list, k_cache: list, v_cache: list, tables: list[RopeTables], config: LlamaConfig
     ) -> Callable[[np.ndarray, StepBatch], None] | None:
         """Every decoder layer of a step in one call, ``stack(x, batch)`` updating x [T, hidden] in
-        place, bit-identical to the runner's per-kernel loop; or None: the runner runs that loop."""
+        place, bit-identical to the runner's per-kernel loop; or None: the runner runs that loop.
+        ``tables``: each layer's RoPE tables."""
         ...
 
     def rms_norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray: ...

@@ -1,5 +1,5 @@
-// The int8 weight GEMM ("native-int8" kernels): C[M, N] = A[M, K] · W[N, K]^T, A float32, W GGUF Q4_1 or
-// Q8_0 in a VNNI panel layout. (gemm.c is the float32 GEMM the default "native" kernels use.)
+// The int8 weight GEMM ("native-int8" kernels): C[M, N] = A[M, K] · W[N, K]^T, A float32, W GGUF Q4_1,
+// Q8_0 (Q5_0 rewritten as the Q8_0 it equals), Q4_K or Q6_K in a VNNI panel layout. (gemm.c is the float32 GEMM the default "native" kernels use.)
 //
 // Quantized weights (GGUF Q4_1, Q8_0) are multiplied in int8 with AVX-512 VNNI, as llama.cpp does: each
 // row of A is first rounded to int8 codes per 32-k block (scale a = max|x| / 127, code = rint(x / a),
@@ -13,7 +13,9 @@
 //   Q4_1: f16 d[16], f16 m[16], 4 x 64 code bytes: in vector v, byte 4n + i holds row n's code for
 //         k = 4v + i in its low nibble and for k = 4(v + 4) + i in its high nibble;
 //   Q8_0: f16 d[16], 8 x 64 code bytes: in vector g, byte 4n + i is row n's code for k = 4g + i, plus
-//         128 (VPDPBUSD takes unsigned weights; the kernel subtracts 128 * s again, exactly).
+//         128 (VPDPBUSD takes unsigned weights; the kernel subtracts 128 * s again, exactly);
+//   Q4_K, Q6_K: f32 scales and min, then codes as Q8_0's (see DEFINE_KTILE); their activations are
+//         rounded per 256 values as llama.cpp's Q8_K (quantize_row_k), not per 32.
 //
 // Determinism: every output element is one chain over k blocks 0..K/32-1 in order, and each activation
 // row is quantized on its own, whatever M, the row tile it lands in, or the thread that computes it. A
