@@ -99,6 +99,15 @@ static void quantize_row_k(const float *x, int K, int8_t *q, float *scale, int32
     }
 }
 
+// A tile's R rows of 32 outputs into C, the outputs that exist (m0, m1) only.
+static inline void store_rows(int R, const __m512 *f0, const __m512 *f1, float *C, long ldc, __mmask16 m0,
+                              __mmask16 m1) {
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(C + r * ldc, m0, f0[r]);
+        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, f1[r]);
+    }
+}
+
 // R rows x 32 outputs (panels p0, p1), all K. m0/m1 mask the outputs that exist.
 #define DEFINE_QTILE(R)                                                                                   \
     static void qtile_##R(int fmt, const q8_rows *A, int K, const uint8_t *p0, const uint8_t *p1,        \
@@ -158,10 +167,7 @@ static void quantize_row_k(const float *x, int K, int8_t *q, float *scale, int32
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) {                                                                    \
-            _mm512_mask_storeu_ps(C + r * ldc, m0, f0[r]);                                               \
-            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, f1[r]);                                          \
-        }                                                                                                \
+        store_rows(R, f0, f1, C, ldc, m0, m1);                                                           \
     }
 
 DEFINE_QTILE(1)
@@ -218,10 +224,7 @@ DEFINE_QTILE(4)
                 f1[r] = _mm512_fnmadd_ps(mn1, ma, _mm512_fmadd_ps(t1, sa, f1[r]));                        \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) {                                                                    \
-            _mm512_mask_storeu_ps(C + r * ldc, m0, f0[r]);                                               \
-            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, f1[r]);                                          \
-        }                                                                                                \
+        store_rows(R, f0, f1, C, ldc, m0, m1);                                                           \
     }
 
 DEFINE_KTILE(1)
