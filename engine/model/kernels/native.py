@@ -208,8 +208,8 @@ class NativeLayerStack:
 
 class NativeKernels:
     def __init__(self, num_threads: int | None = None, q8_activations: bool = False) -> None:
-        """``q8_activations``: Q4_1/Q8_0 weights multiply activations rounded to 8 bits, with VNNI
-        ("native-int8"); else float32 activations (the reference's numbers)."""
+        """``q8_activations``: quantized weights (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) multiply activations
+        rounded to 8 bits, with VNNI ("native-int8"); else float32 activations (the reference's numbers)."""
         self.q8_activations = q8_activations
         self.name = "native-int8" if q8_activations else "native"
         self.lib = load_library()
