@@ -588,10 +588,10 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="also draw decode throughput vs batch size here (PNG)")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    os.environ[MODEL_ENV] = args.model  # the workers inherit it
-    if args.worker:
+    if args.worker:  # its model comes from main, through the environment
         print(json.dumps(WORKERS[args.worker]()))
         return
+    os.environ[MODEL_ENV] = args.model  # the workers inherit it
 
     print(f"machine: {machine()}")
     peers: list[str] = []
