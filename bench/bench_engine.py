@@ -1,7 +1,7 @@
 """chatmesh's CPU engine vs llama.cpp, side by side: same GGUF, same box, same thread count.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/bench_engine.py [--reps 3] [--json out.json]
-    [--peer quoted] [--plot docs/engine_throughput.png]
+    [--peer quoted|binding] [--model smollm2|gemma3] [--plot docs/engine_throughput.png]
 
 Each engine runs in its own fresh process (its own thread pool, its own peak RSS), one after the other,
 repeated --reps times; the table shows medians and chatmesh/llama.cpp ratios. chatmesh runs twice: its
@@ -10,7 +10,11 @@ forward's numbers). llama.cpp runs twice too, both built by `make bench` from th
 native tools (llama-bench, llama-batched-bench: the strongest form of the peer) and llama-cpp-python
 through its batch API; each ratio is against the stronger of the two on that row.
 ``--peer quoted``: without them, compare against llama.cpp's native tools as measured on this box in
-issue 19 (``QUOTED_LLAMACPP``; those rows have no TTFT). Rows:
+issue 19 (``QUOTED_LLAMACPP``; those rows have no TTFT); ``--peer binding``: llama-cpp-python alone (where
+the native tools are not built). ``--model gemma3``: Gemma 3 270M (its GGUF and tokenizer) instead of the
+bundled SmolLM2 (issue 57 sets both models the same targets). Ratios show the median and, in brackets, the
+range of the per-repetition ratios (a repetition runs every engine once, back to back, so its ratio
+compares runs under similar load). Rows:
 - prefill: one 256-token prompt, time to its logits;
 - decode b=1, 8, 32: aggregate greedy decode tokens/s of b streams (64-token prompts, 32 new tokens each);
   llama-cpp-python through its batch API (one llama_decode per step over all streams), llama-batched-bench
@@ -48,10 +52,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
 from bench.plotting import pyplot  # noqa: E402
-from chatmesh.model_files import bundled_model_path  # noqa: E402
-from chatmesh.tokenizer import load_tokenizer  # noqa: E402
+from chatmesh.model_files import bundled_model_path, gemma3_model_path  # noqa: E402
+from chatmesh.tokenizer import ChatTokenizer, load_tokenizer  # noqa: E402
 
 THREADS = int(os.environ.get("CHATMESH_BENCH_THREADS", "2"))  # each engine's compute threads
+MODELS = {"smollm2": bundled_model_path, "gemma3": gemma3_model_path}
+MODEL_ENV = "CHATMESH_BENCH_MODEL"  # how main tells its workers which model (--model)
 PREFILL_TOKENS = 256
 DECODE_PROMPT, DECODE_NEW = 64, 32
 BATCHES = (1, 8, 32)
@@ -67,9 +73,18 @@ CORPUS = (
 )
 
 
+def model_path() -> Path:
+    """The GGUF this run benchmarks (--model, passed to the workers through the environment)."""
+    return MODELS[os.environ.get(MODEL_ENV, "smollm2")]()
+
+
+def tokenizer() -> ChatTokenizer:
+    return load_tokenizer(str(model_path()))
+
+
 def text_tokens(n: int, salt: int = 0) -> list[int]:
     """n tokens of English text; different salts start at different words (distinct prompts)."""
-    words = load_tokenizer().encode(CORPUS * (2 + n // 80))
+    words = tokenizer().encode(CORPUS * (2 + n // 80))
     start = (salt * 37) % 200
     return [*words[start:], *words][:n]
 
@@ -77,7 +92,7 @@ def text_tokens(n: int, salt: int = 0) -> list[int]:
 def distinct_tokens(n: int, salt: int) -> list[int]:
     """n tokens whose first block no other salt shares (``text_tokens`` repeats one text, so two salts
     can start at the same word): the salt is written out first."""
-    return (load_tokenizer().encode(f"Note {salt}:") + text_tokens(n, salt))[:n]
+    return (tokenizer().encode(f"Note {salt}:") + text_tokens(n, salt))[:n]
 
 
 # -- chatmesh (runner level) ---------------------------------------------------------------------------
@@ -87,7 +102,7 @@ def run_chatmesh(kernels: str) -> dict[str, float]:
     from engine.model.cpu_runner import CpuModelRunner
     from engine.model.runner import SequenceChunk
 
-    runner = CpuModelRunner.from_gguf(bundled_model_path(), num_threads=THREADS, kernels=kernels)
+    runner = CpuModelRunner.from_gguf(model_path(), num_threads=THREADS, kernels=kernels)
     # 8,192 positions of KV, the context llama.cpp is given below (both store float16).
     num_blocks, bs = 512, 16
     runner.allocate_kv_cache(num_blocks, bs)
@@ -133,6 +148,7 @@ def run_chatmesh(kernels: str) -> dict[str, float]:
     runs = [(decode(b), decode(b, contiguous=True)) for _ in range(3)]
     out[f"decode_b{b}"] = statistics.median(r[0] for r in runs)
     out[f"decode_b{b}_contiguous"] = statistics.median(r[1] for r in runs)
+    out.update(sampler_cost(runner, blocks(0, DECODE_PROMPT + 1), b))
 
     history = text_tokens(HISTORY_TOKENS, salt=5)
     follow_up = history + text_tokens(FOLLOW_UP_TOKENS, salt=9)
@@ -150,12 +166,44 @@ def run_chatmesh(kernels: str) -> dict[str, float]:
     ]
     lm_head = packed_size(runner._lm_head)
     out["weight_mib"] = sum(nbytes for nbytes, _ in [*matrices, lm_head]) / 2**20
+    out["vocab_size"] = runner.config.vocab_size
     # and what it computes at least: a multiply and an add per weight (attention over these short
     # contexts adds under 1 %); a prompt token skips the LM head, which only the last one needs
     macs = sum(weights for _, weights in matrices)
     out["gflop_per_token"] = 2 * (macs + lm_head[1]) / 1e9
     out["gflop_per_prompt_token"] = 2 * macs / 1e9
     out.update(paged_vs_dense_long(runner))  # last: its larger pool must not count in the peak RSS
+    return out
+
+
+# The sampler's modes timed on a decode step's logits: what a request pays over the whole vocabulary.
+SAMPLER_MODES = {
+    "greedy": {"temperature": 0.0},
+    "temperature": {"temperature": 0.8},
+    "top_p": {"temperature": 0.8, "top_p": 0.9},
+    "top_k": {"temperature": 0.8, "top_k": 40},
+}
+
+
+def sampler_cost(runner, table: np.ndarray, streams: int) -> dict[str, float]:
+    """Seconds the engine's sampler takes per step for ``streams`` rows of real logits (one stream's
+    prompt, its next-token row repeated), per mode, median of 5."""
+    from engine.model.runner import SequenceChunk
+    from engine.request import SamplingParams
+    from engine.sampler import sample
+
+    prompt = np.asarray(text_tokens(DECODE_PROMPT), np.int32)
+    row = runner.execute([SequenceChunk(prompt, 0, table, True)])[0]
+    logits = np.ascontiguousarray(np.broadcast_to(row, (streams, len(row))))
+    out = {}
+    for mode, fields in SAMPLER_MODES.items():
+        params = [SamplingParams(seed=s, **fields) for s in range(streams)]
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            sample(logits, params, [DECODE_PROMPT] * streams)
+            times.append(time.perf_counter() - start)
+        out[f"sampler_{mode}_s"] = statistics.median(times)
     return out
 
 
@@ -230,7 +278,7 @@ def run_llamacpp() -> dict[str, float]:
 
     L.llama_backend_init()
     L.llama_log_set(_LLAMA_LOG_SILENT, None)
-    model = L.llama_model_load_from_file(str(bundled_model_path()).encode(), L.llama_model_default_params())
+    model = L.llama_model_load_from_file(str(model_path()).encode(), L.llama_model_default_params())
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     batch = L.llama_batch_init(2048, 0, 32)
     out: dict[str, float] = {}
@@ -326,7 +374,7 @@ def run_llamacpp_native() -> dict[str, float]:
     llama-batched-bench (b streams, each a 64-token prompt then 32 generated tokens, one llama_decode per
     step): the same workloads as the other workers, measured by llama.cpp's own C++ drivers, each its
     own process. Peak RSS is the largest of those processes'."""
-    model = str(bundled_model_path())
+    model = str(model_path())
 
     def tool(name: str, *args: str) -> str:
         argv = [str(LLAMACPP_TOOLS / name), "-m", model, "-t", str(THREADS), *args]
@@ -365,8 +413,8 @@ def run_chatmesh_engine() -> dict[str, float]:
     from engine.request import EngineRequest, SamplingParams
 
     # the engine's default kernels
-    runner = CpuModelRunner.from_gguf(bundled_model_path(), num_threads=THREADS, kernels="auto")
-    tokenizer = load_tokenizer()
+    runner = CpuModelRunner.from_gguf(model_path(), num_threads=THREADS, kernels="auto")
+    engine_tokenizer = tokenizer()
     out: dict[str, float] = {}
 
     def make_engine(prefix_caching: bool):
@@ -382,7 +430,7 @@ def run_chatmesh_engine() -> dict[str, float]:
                     finished.add(o.request_id)
 
         config = EngineConfig(backend="cpu", num_threads=THREADS, enable_prefix_caching=prefix_caching)
-        return LLMEngine(config, runner, tokenizer, on_outputs=on_outputs), firsts, finished
+        return LLMEngine(config, runner, engine_tokenizer, on_outputs=on_outputs), firsts, finished
 
     def run(engine, finished, requests) -> float:
         start = time.perf_counter()
@@ -506,8 +554,8 @@ def run_worker(name: str, script: str = __file__) -> dict[str, float]:
 
 
 def compute_roof() -> dict[str, float]:
-    """This machine's float32 FMA and int8 VNNI peaks on THREADS threads, measured by compute_roof.c;
-    empty if it cannot be built here."""
+    """This machine's float32 FMA and int8 VNNI peaks and its memory read bandwidth on THREADS threads,
+    measured by compute_roof.c; empty if it cannot be built here."""
     with tempfile.TemporaryDirectory() as build:
         binary = Path(build) / "roof"
         flags = ["-O3", "-mavx512f", "-mavx512vnni", "-pthread"]
@@ -531,38 +579,45 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the medians here")
     parser.add_argument(
         "--peer",
-        choices=("measured", "quoted"),
+        choices=("measured", "quoted", "binding"),
         default="measured",
         help="llama.cpp's native tools and llama-cpp-python, run side by side (default; `make bench` builds "
-        "both), or the native tools' numbers quoted from issue 19",
+        "both), the native tools' numbers quoted from issue 19 (SmolLM2's), or llama-cpp-python alone",
     )
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="the GGUF to run")
     parser.add_argument("--plot", type=Path, help="also draw decode throughput vs batch size here (PNG)")
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
+    if args.worker:  # its model comes from main, through the environment
         print(json.dumps(WORKERS[args.worker]()))
         return
+    os.environ[MODEL_ENV] = args.model  # the workers inherit it
 
     print(f"machine: {machine()}")
     peers: list[str] = []
-    if args.peer == "measured":
+    if args.peer == "quoted" and args.model != "smollm2":
+        sys.exit("issue 19's quoted figures are SmolLM2's: measure the peer for another model")
+    if args.peer in ("measured", "binding"):
         try:
             import llama_cpp
         except ImportError:
             sys.exit("llama-cpp-python is missing: run `make bench`, or pass --peer quoted")
-        if not llamacpp_tools_available():
+        if args.peer == "measured" and not llamacpp_tools_available():
             sys.exit(f"llama.cpp's native tools are missing from {LLAMACPP_TOOLS}: run `make bench`")
-        peers = ["llama.cpp-native", "llama.cpp"]
+        peers = ["llama.cpp-native", "llama.cpp"] if args.peer == "measured" else ["llama.cpp"]
         print(
-            f"model: {bundled_model_path().name}; {THREADS} threads each; llama.cpp {llama_cpp.__version__}'s "
-            "llama-bench and llama-batched-bench, and llama-cpp-python, built from the same source"
+            f"model: {model_path().name}; {THREADS} threads each; llama.cpp {llama_cpp.__version__}: "
+            + (
+                "llama-bench and llama-batched-bench, and llama-cpp-python, built from the same source"
+                if args.peer == "measured"
+                else "llama-cpp-python alone"
+            )
         )
     else:
-        print(
-            f"model: {bundled_model_path().name}; {THREADS} threads; llama.cpp: issue 19's native-tool figures"
-        )
+        print(f"model: {model_path().name}; {THREADS} threads; llama.cpp: issue 19's native-tool figures")
     names = ["chatmesh-int8", "chatmesh-float32", *peers]
-    names += ["chatmesh-engine"] if engine_core_available() else []
+    # The engine rows measure the scheduler and the prefix cache, which do not depend on the model: SmolLM2's.
+    names += ["chatmesh-engine"] if engine_core_available() and args.model == "smollm2" else []
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for rep in range(args.reps):
         for name in names:
@@ -570,6 +625,7 @@ def main() -> None:
             runs[name].append(run_worker(name))
     if args.peer == "quoted":
         runs["llama.cpp-native"] = [QUOTED_LLAMACPP]
+    print(f"load average after the runs: {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print_table(runs, compute_roof())
     if args.plot:
         plot_throughput(runs, args.plot, quoted=args.peer == "quoted")
@@ -585,7 +641,7 @@ def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float])
     range."""
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
     int8, float32 = med["chatmesh-int8"], med["chatmesh-float32"]
-    native, binding = med["llama.cpp-native"], med.get("llama.cpp", {})
+    native, binding = med.get("llama.cpp-native", {}), med.get("llama.cpp", {})
     rows: list[tuple[str, ...]] = []
 
     def versus(
@@ -601,13 +657,18 @@ def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float])
             return
         b = min(figures) if lower_is_better else max(figures)
         met = _met(q / b >= float(target[2:-1])) if target else ""
+        # per repetition, the default kernels against the same peer's run of that repetition
+        peer = "llama.cpp-native" if key in native and native[key] * scale == b else "llama.cpp"
+        peer_reps = [r[key] for r in runs[peer]]
+        peer_reps = peer_reps * len(runs["chatmesh-int8"]) if len(peer_reps) == 1 else peer_reps
+        ratios = [r[key] / p for r, p in zip(runs["chatmesh-int8"], peer_reps, strict=True)]
         rows.append(
             (
                 label,
                 f"{q:.1f}",
                 f"{a:.1f}",
                 *shown,
-                f"{q / b:.2f}x",
+                f"{q / b:.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]",
                 f"{a / b:.2f}x",
                 f"{target} {met}".strip(),
             )
@@ -702,7 +763,7 @@ def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float])
             f"{max(r['engine_host_cost_max'] for r in runs['chatmesh-engine']):+.2%}; "
             f"peak RSS {e['engine_peak_rss_mib']:.0f} MiB"
         )
-    else:
+    elif not engine_core_available():
         print(
             "\nengine rows: the engine core (engine/llm_engine.py) is not in this tree; they run once it is"
         )
@@ -714,6 +775,22 @@ def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float])
         print(
             f"compute roof, {THREADS} threads (bench/compute_roof.c): float32 FMA {roof['float32_gflops']:.0f} "
             f"GFLOP/s, int8 VNNI {roof['int8_gops']:.0f} GOP/s"
+        )
+    if "sampler_greedy_s" in int8:
+        b = BATCHES[-1]
+        costs = ", ".join(f"{mode} {int8[f'sampler_{mode}_s'] * 1e3:.1f} ms" for mode in SAMPLER_MODES)
+        print(
+            f"sampler, {b} rows of {int8['vocab_size']:.0f}-token logits per step: {costs} "
+            f"(a decode b={b} step: {b / int8[f'decode_b{b}'] * 1e3:.0f} ms)"
+        )
+    if roof:
+        theirs = model_tensor_mib()
+        print(
+            f"memory roof: {roof['read_gbps']:.1f} GB/s read ({THREADS} threads, best of 10 passes): a one-stream "
+            f"step reads every weight once, so decode b=1 is at most {roof_tok_s(roof, int8['weight_mib']):.0f} "
+            f"tok/s over chatmesh's {int8['weight_mib']:.0f} MiB (measured: "
+            f"{int8['decode_b1'] / roof_tok_s(roof, int8['weight_mib']):.0%} of it) and "
+            f"{roof_tok_s(roof, theirs):.0f} tok/s over the file's {theirs:.0f} MiB (llama.cpp's)"
         )
     for name, m, peak in (
         ("native-int8", int8, roof.get("int8_gops")),
@@ -727,6 +804,18 @@ def print_table(runs: dict[str, list[dict[str, float]]], roof: dict[str, float])
             f"{m['weight_mib'] * 2**20 * m['decode_b1'] / 1e9:.1f} GB/s; decode b={b} computes "
             f"{decode:.0f} GOP/s, prefill {prefill:.0f} GOP/s{share}"
         )
+
+
+def model_tensor_mib() -> float:
+    """MiB of the GGUF's tensors: what llama.cpp reads per one-stream decode step, the tied head included."""
+    from engine.model.gguf_loader import read_gguf
+
+    _, tensors = read_gguf(model_path())
+    return sum(data.nbytes for _, _, data in tensors.values()) / 2**20
+
+
+def roof_tok_s(roof: dict[str, float], weight_mib: float) -> float:
+    return roof["read_gbps"] * 1e9 / (weight_mib * 2**20)
 
 
 def plot_throughput(runs: dict[str, list[dict[str, float]]], path: Path, quoted: bool) -> None:

@@ -1,11 +1,13 @@
 """Where a CPU runner step spends its time: each kernel call timed, per step, for a few workloads.
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/profile_runner.py [--kernels native|native-int8|numpy] [--threads 2]
+    [--model smollm2|gemma3]
 
 "other" is everything outside the kernels: Python, batch assembly, KV writes, the embedding lookup.
 Kernel calls can only be timed one by one in the runner's per-kernel loop, so the native kernels' layer
 stack (all layers in one C call, bench_engine's configuration) is switched off here: "other" is larger
-than in a real step by what the one-call stack saves.
+than in a real step by what the one-call stack saves. "lm_head" is the linear kernel's time on the LM head
+(Gemma 3's tied 640 x 262,144 Q8_0 matrix: most of the bytes a one-stream step reads), "linear" the rest.
 """
 
 from __future__ import annotations
@@ -22,24 +24,39 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chatmesh.model_files import bundled_model_path
+from bench.bench_engine import MODELS
 from engine.model.cpu_runner import CpuModelRunner
+from engine.model.gguf_loader import load_gguf
+from engine.model.kernels import select_kernels
 from engine.model.runner import SequenceChunk
 
-KERNELS = ("linear", "attention", "rms_norm", "rope", "silu_mul")
+KERNELS = ("linear", "attention", "rms_norm", "rope", "silu_mul", "gelu_mul")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernels", default="native")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     args = parser.parse_args()
-    runner = CpuModelRunner.from_gguf(bundled_model_path(), num_threads=args.threads, kernels=args.kernels)
-    runner.kernels.layer_stack = lambda *args: None  # the per-kernel loop, whose calls can be timed
-    runner.allocate_kv_cache(4096, 16)
+    checkpoint = load_gguf(MODELS[args.model]())
+    kernels = select_kernels(args.kernels, args.threads, checkpoint.config)
+    kernels.layer_stack = lambda *args: None  # the per-kernel loop, whose calls can be timed
     spent: collections.Counter[str] = collections.Counter()
-    for name in KERNELS:
-        setattr(runner.kernels, name, _timed(getattr(runner.kernels, name), name, spent))
+    for name in KERNELS[1:]:
+        setattr(kernels, name, _timed(getattr(kernels, name), name, spent))
+    linear = kernels.linear
+    runner = CpuModelRunner(checkpoint, kernels)
+
+    def timed_linear(x: np.ndarray, packed: object) -> np.ndarray:
+        start = time.perf_counter()
+        try:
+            return linear(x, packed)
+        finally:
+            spent["lm_head" if packed is runner._lm_head else "linear"] += time.perf_counter() - start
+
+    kernels.linear = timed_linear
+    runner.allocate_kv_cache(4096, 16)
     rng = np.random.default_rng(0)
 
     def table(seq: int) -> np.ndarray:
@@ -54,7 +71,7 @@ def main() -> None:
             runner.execute(make_step(i))
             totals.append(time.perf_counter() - start)
         step = statistics.median(totals)
-        parts = {n: spent[n] / steps for n in KERNELS}
+        parts = {n: spent[n] / steps for n in ("lm_head", *KERNELS) if n in spent}
         parts["other"] = max(0.0, sum(totals) / steps - sum(parts.values()))
         shares = " ".join(f"{n} {v * 1e3:.2f} ({v / step:.0%})" for n, v in parts.items())
         print(f"{label:<28} {step * 1e3:8.2f} ms/step {tokens_per_step / step:7.1f} tok/s | {shares}")

@@ -6,8 +6,8 @@ Per step, the tokens of all chunks (prefill chunks and decode tokens alike) are 
 Per layer: RMSNorm → one fused QKV GEMM → RoPE on q and k → K/V written into the cache slots of this
 step → attention of each token over its own sequence's blocks → output GEMM → RMSNorm → one fused
 gate|up GEMM → SwiGLU → down GEMM. Logits are computed only for rows that need them. The native kernels
-run the whole layer stack in one C call (``layer_stack``, LLaMA without a sliding window only); the numpy
-kernels, tensor-parallel ranks (which all-reduce between kernels) and the other architectures run the same
+run the whole layer stack in one C call (``layer_stack``, every architecture but Qwen2's q/k/v biases);
+the numpy kernels, tensor-parallel ranks (which all-reduce between kernels) and Qwen2 run the same
 sequence one kernel call at a time (``_run_layers``). Qwen2 adds the biases of q, k and v after the QKV
 GEMM; Qwen3 RMS-normalizes each q and k head before RoPE; Gemma 3 adds, per layer: RMSNorm of each q and k head after the QKV GEMM, RMSNorm of
 the attention and FFN outputs before their residual adds, GELU instead of SiLU, and on its local layers
@@ -32,9 +32,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
-from engine.model.checkpoint import LlamaCheckpoint, LlamaConfig, WeightMatrix, rope_tables
+from engine.model.checkpoint import LlamaCheckpoint, LlamaConfig, RopeTables, WeightMatrix, rope_tables
 from engine.model.gguf_loader import load_gguf
 from engine.model.kernels import Kernels, select_kernels
+from engine.model.kernels.packing import as_q8_0
 from engine.model.runner import SequenceChunk
 from engine.model.step_batch import StepBatch, build_step_batch
 from engine.model.tp.collective import Collective, SingleRank
@@ -113,9 +114,8 @@ class CpuModelRunner:
         ]
         self._output_norm = checkpoint.output_norm
         self._lm_head = pack(take_rows(checkpoint.lm_head, shard.vocab))
-        self._rope = rope_tables(self.config)
         # Per layer, its RoPE tables (one set per base: Gemma 3's local layers have their own).
-        tables = {self.config.rope_theta: self._rope}
+        tables: dict[float, RopeTables] = {}
         for i in range(self.config.num_layers):
             theta = self.config.layer_rope_theta(i)
             if theta not in tables:
@@ -164,13 +164,12 @@ class CpuModelRunner:
         self._k_cache = [np.zeros(k_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._v_cache = [np.zeros(v_shape, dtype=KV_DTYPE) for _ in range(cfg.num_layers)]
         self._block_size = block_size
-        # A tensor-parallel rank all-reduces between kernels, and the C stack is plain LLaMA's (no
-        # window, bias or extra norm): those run the per-kernel loop.
+        # A tensor-parallel rank all-reduces between kernels, and the C stack adds no q/k/v bias: those
+        # run the per-kernel loop.
         self._layer_stack = (
-            self.kernels.layer_stack(self._layers, self._k_cache, self._v_cache, self._rope, cfg)
+            self.kernels.layer_stack(self._layers, self._k_cache, self._v_cache, self._layer_ropes, cfg)
             if isinstance(self._collective, SingleRank)
-            and cfg.architecture == "llama"
-            and not cfg.layer_windows
+            and all(layer.qkv_bias is None for layer in self._layers)
             else None
         )
 
@@ -263,7 +262,8 @@ def _scaled(heads: Span, head_dim: int) -> Span:
 
 def _stack(name: str, matrices: list[WeightMatrix]) -> WeightMatrix:
     """Rows of several [out_i, in] matrices as one [sum out_i, in] matrix, kept in their stored format
-    when they share it, so one GEMM computes all of them."""
+    when they share it (Q5_0 taken as the Q8_0 it equals), so one GEMM computes all of them."""
+    matrices = [as_q8_0(m) for m in matrices]
     first = matrices[0]
     rows = sum(m.shape[0] for m in matrices)
     if all(m.qtype == first.qtype and m.data.ndim == 2 for m in matrices):

@@ -19,10 +19,12 @@ from engine.model.kernels.packing import (
     FORMAT_F32,
     FORMAT_Q4_1,
     FORMAT_Q4_1_VNNI,
+    FORMAT_Q4_K_VNNI,
+    FORMAT_Q6_K_VNNI,
     FORMAT_Q8_0,
     FORMAT_Q8_0_VNNI,
 )
-from engine.model.q8_activations import round_to_q8
+from engine.model.q8_activations import round_input, round_to_q8, round_to_q8_k
 from engine.model.runner import SequenceChunk
 from engine.model.step_batch import build_step_batch
 from tests.fixtures.model import require_native
@@ -44,11 +46,27 @@ def native_int8() -> NativeKernels:
     return NativeKernels(num_threads=2, q8_activations=True)
 
 
+# K-quant super-blocks (gguf cannot quantize to them): bytes, and where each holds its f16 super-scales.
+K_QUANT_LAYOUT = {QType.Q4_K: (144, (0, 2)), QType.Q6_K: (210, (208,))}
+
+
 def random_matrix(qtype: QType, out_features: int, in_features: int) -> WeightMatrix:
+    if qtype in K_QUANT_LAYOUT:  # random codes and sub-block scales, finite super-block scales
+        block_bytes, scale_offsets = K_QUANT_LAYOUT[qtype]
+        blocks = RNG.integers(0, 256, (out_features * in_features // 256, block_bytes), dtype=np.uint8)
+        for offset in scale_offsets:
+            scales = (RNG.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+            blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+        return WeightMatrix("w", qtype, (out_features, in_features), blocks.reshape(out_features, -1))
     values = RNG.standard_normal((out_features, in_features)).astype(np.float32)
     if qtype == QType.F32:
         return WeightMatrix("w", qtype, values.shape, values)
     return WeightMatrix("w", qtype, values.shape, quants.quantize(values, qtype))
+
+
+def in_features_for(qtype: QType) -> int:
+    """A row length the type allows (K-quants: whole 256-value super-blocks) with several blocks."""
+    return 512 if qtype in K_QUANT_LAYOUT else 96
 
 
 @pytest.mark.parametrize(
@@ -57,17 +75,23 @@ def random_matrix(qtype: QType, out_features: int, in_features: int) -> WeightMa
         (QType.Q4_1, FORMAT_Q4_1, False),
         (QType.Q8_0, FORMAT_Q8_0, False),
         (QType.F16, FORMAT_F32, False),
+        (QType.Q5_0, FORMAT_Q8_0, False),  # as the Q8_0 it equals
+        (QType.Q4_K, FORMAT_F32, False),
         (QType.Q4_1, FORMAT_Q4_1_VNNI, True),
         (QType.Q8_0, FORMAT_Q8_0_VNNI, True),
+        (QType.Q5_0, FORMAT_Q8_0_VNNI, True),
+        (QType.Q4_K, FORMAT_Q4_K_VNNI, True),
+        (QType.Q6_K, FORMAT_Q6_K_VNNI, True),
     ],
 )
 def test_packed_weights_expand_to_exactly_ggufs_dequantized_values(request, qtype, fmt, int8):
     kernels = request.getfixturevalue("native_int8" if int8 else "native")
-    matrix = random_matrix(qtype, 40, 96)  # 40 rows: two full panels and a partial one
+    k = in_features_for(qtype)
+    matrix = random_matrix(qtype, 40, k)  # 40 rows: two full panels and a partial one
     packed = kernels.pack(matrix)
     assert packed.fmt == fmt
     if fmt == FORMAT_F32:
-        unpacked = packed.data.transpose(0, 2, 1).reshape(-1, 96)[:40]
+        unpacked = packed.data.transpose(0, 2, 1).reshape(-1, k)[:40]
     else:
         unpacked = kernels.unpack(packed)
     np.testing.assert_array_equal(unpacked, matrix.dequantize())
@@ -82,18 +106,31 @@ def test_native_linear_matches_float32_matmul(native, qtype, rows):
     np.testing.assert_allclose(native.linear(x, native.pack(matrix)), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.F32])
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q4_K, QType.Q6_K, QType.F32])
 @pytest.mark.parametrize("rows", [1, 5, 13, 40])
 def test_int8_linear_matches_float32_matmul_of_q8_rounded_activations(native_int8, qtype, rows):
-    # Q4_1/Q8_0: int8 codes of x times the weights' codes; exact integer sums, so within float32
-    # rounding of round_to_q8(x) @ W.T. Other formats: float32 x @ W.T, as in the float32 kernels.
-    matrix = random_matrix(qtype, 200, 160)
-    x = RNG.standard_normal((rows, 160)).astype(np.float32)
-    seen = x if qtype == QType.F32 else round_to_q8(x)
+    # Quantized types: int8 codes of x times the weights' codes; exact integer sums, so within float32
+    # rounding of round_input(x) @ W.T (Q8 blocks of 32, or of 256 before K-quants, as llama.cpp rounds).
+    # Other formats: float32 x @ W.T, as in the float32 kernels.
+    k = 512 if qtype in K_QUANT_LAYOUT else 160
+    matrix = random_matrix(qtype, 200, k)
+    x = RNG.standard_normal((rows, k)).astype(np.float32)
+    seen = round_input(x, qtype)
     expected = seen.astype(np.float64) @ matrix.dequantize().T.astype(np.float64)
     np.testing.assert_allclose(
         native_int8.linear(x, native_int8.pack(matrix)), expected, rtol=1e-4, atol=1e-4
     )
+
+
+def test_q8_k_rounding_takes_llama_cpps_signed_scale_per_256_values():
+    x = RNG.standard_normal((2, 512)).astype(np.float32)
+    x[0, 7] = -9.0  # row 0's first block: its largest magnitude is negative, and its code -127
+    x[1, 256:] = 0  # an all-zero block stays zero
+    rounded = round_to_q8_k(x)
+    assert rounded[0, 7] == pytest.approx(-9.0, rel=1e-6)
+    step = np.abs(x).reshape(2, 2, 256).max(axis=-1, keepdims=True) / 127
+    assert (np.abs(rounded - x).reshape(2, 2, 256) <= step / 2 * (1 + 1e-5)).all()
+    assert (rounded[1, 256:] == 0).all()
 
 
 def test_q8_rounding_keeps_each_block_within_half_a_code():
@@ -106,11 +143,11 @@ def test_q8_rounding_keeps_each_block_within_half_a_code():
 
 
 @pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0])
+@pytest.mark.parametrize("qtype", [QType.Q4_1, QType.Q8_0, QType.Q4_K, QType.Q6_K])
 def test_native_linear_rows_do_not_depend_on_the_rest_of_the_batch(request, qtype, int8):
     kernels = request.getfixturevalue("native_int8" if int8 else "native")
-    packed = kernels.pack(random_matrix(qtype, 96, 576))
-    x = RNG.standard_normal((37, 576)).astype(np.float32)
+    packed = kernels.pack(random_matrix(qtype, 96, 768))
+    x = RNG.standard_normal((37, 768)).astype(np.float32)
     together = kernels.linear(x, packed)
     for i in (0, 12, 36):
         np.testing.assert_array_equal(kernels.linear(x[i : i + 1], packed)[0], together[i])

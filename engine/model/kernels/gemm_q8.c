@@ -1,5 +1,5 @@
-// The int8 weight GEMM ("native-int8" kernels): C[M, N] = A[M, K] · W[N, K]^T, A float32, W GGUF Q4_1 or
-// Q8_0 in a VNNI panel layout. (gemm.c is the float32 GEMM the default "native" kernels use.)
+// The int8 weight GEMM ("native-int8" kernels): C[M, N] = A[M, K] · W[N, K]^T, A float32, W GGUF Q4_1,
+// Q8_0 (Q5_0 rewritten as the Q8_0 it equals), Q4_K or Q6_K in a VNNI panel layout. (gemm.c is the float32 GEMM the default "native" kernels use.)
 //
 // Quantized weights (GGUF Q4_1, Q8_0) are multiplied in int8 with AVX-512 VNNI, as llama.cpp does: each
 // row of A is first rounded to int8 codes per 32-k block (scale a = max|x| / 127, code = rint(x / a),
@@ -13,7 +13,9 @@
 //   Q4_1: f16 d[16], f16 m[16], 4 x 64 code bytes: in vector v, byte 4n + i holds row n's code for
 //         k = 4v + i in its low nibble and for k = 4(v + 4) + i in its high nibble;
 //   Q8_0: f16 d[16], 8 x 64 code bytes: in vector g, byte 4n + i is row n's code for k = 4g + i, plus
-//         128 (VPDPBUSD takes unsigned weights; the kernel subtracts 128 * s again, exactly).
+//         128 (VPDPBUSD takes unsigned weights; the kernel subtracts 128 * s again, exactly);
+//   Q4_K, Q6_K: f32 scales and min, then codes as Q8_0's (see DEFINE_KTILE); their activations are
+//         rounded per 256 values as llama.cpp's Q8_K (quantize_row_k), not per 32.
 //
 // Determinism: every output element is one chain over k blocks 0..K/32-1 in order, and each activation
 // row is quantized on its own, whatever M, the row tile it lands in, or the thread that computes it. A
@@ -21,24 +23,32 @@
 // chunked.
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "pool.h"
 
-enum { FMT_Q4_1 = 3, FMT_Q8_0 = 4 };  // packing.py: FORMAT_Q4_1_VNNI, FORMAT_Q8_0_VNNI
+// packing.py: FORMAT_Q4_1_VNNI, FORMAT_Q8_0_VNNI, FORMAT_Q4_K_VNNI, FORMAT_Q6_K_VNNI
+enum { FMT_Q4_1 = 3, FMT_Q8_0 = 4, FMT_Q4_K = 5, FMT_Q6_K = 6 };
 enum { NR = 16, QK = 32 };
 
 // Bytes of one packed (panel, 32-k block).
-static inline long block_bytes(int fmt) { return fmt == FMT_Q4_1 ? 32 + 32 + 256 : 32 + 512; }
+static inline long block_bytes(int fmt) {
+    return fmt == FMT_Q4_1 ? 32 + 32 + 256 : fmt == FMT_Q8_0 ? 32 + 512 : 3 * 64 + 512;
+}
+
+// The K-quant formats' codes are unsigned: Q4_K's q (0..15), Q6_K's q (0..63), which stands for q - 32.
+static inline int code_offset(int fmt) { return fmt == FMT_Q6_K ? 32 : 0; }
 
 // Rows of A as Q8 blocks: codes qa[r * K + k]; per block b (of nb = K / 32): scale sa[r * nb + b], code
-// sum s[r * nb + b] and ma = scale * sum (the factor of Q4_1's min).
+// sum s[r * nb + b], the sum of its first 16 codes s_lo[r * nb + b] (Q6_K's scales cover 16 weights) and
+// ma = scale * sum (the factor of Q4_1's and Q4_K's min).
 typedef struct {
     int8_t *qa;
     float *sa, *ma;
-    int32_t *s;
+    int32_t *s, *s_lo;
 } q8_rows;
 
 static inline int32_t load4(const int8_t *p) {  // 4 activation codes, for one VPDPBUSD broadcast
@@ -47,7 +57,8 @@ static inline int32_t load4(const int8_t *p) {  // 4 activation codes, for one V
     return v;
 }
 
-static void quantize_row(const float *x, int K, int8_t *q, float *scale, int32_t *sum, float *scaled_sum) {
+static void quantize_row(const float *x, int K, int8_t *q, float *scale, int32_t *sum, int32_t *sum_lo,
+                         float *scaled_sum) {
     for (int b = 0; b < K / QK; b++) {
         const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -58,8 +69,42 @@ static void quantize_row(const float *x, int K, int8_t *q, float *scale, int32_t
         _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(c0));
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(c1));
         scale[b] = a;
-        sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        sum_lo[b] = _mm512_reduce_add_epi32(c0);
+        sum[b] = sum_lo[b] + _mm512_reduce_add_epi32(c1);
         scaled_sum[b] = a * (float)sum[b];
+    }
+}
+
+// The rounding llama.cpp gives the input of a K-quant matrix (its Q8_K, quantize_row_q8_K_ref): per
+// 256 values one scale d = max / -127, where max is the value of largest magnitude (its sign kept), and
+// codes rint(x * (-127 / max)), at most 127. Stored as 8 blocks of 32 sharing d, for the K tiles.
+static void quantize_row_k(const float *x, int K, int8_t *q, float *scale, int32_t *sum, int32_t *sum_lo,
+                           float *scaled_sum) {
+    for (int s = 0; s < K / 256; s++) {
+        const float *xs = x + s * 256;
+        float amax = 0.0f, max = 0.0f;
+        for (int i = 0; i < 256; i++)
+            if (fabsf(xs[i]) > amax) amax = fabsf(xs[i]), max = xs[i];
+        const float iscale = amax > 0.0f ? -127.0f / max : 0.0f, d = amax > 0.0f ? 1.0f / iscale : 0.0f;
+        for (int b = s * 8; b < s * 8 + 8; b++) {
+            int32_t lo = 0, total = 0;
+            for (int i = 0; i < QK; i++) {
+                const int c = (int)nearbyintf(iscale * x[b * QK + i]);  // to nearest even, as llama.cpp's nearest_int
+                q[b * QK + i] = (int8_t)(c < 127 ? c : 127);
+                total += q[b * QK + i];
+                if (i == 15) lo = total;
+            }
+            scale[b] = d, sum[b] = total, sum_lo[b] = lo, scaled_sum[b] = d * (float)total;
+        }
+    }
+}
+
+// A tile's R rows of 32 outputs into C, the outputs that exist (m0, m1) only.
+static inline void store_rows(int R, const __m512 *f0, const __m512 *f1, float *C, long ldc, __mmask16 m0,
+                              __mmask16 m1) {
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(C + r * ldc, m0, f0[r]);
+        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, f1[r]);
     }
 }
 
@@ -122,10 +167,7 @@ static void quantize_row(const float *x, int K, int8_t *q, float *scale, int32_t
                 }                                                                                        \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < R; r++) {                                                                    \
-            _mm512_mask_storeu_ps(C + r * ldc, m0, f0[r]);                                               \
-            _mm512_mask_storeu_ps(C + r * ldc + 16, m1, f1[r]);                                          \
-        }                                                                                                \
+        store_rows(R, f0, f1, C, ldc, m0, m1);                                                           \
     }
 
 DEFINE_QTILE(1)
@@ -133,9 +175,67 @@ DEFINE_QTILE(2)
 DEFINE_QTILE(3)
 DEFINE_QTILE(4)
 
+// The K-quant formats (Q4_K, Q6_K, exactly as GGUF stores them but one 32-k block at a time). Per (panel,
+// block): f32 d_lo[16] (scale of k 0..15), f32 d_hi[16] (k 16..31), f32 m[16] (Q4_K's min; 0 for Q6_K),
+// then 8 x 64 unsigned code bytes laid out as Q8_0's. Weight = d * (q - offset) - m, so per output:
+//   C += a * (d_lo * (sum_lo(q qa) - offset * s_lo) + d_hi * (sum_hi(q qa) - offset * s_hi)) - m * (a * s)
+// with integer sums, exact. Q4_K has d_lo == d_hi (its scales cover 32 weights).
+#define DEFINE_KTILE(R)                                                                                   \
+    static void ktile_##R(int fmt, const q8_rows *A, int K, const uint8_t *p0, const uint8_t *p1,        \
+                          float *C, long ldc, __mmask16 m0, __mmask16 m1) {                              \
+        const int nb = K / QK, offset = code_offset(fmt);                                                \
+        const long bb = block_bytes(fmt);                                                                \
+        __m512 f0[R], f1[R];                                                                             \
+        for (int r = 0; r < R; r++) f0[r] = f1[r] = _mm512_setzero_ps();                                 \
+        for (int b = 0; b < nb; b++) {                                                                   \
+            const uint8_t *b0 = p0 + b * bb, *b1 = p1 + b * bb;                                          \
+            __m512i l0[R], l1[R], h0[R], h1[R];                                                          \
+            for (int r = 0; r < R; r++) l0[r] = l1[r] = h0[r] = h1[r] = _mm512_setzero_si512();          \
+            for (int g = 0; g < 4; g++) {                                                                \
+                const __m512i c0 = _mm512_loadu_si512(b0 + 192 + 64 * g);                                \
+                const __m512i c1 = _mm512_loadu_si512(b1 + 192 + 64 * g);                                \
+                const __m512i e0 = _mm512_loadu_si512(b0 + 192 + 64 * (g + 4));                          \
+                const __m512i e1 = _mm512_loadu_si512(b1 + 192 + 64 * (g + 4));                          \
+                for (int r = 0; r < R; r++) {                                                            \
+                    const int8_t *q = A->qa + (long)r * K + b * QK;                                      \
+                    const __m512i alo = _mm512_set1_epi32(load4(q + 4 * g));                            \
+                    const __m512i ahi = _mm512_set1_epi32(load4(q + 16 + 4 * g));                       \
+                    l0[r] = _mm512_dpbusd_epi32(l0[r], c0, alo);                                         \
+                    l1[r] = _mm512_dpbusd_epi32(l1[r], c1, alo);                                         \
+                    h0[r] = _mm512_dpbusd_epi32(h0[r], e0, ahi);                                         \
+                    h1[r] = _mm512_dpbusd_epi32(h1[r], e1, ahi);                                         \
+                }                                                                                        \
+            }                                                                                            \
+            const float *s0 = (const float *)b0, *s1 = (const float *)b1;                                \
+            const __m512 dl0 = _mm512_loadu_ps(s0), dh0 = _mm512_loadu_ps(s0 + 16), mn0 = _mm512_loadu_ps(s0 + 32); \
+            const __m512 dl1 = _mm512_loadu_ps(s1), dh1 = _mm512_loadu_ps(s1 + 16), mn1 = _mm512_loadu_ps(s1 + 32); \
+            for (int r = 0; r < R; r++) {                                                                \
+                const long ab = (long)r * nb + b;                                                        \
+                const __m512 sa = _mm512_set1_ps(A->sa[ab]), ma = _mm512_set1_ps(A->ma[ab]);             \
+                const __m512i olo = _mm512_set1_epi32(offset * A->s_lo[ab]);                             \
+                const __m512i ohi = _mm512_set1_epi32(offset * (A->s[ab] - A->s_lo[ab]));                \
+                const __m512 lo0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(l0[r], olo));                     \
+                const __m512 lo1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(l1[r], olo));                     \
+                const __m512 hi0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(h0[r], ohi));                     \
+                const __m512 hi1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(h1[r], ohi));                     \
+                const __m512 t0 = _mm512_fmadd_ps(lo0, dl0, _mm512_mul_ps(hi0, dh0));                   \
+                const __m512 t1 = _mm512_fmadd_ps(lo1, dl1, _mm512_mul_ps(hi1, dh1));                   \
+                f0[r] = _mm512_fnmadd_ps(mn0, ma, _mm512_fmadd_ps(t0, sa, f0[r]));                        \
+                f1[r] = _mm512_fnmadd_ps(mn1, ma, _mm512_fmadd_ps(t1, sa, f1[r]));                        \
+            }                                                                                            \
+        }                                                                                                \
+        store_rows(R, f0, f1, C, ldc, m0, m1);                                                           \
+    }
+
+DEFINE_KTILE(1)
+DEFINE_KTILE(2)
+DEFINE_KTILE(3)
+DEFINE_KTILE(4)
+
 typedef void (*qtile_fn)(int, const q8_rows *, int, const uint8_t *, const uint8_t *, float *, long,
                          __mmask16, __mmask16);
 static const qtile_fn QTILES[5] = {0, qtile_1, qtile_2, qtile_3, qtile_4};
+static const qtile_fn KTILES[5] = {0, ktile_1, ktile_2, ktile_3, ktile_4};
 enum { MRQ = 4 };
 
 typedef struct {
@@ -165,8 +265,8 @@ static void gemm_task(void *arg, long pp) {
     for (int i = 0; i < j->M; i += MRQ) {
         const int r = j->M - i < MRQ ? j->M - i : MRQ;
         const q8_rows rows = {j->q.qa + (long)i * j->K, j->q.sa + (long)i * nb, j->q.ma + (long)i * nb,
-                              j->q.s + (long)i * nb};
-        QTILES[r](j->fmt, &rows, j->K, w0, w1, Cp + (long)i * j->ldc, j->ldc, m0, m1);
+                              j->q.s + (long)i * nb, j->q.s_lo + (long)i * nb};
+        (j->fmt >= FMT_Q4_K ? KTILES : QTILES)[r](j->fmt, &rows, j->K, w0, w1, Cp + (long)i * j->ldc, j->ldc, m0, m1);
     }
 }
 
@@ -176,8 +276,9 @@ static void quantize_task(void *arg, long task) {
     const gemm_job *j = arg;
     const int nb = j->K / QK;
     for (long r = task * QUANTIZE_ROWS; r < j->M && r < (task + 1) * QUANTIZE_ROWS; r++)
-        quantize_row(j->A + r * j->lda, j->K, j->q.qa + r * j->K, j->q.sa + r * nb, j->q.s + r * nb,
-                     j->q.ma + r * nb);
+        (j->fmt >= FMT_Q4_K ? quantize_row_k : quantize_row)(j->A + r * j->lda, j->K, j->q.qa + r * j->K,
+                                                             j->q.sa + r * nb, j->q.s + r * nb,
+                                                             j->q.s_lo + r * nb, j->q.ma + r * nb);
 }
 
 // Per-thread Q8 buffers, grown as needed and kept: every linear of every step quantizes its input.
@@ -200,8 +301,9 @@ void cm_gemm_q8(int fmt, const float *A, long lda, int M, int K, const void *W, 
     if (M <= 0) return;
     const int panels = (N + NR - 1) / NR;
     const long nb = (long)M * (K / QK);
-    uint8_t *buf = q8_buffer((size_t)M * K + nb * 12);
-    const q8_rows q = {(int8_t *)(buf + nb * 12), (float *)buf, (float *)(buf + nb * 4), (int32_t *)(buf + nb * 8)};
+    uint8_t *buf = q8_buffer((size_t)M * K + nb * 16);
+    const q8_rows q = {(int8_t *)(buf + nb * 16), (float *)buf, (float *)(buf + nb * 4), (int32_t *)(buf + nb * 8),
+                       (int32_t *)(buf + nb * 12)};
     gemm_job job = {fmt, M, K, N, panels, A, lda, ldc, (long)(K / QK) * block_bytes(fmt), (const uint8_t *)W, C, q};
     cm_parallel_for((M + QUANTIZE_ROWS - 1) / QUANTIZE_ROWS, quantize_task, &job);
     cm_parallel_for((panels + 1) / 2, gemm_task, &job);
@@ -217,8 +319,16 @@ void cm_unpack_q8(int fmt, const void *W, int K, int N, float *out) {
         for (int k = 0; k < K; k++) {
             const uint8_t *blk = panel + (k / QK) * block_bytes(fmt);
             const int kk = k % QK;
-            const float d = _cvtsh_ss(((const uint16_t *)blk)[lane]);
             float w;
+            if (fmt >= FMT_Q4_K) {  // d * (q - offset) - m, as gguf computes Q4_K's d * q - m and Q6_K's d * (q - 32)
+                const float *scales = (const float *)blk;
+                const int q = (int)blk[192 + 64 * (kk / 4) + 4 * lane + kk % 4] - code_offset(fmt);
+                w = scales[(kk < 16 ? 0 : 16) + lane] * (float)q;
+                if (fmt == FMT_Q4_K) w = w - scales[32 + lane];
+                out[(long)n * K + k] = w;
+                continue;
+            }
+            const float d = _cvtsh_ss(((const uint16_t *)blk)[lane]);
             if (fmt == FMT_Q4_1) {
                 const uint8_t byte = blk[64 + 64 * (kk / 4 % 4) + 4 * lane + kk % 4];
                 const int q = kk < 16 ? byte & 0x0F : byte >> 4;

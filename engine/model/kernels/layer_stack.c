@@ -2,10 +2,13 @@
 // without returning to Python between kernels (each ctypes round trip costs microseconds, and a
 // single-stream decode step makes ~330 of them: a fifth of the step).
 //
-// Per layer: RMSNorm → QKV GEMM → RoPE → K/V of this step into the float16 cache → attention → output
-// GEMM, residual → RMSNorm → gate|up GEMM → SwiGLU → down GEMM, residual. The same kernels in the same
-// order as the Python loop, so the two give bit-identical results (a test checks this); the Python loop
-// remains for the numpy kernels and for tensor-parallel ranks, which all-reduce between kernels.
+// Per layer: RMSNorm → QKV GEMM → (RMSNorm of each q and k head) → RoPE (the layer's own tables) → K/V of
+// this step into the float16 cache → attention (the layer's window) → output GEMM → (RMSNorm), residual →
+// RMSNorm → gate|up GEMM → SwiGLU or GELU gate → down GEMM → (RMSNorm), residual; the bracketed steps
+// where the model has those weights (Qwen3's and Gemma 3's head norms, Gemma 3's post-norms). The same
+// kernels in the same order as the Python loop, so the two give bit-identical results (a test checks
+// this); the Python loop remains for the numpy kernels, for tensor-parallel ranks, which all-reduce
+// between kernels, and for Qwen2's q/k/v biases.
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -14,7 +17,7 @@
 
 void cm_gemm(int fmt, const float *A, long lda, int M, int K, const void *W, int N, float *C, long ldc);
 #if defined(CM_WITH_GEMM_Q8)  // the AVX-512 build's int8 GEMM (gemm_q8.c, VNNI); the AVX2 build has none
-enum { FMT_Q4_1_VNNI = 3 };   // packing.py: formats 3 and 4 are the int8 GEMM's
+enum { FMT_Q4_1_VNNI = 3 };   // packing.py: formats 3 to 6 are the int8 GEMM's
 void cm_gemm_q8(int fmt, const float *A, long lda, int M, int K, const void *W, int N, float *C, long ldc);
 #endif
 void cm_rms_norm(const float *x, int T, int H, const float *w, float eps, float *out);
@@ -25,6 +28,7 @@ void cm_attention(const float *q, long q_stride, int T, int num_heads, int num_k
                   const int *token_pos, const int *block_tables, int max_blocks, int max_len, int window,
                   float scale, float *out);
 void cm_silu_mul(const float *gu, int T, int F, float *out);
+void cm_gelu_mul(const float *gu, int T, int F, float *out);
 
 typedef struct {
     int fmt, out_features;
@@ -35,12 +39,15 @@ typedef struct {
     const float *attn_norm, *ffn_norm;
     cm_matrix qkv, wo, gate_up, down;
     uint16_t *k_cache, *v_cache;  // [blocks, kv_heads, head_dim, block_size], [blocks, block_size, kv_heads, head_dim]
+    const float *q_norm, *k_norm;  // [head_dim] each, or NULL: no per-head norm
+    const float *post_attn_norm, *post_ffn_norm;  // [hidden] each, or NULL: no post-norm
+    const float *rope_cos, *rope_sin;  // this layer's tables [positions, head_dim / 2]
+    int window;  // sliding window (positions a token sees, itself included); 0: all
 } cm_layer;
 
 typedef struct {
-    int num_layers, hidden, ffn, num_heads, num_kv_heads, head_dim, block_size;
+    int num_layers, hidden, ffn, num_heads, num_kv_heads, head_dim, block_size, gelu;
     float eps, scale;
-    const float *rope_cos, *rope_sin;
 } cm_model;
 
 static void linear(const cm_matrix *w, const float *a, int M, int K, float *c) {
@@ -77,6 +84,20 @@ static void store_kv(const cm_model *m, const cm_layer *l, const float *qkv, lon
     }
 }
 
+// RMSNorm of each head_dim-wide head of heads first..first+count-1 in every qkv row, in place.
+static void norm_heads(const cm_model *m, float *qkv, long stride, int T, int first, int count, const float *w) {
+    for (int t = 0; t < T; t++) {
+        float *heads = qkv + t * stride + (long)first * m->head_dim;
+        cm_rms_norm(heads, count, m->head_dim, w, m->eps, heads);
+    }
+}
+
+// out, RMSNorm-ed in place where the layer has that post-norm (w), then added into x.
+static void residual(const cm_model *m, float *x, float *out, int T, const float *w) {
+    if (w) cm_rms_norm(out, T, m->hidden, w, m->eps, out);
+    add_into(x, out, (long)T * m->hidden);
+}
+
 // x: [T, hidden] float32, updated in place. positions/slots/token_seq/block_tables: the step (see
 // step_batch.py). Returns 0, or -1 when scratch memory could not be allocated (x untouched then).
 int cm_layer_stack(const cm_model *m, const cm_layer *layers, float *x, int T, const int *positions,
@@ -92,17 +113,21 @@ int cm_layer_stack(const cm_model *m, const cm_layer *layers, float *x, int T, c
         const cm_layer *l = &layers[i];
         cm_rms_norm(x, T, H, l->attn_norm, m->eps, h);
         linear(&l->qkv, h, T, H, qkv);
-        cm_rope(qkv, qkv_w, T, m->num_heads + m->num_kv_heads, hd, positions, m->rope_cos, m->rope_sin);
+        if (l->q_norm && l->k_norm) {
+            norm_heads(m, qkv, qkv_w, T, 0, m->num_heads, l->q_norm);
+            norm_heads(m, qkv, qkv_w, T, m->num_heads, m->num_kv_heads, l->k_norm);
+        }
+        cm_rope(qkv, qkv_w, T, m->num_heads + m->num_kv_heads, hd, positions, l->rope_cos, l->rope_sin);
         store_kv(m, l, qkv, qkv_w, T, slots);
         cm_attention(qkv, qkv_w, T, m->num_heads, m->num_kv_heads, hd, l->k_cache, l->v_cache, m->block_size,
-                     token_seq, positions, block_tables, max_blocks, max_len, 0, m->scale, attn);
+                     token_seq, positions, block_tables, max_blocks, max_len, l->window, m->scale, attn);
         linear(&l->wo, attn, T, (int)attn_w, out);
-        add_into(x, out, (long)T * H);
+        residual(m, x, out, T, l->post_attn_norm);
         cm_rms_norm(x, T, H, l->ffn_norm, m->eps, h);
         linear(&l->gate_up, h, T, H, gu);
-        cm_silu_mul(gu, T, F, act);
+        (m->gelu ? cm_gelu_mul : cm_silu_mul)(gu, T, F, act);
         linear(&l->down, act, T, F, out);
-        add_into(x, out, (long)T * H);
+        residual(m, x, out, T, l->post_ffn_norm);
     }
     free(buf);
     return 0;

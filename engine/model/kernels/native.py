@@ -51,6 +51,11 @@ class _Layer(ctypes.Structure):  # layer_stack.c: cm_layer
         ("down", _Matrix),
         ("k_cache", _P),
         ("v_cache", _P),
+        *(
+            (name, _P)
+            for name in ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm", "rope_cos", "rope_sin")
+        ),
+        ("window", ctypes.c_int),
     ]
 
 
@@ -59,10 +64,9 @@ class _Model(ctypes.Structure):  # layer_stack.c: cm_model
         *((name, ctypes.c_int) for name in ("num_layers", "hidden", "ffn", "num_heads", "num_kv_heads")),
         ("head_dim", ctypes.c_int),
         ("block_size", ctypes.c_int),
+        ("gelu", ctypes.c_int),
         ("eps", _F),
         ("scale", _F),
-        ("rope_cos", _P),
-        ("rope_sin", _P),
     ]
 
 
@@ -136,11 +140,14 @@ class NativeLayerStack:
         layers: list,
         k_cache: list,
         v_cache: list,
-        tables: RopeTables,
+        tables: list[RopeTables],
         config: LlamaConfig,
     ) -> None:
         def matrix(m: PackedMatrix) -> _Matrix:
             return _Matrix(m.fmt, m.out_features, _ptr(m.data))
+
+        def optional(weights: np.ndarray | None) -> int | None:
+            return None if weights is None else _ptr(_f32(weights))
 
         self._lib = lib
         self._keep = (layers, k_cache, v_cache, tables)
@@ -155,8 +162,15 @@ class NativeLayerStack:
                     matrix(layer.down),
                     _ptr(_f16(k)),
                     _ptr(_f16(v)),
+                    optional(layer.q_norm),
+                    optional(layer.k_norm),
+                    optional(layer.post_attn_norm),
+                    optional(layer.post_ffn_norm),
+                    _ptr(_f32(rope.cos)),
+                    _ptr(_f32(rope.sin)),
+                    config.window(i),
                 )
-                for layer, k, v in zip(layers, k_cache, v_cache, strict=True)
+                for i, (layer, k, v, rope) in enumerate(zip(layers, k_cache, v_cache, tables, strict=True))
             )
         )
         self._model = _Model(
@@ -167,10 +181,9 @@ class NativeLayerStack:
             config.num_kv_heads,
             config.head_dim,
             v_cache[0].shape[1],
+            config.activation == "gelu_tanh",
             config.rms_norm_eps,
             1.0 / float(np.sqrt(config.head_dim)),
-            _ptr(_f32(tables.cos)),
-            _ptr(_f32(tables.sin)),
         )
 
     def __call__(self, x: np.ndarray, batch: StepBatch) -> None:
@@ -195,8 +208,8 @@ class NativeLayerStack:
 
 class NativeKernels:
     def __init__(self, num_threads: int | None = None, q8_activations: bool = False) -> None:
-        """``q8_activations``: Q4_1/Q8_0 weights multiply activations rounded to 8 bits, with VNNI
-        ("native-int8"); else float32 activations (the reference's numbers)."""
+        """``q8_activations``: quantized weights (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) multiply activations
+        rounded to 8 bits, with VNNI ("native-int8"); else float32 activations (the reference's numbers)."""
         self.q8_activations = q8_activations
         self.name = "native-int8" if q8_activations else "native"
         self.lib = load_library()
@@ -237,7 +250,7 @@ class NativeKernels:
         return out
 
     def layer_stack(
-        self, layers: list, k_cache: list, v_cache: list, tables: RopeTables, config: LlamaConfig
+        self, layers: list, k_cache: list, v_cache: list, tables: list[RopeTables], config: LlamaConfig
     ) -> NativeLayerStack:
         return NativeLayerStack(self.lib, layers, k_cache, v_cache, tables, config)
 
