@@ -24,6 +24,12 @@ TOP_IN_VIEW = """(() => {
 })()"""
 
 
+def branch_calls(front_door: ScriptedFrontDoor, chat_id: str) -> list:
+    """The GetBranch calls of one chat (the scripted service is the session's: other tests' pages call it
+    too)."""
+    return [call for call in front_door.scripted.calls_to("GetBranch") if call.request.chat_id == chat_id]
+
+
 @pytest.fixture
 def long_chat(front_door: ScriptedFrontDoor, user: str) -> str:
     with front_door.client(user, "enterprise") as client:
@@ -46,7 +52,7 @@ def test_a_long_chat_opens_on_its_newest_page_and_loads_older_ones_on_scroll_up(
             assert page.get_attribute("#messages", "aria-busy") == "true"
             page.wait_for_selector(f"li.message.user:has-text('turn {TURNS - 1} ')")
         # The branch's newest page, from the chat's newest message; only what is near the view is shown.
-        [opened] = front_door.scripted.calls_to("GetBranch")
+        [opened] = branch_calls(front_door, long_chat)
         assert (opened.request.leaf_message_id, opened.request.page_size) == ("", PAGE)
         assert 0 < page.locator("li.message").count() <= MAX_NODES
         assert page.locator("li.message.user:has-text('turn 0 ')").count() == 0
@@ -58,9 +64,7 @@ def test_a_long_chat_opens_on_its_newest_page_and_loads_older_ones_on_scroll_up(
         for pages in (2, 3):
             with front_door.scripted.delay("GetBranch", 0.5):
                 page.evaluate("document.querySelector('#messages').scrollTop = 0")
-                wait_for(
-                    lambda n=pages: len(front_door.scripted.calls_to("GetBranch")) == n, what="an older page"
-                )
+                wait_for(lambda n=pages: len(branch_calls(front_door, long_chat)) == n, what="an older page")
                 top_id, before = page.evaluate(TOP_IN_VIEW)
             page.wait_for_function(
                 "() => parseFloat(document.querySelector('#messages > .spacer').style.height) > 0"
@@ -71,7 +75,7 @@ def test_a_long_chat_opens_on_its_newest_page_and_loads_older_ones_on_scroll_up(
             assert abs(after - before) <= 2, (before, after)
             assert page.locator("li.message").count() <= MAX_NODES
         # The pages were asked for with the cursor of the page before, for the same branch.
-        tokens = [call.request.page_token for call in front_door.scripted.calls_to("GetBranch")]
+        tokens = [call.request.page_token for call in branch_calls(front_door, long_chat)]
         assert tokens[0] == "" and all(tokens[1:]) and len(set(tokens)) == 3
 
         # On to the first message: however much is loaded, the page holds a bounded number of them.
