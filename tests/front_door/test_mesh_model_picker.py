@@ -64,7 +64,6 @@ def test_the_picked_model_answers_a_new_chat_and_picking_another_switches_it(
 
         # Reopened, the chat shows its model picked.
         page.reload()
-        page.wait_for_selector("li.message.assistant")
-        # Within the wait, not at the instant the first answer shows: in `make test` (1 run in 2 alone)
-        # the value read there was still "" (not root-caused; docs say the chat's model shows picked).
-        page.wait_for_function("(model) => document.querySelector('#model').value === model", arg=primary)
+        # An answer, not a loading skeleton (also `li.message.assistant`): the chat is open by then.
+        page.wait_for_selector("li.message.assistant:not(.skeleton)")
+        assert page.locator("#model").input_value() == primary
