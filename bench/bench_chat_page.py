@@ -37,6 +37,8 @@ from pathlib import Path
 
 import httpx
 
+from chatmesh.finish import FinishReason, Usage
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_front_door import start_door
@@ -46,7 +48,7 @@ from edge.pages import SECURITY_HEADERS, STATIC_DIR
 from localmesh.dev_jwt import generate_keys
 from memory_store.config import StoreConfig
 from memory_store.ids import new_id
-from memory_store.models import FinishReason, Message, Role, Usage
+from memory_store.models import Message, Role
 from memory_store.store import MemoryStore
 from meshkit.launcher import Launcher, free_port
 from tests.fixtures.browser import CHROMIUM_FLAGS, chromium_path

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from chatmesh.finish import FinishReason
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -44,7 +46,7 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.cpu_runner import CpuModelRunner  # noqa: E402
 from engine.model.gguf_loader import load_gguf  # noqa: E402
 from engine.model.kernels import select_kernels  # noqa: E402
-from engine.outputs import FinishReason, RequestOutput  # noqa: E402
+from engine.outputs import RequestOutput  # noqa: E402
 from engine.request import EngineRequest, SamplingParams  # noqa: E402
 from engine.structured import (  # noqa: E402
     CompiledGrammar,

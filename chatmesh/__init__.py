@@ -7,6 +7,8 @@ once, and every service imports it.
   model file both the orchestrator and the engine load.
 - ``identity``: the metadata Envoy sets after verifying a JWT.
 - ``errors``: gRPC statuses with retry hints.
+- ``finish``: how a generation ended and what it cost (``FinishReason``, ``Usage``), as the engine reports
+  them and the memory store keeps them.
 - ``streams``: helpers for the bidi streaming calls between services.
 
 How a service runs (serving, telemetry, config, the process launcher, Envoy's config) is ``meshkit``;

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from chatmesh.finish import FinishReason
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, size_kv_pool
@@ -31,7 +32,7 @@ from engine.kv_events import KvEventLog
 from engine.logprobs import token_logprob
 from engine.metrics import EngineMetrics
 from engine.model.runner import ModelRunner, ModelSpec, SequenceChunk
-from engine.outputs import EngineStats, FinishReason, RequestOutput
+from engine.outputs import EngineStats, RequestOutput
 from engine.request import EngineRequest, Request
 from engine.request_tracker import RequestTracker, TrackedRequest
 from engine.sampler import sample

@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from chatmesh.errors import ServiceError
+from chatmesh.finish import FinishReason, Usage
 from engine.logprobs import TokenLogprob
-
-
-class FinishReason(Enum):
-    STOP = "stop"  # end-of-sequence token, stop token id or stop string
-    LENGTH = "length"  # max_tokens reached
-    CANCELLED = "cancelled"  # cancelled by the client, or the engine failed (then Finish.error is set)
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int  # context at the start: prompt plus resumed output
-    cached_prompt_tokens: int  # of those, served from the prefix cache
-    completion_tokens: int  # output tokens generated here (resumed ones not counted)
 
 
 @dataclass(frozen=True)

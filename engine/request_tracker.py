@@ -32,11 +32,12 @@ from dataclasses import dataclass
 import grpc
 
 from chatmesh.errors import ServiceError
+from chatmesh.finish import FinishReason, Usage
 from chatmesh.tokenizer import ChatTokenizer
 from engine.detokenizer import Detokenizer
 from engine.logprobs import TokenLogprob
 from engine.metrics import EngineMetrics
-from engine.outputs import Finish, FinishReason, RequestOutput, Usage
+from engine.outputs import Finish, RequestOutput
 from engine.request import EngineRequest
 from engine.stopping import check_token
 

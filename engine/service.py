@@ -14,13 +14,14 @@ import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
 from chatmesh.errors import ServiceError, abort, unavailable
+from chatmesh.finish import FinishReason
 from chatmesh.streams import StartThenCancel
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_events import BlocksStored, KvEventBatch, KvEventLog, SubscriberOverflow
 from engine.metrics import EngineMetrics
 from engine.model.runner import ModelSpec
-from engine.outputs import EngineStats, Finish, FinishReason, RequestOutput
+from engine.outputs import EngineStats, Finish, RequestOutput
 from engine.request import EngineRequest
 from engine.streams import OutputDispatcher, RequestStream
 from engine.structured import CompiledGrammar, GrammarCompiler

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from chatmesh.finish import FinishReason
 from chatmesh.tokenizer import ChatTokenizer
 from engine.detokenizer import Detokenizer
-from engine.outputs import FinishReason
 from engine.request import SamplingParams
 
 

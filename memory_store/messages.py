@@ -25,12 +25,13 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from chatmesh.finish import FinishReason, Usage
 from memory_store.base import id_str, unset
 from memory_store.chats import ChatsMixin, summary_of
 from memory_store.db import Cql, Row, Write
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
-from memory_store.models import Branch, Chat, FinishReason, Message, MessageStatus, Page, Role, Usage
+from memory_store.models import Branch, Chat, Message, MessageStatus, Page, Role
 from memory_store.schema import BUCKET_SECONDS
 from memory_store.search import index_statement
 

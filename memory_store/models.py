@@ -13,6 +13,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Generic, TypeVar
 
+from chatmesh.finish import FinishReason, Usage
 from memory_store.ids import id_time
 
 T = TypeVar("T")
@@ -40,34 +41,6 @@ class RunStatus(StrEnum):
     @property
     def terminal(self) -> bool:
         return self is not RunStatus.IN_PROGRESS
-
-
-class FinishReason(StrEnum):
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-    CONTENT_FILTER = "content_filter"
-    ERROR = "error"
-
-
-@dataclass(frozen=True)
-class Usage:
-    """Token accounting of one answer."""
-
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-    def __add__(self, other: Usage) -> Usage:
-        return Usage(
-            self.prompt_tokens + other.prompt_tokens,
-            self.cached_prompt_tokens + other.cached_prompt_tokens,
-            self.completion_tokens + other.completion_tokens,
-        )
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from chatmesh.finish import FinishReason, Usage
 from memory_store.base import id_str, micros, now, unset, utc
 from memory_store.db import Cql, Row, Write
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
@@ -54,7 +55,6 @@ from memory_store.models import (
     Chat,
     Claim,
     FinishedRun,
-    FinishReason,
     Message,
     MessageStatus,
     Role,
@@ -62,7 +62,6 @@ from memory_store.models import (
     RunDelta,
     RunOutcome,
     RunStatus,
-    Usage,
 )
 from memory_store.schema import RUN_INDEX_BUCKET_SECONDS, RUN_SIGNAL_BUCKET_SECONDS, RUN_SIGNAL_TTL_S
 from memory_store.usage import UsageMixin

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from chatmesh.finish import Usage
 from memory_store.base import StoreBase, micros, now
 from memory_store.db import Cql, Write
 from memory_store.errors import InvalidArgument
 from memory_store.ids import id_time, parse_id
-from memory_store.models import Usage, UsageWindow
+from memory_store.models import UsageWindow
 
 STATEMENTS = {
     "usage_put": Cql(

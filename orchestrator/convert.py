@@ -8,14 +8,15 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.finish import FinishReason, Usage
 from memory_store import models
 
 FINISH_REASONS = {
-    models.FinishReason.STOP: chat_pb2.FINISH_REASON_STOP,
-    models.FinishReason.LENGTH: chat_pb2.FINISH_REASON_LENGTH,
-    models.FinishReason.CANCELLED: chat_pb2.FINISH_REASON_CANCELLED,
-    models.FinishReason.CONTENT_FILTER: chat_pb2.FINISH_REASON_CONTENT_FILTER,
-    models.FinishReason.ERROR: chat_pb2.FINISH_REASON_ERROR,
+    FinishReason.STOP: chat_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: chat_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: chat_pb2.FINISH_REASON_CANCELLED,
+    FinishReason.CONTENT_FILTER: chat_pb2.FINISH_REASON_CONTENT_FILTER,
+    FinishReason.ERROR: chat_pb2.FINISH_REASON_ERROR,
 }
 RUN_STATUSES = {
     models.RunStatus.IN_PROGRESS: chat_pb2.RUN_STATUS_IN_PROGRESS,
@@ -27,13 +28,13 @@ RUN_STATUSES = {
 ROLES = {models.Role.USER: chat_pb2.ROLE_USER, models.Role.ASSISTANT: chat_pb2.ROLE_ASSISTANT}
 # Why the engine stopped -> why the answer ended.
 ENGINE_FINISH = {
-    engine_pb2.FINISH_REASON_STOP: models.FinishReason.STOP,
-    engine_pb2.FINISH_REASON_LENGTH: models.FinishReason.LENGTH,
-    engine_pb2.FINISH_REASON_CANCELLED: models.FinishReason.CANCELLED,
+    engine_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    engine_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    engine_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
 }
 
 
-def finish_reason(reason: models.FinishReason | None) -> chat_pb2.FinishReason:
+def finish_reason(reason: FinishReason | None) -> chat_pb2.FinishReason:
     return FINISH_REASONS[reason] if reason else chat_pb2.FINISH_REASON_UNSPECIFIED
 
 
@@ -70,7 +71,7 @@ def search_hit(h: models.SearchHit) -> chat_pb2.SearchHit:
     )
 
 
-def usage(u: models.Usage | None) -> chat_pb2.Usage | None:
+def usage(u: Usage | None) -> chat_pb2.Usage | None:
     if u is None:
         return None
     return chat_pb2.Usage(

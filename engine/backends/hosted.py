@@ -34,12 +34,13 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from chatmesh.finish import FinishReason
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_events import KvEventLog
 from engine.metrics import EngineMetrics
 from engine.model.runner import ModelSpec
-from engine.outputs import EngineStats, FinishReason, RequestOutput
+from engine.outputs import EngineStats, RequestOutput
 from engine.request import EngineRequest, SamplingParams
 from engine.request_tracker import RequestTracker, TrackedRequest
 

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from chatmesh.errors import exhausted, invalid
+from chatmesh.finish import Usage
 from chatmesh.identity import Identity
 from memory_store.errors import MemoryStoreError
-from memory_store.models import Usage, UsageWindow
+from memory_store.models import UsageWindow
 from memory_store.store import MemoryStore
 from orchestrator.config import BudgetConfig
 from orchestrator.metrics import METRICS

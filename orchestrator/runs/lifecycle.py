@@ -32,6 +32,7 @@ from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import DRAINING, ServiceError, not_found, unavailable
+from chatmesh.finish import FinishReason, Usage
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2
@@ -39,7 +40,7 @@ from chatmesh.tiers import tier_of_proto
 from chatmesh.tool_format import ToolCall
 from memory_store.errors import MemoryStoreError, NotFound, OwnerChanged
 from memory_store.ids import new_id
-from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.models import Run, RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from meshkit.pacing import StreamPacer
 from orchestrator import convert

@@ -50,11 +50,12 @@ import grpc
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError, unavailable
+from chatmesh.finish import FinishReason, Usage
 from chatmesh.router.v1 import router_pb2
 from chatmesh.token_text import token_pieces
 from chatmesh.tool_format import ToolCall
 from memory_store.errors import MemoryStoreError, OwnerChanged, Unavailable
-from memory_store.models import FinishedRun, FinishReason, Run, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.models import FinishedRun, Run, RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator import convert
 from orchestrator.config import RunConfig

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.finish import Usage
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tokenizer import ChatTokenizer
 from chatmesh.tool_format import ToolCall, parse_answer, result_text
-from memory_store.models import RunDelta, Usage
+from memory_store.models import RunDelta
 from orchestrator.tools.toolbox import StepResult, Toolbox
 
 OUTCOMES = {

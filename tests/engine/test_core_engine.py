@@ -3,8 +3,8 @@
 import grpc
 import pytest
 
+from chatmesh.finish import FinishReason
 from engine.kv_events import apply_events
-from engine.outputs import FinishReason
 from engine.request import Priority
 from engine.request_tracker import DuplicateRequestError, EngineUnavailableError, QueueFullError
 from tests.engine.core_helpers import (

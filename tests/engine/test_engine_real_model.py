@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from chatmesh.block_hash import block_hashes
+from chatmesh.finish import FinishReason
 from chatmesh.tokenizer import ChatMessage
 from engine.kv_events import BlocksRemoved, BlocksStored, KvEventBatch
 from engine.model.cpu_runner import CpuModelRunner
 from engine.model.kernels import select_kernels
 from engine.model.runner import SequenceChunk
-from engine.outputs import FinishReason
 from engine.request import SamplingParams
 from engine.sampler import sample_one, uniform
 from router.index import PrefixIndex

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import pytest
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.finish import FinishReason
 from chatmesh.token_text import token_pieces
-from engine.outputs import FinishReason, RequestOutput
+from engine.outputs import RequestOutput
 from engine.request_tracker import RequestTracker, TrackedRequest
 from engine.streams import RequestStream
 from tests.engine.core_helpers import prompt, released_pieces, request, tokenizer

@@ -11,8 +11,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from chatmesh.finish import FinishReason
 from chatmesh.tokenizer import ChatMessage
-from engine.outputs import FinishReason
 from engine.request import EngineRequest
 from engine.structured import LOOP_NGRAM, Constraint, GrammarCompiler, allowed_tokens
 from tests.engine.core_helpers import make_engine, request

@@ -2,8 +2,9 @@
 
 import asyncio
 
+from chatmesh.finish import FinishReason, Usage
 from memory_store.errors import MemoryStoreError
-from memory_store.models import FinishReason, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.models import RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from tests.fixtures.cassandra import wait_until_usable
 from tests.memory_store.builders import message, new_user, start_run

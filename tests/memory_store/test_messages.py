@@ -6,10 +6,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from chatmesh.finish import FinishReason, Usage
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import new_id
 from memory_store.messages import bucket_of
-from memory_store.models import FinishReason, Message, MessageStatus, Role, Usage
+from memory_store.models import Message, MessageStatus, Role
 from tests.memory_store.builders import message, new_user, operations_counted, regenerated_tree, requests_sent
 
 

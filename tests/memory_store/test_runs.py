@@ -11,10 +11,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from chatmesh.finish import FinishReason, Usage
 from memory_store import db
 from memory_store.base import now
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
-from memory_store.models import FinishReason, MessageStatus, Role, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.models import MessageStatus, Role, RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from tests.memory_store.builders import message, new_user, operations_counted, requests_sent, start_run
 

@@ -12,10 +12,11 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.finish import Usage
 from chatmesh.identity import Identity
 from memory_store.errors import Unavailable
 from memory_store.ids import new_id
-from memory_store.models import Usage, UsageWindow
+from memory_store.models import UsageWindow
 from memory_store.store import MemoryStore
 from orchestrator.config import BudgetConfig
 from orchestrator.policy import admission

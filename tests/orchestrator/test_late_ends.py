@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from chatmesh.finish import FinishReason
 from memory_store.errors import InvalidArgument, OwnerChanged, Unavailable
-from memory_store.models import FinishReason, Run, RunDelta, RunOutcome, RunStatus
+from memory_store.models import Run, RunDelta, RunOutcome, RunStatus
 from orchestrator.metrics import METRICS
 from orchestrator.runs.late_ends import LateEnds
 from tests.fixtures.runs import stored_run

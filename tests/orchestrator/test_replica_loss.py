@@ -20,9 +20,10 @@ import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.finish import FinishReason, Usage
 from memory_store.base import now
 from memory_store.errors import Unavailable
-from memory_store.models import FinishReason, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.models import RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from tests.fixtures.answers import (
     ANSWER,

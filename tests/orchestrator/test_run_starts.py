@@ -14,10 +14,11 @@ import pytest
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
+from chatmesh.finish import Usage
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import Unavailable
-from memory_store.models import Message, Role, RunStatus, Usage
+from memory_store.models import Message, Role, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator.router_client import start_frame
 from orchestrator.runs.complete import CompleteRun

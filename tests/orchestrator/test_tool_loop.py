@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.finish import Usage
 from chatmesh.model_files import bundled_model_path
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tokenizer import load_tokenizer
 from chatmesh.tool_format import result_text
-from memory_store.models import RunDelta, Usage
+from memory_store.models import RunDelta
 from orchestrator.config import ToolConfig
 from orchestrator.runs.tool_steps import ToolLoop, result_record, started_record, step_event
 from orchestrator.tools.toolbox import StepResult, Toolbox, builtin_tools
