@@ -30,7 +30,7 @@ from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.placement import Placer, RequestPlan
 from router.registry import EngineRegistry
-from router.relay import Relay
+from router.routed_request import RoutedRequest
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         async for message in _ManyRelays(self).serve(request_iterator, self._streams):
             yield message
 
-    def admit(self, start: router_pb2.GenerateStart, deadline_s: float | None) -> Relay:
+    def admit(self, start: router_pb2.GenerateStart, deadline_s: float | None) -> RoutedRequest:
         """The relay of a request this router takes; raises ServiceError if it does not."""
         if self.draining:
             raise unavailable("the router is draining; use another replica")
@@ -108,9 +108,9 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
             opens_session=start.new_session,
         )
         self._live.add(start.request_id)
-        return Relay(start, plan, self.placer, self.config, self.metrics, deadline_s)
+        return RoutedRequest(start, plan, self.placer, self.config, self.metrics, deadline_s)
 
-    def end(self, relay: Relay) -> None:
+    def end(self, relay: RoutedRequest) -> None:
         relay.close()
         self._live.discard(relay.start.request_id)
 
@@ -139,13 +139,13 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
 
 
 class _ManyRelays(ServedRequests):
-    """The requests of one ``GenerateMany`` call on this router: each runs its ``Relay`` in a task of its
-    own, with its deadline from its start frame, under its server span."""
+    """The requests of one ``GenerateMany`` call on this router: each runs its ``RoutedRequest`` in a task
+    of its own, with its deadline from its start frame, under its server span."""
 
     def __init__(self, service: RouterService) -> None:
         super().__init__(ROUTER_MESSAGES, lambda: service.draining)
         self._service = service
-        self._relays: dict[str, tuple[Relay, asyncio.Task[None]]] = {}
+        self._relays: dict[str, tuple[RoutedRequest, asyncio.Task[None]]] = {}
 
     def start(self, request_id: str, frame: router_pb2.RequestFrame) -> None:
         relay = self._service.admit(frame.start, frame.timeout_ms / 1000 if frame.timeout_ms else None)
@@ -159,7 +159,7 @@ class _ManyRelays(ServedRequests):
         relay.close()  # the engine's work is released now: no token of it is relayed after this
         task.cancel()
 
-    async def _run(self, request_id: str, relay: Relay) -> None:
+    async def _run(self, request_id: str, relay: RoutedRequest) -> None:
         error: ServiceError | None = None
         last = None
 
@@ -188,7 +188,7 @@ class _ManyRelays(ServedRequests):
         self.end(request_id, last, error)
 
 
-async def _relay_into(relay: Relay, frames: Arrivals[router_pb2.ResponseFrame]) -> None:
+async def _relay_into(relay: RoutedRequest, frames: Arrivals[router_pb2.ResponseFrame]) -> None:
     """Runs ``relay`` into ``frames``, for one ``Generate`` call: its error, if any, ends them."""
     try:
         await relay.run(frames.add)

@@ -16,12 +16,14 @@ from router.config import RouterConfig
 from router.engines import ENGINE_LINK
 from router.metrics import RouterMetrics
 from router.placement import Placement, RequestPlan
-from router.relay import AttemptFailed, Relay
+from router.routed_request import AttemptFailed, RoutedRequest
 
 
-def relay() -> Relay:
+def relay() -> RoutedRequest:
     start = router_pb2.GenerateStart(request_id="r", prompt_token_ids=[1, 2, 3])
-    return Relay(start, RequestPlan("r", [1, 2, 3]), None, RouterConfig(), RouterMetrics(CollectorRegistry()))
+    return RoutedRequest(
+        start, RequestPlan("r", [1, 2, 3]), None, RouterConfig(), RouterMetrics(CollectorRegistry())
+    )
 
 
 def tokens(index: int, *ids: int) -> engine_pb2.GenerateTokens:
@@ -59,7 +61,7 @@ def test_giving_up_says_what_every_engine_said():
         ("e0", AttemptFailed("unavailable", "UNAVAILABLE: Socket closed")),
         ("e1", AttemptFailed("timeout", "nothing within 30s (waiting for the next token)")),
     ]
-    err = Relay._give_up(failures)
+    err = RoutedRequest._give_up(failures)
     assert err.code == grpc.StatusCode.UNAVAILABLE and err.retry_after_s is None
     assert "failed on 2 engine(s): e0: UNAVAILABLE: Socket closed; e1: nothing within 30s" in err.message
 
@@ -69,7 +71,7 @@ def test_when_every_engine_tried_was_full_the_answer_is_resource_exhausted_with_
         ("e0", AttemptFailed("exhausted", "queue full", retry_after_s=2.0)),
         ("e1", AttemptFailed("exhausted", "queue full", retry_after_s=0.7)),
     ]
-    err = Relay._give_up(failures)
+    err = RoutedRequest._give_up(failures)
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s == 0.7
 
 
@@ -140,7 +142,7 @@ def token_frame(index: int, *ids: int) -> engine_pb2.ResponseFrame:
 
 
 async def relay_live(
-    r: Relay, sent: list[router_pb2.ResponseFrame]
+    r: RoutedRequest, sent: list[router_pb2.ResponseFrame]
 ) -> tuple[asyncio.Task[None], RequestFeed]:
     """``r``'s attempt on an engine whose frames the test adds as they come, once `accepted` is in."""
     r.placer = SimpleNamespace(remember=lambda plan, engine, output: None)
@@ -228,11 +230,11 @@ class ScriptedPlacer:
         pass
 
 
-def free_relay(placer: ScriptedPlacer, admission: str = "wait") -> Relay:
+def free_relay(placer: ScriptedPlacer, admission: str = "wait") -> RoutedRequest:
     start = router_pb2.GenerateStart(request_id="r", prompt_token_ids=[1, 2, 3], tier=router_pb2.TIER_FREE)
     plan = RequestPlan("r", [1, 2, 3], tier=router_pb2.TIER_FREE)
     config = RouterConfig(admission=admission)
-    return Relay(start, plan, placer, config, RouterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
+    return RoutedRequest(start, plan, placer, config, RouterMetrics(CollectorRegistry()))  # type: ignore[arg-type]
 
 
 ACCEPTED = engine_pb2.ResponseFrame(request_id="r", accepted=engine_pb2.GenerateAccepted())

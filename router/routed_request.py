@@ -1,4 +1,5 @@
-"""One request through the router: place it, stream from the engine, and fail over when the engine fails.
+"""One request through the router (``RoutedRequest``): place it, stream from the engine, and fail over when
+the engine fails.
 
     place ──► routed ──► engine Generate: start ─► accepted ─► tokens … ─► finished ──► done
                  ▲                                    │ error, timeout, or the stream just ends
@@ -92,7 +93,7 @@ class AttemptFailed(ServiceError):
         self.failure = failure  # metric label: unavailable, timeout, exhausted, error, ...
 
 
-class Relay:
+class RoutedRequest:
     def __init__(
         self,
         start: router_pb2.GenerateStart,
