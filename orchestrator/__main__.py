@@ -1,4 +1,6 @@
-"""``python -m orchestrator``: the ChatService (history, prompt assembly, budgets, runs, resume).
+"""``python -m orchestrator``: the ChatService (history, prompt assembly, budgets, runs, resume). ``main``
+parses the flags into an ``OrchestratorConfig``; ``serve`` connects the store and the router and wires the
+replica's parts with ``orchestrator.composition.build_orchestrator``.
 
 Start-up, each step logged: tokenizer and chat template loaded, Cassandra connected (schema applied),
 router reachable, first heartbeat; then it serves. SIGTERM: health NOT_SERVING, new answers refused,
@@ -15,36 +17,21 @@ import sys
 import time
 from argparse import Namespace
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, completion_link_pb2_grpc
 from chatmesh.identity import TokenVerifier
-from chatmesh.limits import Generation
-from chatmesh.tiers import TIERS
 from memory_store.errors import Unavailable
 from memory_store.store import MemoryStore
 from meshkit import event_loop, serving, telemetry
 from orchestrator import config as configuration
 from orchestrator.api.completion_link import CompletionLinkService
 from orchestrator.api.service import ChatService
+from orchestrator.composition import build_orchestrator
 from orchestrator.config import OrchestratorConfig
-from orchestrator.policy.admission import Budgets, RunSlots
-from orchestrator.policy.moderation import create_moderator
-from orchestrator.prompting.models import CHAT, Models, ModelSpec, default_model, model_files
+from orchestrator.prompting.models import CHAT, ModelSpec, default_model, model_files
 from orchestrator.router_client import RouterClient
-from orchestrator.runs.checkpoints import CheckpointWriter
-from orchestrator.runs.context import RunContext
-from orchestrator.runs.late_ends import LateEnds
-from orchestrator.runs.lifecycle import Runs
-from orchestrator.runs.relay import RelayDeps, usage_settled_after_s
-from orchestrator.tools.toolbox import Toolbox, builtin_tools
-from orchestrator.upkeep.after_runs import Upkeep
-from orchestrator.upkeep.jobs import BackgroundJobs
-from orchestrator.upkeep.replica import Replica
-from orchestrator.upkeep.summaries import Summarizer
-from orchestrator.upkeep.titles import Titler
 
 log = logging.getLogger("orchestrator")
 
@@ -63,79 +50,6 @@ async def connect_store(config: OrchestratorConfig) -> MemoryStore:
                 raise
             log.info("Cassandra not reachable yet (%s); retrying", exc)
             await asyncio.sleep(2.0)
-
-
-@dataclass(frozen=True)
-class Parts:
-    """A replica's parts, wired together: what its calls use, and what keeps its runs."""
-
-    ctx: RunContext
-    budgets: Budgets
-    checkpoints: CheckpointWriter
-    jobs: BackgroundJobs
-    replica: Replica
-
-    async def stop(self) -> None:
-        """After the drain (or without one): the runs it left are handed over, the last checkpoints and
-        background jobs end, and the replica leaves."""
-        handed_over = await self.ctx.runs.shutdown(0.0)
-        await self.checkpoints.close()
-        await self.jobs.close()
-        await self.replica.leave(handed_over)
-
-
-def assemble(
-    config: OrchestratorConfig, store: MemoryStore, router: RouterClient, specs: Sequence[ModelSpec]
-) -> Parts:
-    """The replica's parts over its store, router and models (nothing started yet: ``Replica.join``).
-    Titles and summaries are written by the default model (a chat model)."""
-    models = Models.over(store, specs, config.prompt, config.default_model)
-    writer = models.get(models.default)
-    model, tokenizer, context_window = writer.name, writer.tokenizer, writer.context_window
-    checkpoints = CheckpointWriter(
-        store,
-        config.runs.checkpoint_events,
-        config.runs.checkpoint_interval_ms / 1000,
-        config.runs.store_deadline_s,
-    )
-    late_ends = LateEnds(store, config.runs.store_deadline_s)
-    moderator = create_moderator(config.moderation)
-    toolbox = Toolbox(config.tools, builtin_tools(store), TIERS) if config.tools.enabled else None
-    budgets = Budgets(store, config.budgets, usage_settled_after_s(config.runs))
-    deps = RelayDeps(store, moderator, config.runs, router, checkpoints, late_ends, toolbox, models, budgets)
-    runs = Runs(store, router, deps, budgets, RunSlots(config.budgets.concurrent_runs))
-    summary_config = config.summaries
-    jobs = BackgroundJobs(summary_config.concurrency, summary_config.queue, summary_config.timeout_s)
-    summary_generation = Generation(
-        model=model, max_tokens=summary_config.max_tokens, temperature=0.0, top_p=0.0, seed=None, stop=()
-    )
-    upkeep = Upkeep(
-        jobs=jobs,
-        titler=Titler(
-            store,
-            router,
-            tokenizer,
-            Generation(model, summary_config.title_max_tokens, 0.0, 0.0, None, ()),
-            summary_config.timeout_s,
-        )
-        if summary_config.titles
-        else None,
-        summarizer=Summarizer(
-            store,
-            router,
-            tokenizer,
-            summary_config,
-            summary_generation,
-            context_window - summary_config.max_tokens,
-            config.prompt.max_history_messages,
-            summary_config.timeout_s,
-        )
-        if summary_config.enabled
-        else None,
-    )
-    ctx = RunContext(config, store, runs, models, deps.moderator, upkeep)
-    replica = Replica(config.replica_id, config.replica_group, store, runs, late_ends, config.runs)
-    return Parts(ctx, budgets, checkpoints, jobs, replica)
 
 
 async def serve(
@@ -174,11 +88,12 @@ async def serve(
     except Exception as exc:
         log.warning("router at %s not reachable yet (%s); answers fail until it is", config.router, exc)
 
-    parts = assemble(config, store, router, specs)
-    ctx, runs = parts.ctx, parts.ctx.runs
-    service = ChatService(ctx, parts.budgets, router, verifier)
-    completion_link = CompletionLinkService(service, verifier)
-    await parts.replica.join()
+    orchestrator = build_orchestrator(config, store=store, router=router, specs=specs)
+    service = ChatService(
+        ctx=orchestrator.ctx, budgets=orchestrator.budgets, router=router, verifier=verifier
+    )
+    completion_link = CompletionLinkService(chat=service, verifier=verifier)
+    await orchestrator.membership.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
 
     def add_services(server: grpc.aio.Server) -> list[str]:
@@ -193,14 +108,16 @@ async def serve(
 
     async def on_drain() -> None:
         # Runs get most of the grace period; what is left lets their last events reach clients.
-        shutdown.append(asyncio.create_task(runs.shutdown(max(0.0, args.drain_grace_s - 1.0))))
+        shutdown.append(
+            asyncio.create_task(orchestrator.ctx.runs.shutdown(max(0.0, args.drain_grace_s - 1.0)))
+        )
         completion_link.drain()
 
     try:
         await serving.serve("orchestrator", args, add_services, on_drain=on_drain)
     finally:
         await asyncio.gather(*shutdown, return_exceptions=True)
-        await parts.stop()
+        await orchestrator.stop()
         await router.close()
         await store.close()
 

@@ -4,14 +4,15 @@ A relay retries storing its run's end for ``finish_retry_s`` (Cassandra unreacha
 then ends its streams with UNAVAILABLE and leaves the end here: the end its clients were told, FAILED
 with the whole output streamed. Until it is stored the run reads as in progress in Cassandra, the chat
 names it as its active run, and no other replica takes it (its owner still heartbeats). So the owner
-goes on trying, each pass of its upkeep (``Replica``), until the end lands: the answer streamed is then
-the chat's message, as a finish that took at once would have stored it (``finish_run`` is idempotent,
-and if an attempt that timed out did land, its verdict stands and only what follows it is written).
+goes on trying, each pass of its membership's loops (``Membership``), until the end lands: the answer
+streamed is then the chat's message, as a finish that took at once would have stored it (``finish_run``
+is idempotent, and if an attempt that timed out did land, its verdict stands and only what follows it
+is written).
 
 A pass stops at its first failure: while Cassandra is down one attempt a pass is enough to find out.
 A run another replica owns by now (it took this one for dead while Cassandra could not hear its
 heartbeat) is that replica's to end, and is dropped here. A replica that shuts down with ends still
-here leaves them as it leaves runs it hands over (``Replica.leave``): its heartbeat is dated so that
+here leaves them as it leaves runs it hands over (``Membership.leave``): its heartbeat is dated so that
 another replica's reaper settles them, or adopts a run whose end never landed and regenerates the same
 answer. The ends live in memory only: a replica killed with some leaves their runs to the reaper too
 (its heartbeat goes stale), which regenerates them to COMPLETED though their streams were told FAILED.

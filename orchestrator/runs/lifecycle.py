@@ -96,7 +96,7 @@ class Runs:
         self.draining = False
         # Set once a draining replica's grace is over: every run still live here is handed over.
         self._handing_over = False
-        # Runs handed over to another replica at shutdown, for ``Replica.leave``.
+        # Runs handed over to another replica at shutdown, for ``Membership.leave``.
         self.handed_over = 0
         self.pacer = StreamPacer(self.config.stream_interval_max_ms / 1000)
         METRICS.stream_interval.set_function(lambda: self.pacer.interval_s)
@@ -197,7 +197,7 @@ class Runs:
         if self.draining:
             raise unavailable(SHUTTING_DOWN, 0.5, reason=DRAINING)  # before anything of it is stored
         # Until the block ends: then the run is live (``generate`` goes on without a pause), or it was
-        # refused, though its row may have landed (the reaper continues it: ``Replica.reap_own``).
+        # refused, though its row may have landed (the reaper continues it: ``Membership.reap_own``).
         self._pending.add(info.run_id)
         try:
             async with self._admitted(identity, info, prompt, options) as admission:
@@ -313,7 +313,7 @@ class Runs:
         replica adopted it (another replica may have been first); a run that cannot be continued
         (stored before runs kept their generation) is ended as interrupted instead.
 
-        ``orphan`` may be this replica's own run, one it does not hold (``Replica.reap_own``): it is
+        ``orphan`` may be this replica's own run, one it does not hold (``Membership.reap_own``): it is
         continued the same way."""
         if self.draining or self.holds(orphan.run_id):
             return False
@@ -621,7 +621,7 @@ class Runs:
 
     async def shutdown(self, grace_s: float) -> int:
         """Lets runs finish for ``grace_s``, then hands the rest over: their output so far is stored
-        and another replica adopts them (once this one says it is gone: ``Replica.leave``), so clients
+        and another replica adopts them (once this one says it is gone: ``Membership.leave``), so clients
         resuming elsewhere get the whole answer. A Complete, which nobody could resume, is interrupted.
 
         Runs that go live while the replica drains (sends already past the draining check, adoptions
@@ -643,7 +643,7 @@ class Runs:
         # Runs handed over store their output; runs on their way to going live (placement,
         # persistence) go on, and are handed over as they go live. Whatever is still on its way after
         # that ends with the replica: a run not yet stored as a refusal its caller may retry elsewhere;
-        # one whose row may have landed is found in this replica's index (``Replica.leave``).
+        # one whose row may have landed is found in this replica's index (``Membership.leave``).
         await self._until_ended(loop.time() + self.config.cancel_timeout_s + self.config.store_deadline_s)
         for task in list(self._tasks):
             task.cancel()

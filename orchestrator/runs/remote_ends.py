@@ -42,7 +42,7 @@ READS_AT_ONCE = 16
 
 class RemoteEnds:
     """One replica's watch over the stored runs it generates; ``poll`` is one pass (every
-    SIGNAL_POLL_S: ``Replica``)."""
+    SIGNAL_POLL_S: ``Membership``)."""
 
     def __init__(
         self,

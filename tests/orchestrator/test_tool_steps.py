@@ -201,7 +201,7 @@ async def test_a_step_found_started_without_its_result_is_answered_interrupted_n
         assert offered is not None
         chat = await client.create_chat("adopted at a step")
         lost = f"lost-{uuid.uuid4().hex[:6]}"
-        await memory_store.heartbeat_replica(lost, group=replica.parts.replica.group)
+        await memory_store.heartbeat_replica(lost, group=replica.parts.membership.group)
         ctx = replica.parts.ctx
         options = Generation(ctx.models.default, 48, 0.0, 0.0, None, ())
         grammar = engine_pb2.StructuredOutput(grammar=offered.constraint().grammar)

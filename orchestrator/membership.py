@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 GONE = datetime(2000, 1, 1, tzinfo=UTC)
 
 
-class Replica:
+class Membership:
     def __init__(
         self,
         replica_id: str,
