@@ -55,7 +55,7 @@ def build_orchestrator(
     """The replica's parts over its store, router and models. Titles and summaries are written by the
     default model (a chat model)."""
     runs_config, summary_config = config.runs, config.summaries
-    models = Models.over(store, specs, config.prompt, config.default_model)
+    models = Models.over(store=store, specs=specs, config=config.prompt, default=config.default_model)
     writer = models.get(models.default)
     checkpoints = CheckpointWriter(
         store=store,
