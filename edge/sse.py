@@ -21,11 +21,11 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Message, Send
 
 from chatmesh.chat.v1 import chat_pb2
+from edge.chat_client.run_stream import RunStream
 from edge.convert import event_json
 from edge.drain import Drain
 from edge.errors import ApiError, from_rpc_error
 from edge.observability import METRICS
-from edge.orchestrator import RunStream
 from meshkit.config import setting
 
 
