@@ -87,7 +87,7 @@ class Choices:
 
     async def rest(self) -> AsyncIterator[ChoiceEvent]:
         """Every event after ``first``, each choice's in its order, the choices' interleaved as they
-        come; a failure of any choice raises grpc.RpcError."""
+        come; a failure of any choice raises ServiceError."""
         queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
         async def follow(index: int) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
 from google.protobuf.message import Message
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError
 from chatmesh.linked_calls import linked_start
 from edge.chat_client.caller import Caller
 from edge.chat_client.linked_run import LinkedRun
@@ -17,7 +17,7 @@ from edge.chat_client.replicas import OrchestratorReplica
 from edge.chat_client.run_stream import RunStream
 from edge.chat_client.unary import unary
 from edge.drain import Drain
-from edge.errors import from_rpc_error
+from edge.errors import from_service_error
 from meshkit.replicas import Replicas
 
 
@@ -65,8 +65,8 @@ class ChatClient:
         stored chat's is attached again after its last event when it breaks (``RunStream.rest``)."""
         try:
             linked = self._linked_run(method, request, caller)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        except ServiceError as exc:
+            raise from_service_error(exc) from exc
         if method == "Complete":
             return RunStream(linked, self.drain)
 

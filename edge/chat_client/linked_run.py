@@ -16,9 +16,9 @@ from chatmesh.chat.v1 import completion_link_pb2
 from chatmesh.errors import DRAINING, ServiceError
 from chatmesh.linked_calls import linked_call
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
-from edge.chat_client.call_errors import call_error, not_started
 from edge.chat_client.caller import Caller
 from edge.chat_client.replicas import OrchestratorReplica, least_busy_link
+from edge.errors import Unanswered
 from meshkit.links import LinkBroken
 from meshkit.replicas import Replicas
 from meshkit.telemetry import request_span, trace_context
@@ -34,9 +34,8 @@ EDGE_KEY_PREFIX = "edge:"
 
 class LinkedRun:
     """One run-event stream on a completion link, read as its call would be (``read`` and ``cancel``):
-    its events, then ``grpc.aio.EOF``; a failure raises the AioRpcError the call would have raised (with
-    its status details when the orchestrator sent them, without when the stream broke), so the edge
-    answers it the same way.
+    its events, then ``grpc.aio.EOF``; a failure raises the ServiceError the orchestrator ended it with
+    (``LinkBroken`` when the stream broke, ``Unanswered`` when its run did not start in time).
 
     A Complete goes on the least busy link of the replicas up; a stored chat's stream on a link of its
     chat's replica (where its run is live). Deltas that arrived together are read as one
@@ -104,14 +103,16 @@ class LinkedRun:
                         self._frames.extend(await self._feed.take())
             except TimeoutError:
                 # Its `cancel` goes out: should the run start after all, a Complete stops (a send's run
-                # goes on, which a retry with its idempotency key joins).
+                # goes on, which a retry with its idempotency key joins). As gRPC sheds a call it did
+                # not take: CANCELLED (503, too busy, retry).
                 self._end()
-                raise not_started(self._start_timeout_s) from None
+                message = f"the answer did not start within {self._start_timeout_s:g} s"
+                raise Unanswered(grpc.StatusCode.CANCELLED, message) from None
             except ServiceError as error:
                 start = self._start
                 if start is None or self._attempts >= START_ATTEMPTS or not self._resendable(error):
                     self._end(error)
-                    raise call_error(error) from None
+                    raise
                 # It goes to another replica than the one that refused it (draining) or whose stream
                 # broke (dead, most likely), on a new stream.
                 self._failed_on.add(self._replica.address)

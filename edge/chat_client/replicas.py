@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Container
 
+import grpc
+
 from chatmesh.chat.v1 import completion_link_pb2, completion_link_pb2_grpc
-from edge.chat_client.call_errors import unreachable
-from meshkit.links import Link, LinkMessages
+from meshkit.links import Link, LinkBroken, LinkMessages
 from meshkit.replicas import Replica, Replicas
 
 COMPLETION_LINK = LinkMessages.of(completion_link_pb2)
@@ -48,8 +49,8 @@ def least_busy_link(
     replicas: Replicas[OrchestratorReplica], chat_id: str = "", failed_on: Container[str] = ()
 ) -> tuple[OrchestratorReplica, Link]:
     """The completion link with the fewest requests of the chat's replica (``chat_id``), or of the
-    replicas up (no chat), but those a request ``failed_on`` (unless only they are left); raises the
-    error of a call that cannot connect when no replica is known."""
+    replicas up (no chat), but those a request ``failed_on`` (unless only they are left); raises
+    ``unreachable()`` when no replica is known."""
     if not replicas.candidates(failed_on):
         failed_on = ()
     if chat_id:
@@ -61,3 +62,8 @@ def least_busy_link(
     if not links:
         raise unreachable()
     return min(links, key=lambda pair: pair[1].requests)
+
+
+def unreachable() -> LinkBroken:
+    """No replica of the chat service is known: the failure of a link that cannot connect."""
+    return LinkBroken(grpc.StatusCode.UNAVAILABLE, "no chat service replica is known")

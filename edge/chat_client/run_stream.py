@@ -21,9 +21,10 @@ from typing import Any
 import grpc
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError
 from edge.chat_client.linked_run import LinkedRun
 from edge.drain import Drain
-from edge.errors import ApiError, from_rpc_error, from_run_error
+from edge.errors import ApiError, from_run_error, from_service_error
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,8 @@ class RunStream:
         try:
             with self._drain.watch() as drain:
                 response: Any = await drain.wait(self._linked.read())
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        except ServiceError as exc:
+            raise from_service_error(exc) from exc
         except TimeoutError:
             self.detach()
             raise ApiError(
@@ -113,7 +114,7 @@ class RunStream:
         return first
 
     async def rest(self) -> AsyncIterator[chat_pb2.RunEvent]:
-        """The events after the first; a failure mid-stream raises grpc.RpcError (after attaching again
+        """The events after the first; a failure mid-stream raises ServiceError (after attaching again
         for ``REATTACH_FOR_S`` where the run can be resumed)."""
         if self._read_ahead is not None:
             event, self._read_ahead = self._read_ahead, None
@@ -123,7 +124,7 @@ class RunStream:
         while True:
             try:
                 response: Any = await self._linked.read()
-            except grpc.RpcError as exc:
+            except ServiceError as exc:
                 if not self._resumable(exc):
                     raise
                 now = time.monotonic()
@@ -133,7 +134,7 @@ class RunStream:
                 log.info(
                     "run %s: stream broke (%s); attaching again after event %d",
                     self._run_id,
-                    exc.code().name,
+                    exc.code.name,
                     self._last_seq,
                 )
                 await asyncio.sleep(delay)
@@ -147,9 +148,8 @@ class RunStream:
             self._saw(response.event)
             yield response.event
 
-    def _resumable(self, exc: grpc.RpcError) -> bool:
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-        return self._reattach is not None and bool(self._run_id) and code == grpc.StatusCode.UNAVAILABLE
+    def _resumable(self, exc: ServiceError) -> bool:
+        return self._reattach is not None and bool(self._run_id) and exc.code == grpc.StatusCode.UNAVAILABLE
 
     async def events(self, first: chat_pb2.RunEvent) -> AsyncGenerator[chat_pb2.RunEvent, None]:
         """``first`` and the events after it; a failure mid-stream raises ApiError. Detaches when closed
@@ -158,8 +158,8 @@ class RunStream:
             yield first
             async for event in self.rest():
                 yield event
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from exc
+        except ServiceError as exc:
+            raise from_service_error(exc) from exc
         finally:
             self.detach()
 

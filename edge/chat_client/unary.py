@@ -15,10 +15,9 @@ from opentelemetry import trace
 from chatmesh.chat.v1 import completion_link_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.linked_calls import linked_call, linked_start, method_of, reply_response
-from edge.chat_client.call_errors import call_error, transport_error, unreachable
 from edge.chat_client.caller import Caller
-from edge.chat_client.replicas import OrchestratorReplica
-from edge.errors import from_rpc_error
+from edge.chat_client.replicas import OrchestratorReplica, unreachable
+from edge.errors import Unanswered, from_service_error
 from meshkit.envoy import IDEMPOTENT_METHODS
 from meshkit.links import Link
 from meshkit.replicas import Replicas
@@ -45,27 +44,28 @@ async def unary(
                 raise unreachable()
             start = linked_start(method, caller.authorization, request)
             return await linked_unary(replica.least_busy_link(), start, timeout_s)
-        except grpc.RpcError as exc:
+        except ServiceError as exc:
             if replica is None or not _tried_again(replicas, exc, tried, replica.address, attempts):
-                raise from_rpc_error(exc) from exc
+                raise from_service_error(exc) from exc
             await asyncio.sleep(_UNARY_RETRY_DELAY_S)
 
 
 def _tried_again(
-    replicas: Replicas[OrchestratorReplica], exc: grpc.RpcError, tried: set[str], address: str, attempts: int
+    replicas: Replicas[OrchestratorReplica], exc: ServiceError, tried: set[str], address: str, attempts: int
 ) -> bool:
     """Whether a call that failed with ``exc`` on ``address`` goes to another replica: UNAVAILABLE (the
     replica drains, or cannot be reached), fewer than ``attempts`` made, and another replica left (else
     the client reads this one's answer)."""
     tried.add(address)
-    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-    return code == grpc.StatusCode.UNAVAILABLE and len(tried) < attempts and bool(replicas.candidates(tried))
+    return (
+        exc.code == grpc.StatusCode.UNAVAILABLE and len(tried) < attempts and bool(replicas.candidates(tried))
+    )
 
 
 async def linked_unary(link: Link, start: completion_link_pb2.CompleteStart, timeout_s: float) -> Any:
     """The response of the unary call ``start`` stands for, made on ``link`` within ``timeout_s``;
-    a failure raises the AioRpcError the call would have raised (DEADLINE_EXCEEDED past its time, when
-    its `cancel` goes out). Why not a call: the orchestrator's gRPC server takes one new call a loop turn,
+    a failure raises the ServiceError the call would have ended with (DEADLINE_EXCEEDED past its time,
+    when its `cancel` goes out). Why not a call: the orchestrator's gRPC server takes one new call a loop turn,
     and a replica whose loop runs late under load (800 stored streams) took a few a second, so a cancel
     waited there for longer than its time; the requests of one link message start in one turn."""
     name, request = linked_call(start)
@@ -82,13 +82,13 @@ async def linked_unary(link: Link, start: completion_link_pb2.CompleteStart, tim
         raise ValueError(f"the {method} call ended without its response")
     except TimeoutError:
         span.set_status(trace.StatusCode.ERROR, "the call's deadline passed")
-        raise transport_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        raise Unanswered(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
     except ServiceError as error:
         span.set_status(trace.StatusCode.ERROR, error.message)
-        raise call_error(error) from None
+        raise
     except ValueError as exc:  # the orchestrator answered out of contract
         span.set_status(trace.StatusCode.ERROR, str(exc))
-        raise transport_error(grpc.StatusCode.INTERNAL, str(exc)) from None
+        raise Unanswered(grpc.StatusCode.INTERNAL, str(exc)) from None
     finally:
         link.release(start.request_id)
         span.end()
