@@ -8,8 +8,7 @@ config) and drives the same answers, C at a time, along three paths:
   engine  EngineService.Generate straight to an engine (round robin): the floor
   openai  POST /v1/chat/completions (stream) through Envoy (JWT, rate limit) -> edge -> orchestrator
           Complete, on the edge's completion links (limits, budget in Cassandra, prompt) -> router ->
-          engine (``--edge-via envoy``: the edge reaches the orchestrators through Envoy's internal
-          listener)
+          engine
   chat    POST /v1/chats/{id}/messages (SSE, the chat page's path) through the same hops, with the
           exchange stored in Cassandra (idempotency claim, history, run, checkpoints, the answer)
 
@@ -649,7 +648,7 @@ def print_lag(result: Held) -> None:
 
 
 # What each process relays: its CPU time per token relayed is that hop's cost. Envoy carries every token
-# once (edge -> client), twice with --edge-via envoy (orchestrator -> edge on the internal listener too).
+# once (edge -> client).
 HOPS = {
     "engine": "engine -> router (the engines' own sending)",
     "router": "router -> orchestrator",
@@ -1029,20 +1028,14 @@ def plot(rows: list[Row], path: Path, title: str) -> None:
     print(f"plot: {path}")
 
 
-def start_door(
-    launcher: Launcher, orchestrators: list[str], run_dir: Path, keys: DevKeys, edge_via_envoy: bool = False
-) -> str:
+def start_door(launcher: Launcher, orchestrators: list[str], run_dir: Path, keys: DevKeys) -> str:
     """The edge and Envoy with ``make run``'s config (default rate limits) in front of ``orchestrators``
     (Envoy spreads calls over them); ``keys`` sign the tokens Envoy, the edge and the orchestrators all
     verify."""
-    ports = FrontDoorPorts(
-        envoy=free_port(), envoy_admin=free_port(), envoy_internal=free_port(), edge=free_port()
-    )
+    ports = FrontDoorPorts(envoy=free_port(), envoy_admin=free_port(), edge=free_port())
     orchestrator_ports = [int(address.rsplit(":", 1)[1]) for address in orchestrators]
     edge_flags = ["--metrics-port", str(free_port())]  # its event loop's lag (bench/loop_lag.py)
-    specs = front_door_specs(
-        ports, orchestrator_ports, run_dir, keys, edge_flags=edge_flags, edge_via_envoy=edge_via_envoy
-    )
+    specs = front_door_specs(ports, orchestrator_ports, run_dir, keys, edge_flags=edge_flags)
     for spec in specs:
         launcher.start(spec)
     return f"http://127.0.0.1:{ports.envoy}"
@@ -1067,13 +1060,6 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32, help="output tokens per stream")
     parser.add_argument("--tokens-per-s", type=float, default=50.0, help="null engines' pace per stream")
     parser.add_argument("--engines", type=int, default=2)
-    parser.add_argument(
-        "--edge-via",
-        choices=("direct", "envoy"),
-        default="direct",
-        help="the edge reaches each orchestrator replica itself (make run's and the Helm chart's way), or "
-        "goes through Envoy's internal listener",
-    )
     parser.add_argument(
         "--orchestrators", type=int, default=1, help="orchestrator replicas (Envoy spreads calls over them)"
     )
@@ -1142,9 +1128,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(f"machine: {machine()}")
-    print(
-        f"edge -> orchestrators: {'through Envoy' if args.edge_via == 'envoy' else 'each replica directly'}"
-    )
     with tempfile.TemporaryDirectory(prefix="bench-front-door-") as tmp:
         run(args, args.run_dir or Path(tmp))
 
@@ -1163,7 +1146,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> None:
             args.orchestrators,
             () if interval is None else ("--stream-interval-max-ms", str(interval)),
         )
-        url = start_door(launcher, orchestrators, run_dir, keys, args.edge_via == "envoy")
+        url = start_door(launcher, orchestrators, run_dir, keys)
         asyncio.run(wait_for_engines(router, len(engines)))
         if args.warm_door_sends:
             asyncio.run(warm_door(args, url, keys, process_ids(launcher)))

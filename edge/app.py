@@ -20,13 +20,13 @@ from starlette.routing import Mount, Route
 
 from chatmesh.identity import TokenVerifier
 from edge import chats_api, completions_api, openai_api, responses_api
+from edge.chat_client.client import ChatClient
 from edge.client_gone import ClientGone, client_gone
 from edge.drain import Drain
 from edge.errors import ApiError
 from edge.observability import ObservabilityMiddleware
 from edge.ops import api as ops_api
 from edge.ops.scrape import Scraper
-from edge.orchestrator import Orchestrator
 from edge.pages import STATIC_DIR, PageFiles, page
 from edge.settings import EdgeSettings
 
@@ -69,14 +69,13 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # The gRPC channel belongs to the server's event loop, so it is made here.
-        app.state.orchestrator = Orchestrator(
+        app.state.orchestrator = ChatClient(
             settings.orchestrator,
-            settings.unary_timeout_s,
-            settings.stream_timeout_s,
-            app.state.drain,
-            settings.completion_links,
-            settings.completion_start_timeout_s,
-            settings.chat_links,
+            links=settings.completion_links,
+            unary_timeout_s=settings.unary_timeout_s,
+            stream_timeout_s=settings.stream_timeout_s,
+            start_timeout_s=settings.completion_start_timeout_s,
+            drain=app.state.drain,
         )
         await app.state.orchestrator.start()
         scraping = asyncio.create_task(app.state.ops_scraper.run())

@@ -33,9 +33,10 @@ from starlette.routing import Route
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, TokenVerifier, Unauthenticated
 from edge.bodies import read_model
+from edge.chat_client.caller import Caller
+from edge.chat_client.client import ChatClient
 from edge.convert import chat_json, message_json, options_proto, run_json, search_hit_json, timestamp
 from edge.errors import ApiError
-from edge.orchestrator import Caller, Orchestrator
 from edge.params import unsigned
 from edge.schemas import API, UINT64_MAX, CreateChatIn, RegenerateIn, RenameChatIn, SendMessageIn
 from edge.settings import EdgeSettings
@@ -72,7 +73,7 @@ def page_args(request: Request, max_size: int) -> tuple[int, str]:
     return size, token
 
 
-def _app(request: Request) -> tuple[Orchestrator, EdgeSettings]:
+def _app(request: Request) -> tuple[ChatClient, EdgeSettings]:
     return request.app.state.orchestrator, request.app.state.settings
 
 

@@ -19,7 +19,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from chatmesh.chat.v1 import chat_pb2
-from edge.orchestrator import Caller, Orchestrator, RunStream
+from edge.chat_client.caller import Caller
+from edge.chat_client.client import ChatClient
+from edge.chat_client.run_stream import RunStream
 
 # OpenAI allows up to 128; each choice here is a run of its own (a run slot, admission, budget).
 MAX_CHOICES = 8
@@ -63,7 +65,7 @@ class Choices:
 
     @classmethod
     async def open(
-        cls, orchestrator: Orchestrator, request: chat_pb2.CompleteRequest, caller: Caller, n: int
+        cls, orchestrator: ChatClient, request: chat_pb2.CompleteRequest, caller: Caller, n: int
     ) -> Choices:
         """Starts the ``n`` runs; raises ApiError (every run started is let go) if one is refused."""
         streams: list[RunStream] = []
@@ -85,7 +87,7 @@ class Choices:
 
     async def rest(self) -> AsyncIterator[ChoiceEvent]:
         """Every event after ``first``, each choice's in its order, the choices' interleaved as they
-        come; a failure of any choice raises grpc.RpcError."""
+        come; a failure of any choice raises ServiceError."""
         queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 
         async def follow(index: int) -> None:

@@ -14,17 +14,24 @@ from dataclasses import dataclass
 import grpc
 from starlette.responses import JSONResponse
 
-from chatmesh.errors import from_a_service, parse, public_message
+from chatmesh.errors import ServiceError, public_message
+from meshkit.links import LinkBroken
 
 log = logging.getLogger(__name__)
 # A chat service that cannot be reached (no replica up, a connection reset): what users read instead of
 # the transport's text, and how soon to retry.
 UNREACHABLE_MESSAGE = "the chat service cannot be reached right now; retry in a moment"
 UNREACHABLE_RETRY_S = 1.0
-# A call the chat service shed before taking it: gRPC ends a call that waited longer than the server's
-# --max-pending-s CANCELLED, without details. Overload, not a cancel (the edge's own cancels answer no
-# one), and the call never ran, so it is safe to retry.
+# An answer whose run the chat service did not start in time (as gRPC sheds a call that waited longer
+# than the server's --max-pending-s: CANCELLED). Overload, not a cancel (the edge's own cancels answer no
+# one), and the run never started, so it is safe to retry.
 BUSY_MESSAGE = "the chat service is too busy to take this request; retry in a moment"
+
+
+class Unanswered(ServiceError):
+    """A request the chat service did not answer with a status of its own: the edge gave up waiting for
+    its run to start or for its deadline, or it answered out of contract. As with a link that broke
+    (``LinkBroken``), its text is for the logs, not for users."""
 
 
 @dataclass(eq=False)  # exceptions must stay hashable
@@ -80,25 +87,25 @@ def from_run_error(code_name: str, message: str, retry_after_ms: int) -> ApiErro
     return from_status(code, message, retry_after_ms / 1000 if retry_after_ms else None)
 
 
-def from_rpc_error(error: grpc.RpcError) -> ApiError:
-    """The HTTP error for a failed orchestrator call: Retry-After from its retry delay, and an
-    INVALID_ARGUMENT refined to 413 for a size limit or to name the field at fault (``param``)."""
-    parsed = parse(error)
-    if not from_a_service(error):
-        if parsed.code == grpc.StatusCode.UNAVAILABLE:
-            log.warning("chat service unreachable: %s", parsed.message)
-            parsed.message, parsed.retry_after_s = UNREACHABLE_MESSAGE, UNREACHABLE_RETRY_S
-        elif parsed.code == grpc.StatusCode.CANCELLED:
-            log.warning("chat service shed a call: %s", parsed.message)
-            parsed.code, parsed.message = grpc.StatusCode.UNAVAILABLE, BUSY_MESSAGE
-            parsed.retry_after_s = UNREACHABLE_RETRY_S
-    api_error = from_status(parsed.code, parsed.message, parsed.retry_after_s)
-    if parsed.code == grpc.StatusCode.NOT_FOUND and parsed.field in ("options.model", "model"):
-        api_error.code, api_error.param = "model_not_found", parsed.field  # as OpenAI names it
-    if parsed.code != grpc.StatusCode.INVALID_ARGUMENT:
+def from_service_error(error: ServiceError) -> ApiError:
+    """The HTTP error for a failed orchestrator request: Retry-After from its retry delay, and an
+    INVALID_ARGUMENT refined to 413 for a size limit or to name the field at fault (``param``). A failure
+    that is not the service's answer (``LinkBroken``, ``Unanswered``) shows users a plain text."""
+    code, message, retry_after_s = error.code, error.message, error.retry_after_s
+    if isinstance(error, LinkBroken | Unanswered):
+        if code == grpc.StatusCode.UNAVAILABLE:
+            log.warning("chat service unreachable: %s", message)
+            message, retry_after_s = UNREACHABLE_MESSAGE, UNREACHABLE_RETRY_S
+        elif code == grpc.StatusCode.CANCELLED:
+            log.warning("chat service did not start an answer: %s", message)
+            code, message, retry_after_s = grpc.StatusCode.UNAVAILABLE, BUSY_MESSAGE, UNREACHABLE_RETRY_S
+    api_error = from_status(code, message, retry_after_s)
+    if code == grpc.StatusCode.NOT_FOUND and error.field in ("options.model", "model"):
+        api_error.code, api_error.param = "model_not_found", error.field  # as OpenAI names it
+    if code != grpc.StatusCode.INVALID_ARGUMENT:
         return api_error
-    if parsed.too_large is not None:
+    if error.too_large is not None:
         api_error.status, api_error.code = 413, "payload_too_large"
-    elif parsed.field:
-        api_error.code, api_error.param = "invalid_value", parsed.field
+    elif error.field:
+        api_error.code, api_error.param = "invalid_value", error.field
     return api_error

@@ -23,13 +23,13 @@ from starlette.routing import Route
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.tool_format import ToolCall, ToolCallParser, Tools, parse_answer, result_text
 from edge.bodies import read_json, validate_model
+from edge.chat_client.run_stream import RunStream
 from edge.chats_api import caller_of
 from edge.choices import ChoiceEvent, Choices
 from edge.client_gone import unless_client_leaves
 from edge.convert import FINISH_REASONS, options_proto
 from edge.errors import ApiError, from_run_error
 from edge.openai_fields import without_no_ops
-from edge.orchestrator import RunStream
 from edge.schemas import ChatCompletionIn, ChatMessageIn, CompletionIn, stop_list
 from edge.sse import E, Events, Item, TextEvent, compact_json, relay, sse_response
 from edge.structured_outputs import refused_constraint, response_format_proto

@@ -35,13 +35,15 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import REFUSED_BEFORE_ANSWER
 from chatmesh.tool_format import Tools
 from edge.bodies import read_json, validate_model
+from edge.chat_client.caller import Caller
+from edge.chat_client.client import ChatClient
+from edge.chat_client.run_stream import RunStream
 from edge.chats_api import caller_of, idempotency_key_of
 from edge.client_gone import unless_client_leaves
 from edge.convert import options_proto
 from edge.errors import ApiError
 from edge.openai_api import prompt_message
 from edge.openai_fields import RETRIEVE_QUERY_NO_OPS, check_query, without_no_ops
-from edge.orchestrator import Caller, Orchestrator, RunStream
 from edge.params import unsigned
 from edge.response_events import ResponseEvents
 from edge.response_record import ResponseRecord, response_not_found, run_id_of
@@ -164,7 +166,7 @@ def _instructions(body: ResponseCreateIn, tools: Tools | None) -> str:
     return "\n\n".join(part for part in parts if part)
 
 
-async def _stored_run(request: Request) -> tuple[Orchestrator, Caller, chat_pb2.Run]:
+async def _stored_run(request: Request) -> tuple[ChatClient, Caller, chat_pb2.Run]:
     """The run the response id in the path names (404 if it is not the caller's, was not stored, or its
     conversation was deleted), and the caller routed to the replica that holds it, if it lives."""
     orchestrator = request.app.state.orchestrator
@@ -173,9 +175,7 @@ async def _stored_run(request: Request) -> tuple[Orchestrator, Caller, chat_pb2.
     return orchestrator, caller.for_chat(run.chat_id), run
 
 
-async def _owned_run(
-    orchestrator: Orchestrator, caller: Caller, value: str, param: str | None
-) -> chat_pb2.Run:
+async def _owned_run(orchestrator: ChatClient, caller: Caller, value: str, param: str | None) -> chat_pb2.Run:
     run_id = run_id_of(value, param)
     try:
         run = (await orchestrator.unary("GetRun", chat_pb2.GetRunRequest(run_id=run_id), caller)).run
@@ -189,13 +189,13 @@ async def _owned_run(
     return run
 
 
-async def _delete_quietly(orchestrator: Orchestrator, routed: Caller, chat_id: str) -> None:
+async def _delete_quietly(orchestrator: ChatClient, routed: Caller, chat_id: str) -> None:
     with contextlib.suppress(ApiError):
         await orchestrator.unary("DeleteChat", chat_pb2.DeleteChatRequest(chat_id=chat_id), routed)
 
 
 async def _send(
-    orchestrator: Orchestrator, caller: Caller, body: ResponseCreateIn, tools: Tools | None, key: str
+    orchestrator: ChatClient, caller: Caller, body: ResponseCreateIn, tools: Tools | None, key: str
 ) -> tuple[RunStream, chat_pb2.RunEvent]:
     """The stored response's stream and first event (see ``_opening``). With ``key`` (the
     Idempotency-Key) a retry creates no second conversation (CreateChat with the key gets the first
@@ -252,7 +252,7 @@ async def _first_event(stream: RunStream, body: ResponseCreateIn) -> chat_pb2.Ru
     return await stream.opening_answer(raising=REFUSED_BEFORE_ANSWER)
 
 
-async def _new_chat(orchestrator: Orchestrator, caller: Caller, content: str, key: str) -> str:
+async def _new_chat(orchestrator: ChatClient, caller: Caller, content: str, key: str) -> str:
     """The chat a new conversation is stored in, titled from its first input; with ``key``, the one
     the key's first attempt made."""
     title = " ".join(content.split())[:_TITLE_CHARS]
@@ -359,7 +359,7 @@ def _query_bool(request: Request, name: str) -> bool:
     return raw == "true"
 
 
-async def _response_at(orchestrator: Orchestrator, caller: Caller, run: chat_pb2.Run) -> dict:
+async def _response_at(orchestrator: ChatClient, caller: Caller, run: chat_pb2.Run) -> dict:
     """The response object of ``run`` as its events stand (to its end if it ended, else to its last event)."""
     stream = orchestrator.stream("StreamRun", chat_pb2.StreamRunRequest(run_id=run.run_id), caller)
     record = ResponseRecord(created_at=run.create_time.ToMicroseconds() / 1e6)

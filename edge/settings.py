@@ -13,29 +13,23 @@ from meshkit.config import nested, setting
 
 @dataclass(frozen=True)
 class EdgeSettings:
-    # The orchestrator replicas (a list, or a dns:/// name with one address per replica: the edge keeps a
-    # chat on one), or Envoy's internal listener in front of them.
+    # The orchestrator replicas, each reached by the edge itself (a list, or a dns:/// name with one
+    # address per replica: the edge keeps a chat on one).
     orchestrator: str = setting(
         "127.0.0.1:50050",
-        "ChatService address: host:port (Envoy's internal listener, or one orchestrator), the replicas "
-        "host:port,host:port, or dns:///name:port (one address per replica)",
+        "the orchestrator replicas: host:port, host:port,host:port, or dns:///name:port (one address per "
+        "replica, a headless Service)",
     )
-    # Complete calls (the OpenAI routes) go this many at a time on CompletionLinkService streams, whose
-    # messages carry the events of every answer on them; 0: a Complete call each.
+    # Every call and answer stream goes on CompleteMany streams to each replica, whose messages carry the
+    # events of every answer on them (a stored chat's on a link of its chat's replica), and start the
+    # requests of one message in one turn of the replica's loop, where its gRPC server accepts one new
+    # call a turn.
     completion_links: int = setting(
-        4, "CompleteMany streams carrying the OpenAI routes' answers (0: a Complete call per answer)"
+        4,
+        "CompleteMany streams to each orchestrator replica, which carry every call and answer of the edge's",
     )
-    # A stored chat's streams (send, regenerate, resume) go on the links too, each on a link of its chat's
-    # replica, so its events too cross many to a message, and so do the unary calls (CancelRun...), which
-    # a saturated orchestrator would otherwise accept one a loop turn. Behind Envoy's internal listener a
-    # link's replica is Envoy's choice, not the chat's (the run is followed from Cassandra there): off.
-    chat_links: bool = setting(
-        True,
-        "stored chats' streams and the unary calls on the completion links too, on the chat's replica "
-        "(false behind a balancing proxy: Envoy's internal listener)",
-    )
-    # gRPC sheds a Complete call the orchestrator has not taken within its --max-pending-s (30 s); an
-    # answer on a link is not a call, so the edge refuses it itself (503, too busy) after as long.
+    # gRPC sheds a call the orchestrator has not taken within its --max-pending-s (30 s); an answer on a
+    # link is not a call, so the edge refuses it itself (503, too busy) after as long.
     completion_start_timeout_s: float = setting(
         30.0, "longest an answer on a completion link waits for its run to start (then 503, too busy)"
     )
@@ -56,6 +50,8 @@ class EdgeSettings:
     identity: IdentityConfig = nested(IdentityConfig)
 
     def __post_init__(self) -> None:
+        if self.completion_links < 1:
+            raise ValueError(f"--completion-links must be at least 1, not {self.completion_links}")
         if self.max_body_bytes < Limits().max_message_bytes:
             raise ValueError(
                 f"--max-body-bytes ({self.max_body_bytes}) must hold at least one message of the "

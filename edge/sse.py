@@ -15,17 +15,17 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-import grpc
 from prometheus_client import Counter
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.types import Message, Send
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError
+from edge.chat_client.run_stream import RunStream
 from edge.convert import event_json
 from edge.drain import Drain
-from edge.errors import ApiError, from_rpc_error
+from edge.errors import ApiError, from_service_error
 from edge.observability import METRICS
-from edge.orchestrator import RunStream
 from meshkit.config import setting
 
 
@@ -156,8 +156,8 @@ async def relay(
                     return
         for item in closing():
             yield item
-    except grpc.RpcError as exc:
-        for item in on_error(from_rpc_error(exc)):
+    except ServiceError as exc:
+        for item in on_error(from_service_error(exc)):
             yield item
     finally:
         stream.detach()

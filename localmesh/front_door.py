@@ -2,11 +2,8 @@
 
 ``front_door_specs`` renders and validates Envoy's config into the run directory and returns the launcher
 specs for the edge and Envoy (in that order; Envoy health-checks the edge). The edge reaches each
-orchestrator replica itself, as the Helm chart's does: a chat's calls and streams on its replica, its
-stored streams and the OpenAI answers many to a stream on completion links (cheaper than a pass through
-Envoy's internal listener, measured: docs/benchmarks/front_door.md, "The edge and the orchestrator replicas").
-``edge_via_envoy=True`` sends it through that loopback-only listener instead (Envoy's ring hash on the
-chat id, retries and health checks; a stored chat's streams then stay calls).
+orchestrator replica itself, as the Helm chart's does: every call and answer many to a stream on its
+completion links, a chat's on its chat's replica.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ from meshkit.launcher import HttpOk, ServiceSpec
 class FrontDoorPorts:
     envoy: int = 8080
     envoy_admin: int = 9901
-    envoy_internal: int = 8090
     edge: int = 8081
 
 
@@ -52,7 +48,6 @@ def _envoy_config(
     return EnvoyConfig(
         listen_port=ports.envoy,
         admin_port=ports.envoy_admin,
-        internal_port=ports.envoy_internal,
         jwks_path=keys.jwks_path,
         edge_endpoints=(("127.0.0.1", edge_dialed or ports.edge),),
         orchestrator_endpoints=tuple(("127.0.0.1", port) for port in orchestrator_ports),
@@ -60,17 +55,6 @@ def _envoy_config(
         cors_origins=(f"http://127.0.0.1:{ports.envoy}", f"http://localhost:{ports.envoy}"),
         otlp=otlp or otlp_from_env(),
     )
-
-
-def edge_upstream(
-    orchestrator_ports: list[int], internal_port: int, via_envoy: bool
-) -> tuple[str, tuple[str, ...]]:
-    """The edge's ``--orchestrator`` and the flags that go with it: each replica itself, or Envoy's internal
-    listener, which places the completion link streams itself, so that a link's replica would not be a
-    stored chat's (its streams stay calls there)."""
-    if via_envoy:
-        return f"127.0.0.1:{internal_port}", ("--chat-links", "false")
-    return ",".join(f"127.0.0.1:{port}" for port in orchestrator_ports), ("--chat-links", "true")
 
 
 def front_door_specs(
@@ -82,14 +66,11 @@ def front_door_specs(
     edge_flags: list[str] | None = None,
     otlp: tuple[str, int] | None = None,
     edge_dialed: int | None = None,
-    edge_via_envoy: bool = False,
 ) -> list[ServiceSpec]:
     """``edge_flags``: more ``python -m edge`` flags; ``otlp``: where Envoy sends its spans (default:
     OTEL_EXPORTER_OTLP_ENDPOINT, else nowhere); ``edge_dialed``: the port Envoy dials for the edge when
-    not the edge's own (a proxy in front of it); ``edge_via_envoy``: the edge reaches the orchestrators
-    through Envoy's internal listener rather than each replica itself (the default)."""
+    not the edge's own (a proxy in front of it)."""
     config = _envoy_config(ports, orchestrator_ports, keys, otlp, edge_dialed)
-    orchestrators, upstream_flags = edge_upstream(orchestrator_ports, ports.envoy_internal, edge_via_envoy)
     config_path = write_config(config, run_dir / "envoy.yaml")
     edge = ServiceSpec(
         name="edge",
@@ -100,8 +81,7 @@ def front_door_specs(
             "--port",
             str(ports.edge),
             "--orchestrator",
-            orchestrators,
-            *upstream_flags,
+            ",".join(f"127.0.0.1:{port}" for port in orchestrator_ports),
             *(edge_flags or []),
             *keys.service_flags(),
         ],

@@ -311,7 +311,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--first-engine-port", type=int, default=defaults.first_engine)
     parser.add_argument("--envoy-port", type=int, default=door.envoy, help="the public port (browsers, gRPC)")
     parser.add_argument("--envoy-admin-port", type=int, default=door.envoy_admin)
-    parser.add_argument("--envoy-internal-port", type=int, default=door.envoy_internal)
     parser.add_argument("--user", default="alice", help="who the printed token is for")
     parser.add_argument("--tier", default="pro", help="the printed token's tier")
     parser.add_argument("--cassandra-port", type=int, default=defaults.cassandra, help="CQL port")
@@ -340,7 +339,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
     parser.add_argument("--engine-backend", default="cpu", help="cpu (real model) or null (no compute)")
     parser.add_argument("--run-dir", type=Path, default=Path(".run/mesh"))
     args = parser.parse_args(argv)
-    door = FrontDoorPorts(args.envoy_port, args.envoy_admin_port, args.envoy_internal_port, args.edge_port)
+    door = FrontDoorPorts(args.envoy_port, args.envoy_admin_port, args.edge_port)
     ports = MeshPorts(
         args.orchestrator_port,
         args.router_port,

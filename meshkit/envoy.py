@@ -21,7 +21,7 @@ import jinja2
 import yaml
 
 from chatmesh import errors
-from chatmesh.chat.v1 import chat_pb2, completion_link_pb2
+from chatmesh.chat.v1 import chat_pb2
 from chatmesh.identity import IDENTITY_HEADERS, JWT_AUDIENCE
 from meshkit.launcher import HttpOk, ServiceSpec
 
@@ -132,13 +132,6 @@ def chat_service_methods() -> list[GrpcMethod]:
     ]
 
 
-def completion_link_path() -> str:
-    """The edge's CompleteMany, which only the internal listener routes."""
-    [service] = completion_link_pb2.DESCRIPTOR.services_by_name.values()
-    [method] = service.methods
-    return f"/{service.full_name}/{method.name}"
-
-
 @dataclass(frozen=True)
 class EnvoyConfig:
     """Everything that varies between Envoy deployments (local mesh, tests, a cluster)."""
@@ -150,8 +143,6 @@ class EnvoyConfig:
     orchestrator_endpoints: tuple[tuple[str, int], ...]
     # The issuer whose tokens Envoy accepts (the dev key pair's locally, your identity provider's in a cluster).
     jwt_issuer: str
-    # Loopback listener for the edge's own gRPC calls (0: none).
-    internal_port: int = 0
     listen_host: str = "127.0.0.1"
     jwt_audience: str = JWT_AUDIENCE
     cors_origins: tuple[str, ...] = ()
@@ -210,7 +201,6 @@ def render_config(config: EnvoyConfig) -> str:
     text = env.get_template(TEMPLATE.name).render(
         listen_host=config.listen_host,
         listen_port=config.listen_port,
-        internal_port=config.internal_port,
         admin_port=config.admin_port,
         jwks_path=str(config.jwks_path),
         jwt_issuer=config.jwt_issuer,
@@ -225,7 +215,6 @@ def render_config(config: EnvoyConfig) -> str:
         grpc_rate_limited_status={name: limits.grpc_refusal() for name, limits in config.rate_limits.items()},
         grpc_rate_limited_message=GRPC_RATE_LIMITED_MESSAGE,
         grpc_methods=chat_service_methods(),
-        completion_link_path=completion_link_path(),
         edge_limited_routes=EDGE_GENERATE_ROUTES,
         unary_timeout_s=_seconds(config.unary_timeout_s),
         stream_idle_timeout_s=_seconds(config.stream_idle_timeout_s),
@@ -305,9 +294,7 @@ def envoy_spec(
     port, which is unique per running Envoy on this machine, so two Envoys never attach to each other's
     hot-restart shared memory.
     """
-    ports = (config.listen_port, config.admin_port) + (
-        (config.internal_port,) if config.internal_port else ()
-    )
+    ports = (config.listen_port, config.admin_port)
     return ServiceSpec(
         name=name,
         argv=[

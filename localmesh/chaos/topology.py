@@ -53,7 +53,7 @@ def free_mesh_ports(topology: Topology) -> MeshPorts:
         orchestrator=free_consecutive_ports(topology.orchestrators, REPLICA_PORT_STRIDE),
         router=free_consecutive_ports(topology.routers, REPLICA_PORT_STRIDE),
         first_engine=free_consecutive_ports(engines),
-        front_door=FrontDoorPorts(free_port(), free_port(), free_port(), free_port()),
+        front_door=FrontDoorPorts(free_port(), free_port(), free_port()),
         cassandra=free_port_on_every(addresses),
         cassandra_storage=free_port_on_every(addresses),
         cassandra_jmx=free_consecutive_ports(topology.cassandra_nodes),

@@ -37,7 +37,7 @@ from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc, completion_link_pb2, compl
 from chatmesh.errors import STATUS_DETAILS_KEY, ServiceError, abort, from_status
 from chatmesh.identity import AUTHORIZATION_HEADER, Identity, TokenVerifier, Unauthenticated
 from chatmesh.linked_calls import UNARY_CALLS, linked_call, linked_reply, method_of
-from edge.orchestrator import EDGE_KEY_PREFIX
+from edge.chat_client.linked_run import EDGE_KEY_PREFIX
 from localmesh.dev_jwt import ISSUER
 from meshkit.links import LinkMessages, ServedRequests
 from meshkit.serving import GrpcServer, start_grpc_server

@@ -1,6 +1,6 @@
-"""The edge's client of the chat service (``edge/orchestrator.py``: ``Orchestrator``, ``LinkedRun``)
-against ScriptedChatService over real gRPC: what ``RunStream`` reads of a Complete, or of a stored chat's
-stream, on a completion link, and what a refused call gives the caller."""
+"""The edge's client of the chat service (``edge/chat_client/``: ``ChatClient``, ``LinkedRun``) against
+ScriptedChatService over real gRPC: what ``RunStream`` reads of a Complete, or of a stored chat's stream,
+on a completion link, what a unary call on a link answers, and what a refused call gives the caller."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import DRAINING
 from chatmesh.identity import Identity
+from edge.chat_client.caller import Caller
+from edge.chat_client.client import ChatClient
+from edge.chat_client.linked_run import EDGE_KEY_PREFIX, START_ATTEMPTS
 from edge.drain import Drain
-from edge.errors import BUSY_MESSAGE, ApiError
-from edge.orchestrator import EDGE_KEY_PREFIX, START_ATTEMPTS, Caller, Orchestrator
+from edge.errors import BUSY_MESSAGE, UNREACHABLE_MESSAGE, ApiError
 from tests.fixtures.identity import bearer
 from tests.front_door.scripted_chat_service import LINKED, ScriptedChatServer, scripted_text
 
@@ -27,22 +29,32 @@ def scripted() -> AsyncIterator[ScriptedChatServer]:
     server.stop()
 
 
-@pytest.fixture
-async def orchestrator(scripted: ScriptedChatServer) -> AsyncIterator[Orchestrator]:
-    client = Orchestrator(
-        f"127.0.0.1:{scripted.port}", 10.0, 60.0, Drain(), completion_links=2, completion_start_timeout_s=1.0
+def chat_client(
+    scripted: ScriptedChatServer, start_timeout_s: float = 30.0, unary_timeout_s: float = 10.0
+) -> ChatClient:
+    return ChatClient(
+        f"127.0.0.1:{scripted.port}",
+        links=2,
+        unary_timeout_s=unary_timeout_s,
+        stream_timeout_s=60.0,
+        start_timeout_s=start_timeout_s,
+        drain=Drain(),
     )
+
+
+@pytest.fixture
+async def orchestrator(scripted: ScriptedChatServer) -> AsyncIterator[ChatClient]:
+    """The edge's client, refusing an answer whose run does not start within a second."""
+    client = chat_client(scripted, start_timeout_s=1.0)
     await client.start()
     yield client
     await client.close()
 
 
 @pytest.fixture
-async def chat_links(scripted: ScriptedChatServer) -> AsyncIterator[Orchestrator]:
-    """The edge's client with a stored chat's streams on the links too (the edge's default)."""
-    client = Orchestrator(
-        f"127.0.0.1:{scripted.port}", 10.0, 60.0, Drain(), completion_links=2, chat_links=True
-    )
+async def client(scripted: ScriptedChatServer) -> AsyncIterator[ChatClient]:
+    """The edge's client with its default start timeout."""
+    client = chat_client(scripted)
     await client.start()
     yield client
     await client.close()
@@ -59,7 +71,7 @@ def request(text: str, merge_deltas: bool = True) -> chat_pb2.CompleteRequest:
 
 
 async def test_deltas_that_arrived_together_are_read_as_one_numbered_as_the_last(
-    orchestrator: Orchestrator,
+    orchestrator: ChatClient,
 ) -> None:
     stream = orchestrator.stream("Complete", request("!tokens 6 1"), caller())
     first = await stream.opening()
@@ -71,7 +83,7 @@ async def test_deltas_that_arrived_together_are_read_as_one_numbered_as_the_last
     assert rest[0].seq == 7 and rest[1].seq == 8  # started is 1, the six deltas 2-7
 
 
-async def test_without_merge_deltas_every_delta_is_its_own_event(orchestrator: Orchestrator) -> None:
+async def test_without_merge_deltas_every_delta_is_its_own_event(orchestrator: ChatClient) -> None:
     stream = orchestrator.stream("Complete", request("!tokens 6 1", merge_deltas=False), caller())
     await stream.opening()
     await asyncio.sleep(0.5)
@@ -79,7 +91,7 @@ async def test_without_merge_deltas_every_delta_is_its_own_event(orchestrator: O
     assert [event.seq for event in rest if event.HasField("delta")] == [2, 3, 4, 5, 6, 7]
 
 
-async def test_many_answers_on_two_links_each_get_their_own_events(orchestrator: Orchestrator) -> None:
+async def test_many_answers_on_two_links_each_get_their_own_events(orchestrator: ChatClient) -> None:
     async def answer(n: int) -> str:
         stream = orchestrator.stream("Complete", request(f"!tokens {n} 5"), caller(f"user-{n}"))
         first = await stream.opening()
@@ -90,7 +102,7 @@ async def test_many_answers_on_two_links_each_get_their_own_events(orchestrator:
 
 
 async def test_an_answer_whose_run_does_not_start_in_time_is_refused_as_too_busy(
-    scripted: ScriptedChatServer, orchestrator: Orchestrator
+    scripted: ScriptedChatServer, orchestrator: ChatClient
 ) -> None:
     # An overloaded replica takes its time to start the run (as gRPC sheds a call it took too late).
     calls = len(scripted.service.calls_to("Complete"))
@@ -108,10 +120,10 @@ async def test_an_answer_whose_run_does_not_start_in_time_is_refused_as_too_busy
 
 
 async def test_a_read_refused_unavailable_by_the_one_address_known_is_the_clients_to_read(
-    scripted: ScriptedChatServer, orchestrator: Orchestrator
+    scripted: ScriptedChatServer, orchestrator: ChatClient
 ) -> None:
-    # One address (Envoy's internal listener in make run, which retries reads itself): there is no other
-    # replica to try, so the client gets the refusal as the service said it, with its retry delay.
+    # One replica: there is no other to try, so the client gets the refusal as the service said it, with
+    # its retry delay.
     calls = len(scripted.service.calls_to("GetUsage"))
     failing = scripted.service.failing(
         "GetUsage", grpc.StatusCode.UNAVAILABLE, "scripted: busy", retry_after_s=3
@@ -123,25 +135,27 @@ async def test_a_read_refused_unavailable_by_the_one_address_known_is_the_client
     assert len(scripted.service.calls_to("GetUsage")) == calls + 1
 
 
-async def test_a_call_shed_by_grpc_is_a_503_too_busy_without_the_transports_text(
-    scripted: ScriptedChatServer, orchestrator: Orchestrator
+async def test_a_unary_call_whose_link_breaks_is_a_503_to_retry_without_the_transports_text(
+    scripted: ScriptedChatServer, orchestrator: ChatClient
 ) -> None:
-    # Without chat links (behind Envoy's internal listener) a unary call is a call, which gRPC sheds
-    # with CANCELLED once it waited past the orchestrator's --max-pending-s.
+    # Its link's stream breaks under it (the replica's connection reset): the transport's failure, whose
+    # text is not for users. A CreateChat is not tried again (it does not repeat harmlessly).
     transport_text = "Socket closed by 10.0.0.7:50050"
-    shed = scripted.service.failing("CreateChat", grpc.StatusCode.CANCELLED, transport_text, transport=True)
-    with shed, pytest.raises(ApiError) as refused:
+    calls = len(scripted.service.calls_to("CreateChat"))
+    broken = scripted.service.failing(
+        "CreateChat", grpc.StatusCode.UNAVAILABLE, transport_text, transport=True
+    )
+    with broken, pytest.raises(ApiError) as refused:
         await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(), caller())
-    assert refused.value.status == 503 and refused.value.message == BUSY_MESSAGE
+    assert refused.value.status == 503 and refused.value.message == UNREACHABLE_MESSAGE
     assert refused.value.retry_after_s == 1.0
+    assert len(scripted.service.calls_to("CreateChat")) == calls + 1
 
 
-async def test_with_chat_links_a_unary_call_goes_on_a_link_as_the_call_and_its_deadline_holds(
+async def test_a_unary_call_goes_on_a_link_as_the_call_and_its_deadline_holds(
     scripted: ScriptedChatServer,
 ) -> None:
-    quick = Orchestrator(
-        f"127.0.0.1:{scripted.port}", 0.5, 60.0, Drain(), completion_links=2, chat_links=True
-    )
+    quick = chat_client(scripted, unary_timeout_s=0.5)
     await quick.start()
     try:
         who = await new_chat(quick, "linked-unary-user")
@@ -169,7 +183,7 @@ async def test_with_chat_links_a_unary_call_goes_on_a_link_as_the_call_and_its_d
         await quick.close()
 
 
-async def new_chat(orchestrator: Orchestrator, user: str) -> Caller:
+async def new_chat(orchestrator: ChatClient, user: str) -> Caller:
     """A new chat of ``user``'s, and the caller for it."""
     reply = await orchestrator.unary("CreateChat", chat_pb2.CreateChatRequest(), caller(user))
     return caller(user).for_chat(reply.chat.chat_id)
@@ -180,11 +194,11 @@ def linked(call_metadata: dict[str, str]) -> bool:
 
 
 async def test_a_stored_chats_send_on_a_link_leaves_its_run_going_when_read_no_more_and_resumes_on_a_link(
-    scripted: ScriptedChatServer, chat_links: Orchestrator
+    scripted: ScriptedChatServer, client: ChatClient
 ) -> None:
-    who = await new_chat(chat_links, "stored-links-user")
+    who = await new_chat(client, "stored-links-user")
     send = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 10 30", merge_deltas=False)
-    stream = chat_links.stream("SendMessage", send, who)
+    stream = client.stream("SendMessage", send, who)
     first = await stream.opening()
     seen = [first]
     async for event in stream.rest():
@@ -195,7 +209,7 @@ async def test_a_stored_chats_send_on_a_link_leaves_its_run_going_when_read_no_m
     assert linked(scripted.service.calls_to("SendMessage")[-1].metadata)
     await asyncio.sleep(0.5)  # its last tokens come meanwhile
     attach = chat_pb2.StreamRunRequest(run_id=first.started.run_id, after_seq=seen[-1].seq)
-    resumed = chat_links.stream("StreamRun", attach, who)
+    resumed = client.stream("StreamRun", attach, who)
     opening = await resumed.opening()
     rest = [event async for event in resumed.events(opening)]
     assert linked(scripted.service.calls_to("StreamRun")[-1].metadata)
@@ -205,9 +219,9 @@ async def test_a_stored_chats_send_on_a_link_leaves_its_run_going_when_read_no_m
 
 
 async def test_a_stored_send_whose_link_breaks_before_its_first_event_goes_again_under_one_key(
-    scripted: ScriptedChatServer, chat_links: Orchestrator
+    scripted: ScriptedChatServer, client: ChatClient
 ) -> None:
-    who = await new_chat(chat_links, "stored-broken-user")
+    who = await new_chat(client, "stored-broken-user")
     broken = {"transport": True, "times": START_ATTEMPTS - 1}  # on a link: its stream breaks
     # Its stream broke: a run it started goes on there, and the same idempotency key joins it, so the
     # send goes again on a new stream under its key: the client's, or (without one) one the edge made.
@@ -215,7 +229,7 @@ async def test_a_stored_send_whose_link_breaks_before_its_first_event_goes_again
         calls = len(scripted.service.calls_to("SendMessage"))
         send = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1", idempotency_key=key)
         with scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "Socket closed", **broken):
-            stream = chat_links.stream("SendMessage", send, who)
+            stream = client.stream("SendMessage", send, who)
             first = await stream.opening()
             assert first.HasField("started")
             assert [event.WhichOneof("kind") async for event in stream.events(first)][-1] == "done"
@@ -228,7 +242,7 @@ async def test_a_stored_send_whose_link_breaks_before_its_first_event_goes_again
     calls = len(scripted.service.calls_to("SendMessage"))
     for _ in range(2):
         bare = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1")
-        stream = chat_links.stream("SendMessage", bare, who)
+        stream = client.stream("SendMessage", bare, who)
         first = await stream.opening()
         assert [event.WhichOneof("kind") async for event in stream.events(first)][-1] == "done"
     sent = scripted.service.calls_to("SendMessage")[calls:]
@@ -237,16 +251,16 @@ async def test_a_stored_send_whose_link_breaks_before_its_first_event_goes_again
 
 
 async def test_a_stored_send_refused_busy_is_the_clients_to_retry_and_one_refused_draining_goes_again(
-    scripted: ScriptedChatServer, chat_links: Orchestrator
+    scripted: ScriptedChatServer, client: ChatClient
 ) -> None:
     # A refusal (busy) is the orchestrator's answer: the client reads it, with its retry delay (the chat
     # page counts it down), even with an idempotency key.
-    who = await new_chat(chat_links, "stored-refused-user")
+    who = await new_chat(client, "stored-refused-user")
     calls = len(scripted.service.calls_to("SendMessage"))
     keyed = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1", idempotency_key="k-2")
     refusing = scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "busy", retry_after_s=2)
     with refusing, pytest.raises(ApiError) as refused:
-        await chat_links.stream("SendMessage", keyed, who).opening()
+        await client.stream("SendMessage", keyed, who).opening()
     assert (
         refused.value.status == 503 and refused.value.message == "busy" and refused.value.retry_after_s == 2
     )
@@ -256,7 +270,7 @@ async def test_a_stored_send_refused_busy_is_the_clients_to_retry_and_one_refuse
     bare = chat_pb2.SendMessageRequest(chat_id=who.chat_id, content="!tokens 2 1")
     draining = {"error_reason": DRAINING, "times": START_ATTEMPTS - 1}
     with scripted.service.failing("SendMessage", grpc.StatusCode.UNAVAILABLE, "shutting down", **draining):
-        stream = chat_links.stream("SendMessage", bare, who)
+        stream = client.stream("SendMessage", bare, who)
         first = await stream.opening()
         assert [event.WhichOneof("kind") async for event in stream.events(first)][-1] == "done"
     assert len(scripted.service.calls_to("SendMessage")) == calls + 1 + START_ATTEMPTS

@@ -19,7 +19,6 @@ def config(dev_jwt_keys: DevKeys) -> EnvoyConfig:
     return EnvoyConfig(
         listen_port=18080,
         admin_port=19901,
-        internal_port=18090,
         jwks_path=dev_jwt_keys.jwks_path,
         edge_endpoints=(("127.0.0.1", 18081),),
         orchestrator_endpoints=(("127.0.0.1", 50050), ("127.0.0.1", 50060)),
@@ -49,31 +48,31 @@ def routes(parsed: dict, listener: str) -> list[dict]:
 def test_every_chat_service_rpc_is_routed_with_the_right_timeouts(config: EnvoyConfig):
     parsed = yaml.safe_load(render_config(config))
     service = chat_pb2.DESCRIPTOR.services_by_name["ChatService"]
-    for listener in ("public", "internal"):
-        by_path = {r["match"].get("path"): r["route"] for r in routes(parsed, listener)}
-        for method in service.methods:
-            route = by_path[f"/{service.full_name}/{method.name}"]
-            assert route["cluster"] == "orchestrator"
-            assert route["hash_policy"] == [{"header": {"header_name": "x-chatmesh-chat-id"}}]
-            if method.server_streaming:
-                assert route["timeout"] == "0s" and route["idle_timeout"] == "300s"
-            else:
-                assert route["timeout"] == "30s"
-            retried = "unavailable" in route["retry_policy"]["retry_on"]
-            assert retried == (
-                method.name
-                in {
-                    "GetChat",
-                    "ListChats",
-                    "ListMessages",
-                    "GetBranch",
-                    "GetRun",
-                    "CancelRun",
-                    "ListModels",
-                    "GetUsage",
-                    "SearchChats",
-                }
-            )
+    assert [listener["name"] for listener in parsed["static_resources"]["listeners"]] == ["public"]
+    by_path = {r["match"].get("path"): r["route"] for r in routes(parsed, "public")}
+    for method in service.methods:
+        route = by_path[f"/{service.full_name}/{method.name}"]
+        assert route["cluster"] == "orchestrator"
+        assert route["hash_policy"] == [{"header": {"header_name": "x-chatmesh-chat-id"}}]
+        if method.server_streaming:
+            assert route["timeout"] == "0s" and route["idle_timeout"] == "300s"
+        else:
+            assert route["timeout"] == "30s"
+        retried = "unavailable" in route["retry_policy"]["retry_on"]
+        assert retried == (
+            method.name
+            in {
+                "GetChat",
+                "ListChats",
+                "ListMessages",
+                "GetBranch",
+                "GetRun",
+                "CancelRun",
+                "ListModels",
+                "GetUsage",
+                "SearchChats",
+            }
+        )
 
 
 def test_identity_headers_are_stripped_before_any_filter(config: EnvoyConfig):
@@ -101,7 +100,7 @@ def test_orchestrator_cluster_is_sized_for_streams(config: EnvoyConfig):
 def test_every_stream_limit_follows_max_open_streams(config: EnvoyConfig):
     """No Envoy default caps open streams below the configured number: the clusters' circuit breakers
     (requests, and requests waiting for a connection) and HTTP/2's concurrent streams on one connection
-    (the edge's gRPC channel on the internal listener; Envoy's connection to an orchestrator)."""
+    (a gRPC client's connection; Envoy's connection to an orchestrator)."""
     parsed = yaml.safe_load(render_config(replace(config, max_open_streams=123_456)))
     resources = parsed["static_resources"]
     for cluster in resources["clusters"]:

@@ -31,9 +31,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def fresh_ports() -> FrontDoorPorts:
-    return FrontDoorPorts(
-        envoy=free_port(), envoy_admin=free_port(), envoy_internal=free_port(), edge=free_port()
-    )
+    return FrontDoorPorts(envoy=free_port(), envoy_admin=free_port(), edge=free_port())
 
 
 def run_printed_commands(text: str, token: str) -> subprocess.CompletedProcess:
@@ -116,7 +114,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stops_everything(tmp_path):
-    names = "envoy envoy-admin envoy-internal edge orchestrator router cassandra otlp"
+    names = "envoy envoy-admin edge orchestrator router cassandra otlp"
     metrics = "orchestrator-metrics router-metrics edge-metrics"
     flags = [
         f"--{name}-port" for name in (*names.split(), *metrics.split(), "cassandra-storage", "cassandra-jmx")

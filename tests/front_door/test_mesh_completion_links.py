@@ -1,8 +1,7 @@
 """The edge's completion links under a crash: the OpenAI route's answers travel many to a CompleteMany
 stream, each stream to an orchestrator replica. Through the real Envoy and edge to two real replicas
 over the shared mesh; one is killed (SIGKILL), or drains, while eight answers stream. The edge reaches
-each replica itself (``make run``'s way and the Helm chart's) or goes through Envoy's internal listener
-(``localmesh.front_door``'s ``edge_via_envoy``): both are tested."""
+each replica itself (``make run``'s way and the Helm chart's)."""
 
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ PROMPT = [{"role": "user", "content": "a long answer, please"}]
 # 10 s at the mesh engines' 200 tokens a second: still streaming when the replica dies.
 LONG = {"model": "", "messages": PROMPT, "max_tokens": 2000, "stream": True}
 STREAMS = 8
-VIA = pytest.mark.parametrize("edge_via_envoy", [False, True], ids=["edge-direct", "edge-via-envoy"])
 
 
 def start_replicas(launcher: Launcher, mesh: Mesh) -> tuple[list[str], list[int]]:
@@ -60,13 +58,12 @@ def stream_answer(door: FrontDoor, started: threading.Event, lines: list[str], b
                 started.set()
 
 
-@VIA
 def test_a_replica_killed_under_completions_fails_only_its_own_answers_and_the_next_are_answered(
-    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh, edge_via_envoy: bool
+    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
 ):
     with Launcher(tmp_path, echo=lambda line: None) as launcher:
         names, ports = start_replicas(launcher, mesh)
-        door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=edge_via_envoy)
+        door = start_front_door(launcher, dev_jwt_keys, ports)
         started = [threading.Event() for _ in range(STREAMS)]
         streamed: list[list[str]] = [[] for _ in range(STREAMS)]
         threads = [
@@ -77,7 +74,7 @@ def test_a_replica_killed_under_completions_fails_only_its_own_answers_and_the_n
 
         finished = [lines for lines in streamed if lines[-1] == "data: [DONE]"]
         failed = [lines for lines in streamed if lines[-1] != "data: [DONE]"]
-        # The answers went on links to both replicas (the edge's own choice, or Envoy's): both kinds are here.
+        # The answers went on links to both replicas (the edge's own choice): both kinds are here.
         assert finished and failed, [lines[-1] for lines in streamed]
         for lines in failed:
             error = json.loads(lines[-1].removeprefix("data: "))["error"]
@@ -99,13 +96,12 @@ def test_a_replica_killed_under_completions_fails_only_its_own_answers_and_the_n
         launcher.forget(names[0])
 
 
-@VIA
 def test_a_replica_that_drains_finishes_the_answers_on_its_links_and_new_ones_go_elsewhere(
-    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh, edge_via_envoy: bool
+    tmp_path: Path, dev_jwt_keys: DevKeys, mesh: Mesh
 ):
     with Launcher(tmp_path, echo=lambda line: None) as launcher:
         names, ports = start_replicas(launcher, mesh)
-        door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=edge_via_envoy)
+        door = start_front_door(launcher, dev_jwt_keys, ports)
         # 3 s answers: they end well inside the drain's grace.
         body = {**LONG, "max_tokens": 600}
         started = [threading.Event() for _ in range(STREAMS)]

@@ -1,5 +1,5 @@
 """The edge reaching the orchestrator replicas itself (the Helm chart's way:
-``edge/orchestrator.py:Orchestrator`` over ``meshkit/replicas.py``), through the real Envoy and edge to
+``edge/chat_client/client.py:ChatClient`` over ``meshkit/replicas.py``), through the real Envoy and edge to
 two real replicas over the shared mesh: a chat's sends stay on one replica while chats spread over both;
 a replica that drains (SIGTERM) is passed over for new sends as soon as its health says NOT_SERVING (it
 refuses them half a second later), and the answer it was streaming goes on from the other replica. A
@@ -71,7 +71,7 @@ def test_a_chats_sends_stay_on_one_replica_chats_spread_and_a_draining_replica_i
             names.append(name)
             ports.append(port)
             metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
-        door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=False)
+        door = start_front_door(launcher, dev_jwt_keys, ports)
         # Enterprise: its buckets take this many sends without a 429.
         user = f"u-{uuid.uuid4().hex[:8]}"
         with door.client(user, "enterprise") as client:
@@ -159,7 +159,7 @@ def two_fast_reaping_replicas(
         )
         names.append(name)
         ports.append(port)
-    door = start_front_door(launcher, dev_jwt_keys, ports, edge_via_envoy=False)
+    door = start_front_door(launcher, dev_jwt_keys, ports)
     addresses = [f"127.0.0.1:{port}" for port in ports]
     chats: dict[int, list[tuple[str, str]]] = {0: [], 1: []}
     for _ in range(40):

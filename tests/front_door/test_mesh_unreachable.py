@@ -1,6 +1,6 @@
 """When what is behind the door is down, users read what to do, never our internals: through the real
 Envoy and edge to a real orchestrator whose router has only a dead engine, one whose router is not
-there at all, and an Envoy whose orchestrator is gone. Each answers 503 with ``Retry-After`` and a plain
+there at all, and an edge whose orchestrator is gone. Each answers 503 with ``Retry-After`` and a plain
 message; engine ids, addresses and gRPC's own texts stay in the logs."""
 
 from __future__ import annotations
@@ -93,15 +93,16 @@ def test_a_mesh_that_cannot_answer_says_retry_and_shows_no_internals(
 
 
 def test_an_orchestrator_that_is_gone_is_a_plain_503(tmp_path: Path, dev_jwt_keys: DevKeys):
-    # Envoy's internal listener has no orchestrator to send the edge's calls to.
+    # The edge's one orchestrator replica is not there: its completion links cannot connect.
+    gone = free_port()
     with Launcher(tmp_path, echo=lambda line: None) as launcher:
         edge_port = free_port()
-        config = envoy_config_for(dev_jwt_keys, edge_port=edge_port, orchestrator_ports=[free_port()])
-        start_edge(launcher, f"127.0.0.1:{config.internal_port}", port=edge_port)
+        config = envoy_config_for(dev_jwt_keys, edge_port=edge_port, orchestrator_ports=[gone])
+        start_edge(launcher, f"127.0.0.1:{gone}", port=edge_port)
         envoy = start_envoy(launcher, config, dev_jwt_keys, wait_healthy=False)
         with httpx.Client(
             base_url=envoy.url, headers={"Authorization": f"Bearer {envoy.token('u')}"}
         ) as client:
             wait_for(lambda: client.get("/v1/me").status_code == 200, what="Envoy to route to the edge")
-            assert_plain_503(client.get("/v1/chats"), "upstream", "no healthy")
-            assert_plain_503(client.post("/v1/chat/completions", json=COMPLETION), "upstream", "no healthy")
+            assert_plain_503(client.get("/v1/chats"), str(gone), "connect")
+            assert_plain_503(client.post("/v1/chat/completions", json=COMPLETION), str(gone), "connect")

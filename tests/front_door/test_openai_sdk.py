@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
-from edge.orchestrator import START_ATTEMPTS
+from edge.chat_client.linked_run import START_ATTEMPTS
 from tests.front_door.conftest import ScriptedFrontDoor
 from tests.front_door.scripted_chat_service import MODEL, scripted_text
 

@@ -311,7 +311,7 @@ async def until_draining(address: str, timeout_s: float = 10.0) -> None:
 async def test_a_draining_replica_refuses_a_send_on_an_open_link_as_draining_and_stores_nothing(
     mesh: Mesh, connect: Callable[..., ChatClient]
 ) -> None:
-    # The refusal the edge sends to another replica (edge/orchestrator.py, `_resendable`): a replica
+    # The refusal the edge sends to another replica (edge/chat_client/linked_run.py, `_resendable`): a replica
     # drains while a Complete keeps its link open (its runs get --drain-grace-s less a second), and a
     # send that arrives on that link meanwhile is refused before anything of it is stored.
     with mesh.replica(drain_grace_s=6) as replica:
