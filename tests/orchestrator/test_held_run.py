@@ -13,14 +13,15 @@ from chatmesh.streams import Wakeup
 from memory_store.models import FinishReason, RunDelta, RunStatus, Usage
 from meshkit.event_loop import RecentLag
 from meshkit.pacing import StreamPacer
-from orchestrator.runs.live_run import LiveRun, RunInfo
+from orchestrator.runs.held_run import HeldRun, RunInfo
 from orchestrator.runs.replay import INTERRUPTED_CODE, started_event, terminal_events
+from orchestrator.runs.run_state import RunState
 from tests.fixtures.runs import stored_run
 
 
-def live_run(max_tokens: int = 100, max_subscribers: int = 4, pacer: StreamPacer | None = None) -> LiveRun:
+def live_run(max_tokens: int = 100, max_subscribers: int = 4, pacer: StreamPacer | None = None) -> HeldRun:
     info = RunInfo("run-1", "user-1", "pro", "send", "model", max_tokens, chat_id="chat-1")
-    run = LiveRun(info, max_subscribers, pacer or StreamPacer(0.0))
+    run = HeldRun(info, max_subscribers, pacer or StreamPacer(0.0))
     run.append(started=chat_pb2.RunStarted(run_id="run-1"))
     return run
 
@@ -259,3 +260,28 @@ async def test_under_load_a_gathering_follower_of_a_run_handed_over_resumes_else
     with pytest.raises(ServiceError) as caught:
         await asyncio.wait_for(anext(merged), 0.02)
     assert caught.value.code.name == "UNAVAILABLE"
+
+
+def test_a_run_handed_over_has_not_ended_and_nothing_follows_it() -> None:
+    run = live_run()
+    run.append(started=chat_pb2.RunStarted(run_id="r1"))
+    run.hand_over()
+    # It is no longer this replica's, yet it did not end: GetRun elsewhere tells how it ends.
+    assert run.state is RunState.HANDED_OVER and run.state.done_here
+    assert run.ended_at is None and run.status == chat_pb2.RUN_STATUS_IN_PROGRESS
+    with pytest.raises(RuntimeError):
+        run.append_delta("late", 1)
+    with pytest.raises(RuntimeError):
+        run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+
+
+def test_a_run_ends_once_and_is_never_handed_over_after() -> None:
+    run = live_run()
+    run.append(started=chat_pb2.RunStarted(run_id="r1"))
+    run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+    assert run.state is RunState.ENDED and run.ended_at is not None
+    run.cancelling()  # a cancel that comes after the end leaves it as it is
+    assert run.status == chat_pb2.RUN_STATUS_COMPLETED
+    for move in (run.hand_over, lambda: run.finish(chat_pb2.RUN_STATUS_FAILED)):
+        with pytest.raises(RuntimeError):
+            move()
