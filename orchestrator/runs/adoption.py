@@ -64,9 +64,8 @@ class Adoptions:
         if run is None:
             return False
         if orphan.owner_id != replica_id:
-            await signal_owner(
-                self.store, orphan, self.config.store_deadline_s
-            )  # in case it was only paused: it must stop generating
+            # In case it was only paused: it must stop generating.
+            await signal_owner(self.store, orphan, self.config.store_deadline_s)
         try:
             output = await self.store.read_run_output(run.user_id, run.run_id)
         except Exception:
@@ -98,12 +97,8 @@ class Adoptions:
             user_message_id=run.user_message_id or "",
             assistant_message_id=run.assistant_message_id,
         )
-        live = self.held.hold(info)
-        for delta in output:
-            if delta.step:
-                live.append(**step_event(delta.step))
-            else:
-                live.append_delta(delta.text, delta.token_count)
+        live = self.held.open(info, output)
+        self.held.hold(live)
         if pending is not None and tools is not None:
             # Found started, never finished: the tool may have run; it is never run again.
             try:

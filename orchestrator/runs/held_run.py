@@ -76,8 +76,8 @@ class RunInfo:
 
 
 class HeldRun:
-    """One run in this replica's index (``held_runs.py``). Its state moves only through ``go_live``,
-    ``finish`` and ``hand_over`` (``run_state.check_move``)."""
+    """A run this replica holds (``held_runs.py`` indexes it). Its state moves only through ``go_live``,
+    ``finish`` and ``hand_over``, each checked by ``run_state.check_move``."""
 
     def __init__(self, info: RunInfo, max_subscribers: int, pacer: StreamPacer) -> None:
         self.info = info
@@ -87,7 +87,7 @@ class HeldRun:
         self.max_subscribers = max_subscribers
         # The events in order: a delta as (text, token count), any other kind as its RunEvent.
         self._events: list[chat_pb2.RunEvent | tuple[str, int]] = []
-        self.state = RunState.STARTING
+        self._state = RunState.STARTING
         # What GetRun and CancelRun answer: in progress, cancelling, then the end's.
         self.status: chat_pb2.RunStatus = chat_pb2.RUN_STATUS_IN_PROGRESS
         self.created_at = time.time()
@@ -104,6 +104,10 @@ class HeldRun:
         # nothing to gather with, and its followers do not wait for a tick.
         self._last_delta_at = -math.inf
         self._delta_gap_s = math.inf
+
+    @property
+    def state(self) -> RunState:
+        return self._state
 
     @property
     def last_seq(self) -> int:
@@ -176,7 +180,7 @@ class HeldRun:
 
     def go_live(self, relay: Relay) -> None:
         """``relay`` generates the run from now on; a stop asked for while it was starting applies now."""
-        self.state = check_move(self.info.run_id, self.state, RunState.LIVE)
+        self._state = check_move(self.info.run_id, self._state, RunState.LIVE)
         self.relay = relay
         if self._stop_when_live is not None:
             relay.stop(self._stop_when_live)  # its end is stored as any stopped run's
@@ -199,7 +203,7 @@ class HeldRun:
 
     def finish(self, status: chat_pb2.RunStatus) -> None:
         """The run has ended: followers get the remaining events, then their streams end."""
-        self.state = check_move(self.info.run_id, self.state, RunState.ENDED)
+        self._state = check_move(self.info.run_id, self._state, RunState.ENDED)
         self.status = status
         self.ended_at = time.monotonic()
         self._changed.notify()
@@ -209,7 +213,7 @@ class HeldRun:
         """The run goes on on another replica (or its end is read from Cassandra): followers get the
         events here, then UNAVAILABLE, and resume from their last sequence number wherever their next
         call lands."""
-        self.state = check_move(self.info.run_id, self.state, RunState.HANDED_OVER)
+        self._state = check_move(self.info.run_id, self._state, RunState.HANDED_OVER)
         self._changed.notify()
         self._ended.notify()
 

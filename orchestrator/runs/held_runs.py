@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import TypeVar
 
 from chatmesh.chat.v1 import chat_pb2
+from memory_store.models import RunDelta
 from meshkit.pacing import StreamPacer
 from orchestrator.config import RunConfig
 from orchestrator.metrics import METRICS
@@ -23,6 +24,7 @@ from orchestrator.runs.held_run import HeldRun, RunInfo
 from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.relay import Relay, RunEnd
 from orchestrator.runs.run_state import RunState, Stop
+from orchestrator.runs.tool_steps import step_event
 
 T = TypeVar("T")
 
@@ -65,12 +67,21 @@ class HeldRuns:
         finally:
             self._pending.discard(run_id)
 
-    def hold(self, info: RunInfo) -> HeldRun:
-        """The run, held here from now on (STARTING), its ``started`` event its first."""
+    def open(self, info: RunInfo, earlier: Sequence[RunDelta] = ()) -> HeldRun:
+        """The run as it starts (STARTING, not yet held): its ``started`` event, then ``earlier`` (an
+        adopted run's checkpointed output)."""
         held = HeldRun(info, self.config.max_subscribers_per_run, self.pacer)
         held.append(started=_started(info))
-        self._runs[info.run_id] = held
+        for delta in earlier:
+            if delta.step:
+                held.append(**step_event(delta.step))
+            else:
+                held.append_delta(delta.text, delta.token_count)
         return held
+
+    def hold(self, held: HeldRun) -> None:
+        """The run is held here from now on: streams attach to it (``local``)."""
+        self._runs[held.info.run_id] = held
 
     def let_go(self, held: HeldRun) -> None:
         """Forgets a run that never went live here: its streams resume from Cassandra."""
@@ -80,6 +91,7 @@ class HeldRuns:
     async def relay(self, relay: Relay) -> RunEnd:
         """Relays a run held here to its end (or until another replica goes on with it)."""
         held = relay.live
+        self.hold(held)
         held.go_live(relay)
         if self.handing_over:  # it went live after the drain's grace: it goes on elsewhere at once
             _leave_at_shutdown(relay)

@@ -239,7 +239,7 @@ class RunStarts:
         relay streams the answer until it ends and stores the end once. Returns how it ended."""
         info = admission.info
         tools = self.deps.tool_loop(admission.start, info.user_id, info.tier) if stored_run else None
-        live = self.held.hold(info)
+        live = self.held.open(info)
         relay = Relay(self.deps, live, admission.stream, admission.start, stored_run, run.arrived_at, tools)
         run.live = live
         run.started.set_result(info.run_id)
