@@ -32,7 +32,6 @@ class Runs:
         slots: RunSlots,
     ) -> None:
         self.deps = deps
-        self.budgets = budgets
         self.held = HeldRuns(deps.config, deps.late_ends)
         self.reads = RunReads(self.held, store, deps.config)
         self.starts = RunStarts(self.held, self.reads, router, deps, budgets, slots)

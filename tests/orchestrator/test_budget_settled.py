@@ -122,7 +122,7 @@ async def test_a_run_started_long_after_its_key_was_claimed_is_counted_past_the_
         memory_store, mesh.router_address, max_run_s=0.75, finish_retry_s=0.5
     ) as replica:
         ctx = replica.parts.ctx
-        budgets = ctx.runs.budgets
+        budgets = ctx.runs.starts.budgets
         me = Identity(user, "pro")
         chat = await memory_store.create_chat(user)
         request = chat_pb2.SendMessageRequest(

@@ -21,7 +21,9 @@ from memory_store.models import Message, Role, RunStatus, Usage
 from memory_store.store import MemoryStore
 from orchestrator.router_client import start_frame
 from orchestrator.runs.complete import CompleteRun
+from orchestrator.runs.replay import INTERRUPTED_CODE
 from orchestrator.runs.send import SendRun
+from tests.fixtures.answers import ANSWER
 from tests.fixtures.in_process import At, InProcessReplica, in_process_replica
 from tests.fixtures.orchestrator import Mesh
 
@@ -140,6 +142,34 @@ async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
     assert events[-1].HasField("done") and events[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
     stored = await memory_store.get_run(user, claim.run_id)
     assert stored.status is RunStatus.CANCELLED
+
+
+async def test_streams_of_an_adopted_run_no_router_places_again_are_told_to_resume(
+    memory_store: MemoryStore, replica: InProcessReplica
+) -> None:
+    """The replica lets go of an adopted run it cannot place again (it is ended as interrupted in
+    Cassandra): a stream that followed it meanwhile is told to resume, not left waiting, and resuming
+    gets its end."""
+    ctx = replica.parts.ctx
+    user = f"user-{uuid.uuid4().hex[:12]}"
+    chat = await memory_store.create_chat(user)
+    orphan = await replica.orphan(memory_store, user, chat.chat_id, "tell me a story", ANSWER)
+    placing = replica.router.hold("place")
+    assert await ctx.runs.adoptions.adopt(orphan, ctx.config.replica_id)
+    await placing.reached.wait()  # adopted, and being placed again
+    following = ctx.runs.reads.stream(user, orphan.run_id, 0)
+    assert (await anext(following)).HasField("started")
+
+    replica.router.fail("place")
+    placing.release()
+    with pytest.raises(ServiceError) as told:
+        await asyncio.wait_for(anext(following), 10.0)
+    assert told.value.code is grpc.StatusCode.UNAVAILABLE and "resume after event 1" in told.value.message
+    replica.router.clear("place")
+    resumed = await asyncio.wait_for(to_the_end(ctx.runs.reads.stream(user, orphan.run_id, 1)), 10.0)
+    assert [event.WhichOneof("kind") for event in resumed] == ["error"]
+    assert resumed[0].seq == 2 and resumed[0].error.code == INTERRUPTED_CODE
+    assert (await memory_store.get_run(user, orphan.run_id)).status is RunStatus.INTERRUPTED
 
 
 async def test_a_keyless_send_whose_question_landed_without_its_run_is_asked_once_by_its_retry(
