@@ -13,13 +13,13 @@ from memory_store.store import MemoryStore
 from orchestrator import convert
 from orchestrator.config import RunConfig
 from orchestrator.runs.held_runs import HeldRuns
-from orchestrator.runs.reads import RunReads, held_proto
+from orchestrator.runs.reads import Reads, held_proto
 from orchestrator.runs.remote_ends import signal_owner
 from orchestrator.runs.run_state import Stop
 
 
-class RunCancels:
-    def __init__(self, held: HeldRuns, reads: RunReads, store: MemoryStore, config: RunConfig) -> None:
+class Cancels:
+    def __init__(self, held: HeldRuns, reads: Reads, store: MemoryStore, config: RunConfig) -> None:
         self.held = held
         self.reads = reads
         self.store = store

@@ -14,12 +14,12 @@ from memory_store.store import MemoryStore
 from orchestrator.policy.admission import Budgets, RunSlots
 from orchestrator.router_client import RouterClient
 from orchestrator.runs.adoption import Adoptions
-from orchestrator.runs.cancels import RunCancels
+from orchestrator.runs.cancels import Cancels
 from orchestrator.runs.drain import Drain
 from orchestrator.runs.held_runs import HeldRuns
-from orchestrator.runs.reads import RunReads
+from orchestrator.runs.reads import Reads
 from orchestrator.runs.relay import RelayDeps
-from orchestrator.runs.starts import RunStarts
+from orchestrator.runs.starts import Starts
 
 
 class Runs:
@@ -33,9 +33,9 @@ class Runs:
     ) -> None:
         self.deps = deps
         self.held = HeldRuns(deps.config, deps.late_ends)
-        self.reads = RunReads(self.held, store, deps.config)
-        self.starts = RunStarts(self.held, self.reads, router, deps, budgets, slots)
-        self.cancels = RunCancels(self.held, self.reads, store, deps.config)
+        self.reads = Reads(self.held, store, deps.config)
+        self.starts = Starts(self.held, self.reads, router, deps, budgets, slots)
+        self.cancels = Cancels(self.held, self.reads, store, deps.config)
         self.adoptions = Adoptions(self.held, store, router, deps)
         self.drain = Drain(self.held, deps.config)
 

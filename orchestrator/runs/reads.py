@@ -22,7 +22,7 @@ from orchestrator.runs.held_run import HeldRun
 from orchestrator.runs.held_runs import HeldRuns
 
 
-class RunReads:
+class Reads:
     def __init__(self, held: HeldRuns, store: MemoryStore, config: RunConfig) -> None:
         self.held = held
         self.store = store

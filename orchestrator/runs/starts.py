@@ -39,7 +39,7 @@ from orchestrator.router_client import GenerateStream, RouterClient, start_frame
 from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.held_run import RunInfo
 from orchestrator.runs.held_runs import HeldRuns
-from orchestrator.runs.reads import RunReads
+from orchestrator.runs.reads import Reads
 from orchestrator.runs.relay import Relay, RelayDeps, RunEnd
 from orchestrator.runs.run_state import Stop
 
@@ -65,11 +65,11 @@ class Admission:
     charge_id: str
 
 
-class RunStarts:
+class Starts:
     def __init__(
         self,
         held: HeldRuns,
-        reads: RunReads,
+        reads: Reads,
         router: RouterClient,
         deps: RelayDeps,
         budgets: Budgets,
