@@ -2,7 +2,7 @@
 
 Each replica heartbeats into Cassandra every ``heartbeat_interval_s`` (the first one before it takes
 any work: a run whose owner never heartbeated could not be found as orphaned). Every replica also
-looks for runs whose owner has been silent for ``orphan_after_s`` and adopts them (``Runs.adopt``):
+looks for runs whose owner has been silent for ``orphan_after_s`` and adopts them (``Adoptions.adopt``):
 one conditional write makes it the run's owner, and it continues the generation from the run's last
 checkpoint with the run's stored request and seed, so clients resuming from their last sequence
 number on any replica get the rest of the answer, and the stored answer is the streamed one. A run
@@ -71,7 +71,7 @@ class Membership:
         self._tasks: list[asyncio.Task[None]] = []
         # Adoptions at once (each a conditional write and a read; the run's placement is its own task).
         self._adopting = asyncio.Semaphore(16)
-        self.remote_ends = RemoteEnds(store, replica_id, runs.relays, config.store_deadline_s)
+        self.remote_ends = RemoteEnds(store, replica_id, runs.held.relays, config.store_deadline_s)
 
     async def join(self) -> None:
         """Heartbeats once (before taking work) and starts the periodic loops."""
@@ -121,7 +121,7 @@ class Membership:
         await self.store.heartbeat_replica(self.replica_id, group=self.group)
 
     async def _sweep(self) -> None:
-        self.runs.sweep()
+        self.runs.held.sweep()
 
     async def reap(self) -> int:
         """Adopts the in-progress runs of silent replicas (ending as interrupted those that cannot be
@@ -138,9 +138,9 @@ class Membership:
         """Continues this replica's own runs that it does not have in hand once they are older than
         the start lease (and settles those that ended without what the end leaves stored); returns how
         many it continued."""
-        found = await self.store.find_owned_runs(self.replica_id, skip=self.runs.holds)
+        found = await self.store.find_owned_runs(self.replica_id, skip=self.runs.held.holds)
         horizon = datetime.now(UTC) - timedelta(seconds=self.config.start_lease_s)
-        strays = [run for run in found if run.created_at < horizon and not self.runs.holds(run.run_id)]
+        strays = [run for run in found if run.created_at < horizon and not self.runs.held.holds(run.run_id)]
         for run in strays:
             log.warning(
                 "run %s of this replica is not in hand here (%s): taking it up", run.run_id, run.status
@@ -173,7 +173,7 @@ class Membership:
 
     async def _adopt(self, run: Run, counted: Counter, continued: str) -> bool:
         async with self._adopting:
-            adopted = await self.runs.adopt(run, self.replica_id)
+            adopted = await self.runs.adoptions.adopt(run, self.replica_id)
         if adopted:
             counted.labels(continued).inc()
         return adopted

@@ -5,7 +5,7 @@ Each request is its call in all but its transport: the token its start carries i
 metadata is, its request is checked as its run is made (``service.run_events``, the calls' own), its
 events are followed to the end within its deadline, and a failure ends it with the status the call
 would have ended with. A `cancel` (the caller left), or the stream ending, is the call cancelled: a
-Complete's answer is cancelled, a stored chat's run goes on without this reader (``Runs.answer``). A
+Complete's answer is cancelled, a stored chat's run goes on without this reader (``Starts.answer``). A
 unary call is answered by ``ChatService.answer``, as the call is, its response the one `reply`.
 
 Why: a run-event call costs a gRPC message per event each way, and gRPC sends each with a system call of
@@ -35,7 +35,7 @@ from meshkit.deadline import Deadline
 from meshkit.links import LinkMessages, ServedRequests
 from orchestrator.api.service import ChatService, run_events
 from orchestrator.errors import from_exception
-from orchestrator.runs.lifecycle import SHUTTING_DOWN
+from orchestrator.runs.starts import SHUTTING_DOWN
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class CompletionLinkService(completion_link_pb2_grpc.CompletionLinkServiceServic
         self._streams: set[asyncio.Event] = set()  # wake-ups of the open CompleteMany calls
 
     def drain(self) -> None:
-        """Each open stream ends once no request is left on it (``Runs.start`` refuses new ones)."""
+        """Each open stream ends once no request is left on it (``Starts.admit`` refuses new ones)."""
         self.draining = True
         for wake in self._streams:
             wake.set()
@@ -100,7 +100,7 @@ class _ServedCompletes(ServedRequests):
         task.add_done_callback(functools.partial(self._cancelled_before_it_ran, request_id))
 
     def cancel(self, request_id: str) -> None:
-        # ``Runs.answer`` cancels a Complete its caller left; a stored chat's run goes on.
+        # ``Starts.answer`` cancels a Complete its caller left; a stored chat's run goes on.
         self._tasks[request_id].cancel()
 
     def _cancelled_before_it_ran(self, request_id: str, task: asyncio.Task[None]) -> None:

@@ -101,7 +101,9 @@ def run_events(
     known_fields_only(request)
     if isinstance(request, chat_pb2.StreamRunRequest):
         limits.check_id(request.run_id, "run_id")
-        return ctx.runs.stream(identity.user_id, request.run_id, request.after_seq, request.merge_deltas)
+        return ctx.runs.reads.stream(
+            identity.user_id, request.run_id, request.after_seq, request.merge_deltas
+        )
     run: AnswerRun
     if isinstance(request, chat_pb2.SendMessageRequest):
         run = SendRun(ctx, identity, request)
@@ -109,7 +111,7 @@ def run_events(
         run = RegenerateRun(ctx, identity, request)
     else:
         run = CompleteRun(ctx, identity, request)
-    return ctx.runs.answer(run, request.merge_deltas)
+    return ctx.runs.starts.answer(run, request.merge_deltas)
 
 
 def known_fields_only(request: Message) -> None:
@@ -228,7 +230,7 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         limits.check_id(request.chat_id, "chat_id")
         await self.store.delete_chat(identity.user_id, request.chat_id)
         # Nobody can read the answer any more: free its engine work.
-        self.runs.cancel_chat(identity.user_id, request.chat_id)
+        self.runs.cancels.cancel_chat(identity.user_id, request.chat_id)
         return chat_pb2.DeleteChatResponse()
 
     @unary
@@ -276,12 +278,12 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
     @unary
     async def GetRun(self, identity: Identity, request: chat_pb2.GetRunRequest):
         limits.check_id(request.run_id, "run_id")
-        return chat_pb2.GetRunResponse(run=await self.runs.get(identity.user_id, request.run_id))
+        return chat_pb2.GetRunResponse(run=await self.runs.reads.get(identity.user_id, request.run_id))
 
     @unary
     async def CancelRun(self, identity: Identity, request: chat_pb2.CancelRunRequest):
         limits.check_id(request.run_id, "run_id")
-        run = await self.runs.cancel(identity.user_id, request.run_id, _answer_within_s())
+        run = await self.runs.cancels.cancel(identity.user_id, request.run_id, _answer_within_s())
         return chat_pb2.CancelRunResponse(run=run)
 
     # -- models and usage -----------------------------------------------------------------------

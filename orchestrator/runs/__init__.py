@@ -1,1 +1,1 @@
-"""Runs: one object per kind of run (send, regenerate, complete) and the lifecycle steps they share."""
+"""Runs: one object per kind of run (send, regenerate, complete), the steps they share, and the runs held here."""

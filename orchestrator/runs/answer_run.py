@@ -3,7 +3,7 @@ task of the replica.
 
 Each kind is a class whose ``execute`` reads top to bottom (``send.py``, ``regenerate.py``,
 ``complete.py``). Its constructor checks the request (limits, input moderation) before any read or
-write, so a refusal costs nothing; ``execute`` then calls the shared steps of ``lifecycle.Runs``.
+write, so a refusal costs nothing; ``execute`` then calls the shared steps of ``starts.Starts``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import grpc
 
 from chatmesh.errors import ServiceError
 from chatmesh.identity import Identity
-from orchestrator.runs.live_run import LiveRun
+from orchestrator.runs.held_run import HeldRun
 
 
 class AnswerRun(ABC):
@@ -30,12 +30,12 @@ class AnswerRun(ABC):
         # When the request arrived, for time to first token.
         self.arrived_at = time.monotonic()
         # Set to the run id once the run is live (or joined an earlier one), or to the refusal that
-        # ended it before (``Runs.start`` waits for it).
+        # ended it before (``Starts.start`` waits for it).
         self.started: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.started.add_done_callback(_observe_refusal)
         # The run this request started, once live (None while starting, and for one that joined an
         # earlier attempt's run).
-        self.live: LiveRun | None = None
+        self.live: HeldRun | None = None
 
     @property
     def idempotency_key(self) -> str:

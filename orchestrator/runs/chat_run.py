@@ -30,9 +30,9 @@ from orchestrator.prompting.models import ServedModel
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.runs.answer_run import AnswerRun, key_reused
 from orchestrator.runs.context import RunContext
-from orchestrator.runs.lifecycle import Admission
-from orchestrator.runs.live_run import RunInfo
+from orchestrator.runs.held_run import RunInfo
 from orchestrator.runs.relay import RunEnd
+from orchestrator.runs.starts import Admission
 
 tracer = trace.get_tracer("orchestrator")
 
@@ -175,7 +175,7 @@ class ChatRun(AnswerRun):
     async def _key_run(self, run_id: str) -> _KeyRun:
         """What became of the run a key names: none yet, ended unanswered, or anything else to join
         (live here, stored in progress, or ended any other way)."""
-        if self.ctx.runs.is_running(run_id):
+        if self.ctx.runs.held.is_running(run_id):
             return _KeyRun.GOING
         try:
             run = await self.ctx.store.get_run(self.identity.user_id, run_id)

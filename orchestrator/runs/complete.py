@@ -17,7 +17,7 @@ from memory_store.ids import new_id
 from orchestrator.policy.refusals import checked, refused
 from orchestrator.runs.answer_run import AnswerRun
 from orchestrator.runs.context import RunContext
-from orchestrator.runs.live_run import RunInfo
+from orchestrator.runs.held_run import RunInfo
 
 _PROMPT_ROLES = {
     chat_pb2.ROLE_SYSTEM: "system",
@@ -93,9 +93,9 @@ class CompleteRun(AnswerRun):
             max_tokens=self.options.max_tokens,
         )
         # 2. Admission (a run slot; the budget reserved while the router places the request).
-        async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
+        async with self.ctx.runs.starts.admit(self.identity, info, prompt, self.options) as admission:
             pass  # nothing to persist
         # 3. Live: `started`, then the answer streamed until it ends.
-        end = await self.ctx.runs.generate(self, admission, None)
+        end = await self.ctx.runs.starts.generate(self, admission, None)
         # 4. The reservation becomes the actual count (no stored finish does it for an unstored run).
         await self.ctx.store.record_usage(self.identity.user_id, admission.charge_id, end.usage)

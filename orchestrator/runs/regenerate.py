@@ -56,9 +56,9 @@ class RegenerateRun(ChatRun):
         await self.switch_chat(history.chat, self.request.options)
         info = self.run_info(claim, chat_id)
         # 3. Admission, then the run persisted (the question is stored already).
-        async with self.ctx.runs.admit(self.identity, info, prompt, self.options) as admission:
+        async with self.ctx.runs.starts.admit(self.identity, info, prompt, self.options) as admission:
             stored_run = await self.create_run(admission, question_id)
         # 4. Live: `started`, then the answer streamed until it ends; the end is stored once.
-        end = await self.ctx.runs.generate(self, admission, stored_run)
+        end = await self.ctx.runs.starts.generate(self, admission, stored_run)
         # 5. Upkeep: a long history gets a fresher summary.
         self.refresh_summary(chat_id, prompt, end)

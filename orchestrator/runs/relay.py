@@ -1,9 +1,9 @@
 """The relay of one run: router frames in, run events out, and the run's end stored exactly once.
 
-    router tokens ─► output moderation ─► delta event (seq n) ─► LiveRun (streams follow it)
+    router tokens ─► output moderation ─► delta event (seq n) ─► HeldRun (streams follow it)
                                                           └──► RunCheckpoints ─► Cassandra (behind)
     router finished / error / cancel ─► finish_run (tail + usage + status, one conditional batch)
-                                     ─► usage + done (or error) events ─► LiveRun ends
+                                     ─► usage + done (or error) events ─► HeldRun ends
 
 It runs in the run's task, which belongs to the replica, not to a client: streams attach and detach
 freely. The router's token frames are relayed where they arrive, on the router link's reading task
@@ -43,7 +43,6 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 import grpc
 
@@ -66,9 +65,10 @@ from orchestrator.policy.moderation import Moderator
 from orchestrator.prompting.models import Models
 from orchestrator.router_client import GenerateStream, RouterClient, RouterError, continued
 from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints
+from orchestrator.runs.held_run import HeldRun
 from orchestrator.runs.late_ends import LateEnds
-from orchestrator.runs.live_run import LiveRun
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
+from orchestrator.runs.run_state import Stop
 from orchestrator.runs.tool_steps import (
     ToolLoop,
     call_of,
@@ -102,16 +102,6 @@ _ROUTER_LOST = frozenset(
 )
 
 
-class Stop(StrEnum):
-    """Why a run stops before the engine ends it."""
-
-    CANCELLED = "cancelled"  # CancelRun, here or on another replica
-    CONTENT_FILTER = "content_filter"  # output moderation
-    INTERRUPTED = "interrupted"  # this replica shuts down and nobody could go on with the run (Complete)
-    HANDED_OVER = "handed_over"  # this replica shuts down; another one adopts the run
-    SUPERSEDED = "superseded"  # another replica adopted the run (this one was taken for dead)
-
-
 # Stops that leave the run to another replica rather than ending it.
 _LEFT_TO_ANOTHER = frozenset({Stop.HANDED_OVER, Stop.SUPERSEDED})
 
@@ -126,7 +116,7 @@ _STOPPED = {
 class RunEnd:
     """How a run ended, for its last step (titles, summaries, the usage of unstored runs)."""
 
-    live: LiveRun
+    live: HeldRun
     status: RunStatus
     finish_reason: FinishReason | None
     usage: Usage
@@ -171,7 +161,7 @@ class Relay:
     def __init__(
         self,
         deps: RelayDeps,
-        live: LiveRun,
+        live: HeldRun,
         stream: GenerateStream,
         start: router_pb2.GenerateStart,
         stored_run: Run | None,
@@ -212,7 +202,7 @@ class Relay:
 
     def stop(self, reason: Stop) -> None:
         """Stops the run now: no output is emitted after this, and the router is told to stop."""
-        if self.stop_reason is not None or self.live.finished:
+        if self.stop_reason is not None or self.live.state.done_here:
             return
         self.stop_reason = reason
         if reason is Stop.CANCELLED:

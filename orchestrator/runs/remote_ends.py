@@ -24,8 +24,10 @@ from collections.abc import Callable, Iterable
 from datetime import UTC, datetime, timedelta
 
 from memory_store.errors import MemoryStoreError
+from memory_store.models import Run
 from memory_store.store import MemoryStore
-from orchestrator.runs.relay import Relay, Stop
+from orchestrator.runs.relay import Relay
+from orchestrator.runs.run_state import Stop
 
 log = logging.getLogger(__name__)
 
@@ -114,3 +116,14 @@ class RemoteEnds:
                 relay.stop(Stop.CANCELLED)
             elif run.owner_id != relay.stored_run.owner_id:
                 relay.stop(Stop.SUPERSEDED)
+
+
+async def signal_owner(store: MemoryStore, run: Run, deadline_s: float) -> None:
+    """Tells ``run``'s owner that this replica ended or adopted it. A signal lost here costs the
+    owner's engine work until its next sweep reads the run (a minute at most), nothing more: the
+    run's stored state is what counts."""
+    try:
+        async with asyncio.timeout(deadline_s):
+            await store.signal_owner(run)
+    except (MemoryStoreError, TimeoutError) as exc:
+        log.warning("could not signal replica %s about run %s: %s", run.owner_id, run.run_id, exc)

@@ -123,7 +123,7 @@ async def test_a_run_started_long_after_its_key_was_claimed_is_counted_past_the_
         memory_store, mesh.router_address, max_run_s=0.75, finish_retry_s=0.5
     ) as replica:
         ctx = replica.parts.ctx
-        budgets = ctx.runs.budgets
+        budgets = ctx.runs.starts.budgets
         me = Identity(user, "pro")
         chat = await memory_store.create_chat(user)
         request = chat_pb2.SendMessageRequest(
@@ -136,7 +136,7 @@ async def test_a_run_started_long_after_its_key_was_claimed_is_counted_past_the_
         # the window fails (so nothing is folded yet).
         replica.store.fail("get_usage")
         with pytest.raises(Unavailable):
-            await ctx.runs.start(SendRun(ctx, me, request))
+            await ctx.runs.starts.start(SendRun(ctx, me, request))
         replica.store.clear("get_usage")
         claimed_at = datetime.now(UTC)
 
@@ -151,7 +151,7 @@ async def test_a_run_started_long_after_its_key_was_claimed_is_counted_past_the_
 
         # The retry starts the run of the claimed key now, and is charged for it now.
         retry = SendRun(ctx, me, request)
-        run_id = await ctx.runs.start(retry)
+        run_id = await ctx.runs.starts.start(retry)
         assert retry.live is not None
         [event async for event in retry.live.follow(0)]
         charged = (await memory_store.get_run(user, run_id)).usage

@@ -36,7 +36,7 @@ async def drain_started(drainer: InProcessReplica, grace_s: float) -> asyncio.Ta
     replica holds (its first step, before it awaits anything)."""
     draining = asyncio.create_task(drainer.runs.shutdown(grace_s))
     await asyncio.sleep(0)  # the task's first step runs before this one's next
-    assert drainer.runs.draining
+    assert drainer.runs.held.draining
     return draining
 
 
@@ -57,14 +57,14 @@ async def test_runs_that_go_live_during_a_drain_are_handed_over_and_answered_els
         placing = drainer.router.hold("place")
         request = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content=QUESTION, options=ANSWER)
         sending = asyncio.create_task(
-            drainer.runs.start(SendRun(drainer.parts.ctx, drainer.identity(client.user), request))
+            drainer.runs.starts.start(SendRun(drainer.parts.ctx, drainer.identity(client.user), request))
         )
         await within(placing.reached.wait(), 10, "the send did not reach its placement")
         # An adoption under way (its reaper found a silent replica's run), held at its write.
         adopted_chat = (await client.create_chat()).chat_id
         orphan = await drainer.orphan(memory_store, client.user, adopted_chat, QUESTION, ANSWER)
         adopting = drainer.store.hold("adopt_run")
-        adoption = asyncio.create_task(drainer.runs.adopt(orphan, drainer.replica_id))
+        adoption = asyncio.create_task(drainer.runs.adoptions.adopt(orphan, drainer.replica_id))
         await within(adopting.reached.wait(), 10, "the adoption did not reach its write")
 
         draining = await drain_started(drainer, grace_s)

@@ -18,9 +18,10 @@ from meshkit.pacing import StreamPacer
 from orchestrator.config import ModerationConfig, RunConfig
 from orchestrator.policy.moderation import create_moderator
 from orchestrator.runs.checkpoints import CheckpointWriter
+from orchestrator.runs.held_run import HeldRun, RunInfo
 from orchestrator.runs.late_ends import LateEnds
-from orchestrator.runs.live_run import LiveRun, RunInfo
 from orchestrator.runs.relay import Relay, RelayDeps
+from orchestrator.runs.run_state import RunState
 from tests.fixtures.runs import stored_run
 
 WORDS = ["Once", " upon", " a", " time"]
@@ -66,7 +67,7 @@ class Store:
 
 async def relay_end(
     failure: Exception,
-) -> tuple[LiveRun, Store, LateEnds, list[chat_pb2.RunEvent | ServiceError]]:
+) -> tuple[HeldRun, Store, LateEnds, list[chat_pb2.RunEvent | ServiceError]]:
     """Relays the answer as a stored run whose finish_run fails with ``failure``; returns the live
     run, the store, the late ends and what a stream following the run got: its events, and the error
     that ended it, if one did."""
@@ -84,7 +85,7 @@ async def relay_end(
     )
     run = stored_run("run-1")
     info = RunInfo(run.run_id, run.user_id, "pro", "send", "model", 16, run.chat_id, "q", "a")
-    live = LiveRun(info, max_subscribers=4, pacer=StreamPacer(0.0))
+    live = HeldRun(info, max_subscribers=4, pacer=StreamPacer(0.0))
     live.append(started=chat_pb2.RunStarted(run_id=run.run_id))
     start = router_pb2.GenerateStart(request_id="r", prompt_token_ids=[1, 2, 3, 4, 5])
     relay = Relay(deps, live, Answer(), start, run, arrived_at=0.0)  # type: ignore[arg-type]
@@ -132,7 +133,7 @@ async def test_an_owner_that_finds_its_run_adopted_at_its_end_hands_its_streams_
     live, store, late_ends, followed = await relay_end(OwnerChanged("adopted"))
     assert len(store.finishes) == 1
     # Its streams get the deltas, then are told to resume where the run goes on; nothing ends here.
-    assert live.handed_over and deltas(followed) == WORDS
+    assert live.state is RunState.HANDED_OVER and deltas(followed) == WORDS
     told = followed[-1]
     assert isinstance(told, ServiceError) and told.code.name == "UNAVAILABLE"
     assert "another replica" in told.message

@@ -11,8 +11,8 @@ import pytest
 
 from memory_store.errors import Unavailable
 from memory_store.models import Run, RunStatus
-from orchestrator.runs.relay import Stop
 from orchestrator.runs.remote_ends import CLOCK_SKEW_S, READ_GAP_S, SIGNAL_POLL_S, SWEEP_S, RemoteEnds
+from orchestrator.runs.run_state import Stop
 from tests.fixtures.runs import OWNER, stored_run
 
 

@@ -22,7 +22,9 @@ from memory_store.models import Message, Role, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator.router_client import start_frame
 from orchestrator.runs.complete import CompleteRun
+from orchestrator.runs.replay import INTERRUPTED_CODE
 from orchestrator.runs.send import SendRun
+from tests.fixtures.answers import ANSWER
 from tests.fixtures.in_process import At, InProcessReplica, in_process_replica
 from tests.fixtures.orchestrator import Mesh
 
@@ -63,13 +65,13 @@ async def test_a_different_request_with_the_key_of_a_run_still_starting_is_refus
     key = uuid.uuid4().hex
     claiming = store.hold("claim_idempotency_key")
     first = SendRun(ctx, me, send(key, chat.chat_id, "the first question"))
-    starting = asyncio.create_task(ctx.runs.start(first))
+    starting = asyncio.create_task(ctx.runs.starts.start(first))
     await claiming.reached.wait()  # the first is starting: its claim is on its way
 
     other = SendRun(ctx, me, send(key, chat.chat_id, "another question"))
     with pytest.raises(ServiceError) as refused:
         # A join would wait for the first (held): the timeout only bounds that failure.
-        await asyncio.wait_for(ctx.runs.start(other), 5.0)
+        await asyncio.wait_for(ctx.runs.starts.start(other), 5.0)
     assert refused.value.code is grpc.StatusCode.ALREADY_EXISTS
 
     claiming.release()
@@ -90,7 +92,7 @@ async def test_a_caller_who_leaves_while_its_reservation_is_on_its_way_is_not_ch
         messages=[chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content="hello")],
         options=chat_pb2.GenerationOptions(max_tokens=64),
     )
-    caller = asyncio.create_task(ctx.runs.start(CompleteRun(ctx, me, request)))
+    caller = asyncio.create_task(ctx.runs.starts.start(CompleteRun(ctx, me, request)))
     await reserving.reached.wait()
     store.clear("record_usage")  # the next writes (the release) are not held
     caller.cancel()  # a Complete's caller leaves: its run is abandoned during placement
@@ -131,16 +133,44 @@ async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
         asked=asked,
     )
     placing = replica.router.hold("place")
-    assert await ctx.runs.adopt(orphan, ctx.config.replica_id)
+    assert await ctx.runs.adoptions.adopt(orphan, ctx.config.replica_id)
     await placing.reached.wait()  # adopted, and being placed again
 
-    answered = await ctx.runs.cancel(user, claim.run_id, 2.0)
+    answered = await ctx.runs.cancels.cancel(user, claim.run_id, 2.0)
     assert answered.status in (chat_pb2.RUN_STATUS_CANCELLING, chat_pb2.RUN_STATUS_CANCELLED)
     placing.release()
-    events = await to_the_end(ctx.runs.stream(user, claim.run_id, 0))
+    events = await to_the_end(ctx.runs.reads.stream(user, claim.run_id, 0))
     assert events[-1].HasField("done") and events[-1].done.finish_reason == chat_pb2.FINISH_REASON_CANCELLED
     stored = await memory_store.get_run(user, claim.run_id)
     assert stored.status is RunStatus.CANCELLED
+
+
+async def test_streams_of_an_adopted_run_no_router_places_again_are_told_to_resume(
+    memory_store: MemoryStore, replica: InProcessReplica
+) -> None:
+    """The replica lets go of an adopted run it cannot place again (it is ended as interrupted in
+    Cassandra): a stream that followed it meanwhile is told to resume, not left waiting, and resuming
+    gets its end."""
+    ctx = replica.parts.ctx
+    user = f"user-{uuid.uuid4().hex[:12]}"
+    chat = await memory_store.create_chat(user)
+    orphan = await replica.orphan(memory_store, user, chat.chat_id, "tell me a story", ANSWER)
+    placing = replica.router.hold("place")
+    assert await ctx.runs.adoptions.adopt(orphan, ctx.config.replica_id)
+    await placing.reached.wait()  # adopted, and being placed again
+    following = ctx.runs.reads.stream(user, orphan.run_id, 0)
+    assert (await anext(following)).HasField("started")
+
+    replica.router.fail("place")
+    placing.release()
+    with pytest.raises(ServiceError) as told:
+        await asyncio.wait_for(anext(following), 10.0)
+    assert told.value.code is grpc.StatusCode.UNAVAILABLE and "resume after event 1" in told.value.message
+    replica.router.clear("place")
+    resumed = await asyncio.wait_for(to_the_end(ctx.runs.reads.stream(user, orphan.run_id, 1)), 10.0)
+    assert [event.WhichOneof("kind") for event in resumed] == ["error"]
+    assert resumed[0].seq == 2 and resumed[0].error.code == INTERRUPTED_CODE
+    assert (await memory_store.get_run(user, orphan.run_id)).status is RunStatus.INTERRUPTED
 
 
 async def test_a_keyless_send_whose_question_landed_without_its_run_is_asked_once_by_its_retry(
@@ -160,10 +190,10 @@ async def test_a_keyless_send_whose_question_landed_without_its_run_is_asked_onc
     with monkeypatch.context() as patched:
         patched.setattr(db, "write_in_order", question_only)
         with pytest.raises(Unavailable):
-            await ctx.runs.start(SendRun(ctx, me, request))
+            await ctx.runs.starts.start(SendRun(ctx, me, request))
 
     retry = SendRun(ctx, me, request)
-    await ctx.runs.start(retry)
+    await ctx.runs.starts.start(retry)
     assert retry.live is not None
     await to_the_end(retry.live.follow(0))
     # One question, answered by the retry's run.

@@ -51,7 +51,9 @@ async def test_a_run_stored_by_a_start_that_failed_is_answered_and_its_keyed_ret
         # The question and its run land; the answer to create_run is lost: the send fails.
         replica.store.fail("create_run", landed=True)
         with pytest.raises(Unavailable):
-            await replica.runs.start(SendRun(replica.parts.ctx, replica.identity(client.user), request))
+            await replica.runs.starts.start(
+                SendRun(replica.parts.ctx, replica.identity(client.user), request)
+            )
         replica.store.clear("create_run")
         run = (await client.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat.chat_id))).chat.active_run_id
         assert run, "the failed send left no run: nothing to test"
@@ -87,7 +89,7 @@ async def answered_by_the_mesh(
 
 async def relay_ended(replica: InProcessReplica, run_id: str) -> None:
     for _ in range(600):
-        relayed = any(relay.live.info.run_id == run_id for relay in replica.runs.relays())
+        relayed = any(relay.live.info.run_id == run_id for relay in replica.runs.held.relays())
         if not relayed and not replica.runs.deps.late_ends.holds(run_id):
             return
         await asyncio.sleep(0.05)
@@ -105,7 +107,7 @@ async def test_a_run_whose_adoption_could_not_be_given_back_is_continued_by_its_
         chat = await client.create_chat()
         orphan = await replica.orphan(memory_store, client.user, chat.chat_id, QUESTION, ANSWER)
         reading = replica.store.hold("read_run_output")
-        adoption = asyncio.create_task(replica.runs.adopt(orphan, replica.replica_id))
+        adoption = asyncio.create_task(replica.runs.adoptions.adopt(orphan, replica.replica_id))
         await within(reading.reached.wait(), 10, "the adoption did not read the run's output")
         # Adopted: the read fails, and so does the write that gives the run back.
         replica.store.fail("read_run_output")
@@ -140,7 +142,7 @@ async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_
         creating = replica.store.hold("create_run", At.LANDED)
         request = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content=QUESTION, options=ANSWER)
         sending = asyncio.create_task(
-            replica.runs.start(SendRun(replica.parts.ctx, replica.identity(client.user), request))
+            replica.runs.starts.start(SendRun(replica.parts.ctx, replica.identity(client.user), request))
         )
         await within(creating.reached.wait(), 10, "the send did not store its run")
         assert await within(replica.runs.shutdown(0.5), 30, "the drain did not end") == 0

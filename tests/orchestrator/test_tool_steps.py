@@ -226,8 +226,8 @@ async def test_a_step_found_started_without_its_result_is_answered_interrupted_n
         step = started_record(call, lost)
         assert await memory_store.store_step(run, RunDelta(2, "", len(call_ids), call_ids, step)) == step
 
-        assert await within(replica.runs.adopt(run, lost), 30, "the replica did not adopt the run")
-        streamed = [event async for event in replica.runs.stream(client.user, run.run_id, 0)]
+        assert await within(replica.runs.adoptions.adopt(run, lost), 30, "the replica did not adopt the run")
+        streamed = [event async for event in replica.runs.reads.stream(client.user, run.run_id, 0)]
         assert [event.seq for event in streamed] == list(range(1, len(streamed) + 1))
         assert kinds(streamed)[:3] == ["started", "step_started", "step_result"]
         result = streamed[2].step_result

@@ -1,4 +1,5 @@
-"""A run in memory on the replica generating it: its events in order, and the streams following them.
+"""A run this replica holds in memory: where it stands (``run_state.py``), its events in order, and the
+streams following them.
 
 Events are numbered from 1 (``started``), then ``delta``s (and tool steps among them, docs/tools.md),
 then ``usage`` and ``done`` (or one ``error``). The buffer is append-only and bounded by the run's ``max_tokens``: at most one delta per
@@ -28,7 +29,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import exhausted, unavailable
@@ -36,6 +37,10 @@ from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from chatmesh.streams import Wakeup
 from meshkit.pacing import StreamPacer
 from orchestrator.metrics import METRICS
+from orchestrator.runs.run_state import RunState, Stop, check_move
+
+if TYPE_CHECKING:
+    from orchestrator.runs.relay import Relay
 
 # The events of a run that are no delta: started + usage + done, or started + error.
 _FRAME_EVENTS = 3
@@ -70,7 +75,10 @@ class RunInfo:
         return self.kind != "complete"
 
 
-class LiveRun:
+class HeldRun:
+    """A run this replica holds (``held_runs.py`` indexes it). Its state moves only through ``go_live``,
+    ``finish`` and ``hand_over``, each checked by ``run_state.check_move``."""
+
     def __init__(self, info: RunInfo, max_subscribers: int, pacer: StreamPacer) -> None:
         self.info = info
         self.pacer = pacer
@@ -79,12 +87,17 @@ class LiveRun:
         self.max_subscribers = max_subscribers
         # The events in order: a delta as (text, token count), any other kind as its RunEvent.
         self._events: list[chat_pb2.RunEvent | tuple[str, int]] = []
+        self._state = RunState.STARTING
+        # What GetRun and CancelRun answer: in progress, cancelling, then the end's.
         self.status: chat_pb2.RunStatus = chat_pb2.RUN_STATUS_IN_PROGRESS
         self.created_at = time.time()
-        self.finished_at: float | None = None
+        # When it ended (monotonic), for how long it is kept after (``HeldRuns.sweep``).
+        self.ended_at: float | None = None
         self.subscribers = 0
-        # The run went on elsewhere (this replica handed it over, or another adopted it).
-        self.handed_over = False
+        # The relay generating it, from when it goes live.
+        self.relay: Relay | None = None
+        # A stop asked for while it was starting (an adopted run being placed again): applied as it goes live.
+        self._stop_when_live: Stop | None = None
         self._changed = Wakeup()
         self._ended = Wakeup()  # the run finished or was handed over: nothing more gathers
         # How far apart its last two deltas came: one that comes slower than the stream interval has
@@ -93,8 +106,8 @@ class LiveRun:
         self._delta_gap_s = math.inf
 
     @property
-    def finished(self) -> bool:
-        return self.finished_at is not None
+    def state(self) -> RunState:
+        return self._state
 
     @property
     def last_seq(self) -> int:
@@ -132,8 +145,8 @@ class LiveRun:
         return seq
 
     def _next_seq(self) -> int:
-        if self.finished:
-            raise RuntimeError(f"run {self.info.run_id} has ended; no event may follow")
+        if self.state.done_here:
+            raise RuntimeError(f"run {self.info.run_id} is {self.state}; no event may follow")
         if len(self._events) >= self.max_events:
             raise RuntimeError(f"run {self.info.run_id} exceeded its {self.max_events} events")
         return len(self._events) + 1
@@ -163,24 +176,44 @@ class LiveRun:
             elif kept.HasField("delta"):
                 yield seq, kept.delta.text, kept.delta.token_count
 
+    # -- its state ------------------------------------------------------------------------------
+
+    def go_live(self, relay: Relay) -> None:
+        """``relay`` generates the run from now on; a stop asked for while it was starting applies now."""
+        self._state = check_move(self.info.run_id, self._state, RunState.LIVE)
+        self.relay = relay
+        if self._stop_when_live is not None:
+            relay.stop(self._stop_when_live)  # its end is stored as any stopped run's
+
+    def stop(self, reason: Stop) -> None:
+        """Stops the run: at once if it is live, as it goes live if it is starting; one done here stays
+        as it is."""
+        if self.relay is not None:
+            self.relay.stop(reason)  # a no-op once the run is done here
+        elif not self.state.done_here:
+            self._stop_when_live = reason
+            if reason is Stop.CANCELLED:
+                self.cancelling()
+
     def cancelling(self) -> None:
         """CancelRun stopped the run: no output follows, and until its end is stored it reads as
         CANCELLING."""
-        if not self.finished:
+        if not self.state.done_here:
             self.status = chat_pb2.RUN_STATUS_CANCELLING
 
     def finish(self, status: chat_pb2.RunStatus) -> None:
         """The run has ended: followers get the remaining events, then their streams end."""
+        self._state = check_move(self.info.run_id, self._state, RunState.ENDED)
         self.status = status
-        self.finished_at = time.monotonic()
+        self.ended_at = time.monotonic()
         self._changed.notify()
         self._ended.notify()
 
     def hand_over(self) -> None:
-        """The run goes on on another replica: followers get the events here, then UNAVAILABLE, and
-        resume from their last sequence number wherever their next call lands."""
-        self.handed_over = True
-        self.finished_at = time.monotonic()
+        """The run goes on on another replica (or its end is read from Cassandra): followers get the
+        events here, then UNAVAILABLE, and resume from their last sequence number wherever their next
+        call lands."""
+        self._state = check_move(self.info.run_id, self._state, RunState.HANDED_OVER)
         self._changed.notify()
         self._ended.notify()
 
@@ -205,11 +238,11 @@ class LiveRun:
                     yield event
                     if merge_deltas and event.HasField("delta") and self._gathers():
                         await self.pacer.gather(until=self._ended)
-                if self.handed_over:
+                if self.state is RunState.HANDED_OVER:
                     raise unavailable(
                         f"the answer goes on on another replica; resume after event {position}", 0.2
                     )
-                if self.finished:
+                if self.state is RunState.ENDED:
                     return
                 await self._changed.wait()
         finally:
@@ -219,7 +252,7 @@ class LiveRun:
     def _gathers(self) -> bool:
         """Whether a follower that just sent a delta lets the next ones gather: the replica is loaded,
         the run goes on, and its deltas come faster than the interval."""
-        return not self.finished and self._delta_gap_s < self.pacer.interval_s
+        return not self.state.done_here and self._delta_gap_s < self.pacer.interval_s
 
     def text(self) -> str:
         return "".join(text for _, text, _ in self.deltas())

@@ -14,14 +14,15 @@ from chatmesh.streams import Wakeup
 from memory_store.models import RunDelta, RunStatus
 from meshkit.event_loop import RecentLag
 from meshkit.pacing import StreamPacer
-from orchestrator.runs.live_run import LiveRun, RunInfo
+from orchestrator.runs.held_run import HeldRun, RunInfo
 from orchestrator.runs.replay import INTERRUPTED_CODE, started_event, terminal_events
+from orchestrator.runs.run_state import RunState
 from tests.fixtures.runs import stored_run
 
 
-def live_run(max_tokens: int = 100, max_subscribers: int = 4, pacer: StreamPacer | None = None) -> LiveRun:
+def held_run(max_tokens: int = 100, max_subscribers: int = 4, pacer: StreamPacer | None = None) -> HeldRun:
     info = RunInfo("run-1", "user-1", "pro", "send", "model", max_tokens, chat_id="chat-1")
-    run = LiveRun(info, max_subscribers, pacer or StreamPacer(0.0))
+    run = HeldRun(info, max_subscribers, pacer or StreamPacer(0.0))
     run.append(started=chat_pb2.RunStarted(run_id="run-1"))
     return run
 
@@ -31,7 +32,7 @@ async def drain(stream) -> list[int]:
 
 
 async def test_followers_from_any_seq_get_every_later_event_once_then_the_live_ones() -> None:
-    run = live_run()
+    run = held_run()
     for i in range(5):
         run.append_delta(f"t{i}", 1)
     followers = [asyncio.create_task(drain(run.follow(after))) for after in (0, 1, 3, 6)]
@@ -47,7 +48,7 @@ async def test_followers_from_any_seq_get_every_later_event_once_then_the_live_o
 
 
 async def test_a_follower_that_does_not_read_never_holds_up_the_writer_or_other_followers() -> None:
-    run = live_run(max_tokens=1000)
+    run = held_run(max_tokens=1000)
     stalled = run.follow(0)
     assert (await anext(stalled)).seq == 1  # attached, then never reads again
     reader = asyncio.create_task(drain(run.follow(0)))
@@ -68,7 +69,7 @@ def described(event: chat_pb2.RunEvent) -> tuple:
 
 
 async def test_a_follower_asking_to_merge_gets_the_waiting_deltas_as_one_and_each_live_one_alone() -> None:
-    run = live_run()
+    run = held_run()
     for i in range(4):
         run.append_delta(f"t{i}", 1 + i % 2)
     merged = run.follow(0, merge_deltas=True)
@@ -96,7 +97,7 @@ async def test_a_follower_asking_to_merge_gets_the_waiting_deltas_as_one_and_eac
 async def test_a_merged_delta_carries_at_most_the_bound_so_a_late_follower_gets_a_long_answer_in_parts() -> (
     None
 ):
-    run = live_run(max_tokens=600)
+    run = held_run(max_tokens=600)
     for _ in range(600):
         run.append_delta("x", 1)
     run.append(done=chat_pb2.Done())
@@ -111,7 +112,7 @@ async def test_a_merged_delta_carries_at_most_the_bound_so_a_late_follower_gets_
 
 
 async def test_the_buffer_is_bounded_by_max_tokens_and_followers_by_the_subscriber_limit() -> None:
-    run = live_run(max_tokens=3, max_subscribers=1)
+    run = held_run(max_tokens=3, max_subscribers=1)
     assert run.last_seq == 1  # started
     # A delta a token, and one more: the text an engine held back (the start of a stop string, part
     # of a character) and flushed when max_tokens ended the answer.
@@ -177,7 +178,7 @@ def loaded_pacer(lag_s: float = 0.02, max_interval_s: float = 0.1) -> StreamPace
 async def test_under_load_a_merging_follower_gets_each_delta_it_waited_for_at_once_then_what_gathers() -> (
     None
 ):
-    run = live_run(pacer=loaded_pacer())  # a 40 ms stream interval
+    run = held_run(pacer=loaded_pacer())  # a 40 ms stream interval
     merged = run.follow(0, merge_deltas=True)
     assert described(await anext(merged)) == (1, "started")
     # Deltas 5 ms apart. The first two were waited for: each leaves at once, alone.
@@ -218,7 +219,7 @@ class CountingPacer(StreamPacer):
 
 async def test_under_load_deltas_further_apart_than_the_interval_wait_for_no_tick() -> None:
     pacer = CountingPacer(lag_s=0.02)  # 40 ms
-    run = live_run(pacer=pacer)
+    run = held_run(pacer=pacer)
     merged = run.follow(0, merge_deltas=True)
     assert (await anext(merged)).seq == 1
     for i in range(3):  # 50 ms apart: nothing would gather with them
@@ -235,7 +236,7 @@ async def test_under_load_deltas_further_apart_than_the_interval_wait_for_no_tic
 
 
 async def test_under_load_a_follower_that_asked_for_every_delta_still_gets_each_as_it_is_made() -> None:
-    run = live_run(pacer=loaded_pacer())
+    run = held_run(pacer=loaded_pacer())
     each = run.follow(0)
     assert (await anext(each)).seq == 1
     for i in range(3):
@@ -246,7 +247,7 @@ async def test_under_load_a_follower_that_asked_for_every_delta_still_gets_each_
 
 
 async def test_under_load_a_gathering_follower_of_a_run_handed_over_resumes_elsewhere_at_once() -> None:
-    run = live_run(pacer=loaded_pacer(lag_s=0.05))  # 100 ms
+    run = held_run(pacer=loaded_pacer(lag_s=0.05))  # 100 ms
     merged = run.follow(0, merge_deltas=True)
     assert (await anext(merged)).seq == 1
     run.append_delta("t0", 1)
@@ -260,3 +261,28 @@ async def test_under_load_a_gathering_follower_of_a_run_handed_over_resumes_else
     with pytest.raises(ServiceError) as caught:
         await asyncio.wait_for(anext(merged), 0.02)
     assert caught.value.code.name == "UNAVAILABLE"
+
+
+def test_a_run_handed_over_has_not_ended_and_nothing_follows_it() -> None:
+    run = held_run()
+    run.append(started=chat_pb2.RunStarted(run_id="r1"))
+    run.hand_over()
+    # It is no longer this replica's, yet it did not end: GetRun elsewhere tells how it ends.
+    assert run.state is RunState.HANDED_OVER and run.state.done_here
+    assert run.ended_at is None and run.status == chat_pb2.RUN_STATUS_IN_PROGRESS
+    with pytest.raises(RuntimeError):
+        run.append_delta("late", 1)
+    with pytest.raises(RuntimeError):
+        run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+
+
+def test_a_run_ends_once_and_is_never_handed_over_after() -> None:
+    run = held_run()
+    run.append(started=chat_pb2.RunStarted(run_id="r1"))
+    run.finish(chat_pb2.RUN_STATUS_COMPLETED)
+    assert run.state is RunState.ENDED and run.ended_at is not None
+    run.cancelling()  # a cancel that comes after the end leaves it as it is
+    assert run.status == chat_pb2.RUN_STATUS_COMPLETED
+    for move in (run.hand_over, lambda: run.finish(chat_pb2.RUN_STATUS_FAILED)):
+        with pytest.raises(RuntimeError):
+            move()
