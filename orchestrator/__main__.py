@@ -30,7 +30,7 @@ from orchestrator import config as configuration
 from orchestrator.api.completion_link import CompletionLinkService
 from orchestrator.api.service import ChatService
 from orchestrator.config import OrchestratorConfig
-from orchestrator.policy.admission import Budgets, RunSlots
+from orchestrator.policy.admission import Budgets, RunSlots, check_model_budgets
 from orchestrator.policy.moderation import create_moderator
 from orchestrator.prompting.models import CHAT, Models, ModelSpec, default_model, model_files
 from orchestrator.router_client import RouterClient
@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         specs = [ModelSpec.load(file) for file in files]
         default_model(specs, config.default_model)
+        check_model_budgets(config.budgets, [spec.name for spec in specs])
     except (ValueError, OSError) as exc:  # a tokenizer it does not implement, or no such file
         log.error("cannot start the orchestrator: %s", exc)
         sys.exit(2)
