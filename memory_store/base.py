@@ -42,6 +42,14 @@ class StoreBase:
             raise InvalidArgument(f"user id must be 1..{self.bounds.max_user_id_chars} characters")
         return user_id
 
+    def _check_fingerprint(self, fingerprint: str) -> str:
+        """A stored count's tokenizer fingerprint ("" for unknown) is of bounded length."""
+        if len(fingerprint) > self.bounds.max_fingerprint_chars:
+            raise InvalidArgument(
+                f"tokenizer fingerprint is longer than {self.bounds.max_fingerprint_chars} characters"
+            )
+        return fingerprint
+
     def _check_idempotency_key(self, key: str) -> None:
         if not 1 <= len(key) <= self.limits.max_idempotency_key_chars:
             raise InvalidArgument(

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime
 from typing import TypeVar
 
-from memory_store.base import StoreBase, id_str, micros, now, utc
+from memory_store.base import StoreBase, id_str, micros, now, unset, utc
 from memory_store.db import Cql, Row, Write
 from memory_store.errors import AlreadyExists, InvalidArgument, NotFound
 from memory_store.ids import id_micros, new_id, parse_id
@@ -80,12 +80,13 @@ STATEMENTS = {
         idempotent=True,
     ),
     "summary_put": Cql(
-        "INSERT INTO chat_summaries (chat_id, text, token_count, through_message_id, updated_at) "
-        "VALUES (?, ?, ?, ?, ?)",
+        "INSERT INTO chat_summaries (chat_id, text, token_count, through_message_id, updated_at, "
+        "tokenizer_fingerprint) VALUES (?, ?, ?, ?, ?, ?)",
         True,
     ),
     "summary_get": Cql(
-        "SELECT text, token_count, through_message_id, updated_at FROM chat_summaries WHERE chat_id = ?",
+        "SELECT text, token_count, through_message_id, updated_at, tokenizer_fingerprint FROM chat_summaries "
+        "WHERE chat_id = ?",
         True,
     ),
 }
@@ -97,7 +98,11 @@ def summary_of(rows: list[Row]) -> ChatSummary | None:
         return None
     row = rows[0]
     return ChatSummary(
-        row["text"], row["token_count"], str(row["through_message_id"]), utc(row["updated_at"])
+        row["text"],
+        row["token_count"],
+        str(row["through_message_id"]),
+        utc(row["updated_at"]),
+        row["tokenizer_fingerprint"] or "",
     )
 
 
@@ -333,12 +338,19 @@ class ChatsMixin(StoreBase):
             raise InvalidArgument(f"summary is larger than {self.bounds.max_summary_bytes} bytes")
         if summary.token_count < 0:
             raise InvalidArgument("summary token count must not be negative")
+        fingerprint = self._check_fingerprint(summary.tokenizer_fingerprint)
         through = parse_id(summary.through_message_id, "through message id")
         at = now()
-        await self._db.execute(
-            "summary_put", (uuid.UUID(chat.chat_id), summary.text, summary.token_count, through, at)
+        params = (
+            uuid.UUID(chat.chat_id),
+            summary.text,
+            summary.token_count,
+            through,
+            at,
+            unset(fingerprint or None),
         )
-        return ChatSummary(summary.text, summary.token_count, str(through), at)
+        await self._db.execute("summary_put", params)
+        return ChatSummary(summary.text, summary.token_count, str(through), at, fingerprint)
 
     async def _with_owner(self, user_id: str, chat_id: str, read: Awaitable[T]) -> tuple[Chat, T]:
         """Runs ``read`` alongside the ownership check, saving a round trip; whatever ``read`` found

@@ -37,7 +37,7 @@ from memory_store.search import index_statement
 
 _FULL = (
     "message_id, parent_id, role, content, token_count, model, finish_reason, status, run_id, "
-    "prompt_tokens, cached_prompt_tokens, completion_tokens"
+    "prompt_tokens, cached_prompt_tokens, completion_tokens, tokenizer_fingerprint"
 )
 _MAX_BUCKET = 2**31 - 1
 _MIN_BRANCH_PAGE = 32
@@ -48,8 +48,8 @@ _KNOWN_BUCKETS_CAPACITY = 100_000
 STATEMENTS = {
     "message_insert": Cql(
         "INSERT INTO messages (chat_id, bucket, message_id, parent_id, role, content, token_count, model, "
-        "finish_reason, status, run_id, created_at, prompt_tokens, cached_prompt_tokens, completion_tokens) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "finish_reason, status, run_id, created_at, prompt_tokens, cached_prompt_tokens, completion_tokens, "
+        "tokenizer_fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         idempotent=True,
     ),
     "bucket_insert": Cql("INSERT INTO message_buckets (chat_id, bucket) VALUES (?, ?)", True),
@@ -87,6 +87,7 @@ def _message(chat_id: str, row: Row) -> Message:
         status=MessageStatus(row["status"]),
         run_id=id_str(row["run_id"]),
         usage=usage,
+        tokenizer_fingerprint=row["tokenizer_fingerprint"] or "",
     )
 
 
@@ -129,6 +130,7 @@ class MessagesMixin(ChatsMixin):
             raise InvalidArgument("token count must not be negative")
         if message.model is not None and len(message.model) > self.limits.max_model_chars:
             raise InvalidArgument(f"model name is longer than {self.limits.max_model_chars} characters")
+        self._check_fingerprint(message.tokenizer_fingerprint)
         if id_time(message_id) > datetime.now(UTC) + timedelta(seconds=self.bounds.max_id_clock_skew_s):
             raise InvalidArgument("message id lies in the future; make ids with memory_store.ids.new_id()")
         if parent_id is None:
@@ -192,6 +194,7 @@ class MessagesMixin(ChatsMixin):
                 unset(usage and usage.prompt_tokens),
                 unset(usage and usage.cached_prompt_tokens),
                 unset(usage and usage.completion_tokens),
+                unset(message.tokenizer_fingerprint or None),
             ),
         )
         searchable = index_statement(

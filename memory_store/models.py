@@ -87,6 +87,9 @@ class Message:
     # replaced); for an assistant message, the run that wrote it.
     run_id: str | None = None
     usage: Usage | None = None
+    # The fingerprint of the tokenizer ``token_count`` was counted with ("": unknown, as for messages
+    # stored before it was recorded). A count is of one tokenizer: another one's reader counts anew.
+    tokenizer_fingerprint: str = ""
 
     @property
     def created_at(self) -> datetime:
@@ -124,6 +127,8 @@ class ChatSummary:
     # The newest message the summary covers.
     through_message_id: str
     updated_at: datetime | None = None
+    # The fingerprint of the tokenizer ``token_count`` was counted with ("": unknown).
+    tokenizer_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,9 @@ class Run:
     # The id its usage is charged under (usage.py), made as its budget was reserved: the window it is
     # charged in is the one it started in. Its run id for runs stored before charge ids.
     charge_id: str = ""
+    # The fingerprint of the tokenizer its prompt and output are of: its answer's token count is one
+    # of this tokenizer ("": unknown, as for runs stored before it was recorded).
+    tokenizer_fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -239,3 +247,5 @@ class StoreBounds:
     # How far in the future a writer-chosen id may be (clock skew between replicas).
     max_id_clock_skew_s: float = 300.0
     max_user_id_chars: int = 256
+    # A tokenizer fingerprint: a model name and a hash (chatmesh.tokenizer).
+    max_fingerprint_chars: int = 512

@@ -76,7 +76,7 @@ _MAX_FINGERPRINT_BYTES = 64
 _RUN_STATE = (
     "user_id, chat_id, user_message_id, parent_message_id, assistant_message_id, model, owner_id, status, "
     "finish_reason, last_seq, checkpointed_at, finished_at, prompt_tokens, cached_prompt_tokens, "
-    "completion_tokens, error_code, error_message, generation, charge_id"
+    "completion_tokens, error_code, error_message, generation, charge_id, tokenizer_fingerprint"
 )
 
 STATEMENTS = {
@@ -120,8 +120,8 @@ STATEMENTS = {
     ),
     "run_insert": Cql(
         "INSERT INTO runs (run_id, user_id, chat_id, user_message_id, parent_message_id, "
-        "assistant_message_id, model, owner_id, status, prompt_tokens, generation, charge_id, last_seq) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
+        "assistant_message_id, model, owner_id, status, prompt_tokens, generation, charge_id, "
+        "tokenizer_fingerprint, last_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
         True,
     ),
     # Once a second per running answer: a span each would be most of a send's trace, and a third of
@@ -204,6 +204,7 @@ def _run(run_id: uuid.UUID, row: Row) -> Run:
         prompt_tokens=row["prompt_tokens"] or 0,
         generation=row["generation"] or b"",
         charge_id=str(row["charge_id"] or run_id),
+        tokenizer_fingerprint=row["tokenizer_fingerprint"] or "",
     )
 
 
@@ -385,6 +386,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         charge_id: str = "",
         asked: Message | None = None,
         chat: Chat | None = None,
+        tokenizer_fingerprint: str = "",
     ) -> Run:
         """Starts a run (in progress, owned by replica ``owner_id``) and makes it the chat's active run.
 
@@ -393,7 +395,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
         run is charged for its prompt if it ends without its owner's count (``finish_run``);
         ``generation`` is how it is generated (opaque here), for a replica that adopts it.
         ``charge_id`` is the id its budget was reserved under (``record_usage``; default: its run id),
-        which every later charge of the run uses.
+        which every later charge of the run uses. ``tokenizer_fingerprint``: the tokenizer of its prompt
+        and output, which its answer's token count is stored as one of.
 
         ``asked`` is the user message the run answers (its parent, and its ``user_message_id``), stored
         by this same call, as a send does: the run is written only once the message is, so a run never
@@ -410,6 +413,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
         charge_key = parse_id(charge_id, "charge id") if charge_id else run_key
         if not owner_id or len(model) > self.limits.max_model_chars:
             raise InvalidArgument("a run needs an owner id and a model name of reasonable length")
+        self._check_fingerprint(tokenizer_fingerprint)
         if len(generation) > self.bounds.max_generation_bytes:
             raise InvalidArgument(f"a run's generation is at most {self.bounds.max_generation_bytes} bytes")
         if parent.time >= assistant.time:
@@ -439,6 +443,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
                         prompt_tokens,
                         unset(generation or None),
                         charge_key,
+                        unset(tokenizer_fingerprint or None),
                         id_micros(run_key),
                     ),
                 )
@@ -474,6 +479,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             prompt_tokens=prompt_tokens,
             generation=generation,
             charge_id=str(charge_key),
+            tokenizer_fingerprint=tokenizer_fingerprint,
         )
 
     async def adopt_run(self, run: Run, owner_id: str) -> Run | None:
@@ -693,6 +699,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             status=MessageStatus.COMPLETE if run.status is RunStatus.COMPLETED else MessageStatus.INCOMPLETE,
             run_id=run.run_id,
             usage=usage,
+            tokenizer_fingerprint=run.tokenizer_fingerprint,
         )
         try:
             # The parent was checked when the run was created, and messages are only ever deleted

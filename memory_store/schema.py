@@ -252,6 +252,17 @@ MIGRATIONS: tuple[Migration, ...] = (
         "chats: the model a chat is answered with (empty: the orchestrator's default model)",
         ("ALTER TABLE chats ADD IF NOT EXISTS model text",),
     ),
+    Migration(
+        10,
+        "token counts keyed by tokenizer: the fingerprint of the tokenizer each stored count is of",
+        (
+            # A count of one tokenizer is never read as another's (orchestrator/upkeep/summaries.py):
+            # a chat may switch to a model of another tokenizer. Null: unknown (counted anew).
+            "ALTER TABLE messages ADD IF NOT EXISTS tokenizer_fingerprint text",
+            "ALTER TABLE chat_summaries ADD IF NOT EXISTS tokenizer_fingerprint text",
+            "ALTER TABLE runs ADD IF NOT EXISTS tokenizer_fingerprint text static",
+        ),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

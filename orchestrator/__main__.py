@@ -30,6 +30,7 @@ from orchestrator.api.completion_link import CompletionLinkService
 from orchestrator.api.service import ChatService
 from orchestrator.composition import build_orchestrator
 from orchestrator.config import OrchestratorConfig
+from orchestrator.policy.admission import check_model_budgets
 from orchestrator.prompting.models import CHAT, ModelSpec, default_model, model_files
 from orchestrator.router_client import RouterClient
 
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         specs = [ModelSpec.load(file) for file in files]
         default_model(specs, config.default_model)
+        check_model_budgets(config.budgets, [spec.name for spec in specs])
     except (ValueError, OSError) as exc:  # a tokenizer it does not implement, or no such file
         log.error("cannot start the orchestrator: %s", exc)
         sys.exit(2)

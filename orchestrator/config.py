@@ -22,10 +22,27 @@ from meshkit.config import ServiceArgs, nested, setting
 DEFAULT_SYSTEM_PROMPT = "You are a helpful, honest assistant. Answer clearly and concisely."
 
 
+def _model_budgets(specs: list[str]) -> tuple[tuple[str, str, int], ...]:
+    """``--model-budget MODEL:TIER=TOKENS`` flags as (model, tier, tokens)."""
+    budgets = []
+    for spec in specs:
+        head, sep, tokens = spec.rpartition("=")
+        model, colon, tier = head.rpartition(":")
+        if not sep or not colon or not model or tier not in TIERS or not tokens.strip().isdigit():
+            raise ValueError(
+                f"--model-budget must look like MODEL:TIER=TOKENS with a tier of {', '.join(TIERS)} and "
+                f"tokens >= 0, got {spec!r}"
+            )
+        budgets.append((model, tier, int(tokens)))
+    if len({(model, tier) for model, tier, _ in budgets}) != len(budgets):
+        raise ValueError("--model-budget names each model and tier once")
+    return tuple(budgets)
+
+
 @dataclass(frozen=True)
 class BudgetConfig:
-    """Tokens (prompt + completion) each tier may use per window (0 means unlimited), and the runs of
-    one user each tier may have at once on one replica."""
+    """Tokens (prompt + completion) each tier may use per window (0 means unlimited), per model where
+    ``--model-budget`` says so, and the runs of one user each tier may have at once on one replica."""
 
     window_s: int = setting(
         86_400, "length of a token budget window (aligned to the epoch)", flag="budget-window-s"
@@ -35,6 +52,16 @@ class BudgetConfig:
         help="{key} tokens per window (0: unlimited)",
         flag="budget-{key}-tokens",
         per=TIERS,
+    )
+    # A model's own budget for a tier: a larger model may be given a lower ceiling than its tier's.
+    per_model: tuple[tuple[str, str, int], ...] = setting(
+        (),
+        "MODEL:TIER=TOKENS: TIER users' requests to MODEL are admitted while their window's usage (every "
+        "model's tokens) has room under TOKENS instead of the tier's budget (repeatable; 0: unlimited)",
+        flag="model-budget",
+        flag_default=[],
+        parse=_model_budgets,
+        repeat=True,
     )
     concurrent_runs: dict[str, int] = setting(
         default_factory=lambda: {"free": 2, "pro": 4, "enterprise": 16},

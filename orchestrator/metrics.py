@@ -47,17 +47,21 @@ class OrchestratorMetrics(ComponentMetrics):
         )
         self.active_runs = self.gauge("active_runs", "Runs generating on this replica")
         self.runs = self.counter(
-            "runs_total", "Runs ended on this replica", ["kind", "status", "finish_reason"]
+            "runs_total",
+            "Runs ended on this replica, by the model that answered",
+            ["kind", "status", "finish_reason", "gen_ai_request_model"],
         )
         self.budget_rejections = self.counter(
             "budget_rejections_total",
-            "Requests refused because the user's token budget or concurrent-run limit was reached",
-            ["tier", "limit"],
+            "Requests refused because the user's token budget or concurrent-run limit was reached, by "
+            "the model they asked for (its --model-budget, or the tier's budget)",
+            ["tier", "limit", "gen_ai_request_model"],
         )
         self.budget_tokens = self.counter(
             "budget_tokens_total",
-            "Tokens (prompt + completion) ended runs charged to their users' budgets, by tier",
-            ["tier"],
+            "Tokens (prompt + completion) ended runs charged to their users' budgets, by tier and the "
+            "model that answered",
+            ["tier", "gen_ai_request_model"],
         )
         self.limit_rejections = self.counter(
             "limit_rejections_total", "Requests refused by a request limit", ["field"]
@@ -69,13 +73,15 @@ class OrchestratorMetrics(ComponentMetrics):
         )
         self.prompt_assembly = self.histogram(
             "prompt_assembly_seconds",
-            "Reading history and fitting a prompt to the context window",
-            buckets=_LATENCY_BUCKETS,
+            "Reading history and fitting a prompt to the context window, by the model prompted (its "
+            "tokenizer and template)",
+            ["gen_ai_request_model"],
+            _LATENCY_BUCKETS,
         )
         self.prompt_history = self.counter(
             "prompts_total",
-            "Assembled prompts by how history was fitted (verbatim, summary, truncated)",
-            ["history"],
+            "Assembled prompts by how history was fitted (verbatim, summary, truncated), by model",
+            ["history", "gen_ai_request_model"],
         )
         self.background_jobs = self.counter(
             "background_jobs_total",

@@ -1,11 +1,14 @@
 """Admission: the user's token budget per window, and how many runs a user may have at once.
 
 Budget: each tier has a number of tokens (prompt + completion) per window; the window is memory_store's
-usage window (aligned to the epoch). A run reserves its estimate, prompt tokens + max_tokens, before
-it starts; when it ends, memory_store replaces the estimate with the actual count (usage is stored per
-run, so this is an overwrite, never a double count), or, for a run ended without its owner (lost
-replica, cancel elsewhere), with its prompt and the output it stored. A request that does not fit the rest of the window
-is RESOURCE_EXHAUSTED with the time until the window resets as retry delay.
+usage window (aligned to the epoch). A model may have its own number per tier (``--model-budget``),
+which replaces the tier's for requests to it: the window's usage is still every model's tokens, so a
+model with a lower ceiling is served until the user's window reaches it, the others after that. A run
+reserves its estimate, prompt tokens + max_tokens, before it starts; when it ends, memory_store
+replaces the estimate with the actual count (usage is stored per run, so this is an overwrite, never a
+double count), or, for a run ended without its owner (lost replica, cancel elsewhere), with its prompt
+and the output it stored. A request that does not fit the rest of the window is RESOURCE_EXHAUSTED
+with the time until the window resets as retry delay.
 
 Check and reserve are serialized per user on this replica, so concurrent sends of one user cannot both
 spend the last tokens here. Replicas do not coordinate: sends of one user landing on different replicas
@@ -29,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -54,6 +57,15 @@ FOLD_AFTER_RUNS = 64
 FOLDED_USERS = 20_000
 
 
+def check_model_budgets(config: BudgetConfig, served: Sequence[str]) -> None:
+    """ValueError for a ``--model-budget`` naming a model none of the ``--model-file``s serves."""
+    unknown = sorted({model for model, _, _ in config.per_model} - set(served))
+    if unknown:
+        raise ValueError(
+            f"--model-budget names {', '.join(unknown)}, not served (served models: {', '.join(served)})"
+        )
+
+
 @dataclass(frozen=True)
 class SettledUsage:
     """A user's usage in the window starting ``window_start`` by the runs made up to ``until``."""
@@ -71,14 +83,25 @@ class Budgets:
         self._store = store
         self._config = config
         self._settled_after = timedelta(seconds=settled_after_s)
+        self._per_model = {(model, tier): tokens for model, tier, tokens in config.per_model}
         # Per user: the lock and how many sends hold or wait for it.
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._settled: OrderedDict[str, SettledUsage] = OrderedDict()
         self._folding: dict[str, asyncio.Task[None]] = {}
 
-    def limit(self, tier: str) -> int:
-        """Tokens per window for ``tier``; 0 means unlimited."""
-        return self._config.tokens.get(tier, self._config.tokens["free"])
+    def limit(self, tier: str, model: str = "") -> int:
+        """Tokens per window for ``tier``'s requests to ``model`` (its ``--model-budget`` for the tier,
+        else the tier's); 0 means unlimited."""
+        own = self._per_model.get((model, tier))
+        return own if own is not None else self._config.tokens.get(tier, self._config.tokens["free"])
+
+    def _whose(self, tier: str, model: str) -> str:
+        """Whose budget ``limit`` gave, for refusals."""
+        return (
+            f"the {tier} tier's budget for {model}"
+            if (model, tier) in self._per_model
+            else f"the {tier} tier's budget"
+        )
 
     async def window(self, user_id: str) -> UsageWindow:
         """The user's usage in the current window: the settled sum kept here plus the runs made since."""
@@ -125,38 +148,41 @@ class Budgets:
         while len(self._settled) > FOLDED_USERS:
             self._settled.popitem(last=False)
 
-    async def reserve(self, identity: Identity, charge_id: str, estimate: Usage) -> None:
+    async def reserve(self, identity: Identity, charge_id: str, estimate: Usage, model: str) -> None:
         """Reserves ``estimate`` under ``charge_id`` (a run's, made now: the run is charged in the window
-        checked here) if the user's window has room (else RESOURCE_EXHAUSTED)."""
-        limit = self.limit(identity.tier)
+        checked here) if the user's window has room under the budget of their tier for ``model`` (else
+        RESOURCE_EXHAUSTED)."""
+        limit = self.limit(identity.tier, model)
         if limit and estimate.total_tokens > limit:
             raise invalid(
                 "options.max_tokens",
                 f"this request may use {estimate.total_tokens} tokens (prompt + max_tokens), more than "
-                f"the {identity.tier} tier's whole budget of {limit} per window; lower max_tokens",
+                f"{self._whose(identity.tier, model)}, {limit} per window; lower max_tokens",
             )
         async with self._user_lock(identity.user_id):
             if limit:
                 await self._check_room(
-                    identity.user_id, identity.tier, limit, estimate.total_tokens, "this request"
+                    identity.user_id, identity.tier, model, limit, estimate.total_tokens, "this request"
                 )
             await self._store.record_usage(identity.user_id, charge_id, estimate)
 
-    async def check_more(self, user_id: str, tier: str, tokens: int) -> None:
-        """Refuses (RESOURCE_EXHAUSTED) ``tokens`` more than a running answer reserved (the prompt of
-        its turn after a tool step, docs/tools.md) when the user's window has no room for them."""
-        if limit := self.limit(tier):
-            await self._check_room(user_id, tier, limit, tokens, "the answer's turn after a tool step")
+    async def check_more(self, user_id: str, tier: str, tokens: int, model: str) -> None:
+        """Refuses (RESOURCE_EXHAUSTED) ``tokens`` more than a running answer of ``model`` reserved (the
+        prompt of its turn after a tool step, docs/tools.md) when the user's window has no room for them."""
+        if limit := self.limit(tier, model):
+            await self._check_room(user_id, tier, model, limit, tokens, "the answer's turn after a tool step")
 
-    async def _check_room(self, user_id: str, tier: str, limit: int, tokens: int, what: str) -> None:
+    async def _check_room(
+        self, user_id: str, tier: str, model: str, limit: int, tokens: int, what: str
+    ) -> None:
         window = await self.window(user_id)
         used = window.usage.total_tokens
         if used + tokens > limit:
-            METRICS.budget_rejections.labels(tier, "tokens").inc()
+            METRICS.budget_rejections.labels(tier, "tokens", model).inc()
             wait_s = (window.end - datetime.now(UTC)).total_seconds()
             raise exhausted(
-                f"token budget spent: {used} of {limit} tokens used in this window and {what} may use "
-                f"{tokens}; the budget resets at {window.end.isoformat()}",
+                f"token budget spent: {used} tokens used in this window, of {limit} ({self._whose(tier, model)}), "
+                f"and {what} may use {tokens}; the budget resets at {window.end.isoformat()}",
                 wait_s,
             )
 
@@ -187,10 +213,11 @@ class RunSlots:
         self._limits = limits
         self._active: Counter[str] = Counter()
 
-    def acquire(self, identity: Identity) -> None:
+    def acquire(self, identity: Identity, model: str) -> None:
+        """A run slot for a request to ``model`` (RESOURCE_EXHAUSTED when the user's tier has none left)."""
         limit = self._limits.get(identity.tier, self._limits["free"])
         if self._active[identity.user_id] >= limit:
-            METRICS.budget_rejections.labels(identity.tier, "concurrent_runs").inc()
+            METRICS.budget_rejections.labels(identity.tier, "concurrent_runs", model).inc()
             raise exhausted(
                 f"{limit} answers are already being generated for you (the {identity.tier} tier's "
                 "limit); wait for one to finish or cancel it",

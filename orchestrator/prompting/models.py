@@ -137,7 +137,7 @@ class Models:
                 cache = recent.setdefault(
                     spec.tokenizer.fingerprint, EncodedTexts(config.encoded_cache_tokens)
                 )
-            prompter = Prompter(store, spec.tokenizer, config, window, cache)
+            prompter = Prompter(spec.name, store, spec.tokenizer, config, window, cache)
             served[spec.name] = ServedModel(spec.name, spec.tokenizer, window, spec.licence, prompter)
         return cls(served, default_model(specs, default))
 

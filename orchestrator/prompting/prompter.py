@@ -31,12 +31,14 @@ tracer = trace.get_tracer("orchestrator")
 class Prompter:
     def __init__(
         self,
+        model: str,
         store: MemoryStore,
         tokenizer: ChatTokenizer,
         config: PromptConfig,
         context_window: int,
         recent: EncodedTexts | None,
     ) -> None:
+        self.model = model  # the served model's name, which its metrics carry
         self.store = store
         self.tokenizer = tokenizer
         self.config = config
@@ -139,6 +141,6 @@ class Prompter:
             span.set_attribute("chatmesh.prompt.turns_kept", prompt.turns_kept)
             span.set_attribute("chatmesh.prompt.turns_available", prompt.turns_available)
             span.set_attribute("chatmesh.prompt.history", prompt.history)
-        METRICS.prompt_assembly.observe(time.monotonic() - started)
-        METRICS.prompt_history.labels(prompt.history).inc()
+        METRICS.prompt_assembly.labels(self.model).observe(time.monotonic() - started)
+        METRICS.prompt_history.labels(prompt.history, self.model).inc()
         return prompt

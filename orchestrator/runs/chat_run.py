@@ -241,6 +241,7 @@ class ChatRun(AnswerRun):
                 charge_id=admission.charge_id,
                 asked=asked,
                 chat=chat,
+                tokenizer_fingerprint=admission.prompt.fingerprint,
             )
 
     def answer_as_the_chat(self, chat: Chat, named: chat_pb2.GenerationOptions) -> None:
@@ -272,7 +273,9 @@ class ChatRun(AnswerRun):
 
     def refresh_summary(self, chat_id: str, prompt: Prompt, end: RunEnd) -> None:
         """A history that outgrows its share of the prompt gets a new rolling summary (background)."""
-        self.ctx.upkeep.refresh_summary(self.identity.user_id, chat_id, prompt, end.assistant_message_id)
+        self.ctx.upkeep.refresh_summary(
+            self.identity.user_id, chat_id, prompt, end.assistant_message_id, self.model.tokenizer
+        )
 
 
 def _fingerprint(kind: str, request: ChatRequest) -> bytes:

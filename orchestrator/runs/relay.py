@@ -366,7 +366,9 @@ class Relay:
         reservation holds its first prompt and max_tokens)."""
         config, budgets, tools = self.deps.config, self.deps.budgets, self.tools
         if budgets is not None and tools is not None:
-            await budgets.check_more(tools.user_id, tools.tier, len(self.start.prompt_token_ids))
+            await budgets.check_more(
+                tools.user_id, tools.tier, len(self.start.prompt_token_ids), self.start.model
+            )
         self.stream = await self.deps.router.place(self.start, config.max_run_s, config.placement_timeout_s)
         self.prompt_tokens = len(self.start.prompt_token_ids)
         if self.stop_reason is not None:  # stopped while it was being placed
@@ -583,11 +585,11 @@ class Relay:
     def _observe(self, status: RunStatus, reason: FinishReason | None, usage: Usage) -> None:
         info = self.live.info
         now = time.monotonic()
-        METRICS.runs.labels(info.kind, status.value, reason.value if reason else "none").inc()
+        METRICS.runs.labels(info.kind, status.value, reason.value if reason else "none", info.model).inc()
         METRICS.run_duration.labels(info.model, status.value).observe(now - self.arrived_at)
         METRICS.token_usage.labels(info.model, "input").observe(usage.prompt_tokens)
         METRICS.token_usage.labels(info.model, "output").observe(usage.completion_tokens)
-        METRICS.budget_tokens.labels(info.tier).inc(usage.total_tokens)
+        METRICS.budget_tokens.labels(info.tier, info.model).inc(usage.total_tokens)
         if self._first_delta_at is not None and usage.completion_tokens > 1:
             METRICS.time_per_output_token.labels(info.model, info.tier).observe(
                 (now - self._first_delta_at) / (usage.completion_tokens - 1)

@@ -91,6 +91,7 @@ class SendRun(ChatRun):
             parent_id=parent_id,
             token_count=len(self.model.tokenizer.encode(self.request.content)),
             run_id=claim.run_id,
+            tokenizer_fingerprint=self.model.tokenizer.fingerprint,
         )
         async with self.ctx.runs.starts.admit(self.identity, info, prompt, self.options) as admission:
             stored_run = await self.create_run(admission, claim.user_message_id, asked, history.chat)

@@ -173,7 +173,7 @@ class Starts:
     ) -> AsyncIterator[Admission]:
         with tracer.start_as_current_span("start run") as span:
             span.set_attribute("chatmesh.run_id", info.run_id)
-            self.slots.acquire(identity)
+            self.slots.acquire(identity, info.model)
             charge_id = str(new_id())
             try:
                 start = start_frame(
@@ -207,7 +207,7 @@ class Starts:
         """Reserves the budget (under ``charge_id``) and has the router place the request, both at once
         (a refusal of either undoes the other): returns the placed stream."""
         estimate = Usage(prompt_tokens=len(start.prompt_token_ids), completion_tokens=options.max_tokens)
-        reserve = asyncio.ensure_future(self.budgets.reserve(identity, charge_id, estimate))
+        reserve = asyncio.ensure_future(self.budgets.reserve(identity, charge_id, estimate, options.model))
         place = asyncio.ensure_future(
             self.router.place(start, self.config.max_run_s, self.config.placement_timeout_s)
         )

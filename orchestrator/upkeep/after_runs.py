@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from chatmesh.tokenizer import ChatTokenizer
 from orchestrator.prompting.prompt import Prompt
 from orchestrator.upkeep.jobs import BackgroundJobs
 from orchestrator.upkeep.summaries import Summarizer, needs_refresh
@@ -26,11 +27,16 @@ class Upkeep:
         if titler is not None:
             self.jobs.submit("title", chat_id, lambda: titler.name_chat(user_id, chat_id, question, answer))
 
-    def refresh_summary(self, user_id: str, chat_id: str, prompt: Prompt, leaf_id: str) -> None:
-        """Summarizes the branch ending at ``leaf_id`` when its history outgrew its share of ``prompt``."""
+    def refresh_summary(
+        self, user_id: str, chat_id: str, prompt: Prompt, leaf_id: str, tokenizer: ChatTokenizer
+    ) -> None:
+        """Summarizes the branch ending at ``leaf_id`` when its history outgrew its share of ``prompt``
+        (counted with ``tokenizer``, the answering model's)."""
         summarizer = self.summarizer
         if summarizer is None or not leaf_id or not needs_refresh(prompt, summarizer.config):
             return
         self.jobs.submit(
-            "summary", chat_id, lambda: summarizer.refresh(user_id, chat_id, leaf_id, prompt.budget)
+            "summary",
+            chat_id,
+            lambda: summarizer.refresh(user_id, chat_id, leaf_id, prompt.budget, tokenizer),
         )

@@ -36,15 +36,24 @@ def needs_refresh(prompt: Prompt, config: SummaryConfig) -> bool:
     return prompt.history == "truncated" or prompt.full_tokens > config.trigger_fraction * prompt.budget
 
 
+def token_count(message: Message, tokenizer: ChatTokenizer) -> int:
+    """The message's tokens in ``tokenizer``: its stored count where that was taken with this tokenizer,
+    else counted now (the chat was answered by a model of another tokenizer, or the count predates
+    their fingerprints)."""
+    if message.tokenizer_fingerprint == tokenizer.fingerprint:
+        return message.token_count
+    return len(tokenizer.encode(message.content))
+
+
 def split_for_summary(
     messages: list[Message], tokenizer: ChatTokenizer, keep_tokens: int
 ) -> tuple[list[Message], list[Message]]:
-    """(older, newest): the newest messages worth at most ``keep_tokens`` stay verbatim."""
+    """(older, newest): the newest messages worth at most ``keep_tokens`` of ``tokenizer`` stay
+    verbatim."""
     kept = 0
     cut = len(messages)
     while cut > 0:
-        message = messages[cut - 1]
-        tokens = message.token_count or len(tokenizer.encode(message.content))
+        tokens = token_count(messages[cut - 1], tokenizer)
         if kept + tokens > keep_tokens:
             break
         kept += tokens
@@ -64,11 +73,15 @@ class Summarizer:
     max_history_messages: int
     deadline_s: float
 
-    async def refresh(self, user_id: str, chat_id: str, leaf_id: str, budget: int) -> None:
-        """Summarizes the branch ending at ``leaf_id`` up to its newest turns."""
+    async def refresh(
+        self, user_id: str, chat_id: str, leaf_id: str, budget: int, answering: ChatTokenizer
+    ) -> None:
+        """Summarizes the branch ending at ``leaf_id`` up to its newest turns: those worth
+        ``keep_fraction`` of ``budget``, the answering model's prompt budget, counted with its tokenizer
+        (``answering``), stay verbatim. The summary is written, and counted, by the summary model."""
         history = await load_history(self.store, user_id, chat_id, leaf_id, self.max_history_messages)
         messages = [m for m in history.messages if m.content]
-        older, _ = split_for_summary(messages, self.tokenizer, int(self.config.keep_fraction * budget))
+        older, _ = split_for_summary(messages, answering, int(self.config.keep_fraction * budget))
         if not older:
             return
         previous = history.summary.text if history.summary else ""
@@ -79,7 +92,10 @@ class Summarizer:
         text = text.strip()
         if not text:
             return
-        summary = ChatSummary(text, len(self.tokenizer.encode(text)), older[-1].message_id)
+        count = len(self.tokenizer.encode(text))
+        summary = ChatSummary(
+            text, count, older[-1].message_id, tokenizer_fingerprint=self.tokenizer.fingerprint
+        )
         await self.store.put_summary(user_id, chat_id, summary)
 
     def _prompt(self, previous: str, older: list[Message]) -> list[int]:

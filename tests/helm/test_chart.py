@@ -21,6 +21,7 @@ import yaml
 from chatmesh import errors
 from localmesh.dev_jwt import generate_keys
 from meshkit.envoy import EnvoyConfig, chat_service_methods, write_config
+from orchestrator.prompting.models import ModelFile
 from tests.helm.chart import (
     CHART,
     CRD_KINDS,
@@ -44,6 +45,7 @@ SCENARIOS = {
     "full": ("values-full.yaml",),
     "gpu": ("values-gpu.yaml",),
     "seeds": ("../../helm/chatmesh/values-seeds-scale.yaml",),  # one cell of docs/operations/capacity.md
+    "models": ("values-models.yaml",),  # two models, each on an engine pool of its own
 }
 FULL = "cm-chatmesh"
 
@@ -162,7 +164,7 @@ def _port_flag(env: dict[str, str | None], service: str) -> int:
     return int(env[f"CHATMESH_{service.upper()}_PORT"])
 
 
-@pytest.mark.parametrize("scenario", ["defaults", "full"])
+@pytest.mark.parametrize("scenario", ["defaults", "full", "models"])
 def test_every_probe_hits_the_port_its_service_listens_on(rendered, scenario):
     chart = rendered[scenario]
     probed = set()
@@ -175,9 +177,10 @@ def test_every_probe_hits_the_port_its_service_listens_on(rendered, scenario):
                 if probe is None:
                     continue
                 probed.add(component)
-                if component in ("orchestrator", "router", "engine"):
+                service = "engine" if component.startswith("engine-") else component  # a model pool's
+                if service in ("orchestrator", "router", "engine"):
                     # grpc.health.v1 on the service's own gRPC port (the port its flag sets).
-                    assert probe["grpc"]["port"] == ports["grpc"] == _port_flag(env, component)
+                    assert probe["grpc"]["port"] == ports["grpc"] == _port_flag(env, service)
                     if kind == "readinessProbe":
                         # A busy replica answers late (up to 3.0 s at twice what it relays), not
                         # NOT_SERVING: it stays in its Service.
@@ -217,7 +220,7 @@ def _parsers():
     return {name: parse for name, parse in service_parsers().items() if name != "memory_store"}
 
 
-@pytest.mark.parametrize("scenario", ["defaults", "full", "gpu", "seeds"])
+@pytest.mark.parametrize("scenario", ["defaults", "full", "gpu", "seeds", "models"])
 def test_every_chatmesh_variable_is_a_real_flag_and_the_service_accepts_its_value(
     rendered, scenario, monkeypatch
 ):
@@ -402,6 +405,103 @@ def test_network_policies_allow_exactly_the_call_graph(rendered):
     # Envoy's callers in values-full are networkPolicy.envoyFrom (an ipBlock).
     envoy_policy = rendered["full"].get("NetworkPolicy", f"{FULL}-envoy")
     assert envoy_policy["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/8"}}]
+
+
+# -- several models -------------------------------------------------------------------------------
+
+GEMMA = "gemma-3-270m-q4_k_m"
+GEMMA_POOL = 'json:extraModels=[{"key": "gemma", "name": "gemma-3-270m-q4_k_m", "path": "g.gguf", "kind": "completion", "licence": "Gemma Terms of Use"}]'
+
+
+def test_each_model_pool_is_found_by_the_router_and_prompted_with_its_own_file(rendered, monkeypatch):
+    chart = rendered["models"]
+    # The router resolves every pool's headless Service, each selecting exactly its own pool's engines.
+    pools = {}
+    for name in env_of(chart.container("router", "router"))["CHATMESH_ROUTER_ENGINE_DNS"].split(","):
+        host, port = name.rsplit(":", 1)
+        service = chart.get("Service", host.split(".")[0])
+        assert service["spec"]["clusterIP"] == "None"
+        selected = [
+            component
+            for component, meta, _ in chart.pod_specs()
+            if labels_match(service["spec"]["selector"], meta["labels"])
+        ]
+        assert len(selected) == 1, selected
+        engine = chart.container(selected[0], "engine")
+        assert int(port) == next(p["containerPort"] for p in engine["ports"] if p["name"] == "grpc")
+        pools[selected[0]] = env_of(engine)
+    assert sorted(pools) == ["engine", "engine-gemma"]
+    # The first pool serves its file under the file's own name; the other under the name requests give.
+    smollm2, gemma = pools["engine"], pools["engine-gemma"]
+    assert smollm2["CHATMESH_ENGINE_MODEL"] == "/models/smollm2-135m-instruct.q4_1.gguf"
+    assert "CHATMESH_ENGINE_SERVED_MODEL_NAME" not in smollm2
+    assert gemma["CHATMESH_ENGINE_MODEL"] == "/models/gemma-3-270m-q4_k_m.gguf"
+    assert gemma["CHATMESH_ENGINE_SERVED_MODEL_NAME"] == GEMMA
+    # The pool's own engine flags, replicas and resources; the engine parser takes its variables.
+    assert gemma["CHATMESH_ENGINE_THREADS"] == "1" and "CHATMESH_ENGINE_THREADS" not in smollm2
+    pool_set = chart.get("StatefulSet", f"{FULL}-engine-gemma")
+    assert pool_set["spec"]["replicas"] == 1
+    assert chart.container("engine-gemma", "engine")["resources"]["limits"] == {"memory": "2Gi"}
+    for name in list(os.environ):
+        if name.startswith("CHATMESH_"):
+            monkeypatch.delenv(name)
+    for name, value in gemma.items():
+        monkeypatch.setenv(name, value or "pod")
+    assert _parsers()["engine"]([])[0].served_model_name == GEMMA
+    # Its pods say which model runs there, of which kind, under which licence.
+    annotations = pool_set["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "chatmesh.io/model": GEMMA,
+        "chatmesh.io/model-kind": "completion",
+        "chatmesh.io/model-licence": "Gemma Terms of Use",
+    }
+    # The orchestrator: one --model-file per pool (the same files, mounted), as its own parser reads them.
+    for name, value in env_of(chart.container("orchestrator", "orchestrator")).items():
+        monkeypatch.setenv(name, value or "pod")
+    files = [ModelFile.parse(flag) for flag in _parsers()["orchestrator"]([])[0].model_file]
+    assert [(f.name, str(f.path)) for f in files] == [
+        ("", smollm2["CHATMESH_ENGINE_MODEL"]),
+        (GEMMA, gemma["CHATMESH_ENGINE_MODEL"]),
+    ]
+    for component in ("orchestrator", "engine-gemma"):
+        mounts = chart.container(component, component.split("-")[0])["volumeMounts"]
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in mounts
+
+
+def test_every_model_pool_is_reachable_scraped_alerted_on_and_disrupted_one_at_a_time(rendered):
+    chart = rendered["models"]
+    assert _allowed_paths(chart) == CALL_GRAPH | {
+        ("router", "engine-gemma", 50061),
+        *{("*", c, 9090) for c in ("edge", "orchestrator", "router", "engine", "engine-gemma")},
+    }
+    monitored = {
+        m["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+        for m in chart.of_kind("ServiceMonitor")
+    }
+    assert {"engine", "engine-gemma"} <= monitored
+    assert chart.get("PodDisruptionBudget", f"{FULL}-engine-gemma")["spec"]["maxUnavailable"] == 1
+    exprs = [
+        r["expr"]
+        for g in chart.of_kind("PrometheusRule")[0]["spec"]["groups"]
+        for r in g["rules"]
+        if "expr" in r
+    ]
+    kv_cache = next(e for e in exprs if "kv_cache_usage_ratio" in e)
+    jobs = re.search(r'job=~"([^"]+)"', kv_cache)
+    assert jobs is not None
+    assert all(re.fullmatch(jobs[1], f"{FULL}-{c}") for c in ("engine", "engine-gemma"))
+    assert not re.fullmatch(jobs[1], f"{FULL}-router")
+
+
+def test_a_model_pool_needs_the_model_volume_single_node_engines_and_a_known_kind():
+    with pytest.raises(HelmError, match=r"extraModels serve files of the model volume.*set model\.path"):
+        render(sets=(*REQUIRED_SETS, GEMMA_POOL))
+    with pytest.raises(HelmError, match=r"extraModels gemma: .*engine\.multiNode is for the first pool only"):
+        render(("values-full.yaml",), (GEMMA_POOL,))
+    with pytest.raises(HelmError, match="kind"):
+        render(("values-models.yaml",), (GEMMA_POOL.replace("completion", "embedding"),))
+    with pytest.raises(HelmError, match="key"):
+        render(("values-models.yaml",), (GEMMA_POOL.replace('"gemma"', '"Gemma_3"'),))
 
 
 # -- GPUs, drain, scaling --------------------------------------------------------------------------

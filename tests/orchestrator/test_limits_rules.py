@@ -8,7 +8,8 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.identity import Identity
 from chatmesh.limits import DEFAULT_TEMPERATURE, Limits, check_content, generation, page_size
-from orchestrator.policy.admission import RunSlots
+from orchestrator import config as configuration
+from orchestrator.policy.admission import RunSlots, check_model_budgets
 
 LIMITS = Limits()
 
@@ -97,11 +98,29 @@ def test_page_sizes_default_and_are_bounded() -> None:
 def test_concurrent_runs_are_bounded_per_user_by_tier() -> None:
     slots = RunSlots({"free": 1, "pro": 2, "enterprise": 4})
     alice, bob = Identity("alice", "free"), Identity("bob", "pro")
-    slots.acquire(alice)
+    slots.acquire(alice, "SmolLM2")
     with pytest.raises(ServiceError) as caught:
-        slots.acquire(alice)
+        slots.acquire(alice, "SmolLM2")
     assert caught.value.code.name == "RESOURCE_EXHAUSTED" and caught.value.retry_after_s
-    slots.acquire(bob)
-    slots.acquire(bob)
+    slots.acquire(bob, "SmolLM2")
+    slots.acquire(bob, "SmolLM2")
     slots.release("alice")
-    slots.acquire(alice)
+    slots.acquire(alice, "SmolLM2")
+
+
+def test_a_model_budget_is_model_tier_and_tokens_and_names_a_served_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = configuration.parse(
+        ["--model-budget", "gemma:free=1000", "--model-budget", "name:with:colons:pro=0"]
+    )[1].budgets
+    assert config.per_model == (("gemma", "free", 1000), ("name:with:colons", "pro", 0))
+    check_model_budgets(config, ["gemma", "name:with:colons"])
+    with pytest.raises(ValueError, match="names gemma, not served"):
+        check_model_budgets(config, ["name:with:colons", "SmolLM2"])
+    wrong = ["gemma=1000"], ["gemma:gold=1000"], ["gemma:free=-1"], [":free=5"], ["gemma:free=many"]
+    twice = ["gemma:free=1", "gemma:free=2"]
+    for flags, problem in [*((w, "MODEL:TIER=TOKENS") for w in wrong), (twice, "each model and tier once")]:
+        with pytest.raises(SystemExit) as exit_:
+            configuration.parse([arg for flag in flags for arg in ("--model-budget", flag)])
+        assert exit_.value.code == 2 and problem in capsys.readouterr().err

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections.abc import Callable
 
 from chatmesh.chat.v1 import chat_pb2
@@ -15,13 +14,6 @@ from tests.fixtures.orchestrator import ChatClient, Mesh, collect
 WINDOW = 512
 MAX_TOKENS = 24
 TURNS = 60
-
-
-def counter(url: str, name: str, label: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"{name}{{{label}")
-    )
 
 
 async def test_a_sixty_turn_chat_stays_inside_the_window_with_a_summary(
@@ -57,13 +49,9 @@ async def test_a_sixty_turn_chat_stays_inside_the_window_with_a_summary(
 
         # Most prompts after the first summary were built on it (a few may have gone out while a
         # refresh was still being generated: those dropped the oldest turns instead).
-        with_summary = counter(
-            replica.metrics_url, "chatmesh_orchestrator_prompts_total", 'history="summary"'
-        )
+        with_summary = await replica.counted("chatmesh_orchestrator_prompts", history="summary")
         assert with_summary >= TURNS // 2
-        summaries = counter(
-            replica.metrics_url,
-            "chatmesh_orchestrator_background_jobs_total",
-            'kind="summary",outcome="done"',
+        summaries = await replica.counted(
+            "chatmesh_orchestrator_background_jobs", kind="summary", outcome="done"
         )
         assert summaries >= 2

@@ -1,9 +1,10 @@
 {{/* The pieces of an engine pod both the StatefulSet and the LeaderWorkerSet's leader use:
-(dict "root" $ "wiring" <flags> "resources" <with GPUs> "gpu" "true"|"") */}}
+(dict "root" $ "wiring" <flags> "resources" <with GPUs> "gpu" "true"|"" ["config" <engine flags>]);
+``config`` (a model pool's) defaults to engine.config. */}}
 {{- define "chatmesh.engineContainerCommon" -}}
 imagePullPolicy: {{ .root.Values.image.pullPolicy }}
 env:
-{{ include "chatmesh.serviceEnv" (dict "root" .root "service" "engine" "wiring" .wiring "values" .root.Values.engine) }}
+{{ include "chatmesh.serviceEnv" (dict "root" .root "service" "engine" "wiring" .wiring "values" (dict "config" (.config | default .root.Values.engine.config))) }}
 # The engine id is the pod's name (stable in a StatefulSet): logs, metrics and `routed` frames agree.
 - name: CHATMESH_ENGINE_ENGINE_ID
   valueFrom:
@@ -78,4 +79,129 @@ second. (dict "root" $ "args" <engine flags>)
 {{- else -}}
 {{- toJson (concat (list "engine") .args) -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+One pool of single-node engines: a StatefulSet (stable pod names are the engine ids) whose ready pods the
+router finds through the pool's headless Service. (dict "root" $ "component" "engine[-<pool>]" "replicas"
+<n, or nil when autoscaled> "image" <ref> "args" <engine flags> "common" <engineContainerCommon's dict>
+"annotations" <pod annotations>)
+*/}}
+{{- define "chatmesh.engineStatefulSet" -}}
+{{- $c := dict "root" .root "component" .component "annotations" .annotations -}}
+{{- $root := .root -}}
+{{- $v := .root.Values.engine -}}
+apiVersion: apps/v1
+kind: StatefulSet
+metadata:
+  name: {{ include "chatmesh.component" $c }}
+  labels:
+    {{- include "chatmesh.labels" $c | nindent 4 }}
+spec:
+  serviceName: {{ include "chatmesh.component" $c }}
+  {{- if not (kindIs "invalid" .replicas) }}
+  replicas: {{ .replicas }}
+  {{- end }}
+  # Engines are independent replicas: start and replace them in parallel.
+  podManagementPolicy: Parallel
+  selector:
+    matchLabels:
+      {{- include "chatmesh.selectorLabels" $c | nindent 6 }}
+  template:
+    metadata:
+      {{- include "chatmesh.podMetadata" $c | nindent 6 }}
+    spec:
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      # No chatmesh service talks to the Kubernetes API.
+      automountServiceAccountToken: false
+      terminationGracePeriodSeconds: {{ include "chatmesh.terminationGrace" (dict "root" $root "drain" $v.drainGraceSeconds) }}
+      {{- with include "chatmesh.modelInit" (dict "root" $root "weights" true) }}
+      initContainers:
+      {{- . | trim | nindent 6 }}
+      {{- end }}
+      containers:
+      - name: engine
+        image: {{ .image }}
+        args: {{ include "chatmesh.engineLaunch" (dict "root" $root "args" .args) }}
+        {{- include "chatmesh.engineContainerCommon" .common | nindent 8 }}
+        {{- include "chatmesh.containerSecurity" $root | nindent 8 }}
+        {{- include "chatmesh.engineMounts" .common | nindent 8 }}
+      {{- include "chatmesh.engineVolumes" .common | nindent 6 }}
+      {{- include "chatmesh.scheduling" $v | nindent 6 }}
+{{- end -}}
+
+{{/* An engine pool's headless Service: one address per ready engine (leader), which the router re-resolves
+(--engine-dns). (dict "root" $ "component" "engine[-<pool>]" "leaders" true|false) */}}
+{{- define "chatmesh.engineService" -}}
+{{- $c := dict "root" .root "component" .component -}}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "chatmesh.component" $c }}
+  labels:
+    {{- include "chatmesh.labels" $c | nindent 4 }}
+    # ServiceMonitors select the Services that expose metrics by this label.
+    chatmesh.io/metrics: "true"
+spec:
+  clusterIP: None
+  selector:
+    {{- include "chatmesh.selectorLabels" $c | nindent 4 }}
+    {{- if .leaders }}
+    chatmesh.io/engine-role: leader
+    {{- end }}
+  ports:
+  - {name: grpc, port: {{ .root.Values.engine.port }}, targetPort: grpc, protocol: TCP, appProtocol: grpc}
+  - {name: metrics, port: {{ .root.Values.metrics.port }}, targetPort: metrics, protocol: TCP}
+{{- end -}}
+
+{{/* An engine pod's resources: ``resources`` with the GPUs its backend needs added. (dict "root" $
+"resources" <requests and limits>), as JSON */}}
+{{- define "chatmesh.engineResources" -}}
+{{- $v := .root.Values.engine -}}
+{{- $resources := deepCopy .resources -}}
+{{- if include "chatmesh.engineUsesGpus" .root -}}
+{{- $limits := get $resources "limits" | default dict -}}
+{{- $_ := set $limits $v.gpuResourceName (include "chatmesh.gpusPerPod" .root | int) -}}
+{{- $_ := set $resources "limits" $limits -}}
+{{- end -}}
+{{- toJson $resources -}}
+{{- end -}}
+
+{{- define "chatmesh.engineImage" -}}
+{{- $v := .Values.engine -}}
+{{- printf "%s:%s" (default .Values.image.repository $v.image.repository) (default (default .Chart.AppVersion .Values.image.tag) $v.image.tag) -}}
+{{- end -}}
+
+{{/* An engine's flags from the chart, for a model file (empty: the bundled model) and, for a pool of
+extraModels, the name it serves the model under. (dict "root" $ "model" <path> ["name" <served name>]), as
+JSON */}}
+{{- define "chatmesh.engineWiring" -}}
+{{- $v := .root.Values.engine -}}
+{{- $wiring := dict "port" $v.port "drain-grace-s" $v.drainGraceSeconds "backend" $v.backend "tensor-parallel-size" $v.tensorParallelSize "pipeline-parallel-size" $v.pipelineParallelSize -}}
+{{- with .model }}
+{{- $_ := set $wiring "model" . -}}
+{{- end }}
+{{- with .name }}
+{{- $_ := set $wiring "served-model-name" . -}}
+{{- end }}
+{{- toJson $wiring -}}
+{{- end -}}
+
+{{/* The path of an extraModels entry in the model volume, as the services are given it. */}}
+{{- define "chatmesh.poolFile" -}}
+{{- printf "%s/%s" (trimSuffix "/" .root.Values.model.mountPath) (trimSuffix "/" .pool.path) -}}
+{{- end -}}
+
+{{/* Every engine pool's component: "engine" (the first pool, model) and "engine-<key>" per extraModels. */}}
+{{- define "chatmesh.engineComponents" -}}
+{{- $components := list "engine" -}}
+{{- range .Values.extraModels -}}
+{{- $components = append $components (printf "engine-%s" .key) -}}
+{{- end -}}
+{{- toJson $components -}}
 {{- end -}}
