@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import machine  # noqa: E402
 from bench.private_node import private_node  # noqa: E402
 from bench.process_usage import cpu_seconds  # noqa: E402
+from localmesh.cassandra.node import rss_mib  # noqa: E402
 from memory_store.config import StoreConfig  # noqa: E402
 from memory_store.ids import new_id  # noqa: E402
 from memory_store.models import (  # noqa: E402
@@ -60,7 +61,6 @@ from memory_store.models import (  # noqa: E402
     RunStatus,
     Usage,
 )
-from memory_store.node import rss_mib  # noqa: E402
 from memory_store.store import MemoryStore  # noqa: E402
 from orchestrator.config import BudgetConfig, RunConfig  # noqa: E402
 from orchestrator.policy.admission import Budgets  # noqa: E402

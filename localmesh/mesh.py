@@ -36,10 +36,10 @@ from pathlib import Path
 from chatmesh.identity import OPERATOR_ROLE
 from chatmesh.model_files import bundled_model_path, gemma3_model_path
 from chatmesh.tokenizer import load_tokenizer
+from localmesh.cassandra.cluster import CassandraCluster, ClusterConfig
+from localmesh.cassandra.node import NodeSetupError
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
-from memory_store.cluster import CassandraCluster, ClusterConfig
-from memory_store.node import NodeSetupError
 from meshkit.envoy import InvalidEnvoyConfigError
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec, TcpOpen
 from meshkit.serving import PortInUseError

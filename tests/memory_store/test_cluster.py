@@ -16,12 +16,12 @@ from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, S
 from cassandra.policies import WhiteListRoundRobinPolicy
 from cassandra.query import SimpleStatement
 
-from memory_store.cluster import ring_tokens
+from localmesh.cassandra.cluster import ring_tokens
+from localmesh.cassandra.node import CassandraNode
 from memory_store.db import Db, Unavailable
 from memory_store.ids import new_id
 from memory_store.messages import bucket_of
 from memory_store.models import Chat, Message
-from memory_store.node import CassandraNode
 from memory_store.store import MemoryStore
 from tests.fixtures.cassandra import TEST_KEYSPACE
 from tests.memory_store.builders import message, new_user
