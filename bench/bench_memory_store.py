@@ -54,6 +54,7 @@ from memory_store.models import (  # noqa: E402
     Chat,
     FinishReason,
     Message,
+    NewRun,
     Role,
     Run,
     RunDelta,
@@ -195,7 +196,8 @@ async def send_steps(
         asked = Message(
             send.user_message_id, send.chat_id, Role.USER, USER_TEXT, send.parent_id, 200, run_id=send.run_id
         )
-        send.run = await store.create_run(
+        assert send.chat is not None
+        new = NewRun(
             send.user,
             send.chat_id,
             run_id=send.run_id,
@@ -205,9 +207,8 @@ async def send_steps(
             owner_id="bench-replica",
             user_message_id=send.user_message_id,
             prompt_tokens=400,
-            asked=asked,
-            chat=send.chat,
         )
+        send.run = await store.create_run_with_question(new, asked, send.chat)
 
     async def checkpoint(send: Send) -> None:
         assert send.run is not None
