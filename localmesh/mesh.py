@@ -9,7 +9,7 @@ Replica i of the orchestrator and router tiers listens (and serves metrics) ``RE
 above the first one's ports; engines take consecutive ports. Every router follows every engine;
 orchestrator i uses router i mod R; Envoy spreads chats over the orchestrators (ring hash on the chat
 id). Cassandra members listen on 127.0.0.1 ... 127.0.0.N with the keyspace replicated to three of them
-(``memory_store/cluster.py``).
+(``localmesh/cassandra/cluster.py``).
 
 Three pools of engines, placed by model: SmolLM2-135M-Instruct (chat), its "-lite" twin (the same
 weights, where free requests degrade to) and Gemma 3 270M (a base model: completions only, under the

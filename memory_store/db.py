@@ -195,7 +195,7 @@ class Db:
                 ) from exc
             raise Unavailable(
                 f"cannot reach {where} ({exc}); is the node running, and do --cassandra-tls-* match "
-                "its client encryption? (`python -m memory_store node status`)"
+                "its client encryption? (`python -m localmesh.cassandra status` for the local one)"
             ) from exc
         return cls(cluster, session, request_timeout_s)
 
