@@ -10,8 +10,9 @@ whether they are idempotent, and only idempotent ones are ever retried by the dr
 policy would retry any statement after a connection error). Timeouts and unavailable replicas
 surface as ``errors.Unavailable``; a conditional write on a contended key is run again here
 (``execute_contended``). Statements name their bind markers (``:chat_id``), and the store binds
-values by those names: a ``Write`` is a statement's name and a dict of its values, every marker given. Each request is a client span and an observation of the
-``db_client_operation_duration_seconds`` histogram (OpenTelemetry's db.client.operation.duration).
+values by those names: a ``Write`` is a statement's name and a dict of its values, every marker given.
+Each request is a client span and an observation of the ``db_client_operation_duration_seconds``
+histogram (OpenTelemetry's db.client.operation.duration).
 """
 
 from __future__ import annotations

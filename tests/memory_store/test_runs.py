@@ -32,6 +32,21 @@ def deltas(first_seq, *texts):
     return [RunDelta(first_seq + i, text, 1) for i, text in enumerate(texts)]
 
 
+def new_run(user, chat, claim, asked, **fields):
+    """The run a claim reserved, answering ``asked``."""
+    return NewRun(
+        user,
+        chat.chat_id,
+        run_id=claim.run_id,
+        parent_message_id=asked.message_id,
+        assistant_message_id=claim.assistant_message_id,
+        model="smollm2-135m",
+        owner_id="replica-a",
+        user_message_id=asked.message_id,
+        **fields,
+    )
+
+
 async def test_fifty_concurrent_sends_with_one_key_store_one_message_and_one_run(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "double clicks")
@@ -41,18 +56,7 @@ async def test_fifty_concurrent_sends_with_one_key_store_one_message_and_one_run
         asked = await memory_store.append_message(
             user, message(chat.chat_id, "only once please", message_id=claim.user_message_id)
         )
-        await memory_store.create_run(
-            NewRun(
-                user,
-                chat.chat_id,
-                run_id=claim.run_id,
-                parent_message_id=asked.message_id,
-                assistant_message_id=claim.assistant_message_id,
-                model="smollm2-135m",
-                owner_id="replica-a",
-                user_message_id=asked.message_id,
-            )
-        )
+        await memory_store.create_run(new_run(user, chat, claim, asked))
         return claim
 
     claims = await asyncio.gather(*(send() for _ in range(50)))
@@ -582,21 +586,6 @@ async def test_an_owner_whose_run_was_adopted_cannot_finish_it(memory_store):
     ]
     finished = await memory_store.finish_run(adopted, RunOutcome(RunStatus.COMPLETED, 6, FinishReason.STOP))
     assert finished.applied and finished.message.content == "ok!"
-
-
-def new_run(user, chat, claim, asked, **fields):
-    """The run a claim reserved, answering ``asked`` (stored with it)."""
-    return NewRun(
-        user,
-        chat.chat_id,
-        run_id=claim.run_id,
-        parent_message_id=asked.message_id,
-        assistant_message_id=claim.assistant_message_id,
-        model="smollm2-135m",
-        owner_id="replica-a",
-        user_message_id=asked.message_id,
-        **fields,
-    )
 
 
 async def test_a_run_created_with_its_question_stores_both_and_never_the_run_alone(memory_store):
