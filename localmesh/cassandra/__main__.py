@@ -58,7 +58,7 @@ def _alive(pid: int) -> bool:
 
 
 def _read_pids(config: NodeConfig) -> tuple[int, int] | None:
-    """(supervisor pid, cassandra pid) of a running ``node run``, or None."""
+    """(supervisor pid, cassandra pid) of a running ``run``, or None."""
     try:
         supervisor, cassandra = (int(p) for p in _pid_file(config).read_text().split())
     except (OSError, ValueError):
