@@ -18,7 +18,7 @@ help:
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/provision.sh scripts/provision_helm.sh memory_store/cassandra/pom.xml
+$(STAMP): pyproject.toml scripts/provision.sh scripts/provision_helm.sh localmesh/cassandra/pom.xml
 	@scripts/provision.sh
 	@touch $@
 

@@ -48,18 +48,19 @@ from bench.machine import machine  # noqa: E402
 from bench.private_node import private_node  # noqa: E402
 from bench.process_usage import cpu_seconds  # noqa: E402
 from chatmesh.finish import FinishReason, Usage  # noqa: E402
+from localmesh.cassandra.node import rss_mib  # noqa: E402
 from memory_store.config import StoreConfig  # noqa: E402
 from memory_store.ids import new_id  # noqa: E402
 from memory_store.models import (  # noqa: E402
     Chat,
     Message,
+    NewRun,
     Role,
     Run,
     RunDelta,
     RunOutcome,
     RunStatus,
 )
-from memory_store.node import rss_mib  # noqa: E402
 from memory_store.store import MemoryStore  # noqa: E402
 from orchestrator.config import BudgetConfig, RunConfig  # noqa: E402
 from orchestrator.policy.admission import Budgets  # noqa: E402
@@ -194,7 +195,8 @@ async def send_steps(
         asked = Message(
             send.user_message_id, send.chat_id, Role.USER, USER_TEXT, send.parent_id, 200, run_id=send.run_id
         )
-        send.run = await store.create_run(
+        assert send.chat is not None
+        new = NewRun(
             send.user,
             send.chat_id,
             run_id=send.run_id,
@@ -204,9 +206,8 @@ async def send_steps(
             owner_id="bench-replica",
             user_message_id=send.user_message_id,
             prompt_tokens=400,
-            asked=asked,
-            chat=send.chat,
         )
+        send.run = await store.create_run_with_question(new, asked, send.chat)
 
     async def checkpoint(send: Send) -> None:
         assert send.run is not None

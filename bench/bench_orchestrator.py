@@ -54,9 +54,9 @@ from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
+from localmesh.cassandra.node import CassandraNode, NodeConfig  # noqa: E402
 from localmesh.dev_jwt import DevKeys, generate_keys  # noqa: E402
 from memory_store.config import StoreConfig  # noqa: E402
-from memory_store.node import CassandraNode, NodeConfig  # noqa: E402
 from memory_store.store import MemoryStore  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
 from meshkit.telemetry import TRACE_FILE_ENV, SpanRecord  # noqa: E402

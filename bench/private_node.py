@@ -7,7 +7,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from memory_store.node import CassandraNode, NodeConfig, StartReport
+from localmesh.cassandra.node import CassandraNode, NodeConfig, StartReport
 from meshkit.launcher import Launcher, free_port
 
 

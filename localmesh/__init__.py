@@ -1,2 +1,3 @@
 """Developer tools: the whole mesh on one machine (``mesh``, behind ``make run``), its front door
-(``front_door``) and the dev JWTs its Envoy accepts (``dev_jwt``). Nothing in a service imports this."""
+(``front_door``), the dev JWTs its Envoy accepts (``dev_jwt``) and the local Cassandra it starts
+(``cassandra``). Nothing in a service imports this."""

@@ -9,7 +9,7 @@ Replica i of the orchestrator and router tiers listens (and serves metrics) ``RE
 above the first one's ports; engines take consecutive ports. Every router follows every engine;
 orchestrator i uses router i mod R; Envoy spreads chats over the orchestrators (ring hash on the chat
 id). Cassandra members listen on 127.0.0.1 ... 127.0.0.N with the keyspace replicated to three of them
-(``memory_store/cluster.py``).
+(``localmesh/cassandra/cluster.py``).
 
 Three pools of engines, placed by model: SmolLM2-135M-Instruct (chat), its "-lite" twin (the same
 weights, where free requests degrade to) and Gemma 3 270M (a base model: completions only, under the
@@ -36,10 +36,10 @@ from pathlib import Path
 from chatmesh.identity import OPERATOR_ROLE
 from chatmesh.model_files import bundled_model_path, gemma3_model_path
 from chatmesh.tokenizer import load_tokenizer
+from localmesh.cassandra.cluster import CassandraCluster, ClusterConfig
+from localmesh.cassandra.node import NodeSetupError
 from localmesh.dev_jwt import ensure_keys
 from localmesh.front_door import FrontDoorPorts, front_door_specs, welcome
-from memory_store.cluster import CassandraCluster, ClusterConfig
-from memory_store.node import NodeSetupError
 from meshkit.envoy import InvalidEnvoyConfigError
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceFailedError, ServiceSpec, TcpOpen
 from meshkit.serving import PortInUseError

@@ -23,76 +23,94 @@ from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime
 from typing import TypeVar
 
-from memory_store.base import StoreBase, id_str, micros, now, unset, utc
-from memory_store.db import Cql, Row, Write
+from memory_store.base import (
+    check_fingerprint,
+    check_idempotency_key,
+    check_user,
+    id_str,
+    micros,
+    now,
+    page_size,
+    unset,
+    utc,
+)
+from memory_store.config import StoreConfig
+from memory_store.cursor import CursorCodec
+from memory_store.db import Cql, Db, Row, Write
 from memory_store.errors import AlreadyExists, InvalidArgument, NotFound
 from memory_store.ids import id_micros, new_id, parse_id
 from memory_store.models import Chat, ChatSummary, Page
-from memory_store.search import delete_statement, title_statement
+from memory_store.search_index import delete_write, title_write
 
 T = TypeVar("T")
 
 _CHAT_COLUMNS = (
     "chat_id, title, created_at, activity_at, deleted_at, last_run_id, last_finished_run_id, model"
 )
+_CHAT_KEY = "user_id = :user_id AND chat_id = :chat_id"
 
 STATEMENTS = {
     "chat_insert": Cql(
-        "INSERT INTO chats (user_id, chat_id, title, created_at, activity_at, model) VALUES (?, ?, ?, ?, ?, ?) "
-        "USING TIMESTAMP ?",
+        "INSERT INTO chats (user_id, chat_id, title, created_at, activity_at, model) "
+        "VALUES (:user_id, :chat_id, :title, :created_at, :activity_at, :model) USING TIMESTAMP :write_ts",
         idempotent=True,
     ),
-    "chat_get": Cql(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE user_id = ? AND chat_id = ?", True),
-    "chat_get_many": Cql(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE user_id = ? AND chat_id IN ?", True),
-    "chat_set_activity": Cql(
-        "UPDATE chats USING TIMESTAMP ? SET activity_at = ? WHERE user_id = ? AND chat_id = ?", True
+    "chat_get": Cql(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE {_CHAT_KEY}", True),
+    "chat_get_many": Cql(
+        f"SELECT {_CHAT_COLUMNS} FROM chats WHERE user_id = :user_id AND chat_id IN :chat_ids", True
     ),
-    "chat_set_model": Cql("UPDATE chats SET model = ? WHERE user_id = ? AND chat_id = ?", True),
-    "chat_set_title": Cql("UPDATE chats SET title = ? WHERE user_id = ? AND chat_id = ?", True),
-    "chat_set_deleted": Cql("UPDATE chats SET deleted_at = ? WHERE user_id = ? AND chat_id = ?", True),
+    "chat_set_activity": Cql(
+        f"UPDATE chats USING TIMESTAMP :write_ts SET activity_at = :activity_at WHERE {_CHAT_KEY}", True
+    ),
+    "chat_set_model": Cql(f"UPDATE chats SET model = :model WHERE {_CHAT_KEY}", True),
+    "chat_set_title": Cql(f"UPDATE chats SET title = :title WHERE {_CHAT_KEY}", True),
+    "chat_set_deleted": Cql(f"UPDATE chats SET deleted_at = :deleted_at WHERE {_CHAT_KEY}", True),
     "chat_set_last_run": Cql(
-        "UPDATE chats USING TIMESTAMP ? SET last_run_id = ? WHERE user_id = ? AND chat_id = ?", True
+        f"UPDATE chats USING TIMESTAMP :write_ts SET last_run_id = :run_id WHERE {_CHAT_KEY}", True
     ),
     "chat_set_last_finished_run": Cql(
-        "UPDATE chats USING TIMESTAMP ? SET last_finished_run_id = ? WHERE user_id = ? AND chat_id = ?",
+        f"UPDATE chats USING TIMESTAMP :write_ts SET last_finished_run_id = :run_id WHERE {_CHAT_KEY}",
         True,
     ),
     "activity_insert": Cql(
-        "INSERT INTO chats_by_activity (user_id, activity_at, chat_id) VALUES (?, ?, ?) USING TIMESTAMP ?",
+        "INSERT INTO chats_by_activity (user_id, activity_at, chat_id) "
+        "VALUES (:user_id, :activity_at, :chat_id) USING TIMESTAMP :write_ts",
         True,
     ),
     "activity_delete": Cql(
-        "DELETE FROM chats_by_activity USING TIMESTAMP ? "
-        "WHERE user_id = ? AND activity_at = ? AND chat_id = ?",
+        "DELETE FROM chats_by_activity USING TIMESTAMP :write_ts "
+        "WHERE user_id = :user_id AND activity_at = :activity_at AND chat_id = :chat_id",
         True,
     ),
     "activity_first": Cql(
-        "SELECT activity_at, chat_id FROM chats_by_activity WHERE user_id = ? LIMIT ?", True
+        "SELECT activity_at, chat_id FROM chats_by_activity WHERE user_id = :user_id LIMIT :rows", True
     ),
     "activity_after": Cql(
         "SELECT activity_at, chat_id FROM chats_by_activity "
-        "WHERE user_id = ? AND (activity_at, chat_id) < (?, ?) LIMIT ?",
+        "WHERE user_id = :user_id AND (activity_at, chat_id) < (:activity_at, :chat_id) LIMIT :rows",
         True,
     ),
     "chat_key_claim": Cql(
-        "INSERT INTO chat_keys (user_id, key, chat_id, title) VALUES (?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
+        "INSERT INTO chat_keys (user_id, key, chat_id, title) VALUES (:user_id, :key, :chat_id, :title) "
+        "IF NOT EXISTS USING TTL :ttl_s",
         # Running it again leaves the same row: the first call's. The caller recognises its own chat id.
         idempotent=True,
     ),
     "summary_put": Cql(
         "INSERT INTO chat_summaries (chat_id, text, token_count, through_message_id, updated_at, "
-        "tokenizer_fingerprint) VALUES (?, ?, ?, ?, ?, ?)",
+        "tokenizer_fingerprint) VALUES (:chat_id, :text, :token_count, :through_message_id, :updated_at, "
+        ":tokenizer_fingerprint)",
         True,
     ),
     "summary_get": Cql(
         "SELECT text, token_count, through_message_id, updated_at, tokenizer_fingerprint FROM chat_summaries "
-        "WHERE chat_id = ?",
+        "WHERE chat_id = :chat_id",
         True,
     ),
 }
 
 
-def summary_of(rows: list[Row]) -> ChatSummary | None:
+def _summary(rows: list[Row]) -> ChatSummary | None:
     """The summary ``summary_get`` read, if any."""
     if not rows:
         return None
@@ -127,7 +145,15 @@ def _chat(user_id: str, row: Row) -> Chat | None:
     )
 
 
-class ChatsMixin(StoreBase):
+class Chats:
+    """A user's chats (``chats``), their order by activity (``chats_by_activity``), the keys of
+    idempotent creations (``chat_keys``) and their summaries (``chat_summaries``)."""
+
+    def __init__(self, db: Db, config: StoreConfig, cursors: CursorCodec) -> None:
+        self._db = db
+        self._config = config
+        self._cursors = cursors
+
     async def create_chat(
         self, user_id: str, title: str = "", idempotency_key: str = "", model: str = ""
     ) -> Chat:
@@ -139,14 +165,14 @@ class ChatsMixin(StoreBase):
         NOT_FOUND once that chat is deleted. The key is claimed before the chat is written, so a call
         that died between the two leaves its retry to write the chat, with the same id and times.
         """
-        self._check_user(user_id)
+        check_user(user_id, self._config.bounds)
         self._check_title(title, allow_empty=True)
         at = now()
         chat_id = new_id(at)
         if idempotency_key:
             earlier = await self._claim_chat_key(user_id, idempotency_key, chat_id, title)
             if earlier is not None:
-                rows = await self._db.execute("chat_get", (user_id, earlier))
+                rows = await self._db.execute("chat_get", {"user_id": user_id, "chat_id": earlier})
                 if rows and rows[0]["created_at"] is not None:
                     if (chat := _chat(user_id, rows[0])) is None:
                         raise NotFound("the chat this idempotency key created was deleted; use a new key")
@@ -154,12 +180,16 @@ class ChatsMixin(StoreBase):
                 # Claimed and never written: write it as its first call would have.
                 chat_id, at = earlier, _created_at(earlier)
         ts = micros(at)
-        statements = [
-            ("chat_insert", (user_id, chat_id, title, at, at, model, ts)),
-            ("activity_insert", (user_id, at, chat_id, ts)),
+        key = {"user_id": user_id, "chat_id": chat_id}
+        statements: list[Write] = [
+            (
+                "chat_insert",
+                {**key, "title": title, "created_at": at, "activity_at": at, "model": model, "write_ts": ts},
+            ),
+            ("activity_insert", {**key, "activity_at": at, "write_ts": ts}),
         ]
         if title:
-            statements.append(title_statement(user_id, chat_id, title))
+            statements.append(title_write(user_id, chat_id, title))
         await self._db.execute_batch(statements)
         return Chat(
             chat_id=str(chat_id), user_id=user_id, title=title, created_at=at, updated_at=at, model=model
@@ -170,9 +200,11 @@ class ChatsMixin(StoreBase):
     ) -> uuid.UUID | None:
         """Claims ``key`` for the chat about to be created: None if this call holds it, else the chat
         id an earlier call claimed it for (ALREADY_EXISTS if that call had another title)."""
-        self._check_idempotency_key(key)
-        params = (user_id, key, chat_id, title, self._config.idempotency_ttl_s)
-        row = await self._contended("chat_key_claim", params)
+        check_idempotency_key(key, self._config.limits)
+        claim = {"user_id": user_id, "key": key, "chat_id": chat_id, "title": title}
+        row = await self._db.execute_contended(
+            "chat_key_claim", {**claim, "ttl_s": self._config.idempotency_ttl_s}
+        )
         if row["[applied]"] or row["chat_id"] == chat_id:
             return None
         if (row["title"] or "") != title:
@@ -183,14 +215,15 @@ class ChatsMixin(StoreBase):
 
     async def get_chat(self, user_id: str, chat_id: str) -> Chat:
         """The chat; NOT_FOUND if it does not exist, is deleted, or belongs to someone else."""
-        return await self._owned_chat(user_id, chat_id)
+        return await self.owned(user_id, chat_id)
 
     async def list_chats(
         self, user_id: str, cursor: str | None = None, limit: int | None = None
     ) -> Page[Chat]:
         """The user's chats, most recent activity first, ``limit`` per page (default 20)."""
-        self._check_user(user_id)
-        limit = self._page_size(limit, self.limits.default_chat_page, self.limits.max_chat_page)
+        check_user(user_id, self._config.bounds)
+        limits = self._config.limits
+        limit = page_size(limit, limits.default_chat_page, limits.max_chat_page)
         after: tuple[datetime, uuid.UUID] | None = None
         if cursor:
             position = self._cursors.decode(cursor, "chats", user_id)
@@ -203,9 +236,12 @@ class ChatsMixin(StoreBase):
         while len(found) <= limit and not exhausted:
             want = limit + 1 - len(found)
             if after is None:
-                rows = await self._db.execute("activity_first", (user_id, want))
+                rows = await self._db.execute("activity_first", {"user_id": user_id, "rows": want})
             else:
-                rows = await self._db.execute("activity_after", (user_id, *after, want))
+                position_values = {"activity_at": after[0], "chat_id": after[1]}
+                rows = await self._db.execute(
+                    "activity_after", {"user_id": user_id, **position_values, "rows": want}
+                )
             exhausted = len(rows) < want
             if not rows:
                 break
@@ -219,16 +255,19 @@ class ChatsMixin(StoreBase):
             next_cursor = self._cursors.encode("chats", user_id, position)
         return Page(items=page, next_cursor=next_cursor)
 
+    async def live(self, user_id: str, chat_keys: Sequence[uuid.UUID]) -> dict[uuid.UUID, Chat]:
+        """The live chats among ``chat_keys`` of ``user_id``, by id (one read)."""
+        ids = list(dict.fromkeys(chat_keys))
+        rows = await self._db.execute("chat_get_many", {"user_id": user_id, "chat_ids": ids})
+        return {row["chat_id"]: chat for row in rows if (chat := _chat(user_id, row)) is not None}
+
     async def _chats_for_index(self, user_id: str, index_rows: Sequence[Row]) -> list[Chat]:
         """The live chats an index page points to, in index order; stale entries are removed."""
-        ids = list(dict.fromkeys(row["chat_id"] for row in index_rows))
-        rows = await self._db.execute("chat_get_many", (user_id, ids))
-        by_id = {row["chat_id"]: row for row in rows}
+        by_id = await self.live(user_id, [row["chat_id"] for row in index_rows])
         chats, stale = [], []
         for entry in index_rows:
-            row = by_id.get(entry["chat_id"])
-            chat = _chat(user_id, row) if row is not None else None
-            if row is None or chat is None or row["activity_at"] != entry["activity_at"]:
+            chat = by_id.get(entry["chat_id"])
+            if chat is None or chat.updated_at != utc(entry["activity_at"]):
                 stale.append(entry)
                 continue
             chats.append(chat)
@@ -237,12 +276,12 @@ class ChatsMixin(StoreBase):
                 *(
                     self._db.execute(
                         "activity_delete",
-                        (
-                            micros(max(now(), utc(e["activity_at"]))) + 1,
-                            user_id,
-                            e["activity_at"],
-                            e["chat_id"],
-                        ),
+                        {
+                            "write_ts": micros(max(now(), utc(e["activity_at"]))) + 1,
+                            "user_id": user_id,
+                            "activity_at": e["activity_at"],
+                            "chat_id": e["chat_id"],
+                        },
                     )
                     for e in stale
                 )
@@ -252,125 +291,136 @@ class ChatsMixin(StoreBase):
     async def rename_chat(self, user_id: str, chat_id: str, title: str) -> Chat:
         """Sets the title (1..``limits.max_title_chars`` characters); a rename counts as activity."""
         self._check_title(title, allow_empty=False)
-        chat = await self._owned_chat(user_id, chat_id)
+        chat = await self.owned(user_id, chat_id)
         key = uuid.UUID(chat.chat_id)
-        at = await self._touch(
-            chat, [("chat_set_title", (title, user_id, key)), title_statement(user_id, key, title)]
-        )
+        renamed: Write = ("chat_set_title", {"title": title, "user_id": user_id, "chat_id": key})
+        at = await self._touch(chat, [renamed, title_write(user_id, key, title)])
         return dataclasses.replace(chat, title=title, updated_at=at)
 
     async def set_chat_model(self, user_id: str, chat_id: str, model: str) -> None:
         """The model the chat's next answers come from (a send switching it); not activity."""
-        await self._db.execute("chat_set_model", (model, user_id, parse_id(chat_id, "chat id")))
+        key = {"user_id": user_id, "chat_id": parse_id(chat_id, "chat id")}
+        await self._db.execute("chat_set_model", {"model": model, **key})
 
     async def delete_chat(self, user_id: str, chat_id: str) -> None:
         """Soft delete: the chat vanishes from lists and reads at once; its rows stay for retention."""
-        chat = await self._owned_chat(user_id, chat_id)
+        chat = await self.owned(user_id, chat_id)
         at = now()
-        key = uuid.UUID(chat.chat_id)
+        chat_key = uuid.UUID(chat.chat_id)
+        key = {"user_id": user_id, "chat_id": chat_key}
         # The index entry was written with its activity time as timestamp: delete it from above that.
         delete_ts = max(micros(at), micros(chat.updated_at) + 1)
         await self._db.execute_batch(
             [
-                ("chat_set_deleted", (at, user_id, key)),
-                ("activity_delete", (delete_ts, user_id, chat.updated_at, key)),
-                delete_statement(user_id, key),
+                ("chat_set_deleted", {"deleted_at": at, **key}),
+                ("activity_delete", {"write_ts": delete_ts, "activity_at": chat.updated_at, **key}),
+                delete_write(user_id, chat_key),
             ]
         )
 
     async def record_activity(self, user_id: str, chat_id: str) -> datetime:
         """Moves the chat to the top of the user's list; returns the new activity time."""
-        return await self._touch(await self._owned_chat(user_id, chat_id), [])
+        return await self._touch(await self.owned(user_id, chat_id), [])
 
     async def _touch(self, chat: Chat, extra: list[Write]) -> datetime:
         """Sets the chat's activity to now (plus ``extra`` statements on the user's partition), atomically."""
-        writes, at = self._touch_writes(chat, extra)
+        writes, at = self.touch_writes(chat, extra)
         if writes:
             await self._db.execute_batch(writes)
         return at
 
-    def _touch_writes(self, chat: Chat, extra: list[Write]) -> tuple[list[Write], datetime]:
-        """The writes of ``_touch``, one batch in the owner's partition, and the chat's activity time."""
+    def touch_writes(self, chat: Chat, extra: Sequence[Write]) -> tuple[list[Write], datetime]:
+        """The writes that set the chat's activity to now, with ``extra`` (more writes to the owner's
+        partition): one batch in the owner's partition; and the chat's activity time."""
         at = now()
-        key = uuid.UUID(chat.chat_id)
         writes = list(extra)
         # A clock behind the last activity (another replica's) leaves the order as it is.
         if at > chat.updated_at:
             ts = micros(at)
+            key = {"user_id": chat.user_id, "chat_id": uuid.UUID(chat.chat_id)}
             writes += [
-                ("activity_delete", (ts, chat.user_id, chat.updated_at, key)),
-                ("activity_insert", (chat.user_id, at, key, ts)),
-                ("chat_set_activity", (ts, at, chat.user_id, key)),
+                ("activity_delete", {"write_ts": ts, "activity_at": chat.updated_at, **key}),
+                ("activity_insert", {**key, "activity_at": at, "write_ts": ts}),
+                ("chat_set_activity", {"write_ts": ts, "activity_at": at, **key}),
             ]
         return writes, max(at, chat.updated_at)
 
     async def set_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
         """Marks ``run_id`` as the chat's active run (the newest run by id wins)."""
-        await self._db.execute(*self._active_run_write(user_id, chat_id, run_id))
+        await self._db.execute(*self.active_run_write(user_id, chat_id, run_id))
 
-    def _active_run_write(self, user_id: str, chat_id: str, run_id: str) -> Write:
-        run = parse_id(run_id, "run id")
-        return "chat_set_last_run", (
-            id_micros(run),
-            run,
-            self._check_user(user_id),
-            parse_id(chat_id, "chat id"),
-        )
+    def active_run_write(self, user_id: str, chat_id: str, run_id: str) -> Write:
+        """The write of ``set_active_run``: to the owner's partition."""
+        return self._last_run("chat_set_last_run", user_id, chat_id, run_id)
 
     async def clear_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
         """Marks ``run_id`` finished; the chat has no active run unless a newer run started since."""
-        await self._db.execute(*self._active_run_cleared(user_id, chat_id, run_id))
+        await self._db.execute(*self.active_run_cleared(user_id, chat_id, run_id))
 
-    def _active_run_cleared(self, user_id: str, chat_id: str, run_id: str) -> Write:
+    def active_run_cleared(self, user_id: str, chat_id: str, run_id: str) -> Write:
         """The write of ``clear_active_run``: to the owner's partition."""
+        return self._last_run("chat_set_last_finished_run", user_id, chat_id, run_id)
+
+    def _last_run(self, statement: str, user_id: str, chat_id: str, run_id: str) -> Write:
+        """A write of the chat's last started or finished run, with the run id's time as timestamp."""
         run = parse_id(run_id, "run id")
-        return "chat_set_last_finished_run", (
-            id_micros(run),
-            run,
-            self._check_user(user_id),
-            parse_id(chat_id, "chat id"),
-        )
+        return statement, {
+            "write_ts": id_micros(run),
+            "run_id": run,
+            "user_id": check_user(user_id, self._config.bounds),
+            "chat_id": parse_id(chat_id, "chat id"),
+        }
 
     async def put_summary(self, user_id: str, chat_id: str, summary: ChatSummary) -> ChatSummary:
         """Stores the chat's rolling summary of older turns (replacing the previous one)."""
-        chat = await self._owned_chat(user_id, chat_id)
-        if len(summary.text.encode()) > self.bounds.max_summary_bytes:
-            raise InvalidArgument(f"summary is larger than {self.bounds.max_summary_bytes} bytes")
+        chat = await self.owned(user_id, chat_id)
+        max_bytes = self._config.bounds.max_summary_bytes
+        if len(summary.text.encode()) > max_bytes:
+            raise InvalidArgument(f"summary is larger than {max_bytes} bytes")
         if summary.token_count < 0:
             raise InvalidArgument("summary token count must not be negative")
-        fingerprint = self._check_fingerprint(summary.tokenizer_fingerprint)
+        fingerprint = check_fingerprint(summary.tokenizer_fingerprint, self._config.bounds)
         through = parse_id(summary.through_message_id, "through message id")
         at = now()
-        params = (
-            uuid.UUID(chat.chat_id),
-            summary.text,
-            summary.token_count,
-            through,
-            at,
-            unset(fingerprint or None),
+        await self._db.execute(
+            "summary_put",
+            {
+                "chat_id": uuid.UUID(chat.chat_id),
+                "text": summary.text,
+                "token_count": summary.token_count,
+                "through_message_id": through,
+                "updated_at": at,
+                "tokenizer_fingerprint": unset(fingerprint or None),
+            },
         )
-        await self._db.execute("summary_put", params)
         return ChatSummary(summary.text, summary.token_count, str(through), at, fingerprint)
 
-    async def _with_owner(self, user_id: str, chat_id: str, read: Awaitable[T]) -> tuple[Chat, T]:
+    async def summary(self, chat_key: uuid.UUID) -> ChatSummary | None:
+        """The chat's summary, if any (the caller checks the chat is the user's)."""
+        return _summary(await self._db.execute("summary_get", {"chat_id": chat_key}))
+
+    async def with_owner(self, user_id: str, chat_id: str, read: Awaitable[T]) -> tuple[Chat, T]:
         """Runs ``read`` alongside the ownership check, saving a round trip; whatever ``read`` found
         or failed with is only passed on once the chat is known to be the caller's."""
-        chat, result = await asyncio.gather(self._owned_chat(user_id, chat_id), read, return_exceptions=True)
+        chat, result = await asyncio.gather(self.owned(user_id, chat_id), read, return_exceptions=True)
         if isinstance(chat, BaseException):
             raise chat
         if isinstance(result, BaseException):
             raise result
         return chat, result
 
-    async def _owned_chat(self, user_id: str, chat_id: str) -> Chat:
-        self._check_user(user_id)
-        rows = await self._db.execute("chat_get", (user_id, parse_id(chat_id, "chat id")))
+    async def owned(self, user_id: str, chat_id: str) -> Chat:
+        """The chat, if it is live and the caller's; NOT_FOUND otherwise."""
+        check_user(user_id, self._config.bounds)
+        rows = await self._db.execute(
+            "chat_get", {"user_id": user_id, "chat_id": parse_id(chat_id, "chat id")}
+        )
         chat = _chat(user_id, rows[0]) if rows else None
         if chat is None:
             raise NotFound(f"chat {chat_id} not found")
         return chat
 
     def _check_title(self, title: str, allow_empty: bool) -> None:
-        low = 0 if allow_empty else 1
-        if not low <= len(title) <= self.limits.max_title_chars:
-            raise InvalidArgument(f"title must be {low}..{self.limits.max_title_chars} characters")
+        low, high = 0 if allow_empty else 1, self._config.limits.max_title_chars
+        if not low <= len(title) <= high:
+            raise InvalidArgument(f"title must be {low}..{high} characters")

@@ -8,8 +8,11 @@ removed in Python 3.12, nor a thread per connection).
 Every statement runs at LOCAL_QUORUM (LWTs at LOCAL_SERIAL) with a request timeout. Statements say
 whether they are idempotent, and only idempotent ones are ever retried by the driver (its default
 policy would retry any statement after a connection error). Timeouts and unavailable replicas
-surface as ``errors.Unavailable``. Each request is a client span and an observation of the
-``db_client_operation_duration_seconds`` histogram (OpenTelemetry's db.client.operation.duration).
+surface as ``errors.Unavailable``; a conditional write on a contended key is run again here
+(``execute_contended``). Statements name their bind markers (``:chat_id``), and the store binds
+values by those names: a ``Write`` is a statement's name and a dict of its values, every marker given.
+Each request is a client span and an observation of the ``db_client_operation_duration_seconds``
+histogram (OpenTelemetry's db.client.operation.duration).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -65,8 +69,10 @@ from memory_store.security import CassandraSecurity
 log = logging.getLogger(__name__)
 
 Row = dict[str, Any]
+# A prepared statement's values: by marker name (what the store binds), or in marker order.
+Values = dict[str, Any] | Sequence[Any]
 # A named prepared statement and its values.
-Write = tuple[str, Sequence[Any]]
+Write = tuple[str, Values]
 
 # OpenTelemetry's db.client.operation.duration, labelled by statement name and error type.
 OPERATION_SECONDS = Histogram(
@@ -115,6 +121,8 @@ _CELL_OVERHEAD_BYTES = 16
 _COLLECTIONS = frozenset({"list", "set", "map"})
 # Partitions one request of ``Db.write`` may carry (a message's writes take up to five).
 _MAX_BATCH_PARTITIONS = 16
+# How many times a conditional write on one key is tried while it times out (``Db.execute_contended``).
+_CONTENDED_ATTEMPTS = 6
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,8 @@ class Db:
         self.request_timeout_s = request_timeout_s
         self.keyspace = ""
         self.q: dict[str, PreparedStatement] = {}
+        # Per statement, the names of its bind markers (every one is bound: ``_bound``).
+        self._markers: dict[str, frozenset[str]] = {}
         self._untraced: set[str] = set()
         # Per statement, its bind markers whose column is a collection that is not frozen (``_Bound``).
         self._element_cells: dict[str, tuple[int, ...]] = {}
@@ -186,7 +196,7 @@ class Db:
                 ) from exc
             raise Unavailable(
                 f"cannot reach {where} ({exc}); is the node running, and do --cassandra-tls-* match "
-                "its client encryption? (`python -m memory_store node status`)"
+                "its client encryption? (`python -m localmesh.cassandra status` for the local one)"
             ) from exc
         return cls(cluster, session, request_timeout_s)
 
@@ -205,6 +215,9 @@ class Db:
         names = list(statements)
         prepared = await asyncio.gather(*(asyncio.to_thread(prepare_one, statements[n]) for n in names))
         self.q.update(zip(names, prepared, strict=True))
+        self._markers.update(
+            (name, frozenset(c.name for c in self.q[name].column_metadata)) for name in names
+        )
         self._untraced.update(name for name in names if not statements[name].traced)
         self._element_cells.update((name, self._collection_markers(self.q[name])) for name in names)
 
@@ -222,15 +235,23 @@ class Db:
                 markers.append(i)
         return tuple(markers)
 
+    def _bound(self, name: str, values: Values) -> BoundStatement:
+        """``name``'s prepared statement bound to ``values``. The driver would leave a marker missing from
+        a dict unset (a column silently not written): here every marker must be named."""
+        if isinstance(values, dict) and values.keys() != self._markers[name]:
+            raise KeyError(f"{name} binds {sorted(self._markers[name])}, not {sorted(values)}")
+        return self.q[name].bind(values)
+
     def _bind(self, write: Write) -> _Bound:
-        name, params = write
-        statement = self.q[name].bind(params)
+        name, values = write
+        statement = self._bound(name, values)
         size = sum(
             len(value) + _CELL_OVERHEAD_BYTES for value in statement.values if isinstance(value, bytes)
         )
         for i in self._element_cells[name]:
-            if params[i] is not None:
-                size += len(params[i]) * _CELL_OVERHEAD_BYTES
+            value = statement.values[i]
+            if isinstance(value, bytes):  # a serialized collection opens with its element count
+                size += int.from_bytes(value[:4], "big") * _CELL_OVERHEAD_BYTES
         return _Bound(name, statement, size)
 
     async def write(
@@ -280,7 +301,7 @@ class Db:
     async def execute_batch(self, statements: Sequence[Write]) -> list[Row]:
         """Runs named prepared statements as one logged batch. Every batch the store runs is idempotent
         (fixed values and write timestamps, or a condition)."""
-        return await self._execute_logged([(name, self.q[name].bind(params)) for name, params in statements])
+        return await self._execute_logged([(name, self._bound(name, values)) for name, values in statements])
 
     async def _execute_logged(self, statements: Sequence[tuple[str, BoundStatement]]) -> list[Row]:
         batch = BatchStatement(batch_type=BatchType.LOGGED)
@@ -370,10 +391,21 @@ class Db:
                 errors[i] = error
         return errors
 
+    async def execute_contended(self, name: str, values: Values) -> Row:
+        """A conditional write on one key, run again while it times out (contention on the key, or a
+        slow node): its outcome is then unknown, so each statement run this way must recognise its own
+        write in the row a later attempt gets back."""
+        for attempt in range(_CONTENDED_ATTEMPTS - 1):
+            try:
+                return (await self.execute(name, values))[0]
+            except Unavailable:
+                await asyncio.sleep(random.uniform(0.01, 0.05) * 2**attempt)
+        return (await self.execute(name, values))[0]
+
     async def execute(
         self,
         statement: str | Statement,
-        params: Sequence[Any] = (),
+        params: Values = (),
         *,
         operation: str | None = None,
         timeout_s: float | None = None,
@@ -386,7 +418,7 @@ class Db:
         ``traced=False``: no span (neither is there for a statement prepared with ``Cql.traced=False``).
         """
         if isinstance(statement, str):
-            name, query, params = operation or statement, self.q[statement].bind(params), ()
+            name, query, params = operation or statement, self._bound(statement, params), ()
         else:
             name, query = operation or "cql", statement
         if consistency is not None:
@@ -409,7 +441,7 @@ class Db:
         return _tracer.start_as_current_span(name, kind=SpanKind.CLIENT, attributes=attributes)
 
     async def _execute(
-        self, query: Statement, params: Sequence[Any], timeout_s: float, host: Host | None = None
+        self, query: Statement, params: Values, timeout_s: float, host: Host | None = None
     ) -> list[Row]:
         """Bridges the driver's callbacks (on its event loop thread) to an asyncio future."""
         loop = asyncio.get_running_loop()

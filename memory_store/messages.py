@@ -26,14 +26,16 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from chatmesh.finish import FinishReason, Usage
-from memory_store.base import id_str, unset
-from memory_store.chats import ChatsMixin, summary_of
-from memory_store.db import Cql, Row, Write
+from memory_store.base import check_fingerprint, id_str, page_size, unset
+from memory_store.chats import Chats
+from memory_store.config import StoreConfig
+from memory_store.cursor import CursorCodec
+from memory_store.db import Cql, Db, Row, Write
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
-from memory_store.models import Branch, Chat, Message, MessageStatus, Page, Role
+from memory_store.models import Branch, Chat, ChatSummary, Message, MessageStatus, Page, Role
 from memory_store.schema import BUCKET_SECONDS
-from memory_store.search import index_statement
+from memory_store.search_index import index_write
 
 _FULL = (
     "message_id, parent_id, role, content, token_count, model, finish_reason, status, run_id, "
@@ -45,24 +47,28 @@ _MAX_BRANCH_PAGE = 256
 _BUCKET_SCAN_PAGE = 32
 _KNOWN_BUCKETS_CAPACITY = 100_000
 
+_IN_BUCKET = "chat_id = :chat_id AND bucket = :bucket"
+
 STATEMENTS = {
     "message_insert": Cql(
         "INSERT INTO messages (chat_id, bucket, message_id, parent_id, role, content, token_count, model, "
         "finish_reason, status, run_id, created_at, prompt_tokens, cached_prompt_tokens, completion_tokens, "
-        "tokenizer_fingerprint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "tokenizer_fingerprint) VALUES (:chat_id, :bucket, :message_id, :parent_id, :role, :content, "
+        ":token_count, :model, :finish_reason, :status, :run_id, :created_at, :prompt_tokens, "
+        ":cached_prompt_tokens, :completion_tokens, :tokenizer_fingerprint)",
         idempotent=True,
     ),
-    "bucket_insert": Cql("INSERT INTO message_buckets (chat_id, bucket) VALUES (?, ?)", True),
-    "buckets_upto": Cql("SELECT bucket FROM message_buckets WHERE chat_id = ? AND bucket <= ? LIMIT ?", True),
-    "message_get": Cql(
-        f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id = ?", True
+    "bucket_insert": Cql("INSERT INTO message_buckets (chat_id, bucket) VALUES (:chat_id, :bucket)", True),
+    "buckets_upto": Cql(
+        "SELECT bucket FROM message_buckets WHERE chat_id = :chat_id AND bucket <= :bucket LIMIT :rows", True
     ),
-    "messages_newest": Cql(f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? LIMIT ?", True),
+    "message_get": Cql(f"SELECT {_FULL} FROM messages WHERE {_IN_BUCKET} AND message_id = :message_id", True),
+    "messages_newest": Cql(f"SELECT {_FULL} FROM messages WHERE {_IN_BUCKET} LIMIT :rows", True),
     "messages_upto": Cql(
-        f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id <= ? LIMIT ?", True
+        f"SELECT {_FULL} FROM messages WHERE {_IN_BUCKET} AND message_id <= :message_id LIMIT :rows", True
     ),
     "messages_below": Cql(
-        f"SELECT {_FULL} FROM messages WHERE chat_id = ? AND bucket = ? AND message_id < ? LIMIT ?", True
+        f"SELECT {_FULL} FROM messages WHERE {_IN_BUCKET} AND message_id < :message_id LIMIT :rows", True
     ),
 }
 
@@ -91,9 +97,14 @@ def _message(chat_id: str, row: Row) -> Message:
     )
 
 
-class MessagesMixin(ChatsMixin):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+class Messages:
+    """A chat's messages (``messages``, in day buckets that ``message_buckets`` lists) and its branches."""
+
+    def __init__(self, db: Db, config: StoreConfig, cursors: CursorCodec, chats: Chats) -> None:
+        self._db = db
+        self._config = config
+        self._cursors = cursors
+        self._chats = chats
         # (chat_id, bucket) pairs this process has registered: saves a write per append.
         self._known_buckets: OrderedDict[tuple[uuid.UUID, int], None] = OrderedDict()
 
@@ -103,21 +114,22 @@ class MessagesMixin(ChatsMixin):
         The id is chosen by the writer (``ids.new_id()``); the parent must already be in the chat and
         be older. User content is bounded by ``limits.max_message_bytes``, answers by ``bounds``.
         """
-        self._check_size(message)
-        chat, _ = await self._with_owner(user_id, message.chat_id, self._check_message(message))
-        await self._write_message(chat, message)
+        self.check_size(message)
+        chat, _ = await self._chats.with_owner(user_id, message.chat_id, self.check(message))
+        await self.write(chat, message)
         return message
 
-    def _check_size(self, message: Message) -> None:
+    def check_size(self, message: Message) -> None:
+        """Refuses content over its role's bound."""
         max_bytes = (
-            self.limits.max_message_bytes
+            self._config.limits.max_message_bytes
             if message.role is Role.USER
-            else self.bounds.max_assistant_content_bytes
+            else self._config.bounds.max_assistant_content_bytes
         )
         if len(message.content.encode()) > max_bytes:
             raise InvalidArgument(f"message content is larger than {max_bytes} bytes")
 
-    async def _check_message(self, message: Message, parent_known: bool = False) -> None:
+    async def check(self, message: Message, parent_known: bool = False) -> None:
         """Validates the message's fields, and that its parent is an older message of the chat (read
         unless the caller read it in this same request: ``parent_known``)."""
         chat_key = parse_id(message.chat_id, "chat id")
@@ -128,23 +140,26 @@ class MessagesMixin(ChatsMixin):
             raise InvalidArgument(f"unknown role {message.role!r} or status {message.status!r}")
         if message.token_count < 0:
             raise InvalidArgument("token count must not be negative")
-        if message.model is not None and len(message.model) > self.limits.max_model_chars:
-            raise InvalidArgument(f"model name is longer than {self.limits.max_model_chars} characters")
-        self._check_fingerprint(message.tokenizer_fingerprint)
-        if id_time(message_id) > datetime.now(UTC) + timedelta(seconds=self.bounds.max_id_clock_skew_s):
+        max_model_chars = self._config.limits.max_model_chars
+        if message.model is not None and len(message.model) > max_model_chars:
+            raise InvalidArgument(f"model name is longer than {max_model_chars} characters")
+        check_fingerprint(message.tokenizer_fingerprint, self._config.bounds)
+        skew = timedelta(seconds=self._config.bounds.max_id_clock_skew_s)
+        if id_time(message_id) > datetime.now(UTC) + skew:
             raise InvalidArgument("message id lies in the future; make ids with memory_store.ids.new_id()")
         if parent_id is None:
             return
         if parent_id.time >= message_id.time:
             raise FailedPrecondition("a message's parent must be older than the message")
         if not parent_known:
-            await self._check_parent(chat_key, parent_id)
+            await self.check_parent(chat_key, parent_id)
 
-    async def _check_parent(self, chat_key: uuid.UUID, parent_id: uuid.UUID) -> None:
+    async def check_parent(self, chat_key: uuid.UUID, parent_id: uuid.UUID) -> None:
+        """FAILED_PRECONDITION unless ``parent_id`` is a message of the chat."""
         if await self._message_row(chat_key, parent_id) is None:
             raise FailedPrecondition(f"message {parent_id} is not in chat {chat_key}")
 
-    async def _write_message(
+    async def write(
         self,
         chat: Chat,
         message: Message,
@@ -163,50 +178,49 @@ class MessagesMixin(ChatsMixin):
         then fails stays empty and costs nothing).
         """
         await self._db.write(
-            [*self._message_writes(chat, message, extra), *others], self._config.max_batch_bytes, then
+            [*self.writes(chat, message, extra), *others], self._config.max_batch_bytes, then
         )
-        self._bucket_registered(chat, message)
+        self.bucket_registered(chat, message)
 
-    def _message_writes(self, chat: Chat, message: Message, extra: Sequence[Write] = ()) -> list[list[Write]]:
+    def writes(self, chat: Chat, message: Message, extra: Sequence[Write] = ()) -> list[list[Write]]:
         """What stores a checked message, in groups that each land at once (one partition each): its
         bucket's registration (unless known to be registered), its row, and in the owner's partition
         its search entry with the chat's activity (and ``extra``, more writes to the owner's
-        partition). Once written, call ``_bucket_registered``."""
+        partition). Once written, call ``bucket_registered``."""
         chat_key = uuid.UUID(chat.chat_id)
         message_id = uuid.UUID(message.message_id)
         bucket = bucket_of(message_id)
         usage = message.usage
+        role = Role(message.role).value
         insert: Write = (
             "message_insert",
-            (
-                chat_key,
-                bucket,
-                message_id,
-                unset(message.parent_id and uuid.UUID(message.parent_id)),
-                Role(message.role).value,
-                message.content,
-                message.token_count,
-                unset(message.model),
-                unset(message.finish_reason and FinishReason(message.finish_reason).value),
-                MessageStatus(message.status).value,
-                unset(message.run_id and uuid.UUID(message.run_id)),
-                id_time(message_id),
-                unset(usage and usage.prompt_tokens),
-                unset(usage and usage.cached_prompt_tokens),
-                unset(usage and usage.completion_tokens),
-                unset(message.tokenizer_fingerprint or None),
-            ),
+            {
+                "chat_id": chat_key,
+                "bucket": bucket,
+                "message_id": message_id,
+                "parent_id": unset(message.parent_id and uuid.UUID(message.parent_id)),
+                "role": role,
+                "content": message.content,
+                "token_count": message.token_count,
+                "model": unset(message.model),
+                "finish_reason": unset(message.finish_reason and FinishReason(message.finish_reason).value),
+                "status": MessageStatus(message.status).value,
+                "run_id": unset(message.run_id and uuid.UUID(message.run_id)),
+                "created_at": id_time(message_id),
+                "prompt_tokens": unset(usage and usage.prompt_tokens),
+                "cached_prompt_tokens": unset(usage and usage.cached_prompt_tokens),
+                "completion_tokens": unset(usage and usage.completion_tokens),
+                "tokenizer_fingerprint": unset(message.tokenizer_fingerprint or None),
+            },
         )
-        searchable = index_statement(
-            chat.user_id, chat_key, message_id, Role(message.role).value, message.content
-        )
+        searchable = index_write(chat.user_id, chat_key, message_id, role, message.content)
         # The search entry lives in the owner's partition, as the chat's activity does: one mutation.
-        writes: list[list[Write]] = [[insert], self._touch_writes(chat, [searchable, *extra])[0]]
+        writes: list[list[Write]] = [[insert], self._chats.touch_writes(chat, [searchable, *extra])[0]]
         if (chat_key, bucket) not in self._known_buckets:
-            writes.append([("bucket_insert", (chat_key, bucket))])
+            writes.append([("bucket_insert", {"chat_id": chat_key, "bucket": bucket})])
         return writes
 
-    def _bucket_registered(self, chat: Chat, message: Message) -> None:
+    def bucket_registered(self, chat: Chat, message: Message) -> None:
         """Remembers that the message's bucket is registered (its write succeeded)."""
         key = (uuid.UUID(chat.chat_id), bucket_of(uuid.UUID(message.message_id)))
         self._known_buckets[key] = None
@@ -216,20 +230,23 @@ class MessagesMixin(ChatsMixin):
 
     async def get_message(self, user_id: str, chat_id: str, message_id: str) -> Message:
         chat_key, key = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
-        chat, row = await self._with_owner(user_id, chat_id, self._message_row(chat_key, key))
+        chat, row = await self._chats.with_owner(user_id, chat_id, self._message_row(chat_key, key))
         if row is None:
             raise NotFound(f"message {message_id} not found")
         return _message(chat.chat_id, row)
 
     async def _message_row(self, chat_key: uuid.UUID, message_id: uuid.UUID) -> Row | None:
-        rows = await self._db.execute("message_get", (chat_key, bucket_of(message_id), message_id))
+        rows = await self._db.execute(
+            "message_get", {"chat_id": chat_key, "bucket": bucket_of(message_id), "message_id": message_id}
+        )
         return rows[0] if rows else None
 
     async def list_messages(
         self, user_id: str, chat_id: str, before: str | None = None, limit: int | None = None
     ) -> Page[Message]:
         """A page of the chat's messages (every branch), newest first; ``before`` is a page cursor."""
-        limit = self._page_size(limit, self.limits.default_message_page, self.limits.max_message_page)
+        limits = self._config.limits
+        limit = page_size(limit, limits.default_message_page, limits.max_message_page)
         below = None
         if before:
             position = self._cursors.decode(before, "messages", f"{user_id}/{chat_id}")
@@ -244,7 +261,7 @@ class MessagesMixin(ChatsMixin):
                     break
             return rows
 
-        chat, rows = await self._with_owner(user_id, chat_id, collect())
+        chat, rows = await self._chats.with_owner(user_id, chat_id, collect())
         items = [_message(chat.chat_id, row) for row in rows[:limit]]
         next_cursor = None
         if len(rows) > limit:
@@ -266,9 +283,8 @@ class MessagesMixin(ChatsMixin):
         At most ``max_messages`` messages (the newest ones of the path) are returned. ``with_summary``
         reads the chat's summary too, in the same round trip and under the same ownership check.
         """
-        limit = self._page_size(
-            max_messages, self.bounds.max_branch_messages, self.bounds.max_branch_messages
-        )
+        most = self._config.bounds.max_branch_messages
+        limit = page_size(max_messages, most, most)
         chat_key = parse_id(chat_id, "chat id")
         leaf_id = parse_optional_id(message_id, "message id")
         # Whole rows, newest first from the leaf itself: most rows before a leaf are on its path, so
@@ -291,14 +307,16 @@ class MessagesMixin(ChatsMixin):
                     break
             return path, target
 
-        reads = [walk(), self._db.execute("summary_get", (chat_key,))] if with_summary else [walk()]
-        chat, ((path, target), *summary) = await self._with_owner(user_id, chat_id, asyncio.gather(*reads))
+        async def read() -> tuple[tuple[list[Row], uuid.UUID | None], ChatSummary | None]:
+            if not with_summary:
+                return await walk(), None
+            return await asyncio.gather(walk(), self._chats.summary(chat_key))
+
+        chat, ((path, target), summary) = await self._chats.with_owner(user_id, chat_id, read())
         if not path and leaf_id is not None:
             raise NotFound(f"message {message_id} not found")
         messages = [_message(chat.chat_id, row) for row in reversed(path)]
-        return Branch(
-            messages, chat, truncated=target is not None, summary=summary_of(summary[0]) if summary else None
-        )
+        return Branch(messages, chat, truncated=target is not None, summary=summary)
 
     async def branch_page(
         self, user_id: str, chat_id: str, leaf_id: str | None, after: str | None, limit: int | None = None
@@ -313,14 +331,17 @@ class MessagesMixin(ChatsMixin):
         most one more query, started at the path's next message. The chat's newest message, when it is
         the leaf, is found as ``list_messages`` finds it (the bucket list and today's bucket at once).
         """
-        limit = self._page_size(limit, self.limits.default_message_page, self.limits.max_message_page)
+        limits = self._config.limits
+        limit = page_size(limit, limits.default_message_page, limits.max_message_page)
         chat_key = parse_id(chat_id, "chat id")
         leaf_key = parse_optional_id(leaf_id, "message id")
         scope = f"{user_id}/{chat_id}/{leaf_id or ''}"
         start = leaf_key
         if after:
             start = parse_id(str(self._cursors.decode(after, "branch", scope)[0]), "page token")
-        chat, (path, following) = await self._with_owner(user_id, chat_id, self._walk(chat_key, start, limit))
+        chat, (path, following) = await self._chats.with_owner(
+            user_id, chat_id, self._walk(chat_key, start, limit)
+        )
         if not path and (start is not None):
             raise NotFound(f"message {leaf_id} not found")
         next_cursor = self._cursors.encode("branch", scope, [str(following)]) if following else None
@@ -342,7 +363,7 @@ class MessagesMixin(ChatsMixin):
             target: uuid.UUID | None = rows[0]["message_id"]
         else:
             target = start
-            rows = await self._db.execute("messages_upto", (chat_key, bucket_of(start), start, limit))
+            rows = await self._upto(chat_key, start, limit)
             if not rows or rows[0]["message_id"] != start:
                 return [], None  # not a message of this chat
         path: list[Row] = []
@@ -357,13 +378,16 @@ class MessagesMixin(ChatsMixin):
                     break  # older than the path's next message: the rest of the page is off the path
             if target is None or len(path) >= limit:
                 break
-            rows = await self._db.execute(
-                "messages_upto", (chat_key, bucket_of(target), target, limit - len(path))
-            )
+            rows = await self._upto(chat_key, target, limit - len(path))
             if not rows or rows[0]["message_id"] != target:
                 # A parent is checked when its child is stored: only the leaf can be missing.
                 raise RuntimeError(f"message {target} of chat {chat_key} is missing")
         return path, target
+
+    def _upto(self, chat_key: uuid.UUID, message_id: uuid.UUID, rows: int) -> Awaitable[list[Row]]:
+        """Up to ``rows`` rows of the chat from ``message_id`` down, in its bucket."""
+        where = {"chat_id": chat_key, "bucket": bucket_of(message_id), "message_id": message_id}
+        return self._db.execute("messages_upto", {**where, "rows": rows})
 
     async def _scan(
         self, chat_key: uuid.UUID, start: uuid.UUID | None, page: int, include_start: bool = False
@@ -378,9 +402,10 @@ class MessagesMixin(ChatsMixin):
         statement = "messages_upto" if include_start else "messages_below"
 
         def read_page(bucket: int, cursor: uuid.UUID | None, query: str) -> Awaitable[list[Row]]:
+            where = {"chat_id": chat_key, "bucket": bucket, "rows": page}
             if cursor is None:
-                return self._db.execute("messages_newest", (chat_key, bucket, page))
-            return self._db.execute(query, (chat_key, bucket, cursor, page))
+                return self._db.execute("messages_newest", where)
+            return self._db.execute(query, {**where, "message_id": cursor})
 
         guessed_bucket = bucket_cap if start is not None else bucket_of(new_id())
         first_page = asyncio.ensure_future(read_page(guessed_bucket, start, statement))
@@ -388,7 +413,9 @@ class MessagesMixin(ChatsMixin):
         guessed: asyncio.Future[list[Row]] | None = first_page
         try:
             while True:
-                buckets = await self._db.execute("buckets_upto", (chat_key, bucket_cap, _BUCKET_SCAN_PAGE))
+                buckets = await self._db.execute(
+                    "buckets_upto", {"chat_id": chat_key, "bucket": bucket_cap, "rows": _BUCKET_SCAN_PAGE}
+                )
                 for entry in buckets:
                     bucket = entry["bucket"]
                     cursor = start if start is not None and bucket == bucket_of(start) else None

@@ -200,6 +200,35 @@ class Run:
 
 
 @dataclass(frozen=True)
+class NewRun:
+    """A run to create (``create_run``, ``create_run_with_question``): the ids its send's claim
+    reserved (``claim_idempotency_key``), the replica that runs it, and what it is charged and
+    generated with."""
+
+    user_id: str
+    chat_id: str
+    run_id: str
+    # The message the answer follows (the user message it answers).
+    parent_message_id: str
+    assistant_message_id: str
+    model: str
+    # The orchestrator replica generating it.
+    owner_id: str
+    # The user message a send stores with it; None for regenerations.
+    user_message_id: str | None = None
+    # What it is charged for its prompt if it ends without its owner's count (``finish_run``).
+    prompt_tokens: int = 0
+    # How it is generated (opaque to the store), for a replica that adopts it.
+    generation: bytes = b""
+    # The id its budget was reserved under (``record_usage``), which every later charge of it uses;
+    # empty: its run id.
+    charge_id: str = ""
+    # The fingerprint of the tokenizer of its prompt and output, which its answer's token count is
+    # stored as one of ("": unknown).
+    tokenizer_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
 class RunOutcome:
     """How a run ended. ``tail`` holds the output events not yet checkpointed."""
 

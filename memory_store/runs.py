@@ -1,13 +1,5 @@
-"""Runs: idempotent send claims, run lifecycle with output checkpoints, and finding orphaned runs.
-
-Idempotency: ``claim_idempotency_key`` is one conditional insert (``IF NOT EXISTS``) of the ids a send
-will use. The first claim of a key writes its freshly made ids; every later claim, concurrent or
-retried, gets the stored ids back, plus whether its request fingerprint matches. Retrying the insert
-after a timeout is safe: if the first attempt landed, the retry reads back our own ids. The first claim
-also holds the key's start lease: only a lease holder starts the key's run, so a retry that lands on
-another replica while the first attempt is still placing its run waits for it instead of running it
-again (``take_start_lease``). A run that ended without an answer (refused before its first token) can be
-replaced by a new one for its retry (``renew_claim``, conditional on the run the key has).
+"""Runs: a run's lifecycle with output checkpoints (``runs``), and each replica's index of its runs
+(``runs_by_owner``).
 
 A run's partition holds its state in static columns and its output as checkpoint rows
 ``(first_seq, texts, token_counts, token_ids)``. Writes that may race carry write timestamps that order them:
@@ -20,20 +12,14 @@ reaper marking it interrupted), the assistant message is then written from the s
 the final sequence number under the id reserved at claim time: a retried finish rewrites the same
 row with the same content, so it is stored exactly once.
 
-Orphans: replicas heartbeat into ``replicas``; ``runs_by_owner`` lists each replica's in-progress runs
-by start minute. ``find_orphaned_runs`` returns the in-progress runs of replicas whose heartbeat is
-stale, for another replica to adopt (``adopt_run``: a conditional change of owner, so exactly one
-replica takes each run, and the one it was taken from can no longer finish it) or ``interrupt_run``.
-A run leaves its owner's index with the writes that follow its end (its answer and usage), never
-before them, so a run that ended but is still there had an owner that died in between: it is returned
-too, for ``settle_run`` to store what its end leaves.
-Every finish is conditional on the owner the finishing replica last saw: an owner that was only paused
-and wakes up after its run was adopted gets ``OwnerChanged`` instead of ending the adopter's run.
-
-Signals: a replica that ends another's run (a cancel) or adopts it tells the owner (``signal_owner``:
-a row in ``run_signals``, by the owner and ten seconds); the owner reads its last few partitions every
-few seconds (``signalled_runs``) and reads again only the runs named there, rather than each of its
-runs every few seconds.
+``runs_by_owner`` lists each replica's in-progress runs by start minute, for the runs of a silent
+replica to be found (``replicas.py``) and adopted (``adopt_run``: a conditional change of owner, so
+exactly one replica takes each run, and the one it was taken from can no longer finish it). A run
+leaves its owner's index with the writes that follow its end (its answer and usage), never before
+them, so a run that ended but is still there had an owner that died in between: it is found too, for
+``settle_run`` to store what its end leaves. Every finish is conditional on the owner the finishing
+replica last saw: an owner that was only paused and wakes up after its run was adopted gets
+``OwnerChanged`` instead of ending the adopter's run.
 """
 
 from __future__ import annotations
@@ -42,140 +28,115 @@ import asyncio
 import dataclasses
 import uuid
 from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from chatmesh.finish import FinishReason, Usage
-from memory_store.base import id_str, micros, now, unset, utc
-from memory_store.db import Cql, Row, Write
+from memory_store.base import check_fingerprint, check_user, id_str, micros, now, unset, utc
+from memory_store.chats import Chats
+from memory_store.config import StoreConfig
+from memory_store.db import Cql, Db, Row, Write
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
-from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
-from memory_store.messages import MessagesMixin
+from memory_store.ids import id_micros, id_time, parse_id, parse_optional_id
+from memory_store.messages import Messages
 from memory_store.models import (
     Chat,
-    Claim,
     FinishedRun,
     Message,
     MessageStatus,
+    NewRun,
     Role,
     Run,
     RunDelta,
     RunOutcome,
     RunStatus,
 )
-from memory_store.schema import RUN_INDEX_BUCKET_SECONDS, RUN_SIGNAL_BUCKET_SECONDS, RUN_SIGNAL_TTL_S
-from memory_store.usage import UsageMixin
+from memory_store.schema import RUN_INDEX_BUCKET_SECONDS
+from memory_store.usage import UsageWindows
 
-# The replica group of a deployment's orchestrators (one router pool): replicas adopt the runs of
-# silent replicas of their own group only.
-ORCHESTRATOR = "orchestrator"
-REPLICA_TTL_S = 86_400
 # Runs a checkpoint request may carry (checkpoint_runs); the nodes' unlogged-batch warning is set at it.
 CHECKPOINT_BATCH_RUNS = 64
-_MAX_FINGERPRINT_BYTES = 64
 _RUN_STATE = (
     "user_id, chat_id, user_message_id, parent_message_id, assistant_message_id, model, owner_id, status, "
     "finish_reason, last_seq, checkpointed_at, finished_at, prompt_tokens, cached_prompt_tokens, "
     "completion_tokens, error_code, error_message, generation, charge_id, tokenizer_fingerprint"
 )
+_OUTPUT = "run_id, first_seq, texts, token_counts, token_ids, steps"
+_OUTPUT_VALUES = ":run_id, :first_seq, :texts, :token_counts, :token_ids, :steps"
+_OWNER_ENTRY = "owner_id = :owner_id AND bucket = :bucket AND run_id = :run_id"
 
 STATEMENTS = {
-    "claim": Cql(
-        "INSERT INTO idempotency_keys (user_id, key, fingerprint, run_id, user_message_id, "
-        "assistant_message_id, starting_until) VALUES (?, ?, ?, ?, ?, ?, ?) IF NOT EXISTS USING TTL ?",
-        # Running it again leaves the same row: the first claim's. The caller recognises its own ids.
-        idempotent=True,
-    ),
-    # A key whose claim expired, while a lease or renewal written later (each write sets the TTL of its
-    # own cells only) keeps some of its cells: claimed afresh, as a key without a row.
-    "claim_expired": Cql(
-        "UPDATE idempotency_keys USING TTL ? SET fingerprint = ?, run_id = ?, user_message_id = ?, "
-        "assistant_message_id = ?, starting_until = ? WHERE user_id = ? AND key = ? IF fingerprint = null",
-        # As "claim": running it again leaves the first attempt's row, which the caller recognises.
-        idempotent=True,
-    ),
-    # Conditional: the outcome of a timed-out attempt is unknown, and a retry could take a lease twice.
-    "lease_take": Cql(
-        "UPDATE idempotency_keys USING TTL ? SET starting_until = ? WHERE user_id = ? AND key = ? "
-        "IF starting_until < ?",
-        False,
-    ),
-    # Keys claimed before leases existed have none: the first retry may take one.
-    "lease_take_unleased": Cql(
-        "UPDATE idempotency_keys USING TTL ? SET starting_until = ? WHERE user_id = ? AND key = ? "
-        "IF starting_until = null",
-        False,
-    ),
-    # Conditional on the run the key has: of several retries renewing it at once, exactly one does (a
-    # retry of a timed-out renewal recognises its own run id).
-    "claim_renew": Cql(
-        "UPDATE idempotency_keys USING TTL ? SET run_id = ?, assistant_message_id = ?, starting_until = ? "
-        "WHERE user_id = ? AND key = ? IF run_id = ?",
-        False,
-    ),
-    "lease_release": Cql(
-        "UPDATE idempotency_keys USING TTL ? SET starting_until = ? WHERE user_id = ? AND key = ? "
-        "IF starting_until = ?",
-        True,
-    ),
     "run_insert": Cql(
         "INSERT INTO runs (run_id, user_id, chat_id, user_message_id, parent_message_id, "
         "assistant_message_id, model, owner_id, status, prompt_tokens, generation, charge_id, "
-        "tokenizer_fingerprint, last_seq) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0) USING TIMESTAMP ?",
+        "tokenizer_fingerprint, last_seq) VALUES (:run_id, :user_id, :chat_id, :user_message_id, "
+        ":parent_message_id, :assistant_message_id, :model, :owner_id, :status, :prompt_tokens, :generation, "
+        ":charge_id, :tokenizer_fingerprint, 0) USING TIMESTAMP :write_ts",
         True,
     ),
     # Once a second per running answer: a span each would be most of a send's trace, and a third of
     # the write's CPU in the orchestrator.
     "run_checkpoint": Cql(
-        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, steps, last_seq, checkpointed_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?) USING TIMESTAMP ?",
+        f"INSERT INTO runs ({_OUTPUT}, last_seq, checkpointed_at) "
+        f"VALUES ({_OUTPUT_VALUES}, :last_seq, :checkpointed_at) USING TIMESTAMP :write_ts",
         True,
         traced=False,
     ),
-    "run_tail": Cql(
-        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, steps) VALUES (?, ?, ?, ?, ?, ?)",
-        True,
-    ),
+    "run_tail": Cql(f"INSERT INTO runs ({_OUTPUT}) VALUES ({_OUTPUT_VALUES})", True),
     # A tool step, alone in its row: of two replicas that both think they own the run (one taken for
     # dead, and its adopter), the first to store an event at that seq keeps it.
     "run_step": Cql(
-        "INSERT INTO runs (run_id, first_seq, texts, token_counts, token_ids, steps) VALUES (?, ?, ?, ?, ?, ?) "
-        "IF NOT EXISTS",
+        f"INSERT INTO runs ({_OUTPUT}) VALUES ({_OUTPUT_VALUES}) IF NOT EXISTS",
         # Running it again leaves the first attempt's row, which the caller recognises.
         idempotent=True,
     ),
     "run_finish": Cql(
-        "UPDATE runs SET status = ?, finish_reason = ?, last_seq = ?, finished_at = ?, prompt_tokens = ?, "
-        "cached_prompt_tokens = ?, completion_tokens = ?, error_code = ?, error_message = ? "
-        "WHERE run_id = ? IF status = 'in_progress' AND owner_id = ?",
+        "UPDATE runs SET status = :status, finish_reason = :finish_reason, last_seq = :last_seq, "
+        "finished_at = :finished_at, prompt_tokens = :prompt_tokens, cached_prompt_tokens = "
+        ":cached_prompt_tokens, completion_tokens = :completion_tokens, error_code = :error_code, "
+        "error_message = :error_message WHERE run_id = :run_id IF status = 'in_progress' AND owner_id = :owner_id",
         True,
     ),
     # Conditional: of several replicas adopting a run at once, exactly one becomes its owner.
     "run_adopt": Cql(
-        "UPDATE runs SET owner_id = ? WHERE run_id = ? IF status = 'in_progress' AND owner_id = ?", False
+        "UPDATE runs SET owner_id = :owner_id WHERE run_id = :run_id "
+        "IF status = 'in_progress' AND owner_id = :previous_owner_id",
+        False,
     ),
-    "run_get": Cql(f"SELECT {_RUN_STATE} FROM runs WHERE run_id = ? LIMIT 1", True),
+    "run_get": Cql(f"SELECT {_RUN_STATE} FROM runs WHERE run_id = :run_id LIMIT 1", True),
     "run_read": Cql(
-        f"SELECT {_RUN_STATE}, first_seq, texts, token_counts, token_ids, steps FROM runs WHERE run_id = ?",
+        f"SELECT {_RUN_STATE}, first_seq, texts, token_counts, token_ids, steps FROM runs WHERE run_id = :run_id",
         True,
     ),
-    "owner_index_insert": Cql("INSERT INTO runs_by_owner (owner_id, bucket, run_id) VALUES (?, ?, ?)", True),
-    "owner_index_delete": Cql(
-        "DELETE FROM runs_by_owner WHERE owner_id = ? AND bucket = ? AND run_id = ?", True
+    "owner_index_insert": Cql(
+        "INSERT INTO runs_by_owner (owner_id, bucket, run_id) VALUES (:owner_id, :bucket, :run_id)", True
     ),
-    "owner_index_scan": Cql("SELECT run_id FROM runs_by_owner WHERE owner_id = ? AND bucket = ?", True),
-    "signal_insert": Cql("INSERT INTO run_signals (owner_id, bucket, run_id) VALUES (?, ?, ?)", True),
-    "signal_scan": Cql("SELECT run_id FROM run_signals WHERE owner_id = ? AND bucket = ?", True),
-    "replica_heartbeat": Cql(
-        "INSERT INTO replicas (service, replica_id, heartbeat_at) VALUES (?, ?, ?) USING TTL ?", True
+    "owner_index_delete": Cql(f"DELETE FROM runs_by_owner WHERE {_OWNER_ENTRY}", True),
+    "owner_index_scan": Cql(
+        "SELECT run_id FROM runs_by_owner WHERE owner_id = :owner_id AND bucket = :bucket", True
     ),
-    "replica_list": Cql("SELECT replica_id, heartbeat_at FROM replicas WHERE service = ?", True),
-    "replica_forget": Cql("DELETE FROM replicas WHERE service = ? AND replica_id = ?", True),
 }
 
 
 def _owner_bucket(run_id: uuid.UUID) -> int:
     return id_micros(run_id) // 1_000_000 // RUN_INDEX_BUCKET_SECONDS
+
+
+def _index_entry(statement: str, owner_id: str, run_key: uuid.UUID) -> Write:
+    """An insert or delete of ``run_key``'s entry in its owner's index."""
+    return statement, {"owner_id": owner_id, "bucket": _owner_bucket(run_key), "run_id": run_key}
+
+
+def _output(run_key: uuid.UUID, deltas: Sequence[RunDelta], first_seq: int) -> dict[str, Any]:
+    """The values of a row of output events (checkpoint, tail or step), ``first_seq`` the first's."""
+    return {
+        "run_id": run_key,
+        "first_seq": first_seq,
+        "texts": [d.text for d in deltas],
+        "token_counts": [d.token_count for d in deltas],
+        "token_ids": _token_ids(deltas),
+        "steps": _steps(deltas),
+    }
 
 
 def _run(run_id: uuid.UUID, row: Row) -> Run:
@@ -267,219 +228,109 @@ def _token_ids(deltas: Sequence[RunDelta]) -> list[int] | None:
     return [token for d in deltas for token in d.token_ids]
 
 
-class RunsMixin(MessagesMixin, UsageMixin):
-    async def claim_idempotency_key(
-        self, user_id: str, key: str, fingerprint: bytes, start_lease_s: float = 0.0
-    ) -> Claim:
-        """Reserves the ids of a send (run, user message, assistant message) for ``(user_id, key)``.
+class Runs:
+    """Runs: their creation, output, end and adoption, and each replica's index of its runs."""
 
-        The same key always returns the same ids, however many callers race, until it expires
-        (``idempotency_ttl_s`` after its claim); ``fingerprint`` (a hash of the request) tells a true
-        retry from a different request reusing the key. The call that creates the claim also holds its
-        start lease for ``start_lease_s`` (``take_start_lease``).
-        """
-        self._check_user(user_id)
-        self._check_idempotency_key(key)
-        if not 1 <= len(fingerprint) <= _MAX_FINGERPRINT_BYTES:
-            raise InvalidArgument(f"request fingerprint must be 1..{_MAX_FINGERPRINT_BYTES} bytes")
-        user_message_id, run_id, assistant_message_id = new_id(), new_id(), new_id()
-        lease = now() + timedelta(seconds=start_lease_s)
-        params = (
-            user_id,
-            key,
-            fingerprint,
-            run_id,
-            user_message_id,
-            assistant_message_id,
-            lease,
-            self._config.idempotency_ttl_s,
-        )
-        row = await self._contended("claim", params)
-        if not row["[applied]"] and row["fingerprint"] is None:
-            # Only a claim writes the fingerprint, and nothing outlives it but later writes' cells.
-            ttl = self._config.idempotency_ttl_s
-            ids = (fingerprint, run_id, user_message_id, assistant_message_id, lease)
-            row = await self._contended("claim_expired", (ttl, *ids, user_id, key))
-        mine = row["[applied]"] or row["run_id"] == run_id
-        return Claim(
-            run_id=str(row["run_id"] if not row["[applied]"] else run_id),
-            user_message_id=str(row["user_message_id"] if not row["[applied]"] else user_message_id),
-            assistant_message_id=str(
-                row["assistant_message_id"] if not row["[applied]"] else assistant_message_id
-            ),
-            created=mine,
-            fingerprint_matches=mine or row["fingerprint"] == fingerprint,
-            start_lease=lease if mine else None,
-        )
+    def __init__(
+        self, db: Db, config: StoreConfig, chats: Chats, messages: Messages, usage: UsageWindows
+    ) -> None:
+        self._db = db
+        self._config = config
+        self._chats = chats
+        self._messages = messages
+        self._usage = usage
 
-    def unkeyed_claim(self, start_lease_s: float = 0.0) -> Claim:
-        """The ids of a send that came without an idempotency key, made here and stored nowhere: no
-        retry can name its run, so there is nothing for a claim to guard (no Paxos round), and its
-        start lease is its own for ``start_lease_s``."""
-        return Claim(
-            run_id=str(new_id()),
-            user_message_id=str(new_id()),
-            assistant_message_id=str(new_id()),
-            created=True,
-            fingerprint_matches=True,
-            start_lease=now() + timedelta(seconds=start_lease_s),
-        )
-
-    async def take_start_lease(self, user_id: str, key: str, lease_s: float) -> datetime | None:
-        """Takes the start lease of a claimed key if nobody holds it: its expiry if taken, else None.
-
-        Only the holder of a key's lease may start its run; an attempt that finds the run not started
-        and the lease held by another (an attempt still placing it, maybe on another replica) waits
-        for that run instead of generating it a second time. A lease ends when it expires or its
-        holder releases it (refused, the run never started).
-        """
-        self._check_user(user_id)
-        at = now()
-        lease = at + timedelta(seconds=lease_s)
-        ttl = self._config.idempotency_ttl_s
-        row = (await self._db.execute("lease_take", (ttl, lease, user_id, key, at)))[0]
-        if not row["[applied]"] and "starting_until" in row and row["starting_until"] is None:
-            row = (await self._db.execute("lease_take_unleased", (ttl, lease, user_id, key)))[0]
-        return lease if row["[applied]"] else None
-
-    async def renew_claim(self, user_id: str, key: str, claim: Claim, start_lease_s: float) -> Claim | None:
-        """Gives a claimed key a new run in place of ``claim``'s, one that ended without an answer (the
-        caller's judgement: refused before its first token): new run and assistant message ids, the
-        same user message, and the start lease for ``start_lease_s``. A retry with the key then starts
-        the answer again for the question the refused run left stored, instead of joining that run.
-
-        None if the key's run is no longer ``claim``'s (another retry renewed it first: claim the key
-        again to read its run). The refused run keeps its own events and status.
-        """
-        self._check_user(user_id)
-        new_run, assistant = new_id(), new_id()
-        lease = now() + timedelta(seconds=start_lease_s)
-        old = parse_id(claim.run_id, "run id")
-        params = (self._config.idempotency_ttl_s, new_run, assistant, lease, user_id, key, old)
-        row = await self._contended("claim_renew", params)
-        if not row["[applied]"] and row["run_id"] != new_run:
-            return None
-        return dataclasses.replace(
-            claim, run_id=str(new_run), assistant_message_id=str(assistant), start_lease=lease
-        )
-
-    async def release_start_lease(self, user_id: str, key: str, lease: datetime) -> None:
-        """Gives up a start lease taken with ``claim_idempotency_key`` or ``take_start_lease`` (a no-op
-        if it expired and someone else holds the key's lease now)."""
-        self._check_user(user_id)
-        ttl = self._config.idempotency_ttl_s
-        await self._db.execute("lease_release", (ttl, now() - timedelta(seconds=1), user_id, key, lease))
-
-    async def create_run(
-        self,
-        user_id: str,
-        chat_id: str,
-        *,
-        run_id: str,
-        parent_message_id: str,
-        assistant_message_id: str,
-        model: str,
-        owner_id: str,
-        user_message_id: str | None = None,
-        prompt_tokens: int = 0,
-        generation: bytes = b"",
-        charge_id: str = "",
-        asked: Message | None = None,
-        chat: Chat | None = None,
-        tokenizer_fingerprint: str = "",
-    ) -> Run:
-        """Starts a run (in progress, owned by replica ``owner_id``) and makes it the chat's active run.
+    async def create_run(self, new: NewRun) -> Run:
+        """Starts a run answering a message already stored (a regeneration: ``new.parent_message_id``),
+        in progress, owned by replica ``new.owner_id``, and makes it the chat's active run. The parent
+        is checked to be in the chat, and the chat to be the caller's, as the run's index entry is
+        written; then the run.
 
         The ids come from ``claim_idempotency_key``. Creating the same run again is harmless: it never
-        moves a run that has progressed or finished back to its start. ``prompt_tokens`` is what the
-        run is charged for its prompt if it ends without its owner's count (``finish_run``);
-        ``generation`` is how it is generated (opaque here), for a replica that adopts it.
-        ``charge_id`` is the id its budget was reserved under (``record_usage``; default: its run id),
-        which every later charge of the run uses. ``tokenizer_fingerprint``: the tokenizer of its prompt
-        and output, which its answer's token count is stored as one of.
+        moves a run that has progressed or finished back to its start.
+        """
+        row, index_entry, run_writes = self._run_writes(new)
+        checks = asyncio.gather(
+            self._messages.check_parent(row["chat_id"], row["parent_message_id"]),
+            self._db.execute(*index_entry),
+        )
+        await self._chats.with_owner(new.user_id, new.chat_id, checks)
+        await self._db.write(run_writes, self._config.max_batch_bytes)
+        return self._started(new, row)
 
-        ``asked`` is the user message the run answers (its parent, and its ``user_message_id``), stored
-        by this same call, as a send does: the run is written only once the message is, so a run never
+    async def create_run_with_question(self, new: NewRun, asked: Message, chat: Chat) -> Run:
+        """Stores ``asked``, the user message a send asks, and the run that answers it (as
+        ``create_run``), as a send does: the run is written only once the message is, so a run never
         exists without the message it answers. ``chat`` is the chat as the caller read it in this same
         request, with the branch ``asked`` continues (its ownership and ``asked``'s parent are known):
         nothing is read again, and the message, the run and the run's index entry go in one round trip,
-        one logged batch (two round trips, the message first, for a batch over ``max_batch_bytes``);
-        otherwise the checks go first, with the index entry.
+        one logged batch (two round trips, the message first, for a batch over ``max_batch_bytes``).
         """
-        run_key = parse_id(run_id, "run id")
-        parent = parse_id(parent_message_id, "parent message id")
-        assistant = parse_id(assistant_message_id, "assistant message id")
-        user_message = parse_optional_id(user_message_id, "user message id")
-        charge_key = parse_id(charge_id, "charge id") if charge_id else run_key
-        if not owner_id or len(model) > self.limits.max_model_chars:
+        if not (asked.message_id == new.parent_message_id == new.user_message_id and asked.role is Role.USER):
+            raise InvalidArgument("the message a run is created with must be the user message it answers")
+        self._messages.check_size(asked)
+        row, index_entry, run_writes = self._run_writes(new)
+        if chat.chat_id != new.chat_id or chat.user_id != new.user_id:
+            raise InvalidArgument("the chat read for this run is another one")
+        await self._messages.check(asked, parent_known=True)
+        first: list[list[Write]] = [[index_entry], *self._messages.writes(chat, asked)]
+        await self._db.write_in_order(first, run_writes, self._config.max_batch_bytes)
+        self._messages.bucket_registered(chat, asked)
+        return self._started(new, row)
+
+    def _run_writes(self, new: NewRun) -> tuple[dict[str, Any], Write, list[list[Write]]]:
+        """The run's row (checked), its index entry, and the writes that create it: its row, and the
+        chat's active run. The index entry is written before the run, or with it: a run that exists can
+        always be found by the reaper. An entry whose run is never written is skipped when the index is
+        read."""
+        run_key = parse_id(new.run_id, "run id")
+        parent = parse_id(new.parent_message_id, "parent message id")
+        assistant = parse_id(new.assistant_message_id, "assistant message id")
+        if not new.owner_id or len(new.model) > self._config.limits.max_model_chars:
             raise InvalidArgument("a run needs an owner id and a model name of reasonable length")
-        self._check_fingerprint(tokenizer_fingerprint)
-        if len(generation) > self.bounds.max_generation_bytes:
-            raise InvalidArgument(f"a run's generation is at most {self.bounds.max_generation_bytes} bytes")
+        check_fingerprint(new.tokenizer_fingerprint, self._config.bounds)
+        max_generation = self._config.bounds.max_generation_bytes
+        if len(new.generation) > max_generation:
+            raise InvalidArgument(f"a run's generation is at most {max_generation} bytes")
         if parent.time >= assistant.time:
             raise FailedPrecondition("the assistant message id must be newer than the message it answers")
-        chat_key = parse_id(chat_id, "chat id")
-        if asked is not None:
-            if not (asked.message_id == parent_message_id == user_message_id and asked.role is Role.USER):
-                raise InvalidArgument("the message a run is created with must be the user message it answers")
-            self._check_size(asked)
-        # The index entry is written before the run, or with it: a run that exists can always be found
-        # by the reaper. An entry whose run is never written is skipped when the index is read.
-        index_entry: Write = ("owner_index_insert", (owner_id, _owner_bucket(run_key), run_key))
-        run_writes: list[list[Write]] = [
-            [
-                (
-                    "run_insert",
-                    (
-                        run_key,
-                        user_id,
-                        chat_key,
-                        unset(user_message),
-                        parent,
-                        assistant,
-                        model,
-                        owner_id,
-                        RunStatus.IN_PROGRESS.value,
-                        prompt_tokens,
-                        unset(generation or None),
-                        charge_key,
-                        unset(tokenizer_fingerprint or None),
-                        id_micros(run_key),
-                    ),
-                )
-            ],
-            [self._active_run_write(user_id, chat_id, run_id)],
-        ]
-        if chat is not None and (chat.chat_id != str(chat_key) or chat.user_id != user_id):
-            raise InvalidArgument("the chat read for this run is another one")
-        if asked is not None and chat is not None:
-            await self._check_message(asked, parent_known=True)
-            first: list[list[Write]] = [[index_entry], *self._message_writes(chat, asked)]
-            await self._db.write_in_order(first, run_writes, self._config.max_batch_bytes)
-            self._bucket_registered(chat, asked)
-        else:
-            checks = self._check_message(asked) if asked is not None else self._check_parent(chat_key, parent)
-            chat, _ = await self._with_owner(
-                user_id, chat_id, asyncio.gather(checks, self._db.execute(*index_entry))
-            )
-            if asked is not None:
-                await self._write_message(chat, asked)
-            await self._db.write(run_writes, self._config.max_batch_bytes)
+        row = {
+            "run_id": run_key,
+            "user_id": new.user_id,
+            "chat_id": parse_id(new.chat_id, "chat id"),
+            "user_message_id": unset(parse_optional_id(new.user_message_id, "user message id")),
+            "parent_message_id": parent,
+            "assistant_message_id": assistant,
+            "model": new.model,
+            "owner_id": new.owner_id,
+            "status": RunStatus.IN_PROGRESS.value,
+            "prompt_tokens": new.prompt_tokens,
+            "generation": unset(new.generation or None),
+            "charge_id": parse_id(new.charge_id, "charge id") if new.charge_id else run_key,
+            "tokenizer_fingerprint": unset(new.tokenizer_fingerprint or None),
+            "write_ts": id_micros(run_key),
+        }
+        active = self._chats.active_run_write(new.user_id, new.chat_id, new.run_id)
+        index_entry = _index_entry("owner_index_insert", new.owner_id, run_key)
+        return row, index_entry, [[("run_insert", row)], [active]]
+
+    def _started(self, new: NewRun, row: dict[str, Any]) -> Run:
+        """The run as ``run_insert`` wrote ``row``."""
         return Run(
-            run_id=str(run_key),
-            user_id=user_id,
-            chat_id=str(chat_key),
-            parent_message_id=str(parent),
-            assistant_message_id=str(assistant),
-            model=model,
-            owner_id=owner_id,
+            run_id=str(row["run_id"]),
+            user_id=new.user_id,
+            chat_id=str(row["chat_id"]),
+            parent_message_id=str(row["parent_message_id"]),
+            assistant_message_id=str(row["assistant_message_id"]),
+            model=new.model,
+            owner_id=new.owner_id,
             status=RunStatus.IN_PROGRESS,
-            created_at=id_time(run_key),
-            user_message_id=id_str(user_message),
-            prompt_tokens=prompt_tokens,
-            generation=generation,
-            charge_id=str(charge_key),
-            tokenizer_fingerprint=tokenizer_fingerprint,
+            created_at=id_time(row["run_id"]),
+            user_message_id=id_str(parse_optional_id(new.user_message_id, "user message id")),
+            prompt_tokens=new.prompt_tokens,
+            generation=new.generation,
+            charge_id=str(row["charge_id"]),
+            tokenizer_fingerprint=new.tokenizer_fingerprint,
         )
 
     async def adopt_run(self, run: Run, owner_id: str) -> Run | None:
@@ -491,28 +342,28 @@ class RunsMixin(MessagesMixin, UsageMixin):
         if not owner_id:
             raise InvalidArgument("a run needs an owner id")
         run_key = parse_id(run.run_id, "run id")
-        bucket = _owner_bucket(run_key)
+        adopt = {"owner_id": owner_id, "run_id": run_key, "previous_owner_id": run.owner_id}
         if owner_id == run.owner_id:  # its owner takes it up again: its index entry stays as it is
-            applied = (await self._db.execute("run_adopt", (owner_id, run_key, run.owner_id)))[0]["[applied]"]
+            applied = (await self._db.execute("run_adopt", adopt))[0]["[applied]"]
             return run if applied else None
-        await self._db.execute("owner_index_insert", (owner_id, bucket, run_key))
-        applied = (await self._db.execute("run_adopt", (owner_id, run_key, run.owner_id)))[0]["[applied]"]
+        await self._db.execute(*_index_entry("owner_index_insert", owner_id, run_key))
+        applied = (await self._db.execute("run_adopt", adopt))[0]["[applied]"]
         if not applied:
-            await self._db.execute("owner_index_delete", (owner_id, bucket, run_key))
+            await self._db.execute(*_index_entry("owner_index_delete", owner_id, run_key))
             return None
-        await self._db.execute("owner_index_delete", (run.owner_id, bucket, run_key))
+        await self._db.execute(*_index_entry("owner_index_delete", run.owner_id, run_key))
         return dataclasses.replace(run, owner_id=owner_id)
 
     async def checkpoint_run(self, run: Run, deltas: Sequence[RunDelta]) -> None:
         """Stores output events (consecutive sequence numbers) so any replica can replay them."""
         if deltas:
-            await self._db.execute(*self._checkpoint(run, deltas))
+            await self._db.execute(*self.checkpoint_write(run, deltas))
 
     async def checkpoint_runs(self, checkpoints: Sequence[tuple[Run, Sequence[RunDelta]]]) -> list[bool]:
         """``checkpoint_run`` for several runs at once, in as few requests as Cassandra takes well
         (``Db.write_unlogged``: up to CHECKPOINT_BATCH_RUNS runs, and ``max_batch_bytes``, a request).
         Returns whether each run's events were stored; a run whose were not keeps them to retry."""
-        writes = [self._checkpoint(run, deltas) for run, deltas in checkpoints]
+        writes = [self.checkpoint_write(run, deltas) for run, deltas in checkpoints]
         return await self._db.write_unlogged(writes, self._config.max_batch_bytes, CHECKPOINT_BATCH_RUNS)
 
     async def store_step(self, run: Run, step: RunDelta) -> str:
@@ -523,41 +374,35 @@ class RunsMixin(MessagesMixin, UsageMixin):
         if not step.step or step.text:
             raise InvalidArgument("a step event holds a step record and no text")
         self._check_deltas([step])
-        run_key = parse_id(run.run_id, "run id")
-        params = (run_key, step.seq, [""], [step.token_count], _token_ids([step]), [step.step])
-        row = await self._contended("run_step", params)
+        row = await self._db.execute_contended(
+            "run_step", _output(parse_id(run.run_id, "run id"), [step], step.seq)
+        )
         if row["[applied]"]:
             return step.step
         steps = row.get("steps") or ()
         return steps[0] if steps else ""
 
-    def _checkpoint(self, run: Run, deltas: Sequence[RunDelta]) -> Write:
+    def checkpoint_write(self, run: Run, deltas: Sequence[RunDelta]) -> Write:
+        """The write of ``checkpoint_run`` (at least one event)."""
         first_seq = self._check_deltas(deltas)
         if first_seq is None:
             raise InvalidArgument("a checkpoint holds at least one event")
         run_key = parse_id(run.run_id, "run id")
         last_seq = deltas[-1].seq
-        return (
-            "run_checkpoint",
-            (
-                run_key,
-                first_seq,
-                [d.text for d in deltas],
-                [d.token_count for d in deltas],
-                _token_ids(deltas),
-                _steps(deltas),
-                last_seq,
-                now(),
-                id_micros(run_key) + last_seq,
-            ),
-        )
+        return "run_checkpoint", {
+            **_output(run_key, deltas, first_seq),
+            "last_seq": last_seq,
+            "checkpointed_at": now(),
+            "write_ts": id_micros(run_key) + last_seq,
+        }
 
     def _check_deltas(self, deltas: Sequence[RunDelta]) -> int | None:
         """Validates a checkpoint's events; returns the first sequence number (None if empty)."""
         if not deltas:
             return None
-        if len(deltas) > self.bounds.max_checkpoint_deltas:
-            raise InvalidArgument(f"at most {self.bounds.max_checkpoint_deltas} events per checkpoint")
+        bounds = self._config.bounds
+        if len(deltas) > bounds.max_checkpoint_deltas:
+            raise InvalidArgument(f"at most {bounds.max_checkpoint_deltas} events per checkpoint")
         # One pass over the events (a replica checkpoints every running answer twice a second).
         first = deltas[0].seq
         text_bytes = 0
@@ -568,10 +413,8 @@ class RunsMixin(MessagesMixin, UsageMixin):
                 raise InvalidArgument("an event's token ids must number its token count")
             text_bytes += len(delta.text) if delta.text.isascii() else len(delta.text.encode())
             text_bytes += len(delta.step)
-        if text_bytes > self.bounds.max_checkpoint_bytes:
-            raise InvalidArgument(
-                f"a checkpoint holds at most {self.bounds.max_checkpoint_bytes} bytes of text"
-            )
+        if text_bytes > bounds.max_checkpoint_bytes:
+            raise InvalidArgument(f"a checkpoint holds at most {bounds.max_checkpoint_bytes} bytes of text")
         return first
 
     async def finish_run(
@@ -592,42 +435,29 @@ class RunsMixin(MessagesMixin, UsageMixin):
             raise InvalidArgument("a run can only finish as completed, cancelled, failed or interrupted")
         if outcome.tail and outcome.tail[-1].seq > outcome.last_seq:
             raise InvalidArgument("last_seq must be at least the sequence number of the last event")
-        if (
-            outcome.error_message is not None
-            and len(outcome.error_message) > self.bounds.max_error_message_chars
-        ):
-            raise InvalidArgument(
-                f"error message is longer than {self.bounds.max_error_message_chars} characters"
-            )
+        max_error_chars = self._config.bounds.max_error_message_chars
+        if outcome.error_message is not None and len(outcome.error_message) > max_error_chars:
+            raise InvalidArgument(f"error message is longer than {max_error_chars} characters")
         run_key = parse_id(run.run_id, "run id")
         usage = outcome.usage
         finished_at = now()
-        statements: list[tuple[str, tuple[Any, ...]]] = [
-            (
-                "run_finish",
-                (
-                    status.value,
-                    unset(outcome.finish_reason and FinishReason(outcome.finish_reason).value),
-                    outcome.last_seq,
-                    finished_at,
-                    unset(usage and usage.prompt_tokens),
-                    unset(usage and usage.cached_prompt_tokens),
-                    unset(usage and usage.completion_tokens),
-                    unset(outcome.error_code),
-                    unset(outcome.error_message),
-                    run_key,
-                    run.owner_id,
-                ),
-            )
-        ]
+        finish = {
+            "status": status.value,
+            "finish_reason": unset(outcome.finish_reason and FinishReason(outcome.finish_reason).value),
+            "last_seq": outcome.last_seq,
+            "finished_at": finished_at,
+            "prompt_tokens": unset(usage and usage.prompt_tokens),
+            "cached_prompt_tokens": unset(usage and usage.cached_prompt_tokens),
+            "completion_tokens": unset(usage and usage.completion_tokens),
+            "error_code": unset(outcome.error_code),
+            "error_message": unset(outcome.error_message),
+            "run_id": run_key,
+            "owner_id": run.owner_id,
+        }
+        statements: list[Write] = [("run_finish", finish)]
         first_seq = self._check_deltas(outcome.tail)
         if first_seq is not None:
-            texts = [d.text for d in outcome.tail]
-            counts = [d.token_count for d in outcome.tail]
-            tail = outcome.tail
-            statements.append(
-                ("run_tail", (run_key, first_seq, texts, counts, _token_ids(tail), _steps(tail)))
-            )
+            statements.append(("run_tail", _output(run_key, outcome.tail, first_seq)))
         applied = (await self._db.execute_batch(statements))[0]["[applied]"]
         if applied and output is not None:
             final = _finished(run, outcome, finished_at)
@@ -653,12 +483,12 @@ class RunsMixin(MessagesMixin, UsageMixin):
         charged = final.usage or Usage(
             prompt_tokens=final.prompt_tokens, completion_tokens=sum(d.token_count for d in stored)
         )
-        usage = [[self._usage_write(final.user_id, final.charge_id, charged)]]
+        usage = [[self._usage.usage_write(final.user_id, final.charge_id, charged)]]
         run_key = parse_id(final.run_id, "run id")
-        settled = [[("owner_index_delete", (final.owner_id, _owner_bucket(run_key), run_key))]]
+        settled = [[_index_entry("owner_index_delete", final.owner_id, run_key)]]
         message = await self._store_answer(final, stored, usage, settled)
         if message is None:  # no answer stored: the rest goes alone, and clears the chat's active run
-            cleared = [self._active_run_cleared(final.user_id, final.chat_id, final.run_id)]
+            cleared = [self._chats.active_run_cleared(final.user_id, final.chat_id, final.run_id)]
             await self._db.write([*usage, cleared], self._config.max_batch_bytes, settled)
         return message
 
@@ -704,14 +534,13 @@ class RunsMixin(MessagesMixin, UsageMixin):
         try:
             # The parent was checked when the run was created, and messages are only ever deleted
             # with their chat, which the ownership check sees: no need to read it again.
-            chat, _ = await self._with_owner(
-                run.user_id, run.chat_id, self._check_message(message, parent_known=True)
+            chat, _ = await self._chats.with_owner(
+                run.user_id, run.chat_id, self._messages.check(message, parent_known=True)
             )
         except NotFound:
             return None  # the chat was deleted while the run went on: nothing to attach the answer to
-        await self._write_message(
-            chat, message, [self._active_run_cleared(run.user_id, run.chat_id, run.run_id)], others, then
-        )
+        cleared = self._chats.active_run_cleared(run.user_id, run.chat_id, run.run_id)
+        await self._messages.write(chat, message, [cleared], others, then)
         return message
 
     async def interrupt_run(self, run: Run) -> FinishedRun:
@@ -719,16 +548,16 @@ class RunsMixin(MessagesMixin, UsageMixin):
         return await self.finish_run(run, RunOutcome(status=RunStatus.INTERRUPTED, last_seq=run.last_seq))
 
     async def get_run(self, user_id: str, run_id: str) -> Run:
-        self._check_user(user_id)
+        check_user(user_id, self._config.bounds)
         run_key = parse_id(run_id, "run id")
-        rows = await self._db.execute("run_get", (run_key,))
+        rows = await self._db.execute("run_get", {"run_id": run_key})
         if not rows or rows[0]["user_id"] != user_id or rows[0]["status"] is None:
             raise NotFound(f"run {run_id} not found")
         return _run(run_key, rows[0])
 
     async def read_run_output(self, user_id: str, run_id: str, after_seq: int = 0) -> list[RunDelta]:
         """The run's stored output events with seq > after_seq (up to the final one once it ended)."""
-        self._check_user(user_id)
+        check_user(user_id, self._config.bounds)
         run, rows = await self._read_run(parse_id(run_id, "run id"), serial=False)
         if run is None or run.user_id != user_id:
             raise NotFound(f"run {run_id} not found")
@@ -736,71 +565,11 @@ class RunsMixin(MessagesMixin, UsageMixin):
 
     async def _read_run(self, run_key: uuid.UUID, serial: bool) -> tuple[Run | None, list[Row]]:
         # A serial read completes any Paxos round in flight, so it sees who won a finish race.
-        rows = await self._db.execute("run_read", (run_key,), consistency=self._db.serial if serial else None)
+        consistency = self._db.serial if serial else None
+        rows = await self._db.execute("run_read", {"run_id": run_key}, consistency=consistency)
         if not rows or rows[0]["status"] is None:
             return None, rows
         return _run(run_key, rows[0]), rows
-
-    async def signal_owner(self, run: Run, at: datetime | None = None) -> None:
-        """Tells replica ``run.owner_id`` to read ``run`` again (another replica ended or adopted it),
-        at ``at`` (default now). The signal lives RUN_SIGNAL_TTL_S."""
-        if not run.owner_id:
-            raise InvalidArgument("a run needs an owner id")
-        bucket = micros(at or now()) // 1_000_000 // RUN_SIGNAL_BUCKET_SECONDS
-        await self._db.execute("signal_insert", (run.owner_id, bucket, parse_id(run.run_id, "run id")))
-
-    async def signalled_runs(self, owner_id: str, since: datetime, until: datetime) -> set[str]:
-        """The ids of the runs signalled to ``owner_id`` (``signal_owner``) from ``since`` to ``until``, by
-        the signalling replica's clock, in steps of RUN_SIGNAL_BUCKET_SECONDS (a few more may come
-        from either end). The caller widens the window by the clock skew it allows between replicas."""
-        first = micros(since) // 1_000_000 // RUN_SIGNAL_BUCKET_SECONDS
-        last = micros(until) // 1_000_000 // RUN_SIGNAL_BUCKET_SECONDS
-        if not 0 <= last - first < RUN_SIGNAL_TTL_S // RUN_SIGNAL_BUCKET_SECONDS:
-            raise InvalidArgument(f"signals are read over at most {RUN_SIGNAL_TTL_S}s, oldest first")
-        scans = await asyncio.gather(
-            *(self._db.execute("signal_scan", (owner_id, bucket)) for bucket in range(first, last + 1))
-        )
-        return {str(row["run_id"]) for rows in scans for row in rows}
-
-    async def heartbeat_replica(
-        self, replica_id: str, at: datetime | None = None, group: str = ORCHESTRATOR
-    ) -> None:
-        """Says that orchestrator replica ``replica_id`` of ``group`` is alive at ``at`` (default now;
-        call every few seconds). Its row expires a day after its last heartbeat."""
-        if not replica_id or not group:
-            raise InvalidArgument("replica id and group must not be empty")
-        await self._db.execute("replica_heartbeat", (group, replica_id, at or now(), REPLICA_TTL_S))
-
-    async def forget_replica(self, replica_id: str, group: str = ORCHESTRATOR) -> None:
-        """Drops a replica's heartbeat (after its orphaned runs were interrupted, or at clean shutdown)."""
-        await self._db.execute("replica_forget", (group, replica_id))
-
-    async def find_orphaned_runs(
-        self,
-        stale_after_s: float = 30.0,
-        max_run_age_s: float = 3600.0,
-        at: datetime | None = None,
-        group: str = ORCHESTRATOR,
-    ) -> list[Run]:
-        """The runs still in the index of a replica that has not heartbeated for ``stale_after_s``
-        seconds: those in progress, for the caller to ``adopt_run`` (or ``interrupt_run``), and those
-        that ended but whose end it may not have stored (it died between its finish and the answer's
-        writes, which take the run out of the index), for the caller to ``settle_run``. Only runs
-        started within ``max_run_age_s`` are considered (no run lives longer). Silent replicas without
-        such runs are forgotten."""
-        at = at or now()
-        replicas = await self._db.execute("replica_list", (group,))
-        stale = [
-            r["replica_id"]
-            for r in replicas
-            if utc(r["heartbeat_at"]) < at - timedelta(seconds=stale_after_s)
-        ]
-        orphans = await self._indexed_runs(stale, at, max_run_age_s)
-        # A silent replica with nothing left to reap is dropped, so later passes do not scan it again
-        # (if it was only paused, its next heartbeat brings it back).
-        done = set(stale) - {run.owner_id for run in orphans}
-        await asyncio.gather(*(self.forget_replica(owner, group) for owner in done))
-        return orphans
 
     async def find_owned_runs(
         self,
@@ -812,9 +581,9 @@ class RunsMixin(MessagesMixin, UsageMixin):
         """The runs in replica ``owner_id``'s index, as ``find_orphaned_runs`` finds those of a silent
         replica (in progress, or ended without what the end leaves stored), for a replica to find its
         own that it does not know it holds. ``skip``: run ids not to read (those it knows it holds)."""
-        return await self._indexed_runs([owner_id], at or now(), max_run_age_s, skip)
+        return await self.indexed_runs([owner_id], at or now(), max_run_age_s, skip)
 
-    async def _indexed_runs(
+    async def indexed_runs(
         self,
         owners: Sequence[str],
         at: datetime,
@@ -828,13 +597,13 @@ class RunsMixin(MessagesMixin, UsageMixin):
         first = (micros(at) // 1_000_000 - int(max_run_age_s)) // RUN_INDEX_BUCKET_SECONDS
         limit = asyncio.Semaphore(16)
 
-        async def bounded(statement: str, params: tuple) -> list[Row]:
+        async def bounded(statement: str, values: dict[str, Any]) -> list[Row]:
             async with limit:
-                return await self._db.execute(statement, params)
+                return await self._db.execute(statement, values)
 
         scans = await asyncio.gather(
             *(
-                bounded("owner_index_scan", (owner, bucket))
+                bounded("owner_index_scan", {"owner_id": owner, "bucket": bucket})
                 for owner in owners
                 for bucket in range(first, last + 1)
             )
@@ -844,7 +613,7 @@ class RunsMixin(MessagesMixin, UsageMixin):
             for key in dict.fromkeys(row["run_id"] for rows in scans for row in rows)
             if not skip(str(key))
         ]
-        states = await asyncio.gather(*(bounded("run_get", (key,)) for key in run_keys))
+        states = await asyncio.gather(*(bounded("run_get", {"run_id": key}) for key in run_keys))
         return [
             _run(key, rows[0])
             for key, rows in zip(run_keys, states, strict=True)

@@ -19,67 +19,55 @@ never shows. Pages are cursors over ``(chat_id, item_id)``, signed for the user 
 What it costs: each stored message (and title) writes one more row, about its text plus its distinct
 words, and one SAI entry per distinct word (a memtable insert, then part of the SSTable's index); a
 search reads one partition, intersecting one posting list per query word (docs/architecture/memory_store.md).
+
+The writes that index (with a chat's or message's own) are ``search_index.py``'s; the queries are here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import unicodedata
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
-from memory_store.base import StoreBase, utc
-from memory_store.db import Cql, Row
+from memory_store.base import check_user, page_size
+from memory_store.chats import Chats
+from memory_store.config import StoreConfig
+from memory_store.cursor import CursorCodec
+from memory_store.db import Cql, Db, Row
 from memory_store.errors import InvalidArgument
 from memory_store.ids import id_time
 from memory_store.models import Chat, Message, Page, Role, SearchHit
+from memory_store.search_index import WORD, index_write, search_terms, title_write
 
-# Words in one query (each is one more posting list to intersect), and their length.
+# Words in one query (each is one more posting list to intersect).
 MAX_QUERY_TERMS = 5
-MAX_TERM_CHARS = 64
-# Distinct words indexed per text: bounds a message's index entries (a 32 KiB message has ~5,000 words).
-MAX_DOCUMENT_TERMS = 2000
 SNIPPET_CHARS = 160
 # Index pages read to fill one result page when hits belong to deleted chats.
 _MAX_ROUNDS = 4
 # Writes in flight at once while a backfill indexes one chat.
 _BACKFILL_CONCURRENCY = 64
 
-_WORD = re.compile(r"\w+")
 _COLUMNS = "chat_id, item_id, role, text"
 
 
 def _search_statements() -> dict[str, Cql]:
     statements = {
-        # Messages are written once (a retry unions the same words): adding to the set writes no tombstone.
-        "search_add": Cql(
-            "UPDATE chat_search SET role = ?, text = ?, terms = terms + ? "
-            "WHERE user_id = ? AND chat_id = ? AND item_id = ?",
-            True,
-        ),
-        # A title is replaced on rename (one collection tombstone per rename).
-        "search_set_title": Cql(
-            "UPDATE chat_search SET role = 'title', text = ?, terms = ? "
-            "WHERE user_id = ? AND chat_id = ? AND item_id = ?",
-            True,
-        ),
-        "search_delete_chat": Cql("DELETE FROM chat_search WHERE user_id = ? AND chat_id = ?", True),
         # The backfill walks every user with a chat, in token order (a full scan, run once per keyspace).
-        "users_first": Cql("SELECT DISTINCT user_id, token(user_id) AS t FROM chats LIMIT ?", True),
+        "users_first": Cql("SELECT DISTINCT user_id, token(user_id) AS t FROM chats LIMIT :rows", True),
         "users_after": Cql(
-            "SELECT DISTINCT user_id, token(user_id) AS t FROM chats WHERE token(user_id) > ? LIMIT ?", True
+            "SELECT DISTINCT user_id, token(user_id) AS t FROM chats WHERE token(user_id) > :after LIMIT :rows",
+            True,
         ),
     }
     for count in range(1, MAX_QUERY_TERMS + 1):
-        contains = " AND ".join(["terms CONTAINS ?"] * count)
+        contains = " AND ".join(f"terms CONTAINS :term{i}" for i in range(count))
         statements[f"search_first_{count}"] = Cql(
-            f"SELECT {_COLUMNS} FROM chat_search WHERE user_id = ? AND {contains} LIMIT ?", True
+            f"SELECT {_COLUMNS} FROM chat_search WHERE user_id = :user_id AND {contains} LIMIT :rows", True
         )
         statements[f"search_after_{count}"] = Cql(
-            f"SELECT {_COLUMNS} FROM chat_search WHERE user_id = ? AND (chat_id, item_id) < (?, ?) "
-            f"AND {contains} LIMIT ?",
+            f"SELECT {_COLUMNS} FROM chat_search WHERE user_id = :user_id "
+            f"AND (chat_id, item_id) < (:chat_id, :item_id) AND {contains} LIMIT :rows",
             True,
         )
     return statements
@@ -88,33 +76,10 @@ def _search_statements() -> dict[str, Cql]:
 STATEMENTS = _search_statements()
 
 
-def search_terms(text: str, limit: int = MAX_DOCUMENT_TERMS) -> list[str]:
-    """The distinct words of ``text`` as the index holds them, in order of first appearance."""
-    words = _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
-    return list(dict.fromkeys(word for word in words if len(word) <= MAX_TERM_CHARS))[:limit]
-
-
-def index_statement(
-    user_id: str, chat_key: uuid.UUID, item_key: uuid.UUID, role: str, text: str
-) -> tuple[str, tuple[Any, ...]]:
-    """The write that makes a message searchable (run it with the message's own write)."""
-    return ("search_add", (role, text, set(search_terms(text)), user_id, chat_key, item_key))
-
-
-def title_statement(user_id: str, chat_key: uuid.UUID, title: str) -> tuple[str, tuple[Any, ...]]:
-    """The write that makes a chat's (new) title searchable; it lives in the user's partition."""
-    return ("search_set_title", (title, set(search_terms(title)), user_id, chat_key, chat_key))
-
-
-def delete_statement(user_id: str, chat_key: uuid.UUID) -> tuple[str, tuple[Any, ...]]:
-    """The write that takes a deleted chat out of search; it lives in the user's partition."""
-    return ("search_delete_chat", (user_id, chat_key))
-
-
 def snippet(text: str, terms: Sequence[str]) -> str:
     """About ``SNIPPET_CHARS`` of ``text`` around its first matching word."""
     folded = unicodedata.normalize("NFKC", text).casefold()
-    starts = [m.start() for m in _WORD.finditer(folded) if m.group() in terms]
+    starts = [m.start() for m in WORD.finditer(folded) if m.group() in terms]
     if len(folded) != len(text) or len(text) <= SNIPPET_CHARS:
         start = 0  # a normalization that changed lengths: positions do not carry over
     else:
@@ -123,23 +88,31 @@ def snippet(text: str, terms: Sequence[str]) -> str:
     return ("…" if start else "") + piece + ("…" if start + SNIPPET_CHARS < len(text) else "")
 
 
-class SearchMixin(StoreBase):
+class Search:
+    """Search over the caller's chats (``chat_search``), and the backfill's walk."""
+
+    def __init__(self, db: Db, config: StoreConfig, cursors: CursorCodec, chats: Chats) -> None:
+        self._db = db
+        self._config = config
+        self._cursors = cursors
+        self._chats = chats
+
     async def users_with_chats(self, after: int | None, limit: int) -> tuple[list[str], int | None]:
         """A page of the users who have chats, in token order, and where the next page starts (None:
         the last page). For the search backfill: a full scan of ``chats``' partitions."""
         if after is None:
-            rows = await self._db.execute("users_first", (limit,))
+            rows = await self._db.execute("users_first", {"rows": limit})
         else:
-            rows = await self._db.execute("users_after", (after, limit))
+            rows = await self._db.execute("users_after", {"after": after, "rows": limit})
         return [row["user_id"] for row in rows], (rows[-1]["t"] if len(rows) == limit else None)
 
     async def index_for_search(self, user_id: str, chat: Chat, messages: Sequence[Message]) -> None:
         """Makes a chat written before search existed searchable: its title and ``messages`` (upserts,
         so running it again changes nothing)."""
         chat_key = uuid.UUID(chat.chat_id)
-        writes = [title_statement(user_id, chat_key, chat.title)] if chat.title else []
+        writes = [title_write(user_id, chat_key, chat.title)] if chat.title else []
         writes += [
-            index_statement(user_id, chat_key, uuid.UUID(m.message_id), Role(m.role).value, m.content)
+            index_write(user_id, chat_key, uuid.UUID(m.message_id), Role(m.role).value, m.content)
             for m in messages
         ]
         for start in range(0, len(writes), _BACKFILL_CONCURRENCY):
@@ -152,23 +125,27 @@ class SearchMixin(StoreBase):
     ) -> Page[SearchHit]:
         """The caller's chats whose title or messages contain every word of ``query``: newest chat
         first, newest match first within a chat (its title last), ``limit`` per page (default 20)."""
-        self._check_user(user_id)
+        check_user(user_id, self._config.bounds)
         terms = search_terms(query)
         if not terms:
             raise InvalidArgument("a search needs at least one word")
         if len(terms) > MAX_QUERY_TERMS:
             raise InvalidArgument(f"a search takes at most {MAX_QUERY_TERMS} words")
-        limit = self._page_size(limit, self.limits.default_search_page, self.limits.max_search_page)
+        limits = self._config.limits
+        limit = page_size(limit, limits.default_search_page, limits.max_search_page)
         scope = "\x00".join([user_id, *terms])
         after = self._search_position(cursor, scope) if cursor else None
+        words = {f"term{i}": term for i, term in enumerate(terms)}
         hits: list[SearchHit] = []
         more = False
         for _ in range(_MAX_ROUNDS):
             want = limit + 1 - len(hits)
+            values = {"user_id": user_id, **words, "rows": want}
             if after is None:
-                rows = await self._db.execute(f"search_first_{len(terms)}", (user_id, *terms, want))
+                rows = await self._db.execute(f"search_first_{len(terms)}", values)
             else:
-                rows = await self._db.execute(f"search_after_{len(terms)}", (user_id, *after, *terms, want))
+                position = {"chat_id": after[0], "item_id": after[1]}
+                rows = await self._db.execute(f"search_after_{len(terms)}", {**values, **position})
             hits.extend(await self._live_hits(user_id, rows, terms))
             more = len(rows) == want
             if rows:
@@ -176,15 +153,15 @@ class SearchMixin(StoreBase):
             if not more or len(hits) > limit:
                 break
         page = hits[:limit]
-        position: list[str | int]
+        next_position: list[str | int]
         if len(hits) > limit:
             last = page[-1]
-            position = [last.chat_id, last.message_id or last.chat_id]
+            next_position = [last.chat_id, last.message_id or last.chat_id]
         elif more and after is not None:  # rounds ran out among deleted chats' hits: go on from there
-            position = [str(after[0]), str(after[1])]
+            next_position = [str(after[0]), str(after[1])]
         else:
             return Page(items=page, next_cursor=None)
-        return Page(items=page, next_cursor=self._cursors.encode("search", scope, position))
+        return Page(items=page, next_cursor=self._cursors.encode("search", scope, next_position))
 
     def _search_position(self, cursor: str, scope: str) -> tuple[uuid.UUID, uuid.UUID]:
         position = self._cursors.decode(cursor, "search", scope)
@@ -197,12 +174,7 @@ class SearchMixin(StoreBase):
         """The hits of ``rows`` whose chat is live (not deleted), in index order."""
         if not rows:
             return []
-        ids = list(dict.fromkeys(row["chat_id"] for row in rows))
-        chats = {
-            row["chat_id"]: row
-            for row in await self._db.execute("chat_get_many", (user_id, ids))
-            if row["deleted_at"] is None and row["created_at"] is not None
-        }
+        chats = await self._chats.live(user_id, [row["chat_id"] for row in rows])
         hits = []
         for row in rows:
             chat = chats.get(row["chat_id"])
@@ -212,11 +184,11 @@ class SearchMixin(StoreBase):
             hits.append(
                 SearchHit(
                     chat_id=str(row["chat_id"]),
-                    chat_title=chat["title"] or "",
+                    chat_title=chat.title,
                     message_id=None if is_title else str(row["item_id"]),
                     role=row["role"],
                     snippet=snippet(row["text"] or "", terms),
-                    created_at=utc(chat["created_at"]) if is_title else id_time(row["item_id"]),
+                    created_at=chat.created_at if is_title else id_time(row["item_id"]),
                 )
             )
         return hits

@@ -24,38 +24,43 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from chatmesh.finish import Usage
-from memory_store.base import StoreBase, micros, now
-from memory_store.db import Cql, Write
+from memory_store.base import check_user, micros, now
+from memory_store.config import StoreConfig
+from memory_store.db import Cql, Db, Write
 from memory_store.errors import InvalidArgument
 from memory_store.ids import id_time, parse_id
 from memory_store.models import UsageWindow
 
+_SUMS = (
+    "SELECT sum(prompt_tokens) AS prompt, sum(cached_prompt_tokens) AS cached, "
+    "sum(completion_tokens) AS completion, count(*) AS runs "
+    "FROM usage_by_run WHERE user_id = :user_id AND window_start = :window_start"
+)
+
 STATEMENTS = {
     "usage_put": Cql(
         "INSERT INTO usage_by_run (user_id, window_start, run_id, prompt_tokens, cached_prompt_tokens, "
-        "completion_tokens) VALUES (?, ?, ?, ?, ?, ?)",
+        "completion_tokens) VALUES (:user_id, :window_start, :run_id, :prompt_tokens, :cached_prompt_tokens, "
+        ":completion_tokens)",
         idempotent=True,
     ),
-    "usage_sum": Cql(
-        "SELECT sum(prompt_tokens) AS prompt, sum(cached_prompt_tokens) AS cached, "
-        "sum(completion_tokens) AS completion, count(*) AS runs "
-        "FROM usage_by_run WHERE user_id = ? AND window_start = ?",
-        True,
-    ),
+    "usage_sum": Cql(_SUMS, True),
     # Runs started in (after, until]: maxTimeuuid bounds every id of an instant's millisecond on one side.
     "usage_sum_range": Cql(
-        "SELECT sum(prompt_tokens) AS prompt, sum(cached_prompt_tokens) AS cached, "
-        "sum(completion_tokens) AS completion, count(*) AS runs "
-        "FROM usage_by_run WHERE user_id = ? AND window_start = ? "
-        "AND run_id > maxTimeuuid(?) AND run_id <= maxTimeuuid(?)",
-        True,
+        f"{_SUMS} AND run_id > maxTimeuuid(:made_after) AND run_id <= maxTimeuuid(:made_until)", True
     ),
 }
 # Before any charge id of a window: maxTimeuuid's resolution is a millisecond.
 _BEFORE_WINDOW = timedelta(milliseconds=1)
 
 
-class UsageMixin(StoreBase):
+class UsageWindows:
+    """The tokens each run of a user was charged, by budget window (``usage_by_run``)."""
+
+    def __init__(self, db: Db, config: StoreConfig) -> None:
+        self._db = db
+        self._config = config
+
     def window_start(self, at: datetime) -> datetime:
         """The start of the budget window holding ``at``."""
         seconds = micros(at) // 1_000_000
@@ -64,17 +69,22 @@ class UsageMixin(StoreBase):
     async def record_usage(self, user_id: str, charge_id: str, usage: Usage) -> None:
         """Sets the tokens charged under ``charge_id`` (a run's: ``Run.charge_id``) in the window it was
         made in, replacing an earlier record of the run."""
-        await self._db.execute(*self._usage_write(user_id, charge_id, usage))
+        await self._db.execute(*self.usage_write(user_id, charge_id, usage))
 
-    def _usage_write(self, user_id: str, charge_id: str, usage: Usage) -> Write:
+    def usage_write(self, user_id: str, charge_id: str, usage: Usage) -> Write:
         """The write of ``record_usage``."""
-        self._check_user(user_id)
+        check_user(user_id, self._config.bounds)
         charge_key = parse_id(charge_id, "charge id")
         if min(usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) < 0:
             raise InvalidArgument("token counts must not be negative")
-        window = self.window_start(id_time(charge_key))
-        counts = (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens)
-        return "usage_put", (user_id, window, charge_key, *counts)
+        return "usage_put", {
+            "user_id": user_id,
+            "window_start": self.window_start(id_time(charge_key)),
+            "run_id": charge_key,
+            "prompt_tokens": usage.prompt_tokens,
+            "cached_prompt_tokens": usage.cached_prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+        }
 
     async def get_usage(
         self,
@@ -87,14 +97,15 @@ class UsageMixin(StoreBase):
         """The user's usage in the window containing ``at`` (default: now): of every run in it, or with
         ``made_after`` / ``made_until``, of the runs that started (their charge ids were made) in
         (made_after, made_until] only."""
-        self._check_user(user_id)
+        check_user(user_id, self._config.bounds)
         start = self.window_start(at or now())
         end = start + timedelta(seconds=self._config.usage_window_s)
+        window = {"user_id": user_id, "window_start": start}
         if made_after is None and made_until is None:
-            rows = await self._db.execute("usage_sum", (user_id, start))
+            rows = await self._db.execute("usage_sum", window)
         else:
-            bounds = (made_after or start - _BEFORE_WINDOW, made_until or end)
-            rows = await self._db.execute("usage_sum_range", (user_id, start, *bounds))
+            made = {"made_after": made_after or start - _BEFORE_WINDOW, "made_until": made_until or end}
+            rows = await self._db.execute("usage_sum_range", {**window, **made})
         row = rows[0]
         return UsageWindow(
             user_id=user_id,

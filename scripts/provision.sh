@@ -61,8 +61,8 @@ else
 fi
 
 step "fetching Apache Cassandra into .cache/cassandra/lib with Maven (first run downloads ~70 MB of jars)"
-# The jars are pinned by memory_store/cassandra/pom.xml; a stamp of its hash skips Maven when up to date.
-cassandra_pom=memory_store/cassandra/pom.xml
+# The jars are pinned by localmesh/cassandra/pom.xml; a stamp of its hash skips Maven when up to date.
+cassandra_pom=localmesh/cassandra/pom.xml
 cassandra_lib=.cache/cassandra/lib
 cassandra_want=$(sha256sum "$cassandra_pom" | cut -d' ' -f1)
 if [ -f "$cassandra_lib/.pom.sha256" ] && [ "$(cat "$cassandra_lib/.pom.sha256")" = "$cassandra_want" ]; then

@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from localmesh.cassandra.cluster import CassandraCluster, ClusterConfig
 from localmesh.chaos.delay_proxy import DelayProxies, DelayProxy
 from localmesh.dev_jwt import DevKeys, ensure_keys
 from localmesh.front_door import FrontDoorPorts
 from localmesh.mesh import REPLICA_PORT_STRIDE, MeshConfig, MeshPorts, replica_name, start
-from memory_store.cluster import CassandraCluster, ClusterConfig
 from meshkit.launcher import (
     Launcher,
     free_consecutive_ports,

@@ -24,7 +24,7 @@ from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.tokenizer import ChatMessage
 from memory_store.errors import MemoryStoreError, NotFound
-from memory_store.models import Chat, Claim, Message, Run, RunStatus
+from memory_store.models import Chat, Claim, Message, NewRun, Run, RunStatus
 from orchestrator.config import LEASE_SKEW_S
 from orchestrator.prompting.models import ServedModel
 from orchestrator.prompting.prompt import Prompt
@@ -213,36 +213,37 @@ class ChatRun(AnswerRun):
         )
 
     async def create_run(
-        self, admission: Admission, parent_id: str, asked: Message | None = None, chat: Chat | None = None
+        self, admission: Admission, parent_id: str, asked: tuple[Message, Chat] | None = None
     ) -> Run:
         """The run's row, owned by this replica: from here on the answer is stored, once (and if this
         replica dies, another one adopts it and continues it from its stored generation). ``asked`` is
-        the user message it answers when the run stores it too (a send), in the same round trips;
-        ``chat``, the chat as read with the branch ``asked`` continues (nothing is read again)."""
+        the user message it answers when the run stores it too (a send), in the same round trips, with
+        the chat as read with the branch it continues (nothing is read again)."""
         runs = self.ctx.config.runs
         if time.monotonic() - self._leased_at > runs.start_lease_s - runs.create_run_s - LEASE_SKEW_S:
             # Its writes could land after the lease passed to a retry elsewhere, which would start the
             # run too (the same answer, from the same seed: router_client.request_seed, but twice).
             raise unavailable("starting the answer took too long; retry", 1.0)
         info = admission.info
+        new = NewRun(
+            user_id=info.user_id,
+            chat_id=info.chat_id,
+            run_id=info.run_id,
+            parent_message_id=parent_id,
+            assistant_message_id=info.assistant_message_id,
+            model=info.model,
+            owner_id=self.ctx.config.replica_id,
+            user_message_id=asked[0].message_id if asked else None,
+            prompt_tokens=len(admission.prompt.token_ids),
+            generation=admission.start.SerializeToString(),
+            charge_id=admission.charge_id,
+            tokenizer_fingerprint=admission.prompt.fingerprint,
+        )
         # No write of it goes out past its share of the lease.
         async with asyncio.timeout(runs.create_run_s):
-            return await self.ctx.store.create_run(
-                info.user_id,
-                info.chat_id,
-                run_id=info.run_id,
-                parent_message_id=parent_id,
-                assistant_message_id=info.assistant_message_id,
-                model=info.model,
-                owner_id=self.ctx.config.replica_id,
-                user_message_id=asked.message_id if asked else None,
-                prompt_tokens=len(admission.prompt.token_ids),
-                generation=admission.start.SerializeToString(),
-                charge_id=admission.charge_id,
-                asked=asked,
-                chat=chat,
-                tokenizer_fingerprint=admission.prompt.fingerprint,
-            )
+            if asked is None:
+                return await self.ctx.store.create_run(new)
+            return await self.ctx.store.create_run_with_question(new, *asked)
 
     def answer_as_the_chat(self, chat: Chat, named: chat_pb2.GenerationOptions) -> None:
         """A request naming no model is answered by the chat's own (recorded at its creation or by its

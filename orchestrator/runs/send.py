@@ -94,7 +94,7 @@ class SendRun(ChatRun):
             tokenizer_fingerprint=self.model.tokenizer.fingerprint,
         )
         async with self.ctx.runs.starts.admit(self.identity, info, prompt, self.options) as admission:
-            stored_run = await self.create_run(admission, claim.user_message_id, asked, history.chat)
+            stored_run = await self.create_run(admission, claim.user_message_id, (asked, history.chat))
         # 4. Live: `started`, then the answer streamed until it ends; the end is stored once.
         end = await self.ctx.runs.starts.generate(self, admission, stored_run)
         # 5. Upkeep: the first exchange of a chat (or of a new root branch) names it; a long history

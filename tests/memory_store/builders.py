@@ -9,7 +9,7 @@ from datetime import datetime
 
 from memory_store.db import OPERATION_SECONDS
 from memory_store.ids import new_id
-from memory_store.models import Message, Role, Run
+from memory_store.models import Message, NewRun, Role, Run
 from memory_store.store import MemoryStore
 
 
@@ -68,16 +68,18 @@ async def start_run(
         user, message(chat_id, question, parent, message_id=claim.user_message_id)
     )
     run = await store.create_run(
-        user,
-        chat_id,
-        run_id=claim.run_id,
-        parent_message_id=asked.message_id,
-        assistant_message_id=claim.assistant_message_id,
-        model="smollm2-135m",
-        owner_id=owner,
-        user_message_id=asked.message_id,
-        prompt_tokens=prompt_tokens,
-        generation=generation,
+        NewRun(
+            user,
+            chat_id,
+            run_id=claim.run_id,
+            parent_message_id=asked.message_id,
+            assistant_message_id=claim.assistant_message_id,
+            model="smollm2-135m",
+            owner_id=owner,
+            user_message_id=asked.message_id,
+            prompt_tokens=prompt_tokens,
+            generation=generation,
+        )
     )
     return run, asked
 

@@ -16,12 +16,12 @@ from cassandra.cluster import EXEC_PROFILE_DEFAULT, Cluster, ExecutionProfile, S
 from cassandra.policies import WhiteListRoundRobinPolicy
 from cassandra.query import SimpleStatement
 
-from memory_store.cluster import ring_tokens
+from localmesh.cassandra.cluster import ring_tokens
+from localmesh.cassandra.node import CassandraNode
 from memory_store.db import Db, Unavailable
 from memory_store.ids import new_id
 from memory_store.messages import bucket_of
-from memory_store.models import Chat, Message
-from memory_store.node import CassandraNode
+from memory_store.models import Chat, Message, NewRun
 from memory_store.store import MemoryStore
 from tests.fixtures.cassandra import TEST_KEYSPACE
 from tests.memory_store.builders import message, new_user
@@ -127,17 +127,19 @@ def seen(state: str, observers: list[CassandraNode], peers: list[CassandraNode])
 
 async def send(store: MemoryStore, chat: Chat, asked: Message) -> None:
     """What a send stores once it is placed: ``asked`` and the run that answers it."""
-    await store.create_run(
-        chat.user_id,
-        chat.chat_id,
-        run_id=str(new_id()),
-        parent_message_id=asked.message_id,
-        assistant_message_id=str(new_id()),
-        model="smollm2-135m",
-        owner_id="replica-a",
-        user_message_id=asked.message_id,
-        asked=asked,
-        chat=chat,
+    await store.create_run_with_question(
+        NewRun(
+            chat.user_id,
+            chat.chat_id,
+            run_id=str(new_id()),
+            parent_message_id=asked.message_id,
+            assistant_message_id=str(new_id()),
+            model="smollm2-135m",
+            owner_id="replica-a",
+            user_message_id=asked.message_id,
+        ),
+        asked,
+        chat,
     )
 
 

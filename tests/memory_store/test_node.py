@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memory_store.cluster import ClusterConfig
-from memory_store.node import (
+from localmesh.cassandra.cluster import ClusterConfig
+from localmesh.cassandra.node import (
     CqlAnswers,
     NodeConfig,
     NodeSetupError,

@@ -15,13 +15,28 @@ from chatmesh.finish import FinishReason, Usage
 from memory_store import db
 from memory_store.base import now
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
-from memory_store.models import MessageStatus, Role, RunDelta, RunOutcome, RunStatus
+from memory_store.models import MessageStatus, NewRun, Role, RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from tests.memory_store.builders import message, new_user, operations_counted, requests_sent, start_run
 
 
 def deltas(first_seq, *texts):
     return [RunDelta(first_seq + i, text, 1) for i, text in enumerate(texts)]
+
+
+def new_run(user, chat, claim, asked, **fields):
+    """The run a claim reserved, answering ``asked``."""
+    return NewRun(
+        user,
+        chat.chat_id,
+        run_id=claim.run_id,
+        parent_message_id=asked.message_id,
+        assistant_message_id=claim.assistant_message_id,
+        model="smollm2-135m",
+        owner_id="replica-a",
+        user_message_id=asked.message_id,
+        **fields,
+    )
 
 
 async def test_fifty_concurrent_sends_with_one_key_store_one_message_and_one_run(memory_store):
@@ -33,16 +48,7 @@ async def test_fifty_concurrent_sends_with_one_key_store_one_message_and_one_run
         asked = await memory_store.append_message(
             user, message(chat.chat_id, "only once please", message_id=claim.user_message_id)
         )
-        await memory_store.create_run(
-            user,
-            chat.chat_id,
-            run_id=claim.run_id,
-            parent_message_id=asked.message_id,
-            assistant_message_id=claim.assistant_message_id,
-            model="smollm2-135m",
-            owner_id="replica-a",
-            user_message_id=asked.message_id,
-        )
+        await memory_store.create_run(new_run(user, chat, claim, asked))
         return claim
 
     claims = await asyncio.gather(*(send() for _ in range(50)))
@@ -574,36 +580,25 @@ async def test_an_owner_whose_run_was_adopted_cannot_finish_it(memory_store):
     assert finished.applied and finished.message.content == "ok!"
 
 
-def run_fields(claim, asked):
-    """``create_run``'s fields for the run a claim reserved, answering ``asked`` (stored with it)."""
-    return dict(
-        run_id=claim.run_id,
-        parent_message_id=asked.message_id,
-        assistant_message_id=claim.assistant_message_id,
-        model="smollm2-135m",
-        owner_id="replica-a",
-        user_message_id=asked.message_id,
-    )
-
-
 async def test_a_run_created_with_its_question_stores_both_and_never_the_run_alone(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "one call")
     claim = await memory_store.claim_idempotency_key(user, "send", b"fingerprint")
     asked = message(chat.chat_id, "the question", message_id=claim.user_message_id)
-    fields = run_fields(claim, asked)
-    # A question whose parent is not in the chat: refused, and neither the question nor the run stored.
+    # A run answering a message that is not in the chat: refused, and the run not stored.
     ghost = message(chat.chat_id, "never stored", at=now() - timedelta(seconds=5))
-    orphan = message(chat.chat_id, "lost", message_id=claim.user_message_id, parent=ghost)
     with pytest.raises(FailedPrecondition):
-        await memory_store.create_run(user, chat.chat_id, **fields, asked=orphan)
+        await memory_store.create_run(new_run(user, chat, claim, ghost))
+    # A question that is not the run's: refused, and neither the question nor the run stored.
+    with pytest.raises(InvalidArgument):
+        await memory_store.create_run_with_question(
+            dataclasses.replace(new_run(user, chat, claim, asked), user_message_id=None), asked, chat
+        )
     assert (await memory_store.list_messages(user, chat.chat_id)).items == []
     with pytest.raises(NotFound):
         await memory_store.get_run(user, claim.run_id)
-    with pytest.raises(InvalidArgument):
-        await memory_store.create_run(user, chat.chat_id, **{**fields, "user_message_id": None}, asked=asked)
 
-    run = await memory_store.create_run(user, chat.chat_id, **fields, asked=asked)
+    run = await memory_store.create_run_with_question(new_run(user, chat, claim, asked), asked, chat)
     assert [m.content for m in (await memory_store.list_messages(user, chat.chat_id)).items] == [
         "the question"
     ]
@@ -620,13 +615,12 @@ async def test_a_run_created_with_the_chat_read_in_its_request_stores_its_questi
     branch = await memory_store.get_branch(user, chat.chat_id, None)
     claim = await memory_store.claim_idempotency_key(user, "send", b"fingerprint")
     asked = message(chat.chat_id, "the question", first, message_id=claim.user_message_id)
-    fields = run_fields(claim, asked)
     other = await memory_store.create_chat(user, "another chat")
     with pytest.raises(InvalidArgument):
-        await memory_store.create_run(user, chat.chat_id, **fields, asked=asked, chat=other)
+        await memory_store.create_run_with_question(new_run(user, chat, claim, asked), asked, other)
     assert [m.content for m in (await memory_store.list_messages(user, chat.chat_id)).items] == ["before"]
 
-    run = await memory_store.create_run(user, chat.chat_id, **fields, asked=asked, chat=branch.chat)
+    run = await memory_store.create_run_with_question(new_run(user, chat, claim, asked), asked, branch.chat)
     assert [m.content for m in (await memory_store.list_messages(user, chat.chat_id)).items] == [
         "the question",
         "before",
@@ -652,8 +646,8 @@ async def test_a_question_and_its_run_go_as_one_batch_and_a_large_question_first
         claim = await memory_store.claim_idempotency_key(user, f"send-{size}", b"fingerprint")
         asked = message(chat.chat_id, words[:size].strip(), parent, message_id=claim.user_message_id)
         before = operations_counted()
-        await memory_store.create_run(
-            user, chat.chat_id, **run_fields(claim, asked), generation=generation, asked=asked, chat=chat
+        await memory_store.create_run_with_question(
+            new_run(user, chat, claim, asked, generation=generation), asked, chat
         )
         sent = requests_sent(before)
         together = sum(n for name, n in sent.items() if "message_insert" in name and "run_insert" in name)
@@ -765,7 +759,7 @@ async def test_unlogged_writes_are_split_by_partitions_and_bytes(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "split")
     runs = [(await start_run(memory_store, user, chat.chat_id, f"q{i}"))[0] for i in range(5)]
-    writes = [memory_store._checkpoint(run, deltas(2, "x" * 100)) for run in runs]
+    writes = [memory_store.runs.checkpoint_write(run, deltas(2, "x" * 100)) for run in runs]
     before = operations_counted()
 
     assert await memory_store._db.write_unlogged(writes, 64 * 1024, max_partitions=2) == [True] * 5
@@ -803,6 +797,6 @@ async def test_a_collection_that_is_not_frozen_is_sized_a_cell_per_element(memor
     user = new_user()
     chat = await memory_store.create_chat(user, "sized")
     run, _ = await start_run(memory_store, user, chat.chat_id, "q")
-    long = bind(memory_store._checkpoint(run, [RunDelta(2, "x" * 100, 100, tuple(range(100)))]))
-    short = bind(memory_store._checkpoint(run, [RunDelta(2, "x", 1, (0,))]))
+    long = bind(memory_store.runs.checkpoint_write(run, [RunDelta(2, "x" * 100, 100, tuple(range(100)))]))
+    short = bind(memory_store.runs.checkpoint_write(run, [RunDelta(2, "x", 1, (0,))]))
     assert long.size - short.size < 99 * 16  # less than a cell per further id

@@ -7,8 +7,9 @@ from cassandra.query import SimpleStatement
 
 from memory_store.errors import InvalidArgument
 from memory_store.models import Role
-from memory_store.search import search_terms, snippet
+from memory_store.search import snippet
 from memory_store.search_backfill import backfill_search
+from memory_store.search_index import search_terms
 from tests.memory_store.builders import message, new_user
 
 

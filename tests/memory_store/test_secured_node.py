@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from localmesh.cassandra.node import CassandraNode, NodeConfig, NodeSetupError
 from memory_store.config import StoreConfig
 from memory_store.errors import Unavailable
-from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
 from memory_store.security import CassandraSecurity
 from memory_store.store import MemoryStore
 from meshkit.launcher import Launcher, free_port

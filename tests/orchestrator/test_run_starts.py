@@ -18,7 +18,7 @@ from chatmesh.finish import Usage
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from memory_store.errors import Unavailable
-from memory_store.models import Message, Role, RunStatus
+from memory_store.models import Message, NewRun, Role, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator.router_client import start_frame
 from orchestrator.runs.complete import CompleteRun
@@ -119,18 +119,21 @@ async def test_a_cancel_while_an_adopted_run_is_placed_again_stops_it(
     prompt = model.tokenizer.encode("tell me a story")
     options = Generation(model.name, 400, temperature=0.7, top_p=1.0, seed=None, stop=())
     generation = start_frame(claim.run_id, prompt, options, "pro", chat.chat_id, model.tokenizer.fingerprint)
-    orphan = await memory_store.create_run(
-        user,
-        chat.chat_id,
-        run_id=claim.run_id,
-        parent_message_id=asked.message_id,
-        assistant_message_id=claim.assistant_message_id,
-        model=model.name,
-        owner_id=f"dead-{uuid.uuid4().hex[:6]}",
-        user_message_id=asked.message_id,
-        prompt_tokens=len(prompt),
-        generation=generation.SerializeToString(),
-        asked=asked,
+    orphan = await memory_store.create_run_with_question(
+        NewRun(
+            user,
+            chat.chat_id,
+            run_id=claim.run_id,
+            parent_message_id=asked.message_id,
+            assistant_message_id=claim.assistant_message_id,
+            model=model.name,
+            owner_id=f"dead-{uuid.uuid4().hex[:6]}",
+            user_message_id=asked.message_id,
+            prompt_tokens=len(prompt),
+            generation=generation.SerializeToString(),
+        ),
+        asked,
+        chat,
     )
     placing = replica.router.hold("place")
     assert await ctx.runs.adoptions.adopt(orphan, ctx.config.replica_id)

@@ -48,13 +48,13 @@ async def test_a_run_stored_by_a_start_that_failed_is_answered_and_its_keyed_ret
         request = chat_pb2.SendMessageRequest(
             chat_id=chat.chat_id, content=QUESTION, options=ANSWER, idempotency_key=key
         )
-        # The question and its run land; the answer to create_run is lost: the send fails.
-        replica.store.fail("create_run", landed=True)
+        # The question and its run land; the answer to create_run_with_question is lost: the send fails.
+        replica.store.fail("create_run_with_question", landed=True)
         with pytest.raises(Unavailable):
             await replica.runs.starts.start(
                 SendRun(replica.parts.ctx, replica.identity(client.user), request)
             )
-        replica.store.clear("create_run")
+        replica.store.clear("create_run_with_question")
         run = (await client.call("GetChat", chat_pb2.GetChatRequest(chat_id=chat.chat_id))).chat.active_run_id
         assert run, "the failed send left no run: nothing to test"
 
@@ -139,7 +139,7 @@ async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_
     async with in_process_replica(memory_store, mesh.router_address, mesh.replica_group, **quick) as replica:
         chat = await client.create_chat()
         # The question and its run land; Cassandra's answer is slow, past the end of the shutdown.
-        creating = replica.store.hold("create_run", At.LANDED)
+        creating = replica.store.hold("create_run_with_question", At.LANDED)
         request = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content=QUESTION, options=ANSWER)
         sending = asyncio.create_task(
             replica.runs.starts.start(SendRun(replica.parts.ctx, replica.identity(client.user), request))

@@ -9,9 +9,10 @@ import dataclasses
 
 import pytest
 
+from chatmesh.finish import Usage
 from chatmesh.model_files import gemma3_model_path
 from chatmesh.tokenizer import ChatTokenizer, load_tokenizer
-from memory_store.models import ChatSummary, Message, RunDelta, RunOutcome, RunStatus, Usage
+from memory_store.models import ChatSummary, Message, NewRun, RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator.prompting.history import load_history
 from orchestrator.upkeep.summaries import split_for_summary
@@ -46,17 +47,20 @@ async def chat_answered_by(store: MemoryStore, tokenizer: ChatTokenizer) -> tupl
             tokenizer_fingerprint=tokenizer.fingerprint,
             run_id=claim.run_id,
         )
-        run = await store.create_run(
-            user,
-            chat.chat_id,
-            run_id=claim.run_id,
-            parent_message_id=counted.message_id,
-            assistant_message_id=claim.assistant_message_id,
-            model=tokenizer.model_name,
-            owner_id="replica-a",
-            user_message_id=counted.message_id,
-            asked=counted,
-            tokenizer_fingerprint=tokenizer.fingerprint,
+        run = await store.create_run_with_question(
+            NewRun(
+                user,
+                chat.chat_id,
+                run_id=claim.run_id,
+                parent_message_id=counted.message_id,
+                assistant_message_id=claim.assistant_message_id,
+                model=tokenizer.model_name,
+                owner_id="replica-a",
+                user_message_id=counted.message_id,
+                tokenizer_fingerprint=tokenizer.fingerprint,
+            ),
+            counted,
+            await store.get_chat(user, chat.chat_id),
         )
         ids = tuple(tokenizer.encode(answer))
         outcome = RunOutcome(

@@ -1,7 +1,7 @@
 """The local Apache Cassandra node: configuration, start, readiness, drain, stop, crash.
 
 Cassandra runs from the jars that ``scripts/provision.sh`` fetched from Maven Central into
-``.cache/cassandra/lib`` (pinned by ``memory_store/cassandra/pom.xml``), as a plain
+``.cache/cassandra/lib`` (pinned by ``localmesh/cassandra/pom.xml``), as a plain
 ``org.apache.cassandra.service.CassandraDaemon`` on Java 17 with the flags of Cassandra's own
 ``conf/jvm17-server.options``. Each node gets its own data dir holding its ``conf/cassandra.yaml``,
 data, commitlog and hints, so a test node and a ``make run`` node never share anything.
@@ -10,7 +10,7 @@ The node is durable: ``commitlog_sync: batch`` acknowledges a write only after t
 so a write that Cassandra acknowledged survives ``kill -9`` (tests prove it). Stopping drains first
 (``nodetool drain`` flushes memtables, so the next start replays nothing), then sends SIGTERM.
 
-Used by ``python -m memory_store node ...``, ``chatmesh/mesh.py`` (``make run``) and the test fixture
+Used by ``python -m localmesh.cassandra ...``, ``localmesh/mesh.py`` (``make run``) and the test fixture
 ``tests/fixtures/cassandra.py``.
 """
 
@@ -30,9 +30,9 @@ from pathlib import Path
 
 from meshkit.launcher import Launcher, ServiceSpec
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LIB_DIR = PROJECT_ROOT / ".cache" / "cassandra" / "lib"
-LOGBACK_XML = Path(__file__).resolve().parent / "cassandra" / "logback.xml"
+LOGBACK_XML = Path(__file__).resolve().parent / "logback.xml"
 MAIN_CLASS = "org.apache.cassandra.service.CassandraDaemon"
 NODETOOL_CLASS = "org.apache.cassandra.tools.NodeTool"
 
@@ -113,7 +113,7 @@ class NodeSetupError(RuntimeError):
 
 @dataclass(frozen=True)
 class NodeConfig:
-    """One local node. Alone by default (127.0.0.1, its own seed); ``memory_store/cluster.py`` gives
+    """One local node. Alone by default (127.0.0.1, its own seed); ``localmesh/cassandra/cluster.py`` gives
     each member of a local cluster its own loopback address, token and the first member as seed."""
 
     data_dir: Path
@@ -161,7 +161,7 @@ def cassandra_yaml(config: NodeConfig) -> str:
     """The node's cassandra.yaml (5.0 key names and units); everything else keeps its default."""
     data = config.data_dir
     return f"""\
-# Written by memory_store/node.py for a local node; regenerated at every start.
+# Written by localmesh/cassandra/node.py for a local node; regenerated at every start.
 cluster_name: chatmesh
 num_tokens: 1
 initial_token: {config.initial_token}

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from memory_store.node import CassandraNode, NodeConfig, NodeSetupError
+from localmesh.cassandra.node import CassandraNode, NodeConfig, NodeSetupError
 from meshkit.launcher import Launcher
 
 MURMUR3_MIN_TOKEN = -(2**63)
