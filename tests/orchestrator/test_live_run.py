@@ -9,8 +9,8 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
-from chatmesh.streams import Wakeup
 from memory_store.models import FinishReason, RunDelta, RunStatus, Usage
+from meshkit.arrivals import Wakeup
 from meshkit.event_loop import RecentLag
 from meshkit.pacing import StreamPacer
 from orchestrator.runs.live_run import LiveRun, RunInfo
