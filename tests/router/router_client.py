@@ -88,7 +88,7 @@ class Stream(service_client.Stream):
             pass
         return frame
 
-    async def rest(self) -> Outcome:  # type: ignore[override]
+    async def rest(self) -> Outcome:
         """Reads until the request ends (raising its error, if any)."""
         async for frame in self.frames():
             self.outcome.add(frame)
