@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import exhausted, unavailable
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
-from chatmesh.streams import Wakeup
+from meshkit.arrivals import Wakeup
 from meshkit.pacing import StreamPacer
 from orchestrator.metrics import METRICS
 from orchestrator.runs.run_state import RunState, Stop, check_move
