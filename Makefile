@@ -32,6 +32,8 @@ lint: setup typecheck
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/buf lint
+	@# Against the last release's contract; buf.yaml's ignore_only lets the removal of the internal
+	@# per-request Generate RPCs through until the next baseline (CONTRIBUTING.md, "Protos and buf breaking").
 	$(VENV)/bin/buf breaking --against protos/baseline.binpb
 	$(PY) -m localmesh.front_door
 	@$(MAKE) --no-print-directory helm-lint
@@ -56,7 +58,8 @@ protos: setup
 check-protos: setup
 	@PY=$(PY) scripts/gen_protos.sh --check
 
-# Records the current protos as the baseline that `buf breaking` compares against (at each release).
+# Records the current protos as the baseline that `buf breaking` compares against (at each release);
+# buf.yaml's `breaking.ignore_only` exemption goes in the same commit.
 protos-baseline: setup
 	$(VENV)/bin/buf build -o protos/baseline.binpb
 

@@ -42,12 +42,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_router import percentile, wait_for_engines  # noqa: E402
+from bench.link_client import frames, router_link  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2  # noqa: E402
-from chatmesh.errors import retry_after_s  # noqa: E402
-from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from chatmesh.errors import ServiceError  # noqa: E402
+from chatmesh.router.v1 import router_pb2  # noqa: E402
 from chatmesh.tiers import TIERS, TTFT_OBJECTIVES_S, tier_named  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
+from meshkit.links import Link  # noqa: E402
 
 TIER_MIX = {"free": 0.6, "pro": 0.3, "enterprise": 0.1}
 WARMUP_LOAD = 0.5  # of capacity: every engine finishes requests, so the router knows its drain rate
@@ -80,7 +82,7 @@ def arrivals(args: argparse.Namespace) -> list[tuple[float, str]]:
         out.append((clock, rng.choices(list(TIER_MIX), list(TIER_MIX.values()))[0]))
 
 
-async def one_request(stub, serial: int, tier: str, sent_at: float, args) -> Sent:
+async def one_request(link: Link, serial: int, tier: str, sent_at: float, args) -> Sent:
     start = router_pb2.GenerateStart(
         request_id=f"adm-{serial}-{time.monotonic_ns()}",
         prompt_token_ids=[1, 2, 3, 10 + serial % 1000],
@@ -89,23 +91,23 @@ async def one_request(stub, serial: int, tier: str, sent_at: float, args) -> Sen
     )
     began, first, routed = time.perf_counter(), None, False
     try:
-        async for frame in stub.Generate(iter([router_pb2.GenerateRequest(start=start)]), timeout=600):
+        async for frame in frames(link, start, timeout_ms=600_000):
             routed = routed or frame.WhichOneof("kind") == "routed"
             if first is None and frame.WhichOneof("kind") == "tokens":
                 first = time.perf_counter()
-    except grpc.aio.AioRpcError as error:
+    except ServiceError as error:
         took = time.perf_counter() - began
-        return Sent(tier, sent_at, False, took, error.code().name, retry_after_s(error), late=routed)
+        return Sent(tier, sent_at, False, took, error.code.name, error.retry_after_s, late=routed)
     return Sent(tier, sent_at, True, (first or time.perf_counter()) - began)
 
 
 async def drive(address: str, plan: list[tuple[float, str]], args) -> list[Sent]:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
+        link = router_link(channel)
         t0, calls = time.perf_counter(), []
         for serial, (at, tier) in enumerate(plan):
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            calls.append(asyncio.create_task(one_request(stub, serial, tier, at, args)))
+            calls.append(asyncio.create_task(one_request(link, serial, tier, at, args)))
         return list(await asyncio.gather(*calls))
 
 

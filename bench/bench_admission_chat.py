@@ -48,12 +48,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench.bench_admission import TIER_MIX, WARMUP_LOAD, Sent, start_mesh  # noqa: E402
 from bench.bench_router import percentile  # noqa: E402
+from bench.link_client import frames, router_link  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from chatmesh.engine.v1 import engine_pb2  # noqa: E402
-from chatmesh.errors import retry_after_s  # noqa: E402
-from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+from chatmesh.errors import ServiceError  # noqa: E402
+from chatmesh.router.v1 import router_pb2  # noqa: E402
 from chatmesh.tiers import TIERS, TTFT_OBJECTIVES_S, tier_named  # noqa: E402
 from meshkit.launcher import Launcher  # noqa: E402
+from meshkit.links import Link  # noqa: E402
 
 SYSTEM_TOKENS = 450
 QUESTION_TOKENS = (20, 60)
@@ -92,7 +94,7 @@ class ChatLoad:
         return chat
 
 
-async def one_turn(stub, chat: Chat, load: ChatLoad, serial: int, sent_at: float) -> Sent:
+async def one_turn(link: Link, chat: Chat, load: ChatLoad, serial: int, sent_at: float) -> Sent:
     """Sends the chat's next turn (its history plus a new question); on an answer, both join it."""
     chat.busy = True
     question = load.question()
@@ -104,15 +106,15 @@ async def one_turn(stub, chat: Chat, load: ChatLoad, serial: int, sent_at: float
     )
     began, first, routed, answer = time.perf_counter(), None, False, []
     try:
-        async for frame in stub.Generate(iter([router_pb2.GenerateRequest(start=start)]), timeout=600):
+        async for frame in frames(link, start, timeout_ms=600_000):
             kind = frame.WhichOneof("kind")
             routed = routed or kind == "routed"
             if kind == "tokens":
                 first = first or time.perf_counter()
                 answer += frame.tokens.token_ids
-    except grpc.aio.AioRpcError as error:
+    except ServiceError as error:
         took = time.perf_counter() - began
-        return Sent(chat.tier, sent_at, False, took, error.code().name, retry_after_s(error), late=routed)
+        return Sent(chat.tier, sent_at, False, took, error.code.name, error.retry_after_s, late=routed)
     finally:
         chat.busy = False
     chat.history += question + answer
@@ -120,7 +122,7 @@ async def one_turn(stub, chat: Chat, load: ChatLoad, serial: int, sent_at: float
     return Sent(chat.tier, sent_at, True, (first or time.perf_counter()) - began)
 
 
-async def measure_capacity(stub, load: ChatLoad, chats: int, seconds: float) -> float:
+async def measure_capacity(link: Link, load: ChatLoad, chats: int, seconds: float) -> float:
     """Requests finished per second by ``chats`` closed-loop enterprise chats, after as long a warm-up."""
     t0 = time.perf_counter()
     finished: list[float] = []
@@ -128,7 +130,7 @@ async def measure_capacity(stub, load: ChatLoad, chats: int, seconds: float) -> 
     async def loop(serial: int) -> None:
         while time.perf_counter() - t0 < 2 * seconds:
             chat = load.idle_chat("enterprise")
-            sent = await one_turn(stub, chat, load, serial, time.perf_counter() - t0)
+            sent = await one_turn(link, chat, load, serial, time.perf_counter() - t0)
             if sent.admitted:
                 finished.append(time.perf_counter() - t0)
             else:
@@ -139,7 +141,7 @@ async def measure_capacity(stub, load: ChatLoad, chats: int, seconds: float) -> 
     return sum(seconds <= at < 2 * seconds for at in finished) / seconds
 
 
-async def drive_load(stub, load: ChatLoad, capacity: float, factor: float, args) -> list[Sent]:
+async def drive_load(link: Link, load: ChatLoad, capacity: float, factor: float, args) -> list[Sent]:
     """Poisson arrivals: 0.5x ``capacity`` for the warm-up, then ``factor`` x it."""
     rng = random.Random(args.seed + int(10 * factor))
     t0, clock, calls, serial = time.perf_counter(), 0.0, [], 0
@@ -151,7 +153,7 @@ async def drive_load(stub, load: ChatLoad, capacity: float, factor: float, args)
             break
         await asyncio.sleep(max(0.0, t0 + clock - time.perf_counter()))
         serial += 1
-        calls.append(asyncio.create_task(one_turn(stub, load.idle_chat(), load, serial, clock)))
+        calls.append(asyncio.create_task(one_turn(link, load.idle_chat(), load, serial, clock)))
     return list(await asyncio.gather(*calls))
 
 
@@ -161,16 +163,16 @@ async def drive(address: str, capacity_address: str, args) -> dict:
     out: dict = {"loads": {}}
     chats = args.capacity_chats * args.engines
     async with grpc.aio.insecure_channel(capacity_address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
-        capacity = await measure_capacity(stub, ChatLoad(system, args.turns, rng), chats, args.capacity_s)
+        link = router_link(channel)
+        capacity = await measure_capacity(link, ChatLoad(system, args.turns, rng), chats, args.capacity_s)
     out["capacity_per_s"] = capacity
     print(f"    capacity: {capacity:.2f} requests/s ({chats} closed-loop chats)", flush=True)
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
+        link = router_link(channel)
         for factor in args.loads:
             load = ChatLoad(system, args.turns, random.Random(args.seed + 1))
             print(f"    {factor:g}x = {factor * capacity:.2f} requests/s ...", flush=True)
-            out["loads"][factor] = await drive_load(stub, load, capacity, factor, args)
+            out["loads"][factor] = await drive_load(link, load, capacity, factor, args)
     return out
 
 

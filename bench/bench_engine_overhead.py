@@ -1,7 +1,8 @@
 """Engine overhead without a model: what the scheduler, KV bookkeeping, detokenizer and gRPC cost per token.
 
 Starts ``python -m engine --backend null`` unpaced (every step is pure engine work), drives C concurrent
-Generate streams over gRPC and reports aggregate output tokens/s, time to first token and the gap
+requests over gRPC, on one link (``meshkit.links``: one GenerateMany stream, as the router reaches an
+engine), and reports aggregate output tokens/s, time to first token and the gap
 between token frames; then times the engine core alone (no gRPC) stepping N running requests.
 These numbers bound what the mesh can push through one engine process before any model compute.
 
@@ -19,20 +20,23 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.link_client import batches, engine_link  # noqa: E402
 from bench.machine import machine  # noqa: E402
-from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+from chatmesh.engine.v1 import engine_pb2  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model.loading import create_runner  # noqa: E402
 from engine.request import EngineRequest, SamplingParams  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
+from meshkit.links import Link  # noqa: E402
 
 MAX_RUNNING = 512
 
@@ -44,35 +48,36 @@ class StreamTimes:
     tokens: int
 
 
-async def timed_stream(stub, frame) -> StreamTimes:
-    """One Generate call (engine or router: the frames have the same shape), timed at the client."""
+async def timed_stream(link: Link, start: Any, **fields: Any) -> StreamTimes:
+    """One request on ``link`` (to an engine or a router: the frames have the same shape), timed at the
+    client: a gap is the time between two takes that brought tokens (frames that arrived together, for
+    a reader that fell behind, are one delivery). ``fields``: the start frame's others."""
     sent, last, gaps, tokens, first = time.perf_counter(), None, [], 0, None
-    async for reply in stub.Generate(iter([frame]), timeout=600):
-        if reply.WhichOneof("kind") != "tokens":
+    async for batch in batches(link, start, **fields):
+        arrived = sum(len(frame.tokens.token_ids) for frame in batch if frame.WhichOneof("kind") == "tokens")
+        if not arrived:
             continue
         now = time.perf_counter()
         if last is None:
             first = now - sent
         else:
             gaps.append(now - last)
-        last, tokens = now, tokens + len(reply.tokens.token_ids)
+        last, tokens = now, tokens + arrived
     return StreamTimes(first or 0.0, gaps, tokens)
 
 
-def start_frame(request_id: str, prompt: list[int], tokens: int) -> engine_pb2.GenerateRequest:
+def start_frame(request_id: str, prompt: list[int], tokens: int) -> engine_pb2.GenerateStart:
     sampling = engine_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True)
-    return engine_pb2.GenerateRequest(
-        start=engine_pb2.GenerateStart(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
-    )
+    return engine_pb2.GenerateStart(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
 
 
 async def grpc_run(address: str, prompt: list[int], concurrency: int, tokens: int) -> dict[str, float]:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        link = engine_link(channel)
         began = time.perf_counter()
         results = await asyncio.gather(
             *(
-                timed_stream(stub, start_frame(f"c{concurrency}-{i}-{time.monotonic_ns()}", prompt, tokens))
+                timed_stream(link, start_frame(f"c{concurrency}-{i}-{time.monotonic_ns()}", prompt, tokens))
                 for i in range(concurrency)
             )
         )

@@ -5,7 +5,7 @@ Starts the whole mesh as processes on 127.0.0.1 (a Cassandra node, null engines 
 ``--tokens-per-s`` per stream, a router, an orchestrator, the edge and Envoy with the ``make run``
 config) and drives the same answers, C at a time, along three paths:
 
-  engine  EngineService.Generate straight to an engine (round robin): the floor
+  engine  straight to an engine (round robin), on a link to each as the router reaches it: the floor
   openai  POST /v1/chat/completions (stream) through Envoy (JWT, rate limit) -> edge -> orchestrator
           Complete, on the edge's completion links (limits, budget in Cassandra, prompt) -> router ->
           engine

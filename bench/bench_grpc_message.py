@@ -1,7 +1,7 @@
 """What one streamed gRPC message costs in Python, and how much coalescing tokens into frames could save.
 
-A grpc.aio server (``meshkit.serving``, as every chatmesh service) streams ``GenerateTokens`` frames to a
-grpc.aio client in the same process, over loopback: the send side of one hop and the receive side of the
+A grpc.aio server (``meshkit.serving``, as every chatmesh service) streams ``GenerateTokens`` frames, one
+request's frame a ``GenerateMany`` message (as a link carries one request's tokens), to a grpc.aio client in the same process, over loopback: the send side of one hop and the receive side of the
 next. Reported: CPU per message (this process, gRPC's threads included) and per token, for frames of 1,
 2, 4 and 8 tokens, with and without OpenTelemetry's gRPC interceptors (which ``meshkit.telemetry``
 installs in every service). Every token crosses four such Python hops on its way to the edge.
@@ -30,18 +30,20 @@ STREAMS = 10
 
 
 class Frames(engine_pb2_grpc.EngineServiceServicer):
-    """Generate answers with ``per_stream`` frames of ``tokens_per_frame`` tokens (a null engine's shape)."""
+    """GenerateMany answers with ``per_stream`` messages of one frame of ``tokens_per_frame`` tokens (a null
+    engine's shape, for one request)."""
 
     def __init__(self, per_stream: int, tokens_per_frame: int) -> None:
         self.per_stream, self.tokens_per_frame = per_stream, tokens_per_frame
 
-    async def Generate(self, request_iterator, context):
+    async def GenerateMany(self, request_iterator, context):
         width = self.tokens_per_frame
         for i in range(self.per_stream):
             tokens = engine_pb2.GenerateTokens(
                 index=i * width, token_ids=list(range(1000, 1000 + width)), text=" token" * width
             )
-            yield engine_pb2.GenerateResponse(tokens=tokens)
+            frame = engine_pb2.ResponseFrame(request_id="bench", tokens=tokens)
+            yield engine_pb2.GenerateManyResponse(frames=[frame])
 
 
 async def measure(messages: int, tokens_per_frame: int) -> tuple[float, float]:
@@ -53,7 +55,8 @@ async def measure(messages: int, tokens_per_frame: int) -> tuple[float, float]:
         return [engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name]
 
     handle = await start_grpc_server(add, free_port())
-    start = engine_pb2.GenerateRequest(start=engine_pb2.GenerateStart(request_id="bench"))
+    start = engine_pb2.RequestFrame(request_id="bench", start=engine_pb2.GenerateStart(request_id="bench"))
+    request = engine_pb2.GenerateManyRequest(frames=[start])
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
             stub = engine_pb2_grpc.EngineServiceStub(channel)
@@ -61,7 +64,7 @@ async def measure(messages: int, tokens_per_frame: int) -> tuple[float, float]:
 
             async def one() -> None:
                 nonlocal received
-                async for _ in stub.Generate(iter([start])):
+                async for _ in stub.GenerateMany(iter([request])):
                     received += 1
 
             await asyncio.gather(*(one() for _ in range(2)))  # warm-up: connection, first calls

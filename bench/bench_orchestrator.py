@@ -5,8 +5,9 @@ Starts a Cassandra node, null engines paced at ``--tokens-per-s`` per stream (no
 every millisecond measured is the mesh's own), a router and an orchestrator, all as processes
 (``python -m ...``), then drives the same streams, C at a time, along each path:
 
-  engine    EngineService.Generate straight to an engine (round robin over the engines)
-  router    RouterService.Generate
+  engine    straight to an engine (round robin over the engines), on a link to each
+            (meshkit.links: one GenerateMany stream per engine, as the router reaches them)
+  router    straight to the router, on one link (as the orchestrator reaches it)
   complete  ChatService.Complete: limits, budget reservation and reconciliation in Cassandra, moderation,
             prompt assembly, router (nothing else stored)
   send      ChatService.SendMessage, each in a chat of its own: idempotency claim, history read, user
@@ -49,9 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_memory_store import warm_node  # noqa: E402
+from bench.link_client import engine_link, frames, router_link  # noqa: E402
 from bench.machine import machine  # noqa: E402
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc  # noqa: E402
-from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
+from chatmesh.engine.v1 import engine_pb2  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, load_tokenizer  # noqa: E402
 from localmesh.cassandra.node import CassandraNode, NodeConfig  # noqa: E402
@@ -110,8 +112,8 @@ class Paths:
         self.prompt, self.tokens, self.keys = prompt, tokens, keys
         self._tokens: dict[int, str] = {}
         self.channels = [grpc.aio.insecure_channel(a) for a in (*engines, router, orchestrator)]
-        self.engines = [engine_pb2_grpc.EngineServiceStub(c) for c in self.channels[: len(engines)]]
-        self.router = router_pb2_grpc.RouterServiceStub(self.channels[-2])
+        self.engines = [engine_link(c) for c in self.channels[: len(engines)]]
+        self.router = router_link(self.channels[-2])
         self.chat = chat_pb2_grpc.ChatServiceStub(self.channels[-1])
         self.fingerprint = load_tokenizer().fingerprint
 
@@ -134,8 +136,7 @@ class Paths:
         start = engine_pb2.GenerateStart(
             request_id=f"bench-{next(_ids)}", prompt_token_ids=self.prompt, sampling=sampling(self.tokens)
         )
-        stub = self.engines[i % len(self.engines)]
-        async for frame in stub.Generate(iter([engine_pb2.GenerateRequest(start=start)]), timeout=600):
+        async for frame in frames(self.engines[i % len(self.engines)], start):
             if frame.WhichOneof("kind") == "tokens" and frame.tokens.text:
                 yield len(frame.tokens.token_ids)
 
@@ -147,7 +148,7 @@ class Paths:
             tier=router_pb2.TIER_ENTERPRISE,
             tokenizer_fingerprint=self.fingerprint,
         )
-        async for frame in self.router.Generate(iter([router_pb2.GenerateRequest(start=start)]), timeout=600):
+        async for frame in frames(self.router, start, timeout_ms=600_000):
             if frame.WhichOneof("kind") == "tokens" and frame.tokens.text:
                 yield len(frame.tokens.token_ids)
 

@@ -44,11 +44,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.bench_engine_overhead import StreamTimes, timed_stream  # noqa: E402
-from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc  # noqa: E402
-from chatmesh.errors import retry_after_s  # noqa: E402
+from bench.link_client import engine_link, frames, router_link  # noqa: E402
+from chatmesh.engine.v1 import engine_pb2  # noqa: E402
+from chatmesh.errors import ServiceError  # noqa: E402
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer, load_tokenizer  # noqa: E402
 from meshkit.launcher import GrpcHealthy, Launcher, ServiceSpec, free_port  # noqa: E402
+from meshkit.links import Link  # noqa: E402
 
 WORDS = [
     "river",
@@ -195,7 +197,7 @@ class Result:
 
 
 async def one_request(
-    stub, conv: Conversation, turn: int, prompt: list[int], args, t0: float, fingerprint: str
+    link: Link, conv: Conversation, turn: int, prompt: list[int], args, t0: float, fingerprint: str
 ) -> tuple[Result, list[int]]:
     start = router_pb2.GenerateStart(
         request_id=f"{conv.name}-{turn}-{time.monotonic_ns()}",
@@ -208,7 +210,7 @@ async def one_request(
     )
     sent = time.perf_counter()
     first, tokens, routed, finished = None, [], [], None
-    async for frame in stub.Generate(iter([router_pb2.GenerateRequest(start=start)]), timeout=3600):
+    async for frame in frames(link, start, timeout_ms=3_600_000):
         kind = frame.WhichOneof("kind")
         if kind == "routed":
             routed.append(frame.routed)
@@ -235,7 +237,7 @@ async def one_request(
 
 
 async def answered(
-    stub, conv: Conversation, turn: int, prompt: list[int], args, t0: float, fingerprint: str
+    link: Link, conv: Conversation, turn: int, prompt: list[int], args, t0: float, fingerprint: str
 ) -> tuple[Result, list[int]]:
     """One turn, sent again after the router's retry delay each time it is refused, as a client would
     (admission by predicted wait, or an engine's queue limit); the result counts the refusals and
@@ -243,24 +245,24 @@ async def answered(
     refusals = 0
     while True:
         try:
-            result, tokens = await one_request(stub, conv, turn, prompt, args, t0, fingerprint)
-        except grpc.aio.AioRpcError as error:
-            if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            result, tokens = await one_request(link, conv, turn, prompt, args, t0, fingerprint)
+        except ServiceError as error:
+            if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise
             refusals += 1
-            await asyncio.sleep(retry_after_s(error) or 1.0)
+            await asyncio.sleep(error.retry_after_s or 1.0)
             continue
         result.refusals = refusals
         return result, tokens
 
 
 async def converse(
-    stub, conv: Conversation, args, t0: float, fingerprint: str, results: list[Result]
+    link: Link, conv: Conversation, args, t0: float, fingerprint: str, results: list[Result]
 ) -> None:
     await asyncio.sleep(max(0.0, t0 + conv.start_s - time.perf_counter()))
     prompt = conv.first_prompt
     for turn in range(args.turns):
-        result, answer = await answered(stub, conv, turn, prompt, args, t0, fingerprint)
+        result, answer = await answered(link, conv, turn, prompt, args, t0, fingerprint)
         results.append(result)
         if turn + 1 < args.turns:
             prompt = prompt + answer + conv.follow_ups[turn]
@@ -270,9 +272,9 @@ async def converse(
 async def drive(router_address: str, workload: list[Conversation], args, fingerprint: str) -> list[Result]:
     results: list[Result] = []
     async with grpc.aio.insecure_channel(router_address) as channel:
-        stub = router_pb2_grpc.RouterServiceStub(channel)
+        link = router_link(channel)
         t0 = time.perf_counter()
-        await asyncio.gather(*(converse(stub, c, args, t0, fingerprint, results) for c in workload))
+        await asyncio.gather(*(converse(link, c, args, t0, fingerprint, results) for c in workload))
     return results
 
 
@@ -285,9 +287,7 @@ async def warm_up(addresses: list[str]) -> None:
                 prompt_token_ids=list(range(40000, 40020)),
                 sampling=engine_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
             )
-            async for _ in engine_pb2_grpc.EngineServiceStub(channel).Generate(
-                iter([engine_pb2.GenerateRequest(start=start)]), timeout=600
-            ):
+            async for _ in frames(engine_link(channel), start):
                 pass
 
 
@@ -362,24 +362,22 @@ async def compare(
         grpc.aio.insecure_channel(engine_address) as engine_channel,
         grpc.aio.insecure_channel(router_address) as router_channel,
     ):
-        stubs = {
-            "direct": (engine_pb2_grpc.EngineServiceStub(engine_channel), engine_pb2),
-            "router": (router_pb2_grpc.RouterServiceStub(router_channel), router_pb2),
+        links = {
+            "direct": (engine_link(engine_channel), engine_pb2),
+            "router": (router_link(router_channel), router_pb2),
         }
         for rep in range(3):
-            for path, (stub, pb2) in stubs.items():
-                frames = [
-                    pb2.GenerateRequest(
-                        start=pb2.GenerateStart(
-                            request_id=f"{path}-{streams}-{rep}-{i}-{time.monotonic_ns()}",
-                            prompt_token_ids=prompt,
-                            sampling=sampling,
-                        )
+            for path, (link, pb2) in links.items():
+                starts = [
+                    pb2.GenerateStart(
+                        request_id=f"{path}-{streams}-{rep}-{i}-{time.monotonic_ns()}",
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
                     )
                     for i in range(streams)
                 ]
                 began = time.perf_counter()
-                times = await asyncio.gather(*(timed_stream(stub, f) for f in frames))
+                times = await asyncio.gather(*(timed_stream(link, start) for start in starts))
                 samples[path].append((times, sum(t.tokens for t in times) / (time.perf_counter() - began)))
     row: dict[str, float] = {"streams": streams}
     for path, reps in samples.items():

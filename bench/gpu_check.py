@@ -522,7 +522,7 @@ async def functional_checks(address: str, tokenizer, checks: Checks, result: dic
 
 async def throughput(address: str, tokenizer, device: str, result: dict[str, dict]) -> None:
     from bench.bench_engine_overhead import grpc_run, start_frame, timed_stream
-    from chatmesh.engine.v1 import engine_pb2_grpc
+    from bench.link_client import engine_link
 
     streams, tokens, prefill_streams, prefill_len = SERVE_LOAD[device]
     prompt = tokenizer.encode_chat([ChatMessage("user", "Write a long story about a fox and a dog.")])
@@ -542,13 +542,13 @@ async def throughput(address: str, tokenizer, device: str, result: dict[str, dic
     rng = np.random.default_rng(1)
     vocab = tokenizer.vocab_size
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = engine_pb2_grpc.EngineServiceStub(channel)
+        link = engine_link(channel)
         for n in (1, prefill_streams):
             prompts = [rng.integers(100, vocab, prefill_len).tolist() for _ in range(n)]  # no shared prefix
             began = time.perf_counter()
             done = await asyncio.gather(
                 *(
-                    timed_stream(stub, start_frame(f"prefill-{n}-{i}-{time.monotonic_ns()}", p, 1))
+                    timed_stream(link, start_frame(f"prefill-{n}-{i}-{time.monotonic_ns()}", p, 1))
                     for i, p in enumerate(prompts)
                 )
             )

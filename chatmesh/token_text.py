@@ -20,13 +20,7 @@ from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2
 
 # Each carries engine.v1's GenerateTokens as `tokens`.
-Response = TypeVar(
-    "Response",
-    engine_pb2.GenerateResponse,
-    engine_pb2.ResponseFrame,
-    router_pb2.GenerateResponse,
-    router_pb2.ResponseFrame,
-)
+Response = TypeVar("Response", engine_pb2.ResponseFrame, router_pb2.ResponseFrame)
 
 
 def token_pieces(frame: engine_pb2.GenerateTokens) -> list[tuple[int, str]]:

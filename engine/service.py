@@ -13,9 +13,8 @@ from typing import Any, Protocol
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
-from chatmesh.errors import ServiceError, abort, unavailable
+from chatmesh.errors import ServiceError, unavailable
 from chatmesh.finish import FinishReason
-from chatmesh.streams import StartThenCancel
 from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_events import BlocksStored, KvEventBatch, KvEventLog, SubscriberOverflow
@@ -110,45 +109,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     def serving(self) -> bool:
         return not (self.draining or self.engine.failure)
 
-    # -- Generate ------------------------------------------------------------------------------------
-
-    async def Generate(
-        self, request_iterator: AsyncIterator[engine_pb2.GenerateRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
-        requests = StartThenCancel(request_iterator)
-        start = await requests.start(context)
-        try:
-            request = self.validated(start)
-            request = self.with_cached_grammar(request) or await self.with_compiled_grammar(request)
-            self.add(request)
-        except ServiceError as exc:  # an invalid request, or one the engine did not take
-            await abort(context, exc)
-
-        request_id = request.request_id
-        news = asyncio.Event()
-        # Before any await: no output can be delivered earlier.
-        stream = self.dispatcher.open(request_id, lambda _: news.set())
-        requests.watch(on_cancel=lambda: self.engine.cancel(request_id))
-        done = False
-        try:
-            yield engine_pb2.GenerateResponse(accepted=self.accepted(request))
-            while not done:
-                await news.wait()
-                news.clear()
-                tokens, finish = stream.take()
-                if tokens is not None:
-                    yield engine_pb2.GenerateResponse(tokens=tokens)
-                if finish is not None:
-                    done = True
-                    if (failure := _failure(finish)) is not None:
-                        await abort(context, failure)
-                    await requests.check(context)
-                    yield engine_pb2.GenerateResponse(finished=_finished_proto(finish))
-        finally:
-            requests.stop()
-            self.dispatcher.close(request_id)
-            if not done:  # the client cancelled the RPC or went away: free the request's blocks
-                self.engine.cancel(request_id)
+    # -- GenerateMany: every request of one router on one stream ----------------------------------
 
     async def GenerateMany(
         self,

@@ -6,8 +6,8 @@ request's ``RequestStream`` merges the frames its client has not read yet into o
 costs memory in proportion to its own output (bounded by max_tokens) and never slows the engine. The
 merged frame keeps each token's text boundary (``text_ends``), so a reader can split it back into the
 pieces the steps released (``chatmesh/token_text.py``). A stream tells its reader it has news through
-a callback: a ``Generate`` call wakes on its one request's, a ``GenerateMany`` call collects those of
-all of its requests and sends them in one message.
+a callback: a ``GenerateMany`` call collects those of all of its requests and sends them in one
+message.
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ Python, both sides), and with a stream per request every token was a message. On
 engine step's tokens for all of a router's requests there cross as one message, and the starts and
 cancels of one loop turn go out as one (docs/benchmarks/front_door.md, "Relay cost per hop").
 
-Each request keeps ``Generate``'s contract, per request id: ``open`` sends its `start` (with the trace
+Each request has a contract of its own, per request id: ``open`` sends its `start` (with the trace
 context of its span), ``cancel`` its one `cancel`, and ``release`` is the caller letting go of it (a
-request released before it ended is cancelled: a caller that went away frees the peer's work, as
-cancelling a Generate call does). Its frames arrive on a ``RequestFeed``, which the caller reads as it
-would read a call (``chatmesh.streams.Arrivals``: every frame that came since the last take), or whose
+request released before it ended is cancelled: a caller that went away frees the peer's work). Its
+frames arrive on a ``RequestFeed``, which the caller reads with ``take`` (``meshkit.arrivals.Arrivals``:
+every frame that came since the last take), or whose
 token frames it takes where they arrive, without a task of its own waking (``RequestFeed.on_tokens``).
 The stream is opened on first use and again after it ends; when it fails (the peer died, the connection
 dropped), every request on it fails with UNAVAILABLE, as a failed call would. Frames for a request
@@ -38,8 +38,8 @@ from google.protobuf.message_factory import GetMessageClass
 from opentelemetry import trace
 
 from chatmesh.errors import ServiceError, from_status, parse
-from chatmesh.streams import MISUSE, Arrivals
 from chatmesh.token_text import coalesced
+from meshkit.arrivals import Arrivals
 from meshkit.telemetry import request_span
 
 # One request message carries frames up to about this many bytes (starts carry prompts); the rest go
@@ -58,14 +58,14 @@ class LinkMessages:
     response_frame: type  # ResponseFrame
     failed: type  # GenerateFailed
     finished: type  # GenerateFinished
-    # The name of each request's spans, client and server: the Generate call it stands for.
+    # The name of each request's spans, client and server: ``<service>/Generate``, one request's work.
     span_name: str
 
     @classmethod
     def of(cls, pb2: ModuleType) -> LinkMessages:
         """Those of a generated module's service, read from its ``…Many`` method (engine.v1's and
         router.v1's GenerateMany, chat.v1's CompleteMany): its request and response, their `frames`, a
-        frame's `cancel` and `failed`. The spans are named for the call each request stands for."""
+        frame's `cancel` and `failed`. The spans are named for the method less its ``Many``: a request."""
         [service] = pb2.DESCRIPTOR.services_by_name.values()
         [method] = [m for m in service.methods if m.name.endswith("Many") and m.client_streaming]
         frame = method.input_type.fields_by_name["frames"].message_type
@@ -375,7 +375,10 @@ class ServedRequests:
             # A refusal naming that id would be ambiguous: the running request ends, misused.
             self.stop(request_id)
             self._pending.pop(request_id, None)
-            self.end(request_id, error=ServiceError(grpc.StatusCode.INVALID_ARGUMENT, MISUSE))
+            misuse = ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, "only one `start` frame per request; send `cancel` to stop"
+            )
+            self.end(request_id, error=misuse)
             return
         self._spans[request_id] = request_span(
             self._messages.span_name, trace.SpanKind.SERVER, frame.trace_context

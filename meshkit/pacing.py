@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 
-from chatmesh.streams import Wakeup
+from meshkit.arrivals import Wakeup
 from meshkit.event_loop import RECENT_LAG, RecentLag
 
 # Below this recent lag the loop keeps up: nothing waits.

@@ -1,7 +1,7 @@
 """One request through the router (``RoutedRequest``): place it, stream from the engine, and fail over when
 the engine fails.
 
-    place ──► routed ──► engine Generate: start ─► accepted ─► tokens … ─► finished ──► done
+    place ──► routed ──► engine request: start ─► accepted ─► tokens … ─► finished ──► done
                  ▲                                    │ error, timeout, or the stream just ends
                  └──── place elsewhere (attempt + 1), resuming with the tokens already sent ◄┘
 

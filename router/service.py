@@ -1,13 +1,14 @@
 """RouterService: the router's gRPC face (see protos/chatmesh/router/v1/router.proto for the contract).
 
-Stream contract with the caller (the orchestrator):
+Contract with the caller (the orchestrator), per request on its GenerateMany stream:
 - the first frame is `start`; at most one `cancel` may follow. A `cancel` is forwarded to the engine at
-  once and the stream ends with `finished` (reason CANCELLED) carrying the usage so far;
-- half-closing the request side is not a cancel: generation goes on and every frame is still sent;
-- cancelling the RPC (or the connection dropping) cancels the engine call, which frees its KV blocks.
-  So a client that goes away without a `cancel` frame must keep its end of the stream open if it wants
-  the run to continue: the orchestrator owns that choice (it keeps relaying into its run buffer when
-  a browser drops, and cancels only when the user says so).
+  once and the request ends with `finished` (reason CANCELLED) carrying the usage so far;
+- half-closing the request side is not a cancel: the requests on the stream go on and every frame is
+  still sent;
+- cancelling the RPC (or the connection dropping) cancels every request on it, which frees their KV
+  blocks. So a caller that wants a request to continue keeps the stream open: the orchestrator owns
+  that choice (it keeps relaying into its run buffer when a browser drops, and cancels only when the
+  user says so).
 """
 
 from __future__ import annotations
@@ -20,11 +21,9 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from chatmesh.errors import ServiceError, abort, unavailable
+from chatmesh.errors import ServiceError, unavailable
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
-from chatmesh.streams import Arrivals, StartThenCancel
 from chatmesh.tiers import is_tier_proto
-from chatmesh.token_text import coalesced
 from meshkit.links import LinkMessages, ServedRequests
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
@@ -53,31 +52,6 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self.draining = True
         for wake in self._streams:
             wake.set()
-
-    async def Generate(
-        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.GenerateResponse]:
-        requests = StartThenCancel(request_iterator)
-        start = await requests.start(context)
-        try:
-            relay = self.admit(start, context.time_remaining())
-        except ServiceError as exc:
-            await abort(context, exc)
-        requests.watch(on_cancel=relay.cancel)
-        frames: Arrivals[router_pb2.ResponseFrame] = Arrivals()
-        relaying = asyncio.create_task(_relay_into(relay, frames))
-        try:
-            while batch := await frames.take():
-                for frame in coalesced(batch):  # a client that fell behind gets fewer, bigger frames
-                    kind = frame.WhichOneof("kind")
-                    yield router_pb2.GenerateResponse(**{kind: getattr(frame, kind)})
-        except ServiceError as exc:
-            await abort(context, exc)
-        finally:
-            relaying.cancel()
-            requests.stop()
-            self.end(relay)
-        await requests.check(context)
 
     async def GenerateMany(
         self,
@@ -186,16 +160,6 @@ class _ManyRelays(ServedRequests):
             if self._relays.get(request_id, (None,))[0] is relay:
                 del self._relays[request_id]
         self.end(request_id, last, error)
-
-
-async def _relay_into(relay: RoutedRequest, frames: Arrivals[router_pb2.ResponseFrame]) -> None:
-    """Runs ``relay`` into ``frames``, for one ``Generate`` call: its error, if any, ends them."""
-    try:
-        await relay.run(frames.add)
-    except Exception as exc:
-        frames.end(exc)
-    else:
-        frames.end()
 
 
 def _invalid(start: router_pb2.GenerateStart) -> str:

@@ -29,18 +29,25 @@ import math
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import exhausted, unavailable
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
-from chatmesh.streams import Wakeup
+from meshkit.arrivals import Wakeup
 from meshkit.pacing import StreamPacer
 from orchestrator.metrics import METRICS
 from orchestrator.runs.run_state import RunState, Stop, check_move
 
-if TYPE_CHECKING:
-    from orchestrator.runs.relay import Relay
+
+class Generating(Protocol):
+    """What generates a live run, as the run sees it (``relay.py:Relay``, which imports this module):
+    something to stop and to wait for."""
+
+    def stop(self, reason: Stop) -> None: ...
+
+    async def wait(self, timeout_s: float) -> None: ...
+
 
 # The events of a run that are no delta: started + usage + done, or started + error.
 _FRAME_EVENTS = 3
@@ -95,7 +102,7 @@ class HeldRun:
         self.ended_at: float | None = None
         self.subscribers = 0
         # The relay generating it, from when it goes live.
-        self.relay: Relay | None = None
+        self.relay: Generating | None = None
         # A stop asked for while it was starting (an adopted run being placed again): applied as it goes live.
         self._stop_when_live: Stop | None = None
         self._changed = Wakeup()
@@ -178,7 +185,7 @@ class HeldRun:
 
     # -- its state ------------------------------------------------------------------------------
 
-    def go_live(self, relay: Relay) -> None:
+    def go_live(self, relay: Generating) -> None:
         """``relay`` generates the run from now on; a stop asked for while it was starting applies now."""
         self._state = check_move(self.info.run_id, self._state, RunState.LIVE)
         self.relay = relay

@@ -117,7 +117,11 @@ class HeldRuns:
 
     def relays(self) -> list[Relay]:
         """The runs this replica relays now."""
-        return [held.relay for held in self._runs.values() if held.state is RunState.LIVE and held.relay]
+        return [
+            held.relay
+            for held in self._runs.values()
+            if held.state is RunState.LIVE and isinstance(held.relay, Relay)
+        ]
 
     def local(self, user_id: str, run_id: str) -> HeldRun | None:
         """The user's run, if this replica holds it."""

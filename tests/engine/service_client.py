@@ -1,20 +1,26 @@
-"""A small EngineService client for tests: a Generate stream you can cancel or half-close at will."""
+"""A small EngineService client for tests: a request on a link (meshkit.links) that you can cancel, or
+whose call you can drop, at will."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.router.v1 import router_pb2
 from chatmesh.token_text import has_text_ends, token_pieces
 from chatmesh.tokenizer import ChatMessage, ChatTokenizer
+from meshkit.links import Link, LinkMessages
 
 TIMEOUT_S = 30
+ENGINE_LINK = LinkMessages.of(engine_pb2)
 
 
 def capital_question(tokenizer: ChatTokenizer) -> list[int]:
@@ -40,48 +46,59 @@ def start_frame(
     )
 
 
-@dataclass
 class Stream:
-    """One Generate call; frames go out through a queue so the test decides when to cancel or half-close."""
+    """One request, on a link of its own (``meshkit.links``: a GenerateMany call, as the router reaches an
+    engine), read frame by frame, so the test decides when to cancel it or drop its call. A refusal or
+    failure raises its ServiceError."""
 
-    call: grpc.aio.StreamStreamCall
-    outbox: asyncio.Queue
+    timeout_s = TIMEOUT_S  # the longest wait for a frame
 
-    @classmethod
-    def open(cls, stub: engine_pb2_grpc.EngineServiceStub, *first: engine_pb2.GenerateRequest) -> Stream:
-        outbox: asyncio.Queue = asyncio.Queue()
-        for frame in first:
-            outbox.put_nowait(frame)
-
-        async def frames() -> AsyncIterator[engine_pb2.GenerateRequest]:
-            while (frame := await outbox.get()) is not None:
-                yield frame
-
-        return cls(stub.Generate(frames(), timeout=TIMEOUT_S), outbox)
+    def __init__(
+        self, link: Link, start: engine_pb2.GenerateStart | router_pb2.GenerateStart, **fields: Any
+    ) -> None:
+        self.link, self.request_id = link, start.request_id
+        self.feed = link.open(start, {}, **fields)
+        self._arrived: deque[Any] = deque()
 
     @classmethod
     def start(cls, stub: engine_pb2_grpc.EngineServiceStub, start: engine_pb2.GenerateStart) -> Stream:
-        return cls.open(stub, engine_pb2.GenerateRequest(start=start))
+        return cls(Link(stub.GenerateMany, ENGINE_LINK, "the engine"), start)
 
     def send_cancel(self) -> None:
-        self.outbox.put_nowait(engine_pb2.GenerateRequest(cancel=engine_pb2.GenerateCancel()))
+        self.link.cancel(self.request_id)
 
-    def half_close(self) -> None:
-        self.outbox.put_nowait(None)
+    def drop(self) -> None:
+        """Cancels the call, as a client that went away: the peer stops the request's work."""
+        self.link.close()
 
-    async def read(self) -> engine_pb2.GenerateResponse:
-        frame = await self.call.read()
-        assert frame is not grpc.aio.EOF, "the stream ended early"
-        return frame
+    async def read(self) -> Any:
+        """The next frame (a ResponseFrame)."""
+        while not self._arrived:
+            frames = await asyncio.wait_for(self.feed.take(), self.timeout_s)
+            assert frames, "the request ended early"
+            self._arrived.extend(frames)
+        return self._arrived.popleft()
+
+    async def frames(self) -> AsyncIterator[Any]:
+        """The frames not read yet, until the request ends (raising its error, if any); then lets go of
+        the call."""
+        try:
+            while True:
+                while self._arrived:
+                    yield self._arrived.popleft()
+                taken = await asyncio.wait_for(self.feed.take(), self.timeout_s)
+                if not taken:
+                    return
+                self._arrived.extend(taken)
+        finally:
+            self.link.release(self.request_id)
+            self.link.renew()  # half-closes the call: it has no other request
 
     async def rest(self) -> Outcome:
-        """Reads until the stream ends (raising its error status, if any); what the frames said."""
+        """Reads until the request ends (raising its error, if any); what the frames said."""
         outcome = Outcome()
-        try:
-            while (frame := await self.call.read()) is not grpc.aio.EOF:
-                outcome.add(frame)
-        finally:
-            self.half_close()  # lets the request generator end, so the call can close cleanly
+        async for frame in self.frames():
+            outcome.add(frame)
         return outcome
 
 
@@ -95,7 +112,7 @@ class Outcome:
     finished: engine_pb2.GenerateFinished | None = None
     first_index: int | None = None
 
-    def add(self, frame: engine_pb2.GenerateResponse) -> None:
+    def add(self, frame: engine_pb2.ResponseFrame) -> None:
         kind = frame.WhichOneof("kind")
         assert self.finished is None, "nothing may follow `finished`"
         if kind == "accepted":

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from chatmesh.engine.v1 import engine_pb2
+from chatmesh.errors import ServiceError
 from tests.engine.core_helpers import released_pieces
 from tests.engine.service_client import TIMEOUT_S, Stream, capital_question, engine_stub, start_frame
 
@@ -35,10 +36,10 @@ async def test_prompt_plus_max_tokens_may_fill_the_context_window_but_not_exceed
     prompt = capital_question(chat_tokenizer)
     info = await stub.GetModelInfo(engine_pb2.GetModelInfoRequest(), timeout=TIMEOUT_S)
     room = info.context_length - len(prompt)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with pytest.raises(ServiceError) as err:
         await Stream.start(stub, start_frame("too-long", prompt, max_tokens=room + 1)).rest()
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "context window" in err.value.details()
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "context window" in err.value.message
     # Exactly full is allowed; the model stops on its own long before.
     outcome = await Stream.start(stub, start_frame("full", prompt, max_tokens=room)).rest()
     assert outcome.finished.finish_reason == engine_pb2.FINISH_REASON_STOP
@@ -65,7 +66,7 @@ async def test_bad_sampling_values_are_invalid_arguments(stub, chat_tokenizer, c
             getattr(start.sampling, name).extend(value)
         else:
             setattr(start.sampling, name, value)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with pytest.raises(ServiceError) as err:
         await Stream.start(stub, start).rest()
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert mentions in err.value.details()
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert mentions in err.value.message

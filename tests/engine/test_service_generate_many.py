@@ -1,7 +1,7 @@
 """EngineService.GenerateMany, many requests on one stream, over a real gRPC socket against real
-``python -m engine --backend null`` processes: each request keeps Generate's contract, a step's tokens
-for all of them share a message, refusals end one request and not the stream, and the stream's end
-frees whatever it still holds."""
+``python -m engine --backend null`` processes: each request gets what it would get alone on a stream, a
+step's tokens for all of them share a message, refusals end one request and not the stream, and the
+stream's end frees whatever it still holds."""
 
 import asyncio
 import re
@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.errors import from_status
+from chatmesh.errors import ServiceError, from_status
 from tests.engine.service_client import (
     TIMEOUT_S,
     Outcome,
@@ -53,7 +53,7 @@ def open_many(stub, *frames: engine_pb2.RequestFrame) -> Many:
     return Many.open(stub, engine_pb2.GenerateManyRequest, Outcome, *frames, timeout_s=TIMEOUT_S)
 
 
-async def test_requests_on_one_stream_each_get_generates_answer_and_a_step_serves_them_in_one_message(
+async def test_requests_on_one_stream_each_get_the_answer_given_alone_and_a_step_serves_them_in_one_message(
     stub, prompt
 ):
     ids = [f"many-{i}" for i in range(8)]
@@ -64,7 +64,7 @@ async def test_requests_on_one_stream_each_get_generates_answer_and_a_step_serve
         outcome = many.outcomes[request_id]
         assert outcome.first_index == 0 and outcome.token_ids == alone.token_ids
         assert outcome.text == alone.text and outcome.finished.usage.completion_tokens == 24
-    # 8 requests x 24 tokens would be 208 messages with a stream per request (accepted, tokens, finished).
+    # 8 requests x 24 tokens would be 208 messages with a message per frame (accepted, tokens, finished).
     assert max(len({f.request_id for f in m.frames}) for m in many.messages) == len(ids)
     assert len(many.messages) < 24 + 8
     many.half_close()
@@ -207,14 +207,14 @@ async def test_constrained_requests_share_a_stream_with_free_ones_and_one_that_d
     assert "broken" not in many.outcomes, "refused before anything ran: not even accepted"
     await wait_until(lambda: idle(stub), what="every request's blocks freed")
     many.half_close()
-    # Generate (one request a stream) takes the same constraints.
+    # A request alone on its stream takes the same constraints.
     alone = await Stream.start(stub, constrained("alone", prompt, choice)).rest()
     assert alone.text == many.outcomes["choice"].text
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
+    with pytest.raises(ServiceError) as refused:
         await Stream.start(
             stub, constrained("bad", prompt, engine_pb2.StructuredOutput(json_schema="{"))
         ).rest()
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not JSON" in refused.value.details()
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "not JSON" in refused.value.message
     url = f"http://127.0.0.1:{null_engine.metrics_port}/metrics"
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
     for series in (

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from chatmesh.streams import Wakeup
+from meshkit.arrivals import Wakeup
 from meshkit.event_loop import RecentLag
 from meshkit.pacing import ENGAGE_LAG_S, GAIN, StreamPacer
 

@@ -73,13 +73,13 @@ def test_a_frame_without_ends_merges_as_one_piece_released_by_its_last_token():
 
 
 def test_coalescing_merges_each_run_of_token_frames_and_keeps_every_other_frame_in_place():
-    def tokens(index: int, text: str) -> router_pb2.GenerateResponse:
-        return router_pb2.GenerateResponse(
+    def tokens(index: int, text: str) -> router_pb2.ResponseFrame:
+        return router_pb2.ResponseFrame(
             tokens=engine_pb2.GenerateTokens(index=index, token_ids=[index], text=text, text_ends=[len(text)])
         )
 
-    routed = router_pb2.GenerateResponse(routed=router_pb2.GenerateRouted(engine_id="e1"))
-    finished = router_pb2.GenerateResponse(finished=engine_pb2.GenerateFinished())
+    routed = router_pb2.ResponseFrame(routed=router_pb2.GenerateRouted(engine_id="e1"))
+    finished = router_pb2.ResponseFrame(finished=engine_pb2.GenerateFinished())
     out = coalesced([tokens(0, "a"), tokens(1, "b"), routed, tokens(2, "c"), finished])
     assert [frame.WhichOneof("kind") for frame in out] == ["tokens", "routed", "tokens", "finished"]
     assert (out[0].tokens.text, list(out[0].tokens.token_ids)) == ("ab", [0, 1])

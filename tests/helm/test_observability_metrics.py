@@ -29,6 +29,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from chatmesh.chat.v1 import chat_pb2
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from meshkit.launcher import Launcher, free_port
@@ -177,8 +178,8 @@ async def _sheds_then_a_failover(stub: router_pb2_grpc.RouterServiceStub, mesh: 
         while True:
             try:
                 await generate(stub, start_frame(prompt, tier=router_pb2.TIER_FREE))
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            except ServiceError as exc:
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     break
                 raise
             assert time.monotonic() < deadline, "the router never shed the free tier"
@@ -194,11 +195,11 @@ async def _sheds_then_a_failover(stub: router_pb2_grpc.RouterServiceStub, mesh: 
             await asyncio.sleep(0.1)
         for end in (end for end in ends if end.done()):
             error = end.exception()
-            assert isinstance(error, grpc.aio.AioRpcError), error
-            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+            assert isinstance(error, ServiceError), error
+            assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED, error
     finally:
         for stream in streams:
-            stream.call.cancel()
+            stream.drop()
     await asyncio.sleep(0.5)  # the engines free the cancelled requests' slots
     stream = Stream.start(stub, start_frame(prompt, max_tokens=100, tier=router_pb2.TIER_ENTERPRISE))
     routed = await stream.until("routed")

@@ -10,8 +10,8 @@ from chatmesh.chat.v1 import chat_pb2
 from chatmesh.errors import ServiceError
 from chatmesh.finish import FinishReason, Usage
 from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
-from chatmesh.streams import Wakeup
 from memory_store.models import RunDelta, RunStatus
+from meshkit.arrivals import Wakeup
 from meshkit.event_loop import RecentLag
 from meshkit.pacing import StreamPacer
 from orchestrator.runs.held_run import HeldRun, RunInfo

@@ -1,20 +1,19 @@
-"""A small RouterService client for tests: a Generate stream you can cancel or half-close at will, and
-what its frames said (checked for the stream contract as they arrive)."""
+"""A small RouterService client for tests: a request on a link (meshkit.links) that you can cancel, or
+whose call you can drop, at will, and what its frames said (checked for the contract as they arrive)."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-
-import grpc
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.token_text import has_text_ends, token_pieces
+from meshkit.links import Link, LinkMessages
+from tests.engine import service_client
 
 TIMEOUT_S = 60
+ROUTER_LINK = LinkMessages.of(router_pb2)
 _ids = itertools.count()
 
 
@@ -42,7 +41,7 @@ class Outcome:
     def engine_id(self) -> str:
         return self.routed[-1].engine_id
 
-    def add(self, frame: router_pb2.GenerateResponse) -> None:
+    def add(self, frame: router_pb2.ResponseFrame) -> None:
         kind = frame.WhichOneof("kind")
         assert self.finished is None, "nothing may follow `finished`"
         if kind == "routed":
@@ -65,49 +64,34 @@ class Outcome:
             self.text += frame.finished.text
 
 
-@dataclass
-class Stream:
-    """One Generate call; frames go out through a queue so the test decides when to cancel or half-close."""
+class Stream(service_client.Stream):
+    """One request on a link of its own to the router (as the orchestrator reaches it), with its deadline
+    in its start frame; what its frames said so far is ``outcome``."""
 
-    call: grpc.aio.StreamStreamCall
-    outbox: asyncio.Queue
-    outcome: Outcome = field(default_factory=Outcome)
+    timeout_s = TIMEOUT_S
+
+    def __init__(self, link: Link, start: router_pb2.GenerateStart) -> None:
+        super().__init__(link, start, timeout_ms=TIMEOUT_S * 1000)
+        self.outcome = Outcome()
 
     @classmethod
     def start(cls, stub: router_pb2_grpc.RouterServiceStub, start: router_pb2.GenerateStart) -> Stream:
-        outbox: asyncio.Queue = asyncio.Queue()
-        outbox.put_nowait(router_pb2.GenerateRequest(start=start))
+        return cls(Link(stub.GenerateMany, ROUTER_LINK, "the router"), start)
 
-        async def frames() -> AsyncIterator[router_pb2.GenerateRequest]:
-            while (frame := await outbox.get()) is not None:
-                yield frame
-
-        return cls(stub.Generate(frames(), timeout=TIMEOUT_S), outbox)
-
-    def send_cancel(self) -> None:
-        self.outbox.put_nowait(router_pb2.GenerateRequest(cancel=router_pb2.GenerateCancel()))
-
-    def half_close(self) -> None:
-        self.outbox.put_nowait(None)
-
-    async def read(self) -> router_pb2.GenerateResponse:
-        frame = await self.call.read()
-        assert frame is not grpc.aio.EOF, "the stream ended early"
+    async def read(self) -> router_pb2.ResponseFrame:
+        frame = await super().read()
         self.outcome.add(frame)
         return frame
 
-    async def until(self, kind: str) -> router_pb2.GenerateResponse:
+    async def until(self, kind: str) -> router_pb2.ResponseFrame:
         while (frame := await self.read()).WhichOneof("kind") != kind:
             pass
         return frame
 
     async def rest(self) -> Outcome:
-        """Reads until the stream ends (raising its error status, if any)."""
-        try:
-            while (frame := await self.call.read()) is not grpc.aio.EOF:
-                self.outcome.add(frame)
-        finally:
-            self.half_close()
+        """Reads until the request ends (raising its error, if any)."""
+        async for frame in self.frames():
+            self.outcome.add(frame)
         return self.outcome
 
 

@@ -18,7 +18,7 @@ import time
 import grpc
 import pytest
 
-from chatmesh.errors import retry_after_s
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.tiers import TTFT_OBJECTIVES_S
 from tests.router.router_client import Stream, start_frame
@@ -41,7 +41,7 @@ def turn(system: list[int], rng: random.Random) -> router_pb2.GenerateStart:
     return start_frame(system + question, max_tokens=ANSWER_TOKENS, tier=router_pb2.TIER_PRO)
 
 
-async def one_turn(router, start: router_pb2.GenerateStart) -> tuple[str, float, grpc.aio.AioRpcError | None]:
+async def one_turn(router, start: router_pb2.GenerateStart) -> tuple[str, float, ServiceError | None]:
     """("admitted", its TTFT), ("refused", how long the refusal took, the error) when the router
     refused it, or ("dropped", ...) when an engine did (the request was routed)."""
     sent = time.perf_counter()
@@ -51,7 +51,7 @@ async def one_turn(router, start: router_pb2.GenerateStart) -> tuple[str, float,
         ttft = time.perf_counter() - sent
         await stream.rest()
         return "admitted", ttft, None
-    except grpc.aio.AioRpcError as error:
+    except ServiceError as error:
         return "dropped" if stream.outcome.routed else "refused", time.perf_counter() - sent, error
 
 
@@ -79,9 +79,9 @@ async def test_a_burst_whose_prefill_cannot_start_in_time_is_refused_at_once_and
     assert refused, f"all {BURST} admitted: {admitted}"
     assert len(admitted) + len(refused) == BURST, [(k, round(s, 2)) for k, s, _ in outcomes]
     for _, error in refused:
-        assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
-        assert "pro tier" in error.details()
-        delay = retry_after_s(error)
+        assert error is not None and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        assert "pro tier" in error.message
+        delay = error.retry_after_s
         assert delay is not None and 0.5 <= delay <= 30
     # A decision, not a wait (generous: 24 streams at once on a busy 2-core box; a wait is ~1 s).
     refusal_times = sorted(seconds for seconds, _ in refused)

@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from chatmesh.errors import retry_after_s
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2_grpc
 from chatmesh.tiers import TTFT_OBJECTIVES_S
 from tests.router.router_client import Stream, start_frame
@@ -32,7 +32,7 @@ def paced(start_engines, start_router):
     return start_router(engines)  # the default admission: by predicted wait
 
 
-async def one_request(router, serial: int) -> tuple[str, float, grpc.aio.AioRpcError | None]:
+async def one_request(router, serial: int) -> tuple[str, float, ServiceError | None]:
     """("admitted", its TTFT) or ("refused", how long the refusal took, the error)."""
     sent = time.perf_counter()
     stream = Stream.start(router, start_frame([1, 2, 3, serial % 1000 + 10], max_tokens=ANSWER_TOKENS))
@@ -41,7 +41,7 @@ async def one_request(router, serial: int) -> tuple[str, float, grpc.aio.AioRpcE
         ttft = time.perf_counter() - sent
         await stream.rest()
         return "admitted", ttft, None
-    except grpc.aio.AioRpcError as error:
+    except ServiceError as error:
         return "refused", time.perf_counter() - sent, error
 
 
@@ -61,9 +61,9 @@ async def test_past_capacity_the_excess_is_refused_fast_and_admitted_requests_wa
     refused = [(seconds, error) for kind, seconds, error in outcomes if kind == "refused"]
     assert refused, "3x the capacity must be refused in part"
     for _, error in refused:
-        assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
-        assert "free tier" in error.details()
-        delay = retry_after_s(error)
+        assert error is not None and error.code == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        assert "free tier" in error.message
+        delay = error.retry_after_s
         assert delay is not None and 0.5 <= delay <= 30
     # The engines were kept busy: at least half their capacity over the drive was admitted.
     assert len(admitted) >= CAPACITY_PER_S * DRIVE_S / 2

@@ -1,7 +1,7 @@
 """RouterService.GenerateMany, many requests on one stream, against a real router over real null engines:
-each request keeps Generate's contract (routed, contiguous tokens, one finished), refusals and deadlines
-end one request and not the stream, a cancel frees its engine work, and the stream's end frees all of
-it."""
+each request gets what it gets alone on a stream (routed, contiguous tokens, one finished), refusals and
+deadlines end one request and not the stream, a half-close is not a cancel, a cancel frees its engine
+work, and the stream's end frees all of it."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def open_many(stub, *frames: router_pb2.RequestFrame) -> Many:
     return Many.open(stub, router_pb2.GenerateManyRequest, Outcome, *frames, timeout_s=TIMEOUT_S)
 
 
-async def test_requests_on_one_stream_each_get_what_generate_gives_and_share_messages(stub, tok):
+async def test_requests_on_one_stream_each_get_what_they_get_alone_and_share_messages(stub, tok):
     prompts = {f"many-{i}": chat(tok, f"You answer question {i}.", "Go.") for i in range(8)}
     many = open_many(
         stub, *(start(request_id, prompt, max_tokens=30) for request_id, prompt in prompts.items())
@@ -47,7 +47,7 @@ async def test_requests_on_one_stream_each_get_what_generate_gives_and_share_mes
         alone = await generate(stub, start_frame(prompt, max_tokens=30))
         assert outcome.token_ids == alone.token_ids and outcome.text == alone.text
         assert len(outcome.routed) == 1 and outcome.finished.usage.completion_tokens == 30
-    # A stream per request would take 8 x (routed + 30 tokens + finished) messages.
+    # A message per frame would take 8 x (routed + 30 tokens + finished) messages.
     assert max(len({f.request_id for f in m.frames}) for m in many.messages) > 1
     assert len(many.messages) < 8 * 32 / 2
     many.half_close()
@@ -72,7 +72,7 @@ async def test_a_refused_request_fails_alone_with_its_status_and_the_others_go_o
         "no-such-model": grpc.StatusCode.NOT_FOUND,
         "foreign": grpc.StatusCode.FAILED_PRECONDITION,
     }
-    # The refusal's words are the router's, as a Generate call's status would be.
+    # The refusal's words are the router's.
     assert "prompt_token_ids" in from_status(many.failed["no-prompt"].status).message
     many.half_close()
 
@@ -93,6 +93,17 @@ async def test_a_cancel_frame_ends_its_request_only_and_frees_its_engine_work(st
         lambda: engine_idle(engine_stubs[goes.engine_id]), what="the cancelled request's blocks freed"
     )
     many.half_close()
+
+
+async def test_a_half_close_is_not_a_cancel(stub, tok):
+    many = open_many(stub, start("after-half-close", chat(tok, "Be brief.", "Hi."), max_tokens=40))
+    await many.until(lambda: "after-half-close" in many.outcomes)  # routed
+    many.half_close()
+    await many.until_ended("after-half-close")
+    outcome = many.outcomes["after-half-close"]
+    assert outcome.finished.finish_reason == engine_pb2.FINISH_REASON_LENGTH
+    assert len(outcome.token_ids) == 40
+    assert await many.call.read() is grpc.aio.EOF
 
 
 async def test_cancelling_the_stream_frees_the_engine_work_of_every_request_on_it(stub, tok, engine_stubs):

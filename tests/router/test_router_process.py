@@ -3,6 +3,7 @@
 import grpc
 import pytest
 
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2_grpc
 from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from tests.fixtures.router import wait_for_engines
@@ -14,10 +15,10 @@ async def test_without_engines_requests_get_a_clear_unavailable(start_router):
     async with grpc.aio.insecure_channel(router.address) as channel:
         stub = router_pb2_grpc.RouterServiceStub(channel)
         assert await list_engines(stub) == {}
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        with pytest.raises(ServiceError) as err:
             await generate(stub, start_frame([1, 2, 3]))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "no engines are configured" in err.value.details() and "--engine" in err.value.details()
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no engines are configured" in err.value.message and "--engine" in err.value.message
 
 
 async def test_engines_found_through_dns_serve_requests(start_router, router):

@@ -12,8 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.errors import ServiceError
 from chatmesh.router.v1 import router_pb2
 from chatmesh.tokenizer import ChatMessage
+from tests.engine import service_client as engine_client
 from tests.engine.service_client import wait_until
 from tests.router.router_client import TIMEOUT_S, Stream, generate, list_engines, start_frame
 
@@ -103,8 +105,8 @@ async def test_load_dominates_when_the_engine_holding_the_prefix_is_saturated(
         assert moved.engine_id != home, "a saturated engine must lose despite holding the prefix"
         assert moved.predicted_cached_tokens == 0
     finally:
-        for call in heavy:
-            call.cancel()
+        for request in heavy:
+            request.drop()
     await wait_until(lambda: engine_idle(engine_stubs[home]), what="the heavy load to go away")
 
 
@@ -125,20 +127,11 @@ async def test_a_burst_on_a_hot_prefix_spreads_once_the_holders_load_outweighs_t
     assert home in engines and len(set(engines)) == 2, (engines, "the router's view after it:", seen)
 
 
-def direct_request(stub, request_id, prompt, max_tokens):
-    """A Generate call straight to an engine, bypassing the router (cancel the call to end it)."""
-
-    async def frames():
-        yield engine_pb2.GenerateRequest(
-            start=engine_pb2.GenerateStart(
-                request_id=request_id,
-                prompt_token_ids=prompt,
-                sampling=engine_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            )
-        )
-        await asyncio.Event().wait()  # keep the request side open: a half-close is not a cancel anyway
-
-    return stub.Generate(frames(), timeout=TIMEOUT_S)
+def direct_request(stub, request_id, prompt, max_tokens) -> engine_client.Stream:
+    """A request straight to an engine, bypassing the router (drop it to end it)."""
+    sampling = engine_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    start = engine_pb2.GenerateStart(request_id=request_id, prompt_token_ids=prompt, sampling=sampling)
+    return engine_client.Stream.start(stub, start)
 
 
 async def _router_sees_idle(stub) -> bool:
@@ -170,32 +163,15 @@ async def test_cancel_frame_ends_the_stream_and_frees_the_engines_blocks(stub, t
     )
 
 
-async def test_half_close_is_not_a_cancel(stub, tok):
-    stream = Stream.start(stub, start_frame(chat(tok, "Be brief.", "Hi."), max_tokens=40))
-    await stream.until("routed")
-    stream.half_close()
-    outcome = await stream.rest()
-    assert outcome.finished.finish_reason == engine_pb2.FINISH_REASON_LENGTH
-    assert len(outcome.token_ids) == 40
-
-
-async def test_cancelling_the_call_frees_the_engines_blocks(stub, tok, engine_stubs):
-    stream = Stream.start(stub, start_frame(chat(tok, "Talk forever.", "Go."), max_tokens=4000))
-    engine_id = (await stream.until("routed")).routed.engine_id
-    await stream.until("tokens")
-    stream.call.cancel()
-    await wait_until(lambda: engine_idle(engine_stubs[engine_id]), what="the dropped request's blocks freed")
-
-
 async def test_unknown_model_is_not_found_and_a_foreign_tokenizer_is_refused(stub, tok):
     prompt = chat(tok, "x", "y")
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with pytest.raises(ServiceError) as err:
         await generate(stub, start_frame(prompt, model="llama-405b"))
-    assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    assert "SmolLM2-135M-Instruct" in err.value.details()
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert "SmolLM2-135M-Instruct" in err.value.message
+    with pytest.raises(ServiceError) as err:
         await generate(stub, start_frame(prompt, tokenizer_fingerprint="not-our-tokenizer"))
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     named = await generate(stub, start_frame(prompt, max_tokens=2, model=tok.model_name))
     assert len(named.token_ids) == 2
 
@@ -218,24 +194,24 @@ async def test_unknown_model_is_not_found_and_a_foreign_tokenizer_is_refused(stu
     ],
 )
 async def test_malformed_starts_are_invalid_arguments(stub, start, message):
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with pytest.raises(ServiceError) as err:
         await generate(stub, start)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.message
 
 
 async def test_engine_refusals_are_relayed_without_failover(stub, tok):
     prompt = chat(tok, "x", "y")
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with pytest.raises(ServiceError) as err:
         await generate(stub, start_frame(prompt, max_tokens=100_000))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context window" in err.value.details()
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "context window" in err.value.message
 
 
 async def test_a_live_request_id_cannot_be_reused(stub, tok):
     first = Stream.start(stub, start_frame(chat(tok, "x", "y"), max_tokens=4000, request_id="same-id"))
     await first.until("tokens")
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with pytest.raises(ServiceError) as err:
         await generate(stub, start_frame(chat(tok, "x", "y"), request_id="same-id"))
-    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
     first.send_cancel()
     await first.rest()
 

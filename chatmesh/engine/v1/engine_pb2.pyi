@@ -114,14 +114,6 @@ class GenerateCancel(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class GenerateRequest(_message.Message):
-    __slots__ = ("start", "cancel")
-    START_FIELD_NUMBER: _ClassVar[int]
-    CANCEL_FIELD_NUMBER: _ClassVar[int]
-    start: GenerateStart
-    cancel: GenerateCancel
-    def __init__(self, start: _Optional[_Union[GenerateStart, _Mapping]] = ..., cancel: _Optional[_Union[GenerateCancel, _Mapping]] = ...) -> None: ...
-
 class GenerateAccepted(_message.Message):
     __slots__ = ("engine_instance_id", "context_tokens")
     ENGINE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -177,16 +169,6 @@ class GenerateFinished(_message.Message):
     usage: Usage
     matched_stop: str
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., text: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., matched_stop: _Optional[str] = ...) -> None: ...
-
-class GenerateResponse(_message.Message):
-    __slots__ = ("accepted", "tokens", "finished")
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    accepted: GenerateAccepted
-    tokens: GenerateTokens
-    finished: GenerateFinished
-    def __init__(self, accepted: _Optional[_Union[GenerateAccepted, _Mapping]] = ..., tokens: _Optional[_Union[GenerateTokens, _Mapping]] = ..., finished: _Optional[_Union[GenerateFinished, _Mapping]] = ...) -> None: ...
 
 class GenerateManyRequest(_message.Message):
     __slots__ = ("frames",)

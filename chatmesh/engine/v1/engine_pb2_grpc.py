@@ -28,7 +28,7 @@ if _version_not_supported:
 class EngineServiceStub:
     """EngineService is one engine replica: one model, one KV cache, one scheduler.
 
-    Errors (gRPC status on the call):
+    Errors (a request's status, in its `failed` frame on GenerateMany):
     INVALID_ARGUMENT     malformed request, or prompt + max_tokens beyond the context window.
     FAILED_PRECONDITION  the request names another model or tokenizer than this engine serves.
     RESOURCE_EXHAUSTED   the waiting queue is full; a google.rpc.RetryInfo detail says when to retry.
@@ -41,11 +41,6 @@ class EngineServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.stream_stream(
-                '/chatmesh.engine.v1.EngineService/Generate',
-                request_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
-                _registered_method=True)
         self.GenerateMany = channel.stream_stream(
                 '/chatmesh.engine.v1.EngineService/GenerateMany',
                 request_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateManyRequest.SerializeToString,
@@ -76,33 +71,26 @@ class EngineServiceStub:
 class EngineServiceServicer:
     """EngineService is one engine replica: one model, one KV cache, one scheduler.
 
-    Errors (gRPC status on the call):
+    Errors (a request's status, in its `failed` frame on GenerateMany):
     INVALID_ARGUMENT     malformed request, or prompt + max_tokens beyond the context window.
     FAILED_PRECONDITION  the request names another model or tokenizer than this engine serves.
     RESOURCE_EXHAUSTED   the waiting queue is full; a google.rpc.RetryInfo detail says when to retry.
     UNAVAILABLE          the engine is draining or its model runner failed.
     """
 
-    def Generate(self, request_iterator, context):
-        """Generate runs one request as a bidirectional stream. The client sends a GenerateRequest with
-        `start` first, then at most one with `cancel`. The engine answers `accepted` once the request is
-        queued, `tokens` frames as tokens are sampled, and one `finished` frame last.
-        Half-closing the request side is not a cancel; an explicit `cancel` frame (or cancelling the RPC)
-        frees the request's KV blocks within one scheduler step.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GenerateMany(self, request_iterator, context):
         """GenerateMany runs many requests on one bidirectional stream: what a router keeps open to each
         engine, so that one step's tokens for all of its requests cross in one message rather than one
-        message per request. Each request keeps Generate's contract (one `start`, at most one `cancel`;
-        `accepted`, `tokens`..., `finished`), its frames tagged with its request id; a request that is
-        refused or fails ends with `failed`, carrying the status Generate would have ended with. Frames of
-        one request keep their order; those of different requests interleave. The stream ends OK once the
+        message per request. Each request's frames are tagged with its request id: the client sends its
+        `start` first, then at most one `cancel`; the engine answers `accepted` once the request is queued,
+        `tokens` frames as tokens are sampled, and one `finished` frame last, or ends it with `failed`
+        (carrying its status: the errors above) if it is refused or fails. A `cancel` frees the request's
+        KV blocks within one scheduler step. Frames of one request keep their order; those of different
+        requests interleave. Half-closing the request side is not a cancel: the stream ends OK once the
         client has half-closed and every request on it has ended (or, while the engine drains, once none is
         left); cancelling the RPC, or losing the connection, cancels every request still on it.
+        (A per-request `Generate` RPC and its GenerateRequest/GenerateResponse messages were removed: no
+        released router called them. Do not reuse those names; CONTRIBUTING.md, "Protos and buf breaking".)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,11 +130,6 @@ class EngineServiceServicer:
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.stream_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.FromString,
-                    response_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.SerializeToString,
-            ),
             'GenerateMany': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateMany,
                     request_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateManyRequest.FromString,
@@ -183,39 +166,12 @@ def add_EngineServiceServicer_to_server(servicer, server):
 class EngineService:
     """EngineService is one engine replica: one model, one KV cache, one scheduler.
 
-    Errors (gRPC status on the call):
+    Errors (a request's status, in its `failed` frame on GenerateMany):
     INVALID_ARGUMENT     malformed request, or prompt + max_tokens beyond the context window.
     FAILED_PRECONDITION  the request names another model or tokenizer than this engine serves.
     RESOURCE_EXHAUSTED   the waiting queue is full; a google.rpc.RetryInfo detail says when to retry.
     UNAVAILABLE          the engine is draining or its model runner failed.
     """
-
-    @staticmethod
-    def Generate(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/chatmesh.engine.v1.EngineService/Generate',
-            chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
-            chatmesh_dot_engine_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def GenerateMany(request_iterator,

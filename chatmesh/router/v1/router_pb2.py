@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from chatmesh.engine.v1 import engine_pb2 as chatmesh_dot_engine_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63hatmesh/router/v1/router.proto\x12\x12\x63hatmesh.router.v1\x1a\x1f\x63hatmesh/engine/v1/engine.proto\"\x94\x02\n\rGenerateStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".chatmesh.engine.v1.SamplingParams\x12&\n\x04tier\x18\x05 \x01(\x0e\x32\x18.chatmesh.router.v1.Tier\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12 \n\x18resumed_output_token_ids\x18\x08 \x03(\r\x12\x13\n\x0bnew_session\x18\t \x01(\x08\"\x10\n\x0eGenerateCancel\"\x83\x01\n\x0fGenerateRequest\x12\x32\n\x05start\x18\x01 \x01(\x0b\x32!.chatmesh.router.v1.GenerateStartH\x00\x12\x34\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\".chatmesh.router.v1.GenerateCancelH\x00\x42\x06\n\x04kind\"v\n\x0eGenerateRouted\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x05 \x01(\x08\"\xc0\x01\n\x10GenerateResponse\x12\x34\n\x06routed\x18\x01 \x01(\x0b\x32\".chatmesh.router.v1.GenerateRoutedH\x00\x12\x34\n\x06tokens\x18\x02 \x01(\x0b\x32\".chatmesh.engine.v1.GenerateTokensH\x00\x12\x38\n\x08\x66inished\x18\x03 \x01(\x0b\x32$.chatmesh.engine.v1.GenerateFinishedH\x00\x42\x06\n\x04kind\"G\n\x13GenerateManyRequest\x12\x30\n\x06\x66rames\x18\x01 \x03(\x0b\x32 .chatmesh.router.v1.RequestFrame\"\xa8\x02\n\x0cRequestFrame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x05start\x18\x02 \x01(\x0b\x32!.chatmesh.router.v1.GenerateStartH\x00\x12\x34\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\".chatmesh.router.v1.GenerateCancelH\x00\x12I\n\rtrace_context\x18\x04 \x03(\x0b\x32\x32.chatmesh.router.v1.RequestFrame.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"I\n\x14GenerateManyResponse\x12\x31\n\x06\x66rames\x18\x01 \x03(\x0b\x32!.chatmesh.router.v1.ResponseFrame\"\x87\x02\n\rResponseFrame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x34\n\x06routed\x18\x02 \x01(\x0b\x32\".chatmesh.router.v1.GenerateRoutedH\x00\x12\x34\n\x06tokens\x18\x03 \x01(\x0b\x32\".chatmesh.engine.v1.GenerateTokensH\x00\x12\x38\n\x08\x66inished\x18\x04 \x01(\x0b\x32$.chatmesh.engine.v1.GenerateFinishedH\x00\x12\x34\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\".chatmesh.engine.v1.GenerateFailedH\x00\x42\x06\n\x04kind\"#\n\x12ListEnginesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xdb\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12,\n\x04load\x18\x05 \x01(\x0b\x32\x1e.chatmesh.engine.v1.EngineLoad\x12\x16\n\x0eindexed_blocks\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x19\n\x11inflight_requests\x18\x08 \x01(\r\x12\x15\n\rsessions_held\x18\t \x01(\r\"H\n\x13ListEnginesResponse\x12\x31\n\x07\x65ngines\x18\x01 \x03(\x0b\x32 .chatmesh.router.v1.EngineStatus*N\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_FREE\x10\x01\x12\x0c\n\x08TIER_PRO\x10\x02\x12\x13\n\x0fTIER_ENTERPRISE\x10\x03\x32\xb1\x02\n\rRouterService\x12Y\n\x08Generate\x12#.chatmesh.router.v1.GenerateRequest\x1a$.chatmesh.router.v1.GenerateResponse(\x01\x30\x01\x12\x65\n\x0cGenerateMany\x12\'.chatmesh.router.v1.GenerateManyRequest\x1a(.chatmesh.router.v1.GenerateManyResponse(\x01\x30\x01\x12^\n\x0bListEngines\x12&.chatmesh.router.v1.ListEnginesRequest\x1a\'.chatmesh.router.v1.ListEnginesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63hatmesh/router/v1/router.proto\x12\x12\x63hatmesh.router.v1\x1a\x1f\x63hatmesh/engine/v1/engine.proto\"\x94\x02\n\rGenerateStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x34\n\x08sampling\x18\x04 \x01(\x0b\x32\".chatmesh.engine.v1.SamplingParams\x12&\n\x04tier\x18\x05 \x01(\x0e\x32\x18.chatmesh.router.v1.Tier\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x07 \x01(\t\x12 \n\x18resumed_output_token_ids\x18\x08 \x03(\r\x12\x13\n\x0bnew_session\x18\t \x01(\x08\"\x10\n\x0eGenerateCancel\"v\n\x0eGenerateRouted\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x02 \x01(\r\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x05 \x01(\x08\"G\n\x13GenerateManyRequest\x12\x30\n\x06\x66rames\x18\x01 \x03(\x0b\x32 .chatmesh.router.v1.RequestFrame\"\xa8\x02\n\x0cRequestFrame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x05start\x18\x02 \x01(\x0b\x32!.chatmesh.router.v1.GenerateStartH\x00\x12\x34\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\".chatmesh.router.v1.GenerateCancelH\x00\x12I\n\rtrace_context\x18\x04 \x03(\x0b\x32\x32.chatmesh.router.v1.RequestFrame.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"I\n\x14GenerateManyResponse\x12\x31\n\x06\x66rames\x18\x01 \x03(\x0b\x32!.chatmesh.router.v1.ResponseFrame\"\x87\x02\n\rResponseFrame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x34\n\x06routed\x18\x02 \x01(\x0b\x32\".chatmesh.router.v1.GenerateRoutedH\x00\x12\x34\n\x06tokens\x18\x03 \x01(\x0b\x32\".chatmesh.engine.v1.GenerateTokensH\x00\x12\x38\n\x08\x66inished\x18\x04 \x01(\x0b\x32$.chatmesh.engine.v1.GenerateFinishedH\x00\x12\x34\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\".chatmesh.engine.v1.GenerateFailedH\x00\x42\x06\n\x04kind\"#\n\x12ListEnginesRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xdb\x01\n\x0c\x45ngineStatus\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12,\n\x04load\x18\x05 \x01(\x0b\x32\x1e.chatmesh.engine.v1.EngineLoad\x12\x16\n\x0eindexed_blocks\x18\x06 \x01(\x04\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x19\n\x11inflight_requests\x18\x08 \x01(\r\x12\x15\n\rsessions_held\x18\t \x01(\r\"H\n\x13ListEnginesResponse\x12\x31\n\x07\x65ngines\x18\x01 \x03(\x0b\x32 .chatmesh.router.v1.EngineStatus*N\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_FREE\x10\x01\x12\x0c\n\x08TIER_PRO\x10\x02\x12\x13\n\x0fTIER_ENTERPRISE\x10\x03\x32\xd6\x01\n\rRouterService\x12\x65\n\x0cGenerateMany\x12\'.chatmesh.router.v1.GenerateManyRequest\x1a(.chatmesh.router.v1.GenerateManyResponse(\x01\x30\x01\x12^\n\x0bListEngines\x12&.chatmesh.router.v1.ListEnginesRequest\x1a\'.chatmesh.router.v1.ListEnginesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,34 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REQUESTFRAME_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_REQUESTFRAME_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=1880
-  _globals['_TIER']._serialized_end=1958
+  _globals['_TIER']._serialized_start=1551
+  _globals['_TIER']._serialized_end=1629
   _globals['_GENERATESTART']._serialized_start=89
   _globals['_GENERATESTART']._serialized_end=365
   _globals['_GENERATECANCEL']._serialized_start=367
   _globals['_GENERATECANCEL']._serialized_end=383
-  _globals['_GENERATEREQUEST']._serialized_start=386
-  _globals['_GENERATEREQUEST']._serialized_end=517
-  _globals['_GENERATEROUTED']._serialized_start=519
-  _globals['_GENERATEROUTED']._serialized_end=637
-  _globals['_GENERATERESPONSE']._serialized_start=640
-  _globals['_GENERATERESPONSE']._serialized_end=832
-  _globals['_GENERATEMANYREQUEST']._serialized_start=834
-  _globals['_GENERATEMANYREQUEST']._serialized_end=905
-  _globals['_REQUESTFRAME']._serialized_start=908
-  _globals['_REQUESTFRAME']._serialized_end=1204
-  _globals['_REQUESTFRAME_TRACECONTEXTENTRY']._serialized_start=1145
-  _globals['_REQUESTFRAME_TRACECONTEXTENTRY']._serialized_end=1196
-  _globals['_GENERATEMANYRESPONSE']._serialized_start=1206
-  _globals['_GENERATEMANYRESPONSE']._serialized_end=1279
-  _globals['_RESPONSEFRAME']._serialized_start=1282
-  _globals['_RESPONSEFRAME']._serialized_end=1545
-  _globals['_LISTENGINESREQUEST']._serialized_start=1547
-  _globals['_LISTENGINESREQUEST']._serialized_end=1582
-  _globals['_ENGINESTATUS']._serialized_start=1585
-  _globals['_ENGINESTATUS']._serialized_end=1804
-  _globals['_LISTENGINESRESPONSE']._serialized_start=1806
-  _globals['_LISTENGINESRESPONSE']._serialized_end=1878
-  _globals['_ROUTERSERVICE']._serialized_start=1961
-  _globals['_ROUTERSERVICE']._serialized_end=2266
+  _globals['_GENERATEROUTED']._serialized_start=385
+  _globals['_GENERATEROUTED']._serialized_end=503
+  _globals['_GENERATEMANYREQUEST']._serialized_start=505
+  _globals['_GENERATEMANYREQUEST']._serialized_end=576
+  _globals['_REQUESTFRAME']._serialized_start=579
+  _globals['_REQUESTFRAME']._serialized_end=875
+  _globals['_REQUESTFRAME_TRACECONTEXTENTRY']._serialized_start=816
+  _globals['_REQUESTFRAME_TRACECONTEXTENTRY']._serialized_end=867
+  _globals['_GENERATEMANYRESPONSE']._serialized_start=877
+  _globals['_GENERATEMANYRESPONSE']._serialized_end=950
+  _globals['_RESPONSEFRAME']._serialized_start=953
+  _globals['_RESPONSEFRAME']._serialized_end=1216
+  _globals['_LISTENGINESREQUEST']._serialized_start=1218
+  _globals['_LISTENGINESREQUEST']._serialized_end=1253
+  _globals['_ENGINESTATUS']._serialized_start=1256
+  _globals['_ENGINESTATUS']._serialized_end=1475
+  _globals['_LISTENGINESRESPONSE']._serialized_start=1477
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1549
+  _globals['_ROUTERSERVICE']._serialized_start=1632
+  _globals['_ROUTERSERVICE']._serialized_end=1846
 # @@protoc_insertion_point(module_scope)

@@ -45,14 +45,6 @@ class GenerateCancel(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class GenerateRequest(_message.Message):
-    __slots__ = ("start", "cancel")
-    START_FIELD_NUMBER: _ClassVar[int]
-    CANCEL_FIELD_NUMBER: _ClassVar[int]
-    start: GenerateStart
-    cancel: GenerateCancel
-    def __init__(self, start: _Optional[_Union[GenerateStart, _Mapping]] = ..., cancel: _Optional[_Union[GenerateCancel, _Mapping]] = ...) -> None: ...
-
 class GenerateRouted(_message.Message):
     __slots__ = ("engine_id", "predicted_cached_tokens", "attempt", "model", "degraded")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -66,16 +58,6 @@ class GenerateRouted(_message.Message):
     model: str
     degraded: bool
     def __init__(self, engine_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., attempt: _Optional[int] = ..., model: _Optional[str] = ..., degraded: _Optional[bool] = ...) -> None: ...
-
-class GenerateResponse(_message.Message):
-    __slots__ = ("routed", "tokens", "finished")
-    ROUTED_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    routed: GenerateRouted
-    tokens: _engine_pb2.GenerateTokens
-    finished: _engine_pb2.GenerateFinished
-    def __init__(self, routed: _Optional[_Union[GenerateRouted, _Mapping]] = ..., tokens: _Optional[_Union[_engine_pb2.GenerateTokens, _Mapping]] = ..., finished: _Optional[_Union[_engine_pb2.GenerateFinished, _Mapping]] = ...) -> None: ...
 
 class GenerateManyRequest(_message.Message):
     __slots__ = ("frames",)

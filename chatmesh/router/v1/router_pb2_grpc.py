@@ -28,7 +28,7 @@ if _version_not_supported:
 class RouterServiceStub:
     """RouterService places requests on engines and relays their token streams.
 
-    Errors (gRPC status on the call):
+    Errors (a request's status, in its `failed` frame on GenerateMany):
     INVALID_ARGUMENT     malformed request (or refused as such by the engine), or no model named while the
     router serves several.
     NOT_FOUND            no engine serves the requested model.
@@ -45,11 +45,6 @@ class RouterServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.stream_stream(
-                '/chatmesh.router.v1.RouterService/Generate',
-                request_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateResponse.FromString,
-                _registered_method=True)
         self.GenerateMany = channel.stream_stream(
                 '/chatmesh.router.v1.RouterService/GenerateMany',
                 request_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateManyRequest.SerializeToString,
@@ -65,7 +60,7 @@ class RouterServiceStub:
 class RouterServiceServicer:
     """RouterService places requests on engines and relays their token streams.
 
-    Errors (gRPC status on the call):
+    Errors (a request's status, in its `failed` frame on GenerateMany):
     INVALID_ARGUMENT     malformed request (or refused as such by the engine), or no model named while the
     router serves several.
     NOT_FOUND            no engine serves the requested model.
@@ -76,30 +71,24 @@ class RouterServiceServicer:
     UNAVAILABLE          no healthy engine, or every failover attempt failed.
     """
 
-    def Generate(self, request_iterator, context):
-        """Generate runs one request as a bidirectional stream: a `start` frame first, then at most one
-        `cancel` frame. The router answers `routed` each time it places the request (again after a
-        failover), `tokens` frames with contiguous indexes across failovers, and one `finished` frame.
-
-        Contract on client loss: half-closing the request side is NOT a cancel (generation goes on and
-        every frame is still sent); only a `cancel` frame, or the RPC ending (cancelled, deadline, or the
-        connection lost, which gRPC reports as a cancelled RPC), stops the engine work. The orchestrator
-        owns the decision to keep a run alive for a dropped browser: it keeps this stream open.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def GenerateMany(self, request_iterator, context):
         """GenerateMany runs many requests on one bidirectional stream: what an orchestrator keeps open to each
         router, so that the tokens of all its requests there cross in as few messages as the router's
-        loop turns allow, not one message per token. Each request keeps Generate's contract (one `start`,
-        at most one `cancel`; `routed`, `tokens`..., `finished`), its frames tagged with its request id; a
-        request that is refused or fails ends with `failed`, carrying the status Generate would have ended
-        with. Its deadline travels in its start frame (`timeout_ms`), since the call's deadline cannot be
-        each request's. The stream ends OK once the client has half-closed and every request on it has
-        ended (or, while the router drains, once none is left); cancelling the RPC, or losing the
-        connection, cancels every request still on it.
+        loop turns allow, not one message per token. Each request's frames are tagged with its request id:
+        the client sends its `start` first, then at most one `cancel`; the router answers `routed` each
+        time it places the request (again after a failover), `tokens` frames with contiguous indexes
+        across failovers, and one `finished` frame, or ends it with `failed` (carrying its status: the
+        errors above) if it is refused or fails. Its deadline travels in its start frame (`timeout_ms`),
+        since the call's deadline cannot be each request's.
+
+        Contract on client loss: half-closing the request side is NOT a cancel (the requests on the
+        stream go on and every frame is still sent; the stream ends OK once every request on it has ended,
+        or, while the router drains, once none is left); only a request's `cancel` frame, or the RPC ending
+        (cancelled, deadline, or the connection lost, which gRPC reports as a cancelled RPC), stops the
+        engine work. The orchestrator owns the decision to keep a run alive for a dropped browser: it
+        keeps its stream open.
+        (A per-request `Generate` RPC and its GenerateRequest/GenerateResponse messages were removed: no
+        released orchestrator called them. Do not reuse those names; CONTRIBUTING.md, "Protos and buf breaking".)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -115,11 +104,6 @@ class RouterServiceServicer:
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.stream_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateRequest.FromString,
-                    response_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
-            ),
             'GenerateMany': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateMany,
                     request_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateManyRequest.FromString,
@@ -141,7 +125,7 @@ def add_RouterServiceServicer_to_server(servicer, server):
 class RouterService:
     """RouterService places requests on engines and relays their token streams.
 
-    Errors (gRPC status on the call):
+    Errors (a request's status, in its `failed` frame on GenerateMany):
     INVALID_ARGUMENT     malformed request (or refused as such by the engine), or no model named while the
     router serves several.
     NOT_FOUND            no engine serves the requested model.
@@ -151,33 +135,6 @@ class RouterService:
     it would be degraded to is saturated too); google.rpc.RetryInfo says when to retry.
     UNAVAILABLE          no healthy engine, or every failover attempt failed.
     """
-
-    @staticmethod
-    def Generate(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/chatmesh.router.v1.RouterService/Generate',
-            chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
-            chatmesh_dot_router_dot_v1_dot_router__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def GenerateMany(request_iterator,
