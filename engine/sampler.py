@@ -20,6 +20,8 @@ from engine.request import SamplingParams
 
 # top-p without top-k looks for the nucleus among this many best tokens first, widening as needed.
 _NUCLEUS_PROBE = 64
+# best_ids picks its candidates' threshold from every s-th value of the row, s at most this.
+_MAX_STRIDE = 16
 
 
 def uniform(seed: int, position: int) -> float:
@@ -102,10 +104,28 @@ def sample_one(logits: np.ndarray, params: SamplingParams, u: float) -> int:
 
 def best_ids(scaled: np.ndarray, k: int) -> np.ndarray:
     """Ids of the k highest values, sorted by value descending, then id ascending."""
-    part = np.argpartition(-scaled, k - 1)[:k]
-    # Ties at the k-th value would leave the choice to the partition; take all, keep the lowest ids.
-    tied_or_better = np.flatnonzero(scaled >= scaled[part].min())
-    return tied_or_better[np.lexsort((tied_or_better, -scaled[tied_or_better]))][:k]
+    n = scaled.shape[0]
+    stride = min(_MAX_STRIDE, n // (2 * k)) if k > 0 else 0
+    if stride > 1:
+        # Every value at or above the k-th largest, found among fewer: a threshold that at least k values
+        # reach, from every stride-th value (the j-th largest of a subset is reached by j values or more
+        # of the whole), then the exact selection on what passes it. The same ids as over the whole row.
+        subset = scaled[::stride]
+        for j in (min(k // stride + 16, k), k):
+            threshold = np.partition(subset, len(subset) - j)[len(subset) - j]
+            passed = np.flatnonzero(scaled >= threshold)
+            if len(passed) >= k:
+                return passed[_best_of(scaled[passed], k)]
+    return _best_of(scaled, k)
+
+
+def _best_of(values: np.ndarray, k: int) -> np.ndarray:
+    """best_ids over the whole of ``values``: one partition, then the ties at the k-th value resolved."""
+    part = np.argpartition(-values, k - 1)[:k]
+    # Ties at the k-th value would leave the choice to the partition; take all, keep the lowest ids (a
+    # stable sort of ascending ids by value descending).
+    tied_or_better = np.flatnonzero(values >= values[part].min())
+    return tied_or_better[np.argsort(-values[tied_or_better], kind="stable")][:k]
 
 
 def _nucleus_superset(scaled: np.ndarray, probs: np.ndarray, mass: float) -> np.ndarray:

@@ -1,12 +1,16 @@
 """Sampling semantics (greedy, temperature, top-k, top-p, min-p, logit bias, penalties), logprobs, and
 reproducibility per (seed, position)."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from engine.logprobs import token_logprob
 from engine.request import SamplingParams
-from engine.sampler import adjusted, sample, sample_one, uniform
+from engine.sampler import adjusted, best_ids, sample, sample_one, uniform
+from tests.fixtures.sampler_cases import OUTPUT, PARAMS, POSITIONS, logit_rows
 
 VOCAB = 1000
 
@@ -96,6 +100,28 @@ def test_the_draw_depends_only_on_seed_and_position():
 def test_samples_never_pick_a_token_with_negligible_probability(params):
     logits = logits_with({100: 5.0, 200: 4.0}, rest=-1e4)
     assert set(draws(logits, params, n=500)) <= {100, 200}
+
+
+def test_the_draws_over_a_262k_vocabulary_are_those_the_committed_data_recorded():
+    """The token for each (settings, seed, position, logits) is the one the first sampler drew
+    (tests/data/sampler_draws.json, bench/make_sampler_fixture.py): reworking the sampler for speed
+    must not change a single draw."""
+    recorded = json.loads((Path(__file__).parents[1] / "data" / "sampler_draws.json").read_text())["draws"]
+    rows = logit_rows()
+    for params, expected in zip(PARAMS, recorded, strict=True):
+        for position, tokens in zip(POSITIONS, expected, strict=True):
+            n = len(rows)
+            assert sample(rows, [params] * n, [position] * n, [OUTPUT] * n) == tokens, (params, position)
+
+
+def test_best_ids_are_the_k_highest_by_value_then_id_however_k_compares_with_the_vocabulary():
+    rows = logit_rows().astype(np.float64)
+    rows[1, ::7] = -np.inf  # what min-p leaves of a row
+    ids = np.arange(rows.shape[1])
+    for row in rows:
+        everything = np.lexsort((ids, -row))  # a full sort: value descending, then id ascending
+        for k in (1, 5, 40, 64, 1000, 4096, 20_000, 32_768, len(row) - 1, len(row)):
+            assert (best_ids(row, k) == everything[:k]).all(), k
 
 
 # -- logit bias, penalties, min-p: pure functions of (logits, params, output so far) ---------------------

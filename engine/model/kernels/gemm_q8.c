@@ -80,21 +80,31 @@ static void quantize_row(const float *x, int K, int8_t *q, float *scale, int32_t
 // codes rint(x * (-127 / max)), at most 127. Stored as 8 blocks of 32 sharing d, for the K tiles.
 static void quantize_row_k(const float *x, int K, int8_t *q, float *scale, int32_t *sum, int32_t *sum_lo,
                            float *scaled_sum) {
+    const __m512i top = _mm512_set1_epi32(127);
     for (int s = 0; s < K / 256; s++) {
         const float *xs = x + s * 256;
-        float amax = 0.0f, max = 0.0f;
-        for (int i = 0; i < 256; i++)
-            if (fabsf(xs[i]) > amax) amax = fabsf(xs[i]), max = xs[i];
-        const float iscale = amax > 0.0f ? -127.0f / max : 0.0f, d = amax > 0.0f ? 1.0f / iscale : 0.0f;
-        for (int b = s * 8; b < s * 8 + 8; b++) {
-            int32_t lo = 0, total = 0;
-            for (int i = 0; i < QK; i++) {
-                const int c = (int)nearbyintf(iscale * x[b * QK + i]);  // to nearest even, as llama.cpp's nearest_int
-                q[b * QK + i] = (int8_t)(c < 127 ? c : 127);
-                total += q[b * QK + i];
-                if (i == 15) lo = total;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xs + i)));
+        const float amax = _mm512_reduce_max_ps(m);
+        float max = 0.0f;  // the first value of that magnitude, its sign kept
+        for (int i = 0; amax > 0.0f && i < 256; i += 16) {
+            const __mmask16 at = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_loadu_ps(xs + i)), _mm512_set1_ps(amax), _CMP_EQ_OQ);
+            if (at) {
+                max = xs[i + __builtin_ctz(at)];
+                break;
             }
-            scale[b] = d, sum[b] = total, sum_lo[b] = lo, scaled_sum[b] = d * (float)total;
+        }
+        const float iscale = amax > 0.0f ? -127.0f / max : 0.0f, d = amax > 0.0f ? 1.0f / iscale : 0.0f;
+        const __m512 vs = _mm512_set1_ps(iscale);
+        for (int b = s * 8; b < s * 8 + 8; b++) {
+            // cvtps_epi32 rounds to nearest even, as llama.cpp's nearest_int; at most 127
+            const __m512i c0 = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(vs, _mm512_loadu_ps(x + b * QK))), top);
+            const __m512i c1 = _mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(vs, _mm512_loadu_ps(x + b * QK + 16))), top);
+            _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtepi32_epi8(c0));
+            _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtepi32_epi8(c1));
+            sum_lo[b] = _mm512_reduce_add_epi32(c0);
+            sum[b] = sum_lo[b] + _mm512_reduce_add_epi32(c1);
+            scale[b] = d, scaled_sum[b] = d * (float)sum[b];
         }
     }
 }
@@ -239,7 +249,7 @@ static const qtile_fn KTILES[5] = {0, ktile_1, ktile_2, ktile_3, ktile_4};
 enum { MRQ = 4 };
 
 typedef struct {
-    int fmt, M, K, N, panels;
+    int fmt, M, K, N, panels, pairs_per_task;
     const float *A;
     long lda, ldc, panel_bytes;
     const uint8_t *W;
@@ -252,9 +262,8 @@ static inline __mmask16 valid_mask(long n0, long N) {
     return v >= 16 ? (__mmask16)0xFFFF : v <= 0 ? (__mmask16)0 : (__mmask16)((1u << v) - 1);
 }
 
-// One task: the 32 outputs of panel pair `pp`, all M rows.
-static void gemm_task(void *arg, long pp) {
-    const gemm_job *j = arg;
+// The 32 outputs of panel pair `pp`, all M rows.
+static void gemm_pair(const gemm_job *j, long pp) {
     const int p0 = 2 * (int)pp, has_p1 = p0 + 1 < j->panels;
     const int p1 = has_p1 ? p0 + 1 : p0;  // without a second panel, compute panel 0 twice; m1 == 0 drops it
     const __mmask16 m0 = valid_mask((long)p0 * NR, j->N);
@@ -269,6 +278,19 @@ static void gemm_task(void *arg, long pp) {
         (j->fmt >= FMT_Q4_K ? KTILES : QTILES)[r](j->fmt, &rows, j->K, w0, w1, Cp + (long)i * j->ldc, j->ldc, m0, m1);
     }
 }
+
+// One task: pairs_per_task consecutive panel pairs, one contiguous stretch of W.
+static void gemm_task(void *arg, long task) {
+    const gemm_job *j = arg;
+    const long pairs = (j->panels + 1) / 2, end = (task + 1) * j->pairs_per_task;
+    for (long pp = task * j->pairs_per_task; pp < end && pp < pairs; pp++) gemm_pair(j, pp);
+}
+
+// Tasks per thread a GEMM of at most MRQ rows is cut into at most. Such a task only streams its panels
+// once, and is claimed with two atomic operations on a cache line the threads share: for the LM head's
+// 8,192 panel pairs of 22 KB at one row, a claim per pair cost more than the balance it buys. With more
+// rows a pair is MRQ-row tiles of work each, and one pair a task balances best on a busy machine.
+enum { TASKS_PER_THREAD = 64 };
 
 enum { QUANTIZE_ROWS = 16 };  // rows per quantization task
 
@@ -304,9 +326,11 @@ void cm_gemm_q8(int fmt, const float *A, long lda, int M, int K, const void *W, 
     uint8_t *buf = q8_buffer((size_t)M * K + nb * 16);
     const q8_rows q = {(int8_t *)(buf + nb * 16), (float *)buf, (float *)(buf + nb * 4), (int32_t *)(buf + nb * 8),
                        (int32_t *)(buf + nb * 12)};
-    gemm_job job = {fmt, M, K, N, panels, A, lda, ldc, (long)(K / QK) * block_bytes(fmt), (const uint8_t *)W, C, q};
+    const int pairs = (panels + 1) / 2, most = TASKS_PER_THREAD * cm_get_threads();
+    const int per_task = M <= MRQ && pairs > most ? (pairs + most - 1) / most : 1;
+    gemm_job job = {fmt, M, K, N, panels, per_task, A, lda, ldc, (long)(K / QK) * block_bytes(fmt), (const uint8_t *)W, C, q};
     cm_parallel_for((M + QUANTIZE_ROWS - 1) / QUANTIZE_ROWS, quantize_task, &job);
-    cm_parallel_for((panels + 1) / 2, gemm_task, &job);
+    cm_parallel_for((pairs + per_task - 1) / per_task, gemm_task, &job);
 }
 
 // Expands a whole quantized panel set to float32 [N, K] (tests compare it with gguf's dequantize): d * q + m
