@@ -2,17 +2,56 @@
 
 import random
 from collections import Counter
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from router.policy import (
-    Candidate,
+    Choice,
     CostWeights,
-    choose,
+    Pool,
+    choose_in,
     cost,
+    engine_key,
     predicted_cached_tokens,
     prefill_blocks,
 )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One engine that may take the request, as placement's load table holds it."""
+
+    engine_id: str
+    block_size: int
+    cached_blocks: int
+    decode_blocks: float
+    sessions: int = 0
+
+
+def choose(
+    policy: str,
+    prompt_tokens: int,
+    candidates: list[Candidate],
+    weights: CostWeights,
+    session_id: str = "",
+    rng: random.Random | None = None,
+    turn: int = 0,
+) -> Choice:
+    """``choose_in`` over ``candidates`` laid out as placement lays out its pool: columns in engine-id order."""
+    ordered = sorted(candidates, key=lambda c: c.engine_id)
+    pool = Pool(
+        np.arange(len(ordered)),
+        np.array([c.engine_id for c in ordered], dtype=object),
+        np.array([engine_key(c.engine_id) for c in ordered], dtype=np.uint64),
+        np.array([c.block_size for c in ordered], dtype=np.int64),
+        np.array([c.cached_blocks for c in ordered], dtype=np.int64),
+        np.array([c.decode_blocks for c in ordered], dtype=np.float64),
+        np.array([c.sessions for c in ordered], dtype=np.int64),
+    )
+    return choose_in(policy, prompt_tokens, pool, weights, session_id, rng, turn)
+
 
 BS = 16
 DYNAMO = CostWeights(overlap=1.0)  # Dynamo's default weight
