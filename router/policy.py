@@ -102,7 +102,6 @@ class Pool:
 class Choice:
     engine_id: str
     cached_blocks: int
-    cost: float  # the kv_aware cost of the chosen engine (computed for every policy, for the metrics)
 
 
 def prefill_blocks(prompt_tokens: int, cached_blocks, block_size):
@@ -171,7 +170,7 @@ def choose_in(
         picked = tie_break(pool, holders[load == load.min()], session_id, rng)
     else:
         raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
-    return Choice(pool.engine_ids[pool.rows[picked]], int(pool.cached_blocks[picked]), float(costs[picked]))
+    return Choice(pool.engine_ids[pool.rows[picked]], int(pool.cached_blocks[picked]))
 
 
 def _cheapest(pool: Pool, costs: np.ndarray, temperature: float, session_id: str, rng: random.Random) -> int:
