@@ -2,8 +2,8 @@
 
     flock /tmp/chatmesh-cpu.lock .venv/bin/python bench/bench_scale_sim.py [--quick] [--json out.json] [--plots docs]
 
-``router.sim`` drives the router's own ``Placer``, ``PrefixIndex`` and ``EngineState`` with simulated
-users and engines (router/sim/__init__.py). What it reports:
+``bench.sim`` drives the router's own ``Placer``, ``PrefixIndex`` and ``EngineState`` with simulated
+users and engines (bench/sim/__init__.py). What it reports:
 
 1. Decision cost vs engine count: µs per ``Placer.place`` call (real clock) at the seeds' per-engine
    rate (20 prompts/s an engine), for growing fleets.
@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine  # noqa: E402
+from bench.sim.costs import SEEDS_GPU  # noqa: E402
+from bench.sim.setup import Setup  # noqa: E402
+from bench.sim.simulation import Simulation  # noqa: E402
+from bench.sim.workload import Workload  # noqa: E402
 from chatmesh.block_hash import block_hashes  # noqa: E402
-from router.sim.costs import SEEDS_GPU  # noqa: E402
-from router.sim.setup import Setup  # noqa: E402
-from router.sim.simulation import Simulation  # noqa: E402
-from router.sim.workload import Workload  # noqa: E402
 
 PER_ENGINE_PROMPTS_PER_S = 20.0  # the seeds: 20k prompts/s over 1,000 engines
 
@@ -109,7 +109,7 @@ def main() -> None:
         f"(then a {w.summary_tokens}-token summary), {w.paid_fraction:.0%} paid"
     )
     print(
-        f"engine (assumed GPU class, router/sim/costs.py): step {costs.fixed_ms} ms + {costs.per_sequence_ms} ms "
+        f"engine (assumed GPU class, bench/sim/costs.py): step {costs.fixed_ms} ms + {costs.per_sequence_ms} ms "
         f"a sequence + {costs.per_prefill_token_ms} ms a prefill token + {costs.per_context_token_ms * 1e6:g} ns "
         f"a context token; {costs.kv_blocks:,} KV blocks of {costs.block_size}; "
         f"{costs.max_running_requests} running, {costs.max_waiting_requests} waiting at most"

@@ -6,7 +6,7 @@ The router's index hears of a chat's blocks from KV events, after the engine sto
 turn that comes sooner finds the index without the last answer's blocks (or, past a whole turn, without
 any of its own). The router's session hints (router/sessions.py) remember where each session last
 finished and what that engine computed; placement credits it when the index predicts no better engine
-(router/policy.py ``with_hint``). This runs the scale simulation (router/sim, bench/bench_scale_sim.py:
+(router/policy.py ``with_hint``). This runs the scale simulation (bench/sim, bench/bench_scale_sim.py:
 the same workload and assumed GPU-class engines) with every KV event delivered ``lag`` seconds late, with
 hints off and on, next to the lag-free references (kv_aware, and the oracle: the longest cached prefix,
 ignoring load). It reports the prefix hit rate (against the oracle's), TTFT p50/p99 by tier, how often
@@ -25,9 +25,9 @@ from pathlib import Path
 from bench_scale_sim import PER_ENGINE_PROMPTS_PER_S, run
 from machine import machine
 
-from router.sim.costs import SEEDS_GPU
-from router.sim.setup import Setup
-from router.sim.workload import Workload
+from bench.sim.costs import SEEDS_GPU
+from bench.sim.setup import Setup
+from bench.sim.workload import Workload
 
 LAGS = (0.05, 0.5, 2.0)  # seconds: a quiet router's stream, a busy one's, a stalled one's
 FAST_THINK_S = 0.25  # follow-ups that come right after the answer (regenerate, quick replies, agents)

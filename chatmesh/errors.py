@@ -153,14 +153,6 @@ def _read_details(status: status_pb2.Status, parsed: ServiceError) -> None:
                 parsed.field = bad.field_violations[0].field
 
 
-def from_a_service(error: grpc.RpcError) -> bool:
-    """Whether a failed call was ended by one of our services (``abort`` always sends status details).
-    Without them the status came from gRPC itself or a proxy (a refused connection, a reset stream): its
-    text names addresses and transport errors, which are for our logs, not for users."""
-    trailers: Any = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    return any(key == STATUS_DETAILS_KEY for key, _ in trailers or ())
-
-
 def retry_after_s(error: grpc.RpcError) -> float | None:
     """The RetryInfo delay carried by a failed call, in seconds, or None."""
     return parse(error).retry_after_s

@@ -200,14 +200,14 @@ class ChatTokenizer:
         }
         (directory / "tokenizer_config.json").write_text(json.dumps(settings, indent=2, ensure_ascii=False))
 
-    def tokenizer_json(self, pretty: bool = False) -> str:
+    def tokenizer_json(self) -> str:
         """The tokenizer as Hugging Face's ``tokenizer.json`` text (what grammar libraries load)."""
         if not isinstance(self._codec, BpeCodec):
             raise ValueError(
                 f"{self.model_name} has a SentencePiece tokenizer: constrained output is served for byte-level "
                 "BPE tokenizers only"
             )
-        return self._codec.markup.to_str(pretty=pretty)
+        return self._codec.markup.to_str()
 
     # -- text <-> ids --------------------------------------------------------------------------------
 

@@ -126,10 +126,5 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def num_new_output_tokens(self) -> int:
-        """Output tokens this engine generated (Usage.completion_tokens)."""
-        return len(self.token_ids) - self.num_context_tokens
-
-    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens

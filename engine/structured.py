@@ -34,7 +34,6 @@ from chatmesh.tokenizer import ChatTokenizer
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # only in the type stubs
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # How JSON is written: compact, one space after ',' and ':' (what json.dumps writes), nothing else.
 JSON_FORMAT: JsonCompileOptions = {
     "whitespace_flexible": False,

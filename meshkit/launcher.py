@@ -178,7 +178,7 @@ _handed_out: set[int] = set()
 _handing_out = threading.Lock()
 
 
-def _free_port_run(count: int, stride: int) -> int:
+def free_consecutive_ports(count: int, stride: int = 1) -> int:
     """The first of ``count`` ports ``stride`` apart, all free on 127.0.0.1, none handed out before by
     this process, and outside the ephemeral range (or anywhere the kernel picks, on a machine whose
     ephemeral range leaves too little below it)."""
@@ -202,7 +202,7 @@ def _free_port_run(count: int, stride: int) -> int:
 
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now (tests give each service its own)."""
-    return _free_port_run(1, 1)
+    return free_consecutive_ports(1)
 
 
 def free_port_on_every(addresses: list[str]) -> int:
@@ -211,12 +211,6 @@ def free_port_on_every(addresses: list[str]) -> int:
         port = free_port()
         if all(port_is_free(port, address) for address in addresses):
             return port
-
-
-def free_consecutive_ports(count: int, stride: int = 1) -> int:
-    """The first of ``count`` ports ``stride`` apart, all free on 127.0.0.1 (engines, a cluster's JMX
-    ports; the replicas of a tier in the local mesh, 100 apart)."""
-    return _free_port_run(count, stride)
 
 
 def _die_with_parent() -> None:

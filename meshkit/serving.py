@@ -104,14 +104,13 @@ async def start_grpc_server(
     add_services: Callable[[grpc.aio.Server], Iterable[str]],
     port: int,
     host: str = "127.0.0.1",
-    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
     max_pending_calls: int = DEFAULT_MAX_PENDING_CALLS,
     max_pending_s: int = DEFAULT_MAX_PENDING_S,
 ) -> GrpcServer:
     """Creates, binds and starts a server. ``add_services`` registers servicers and returns their full names.
     Requests that do not parse are refused INVALID_ARGUMENT before any servicer sees them (RejectMalformed)."""
     server = grpc.aio.server(
-        interceptors=[RejectMalformed(), *interceptors],
+        interceptors=[RejectMalformed()],
         options=server_options(max_pending_calls, max_pending_s),
     )
     names = tuple(add_services(server))

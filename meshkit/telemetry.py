@@ -122,14 +122,14 @@ class CrossContextDetach(logging.Filter):
         )
 
 
-def setup(service_name: str, level: str | None = None) -> None:
+def setup(service_name: str) -> None:
     """Configures logging and tracing for this process (idempotent)."""
     global _configured
     if _configured:
         return
     _configured = True
     logging.basicConfig(
-        level=(level or os.environ.get("CHATMESH_LOG_LEVEL", "INFO")).upper(),
+        level=os.environ.get("CHATMESH_LOG_LEVEL", "INFO").upper(),
         format=f"%(asctime)s %(levelname)s {service_name} %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -110,7 +110,7 @@ async def serve(
     async def on_drain() -> None:
         # Runs get most of the grace period; what is left lets their last events reach clients.
         shutdown.append(
-            asyncio.create_task(orchestrator.ctx.runs.shutdown(max(0.0, args.drain_grace_s - 1.0)))
+            asyncio.create_task(orchestrator.ctx.runs.drain.shutdown(max(0.0, args.drain_grace_s - 1.0)))
         )
         completion_link.drain()
 

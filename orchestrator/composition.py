@@ -43,7 +43,7 @@ class Orchestrator:
     async def stop(self) -> None:
         """After the drain (or without one): the runs it left are handed over, the last checkpoints and
         background jobs end, and the replica leaves its group."""
-        handed_over = await self.ctx.runs.shutdown(0.0)
+        handed_over = await self.ctx.runs.drain.shutdown(0.0)
         await self.checkpoints.close()
         await self.jobs.close()
         await self.membership.leave(handed_over)

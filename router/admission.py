@@ -1,7 +1,7 @@
 """Admission by tier under overload: a pure function of the engines' queues.
 
 Two rules, both written over arrays (one row per engine) because placement asks them of every engine of
-a pool for every request; ``admissible`` and ``retry_after_s`` say the same of ``QueueView``s.
+a pool for every request.
 
 **The count rule, always the cap.** An engine queues a request only when it cannot run it now (running
 slots or KV blocks are exhausted), so its waiting queue measures overload directly. From each engine's
@@ -75,7 +75,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from chatmesh.router.v1 import router_pb2
-from chatmesh.tiers import TIERS, tier_of_proto
+from chatmesh.tiers import TIERS
 
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 30.0
@@ -285,52 +285,3 @@ def retry_after_rows(queues: Queues, limit: np.ndarray, objective_s: float | Non
     if objective_s is not None:
         waits = np.maximum(waits, excess_wait_s(queues, objective_s))
     return min(RETRY_MAX_S, max(RETRY_MIN_S, float(waits.min())))
-
-
-def _columns(
-    views: Sequence[QueueView],
-    tier: int,
-    own_prefill: int | Sequence[int],
-    higher_objectives_s: tuple[float, ...],
-) -> Queues:
-    rank = tier_of_proto(tier).rank
-    return Queues(
-        np.array([q.waiting for q in views], dtype=np.int64),
-        np.array([q.max_waiting for q in views], dtype=np.int64),
-        np.array([q.ahead[rank] for q in views], dtype=np.int64),
-        np.array([q.drain_rate for q in views], dtype=np.float64),
-        np.array([q.head_ttft_s for q in views], dtype=np.float64),
-        np.array([q.higher_rate[rank] for q in views], dtype=np.float64),
-        Steps.of([q.steps for q in views], rank),
-        own_prefill=np.broadcast_to(np.asarray(own_prefill, dtype=np.int64), (len(views),)),
-        higher_objectives_s=higher_objectives_s,
-    )
-
-
-def admissible(
-    views: Sequence[QueueView],
-    tier: int,
-    free_queue_fraction: float,
-    objective_s: float | None = None,
-    own_prefill: int | Sequence[int] = 1,
-    higher_objectives_s: tuple[float, ...] = (),
-) -> list[str]:
-    """The engines that may take a request of ``tier`` with ``own_prefill`` prompt tokens to compute
-    (on every engine, or on each) now (empty: shed it); ``higher_objectives_s``: the tiers' above it,
-    to keep within reach."""
-    queues = _columns(views, tier, own_prefill, higher_objectives_s)
-    rows = admissible_rows(queues, limits(queues.max_waiting, tier, free_queue_fraction), objective_s)
-    return [q.engine_id for q, ok in zip(views, rows, strict=True) if ok]
-
-
-def retry_after_s(
-    views: Sequence[QueueView],
-    tier: int,
-    free_queue_fraction: float,
-    objective_s: float | None = None,
-    own_prefill: int | Sequence[int] = 1,
-    higher_objectives_s: tuple[float, ...] = (),
-) -> float:
-    """When a shed request of ``tier`` should come back: the soonest any engine is predicted to take it."""
-    queues = _columns(views, tier, own_prefill, higher_objectives_s)
-    return retry_after_rows(queues, limits(queues.max_waiting, tier, free_queue_fraction), objective_s)

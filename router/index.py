@@ -104,9 +104,6 @@ class PrefixIndex:
         sets = sum(sys.getsizeof(held) + sum(map(sys.getsizeof, held)) for held in self._blocks.values())
         return sys.getsizeof(self._engines) + sum(map(sys.getsizeof, self._engines.values())) + sets
 
-    def holds(self, engine_id: str, block_hash: int) -> bool:
-        return block_hash in self._blocks.get(engine_id, ())
-
     def slot(self, engine_id: str) -> int:
         """The engine's row in ``leading_blocks``'s answer (stable while the engine is indexed)."""
         return self._slots[engine_id]

@@ -40,7 +40,7 @@ from router.sessions import SessionHints, SessionsHeld
 
 
 class PlacementState(Protocol):
-    """What placement reads of a router's registry: the real one, or a simulated router's (router/sim)."""
+    """What placement reads of a router's registry: the real one, or a simulated router's (bench/sim)."""
 
     index: PrefixIndex
     loads: LoadTable[EngineState]

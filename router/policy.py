@@ -25,8 +25,7 @@ the session's and each engine's 64-bit keys, vectorized) (one chat keeps going t
 same engine while costs are equal; different chats spread evenly), or at random without a session.
 
 The policies are computed over columns (``Pool``: one row per engine, in engine-id order), so that a
-decision over a thousand engines is a few vector operations; ``choose`` takes ``Candidate`` records and
-says the same.
+decision over a thousand engines is a few vector operations.
 
 The session term (off by default: ``session_weight`` 0) counts only for a request that opens a session
 (a chat's first message): ``sessions`` are the sessions whose latest request went to that engine lately
@@ -52,7 +51,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,17 +85,6 @@ class CostWeights:
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """What the policy knows about one engine that may take the request."""
-
-    engine_id: str
-    block_size: int
-    cached_blocks: int  # leading prompt blocks the index says this engine holds
-    decode_blocks: float  # blocks of the work running or queued on it
-    sessions: int = 0  # sessions it holds, for a request that opens one (0 otherwise)
-
-
-@dataclass(frozen=True)
 class Pool:
     """The candidates as columns, one entry per engine, in engine-id order. Names and rendezvous keys are
     looked up through ``rows`` (so a caller holding them for many engines passes them whole)."""
@@ -110,25 +97,11 @@ class Pool:
     decode_blocks: np.ndarray
     sessions: np.ndarray | int = 0  # sessions each holds, for a request that opens one (0 otherwise)
 
-    @classmethod
-    def of(cls, candidates: Sequence[Candidate]) -> Pool:
-        ordered = sorted(candidates, key=lambda c: c.engine_id)
-        return cls(
-            np.arange(len(ordered)),
-            np.array([c.engine_id for c in ordered], dtype=object),
-            np.array([engine_key(c.engine_id) for c in ordered], dtype=np.uint64),
-            np.array([c.block_size for c in ordered], dtype=np.int64),
-            np.array([c.cached_blocks for c in ordered], dtype=np.int64),
-            np.array([c.decode_blocks for c in ordered], dtype=np.float64),
-            np.array([c.sessions for c in ordered], dtype=np.int64),
-        )
-
 
 @dataclass(frozen=True)
 class Choice:
     engine_id: str
     cached_blocks: int
-    cost: float  # the kv_aware cost of the chosen engine (computed for every policy, for the metrics)
 
 
 def prefill_blocks(prompt_tokens: int, cached_blocks, block_size):
@@ -165,19 +138,6 @@ def predicted_cached_tokens(prompt_tokens: int, cached_blocks: int, block_size: 
     return min(cached_blocks, (prompt_tokens - 1) // block_size) * block_size
 
 
-def choose(
-    policy: str,
-    prompt_tokens: int,
-    candidates: Sequence[Candidate],
-    weights: CostWeights,
-    session_id: str = "",
-    rng: random.Random | None = None,
-    turn: int = 0,
-) -> Choice:
-    """The engine ``policy`` places the request on. ``turn`` counts earlier decisions (round_robin)."""
-    return choose_in(policy, prompt_tokens, Pool.of(candidates), weights, session_id, rng, turn)
-
-
 def choose_in(
     policy: str,
     prompt_tokens: int,
@@ -187,7 +147,8 @@ def choose_in(
     rng: random.Random | None = None,
     turn: int = 0,
 ) -> Choice:
-    """``choose`` over columns."""
+    """The engine ``policy`` places the request on, over the pool's columns. ``turn`` counts earlier
+    decisions (round_robin)."""
     if not len(pool.rows):
         raise ValueError("no candidates to choose from")
     rng = rng or random.Random()
@@ -209,7 +170,7 @@ def choose_in(
         picked = tie_break(pool, holders[load == load.min()], session_id, rng)
     else:
         raise ValueError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}")
-    return Choice(pool.engine_ids[pool.rows[picked]], int(pool.cached_blocks[picked]), float(costs[picked]))
+    return Choice(pool.engine_ids[pool.rows[picked]], int(pool.cached_blocks[picked]))
 
 
 def _cheapest(pool: Pool, costs: np.ndarray, temperature: float, session_id: str, rng: random.Random) -> int:

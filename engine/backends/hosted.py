@@ -172,9 +172,6 @@ class HostedEngine:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._cancel, request_id)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.tracker.has_unfinished_requests()
-
     def stop(self, timeout_s: float = 30.0) -> None:
         self.tracker.stop_admitting()
         if self._stop is not None:

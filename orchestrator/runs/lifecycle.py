@@ -38,7 +38,3 @@ class Runs:
         self.cancels = Cancels(self.held, self.reads, store, deps.config)
         self.adoptions = Adoptions(self.held, store, router, deps)
         self.drain = Drain(self.held, deps.config)
-
-    async def shutdown(self, grace_s: float) -> int:
-        """The drain (``Drain.shutdown``): what the server calls as it stops."""
-        return await self.drain.shutdown(grace_s)

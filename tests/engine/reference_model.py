@@ -4,7 +4,7 @@ It recomputes the whole prefix for every call, so it is slow by design; it exist
 Tests hold every runner (any kernels, any batch mix, any chunking, any block layout) to it.
 Two options model a runner's deliberate roundings, so that the comparison measures its arithmetic:
 ``kv_dtype``, the precision it stores K/V in (the CPU runner: float16), and ``q8_activations``: the input
-of every quantized matrix is rounded to Q8 blocks first (``engine.model.q8_activations``), as the CPU
+of every quantized matrix is rounded to Q8 blocks first (``tests.engine.q8_activations``), as the CPU
 runner's int8 GEMM (and llama.cpp) does. The defaults are the plain float32 forward.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine.model.checkpoint import LlamaCheckpoint, RopeTables, WeightMatrix, rope_tables
-from engine.model.q8_activations import round_input
+from tests.engine.q8_activations import round_input
 
 
 class ReferenceModel:

@@ -287,7 +287,7 @@ class RouterView:
 
     def holds_exactly(self, hashes: set[int]) -> bool:
         return self.index.size(ENGINE_ID) == len(hashes) and all(
-            self.index.holds(ENGINE_ID, h) for h in hashes
+            self.index.match([h], [ENGINE_ID]).get(ENGINE_ID) == 1 for h in hashes
         )
 
 

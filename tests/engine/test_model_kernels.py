@@ -24,9 +24,9 @@ from engine.model.kernels.packing import (
     FORMAT_Q8_0,
     FORMAT_Q8_0_VNNI,
 )
-from engine.model.q8_activations import round_input, round_to_q8, round_to_q8_k
 from engine.model.runner import SequenceChunk
 from engine.model.step_batch import build_step_batch
+from tests.engine.q8_activations import round_input, round_to_q8, round_to_q8_k
 from tests.fixtures.model import require_native
 
 RNG = np.random.default_rng(1234)

@@ -8,7 +8,14 @@ from dataclasses import replace
 import pytest
 
 from engine.model.checkpoint import LlamaConfig
-from engine.model.tp.plan import PlanError, Span, even_spans, plan_tensor_parallel
+from engine.model.tp.plan import (
+    PlanError,
+    Span,
+    _attention_elements,
+    _ffn_elements,
+    even_spans,
+    plan_tensor_parallel,
+)
 
 SMOLLM2_135M = LlamaConfig(
     name="smollm2-135m",
@@ -69,7 +76,10 @@ def test_three_kv_heads_over_two_ranks_split_two_and_one_with_ffn_rebalanced():
     assert (first.kv_heads.size, second.kv_heads.size) == (2, 1)
     # The rank with fewer heads takes more FFN columns, so both hold about the same weights per layer.
     assert first.ffn_columns.size < second.ffn_columns.size
-    a, b = (s.weight_elements_per_layer(SMOLLM2_135M) for s in (first, second))
+    a, b = (
+        _attention_elements(SMOLLM2_135M, s.kv_heads.size) + _ffn_elements(SMOLLM2_135M, s.ffn_columns.size)
+        for s in (first, second)
+    )
     assert abs(a - b) / max(a, b) < 0.03
     assert first.vocab.size == second.vocab.size == SMOLLM2_135M.vocab_size // 2
 

@@ -34,7 +34,7 @@ ORPHANED = "chatmesh_orchestrator_orphaned_runs"
 async def drain_started(drainer: InProcessReplica, grace_s: float) -> asyncio.Task[int]:
     """The drain, started and past its look at the runs live: they are all it takes for those the
     replica holds (its first step, before it awaits anything)."""
-    draining = asyncio.create_task(drainer.runs.shutdown(grace_s))
+    draining = asyncio.create_task(drainer.runs.drain.shutdown(grace_s))
     await asyncio.sleep(0)  # the task's first step runs before this one's next
     assert drainer.runs.held.draining
     return draining

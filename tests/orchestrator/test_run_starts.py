@@ -101,7 +101,7 @@ async def test_a_caller_who_leaves_while_its_reservation_is_on_its_way_is_not_ch
     assert reserving.call is not None
     await reserving.call  # the reservation (prompt + 64) landed
     reserving.release()
-    await ctx.runs.shutdown(5.0)  # the run's task has ended (its undoing included)
+    await ctx.runs.drain.shutdown(5.0)  # the run's task has ended (its undoing included)
     window = await memory_store.get_usage(me.user_id)
     assert (window.runs, window.usage) == (1, Usage())
 

@@ -145,7 +145,7 @@ async def test_a_run_whose_start_the_shutdown_cut_short_after_its_row_landed_is_
             replica.runs.starts.start(SendRun(replica.parts.ctx, replica.identity(client.user), request))
         )
         await within(creating.reached.wait(), 10, "the send did not store its run")
-        assert await within(replica.runs.shutdown(0.5), 30, "the drain did not end") == 0
+        assert await within(replica.runs.drain.shutdown(0.5), 30, "the drain did not end") == 0
         with pytest.raises(asyncio.CancelledError):
             await sending
         await replica.stop()

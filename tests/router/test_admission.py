@@ -2,19 +2,23 @@
 (predicted wait against the tier's TTFT objective: queued requests, or the steps of an engine that
 reports its step time)."""
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
 from chatmesh.router.v1 import router_pb2
-from chatmesh.tiers import TTFT_OBJECTIVES_S
+from chatmesh.tiers import TTFT_OBJECTIVES_S, tier_of_proto
 from router.admission import (
+    Queues,
     QueueView,
     StepModel,
     Steps,
-    admissible,
+    admissible_rows,
     compute_ttft_s,
     first_token_after_start_s,
-    retry_after_s,
+    limits,
+    retry_after_rows,
     safe_depth,
 )
 
@@ -40,6 +44,54 @@ def engine(
 ) -> QueueView:
     """One engine with a large bound (only the wait rule binds), queued per tier rank as ``ahead``."""
     return QueueView(name, ahead[0], 256, drain_rate, ahead, head_ttft_s, higher_rate)
+
+
+def columns(
+    views: Sequence[QueueView],
+    tier: int,
+    own_prefill: int | Sequence[int],
+    higher_objectives_s: tuple[float, ...],
+) -> Queues:
+    """``views`` as the columns placement reads from its load table, as a request of ``tier`` sees them."""
+    rank = tier_of_proto(tier).rank
+    return Queues(
+        np.array([q.waiting for q in views], dtype=np.int64),
+        np.array([q.max_waiting for q in views], dtype=np.int64),
+        np.array([q.ahead[rank] for q in views], dtype=np.int64),
+        np.array([q.drain_rate for q in views], dtype=np.float64),
+        np.array([q.head_ttft_s for q in views], dtype=np.float64),
+        np.array([q.higher_rate[rank] for q in views], dtype=np.float64),
+        Steps.of([q.steps for q in views], rank),
+        own_prefill=np.broadcast_to(np.asarray(own_prefill, dtype=np.int64), (len(views),)),
+        higher_objectives_s=higher_objectives_s,
+    )
+
+
+def admissible(
+    views: Sequence[QueueView],
+    tier: int,
+    free_queue_fraction: float,
+    objective_s: float | None = None,
+    own_prefill: int | Sequence[int] = 1,
+    higher_objectives_s: tuple[float, ...] = (),
+) -> list[str]:
+    """The engines of ``views`` that may take a request of ``tier`` now (empty: shed it)."""
+    queues = columns(views, tier, own_prefill, higher_objectives_s)
+    rows = admissible_rows(queues, limits(queues.max_waiting, tier, free_queue_fraction), objective_s)
+    return [q.engine_id for q, ok in zip(views, rows, strict=True) if ok]
+
+
+def retry_after_s(
+    views: Sequence[QueueView],
+    tier: int,
+    free_queue_fraction: float,
+    objective_s: float | None = None,
+    own_prefill: int | Sequence[int] = 1,
+    higher_objectives_s: tuple[float, ...] = (),
+) -> float:
+    """When a shed request of ``tier`` should come back to ``views``."""
+    queues = columns(views, tier, own_prefill, higher_objectives_s)
+    return retry_after_rows(queues, limits(queues.max_waiting, tier, free_queue_fraction), objective_s)
 
 
 # -- the count rule ---------------------------------------------------------------------------------------

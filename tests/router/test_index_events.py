@@ -67,7 +67,7 @@ async def test_stored_blocks_enter_the_index_and_evicted_ones_leave(tiny_engine,
         second = list(range(5000, 5000 + 47 * BLOCK + 8))
         await run(engine_stub, "second", second)
         await wait_until(_holds(index, second, 47), what="the second prompt's blocks indexed")
-        assert prefix(index, first) == 0 and not index.holds("tiny", block_hashes(first)[0])
+        assert prefix(index, first) == 0
         assert index.size("tiny") <= POOL_BLOCKS
 
 

@@ -2,17 +2,56 @@
 
 import random
 from collections import Counter
+from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 from router.policy import (
-    Candidate,
+    Choice,
     CostWeights,
-    choose,
+    Pool,
+    choose_in,
     cost,
+    engine_key,
     predicted_cached_tokens,
     prefill_blocks,
 )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One engine that may take the request, as placement's load table holds it."""
+
+    engine_id: str
+    block_size: int
+    cached_blocks: int
+    decode_blocks: float
+    sessions: int = 0
+
+
+def choose(
+    policy: str,
+    prompt_tokens: int,
+    candidates: list[Candidate],
+    weights: CostWeights,
+    session_id: str = "",
+    rng: random.Random | None = None,
+    turn: int = 0,
+) -> Choice:
+    """``choose_in`` over ``candidates`` laid out as placement lays out its pool: columns in engine-id order."""
+    ordered = sorted(candidates, key=lambda c: c.engine_id)
+    pool = Pool(
+        np.arange(len(ordered)),
+        np.array([c.engine_id for c in ordered], dtype=object),
+        np.array([engine_key(c.engine_id) for c in ordered], dtype=np.uint64),
+        np.array([c.block_size for c in ordered], dtype=np.int64),
+        np.array([c.cached_blocks for c in ordered], dtype=np.int64),
+        np.array([c.decode_blocks for c in ordered], dtype=np.float64),
+        np.array([c.sessions for c in ordered], dtype=np.int64),
+    )
+    return choose_in(policy, prompt_tokens, pool, weights, session_id, rng, turn)
+
 
 BS = 16
 DYNAMO = CostWeights(overlap=1.0)  # Dynamo's default weight
@@ -41,8 +80,8 @@ def test_cost_is_weighted_prefill_blocks_plus_decode_blocks(prefill, decode, wei
 def test_dynamo_worked_example_picks_worker_2():
     # A 10-block prompt; cached prefixes of 2, 5 and 8 blocks leave (8, 5, 2) blocks to prefill.
     candidates = engines((2, 10), (5, 5), (8, 9))
-    choice = choose("kv_aware", 10 * BS, candidates, DYNAMO)
-    assert (choice.engine_id, choice.cost) == ("w1", 10)
+    assert choose("kv_aware", 10 * BS, candidates, DYNAMO).engine_id == "w1"
+    assert cost(prefill_blocks(10 * BS, 5, BS), 5, DYNAMO) == 10  # the cheapest: w0 and w2 cost 18 and 11
 
 
 @pytest.mark.parametrize(
@@ -152,9 +191,9 @@ def test_oracle_takes_the_longest_cached_prefix(specs, expected):
     assert picks == expected
 
 
-def test_the_choice_reports_the_cached_blocks_and_cost_of_the_engine_picked():
+def test_the_choice_reports_the_cached_blocks_of_the_engine_picked():
     choice = choose("round_robin", 10 * BS, engines((2, 10), (5, 5)), DYNAMO, turn=1)
-    assert (choice.engine_id, choice.cached_blocks, choice.cost) == ("w1", 5, 10)
+    assert (choice.engine_id, choice.cached_blocks) == ("w1", 5)
 
 
 def test_unknown_policy_and_empty_candidates_are_refused():

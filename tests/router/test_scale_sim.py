@@ -4,10 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from router.sim.costs import SEEDS_GPU
-from router.sim.setup import Setup
-from router.sim.simulation import Simulation
-from router.sim.workload import Workload
+from bench.sim.costs import SEEDS_GPU
+from bench.sim.setup import Setup
+from bench.sim.simulation import Simulation
+from bench.sim.workload import Workload
 
 ENGINES = 20
 SMALL = Setup(

@@ -5,7 +5,7 @@ arithmetic either way), built by gcc at `make setup` or first use, loaded with c
 (results per sequence are bit-identical whatever the batch); float32 activations, the reference
 forward's numbers. ``native-int8``: the same, but quantized weights (Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)
 multiply activations rounded to 8 bits per 32-value block (per 256 before Q4_K/Q6_K; gemm_q8.c, AVX-512
-VNNI; ``engine.model.q8_activations``), as llama.cpp computes these formats: about twice the throughput, still batch-invariant (each row is rounded on
+VNNI), as llama.cpp computes these formats: about twice the throughput, still batch-invariant (each row is rounded on
 its own), and greedy answers that differ from float32's on near-ties (docs/benchmarks/engine.md, "int8 and greedy answers").
 ``numpy``: plain numpy/OpenBLAS, float32, correct on any CPU numpy runs on, but not batch-invariant:
 the fallback where neither build runs (not x86-64, or older than AVX2). ``select_kernels("auto")``, the
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class Kernels(Protocol):
     name: str  # "native" | "native-int8" | "numpy"
-    q8_activations: bool  # quantized weights see their input rounded to Q8 blocks (q8_activations.py)
+    q8_activations: bool  # quantized weights see their input rounded to Q8 blocks (gemm_q8.c)
 
     def pack(self, matrix: WeightMatrix) -> object:
         """The matrix in this implementation's own layout (done once at load)."""

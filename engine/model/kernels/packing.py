@@ -155,9 +155,6 @@ def _pack_q8_0_vnni(raw: np.ndarray, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray(out)
 
 
-QK_K = 256  # weights per K-quant super-block
-
-
 def _q4_k_blocks(raw: np.ndarray, n: int, k: int) -> tuple[np.ndarray, ...]:
     """Q4_K per 32-k block: d_lo, d_hi, m float32 [N, B] and codes uint8 [N, B, 32] (gguf's arithmetic:
     d = f16 d * 6-bit scale, m = f16 dmin * 6-bit min, weight d * q - m)."""

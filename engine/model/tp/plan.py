@@ -57,9 +57,6 @@ class RankShard:
             intermediate_size=self.ffn_columns.size,
         )
 
-    def weight_elements_per_layer(self, config: LlamaConfig) -> int:
-        return _attention_elements(config, self.kv_heads.size) + _ffn_elements(config, self.ffn_columns.size)
-
 
 @dataclass(frozen=True)
 class TpPlan:

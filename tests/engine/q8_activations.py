@@ -1,4 +1,5 @@
-"""Q8 activations: how the CPU engine rounds a quantized matrix's input, which the reference reproduces.
+"""Q8 activations in numpy: how the CPU engine's native-int8 GEMM (gemm_q8.c) rounds a quantized matrix's
+input, which the reference forward reproduces.
 
 Before a weight matrix stored as Q4_1, Q5_0 or Q8_0 (Q5_0 runs as the Q8_0 it equals) multiplies an
 activation row, the native GEMM rounds that row to int8 codes per block of 32 values (scale = max|x| / 127,

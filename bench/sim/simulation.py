@@ -28,6 +28,10 @@ from collections.abc import Callable
 import grpc
 from prometheus_client import CollectorRegistry
 
+from bench.sim.engine import Request, SimEngine
+from bench.sim.report import Report
+from bench.sim.setup import Setup
+from bench.sim.workload import Chat, Conversations
 from chatmesh.block_hash import BLOCK_HASH_SEED
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.errors import ServiceError
@@ -38,10 +42,6 @@ from router.index import PrefixIndex
 from router.loads import LoadTable
 from router.metrics import RouterMetrics
 from router.placement import Placer, RequestPlan
-from router.sim.engine import Request, SimEngine
-from router.sim.report import Report
-from router.sim.setup import Setup
-from router.sim.workload import Chat, Conversations
 
 MODEL = "sim"
 

@@ -1,4 +1,4 @@
-"""A discrete-event simulation of the serving fleet around the real router code (``router.sim``).
+"""A discrete-event simulation of the serving fleet around the real router code (``bench.sim``).
 
 Simulated users (``workload``) send multi-turn chats; simulated engines (``engine``, costs in ``costs``)
 batch them, cache their prefixes and publish KV events; the router's own ``PrefixIndex``, ``EngineState``

@@ -28,10 +28,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from bench.sim.costs import EngineCosts
+from bench.sim.workload import Chat
 from chatmesh.engine.v1 import engine_pb2
 from router.admission import is_premium
-from router.sim.costs import EngineCosts
-from router.sim.workload import Chat
 
 EventSink = Callable[[str, bool, list[int]], None]
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bench.sim.costs import EngineCosts
+from bench.sim.workload import Workload
 from router.config import RouterConfig
-from router.sim.costs import EngineCosts
-from router.sim.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from bench.sim.setup import Setup
 from router.admission import is_premium
-from router.sim.setup import Setup
 
 if TYPE_CHECKING:
-    from router.sim.engine import Request
+    from bench.sim.engine import Request
 
 TIERS = ("free", "paid")
 
