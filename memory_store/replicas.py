@@ -3,7 +3,7 @@ send each other about runs (``run_signals``).
 
 Orphans: replicas heartbeat into ``replicas``; ``find_orphaned_runs`` returns the runs in the index
 (``runs_by_owner``, ``runs.py``) of replicas whose heartbeat is stale, for another replica to adopt
-(``adopt_run``) or ``interrupt_run``, or, for a run that ended but whose owner died before storing what
+(``adopt_run``) or end interrupted (``finish_run``), or, for a run that ended but whose owner died before storing what
 its end leaves, ``settle_run``.
 
 Signals: a replica that ends another's run (a cancel) or adopts it tells the owner (``signal_owner``:
@@ -103,7 +103,7 @@ class Replicas:
         group: str = ORCHESTRATOR,
     ) -> list[Run]:
         """The runs still in the index of a replica that has not heartbeated for ``stale_after_s``
-        seconds: those in progress, for the caller to ``adopt_run`` (or ``interrupt_run``), and those
+        seconds: those in progress, for the caller to ``adopt_run`` (or end interrupted), and those
         that ended but whose end it may not have stored (it died between its finish and the answer's
         writes, which take the run out of the index), for the caller to ``settle_run``. Only runs
         started within ``max_run_age_s`` are considered (no run lives longer). Silent replicas without

@@ -543,10 +543,6 @@ class Runs:
         await self._messages.write(chat, message, [cleared], others, then)
         return message
 
-    async def interrupt_run(self, run: Run) -> FinishedRun:
-        """Marks an orphaned run interrupted, keeping the output checkpointed so far."""
-        return await self.finish_run(run, RunOutcome(status=RunStatus.INTERRUPTED, last_seq=run.last_seq))
-
     async def get_run(self, user_id: str, run_id: str) -> Run:
         check_user(user_id, self._config.bounds)
         run_key = parse_id(run_id, "run id")

@@ -88,7 +88,6 @@ class MemoryStore:
         self.store_step = self.runs.store_step
         self.finish_run = self.runs.finish_run
         self.settle_run = self.runs.settle_run
-        self.interrupt_run = self.runs.interrupt_run
         self.get_run = self.runs.get_run
         self.read_run_output = self.runs.read_run_output
         self.find_owned_runs = self.runs.find_owned_runs

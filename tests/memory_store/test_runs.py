@@ -404,7 +404,9 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     assert orphan.run_id not in {r.run_id for r in elsewhere}
     assert found[0].last_seq == 3
 
-    interrupted = await memory_store.interrupt_run(found[0])
+    interrupted = await memory_store.finish_run(
+        found[0], RunOutcome(RunStatus.INTERRUPTED, found[0].last_seq)
+    )
     assert interrupted.applied and interrupted.run.status is RunStatus.INTERRUPTED
     assert interrupted.message.content == "half an answer"
     assert interrupted.message.status is MessageStatus.INCOMPLETE
