@@ -294,7 +294,8 @@ class Chats:
         chat = await self.owned(user_id, chat_id)
         key = uuid.UUID(chat.chat_id)
         renamed: Write = ("chat_set_title", {"title": title, "user_id": user_id, "chat_id": key})
-        at = await self._touch(chat, [renamed, title_write(user_id, key, title)])
+        writes, at = self.touch_writes(chat, [renamed, title_write(user_id, key, title)])
+        await self._db.execute_batch(writes)
         return dataclasses.replace(chat, title=title, updated_at=at)
 
     async def set_chat_model(self, user_id: str, chat_id: str, model: str) -> None:
@@ -318,17 +319,6 @@ class Chats:
             ]
         )
 
-    async def record_activity(self, user_id: str, chat_id: str) -> datetime:
-        """Moves the chat to the top of the user's list; returns the new activity time."""
-        return await self._touch(await self.owned(user_id, chat_id), [])
-
-    async def _touch(self, chat: Chat, extra: list[Write]) -> datetime:
-        """Sets the chat's activity to now (plus ``extra`` statements on the user's partition), atomically."""
-        writes, at = self.touch_writes(chat, extra)
-        if writes:
-            await self._db.execute_batch(writes)
-        return at
-
     def touch_writes(self, chat: Chat, extra: Sequence[Write]) -> tuple[list[Write], datetime]:
         """The writes that set the chat's activity to now, with ``extra`` (more writes to the owner's
         partition): one batch in the owner's partition; and the chat's activity time."""
@@ -345,20 +335,14 @@ class Chats:
             ]
         return writes, max(at, chat.updated_at)
 
-    async def set_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
-        """Marks ``run_id`` as the chat's active run (the newest run by id wins)."""
-        await self._db.execute(*self.active_run_write(user_id, chat_id, run_id))
-
     def active_run_write(self, user_id: str, chat_id: str, run_id: str) -> Write:
-        """The write of ``set_active_run``: to the owner's partition."""
+        """The write that marks ``run_id`` the chat's active run (the newest run by id wins): to the
+        owner's partition."""
         return self._last_run("chat_set_last_run", user_id, chat_id, run_id)
 
-    async def clear_active_run(self, user_id: str, chat_id: str, run_id: str) -> None:
-        """Marks ``run_id`` finished; the chat has no active run unless a newer run started since."""
-        await self._db.execute(*self.active_run_cleared(user_id, chat_id, run_id))
-
     def active_run_cleared(self, user_id: str, chat_id: str, run_id: str) -> Write:
-        """The write of ``clear_active_run``: to the owner's partition."""
+        """The write that marks ``run_id`` finished (the chat has no active run unless a newer run
+        started since): to the owner's partition."""
         return self._last_run("chat_set_last_finished_run", user_id, chat_id, run_id)
 
     def _last_run(self, statement: str, user_id: str, chat_id: str, run_id: str) -> Write:

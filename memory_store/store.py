@@ -59,9 +59,6 @@ class MemoryStore:
         self.rename_chat = self.chats.rename_chat
         self.set_chat_model = self.chats.set_chat_model
         self.delete_chat = self.chats.delete_chat
-        self.record_activity = self.chats.record_activity
-        self.set_active_run = self.chats.set_active_run
-        self.clear_active_run = self.chats.clear_active_run
         self.put_summary = self.chats.put_summary
 
         self.append_message = self.messages.append_message

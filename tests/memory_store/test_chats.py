@@ -4,10 +4,11 @@ import asyncio
 
 import pytest
 
+from chatmesh.finish import FinishReason
 from memory_store.errors import AlreadyExists, InvalidArgument, NotFound
 from memory_store.ids import id_time, new_id
-from memory_store.models import ChatSummary
-from tests.memory_store.builders import message, new_user, operations_counted, requests_sent
+from memory_store.models import ChatSummary, NewRun, RunOutcome, RunStatus
+from tests.memory_store.builders import message, new_user, operations_counted, requests_sent, start_run
 
 
 async def test_another_users_chat_is_not_found_for_every_operation(memory_store):
@@ -20,7 +21,6 @@ async def test_another_users_chat_is_not_found_for_every_operation(memory_store)
         memory_store.get_chat(intruder, chat.chat_id),
         memory_store.rename_chat(intruder, chat.chat_id, "mine now"),
         memory_store.delete_chat(intruder, chat.chat_id),
-        memory_store.record_activity(intruder, chat.chat_id),
         memory_store.list_messages(intruder, chat.chat_id),
         memory_store.get_message(intruder, chat.chat_id, first.message_id),
         memory_store.get_branch(intruder, chat.chat_id, None),
@@ -58,7 +58,11 @@ async def test_concurrent_activity_leaves_each_chat_listed_once(memory_store):
     user = new_user()
     chats = [await memory_store.create_chat(user, f"chat {i}") for i in range(3)]
     await asyncio.gather(
-        *(memory_store.record_activity(user, chat.chat_id) for chat in chats for _ in range(10)),
+        *(
+            memory_store.rename_chat(user, chat.chat_id, f"chat {i}")
+            for i, chat in enumerate(chats)
+            for _ in range(10)
+        ),
         *(memory_store.append_message(user, message(chats[0].chat_id, f"m{i}")) for i in range(10)),
     )
     listed = (await memory_store.list_chats(user)).items
@@ -149,15 +153,26 @@ async def test_malformed_ids_are_invalid_argument(memory_store):
 async def test_active_run_follows_the_newest_run(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "runs")
-    older, newer = str(new_id()), str(new_id())
-    await memory_store.set_active_run(user, chat.chat_id, older)
-    await memory_store.set_active_run(user, chat.chat_id, newer)
-    await memory_store.set_active_run(user, chat.chat_id, older)  # late arrival: the newer run stays
-    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id == newer
+    older, asked = await start_run(memory_store, user, chat.chat_id, "q1")
+    newer, _ = await start_run(memory_store, user, chat.chat_id, "q2", asked)
+    # A late retry of the older run's creation: the newer run stays the chat's active one.
+    again = NewRun(
+        user,
+        chat.chat_id,
+        run_id=older.run_id,
+        parent_message_id=older.parent_message_id,
+        assistant_message_id=older.assistant_message_id,
+        model=older.model,
+        owner_id=older.owner_id,
+        user_message_id=older.user_message_id,
+    )
+    await memory_store.create_run(again)
+    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id == newer.run_id
 
-    await memory_store.clear_active_run(user, chat.chat_id, older)
-    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id == newer
-    await memory_store.clear_active_run(user, chat.chat_id, newer)
+    cancelled = RunOutcome(RunStatus.CANCELLED, 1, FinishReason.CANCELLED)
+    await memory_store.finish_run(older, cancelled)
+    assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id == newer.run_id
+    await memory_store.finish_run(newer, cancelled)
     assert (await memory_store.get_chat(user, chat.chat_id)).active_run_id is None
 
 
