@@ -211,7 +211,7 @@ async def send_steps(
 
     async def checkpoint(send: Send) -> None:
         assert send.run is not None
-        await store.checkpoint_run(send.run, ANSWER[:16])
+        await store.checkpoint_runs([(send.run, ANSWER[:16])])
 
     async def finish(send: Send) -> None:
         assert send.run is not None

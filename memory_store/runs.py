@@ -354,13 +354,9 @@ class Runs:
         await self._db.execute(*_index_entry("owner_index_delete", run.owner_id, run_key))
         return dataclasses.replace(run, owner_id=owner_id)
 
-    async def checkpoint_run(self, run: Run, deltas: Sequence[RunDelta]) -> None:
-        """Stores output events (consecutive sequence numbers) so any replica can replay them."""
-        if deltas:
-            await self._db.execute(*self.checkpoint_write(run, deltas))
-
     async def checkpoint_runs(self, checkpoints: Sequence[tuple[Run, Sequence[RunDelta]]]) -> list[bool]:
-        """``checkpoint_run`` for several runs at once, in as few requests as Cassandra takes well
+        """Stores each run's output events (consecutive sequence numbers) so any replica can replay
+        them, in as few requests as Cassandra takes well
         (``Db.write_unlogged``: up to CHECKPOINT_BATCH_RUNS runs, and ``max_batch_bytes``, a request).
         Returns whether each run's events were stored; a run whose were not keeps them to retry."""
         writes = [self.checkpoint_write(run, deltas) for run, deltas in checkpoints]
@@ -370,7 +366,7 @@ class Runs:
         """Stores a tool step event (``step.step``, its record, and the tokens of the call it holds)
         in a row of its own unless an event is stored at its seq already; returns the record the event
         at that seq holds: ``step.step`` if it is this one, another step's, or "" (a text event). The
-        caller's pending events before it must be stored first (``checkpoint_run``)."""
+        caller's pending events before it must be stored first (``checkpoint_runs``)."""
         if not step.step or step.text:
             raise InvalidArgument("a step event holds a step record and no text")
         self._check_deltas([step])
@@ -383,7 +379,7 @@ class Runs:
         return steps[0] if steps else ""
 
     def checkpoint_write(self, run: Run, deltas: Sequence[RunDelta]) -> Write:
-        """The write of ``checkpoint_run`` (at least one event)."""
+        """The write of a run's checkpoint (``checkpoint_runs``; at least one event)."""
         first_seq = self._check_deltas(deltas)
         if first_seq is None:
             raise InvalidArgument("a checkpoint holds at least one event")

@@ -80,7 +80,6 @@ class MemoryStore:
         self.create_run = self.runs.create_run
         self.create_run_with_question = self.runs.create_run_with_question
         self.adopt_run = self.runs.adopt_run
-        self.checkpoint_run = self.runs.checkpoint_run
         self.checkpoint_runs = self.runs.checkpoint_runs
         self.store_step = self.runs.store_step
         self.finish_run = self.runs.finish_run

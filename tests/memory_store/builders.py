@@ -1,15 +1,16 @@
-"""Small builders for memory_store tests: unique users, messages, a chat with a run; and the requests
-the store sent, counted."""
+"""Small builders for memory_store tests: unique users, messages, a chat with a run and its output; and
+the requests the store sent, counted."""
 
 from __future__ import annotations
 
 import collections
 import uuid
+from collections.abc import Sequence
 from datetime import datetime
 
 from memory_store.db import OPERATION_SECONDS
 from memory_store.ids import new_id
-from memory_store.models import Message, NewRun, Role, Run
+from memory_store.models import Message, NewRun, Role, Run, RunDelta
 from memory_store.store import MemoryStore
 
 
@@ -82,6 +83,11 @@ async def start_run(
         )
     )
     return run, asked
+
+
+async def checkpoint(store: MemoryStore, run: Run, deltas: Sequence[RunDelta]) -> None:
+    """Stores a run's output events as its owner's checkpoint writer does (``checkpoint_runs``)."""
+    assert await store.checkpoint_runs([(run, deltas)]) == [True], "the checkpoint was not stored"
 
 
 def operations_counted() -> collections.Counter[str]:

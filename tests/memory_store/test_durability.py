@@ -7,7 +7,7 @@ from memory_store.errors import MemoryStoreError
 from memory_store.models import RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
 from tests.fixtures.cassandra import wait_until_usable
-from tests.memory_store.builders import message, new_user, start_run
+from tests.memory_store.builders import checkpoint, message, new_user, start_run
 from tests.memory_store.test_messages import read_all_pages
 
 
@@ -15,7 +15,7 @@ async def test_acknowledged_writes_survive_kill_9(cassandra_node, memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "crash")
     run, asked = await start_run(memory_store, user, chat.chat_id, "will this survive?")
-    await memory_store.checkpoint_run(run, [RunDelta(2, "Yes", 1)])
+    await checkpoint(memory_store, run, [RunDelta(2, "Yes", 1)])
     finished = await memory_store.finish_run(
         run,
         RunOutcome(

@@ -17,7 +17,14 @@ from memory_store.base import now
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound, OwnerChanged, Unavailable
 from memory_store.models import MessageStatus, NewRun, Role, RunDelta, RunOutcome, RunStatus
 from memory_store.store import MemoryStore
-from tests.memory_store.builders import message, new_user, operations_counted, requests_sent, start_run
+from tests.memory_store.builders import (
+    checkpoint,
+    message,
+    new_user,
+    operations_counted,
+    requests_sent,
+    start_run,
+)
 
 
 def deltas(first_seq, *texts):
@@ -153,10 +160,10 @@ async def test_checkpointed_output_replays_from_any_sequence_number(memory_store
     user = new_user()
     chat = await memory_store.create_chat(user, "resume")
     run, _ = await start_run(memory_store, user, chat.chat_id, "tell me a story")
-    await memory_store.checkpoint_run(run, deltas(2, "Once", " upon"))
-    await memory_store.checkpoint_run(run, deltas(4, " a", " time", " 🌙"))
+    await checkpoint(memory_store, run, deltas(2, "Once", " upon"))
+    await checkpoint(memory_store, run, deltas(4, " a", " time", " 🌙"))
     # A stale retry of the first checkpoint does not move the run back.
-    await memory_store.checkpoint_run(run, deltas(2, "Once", " upon"))
+    await checkpoint(memory_store, run, deltas(2, "Once", " upon"))
 
     assert (await memory_store.get_run(user, run.run_id)).last_seq == 6
     for after, expected in [(0, "Once upon a time 🌙"), (3, " a time 🌙"), (6, "")]:
@@ -164,7 +171,7 @@ async def test_checkpointed_output_replays_from_any_sequence_number(memory_store
         assert "".join(d.text for d in replay) == expected
         assert [d.seq for d in replay] == list(range(after + 1 if after else 2, 7))
     with pytest.raises(InvalidArgument, match="consecutive"):
-        await memory_store.checkpoint_run(run, [RunDelta(7, "a"), RunDelta(9, "b")])
+        await checkpoint(memory_store, run, [RunDelta(7, "a"), RunDelta(9, "b")])
     with pytest.raises(NotFound):
         await memory_store.read_run_output(new_user(), run.run_id)
     with pytest.raises(NotFound):
@@ -178,8 +185,8 @@ async def test_tool_steps_are_stored_among_the_output_events_in_order(memory_sto
     started = '{"started": {"call_id": "c1", "tool": "calculator", "arguments": "{}"}}'
     result = '{"result": {"call_id": "c1", "tool": "calculator", "outcome": "ok", "text": "42"}}'
     call = RunDelta(2, "<tool_call>", 2, (10, 11))
-    await memory_store.checkpoint_run(run, [call, RunDelta(3, "", 0, (), started)])
-    await memory_store.checkpoint_run(run, [RunDelta(4, "", 0, (), result), RunDelta(5, "It", 1, (12,))])
+    await checkpoint(memory_store, run, [call, RunDelta(3, "", 0, (), started)])
+    await checkpoint(memory_store, run, [RunDelta(4, "", 0, (), result), RunDelta(5, "It", 1, (12,))])
     assert await memory_store.read_run_output(user, run.run_id) == [
         call,
         RunDelta(3, "", 0, (), started),
@@ -204,7 +211,7 @@ async def test_of_two_replicas_storing_a_step_at_one_seq_the_first_keeps_it(memo
     user = new_user()
     chat = await memory_store.create_chat(user, "one step")
     run, _ = await start_run(memory_store, user, chat.chat_id, "what time is it?")
-    await memory_store.checkpoint_run(run, [RunDelta(2, "<tool_call>", 2, (10, 11))])
+    await checkpoint(memory_store, run, [RunDelta(2, "<tool_call>", 2, (10, 11))])
     mine = '{"started": {"call_id": "c1", "tool": "clock", "arguments": "{}"}, "by": "replica-a"}'
     theirs = '{"started": {"call_id": "c1", "tool": "clock", "arguments": "{}"}, "by": "replica-b"}'
     assert await memory_store.store_step(run, RunDelta(3, "", 0, (), mine)) == mine
@@ -220,7 +227,7 @@ async def test_retried_finish_stores_the_answer_once_and_counts_usage_once(memor
     user = new_user()
     chat = await memory_store.create_chat(user, "finish twice")
     run, asked = await start_run(memory_store, user, chat.chat_id, "2+2?")
-    await memory_store.checkpoint_run(run, deltas(2, "It", " is"))
+    await checkpoint(memory_store, run, deltas(2, "It", " is"))
     outcome = RunOutcome(
         status=RunStatus.COMPLETED,
         last_seq=6,
@@ -252,7 +259,7 @@ async def test_an_owner_finishing_with_its_output_reads_nothing_back_and_stores_
     user = new_user()
     chat = await memory_store.create_chat(user, "the owner knows its answer")
     run, asked = await start_run(memory_store, user, chat.chat_id, "2+2?", prompt_tokens=12)
-    await memory_store.checkpoint_run(run, deltas(2, "It", " is"))
+    await checkpoint(memory_store, run, deltas(2, "It", " is"))
     tail = deltas(4, " 4", ".")
     outcome = RunOutcome(RunStatus.COMPLETED, 6, FinishReason.STOP, tail=tuple(tail), usage=Usage(12, 8, 4))
     output = deltas(2, "It", " is") + tail
@@ -291,7 +298,7 @@ async def test_racing_finishes_have_one_winner_and_one_answer(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "cancel vs complete")
     run, _ = await start_run(memory_store, user, chat.chat_id, "long answer please")
-    await memory_store.checkpoint_run(run, deltas(2, "Partial"))
+    await checkpoint(memory_store, run, deltas(2, "Partial"))
     complete = RunOutcome(RunStatus.COMPLETED, 4, FinishReason.STOP, tail=tuple(deltas(3, " and", " done")))
     cancel = RunOutcome(RunStatus.CANCELLED, 2, FinishReason.CANCELLED)
 
@@ -310,9 +317,9 @@ async def test_late_checkpoint_does_not_change_a_finished_answer(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "zombie owner")
     run, _ = await start_run(memory_store, user, chat.chat_id, "hi")
-    await memory_store.checkpoint_run(run, deltas(2, "Hel"))
+    await checkpoint(memory_store, run, deltas(2, "Hel"))
     finished = await memory_store.finish_run(run, RunOutcome(RunStatus.CANCELLED, 2, FinishReason.CANCELLED))
-    await memory_store.checkpoint_run(run, deltas(3, "lo from a zombie"))
+    await checkpoint(memory_store, run, deltas(3, "lo from a zombie"))
 
     again = await memory_store.finish_run(run, RunOutcome(RunStatus.COMPLETED, 3, FinishReason.STOP))
     assert not again.applied and again.message == finished.message
@@ -332,8 +339,8 @@ async def test_two_starters_checkpointing_one_run_alike_leave_it_readable(memory
     run, _ = await start_run(memory_store, user, chat.chat_id, "hi")
     first = [RunDelta(2, "Once", 1, (5,)), RunDelta(3, " upon", 2, (6, 7))]
     second = [RunDelta(2, "Hi", 2, (8, 9)), RunDelta(3, " there", 1, (10,))]
-    await memory_store.checkpoint_run(run, first)
-    await memory_store.checkpoint_run(dataclasses.replace(run, owner_id="replica-b"), second)
+    await checkpoint(memory_store, run, first)
+    await checkpoint(memory_store, dataclasses.replace(run, owner_id="replica-b"), second)
     output = await memory_store.read_run_output(user, run.run_id)
     assert [d.seq for d in output] == [2, 3]
     assert all(len(d.token_ids) in (0, d.token_count) for d in output)
@@ -393,7 +400,7 @@ async def test_runs_of_a_silent_replica_are_found_and_interrupted(memory_store):
     chat = await memory_store.create_chat(user, "lost replica")
     orphan, _ = await start_run(memory_store, user, chat.chat_id, "q1", owner=dead, prompt_tokens=40)
     healthy, _ = await start_run(memory_store, user, chat.chat_id, "q2", owner=alive)
-    await memory_store.checkpoint_run(orphan, deltas(2, "half an ", "answer"))
+    await checkpoint(memory_store, orphan, deltas(2, "half an ", "answer"))
     # The orphan's owner reserved prompt + max_tokens when it started.
     await memory_store.record_usage(user, orphan.run_id, Usage(40, 0, 512))
 
@@ -428,7 +435,7 @@ async def test_a_run_ended_by_an_owner_that_died_before_storing_its_answer_is_se
     await memory_store.heartbeat_replica(owner)
     chat = await memory_store.create_chat(user, "lost between the finish and the answer")
     run, asked = await start_run(memory_store, user, chat.chat_id, "q", owner=owner, prompt_tokens=40)
-    await memory_store.checkpoint_run(run, deltas(2, "an "))
+    await checkpoint(memory_store, run, deltas(2, "an "))
     output = deltas(2, "an ", "answer")
 
     # The owner's finish wins; the request with its answer then fails (a node timed out), and the owner
@@ -533,8 +540,10 @@ async def test_a_silent_replicas_run_is_adopted_by_exactly_one_replica_with_what
     await memory_store.heartbeat_replica(dead, at=now() - timedelta(seconds=120))
     chat = await memory_store.create_chat(user, "adopted")
     run, _ = await start_run(memory_store, user, chat.chat_id, "q", owner=dead, generation=b"\x08\x01how")
-    await memory_store.checkpoint_run(
-        run, [RunDelta(2, "Hel", 2, (15, 16)), RunDelta(3, "lo", 1, (17,)), RunDelta(4, "!", 0, ())]
+    await checkpoint(
+        memory_store,
+        run,
+        [RunDelta(2, "Hel", 2, (15, 16)), RunDelta(3, "lo", 1, (17,)), RunDelta(4, "!", 0, ())],
     )
     [orphan] = [r for r in await memory_store.find_orphaned_runs(stale_after_s=30) if r.user_id == user]
     assert orphan.generation == b"\x08\x01how"
@@ -570,8 +579,8 @@ async def test_an_owner_whose_run_was_adopted_cannot_finish_it(memory_store):
     assert (await memory_store.get_run(user, run.run_id)).status is RunStatus.IN_PROGRESS
     assert await memory_store.adopt_run(run, "replica-third") is None  # taken from the old owner: stale
     # Its last checkpoint and the adopter's overlap (other first_seqs, the same events): each event once.
-    await memory_store.checkpoint_run(run, [RunDelta(2, "o", 1, (9,)), RunDelta(3, "k", 1, (10,))])
-    await memory_store.checkpoint_run(adopted, [RunDelta(3, "k", 1, (10,)), RunDelta(4, "!", 1, (11,))])
+    await checkpoint(memory_store, run, [RunDelta(2, "o", 1, (9,)), RunDelta(3, "k", 1, (10,))])
+    await checkpoint(memory_store, adopted, [RunDelta(3, "k", 1, (10,)), RunDelta(4, "!", 1, (11,))])
     output = await memory_store.read_run_output(user, run.run_id)
     assert [(d.seq, d.text, d.token_ids) for d in output] == [
         (2, "o", (9,)),
@@ -732,7 +741,7 @@ async def test_a_checkpoint_is_counted_but_makes_no_span_and_a_read_makes_one(me
     before = operations_counted()
     spans.clear()
 
-    await memory_store.checkpoint_run(run, deltas(2, "a", "b"))
+    await checkpoint(memory_store, run, deltas(2, "a", "b"))
     await memory_store.get_run(user, run.run_id)
 
     assert [s.name for s in spans.get_finished_spans()] == ["run_get"]

@@ -40,7 +40,7 @@ from tests.fixtures.orchestrator import (
     events,
     read_until,
 )
-from tests.memory_store.builders import start_run
+from tests.memory_store.builders import checkpoint, start_run
 
 FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
 
@@ -170,7 +170,7 @@ async def test_a_run_a_lost_replica_ended_without_storing_its_answer_is_settled_
             memory_store, client.user, chat.chat_id, "q", owner=lost, prompt_tokens=9
         )
         output = [RunDelta(2, "Stored ", 1), RunDelta(3, "at last", 2)]
-        await memory_store.checkpoint_run(run, output[:1])
+        await checkpoint(memory_store, run, output[:1])
 
         async def timed_out(*args: object, **kwargs: object) -> None:
             raise Unavailable("Cassandra did not answer in time")
