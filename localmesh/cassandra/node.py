@@ -428,11 +428,6 @@ class CassandraNode:
         """The schema versions this node's gossip reports, each with the addresses holding it."""
         return parse_schema_versions(self.nodetool("describecluster"))
 
-    def holds_hints(self) -> bool:
-        """Whether this node keeps writes for a peer that was down: hints files, deleted once replayed.
-        (Reading the directory: ``nodetool listpendinghints`` answered "none" while files were there.)"""
-        return any((self.config.data_dir / "hints").glob("*.hints"))
-
     def drain(self) -> None:
         """Flushes memtables and stops accepting writes (the node must still be stopped after)."""
         self.nodetool("drain")
