@@ -3,8 +3,8 @@ send each other about runs (``run_signals``).
 
 Orphans: replicas heartbeat into ``replicas``; ``find_orphaned_runs`` returns the runs in the index
 (``runs_by_owner``, ``runs.py``) of replicas whose heartbeat is stale, for another replica to adopt
-(``adopt_run``) or end interrupted (``finish_run``), or, for a run that ended but whose owner died before storing what
-its end leaves, ``settle_run``.
+(``adopt_run``) or end interrupted (``finish_run``), or, for a run that ended but whose owner died
+before storing what its end leaves, ``settle_run``.
 
 Signals: a replica that ends another's run (a cancel) or adopts it tells the owner (``signal_owner``:
 a row in ``run_signals``, by the owner and ten seconds); the owner reads its last few partitions every

@@ -356,8 +356,8 @@ class Runs:
 
     async def checkpoint_runs(self, checkpoints: Sequence[tuple[Run, Sequence[RunDelta]]]) -> list[bool]:
         """Stores each run's output events (consecutive sequence numbers) so any replica can replay
-        them, in as few requests as Cassandra takes well
-        (``Db.write_unlogged``: up to CHECKPOINT_BATCH_RUNS runs, and ``max_batch_bytes``, a request).
+        them, in as few requests as Cassandra takes well (``Db.write_unlogged``: up to
+        CHECKPOINT_BATCH_RUNS runs, and ``max_batch_bytes``, a request).
         Returns whether each run's events were stored; a run whose were not keeps them to retry."""
         writes = [self.checkpoint_write(run, deltas) for run, deltas in checkpoints]
         return await self._db.write_unlogged(writes, self._config.max_batch_bytes, CHECKPOINT_BATCH_RUNS)
