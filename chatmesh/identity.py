@@ -6,7 +6,9 @@ the orchestrator verify the same token again, against the same JWKS file, issuer
 the ``x-chatmesh-user-id``/``x-chatmesh-tier`` headers either. Envoy still derives those two from the
 verified claims for its own use (per-user rate limits, the access log); anyone who can reach a service
 directly could forge them. The edge passes the caller's token on to the orchestrator, so one proof
-travels the whole path. The trust model, key sources and rotation: docs/architecture/overview.md#identity-and-trust.
+travels the whole path. The keys are a JWKS file (dev keys, a Secret) or the identity provider's
+``jwks_uri`` (chatmesh/remote_jwks.py, for sign-in through the provider: docs/deploy/sign-in.md).
+The trust model, key sources and rotation: docs/architecture/overview.md#identity-and-trust.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import jwt
 
+from chatmesh.remote_jwks import RemoteJwks
 from chatmesh.tiers import DEFAULT_TIER, TIERS
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,15 @@ class IdentityConfig:
     """
 
     jwks_file: str = field(
-        default="", metadata={"help": "JWKS file to verify callers' tokens with (Envoy's); required"}
+        default="",
+        metadata={"help": "JWKS file to verify callers' tokens with (Envoy's); this or --jwks-url is required"},
+    )
+    jwks_url: str = field(
+        default="",
+        metadata={
+            "help": "the identity provider's jwks_uri to verify callers' tokens with, fetched and cached "
+            "(sign-in through the provider; instead of --jwks-file)"
+        },
     )
     jwt_issuer: str = field(default="chatmesh-dev", metadata={"help": "issuer callers' tokens must carry"})
     jwt_audience: str = field(default=JWT_AUDIENCE, metadata={"help": "audience callers' tokens must carry"})
@@ -77,24 +88,35 @@ class Unauthenticated(Exception):
 
 
 class TokenVerifier:
-    """Verifies bearer tokens against a JWKS file, re-read when it changes (key rotation), and remembers
-    the tokens it verified. Not thread-safe: each service verifies on its event loop's thread."""
+    """Verifies bearer tokens against a JWKS file, re-read when it changes (key rotation), or against an
+    identity provider's published keys (``remote``), and remembers the tokens it verified. Not
+    thread-safe: each service verifies on its event loop's thread."""
 
-    def __init__(self, jwks_file: Path, issuer: str, audience: str = JWT_AUDIENCE) -> None:
-        self.jwks_file, self.issuer, self.audience = jwks_file, issuer, audience
-        self._stamp = self._file_stamp()
-        self._keys = self._read_keys()
+    def __init__(
+        self, jwks_file: Path | None, issuer: str, audience: str = JWT_AUDIENCE, remote: RemoteJwks | None = None
+    ) -> None:
+        self.jwks_file, self.issuer, self.audience, self._remote = jwks_file, issuer, audience, remote
+        self._stamp = self._file_stamp() if jwks_file else (0, 0, 0)
+        self._keys = self._read_keys() if jwks_file else []
         self._checked_at = time.monotonic()
+        self._generation = remote.generation if remote else 0
         # Token -> its identity and until when (epoch seconds) it stays valid; least recently used first.
         self._verified: OrderedDict[str, tuple[Identity, float]] = OrderedDict()
 
     @classmethod
     def from_config(cls, config: IdentityConfig) -> TokenVerifier:
         """A verifier for ``config``; ValueError (a usage error) when the JWKS is missing or unusable."""
+        if config.jwks_url and config.jwks_file:
+            raise ValueError("--jwks-file and --jwks-url are exclusive: verify with one source of keys")
+        if config.jwks_url:
+            if not config.jwks_url.startswith(("https://", "http://")):
+                raise ValueError(f"--jwks-url {config.jwks_url!r} is not an http(s) URL")
+            return cls(None, config.jwt_issuer, config.jwt_audience, remote=RemoteJwks(config.jwks_url))
         if not config.jwks_file:
             raise ValueError(
                 "--jwks-file is required: the JWKS Envoy verifies tokens with "
-                "(`make run` passes the dev one; in Kubernetes the chart mounts Envoy's Secret)"
+                "(`make run` passes the dev one; in Kubernetes the chart mounts Envoy's Secret), "
+                "or --jwks-url: your identity provider's jwks_uri"
             )
         try:
             return cls(Path(config.jwks_file), config.jwt_issuer, config.jwt_audience)
@@ -108,7 +130,7 @@ class TokenVerifier:
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("no bearer token: call through Envoy with `authorization: Bearer <JWT>`")
         # Checked first on every call, hit or not: a key removed from the JWKS revokes its tokens here.
-        keys = self._current_keys()
+        keys = self._current_keys(None if token in self._verified else _kid_of(token))
         known = self._verified.get(token)
         if known is not None and time.time() < known[1]:
             self._verified.move_to_end(token)
@@ -155,7 +177,7 @@ class TokenVerifier:
         kid = jwt.get_unverified_header(token).get("kid")
         candidates = [key for key in keys if key.key_id == kid] if kid else keys
         if not candidates:
-            raise ValueError(f"no key {kid!r} in {self.jwks_file}")
+            raise ValueError(f"no key {kid!r} in {self._remote.url if self._remote else self.jwks_file}")
         error: Exception = ValueError("no key verified the token")
         for key in candidates:
             try:
@@ -173,7 +195,17 @@ class TokenVerifier:
                 error = exc
         raise error
 
-    def _current_keys(self) -> list[jwt.PyJWK]:
+    def _current_keys(self, kid: str | None) -> list[jwt.PyJWK]:
+        """The keys to verify with; ``kid``: the key a token not yet verified names, which a remote
+        set lacking it is fetched again for (a rotation at the provider)."""
+        if self._remote is not None:
+            keys = self._remote.keys(kid)
+            if self._remote.generation != self._generation:
+                self._generation = self._remote.generation
+                # A token verified with a key the new set lacks must not outlive that key.
+                self._verified.clear()
+            return keys
+        assert self.jwks_file is not None
         now = time.monotonic()
         if now - self._checked_at >= JWKS_RECHECK_S:
             self._checked_at = now
@@ -190,9 +222,20 @@ class TokenVerifier:
         return self._keys
 
     def _read_keys(self) -> list[jwt.PyJWK]:
+        assert self.jwks_file is not None
         return list(jwt.PyJWKSet.from_dict(json.loads(self.jwks_file.read_text())).keys)
 
     def _file_stamp(self) -> tuple[int, int, int]:
+        assert self.jwks_file is not None
         # Kubernetes swaps a Secret volume's files by symlink: stat follows it to the new file.
         stat = os.stat(self.jwks_file)
         return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+
+
+def _kid_of(token: str) -> str | None:
+    """The key id a token's header names; None when it names none (or is no JWT: verifying says so)."""
+    try:
+        kid = jwt.get_unverified_header(token).get("kid")
+    except jwt.PyJWTError:
+        return None
+    return kid if isinstance(kid, str) else None

@@ -14,6 +14,7 @@ import json
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -132,13 +133,75 @@ def chat_service_methods() -> list[GrpcMethod]:
     ]
 
 
+# Where a signed-in page sends the browser to sign out (edge/static/token.js's SIGN_OUT_PATH).
+SIGN_OUT_PATH = "/oauth2/signout"
+
+
+@dataclass(frozen=True)
+class SignIn:
+    """Browser sign-in through the deployment's OpenID Connect provider (docs/deploy/sign-in.md).
+
+    Envoy's OAuth2 filter runs the authorization code flow with PKCE as a confidential client, keeps the
+    tokens in HttpOnly cookies it signs (the page's JavaScript never holds one), refreshes the access
+    token with the refresh token when it expires, and forwards it as ``authorization: Bearer`` to
+    jwt_authn and the services, which verify it against the provider's ``jwks_uri``. The endpoints are the
+    provider's discovery document's (``<issuer>/.well-known/openid-configuration``); the secrets are files
+    (a mounted Secret), never settings.
+    """
+
+    client_id: str
+    authorization_endpoint: str
+    token_endpoint: str
+    jwks_uri: str
+    # Where the provider sends the browser back; registered with the provider exactly so.
+    redirect_uri: str
+    # Files: the client's secret at the provider, and the key Envoy signs its session cookies with.
+    client_secret_path: str
+    hmac_secret_path: str
+    # RP-initiated logout: signing out ends the provider's session too (empty: only the cookies go).
+    end_session_endpoint: str = ""
+    scopes: tuple[str, ...] = ("openid", "profile", "offline_access")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SignIn:
+        values = dict(data)
+        if "scopes" in values:
+            values["scopes"] = tuple(values["scopes"])
+        return cls(**values)
+
+    @property
+    def redirect_path(self) -> str:
+        return urllib.parse.urlsplit(self.redirect_uri).path
+
+    def clusters(self) -> dict[str, tuple[str, int, bool]]:
+        """Envoy clusters for the provider's hosts: name -> (host, port, TLS), one per origin."""
+        found: dict[str, tuple[str, int, bool]] = {}
+        for url in (self.token_endpoint, self.jwks_uri):
+            found.setdefault(_origin_cluster(url), _host_port_tls(url))
+        return found
+
+
+def _host_port_tls(url: str) -> tuple[str, int, bool]:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("https", "http") or not parts.hostname:
+        raise ValueError(f"sign-in: {url!r} is not an http(s) URL")
+    tls = parts.scheme == "https"
+    return parts.hostname, parts.port or (443 if tls else 80), tls
+
+
+def _origin_cluster(url: str) -> str:
+    host, port, tls = _host_port_tls(url)
+    return "identity_provider_" + "".join(c if c.isalnum() else "_" for c in f"{host}_{port}_{tls}")
+
+
 @dataclass(frozen=True)
 class EnvoyConfig:
     """Everything that varies between Envoy deployments (local mesh, tests, a cluster)."""
 
     listen_port: int
     admin_port: int
-    jwks_path: Path
+    # The JWKS file tokens are verified with; None with ``sign_in``, whose provider publishes the keys.
+    jwks_path: Path | None
     edge_endpoints: tuple[tuple[str, int], ...]
     orchestrator_endpoints: tuple[tuple[str, int], ...]
     # The issuer whose tokens Envoy accepts (the dev key pair's locally, your identity provider's in a cluster).
@@ -165,6 +228,11 @@ class EnvoyConfig:
     # OTLP/gRPC collector (host, port) for Envoy's spans; None: W3C trace context passes through untraced.
     otlp: tuple[str, int] | None = None
     trace_sampling_percent: float = 100.0
+    sign_in: SignIn | None = None
+
+    def __post_init__(self) -> None:
+        if (self.jwks_path is None) == (self.sign_in is None):
+            raise ValueError("Envoy verifies tokens with jwks_path or, with sign_in, the provider's jwks_uri")
 
     @classmethod
     def from_dict(cls, data: dict) -> EnvoyConfig:
@@ -174,7 +242,10 @@ class EnvoyConfig:
         if unknown:
             raise ValueError(f"unknown Envoy settings: {', '.join(sorted(unknown))}")
         values = dict(data)
-        values["jwks_path"] = Path(values["jwks_path"])
+        if values.get("jwks_path") is not None:
+            values["jwks_path"] = Path(values["jwks_path"])
+        if values.get("sign_in") is not None:
+            values["sign_in"] = SignIn.from_dict(values["sign_in"])
         for name in ("edge_endpoints", "orchestrator_endpoints"):
             values[name] = tuple((str(host), int(port)) for host, port in values[name])
         values["cors_origins"] = tuple(values.get("cors_origins", ()))
@@ -202,7 +273,11 @@ def render_config(config: EnvoyConfig) -> str:
         listen_host=config.listen_host,
         listen_port=config.listen_port,
         admin_port=config.admin_port,
-        jwks_path=str(config.jwks_path),
+        jwks_path=str(config.jwks_path or ""),
+        sign_in=config.sign_in,
+        sign_out_path=SIGN_OUT_PATH,
+        sign_in_clusters=config.sign_in.clusters() if config.sign_in else {},
+        cluster_of=_origin_cluster,
         jwt_issuer=config.jwt_issuer,
         jwt_audience=config.jwt_audience,
         edge_endpoints=config.edge_endpoints,

@@ -2,7 +2,7 @@
 // Answers stream over fetch() (POST bodies and the Authorization header rule out EventSource). The run
 // being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
 import { handleCopyButtons, renderMarkdown, StreamingAnswer } from "./render.js";
-import { takeTokenFromUrl } from "./token.js";
+import { authHeaders, keepToken, signOut, takeTokenFromUrl } from "./token.js";
 import { WindowedList } from "./window.js";
 
 const $ = (selector) => document.querySelector(selector);
@@ -50,7 +50,7 @@ async function call(path, { method = "GET", body, headers = {}, signal } = {}) {
     method,
     signal,
     headers: {
-      Authorization: `Bearer ${state.token}`,
+      ...authHeaders(state.token),
       ...(body !== undefined ? { "Content-Type": "application/json" } : {}),
       ...(state.chatId ? { "x-chatmesh-chat-id": state.chatId } : {}),
       ...headers,
@@ -86,7 +86,7 @@ function explain(error) {
   if (!(error instanceof ApiError)) return `Connection problem: ${error.message}. Check the server and retry.`;
   const wait = error.retryAfter ? ` Try again in ${error.retryAfter} s.` : " Try again shortly.";
   switch (error.status) {
-    case 401: return "Your token is missing, invalid or expired. Paste a new one.";
+    case 401: return state.token ? "Your token is missing, invalid or expired. Paste a new one." : "You are signed out. Sign in again.";
     case 429: return `You are sending requests too fast or your token budget is spent (rate limited).${wait}`;
     case 503: return `Our servers are busy and cannot take this request right now.${wait}`;
     default: return error.message;
@@ -828,13 +828,12 @@ async function start() {
   state.token = takeTokenFromUrl(TOKEN_KEY);
   $("#signin-form").addEventListener("submit", (event) => {
     event.preventDefault();
-    localStorage.setItem(TOKEN_KEY, $("#token-input").value.trim());
+    keepToken(TOKEN_KEY, $("#token-input").value.trim());
     location.reload();
   });
-  if (!state.token) {
-    showSignin(true);
-    return;
-  }
+  // Without a token the page may still be signed in: through the identity provider, with Envoy's
+  // session cookies. /v1/me answering 401 below shows the sign-in box.
+  $("#sign-out").addEventListener("click", () => signOut(TOKEN_KEY, state.token));
   $("#composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("#prompt").value.trim();
@@ -872,6 +871,7 @@ async function start() {
     const [me] = await Promise.all([json("/v1/me"), loadChats()]);
     state.tier = me.tier;
     $("#whoami").textContent = `Signed in as ${me.user_id} (${me.tier})`;
+    $("#sign-out").hidden = false;
     showUsage();
     if (opening) await opening;
     else newChat();

@@ -1,6 +1,6 @@
 // The operations page: polls /v1/ops/overview with an operator token and draws it; looks a run's trace up.
 // Plain DOM and SVG: no libraries, nothing fetched from elsewhere.
-import { takeTokenFromUrl } from "./token.js";
+import { authHeaders, keepToken, takeTokenFromUrl } from "./token.js";
 
 // Its own key: an operator token never replaces the chat page's token.
 const TOKEN_KEY = "chatmesh.opsToken";
@@ -20,7 +20,7 @@ function showSignin(show) {
 }
 
 async function getJson(path) {
-  const reply = await fetch(path, { headers: { Authorization: `Bearer ${token}` } });
+  const reply = await fetch(path, { headers: authHeaders(token) });
   const body = await reply.json().catch(() => ({}));
   if (!reply.ok) {
     const error = new Error(body.error?.message || `HTTP ${reply.status}`);
@@ -246,10 +246,11 @@ function start() {
 $("#signin-form").addEventListener("submit", (event) => {
   event.preventDefault();
   token = $("#token-input").value.trim();
-  localStorage.setItem(TOKEN_KEY, token);
+  keepToken(TOKEN_KEY, token);
   start();
 });
 $("#trace-form").addEventListener("submit", showTrace);
 token = takeTokenFromUrl(TOKEN_KEY);
-if (token) start();
-else showSignin(true);
+// Without a token the page may be signed in through the identity provider (Envoy's session): the first
+// poll says, showing the sign-in box on a 401.
+start();

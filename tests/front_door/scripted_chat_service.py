@@ -189,7 +189,7 @@ class Run:
 
 
 class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, verifier: TokenVerifier | None = None) -> None:
         self.calls: list[Call] = []
         self.chats: dict[str, tuple[str, chat_pb2.Chat]] = {}
         self.messages: dict[str, list[chat_pb2.Message]] = {}
@@ -199,8 +199,9 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         self._answers: dict[str, list[str]] = {}
         # Idempotency keys (or texts, for sends without one) whose first run was refused (``!refusedonce``).
         self._refused_keys: set[str] = set()
-        # It proves callers as the orchestrator does: with the session's keys, from the token alone.
-        self._verifier = TokenVerifier(session_keys().jwks_path, ISSUER)
+        # It proves callers as the orchestrator does: with the session's keys (or ``verifier``'s, e.g. an
+        # identity provider's), from the token alone.
+        self._verifier = verifier or TokenVerifier(session_keys().jwks_path, ISSUER)
 
     # -- test controls (called from the test's thread; plain dict writes) --
 
@@ -684,8 +685,8 @@ class _ScriptedCompletes(ServedRequests):
 class ScriptedChatServer:
     """Runs a ScriptedChatService on its own event loop thread, so sync and async tests can both use it."""
 
-    def __init__(self) -> None:
-        self.service = ScriptedChatService()
+    def __init__(self, verifier: TokenVerifier | None = None) -> None:
+        self.service = ScriptedChatService(verifier)
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
