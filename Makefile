@@ -18,7 +18,7 @@ help:
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/provision.sh scripts/provision_helm.sh localmesh/cassandra/pom.xml
+$(STAMP): pyproject.toml scripts/provision.sh scripts/provision_helm.sh localmesh/cassandra/pom.xml tests/support/oidc_provider/package-lock.json
 	@scripts/provision.sh
 	@touch $@
 

@@ -60,6 +60,23 @@ else
   echo "         point CHATMESH_CHROMIUM at a Chromium binary, or set CHATMESH_SKIP_BROWSER_TESTS=1."
 fi
 
+# The sign-in tests start a real OpenID Connect provider (panva's oidc-provider) under Node: its packages
+# are pinned by tests/support/oidc_provider/package-lock.json and installed from npm here, never by a test.
+oidc_dir=tests/support/oidc_provider
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  if [ -f "$oidc_dir/node_modules/.package-lock.json" ] && cmp -s "$oidc_dir/package-lock.json" "$oidc_dir/node_modules/.lock-installed"; then
+    echo "oidc-provider (tests): up to date"
+  else
+    step "installing the sign-in tests' OpenID Connect provider (npm ci in $oidc_dir, ~4 MB)"
+    npm ci --prefix "$oidc_dir" --no-audit --no-fund --loglevel=error \
+      || fail "npm ci in $oidc_dir failed. Check access to registry.npmjs.org."
+    cp "$oidc_dir/package-lock.json" "$oidc_dir/node_modules/.lock-installed"
+  fi
+else
+  echo "WARNING: node/npm are missing: the sign-in tests (tests/front_door/test_sign_in.py) will fail until"
+  echo "         you install Node 20+ (Debian: apt-get install nodejs npm) and run make setup again."
+fi
+
 step "fetching Apache Cassandra into .cache/cassandra/lib with Maven (first run downloads ~70 MB of jars)"
 # The jars are pinned by localmesh/cassandra/pom.xml; a stamp of its hash skips Maven when up to date.
 cassandra_pom=localmesh/cassandra/pom.xml

@@ -703,6 +703,65 @@ def test_edge_and_orchestrator_verify_tokens_with_envoys_jwks(rendered, scenario
         assert env[f"{prefix}_JWT_AUDIENCE"] == settings["jwt_audience"]
 
 
+SIGN_IN_SETS = (
+    "cassandra.contactPoints[0]=c",
+    "envoy.jwt.issuer=https://idp.example.com/",
+    "envoy.signIn.enabled=true",
+    "envoy.signIn.clientId=chatmesh-web",
+    "envoy.signIn.authorizationEndpoint=https://idp.example.com/authorize",
+    "envoy.signIn.tokenEndpoint=https://idp.example.com/oauth/token",
+    "envoy.signIn.jwksUri=https://keys.idp.example.com/jwks.json",
+    "envoy.signIn.endSessionEndpoint=https://idp.example.com/logout",
+    "envoy.signIn.redirectUri=https://chat.example.com/oauth2/callback",
+    "envoy.signIn.existingSecret=chatmesh-sign-in",
+)
+
+
+def test_sign_in_values_give_envoy_the_oauth2_filter_and_the_services_the_providers_keys(tmp_path):
+    chart = render(sets=SIGN_IN_SETS)
+    settings = envoy_settings(chart)
+    pod = next(spec for c, _, spec in chart.pod_specs() if c == "envoy")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    # The client secret and the cookie key come from the Secret, mounted where the settings point.
+    container = pod["containers"][0]
+    for key in ("client_secret_path", "hmac_secret_path"):
+        assert _mounted(container, volumes, settings["sign_in"][key])["secretName"] == "chatmesh-sign-in"
+    assert "jwks" not in volumes and settings["jwks_path"] is None
+    assert chart.of_kind("Secret") == []  # no secret comes from values
+    for key in ("client_secret_path", "hmac_secret_path"):
+        path = tmp_path / Path(settings["sign_in"][key]).name
+        path.write_text("not-a-real-secret")
+        settings["sign_in"][key] = str(path)
+    path = write_config(EnvoyConfig.from_dict(settings), tmp_path / "envoy.yaml", check=True)
+    bootstrap = yaml.safe_load(path.read_text())
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    oauth2 = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.oauth2")["typed_config"]
+    assert oauth2["config"]["redirect_uri"] == "https://chat.example.com/oauth2/callback"
+    assert oauth2["config"]["redirect_path_matcher"] == {"path": {"exact": "/oauth2/callback"}}
+    jwt = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.jwt_authn")
+    provider = jwt["typed_config"]["providers"]["chatmesh"]
+    assert provider["issuer"] == "https://idp.example.com/"
+    assert provider["remote_jwks"]["http_uri"]["uri"] == "https://keys.idp.example.com/jwks.json"
+    # One TLS cluster per provider host, checking its certificate's name.
+    clusters = {c["name"]: c for c in bootstrap["static_resources"]["clusters"]}
+    tls = [c["transport_socket"]["typed_config"]["sni"] for c in clusters.values() if "transport_socket" in c]
+    assert sorted(tls) == ["idp.example.com", "keys.idp.example.com"]
+    for component in ("edge", "orchestrator"):
+        container = chart.container(component, component)
+        env = env_of(container)
+        prefix = f"CHATMESH_{component.upper()}"
+        assert env[f"{prefix}_JWKS_URL"] == "https://keys.idp.example.com/jwks.json"
+        assert f"{prefix}_JWKS_FILE" not in env
+        assert env[f"{prefix}_JWT_ISSUER"] == "https://idp.example.com/"
+        assert not any(m["name"] == "jwks" for m in container["volumeMounts"])
+
+
+def test_sign_in_without_a_required_value_fails_saying_which():
+    sets = tuple(s for s in SIGN_IN_SETS if not s.startswith("envoy.signIn.redirectUri"))
+    with pytest.raises(HelmError, match=r"envoy\.signIn\.redirectUri is required"):
+        render(sets=sets)
+
+
 def _mounted(container: dict, volumes: dict[str, dict], path: str) -> dict:
     """The Secret volume ``path`` lies in (through ``container``'s mounts)."""
     mount = next(m for m in container["volumeMounts"] if path.startswith(m["mountPath"] + "/"))

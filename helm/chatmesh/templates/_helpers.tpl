@@ -165,17 +165,24 @@ A Secret volume (no subPath) follows the Secret's updates; the services re-read 
 {{- default (printf "%s-jwks" (include "chatmesh.component" (dict "root" . "component" "envoy"))) .Values.envoy.jwt.existingSecret -}}
 {{- end -}}
 {{- define "chatmesh.jwksVolume" -}}
+{{- if not .Values.envoy.signIn.enabled }}
 - name: jwks
   secret:
     secretName: {{ include "chatmesh.jwksSecret" . }}
     items: [{key: jwks.json, path: jwks.json}]
+{{- end }}
 {{- end -}}
 {{- define "chatmesh.jwksMount" -}}
+{{- if not .Values.envoy.signIn.enabled }}
 - {name: jwks, mountPath: /etc/chatmesh/jwks, readOnly: true}
+{{- end }}
 {{- end -}}
-{{/* The identity flags of a service that verifies callers' tokens (chatmesh.identity.IdentityConfig). */}}
+{{/* The identity flags of a service that verifies callers' tokens (chatmesh.identity.IdentityConfig): with
+envoy.signIn, the identity provider's published keys instead of the JWKS Secret. */}}
 {{- define "chatmesh.identityWiring" -}}
-{{- toJson (dict "jwks-file" "/etc/chatmesh/jwks/jwks.json" "jwt-issuer" .Values.envoy.jwt.issuer "jwt-audience" .Values.envoy.jwt.audience) -}}
+{{- $keys := dict "jwks-file" "/etc/chatmesh/jwks/jwks.json" -}}
+{{- if .Values.envoy.signIn.enabled }}{{ $keys = dict "jwks-url" .Values.envoy.signIn.jwksUri }}{{ end -}}
+{{- toJson (merge $keys (dict "jwt-issuer" .Values.envoy.jwt.issuer "jwt-audience" .Values.envoy.jwt.audience)) -}}
 {{- end -}}
 
 {{/*
