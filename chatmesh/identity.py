@@ -70,7 +70,9 @@ class IdentityConfig:
 
     jwks_file: str = field(
         default="",
-        metadata={"help": "JWKS file to verify callers' tokens with (Envoy's); this or --jwks-url is required"},
+        metadata={
+            "help": "JWKS file to verify callers' tokens with (Envoy's); this or --jwks-url is required"
+        },
     )
     jwks_url: str = field(
         default="",
@@ -93,7 +95,11 @@ class TokenVerifier:
     thread-safe: each service verifies on its event loop's thread."""
 
     def __init__(
-        self, jwks_file: Path | None, issuer: str, audience: str = JWT_AUDIENCE, remote: RemoteJwks | None = None
+        self,
+        jwks_file: Path | None,
+        issuer: str,
+        audience: str = JWT_AUDIENCE,
+        remote: RemoteJwks | None = None,
     ) -> None:
         self.jwks_file, self.issuer, self.audience, self._remote = jwks_file, issuer, audience, remote
         self._stamp = self._file_stamp() if jwks_file else (0, 0, 0)

@@ -121,7 +121,9 @@ def test_a_user_signs_in_chats_as_themself_and_the_page_holds_no_token(browser_c
     claims = jwt.decode(access_token, options={"verify_signature": False})
     assert (claims["sub"], claims["iss"], claims["aud"]) == ("oidc-alice", door.idp.issuer, JWT_AUDIENCE)
     # The token lives in Envoy's HttpOnly cookies only: nothing a script (or injected markup) could read.
-    held = page.evaluate("() => [document.cookie, JSON.stringify(localStorage), JSON.stringify(sessionStorage)]")
+    held = page.evaluate(
+        "() => [document.cookie, JSON.stringify(localStorage), JSON.stringify(sessionStorage)]"
+    )
     assert all(access_token not in value for value in held), held
     assert all(c["httpOnly"] for c in page.context.cookies() if c["name"] in ("BearerToken", "RefreshToken"))
     assert errors == []
@@ -178,11 +180,20 @@ def test_tokens_the_provider_did_not_issue_for_chatmesh_are_refused(door: SignIn
     }
     body = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
     for base in (door.url, door.edge.url):  # through Envoy, and straight to the edge
-        assert httpx.get(f"{base}/v1/me", headers={"authorization": f"Bearer {good}"}).json()["user_id"] == "mallory"
+        assert (
+            httpx.get(f"{base}/v1/me", headers={"authorization": f"Bearer {good}"}).json()["user_id"]
+            == "mallory"
+        )
         for why, token in refused.items():
-            reply = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {token}"})
+            reply = httpx.post(
+                f"{base}/v1/chat/completions", json=body, headers={"authorization": f"Bearer {token}"}
+            )
             # Envoy's jwt_authn answers a token for another audience 403 (authentic, but not for us).
             expected = 403 if (base, why) == (door.url, "another audience") else 401
             assert reply.status_code == expected, (base, why, reply.text)
             error = reply.json()["error"]
-            assert isinstance(error["message"], str) and error["message"] and "type" in error, (base, why, error)
+            assert isinstance(error["message"], str) and error["message"] and "type" in error, (
+                base,
+                why,
+                error,
+            )
