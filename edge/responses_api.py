@@ -11,7 +11,8 @@ DELETE /v1/responses/{id}                 DeleteChat: the conversation the respo
 Structured output (``text.format``) and function calling (``tools``, ``tool_choice``,
 ``function_call`` output items, ``function_call`` / ``function_call_output`` input items) work as in
 Chat Completions (edge.structured_outputs, edge.tools); a stored response's input may be the outputs of
-the calls its previous response made.
+the calls its previous response made. Streamed, a call is its function_call item's events
+(edge.response_events).
 
 A stored response *is* a run of a chat (``resp_<run id>``), so it lives in Cassandra, not in an edge or
 orchestrator process: any replica retrieves it, resumes its stream or cancels it, also after the replica
@@ -104,8 +105,6 @@ def _tools(body: ResponseCreateIn) -> Tools | None:
         ) from None
     if tools is not None and text_format_proto(body.text) is not None:
         raise _bad("tools", "tools cannot be combined with a text.format other than text here")
-    if tools is not None and body.stream:
-        raise _bad("stream", "streamed responses with tools are not served yet: use stream: false")
     return tools
 
 

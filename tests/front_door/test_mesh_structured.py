@@ -265,6 +265,54 @@ def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: opena
     assert answered.status in ("completed", "incomplete") and answered.output
 
 
+def test_a_streamed_responses_function_call_is_its_items_events_and_its_output_is_answered_streamed(
+    sdk: openai.OpenAI,
+):
+    tool = {"type": "function", **TIME_TOOL["function"]}
+    with sdk.responses.stream(
+        model="",
+        input="What time is it in Tokyo?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=64,
+    ) as stream:
+        events = list(stream)
+        called = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "get_time" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), TIME_TOOL["function"]["parameters"])
+    assert events[3].snapshot == call.arguments, "the SDK's accumulated arguments are the call's"
+    stored = sdk.responses.retrieve(called.id)
+    assert [item.model_dump() for item in stored.output] == [call.model_dump(exclude={"parsed_arguments"})]
+    # The stream read again from the store: the same events, numbered the same.
+    replayed = list(sdk.responses.retrieve(called.id, stream=True))
+    assert [(e.type, e.sequence_number) for e in replayed] == [(k, i) for i, k in enumerate(kinds)]
+    answered = sdk.responses.create(
+        model="",
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
+        tools=[tool],
+        temperature=0,
+        max_output_tokens=48,
+        stream=True,
+    )
+    last = list(answered)[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    assert last.response.previous_response_id == called.id and last.response.output
+
+
 def test_each_of_n_choices_parses_and_calls_tools_under_ids_of_its_own(sdk: openai.OpenAI):
     parsed = sdk.chat.completions.parse(
         model="",
