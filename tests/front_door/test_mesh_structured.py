@@ -13,6 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
+from edge.response_record import run_id_of
 from localmesh.dev_jwt import DevKeys
 from meshkit.launcher import Launcher
 from tests.fixtures.front_door import FrontDoor, start_front_door
@@ -311,6 +312,67 @@ def test_a_streamed_responses_function_call_is_its_items_events_and_its_output_i
     last = list(answered)[-1]
     assert last.type in ("response.completed", "response.incomplete")
     assert last.response.previous_response_id == called.id and last.response.output
+
+
+def test_a_stored_chat_keeps_the_call_and_its_result_as_messages_that_later_turns_read(
+    sdk: openai.OpenAI, model_door: FrontDoor
+):
+    tool = {"type": "function", **TIME_TOOL["function"]}
+    called = sdk.responses.create(
+        model="",
+        input="What time is it in Tokyo?",
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=64,
+    )
+    [call] = called.output
+    with model_door.client("structured-user") as rest:
+        run = rest.get(f"/v1/runs/{run_id_of(called.id, None)}").json()
+        chat_id, asked = run["chat_id"], f"/v1/chats/{run['chat_id']}/messages"
+        # Results that do not answer the calls are refused, naming what is wrong; nothing is stored.
+        refusals = [
+            (
+                {"tool_results": [{"tool_call_id": "call_nope", "content": "1"}]},
+                "tool_results[0].tool_call_id",
+            ),
+            (
+                {"tool_results": [{"tool_call_id": call.call_id, "content": "1"}] * 2},
+                "tool_results[1].tool_call_id",
+            ),
+            ({"content": "hi", "tool_results": [{"tool_call_id": call.call_id, "content": "1"}]}, "content"),
+        ]
+        for body, param in refusals:
+            refused = rest.post(asked, json={**body, "parent_message_id": run["assistant_message_id"]})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == param, refused.text
+        assert len(rest.get(asked).json()["messages"]) == 2
+    answered = sdk.responses.create(
+        model="",
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
+        tools=[tool],
+        temperature=0,
+        max_output_tokens=48,
+    )
+    with model_door.client("structured-user") as rest:
+        messages = rest.get(f"/v1/chats/{chat_id}/messages").json()["messages"][::-1]
+    calling, result = messages[1:3]
+    assert [m["role"] for m in messages[:3]] == ["user", "assistant", "tool"]
+    assert calling["content"] == "" and calling["tool_calls"] == [
+        {
+            "id": call.call_id,
+            "type": "function",
+            "function": {"name": "get_time", "arguments": call.arguments},
+        }
+    ]
+    assert result["tool_call_id"] == call.call_id and result["name"] == "get_time"
+    assert result["content"] == "09:41" and result["parent_id"] == calling["message_id"]
+    assert result["token_count"] > 0, "counted with the model's tokenizer"
+    assert result["run_id"] == run_id_of(answered.id, None), "the run that answers it"
+    # The answer's prompt is the chat's branch: the question, the call and its result all went in.
+    assert answered.usage.input_tokens > called.usage.input_tokens + called.usage.output_tokens
 
 
 def test_each_of_n_choices_parses_and_calls_tools_under_ids_of_its_own(sdk: openai.OpenAI):
