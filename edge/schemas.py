@@ -63,11 +63,10 @@ class SendMessageIn(Strict):
     # Instead of content: the results of the calls of the message the send follows, one per call (so
     # no more than it made: the orchestrator refuses a result that names none).
     tool_results: list[ToolResultIn] = Field(default_factory=list)
-    content: str = ""
+    content: str = Field("", validate_default=True)
     parent_message_id: str = Field("", max_length=API.max_id_chars)
     idempotency_key: str = Field("", max_length=API.max_idempotency_key_chars)
     options: GenerationOptionsIn = Field(default_factory=GenerationOptionsIn)
-
 
     @field_validator("content")
     @classmethod
