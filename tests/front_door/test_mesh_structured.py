@@ -49,6 +49,17 @@ TIME_TOOL = {
     },
 }
 
+# A stored response that must call get_time, once.
+TIME_CALL: dict[str, Any] = {
+    "model": "",
+    "input": "What time is it in Tokyo?",
+    "tools": [{"type": "function", **TIME_TOOL["function"]}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "temperature": 0,
+    "max_output_tokens": 64,
+}
+
 
 class Person(BaseModel):
     name: str
@@ -240,16 +251,7 @@ def test_responses_parse_with_a_pydantic_text_format_gives_a_validated_object(sd
 
 
 def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: openai.OpenAI):
-    tool = {"type": "function", **TIME_TOOL["function"]}
-    called = sdk.responses.create(
-        model="",
-        input="What time is it in Tokyo?",
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0,
-        max_output_tokens=64,
-    )
+    called = sdk.responses.create(**TIME_CALL)
     [call] = called.output
     assert call.type == "function_call" and call.name == "get_time" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), TIME_TOOL["function"]["parameters"])
@@ -259,7 +261,7 @@ def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: opena
         model="",
         previous_response_id=called.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
-        tools=[tool],
+        tools=TIME_CALL["tools"],
         temperature=0,
         max_output_tokens=48,
     )
@@ -269,16 +271,7 @@ def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: opena
 def test_a_streamed_responses_function_call_is_its_items_events_and_its_output_is_answered_streamed(
     sdk: openai.OpenAI,
 ):
-    tool = {"type": "function", **TIME_TOOL["function"]}
-    with sdk.responses.stream(
-        model="",
-        input="What time is it in Tokyo?",
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0,
-        max_output_tokens=64,
-    ) as stream:
+    with sdk.responses.stream(**TIME_CALL) as stream:
         events = list(stream)
         called = stream.get_final_response()
     kinds = [event.type for event in events]
@@ -304,7 +297,7 @@ def test_a_streamed_responses_function_call_is_its_items_events_and_its_output_i
         model="",
         previous_response_id=called.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
-        tools=[tool],
+        tools=TIME_CALL["tools"],
         temperature=0,
         max_output_tokens=48,
         stream=True,
@@ -317,16 +310,7 @@ def test_a_streamed_responses_function_call_is_its_items_events_and_its_output_i
 def test_a_stored_chat_keeps_the_call_and_its_result_as_messages_that_later_turns_read(
     sdk: openai.OpenAI, model_door: FrontDoor
 ):
-    tool = {"type": "function", **TIME_TOOL["function"]}
-    called = sdk.responses.create(
-        model="",
-        input="What time is it in Tokyo?",
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0,
-        max_output_tokens=64,
-    )
+    called = sdk.responses.create(**TIME_CALL)
     [call] = called.output
     with model_door.client("structured-user") as rest:
         run = rest.get(f"/v1/runs/{run_id_of(called.id, None)}").json()
@@ -352,7 +336,7 @@ def test_a_stored_chat_keeps_the_call_and_its_result_as_messages_that_later_turn
         model="",
         previous_response_id=called.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
-        tools=[tool],
+        tools=TIME_CALL["tools"],
         temperature=0,
         max_output_tokens=48,
     )
