@@ -70,8 +70,7 @@ class SendRun(ChatRun):
                 leaf = kept.pop().parent_id
             history = dataclasses.replace(history, messages=kept, leaf_id=leaf)
         parent_id = history.leaf_id
-        asked, before = self._asked(claim, history)
-        first_id = (before or [asked])[0].message_id
+        first_id = self._own_ids(claim)[0]
         if parent_id is not None and uuid.UUID(parent_id).time >= uuid.UUID(first_id).time:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -79,9 +78,10 @@ class SendRun(ChatRun):
                 "to this chat at the same time, or a retry of an old idempotency key); send it again "
                 "with a new idempotency key",
             )
-        # 2. The prompt: the branch after the summary, then the new message, fitted to the window, in
-        #    the template of the model answering (the request's, else the chat's).
+        # 2. The prompt: the branch after the summary, then the new message (or tool results), fitted
+        #    to the window, in the template of the model answering (the request's, else the chat's).
         self.answer_as_the_chat(history.chat, self.request.options)
+        asked, before = self._asked(claim, history)  # counted with the answering model's tokenizer
         prompt = self.model.prompter.continue_branch(
             history,
             self.options,
