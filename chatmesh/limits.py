@@ -80,7 +80,7 @@ class Generation:
     top_logprobs: int = 0
 
 
-def check_content(content: str, limits: Limits, field: str = "content") -> None:
+def check_content(content: str, limits: Limits, field: str = "content", may_be_empty: bool = False) -> None:
     size = len(content.encode("utf-8"))
     if size > limits.max_message_bytes:
         raise too_large(
@@ -88,7 +88,7 @@ def check_content(content: str, limits: Limits, field: str = "content") -> None:
             f"{field} is {size} bytes of UTF-8; the limit is {limits.max_message_bytes}",
             f"{limits.max_message_bytes} bytes",
         )
-    if not content.strip():
+    if not content.strip() and not may_be_empty:
         raise invalid(field, f"{field} must not be empty")
 
 

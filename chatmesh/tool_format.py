@@ -179,6 +179,11 @@ def calls_text(calls: Sequence[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def with_calls(text: str, calls: Sequence[tuple[str, str]]) -> str:
+    """An answer as the model wrote it: its text, then its calls (``calls_text``), a line apart."""
+    return "\n".join(part for part in (text, calls_text(calls)) if part)
+
+
 def result_text(content: str) -> str:
     """A tool's result, as the user turn that brings it to the model."""
     return f"{RESULT_OPEN}\n{content}\n{RESULT_CLOSE}"

@@ -12,6 +12,7 @@ GET    /v1/chats/{chat_id}/messages?page_size&page_token   ListMessages (newest 
 GET    /v1/chats/{chat_id}/branch?page_size&page_token     GetBranch from the newest message (leaf first)
 GET    /v1/chats/{chat_id}/messages/{id}/branch?page_size&page_token   GetBranch from message id
 POST   /v1/chats/{chat_id}/messages                    SendMessage        -> text/event-stream
+                                                       (content, or tool_results for a message's calls)
 POST   /v1/chats/{chat_id}/messages/{id}/regenerate    RegenerateMessage  -> text/event-stream
 GET    /v1/runs/{run_id}                               GetRun
 GET    /v1/runs/{run_id}/events   (Last-Event-ID)      StreamRun(after_seq)  -> text/event-stream
@@ -226,6 +227,9 @@ async def send_message(request: Request) -> Response:
         chat_pb2.SendMessageRequest(
             chat_id=chat_id,
             content=body.content,
+            tool_results=[
+                chat_pb2.ToolResult(tool_call_id=r.tool_call_id, content=r.content) for r in body.tool_results
+            ],
             parent_message_id=body.parent_message_id,
             idempotency_key=idempotency_key_of(request, body.idempotency_key),
             options=options_proto(body.options),

@@ -15,7 +15,12 @@ FINISH_REASONS = {
     chat_pb2.FINISH_REASON_CONTENT_FILTER: "content_filter",
     chat_pb2.FINISH_REASON_ERROR: "error",
 }
-ROLES = {chat_pb2.ROLE_USER: "user", chat_pb2.ROLE_ASSISTANT: "assistant", chat_pb2.ROLE_SYSTEM: "system"}
+ROLES = {
+    chat_pb2.ROLE_USER: "user",
+    chat_pb2.ROLE_ASSISTANT: "assistant",
+    chat_pb2.ROLE_SYSTEM: "system",
+    chat_pb2.ROLE_TOOL: "tool",
+}
 RUN_STATUSES = {
     chat_pb2.RUN_STATUS_UNSPECIFIED: "unspecified",
     chat_pb2.RUN_STATUS_IN_PROGRESS: "in_progress",
@@ -89,6 +94,14 @@ def message_json(message: chat_pb2.Message) -> dict:
         "create_time": timestamp(message.create_time),
         "run_id": message.run_id or None,
         "usage": usage_json(message.usage) if message.HasField("usage") else None,
+        # OpenAI's shapes: an answer's calls, and the call a tool message is the result of.
+        "tool_calls": [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in message.tool_calls
+        ]
+        or None,
+        "tool_call_id": message.tool_call_id or None,
+        "name": message.tool_name or None,
     }
 
 

@@ -2,8 +2,8 @@
 
 A response is a run: its id is ``resp_`` + the run id (hex), its output message ``msg_`` + the
 assistant message id (or the run id for an unstored response). An answer made of tool calls (edge.tools'
-format, which only a request with tools is constrained to) is output as ``function_call`` items instead. Everything the object says comes from
-the run's events (``started``, ``delta``s, ``usage``, ``done`` or ``error``), so the same object is
+format, which only a request with tools is constrained to) is output as ``function_call`` items instead.
+Everything the object says comes from the run's events (``started``, ``delta``s, ``usage``, ``done`` or ``error``), so the same object is
 rebuilt on any replica, at any time, from the events the orchestrator replays out of Cassandra.
 """
 
@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.tool_format import parse_answer
+from chatmesh.tool_format import ToolCall, parse_answer
 from edge.errors import ApiError
 
 RESPONSE_PREFIX = "resp_"
@@ -52,6 +52,22 @@ def response_not_found(value: str, param: str | None = None) -> ApiError:
     return ApiError(
         404, f"response {value!r} not found", type="invalid_request_error", code="not_found", param=param
     )
+
+
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(call: ToolCall, status: str, arguments: str | None = None) -> dict:
+    """A ``function_call`` output item (``arguments``: as far as they are streamed; None: all)."""
+    return {
+        "id": "fc_" + call.id.removeprefix("call_"),
+        "type": "function_call",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+        "status": status,
+    }
 
 
 def usage_json(usage: chat_pb2.Usage) -> dict:
@@ -122,10 +138,8 @@ class ResponseRecord:
     def output_text(self) -> str:
         return "".join(self.text)
 
-    def text_part(self) -> dict:
-        return {"type": "output_text", "text": self.output_text(), "annotations": [], "logprobs": []}
-
-    def message_item(self, with_text: bool = True) -> dict:
+    def message_item(self, text: str | None = None) -> dict:
+        """The output message (``text``: its one text part; None: no part yet)."""
         status = (
             "in_progress" if not self.ended else "completed" if self.status == "completed" else "incomplete"
         )
@@ -134,31 +148,20 @@ class ResponseRecord:
             "type": "message",
             "role": "assistant",
             "status": status,
-            "content": [self.text_part()] if with_text else [],
+            "content": [] if text is None else [text_part(text)],
         }
 
     def output(self) -> list[dict]:
         """The output items: the message, or the calls its text makes (ids derived from the run's)."""
         if not self.ended:
-            return [self.message_item()]
+            return [self.message_item(self.output_text())]
         content, calls = parse_answer(self.output_text(), self.run_id)
         if not calls:
-            return [self.message_item()]
+            return [self.message_item(self.output_text())]
         status = "completed" if self.status == "completed" else "incomplete"
-        items: list[dict] = [
-            {
-                "id": "fc_" + call.id.removeprefix("call_"),
-                "type": "function_call",
-                "call_id": call.id,
-                "name": call.name,
-                "arguments": call.arguments,
-                "status": status,
-            }
-            for call in calls
-        ]
+        items = [function_call_item(call, status) for call in calls]
         if content:  # a call the answer did not finish (cut by max_output_tokens)
-            text = {"type": "output_text", "text": content, "annotations": [], "logprobs": []}
-            items.append({**self.message_item(), "content": [text]})
+            items.append(self.message_item(content))
         return items
 
     def json(self, with_output: bool = True) -> dict:

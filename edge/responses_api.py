@@ -11,7 +11,8 @@ DELETE /v1/responses/{id}                 DeleteChat: the conversation the respo
 Structured output (``text.format``) and function calling (``tools``, ``tool_choice``,
 ``function_call`` output items, ``function_call`` / ``function_call_output`` input items) work as in
 Chat Completions (edge.structured_outputs, edge.tools); a stored response's input may be the outputs of
-the calls its previous response made.
+the calls its previous response made. Streamed, a call is its function_call item's events
+(edge.response_events).
 
 A stored response *is* a run of a chat (``resp_<run id>``), so it lives in Cassandra, not in an edge or
 orchestrator process: any replica retrieves it, resumes its stream or cancels it, also after the replica
@@ -56,6 +57,7 @@ from edge.tools import tools_for, with_tools_described
 _PARAMS = {
     "content": "input",
     "messages": "input",
+    "tool_results": "input",
     "options.model": "model",
     "options.max_tokens": "max_output_tokens",
     "options.temperature": "temperature",
@@ -104,8 +106,6 @@ def _tools(body: ResponseCreateIn) -> Tools | None:
         ) from None
     if tools is not None and text_format_proto(body.text) is not None:
         raise _bad("tools", "tools cannot be combined with a text.format other than text here")
-    if tools is not None and body.stream:
-        raise _bad("stream", "streamed responses with tools are not served yet: use stream: false")
     return tools
 
 
@@ -138,14 +138,14 @@ def _complete_request(body: ResponseCreateIn, tools: Tools | None) -> chat_pb2.C
     return chat_pb2.CompleteRequest(messages=messages, options=_options(body, tools))
 
 
-def _stored_input(body: ResponseCreateIn) -> str:
-    """A stored response adds one user message to its chat (or the outputs of the calls its previous
-    response made, which the model reads as one); earlier turns are the chat's own."""
+def _stored_input(body: ResponseCreateIn) -> tuple[str, list[chat_pb2.ToolResult]]:
+    """What a stored response adds to its chat: one user message, or the outputs of the calls its
+    previous response made (tool messages, one per output); earlier turns are the chat's own."""
     messages = body.messages()
     if len(messages) == 1 and messages[0].role == "user":
-        return messages[0].text()
+        return messages[0].text(), []
     if messages and body.previous_response_id and all(m.role == "tool" for m in messages):
-        return "\n".join(prompt_message(m).content for m in messages)
+        return "", [chat_pb2.ToolResult(tool_call_id=m.tool_call_id, content=m.text()) for m in messages]
     raise _bad(
         "input",
         "a stored response takes one user message, or function_call_output items, as input (earlier "
@@ -201,7 +201,7 @@ async def _send(
     Idempotency-Key) a retry creates no second conversation (CreateChat with the key gets the first
     one's) and joins the run the first attempt started, or answers the same question anew if that run
     was refused before its answer."""
-    content = _stored_input(body)
+    content, results = _stored_input(body)
     previous = body.previous_response_id
     if previous:
         run = await _owned_run(orchestrator, caller, previous, "previous_response_id")
@@ -217,6 +217,7 @@ async def _send(
     send = chat_pb2.SendMessageRequest(
         chat_id=chat_id,
         content=content,
+        tool_results=results,
         parent_message_id=parent_id,
         options=_options(body, tools),
         instructions=_instructions(body, tools),

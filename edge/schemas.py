@@ -52,11 +52,29 @@ class RenameChatIn(Strict):
     title: str = Field(min_length=1, max_length=API.max_title_chars)
 
 
+class ToolResultIn(Strict):
+    """The result of a tool call the caller ran: a ``tool`` message of the stored chat."""
+
+    tool_call_id: str = Field(min_length=1, max_length=API.max_id_chars)
+    content: str  # may be empty: a tool may return nothing
+
+
 class SendMessageIn(Strict):
-    content: str = Field(min_length=1)
+    # Instead of content: the results of the calls of the message the send follows, one per call (so
+    # no more than it made: the orchestrator refuses a result that names none).
+    tool_results: list[ToolResultIn] = Field(default_factory=list)
+    content: str = Field("", validate_default=True)
     parent_message_id: str = Field("", max_length=API.max_id_chars)
     idempotency_key: str = Field("", max_length=API.max_idempotency_key_chars)
     options: GenerationOptionsIn = Field(default_factory=GenerationOptionsIn)
+
+    @field_validator("content")
+    @classmethod
+    def _content_or_tool_results(cls, content: str, info: ValidationInfo) -> str:
+        given = bool(info.data.get("tool_results"))
+        if given == bool(content):
+            raise ValueError("give content (not empty) or tool_results, not both")
+        return content
 
 
 class RegenerateIn(Strict):

@@ -74,3 +74,19 @@ def parse_id(text: str, what: str) -> uuid.UUID:
 
 def parse_optional_id(text: str | None, what: str) -> uuid.UUID | None:
     return parse_id(text, what) if text else None
+
+
+def id_before(value: uuid.UUID, ticks: int) -> uuid.UUID:
+    """The id ``ticks`` (of 100 ns) older than ``value``, with its clock sequence and node: a function of
+    ``value``, so ids derived from one an idempotency key claimed are the same on every retry."""
+    older = value.time - ticks
+    return uuid.UUID(
+        fields=(
+            older & 0xFFFFFFFF,
+            (older >> 32) & 0xFFFF,
+            ((older >> 48) & 0x0FFF) | 0x1000,
+            value.clock_seq_hi_variant,
+            value.clock_seq_low,
+            value.node,
+        )
+    )

@@ -19,6 +19,7 @@ a branch (``branch_page``) jumps instead: each query starts at the path's next m
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Sequence
@@ -26,6 +27,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from chatmesh.finish import FinishReason, Usage
+from chatmesh.tool_format import ToolCall
 from memory_store.base import check_fingerprint, id_str, page_size, unset
 from memory_store.chats import Chats
 from memory_store.config import StoreConfig
@@ -39,13 +41,16 @@ from memory_store.search_index import index_write
 
 _FULL = (
     "message_id, parent_id, role, content, token_count, model, finish_reason, status, run_id, "
-    "prompt_tokens, cached_prompt_tokens, completion_tokens, tokenizer_fingerprint"
+    "prompt_tokens, cached_prompt_tokens, completion_tokens, tokenizer_fingerprint, tool_calls, tool_call_id, "
+    "tool_name"
 )
 _MAX_BUCKET = 2**31 - 1
 _MIN_BRANCH_PAGE = 32
 _MAX_BRANCH_PAGE = 256
 _BUCKET_SCAN_PAGE = 32
 _KNOWN_BUCKETS_CAPACITY = 100_000
+# A tool call's id and function name (ours: chatmesh.tool_format's call ids, functions' names).
+_MAX_TOOL_NAME_CHARS = 256
 
 _IN_BUCKET = "chat_id = :chat_id AND bucket = :bucket"
 
@@ -53,9 +58,10 @@ STATEMENTS = {
     "message_insert": Cql(
         "INSERT INTO messages (chat_id, bucket, message_id, parent_id, role, content, token_count, model, "
         "finish_reason, status, run_id, created_at, prompt_tokens, cached_prompt_tokens, completion_tokens, "
-        "tokenizer_fingerprint) VALUES (:chat_id, :bucket, :message_id, :parent_id, :role, :content, "
-        ":token_count, :model, :finish_reason, :status, :run_id, :created_at, :prompt_tokens, "
-        ":cached_prompt_tokens, :completion_tokens, :tokenizer_fingerprint)",
+        "tokenizer_fingerprint, tool_calls, tool_call_id, tool_name) VALUES (:chat_id, :bucket, :message_id, "
+        ":parent_id, :role, :content, :token_count, :model, :finish_reason, :status, :run_id, :created_at, "
+        ":prompt_tokens, :cached_prompt_tokens, :completion_tokens, :tokenizer_fingerprint, :tool_calls, "
+        ":tool_call_id, :tool_name)",
         idempotent=True,
     ),
     "bucket_insert": Cql("INSERT INTO message_buckets (chat_id, bucket) VALUES (:chat_id, :bucket)", True),
@@ -94,7 +100,29 @@ def _message(chat_id: str, row: Row) -> Message:
         run_id=id_str(row["run_id"]),
         usage=usage,
         tokenizer_fingerprint=row["tokenizer_fingerprint"] or "",
+        tool_calls=tuple(ToolCall(**call) for call in json.loads(row["tool_calls"] or "[]")),
+        tool_call_id=row["tool_call_id"],
+        tool_name=row["tool_name"],
     )
+
+
+def _calls_json(calls: Sequence[ToolCall]) -> str | None:
+    """An answer's tool calls as the ``tool_calls`` column holds them (None: no call)."""
+    return (
+        json.dumps([{"id": c.id, "name": c.name, "arguments": c.arguments} for c in calls]) if calls else None
+    )
+
+
+def _check_tools(message: Message) -> None:
+    """Only an answer calls tools, and a tool message (only) names the call it is the result of."""
+    if message.tool_calls and message.role is not Role.ASSISTANT:
+        raise InvalidArgument("only an assistant message calls tools")
+    if (message.role is Role.TOOL) != (message.tool_call_id is not None):
+        raise InvalidArgument("a tool message names the call it answers, and no other message does")
+    names = [message.tool_call_id or "", message.tool_name or ""]
+    names += [part for call in message.tool_calls for part in (call.id, call.name)]
+    if any(len(name) > _MAX_TOOL_NAME_CHARS for name in names):
+        raise InvalidArgument(f"a tool call's id and name are at most {_MAX_TOOL_NAME_CHARS} characters")
 
 
 class Messages:
@@ -122,9 +150,9 @@ class Messages:
     def check_size(self, message: Message) -> None:
         """Refuses content over its role's bound."""
         max_bytes = (
-            self._config.limits.max_message_bytes
-            if message.role is Role.USER
-            else self._config.bounds.max_assistant_content_bytes
+            self._config.bounds.max_assistant_content_bytes
+            if message.role is Role.ASSISTANT
+            else self._config.limits.max_message_bytes
         )
         if len(message.content.encode()) > max_bytes:
             raise InvalidArgument(f"message content is larger than {max_bytes} bytes")
@@ -140,6 +168,7 @@ class Messages:
             raise InvalidArgument(f"unknown role {message.role!r} or status {message.status!r}")
         if message.token_count < 0:
             raise InvalidArgument("token count must not be negative")
+        _check_tools(message)
         max_model_chars = self._config.limits.max_model_chars
         if message.model is not None and len(message.model) > max_model_chars:
             raise InvalidArgument(f"model name is longer than {max_model_chars} characters")
@@ -182,11 +211,14 @@ class Messages:
         )
         self.bucket_registered(chat, message)
 
-    def writes(self, chat: Chat, message: Message, extra: Sequence[Write] = ()) -> list[list[Write]]:
+    def writes(
+        self, chat: Chat, message: Message, extra: Sequence[Write] = (), touch: bool = True
+    ) -> list[list[Write]]:
         """What stores a checked message, in groups that each land at once (one partition each): its
         bucket's registration (unless known to be registered), its row, and in the owner's partition
-        its search entry with the chat's activity (and ``extra``, more writes to the owner's
-        partition). Once written, call ``bucket_registered``."""
+        its search entry with the chat's activity (unless not ``touch``: a message stored with a newer
+        one that does) and ``extra``, more writes to the owner's partition. Once written, call
+        ``bucket_registered``."""
         chat_key = uuid.UUID(chat.chat_id)
         message_id = uuid.UUID(message.message_id)
         bucket = bucket_of(message_id)
@@ -211,11 +243,15 @@ class Messages:
                 "cached_prompt_tokens": unset(usage and usage.cached_prompt_tokens),
                 "completion_tokens": unset(usage and usage.completion_tokens),
                 "tokenizer_fingerprint": unset(message.tokenizer_fingerprint or None),
+                "tool_calls": unset(_calls_json(message.tool_calls)),
+                "tool_call_id": unset(message.tool_call_id),
+                "tool_name": unset(message.tool_name),
             },
         )
         searchable = index_write(chat.user_id, chat_key, message_id, role, message.content)
         # The search entry lives in the owner's partition, as the chat's activity does: one mutation.
-        writes: list[list[Write]] = [[insert], self._chats.touch_writes(chat, [searchable, *extra])[0]]
+        owners = self._chats.touch_writes(chat, [searchable, *extra])[0] if touch else [searchable, *extra]
+        writes: list[list[Write]] = [[insert], owners]
         if (chat_key, bucket) not in self._known_buckets:
             writes.append([("bucket_insert", {"chat_id": chat_key, "bucket": bucket})])
         return writes

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Generic, TypeVar
 
 from chatmesh.finish import FinishReason, Usage
+from chatmesh.tool_format import ToolCall
 from memory_store.ids import id_time
 
 T = TypeVar("T")
@@ -22,6 +23,8 @@ T = TypeVar("T")
 class Role(StrEnum):
     USER = "user"
     ASSISTANT = "assistant"
+    # A tool's result, for a call of the assistant message it follows (``Message.tool_call_id``).
+    TOOL = "tool"
 
 
 class MessageStatus(StrEnum):
@@ -90,6 +93,11 @@ class Message:
     # The fingerprint of the tokenizer ``token_count`` was counted with ("": unknown, as for messages
     # stored before it was recorded). A count is of one tokenizer: another one's reader counts anew.
     tokenizer_fingerprint: str = ""
+    # An assistant message's tool calls (its content is the text beside them, often ""); a tool
+    # message's call and the function it named.
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    tool_name: str | None = None
 
     @property
     def created_at(self) -> datetime:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
 from chatmesh.finish import FinishReason, Usage
+from chatmesh.tool_format import parse_answer
 from memory_store.base import check_fingerprint, check_user, id_str, micros, now, unset, utc
 from memory_store.chats import Chats
 from memory_store.config import StoreConfig
@@ -258,24 +260,36 @@ class Runs:
         await self._db.write(run_writes, self._config.max_batch_bytes)
         return self._started(new, row)
 
-    async def create_run_with_question(self, new: NewRun, asked: Message, chat: Chat) -> Run:
-        """Stores ``asked``, the user message a send asks, and the run that answers it (as
-        ``create_run``), as a send does: the run is written only once the message is, so a run never
-        exists without the message it answers. ``chat`` is the chat as the caller read it in this same
-        request, with the branch ``asked`` continues (its ownership and ``asked``'s parent are known):
-        nothing is read again, and the message, the run and the run's index entry go in one round trip,
-        one logged batch (two round trips, the message first, for a batch over ``max_batch_bytes``).
+    async def create_run_with_question(
+        self, new: NewRun, asked: Message, chat: Chat, before: Sequence[Message] = ()
+    ) -> Run:
+        """Stores ``asked``, the message a send asks (a user message, or the last tool result it gives
+        back, after ``before``, the others: tool messages, each the parent of the next), and the run
+        that answers it (as ``create_run``), as a send does: the run is written only once the messages
+        are, so a run never exists without the message it answers. ``chat`` is the chat as the caller
+        read it in this same request, with the branch the messages continue (its ownership and the
+        first one's parent are known): nothing is read again, and the messages, the run and the run's
+        index entry go in one round trip, one logged batch (two round trips, the messages first, for a
+        batch over ``max_batch_bytes``).
         """
-        if not (asked.message_id == new.parent_message_id == new.user_message_id and asked.role is Role.USER):
-            raise InvalidArgument("the message a run is created with must be the user message it answers")
-        self._messages.check_size(asked)
+        if not asked.message_id == new.parent_message_id == new.user_message_id:
+            raise InvalidArgument("the message a run is created with must be the message it answers")
+        chain = [*before, asked]
+        if not (asked.role is Role.USER and not before) and any(m.role is not Role.TOOL for m in chain):
+            raise InvalidArgument("a run is created with one user message, or with tool messages")
+        if any(m.parent_id != parent.message_id for parent, m in itertools.pairwise(chain)):
+            raise InvalidArgument("each tool message a run is created with follows the one before it")
         row, index_entry, run_writes = self._run_writes(new)
         if chat.chat_id != new.chat_id or chat.user_id != new.user_id:
             raise InvalidArgument("the chat read for this run is another one")
-        await self._messages.check(asked, parent_known=True)
-        first: list[list[Write]] = [[index_entry], *self._messages.writes(chat, asked)]
+        first: list[list[Write]] = [[index_entry]]
+        for message in chain:
+            self._messages.check_size(message)
+            await self._messages.check(message, parent_known=True)
+            first += self._messages.writes(chat, message, touch=message is asked)
         await self._db.write_in_order(first, run_writes, self._config.max_batch_bytes)
-        self._messages.bucket_registered(chat, asked)
+        for message in chain:
+            self._messages.bucket_registered(chat, message)
         return self._started(new, row)
 
     def _run_writes(self, new: NewRun) -> tuple[dict[str, Any], Write, list[list[Write]]]:
@@ -509,15 +523,19 @@ class Runs:
         """Writes the run's assistant message from its stored output, and with it clears the chat's
         active run and writes ``others`` and ``then`` (``Db.write``) (None if there is nothing to store,
         or no chat to store it in: then nothing is written)."""
-        content = "".join(d.text for d in deltas)
-        if not content and run.status is not RunStatus.COMPLETED:
+        answer = "".join(d.text for d in deltas)
+        if not answer and run.status is not RunStatus.COMPLETED:
             return None
+        # An answer in the tool-call format is its calls (and the text beside them, if any), under the
+        # ids the Responses API gives them (derived from the run's id): docs/tools.md.
+        text, calls = parse_answer(answer, run.run_id)
         usage = run.usage
         message = Message(
             message_id=run.assistant_message_id,
             chat_id=run.chat_id,
             role=Role.ASSISTANT,
-            content=content,
+            content=text or "",
+            tool_calls=tuple(calls),
             parent_id=run.parent_message_id,
             token_count=usage.completion_tokens if usage else sum(d.token_count for d in deltas),
             model=run.model or None,

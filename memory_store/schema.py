@@ -263,6 +263,17 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE runs ADD IF NOT EXISTS tokenizer_fingerprint text static",
         ),
     ),
+    Migration(
+        11,
+        "messages: an answer's tool calls, and a tool result's call",
+        (
+            # messages.py: tool_calls is a JSON list of {id, name, arguments} (null: no call); a tool
+            # message (role "tool") names the call it answers and that call's function.
+            "ALTER TABLE messages ADD IF NOT EXISTS tool_calls text",
+            "ALTER TABLE messages ADD IF NOT EXISTS tool_call_id text",
+            "ALTER TABLE messages ADD IF NOT EXISTS tool_name text",
+        ),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

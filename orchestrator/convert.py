@@ -25,7 +25,11 @@ RUN_STATUSES = {
     models.RunStatus.FAILED: chat_pb2.RUN_STATUS_FAILED,
     models.RunStatus.INTERRUPTED: chat_pb2.RUN_STATUS_INTERRUPTED,
 }
-ROLES = {models.Role.USER: chat_pb2.ROLE_USER, models.Role.ASSISTANT: chat_pb2.ROLE_ASSISTANT}
+ROLES = {
+    models.Role.USER: chat_pb2.ROLE_USER,
+    models.Role.ASSISTANT: chat_pb2.ROLE_ASSISTANT,
+    models.Role.TOOL: chat_pb2.ROLE_TOOL,
+}
 # Why the engine stopped -> why the answer ended.
 ENGINE_FINISH = {
     engine_pb2.FINISH_REASON_STOP: FinishReason.STOP,
@@ -94,6 +98,9 @@ def message(m: models.Message) -> chat_pb2.Message:
         create_time=timestamp(m.created_at),
         run_id=m.run_id or "",
         usage=usage(m.usage),
+        tool_calls=[chat_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
+        tool_call_id=m.tool_call_id or "",
+        tool_name=m.tool_name or "",
     )
 
 

@@ -460,6 +460,11 @@ function messageItem(message, byParent, isLast) {
   content.className = "content";
   if (message.role === "assistant") showAnswer(message, content);
   else content.textContent = message.content;
+  for (const call of message.tool_calls || []) {
+    const line = document.createElement("code"); // a tool the caller runs (docs/tools.md)
+    line.textContent = `${call.function.name}(${call.function.arguments})`;
+    content.append(line);
+  }
   const meta = document.createElement("div");
   meta.className = "meta muted";
   item.append(content, meta);
@@ -487,7 +492,7 @@ function messageItem(message, byParent, isLast) {
     if (message.model) meta.append(modelLabel(message.model));
     meta.append(usageLabel(message.usage, message.finish_reason));
     if (isLast) meta.append(button("Regenerate", () => regenerate(message), null, "regenerate"));
-  } else if (message.parent_id) {
+  } else if (message.parent_id && message.role === "user") {
     // Editing the first message would need a "no parent" branch point, which the API cannot express yet.
     meta.append(button("Edit", async () => editMessage(item, message), null, `edit:${message.message_id}`));
   }

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from chatmesh.tokenizer import ChatMessage
-from memory_store.models import Chat, ChatSummary, Message
+from chatmesh.tool_format import result_text, with_calls
+from memory_store.models import Chat, ChatSummary, Message, Role
 from memory_store.store import MemoryStore
 
 
@@ -44,5 +45,13 @@ async def load_history(
 
 
 def turns(messages: list[Message]) -> list[ChatMessage]:
-    """Messages as chat-template turns; answers that ended with no text (e.g. filtered) are left out."""
-    return [ChatMessage(m.role.value, m.content) for m in messages if m.content]
+    """Messages as chat-template turns, tool calls and results in the model's tool-call format (a result
+    is a user turn, as the model read it); answers that ended with no text and no call (e.g. filtered)
+    are left out."""
+    out = []
+    for m in messages:
+        if m.role is Role.TOOL:
+            out.append(ChatMessage("user", result_text(m.content)))
+        elif text := with_calls(m.content, [(call.name, call.arguments) for call in m.tool_calls]):
+            out.append(ChatMessage(m.role.value, text))
+    return out

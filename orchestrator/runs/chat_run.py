@@ -11,7 +11,7 @@ import enum
 import hashlib
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from datetime import datetime
 from typing import TypeVar
 
@@ -213,12 +213,17 @@ class ChatRun(AnswerRun):
         )
 
     async def create_run(
-        self, admission: Admission, parent_id: str, asked: tuple[Message, Chat] | None = None
+        self,
+        admission: Admission,
+        parent_id: str,
+        asked: tuple[Message, Chat] | None = None,
+        before: Sequence[Message] = (),
     ) -> Run:
         """The run's row, owned by this replica: from here on the answer is stored, once (and if this
         replica dies, another one adopts it and continues it from its stored generation). ``asked`` is
-        the user message it answers when the run stores it too (a send), in the same round trips, with
-        the chat as read with the branch it continues (nothing is read again)."""
+        the message it answers when the run stores it too (a send), in the same round trips, with the
+        chat as read with the branch it continues (nothing is read again); ``before``, the tool results
+        the send stores before it."""
         runs = self.ctx.config.runs
         if time.monotonic() - self._leased_at > runs.start_lease_s - runs.create_run_s - LEASE_SKEW_S:
             # Its writes could land after the lease passed to a retry elsewhere, which would start the
@@ -243,7 +248,7 @@ class ChatRun(AnswerRun):
         async with asyncio.timeout(runs.create_run_s):
             if asked is None:
                 return await self.ctx.store.create_run(new)
-            return await self.ctx.store.create_run_with_question(new, *asked)
+            return await self.ctx.store.create_run_with_question(new, *asked, before=before)
 
     def answer_as_the_chat(self, chat: Chat, named: chat_pb2.GenerationOptions) -> None:
         """A request naming no model is answered by the chat's own (recorded at its creation or by its

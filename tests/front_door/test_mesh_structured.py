@@ -13,6 +13,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 
+from edge.response_record import run_id_of
 from localmesh.dev_jwt import DevKeys
 from meshkit.launcher import Launcher
 from tests.fixtures.front_door import FrontDoor, start_front_door
@@ -46,6 +47,17 @@ TIME_TOOL = {
             "additionalProperties": False,
         },
     },
+}
+
+# A stored response that must call get_time, once.
+TIME_CALL: dict[str, Any] = {
+    "model": "",
+    "input": "What time is it in Tokyo?",
+    "tools": [{"type": "function", **TIME_TOOL["function"]}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "temperature": 0,
+    "max_output_tokens": 64,
 }
 
 
@@ -239,16 +251,7 @@ def test_responses_parse_with_a_pydantic_text_format_gives_a_validated_object(sd
 
 
 def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: openai.OpenAI):
-    tool = {"type": "function", **TIME_TOOL["function"]}
-    called = sdk.responses.create(
-        model="",
-        input="What time is it in Tokyo?",
-        tools=[tool],
-        tool_choice="required",
-        parallel_tool_calls=False,
-        temperature=0,
-        max_output_tokens=64,
-    )
+    called = sdk.responses.create(**TIME_CALL)
     [call] = called.output
     assert call.type == "function_call" and call.name == "get_time" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), TIME_TOOL["function"]["parameters"])
@@ -258,11 +261,102 @@ def test_a_stored_responses_function_call_is_answered_with_its_output(sdk: opena
         model="",
         previous_response_id=called.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
-        tools=[tool],
+        tools=TIME_CALL["tools"],
         temperature=0,
         max_output_tokens=48,
     )
     assert answered.status in ("completed", "incomplete") and answered.output
+
+
+def test_a_streamed_responses_function_call_is_its_items_events_and_its_output_is_answered_streamed(
+    sdk: openai.OpenAI,
+):
+    with sdk.responses.stream(**TIME_CALL) as stream:
+        events = list(stream)
+        called = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "get_time" and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), TIME_TOOL["function"]["parameters"])
+    assert events[3].snapshot == call.arguments, "the SDK's accumulated arguments are the call's"
+    stored = sdk.responses.retrieve(called.id)
+    assert [item.model_dump() for item in stored.output] == [call.model_dump(exclude={"parsed_arguments"})]
+    # The stream read again from the store: the same events, numbered the same.
+    replayed = list(sdk.responses.retrieve(called.id, stream=True))
+    assert [(e.type, e.sequence_number) for e in replayed] == [(k, i) for i, k in enumerate(kinds)]
+    answered = sdk.responses.create(
+        model="",
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
+        tools=TIME_CALL["tools"],
+        temperature=0,
+        max_output_tokens=48,
+        stream=True,
+    )
+    last = list(answered)[-1]
+    assert last.type in ("response.completed", "response.incomplete")
+    assert last.response.previous_response_id == called.id and last.response.output
+
+
+def test_a_stored_chat_keeps_the_call_and_its_result_as_messages_that_later_turns_read(
+    sdk: openai.OpenAI, model_door: FrontDoor
+):
+    called = sdk.responses.create(**TIME_CALL)
+    [call] = called.output
+    with model_door.client("structured-user") as rest:
+        run = rest.get(f"/v1/runs/{run_id_of(called.id, None)}").json()
+        chat_id, asked = run["chat_id"], f"/v1/chats/{run['chat_id']}/messages"
+        # Results that do not answer the calls are refused, naming what is wrong; nothing is stored.
+        refusals = [
+            (
+                {"tool_results": [{"tool_call_id": "call_nope", "content": "1"}]},
+                "tool_results[0].tool_call_id",
+            ),
+            (
+                {"tool_results": [{"tool_call_id": call.call_id, "content": "1"}] * 2},
+                "tool_results[1].tool_call_id",
+            ),
+            ({"content": "hi", "tool_results": [{"tool_call_id": call.call_id, "content": "1"}]}, "content"),
+        ]
+        for body, param in refusals:
+            refused = rest.post(asked, json={**body, "parent_message_id": run["assistant_message_id"]})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == param, refused.text
+        assert len(rest.get(asked).json()["messages"]) == 2
+    answered = sdk.responses.create(
+        model="",
+        previous_response_id=called.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "09:41"}],
+        tools=TIME_CALL["tools"],
+        temperature=0,
+        max_output_tokens=48,
+    )
+    with model_door.client("structured-user") as rest:
+        messages = rest.get(f"/v1/chats/{chat_id}/messages").json()["messages"][::-1]
+    calling, result = messages[1:3]
+    assert [m["role"] for m in messages[:3]] == ["user", "assistant", "tool"]
+    assert calling["content"] == "" and calling["tool_calls"] == [
+        {
+            "id": call.call_id,
+            "type": "function",
+            "function": {"name": "get_time", "arguments": call.arguments},
+        }
+    ]
+    assert result["tool_call_id"] == call.call_id and result["name"] == "get_time"
+    assert result["content"] == "09:41" and result["parent_id"] == calling["message_id"]
+    assert result["token_count"] > 0, "counted with the model's tokenizer"
+    assert result["run_id"] == run_id_of(answered.id, None), "the run that answers it"
+    # The answer's prompt is the chat's branch: the question, the call and its result all went in.
+    assert answered.usage.input_tokens > called.usage.input_tokens + called.usage.output_tokens
 
 
 def test_each_of_n_choices_parses_and_calls_tools_under_ids_of_its_own(sdk: openai.OpenAI):

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import itertools
 import json
+import uuid
 
 import pytest
 
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.tokenizer import ChatMessage, EncodedTexts, load_tokenizer
+from chatmesh.tool_format import parse_answer, result_text
+from memory_store.models import Message, Role
+from orchestrator.prompting.history import turns
 from orchestrator.prompting.prompt import SUMMARY_HEADING, PromptTooLong, fit_prompt, step_boundaries
 from orchestrator.prompting.schema_note import SCHEMA_NOTE, with_schema_shown
 
@@ -207,3 +211,28 @@ def test_a_json_schema_no_message_shows_is_shown_at_the_end_of_the_system_turn()
         engine_pb2.StructuredOutput(regex="a+"),
     ):
         assert with_schema_shown(SYSTEM, user, other) == SYSTEM
+
+
+def test_stored_calls_and_results_are_turns_in_the_models_tool_format() -> None:
+    written = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    _, calls = parse_answer(written, "run-1")
+    chat = "00000000-0000-1000-8000-000000000000"
+    ids = [str(uuid.uuid1()) for _ in range(5)]
+    messages = [
+        Message(ids[0], chat, Role.USER, "Weather and time in Paris?"),
+        Message(ids[1], chat, Role.ASSISTANT, "", tool_calls=tuple(calls)),
+        Message(
+            ids[2], chat, Role.TOOL, '{"sky": "clear"}', tool_call_id=calls[0].id, tool_name="get_weather"
+        ),
+        Message(ids[3], chat, Role.TOOL, "", tool_call_id=calls[1].id, tool_name="get_time"),
+        Message(ids[4], chat, Role.ASSISTANT, ""),  # an answer with no text and no call (filtered)
+    ]
+    assert turns(messages) == [
+        ChatMessage("user", "Weather and time in Paris?"),
+        ChatMessage("assistant", written),  # byte for byte what the model wrote: its prefix is cached
+        ChatMessage("user", result_text('{"sky": "clear"}')),
+        ChatMessage("user", result_text("")),
+    ]

@@ -16,6 +16,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_USER: _ClassVar[Role]
     ROLE_ASSISTANT: _ClassVar[Role]
     ROLE_SYSTEM: _ClassVar[Role]
+    ROLE_TOOL: _ClassVar[Role]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +49,7 @@ ROLE_UNSPECIFIED: Role
 ROLE_USER: Role
 ROLE_ASSISTANT: Role
 ROLE_SYSTEM: Role
+ROLE_TOOL: Role
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -95,7 +97,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Message(_message.Message):
-    __slots__ = ("message_id", "chat_id", "parent_id", "role", "content", "token_count", "model", "finish_reason", "create_time", "run_id", "usage")
+    __slots__ = ("message_id", "chat_id", "parent_id", "role", "content", "token_count", "model", "finish_reason", "create_time", "run_id", "usage", "tool_calls", "tool_call_id", "tool_name")
     MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +109,9 @@ class Message(_message.Message):
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_NAME_FIELD_NUMBER: _ClassVar[int]
     message_id: str
     chat_id: str
     parent_id: str
@@ -118,7 +123,28 @@ class Message(_message.Message):
     create_time: _timestamp_pb2.Timestamp
     run_id: str
     usage: Usage
-    def __init__(self, message_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ..., token_count: _Optional[int] = ..., model: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., run_id: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    tool_name: str
+    def __init__(self, message_id: _Optional[str] = ..., chat_id: _Optional[str] = ..., parent_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ..., token_count: _Optional[int] = ..., model: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., run_id: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., tool_name: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "name", "arguments")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
+class ToolResult(_message.Message):
+    __slots__ = ("tool_call_id", "content")
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    tool_call_id: str
+    content: str
+    def __init__(self, tool_call_id: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationOptions(_message.Message):
     __slots__ = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "structured", "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "logprobs", "top_logprobs")
@@ -382,7 +408,7 @@ class GetBranchResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class SendMessageRequest(_message.Message):
-    __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options", "branch_from_root", "instructions", "merge_deltas")
+    __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options", "branch_from_root", "instructions", "merge_deltas", "tool_results")
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     PARENT_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +417,7 @@ class SendMessageRequest(_message.Message):
     BRANCH_FROM_ROOT_FIELD_NUMBER: _ClassVar[int]
     INSTRUCTIONS_FIELD_NUMBER: _ClassVar[int]
     MERGE_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RESULTS_FIELD_NUMBER: _ClassVar[int]
     chat_id: str
     content: str
     parent_message_id: str
@@ -399,7 +426,8 @@ class SendMessageRequest(_message.Message):
     branch_from_root: bool
     instructions: str
     merge_deltas: bool
-    def __init__(self, chat_id: _Optional[str] = ..., content: _Optional[str] = ..., parent_message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., branch_from_root: _Optional[bool] = ..., instructions: _Optional[str] = ..., merge_deltas: _Optional[bool] = ...) -> None: ...
+    tool_results: _containers.RepeatedCompositeFieldContainer[ToolResult]
+    def __init__(self, chat_id: _Optional[str] = ..., content: _Optional[str] = ..., parent_message_id: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., options: _Optional[_Union[GenerationOptions, _Mapping]] = ..., branch_from_root: _Optional[bool] = ..., instructions: _Optional[str] = ..., merge_deltas: _Optional[bool] = ..., tool_results: _Optional[_Iterable[_Union[ToolResult, _Mapping]]] = ...) -> None: ...
 
 class SendMessageResponse(_message.Message):
     __slots__ = ("event",)
