@@ -40,6 +40,10 @@ class GenerationOptionsIn(Strict):
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: list[str] = Field(default_factory=list, max_length=API.max_stop_sequences)
+    # Each answer token's log-probability on its delta events (stored with the run: a resumed stream
+    # gets them again), with this many likeliest alternatives.
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CreateChatIn(Strict):

@@ -159,6 +159,9 @@ class RunDelta:
     token_ids: tuple[int, ...] = ()
     # A tool step's record (orchestrator/runs/tool_steps.py, JSON) where the event is one; no text then.
     step: str = ""
+    # The log-probabilities of its tokens where the run asked for them, as the orchestrator encodes them
+    # (a chat.v1 Delta holding only its logprobs); empty otherwise. Replays and adopters give them again.
+    logprobs: bytes = b""
 
 
 @dataclass(frozen=True)

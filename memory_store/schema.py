@@ -263,6 +263,14 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE runs ADD IF NOT EXISTS tokenizer_fingerprint text static",
         ),
     ),
+    Migration(
+        11,
+        "runs: the log-probabilities of their checkpointed output's tokens (runs that ask for them)",
+        (
+            # runs.py: per event of a checkpoint row, its tokens' logprobs (empty where none), or null.
+            "ALTER TABLE runs ADD IF NOT EXISTS logprobs frozen<list<blob>>",
+        ),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
