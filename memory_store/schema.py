@@ -271,6 +271,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE runs ADD IF NOT EXISTS logprobs frozen<list<blob>>",
         ),
     ),
+    Migration(
+        12,
+        "chats: the caller's metadata (the OpenAI Conversations API's)",
+        ("ALTER TABLE chats ADD IF NOT EXISTS metadata frozen<map<text, text>>",),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
