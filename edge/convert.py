@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from chatmesh.chat.v1 import chat_pb2
@@ -51,6 +53,8 @@ def options_proto(
         model, max_tokens = options.model, options.max_tokens
         temperature, top_p, seed, stop = options.temperature, options.top_p, options.seed, options.stop
     proto = chat_pb2.GenerationOptions(model=model, max_tokens=max_tokens, stop=stop or [])
+    if options is not None:
+        proto.logprobs, proto.top_logprobs = options.logprobs, options.top_logprobs
     # Unset optional fields mean "server default": only set what the caller chose.
     if temperature is not None:
         proto.temperature = temperature
@@ -59,6 +63,21 @@ def options_proto(
     if seed is not None:
         proto.seed = seed
     return proto
+
+
+def logprobs_json(logprobs: Sequence[chat_pb2.TokenLogprob]) -> list[dict]:
+    """OpenAI's ``logprobs.content`` (the page's delta events carry the same): per token its text,
+    logprob, bytes and likeliest alternatives."""
+    return [{**_token_json(lp), "top_logprobs": [_token_json(top) for top in lp.top]} for lp in logprobs]
+
+
+def _token_json(logprob: chat_pb2.TokenLogprob) -> dict:
+    # A token holding part of a UTF-8 character has no text of its own: its bytes say what it is.
+    return {
+        "token": logprob.token_bytes.decode("utf-8", errors="backslashreplace"),
+        "logprob": logprob.logprob,
+        "bytes": list(logprob.token_bytes),
+    }
 
 
 def usage_json(usage: chat_pb2.Usage) -> dict:
@@ -141,7 +160,11 @@ def event_json(event: chat_pb2.RunEvent) -> tuple[str, dict]:
             "degraded": s.degraded,
         }
     if kind == "delta":
-        return kind, {"text": event.delta.text, "token_count": event.delta.token_count}
+        delta = event.delta
+        data = {"text": delta.text, "token_count": delta.token_count}
+        if delta.logprobs:  # a run that asked for them (GenerationOptionsIn.logprobs)
+            data["logprobs"] = logprobs_json(delta.logprobs)
+        return kind, data
     if kind == "usage":
         return kind, usage_json(event.usage)
     if kind == "done":

@@ -27,7 +27,7 @@ from edge.chat_client.run_stream import RunStream
 from edge.chats_api import caller_of
 from edge.choices import ChoiceEvent, Choices
 from edge.client_gone import unless_client_leaves
-from edge.convert import FINISH_REASONS, options_proto
+from edge.convert import FINISH_REASONS, logprobs_json, options_proto
 from edge.errors import ApiError, from_run_error
 from edge.openai_fields import without_no_ops
 from edge.schemas import ChatCompletionIn, ChatMessageIn, CompletionIn, stop_list
@@ -137,20 +137,6 @@ def constraint_param(body: ChatCompletionIn) -> str:
     if body.tools:
         return "tools"
     return "structured_outputs" if body.structured_outputs is not None else "response_format"
-
-
-def logprobs_json(logprobs: Sequence[chat_pb2.TokenLogprob]) -> list[dict]:
-    """OpenAI's ``logprobs.content``: per token its text, logprob, bytes and likeliest alternatives."""
-    return [{**_token_json(lp), "top_logprobs": [_token_json(top) for top in lp.top]} for lp in logprobs]
-
-
-def _token_json(logprob: chat_pb2.TokenLogprob) -> dict:
-    # A token holding part of a UTF-8 character has no text of its own: its bytes say what it is.
-    return {
-        "token": logprob.token_bytes.decode("utf-8", errors="backslashreplace"),
-        "logprob": logprob.logprob,
-        "bytes": list(logprob.token_bytes),
-    }
 
 
 def openai_names(error: ApiError) -> ApiError:

@@ -119,7 +119,6 @@ NO_OPS: dict[type[BaseModel], dict[str, NoOp]] = {
         "metadata": NoOp(({},), "response metadata is not stored yet"),
         "service_tier": NoOp(("auto", "default"), "the service tier comes from the caller's token"),
         "stream_options": NoOp(({"include_obfuscation": True}, {"include_obfuscation": False}), "no padding"),
-        "conversation": NoOp((), "conversations are not served yet; chain with previous_response_id"),
         "prompt": NoOp((), "stored prompt templates are not served"),
     },
 }

@@ -41,6 +41,14 @@ from edge.chat_client.client import ChatClient
 from edge.chat_client.run_stream import RunStream
 from edge.chats_api import caller_of, idempotency_key_of
 from edge.client_gone import unless_client_leaves
+from edge.conversation_items import (
+    append,
+    chat_id_of,
+    check_items_query,
+    conversation_not_found,
+    item_json,
+    items_page,
+)
 from edge.convert import options_proto
 from edge.errors import ApiError
 from edge.openai_api import prompt_message
@@ -67,11 +75,20 @@ _PARAMS = {
 _TITLE_CHARS = 80
 
 
+def _responses_param(param: str) -> str:
+    """A field as the Responses API names it: its own name, the top-level field ("tools[0].type" is
+    "tools"; a query's "include[]" stays)."""
+    return (
+        _PARAMS.get(param) or _PARAMS.get(param.split("[")[0]) or re.sub(r"\[\d+\]$", "", param.split(".")[0])
+    )
+
+
 def openai_errors(
     handler: Callable[[Request], Awaitable[Response]],
+    naming: Callable[[str], str] | None = _responses_param,
 ) -> Callable[[Request], Awaitable[Response]]:
     """OpenAI answers a bad parameter with 400 invalid_request_error naming the parameter (the page's
-    API says 422): the same errors, in the Responses API's terms."""
+    API says 422): the same errors, the parameter named by ``naming`` (None: as it is)."""
 
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Response:
@@ -80,13 +97,8 @@ def openai_errors(
         except ApiError as exc:
             if exc.status == 422:
                 exc.status = 400
-            if exc.param is not None:
-                exc.param = (
-                    _PARAMS.get(exc.param)
-                    or _PARAMS.get(exc.param.split("[")[0])
-                    # The top-level field: "tools[0].type" is "tools" (a query's "include[]" stays).
-                    or re.sub(r"\[\d+\]$", "", exc.param.split(".")[0])
-                )
+            if exc.param is not None and naming is not None:
+                exc.param = naming(exc.param)
             raise
 
     return wrapped
@@ -123,6 +135,8 @@ def _options(body: ResponseCreateIn, tools: Tools | None) -> chat_pb2.Generation
 
 
 def _complete_request(body: ResponseCreateIn, tools: Tools | None) -> chat_pb2.CompleteRequest:
+    if body.conversation is not None:
+        raise _bad("conversation", "a response in a conversation is stored (store: true)")
     if body.previous_response_id:
         raise _bad("previous_response_id", "previous_response_id needs a stored response (store: true)")
     if body.background:
@@ -201,9 +215,15 @@ async def _send(
     Idempotency-Key) a retry creates no second conversation (CreateChat with the key gets the first
     one's) and joins the run the first attempt started, or answers the same question anew if that run
     was refused before its answer."""
-    content, results = _stored_input(body)
-    previous = body.previous_response_id
-    if previous:
+    previous, conversation = body.previous_response_id, body.conversation_id
+    results: list[chat_pb2.ToolResult] = []
+    if conversation is not None:
+        if previous:
+            raise _bad("conversation", "give conversation or previous_response_id, not both")
+        chat_id, content = await _in_conversation(orchestrator, caller, body, conversation)
+        parent_id, keyless_chat_id = "", ""
+    elif previous:
+        content, results = _stored_input(body)
         run = await _owned_run(orchestrator, caller, previous, "previous_response_id")
         if run.status in (chat_pb2.RUN_STATUS_IN_PROGRESS, chat_pb2.RUN_STATUS_CANCELLING):
             raise _bad(
@@ -211,6 +231,7 @@ async def _send(
             )
         chat_id, parent_id, keyless_chat_id = run.chat_id, run.assistant_message_id, ""
     else:
+        content, results = _stored_input(body)
         chat_id, parent_id = await _new_chat(orchestrator, caller, content, key), ""
         keyless_chat_id = "" if key else chat_id
     routed = caller.for_chat(chat_id)
@@ -234,6 +255,36 @@ async def _send(
         elif previous and exc.status == 404:  # its answer was never stored (cancelled before any text)
             raise response_not_found(previous, "previous_response_id") from None
         raise
+
+
+async def _in_conversation(
+    orchestrator: ChatClient, caller: Caller, body: ResponseCreateIn, conversation: str
+) -> tuple[str, str]:
+    """The chat of the caller's ``conversation`` and the user message the response answers in it (the
+    input's last item); the input's items before it are added to the conversation first."""
+    chat_id = chat_id_of(conversation, "conversation")
+    routed = caller.for_chat(chat_id)
+    try:
+        await orchestrator.unary("GetChat", chat_pb2.GetChatRequest(chat_id=chat_id), routed)
+    except ApiError as exc:
+        if exc.status == 404:
+            raise conversation_not_found(conversation, "conversation") from None
+        raise
+    messages = body.messages()
+    for i, message in enumerate(messages):
+        if message.role not in ("user", "assistant") or message.tool_calls:
+            what = "function_call items" if message.role in ("tool", "assistant") else f"{message.role} items"
+            raise _bad(
+                "input" if isinstance(body.input, str) else f"input[{i}]",
+                f"{what} are not stored in a conversation yet: message items of user or assistant only "
+                "(system and developer text goes in instructions)",
+            )
+    if messages[-1].role != "user":
+        raise _bad("input", "a response in a conversation answers a user message: the input's last item")
+    earlier = [prompt_message(message) for message in messages[:-1]]
+    if earlier:
+        await append(orchestrator, routed, chat_id, earlier)
+    return chat_id, messages[-1].text()
 
 
 async def _opening(stream: RunStream, body: ResponseCreateIn) -> chat_pb2.RunEvent:
@@ -384,6 +435,27 @@ async def retrieve_response(request: Request) -> Response:
 
 
 @openai_errors
+async def list_input_items(request: Request) -> Response:
+    """The response's input: the user message its run answers (ids as a conversation's items)."""
+    check_items_query(request, ("after", "limit", "order"))
+    orchestrator, routed, run = await _stored_run(request)
+    stream = orchestrator.stream("StreamRun", chat_pb2.StreamRunRequest(run_id=run.run_id), routed)
+    try:
+        started = (await stream.opening()).started
+    finally:
+        stream.detach()
+    items = []
+    if started.user_message_id:
+        at = chat_pb2.GetBranchRequest(
+            chat_id=run.chat_id, leaf_message_id=started.user_message_id, page_size=1
+        )
+        with contextlib.suppress(ApiError):  # a 404: the message was deleted from its conversation
+            asked = (await orchestrator.unary("GetBranch", at, routed)).messages
+            items = [item_json(message) for message in asked[:1]]
+    return JSONResponse(items_page(items, request))
+
+
+@openai_errors
 async def cancel_response(request: Request) -> Response:
     check_query(request.query_params)
     orchestrator, routed, run = await _stored_run(request)
@@ -405,4 +477,5 @@ routes = [
     Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/cancel", cancel_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}/input_items", list_input_items, methods=["GET"]),
 ]

@@ -40,6 +40,10 @@ class GenerationOptionsIn(Strict):
     top_p: TopP | None = None
     seed: Seed | None = None
     stop: list[str] = Field(default_factory=list, max_length=API.max_stop_sequences)
+    # Each answer token's log-probability on its delta events (stored with the run: a resumed stream
+    # gets them again), with this many likeliest alternatives.
+    logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CreateChatIn(Strict):
@@ -206,6 +210,10 @@ class CompletionIn(Strict):
 InputItem = FunctionCallItemIn | FunctionCallOutputItemIn | ChatMessageIn
 
 
+class ConversationRefIn(Strict):
+    id: str = Field(max_length=API.max_id_chars)
+
+
 class ResponseCreateIn(Strict):
     """``POST /v1/responses``: text and function calling in OpenAI's Responses API (no files, images
     or hosted tools)."""
@@ -214,6 +222,9 @@ class ResponseCreateIn(Strict):
     input: str | Annotated[list[InputItem], Field(min_length=1, max_length=API.max_prompt_messages)]
     instructions: str | None = None
     previous_response_id: str | None = Field(None, max_length=API.max_id_chars)
+    # The conversation it continues (edge/conversations_api.py): its items are the history, and the
+    # input and the answer are added to it.
+    conversation: Annotated[str, Field(max_length=API.max_id_chars)] | ConversationRefIn | None = None
     # Stored responses are runs of a chat (retrievable, resumable, chainable); unstored ones are not kept.
     store: bool = True
     background: bool = False
@@ -225,6 +236,10 @@ class ResponseCreateIn(Strict):
     tools: list[ResponseToolIn] = Field(default_factory=list, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRefIn) else self.conversation
 
     def messages(self) -> list[ChatMessageIn]:
         """The input as chat messages: a function call given back is an assistant turn that called it,

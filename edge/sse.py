@@ -176,7 +176,7 @@ async def run_events_response(
 
     def to_sse(event: chat_pb2.RunEvent) -> list[Item]:
         nonlocal retry_sent
-        if retry_sent and event.HasField("delta"):
+        if retry_sent and event.HasField("delta") and not event.delta.logprobs:
             return [delta_sse(event)]
         item = run_event_sse(event, None if retry_sent else settings.retry_ms)
         retry_sent = True

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import TypeVar
 
@@ -39,20 +39,21 @@ from memory_store.cursor import CursorCodec
 from memory_store.db import Cql, Db, Row, Write
 from memory_store.errors import AlreadyExists, InvalidArgument, NotFound
 from memory_store.ids import id_micros, new_id, parse_id
-from memory_store.models import Chat, ChatSummary, Page
+from memory_store.models import Chat, ChatSummary, Page, StoreBounds
 from memory_store.search_index import delete_write, title_write
 
 T = TypeVar("T")
 
 _CHAT_COLUMNS = (
-    "chat_id, title, created_at, activity_at, deleted_at, last_run_id, last_finished_run_id, model"
+    "chat_id, title, created_at, activity_at, deleted_at, last_run_id, last_finished_run_id, model, metadata"
 )
 _CHAT_KEY = "user_id = :user_id AND chat_id = :chat_id"
 
 STATEMENTS = {
     "chat_insert": Cql(
-        "INSERT INTO chats (user_id, chat_id, title, created_at, activity_at, model) "
-        "VALUES (:user_id, :chat_id, :title, :created_at, :activity_at, :model) USING TIMESTAMP :write_ts",
+        "INSERT INTO chats (user_id, chat_id, title, created_at, activity_at, model, metadata) "
+        "VALUES (:user_id, :chat_id, :title, :created_at, :activity_at, :model, :metadata) "
+        "USING TIMESTAMP :write_ts",
         idempotent=True,
     ),
     "chat_get": Cql(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE {_CHAT_KEY}", True),
@@ -63,6 +64,7 @@ STATEMENTS = {
         f"UPDATE chats USING TIMESTAMP :write_ts SET activity_at = :activity_at WHERE {_CHAT_KEY}", True
     ),
     "chat_set_model": Cql(f"UPDATE chats SET model = :model WHERE {_CHAT_KEY}", True),
+    "chat_set_metadata": Cql(f"UPDATE chats SET metadata = :metadata WHERE {_CHAT_KEY}", True),
     "chat_set_title": Cql(f"UPDATE chats SET title = :title WHERE {_CHAT_KEY}", True),
     "chat_set_deleted": Cql(f"UPDATE chats SET deleted_at = :deleted_at WHERE {_CHAT_KEY}", True),
     "chat_set_last_run": Cql(
@@ -102,6 +104,7 @@ STATEMENTS = {
         ":tokenizer_fingerprint)",
         True,
     ),
+    "summary_delete": Cql("DELETE FROM chat_summaries WHERE chat_id = :chat_id", True),
     "summary_get": Cql(
         "SELECT text, token_count, through_message_id, updated_at, tokenizer_fingerprint FROM chat_summaries "
         "WHERE chat_id = :chat_id",
@@ -129,6 +132,20 @@ def _created_at(chat_id: uuid.UUID) -> datetime:
     return datetime.fromtimestamp(round(id_micros(chat_id) / 1000) / 1000, UTC)
 
 
+def check_metadata(metadata: Mapping[str, str], bounds: StoreBounds) -> None:
+    """INVALID_ARGUMENT unless ``metadata`` is within OpenAI's bounds (16 pairs, keys of 64 characters,
+    values of 512)."""
+    if len(metadata) > bounds.max_metadata_pairs:
+        raise InvalidArgument(f"metadata holds at most {bounds.max_metadata_pairs} pairs")
+    for key, value in metadata.items():
+        if not key or len(key) > bounds.max_metadata_key_chars:
+            raise InvalidArgument(f"metadata keys have 1..{bounds.max_metadata_key_chars} characters")
+        if len(value) > bounds.max_metadata_value_chars:
+            raise InvalidArgument(
+                f"metadata values have at most {bounds.max_metadata_value_chars} characters"
+            )
+
+
 def _chat(user_id: str, row: Row) -> Chat | None:
     """A live chat from its row; None for a deleted chat or a row without a creation (never created)."""
     if row["deleted_at"] is not None or row["created_at"] is None:
@@ -142,6 +159,7 @@ def _chat(user_id: str, row: Row) -> Chat | None:
         updated_at=utc(row["activity_at"]),
         active_run_id=id_str(last) if last is not None and last != finished else None,
         model=row["model"] or "",
+        metadata=dict(row["metadata"] or {}),
     )
 
 
@@ -155,10 +173,15 @@ class Chats:
         self._cursors = cursors
 
     async def create_chat(
-        self, user_id: str, title: str = "", idempotency_key: str = "", model: str = ""
+        self,
+        user_id: str,
+        title: str = "",
+        idempotency_key: str = "",
+        model: str = "",
+        metadata: Mapping[str, str] | None = None,
     ) -> Chat:
         """A new empty chat owned by ``user_id`` (title may be empty: set it later with rename_chat),
-        answered by ``model`` (the caller checks it is served).
+        answered by ``model`` (the caller checks it is served), with ``metadata`` (``check_metadata``).
 
         With ``idempotency_key``, every call with the same key gets the chat the first one created, as
         it is now (renamed, with messages); ALREADY_EXISTS if that first call had another title, and
@@ -167,6 +190,8 @@ class Chats:
         """
         check_user(user_id, self._config.bounds)
         self._check_title(title, allow_empty=True)
+        metadata = dict(metadata or {})
+        check_metadata(metadata, self._config.bounds)
         at = now()
         chat_id = new_id(at)
         if idempotency_key:
@@ -184,7 +209,15 @@ class Chats:
         statements: list[Write] = [
             (
                 "chat_insert",
-                {**key, "title": title, "created_at": at, "activity_at": at, "model": model, "write_ts": ts},
+                {
+                    **key,
+                    "title": title,
+                    "created_at": at,
+                    "activity_at": at,
+                    "model": model,
+                    "metadata": metadata,
+                    "write_ts": ts,
+                },
             ),
             ("activity_insert", {**key, "activity_at": at, "write_ts": ts}),
         ]
@@ -192,7 +225,13 @@ class Chats:
             statements.append(title_write(user_id, chat_id, title))
         await self._db.execute_batch(statements)
         return Chat(
-            chat_id=str(chat_id), user_id=user_id, title=title, created_at=at, updated_at=at, model=model
+            chat_id=str(chat_id),
+            user_id=user_id,
+            title=title,
+            created_at=at,
+            updated_at=at,
+            model=model,
+            metadata=metadata,
         )
 
     async def _claim_chat_key(
@@ -303,6 +342,14 @@ class Chats:
         key = {"user_id": user_id, "chat_id": parse_id(chat_id, "chat id")}
         await self._db.execute("chat_set_model", {"model": model, **key})
 
+    async def set_chat_metadata(self, user_id: str, chat_id: str, metadata: Mapping[str, str]) -> Chat:
+        """Replaces the chat's metadata whole (``check_metadata``); not activity."""
+        check_metadata(metadata, self._config.bounds)
+        chat = await self.owned(user_id, chat_id)
+        key = {"user_id": user_id, "chat_id": uuid.UUID(chat.chat_id)}
+        await self._db.execute("chat_set_metadata", {"metadata": dict(metadata), **key})
+        return dataclasses.replace(chat, metadata=dict(metadata))
+
     async def delete_chat(self, user_id: str, chat_id: str) -> None:
         """Soft delete: the chat vanishes from lists and reads at once; its rows stay for retention."""
         chat = await self.owned(user_id, chat_id)
@@ -378,6 +425,10 @@ class Chats:
             },
         )
         return ChatSummary(summary.text, summary.token_count, str(through), at, fingerprint)
+
+    def summary_dropped(self, chat_key: uuid.UUID) -> Write:
+        """The write that drops the chat's rolling summary (a message it may hold was deleted)."""
+        return "summary_delete", {"chat_id": chat_key}
 
     async def summary(self, chat_key: uuid.UUID) -> ChatSummary | None:
         """The chat's summary, if any (the caller checks the chat is the user's)."""

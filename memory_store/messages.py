@@ -37,7 +37,7 @@ from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
 from memory_store.models import Branch, Chat, ChatSummary, Message, MessageStatus, Page, Role
 from memory_store.schema import BUCKET_SECONDS
-from memory_store.search_index import index_write
+from memory_store.search_index import index_write, item_delete_write
 
 _FULL = (
     "message_id, parent_id, role, content, token_count, model, finish_reason, status, run_id, "
@@ -68,6 +68,11 @@ STATEMENTS = {
     "buckets_upto": Cql(
         "SELECT bucket FROM message_buckets WHERE chat_id = :chat_id AND bucket <= :bucket LIMIT :rows", True
     ),
+    # An item deleted from a conversation: its children follow its parent (messages.delete_message).
+    "message_reparent": Cql(
+        f"UPDATE messages SET parent_id = :parent_id WHERE {_IN_BUCKET} AND message_id = :message_id", True
+    ),
+    "message_delete": Cql(f"DELETE FROM messages WHERE {_IN_BUCKET} AND message_id = :message_id", True),
     "message_get": Cql(f"SELECT {_FULL} FROM messages WHERE {_IN_BUCKET} AND message_id = :message_id", True),
     "messages_newest": Cql(f"SELECT {_FULL} FROM messages WHERE {_IN_BUCKET} LIMIT :rows", True),
     "messages_upto": Cql(
@@ -276,6 +281,31 @@ class Messages:
             "message_get", {"chat_id": chat_key, "bucket": bucket_of(message_id), "message_id": message_id}
         )
         return rows[0] if rows else None
+
+    async def delete_message(self, user_id: str, chat_id: str, message_id: str) -> None:
+        """Takes one message out of the chat's tree: its children (newer messages, read here) follow its
+        parent instead, its search entry goes, and the chat's rolling summary, which may hold what it
+        said, is dropped (the next long prompt summarises anew), all in one logged batch. NOT_FOUND for
+        a message not in the chat; FAILED_PRECONDITION while a run of the chat is in progress (its
+        answer is parented on a message of the tree)."""
+        chat_key, key = parse_id(chat_id, "chat id"), parse_id(message_id, "message id")
+        chat, row = await self._chats.with_owner(user_id, chat_id, self._message_row(chat_key, key))
+        if row is None:
+            raise NotFound(f"message {message_id} not found")
+        if chat.active_run_id:
+            raise FailedPrecondition(f"chat {chat_id} has an answer in progress; wait for it to end")
+        writes: list[Write] = [
+            ("message_delete", {"chat_id": chat_key, "bucket": bucket_of(key), "message_id": key})
+        ]
+        async for newer in self._scan(chat_key, None, _MAX_BRANCH_PAGE):
+            if newer["message_id"].time <= key.time:
+                break
+            if newer["parent_id"] == key:
+                child = newer["message_id"]
+                where = {"chat_id": chat_key, "bucket": bucket_of(child), "message_id": child}
+                writes.append(("message_reparent", {**where, "parent_id": row["parent_id"]}))
+        writes += [item_delete_write(user_id, chat_key, key), self._chats.summary_dropped(chat_key)]
+        await self._db.execute_batch(writes)
 
     async def list_messages(
         self, user_id: str, chat_id: str, before: str | None = None, limit: int | None = None

@@ -8,7 +8,7 @@ stores, so a row read in cqlsh is readable.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -58,6 +58,8 @@ class Chat:
     active_run_id: str | None = None
     # The model its answers come from when a send names none ("": the orchestrator's default).
     model: str = ""
+    # The caller's key-value pairs (the OpenAI Conversations API's metadata).
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,9 @@ class RunDelta:
     token_ids: tuple[int, ...] = ()
     # A tool step's record (orchestrator/runs/tool_steps.py, JSON) where the event is one; no text then.
     step: str = ""
+    # The log-probabilities of its tokens where the run asked for them, as the orchestrator encodes them
+    # (a chat.v1 Delta holding only its logprobs); empty otherwise. Replays and adopters give them again.
+    logprobs: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -286,3 +291,7 @@ class StoreBounds:
     max_user_id_chars: int = 256
     # A tokenizer fingerprint: a model name and a hash (chatmesh.tokenizer).
     max_fingerprint_chars: int = 512
+    # A chat's metadata (OpenAI's bounds).
+    max_metadata_pairs: int = 16
+    max_metadata_key_chars: int = 64
+    max_metadata_value_chars: int = 512

@@ -2,9 +2,10 @@
 (``runs_by_owner``).
 
 A run's partition holds its state in static columns and its output as checkpoint rows
-``(first_seq, texts, token_counts, token_ids)``. Writes that may race carry write timestamps that order them:
-creation uses the run id's time, a checkpoint that time plus its last sequence number (so a late,
-older checkpoint never overwrites a newer one), and the finish is a Paxos write (later still).
+``(first_seq, texts, token_counts, token_ids, steps, logprobs)``. Writes that may race carry write
+timestamps that order them: creation uses the run id's time, a checkpoint that time plus its last
+sequence number (so a late, older checkpoint never overwrites a newer one), and the finish is a Paxos
+write (later still).
 
 Finishing is one conditional batch: the last output rows and the terminal status land together, and
 only if the run is still in progress. Whoever wins (the owner, a cancel from another replica, or the
@@ -63,8 +64,8 @@ _RUN_STATE = (
     "finish_reason, last_seq, checkpointed_at, finished_at, prompt_tokens, cached_prompt_tokens, "
     "completion_tokens, error_code, error_message, generation, charge_id, tokenizer_fingerprint"
 )
-_OUTPUT = "run_id, first_seq, texts, token_counts, token_ids, steps"
-_OUTPUT_VALUES = ":run_id, :first_seq, :texts, :token_counts, :token_ids, :steps"
+_OUTPUT = "run_id, first_seq, texts, token_counts, token_ids, steps, logprobs"
+_OUTPUT_VALUES = ":run_id, :first_seq, :texts, :token_counts, :token_ids, :steps, :logprobs"
 _OWNER_ENTRY = "owner_id = :owner_id AND bucket = :bucket AND run_id = :run_id"
 
 STATEMENTS = {
@@ -107,7 +108,7 @@ STATEMENTS = {
     ),
     "run_get": Cql(f"SELECT {_RUN_STATE} FROM runs WHERE run_id = :run_id LIMIT 1", True),
     "run_read": Cql(
-        f"SELECT {_RUN_STATE}, first_seq, texts, token_counts, token_ids, steps FROM runs WHERE run_id = :run_id",
+        f"SELECT {_RUN_STATE}, {_OUTPUT.removeprefix('run_id, ')} FROM runs WHERE run_id = :run_id",
         True,
     ),
     "owner_index_insert": Cql(
@@ -138,6 +139,7 @@ def _output(run_key: uuid.UUID, deltas: Sequence[RunDelta], first_seq: int) -> d
         "token_counts": [d.token_count for d in deltas],
         "token_ids": _token_ids(deltas),
         "steps": _steps(deltas),
+        "logprobs": [d.logprobs for d in deltas] if any(d.logprobs for d in deltas) else None,
     }
 
 
@@ -205,14 +207,16 @@ def _deltas(rows: Sequence[Row], after_seq: int, upto_seq: int | None) -> list[R
         ids = row.get("token_ids") or ()
         kept = len(ids) == sum(counts)
         steps = row.get("steps") or ()
+        logprobs = row.get("logprobs") or ()
         start = 0
         for i, (text, tokens) in enumerate(zip(row["texts"] or (), counts, strict=True)):
             seq = row["first_seq"] + i
             fresh = not out or seq > out[-1].seq
             if fresh and seq > after_seq and (upto_seq is None or seq <= upto_seq):
                 step = steps[i] if i < len(steps) else ""
+                token_ids = tuple(ids[start : start + tokens]) if kept else ()
                 out.append(
-                    RunDelta(seq, text, tokens, tuple(ids[start : start + tokens]) if kept else (), step)
+                    RunDelta(seq, text, tokens, token_ids, step, logprobs[i] if i < len(logprobs) else b"")
                 )
             start += tokens
     return out
@@ -422,9 +426,11 @@ class Runs:
             if delta.token_ids and len(delta.token_ids) != delta.token_count:
                 raise InvalidArgument("an event's token ids must number its token count")
             text_bytes += len(delta.text) if delta.text.isascii() else len(delta.text.encode())
-            text_bytes += len(delta.step)
+            text_bytes += len(delta.step) + len(delta.logprobs)
         if text_bytes > bounds.max_checkpoint_bytes:
-            raise InvalidArgument(f"a checkpoint holds at most {bounds.max_checkpoint_bytes} bytes of text")
+            raise InvalidArgument(
+                f"a checkpoint holds at most {bounds.max_checkpoint_bytes} bytes of text and logprobs"
+            )
         return first
 
     async def finish_run(

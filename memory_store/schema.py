@@ -274,6 +274,19 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE messages ADD IF NOT EXISTS tool_name text",
         ),
     ),
+    Migration(
+        12,
+        "runs: the log-probabilities of their checkpointed output's tokens (runs that ask for them)",
+        (
+            # runs.py: per event of a checkpoint row, its tokens' logprobs (empty where none), or null.
+            "ALTER TABLE runs ADD IF NOT EXISTS logprobs frozen<list<blob>>",
+        ),
+    ),
+    Migration(
+        13,
+        "chats: the caller's metadata (the OpenAI Conversations API's)",
+        ("ALTER TABLE chats ADD IF NOT EXISTS metadata frozen<map<text, text>>",),
+    ),
 )
 
 _KEYSPACE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,47}$")

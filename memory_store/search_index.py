@@ -1,5 +1,5 @@
 """What makes a chat searchable: the words of a text as the search index holds them, and the writes that
-index a message, a chat's title, or take a deleted chat out (each goes with the chat's or message's own
+index a message, a chat's title, or take a deleted chat or message out (each goes with the chat's or message's own
 writes, in the owner's partition). The index and its queries: ``search.py``."""
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ STATEMENTS = {
         "UPDATE chat_search SET role = 'title', text = :text, terms = :terms "
         "WHERE user_id = :user_id AND chat_id = :chat_id AND item_id = :item_id",
         True,
+    ),
+    "search_delete_item": Cql(
+        "DELETE FROM chat_search WHERE user_id = :user_id AND chat_id = :chat_id AND item_id = :item_id", True
     ),
     "search_delete_chat": Cql(
         "DELETE FROM chat_search WHERE user_id = :user_id AND chat_id = :chat_id", True
@@ -62,3 +65,8 @@ def title_write(user_id: str, chat_key: uuid.UUID, title: str) -> Write:
 def delete_write(user_id: str, chat_key: uuid.UUID) -> Write:
     """The write that takes a deleted chat out of search; it lives in the user's partition."""
     return "search_delete_chat", {"user_id": user_id, "chat_id": chat_key}
+
+
+def item_delete_write(user_id: str, chat_key: uuid.UUID, item_key: uuid.UUID) -> Write:
+    """The write that takes a deleted message out of search."""
+    return "search_delete_item", {"user_id": user_id, "chat_id": chat_key, "item_id": item_key}

@@ -58,11 +58,13 @@ class MemoryStore:
         self.list_chats = self.chats.list_chats
         self.rename_chat = self.chats.rename_chat
         self.set_chat_model = self.chats.set_chat_model
+        self.set_chat_metadata = self.chats.set_chat_metadata
         self.delete_chat = self.chats.delete_chat
         self.put_summary = self.chats.put_summary
 
         self.append_message = self.messages.append_message
         self.get_message = self.messages.get_message
+        self.delete_message = self.messages.delete_message
         self.list_messages = self.messages.list_messages
         self.get_branch = self.messages.get_branch
         self.branch_page = self.messages.branch_page

@@ -61,6 +61,7 @@ def chat(c: models.Chat) -> chat_pb2.Chat:
         update_time=timestamp(c.updated_at),
         active_run_id=c.active_run_id or "",
         model=c.model,
+        metadata=c.metadata,
     )
 
 

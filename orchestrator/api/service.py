@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -24,9 +24,12 @@ from chatmesh.errors import abort, invalid
 from chatmesh.identity import Identity, TokenVerifier, Unauthenticated
 from chatmesh.limits import Limits
 from chatmesh.unknown_fields import unknown_field
+from memory_store.chats import check_metadata
+from memory_store.errors import InvalidArgument
 from memory_store.store import MemoryStore
 from meshkit.deadline import Deadline
 from orchestrator import convert
+from orchestrator.api.appends import append_messages
 from orchestrator.errors import from_exception
 from orchestrator.policy.admission import Budgets
 from orchestrator.router_client import RouterClient
@@ -188,7 +191,10 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
             raise invalid("model", f"model names have at most {self.limits.max_model_chars} characters")
         # A model named is one that takes chats (empty: the default model at each send).
         model = self.ctx.models.for_chat(request.model, field="model").name if request.model else ""
-        chat = await self.store.create_chat(identity.user_id, request.title, request.idempotency_key, model)
+        metadata = _checked_metadata(request.metadata, self.store)
+        chat = await self.store.create_chat(
+            identity.user_id, request.title, request.idempotency_key, model, metadata
+        )
         return chat_pb2.CreateChatResponse(chat=convert.chat(chat))
 
     @unary
@@ -224,6 +230,25 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         limits.check_title(request.title, self.limits, allow_empty=False)
         chat = await self.store.rename_chat(identity.user_id, request.chat_id, request.title)
         return chat_pb2.RenameChatResponse(chat=convert.chat(chat))
+
+    @unary
+    async def SetChatMetadata(self, identity: Identity, request: chat_pb2.SetChatMetadataRequest):
+        limits.check_id(request.chat_id, "chat_id")
+        metadata = _checked_metadata(request.metadata, self.store)
+        chat = await self.store.set_chat_metadata(identity.user_id, request.chat_id, metadata)
+        return chat_pb2.SetChatMetadataResponse(chat=convert.chat(chat))
+
+    @unary
+    async def AppendMessages(self, identity: Identity, request: chat_pb2.AppendMessagesRequest):
+        stored = await append_messages(self.ctx, identity, request)
+        return chat_pb2.AppendMessagesResponse(messages=[convert.message(m) for m in stored])
+
+    @unary
+    async def DeleteMessage(self, identity: Identity, request: chat_pb2.DeleteMessageRequest):
+        limits.check_id(request.chat_id, "chat_id")
+        limits.check_id(request.message_id, "message_id")
+        await self.store.delete_message(identity.user_id, request.chat_id, request.message_id)
+        return chat_pb2.DeleteMessageResponse()
 
     @unary
     async def DeleteChat(self, identity: Identity, request: chat_pb2.DeleteChatRequest):
@@ -320,3 +345,12 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
             window_start_time=convert.timestamp(window.start),
             window_end_time=convert.timestamp(window.end),
         )
+
+
+def _checked_metadata(metadata: Mapping[str, str], store: MemoryStore) -> dict[str, str]:
+    """A request's metadata, refused with INVALID_ARGUMENT naming ``metadata`` beyond its bounds."""
+    try:
+        check_metadata(metadata, store.bounds)
+    except InvalidArgument as exc:
+        raise invalid("metadata", str(exc)) from None
+    return dict(metadata)

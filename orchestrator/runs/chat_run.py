@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.errors import REFUSED_BEFORE_ANSWER, invalid, unavailable
+from chatmesh.errors import REFUSED_BEFORE_ANSWER, unavailable
 from chatmesh.identity import Identity
 from chatmesh.limits import Generation
 from chatmesh.tokenizer import ChatMessage
@@ -72,16 +72,13 @@ class ChatRun(AnswerRun):
         self, ctx: RunContext, identity: Identity, request: ChatRequest, key: str, options: Generation
     ) -> None:
         super().__init__(identity)
-        if options.logprobs:
-            # Its events keep text, not logprobs: a resumed or replayed stream could not give them again.
-            raise invalid(
-                "options.logprobs", "logprobs are served on Complete only (stored answers keep none)"
-            )
         self.ctx = ctx
         # The orchestrator's own tools this answer is offered (docs/tools.md): not with a constraint of
-        # the caller's, which the tools' grammar would replace.
+        # the caller's, which the tools' grammar would replace, nor to a caller asking for logprobs,
+        # which cover the answer's text (a call's tokens are a step's, no text's).
         toolbox = ctx.runs.deps.toolbox
-        self.tools = toolbox.tools_for(identity.tier, 0) if toolbox and options.structured is None else None
+        offered = toolbox is not None and options.structured is None and not options.logprobs
+        self.tools = toolbox.tools_for(identity.tier, 0) if toolbox and offered else None
         self.options = self._offering_tools(options)
         # A request without a key is its own run: only retries that carry a key can join.
         self._key = key or f"auto:{uuid.uuid4().hex}"

@@ -20,17 +20,42 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
+from chatmesh.chat.v1 import chat_pb2
 from memory_store.models import Run, RunDelta
 from memory_store.store import MemoryStore
 from orchestrator.metrics import METRICS
 
 log = logging.getLogger(__name__)
 
-# One write holds at most this many deltas of a run (memory_store allows 4096 events / 256 KiB).
+# One write holds at most this many deltas of a run, and about this many bytes of their text and logprobs
+# (memory_store allows 4096 events / 256 KiB; one token's logprobs with 20 alternatives take ~0.5 KiB).
 MAX_BATCH = 512
+MAX_BATCH_BYTES = 128 * 1024
 # Between attempts to store what a run hands over.
 FLUSH_RETRY_S = 0.2
+
+
+def encoded_logprobs(logprobs: Sequence[chat_pb2.TokenLogprob]) -> bytes:
+    """A delta's logprobs as they are checkpointed (``RunDelta.logprobs``): a Delta holding only them."""
+    return chat_pb2.Delta(logprobs=logprobs).SerializeToString() if logprobs else b""
+
+
+def decoded_logprobs(stored: bytes) -> Sequence[chat_pb2.TokenLogprob]:
+    """The logprobs ``encoded_logprobs`` stored (none for b"")."""
+    return chat_pb2.Delta.FromString(stored).logprobs if stored else ()
+
+
+def first_batch(deltas: Sequence[RunDelta]) -> Sequence[RunDelta]:
+    """The oldest of ``deltas`` that one write stores: ``MAX_BATCH`` at most, and no more than
+    ``MAX_BATCH_BYTES`` of text, steps and logprobs beyond the first."""
+    size = 0
+    for count, delta in enumerate(deltas[:MAX_BATCH]):
+        size += len(delta.text) + len(delta.step) + len(delta.logprobs)
+        if size > MAX_BATCH_BYTES and count:
+            return deltas[:count]
+    return deltas[:MAX_BATCH]
 
 
 class RunCheckpoints:
@@ -65,13 +90,18 @@ class RunCheckpoints:
     async def close(self, flush_within_s: float = 0.0) -> list[RunDelta]:
         """Stops writing the run (after a write of it in flight lands) and returns the deltas not yet
         stored. With ``flush_within_s``, it first stores them, retrying for that long (a run handed to
-        another replica, which continues from the last checkpoint)."""
+        another replica, which continues from the last checkpoint, or a backlog longer than the end's one
+        row of tail holds: ``too_long_for_a_tail``)."""
         await self._writer.forget(self)
         deadline = time.monotonic() + flush_within_s
         while self.pending and time.monotonic() < deadline:
             if not await self._writer.write([self]):
                 await asyncio.sleep(FLUSH_RETRY_S)
         return self.pending
+
+    def too_long_for_a_tail(self) -> bool:
+        """Whether the deltas not yet stored are more than one write holds (the end's tail is one row)."""
+        return len(first_batch(self.pending)) < len(self.pending)
 
 
 class CheckpointWriter:
@@ -143,7 +173,7 @@ class CheckpointWriter:
     async def write(self, runs: list[RunCheckpoints]) -> bool:
         """Stores the oldest pending deltas of each of ``runs`` (a request per batch the store makes of
         them); a run whose write failed keeps them for the next. Returns whether all were stored."""
-        writes = [(c.run, c.pending[:MAX_BATCH]) for c in runs]
+        writes = [(c.run, first_batch(c.pending)) for c in runs]
         try:
             async with asyncio.timeout(self.deadline_s):
                 stored = await self.store.checkpoint_runs(writes)

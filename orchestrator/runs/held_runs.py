@@ -20,6 +20,7 @@ from memory_store.models import RunDelta
 from meshkit.pacing import StreamPacer
 from orchestrator.config import RunConfig
 from orchestrator.metrics import METRICS
+from orchestrator.runs.checkpoints import decoded_logprobs
 from orchestrator.runs.held_run import HeldRun, RunInfo
 from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.relay import Relay, RunEnd
@@ -76,7 +77,7 @@ class HeldRuns:
             if delta.step:
                 held.append(**step_event(delta.step))
             else:
-                held.append_delta(delta.text, delta.token_count)
+                held.append_delta(delta.text, delta.token_count, decoded_logprobs(delta.logprobs))
         return held
 
     def hold(self, held: HeldRun) -> None:

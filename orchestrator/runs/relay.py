@@ -64,7 +64,7 @@ from orchestrator.policy.admission import Budgets
 from orchestrator.policy.moderation import Moderator
 from orchestrator.prompting.models import Models
 from orchestrator.router_client import GenerateStream, RouterClient, RouterError, continued
-from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints
+from orchestrator.runs.checkpoints import CheckpointWriter, RunCheckpoints, encoded_logprobs
 from orchestrator.runs.held_run import HeldRun
 from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.replay import INTERRUPTED_CODE, INTERRUPTED_MESSAGE
@@ -316,7 +316,7 @@ class Relay:
         assert self.tools is not None and self.stored_run is not None
         mine = started_record(call, self.stored_run.owner_id)
         # The call's tokens go with its step (its text is in no delta): an adopter rebuilds from them.
-        call_ids, self._unsent_ids = tuple(self._unsent_ids), []
+        call_ids, self._unsent_ids, self._unsent_logprobs = tuple(self._unsent_ids), [], []
         stored = await self._store_step(mine, call_ids)
         if stored == mine:
             result = await self.tools.run(call)
@@ -387,11 +387,12 @@ class Relay:
         """A stored run's deltas are one per token, so that an adopter numbers them the same; an
         unstored run (Complete) is never replayed, so its deltas follow the frames, and a reader that
         fell behind gets one delta for all that the router merged."""
+        logprobs = tokens.logprobs
         if self.stored_run is None:
-            self._emit(tokens.text, tokens.token_ids, tokens.logprobs)
+            self._emit(tokens.text, tokens.token_ids, logprobs)
             return
-        for token_id, text in token_pieces(tokens):
-            self._emit(text, (token_id,))
+        for i, (token_id, text) in enumerate(token_pieces(tokens)):
+            self._emit(text, (token_id,), logprobs[i : i + 1])
 
     def _emit(
         self, text: str, token_ids: Sequence[int], logprobs: Sequence[engine_pb2.TokenLogprob] = ()
@@ -411,10 +412,10 @@ class Relay:
         if self.screen.check(text).blocked:
             self.stop(Stop.CONTENT_FILTER)
             return
-        covered = tuple(self._unsent_ids)
+        covered, covered_logprobs = tuple(self._unsent_ids), self._unsent_logprobs
         self._unsent_ids.clear()
-        seq = self.live.append_delta(text, len(covered), self._unsent_logprobs)
         self._unsent_logprobs = []
+        seq = self.live.append_delta(text, len(covered), covered_logprobs)
         if self._first_delta_at is None:
             self._first_delta_at = time.monotonic()
             info = self.live.info
@@ -422,7 +423,9 @@ class Relay:
                 self._first_delta_at - self.arrived_at
             )
         if self._checkpointer is not None:
-            self._checkpointer.add(RunDelta(seq, text, len(covered), covered))
+            self._checkpointer.add(
+                RunDelta(seq, text, len(covered), covered, logprobs=encoded_logprobs(covered_logprobs))
+            )
 
     def _holds_call(self, text: str) -> bool:
         """Whether ``text`` is held back as part of a tool call (the turn's first text decides)."""
@@ -448,10 +451,10 @@ class Relay:
         else:
             usage = Usage()  # failed before its first token: charged nothing (its retry answers it)
         tail = []
-        if self._checkpointer is not None:
+        if (checkpointer := self._checkpointer) is not None:
             # A run handed over is continued from its checkpoints: they must hold all it streamed.
-            handed_over = self.stop_reason is Stop.HANDED_OVER
-            tail = await self._checkpointer.close(self.deps.config.store_deadline_s if handed_over else 0.0)
+            flush = self.stop_reason is Stop.HANDED_OVER or checkpointer.too_long_for_a_tail()
+            tail = await checkpointer.close(self.deps.config.store_deadline_s if flush else 0.0)
         if self.stop_reason in _LEFT_TO_ANOTHER:
             return self._leave(usage)
         status, reason = self._status(finished, error)

@@ -1,9 +1,10 @@
 """A run's events rebuilt from Cassandra, for streams on a replica that does not hold the run in memory.
 
 The generating replica numbers events ``started`` = 1, one per delta, then ``usage`` and ``done`` (or
-one ``error``), and checkpoints every delta with its sequence number. From the stored run and its
-deltas, any replica rebuilds exactly the same events for a run its owner finished: started from the
-run's ids, the deltas as stored, and the terminal events right after the last delta.
+one ``error``), and checkpoints every delta with its sequence number (and its tokens' logprobs, where
+the run asked for them). From the stored run and its deltas, any replica rebuilds exactly the same
+events for a run its owner finished: started from the run's ids, the deltas as stored, and the
+terminal events right after the last delta.
 
 A run ended by someone else (a cancel on another replica, or interruption after its replica was lost)
 may have streamed deltas that were never checkpointed; its terminal events then follow the last
@@ -21,6 +22,7 @@ from chatmesh.run_events import MAX_MERGED_DELTAS, merged_delta
 from memory_store.models import Run, RunDelta, RunStatus
 from memory_store.store import MemoryStore
 from orchestrator import convert
+from orchestrator.runs.checkpoints import decoded_logprobs
 from orchestrator.runs.tool_steps import step_event
 
 INTERRUPTED_CODE = "ABORTED"
@@ -106,7 +108,8 @@ async def follow_stored(
             if batch[0].step:
                 yield chat_pb2.RunEvent(seq=position, **step_event(batch[0].step))
             else:
-                yield merged_delta(position, [(delta.text, delta.token_count) for delta in batch])
+                logprobs = [lp for delta in batch for lp in decoded_logprobs(delta.logprobs)]
+                yield merged_delta(position, [(delta.text, delta.token_count) for delta in batch], logprobs)
         if ended:
             for event in terminal_events(run, deltas, position):
                 yield event

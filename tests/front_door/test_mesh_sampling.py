@@ -14,9 +14,12 @@ import pytest
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
 from chatmesh.engine.v1 import engine_pb2, engine_pb2_grpc
+from chatmesh.identity import CHAT_ID_HEADER
 from chatmesh.tokenizer import load_tokenizer
 from edge.schemas import MAX_CHOICES
 from tests.fixtures.front_door import MeshFrontDoor
+from tests.front_door.helpers import answer, assert_json_error
+from tests.front_door.sse_client import iter_events
 
 PROMPT = [{"role": "user", "content": "Say something."}]
 # "!" is one token whose id is below every token the null engines choose, so a bias that ties it with
@@ -111,7 +114,7 @@ def test_bad_knobs_are_400_naming_them(sdk: openai.OpenAI):
         assert refused.value.param == param, (fields, refused.value.body)
 
 
-def test_grpc_callers_get_logprobs_on_complete_and_invalid_argument_on_a_stored_send(
+def test_grpc_callers_get_logprobs_on_complete_and_on_a_stored_send_and_too_many_is_invalid(
     mesh_front_door: MeshFrontDoor, user: str
 ):
     metadata = mesh_front_door.grpc_auth(user)
@@ -132,16 +135,48 @@ def test_grpc_callers_get_logprobs_on_complete_and_invalid_argument_on_a_stored_
         assert len(logprobs) == 4 and all(len(lp.top) == 1 for lp in logprobs)
         assert b"".join(lp.token_bytes for lp in logprobs).decode() == "".join(d.text for d in deltas)
         chat = chats.CreateChat(chat_pb2.CreateChatRequest(), metadata=metadata, timeout=10).chat
+        send = chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content="Hi.", options=options)
+        stored = [e.event for e in chats.SendMessage(send, metadata=metadata, timeout=30)]
+        # The same numbers on a stored chat's run (its replay and adoption: tests/orchestrator).
+        assert [lp for e in stored if e.HasField("delta") for lp in e.delta.logprobs] == logprobs
+        send.options.top_logprobs = 21
         with pytest.raises(grpc.RpcError) as refused:
-            list(
-                chats.SendMessage(
-                    chat_pb2.SendMessageRequest(chat_id=chat.chat_id, content="Hi.", options=options),
-                    metadata=metadata,
-                    timeout=30,
-                )
-            )
+            list(chats.SendMessage(send, metadata=metadata, timeout=30))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "logprobs are served on Complete only" in refused.value.details()
+        assert "top_logprobs" in refused.value.details()
+
+
+def test_the_chat_api_streams_a_stored_runs_logprobs_and_a_resumed_stream_gets_the_same(
+    mesh_front_door: MeshFrontDoor, user: str
+):
+    with mesh_front_door.client(user) as client:
+        chat_id = client.post("/v1/chats", json={}).json()["chat_id"]
+        options = {"max_tokens": 40, "logprobs": True, "top_logprobs": 2}
+        seen = []
+        with answer(client, chat_id, "Say something.", options=options) as reply:
+            assert reply.status_code == 200, reply.read()
+            for event in iter_events(reply):
+                seen.append(event)
+                if len(seen) == 6:
+                    break  # the page went away mid-answer
+        run_id = seen[0].data["run_id"]
+        headers = {"Last-Event-ID": str(seen[-1].seq), CHAT_ID_HEADER: chat_id}
+        with client.stream("GET", f"/v1/runs/{run_id}/events", headers=headers) as reply:
+            whole = seen + list(iter_events(reply))
+        deltas = [e.data for e in whole if e.event == "delta"]
+        assert all(len(d["logprobs"]) == d["token_count"] for d in deltas)
+        streamed = [lp for d in deltas for lp in d["logprobs"]]
+        assert len(streamed) == 40 and all(len(lp["top_logprobs"]) == 2 for lp in streamed)
+        assert {"token", "logprob", "bytes", "top_logprobs"} == set(streamed[0])
+        # Replayed from the start once it ended: every token's, as streamed.
+        headers["Last-Event-ID"] = "0"
+        with client.stream("GET", f"/v1/runs/{run_id}/events", headers=headers) as reply:
+            replayed = [lp for e in iter_events(reply) if e.event == "delta" for lp in e.data["logprobs"]]
+        assert replayed == streamed
+
+        too_many = {"logprobs": True, "top_logprobs": 21}
+        refused = client.post(f"/v1/chats/{chat_id}/messages", json={"content": "?", "options": too_many})
+        assert assert_json_error(refused, 400)["param"] == "options.top_logprobs"
 
 
 def _coin_flips(sdk: openai.OpenAI, **fields: object) -> dict:

@@ -152,7 +152,6 @@ def test_unknown_fields_are_refused_naming_them(
             },
             "input",  # the Responses API names a body's top-level field
         ),
-        ("responses", {"input": "hi", "conversation": "conv_123"}, "conversation"),
         ("responses", {"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
         ("responses", {"input": "hi", "truncation": "auto"}, "truncation"),
     ],
@@ -167,7 +166,6 @@ def test_unknown_fields_are_refused_naming_them(
         "responses-max-tool-calls",
         "responses-top-logprobs",
         "responses-function-call-item-status",
-        "responses-conversation",
         "responses-reasoning",
         "responses-truncation",
     ],

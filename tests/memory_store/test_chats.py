@@ -248,3 +248,17 @@ async def test_a_key_claimed_by_a_create_that_died_before_writing_its_chat_gets_
 async def test_a_create_key_is_checked(memory_store):
     with pytest.raises(InvalidArgument):
         await memory_store.create_chat(new_user(), "", "k" * 129)
+
+
+async def test_a_chats_metadata_is_stored_replaced_whole_and_bounded(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "", metadata={"topic": "numbers", "lang": "en"})
+    assert (await memory_store.get_chat(user, chat.chat_id)).metadata == {"topic": "numbers", "lang": "en"}
+    replaced = await memory_store.set_chat_metadata(user, chat.chat_id, {"topic": "42"})
+    assert replaced.metadata == {"topic": "42"} == (await memory_store.get_chat(user, chat.chat_id)).metadata
+    assert (await memory_store.list_chats(user)).items[0].metadata == {"topic": "42"}
+    for bad in ({f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"": "v"}):
+        with pytest.raises(InvalidArgument, match="metadata"):
+            await memory_store.set_chat_metadata(user, chat.chat_id, bad)
+    with pytest.raises(NotFound):
+        await memory_store.set_chat_metadata(new_user(), chat.chat_id, {})

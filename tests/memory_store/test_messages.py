@@ -10,7 +10,7 @@ from chatmesh.finish import FinishReason, Usage
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import new_id
 from memory_store.messages import bucket_of
-from memory_store.models import Message, MessageStatus, Role
+from memory_store.models import ChatSummary, Message, MessageStatus, Role
 from tests.memory_store.builders import message, new_user, operations_counted, regenerated_tree, requests_sent
 
 
@@ -324,3 +324,36 @@ async def test_a_branch_refuses_an_unknown_leaf_another_users_chat_and_a_foreign
         m.content
         for m in (await memory_store.branch_page(user, chat.chat_id, tree["a1"].message_id, None, 9)).items
     ] == ["a1", "q1"]
+
+
+async def test_a_deleted_message_leaves_its_branch_its_replies_follow_its_parent_and_search_forgets_it(
+    memory_store,
+):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "items")
+    root = await memory_store.append_message(user, message(chat.chat_id, "first"))
+    middle = await memory_store.append_message(user, message(chat.chat_id, "zebra crossing", root))
+    # Two replies to it (a regenerated answer): both follow its parent.
+    reply = await memory_store.append_message(user, message(chat.chat_id, "one", middle, Role.ASSISTANT))
+    other = await memory_store.append_message(user, message(chat.chat_id, "two", middle, Role.ASSISTANT))
+    await memory_store.put_summary(
+        user, chat.chat_id, ChatSummary("They spoke of a zebra.", 6, middle.message_id)
+    )
+    assert [h.message_id for h in (await memory_store.search_chats(user, "zebra")).items] == [
+        middle.message_id
+    ]
+
+    await memory_store.delete_message(user, chat.chat_id, middle.message_id)
+    branch = await memory_store.get_branch(user, chat.chat_id, None, with_summary=True)
+    assert [m.content for m in branch.messages] == ["first", "two"] and branch.summary is None
+    assert (await memory_store.get_message(user, chat.chat_id, reply.message_id)).parent_id == root.message_id
+    assert (await memory_store.search_chats(user, "zebra")).items == []
+    with pytest.raises(NotFound):
+        await memory_store.get_message(user, chat.chat_id, middle.message_id)
+    with pytest.raises(NotFound):
+        await memory_store.delete_message(user, chat.chat_id, middle.message_id)
+    with pytest.raises(NotFound):  # another user's chat
+        await memory_store.delete_message(new_user(), chat.chat_id, other.message_id)
+    # A root's replies become roots.
+    await memory_store.delete_message(user, chat.chat_id, root.message_id)
+    assert (await memory_store.get_message(user, chat.chat_id, other.message_id)).parent_id is None

@@ -207,6 +207,37 @@ async def test_tool_steps_are_stored_among_the_output_events_in_order(memory_sto
     assert [(d.seq, d.step) for d in replay] == [(5, ""), (6, started), (7, "")]
 
 
+async def test_logprobs_are_stored_with_their_events_in_checkpoints_and_the_tail(memory_store):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "logprobs")
+    run, _ = await start_run(memory_store, user, chat.chat_id, "how sure are you?")
+    # Opaque bytes to the store (the orchestrator's encoding); an event may have none.
+    first = [RunDelta(2, "Quite", 1, (7,), logprobs=b"\x1a\x05lp-7"), RunDelta(3, "", 1, (8,))]
+    await checkpoint(memory_store, run, first)
+    await checkpoint(memory_store, run, [RunDelta(4, " sure", 2, (9, 10), logprobs=b"lp-9-10")])
+    untouched = RunDelta(5, ".", 1, (11,))
+    await checkpoint(memory_store, run, [untouched])  # a row with no logprobs at all
+    tail = (RunDelta(6, "!", 1, (12,), logprobs=b"lp-12"),)
+    outcome = RunOutcome(
+        status=RunStatus.COMPLETED,
+        last_seq=8,
+        finish_reason=FinishReason.STOP,
+        tail=tail,
+        usage=Usage(prompt_tokens=9, completion_tokens=6),
+    )
+    await memory_store.finish_run(run, outcome)
+    assert await memory_store.read_run_output(user, run.run_id) == [
+        *first,
+        RunDelta(4, " sure", 2, (9, 10), logprobs=b"lp-9-10"),
+        untouched,
+        *tail,
+    ]
+    # They count against a checkpoint's size, like its text.
+    too_big = b"x" * (memory_store.bounds.max_checkpoint_bytes + 1)
+    with pytest.raises(InvalidArgument, match="logprobs"):
+        await checkpoint(memory_store, run, [RunDelta(9, "a", 1, (1,), logprobs=too_big)])
+
+
 async def test_of_two_replicas_storing_a_step_at_one_seq_the_first_keeps_it(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "one step")

@@ -7,10 +7,11 @@ import grpc
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2, chat_pb2_grpc
+from chatmesh.errors import parse
 from memory_store.ids import new_id
 from memory_store.models import Message, Role
 from memory_store.store import MemoryStore
-from tests.fixtures.orchestrator import ChatClient, Mesh, new_user
+from tests.fixtures.orchestrator import ChatClient, Mesh, collect, new_user, read_until
 
 
 async def test_a_chat_is_created_read_renamed_and_deleted(client: ChatClient) -> None:
@@ -156,3 +157,44 @@ async def test_search_finds_the_callers_titles_and_messages_never_another_users_
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await search(client, bad)
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+
+
+@pytest.mark.usefixtures("router_required")
+async def test_messages_appended_without_an_answer_follow_the_newest_and_wait_for_a_running_answer(
+    client: ChatClient,
+) -> None:
+    chat = await client.create_chat()
+    items = [
+        chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content="Remember 42."),
+        chat_pb2.PromptMessage(role=chat_pb2.ROLE_ASSISTANT, content="Noted."),
+    ]
+    append = chat_pb2.AppendMessagesRequest(chat_id=chat.chat_id, messages=items)
+    first, second = (await client.call("AppendMessages", append)).messages
+    assert (first.content, first.parent_id, second.parent_id) == ("Remember 42.", "", first.message_id)
+    assert second.role == chat_pb2.ROLE_ASSISTANT and second.model and first.token_count > 0
+    for bad, field in (
+        ([chat_pb2.PromptMessage(role=chat_pb2.ROLE_SYSTEM, content="Be terse.")], "messages[0].role"),
+        ([], "messages"),
+        ([chat_pb2.PromptMessage(role=chat_pb2.ROLE_USER, content="  ")], "messages[0].content"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.call(
+                "AppendMessages", chat_pb2.AppendMessagesRequest(chat_id=chat.chat_id, messages=bad)
+            )
+        assert (
+            refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and parse(refused.value).field == field
+        )
+
+    # While an answer generates, nothing is added to or taken from the tree it continues.
+    call = client.send(
+        chat.chat_id, "Tell me a long story.", options=chat_pb2.GenerationOptions(max_tokens=300)
+    )
+    await read_until(call, 2)
+    delete = chat_pb2.DeleteMessageRequest(chat_id=chat.chat_id, message_id=first.message_id)
+    for method, request in (("AppendMessages", append), ("DeleteMessage", delete)):
+        with pytest.raises(grpc.aio.AioRpcError) as busy:
+            await client.call(method, request)
+        assert busy.value.code() == grpc.StatusCode.FAILED_PRECONDITION, method
+    await collect(call)
+    branch = (await client.call("GetBranch", chat_pb2.GetBranchRequest(chat_id=chat.chat_id))).messages
+    assert [m.content for m in branch[1:]] == ["Tell me a long story.", "Noted.", "Remember 42."]

@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from memory_store.models import Run, RunDelta
-from orchestrator.runs.checkpoints import CheckpointWriter
+from orchestrator.runs.checkpoints import MAX_BATCH_BYTES, CheckpointWriter, first_batch
 from tests.fixtures.runs import stored_run
 
 INTERVAL_S = 0.05
@@ -117,4 +117,24 @@ async def test_a_run_handed_over_stores_what_is_left_before_it_goes() -> None:
         answer.add(delta(seq))
     assert await answer.close(flush_within_s=1.0) == []
     assert store.calls == [{"run-1": [2, 3, 4, 5]}]
+    await checkpoints.close()
+
+
+async def test_logprobs_heavy_deltas_go_in_writes_of_at_most_max_batch_bytes_a_long_backlog_no_tail() -> None:
+    store = Store()
+    checkpoints = CheckpointWriter(store, 10_000, interval_s=60.0, deadline_s=1.0)
+    answer = checkpoints.open(stored_run("run-1"))
+    # 20 alternatives a token: ~0.5 KiB each; 600 of them are more than one write holds.
+    heavy = [RunDelta(seq, "", 1, (seq,), logprobs=b"x" * 500) for seq in range(2, 602)]
+    for each in heavy:
+        answer.add(each)
+    per_write = len(first_batch(heavy))
+    assert per_write * 500 <= MAX_BATCH_BYTES < (per_write + 1) * 500
+    assert answer.too_long_for_a_tail()
+    assert await answer.close(flush_within_s=1.0) == []
+    assert [len(call["run-1"]) for call in store.calls] == [per_write, per_write, 600 - 2 * per_write]
+    # One delta is written whatever its size, and a short backlog is a tail.
+    huge = RunDelta(2, "", 1, (2,), logprobs=b"x" * (MAX_BATCH_BYTES + 1))
+    assert first_batch([huge, heavy[1]]) == [huge]
+    assert not checkpoints.open(stored_run("run-2")).too_long_for_a_tail()
     await checkpoints.close()

@@ -75,8 +75,7 @@ async def test_a_message_over_32_kib_is_too_large_and_nothing_is_stored(client: 
         ({"options": chat_pb2.GenerationOptions(temperature=3.0)}, "options.temperature"),
         ({"options": chat_pb2.GenerationOptions(stop=["a", "b", "c", "d", "e"])}, "options.stop"),
         ({"options": chat_pb2.GenerationOptions(presence_penalty=-3.0)}, "options.presence_penalty"),
-        # A stored answer keeps no logprobs to give again on a resumed stream.
-        ({"options": chat_pb2.GenerationOptions(logprobs=True)}, "options.logprobs"),
+        ({"options": chat_pb2.GenerationOptions(logprobs=True, top_logprobs=21)}, "options.top_logprobs"),
         ({"idempotency_key": "k" * 129}, "idempotency_key"),
         ({"parent_message_id": "x", "branch_from_root": True}, "parent_message_id"),
     ],

@@ -97,6 +97,43 @@ async def test_a_run_whose_replica_is_killed_is_adopted_and_continued_exactly(
         mesh.stop_orchestrator(survivor)
 
 
+async def test_an_adopted_runs_logprobs_cover_every_token_and_those_it_had_streamed_stay_as_they_were(
+    mesh: Mesh, connect: Callable[..., ChatClient], memory_store: MemoryStore
+) -> None:
+    victim, survivor, on_victim, on_survivor = replicas(mesh, connect, FAST_REAPING)
+    options = chat_pb2.GenerationOptions()
+    options.CopyFrom(ANSWER)
+    options.logprobs, options.top_logprobs = True, 3
+    try:
+        chat = await on_victim.create_chat()
+        seen = await read_until(on_victim.send(chat.chat_id, QUESTION, options=options), 40)
+        await asyncio.sleep(0.3)  # a checkpoint or two behind what the client saw
+        run_id = seen[0].started.run_id
+        mesh.launcher.signal(victim.name, signal.SIGKILL)
+        lose(mesh, victim)
+
+        streamed = seen + await asyncio.wait_for(collect(on_survivor.stream_run(run_id, 40)), 60)
+        assert [e.seq for e in streamed] == list(range(1, len(streamed) + 1)), "a gap or a duplicate"
+        assert streamed[-1].HasField("done"), streamed[-1]
+        deltas = [e for e in streamed if e.HasField("delta")]
+        assert all(len(e.delta.logprobs) == e.delta.token_count for e in deltas)
+        assert sum(len(e.delta.logprobs) for e in deltas) == options.max_tokens
+        assert all(len(lp.top) == 3 for e in deltas for lp in e.delta.logprobs)
+
+        # Stored: every token's logprobs; those checkpointed before the kill exactly as the victim
+        # streamed them, the rest as the survivor computed and streamed them.
+        stored = await memory_store.read_run_output(on_survivor.user, run_id)
+        assert [d.seq for d in stored] == [e.seq for e in deltas]
+        as_streamed = {e.seq: list(e.delta.logprobs) for e in deltas}
+        for delta in stored:
+            kept = chat_pb2.Delta.FromString(delta.logprobs).logprobs
+            assert len(kept) == delta.token_count and list(kept) == as_streamed[delta.seq], delta.seq
+        # A stream replayed from the start gives them all again.
+        assert await collect(on_survivor.stream_run(run_id, 0)) == streamed
+    finally:
+        mesh.stop_orchestrator(survivor)
+
+
 async def test_a_draining_replica_hands_its_runs_over_at_once(
     mesh: Mesh, connect: Callable[..., ChatClient]
 ) -> None:

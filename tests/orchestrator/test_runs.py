@@ -102,6 +102,36 @@ async def test_stream_run_resumes_from_any_seq_with_no_gap_or_duplicate_live_and
         assert await collect(other.stream_run(run_id, after)) == reference[after:]
 
 
+async def test_a_stored_runs_logprobs_stream_with_its_tokens_and_every_resumed_stream_gets_them_again(
+    client: ChatClient, replica_b: OrchestratorProcess, connect: Callable[..., ChatClient]
+) -> None:
+    chat = await client.create_chat()
+    options = chat_pb2.GenerationOptions(max_tokens=60, logprobs=True, top_logprobs=2)
+    call = client.send(chat.chat_id, "Tell me a long story.", options=options)
+    head = await read_until(call, 10)
+    call.cancel()  # the client drops mid-answer, and resumes where it was
+    run_id = head[0].started.run_id
+    reference = head + await collect(client.stream_run(run_id, 10))
+    assert [e.seq for e in reference] == list(range(1, len(reference) + 1))
+    deltas = [e.delta for e in reference if e.HasField("delta")]
+    # Every token's logprob rides on the delta that carries the token, with its two alternatives.
+    assert all(len(delta.logprobs) == delta.token_count for delta in deltas)
+    assert sum(len(delta.logprobs) for delta in deltas) == options.max_tokens
+    assert all(len(lp.top) == 2 and lp.logprob <= 0 for delta in deltas for lp in delta.logprobs)
+
+    # From memory on its replica, and rebuilt from Cassandra on another one: the same numbers.
+    other = connect(replica_b.address, client.user)
+    for after in (0, 5, 10, len(reference) - 3):
+        assert await collect(client.stream_run(run_id, after)) == reference[after:]
+        assert await collect(other.stream_run(run_id, after)) == reference[after:]
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        too_many = chat_pb2.GenerationOptions(max_tokens=4, logprobs=True, top_logprobs=21)
+        await collect(client.send(chat.chat_id, "And now?", options=too_many))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_logprobs" in (refused.value.details() or "")
+
+
 async def test_another_replica_follows_a_run_in_progress_from_its_checkpoints(
     client: ChatClient, replica_b: OrchestratorProcess, connect: Callable[..., ChatClient]
 ) -> None:

@@ -71,20 +71,29 @@ TOOL_OUTCOME_REFUSED: ToolOutcome
 TOOL_OUTCOME_INTERRUPTED: ToolOutcome
 
 class Chat(_message.Message):
-    __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id", "model")
+    __slots__ = ("chat_id", "title", "create_time", "update_time", "active_run_id", "model", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     TITLE_FIELD_NUMBER: _ClassVar[int]
     CREATE_TIME_FIELD_NUMBER: _ClassVar[int]
     UPDATE_TIME_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     chat_id: str
     title: str
     create_time: _timestamp_pb2.Timestamp
     update_time: _timestamp_pb2.Timestamp
     active_run_id: str
     model: str
-    def __init__(self, chat_id: _Optional[str] = ..., title: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., active_run_id: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, chat_id: _Optional[str] = ..., title: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., active_run_id: _Optional[str] = ..., model: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens")
@@ -302,14 +311,23 @@ class ToolStepResult(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., outcome: _Optional[_Union[ToolOutcome, str]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class CreateChatRequest(_message.Message):
-    __slots__ = ("title", "idempotency_key", "model")
+    __slots__ = ("title", "idempotency_key", "model", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TITLE_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
     title: str
     idempotency_key: str
     model: str
-    def __init__(self, title: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, title: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., model: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CreateChatResponse(_message.Message):
     __slots__ = ("chat",)
@@ -358,6 +376,53 @@ class RenameChatResponse(_message.Message):
     CHAT_FIELD_NUMBER: _ClassVar[int]
     chat: Chat
     def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class SetChatMetadataRequest(_message.Message):
+    __slots__ = ("chat_id", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, chat_id: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SetChatMetadataResponse(_message.Message):
+    __slots__ = ("chat",)
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    chat: Chat
+    def __init__(self, chat: _Optional[_Union[Chat, _Mapping]] = ...) -> None: ...
+
+class AppendMessagesRequest(_message.Message):
+    __slots__ = ("chat_id", "messages")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[PromptMessage]
+    def __init__(self, chat_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[PromptMessage, _Mapping]]] = ...) -> None: ...
+
+class AppendMessagesResponse(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ...) -> None: ...
+
+class DeleteMessageRequest(_message.Message):
+    __slots__ = ("chat_id", "message_id")
+    CHAT_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
+    chat_id: str
+    message_id: str
+    def __init__(self, chat_id: _Optional[str] = ..., message_id: _Optional[str] = ...) -> None: ...
+
+class DeleteMessageResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class DeleteChatRequest(_message.Message):
     __slots__ = ("chat_id",)

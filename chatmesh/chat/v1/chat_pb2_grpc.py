@@ -131,6 +131,21 @@ class ChatServiceStub:
                 request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsResponse.FromString,
                 _registered_method=True)
+        self.SetChatMetadata = channel.unary_unary(
+                '/chatmesh.chat.v1.ChatService/SetChatMetadata',
+                request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SetChatMetadataRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SetChatMetadataResponse.FromString,
+                _registered_method=True)
+        self.AppendMessages = channel.unary_unary(
+                '/chatmesh.chat.v1.ChatService/AppendMessages',
+                request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.AppendMessagesRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.AppendMessagesResponse.FromString,
+                _registered_method=True)
+        self.DeleteMessage = channel.unary_unary(
+                '/chatmesh.chat.v1.ChatService/DeleteMessage',
+                request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageResponse.FromString,
+                _registered_method=True)
 
 
 class ChatServiceServicer:
@@ -272,6 +287,30 @@ class ChatServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetChatMetadata(self, request, context):
+        """SetChatMetadata replaces a chat's metadata (the OpenAI Conversations API's): not activity.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendMessages(self, request, context):
+        """AppendMessages stores messages after the chat's newest message, in order, and generates nothing
+        (a conversation's items). FAILED_PRECONDITION while the chat has a run in progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteMessage(self, request, context):
+        """DeleteMessage takes one message out of a chat (a conversation's item): its replies follow its
+        parent instead, and the chat's rolling summary is made anew. FAILED_PRECONDITION while the chat
+        has a run in progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChatServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -354,6 +393,21 @@ def add_ChatServiceServicer_to_server(servicer, server):
                     servicer.SearchChats,
                     request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsRequest.FromString,
                     response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsResponse.SerializeToString,
+            ),
+            'SetChatMetadata': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetChatMetadata,
+                    request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SetChatMetadataRequest.FromString,
+                    response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.SetChatMetadataResponse.SerializeToString,
+            ),
+            'AppendMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendMessages,
+                    request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.AppendMessagesRequest.FromString,
+                    response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.AppendMessagesResponse.SerializeToString,
+            ),
+            'DeleteMessage': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteMessage,
+                    request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageRequest.FromString,
+                    response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -805,6 +859,87 @@ class ChatService:
             '/chatmesh.chat.v1.ChatService/SearchChats',
             chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsRequest.SerializeToString,
             chatmesh_dot_chat_dot_v1_dot_chat__pb2.SearchChatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetChatMetadata(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.chat.v1.ChatService/SetChatMetadata',
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.SetChatMetadataRequest.SerializeToString,
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.SetChatMetadataResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.chat.v1.ChatService/AppendMessages',
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.AppendMessagesRequest.SerializeToString,
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.AppendMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.chat.v1.ChatService/DeleteMessage',
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageRequest.SerializeToString,
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageResponse.FromString,
             options,
             channel_credentials,
             insecure,
