@@ -23,6 +23,7 @@ from orchestrator.runs.context import RunContext
 from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.runs.relay import RelayDeps, usage_settled_after_s
+from orchestrator.tools.mcp_servers import McpServer, McpServers
 from orchestrator.tools.toolbox import Toolbox, builtin_tools
 from orchestrator.upkeep.after_runs import Upkeep
 from orchestrator.upkeep.jobs import BackgroundJobs
@@ -39,11 +40,16 @@ class Orchestrator:
     checkpoints: CheckpointWriter
     jobs: BackgroundJobs
     membership: Membership
+    # The MCP servers whose tools answers may call (None: none configured, or --tools off); their
+    # connections start with ``McpServers.start``.
+    mcp: McpServers | None = None
 
     async def stop(self) -> None:
         """After the drain (or without one): the runs it left are handed over, the last checkpoints and
-        background jobs end, and the replica leaves its group."""
+        background jobs end, the MCP servers' connections close, and the replica leaves its group."""
         handed_over = await self.ctx.runs.drain.shutdown(0.0)
+        if self.mcp is not None:
+            await self.mcp.stop()
         await self.checkpoints.close()
         await self.jobs.close()
         await self.membership.leave(handed_over)
@@ -65,6 +71,17 @@ def build_orchestrator(
     )
     late_ends = LateEnds(store=store, deadline_s=runs_config.store_deadline_s)
     budgets = Budgets(store=store, config=config.budgets, settled_after_s=usage_settled_after_s(runs_config))
+    tools = config.tools
+    mcp = (
+        McpServers(
+            [
+                McpServer(name, url, tools.mcp_credentials_dir, tools.mcp_refresh_s, tools.timeout_s)
+                for name, url in tools.mcp_servers
+            ]
+        )
+        if tools.enabled and tools.mcp_servers
+        else None
+    )
     deps = RelayDeps(
         store=store,
         moderator=create_moderator(config.moderation),
@@ -72,8 +89,8 @@ def build_orchestrator(
         router=router,
         checkpoints=checkpoints,
         late_ends=late_ends,
-        toolbox=Toolbox(config=config.tools, tools=builtin_tools(store), tiers=TIERS)
-        if config.tools.enabled
+        toolbox=Toolbox(config=tools, tools=builtin_tools(store), tiers=TIERS, mcp=mcp)
+        if tools.enabled
         else None,
         models=models,
         budgets=budgets,
@@ -123,7 +140,9 @@ def build_orchestrator(
         late_ends=late_ends,
         config=runs_config,
     )
-    return Orchestrator(ctx=ctx, budgets=budgets, checkpoints=checkpoints, jobs=jobs, membership=membership)
+    return Orchestrator(
+        ctx=ctx, budgets=budgets, checkpoints=checkpoints, jobs=jobs, membership=membership, mcp=mcp
+    )
 
 
 def background_generation(model: str, max_tokens: int) -> Generation:

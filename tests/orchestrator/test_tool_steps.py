@@ -26,7 +26,7 @@ from memory_store.store import MemoryStore
 from orchestrator.config import DEFAULT_SYSTEM_PROMPT, ToolConfig
 from orchestrator.router_client import start_frame
 from orchestrator.runs.tool_steps import started_record
-from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools
+from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools, offered_grammar
 from tests.fixtures.in_process import in_process_replica, within
 from tests.fixtures.orchestrator import (
     ChatClient,
@@ -191,7 +191,7 @@ async def test_a_step_found_started_without_its_result_is_answered_interrupted_n
         assert toolbox is not None
         called = asyncio.Event()
 
-        async def blocks(_user: str, _arguments: dict[str, Any]) -> str:
+        async def blocks(_user: str, _arguments: dict[str, Any], _key: str) -> str:
             called.set()
             await asyncio.Event().wait()
             return ""
@@ -204,7 +204,7 @@ async def test_a_step_found_started_without_its_result_is_answered_interrupted_n
         await memory_store.heartbeat_replica(lost, group=replica.parts.membership.group)
         ctx = replica.parts.ctx
         options = Generation(ctx.models.default, 48, 0.0, 0.0, None, ())
-        grammar = engine_pb2.StructuredOutput(grammar=offered.constraint().grammar)
+        grammar = engine_pb2.StructuredOutput(grammar=offered_grammar(offered))
         generation = start_frame(
             str(uuid.uuid4()),
             TOKENIZER.encode_chat([ChatMessage("user", "What is 6 * 7?")]),

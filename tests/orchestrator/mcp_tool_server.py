@@ -1,0 +1,64 @@
+"""A real MCP server for the tests of the orchestrator's MCP tools (the SDK's ``MCPServer``, formerly
+FastMCP, over streamable HTTP on a port of its own), run as a separate process:
+
+    python -m tests.orchestrator.mcp_tool_server --port P --calls FILE [--delay-s S]
+
+Its tools: ``record`` writes each call (its text, the idempotency key in the request's ``_meta``, the
+Authorization header) as a JSON line to FILE, after ``--delay-s``, so a test can tell that a call ran,
+how often, and with what; ``fails`` reports an error; ``picture`` answers text and an image.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import mcp_types
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+from orchestrator.tools.mcp_servers import IDEMPOTENCY_KEY
+
+RECORD_DESCRIPTION = "Writes the text down."
+
+
+def server(calls: Path, delay_s: float) -> MCPServer:
+    app = MCPServer("chatmesh-test-tools")
+
+    @app.tool(description=RECORD_DESCRIPTION)
+    async def record(text: str, ctx: Context) -> str:
+        await asyncio.sleep(delay_s)
+        meta = ctx.request_context.meta or {}
+        headers = ctx.headers or {}
+        line = {"text": text, "key": meta.get(IDEMPOTENCY_KEY), "authorization": headers.get("authorization")}
+        with calls.open("a") as file:
+            file.write(json.dumps(line) + "\n")
+        return f"recorded {text!r}"
+
+    @app.tool(description="Always fails.")
+    async def fails() -> str:
+        raise ToolError("the disk is full")
+
+    @app.tool(description="A caption and a picture.")
+    async def picture() -> list[mcp_types.ContentBlock]:
+        return [
+            mcp_types.TextContent(type="text", text="a red dot"),
+            mcp_types.ImageContent(type="image", data="iVBORw0KGgo=", mime_type="image/png"),
+        ]
+
+    return app
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--calls", type=Path, required=True)
+    parser.add_argument("--delay-s", type=float, default=0.0)
+    args = parser.parse_args()
+    server(args.calls, args.delay_s).run("streamable-http", host="127.0.0.1", port=args.port)
+
+
+if __name__ == "__main__":
+    main()
