@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from chatmesh.limits import Generation
 from chatmesh.tiers import TIERS
@@ -23,12 +24,14 @@ from orchestrator.runs.context import RunContext
 from orchestrator.runs.late_ends import LateEnds
 from orchestrator.runs.lifecycle import Runs
 from orchestrator.runs.relay import RelayDeps, usage_settled_after_s
-from orchestrator.tools.mcp_servers import McpServer, McpServers
 from orchestrator.tools.toolbox import Toolbox, builtin_tools
 from orchestrator.upkeep.after_runs import Upkeep
 from orchestrator.upkeep.jobs import BackgroundJobs
 from orchestrator.upkeep.summaries import Summarizer
 from orchestrator.upkeep.titles import Titler
+
+if TYPE_CHECKING:
+    from orchestrator.tools.mcp_servers import McpServers
 
 
 @dataclass(frozen=True)
@@ -72,16 +75,7 @@ def build_orchestrator(
     late_ends = LateEnds(store=store, deadline_s=runs_config.store_deadline_s)
     budgets = Budgets(store=store, config=config.budgets, settled_after_s=usage_settled_after_s(runs_config))
     tools = config.tools
-    mcp = (
-        McpServers(
-            [
-                McpServer(name, url, tools.mcp_credentials_dir, tools.mcp_refresh_s, tools.timeout_s)
-                for name, url in tools.mcp_servers
-            ]
-        )
-        if tools.enabled and tools.mcp_servers
-        else None
-    )
+    mcp = mcp_servers(config) if tools.enabled and tools.mcp_servers else None
     deps = RelayDeps(
         store=store,
         moderator=create_moderator(config.moderation),
@@ -142,6 +136,20 @@ def build_orchestrator(
     )
     return Orchestrator(
         ctx=ctx, budgets=budgets, checkpoints=checkpoints, jobs=jobs, membership=membership, mcp=mcp
+    )
+
+
+def mcp_servers(config: OrchestratorConfig) -> McpServers:
+    """The MCP servers of ``--mcp-server``, not yet connected. Imported here only: the SDK takes seconds
+    to import, which a replica without MCP servers never pays."""
+    from orchestrator.tools.mcp_servers import McpServer, McpServers
+
+    tools = config.tools
+    return McpServers(
+        [
+            McpServer(name, url, tools.mcp_credentials_dir, tools.mcp_refresh_s, tools.timeout_s)
+            for name, url in tools.mcp_servers
+        ]
     )
 
 

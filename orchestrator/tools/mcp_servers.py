@@ -46,6 +46,9 @@ MAX_SCHEMA_CHARS = 8 * 1024
 # refresh period.
 FIRST_RETRY_S = 1.0
 CONNECT_TIMEOUT_S = 10.0
+# HTTP reads: a server may hold a stream open, idle, for its notifications (the SDK's own default);
+# a call and a listing are bounded by their own timeouts.
+READ_TIMEOUT_S = 300.0
 
 
 class McpServer:
@@ -88,7 +91,7 @@ class McpServer:
         retry_s = FIRST_RETRY_S
         while True:
             try:
-                timeout = httpx2.Timeout(CONNECT_TIMEOUT_S, read=self.call_timeout_s + CONNECT_TIMEOUT_S)
+                timeout = httpx2.Timeout(CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S)
                 async with (
                     httpx2.AsyncClient(headers=self.headers(), timeout=timeout) as http,
                     Client(

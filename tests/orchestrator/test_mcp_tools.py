@@ -20,24 +20,21 @@ from pathlib import Path
 import pytest
 
 from chatmesh.chat.v1 import chat_pb2
-from chatmesh.model_files import bundled_model_path
-from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from chatmesh.tool_format import ToolCall
 from meshkit.launcher import Launcher, ServiceSpec, TcpOpen, free_port
-from orchestrator.config import DEFAULT_SYSTEM_PROMPT, ToolConfig
+from orchestrator.config import ToolConfig
 from orchestrator.metrics import METRICS
 from orchestrator.tools.mcp_servers import McpServer, McpServers
 from orchestrator.tools.toolbox import Toolbox, builtin_tools
 from tests.fixtures.engines import ROOT
 from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, OrchestratorProcess, collect, kinds
+from tests.fixtures.tool_calls import aligned_question, system_with
 from tests.orchestrator.mcp_tool_server import RECORD_DESCRIPTION
 
 TIERS = ("free", "pro", "enterprise")
 TOKEN = "s3cret-token"
 CALL = '<tool_call>{"name": "srv.record", "arguments": {"text": "milk"}}</tool_call>'
 OPTIONS = chat_pb2.GenerationOptions(max_tokens=48, temperature=0.0)
-TOKENIZER = load_tokenizer(str(bundled_model_path()))
-CALL_TOKENS = len(TOKENIZER.encode(CALL))
 
 
 @dataclass
@@ -244,17 +241,6 @@ async def test_a_server_down_at_start_has_no_tools_until_it_answers_and_none_aft
 # -- through orchestrator processes ------------------------------------------------------------
 
 
-def aligned_question(text: str, system_text: str) -> str:
-    """``text`` padded so that a new chat's first prompt (system prompt and tools, the question) is a
-    whole number of the null engine's cycles: its answer then starts with the call."""
-    system = ChatMessage("system", f"{DEFAULT_SYSTEM_PROMPT}\n\n{system_text}")
-    for pad in range(4 * CALL_TOKENS):
-        question = text + " a" * pad
-        if len(TOKENIZER.encode_chat([system, ChatMessage("user", question)])) % CALL_TOKENS == 0:
-            return question
-    raise AssertionError("no padding aligns the prompt with the null engine's cycle")
-
-
 @pytest.fixture(scope="module")
 def record_mesh(start_mesh: MeshFactory) -> Iterator[Mesh]:
     """A null engine whose every answer is a call of srv.record (no orchestrator of its own kept)."""
@@ -272,7 +258,7 @@ async def record_question(mcp_server: McpToolServer) -> str:
     async with connected(config, mcp_server.url) as toolbox:
         tools = toolbox.tools_for("pro", 0)
     assert tools is not None
-    return aligned_question("Write milk down.", tools.system_text())
+    return aligned_question("Write milk down.", system_with(tools.system_text()), CALL)
 
 
 def _replica_flags(server_url: str, **more: object) -> dict[str, object]:
