@@ -169,7 +169,13 @@ class McpServer:
                 tool, arguments, read_timeout_seconds=self.call_timeout_s, meta=meta
             )
         except MCPError as exc:
-            raise ValueError(f"the tool's server refused the call: {exc.error.message[:500]}") from None
+            if exc.error.code == mcp_types.INVALID_PARAMS:  # the server's words on the model's arguments
+                raise ValueError(
+                    f"the tool's server refused the arguments: {exc.error.message[:500]}"
+                ) from None
+            # Anything else may be the transport's own words (addresses): logged, not shown.
+            log.warning("MCP server %s: %s failed: %s", self.name, tool, exc.error.message[:300])
+            raise ValueError("the tool's server did not complete the call") from None
         text = result_text(result)
         if result.is_error:
             raise ValueError(text or "the tool reported an error")

@@ -234,6 +234,10 @@ async def test_a_server_down_at_start_has_no_tools_until_it_answers_and_none_aft
         assert (await toolbox.run("u1", "pro", _call("srv.record", text="up"))).outcome == "ok"
 
         mcp_processes.stop(server)
+        # A call to a server gone since its last listing is a result too (never the caller's failure).
+        gone = await toolbox.run("u1", "pro", _call("srv.record", text="gone"))
+        assert gone.outcome in ("error", "timeout"), gone
+        assert "127.0.0.1" not in gone.text  # never the transport's words (addresses) to the model
         await until(lambda: _offered(toolbox, "pro") == ["calculator"], "the tools gone with their server")
         assert METRICS.mcp_server_up.labels("srv")._value.get() == 0
 
