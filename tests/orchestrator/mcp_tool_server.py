@@ -3,9 +3,9 @@ FastMCP, over streamable HTTP on a port of its own), run as a separate process:
 
     python -m tests.orchestrator.mcp_tool_server --port P --calls FILE [--delay-s S]
 
-Its tools: ``record`` writes each call (its text, the idempotency key in the request's ``_meta``, the
-Authorization header) as a JSON line to FILE, after ``--delay-s``, so a test can tell that a call ran,
-how often, and with what; ``fails`` reports an error; ``picture`` answers text and an image.
+Its tools: ``record`` writes each call as it arrives (its text, the idempotency key in the request's
+``_meta``, the Authorization header) as a JSON line to FILE, then answers after ``--delay-s``, so a
+test can tell that a call reached it, how often, and with what; ``fails`` reports an error; ``picture`` answers text and an image.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ def server(calls: Path, delay_s: float) -> MCPServer:
 
     @app.tool(description=RECORD_DESCRIPTION)
     async def record(text: str, ctx: Context) -> str:
-        await asyncio.sleep(delay_s)
         meta = ctx.request_context.meta or {}
         headers = ctx.headers or {}
         line = {"text": text, "key": meta.get(IDEMPOTENCY_KEY), "authorization": headers.get("authorization")}
         with calls.open("a") as file:
             file.write(json.dumps(line) + "\n")
+        await asyncio.sleep(delay_s)
         return f"recorded {text!r}"
 
     @app.tool(description="Always fails.")

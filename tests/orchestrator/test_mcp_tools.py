@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -27,7 +28,15 @@ from orchestrator.metrics import METRICS
 from orchestrator.tools.mcp_servers import McpServer, McpServers
 from orchestrator.tools.toolbox import Toolbox, builtin_tools
 from tests.fixtures.engines import ROOT
-from tests.fixtures.orchestrator import ChatClient, Mesh, MeshFactory, OrchestratorProcess, collect, kinds
+from tests.fixtures.orchestrator import (
+    ChatClient,
+    Mesh,
+    MeshFactory,
+    OrchestratorProcess,
+    collect,
+    events,
+    kinds,
+)
 from tests.fixtures.tool_calls import aligned_question, system_with
 from tests.orchestrator.mcp_tool_server import RECORD_DESCRIPTION
 
@@ -340,3 +349,50 @@ async def test_an_orchestrator_whose_mcp_server_is_down_at_start_serves_and_take
         assert run[2].step_result.outcome == chat_pb2.TOOL_OUTCOME_OK
         assert [call["text"] for call in server.recorded()] == ["milk"]
     mcp_processes.stop(server)
+
+
+async def test_a_replica_killed_during_an_mcp_call_leaves_the_step_to_another_which_never_calls_again(
+    record_mesh: Mesh, mcp_processes: McpServerProcesses, record_question: str, connect
+) -> None:
+    """The call takes 10 s on the server; the replica that made it is killed (SIGKILL) once the server
+    has it. The replica that adopts the run answers the step "interrupted" and never calls the server
+    again: the server saw the call once."""
+    slow = mcp_processes.start(delay_s=10)
+    reaping = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
+    flags = _replica_flags(slow.url, tool_timeout_s=30, **reaping)
+    try:
+        with record_mesh.replica(**flags) as survivor:
+            victim = record_mesh.start_orchestrator(**flags)
+            await until(lambda: _up(victim), "the victim's MCP server up")
+            await until(lambda: _up(survivor), "the survivor's MCP server up")
+            on_victim: ChatClient = connect(victim.address)
+            chat = await on_victim.create_chat("killed during a call")
+            seen: list[chat_pb2.RunEvent] = []
+            async for event in events(on_victim.send(chat.chat_id, record_question, options=OPTIONS)):
+                seen.append(event)
+                if event.HasField("step_started"):
+                    break  # stored before the call
+            await until(slow.recorded, "the call on the server")
+            record_mesh.launcher.signal(victim.name, signal.SIGKILL)
+            record_mesh.launcher.forget(victim.name)
+            record_mesh.orchestrators.remove(victim)
+
+            survivors = connect(survivor.address, on_victim.user)
+            rest = await asyncio.wait_for(
+                collect(survivors.stream_run(seen[0].started.run_id, seen[-1].seq)), 60
+            )
+            run = seen + rest
+            assert [event.seq for event in run] == list(range(1, len(run) + 1)), "a gap or a duplicate"
+            assert kinds(run)[1:3] == ["step_started", "step_result"] and kinds(run)[-1] == "done"
+            assert run[2].step_result.outcome == chat_pb2.TOOL_OUTCOME_INTERRUPTED
+            await asyncio.sleep(2)  # any call the survivor made would have arrived by now
+            call = {"text": "milk", "key": run[1].step_started.call_id, "authorization": None}
+            assert slow.recorded() == [call]
+            # Its one count of the tool: the interrupted step.
+            assert await survivor.counted("chatmesh_orchestrator_tool_calls", tool="srv.record") == 1
+            assert (
+                await survivor.counted("chatmesh_orchestrator_tool_calls", tool="srv.record", outcome="ok")
+                == 0
+            )
+    finally:
+        mcp_processes.stop(slow)
