@@ -65,6 +65,9 @@ class McpServer:
         # By namespaced name (SERVER.TOOL), in the order the server listed them.
         self.tools: dict[str, Tool] = {}
         self._client: Client | None = None
+        # Each tool as listed (JSON) to what it became, so a listing is checked (its grammar compiled)
+        # and a tool left out is logged once, not at every refresh.
+        self._seen: dict[str, Tool | None] = {}
         METRICS.mcp_server_up.labels(name).set(0)
 
     def headers(self) -> dict[str, str]:
@@ -115,16 +118,18 @@ class McpServer:
 
     def _publish(self, client: Client, listed: Sequence[mcp_types.Tool]) -> None:
         tools: dict[str, Tool] = {}
-        for each in listed:
-            if len(tools) == MAX_TOOLS:
-                log.warning(
-                    "MCP server %s lists more than %d tools; the rest are left out", self.name, MAX_TOOLS
-                )
-                break
-            if (tool := self._tool(each)) is not None:
+        seen: dict[str, Tool | None] = {}
+        for each in listed[:MAX_TOOLS]:
+            key = each.model_dump_json()
+            seen[key] = self._seen[key] if key in self._seen else self._tool(each)
+            if (tool := seen[key]) is not None:
                 tools[tool.function.name] = tool
         if self._client is None or list(tools) != list(self.tools):
-            log.info("MCP server %s is up: tools %s", self.name, sorted(tools))
+            left_out = (
+                f" (it lists {len(listed)}, at most {MAX_TOOLS} are read)" if len(listed) > MAX_TOOLS else ""
+            )
+            log.info("MCP server %s is up: tools %s%s", self.name, sorted(tools), left_out)
+        self._seen = seen
         self._client, self.tools = client, tools
         METRICS.mcp_server_up.labels(self.name).set(1)
         METRICS.mcp_server_tools.labels(self.name).set(len(tools))
