@@ -5,7 +5,8 @@ FastMCP, over streamable HTTP on a port of its own), run as a separate process:
 
 Its tools: ``record`` writes each call as it arrives (its text, the idempotency key in the request's
 ``_meta``, the Authorization header) as a JSON line to FILE, then answers after ``--delay-s``, so a
-test can tell that a call reached it, how often, and with what; ``fails`` reports an error; ``picture`` answers text and an image.
+test can tell that a call reached it, how often, and with what; ``fails`` reports an error; ``picture``
+answers text and an image; ``odd`` and ``huge`` list schemas the orchestrator cannot offer.
 """
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ def server(calls: Path, delay_s: float) -> MCPServer:
             mcp_types.ImageContent(type="image", data="iVBORw0KGgo=", mime_type="image/png"),
         ]
 
+    # Two tools the orchestrator must leave out: arguments whose schema does not compile to a grammar,
+    # and a schema over its size cap (the SDK derives schemas from type hints: these are set after).
+    @app.tool(description="Its schema is wrong.")
+    async def odd(x: str) -> str:
+        return x
+
+    @app.tool(description="Its schema is too long.")
+    async def huge(x: str) -> str:
+        return x
+
+    manager = app._tool_manager  # the SDK has no public way to list a schema of one's own
+    manager.get_tool("odd").parameters = {"type": "object", "properties": {"x": {"type": "strin"}}}
+    fields = {f"field_{i}": {"type": "string", "description": "x" * 100} for i in range(100)}
+    manager.get_tool("huge").parameters = {"type": "object", "properties": fields}
     return app
 
 

@@ -159,10 +159,13 @@ def _offered(toolbox: Toolbox, tier: str) -> list[str]:
 
 
 async def test_a_servers_tools_are_offered_by_name_and_a_call_runs_once_with_its_key_and_token(
-    mcp_server: McpToolServer, credentials: Path
+    mcp_server: McpToolServer, credentials: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with connected(_config(), mcp_server.url, credentials) as toolbox:
+        # srv.odd (its schema does not compile) and srv.huge (over 8 KiB) are left out.
         assert _offered(toolbox, "pro") == ["calculator", "srv.record", "srv.fails", "srv.picture"]
+        assert "tool 'odd' left out: its input schema does not compile" in caplog.text
+        assert "tool 'huge' left out: its input schema is longer than 8192 characters" in caplog.text
         assert _offered(toolbox, "enterprise") == ["srv.record"]
         tools = toolbox.tools_for("pro", 0)
         assert tools is not None
