@@ -94,6 +94,10 @@ async def serve(
         ctx=orchestrator.ctx, budgets=orchestrator.budgets, router=router, verifier=verifier
     )
     completion_link = CompletionLinkService(chat=service, verifier=verifier)
+    if orchestrator.mcp is not None:
+        # In the background: a server down at start only has no tools until it answers.
+        orchestrator.mcp.start()
+        log.info("MCP servers: %s", ", ".join(f"{n}={s.url}" for n, s in orchestrator.mcp.servers.items()))
     await orchestrator.membership.join()
     log.info("replica %s joined (heartbeat every %.0fs)", config.replica_id, config.runs.heartbeat_interval_s)
 

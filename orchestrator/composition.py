@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from chatmesh.limits import Generation
 from chatmesh.tiers import TIERS
@@ -29,6 +30,9 @@ from orchestrator.upkeep.jobs import BackgroundJobs
 from orchestrator.upkeep.summaries import Summarizer
 from orchestrator.upkeep.titles import Titler
 
+if TYPE_CHECKING:
+    from orchestrator.tools.mcp_servers import McpServers
+
 
 @dataclass(frozen=True)
 class Orchestrator:
@@ -39,11 +43,16 @@ class Orchestrator:
     checkpoints: CheckpointWriter
     jobs: BackgroundJobs
     membership: Membership
+    # The MCP servers whose tools answers may call (None: none configured, or --tools off); their
+    # connections start with ``McpServers.start``.
+    mcp: McpServers | None = None
 
     async def stop(self) -> None:
         """After the drain (or without one): the runs it left are handed over, the last checkpoints and
-        background jobs end, and the replica leaves its group."""
+        background jobs end, the MCP servers' connections close, and the replica leaves its group."""
         handed_over = await self.ctx.runs.drain.shutdown(0.0)
+        if self.mcp is not None:
+            await self.mcp.stop()
         await self.checkpoints.close()
         await self.jobs.close()
         await self.membership.leave(handed_over)
@@ -65,6 +74,8 @@ def build_orchestrator(
     )
     late_ends = LateEnds(store=store, deadline_s=runs_config.store_deadline_s)
     budgets = Budgets(store=store, config=config.budgets, settled_after_s=usage_settled_after_s(runs_config))
+    tools = config.tools
+    mcp = mcp_servers(config) if tools.enabled and tools.mcp_servers else None
     deps = RelayDeps(
         store=store,
         moderator=create_moderator(config.moderation),
@@ -72,8 +83,8 @@ def build_orchestrator(
         router=router,
         checkpoints=checkpoints,
         late_ends=late_ends,
-        toolbox=Toolbox(config=config.tools, tools=builtin_tools(store), tiers=TIERS)
-        if config.tools.enabled
+        toolbox=Toolbox(config=tools, tools=builtin_tools(store), tiers=TIERS, mcp=mcp)
+        if tools.enabled
         else None,
         models=models,
         budgets=budgets,
@@ -123,7 +134,23 @@ def build_orchestrator(
         late_ends=late_ends,
         config=runs_config,
     )
-    return Orchestrator(ctx=ctx, budgets=budgets, checkpoints=checkpoints, jobs=jobs, membership=membership)
+    return Orchestrator(
+        ctx=ctx, budgets=budgets, checkpoints=checkpoints, jobs=jobs, membership=membership, mcp=mcp
+    )
+
+
+def mcp_servers(config: OrchestratorConfig) -> McpServers:
+    """The MCP servers of ``--mcp-server``, not yet connected. Imported here only: the SDK takes seconds
+    to import, which a replica without MCP servers never pays."""
+    from orchestrator.tools.mcp_servers import McpServer, McpServers
+
+    tools = config.tools
+    return McpServers(
+        [
+            McpServer(name, url, tools.mcp_credentials_dir, tools.mcp_refresh_s, tools.timeout_s)
+            for name, url in tools.mcp_servers
+        ]
+    )
 
 
 def background_generation(model: str, max_tokens: int) -> Generation:

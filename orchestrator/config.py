@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import secrets
 import socket
 from dataclasses import dataclass
@@ -117,6 +118,26 @@ class SummaryConfig:
     timeout_s: float = 120.0
 
 
+def _mcp_servers(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--mcp-server NAME=URL`` flags as (name, url)."""
+    servers = []
+    for spec in specs:
+        name, sep, url = spec.partition("=")
+        if (
+            not sep
+            or not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,31}", name)
+            or not url.startswith(("http://", "https://"))
+        ):
+            raise ValueError(
+                "--mcp-server must look like NAME=URL with NAME of lowercase letters, digits, '-' and '_' "
+                f"(at most 32) and an http:// or https:// URL, got {spec!r}"
+            )
+        servers.append((name, url))
+    if len({name for name, _ in servers}) != len(servers):
+        raise ValueError("--mcp-server names each server once")
+    return tuple(servers)
+
+
 @dataclass(frozen=True)
 class ToolConfig:
     """The tools the orchestrator runs itself in stored chats (docs/tools.md)."""
@@ -124,7 +145,8 @@ class ToolConfig:
     enabled: bool = setting(
         False, "let stored chats' answers call the orchestrator's own tools", flag="tools"
     )
-    # Comma-separated tool names per tier; a tool not listed is neither described to the model nor run.
+    # Comma-separated tool names per tier (an MCP server's as SERVER.TOOL, or SERVER.* for all of them);
+    # a tool not listed is neither described to the model nor run.
     allowed: dict[str, str] = setting(
         default_factory=lambda: {
             "free": "calculator,clock",
@@ -145,13 +167,36 @@ class ToolConfig:
         4000, "a tool result longer than this is cut (and says so)", flag="tool-max-result-chars"
     )
 
+    # MCP servers (docs/tools.md, "MCP servers"): their tools are offered as SERVER.TOOL where a tier's
+    # list names them.
+    mcp_servers: tuple[tuple[str, str], ...] = setting(
+        (),
+        "an MCP server whose tools answers may call, as NAME=URL (streamable HTTP); its tools are "
+        "NAME.TOOL in the --tools-TIER lists (repeatable)",
+        flag="mcp-server",
+        flag_default=[],
+        parse=_mcp_servers,
+        repeat=True,
+    )
+    mcp_credentials_dir: str = setting(
+        "",
+        "a directory (a mounted Secret) with NAME.token, a bearer token, and NAME.headers, 'Header: value' "
+        "lines, sent to MCP server NAME; read at each connection",
+        flag="mcp-credentials-dir",
+    )
+    mcp_refresh_s: float = setting(
+        30.0,
+        "how often each MCP server's tool list is fetched again (a server down is retried sooner)",
+        flag="mcp-refresh-s",
+    )
+
     def allowed_for(self, tier: str) -> tuple[str, ...]:
         return tuple(name.strip() for name in self.allowed.get(tier, "").split(",") if name.strip())
 
     def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.max_steps < 1 or self.max_result_chars < 64:
+        if self.timeout_s <= 0 or self.max_steps < 1 or self.max_result_chars < 64 or self.mcp_refresh_s <= 0:
             raise ValueError(
-                "--tool-timeout-s must be positive, --tool-max-steps at least 1 and "
+                "--tool-timeout-s and --mcp-refresh-s must be positive, --tool-max-steps at least 1 and "
                 "--tool-max-result-chars at least 64"
             )
 

@@ -126,9 +126,19 @@ class OrchestratorMetrics(ComponentMetrics):
         )
         self.tool_calls = self.counter(
             "tool_calls_total",
-            "Calls of the orchestrator's own tools, by tool and outcome (ok, error, timeout, refused; "
-            "interrupted: found started after its replica was lost, never run again)",
+            "Calls of the orchestrator's own tools and its MCP servers' (SERVER.TOOL), by tool and outcome "
+            "(ok, error, timeout, refused; interrupted: found started after its replica was lost, never "
+            "run again)",
             ["tool", "outcome"],
+        )
+        self.mcp_server_up = self.gauge(
+            "mcp_server_up",
+            "1 while the MCP server (--mcp-server NAME) answered its last tool listing, else 0: its tools "
+            "are offered only while it is up",
+            ["server"],
+        )
+        self.mcp_server_tools = self.gauge(
+            "mcp_server_tools", "Tools the MCP server listed last that can be offered", ["server"]
         )
         self.tool_duration = self.histogram(
             "tool_duration_seconds",

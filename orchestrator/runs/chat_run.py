@@ -33,6 +33,7 @@ from orchestrator.runs.context import RunContext
 from orchestrator.runs.held_run import RunInfo
 from orchestrator.runs.relay import RunEnd
 from orchestrator.runs.starts import Admission
+from orchestrator.tools.toolbox import offered_grammar
 
 tracer = trace.get_tracer("orchestrator")
 
@@ -262,7 +263,7 @@ class ChatRun(AnswerRun):
         """``options`` constrained to the offered tools' grammar (text, or a call), if any are."""
         if self.tools is None:
             return options
-        grammar = self.tools.constraint().grammar
+        grammar = offered_grammar(self.tools)
         return dataclasses.replace(options, structured=engine_pb2.StructuredOutput(grammar=grammar))
 
     async def switch_chat(self, chat: Chat, named: chat_pb2.GenerationOptions) -> None:

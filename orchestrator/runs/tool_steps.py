@@ -19,7 +19,7 @@ from chatmesh.router.v1 import router_pb2
 from chatmesh.tokenizer import ChatTokenizer
 from chatmesh.tool_format import ToolCall, parse_answer, result_text
 from memory_store.models import RunDelta
-from orchestrator.tools.toolbox import StepResult, Toolbox
+from orchestrator.tools.toolbox import StepResult, Toolbox, offers_tools
 
 OUTCOMES = {
     "ok": chat_pb2.TOOL_OUTCOME_OK,
@@ -107,15 +107,16 @@ class ToolLoop:
         user_id: str,
         tier: str,
     ) -> ToolLoop | None:
-        """The loop of a run whose first turn was offered ``toolbox``'s tools (None if it was not)."""
-        offered = toolbox.tools_for(tier, 0) if toolbox is not None else None
-        if offered is None or first.sampling.structured.grammar != offered.constraint().grammar:
+        """The loop of a run whose first turn was offered ``toolbox``'s tools (None if it was not).
+        Which tools it was offered is in its grammar, whatever the MCP servers list now: a run goes on
+        with the tools it started with (a call to one no longer there is answered so)."""
+        if toolbox is None or not offers_tools(first.sampling.structured.grammar):
             return None
-        return cls(toolbox, tokenizer, first, user_id, tier)  # type: ignore[arg-type]
+        return cls(toolbox, tokenizer, first, user_id, tier)
 
     def offered(self) -> bool:
-        """Whether the current turn was offered the tools."""
-        return self.toolbox.tools_for(self.tier, self.steps) is not None
+        """Whether the current turn was offered the tools (its grammar is the first turn's)."""
+        return self.steps < self.toolbox.config.max_steps
 
     def call_in(self, turn_text: str, finished_by_stop: bool) -> ToolCall | None:
         """The tool call a turn that was offered tools ended with, if any (one per turn)."""
@@ -147,7 +148,7 @@ class ToolLoop:
         frame.request_id = f"{self.first.request_id.partition('~')[0]}~step{self.steps}"
         frame.prompt_token_ids.extend(self._carried)
         frame.sampling.max_tokens = left
-        if self.toolbox.tools_for(self.tier, self.steps) is None:
+        if not self.offered():
             frame.sampling.ClearField("structured")  # the last turn answers in text
         return frame
 

@@ -270,6 +270,21 @@ def test_user_config_reaches_the_services_as_typed_flags(rendered, monkeypatch):
     assert orchestrator.moderation_blocked_term == ["foo", "bar"]
     assert orchestrator.summaries is False
     assert orchestrator.cassandra_apply_schema is False
+    # MCP servers (docs/tools.md "MCP servers"), their credentials from the Secret mounted whole.
+    assert orchestrator.mcp_server == [
+        "search=https://search.tools.internal/mcp",
+        "tickets=http://tickets:8080/mcp",
+    ]
+    assert orchestrator.mcp_credentials_dir == "/etc/chatmesh/mcp"
+    pod = chart.get("Deployment", f"{FULL}-orchestrator")["spec"]["template"]["spec"]
+    mounts = {m["name"]: m for m in chart.container("orchestrator", "orchestrator")["volumeMounts"]}
+    assert mounts["mcp-credentials"] == {
+        "name": "mcp-credentials",
+        "mountPath": "/etc/chatmesh/mcp",
+        "readOnly": True,
+    }
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["mcp-credentials"]["secret"] == {"secretName": "chatmesh-mcp"}
     assert parsed("router").overlap_weight == 1.0
     assert parsed("edge").max_body_bytes == 2097152
     engine = parsed("engine")

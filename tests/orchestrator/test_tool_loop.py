@@ -15,7 +15,7 @@ from chatmesh.tool_format import result_text
 from memory_store.models import RunDelta
 from orchestrator.config import ToolConfig
 from orchestrator.runs.tool_steps import ToolLoop, result_record, started_record, step_event
-from orchestrator.tools.toolbox import StepResult, Toolbox, builtin_tools
+from orchestrator.tools.toolbox import StepResult, Toolbox, builtin_tools, offered_grammar
 
 TOKENIZER = load_tokenizer(str(bundled_model_path()))
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
@@ -33,7 +33,7 @@ def _first(toolbox: Toolbox, max_tokens: int = 64) -> router_pb2.GenerateStart:
     sampling = engine_pb2.SamplingParams(
         max_tokens=max_tokens,
         seed=7,
-        structured=engine_pb2.StructuredOutput(grammar=tools.constraint().grammar),
+        structured=engine_pb2.StructuredOutput(grammar=offered_grammar(tools)),
     )
     return router_pb2.GenerateStart(request_id="run-1", prompt_token_ids=[5, 6, 7], sampling=sampling)
 
@@ -50,6 +50,24 @@ def test_a_run_has_a_loop_only_when_its_first_turn_was_offered_the_tools():
     plain = router_pb2.GenerateStart(request_id="r", sampling=engine_pb2.SamplingParams(max_tokens=8))
     assert ToolLoop.of(toolbox, TOKENIZER, plain, "u1", "pro") is None
     assert ToolLoop.of(None, TOKENIZER, _first(toolbox), "u1", "pro") is None
+    # Constrained to a caller's own tools (which the caller runs), even the same ones: no loop.
+    tools = toolbox.tools_for("pro", 0)
+    assert tools is not None
+    callers = router_pb2.GenerateStart()
+    callers.sampling.structured.grammar = tools.constraint().grammar
+    assert ToolLoop.of(toolbox, TOKENIZER, callers, "u1", "pro") is None
+
+
+def test_a_run_keeps_its_loop_when_the_tools_offered_now_differ():
+    """An MCP server's tools come and go: a run goes on with the tools its first turn was offered."""
+    first = _first(_toolbox())
+    fewer = Toolbox(
+        ToolConfig(enabled=True, allowed={"free": "", "pro": "clock", "enterprise": ""}),
+        builtin_tools(None),  # type: ignore[arg-type]
+        ("free", "pro", "enterprise"),
+    )
+    loop = ToolLoop.of(fewer, TOKENIZER, first, "u1", "pro")
+    assert loop is not None and loop.call_in(CALL, finished_by_stop=True) is not None
 
 
 def test_a_call_is_found_at_the_end_of_a_turn_that_stopped():

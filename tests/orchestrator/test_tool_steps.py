@@ -23,10 +23,11 @@ from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from chatmesh.tool_format import ToolCall, result_text
 from memory_store.models import RunDelta
 from memory_store.store import MemoryStore
-from orchestrator.config import DEFAULT_SYSTEM_PROMPT, ToolConfig
+from orchestrator.config import ToolConfig
 from orchestrator.router_client import start_frame
 from orchestrator.runs.tool_steps import started_record
-from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools
+from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools, offered_grammar
+from tests.fixtures import tool_calls
 from tests.fixtures.in_process import in_process_replica, within
 from tests.fixtures.orchestrator import (
     ChatClient,
@@ -37,6 +38,7 @@ from tests.fixtures.orchestrator import (
     events,
     kinds,
 )
+from tests.fixtures.tool_calls import system_with
 from tests.memory_store.builders import start_run
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
@@ -57,20 +59,12 @@ def _system() -> ChatMessage:
         "pro", 0
     )  # type: ignore[arg-type]
     assert tools is not None
-    return ChatMessage("system", f"{DEFAULT_SYSTEM_PROMPT}\n\n{tools.system_text()}")
+    return system_with(tools.system_text())
 
 
 def aligned_question(text: str) -> str:
-    """``text`` padded so that the prompt of a new chat's first message is a whole number of the null
-    engine's cycles: the engine's text at a position is its cycle's token there, so the answer then
-    starts with the call (the prompt the orchestrator assembles: its system prompt, the tools, the
-    question)."""
-    system = _system()
-    for pad in range(4 * CALL_TOKENS):
-        question = text + " a" * pad
-        if len(TOKENIZER.encode_chat([system, ChatMessage("user", question)])) % CALL_TOKENS == 0:
-            return question
-    raise AssertionError("no padding aligns the prompt with the null engine's cycle")
+    """``text`` padded so that the answer to it starts with the calculator's call."""
+    return tool_calls.aligned_question(text, _system(), CALL)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +185,7 @@ async def test_a_step_found_started_without_its_result_is_answered_interrupted_n
         assert toolbox is not None
         called = asyncio.Event()
 
-        async def blocks(_user: str, _arguments: dict[str, Any]) -> str:
+        async def blocks(_user: str, _arguments: dict[str, Any], _key: str) -> str:
             called.set()
             await asyncio.Event().wait()
             return ""
@@ -204,7 +198,7 @@ async def test_a_step_found_started_without_its_result_is_answered_interrupted_n
         await memory_store.heartbeat_replica(lost, group=replica.parts.membership.group)
         ctx = replica.parts.ctx
         options = Generation(ctx.models.default, 48, 0.0, 0.0, None, ())
-        grammar = engine_pb2.StructuredOutput(grammar=offered.constraint().grammar)
+        grammar = engine_pb2.StructuredOutput(grammar=offered_grammar(offered))
         generation = start_frame(
             str(uuid.uuid4()),
             TOKENIZER.encode_chat([ChatMessage("user", "What is 6 * 7?")]),

@@ -125,10 +125,10 @@ async def test_failures_are_results_the_model_reads():
 
 
 async def test_a_tool_that_raises_or_hangs_becomes_an_error_or_a_timeout():
-    async def broken(_user, _arguments):
+    async def broken(_user, _arguments, _key):
         raise RuntimeError("internal detail")
 
-    async def hangs(_user, _arguments):
+    async def hangs(_user, _arguments, _key):
         await asyncio.Event().wait()
         return ""
 
@@ -145,7 +145,7 @@ async def test_a_tool_that_raises_or_hangs_becomes_an_error_or_a_timeout():
 
 
 async def test_a_long_result_is_cut_and_says_so():
-    async def chatty(_user, _arguments):
+    async def chatty(_user, _arguments, _key):
         return "x" * 10_000
 
     config = ToolConfig(
