@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import yaml
@@ -22,8 +21,7 @@ from memory_store.config import StoreConfig, parse_replication
 from memory_store.errors import NotFound
 from memory_store.schema import replication_cql
 from memory_store.store import MemoryStore
-from meshkit.launcher import free_consecutive_ports, free_port_on_every
-from tests.fixtures.cassandra import TEST_KEYSPACE, started_on_free_ports
+from tests.fixtures.cassandra import TEST_KEYSPACE, cluster_on_free_ports, started_on_free_ports
 from tests.memory_store.builders import new_user
 
 DATACENTERS = ("dc1", "dc2")
@@ -58,17 +56,7 @@ def test_members_that_do_not_split_evenly_are_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def two_datacenters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CassandraCluster]:
-    def config(data_dir: Path) -> ClusterConfig:
-        addresses = ClusterConfig(data_dir, size=2).addresses()
-        return ClusterConfig(
-            data_dir=data_dir,
-            size=2,
-            cql_port=free_port_on_every(addresses),
-            storage_port=free_port_on_every(addresses),
-            first_jmx_port=free_consecutive_ports(2),
-            datacenters=DATACENTERS,
-        )
-
+    config = cluster_on_free_ports(2, DATACENTERS)
     with started_on_free_ports(tmp_path_factory.mktemp("cassandra-dcs"), config) as cluster:
         yield cluster
 
