@@ -75,7 +75,7 @@ class ClusterConfig:
 
     def node_configs(self) -> list[NodeConfig]:
         addresses = self.addresses()
-        if self.size == 1:
+        if self.size == 1 and not self.datacenters:
             return [NodeConfig(self.data_dir, self.cql_port, self.storage_port, self.first_jmx_port)]
         per_dc = self.members_per_datacenter
         # Each data centre its own even ring, offset by its index: tokens are unique cluster-wide.

@@ -49,6 +49,13 @@ def test_a_single_data_centre_keeps_the_simple_snitch_and_strategy(tmp_path):
     assert config.replication_flag() == "SimpleStrategy:3"
 
 
+def test_a_lone_member_of_a_named_data_centre_is_placed_in_it(tmp_path):
+    """Its keyspace replicates to that data centre, so the node must not fall back to SimpleSnitch's."""
+    config = ClusterConfig(tmp_path, size=1, datacenters=("dc1",))
+    assert [node.datacenter for node in config.node_configs()] == ["dc1"]
+    assert config.replication() == {"class": "NetworkTopologyStrategy", "dc1": 1}
+
+
 def test_members_that_do_not_split_evenly_are_refused(tmp_path):
     with pytest.raises(ValueError, match="split evenly"):
         ClusterConfig(tmp_path, size=3, datacenters=DATACENTERS)
