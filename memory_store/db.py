@@ -45,6 +45,7 @@ from cassandra.io.libevreactor import LibevConnection
 from cassandra.policies import (
     DCAwareRoundRobinPolicy,
     ExponentialReconnectionPolicy,
+    HostDistance,
     RetryPolicy,
     TokenAwarePolicy,
     WriteType,
@@ -475,7 +476,9 @@ class Db:
         the new table yet (INCOMPATIBLE_SCHEMA). Asking only the members the driver knows is not enough
         either: it skips a peer whose row in ``system.peers`` is not complete yet, and that member still
         holds replicas. Migrations wait here instead; a node that does not answer, or a peer whose
-        version gossip has not reported, counts as not agreeing.
+        version gossip has not reported, counts as not agreeing. Only the local data centre's nodes are
+        asked (the driver keeps no connection to the others); the other data centres' members count
+        through what the local nodes' gossip reports for them.
         """
         own_version = SimpleStatement("SELECT schema_version FROM system.local", is_idempotent=True)
         peer_versions = SimpleStatement("SELECT peer, schema_version FROM system.peers", is_idempotent=True)
@@ -486,6 +489,8 @@ class Db:
             # Who reports which version: each node its own, and its peers' as its gossip has them.
             reports: dict[str, object] = {}
             for host in self.cluster.metadata.all_hosts():
+                if self.cluster.profile_manager.distance(host) == HostDistance.IGNORED:
+                    continue
                 try:
                     for row in await self._execute(own_version, (), self.request_timeout_s, host=host):
                         reports[str(host.address)] = row["schema_version"]

@@ -8,6 +8,14 @@ them in a smaller cluster), so at LOCAL_QUORUM one member may die with no client
 acknowledged write lost; it catches up from the hints the others kept for it when it comes back.
 
 A cluster of one is the single local node ``make run`` and the tests have always used.
+
+Given ``datacenters``, the members split evenly among them in order (the first ``size / len(datacenters)``
+in the first one, ...): GossipingPropertyFileSnitch learns each member's data centre from its
+``cassandra-rackdc.properties``, each data centre splits the ring evenly on its own (its tokens offset by
+its index, so no two members share one), the first member of each is a seed, and the keyspace replicates
+with NetworkTopologyStrategy to three members (or all, if fewer) of every data centre. A client names its
+local data centre (``--cassandra-local-dc``): LOCAL_QUORUM counts there, and the writes reach the other
+data centres asynchronously (EACH_QUORUM waits for them).
 """
 
 from __future__ import annotations
@@ -39,18 +47,39 @@ class ClusterConfig:
     first_jmx_port: int = 7199
     # A member of a bigger cluster gets a smaller heap: several share one laptop or CI box.
     member_heap_max: str = "512m"
+    # The data centres the members split into, in order; none: one data centre ("datacenter1") that
+    # SimpleSnitch gives every member.
+    datacenters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.size <= 254:
             raise ValueError(f"a local cluster has 1 to 254 nodes, not {self.size}")
+        if self.datacenters and self.size % len(self.datacenters):
+            raise ValueError(
+                f"{self.size} nodes do not split evenly into the data centres {', '.join(self.datacenters)}"
+            )
+        if len(set(self.datacenters)) != len(self.datacenters):
+            raise ValueError(f"data centres named twice: {', '.join(self.datacenters)}")
+
+    @property
+    def members_per_datacenter(self) -> int:
+        return self.size // max(len(self.datacenters), 1)
 
     def addresses(self) -> list[str]:
         return [f"127.0.0.{i + 1}" for i in range(self.size)]
 
+    def addresses_in(self, datacenter: str) -> list[str]:
+        """The addresses of the members of one data centre (a client's contact points there)."""
+        first = self.datacenters.index(datacenter) * self.members_per_datacenter
+        return self.addresses()[first : first + self.members_per_datacenter]
+
     def node_configs(self) -> list[NodeConfig]:
         addresses = self.addresses()
-        if self.size == 1:
+        if self.size == 1 and not self.datacenters:
             return [NodeConfig(self.data_dir, self.cql_port, self.storage_port, self.first_jmx_port)]
+        per_dc = self.members_per_datacenter
+        # Each data centre its own even ring, offset by its index: tokens are unique cluster-wide.
+        tokens = [token + dc for dc in range(max(len(self.datacenters), 1)) for token in ring_tokens(per_dc)]
         return [
             NodeConfig(
                 data_dir=self.data_dir / f"node-{i + 1}",
@@ -59,11 +88,12 @@ class ClusterConfig:
                 jmx_port=self.first_jmx_port + i,
                 heap_max=self.member_heap_max,
                 address=address,
-                seed=addresses[0],
+                seeds=tuple(addresses[::per_dc]),
                 initial_token=token,
                 cluster_size=self.size,
+                datacenter=self.datacenters[i // per_dc] if self.datacenters else None,
             )
-            for i, (address, token) in enumerate(zip(addresses, ring_tokens(self.size), strict=True))
+            for i, (address, token) in enumerate(zip(addresses, tokens, strict=True))
         ]
 
     def contact_points(self) -> list[str]:
@@ -71,11 +101,17 @@ class ClusterConfig:
         return [f"{address}:{self.cql_port}" for address in self.addresses()]
 
     def replication(self) -> Mapping[str, str | int]:
-        return {"class": "SimpleStrategy", "replication_factor": min(self.size, MAX_REPLICATION_FACTOR)}
+        factor = min(self.members_per_datacenter, MAX_REPLICATION_FACTOR)
+        if not self.datacenters:
+            return {"class": "SimpleStrategy", "replication_factor": factor}
+        return {"class": "NetworkTopologyStrategy", **dict.fromkeys(self.datacenters, factor)}
 
     def replication_flag(self) -> str:
         """The replication as the services' ``--cassandra-replication`` flag takes it."""
-        return f"SimpleStrategy:{min(self.size, MAX_REPLICATION_FACTOR)}"
+        replication = self.replication()
+        if not self.datacenters:
+            return f"SimpleStrategy:{replication['replication_factor']}"
+        return "NetworkTopologyStrategy:" + ",".join(f"{dc}={replication[dc]}" for dc in self.datacenters)
 
 
 class CassandraCluster:

@@ -114,7 +114,8 @@ class NodeSetupError(RuntimeError):
 @dataclass(frozen=True)
 class NodeConfig:
     """One local node. Alone by default (127.0.0.1, its own seed); ``localmesh/cassandra/cluster.py`` gives
-    each member of a local cluster its own loopback address, token and the first member as seed."""
+    each member of a local cluster its own loopback address, token, seeds and (across data centres) its
+    data centre."""
 
     data_dir: Path
     cql_port: int = 9042
@@ -130,12 +131,17 @@ class NodeConfig:
     ready_timeout_s: float = 180.0
     # Where the node listens (storage and CQL); every member of a local cluster has its own address.
     address: str = "127.0.0.1"
-    # The seed's address (same storage port); a node alone is its own seed.
-    seed: str = "127.0.0.1"
+    # The seeds' addresses (same storage port); a node alone is its own seed, a cluster of several data
+    # centres names one seed in each so either side can start (or restart) while the other is away.
+    seeds: tuple[str, ...] = ("127.0.0.1",)
     # num_tokens is 1, so a cluster's members split the ring by giving each its own token.
     initial_token: int = 0
     # How many nodes the cluster has (1: this one alone).
     cluster_size: int = 1
+    # The node's data centre and rack, told to GossipingPropertyFileSnitch through
+    # conf/cassandra-rackdc.properties; None: SimpleSnitch, every node in "datacenter1".
+    datacenter: str | None = None
+    rack: str = "rack1"
     # What a secured cluster asks of clients, to test memory_store against (a dev node needs neither):
     # PasswordAuthenticator (the default superuser is cassandra/cassandra), and CQL over TLS only, the
     # node's key and certificate chain in one PEM file.
@@ -149,6 +155,15 @@ class NodeConfig:
     @property
     def yaml_path(self) -> Path:
         return self.conf_dir / "cassandra.yaml"
+
+    @property
+    def rackdc_path(self) -> Path:
+        # GossipingPropertyFileSnitch loads it from the classpath, whose first entry is conf_dir.
+        return self.conf_dir / "cassandra-rackdc.properties"
+
+    @property
+    def snitch(self) -> str:
+        return "SimpleSnitch" if self.datacenter is None else "GossipingPropertyFileSnitch"
 
     def classpath(self) -> str:
         return f"{self.conf_dir}:{self.lib_dir}/*"
@@ -169,7 +184,7 @@ initial_token: {config.initial_token}
 # start. A member that was down catches up from hints (and repair), not by bootstrapping again.
 auto_bootstrap: false
 partitioner: org.apache.cassandra.dht.Murmur3Partitioner
-endpoint_snitch: SimpleSnitch
+endpoint_snitch: {config.snitch}
 listen_address: {config.address}
 rpc_address: {config.address}
 storage_port: {config.storage_port}
@@ -178,7 +193,7 @@ start_native_transport: true
 seed_provider:
   - class_name: org.apache.cassandra.locator.SimpleSeedProvider
     parameters:
-      - seeds: "{config.seed}:{config.storage_port}"
+      - seeds: "{",".join(f"{seed}:{config.storage_port}" for seed in config.seeds)}"
 data_file_directories:
   - {data}/data
 commitlog_directory: {data}/commitlog
@@ -268,10 +283,20 @@ def check_prerequisites(config: NodeConfig) -> None:
         )
 
 
+def rackdc_properties(config: NodeConfig) -> str:
+    """The node's cassandra-rackdc.properties: where GossipingPropertyFileSnitch places it."""
+    return (
+        "# Written by localmesh/cassandra/node.py for a local node; regenerated at every start.\n"
+        f"dc={config.datacenter}\nrack={config.rack}\n"
+    )
+
+
 def write_conf(config: NodeConfig) -> None:
     config.conf_dir.mkdir(parents=True, exist_ok=True)
     (config.data_dir / "logs").mkdir(exist_ok=True)
     config.yaml_path.write_text(cassandra_yaml(config))
+    if config.datacenter is not None:
+        config.rackdc_path.write_text(rackdc_properties(config))
 
 
 @dataclass(frozen=True)
