@@ -13,18 +13,15 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from chatmesh.tool_format import Function, ToolCall, Tools
 from memory_store.store import MemoryStore
 from orchestrator.config import ToolConfig
 from orchestrator.metrics import METRICS
 from orchestrator.tools import calculator, chat_search, clock
-
-if TYPE_CHECKING:
-    from orchestrator.tools.mcp_servers import McpServers
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +60,17 @@ class Tool:
     run: Run
 
 
+class RemoteTools(Protocol):
+    """Tools other processes serve, by server (``mcp_servers.McpServers``): known only while it answers."""
+
+    @property
+    def servers(self) -> Mapping[str, object]: ...
+
+    def tool(self, name: str) -> Tool | None: ...
+
+    def tools_of(self, server: str) -> list[Tool]: ...
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What a tool step gave the model."""
@@ -91,7 +99,7 @@ class Toolbox:
         config: ToolConfig,
         tools: dict[str, Tool],
         tiers: tuple[str, ...],
-        mcp: McpServers | None = None,
+        mcp: RemoteTools | None = None,
     ) -> None:
         """Raises ValueError when an allow-list names a built-in tool there is none of, or an MCP server
         not configured (a typo would otherwise take a tool away silently). An MCP server's tools are
