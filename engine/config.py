@@ -83,7 +83,8 @@ class EngineConfig:
         "what followed the latest match of its last tokens in its prompt and output (0: off)",
     )
     speculative_max_batch: int = setting(
-        4, "speculate only in steps with at most this many running requests (bigger batches are compute-bound)"
+        4,
+        "speculate only while at most this many requests run or wait (bigger batches are compute-bound)",
     )
 
     def __post_init__(self) -> None:

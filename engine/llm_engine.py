@@ -18,8 +18,8 @@ instead of starting the thread.
 
 from __future__ import annotations
 
-import logging
 import itertools
+import logging
 import threading
 import time
 import uuid

@@ -8,13 +8,15 @@ forward of k + 1 positions of the sequence (a small prefill chunk with logits at
 keeps the prefix the model agrees with, plus the model's own token where it first disagrees
 (``engine.llm_engine``), so the output is token for token what decoding without speculation gives.
 
-Verifying costs little on a bandwidth-bound step (one stream: the weights are read once for k + 1
-positions as for one) and a lot on a compute-bound one (a big batch), and a draft nobody accepts is
-pure cost. So drafting is gated twice: per step, only while the running requests are at most
-``max_batch``; per request, only while its rolling acceptance (the share of its drafted tokens the
-model accepted, recent verifications weighing most) stays at ``MIN_ACCEPTANCE`` or more. A request
-below it drafts again once every ``PROBE_STEPS`` steps, so acceptance that recovers (the answer starts
-quoting) is seen again.
+Verifying is not free: on the CPU kernels each extra position of a one-stream step costs about a tenth
+of the step (measured: 1.14x a decode step for 3 positions, 1.45x for 5), and a big batch is
+compute-bound, where every extra position costs in full. So drafting is gated twice. Per step: only while
+the requests running and waiting are at most ``max_batch``. Per request, on its measured acceptance: the
+rolling share of the draft positions it verified that the model accepted (the chance a draft token is
+right, given the ones before it were; recent verifications weigh most). A draft is only as long as its
+last token still has a chance ``MARGINAL_ACCEPTANCE`` (what verifying one more position costs, with a
+margin) of being reached and accepted; a request whose acceptance falls below that drafts nothing but for a
+probe every ``PROBE_STEPS`` steps, so acceptance that recovers (the answer starts quoting) is seen again.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ MAX_NGRAM = 3
 # A single token occurs almost anywhere in a long prompt, and what followed it there is rarely next.
 MIN_NGRAM = 2
 ACCEPTANCE_WEIGHT = 0.25  # the latest verification's weight in a request's rolling acceptance
-INITIAL_ACCEPTANCE = 0.5  # two drafts rejected outright from the start, and the request stops drafting
-MIN_ACCEPTANCE = 0.3
+INITIAL_ACCEPTANCE = 0.5  # drafts of 2 at first
+MARGINAL_ACCEPTANCE = 0.15
 PROBE_STEPS = 16
 
 
@@ -65,17 +67,29 @@ class Drafter:
     steps_since_draft: int = 0
 
     def draft(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens to follow ``tokens``, or none while its acceptance is low (but for a
-        probe every ``PROBE_STEPS`` steps)."""
-        if k <= 0:
-            return []
-        if self.acceptance < MIN_ACCEPTANCE and self.steps_since_draft + 1 < PROBE_STEPS:
+        """Up to ``k`` draft tokens to follow ``tokens``, as many as its acceptance pays for; none while
+        it is too low (but for a probe of one token every ``PROBE_STEPS`` steps)."""
+        length = min(k, self.worth_drafting())
+        if length == 0 and k > 0 and self.steps_since_draft + 1 >= PROBE_STEPS:
+            length = 1
+        if length == 0:
             self.steps_since_draft += 1
             return []
-        drafts = self.index.propose(tokens, k)
+        drafts = self.index.propose(tokens, length)
         self.steps_since_draft = 0 if drafts else self.steps_since_draft + 1
         return drafts
 
+    def worth_drafting(self) -> int:
+        """The longest draft whose last token is reached and accepted with a chance of at least
+        ``MARGINAL_ACCEPTANCE`` (at most 16)."""
+        chance, length = self.acceptance, 0
+        while chance >= MARGINAL_ACCEPTANCE and length < 16:
+            length += 1
+            chance *= self.acceptance
+        return length
+
     def verified(self, proposed: int, accepted: int) -> None:
-        """A draft of ``proposed`` tokens was verified; the model accepted its first ``accepted``."""
-        self.acceptance += ACCEPTANCE_WEIGHT * (accepted / proposed - self.acceptance)
+        """A draft of ``proposed`` tokens was verified; the model accepted its first ``accepted``: the
+        positions it tried were those, and the one it rejected, if any."""
+        tried = accepted + (accepted < proposed)
+        self.acceptance += ACCEPTANCE_WEIGHT * (accepted / tried - self.acceptance)

@@ -19,8 +19,16 @@ from engine.kv_events import BlocksStored
 from engine.model.runner import ModelSpec, SequenceChunk
 from engine.model.step_batch import build_step_batch
 from engine.request import EngineRequest
-from engine.speculation import MIN_ACCEPTANCE, PROBE_STEPS, Drafter, NgramIndex
-from tests.engine.core_helpers import DrivenEngine, Result, make_engine, prompt, request, tokenizer, word_tokens
+from engine.speculation import PROBE_STEPS, Drafter, NgramIndex
+from tests.engine.core_helpers import (
+    DrivenEngine,
+    Result,
+    make_engine,
+    prompt,
+    request,
+    tokenizer,
+    word_tokens,
+)
 from tests.engine.token_function_runner import TokenFunctionRunner
 
 SPECULATING = {"speculative_tokens": 4, "speculative_max_batch": 8}
@@ -92,16 +100,17 @@ def test_the_index_proposes_what_followed_the_latest_match_of_the_longest_suffix
     assert NgramIndex().propose([5, 6, 5, 6], 4) == [5, 6], "no further than the sequence goes"
 
 
-def test_a_request_that_keeps_rejecting_drafts_stops_drafting_but_for_probes():
+def test_a_request_drafts_as_far_as_its_acceptance_pays_and_stops_but_for_probes_when_rejected():
     drafter, tokens = Drafter(), [1, 2, 3, 1, 2]
-    while drafter.acceptance >= MIN_ACCEPTANCE:
-        assert drafter.draft(tokens, 4) == [3, 1, 2]
+    assert drafter.draft(tokens, 4) == [3, 1], "a new request drafts 2"
+    for _ in range(4):
+        drafter.verified(2, 2)
+    assert drafter.draft(tokens, 4) == [3, 1, 2], "accepted: as far as the sequence goes"
+    while drafter.worth_drafting():
         drafter.verified(3, 0)
-    drafted = [bool(drafter.draft(tokens, 4)) for _ in range(2 * PROBE_STEPS)]
-    assert drafted.count(True) == 2 and drafted[PROBE_STEPS - 1], "one probe every PROBE_STEPS steps"
-    drafter.verified(3, 3)
-    drafter.verified(3, 3)
-    assert drafter.draft(tokens, 4), "accepted again: drafting every step"
+    drafted = [drafter.draft(tokens, 4) for _ in range(2 * PROBE_STEPS)]
+    assert [i for i, d in enumerate(drafted) if d] == [PROBE_STEPS - 1, 2 * PROBE_STEPS - 1]
+    assert drafted[PROBE_STEPS - 1] == [3], "a probe of one token"
 
 
 def test_a_verifying_chunk_returns_logits_at_its_newest_token_and_each_draft():
