@@ -52,9 +52,9 @@ class NgramIndex:
                 self._last_end[tuple(tokens[end - n + 1 : end + 1])] = end
         self._indexed = max(self._indexed, newest)
         for n in range(min(MAX_NGRAM, newest), MIN_NGRAM - 1, -1):
-            end = self._last_end.get(tuple(tokens[newest - n + 1 :]))
-            if end is not None:
-                return list(tokens[end + 1 : end + 1 + k])
+            found = self._last_end.get(tuple(tokens[newest - n + 1 :]))
+            if found is not None:
+                return list(tokens[found + 1 : found + 1 + k])
         return []
 
 

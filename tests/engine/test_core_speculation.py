@@ -222,3 +222,12 @@ def test_the_null_runner_answers_every_verified_position():
         [SequenceChunk(np.array([1, 2, 3], np.int32), 4, [0, 1], True, num_draft_tokens=2)]
     )
     assert runner.argmax().tolist() == np.argmax(logits, axis=1).tolist() == [11, 12, 13]
+
+
+def test_a_resumed_request_speculates_on_and_continues_as_the_uninterrupted_one():
+    """Failover: output an earlier engine delivered is context here, and drafts can quote it too."""
+    base = quoting_prompt(40, salt=2)
+    whole = run([request("whole", base, max_tokens=40)])[0]["whole"]
+    resumed = request("again", base, max_tokens=40, resumed=tuple(whole.token_ids[:12]))
+    test = assert_same_as_without([resumed])
+    assert test.run()["again"].token_ids == whole.token_ids[12:]
