@@ -8,8 +8,8 @@ the engine core (scheduler, KV cache, sampler: ``LLMEngine.step``), chat-templat
 Each repetition runs every workload with speculation off and on, back to back, in alternating order,
 each run in a fresh engine over the one loaded model; a repetition's ratio compares two runs under
 similar load. Rows:
-- input-grounded, one stream: answers that quote their input (repeat a given text, edit a given piece
-  of code, summarize a given paragraph);
+- input-grounded, one stream: answers that quote their input (repeat a given text, rename a variable in
+  a given function, summarize a given paragraph; greedy, up to 128 tokens);
 - no match, one stream and 32 streams: open questions whose answers the prompt does not hold, sampled
   (temperature 1, seeded: greedy answers of a small model repeat themselves, which drafts then match).
 Rate: output tokens per second of decode, from the run's first token to its last (prefill is the same
@@ -62,10 +62,14 @@ CODE = """def summarize_orders(orders):
         totals[customer] = totals[customer] + amount
     return sorted(totals.items(), key=lambda item: item[1], reverse=True)
 """
+# name: (system prompt or None, user turn)
 GROUNDED = {
-    "repeat": f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
-    "edit": f"Rename the variable totals to revenue in this function and show the whole function:\n\n{CODE}",
-    "summarize": f"Summarize this paragraph in two sentences, keeping its details:\n\n{PARAGRAPH}",
+    "repeat": (None, f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}"),
+    "edit": (
+        "You edit code. Reply with the complete edited code only, changing nothing else.",
+        f"Rename the variable totals to revenue:\n\n```python\n{CODE}```",
+    ),
+    "summarize": (None, f"Summarize this paragraph:\n\n{PARAGRAPH}"),
 }
 OPEN_QUESTIONS = [
     "Write a short poem about the sea.",
@@ -80,11 +84,14 @@ OPEN_QUESTIONS = [
 
 
 def workloads(tok: ChatTokenizer) -> dict[str, list[EngineRequest]]:
-    def chat(text: str) -> tuple[int, ...]:
-        return tuple(tok.encode_chat([ChatMessage("user", text)]))
+    def chat(text: str, system: str | None = None) -> tuple[int, ...]:
+        turns = [ChatMessage("system", system)] if system else []
+        return tuple(tok.encode_chat([*turns, ChatMessage("user", text)]))
 
     grounded = SamplingParams(max_tokens=MAX_TOKENS)
-    loads = {name: [EngineRequest(name, chat(text), grounded)] for name, text in GROUNDED.items()}
+    loads = {
+        name: [EngineRequest(name, chat(text, system), grounded)] for name, (system, text) in GROUNDED.items()
+    }
     loads["no match b=1"] = [
         EngineRequest("q", chat(OPEN_QUESTIONS[0]), SamplingParams(max_tokens=MAX_TOKENS, seed=1, **NO_MATCH))
     ]

@@ -260,10 +260,15 @@ class LLMEngine:
         """Before scheduling: draft tokens for the decoding requests, in a step small enough to verify
         them cheaply (the waiting requests count: they may join it), each request gated on its
         acceptance (engine.speculation)."""
-        k = self.config.speculative_tokens
         running = self.scheduler.running
-        if not k or len(running) + self.scheduler.num_waiting > self.config.speculative_max_batch:
+        if not self.config.speculative_tokens or not running:
             return
+        if len(running) + self.scheduler.num_waiting > self.config.speculative_max_batch:
+            for req in running:  # drafted for a step that had no budget left for them
+                req.draft_token_ids = []
+            return
+        # Every decoding request's draft fits in the step's budget beside the others.
+        k = min(self.config.speculative_tokens, self.config.max_batched_tokens // len(running) - 1)
         for req in running:
             if req.num_uncomputed_tokens != 1:
                 continue  # still prefilling
@@ -324,7 +329,9 @@ class LLMEngine:
                     req.grammar.advance(token)
                 picked[req].append(token)
                 p = req.request.sampling
-                if p.logprobs:
+                if (
+                    p.logprobs
+                ):  # the model's own distribution: constraints and the sampler only steer the pick
                     logprobs[req].append(token_logprob(logits[r + i], token, p.top_logprobs))
                 if i < len(req.draft_token_ids) and token == req.draft_token_ids[i]:
                     agreeing.append((req, r))
