@@ -103,5 +103,5 @@ def test_a_constrained_answer_is_the_same_with_and_without_speculation(
     for req in reqs:
         plain = run(model_runner, [req])[0][req.request_id]
         assert_same_tokens(spec[req.request_id].token_ids, plain.token_ids, list(req.prompt_token_ids))
-        if spec[req.request_id].finish.reason == FinishReason.STOP:
-            jsonschema.validate(json.loads(spec[req.request_id].text), schema)
+        assert spec[req.request_id].finish.reason == FinishReason.STOP
+        jsonschema.validate(json.loads(spec[req.request_id].text), schema)
