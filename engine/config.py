@@ -76,6 +76,17 @@ class EngineConfig:
     max_waiting_requests: int = setting(256, "queue bound; beyond it RESOURCE_EXHAUSTED")
     priority_aging_s: float = setting(10.0, "waiting this long counts as one priority level")
 
+    # Speculative decoding (engine.speculation)
+    speculative_tokens: int = setting(
+        0,
+        "prompt-lookup speculative decoding: draft tokens a request verifies per step at most, taken from "
+        "what followed the latest match of its last tokens in its prompt and output (0: off)",
+    )
+    speculative_max_batch: int = setting(
+        4,
+        "speculate only while at most this many requests run or wait (bigger batches are compute-bound)",
+    )
+
     def __post_init__(self) -> None:
         problems = []
         if self.backend not in BACKENDS:
@@ -99,6 +110,12 @@ class EngineConfig:
             problems.append("gpu memory fraction must be in (0, 1] and the Triton timeout positive")
         if self.priority_aging_s <= 0 or self.null_tokens_per_s < 0 or self.kv_events_buffer <= 0:
             problems.append("priority aging, null token rate and KV event buffer must be positive")
+        if self.speculative_tokens < 0 or self.speculative_max_batch < 1:
+            problems.append("speculative tokens must be >= 0 and the speculative max batch >= 1")
+        if self.speculative_tokens and self.backend in HOSTED_BACKENDS:
+            problems.append(
+                f"--speculative-tokens needs the engine's own scheduler; --backend {self.backend} has its own"
+            )
         if problems:
             raise ValueError("invalid engine configuration: " + "; ".join(problems))
 

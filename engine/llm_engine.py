@@ -4,9 +4,11 @@
 in an inbox. The step loop runs in its own thread, so the model never blocks the event loop:
 
     take the inbox (new requests, cancels: their blocks are freed here, before scheduling)
-    → refuse the waiting requests past their queue limit → schedule → run the model → mask the logits
-    of constrained requests (engine.structured) → sample → detokenize and check stops → free finished requests
-    → publish the step's KV events as one batch → publish the load → hand all outputs over in one call.
+    → draft tokens to verify (engine.speculation, when on) → refuse the waiting requests past their
+    queue limit → schedule → run the model → mask the logits of constrained requests (engine.structured)
+    → sample (and verify drafts: round by round, the same pick at each drafted position, while they
+    agree) → cache the computed blocks → detokenize and check stops → free finished requests → publish
+    the step's KV events as one batch → publish the load → hand all outputs over in one call.
 
 A request's life around the step (admission, replay of resumed output, the stop rule, its finish,
 usage and metrics) is ``engine.request_tracker``'s, shared with hosted engines; the engine keeps the
@@ -16,6 +18,7 @@ instead of starting the thread.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -29,7 +32,7 @@ from chatmesh.tokenizer import ChatTokenizer
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, size_kv_pool
 from engine.kv_events import KvEventLog
-from engine.logprobs import token_logprob
+from engine.logprobs import TokenLogprob, token_logprob
 from engine.metrics import EngineMetrics
 from engine.model.runner import ModelRunner, ModelSpec, SequenceChunk
 from engine.outputs import EngineStats, RequestOutput
@@ -97,6 +100,12 @@ class LLMEngine:
         self._clock = clock
         self.metrics = metrics
         self.step_cost = StepCost()  # step thread only
+        # Speculation (step thread only): draft tokens verified and accepted since start, and whether
+        # the latest step verified any.
+        self._eos_ids = frozenset(tokenizer.eos_token_ids)
+        self.draft_tokens = 0
+        self.accepted_draft_tokens = 0
+        self.speculating = False
         self._requests: dict[str, Request] = {}  # step thread only: the scheduler's side of each request
         # The inbox (with the tracker's admitted requests), shared with other threads.
         self._wakeup = threading.Condition()
@@ -211,11 +220,13 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         began = self._clock()
         self._take_inbox(outputs)
+        self._draft()
         batch = self.scheduler.schedule()
         # Only what this step had no room to start expires: a request whose limit passed while the step
         # before ran (slow steps: big batches on a CPU) but that fits now is started, not refused.
         for req in self.scheduler.expire(self._clock()):
             outputs.append(self.tracker.expire(self._tracked(req)))
+        self.speculating = False
         if batch.scheduled:
             self._execute(batch, outputs)
             self.step_cost.observe(sum(batch.scheduled.values()), self._clock() - began)
@@ -245,16 +256,46 @@ class LLMEngine:
             if (req := self._requests.get(request_id)) is not None:
                 outputs.append(self.tracker.end(self._tracked(req), FinishReason.CANCELLED))
 
+    def _draft(self) -> None:
+        """Before scheduling: draft tokens for the decoding requests, in a step small enough to verify
+        them cheaply (the waiting requests count: they may join it), each request gated on its
+        acceptance (engine.speculation)."""
+        running = self.scheduler.running
+        if not self.config.speculative_tokens or not running:
+            return
+        if len(running) + self.scheduler.num_waiting > self.config.speculative_max_batch:
+            for req in running:  # drafted for a step that had no budget left for them
+                req.draft_token_ids = []
+            return
+        # Every decoding request's draft fits in the step's budget beside the others.
+        k = min(self.config.speculative_tokens, self.config.max_batched_tokens // len(running) - 1)
+        for req in running:
+            if req.num_uncomputed_tokens != 1:
+                continue  # still prefilling
+            p = req.request.sampling
+            # No draft past what the request may still emit, nor past the context.
+            room = min(k, p.max_tokens - req.num_output_tokens - 1, self.context_length - req.num_tokens)
+            drafts = req.drafter.draft(req.token_ids, room)
+            # A draft ends before a token that would end the output: nothing is verified past an end.
+            for i, token in enumerate(drafts):
+                if token in p.stop_token_ids or (token in self._eos_ids and not p.ignore_eos):
+                    del drafts[i:]
+                    break
+            req.draft_token_ids = drafts
+
     def _execute(self, batch: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         chunks = []
         for req, num_new in batch.scheduled.items():
             start = req.num_computed_tokens
+            drafts = req.draft_token_ids
+            end = start + num_new - len(drafts)  # drafts come only after a request's newest token
             chunks.append(
                 SequenceChunk(
-                    token_ids=np.asarray(req.token_ids[start : start + num_new], dtype=np.int32),
+                    token_ids=np.asarray(req.token_ids[start:end] + drafts, dtype=np.int32),
                     start_position=start,
                     block_table=req.block_table,
-                    needs_logits=start + num_new == req.num_tokens,
+                    needs_logits=end == req.num_tokens,
+                    num_draft_tokens=len(drafts),
                 )
             )
         try:
@@ -263,41 +304,84 @@ class LLMEngine:
             log.exception("the model runner failed; the engine stops serving")
             self._fail(f"model runner failed: {exc}", outputs)
             return
-        self.scheduler.update(batch)
-        sampled = [req for req, chunk in zip(batch.scheduled, chunks, strict=True) if chunk.needs_logits]
         known_argmax = getattr(self.runner, "argmax", None)
         argmax = known_argmax() if known_argmax is not None else None
-        params = [req.request.sampling for req in sampled]
-        # The model's own distribution, for logprobs: constraints, bias and penalties only steer the pick.
-        model_logits = logits
-        constrained = [r for r, req in enumerate(sampled) if req.grammar is not None]
+        # Each sampled request and its first logits row; a request with drafts has one row more per draft.
+        sampled, row = [], 0
+        for req, chunk in zip(batch.scheduled, chunks, strict=True):
+            if chunk.needs_logits:
+                sampled.append((req, row))
+                row += 1 + chunk.num_draft_tokens
+        picked: dict[Request, list[int]] = {req: [] for req, _ in sampled}
+        logprobs: dict[Request, list[TokenLogprob]] = {req: [] for req, _ in sampled}
+        # Verification: round i picks the token at every still-agreeing request's i-th row, exactly as a
+        # step without speculation would from the same logits (same output position, output so far and
+        # grammar state); a draft token is accepted iff it is that token. Round 0 is every request's
+        # ordinary pick.
+        verifying = sampled
+        for i in itertools.count():
+            rows = [r + i for _, r in verifying]
+            tokens = self._pick(logits, argmax, rows, [req for req, _ in verifying])
+            agreeing = []
+            for (req, r), token in zip(verifying, tokens, strict=True):
+                req.token_ids.append(token)
+                if req.grammar is not None:
+                    req.grammar.advance(token)
+                picked[req].append(token)
+                p = req.request.sampling
+                if (
+                    p.logprobs
+                ):  # the model's own distribution: constraints and the sampler only steer the pick
+                    logprobs[req].append(token_logprob(logits[r + i], token, p.top_logprobs))
+                if i < len(req.draft_token_ids) and token == req.draft_token_ids[i]:
+                    agreeing.append((req, r))
+            if not agreeing:
+                break
+            verifying = agreeing
+        rejected = {}
+        for req, tokens in picked.items():
+            if proposed := len(req.draft_token_ids):
+                accepted = len(tokens) - 1
+                req.drafter.verified(proposed, accepted)
+                rejected[req] = proposed - accepted
+                self.draft_tokens += proposed
+                self.accepted_draft_tokens += accepted
+        self.speculating = bool(rejected)
+        self.scheduler.update(batch, rejected)
+        for req, tokens in picked.items():
+            lp = logprobs[req] if req.request.sampling.logprobs else None
+            outputs.append(self.tracker.add_tokens(self._tracked(req), tokens, lp))
+
+    def _pick(
+        self, logits: np.ndarray, argmax: np.ndarray | None, rows: list[int], reqs: list[Request]
+    ) -> list[int]:
+        """The token each request picks from its row of ``logits``: its grammar's mask, then the
+        sampler, at its next output position."""
+        if rows != list(range(len(logits))):  # a step with drafts: only some rows, copied out
+            logits = logits[rows]
+            argmax = argmax[rows] if argmax is not None else None
+        params = [req.request.sampling for req in reqs]
+        constrained = [r for r, req in enumerate(reqs) if req.grammar is not None]
         if constrained:
             logits, argmax = constrained_logits(
                 logits,
                 argmax,
                 constrained,
-                [sampled[r].grammar for r in constrained],  # type: ignore[misc]
+                [reqs[r].grammar for r in constrained],  # type: ignore[misc]
                 # The runner's argmax is the pick only where the sampler changes no logit.
                 [params[r].temperature == 0.0 and not params[r].adjusts_logits for r in constrained],
             )
-        tokens = sample(
+        return sample(
             logits,
             params,
-            [req.num_output_tokens for req in sampled],
+            [req.num_output_tokens for req in reqs],
             # A request's output so far, copied only for those that penalize what they said.
             outputs=[
                 req.token_ids[req.num_prompt_tokens :] if p.penalizes else ()
-                for req, p in zip(sampled, params, strict=True)
+                for req, p in zip(reqs, params, strict=True)
             ],
             argmax=argmax,
         )
-        for row, (req, token) in enumerate(zip(sampled, tokens, strict=True)):
-            req.token_ids.append(token)
-            if req.grammar is not None:
-                req.grammar.advance(token)
-            p = params[row]
-            logprobs = [token_logprob(model_logits[row], token, p.top_logprobs)] if p.logprobs else None
-            outputs.append(self.tracker.add_tokens(self._tracked(req), [token], logprobs))
 
     def _tracked(self, req: Request) -> TrackedRequest:
         """The tracker's side of ``req``, told the prefix-cache hit the scheduler found for it (usage
@@ -334,4 +418,7 @@ class LLMEngine:
             prefill_tokens=self.scheduler.prefill_tokens,
             step_fixed_s=step_fixed_s,
             step_token_s=step_token_s,
+            draft_tokens=self.draft_tokens,
+            accepted_draft_tokens=self.accepted_draft_tokens,
+            speculating=self.speculating,
         )

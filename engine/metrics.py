@@ -51,6 +51,16 @@ class EngineMetrics(ComponentMetrics):
         self.step_token = self.gauge(
             "step_token_seconds", "A step's time for each token it computes, as fitted over the recent steps."
         )
+        self.draft_tokens = self.counter(
+            "speculative_draft_tokens",
+            "Draft tokens proposed by prompt lookup and verified (accepted / this: the acceptance rate).",
+        )
+        self.accepted_draft_tokens = self.counter(
+            "speculative_accepted_tokens", "Draft tokens the model's own pick agreed with (kept as output)."
+        )
+        self.speculating = self.gauge(
+            "speculative_decoding_active", "1 when the latest step verified draft tokens, else 0."
+        )
         self.grammar_compile = self.histogram(
             "grammar_compile_seconds",
             "Time to compile a request's output constraint not in the cache (waiting for a compile thread "
@@ -75,6 +85,9 @@ class EngineMetrics(ComponentMetrics):
         self.prefix_hits.inc(stats.prefix_hit_tokens - last.prefix_hit_tokens)
         self.preemptions.inc(stats.preemptions - last.preemptions)
         self.generated_tokens.inc(stats.generated_tokens - last.generated_tokens)
+        self.draft_tokens.inc(stats.draft_tokens - last.draft_tokens)
+        self.accepted_draft_tokens.inc(stats.accepted_draft_tokens - last.accepted_draft_tokens)
+        self.speculating.set(int(stats.speculating))
 
     def observe_finish(
         self,

@@ -56,6 +56,11 @@ class EngineStats:
     # Its step time lately: step_fixed_s + step_token_s x tokens a step computes (0, 0: not measured).
     step_fixed_s: float = 0.0
     step_token_s: float = 0.0
+    # Speculative decoding: draft tokens verified and accepted since start; whether the latest step
+    # verified any.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    speculating: bool = False
 
     @property
     def kv_usage(self) -> float:

@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 
+from engine.speculation import Drafter
 from engine.structured import CompiledGrammar, Constraint, GrammarState
 
 
@@ -94,6 +95,10 @@ class Request:
     queued_prefill_tokens: int = 0  # while waiting: its tokens beyond the prefix cache's when it was queued
     status: RequestStatus = RequestStatus.WAITING
     grammar: GrammarState | None = None  # where its output is in its constraint's grammar, if any
+    # Speculation (engine.speculation): its drafting state, and the tokens drafted for this step to
+    # verify after its newest one. Drafts are never in token_ids: only tokens the model picked are.
+    drafter: Drafter = field(default_factory=Drafter)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = [*self.request.prompt_token_ids, *self.request.resumed_output_token_ids]

@@ -2,7 +2,9 @@
 
 Each step hands out a budget of ``max_batched_tokens``. A scheduled request's computed tokens catch up
 with its known tokens as far as the budget allows: a prefill chunk, the rest of a prompt after a
-prefix-cache hit and a single decode token are all that one rule. Running requests go first (decodes
+prefix-cache hit and a single decode token are all that one rule; a decoding request with draft tokens
+(``engine.speculation``) computes them after its newest token where budget and free blocks allow, never
+at anyone's expense. Running requests go first (decodes
 before prefill chunks, so a long new prompt never stalls streams already talking), then waiting ones
 in priority order while budget, blocks and running slots last.
 
@@ -23,6 +25,7 @@ is what bounds a low tier's wait while higher tiers take every slot; aging alone
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.kv_cache import KVCacheManager
@@ -110,6 +113,10 @@ class Scheduler:
                 break
             if running.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if running.draft_token_ids and (num_new := self._schedule_drafts(running, budget)):
+                out.scheduled[running] = num_new
+                budget -= num_new
+                continue
             num_new = min(running.num_uncomputed_tokens, budget)
             while not self.kv.allocate_slots(running, num_new):
                 victim = max(self.running, key=lambda s: s.sort_key)
@@ -151,11 +158,26 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput) -> None:
-        """After the step ran: the scheduled tokens now have KV; their full blocks join the prefix cache."""
+    def update(self, out: SchedulerOutput, rejected: Mapping[Request, int] | None = None) -> None:
+        """After the step ran: the scheduled tokens now have KV; their full blocks join the prefix cache.
+
+        ``rejected``: per request, the draft tokens at the end of its scheduled ones that the model did
+        not accept. Their KV was written but does not count: it is never cached (so never hashed or
+        published), and the next tokens computed at their positions overwrite it."""
         for req, num_new in out.scheduled.items():
-            req.num_computed_tokens += num_new
+            req.num_computed_tokens += num_new - (rejected.get(req, 0) if rejected else 0)
+            req.draft_token_ids = []
             self.kv.cache_computed_blocks(req)
+
+    def _schedule_drafts(self, req: Request, budget: int) -> int:
+        """Room for a decoding request's newest token and as many of its drafts as the budget and the
+        free blocks above the watermark allow: the tokens it computes, or 0 (no drafts: it is scheduled
+        as usual). Speculation never preempts anyone, nor takes the blocks kept for new requests."""
+        drafts = req.draft_token_ids
+        del drafts[max(budget - 1, 0) :]
+        if drafts and not self.kv.allocate_slots(req, 1 + len(drafts), reserve=self.watermark_blocks):
+            drafts.clear()
+        return 1 + len(drafts) if drafts else 0
 
     def _peek_waiting(self) -> Request | None:
         while self._waiting:
@@ -180,6 +202,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         self.add(req)
         self.num_preemptions += 1
         out.preempted.append(req)

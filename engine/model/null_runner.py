@@ -51,7 +51,12 @@ class NullModelRunner:
     def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         """Logits valid until the next call (the buffer is reused)."""
         self._pace()
-        ends = [c.start_position + len(c.token_ids) for c in chunks if c.needs_logits]
+        # The position each row's token goes to: one per chunk needing logits, one more per draft token.
+        ends: list[int] = []
+        for c in chunks:
+            if c.needs_logits:
+                end = c.start_position + len(c.token_ids)
+                ends += range(end - c.num_draft_tokens, end + 1)
         rows = len(ends)
         if rows > len(self._logits):
             self._logits = np.zeros((max(rows, 2 * len(self._logits)), self.spec.vocab_size), np.float32)

@@ -40,6 +40,9 @@ class SequenceChunk:
     # while ``execute`` runs (no copy per chunk per step; a runner that keeps it copies it).
     block_table: Sequence[int]
     needs_logits: bool  # True when the chunk ends at the sequence's newest token (sample from it)
+    # Speculation: the last num_draft_tokens of token_ids are draft tokens to verify. With needs_logits,
+    # logits come back for the position before each of them too (num_draft_tokens + 1 rows, in order).
+    num_draft_tokens: int = 0
 
 
 class ModelRunner(Protocol):
@@ -58,7 +61,8 @@ class ModelRunner(Protocol):
     def execute(self, chunks: Sequence[SequenceChunk]) -> np.ndarray:
         """Runs one step over all chunks (one batched forward).
 
-        Returns float32 logits ``[number of chunks with needs_logits, vocab_size]``, in chunk order.
+        Returns float32 logits, in chunk order: one row per chunk with needs_logits, and one more per
+        draft token of such a chunk (its rows in position order).
         """
         ...
 

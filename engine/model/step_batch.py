@@ -19,7 +19,8 @@ class StepBatch:
     chunk_starts: np.ndarray  # int64 [chunks + 1]: chunk c is rows chunk_starts[c]:chunk_starts[c+1]
     block_tables: np.ndarray  # int32 [chunks, max_blocks], padded with 0
     max_len: int  # longest attention span (positions 0..pos) in the step
-    logit_rows: np.ndarray  # int64: rows whose next-token logits are returned, in chunk order
+    logit_rows: np.ndarray  # int64: rows whose next-token logits are returned, in chunk order (a chunk
+    # with draft tokens: the rows of its last 1 + num_draft_tokens positions)
 
     @property
     def num_tokens(self) -> int:
@@ -32,6 +33,8 @@ def build_step_batch(chunks: Sequence[SequenceChunk], block_size: int, context_l
     lengths = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
     if (lengths == 0).any():
         raise ValueError("a chunk must carry at least one token")
+    if any(not 0 <= c.num_draft_tokens < len(c.token_ids) for c in chunks):
+        raise ValueError("a chunk's draft tokens must follow at least one token of its own")
     chunk_starts = np.concatenate([[0], np.cumsum(lengths)])
     total = int(chunk_starts[-1])
     starts = np.array([c.start_position for c in chunks], dtype=np.int64)
@@ -53,7 +56,9 @@ def build_step_batch(chunks: Sequence[SequenceChunk], block_size: int, context_l
         block_tables[token_seq, positions // block_size].astype(np.int64) * block_size
         + positions % block_size
     )
-    needs = np.array([c.needs_logits for c in chunks], dtype=bool)
+    num_logits = np.array([1 + c.num_draft_tokens if c.needs_logits else 0 for c in chunks], dtype=np.int64)
+    # Each row's distance back from its chunk's last position: ..., 2, 1, 0 over a chunk's rows.
+    back = np.repeat(np.cumsum(num_logits), num_logits) - np.arange(num_logits.sum()) - 1
     return StepBatch(
         token_ids=np.concatenate([np.asarray(c.token_ids, dtype=np.int32) for c in chunks]),
         positions=positions.astype(np.int32),
@@ -62,5 +67,5 @@ def build_step_batch(chunks: Sequence[SequenceChunk], block_size: int, context_l
         chunk_starts=chunk_starts,
         block_tables=block_tables,
         max_len=int(ends.max()),
-        logit_rows=(chunk_starts[1:] - 1)[needs],
+        logit_rows=np.repeat(chunk_starts[1:] - 1, num_logits) - back,
     )

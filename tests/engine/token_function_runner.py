@@ -57,7 +57,8 @@ class TokenFunctionRunner:
                 seen = self.kv[table[everything // self.block_size], everything % self.block_size]
                 if (seen < 0).any():
                     raise RuntimeError("read a KV slot that was never written")
-                rows.append(self.logits_for(seen))
+                # A chunk with draft tokens: logits after each of its last 1 + num_draft_tokens tokens.
+                rows += [self.logits_for(seen[:e]) for e in range(end - chunk.num_draft_tokens, end + 1)]
         return np.stack(rows) if rows else np.zeros((0, self.spec.vocab_size), np.float32)
 
     def logits_for(self, tokens: Sequence[int]) -> np.ndarray:
