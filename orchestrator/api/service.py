@@ -27,6 +27,7 @@ from chatmesh.unknown_fields import unknown_field
 from memory_store.store import MemoryStore
 from meshkit.deadline import Deadline
 from orchestrator import convert
+from orchestrator.embeddings import Embeddings
 from orchestrator.errors import from_exception
 from orchestrator.policy.admission import Budgets
 from orchestrator.router_client import RouterClient
@@ -167,6 +168,7 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         self.budgets = budgets
         self.router = router
         self.limits: Limits = ctx.config.limits
+        self.embeddings = Embeddings(budgets, ctx.store, router)
 
     async def answer(self, method: str, identity: Identity, request: Any, within_s: float | None) -> Any:
         """The response of the unary call ``method`` for ``identity``, as a call or on a completion link:
@@ -309,6 +311,10 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
                 for model, count in sorted(healthy.items())
             ]
         )
+
+    @unary
+    async def Embed(self, identity: Identity, request: chat_pb2.EmbedRequest):
+        return await self.embeddings.embed(identity, request, _answer_within_s())
 
     @unary
     async def GetUsage(self, identity: Identity, request: chat_pb2.GetUsageRequest):

@@ -35,7 +35,7 @@ class CompleteRequestFrame(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start: _Optional[_Union[CompleteStart, _Mapping]] = ..., cancel: _Optional[_Union[CompleteCancel, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class CompleteStart(_message.Message):
-    __slots__ = ("request_id", "authorization", "request", "send", "regenerate", "stream_run", "create_chat", "get_chat", "list_chats", "rename_chat", "delete_chat", "list_messages", "get_run", "cancel_run", "list_models", "get_usage", "search_chats", "get_branch")
+    __slots__ = ("request_id", "authorization", "request", "send", "regenerate", "stream_run", "create_chat", "get_chat", "list_chats", "rename_chat", "delete_chat", "list_messages", "get_run", "cancel_run", "list_models", "get_usage", "search_chats", "get_branch", "embed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class CompleteStart(_message.Message):
     GET_USAGE_FIELD_NUMBER: _ClassVar[int]
     SEARCH_CHATS_FIELD_NUMBER: _ClassVar[int]
     GET_BRANCH_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     authorization: str
     request: _chat_pb2.CompleteRequest
@@ -72,7 +73,8 @@ class CompleteStart(_message.Message):
     get_usage: _chat_pb2.GetUsageRequest
     search_chats: _chat_pb2.SearchChatsRequest
     get_branch: _chat_pb2.GetBranchRequest
-    def __init__(self, request_id: _Optional[str] = ..., authorization: _Optional[str] = ..., request: _Optional[_Union[_chat_pb2.CompleteRequest, _Mapping]] = ..., send: _Optional[_Union[_chat_pb2.SendMessageRequest, _Mapping]] = ..., regenerate: _Optional[_Union[_chat_pb2.RegenerateMessageRequest, _Mapping]] = ..., stream_run: _Optional[_Union[_chat_pb2.StreamRunRequest, _Mapping]] = ..., create_chat: _Optional[_Union[_chat_pb2.CreateChatRequest, _Mapping]] = ..., get_chat: _Optional[_Union[_chat_pb2.GetChatRequest, _Mapping]] = ..., list_chats: _Optional[_Union[_chat_pb2.ListChatsRequest, _Mapping]] = ..., rename_chat: _Optional[_Union[_chat_pb2.RenameChatRequest, _Mapping]] = ..., delete_chat: _Optional[_Union[_chat_pb2.DeleteChatRequest, _Mapping]] = ..., list_messages: _Optional[_Union[_chat_pb2.ListMessagesRequest, _Mapping]] = ..., get_run: _Optional[_Union[_chat_pb2.GetRunRequest, _Mapping]] = ..., cancel_run: _Optional[_Union[_chat_pb2.CancelRunRequest, _Mapping]] = ..., list_models: _Optional[_Union[_chat_pb2.ListModelsRequest, _Mapping]] = ..., get_usage: _Optional[_Union[_chat_pb2.GetUsageRequest, _Mapping]] = ..., search_chats: _Optional[_Union[_chat_pb2.SearchChatsRequest, _Mapping]] = ..., get_branch: _Optional[_Union[_chat_pb2.GetBranchRequest, _Mapping]] = ...) -> None: ...
+    embed: _chat_pb2.EmbedRequest
+    def __init__(self, request_id: _Optional[str] = ..., authorization: _Optional[str] = ..., request: _Optional[_Union[_chat_pb2.CompleteRequest, _Mapping]] = ..., send: _Optional[_Union[_chat_pb2.SendMessageRequest, _Mapping]] = ..., regenerate: _Optional[_Union[_chat_pb2.RegenerateMessageRequest, _Mapping]] = ..., stream_run: _Optional[_Union[_chat_pb2.StreamRunRequest, _Mapping]] = ..., create_chat: _Optional[_Union[_chat_pb2.CreateChatRequest, _Mapping]] = ..., get_chat: _Optional[_Union[_chat_pb2.GetChatRequest, _Mapping]] = ..., list_chats: _Optional[_Union[_chat_pb2.ListChatsRequest, _Mapping]] = ..., rename_chat: _Optional[_Union[_chat_pb2.RenameChatRequest, _Mapping]] = ..., delete_chat: _Optional[_Union[_chat_pb2.DeleteChatRequest, _Mapping]] = ..., list_messages: _Optional[_Union[_chat_pb2.ListMessagesRequest, _Mapping]] = ..., get_run: _Optional[_Union[_chat_pb2.GetRunRequest, _Mapping]] = ..., cancel_run: _Optional[_Union[_chat_pb2.CancelRunRequest, _Mapping]] = ..., list_models: _Optional[_Union[_chat_pb2.ListModelsRequest, _Mapping]] = ..., get_usage: _Optional[_Union[_chat_pb2.GetUsageRequest, _Mapping]] = ..., search_chats: _Optional[_Union[_chat_pb2.SearchChatsRequest, _Mapping]] = ..., get_branch: _Optional[_Union[_chat_pb2.GetBranchRequest, _Mapping]] = ..., embed: _Optional[_Union[_chat_pb2.EmbedRequest, _Mapping]] = ...) -> None: ...
 
 class CompleteCancel(_message.Message):
     __slots__ = ()
@@ -99,7 +101,7 @@ class CompleteResponseFrame(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., event: _Optional[_Union[_chat_pb2.RunEvent, _Mapping]] = ..., finished: _Optional[_Union[CompleteFinished, _Mapping]] = ..., failed: _Optional[_Union[CompleteFailed, _Mapping]] = ..., reply: _Optional[_Union[CallReply, _Mapping]] = ...) -> None: ...
 
 class CallReply(_message.Message):
-    __slots__ = ("create_chat", "get_chat", "list_chats", "rename_chat", "delete_chat", "list_messages", "get_run", "cancel_run", "list_models", "get_usage", "search_chats", "get_branch")
+    __slots__ = ("create_chat", "get_chat", "list_chats", "rename_chat", "delete_chat", "list_messages", "get_run", "cancel_run", "list_models", "get_usage", "search_chats", "get_branch", "embed")
     CREATE_CHAT_FIELD_NUMBER: _ClassVar[int]
     GET_CHAT_FIELD_NUMBER: _ClassVar[int]
     LIST_CHATS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class CallReply(_message.Message):
     GET_USAGE_FIELD_NUMBER: _ClassVar[int]
     SEARCH_CHATS_FIELD_NUMBER: _ClassVar[int]
     GET_BRANCH_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
     create_chat: _chat_pb2.CreateChatResponse
     get_chat: _chat_pb2.GetChatResponse
     list_chats: _chat_pb2.ListChatsResponse
@@ -124,7 +127,8 @@ class CallReply(_message.Message):
     get_usage: _chat_pb2.GetUsageResponse
     search_chats: _chat_pb2.SearchChatsResponse
     get_branch: _chat_pb2.GetBranchResponse
-    def __init__(self, create_chat: _Optional[_Union[_chat_pb2.CreateChatResponse, _Mapping]] = ..., get_chat: _Optional[_Union[_chat_pb2.GetChatResponse, _Mapping]] = ..., list_chats: _Optional[_Union[_chat_pb2.ListChatsResponse, _Mapping]] = ..., rename_chat: _Optional[_Union[_chat_pb2.RenameChatResponse, _Mapping]] = ..., delete_chat: _Optional[_Union[_chat_pb2.DeleteChatResponse, _Mapping]] = ..., list_messages: _Optional[_Union[_chat_pb2.ListMessagesResponse, _Mapping]] = ..., get_run: _Optional[_Union[_chat_pb2.GetRunResponse, _Mapping]] = ..., cancel_run: _Optional[_Union[_chat_pb2.CancelRunResponse, _Mapping]] = ..., list_models: _Optional[_Union[_chat_pb2.ListModelsResponse, _Mapping]] = ..., get_usage: _Optional[_Union[_chat_pb2.GetUsageResponse, _Mapping]] = ..., search_chats: _Optional[_Union[_chat_pb2.SearchChatsResponse, _Mapping]] = ..., get_branch: _Optional[_Union[_chat_pb2.GetBranchResponse, _Mapping]] = ...) -> None: ...
+    embed: _chat_pb2.EmbedResponse
+    def __init__(self, create_chat: _Optional[_Union[_chat_pb2.CreateChatResponse, _Mapping]] = ..., get_chat: _Optional[_Union[_chat_pb2.GetChatResponse, _Mapping]] = ..., list_chats: _Optional[_Union[_chat_pb2.ListChatsResponse, _Mapping]] = ..., rename_chat: _Optional[_Union[_chat_pb2.RenameChatResponse, _Mapping]] = ..., delete_chat: _Optional[_Union[_chat_pb2.DeleteChatResponse, _Mapping]] = ..., list_messages: _Optional[_Union[_chat_pb2.ListMessagesResponse, _Mapping]] = ..., get_run: _Optional[_Union[_chat_pb2.GetRunResponse, _Mapping]] = ..., cancel_run: _Optional[_Union[_chat_pb2.CancelRunResponse, _Mapping]] = ..., list_models: _Optional[_Union[_chat_pb2.ListModelsResponse, _Mapping]] = ..., get_usage: _Optional[_Union[_chat_pb2.GetUsageResponse, _Mapping]] = ..., search_chats: _Optional[_Union[_chat_pb2.SearchChatsResponse, _Mapping]] = ..., get_branch: _Optional[_Union[_chat_pb2.GetBranchResponse, _Mapping]] = ..., embed: _Optional[_Union[_chat_pb2.EmbedResponse, _Mapping]] = ...) -> None: ...
 
 class CompleteFinished(_message.Message):
     __slots__ = ()
