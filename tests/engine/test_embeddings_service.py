@@ -68,11 +68,8 @@ async def test_concurrent_callers_share_batches(stub, embedding_engine):
     def batches() -> float:
         url = f"http://127.0.0.1:{embedding_engine.metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=TIMEOUT_S).read().decode()
-        return float(
-            next(
-                l for l in text.splitlines() if l.startswith("chatmesh_engine_embed_batch_seconds_count")
-            ).split()[1]
-        )
+        count = "chatmesh_engine_embed_batch_seconds_count"
+        return float(next(line for line in text.splitlines() if line.startswith(count)).split()[1])
 
     before = batches()
     calls = 24
