@@ -28,7 +28,9 @@ _INPUTS_PARAM = re.compile(r"^inputs\b")
 
 def embed_request(body: EmbeddingIn) -> chat_pb2.EmbedRequest:
     given = body.input
-    items = given if isinstance(given, list) and given and not isinstance(given[0], int) else [given]
+    # One string or one token array is one input; a list of strings or of token arrays (or []) is many.
+    one = isinstance(given, str) or (bool(given) and isinstance(given[0], int))
+    items = [given] if one else given
     return chat_pb2.EmbedRequest(
         model=body.model,
         inputs=[
