@@ -30,7 +30,7 @@ def embed_request(body: EmbeddingIn) -> chat_pb2.EmbedRequest:
     given = body.input
     # One string or one token array is one input; a list of strings or of token arrays (or []) is many.
     one = isinstance(given, str) or (bool(given) and isinstance(given[0], int))
-    items = [given] if one else given
+    items: list = [given] if one else list(given)
     return chat_pb2.EmbedRequest(
         model=body.model,
         inputs=[

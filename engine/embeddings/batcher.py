@@ -113,7 +113,8 @@ class EmbeddingBatcher:
                 self._ready.wait()
             if self._stopped:
                 return None
-            batch, tokens = [], 0
+            batch: list[_Item] = []
+            tokens = 0
             while self._queue and (
                 not batch or tokens + len(self._queue[0].token_ids) <= self._max_batch_tokens
             ):
