@@ -10,7 +10,6 @@ waiting, serving), and ``KvEvents`` (an empty cache: one snapshot, then nothing 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import secrets
@@ -24,7 +23,7 @@ from chatmesh.errors import ServiceError, abort, invalid, unavailable
 from engine.config import EngineConfig
 from engine.embeddings.batcher import EmbeddingBatcher
 from engine.embeddings.tokenizer import EmbeddingTokenizer
-from engine.service import DEFAULT_WATCH_INTERVAL_MS, ENGINE_MESSAGES, MIN_WATCH_INTERVAL_MS
+from engine.service import ENGINE_MESSAGES, watch_load
 from meshkit.links import ServedRequests
 
 log = logging.getLogger(__name__)
@@ -161,23 +160,8 @@ class EmbeddingService(engine_pb2_grpc.EngineServiceServicer):
     async def WatchLoad(
         self, request: engine_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.WatchLoadResponse]:
-        interval_ms = request.interval_ms or DEFAULT_WATCH_INTERVAL_MS
-        if interval_ms < MIN_WATCH_INTERVAL_MS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"interval_ms must be 0 or >= {MIN_WATCH_INTERVAL_MS}"
-            )
-        wake = asyncio.Event()
-        self._watchers.add(wake)
-        try:
-            while True:
-                draining = self.draining
-                yield engine_pb2.WatchLoadResponse(load=self._load())
-                if draining:
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), interval_ms / 1000)
-        finally:
-            self._watchers.discard(wake)
+        async for response in watch_load(request, context, self._watchers, lambda: self.draining, self._load):
+            yield response
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
