@@ -7,7 +7,7 @@ GEMMs) against llama.cpp (llama-cpp-python) on a GGUF converted from the same sa
 Workloads: batch 1 (each of the 24 fixture sentences in a call of its own) and batch 32 (calls of 32
 sentences cycled from the same set, 4-194 tokens each). Each system runs in a fresh process per
 repetition (model load and a warm-up call not timed), the systems alternating, so a busy neighbour
-hurts both alike. onnxruntime and sentence-transformers are not measured: sentence-transformers needs
+hurts both alike; the last column is the median [range] of each repetition's own ratio. onnxruntime and sentence-transformers are not measured: sentence-transformers needs
 torch, and neither ships an ONNX export of this model without it (docs/benchmarks/embeddings.md).
 """
 
@@ -123,14 +123,21 @@ def main() -> None:
         for rep in range(args.reps):
             for system in SYSTEMS if rep % 2 == 0 else reversed(SYSTEMS):
                 runs[system].append(run_worker(system, gguf))
-    print(f"{'workload':<10} {'chatmesh':>24} {'llama.cpp':>24} {'ratio (median)':>15}")
+    print(
+        f"{'workload':<10} {'chatmesh':>22} {'llama.cpp':>22} {'ratio of medians':>17} {'paired ratios':>22}"
+    )
     for name in workloads():
         cells, medians = [], []
         for system in SYSTEMS:
             values = [r[name] for r in runs[system]]
             medians.append(statistics.median(values))
             cells.append(f"{medians[-1]:.0f} [{min(values):.0f}, {max(values):.0f}]")
-        print(f"{name:<10} {cells[0]:>24} {cells[1]:>24} {medians[0] / medians[1]:>14.2f}x")
+        # Each repetition's two runs were neighbours in time: their ratio cancels most of a busy box.
+        paired = [
+            ours[name] / peer[name] for ours, peer in zip(runs["chatmesh"], runs["llama.cpp"], strict=True)
+        ]
+        spread = f"{statistics.median(paired):.2f}x [{min(paired):.2f}, {max(paired):.2f}]"
+        print(f"{name:<10} {cells[0]:>22} {cells[1]:>22} {medians[0] / medians[1]:>16.2f}x {spread:>22}")
 
 
 if __name__ == "__main__":
