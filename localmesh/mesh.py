@@ -15,7 +15,7 @@ Three pools of engines, placed by model: SmolLM2-135M-Instruct (chat), its "-lit
 weights, where free requests degrade to) and Gemma 3 270M (a base model: completions only, under the
 Gemma Terms of Use; ``--completion-engines 0`` leaves it out). The orchestrator prompts each with its
 own tokenizer (one ``--model-file`` per pool). A fourth pool embeds: all-MiniLM-L6-v2 on one thread
-(``POST /v1/embeddings``; idle, it costs ~100 MB and no CPU; ``--embedding-engines 0`` leaves it out).
+(``POST /v1/embeddings``; idle, it costs ~210 MB resident and no CPU; ``--embedding-engines 0`` leaves it out).
 
 Every service exposes Prometheus ``/metrics`` on a fixed port (printed at start), and every span lands in
 ``.run/mesh/spans.jsonl``: the Python services write it themselves (``CHATMESH_TRACE_FILE``), Envoy sends

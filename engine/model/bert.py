@@ -171,11 +171,19 @@ def load_bert(path: str | Path) -> BertCheckpoint:
 
 @dataclass(eq=False)
 class _PackedLayer:
-    source: BertLayer
+    """A layer as the forward reads it: its matrices in the kernels' layout (the checkpoint's float32
+    copies are not kept: they would double the engine's memory), its biases and norms."""
+
     qkv: object
+    qkv_bias: np.ndarray
     wo: object
+    wo_bias: np.ndarray
+    attn_norm: tuple[np.ndarray, np.ndarray]
     up: object
+    up_bias: np.ndarray
     down: object
+    down_bias: np.ndarray
+    ffn_norm: tuple[np.ndarray, np.ndarray]
 
 
 class BertEncoder:
@@ -184,38 +192,55 @@ class BertEncoder:
     def __init__(self, checkpoint: BertCheckpoint, kernels: Kernels) -> None:
         self.config = checkpoint.config
         self.kernels = kernels
-        self._checkpoint = checkpoint
+        self._word_embeddings = checkpoint.word_embeddings
+        self._position_embeddings = checkpoint.position_embeddings
+        self._token_type_embedding = checkpoint.token_type_embedding
+        self._embedding_norm = checkpoint.embedding_norm
         pack = kernels.pack
         self._layers = [
-            _PackedLayer(layer, pack(layer.qkv), pack(layer.wo), pack(layer.up), pack(layer.down))
+            _PackedLayer(
+                pack(layer.qkv),
+                layer.qkv_bias,
+                pack(layer.wo),
+                layer.wo_bias,
+                layer.attn_norm,
+                pack(layer.up),
+                layer.up_bias,
+                pack(layer.down),
+                layer.down_bias,
+                layer.ffn_norm,
+            )
             for layer in checkpoint.layers
         ]
 
     def encode(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
         """Unit vectors float32 ``[len(inputs), hidden]`` of token-id inputs (each with its [CLS] and
         [SEP], 1 to ``max_tokens`` ids below the vocabulary size: the caller checked)."""
-        cfg, ck, ops = self.config, self._checkpoint, self.kernels
+        cfg, ops = self.config, self.kernels
         lengths = [len(ids) for ids in inputs]
         starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         token_ids = np.fromiter((t for ids in inputs for t in ids), dtype=np.int64, count=int(starts[-1]))
         positions = np.concatenate([np.arange(n) for n in lengths])
-        x = ck.word_embeddings[token_ids] + ck.position_embeddings[positions] + ck.token_type_embedding
-        x = _layer_norm(x, ck.embedding_norm, cfg.layer_norm_eps)
+        x = (
+            self._word_embeddings[token_ids]
+            + self._position_embeddings[positions]
+            + self._token_type_embedding
+        )
+        x = _layer_norm(x, self._embedding_norm, cfg.layer_norm_eps)
         hidden = cfg.hidden_size
         for layer in self._layers:
-            src = layer.source
             qkv = ops.linear(x, layer.qkv)
-            qkv += src.qkv_bias
+            qkv += layer.qkv_bias
             attn = ops.linear(self._attention(qkv, starts), layer.wo)
-            attn += src.wo_bias
+            attn += layer.wo_bias
             attn += x
-            x = _layer_norm(attn, src.attn_norm, cfg.layer_norm_eps)
+            x = _layer_norm(attn, layer.attn_norm, cfg.layer_norm_eps)
             h = ops.linear(x, layer.up)
-            h += src.up_bias
+            h += layer.up_bias
             out = ops.linear(_gelu(h), layer.down)
-            out += src.down_bias
+            out += layer.down_bias
             out += x
-            x = _layer_norm(out, src.ffn_norm, cfg.layer_norm_eps)
+            x = _layer_norm(out, layer.ffn_norm, cfg.layer_norm_eps)
         pooled = np.add.reduceat(x, starts[:-1], axis=0) / np.asarray(lengths, np.float32)[:, None]
         assert pooled.dtype == np.float32 and pooled.shape[1] == hidden
         return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
