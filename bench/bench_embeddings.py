@@ -50,9 +50,12 @@ def chatmesh_embedder():
     from engine.embeddings.tokenizer import EmbeddingTokenizer
     from engine.model.bert import BertEncoder, load_bert
     from engine.model.kernels import select_kernels
+    from engine.model.kernels.blas import limit_blas_threads
 
     checkpoint = load_bert(minilm_model_path())
     encoder = BertEncoder(checkpoint, select_kernels(None, THREADS))
+    if encoder.kernels.name != "numpy":  # as the embedding engine does (engine/embeddings/loading.py)
+        limit_blas_threads(1)
     tokenizer = EmbeddingTokenizer(minilm_model_path(), checkpoint.config.max_tokens)
     return lambda texts: encoder.encode(tokenizer.encode_texts(texts))
 

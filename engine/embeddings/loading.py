@@ -14,6 +14,7 @@ from engine.embeddings.tokenizer import EmbeddingTokenizer
 from engine.metrics import EngineMetrics
 from engine.model.bert import BertEncoder, load_bert
 from engine.model.kernels import select_kernels
+from engine.model.kernels.blas import limit_blas_threads
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ def load_embedding_service(
     started = time.monotonic()
     checkpoint = load_bert(model_dir)
     encoder = BertEncoder(checkpoint, select_kernels(None, config.num_threads or None))
+    if encoder.kernels.name != "numpy":  # the native kernels own the cores (engine/model/kernels/blas.py)
+        limit_blas_threads(1)
     tokenizer = EmbeddingTokenizer(model_dir, checkpoint.config.max_tokens)
     batcher = EmbeddingBatcher(
         encoder,
