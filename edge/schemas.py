@@ -259,3 +259,18 @@ class ResponseCreateIn(Strict):
             else:
                 messages.append(item)
         return messages
+
+
+# A token id of an embedding input (OpenAI's token-array input): a JSON integer, never a string or bool.
+EmbeddingTokenId = Annotated[int, Field(strict=True, ge=0, le=UINT32_MAX)]
+
+
+class EmbeddingIn(Strict):
+    """``POST /v1/embeddings``: a string, a list of strings, a token array or a list of token arrays.
+    The inputs' own limits (empty, too long, too many) are the engine's and orchestrator's to say."""
+
+    model: str = Field(min_length=1)
+    input: str | list[str] | list[EmbeddingTokenId] | list[list[EmbeddingTokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1, le=UINT32_MAX)
+    user: str | None = None  # accepted: who the call is for is the bearer token's

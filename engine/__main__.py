@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -15,8 +16,10 @@ from chatmesh.model_files import bundled_model_path
 from chatmesh.tokenizer import load_tokenizer
 from engine.backends.loading import load_hosted_engine
 from engine.config import HOSTED_BACKENDS, EngineConfig
+from engine.embeddings.loading import load_embedding_service
 from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics
+from engine.model.bert import is_sentence_encoder_dir
 from engine.model.loading import create_runner
 from engine.service import EngineService, ServedEngine
 from meshkit import event_loop, serving, telemetry
@@ -85,9 +88,34 @@ async def serve(engine: ServedEngine, args) -> None:
         watchdog.cancel()
 
 
+async def serve_embeddings(config: EngineConfig, args) -> None:
+    """An embedding engine (a sentence-encoder directory as --model): Embed, no generation."""
+    try:
+        service = load_embedding_service(config, config.model_path or Path(), EngineMetrics())
+    except (ValueError, OSError) as exc:
+        log.error("cannot start the embedding engine: %s", exc)
+        sys.exit(2)
+
+    def add_services(server: grpc.aio.Server) -> list[str]:
+        engine_pb2_grpc.add_EngineServiceServicer_to_server(service, server)
+        return [engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name]
+
+    service.start()
+    try:
+        telemetry.start_metrics_server(args.metrics_port, args.host)
+        handle = await serving.start_from_flags(add_services, args)
+        log.info("embedding engine %s ready (instance %s)", config.engine_id, service.instance_id)
+        await serving.serve_until_signalled(handle, "engine", args.drain_grace_s, on_drain=service.drain)
+    finally:
+        service.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     args, config = parse_args(argv)
     telemetry.setup("engine")
+    if config.model_path is not None and is_sentence_encoder_dir(config.model_path):
+        event_loop.run(serve_embeddings(config, args))
+        return
     try:
         engine = build_engine(config)
     except (ValueError, RuntimeError, OSError) as exc:

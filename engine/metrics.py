@@ -70,7 +70,22 @@ class EngineMetrics(ComponentMetrics):
         self.grammar_cache_hits = self.counter(
             "grammar_cache_hits", "Constrained requests whose constraint was compiled already (no compile)."
         )
+        # An embedding engine's (engine/embeddings): its batches, and what they computed.
+        self.embed_batch = self.histogram(
+            "embed_batch_seconds", "Time an embedding engine took to compute one batch of inputs."
+        )
+        self.embedded_inputs = self.counter(
+            "embedded_inputs", "Inputs an embedding engine computed a vector for."
+        )
+        self.embedded_tokens = self.counter(
+            "embedded_tokens", "Tokens of the inputs an embedding engine computed (special tokens included)."
+        )
         self._last = EngineStats()
+
+    def observe_embed_batch(self, inputs: int, tokens: int, seconds: float) -> None:
+        self.embed_batch.observe(seconds)
+        self.embedded_inputs.inc(inputs)
+        self.embedded_tokens.inc(tokens)
 
     def observe_step(self, stats: EngineStats) -> None:
         last, self._last = self._last, stats

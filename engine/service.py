@@ -224,25 +224,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def WatchLoad(
         self, request: engine_pb2.WatchLoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.WatchLoadResponse]:
-        interval_ms = request.interval_ms or DEFAULT_WATCH_INTERVAL_MS
-        if interval_ms < MIN_WATCH_INTERVAL_MS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"interval_ms must be 0 or >= {MIN_WATCH_INTERVAL_MS}"
-            )
-        wake = asyncio.Event()
-        self._watchers.add(wake)
-        try:
-            while True:
-                # Read the flag before the report: a drain that lands while the report is in flight must
-                # still be followed by one more report saying serving: false.
-                draining = self.draining
-                yield engine_pb2.WatchLoadResponse(load=self._load())
-                if draining:
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), interval_ms / 1000)
-        finally:
-            self._watchers.discard(wake)
+        async for response in watch_load(request, context, self._watchers, lambda: self.draining, self._load):
+            yield response
 
     async def GetLoad(
         self, request: engine_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
@@ -287,6 +270,36 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             step_fixed_s=stats.step_fixed_s,
             step_token_s=stats.step_token_s,
         )
+
+
+async def watch_load(
+    request: engine_pb2.WatchLoadRequest,
+    context: grpc.aio.ServicerContext,
+    watchers: set[asyncio.Event],
+    draining: Callable[[], bool],
+    load: Callable[[], engine_pb2.EngineLoad],
+) -> AsyncIterator[engine_pb2.WatchLoadResponse]:
+    """WatchLoad of any engine: ``load()`` every interval and at once on a drain (its wake-up joins
+    ``watchers``), the stream ending after the report that says the engine drains."""
+    interval_ms = request.interval_ms or DEFAULT_WATCH_INTERVAL_MS
+    if interval_ms < MIN_WATCH_INTERVAL_MS:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"interval_ms must be 0 or >= {MIN_WATCH_INTERVAL_MS}"
+        )
+    wake = asyncio.Event()
+    watchers.add(wake)
+    try:
+        while True:
+            # Read the flag before the report: a drain that lands while the report is in flight must
+            # still be followed by one more report saying serving: false.
+            drained = draining()
+            yield engine_pb2.WatchLoadResponse(load=load())
+            if drained:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval_ms / 1000)
+    finally:
+        watchers.discard(wake)
 
 
 class _ManyRequests(ServedRequests):

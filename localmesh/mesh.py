@@ -14,7 +14,8 @@ id). Cassandra members listen on 127.0.0.1 ... 127.0.0.N with the keyspace repli
 Three pools of engines, placed by model: SmolLM2-135M-Instruct (chat), its "-lite" twin (the same
 weights, where free requests degrade to) and Gemma 3 270M (a base model: completions only, under the
 Gemma Terms of Use; ``--completion-engines 0`` leaves it out). The orchestrator prompts each with its
-own tokenizer (one ``--model-file`` per pool).
+own tokenizer (one ``--model-file`` per pool). A fourth pool embeds: all-MiniLM-L6-v2 on one thread
+(``POST /v1/embeddings``; idle, it costs ~210 MB resident and no CPU; ``--embedding-engines 0`` leaves it out).
 
 Every service exposes Prometheus ``/metrics`` on a fixed port (printed at start), and every span lands in
 ``.run/mesh/spans.jsonl``: the Python services write it themselves (``CHATMESH_TRACE_FILE``), Envoy sends
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from chatmesh.identity import OPERATOR_ROLE
-from chatmesh.model_files import bundled_model_path, gemma3_model_path
+from chatmesh.model_files import bundled_model_path, gemma3_model_path, minilm_model_path
 from chatmesh.tokenizer import load_tokenizer
 from localmesh.cassandra.cluster import CassandraCluster, ClusterConfig
 from localmesh.cassandra.node import NodeSetupError
@@ -81,6 +82,9 @@ LITE_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.1875", "--max-runni
 # K and V in float16: 18 KiB a token, 0.14 GiB) this KV memory holds.
 COMPLETION_CONTEXT = 8192
 COMPLETION_ENGINE_FLAGS = ("--threads", "1", "--kv-memory-gib", "0.1875", "--max-running-requests", "8")
+# The embedding pool computes on the cpu backend whatever the others run (a null mesh included): its
+# forward is a few milliseconds a sentence, and nothing else embeds.
+EMBEDDING_ENGINE_FLAGS = ("--threads", "1", "--backend", "cpu")
 
 
 def replica_name(tier: str, index: int, replicas: int) -> str:
@@ -98,6 +102,7 @@ class MeshConfig:
     engines: int = 2
     lite_engines: int = 1  # engines of the cheaper pool (0: the free tier is shed, never degraded)
     completion_engines: int = 0  # engines of Gemma 3 270M, the completion pool (`make run`: 1)
+    embedding_engines: int = 0  # engines of all-MiniLM-L6-v2, the embedding pool (`make run`: 1)
     orchestrators: int = 1
     routers: int = 1
     cassandra_nodes: int = 1
@@ -118,12 +123,12 @@ class MeshConfig:
         return self.dial_overrides.get(port, port)
 
     def engine_ports(self) -> list[int]:
-        """The primary engines' ports, then the cheaper pool's, then the completion pool's."""
+        """The primary engines' ports, then the cheaper pool's, the completion pool's, the embedding pool's."""
         return [self.ports.first_engine + i for i in range(self.all_engines)]
 
     @property
     def all_engines(self) -> int:
-        return self.engines + self.lite_engines + self.completion_engines
+        return self.engines + self.lite_engines + self.completion_engines + self.embedding_engines
 
     def orchestrator_ports(self) -> list[int]:
         return replica_ports(self.ports.orchestrator, self.orchestrators)
@@ -185,7 +190,10 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
     specs = [collector]
     for i, port in enumerate(config.engine_ports()):
         pool_flags: tuple[str, ...] = ()
-        if i >= config.engines + config.lite_engines:
+        embedding = i >= config.engines + config.lite_engines + config.completion_engines
+        if embedding:
+            pool_flags = ("--model", str(minilm_model_path()))
+        elif i >= config.engines + config.lite_engines:
             pool_flags = ("--model", str(completion_model), *COMPLETION_ENGINE_FLAGS)
         elif i >= config.engines:
             pool_flags = ("--served-model-name", lite_model, *LITE_ENGINE_FLAGS)
@@ -201,6 +209,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                     "--metrics-port",
                     str(metrics_port),
                     *config.engine_flags,
+                    *(EMBEDDING_ENGINE_FLAGS if embedding else ()),
                 ],
                 ports=(port, metrics_port),
                 ready=GrpcHealthy(port),
@@ -331,6 +340,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
         default=1,
         help="engines of Gemma 3 270M, the completion pool (Gemma Terms of Use; 0: none)",
     )
+    parser.add_argument(
+        "--embedding-engines",
+        type=int,
+        default=1,
+        help="engines of all-MiniLM-L6-v2, the embedding pool of /v1/embeddings (0: none)",
+    )
     parser.add_argument("--orchestrators", type=int, default=1, help="number of orchestrator replicas")
     parser.add_argument("--routers", type=int, default=1, help="number of router replicas")
     parser.add_argument(
@@ -359,6 +374,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[MeshConfig, Path]:
         engines=args.engines,
         lite_engines=args.lite_engines,
         completion_engines=args.completion_engines,
+        embedding_engines=args.embedding_engines,
         orchestrators=args.orchestrators,
         routers=args.routers,
         cassandra_nodes=args.cassandra_nodes,

@@ -42,8 +42,8 @@ IDEMPOTENT_METHODS = frozenset(
         "SearchChats",
     }
 )
-# Calls that start generation, which get the tighter "generate" rate limit.
-GENERATE_METHODS = frozenset({"SendMessage", "RegenerateMessage", "Complete"})
+# Calls that start model work (generation, embeddings), which get the tighter "generate" rate limit.
+GENERATE_METHODS = frozenset({"SendMessage", "RegenerateMessage", "Complete", "Embed"})
 
 
 @dataclass(frozen=True)
@@ -101,13 +101,14 @@ DEFAULT_RATE_LIMITS: dict[str, RouteLimits] = {
     ),
 }
 
-# Edge routes that start generation (they must match edge/app.py's routes).
+# Edge routes that start model work (they must match edge/app.py's routes).
 EDGE_GENERATE_ROUTES = (
     {"method": "POST", "regex": r"^/v1/chats/[^/]+/messages$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/chats/[^/]+/messages/[^/]+/regenerate$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/chat/completions$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/completions$", "limit": "generate"},
     {"method": "POST", "regex": r"^/v1/responses$", "limit": "generate"},
+    {"method": "POST", "regex": r"^/v1/embeddings$", "limit": "generate"},
 )
 
 

@@ -25,7 +25,7 @@ import grpc
 from opentelemetry import trace
 
 from chatmesh.engine.v1 import engine_pb2
-from chatmesh.errors import ServiceError, unavailable
+from chatmesh.errors import ServiceError, parse, unavailable
 from chatmesh.limits import Generation
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.tiers import tier_named
@@ -256,6 +256,21 @@ class RouterClient:
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, "the router") from exc
         return list(reply.engines)
+
+    async def embed(self, request: router_pb2.EmbedRequest, timeout_s: float) -> router_pb2.EmbedResponse:
+        """An embedding call on a router (a unary call: one message each way, nothing streamed), tried
+        on the next router when one answers UNAVAILABLE, as ``place`` does."""
+        tried: set[str] = set()
+        refused: ServiceError = unavailable("no router is known; retry", 1.0)
+        while len(tried) < PLACEMENT_ATTEMPTS and (router := await self._pick("", tried)):
+            tried.add(router.address)
+            try:
+                return await router.stub.Embed(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                refused = parse(exc)
+                if refused.code != grpc.StatusCode.UNAVAILABLE:
+                    break
+        raise from_downstream(refused, "the router")
 
     async def _pick(self, session_id: str, tried: set[str]) -> RouterReplica | None:
         """The router for a request of ``session_id`` ("": any), not among ``tried`` (None if none is

@@ -122,7 +122,8 @@ class LoadTable(Generic[State]):
     def write(self, slot: int, state: State) -> None:
         """``state``'s row, from what it knows now."""
         info = state.info
-        if info is not None:
+        # An embedding engine is in no generation pool (router/embeds.py places its calls).
+        if info is not None and info.kind != engine_pb2.MODEL_KIND_EMBEDDING:
             pool = self._pools.setdefault((info.model, info.tokenizer_fingerprint), len(self._pools))
             if pool != self.pool[slot]:
                 self.pool[slot] = pool

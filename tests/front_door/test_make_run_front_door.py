@@ -121,9 +121,10 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
     ]
     argv = [sys.executable, "-m", "localmesh.mesh", "--engines", "2", "--run-dir", str(tmp_path / "run")]
     argv += [part for flag in flags for part in (flag, str(free_port()))]
-    # Two engines of the primary pool, then the cheaper pool's, then the completion pool's (Gemma 3).
-    argv += ["--first-engine-port", str(free_consecutive_ports(4))]
-    argv += ["--first-engine-metrics-port", str(free_consecutive_ports(4))]
+    # Two engines of the primary pool, then the cheaper pool's, the completion pool's (Gemma 3) and the
+    # embedding pool's (all-MiniLM-L6-v2).
+    argv += ["--first-engine-port", str(free_consecutive_ports(5))]
+    argv += ["--first-engine-metrics-port", str(free_consecutive_ports(5))]
     mesh = subprocess.Popen(
         argv,
         cwd=REPO_ROOT,
@@ -169,6 +170,9 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
             model=gemma, prompt="Q: What is the capital of France?\nA:", max_tokens=8, temperature=0
         )
         assert "Paris" in completed.choices[0].text, completed
+        # The embedding pool answers /v1/embeddings through Envoy.
+        embedded = sdk.embeddings.create(model="all-MiniLM-L6-v2", input=["Paris", "the capital of France"])
+        assert [len(d.embedding) for d in embedded.data] == [384, 384] and embedded.usage.prompt_tokens > 4
 
         # Every printed /metrics endpoint answers with its service's metrics; the printed operations page
         # URL signs an operator in, whose token the ops API accepts; the answers above left their spans.
@@ -178,12 +182,13 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
             "engine-1",
             "engine-2",
             "engine-3",
+            "engine-4",
             "router",
             "orchestrator",
             "edge",
             "envoy",
         }, output.text
-        expected = {f"engine-{i}": "gen_ai_server_" for i in range(4)}
+        expected = {f"engine-{i}": "gen_ai_server_" for i in range(5)}
         expected |= {"router": "chatmesh_router_", "envoy": "envoy_"}
         expected |= {"orchestrator": "chatmesh_orchestrator_", "edge": "chatmesh_edge_"}
         for name, url in endpoints.items():
@@ -214,9 +219,9 @@ def test_make_run_streams_through_envoy_restarts_a_killed_engine_and_ctrl_c_stop
         os.killpg(mesh.pid, signal.SIGINT)
         code = mesh.wait(timeout=120)
     services = [int(pid) for pid in re.findall(r"ready .* pid (\d+)", output.text)]
-    # cassandra, span collector, two engines, the cheaper pool's engine, the completion pool's, router,
-    # orchestrator, edge, envoy, the restarted engine
-    assert len(services) == 11
+    # cassandra, span collector, two engines, the cheaper pool's engine, the completion pool's, the
+    # embedding pool's, router, orchestrator, edge, envoy, the restarted engine
+    assert len(services) == 12
     assert code == 0, output.text[-3000:]
     assert "stopping chatmesh" in output.text
     assert [pid for pid in services if _alive(pid)] == []

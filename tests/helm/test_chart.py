@@ -508,13 +508,39 @@ def test_every_model_pool_is_reachable_scraped_alerted_on_and_disrupted_one_at_a
     assert not re.fullmatch(jobs[1], f"{FULL}-router")
 
 
+MINILM = "all-MiniLM-L6-v2"
+EMBEDDING_POOL = (
+    'json:extraModels=[{"key": "embed", "name": "all-MiniLM-L6-v2", "path": "all-MiniLM-L6-v2", '
+    '"kind": "embedding", "licence": "Apache-2.0", "config": {"backend": "cpu", "threads": 2}}]'
+)
+
+
+def test_an_embedding_pool_is_routed_but_not_prompted(monkeypatch):
+    chart = render(("values-models.yaml",), (EMBEDDING_POOL,))
+    engine = env_of(chart.container("engine-embed", "engine"))
+    assert engine["CHATMESH_ENGINE_MODEL"] == "/models/all-MiniLM-L6-v2"
+    assert (
+        engine["CHATMESH_ENGINE_SERVED_MODEL_NAME"] == MINILM and engine["CHATMESH_ENGINE_BACKEND"] == "cpu"
+    )
+    dns = env_of(chart.container("router", "router"))["CHATMESH_ROUTER_ENGINE_DNS"]
+    assert "engine-embed" in dns
+    # The orchestrator builds no prompts for it: only the first pool's file.
+    for name in list(os.environ):
+        if name.startswith("CHATMESH_"):
+            monkeypatch.delenv(name)
+    for name, value in env_of(chart.container("orchestrator", "orchestrator")).items():
+        monkeypatch.setenv(name, value or "pod")
+    files = [ModelFile.parse(flag) for flag in _parsers()["orchestrator"]([])[0].model_file]
+    assert [str(f.path) for f in files] == ["/models/smollm2-135m-instruct.q4_1.gguf"]
+
+
 def test_a_model_pool_needs_the_model_volume_single_node_engines_and_a_known_kind():
     with pytest.raises(HelmError, match=r"extraModels serve files of the model volume.*set model\.path"):
         render(sets=(*REQUIRED_SETS, GEMMA_POOL))
     with pytest.raises(HelmError, match=r"extraModels gemma: .*engine\.multiNode is for the first pool only"):
         render(("values-full.yaml",), (GEMMA_POOL,))
     with pytest.raises(HelmError, match="kind"):
-        render(("values-models.yaml",), (GEMMA_POOL.replace("completion", "embedding"),))
+        render(("values-models.yaml",), (GEMMA_POOL.replace("completion", "vision"),))
     with pytest.raises(HelmError, match="key"):
         render(("values-models.yaml",), (GEMMA_POOL.replace('"gemma"', '"Gemma_3"'),))
 

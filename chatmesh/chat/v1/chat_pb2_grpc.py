@@ -146,6 +146,11 @@ class ChatServiceStub:
                 request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/chatmesh.chat.v1.ChatService/Embed',
+                request_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class ChatServiceServicer:
@@ -311,6 +316,15 @@ class ChatServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns one unit vector per input from an embedding model (OpenAI's /v1/embeddings). The
+        caller's token budget applies as to generation: the inputs' tokens are charged as prompt tokens.
+        INVALID_ARGUMENT names an empty input, or one longer than the model takes (and its limit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ChatServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -408,6 +422,11 @@ def add_ChatServiceServicer_to_server(servicer, server):
                     servicer.DeleteMessage,
                     request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageRequest.FromString,
                     response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.EmbedRequest.FromString,
+                    response_serializer=chatmesh_dot_chat_dot_v1_dot_chat__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -940,6 +959,33 @@ class ChatService:
             '/chatmesh.chat.v1.ChatService/DeleteMessage',
             chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageRequest.SerializeToString,
             chatmesh_dot_chat_dot_v1_dot_chat__pb2.DeleteMessageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.chat.v1.ChatService/Embed',
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.EmbedRequest.SerializeToString,
+            chatmesh_dot_chat_dot_v1_dot_chat__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

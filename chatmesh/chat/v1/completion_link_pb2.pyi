@@ -35,7 +35,7 @@ class CompleteRequestFrame(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., start: _Optional[_Union[CompleteStart, _Mapping]] = ..., cancel: _Optional[_Union[CompleteCancel, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
 
 class CompleteStart(_message.Message):
-    __slots__ = ("request_id", "authorization", "request", "send", "regenerate", "stream_run", "create_chat", "get_chat", "list_chats", "rename_chat", "delete_chat", "list_messages", "get_run", "cancel_run", "list_models", "get_usage", "search_chats", "get_branch", "set_chat_metadata", "append_messages", "delete_message")
+    __slots__ = ("request_id", "authorization", "request", "send", "regenerate", "stream_run", "create_chat", "get_chat", "list_chats", "rename_chat", "delete_chat", "list_messages", "get_run", "cancel_run", "list_models", "get_usage", "search_chats", "get_branch", "set_chat_metadata", "append_messages", "delete_message", "embed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     AUTHORIZATION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class CompleteStart(_message.Message):
     SET_CHAT_METADATA_FIELD_NUMBER: _ClassVar[int]
     APPEND_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     DELETE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     authorization: str
     request: _chat_pb2.CompleteRequest
@@ -78,7 +79,8 @@ class CompleteStart(_message.Message):
     set_chat_metadata: _chat_pb2.SetChatMetadataRequest
     append_messages: _chat_pb2.AppendMessagesRequest
     delete_message: _chat_pb2.DeleteMessageRequest
-    def __init__(self, request_id: _Optional[str] = ..., authorization: _Optional[str] = ..., request: _Optional[_Union[_chat_pb2.CompleteRequest, _Mapping]] = ..., send: _Optional[_Union[_chat_pb2.SendMessageRequest, _Mapping]] = ..., regenerate: _Optional[_Union[_chat_pb2.RegenerateMessageRequest, _Mapping]] = ..., stream_run: _Optional[_Union[_chat_pb2.StreamRunRequest, _Mapping]] = ..., create_chat: _Optional[_Union[_chat_pb2.CreateChatRequest, _Mapping]] = ..., get_chat: _Optional[_Union[_chat_pb2.GetChatRequest, _Mapping]] = ..., list_chats: _Optional[_Union[_chat_pb2.ListChatsRequest, _Mapping]] = ..., rename_chat: _Optional[_Union[_chat_pb2.RenameChatRequest, _Mapping]] = ..., delete_chat: _Optional[_Union[_chat_pb2.DeleteChatRequest, _Mapping]] = ..., list_messages: _Optional[_Union[_chat_pb2.ListMessagesRequest, _Mapping]] = ..., get_run: _Optional[_Union[_chat_pb2.GetRunRequest, _Mapping]] = ..., cancel_run: _Optional[_Union[_chat_pb2.CancelRunRequest, _Mapping]] = ..., list_models: _Optional[_Union[_chat_pb2.ListModelsRequest, _Mapping]] = ..., get_usage: _Optional[_Union[_chat_pb2.GetUsageRequest, _Mapping]] = ..., search_chats: _Optional[_Union[_chat_pb2.SearchChatsRequest, _Mapping]] = ..., get_branch: _Optional[_Union[_chat_pb2.GetBranchRequest, _Mapping]] = ..., set_chat_metadata: _Optional[_Union[_chat_pb2.SetChatMetadataRequest, _Mapping]] = ..., append_messages: _Optional[_Union[_chat_pb2.AppendMessagesRequest, _Mapping]] = ..., delete_message: _Optional[_Union[_chat_pb2.DeleteMessageRequest, _Mapping]] = ...) -> None: ...
+    embed: _chat_pb2.EmbedRequest
+    def __init__(self, request_id: _Optional[str] = ..., authorization: _Optional[str] = ..., request: _Optional[_Union[_chat_pb2.CompleteRequest, _Mapping]] = ..., send: _Optional[_Union[_chat_pb2.SendMessageRequest, _Mapping]] = ..., regenerate: _Optional[_Union[_chat_pb2.RegenerateMessageRequest, _Mapping]] = ..., stream_run: _Optional[_Union[_chat_pb2.StreamRunRequest, _Mapping]] = ..., create_chat: _Optional[_Union[_chat_pb2.CreateChatRequest, _Mapping]] = ..., get_chat: _Optional[_Union[_chat_pb2.GetChatRequest, _Mapping]] = ..., list_chats: _Optional[_Union[_chat_pb2.ListChatsRequest, _Mapping]] = ..., rename_chat: _Optional[_Union[_chat_pb2.RenameChatRequest, _Mapping]] = ..., delete_chat: _Optional[_Union[_chat_pb2.DeleteChatRequest, _Mapping]] = ..., list_messages: _Optional[_Union[_chat_pb2.ListMessagesRequest, _Mapping]] = ..., get_run: _Optional[_Union[_chat_pb2.GetRunRequest, _Mapping]] = ..., cancel_run: _Optional[_Union[_chat_pb2.CancelRunRequest, _Mapping]] = ..., list_models: _Optional[_Union[_chat_pb2.ListModelsRequest, _Mapping]] = ..., get_usage: _Optional[_Union[_chat_pb2.GetUsageRequest, _Mapping]] = ..., search_chats: _Optional[_Union[_chat_pb2.SearchChatsRequest, _Mapping]] = ..., get_branch: _Optional[_Union[_chat_pb2.GetBranchRequest, _Mapping]] = ..., set_chat_metadata: _Optional[_Union[_chat_pb2.SetChatMetadataRequest, _Mapping]] = ..., append_messages: _Optional[_Union[_chat_pb2.AppendMessagesRequest, _Mapping]] = ..., delete_message: _Optional[_Union[_chat_pb2.DeleteMessageRequest, _Mapping]] = ..., embed: _Optional[_Union[_chat_pb2.EmbedRequest, _Mapping]] = ...) -> None: ...
 
 class CompleteCancel(_message.Message):
     __slots__ = ()
@@ -105,7 +107,7 @@ class CompleteResponseFrame(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., event: _Optional[_Union[_chat_pb2.RunEvent, _Mapping]] = ..., finished: _Optional[_Union[CompleteFinished, _Mapping]] = ..., failed: _Optional[_Union[CompleteFailed, _Mapping]] = ..., reply: _Optional[_Union[CallReply, _Mapping]] = ...) -> None: ...
 
 class CallReply(_message.Message):
-    __slots__ = ("create_chat", "get_chat", "list_chats", "rename_chat", "delete_chat", "list_messages", "get_run", "cancel_run", "list_models", "get_usage", "search_chats", "get_branch", "set_chat_metadata", "append_messages", "delete_message")
+    __slots__ = ("create_chat", "get_chat", "list_chats", "rename_chat", "delete_chat", "list_messages", "get_run", "cancel_run", "list_models", "get_usage", "search_chats", "get_branch", "set_chat_metadata", "append_messages", "delete_message", "embed")
     CREATE_CHAT_FIELD_NUMBER: _ClassVar[int]
     GET_CHAT_FIELD_NUMBER: _ClassVar[int]
     LIST_CHATS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +123,7 @@ class CallReply(_message.Message):
     SET_CHAT_METADATA_FIELD_NUMBER: _ClassVar[int]
     APPEND_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     DELETE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
     create_chat: _chat_pb2.CreateChatResponse
     get_chat: _chat_pb2.GetChatResponse
     list_chats: _chat_pb2.ListChatsResponse
@@ -136,7 +139,8 @@ class CallReply(_message.Message):
     set_chat_metadata: _chat_pb2.SetChatMetadataResponse
     append_messages: _chat_pb2.AppendMessagesResponse
     delete_message: _chat_pb2.DeleteMessageResponse
-    def __init__(self, create_chat: _Optional[_Union[_chat_pb2.CreateChatResponse, _Mapping]] = ..., get_chat: _Optional[_Union[_chat_pb2.GetChatResponse, _Mapping]] = ..., list_chats: _Optional[_Union[_chat_pb2.ListChatsResponse, _Mapping]] = ..., rename_chat: _Optional[_Union[_chat_pb2.RenameChatResponse, _Mapping]] = ..., delete_chat: _Optional[_Union[_chat_pb2.DeleteChatResponse, _Mapping]] = ..., list_messages: _Optional[_Union[_chat_pb2.ListMessagesResponse, _Mapping]] = ..., get_run: _Optional[_Union[_chat_pb2.GetRunResponse, _Mapping]] = ..., cancel_run: _Optional[_Union[_chat_pb2.CancelRunResponse, _Mapping]] = ..., list_models: _Optional[_Union[_chat_pb2.ListModelsResponse, _Mapping]] = ..., get_usage: _Optional[_Union[_chat_pb2.GetUsageResponse, _Mapping]] = ..., search_chats: _Optional[_Union[_chat_pb2.SearchChatsResponse, _Mapping]] = ..., get_branch: _Optional[_Union[_chat_pb2.GetBranchResponse, _Mapping]] = ..., set_chat_metadata: _Optional[_Union[_chat_pb2.SetChatMetadataResponse, _Mapping]] = ..., append_messages: _Optional[_Union[_chat_pb2.AppendMessagesResponse, _Mapping]] = ..., delete_message: _Optional[_Union[_chat_pb2.DeleteMessageResponse, _Mapping]] = ...) -> None: ...
+    embed: _chat_pb2.EmbedResponse
+    def __init__(self, create_chat: _Optional[_Union[_chat_pb2.CreateChatResponse, _Mapping]] = ..., get_chat: _Optional[_Union[_chat_pb2.GetChatResponse, _Mapping]] = ..., list_chats: _Optional[_Union[_chat_pb2.ListChatsResponse, _Mapping]] = ..., rename_chat: _Optional[_Union[_chat_pb2.RenameChatResponse, _Mapping]] = ..., delete_chat: _Optional[_Union[_chat_pb2.DeleteChatResponse, _Mapping]] = ..., list_messages: _Optional[_Union[_chat_pb2.ListMessagesResponse, _Mapping]] = ..., get_run: _Optional[_Union[_chat_pb2.GetRunResponse, _Mapping]] = ..., cancel_run: _Optional[_Union[_chat_pb2.CancelRunResponse, _Mapping]] = ..., list_models: _Optional[_Union[_chat_pb2.ListModelsResponse, _Mapping]] = ..., get_usage: _Optional[_Union[_chat_pb2.GetUsageResponse, _Mapping]] = ..., search_chats: _Optional[_Union[_chat_pb2.SearchChatsResponse, _Mapping]] = ..., get_branch: _Optional[_Union[_chat_pb2.GetBranchResponse, _Mapping]] = ..., set_chat_metadata: _Optional[_Union[_chat_pb2.SetChatMetadataResponse, _Mapping]] = ..., append_messages: _Optional[_Union[_chat_pb2.AppendMessagesResponse, _Mapping]] = ..., delete_message: _Optional[_Union[_chat_pb2.DeleteMessageResponse, _Mapping]] = ..., embed: _Optional[_Union[_chat_pb2.EmbedResponse, _Mapping]] = ...) -> None: ...
 
 class CompleteFinished(_message.Message):
     __slots__ = ()

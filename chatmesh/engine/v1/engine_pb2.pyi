@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_KIND_UNSPECIFIED: _ClassVar[ModelKind]
+    MODEL_KIND_GENERATION: _ClassVar[ModelKind]
+    MODEL_KIND_EMBEDDING: _ClassVar[ModelKind]
+
 class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PRIORITY_UNSPECIFIED: _ClassVar[Priority]
@@ -20,6 +26,9 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+MODEL_KIND_UNSPECIFIED: ModelKind
+MODEL_KIND_GENERATION: ModelKind
+MODEL_KIND_EMBEDDING: ModelKind
 PRIORITY_UNSPECIFIED: Priority
 PRIORITY_LOW: Priority
 PRIORITY_NORMAL: Priority
@@ -342,7 +351,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("model", "tokenizer_fingerprint", "block_size", "block_hash_seed", "context_length", "vocab_size", "eos_token_ids", "backend", "tensor_parallel_size", "engine_instance_id", "kv_blocks_total")
+    __slots__ = ("model", "tokenizer_fingerprint", "block_size", "block_hash_seed", "context_length", "vocab_size", "eos_token_ids", "backend", "tensor_parallel_size", "engine_instance_id", "kv_blocks_total", "kind", "embedding_dimensions")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -354,6 +363,8 @@ class GetModelInfoResponse(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_fingerprint: str
     block_size: int
@@ -365,4 +376,42 @@ class GetModelInfoResponse(_message.Message):
     tensor_parallel_size: int
     engine_instance_id: str
     kv_blocks_total: int
-    def __init__(self, model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hash_seed: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., engine_instance_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...
+    kind: ModelKind
+    embedding_dimensions: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hash_seed: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., backend: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., engine_instance_id: _Optional[str] = ..., kv_blocks_total: _Optional[int] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., embedding_dimensions: _Optional[int] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("model", "inputs", "priority", "dimensions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    priority: Priority
+    dimensions: int
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("vector_f32", "token_count")
+    VECTOR_F32_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    vector_f32: bytes
+    token_count: int
+    def __init__(self, vector_f32: _Optional[bytes] = ..., token_count: _Optional[int] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("model", "embeddings")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, model: _Optional[str] = ..., embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...

@@ -66,6 +66,11 @@ class EngineServiceStub:
                 request_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/chatmesh.engine.v1.EngineService/Embed',
+                request_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -127,6 +132,19 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed computes one unit vector per input with an embedding model (GetModelInfo's kind
+        MODEL_KIND_EMBEDDING); the inputs of the calls that arrive while a batch computes go in the next
+        batch together. An engine of a generation model answers it UNIMPLEMENTED; an embedding engine ends
+        every GenerateMany request with FAILED_PRECONDITION. Errors: INVALID_ARGUMENT (no inputs, an empty
+        input, an input longer than the model takes, a token id outside its vocabulary: the message names
+        the input and the limit), FAILED_PRECONDITION (another model named), UNAVAILABLE (draining, failed).
+        Unary, not a link: one message each way and no events in between (docs/embeddings.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +172,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoRequest.FromString,
                     response_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.FromString,
+                    response_serializer=chatmesh_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -298,6 +321,33 @@ class EngineService:
             '/chatmesh.engine.v1.EngineService/GetModelInfo',
             chatmesh_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
             chatmesh_dot_engine_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.engine.v1.EngineService/Embed',
+            chatmesh_dot_engine_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
+            chatmesh_dot_engine_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -139,3 +139,19 @@ class ListEnginesResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("embed", "tier")
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    embed: _engine_pb2.EmbedRequest
+    tier: Tier
+    def __init__(self, embed: _Optional[_Union[_engine_pb2.EmbedRequest, _Mapping]] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embed", "engine_id")
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    embed: _engine_pb2.EmbedResponse
+    engine_id: str
+    def __init__(self, embed: _Optional[_Union[_engine_pb2.EmbedResponse, _Mapping]] = ..., engine_id: _Optional[str] = ...) -> None: ...

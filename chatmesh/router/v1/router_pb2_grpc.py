@@ -55,6 +55,11 @@ class RouterServiceStub:
                 request_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.ListEnginesRequest.SerializeToString,
                 response_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.ListEnginesResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/chatmesh.router.v1.RouterService/Embed',
+                request_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -101,6 +106,16 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed places an embedding call on the least busy healthy engine of the named embedding model's pool
+        (MODEL_KIND_EMBEDDING engines) and returns its answer; an engine that fails it UNAVAILABLE is
+        replaced by another of the pool once. Errors: the engine's (engine.v1 Embed), NOT_FOUND (no
+        embedding engine serves the model), UNAVAILABLE (none of them healthy).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +128,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.ListEngines,
                     request_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.ListEnginesRequest.FromString,
                     response_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.ListEnginesResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=chatmesh_dot_router_dot_v1_dot_router__pb2.EmbedRequest.FromString,
+                    response_serializer=chatmesh_dot_router_dot_v1_dot_router__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +200,33 @@ class RouterService:
             '/chatmesh.router.v1.RouterService/ListEngines',
             chatmesh_dot_router_dot_v1_dot_router__pb2.ListEnginesRequest.SerializeToString,
             chatmesh_dot_router_dot_v1_dot_router__pb2.ListEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/chatmesh.router.v1.RouterService/Embed',
+            chatmesh_dot_router_dot_v1_dot_router__pb2.EmbedRequest.SerializeToString,
+            chatmesh_dot_router_dot_v1_dot_router__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
