@@ -45,6 +45,13 @@ FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interv
 OPTIONS = chat_pb2.GenerationOptions(max_tokens=48, temperature=0.0)
 TOKENIZER = load_tokenizer(str(bundled_model_path()))
 CALL_TOKENS = len(TOKENIZER.encode(CALL))
+# The prompt of the turn after a step is the turn before's, the call and this (the result, "42").
+RESULT_TOKENS = len(TOKENIZER.user_turn_after_answer(result_text("42")))
+# The null engine's text: the call, then filler as long as the result's turn, so that a turn after a
+# step whose prompt was aligned with the cycle is aligned too, and calls the tool again if offered it.
+NULL_TEXT = CALL + " a" * RESULT_TOKENS
+CYCLE = len(TOKENIZER.encode(NULL_TEXT))
+assert CYCLE == CALL_TOKENS + RESULT_TOKENS, "the filler's tokens merge with the call's"
 
 
 def aligned_prompt(text: str) -> list[int]:
@@ -66,9 +73,9 @@ def aligned_question(text: str) -> str:
     starts with the call (the prompt the orchestrator assembles: its system prompt, the tools, the
     question)."""
     system = _system()
-    for pad in range(4 * CALL_TOKENS):
+    for pad in range(4 * CYCLE):
         question = text + " a" * pad
-        if len(TOKENIZER.encode_chat([system, ChatMessage("user", question)])) % CALL_TOKENS == 0:
+        if len(TOKENIZER.encode_chat([system, ChatMessage("user", question)])) % CYCLE == 0:
             return question
     raise AssertionError("no padding aligns the prompt with the null engine's cycle")
 
@@ -76,7 +83,11 @@ def aligned_question(text: str) -> str:
 @pytest.fixture(scope="module")
 def tool_mesh(start_mesh: MeshFactory) -> Iterator[Mesh]:
     mesh = start_mesh(
-        1, "null", engine_flags={"null_tokens_per_s": 40, "null_text": CALL}, **TOOL_FLAGS, **FAST_REAPING
+        1,
+        "null",
+        engine_flags={"null_tokens_per_s": 40, "null_text": NULL_TEXT},
+        **TOOL_FLAGS,
+        **FAST_REAPING,
     )
     yield mesh
     for replica in list(mesh.orchestrators):
@@ -117,7 +128,7 @@ async def test_a_tool_call_is_a_stored_step_and_the_answer_goes_on_after_it(
     # Both turns' prompts are charged (the second holds the first, its call and the result).
     usage = run[-2].usage
     first = len(aligned_prompt("What is 6 * 7?"))
-    second = first + CALL_TOKENS + len(TOKENIZER.user_turn_after_answer(result_text("42")))
+    second = first + CALL_TOKENS + RESULT_TOKENS
     assert (usage.prompt_tokens, usage.completion_tokens) == (first + second, OPTIONS.max_tokens)
 
     # Any replica replays it from Cassandra, steps in place; the answer stored is the streamed text.
@@ -136,7 +147,7 @@ async def test_the_turn_after_a_step_needs_room_in_the_budget_for_its_prompt(
     the call, the result) is more, and a budget one token short of it ends the answer after the step."""
     question = "Is 6 * 7 42?"
     first = len(aligned_prompt(question))
-    second = first + CALL_TOKENS + len(TOKENIZER.user_turn_after_answer(result_text("42")))
+    second = first + CALL_TOKENS + RESULT_TOKENS
     budget = first + OPTIONS.max_tokens + second - 1
     with tool_mesh.replica(**TOOL_FLAGS, **FAST_REAPING, budget_pro_tokens=budget) as replica:
         client = connect(replica.address)
@@ -144,6 +155,38 @@ async def test_the_turn_after_a_step_needs_room_in_the_budget_for_its_prompt(
         run = await collect(client.send(chat.chat_id, aligned_question(question), options=OPTIONS))
     assert kinds(run) == ["started", "step_started", "step_result", "error"], kinds(run)
     assert run[-1].error.code == "RESOURCE_EXHAUSTED" and "after a tool step" in run[-1].error.message
+
+
+async def test_each_turn_after_a_step_raises_the_runs_reservation_so_a_tool_loop_cannot_overshoot(
+    tool_mesh: Mesh, connect: Callable[..., ChatClient], memory_store: MemoryStore
+) -> None:
+    """Two steps: the budget has room for the first prompt, max_tokens and the second turn's prompt,
+    then the third's, each alone, but not for both. The second turn's prompt is reserved once it is
+    placed, so the third is refused: the answer ends after the second step with the error a send
+    refused by the budget gets, stored, and the user is charged what the run used, within the budget."""
+    question = "Is 6 * 7 still 42?"
+    options = chat_pb2.GenerationOptions(max_tokens=96, temperature=0.0)
+    first = len(aligned_prompt(question))
+    second = first + CALL_TOKENS + RESULT_TOKENS
+    third = second + CALL_TOKENS + RESULT_TOKENS
+    budget = first + options.max_tokens + second + third - 1
+    flags = {**TOOL_FLAGS, "tool_max_steps": 2, "budget_pro_tokens": budget}
+    with tool_mesh.replica(**flags, **FAST_REAPING) as replica:
+        client = connect(replica.address)
+        chat = await client.create_chat("two steps, a tight budget")
+        run = await collect(client.send(chat.chat_id, aligned_question(question), options=options))
+        assert kinds(run) == ["started", *["step_started", "step_result"] * 2, "error"], kinds(run)
+        error = run[-1].error
+        assert error.code == "RESOURCE_EXHAUSTED" and "after a tool step" in error.message
+        assert error.retry_after_ms > 0  # the window's end, as for a refused send
+    # Stored: another replica replays the steps and the same end from Cassandra.
+    other = connect(tool_mesh.orchestrator.address, client.user)
+    replayed = await collect(other.stream_run(run[0].started.run_id))
+    assert [(e.seq, e.WhichOneof("kind")) for e in replayed] == [(e.seq, e.WhichOneof("kind")) for e in run]
+    assert (replayed[-1].error.code, replayed[-1].error.message) == (error.code, error.message)
+    window = await memory_store.get_usage(client.user)
+    assert window.runs == 1 and window.usage.prompt_tokens == first + second
+    assert window.usage.total_tokens <= budget
 
 
 async def test_a_replica_killed_at_a_tool_step_leaves_it_to_another_which_never_runs_it_again(
