@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 # message is shown to the model; any other exception is logged and shown as a failure).
 Run = Callable[[str, dict[str, Any]], Awaitable[str]]
 
+# Every outcome a call can have (the module's docstring says what each means).
+OUTCOMES = ("ok", "error", "timeout", "refused", "interrupted")
+
 INTERRUPTED_TEXT = (
     "The tool was interrupted: the server running it was lost. It may or may not have taken effect, "
     "and it is not run again."
@@ -74,6 +77,11 @@ class Toolbox:
             if unknown := [name for name in names if name not in tools]:
                 raise ValueError(f"--tools-{tier} names unknown tools {unknown}; known: {sorted(tools)}")
             self._allowed[tier] = names
+        # Each tool's series from 0: a dashboard's rate of a call that never happened reads 0, not no data.
+        for name in tools:
+            METRICS.tool_duration.labels(name)
+            for outcome in OUTCOMES:
+                METRICS.tool_calls.labels(name, outcome)
 
     def tools_for(self, tier: str, steps_taken: int) -> Tools | None:
         """The tools an answer of ``tier`` is offered after ``steps_taken`` steps (None: answer in text)."""
