@@ -322,6 +322,8 @@ class Relay:
         call_ids, self._unsent_ids = tuple(self._unsent_ids), []
         stored = await self._store_step(mine, call_ids)
         if stored == mine:
+            # The audit line of an execution (one per step: the chaos suite counts them, bench/chaos.py).
+            log.info("run %s: tool step %s runs %s", self.live.info.run_id, call.id, call.name)
             result = await self.tools.run(call)
         elif (call_of(stored) or call).id == call.id:
             result = self.tools.toolbox.interrupted(call)

@@ -18,15 +18,16 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.limits import Generation
-from chatmesh.model_files import bundled_model_path
-from chatmesh.tokenizer import ChatMessage, load_tokenizer
+from chatmesh.tokenizer import ChatMessage
 from chatmesh.tool_format import ToolCall, result_text
+from localmesh.chaos.tool_load import CALL, RESULT, first_prompt, null_text, tokenizer
+from localmesh.chaos.tool_load import aligned_question as aligned_for
 from memory_store.models import RunDelta
 from memory_store.store import MemoryStore
-from orchestrator.config import DEFAULT_SYSTEM_PROMPT, ToolConfig
+from orchestrator.config import ToolConfig
 from orchestrator.router_client import start_frame
 from orchestrator.runs.tool_steps import started_record
-from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools
+from orchestrator.tools.toolbox import Tool
 from tests.fixtures.in_process import in_process_replica, within
 from tests.fixtures.orchestrator import (
     ChatClient,
@@ -39,45 +40,25 @@ from tests.fixtures.orchestrator import (
 )
 from tests.memory_store.builders import start_run
 
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
 TOOL_FLAGS = {"tools": True, "tool_max_steps": 1}
 FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
 OPTIONS = chat_pb2.GenerationOptions(max_tokens=48, temperature=0.0)
-TOKENIZER = load_tokenizer(str(bundled_model_path()))
+TOKENIZER = tokenizer()
 CALL_TOKENS = len(TOKENIZER.encode(CALL))
-# The prompt of the turn after a step is the turn before's, the call and this (the result, "42").
-RESULT_TOKENS = len(TOKENIZER.user_turn_after_answer(result_text("42")))
-# The null engine's text: the call, then filler as long as the result's turn, so that a turn after a
-# step whose prompt was aligned with the cycle is aligned too, and calls the tool again if offered it.
-NULL_TEXT = CALL + " a" * RESULT_TOKENS
-CYCLE = len(TOKENIZER.encode(NULL_TEXT))
-assert CYCLE == CALL_TOKENS + RESULT_TOKENS, "the filler's tokens merge with the call's"
+# The prompt of the turn after a step is the turn before's, the call and the result's turn.
+RESULT_TOKENS = len(TOKENIZER.user_turn_after_answer(result_text(RESULT)))
+
+
+def aligned_question(text: str) -> str:
+    """``text`` padded so that a pro user's new chat with it gets an answer that begins with the call
+    (the null engine's text is ``null_text()``: the call, then filler as long as the result's turn,
+    so each turn after a step calls again while it is offered the tools)."""
+    return aligned_for(text, "pro")
 
 
 def aligned_prompt(text: str) -> list[int]:
     """The prompt of a new chat's first message ``aligned_question(text)``."""
-    return TOKENIZER.encode_chat([_system(), ChatMessage("user", aligned_question(text))])
-
-
-def _system() -> ChatMessage:
-    tools = Toolbox(ToolConfig(enabled=True), builtin_tools(None), ("free", "pro", "enterprise")).tools_for(
-        "pro", 0
-    )  # type: ignore[arg-type]
-    assert tools is not None
-    return ChatMessage("system", f"{DEFAULT_SYSTEM_PROMPT}\n\n{tools.system_text()}")
-
-
-def aligned_question(text: str) -> str:
-    """``text`` padded so that the prompt of a new chat's first message is a whole number of the null
-    engine's cycles: the engine's text at a position is its cycle's token there, so the answer then
-    starts with the call (the prompt the orchestrator assembles: its system prompt, the tools, the
-    question)."""
-    system = _system()
-    for pad in range(4 * CYCLE):
-        question = text + " a" * pad
-        if len(TOKENIZER.encode_chat([system, ChatMessage("user", question)])) % CYCLE == 0:
-            return question
-    raise AssertionError("no padding aligns the prompt with the null engine's cycle")
+    return first_prompt(aligned_question(text), "pro")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +66,7 @@ def tool_mesh(start_mesh: MeshFactory) -> Iterator[Mesh]:
     mesh = start_mesh(
         1,
         "null",
-        engine_flags={"null_tokens_per_s": 40, "null_text": NULL_TEXT},
+        engine_flags={"null_tokens_per_s": 40, "null_text": null_text()},
         **TOOL_FLAGS,
         **FAST_REAPING,
     )
