@@ -54,6 +54,12 @@ def http_client(url: str) -> httpx.AsyncClient:
     )
 
 
+def tool_count(sent: int, share: float) -> int:
+    """How many of a user's first ``sent`` messages are tool questions: ``share`` of them, the first
+    one of them (if the share is not 0) being the first message."""
+    return int(sent * share + 1 - share) if share else 0
+
+
 class Load:
     def __init__(self, url: str, keys: DevKeys, settings: LoadSettings) -> None:
         self.url = url
@@ -91,8 +97,9 @@ class Load:
         while not self._stop.is_set():
             try:
                 sent += 1
-                # Spread evenly: the n-th message is a tool question when the share's count goes up.
-                if int(sent * settings.tool_share) > int((sent - 1) * settings.tool_share):
+                # Spread evenly, the first one included: the n-th message is a tool question when the
+                # share's count (from 1 - share) goes up.
+                if tool_count(sent, settings.tool_share) > tool_count(sent - 1, settings.tool_share):
                     self.record.answers.append(await self._tool_question(user, sent))
                     continue
                 if not chat_id or turn >= settings.turns_per_chat:

@@ -10,6 +10,7 @@ from collections import Counter
 from localmesh.chaos.clients import Answer, StepEvent
 from localmesh.chaos.delay_proxy import DelayProxies, DelayProxy
 from localmesh.chaos.faults import Fault, Injection
+from localmesh.chaos.load import tool_count
 from localmesh.chaos.report import BASELINE, ToolRecord, tabulate
 from localmesh.chaos.tool_load import executions
 from meshkit.launcher import free_port
@@ -136,3 +137,12 @@ def test_tool_steps_count_executions_repeats_and_step_events_a_stream_missed(tmp
     assert record.executions == Counter({first: 2})
     [row] = tabulate([], [streamed], [], [], record)
     assert (row.steps, row.ran, row.interrupted, row.twice, row.step_gaps) == (2, 2, 1, 1, 2)
+
+
+def test_the_tool_share_is_spread_evenly_from_each_users_first_message():
+    def tool_questions(share: float) -> list[int]:
+        return [n for n in range(1, 13) if tool_count(n, share) > tool_count(n - 1, share)]
+
+    assert tool_questions(0.25) == [1, 5, 9]
+    assert tool_questions(0.5) == [1, 3, 5, 7, 9, 11]
+    assert tool_questions(0.0) == [] and len(tool_questions(1.0)) == 12
