@@ -19,7 +19,7 @@ from typing import Any
 from chatmesh.tool_format import Function, ToolCall, Tools
 from memory_store.store import MemoryStore
 from orchestrator.config import ToolConfig
-from orchestrator.metrics import METRICS
+from orchestrator.metrics import METRICS, TOOL_OUTCOMES
 from orchestrator.tools import calculator, chat_search, clock
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,6 @@ log = logging.getLogger(__name__)
 # A tool: the caller's user id and the call's arguments in, the result's text out (a ValueError's
 # message is shown to the model; any other exception is logged and shown as a failure).
 Run = Callable[[str, dict[str, Any]], Awaitable[str]]
-
-# Every outcome a call can have (the module's docstring says what each means).
-OUTCOMES = ("ok", "error", "timeout", "refused", "interrupted")
 
 INTERRUPTED_TEXT = (
     "The tool was interrupted: the server running it was lost. It may or may not have taken effect, "
@@ -80,7 +77,7 @@ class Toolbox:
         # Each tool's series from 0: a dashboard's rate of a call that never happened reads 0, not no data.
         for name in tools:
             METRICS.tool_duration.labels(name)
-            for outcome in OUTCOMES:
+            for outcome in TOOL_OUTCOMES:
                 METRICS.tool_calls.labels(name, outcome)
 
     def tools_for(self, tier: str, steps_taken: int) -> Tools | None:

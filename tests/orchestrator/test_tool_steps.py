@@ -18,16 +18,15 @@ import pytest
 from chatmesh.chat.v1 import chat_pb2
 from chatmesh.engine.v1 import engine_pb2
 from chatmesh.limits import Generation
-from chatmesh.tokenizer import ChatMessage
+from chatmesh.model_files import bundled_model_path
+from chatmesh.tokenizer import ChatMessage, load_tokenizer
 from chatmesh.tool_format import ToolCall, result_text
-from localmesh.chaos.tool_load import CALL, RESULT, first_prompt, null_text, tokenizer
-from localmesh.chaos.tool_load import aligned_question as aligned_for
 from memory_store.models import RunDelta
 from memory_store.store import MemoryStore
-from orchestrator.config import ToolConfig
+from orchestrator.config import DEFAULT_SYSTEM_PROMPT, ToolConfig
 from orchestrator.router_client import start_frame
 from orchestrator.runs.tool_steps import started_record
-from orchestrator.tools.toolbox import Tool
+from orchestrator.tools.toolbox import Tool, Toolbox, builtin_tools
 from tests.fixtures.in_process import in_process_replica, within
 from tests.fixtures.orchestrator import (
     ChatClient,
@@ -40,35 +39,44 @@ from tests.fixtures.orchestrator import (
 )
 from tests.memory_store.builders import start_run
 
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
 TOOL_FLAGS = {"tools": True, "tool_max_steps": 1}
 FAST_REAPING = {"heartbeat_interval_s": 0.5, "orphan_after_s": 2.0, "reap_interval_s": 0.5}
 OPTIONS = chat_pb2.GenerationOptions(max_tokens=48, temperature=0.0)
-TOKENIZER = tokenizer()
+TOKENIZER = load_tokenizer(str(bundled_model_path()))
 CALL_TOKENS = len(TOKENIZER.encode(CALL))
-# The prompt of the turn after a step is the turn before's, the call and the result's turn.
-RESULT_TOKENS = len(TOKENIZER.user_turn_after_answer(result_text(RESULT)))
-
-
-def aligned_question(text: str) -> str:
-    """``text`` padded so that a pro user's new chat with it gets an answer that begins with the call
-    (the null engine's text is ``null_text()``: the call, then filler as long as the result's turn,
-    so each turn after a step calls again while it is offered the tools)."""
-    return aligned_for(text, "pro")
 
 
 def aligned_prompt(text: str) -> list[int]:
     """The prompt of a new chat's first message ``aligned_question(text)``."""
-    return first_prompt(aligned_question(text), "pro")
+    return TOKENIZER.encode_chat([_system(), ChatMessage("user", aligned_question(text))])
+
+
+def _system() -> ChatMessage:
+    tools = Toolbox(ToolConfig(enabled=True), builtin_tools(None), ("free", "pro", "enterprise")).tools_for(
+        "pro", 0
+    )  # type: ignore[arg-type]
+    assert tools is not None
+    return ChatMessage("system", f"{DEFAULT_SYSTEM_PROMPT}\n\n{tools.system_text()}")
+
+
+def aligned_question(text: str) -> str:
+    """``text`` padded so that the prompt of a new chat's first message is a whole number of the null
+    engine's cycles: the engine's text at a position is its cycle's token there, so the answer then
+    starts with the call (the prompt the orchestrator assembles: its system prompt, the tools, the
+    question)."""
+    system = _system()
+    for pad in range(4 * CALL_TOKENS):
+        question = text + " a" * pad
+        if len(TOKENIZER.encode_chat([system, ChatMessage("user", question)])) % CALL_TOKENS == 0:
+            return question
+    raise AssertionError("no padding aligns the prompt with the null engine's cycle")
 
 
 @pytest.fixture(scope="module")
 def tool_mesh(start_mesh: MeshFactory) -> Iterator[Mesh]:
     mesh = start_mesh(
-        1,
-        "null",
-        engine_flags={"null_tokens_per_s": 40, "null_text": null_text()},
-        **TOOL_FLAGS,
-        **FAST_REAPING,
+        1, "null", engine_flags={"null_tokens_per_s": 40, "null_text": CALL}, **TOOL_FLAGS, **FAST_REAPING
     )
     yield mesh
     for replica in list(mesh.orchestrators):
@@ -109,7 +117,7 @@ async def test_a_tool_call_is_a_stored_step_and_the_answer_goes_on_after_it(
     # Both turns' prompts are charged (the second holds the first, its call and the result).
     usage = run[-2].usage
     first = len(aligned_prompt("What is 6 * 7?"))
-    second = first + CALL_TOKENS + RESULT_TOKENS
+    second = first + CALL_TOKENS + len(TOKENIZER.user_turn_after_answer(result_text("42")))
     assert (usage.prompt_tokens, usage.completion_tokens) == (first + second, OPTIONS.max_tokens)
 
     # Any replica replays it from Cassandra, steps in place; the answer stored is the streamed text.
@@ -128,7 +136,7 @@ async def test_the_turn_after_a_step_needs_room_in_the_budget_for_its_prompt(
     the call, the result) is more, and a budget one token short of it ends the answer after the step."""
     question = "Is 6 * 7 42?"
     first = len(aligned_prompt(question))
-    second = first + CALL_TOKENS + RESULT_TOKENS
+    second = first + CALL_TOKENS + len(TOKENIZER.user_turn_after_answer(result_text("42")))
     budget = first + OPTIONS.max_tokens + second - 1
     with tool_mesh.replica(**TOOL_FLAGS, **FAST_REAPING, budget_pro_tokens=budget) as replica:
         client = connect(replica.address)
@@ -136,38 +144,6 @@ async def test_the_turn_after_a_step_needs_room_in_the_budget_for_its_prompt(
         run = await collect(client.send(chat.chat_id, aligned_question(question), options=OPTIONS))
     assert kinds(run) == ["started", "step_started", "step_result", "error"], kinds(run)
     assert run[-1].error.code == "RESOURCE_EXHAUSTED" and "after a tool step" in run[-1].error.message
-
-
-async def test_each_turn_after_a_step_raises_the_runs_reservation_so_a_tool_loop_cannot_overshoot(
-    tool_mesh: Mesh, connect: Callable[..., ChatClient], memory_store: MemoryStore
-) -> None:
-    """Two steps: the budget has room for the first prompt, max_tokens and the second turn's prompt,
-    then the third's, each alone, but not for both. The second turn's prompt is reserved once it is
-    placed, so the third is refused: the answer ends after the second step with the error a send
-    refused by the budget gets, stored, and the user is charged what the run used, within the budget."""
-    question = "Is 6 * 7 still 42?"
-    options = chat_pb2.GenerationOptions(max_tokens=96, temperature=0.0)
-    first = len(aligned_prompt(question))
-    second = first + CALL_TOKENS + RESULT_TOKENS
-    third = second + CALL_TOKENS + RESULT_TOKENS
-    budget = first + options.max_tokens + second + third - 1
-    flags = {**TOOL_FLAGS, "tool_max_steps": 2, "budget_pro_tokens": budget}
-    with tool_mesh.replica(**flags, **FAST_REAPING) as replica:
-        client = connect(replica.address)
-        chat = await client.create_chat("two steps, a tight budget")
-        run = await collect(client.send(chat.chat_id, aligned_question(question), options=options))
-        assert kinds(run) == ["started", *["step_started", "step_result"] * 2, "error"], kinds(run)
-        error = run[-1].error
-        assert error.code == "RESOURCE_EXHAUSTED" and "after a tool step" in error.message
-        assert error.retry_after_ms > 0  # the window's end, as for a refused send
-    # Stored: another replica replays the steps and the same end from Cassandra.
-    other = connect(tool_mesh.orchestrator.address, client.user)
-    replayed = await collect(other.stream_run(run[0].started.run_id))
-    assert [(e.seq, e.WhichOneof("kind")) for e in replayed] == [(e.seq, e.WhichOneof("kind")) for e in run]
-    assert (replayed[-1].error.code, replayed[-1].error.message) == (error.code, error.message)
-    window = await memory_store.get_usage(client.user)
-    assert window.runs == 1 and window.usage.prompt_tokens == first + second
-    assert window.usage.total_tokens <= budget
 
 
 async def test_a_replica_killed_at_a_tool_step_leaves_it_to_another_which_never_runs_it_again(
