@@ -4,14 +4,18 @@ component is killed (-9), terminated, paused (SIGSTOP, then SIGCONT) and slowed,
 Starts ``make run``'s services on free ports under its supervisor (localmesh/chaos/topology.py): 2
 orchestrators, 2 routers, 3 null engines paced at ``--tokens-per-s`` per stream, a 3-node Cassandra
 cluster, the edge and Envoy. ``--users`` users chat through Envoy as the chat page does (send, read
-SSE, resume with Last-Event-ID, back off on 429/503). Faults go one at a time, each to the next replica
-of its component; the next waits until the mesh has recovered. Then every chat is read back through the
-door and compared with what was streamed. Prints, per fault kind: injected, answers completed, stream
-gaps, duplicate events, stored != streamed, lost messages, client-visible errors, time to recover; and
-writes the same as JSON. The goal: every answer completes, every other column 0.
+SSE, resume with Last-Event-ID, back off on 429/503); ``--tool-share`` of their questions make the
+orchestrators run their calculator (tool steps: localmesh/chaos/tool_load.py). Faults go one at a time,
+each to the next replica of its component; the next waits until the mesh has recovered. Then every chat
+is read back through the door and compared with what was streamed. Prints, per fault kind: injected,
+answers completed, stream gaps, duplicate events, stored != streamed, lost messages, client-visible
+errors, time to recover, and of the tool steps: stored, tools run, interrupted, run twice, step events a
+stream missed; and writes the same as JSON. The goal: every answer completes, every other column 0
+(but steps, ran and interrupted).
 
     flock /tmp/chatmesh-bench.lock .venv/bin/python bench/chaos.py [--repeat 1] [--users 8] \
-        [--components engine router ...] [--actions kill term pause slow] [--json .run/chaos/result.json]
+        [--components engine router ...] [--actions kill term pause slow] [--tool-share 0.25] \
+        [--json .run/chaos/result.json]
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--users", type=int, default=8, help="users chatting at once")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
     parser.add_argument("--tokens-per-s", type=float, default=25.0, help="null engines' pace per stream")
+    parser.add_argument(
+        "--tool-share",
+        type=float,
+        default=0.25,
+        help="share of questions whose answers take tool steps (0: the orchestrators' tools off)",
+    )
     parser.add_argument("--orchestrators", type=int, default=2)
     parser.add_argument("--routers", type=int, default=2)
     parser.add_argument("--engines", type=int, default=3)
@@ -68,9 +78,10 @@ def main() -> int:
         cassandra_nodes=args.cassandra_nodes,
         tokens_per_s=args.tokens_per_s,
         delay_proxies="slow" in args.actions,
+        tools=args.tool_share > 0,
     )
     settings = ChaosSettings(
-        load=LoadSettings(users=args.users, max_tokens=args.max_tokens),
+        load=LoadSettings(users=args.users, max_tokens=args.max_tokens, tool_share=args.tool_share),
         timing=FaultTiming(pause_s=args.pause_s, slow_ms=args.slow_ms, slow_s=args.slow_s),
         repeat=args.repeat,
         baseline_s=args.baseline_s,
@@ -80,7 +91,9 @@ def main() -> int:
     workload = (
         f"{args.users} {TIER} users chatting through Envoy (stored chats, SSE, resume with Last-Event-ID), "
         f"{args.max_tokens} tokens per answer from null engines paced at {args.tokens_per_s:g} tokens/s per "
-        f"stream, {settings.load.think_s:g} s between messages; {topology.orchestrators} orchestrators, "
+        f"stream, {settings.load.think_s:g} s between messages; {args.tool_share:.0%} of questions call "
+        f"the calculator (--tool-max-steps {topology.tool_max_steps}, {settings.load.tool_max_tokens} "
+        f"tokens per answer); {topology.orchestrators} orchestrators, "
         f"{topology.routers} routers, {topology.engines} engines, {topology.cassandra_nodes} Cassandra "
         f"node(s), edge, Envoy; {len(faults)} fault kinds x {args.repeat}; pause {args.pause_s:g} s, slow "
         f"+{args.slow_ms:g} ms per chunk for {args.slow_s:g} s"

@@ -114,6 +114,8 @@ class MeshConfig:
     cassandra_data_dir: Path = Path(".run/mesh/cassandra")
     # More ``python -m engine`` flags for every engine (the chaos suite paces null engines).
     engine_flags: tuple[str, ...] = ()
+    # More ``python -m orchestrator`` flags for every replica (the chaos suite turns its tools on).
+    orchestrator_flags: tuple[str, ...] = ()
     # Ports services dial in place of another service's own: a proxy listens there in front of it (the
     # chaos suite injects latency so). Empty: every service dials the others directly.
     dial_overrides: Mapping[int, int] = field(default_factory=dict)
@@ -274,6 +276,7 @@ def mesh_specs(config: MeshConfig, run_dir: Path) -> list[ServiceSpec]:
                 str(metrics),
                 *keys.service_flags(),
                 *model_flags,
+                *config.orchestrator_flags,
             ],
             ports=(port, metrics),
             ready=GrpcHealthy(port),

@@ -13,6 +13,8 @@ from meshkit.metrics import ComponentMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60)
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+# The outcomes of a tool call (tool_calls_total's help says what each means).
+TOOL_OUTCOMES = ("ok", "error", "timeout", "refused", "interrupted")
 
 
 class OrchestratorMetrics(ComponentMetrics):

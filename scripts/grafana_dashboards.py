@@ -377,7 +377,59 @@ def budgets() -> Dashboard:
     )
 
 
-DASHBOARDS = (door, router, engines, store, budgets)
+def tools() -> Dashboard:
+    calls = "chatmesh_orchestrator_tool_calls_total"
+    return Dashboard(
+        "chatmesh-tools",
+        "chatmesh / Tools",
+        "Tools the orchestrators run themselves (docs/tools.md): calls, outcomes, durations.",
+        [
+            Panel(
+                "Tool calls by tool and outcome",
+                "Calls per second of each tool, by outcome: ok, error (bad arguments or the tool failed), "
+                "timeout (--tool-timeout-s), refused (not allowed for the tier), interrupted.",
+                "ops",
+                (
+                    Target(
+                        f"sum by (tool, outcome) (rate({calls}{{{NS}}}[{RATE}]))",
+                        "{{tool}} {{outcome}}",
+                    ),
+                ),
+                stacked=True,
+            ),
+            Panel(
+                "Tool duration by tool",
+                "p50 and p99 of how long each tool's calls ran, whatever their outcome (refusals aside).",
+                "s",
+                quantiles("chatmesh_orchestrator_tool_duration_seconds", "tool"),
+            ),
+            Panel(
+                "Interrupted steps by tool",
+                "Steps found started without a result after their replica was lost: the adopter answers "
+                "the model 'interrupted' and never runs the tool again. Steady values mean replicas die "
+                "mid-step.",
+                "ops",
+                (rate_by(calls, "tool", 'outcome="interrupted"'),),
+                stacked=True,
+            ),
+            Panel(
+                "Tool failures by tool",
+                "Calls per second that ended in an error or a timeout: results the model reads, never a "
+                "failed answer.",
+                "ops",
+                (
+                    Target(
+                        f'sum by (tool, outcome) (rate({calls}{{{NS}, outcome=~"error|timeout"}}[{RATE}]))',
+                        "{{tool}} {{outcome}}",
+                    ),
+                ),
+                stacked=True,
+            ),
+        ],
+    )
+
+
+DASHBOARDS = (door, router, engines, store, budgets, tools)
 
 
 def grafana_json(dashboard: Dashboard) -> dict:

@@ -12,6 +12,8 @@ Every answer becomes an ``Answer``: the text as the page would show it (every de
 order it came), every sequence number got and how often, how it ended and when, and the retries it took.
 The page's streams merge the deltas waiting when they are behind into one, numbered as the last: a delta
 stands for the sequence numbers since the event before it in its stream (or since its Last-Event-ID).
+Tool step events (``step_started``, ``step_result``) are kept as they came, to compare with what the
+run stored (``run_steps``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ FIRST_BACKOFF_S = 0.25
 MAX_BACKOFF_S = 4.0
 
 
+@dataclass(frozen=True)
+class StepEvent:
+    """A tool step event of a run's stream (docs/tools.md)."""
+
+    seq: int
+    kind: str  # step_started or step_result
+    call_id: str
+    outcome: str = ""  # a result's: ok, error, timeout, refused, interrupted
+
+
 @dataclass
 class Answer:
     """One answer as one user saw it."""
@@ -54,6 +66,10 @@ class Answer:
     # Requests tried again (a refusal that says "later") and streams resumed after a break.
     retries: int = 0
     resumes: int = 0
+    # The tool step events got, in order, with repeats.
+    steps: list[StepEvent] = field(default_factory=list)
+    # Whether the question was one of the load's tool share (tool_load.py).
+    tools: bool = False
 
     @property
     def completed(self) -> bool:
@@ -156,13 +172,32 @@ class ChatUser:
             await asyncio.sleep(backoff_s(attempt, reply))
         raise AssertionError("unreachable")
 
-    async def answer(self, chat_id: str, content: str) -> Answer:
-        record = Answer(self.user, chat_id, time.monotonic())
+    async def run_steps(self, run_id: str, chat_id: str) -> list[StepEvent]:
+        """The tool step events a run stored, replayed from its start."""
+        events = Answer(self.user, chat_id, time.monotonic(), run_id=run_id)
+        headers = {**self.auth, CHAT_ID_HEADER: chat_id}
+        deadline = time.monotonic() + self.answer_deadline_s
+        attempt = 0
+        while not events.outcome and time.monotonic() < deadline:
+            attempt += 1
+            events.steps.clear()
+            request = self.http.stream("GET", f"/v1/runs/{run_id}/events", headers=headers)
+            refused = await self._read(request, events, resuming=True)
+            if not events.outcome:
+                await asyncio.sleep(backoff_s(attempt, refused))
+        if not events.outcome:
+            raise GiveUpError(f"run {run_id}'s events could not be read")
+        return events.steps
+
+    async def answer(self, chat_id: str, content: str, tools: bool = False, max_tokens: int = 0) -> Answer:
+        """``tools``: the question is one of the tool share (its answer calls tools); ``max_tokens``:
+        the answer's, if not the user's."""
+        record = Answer(self.user, chat_id, time.monotonic(), tools=tools)
         deadline = record.sent_at + self.answer_deadline_s
         body = {
             "content": content,
             "idempotency_key": uuid.uuid4().hex,
-            "options": {"max_tokens": self.max_tokens, "temperature": 0},
+            "options": {"max_tokens": max_tokens or self.max_tokens, "temperature": 0},
         }
         attempt = 0
         try:
@@ -230,6 +265,9 @@ class ChatUser:
             record.user_message_id = event.data.get("user_message_id") or ""
         elif event.name == "delta":
             record.text += event.data["text"]
+        elif event.name in ("step_started", "step_result") and event.seq is not None:
+            data = event.data
+            record.steps.append(StepEvent(event.seq, event.name, data["call_id"], data.get("outcome", "")))
         elif event.name == "done":
             record.outcome = "done"
             return True

@@ -5,7 +5,8 @@
 Before the first fault the load runs ``baseline_s`` alone; each fault is injected into the
 next replica of its component, and the next one waits until the mesh has recovered (see faults.py) and
 ``settle_s`` more. Then the users finish the answers they are reading, every chat they used is read back
-through the door and compared with what they were streamed.
+through the door and compared with what they were streamed, and the tool steps their runs stored with
+what the streams delivered and how often each step's tool ran (the orchestrators' logs).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import httpx
 
 from localmesh.chaos.clients import ChatUser
 from localmesh.chaos.faults import Fault, FaultTiming, Injection, back, inject, target_of
-from localmesh.chaos.load import Load, LoadSettings, http_client, stored
-from localmesh.chaos.report import Row, tabulate
+from localmesh.chaos.load import Load, LoadSettings, http_client, stored, stored_steps
+from localmesh.chaos.report import Row, ToolRecord, tabulate
+from localmesh.chaos.tool_load import executions
 from localmesh.chaos.topology import ChaosMesh
 
 TICK_S = 0.2
@@ -85,8 +87,11 @@ class Suite:
             load.stop()
             while load.alive:  # users finish the answers they read; keep restarting what dies
                 self.wait(TICK_S)
-        messages = in_thread(stored(mesh.url, mesh.keys, load.record.chats, settings.load))
-        rows = tabulate(injections, load.record.answers, load.record.failures, messages)
+        record = load.record
+        messages = in_thread(stored(mesh.url, mesh.keys, record.chats, settings.load))
+        steps = in_thread(stored_steps(mesh.url, mesh.keys, record.answers, settings.load))
+        tools = ToolRecord(steps, executions(mesh.logs("orchestrator")))
+        rows = tabulate(injections, record.answers, record.failures, messages, tools)
         return SuiteResult(rows, injections, len(load.record.answers), time.monotonic() - began)
 
     def _one(self, fault: Fault, earlier: int, probe_user: str, probe_chat: str) -> Injection:

@@ -2,7 +2,9 @@
 ``make run``'s supervisor, with paced null engines.
 
 Engines run the null backend (no model: deterministic text at ``tokens_per_s`` per stream), so a 2-core
-box carries the load and the faults; every other service is the real one. The cheaper pool is left out
+box carries the load and the faults; every other service is the real one. With ``tools`` the
+orchestrators run their own tools and the engines' text is a calculator call (tool_load.py), so the
+load's tool questions take tool steps. The cheaper pool is left out
 (the load's users are of the enterprise tier, which never degrades). With ``delay_proxies`` a
 ``DelayProxy`` sits in front of the first replica of each gRPC or HTTP tier (engine-0, router-0,
 orchestrator-0, the edge: their clients dial it) and one in front of Envoy's public port (the users
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from localmesh.cassandra.cluster import CassandraCluster, ClusterConfig
 from localmesh.chaos.delay_proxy import DelayProxies, DelayProxy
+from localmesh.chaos.tool_load import null_text
 from localmesh.dev_jwt import DevKeys, ensure_keys
 from localmesh.front_door import FrontDoorPorts
 from localmesh.mesh import REPLICA_PORT_STRIDE, MeshConfig, MeshPorts, replica_name, start
@@ -42,6 +45,10 @@ class Topology:
     cassandra_nodes: int = 3
     tokens_per_s: float = 25.0  # each null engine's pace per stream
     delay_proxies: bool = True
+    # The orchestrators run their own tools and the null engines' text is a calculator call
+    # (tool_load.py): the load's tool share makes tool steps.
+    tools: bool = True
+    tool_max_steps: int = 2
 
 
 def free_mesh_ports(topology: Topology) -> MeshPorts:
@@ -93,7 +100,16 @@ class ChaosMesh:
             routers=topology.routers,
             cassandra_nodes=topology.cassandra_nodes,
             engine_backend="null",
-            engine_flags=("--null-tokens-per-s", f"{topology.tokens_per_s:g}"),
+            engine_flags=(
+                "--null-tokens-per-s",
+                f"{topology.tokens_per_s:g}",
+                *(("--null-text", null_text()) if topology.tools else ()),
+            ),
+            orchestrator_flags=(
+                ("--tools", "true", "--tool-max-steps", str(topology.tool_max_steps))
+                if topology.tools
+                else ()
+            ),
             cassandra_data_dir=run_dir / "cassandra",
             dial_overrides={proxy.upstream: proxy.port for proxy in proxies},
         )
@@ -138,6 +154,10 @@ class ChaosMesh:
             assert self.cassandra is not None
             return [node.name for node in self.cassandra.nodes]
         return [component]
+
+    def logs(self, component: str) -> list[Path]:
+        """The log files of the component's processes (each restart appends to its replica's)."""
+        return [self.launcher.log_dir / f"{name}.log" for name in self.replicas(component)]
 
     def pid(self, name: str) -> int | None:
         running = self.launcher.running.get(name)

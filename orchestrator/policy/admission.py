@@ -166,11 +166,18 @@ class Budgets:
                 )
             await self._store.record_usage(identity.user_id, charge_id, estimate)
 
-    async def check_more(self, user_id: str, tier: str, tokens: int, model: str) -> None:
-        """Refuses (RESOURCE_EXHAUSTED) ``tokens`` more than a running answer of ``model`` reserved (the
-        prompt of its turn after a tool step, docs/tools.md) when the user's window has no room for them."""
-        if limit := self.limit(tier, model):
-            await self._check_room(user_id, tier, model, limit, tokens, "the answer's turn after a tool step")
+    async def reserve_more(
+        self, user_id: str, tier: str, model: str, charge_id: str, estimate: Usage, more: int
+    ) -> None:
+        """Raises a running answer's reservation under ``charge_id`` to ``estimate``, ``more`` tokens
+        than it held (the turn after a tool step: its prompt holds the turns before it and the step's
+        result, docs/tools.md), if the user's window has room for them (else RESOURCE_EXHAUSTED)."""
+        async with self._user_lock(user_id):
+            if limit := self.limit(tier, model):
+                await self._check_room(
+                    user_id, tier, model, limit, more, "the answer's turn after a tool step"
+                )
+            await self._store.record_usage(user_id, charge_id, estimate)
 
     async def _check_room(
         self, user_id: str, tier: str, model: str, limit: int, tokens: int, what: str

@@ -158,6 +158,13 @@ class Adoptions:
     ) -> None:
         """Places an adopted run again and relays it to its end; one no router will place is ended as
         interrupted with its checkpointed output (it is this replica's: nobody else would end it)."""
+        if tools is not None and tools.steps:
+            # The reservation of the turn it continues, the figure the lost replica recorded or was
+            # about to (a function of the stored events), so the next step's check counts it; never
+            # refused here: that turn was admitted, or its step stored just before the replica died.
+            with contextlib.suppress(MemoryStoreError, TimeoutError):
+                async with asyncio.timeout(self.config.store_deadline_s):
+                    await self.store.record_usage(run.user_id, run.charge_id, tools.reservation(frame))
         try:
             stream = await self.router.place(frame, self.config.max_run_s, self.config.placement_timeout_s)
         except asyncio.CancelledError:

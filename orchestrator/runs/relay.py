@@ -197,6 +197,9 @@ class Relay:
         self._unsent_ids: list[int] = []
         self._unsent_logprobs: list[chat_pb2.TokenLogprob] = []
         self._first_delta_at: float | None = None
+        # What the run's budget reservation holds (a tool loop's: ``ToolLoop.reservation``), as of the
+        # turn before the current one.
+        self._reserved = Usage()
         self._checkpointer: RunCheckpoints | None = None
         self._ended = asyncio.Event()
 
@@ -319,6 +322,8 @@ class Relay:
         call_ids, self._unsent_ids, self._unsent_logprobs = tuple(self._unsent_ids), [], []
         stored = await self._store_step(mine, call_ids)
         if stored == mine:
+            # The audit line of an execution (one per step: the chaos suite counts them, bench/chaos.py).
+            log.info("run %s: tool step %s runs %s", self.live.info.run_id, call.id, call.name)
             result = await self.tools.run(call)
         elif (call_of(stored) or call).id == call.id:
             result = self.tools.toolbox.interrupted(call)
@@ -330,6 +335,7 @@ class Relay:
         result = kept  # ours, or the result the replica that ran the tool stored first
         usage = _usage_of(finished) or Usage(self.prompt_tokens, 0, len(self._output_ids))
         completion = self.tools.earlier.completion_tokens + usage.completion_tokens
+        self._reserved = self.tools.reservation(self.start)
         return self.tools.next_turn(self._output_ids, usage, result, completion)
 
     async def _store_step(self, record: str, token_ids: tuple[int, ...] = ()) -> str:
@@ -362,12 +368,14 @@ class Relay:
         self._decided = False
 
     async def _place_turn(self) -> None:
-        """Places the turn after a step, once the user's budget has room for its prompt (the run's
-        reservation holds its first prompt and max_tokens)."""
-        config, budgets, tools = self.deps.config, self.deps.budgets, self.tools
-        if budgets is not None and tools is not None:
-            await budgets.check_more(
-                tools.user_id, tools.tier, len(self.start.prompt_token_ids), self.start.model
+        """Places the turn after a step, once the run's reservation is raised by its prompt (refused,
+        RESOURCE_EXHAUSTED, when the user's window has no room for it: the answer ends after the step)."""
+        config, budgets, tools, run = self.deps.config, self.deps.budgets, self.tools, self.stored_run
+        if budgets is not None and tools is not None and run is not None:
+            estimate = tools.reservation(self.start)
+            more = estimate.total_tokens - self._reserved.total_tokens
+            await budgets.reserve_more(
+                tools.user_id, tools.tier, self.start.model, run.charge_id, estimate, more
             )
         self.stream = await self.deps.router.place(self.start, config.max_run_s, config.placement_timeout_s)
         self.prompt_tokens = len(self.start.prompt_token_ids)

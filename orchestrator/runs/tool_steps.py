@@ -128,6 +128,12 @@ class ToolLoop:
     async def run(self, call: ToolCall) -> StepResult:
         return await self.toolbox.run(self.user_id, self.tier, call)
 
+    def reservation(self, turn: router_pb2.GenerateStart) -> Usage:
+        """What the run may use in all while ``turn`` is its current turn: the turns before it, its
+        prompt and the tokens left to it (for the first turn, what its send reserved). Each step adds
+        the next turn's prompt to it (docs/tools.md, "Budget")."""
+        return self.earlier + Usage(len(turn.prompt_token_ids), 0, turn.sampling.max_tokens)
+
     def next_turn(
         self, turn_ids: Sequence[int], turn_usage: Usage, result: StepResult, completion_so_far: int
     ) -> router_pb2.GenerateStart | None:

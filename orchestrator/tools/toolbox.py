@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from chatmesh.tool_format import Function, ToolCall, Tools
 from memory_store.store import MemoryStore
 from orchestrator.config import ToolConfig
-from orchestrator.metrics import METRICS
+from orchestrator.metrics import METRICS, TOOL_OUTCOMES
 from orchestrator.tools import calculator, chat_search, clock
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,11 @@ class Toolbox:
                     f"or SERVER.* of the MCP servers {sorted(servers)}"
                 )
             self._allowed[tier] = names
+        # Each tool's series from 0: a dashboard's rate of a call that never happened reads 0, not no data.
+        for name in tools:
+            METRICS.tool_duration.labels(name)
+            for outcome in TOOL_OUTCOMES:
+                METRICS.tool_calls.labels(name, outcome)
 
     def tools_for(self, tier: str, steps_taken: int) -> Tools | None:
         """The tools an answer of ``tier`` is offered after ``steps_taken`` steps (None: answer in text):

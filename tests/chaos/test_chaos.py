@@ -6,7 +6,8 @@ Each test asserts the goal for its component: the mesh recovers, every answer co
 duplicate event, no acknowledged message lost, and what was stored is what was streamed (an engine:
 the router's failover; a router: the orchestrator goes on through another; an orchestrator: another
 replica adopts its runs; the edge and Envoy: clients resume with Last-Event-ID; a Cassandra member: RF=3
-at LOCAL_QUORUM).
+at LOCAL_QUORUM). A quarter of the questions make the orchestrator run its calculator (tool steps):
+no step's tool runs twice, and no stream misses a step event.
 
 The full suite (every fault kind, N times) is a benchmark: ``make chaos`` (bench/chaos.py).
 """
@@ -56,3 +57,7 @@ def test_kill_9_under_load(chaos_mesh: ChaosMesh, component: str):
     assert row.answers > 0, row  # answers ran through or after the fault: it was measured under load
     assert row.completed == row.answers and row.errors == 0, row
     assert (row.gaps, row.dups, row.lost, row.stored_differs) == (0, 0, 0, 0), row
+    # A share of the answers took tool steps: none ran its tool twice, none went missing from a stream.
+    assert baseline.steps + row.steps > 0, (baseline, row)
+    assert (row.twice, row.step_gaps, baseline.twice, baseline.step_gaps) == (0, 0, 0, 0), row
+    assert row.ran <= row.steps, row

@@ -7,10 +7,12 @@ import asyncio
 import time
 from collections import Counter
 
-from localmesh.chaos.clients import Answer
+from localmesh.chaos.clients import Answer, StepEvent
 from localmesh.chaos.delay_proxy import DelayProxies, DelayProxy
 from localmesh.chaos.faults import Fault, Injection
-from localmesh.chaos.report import BASELINE, tabulate
+from localmesh.chaos.load import tool_count
+from localmesh.chaos.report import BASELINE, ToolRecord, tabulate
+from localmesh.chaos.tool_load import executions
 from meshkit.launcher import free_port
 
 
@@ -114,3 +116,33 @@ def test_stored_is_compared_with_streamed_byte_for_byte_and_acknowledged_message
     assert row.stored_differs == 2
     # m3 (acknowledged by its started event) is missing, and so is the completed answer's message.
     assert row.lost == 1
+
+
+def test_tool_steps_count_executions_repeats_and_step_events_a_stream_missed(tmp_path):
+    """Two steps stored; the first's tool ran twice (two audit lines, two replicas' logs), the second's
+    was interrupted, never run; the client's stream got past the second step's events without them."""
+    first, second = "run-1:0", "run-1:1"
+    stored = [
+        StepEvent(2, "step_started", first),
+        StepEvent(3, "step_result", first, "ok"),
+        StepEvent(4, "step_started", second),
+        StepEvent(5, "step_result", second, "interrupted"),
+    ]
+    streamed = answer(0, 1, [1, 2, 3, 4, 5, 6, 7], outcome="done", steps=stored[:2])
+    logs = [tmp_path / "orchestrator-0.log", tmp_path / "orchestrator-1.log", tmp_path / "gone.log"]
+    line = "2026-12-07 20:00:00,000 INFO orchestrator orchestrator.runs.relay: run r: tool step {} runs calculator\n"
+    logs[0].write_text(line.format(first) + "an unrelated line: tool step x\n")
+    logs[1].write_text(line.format(first))
+    record = ToolRecord({streamed.run_id: stored}, executions(logs))
+    assert record.executions == Counter({first: 2})
+    [row] = tabulate([], [streamed], [], [], record)
+    assert (row.steps, row.ran, row.interrupted, row.twice, row.step_gaps) == (2, 2, 1, 1, 2)
+
+
+def test_the_tool_share_is_spread_evenly_from_each_users_first_message():
+    def tool_questions(share: float) -> list[int]:
+        return [n for n in range(1, 13) if tool_count(n, share) > tool_count(n - 1, share)]
+
+    assert tool_questions(0.25) == [1, 5, 9]
+    assert tool_questions(0.5) == [1, 3, 5, 7, 9, 11]
+    assert tool_questions(0.0) == [] and len(tool_questions(1.0)) == 12

@@ -65,7 +65,7 @@ def test_dashboards_are_labelled_configmaps_of_the_generated_grafana_json(full):
     files = [json.loads(path.read_text()) for path in sorted(DASHBOARD_DIR.glob("*.json"))]
     assert dashboards(full) == {d["uid"]: d for d in files}
     assert set(dashboards(full)) == {
-        f"chatmesh-{d}" for d in ("door", "router", "engines", "store", "budgets")
+        f"chatmesh-{d}" for d in ("door", "router", "engines", "store", "budgets", "tools")
     }
     for config_map in full.of_kind("ConfigMap"):
         if DASHBOARD_LABEL in config_map["metadata"]["labels"]:

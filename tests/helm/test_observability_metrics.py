@@ -229,7 +229,8 @@ def metrics_mesh(
     ]
     router = start_router(engines, free_queue_fraction=0.5)
     mesh = Mesh(mesh_launcher, cassandra_node, engines, router.address)
-    orchestrator = mesh.start_orchestrator(concurrent_runs_free=1)
+    # With its own tools on, the orchestrator exports their series from 0 (no step need be driven).
+    orchestrator = mesh.start_orchestrator(concurrent_runs_free=1, tools=True)
     with Launcher(tmp_path_factory.mktemp("metrics-edge"), echo=lambda line: None) as launcher:
         edge = start_edge(launcher, orchestrator.address)
         yield MetricsMesh(
@@ -269,6 +270,8 @@ def test_the_drive_made_the_labelled_series_the_chart_reads(scraped: Scrape):
     assert "free" in rejections["tier"] and "concurrent_runs" in rejections["limit"]
     assert "400" in scraped.series["chatmesh_edge_http_requests_total"]["status"]
     assert "" in scraped.series["db_client_operation_duration_seconds_count"]["error_type"]
+    calls = scraped.series["chatmesh_orchestrator_tool_calls_total"]
+    assert "calculator" in calls["tool"] and "interrupted" in calls["outcome"]
 
 
 def test_every_dashboard_alert_and_scaler_query_reads_what_the_services_export(scraped: Scrape):

@@ -70,6 +70,20 @@ def test_a_run_keeps_its_loop_when_the_tools_offered_now_differ():
     assert loop is not None and loop.call_in(CALL, finished_by_stop=True) is not None
 
 
+def test_each_step_raises_the_runs_reservation_by_the_next_turns_prompt():
+    """The first turn's is what its send reserved (prompt + max_tokens); after a step, the turns before
+    the current one, its prompt and the tokens left to it: the sum of every turn's prompt and max_tokens."""
+    loop = _loop(max_tokens=64)
+    first = loop.first
+    assert loop.reservation(first) == Usage(3, 0, 64)
+    turn = [*TOKENIZER.encode(CALL), TOKENIZER.eos_token_ids[0]]
+    result = StepResult("call_1", "calculator", "ok", "42")
+    frame = loop.next_turn(turn, Usage(3, 0, len(turn)), result, len(turn))
+    assert frame is not None
+    prompt = len(frame.prompt_token_ids)
+    assert loop.reservation(frame) == Usage(3 + prompt, 0, 64)
+
+
 def test_a_call_is_found_at_the_end_of_a_turn_that_stopped():
     loop = _loop()
     call = loop.call_in(CALL, finished_by_stop=True)
