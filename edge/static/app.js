@@ -1,7 +1,7 @@
 // chatmesh chat page: plain JavaScript over the edge's REST + SSE API (see edge/chats_api.py).
 // Answers stream over fetch() (POST bodies and the Authorization header rule out EventSource). The run
 // being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
-import { handleCopyButtons, renderMarkdown, StreamingAnswer } from "./render.js";
+import { handleCopyButtons, highlightCode, renderMarkdown, StreamingAnswer } from "./render.js";
 import { takeTokenFromUrl } from "./token.js";
 import { WindowedList } from "./window.js";
 
@@ -404,6 +404,7 @@ function messageList() {
     const head = olderItem();
     windowed = new WindowedList($("#messages"), {
       render: renderItem,
+      refine: refineItem,
       head,
       onScroll: () => {
         if ($("#messages").scrollTop < OLDER_SLACK_PX) loadOlder().catch(fail);
@@ -496,15 +497,33 @@ function messageItem(message, byParent, isLast) {
 
 // A stored answer's Markdown, parsed and sanitized once per message (a message's content never changes):
 // kept once it is wholly shown (a big table fills in over a few tasks), and copied from then on. The
-// most recently shown RENDERED_KEPT are kept: a long chat scrolled end to end keeps no more.
+// most recently shown RENDERED_KEPT are kept: a long chat scrolled end to end keeps no more. An answer
+// not kept shows its text first (`rough`), rendered when the list refines it (refineItem): a frame
+// that brings several answers into view parses none of them.
 function showAnswer(message, content) {
   const kept = state.rendered.get(message.message_id);
   if (kept) {
     state.rendered.delete(message.message_id);
     state.rendered.set(message.message_id, kept);
     content.append(kept.cloneNode(true));
+    highlightCode(content);
     return;
   }
+  content.classList.add("rough");
+  content.textContent = message.content;
+}
+
+// Renders a rough answer's Markdown into its element (made by messageItem); false if it had none.
+function refineItem(item, element) {
+  const content = element.querySelector(".content.rough");
+  if (!content) return false;
+  content.classList.remove("rough");
+  content.replaceChildren();
+  renderAnswer(item.message, content);
+  return true;
+}
+
+function renderAnswer(message, content) {
   const { fragment, complete } = renderMarkdown(message.content);
   content.append(fragment);
   complete.then((whole) => {
@@ -709,12 +728,12 @@ const ANNOUNCE_MAX_CHARS = 4000;
 
 function announceAnswer(answer) {
   if (!answer) return;
-  // Its element, or (scrolled out of the window) its rendering kept, or its text.
-  const item = messageList().node(answer.message_id);
+  // Its element, or (scrolled out of the window, or not rendered yet) its rendering kept, or made.
+  const content = messageList().node(answer.message_id)?.querySelector(".content:not(.rough)");
   const kept = state.rendered.get(answer.message_id);
   const spoken = document.createElement("div");
-  if (item) spoken.append(item.querySelector(".content").cloneNode(true));
-  else spoken.append(kept ? kept.cloneNode(true) : answer.content);
+  if (content) spoken.append(content.cloneNode(true));
+  else spoken.append(kept ? kept.cloneNode(true) : renderMarkdown(answer.content).fragment);
   for (const copy of spoken.querySelectorAll(".copy-code")) copy.remove();
   let text = spoken.textContent.replace(/\s+/g, " ").trim();
   if (text.length > ANNOUNCE_MAX_CHARS) text = `${text.slice(0, ANNOUNCE_MAX_CHARS)}… (the answer continues in the chat)`;
