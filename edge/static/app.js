@@ -2,6 +2,7 @@
 // Answers stream over fetch() (POST bodies and the Authorization header rule out EventSource). The run
 // being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
 import { handleCopyButtons, highlightCode, renderMarkdown, StreamingAnswer } from "./render.js";
+import { recordStep, stepsView } from "./steps.js";
 import { takeTokenFromUrl } from "./token.js";
 import { WindowedList } from "./window.js";
 
@@ -30,9 +31,10 @@ const state = {
   loadingOlder: false,
   leafId: null,     // the branch on screen ends here
   rendered: new Map(), // message_id -> its answer rendered (a message's content never changes), oldest first
+  steps: new Map(), // message_id -> the tool steps of an answer streamed on this page (not stored with it)
   models: null,     // the model picker's list loading (a promise), then loaded
   opening: false,   // a chat's first page is on its way (its skeleton shows)
-  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, baseEnd: last message before, user: text|null, view, item}
+  live: null,       // {runId, chatId, lastSeq, text, steps, usage, model, degraded, baseEnd: last message before, user: text|null, view, item}
 };
 
 class ApiError extends Error {
@@ -465,6 +467,8 @@ function messageItem(message, byParent, isLast) {
   meta.className = "meta muted";
   item.append(content, meta);
   if (!message.message_id) return item;
+  const steps = state.steps.get(message.message_id);
+  if (steps) content.before(stepsView(steps));
 
   const siblings = byParent.get(message.parent_id || "") || [message];
   if (siblings.length > 1) {
@@ -573,7 +577,17 @@ function liveItem() {
   meta.className = "meta muted";
   if (state.live.model) meta.append(modelLabel(state.live.model, state.live.degraded));
   item.append(content, meta);
+  showLiveSteps(item);
   return item;
+}
+
+// The live answer's tool steps, above its text, as they start and end.
+function showLiveSteps(item = state.live.item) {
+  const view = stepsView(state.live.steps);
+  const shown = item.querySelector(".steps");
+  if (shown && view) shown.replaceWith(view);
+  else if (view) item.prepend(view);
+  followBottom();
 }
 
 // While an answer streams, the list follows it only if the reader was at the bottom: someone who
@@ -628,8 +642,8 @@ async function* sseEvents(response) {
 }
 
 function remember() {
-  const { runId, chatId, lastSeq, text } = state.live;
-  if (runId) sessionStorage.setItem(RUN_KEY, JSON.stringify({ runId, chatId, lastSeq, text }));
+  const { runId, chatId, lastSeq, text, steps } = state.live;
+  if (runId) sessionStorage.setItem(RUN_KEY, JSON.stringify({ runId, chatId, lastSeq, text, steps }));
 }
 
 // A run that ended busy before its answer began (the engine's queue limit refused it after its question
@@ -661,6 +675,9 @@ async function consume(response) {
       } else if (event.event === "delta") {
         state.live.text += data.text;
         if (state.live.view) state.live.view.update(state.live.text);
+      } else if (event.event === "step_started" || event.event === "step_result") {
+        recordStep(state.live.steps, event.event, data);
+        showLiveSteps();
       } else if (event.event === "usage") {
         state.live.usage = data;
       } else if (event.event === "done") {
@@ -702,14 +719,14 @@ async function follow(firstResponse) {
 
 // `baseEnd`: the message the answer follows on screen (null: none; undefined: the whole path).
 function startLive(baseEnd, userText, seed = {}) {
-  state.live = { runId: null, chatId: state.chatId, lastSeq: 0, text: "", usage: null, baseEnd, user: userText, ...seed };
+  state.live = { runId: null, chatId: state.chatId, lastSeq: 0, text: "", steps: [], usage: null, baseEnd, user: userText, ...seed };
   state.live.item = liveItem();
   setBusy(true);
   renderMessages({ toEnd: true });
 }
 
 async function finishLive() {
-  const { runId, view, text } = state.live;
+  const { runId, view, text, steps } = state.live;
   const streamed = view ? view.finish() : null;
   state.live = null;
   setBusy(false);
@@ -717,6 +734,7 @@ async function finishLive() {
   // The answer as stored is the text just rendered while streaming: it is shown as it is.
   const stored = runId && state.path.find((m) => m.run_id === runId && m.role === "assistant");
   if (streamed && stored && stored.content === text) keepRendered(stored.message_id, streamed);
+  if (stored && steps.length) state.steps.set(stored.message_id, steps);
   renderMessages({ fresh: true });
   announceAnswer(stored);
   showUsage();
@@ -773,7 +791,7 @@ async function withLive(base, userText, request) {
       notice("");
       const outcome = await follow(response);
       if (outcome instanceof ApiError) {
-        Object.assign(state.live, { runId: null, lastSeq: 0 });
+        Object.assign(state.live, { runId: null, lastSeq: 0, steps: [] });
         throw outcome;
       }
     });
@@ -822,7 +840,9 @@ async function regenerate(answer) {
 
 async function resumeRun(runId) {
   const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
-  const seed = saved && saved.runId === runId ? { runId, lastSeq: saved.lastSeq, text: saved.text } : { runId };
+  const seed = saved && saved.runId === runId
+    ? { runId, lastSeq: saved.lastSeq, text: saved.text, steps: saved.steps || [] }
+    : { runId };
   startLive(undefined, null, seed);
   try {
     const response = await call(`/v1/runs/${runId}/events`, { headers: { "Last-Event-ID": String(state.live.lastSeq) } });
