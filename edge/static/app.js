@@ -25,6 +25,7 @@ const state = {
   chatId: null,
   path: [],         // the branch on screen as loaded so far, oldest first
   known: new Map(), // message_id -> message: every message of the open chat loaded (for branch arrows)
+  versions: new Map(), // message_id -> its versions ({count, number, previous_id, next_id}), as branch pages give them
   byParent: null,   // known messages by parent id, newest first (children(); null: to be made again)
   older: null,      // page token of the branch's next older page (null: the root is loaded)
   branchFrom: null, // the URL the branch's pages come from (a page token is good for its own URL only)
@@ -260,10 +261,13 @@ function newChat() {
 
 // ---- messages: a tree, shown one branch at a time --------------------------------------------------
 
-// A chat opens on its branch's newest page (GetBranch from the chat's newest message) and the newest
-// page of all its messages (ListMessages: the versions the branch arrows switch between); older pages
-// of the branch load as the reader scrolls up (loadOlder). Only messages near the viewport are in the
-// page (edge/static/window.js), so a chat of thousands of messages opens and scrolls as a short one.
+// A chat opens on its branch's newest page (GetBranch from the chat's newest message); older pages of
+// the branch load as the reader scrolls up (loadOlder). Each page gives its messages' versions, so the
+// branch arrows show on every page, and an arrow opens the other version's newest branch (newest_leaf).
+// Messages stored before the server indexed versions have none: for those the arrows come from the
+// newest page of all the chat's messages (ListMessages), as far as it reaches. Only messages near the
+// viewport are in the page (edge/static/window.js), so a chat of thousands of messages opens and
+// scrolls as a short one.
 const MESSAGE_PAGE = 100;
 const RENDERED_KEPT = 100; // answers kept rendered (parsed and sanitized) off screen: the last shown
 
@@ -271,6 +275,7 @@ function forgetChat() {
   state.opening = false;
   state.path = [];
   state.known.clear();
+  state.versions.clear();
   state.byParent = null;
   state.older = null;
   state.branchFrom = null;
@@ -301,16 +306,27 @@ function branchUrl(leafId) {
 }
 
 function learn(messages) {
-  for (const message of messages) state.known.set(message.message_id, message);
+  for (const message of messages) {
+    state.known.set(message.message_id, message);
+    if (message.versions && message.versions.count) state.versions.set(message.message_id, message.versions);
+  }
   state.byParent = null;
 }
 
-// The branch that ends at `leafId` (null: at the chat's newest message): its newest page replaces the
-// path on screen.
-async function loadBranch(leafId) {
+// A page of the branch from `from` (a URL of branchUrl's, or one with newest_leaf) after `pageToken`.
+function branchPage(from, pageToken = null) {
+  const url = new URL(from, location.origin);
+  url.searchParams.set("page_size", String(MESSAGE_PAGE));
+  if (pageToken) url.searchParams.set("page_token", pageToken);
+  return json(url.pathname + url.search);
+}
+
+// The branch that ends at `leafId` (null: at the chat's newest message; `newest`: at the newest message
+// under `leafId`, the way to another version): its newest page replaces the path on screen.
+async function loadBranch(leafId, { newest = false } = {}) {
   const chatId = state.chatId;
-  const from = branchUrl(leafId);
-  const page = await json(`${from}?page_size=${MESSAGE_PAGE}`);
+  const from = newest ? `${branchUrl(leafId)}?newest_leaf=true` : branchUrl(leafId);
+  const page = await branchPage(from);
   if (chatId !== state.chatId) return;
   learn(page.messages);
   state.path = page.messages.slice().reverse();
@@ -353,8 +369,7 @@ async function loadOlder() {
   const from = state.branchFrom;
   state.loadingOlder = true;
   try {
-    const params = new URLSearchParams({ page_size: String(MESSAGE_PAGE), page_token: state.older });
-    const page = await json(`${from}?${params}`);
+    const page = await branchPage(from, state.older);
     if (chatId !== state.chatId || from !== state.branchFrom) return;
     learn(page.messages);
     state.path = page.messages.slice().reverse().concat(state.path);
@@ -391,6 +406,21 @@ function children() {
 function pathUpTo(lastId) {
   if (lastId === undefined) return state.path;
   return state.path.slice(0, state.path.findIndex((m) => m.message_id === lastId) + 1);
+}
+
+// A message's versions: as its branch page gave them, or else (a message stored before the server
+// indexed versions) as the messages loaded show them.
+function versionsOf(message, byParent) {
+  const given = state.versions.get(message.message_id);
+  if (given) return { ...given, given: true };
+  const siblings = byParent.get(message.parent_id || "") || [message]; // newest first
+  const at = siblings.findIndex((m) => m.message_id === message.message_id);
+  return {
+    count: siblings.length,
+    number: siblings.length - at,
+    previous_id: siblings[at + 1]?.message_id ?? null,
+    next_id: siblings[at - 1]?.message_id ?? null,
+  };
 }
 
 function newestLeaf(message, byParent) {
@@ -470,22 +500,21 @@ function messageItem(message, byParent, isLast) {
   const steps = state.steps.get(message.message_id);
   if (steps) content.before(stepsView(steps));
 
-  const siblings = byParent.get(message.parent_id || "") || [message];
-  if (siblings.length > 1) {
-    const position = siblings.length - siblings.findIndex((m) => m.message_id === message.message_id); // oldest is 1
-    const show = (offset) => async () => {
-      const target = siblings[siblings.length - (position + offset)];
-      if (!target) return;
-      await loadBranch(newestLeaf(target, byParent).message_id);
+  const versions = versionsOf(message, byParent);
+  if (versions.count > 1) {
+    const show = (targetId) => async () => {
+      if (!targetId) return;
+      if (versions.given) await loadBranch(targetId, { newest: true });
+      else await loadBranch(newestLeaf(state.known.get(targetId), byParent).message_id);
       renderMessages({ fresh: true, toEnd: true });
     };
     const branchPoint = message.parent_id || "root";
-    const previous = button("‹", show(-1), null, `previous:${branchPoint}`);
+    const previous = button("‹", show(versions.previous_id), null, `previous:${branchPoint}`);
     previous.setAttribute("aria-label", "Previous version");
-    const next = button("›", show(1), null, `next:${branchPoint}`);
+    const next = button("›", show(versions.next_id), null, `next:${branchPoint}`);
     next.setAttribute("aria-label", "Next version");
     const label = document.createElement("span");
-    label.textContent = `${position} / ${siblings.length}`;
+    label.textContent = `${versions.number} / ${versions.count}`;
     meta.append(previous, label, next);
   }
   if (message.role === "assistant") {

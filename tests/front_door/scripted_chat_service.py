@@ -485,11 +485,30 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         start = request.page_token or request.leaf_message_id or (history[-1].message_id if history else "")
         if start and start not in by_id:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"message {start} not found")
-        path, size = [], request.page_size or 50
+        children: dict[str, list[str]] = {}  # oldest first, as stored
+        for message in history:
+            children.setdefault(message.parent_id, []).append(message.message_id)
+        if request.newest_leaf and not request.page_token:
+            under = [start]
+            for message in history:  # oldest first: a parent before its children
+                if message.parent_id in under:
+                    under.append(message.message_id)
+            start = under[-1] if len(under) > 1 else start
+        path, versions, size = [], [], request.page_size or 50
         while start and len(path) < size:
             path.append(by_id[start])
+            siblings = children[by_id[start].parent_id]
+            at = siblings.index(start)
+            versions.append(
+                chat_pb2.Versions(
+                    count=len(siblings),
+                    number=at + 1,
+                    previous_id=siblings[at - 1] if at else "",
+                    next_id=siblings[at + 1] if at + 1 < len(siblings) else "",
+                )
+            )
             start = by_id[start].parent_id
-        return chat_pb2.GetBranchResponse(messages=path, next_page_token=start)
+        return chat_pb2.GetBranchResponse(messages=path, next_page_token=start, versions=versions)
 
     async def SendMessage(self, request, context):
         identity = await self._enter("SendMessage", request, context)
