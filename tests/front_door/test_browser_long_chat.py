@@ -135,8 +135,8 @@ def test_a_branch_point_on_an_older_page_has_its_arrows_and_switches_to_that_ver
         page.wait_for_selector("li.message.assistant .meta span:has-text('1 / 2')")
         assert page.locator("li.message.user").all_text_contents() == ["turn first !tokens 2 0"]
         assert page.locator("li.message.assistant .content").all_text_contents() == [first_answer]
-        [switched] = [c for c in front_door.scripted.calls_to("GetBranch") if c.request.newest_leaf]
-        assert switched.request.chat_id == chat_id
+        [switched] = [call for call in branch_calls(front_door, chat_id) if call.request.newest_leaf]
+        assert switched.request.page_token == ""
         # And back to the newer one: its newest message, the chat's last turn, at the end.
         page.get_by_role("button", name="Next version").click()
         page.wait_for_selector("li.message.user:has-text('turn 59 ')")
