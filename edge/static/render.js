@@ -43,19 +43,8 @@ const PURIFY = {
   FORBID_TAGS: ["style", "img", "picture", "video", "audio", "source", "iframe", "form", "button", "textarea", "select"],
   FORBID_ATTR: ["style", "srcset", "id", "name"],
   ALLOWED_URI_REGEXP: /^(?:https?:|mailto:)/i,
-  IN_PLACE: true,
+  RETURN_DOM_FRAGMENT: true,
 };
-
-// HTML is parsed into an element of a document with no browsing context (nothing in it loads or runs),
-// sanitized there in place, and its nodes then moved into the page: one parse, no copy, and no new
-// document per fragment (DOMPurify's own parse makes one each time).
-const inert = document.implementation.createHTMLDocument("");
-
-function sanitized(html) {
-  const holder = inert.createElement("div");
-  holder.innerHTML = html;
-  return DOMPurify.sanitize(holder, PURIFY);
-}
 
 DOMPurify.addHook("afterSanitizeAttributes", (node) => {
   if (node.tagName === "A" && node.hasAttribute("href")) {
@@ -109,7 +98,7 @@ function colourSome(deadline) {
     let html = coloured.get(key);
     if (html === undefined) {
       const { value } = hljs.highlight(code.textContent, { language: code.dataset.highlight, ignoreIllegals: true });
-      html = sanitized(value).innerHTML;
+      html = DOMPurify.sanitize(value, { ALLOWED_TAGS: ["span"], ALLOWED_ATTR: ["class"] });
     }
     coloured.delete(key);
     coloured.set(key, html);
@@ -122,8 +111,7 @@ function colourSome(deadline) {
 
 // Sanitized HTML as a fragment, with a copy button on each code block and wide tables scrolling alone.
 function fragmentOf(html) {
-  const fragment = document.createDocumentFragment();
-  fragment.append(...sanitized(html).childNodes);
+  const fragment = DOMPurify.sanitize(html, PURIFY);
   // The newlines marked puts between blocks: layout ignores them, but an answer's text should not have them.
   for (const node of [...fragment.childNodes]) {
     if (node.nodeType === Node.TEXT_NODE && !node.data.trim()) node.remove();
