@@ -247,6 +247,91 @@ async def seed_chat(store: MemoryStore, user: str, chat_id: str, messages: int) 
     return chain[0].message_id, chain[-1].message_id
 
 
+# Trace event names (Chromium's devtools.timeline) grouped by what the time went to in a long task.
+TRACE_KINDS = {
+    "script": {
+        "FunctionCall",
+        "EvaluateScript",
+        "v8.callFunction",
+        "TimerFire",
+        "FireAnimationFrame",
+        "EventDispatch",
+        "FireIdleCallback",
+        "BlinkScheduler_PerformMicrotaskCheckpoint",
+    },
+    "style": {"UpdateLayoutTree", "RecalculateStyles"},
+    "layout": {"Layout", "UpdateLayerTree", "PrePaint"},
+    "paint": {"Paint", "PaintImage", "Layerize", "CompositeLayers", "Commit", "UpdateLayer"},
+    "parse HTML": {"ParseHTML", "ParseAuthorStyleSheet"},
+    "GC": {"MajorGC", "MinorGC", "BlinkGC.AtomicPhase"},
+}
+
+
+def long_task_profile(trace: bytes, over_ms: float = 50.0) -> dict:
+    """Where the renderer's main thread spent its long tasks (over ``over_ms``): each kind's self time
+    (time in its events less their children of other kinds), summed over those tasks, and the longest
+    task's own split. Self times of nested events of the same kind are not counted twice."""
+    events = json.loads(trace)["traceEvents"]
+    main = {
+        (e["pid"], e["tid"])
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name" and e["args"].get("name") == "CrRendererMain"
+    }
+    spans = sorted(
+        (e for e in events if e.get("ph") == "X" and (e["pid"], e["tid"]) in main and "dur" in e),
+        key=lambda e: (e["pid"], e["tid"], e["ts"], -e["dur"]),
+    )
+    kind_of = {name: kind for kind, names in TRACE_KINDS.items() for name in names}
+    kind_of.update({e["name"]: "GC" for e in spans if e["name"].startswith("V8.GC")})
+    tasks = [e for e in spans if e["name"] == "RunTask" and e["dur"] > over_ms * 1000]
+    totals: dict[str, float] = {}
+    longest: dict[str, float] = {}
+    for task in tasks:
+        end = task["ts"] + task["dur"]
+        inside = [
+            e
+            for e in spans
+            if e["pid"] == task["pid"] and task["ts"] <= e["ts"] and e["ts"] + e["dur"] <= end
+        ]
+        split: dict[str, float] = {}
+        stack: list[tuple[float, str]] = []  # (end, kind) of the enclosing classified events
+        for event in inside:
+            kind = kind_of.get(event["name"])
+            while stack and stack[-1][0] <= event["ts"]:
+                stack.pop()
+            if kind is None:
+                continue
+            outer = stack[-1][1] if stack else None
+            if outer != kind:
+                split[kind] = split.get(kind, 0.0) + event["dur"] / 1000
+                if outer is not None:
+                    split[outer] -= event["dur"] / 1000
+            stack.append((event["ts"] + event["dur"], kind))
+        split["other"] = task["dur"] / 1000 - sum(split.values())
+        for kind, ms in split.items():
+            totals[kind] = totals.get(kind, 0.0) + ms
+        if task["dur"] == max(t["dur"] for t in tasks):
+            longest = split
+    rounded = lambda split: {kind: round(ms, 1) for kind, ms in sorted(split.items(), key=lambda kv: -kv[1])}  # noqa: E731
+    return {
+        "long_tasks": len(tasks),
+        "ms_by_kind": rounded(totals),
+        "longest_task_ms_by_kind": rounded(longest),
+    }
+
+
+def script_profile(profile: dict) -> dict:
+    """A V8 CPU profile (the DevTools protocol's) summed by the file each sample's function is in."""
+    by_id = {node["id"]: node["callFrame"] for node in profile["nodes"]}
+    deltas = profile["timeDeltas"]
+    by_file: dict[str, float] = {}
+    for sample, delta in zip(profile["samples"], [*deltas[1:], 0], strict=True):
+        frame = by_id[sample]
+        name = frame["url"].rsplit("/", 1)[-1] or frame["functionName"] or "(idle)"
+        by_file[name] = by_file.get(name, 0.0) + delta / 1000
+    return {name: round(ms) for name, ms in sorted(by_file.items(), key=lambda kv: -kv[1])[:8]}
+
+
 def heap_and_nodes(cdp) -> tuple[float, int]:
     """The tab's JS heap in use (MiB) after a garbage collection, and its DOM node count."""
     cdp.send("HeapProfiler.collectGarbage")
@@ -297,7 +382,25 @@ def long_chat(args: argparse.Namespace, playwright) -> None:
             warm = opens[1:]
             heap_open, nodes_open = heap_and_nodes(cdp)
             messages_open = page.locator("li.message").count()
+            if args.profile:
+                browser.start_tracing(
+                    page=page,
+                    categories=[
+                        "toplevel",
+                        "devtools.timeline",
+                        "disabled-by-default-devtools.timeline",
+                        "blink.user_timing",
+                    ],
+                )
+                cdp.send("Profiler.enable")
+                cdp.send("Profiler.start")
             scroll = page.evaluate(SCROLL_TO_TOP, [first, args.scroll_px])
+            profile = None
+            if args.profile:
+                trace = browser.stop_tracing()
+                Path(f"{args.profile}.{size}.json").write_bytes(trace)
+                profile = long_task_profile(trace)
+                profile["self_ms_by_file"] = script_profile(cdp.send("Profiler.stop")["profile"])
             heap_top, nodes_top = heap_and_nodes(cdp)
             print(
                 json.dumps(
@@ -325,6 +428,7 @@ def long_chat(args: argparse.Namespace, playwright) -> None:
                             "longest_task_ms": scroll["longestTaskMs"],
                         },
                         "at_top": {"dom_nodes": nodes_top, "js_heap_mib": heap_top},
+                        **({"profile": profile} if profile else {}),
                     }
                 ),
                 flush=True,
@@ -346,6 +450,12 @@ def main() -> None:
     parser.add_argument("--opens", type=int, default=10, help="warm opens of each chat")
     parser.add_argument(
         "--scroll-px", type=int, default=400, help="scrolled up per frame (400: a fast fling, ~24,000 px/s)"
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="PREFIX",
+        help="trace each scroll to the top: where its long tasks' time went (PREFIX.<messages>.json: "
+        "the trace, for the DevTools Performance panel)",
     )
     args = parser.parse_args()
     cases = set(args.cases.split(","))

@@ -10,7 +10,7 @@ PATCH  /v1/chats/{chat_id}                             RenameChat
 DELETE /v1/chats/{chat_id}                             DeleteChat                     -> 204
 GET    /v1/chats/{chat_id}/messages?page_size&page_token   ListMessages (newest first)
 GET    /v1/chats/{chat_id}/branch?page_size&page_token     GetBranch from the newest message (leaf first)
-GET    /v1/chats/{chat_id}/messages/{id}/branch?page_size&page_token   GetBranch from message id
+GET    /v1/chats/{chat_id}/messages/{id}/branch?page_size&page_token&newest_leaf   GetBranch from message id
 POST   /v1/chats/{chat_id}/messages                    SendMessage        -> text/event-stream
                                                        (content, or tool_results for a message's calls)
 POST   /v1/chats/{chat_id}/messages/{id}/regenerate    RegenerateMessage  -> text/event-stream
@@ -36,7 +36,15 @@ from chatmesh.identity import AUTHORIZATION_HEADER, CHAT_ID_HEADER, TokenVerifie
 from edge.bodies import read_model
 from edge.chat_client.caller import Caller
 from edge.chat_client.client import ChatClient
-from edge.convert import chat_json, message_json, options_proto, run_json, search_hit_json, timestamp
+from edge.convert import (
+    chat_json,
+    message_json,
+    options_proto,
+    run_json,
+    search_hit_json,
+    timestamp,
+    versions_json,
+)
 from edge.errors import ApiError
 from edge.params import unsigned
 from edge.schemas import API, UINT64_MAX, CreateChatIn, RegenerateIn, RenameChatIn, SendMessageIn
@@ -179,7 +187,7 @@ async def list_messages(request: Request) -> JSONResponse:
     return _messages_page(reply)
 
 
-def _messages_page(reply: chat_pb2.ListMessagesResponse | chat_pb2.GetBranchResponse) -> JSONResponse:
+def _messages_page(reply: chat_pb2.ListMessagesResponse) -> JSONResponse:
     return JSONResponse(
         {
             "messages": [message_json(m) for m in reply.messages],
@@ -189,17 +197,40 @@ def _messages_page(reply: chat_pb2.ListMessagesResponse | chat_pb2.GetBranchResp
 
 
 async def get_branch(request: Request) -> JSONResponse:
-    """A page of the path ending at the message in the URL (or at the chat's newest), leaf first."""
+    """A page of the path ending at the message in the URL (or at the chat's newest; ``newest_leaf=true``:
+    at the newest message under the one in the URL), leaf first, each message with its versions."""
     orchestrator, _ = _app(request)
     chat_id = path_id(request, "chat_id", "chat")
     leaf = path_id(request, "message_id", "message") if "message_id" in request.path_params else ""
     size, token = page_args(request, API.max_message_page)
+    newest = request.query_params.get("newest_leaf", "false")
+    if newest not in ("true", "false") or (newest == "true" and not leaf):
+        raise ApiError(
+            400,
+            "newest_leaf must be true or false, and true only on a message's branch",
+            code="invalid_value",
+            param="newest_leaf",
+        )
     reply = await orchestrator.unary(
         "GetBranch",
-        chat_pb2.GetBranchRequest(chat_id=chat_id, leaf_message_id=leaf, page_size=size, page_token=token),
+        chat_pb2.GetBranchRequest(
+            chat_id=chat_id,
+            leaf_message_id=leaf,
+            page_size=size,
+            page_token=token,
+            newest_leaf=newest == "true",
+        ),
         caller_of(request, chat_id),
     )
-    return _messages_page(reply)
+    # An orchestrator older than versions sends none (a rolling upgrade): each is then not known.
+    versions = list(reply.versions)
+    if len(versions) != len(reply.messages):
+        versions = [chat_pb2.Versions()] * len(reply.messages)
+    messages = [
+        {**message_json(m), "versions": versions_json(v)}
+        for m, v in zip(reply.messages, versions, strict=True)
+    ]
+    return JSONResponse({"messages": messages, "next_page_token": reply.next_page_token or None})
 
 
 def idempotency_key_of(request: Request, from_body: str = "") -> str:

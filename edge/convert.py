@@ -124,6 +124,16 @@ def message_json(message: chat_pb2.Message) -> dict:
     }
 
 
+def versions_json(versions: chat_pb2.Versions) -> dict:
+    """A message's place among its versions (a branch page's); count 0: not known."""
+    return {
+        "count": versions.count,
+        "number": versions.number,
+        "previous_id": versions.previous_id or None,
+        "next_id": versions.next_id or None,
+    }
+
+
 def search_hit_json(hit: chat_pb2.SearchHit) -> dict:
     return {
         "chat_id": hit.chat_id,

@@ -14,6 +14,10 @@ pages neither skip nor repeat a message.
 A branch (the path from the root to a message) is read in one pass over the chat, newest to oldest,
 following parent links: a parent is always older than its child, so the walk never goes back. A page of
 a branch (``branch_page``) jumps instead: each query starts at the path's next message.
+
+``message_children`` holds the tree's edges, a parent's children side by side: a branch page reads its
+messages' versions (their siblings) in one query, and the newest message under one (the leaf a client
+switching versions opens) in one pass over the edges newer than it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,18 @@ from memory_store.cursor import CursorCodec
 from memory_store.db import Cql, Db, Row, Write
 from memory_store.errors import FailedPrecondition, InvalidArgument, NotFound
 from memory_store.ids import id_micros, id_time, new_id, parse_id, parse_optional_id
-from memory_store.models import Branch, Chat, ChatSummary, Message, MessageStatus, Page, Role
+from memory_store.models import (
+    UNKNOWN_VERSIONS,
+    Branch,
+    BranchPage,
+    Chat,
+    ChatSummary,
+    Message,
+    MessageStatus,
+    Page,
+    Role,
+    Versions,
+)
 from memory_store.schema import BUCKET_SECONDS
 from memory_store.search_index import index_write, item_delete_write
 
@@ -51,6 +66,7 @@ _BUCKET_SCAN_PAGE = 32
 _KNOWN_BUCKETS_CAPACITY = 100_000
 # A tool call's id and function name (ours: chatmesh.tool_format's call ids, functions' names).
 _MAX_TOOL_NAME_CHARS = 256
+_CHILDREN_PAGE = 1000
 
 _IN_BUCKET = "chat_id = :chat_id AND bucket = :bucket"
 
@@ -80,6 +96,23 @@ STATEMENTS = {
     ),
     "messages_below": Cql(
         f"SELECT {_FULL} FROM messages WHERE {_IN_BUCKET} AND message_id < :message_id LIMIT :rows", True
+    ),
+    "child_insert": Cql(
+        "INSERT INTO message_children (chat_id, parent_id, message_id) VALUES (:chat_id, :parent_id, :message_id)",
+        True,
+    ),
+    "child_delete": Cql(
+        "DELETE FROM message_children WHERE chat_id = :chat_id AND parent_id = :parent_id AND message_id = :message_id",
+        True,
+    ),
+    "children_of": Cql(
+        "SELECT parent_id, message_id FROM message_children WHERE chat_id = :chat_id AND parent_id IN :parents",
+        True,
+    ),
+    "children_after": Cql(
+        "SELECT parent_id, message_id FROM message_children WHERE chat_id = :chat_id"
+        " AND (parent_id, message_id) > (:parent_id, :message_id) LIMIT :rows",
+        True,
     ),
 }
 
@@ -256,7 +289,16 @@ class Messages:
         searchable = index_write(chat.user_id, chat_key, message_id, role, message.content)
         # The search entry lives in the owner's partition, as the chat's activity does: one mutation.
         owners = self._chats.touch_writes(chat, [searchable, *extra])[0] if touch else [searchable, *extra]
-        writes: list[list[Write]] = [[insert], owners]
+        # Under its parent in the chat's tree (a first message under the chat's own id).
+        child: Write = (
+            "child_insert",
+            {
+                "chat_id": chat_key,
+                "parent_id": _parent_key(chat_key, message.parent_id),
+                "message_id": message_id,
+            },
+        )
+        writes: list[list[Write]] = [[insert], owners, [child]]
         if (chat_key, bucket) not in self._known_buckets:
             writes.append([("bucket_insert", {"chat_id": chat_key, "bucket": bucket})])
         return writes
@@ -294,8 +336,12 @@ class Messages:
             raise NotFound(f"message {message_id} not found")
         if chat.active_run_id:
             raise FailedPrecondition(f"chat {chat_id} has an answer in progress; wait for it to end")
+        # The tree's edges (message_children) move with the messages: the deleted one's goes, and each
+        # child's moves under the deleted message's parent.
+        parent = _parent_key(chat_key, row["parent_id"])
         writes: list[Write] = [
-            ("message_delete", {"chat_id": chat_key, "bucket": bucket_of(key), "message_id": key})
+            ("message_delete", {"chat_id": chat_key, "bucket": bucket_of(key), "message_id": key}),
+            ("child_delete", {"chat_id": chat_key, "parent_id": parent, "message_id": key}),
         ]
         async for newer in self._scan(chat_key, None, _MAX_BRANCH_PAGE):
             if newer["message_id"].time <= key.time:
@@ -304,6 +350,8 @@ class Messages:
                 child = newer["message_id"]
                 where = {"chat_id": chat_key, "bucket": bucket_of(child), "message_id": child}
                 writes.append(("message_reparent", {**where, "parent_id": row["parent_id"]}))
+                writes.append(("child_delete", {"chat_id": chat_key, "parent_id": key, "message_id": child}))
+                writes.append(("child_insert", {"chat_id": chat_key, "parent_id": parent, "message_id": child}))
         writes += [item_delete_write(user_id, chat_key, key), self._chats.summary_dropped(chat_key)]
         await self._db.execute_batch(writes)
 
@@ -385,10 +433,18 @@ class Messages:
         return Branch(messages, chat, truncated=target is not None, summary=summary)
 
     async def branch_page(
-        self, user_id: str, chat_id: str, leaf_id: str | None, after: str | None, limit: int | None = None
-    ) -> Page[Message]:
-        """A page of the path that ends at ``leaf_id`` (None: the chat's newest message), leaf first;
-        ``after`` is a page cursor of the same chat and leaf (it holds the next message of the path).
+        self,
+        user_id: str,
+        chat_id: str,
+        leaf_id: str | None,
+        after: str | None,
+        limit: int | None = None,
+        newest_under: bool = False,
+    ) -> BranchPage:
+        """A page of the path that ends at ``leaf_id`` (None: the chat's newest message), leaf first,
+        with each message's versions; ``after`` is a page cursor of the same request (it holds the next
+        message of the path). ``newest_under``: the path ends at the newest message under ``leaf_id``
+        instead (itself if none, or if the edges under it were stored before ``message_children``).
 
         Each query starts at the path's next message and reads as many rows as the page still needs,
         in that message's bucket (known from its id: no bucket list is read). A branch stored without
@@ -401,23 +457,80 @@ class Messages:
         limit = page_size(limit, limits.default_message_page, limits.max_message_page)
         chat_key = parse_id(chat_id, "chat id")
         leaf_key = parse_optional_id(leaf_id, "message id")
-        scope = f"{user_id}/{chat_id}/{leaf_id or ''}"
+        if newest_under and leaf_key is None:
+            raise InvalidArgument("the newest message under a message needs that message")
+        scope = f"{user_id}/{chat_id}/{leaf_id or ''}{'/newest' if newest_under else ''}"
         start = leaf_key
         if after:
             start = parse_id(str(self._cursors.decode(after, "branch", scope)[0]), "page token")
+        descend = newest_under and not after
         chat, (path, following) = await self._chats.with_owner(
-            user_id, chat_id, self._walk(chat_key, start, limit)
+            user_id, chat_id, self._walk(chat_key, start, limit, descend)
         )
         if not path and (start is not None):
             raise NotFound(f"message {leaf_id} not found")
         next_cursor = self._cursors.encode("branch", scope, [str(following)]) if following else None
-        return Page(items=[_message(chat.chat_id, row) for row in path], next_cursor=next_cursor)
+        return BranchPage(
+            items=[_message(chat.chat_id, row) for row in path],
+            next_cursor=next_cursor,
+            versions=await self._versions(chat_key, path),
+        )
+
+    async def _versions(self, chat_key: uuid.UUID, path: list[Row]) -> list[Versions]:
+        """Each row's versions: its parent's children (one query of the chat's tree partition)."""
+        if not path:
+            return []
+        parents = sorted({_parent_key(chat_key, row["parent_id"]) for row in path}, key=lambda key: key.time)
+        children: dict[uuid.UUID, list[uuid.UUID]] = {}
+        for edge in await self._db.execute("children_of", {"chat_id": chat_key, "parents": parents}):
+            children.setdefault(edge["parent_id"], []).append(edge["message_id"])
+        versions = []
+        for row in path:
+            siblings = sorted(
+                children.get(_parent_key(chat_key, row["parent_id"]), []), key=lambda key: key.time
+            )
+            if row["message_id"] not in siblings:
+                versions.append(UNKNOWN_VERSIONS)
+                continue
+            at = siblings.index(row["message_id"])
+            versions.append(
+                Versions(
+                    count=len(siblings),
+                    number=at + 1,
+                    previous_id=str(siblings[at - 1]) if at > 0 else None,
+                    next_id=str(siblings[at + 1]) if at + 1 < len(siblings) else None,
+                )
+            )
+        return versions
+
+    async def _newest_under(self, chat_key: uuid.UUID, top: uuid.UUID) -> uuid.UUID:
+        """The newest message under ``top`` (``top`` itself if none): one pass over the tree's edges whose
+        parent is ``top`` or newer, in parent order. A parent is older than its children, so a message's
+        own edge comes before the edges under it: one pass finds every descendant."""
+        under = {top}
+        newest = top
+        position = {"parent_id": top, "message_id": top}  # top's children are newer than top
+        while True:
+            edges = await self._db.execute(
+                "children_after", {"chat_id": chat_key, **position, "rows": _CHILDREN_PAGE}
+            )
+            for edge in edges:
+                if edge["parent_id"] in under:
+                    under.add(edge["message_id"])
+                    if edge["message_id"].time > newest.time:
+                        newest = edge["message_id"]
+            if len(edges) < _CHILDREN_PAGE:
+                return newest
+            position = {"parent_id": edges[-1]["parent_id"], "message_id": edges[-1]["message_id"]}
 
     async def _walk(
-        self, chat_key: uuid.UUID, start: uuid.UUID | None, limit: int
+        self, chat_key: uuid.UUID, start: uuid.UUID | None, limit: int, descend: bool = False
     ) -> tuple[list[Row], uuid.UUID | None]:
-        """Up to ``limit`` rows of the path from ``start`` (None: the newest message) towards the root,
-        and the id of the path's next message (None: the root was reached)."""
+        """Up to ``limit`` rows of the path from ``start`` (None: the newest message; ``descend``: the
+        newest message under ``start``) towards the root, and the id of the path's next message (None:
+        the root was reached)."""
+        if descend and start is not None:
+            start = await self._newest_under(chat_key, start)
         if start is None:
             rows = []
             async for row in self._scan(chat_key, None, limit):
@@ -508,3 +621,10 @@ def _ignore_outcome(future: asyncio.Future[Any]) -> None:
     """A speculative read nobody waits for any more: its failure (or cancellation) is of no interest."""
     if not future.cancelled():
         future.exception()
+
+
+def _parent_key(chat_key: uuid.UUID, parent_id: uuid.UUID | str | None) -> uuid.UUID:
+    """A message's parent in ``message_children``: its parent's id, or the chat's for a first message."""
+    if parent_id is None or parent_id == "":
+        return chat_key
+    return parent_id if isinstance(parent_id, uuid.UUID) else uuid.UUID(parent_id)

@@ -116,6 +116,27 @@ class Page(Generic[T]):
 
 
 @dataclass(frozen=True)
+class Versions:
+    """A message among its versions: the messages of the same parent (edits, regenerations), oldest
+    first. ``count`` 0: not known (a message stored before ``message_children``)."""
+
+    count: int
+    number: int  # from 1, the oldest
+    previous_id: str | None
+    next_id: str | None
+
+
+UNKNOWN_VERSIONS = Versions(0, 0, None, None)
+
+
+@dataclass(frozen=True)
+class BranchPage(Page[Message]):
+    """A page of a branch (``Page``), with each message's versions (``versions[i]``: ``items[i]``'s)."""
+
+    versions: list[Versions]
+
+
+@dataclass(frozen=True)
 class Branch:
     """A path through the message tree, oldest first, ending at the requested message."""
 

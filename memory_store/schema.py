@@ -13,6 +13,9 @@ Why the tables look the way they do (see docs/architecture/memory_store.md for t
   the message id (``BUCKET_SECONDS``), so a partition holds one chat's messages of one day: bounded by
   the per-user rate limit and token budget, and a "last 50 turns" read usually touches one partition.
   ``message_buckets`` lists a chat's non-empty buckets, so paging never probes empty days.
+- ``message_children``: ``((chat_id), parent_id, message_id)``, a chat's tree as its edges (a first
+  message is under the chat's own id): a parent's children, its replies' versions, are rows side by side,
+  so a branch page reads its messages' versions in one query of one partition.
 - ``chats`` lives in the user's partition, so ownership is the key itself: another user's chat is simply
   not there. ``chats_by_activity`` orders them by recent activity; moving a chat is a delete + insert
   in one single-partition batch. The delete leaves a tombstone, so the table keeps them only an hour
@@ -286,6 +289,18 @@ MIGRATIONS: tuple[Migration, ...] = (
         13,
         "chats: the caller's metadata (the OpenAI Conversations API's)",
         ("ALTER TABLE chats ADD IF NOT EXISTS metadata frozen<map<text, text>>",),
+    ),
+    Migration(
+        14,
+        "message_children: each message under its parent (a branch page's versions; memory_store/messages.py)",
+        (
+            # Messages stored before this table have no row: their versions are not known (count 0).
+            """CREATE TABLE IF NOT EXISTS message_children (
+                chat_id timeuuid,
+                parent_id timeuuid,
+                message_id timeuuid,
+                PRIMARY KEY ((chat_id), parent_id, message_id))""",
+        ),
     ),
 )
 

@@ -1,7 +1,8 @@
 // chatmesh chat page: plain JavaScript over the edge's REST + SSE API (see edge/chats_api.py).
 // Answers stream over fetch() (POST bodies and the Authorization header rule out EventSource). The run
 // being streamed is remembered in sessionStorage, so a reload mid-answer resumes it with Last-Event-ID.
-import { handleCopyButtons, renderMarkdown, StreamingAnswer } from "./render.js";
+import { handleCopyButtons, highlightCode, renderMarkdown, StreamingAnswer } from "./render.js";
+import { recordStep, stepsView } from "./steps.js";
 import { authHeaders, keepToken, signOut, takeTokenFromUrl } from "./token.js";
 import { WindowedList } from "./window.js";
 
@@ -24,15 +25,17 @@ const state = {
   chatId: null,
   path: [],         // the branch on screen as loaded so far, oldest first
   known: new Map(), // message_id -> message: every message of the open chat loaded (for branch arrows)
+  versions: new Map(), // message_id -> its versions ({count, number, previous_id, next_id}), as branch pages give them
   byParent: null,   // known messages by parent id, newest first (children(); null: to be made again)
   older: null,      // page token of the branch's next older page (null: the root is loaded)
   branchFrom: null, // the URL the branch's pages come from (a page token is good for its own URL only)
   loadingOlder: false,
   leafId: null,     // the branch on screen ends here
   rendered: new Map(), // message_id -> its answer rendered (a message's content never changes), oldest first
+  steps: new Map(), // message_id -> the tool steps of an answer streamed on this page (not stored with it)
   models: null,     // the model picker's list loading (a promise), then loaded
   opening: false,   // a chat's first page is on its way (its skeleton shows)
-  live: null,       // {runId, chatId, lastSeq, text, usage, model, degraded, baseEnd: last message before, user: text|null, view, item}
+  live: null,       // {runId, chatId, lastSeq, text, steps, usage, model, degraded, baseEnd: last message before, user: text|null, view, item}
 };
 
 class ApiError extends Error {
@@ -258,10 +261,13 @@ function newChat() {
 
 // ---- messages: a tree, shown one branch at a time --------------------------------------------------
 
-// A chat opens on its branch's newest page (GetBranch from the chat's newest message) and the newest
-// page of all its messages (ListMessages: the versions the branch arrows switch between); older pages
-// of the branch load as the reader scrolls up (loadOlder). Only messages near the viewport are in the
-// page (edge/static/window.js), so a chat of thousands of messages opens and scrolls as a short one.
+// A chat opens on its branch's newest page (GetBranch from the chat's newest message); older pages of
+// the branch load as the reader scrolls up (loadOlder). Each page gives its messages' versions, so the
+// branch arrows show on every page, and an arrow opens the other version's newest branch (newest_leaf).
+// Messages stored before the server indexed versions have none: for those the arrows come from the
+// newest page of all the chat's messages (ListMessages), as far as it reaches. Only messages near the
+// viewport are in the page (edge/static/window.js), so a chat of thousands of messages opens and
+// scrolls as a short one.
 const MESSAGE_PAGE = 100;
 const RENDERED_KEPT = 100; // answers kept rendered (parsed and sanitized) off screen: the last shown
 
@@ -269,6 +275,7 @@ function forgetChat() {
   state.opening = false;
   state.path = [];
   state.known.clear();
+  state.versions.clear();
   state.byParent = null;
   state.older = null;
   state.branchFrom = null;
@@ -299,16 +306,27 @@ function branchUrl(leafId) {
 }
 
 function learn(messages) {
-  for (const message of messages) state.known.set(message.message_id, message);
+  for (const message of messages) {
+    state.known.set(message.message_id, message);
+    if (message.versions && message.versions.count) state.versions.set(message.message_id, message.versions);
+  }
   state.byParent = null;
 }
 
-// The branch that ends at `leafId` (null: at the chat's newest message): its newest page replaces the
-// path on screen.
-async function loadBranch(leafId) {
+// A page of the branch from `from` (a URL of branchUrl's, or one with newest_leaf) after `pageToken`.
+function branchPage(from, pageToken = null) {
+  const url = new URL(from, location.origin);
+  url.searchParams.set("page_size", String(MESSAGE_PAGE));
+  if (pageToken) url.searchParams.set("page_token", pageToken);
+  return json(url.pathname + url.search);
+}
+
+// The branch that ends at `leafId` (null: at the chat's newest message; `newest`: at the newest message
+// under `leafId`, the way to another version): its newest page replaces the path on screen.
+async function loadBranch(leafId, { newest = false } = {}) {
   const chatId = state.chatId;
-  const from = branchUrl(leafId);
-  const page = await json(`${from}?page_size=${MESSAGE_PAGE}`);
+  const from = newest ? `${branchUrl(leafId)}?newest_leaf=true` : branchUrl(leafId);
+  const page = await branchPage(from);
   if (chatId !== state.chatId) return;
   learn(page.messages);
   state.path = page.messages.slice().reverse();
@@ -351,8 +369,7 @@ async function loadOlder() {
   const from = state.branchFrom;
   state.loadingOlder = true;
   try {
-    const params = new URLSearchParams({ page_size: String(MESSAGE_PAGE), page_token: state.older });
-    const page = await json(`${from}?${params}`);
+    const page = await branchPage(from, state.older);
     if (chatId !== state.chatId || from !== state.branchFrom) return;
     learn(page.messages);
     state.path = page.messages.slice().reverse().concat(state.path);
@@ -391,6 +408,21 @@ function pathUpTo(lastId) {
   return state.path.slice(0, state.path.findIndex((m) => m.message_id === lastId) + 1);
 }
 
+// A message's versions: as its branch page gave them, or else (a message stored before the server
+// indexed versions) as the messages loaded show them.
+function versionsOf(message, byParent) {
+  const given = state.versions.get(message.message_id);
+  if (given) return { ...given, given: true };
+  const siblings = byParent.get(message.parent_id || "") || [message]; // newest first
+  const at = siblings.findIndex((m) => m.message_id === message.message_id);
+  return {
+    count: siblings.length,
+    number: siblings.length - at,
+    previous_id: siblings[at + 1]?.message_id ?? null,
+    next_id: siblings[at - 1]?.message_id ?? null,
+  };
+}
+
 function newestLeaf(message, byParent) {
   let current = message;
   while (byParent.has(current.message_id)) current = byParent.get(current.message_id)[0];
@@ -404,6 +436,7 @@ function messageList() {
     const head = olderItem();
     windowed = new WindowedList($("#messages"), {
       render: renderItem,
+      refine: refineItem,
       head,
       onScroll: () => {
         if ($("#messages").scrollTop < OLDER_SLACK_PX) loadOlder().catch(fail);
@@ -469,23 +502,24 @@ function messageItem(message, byParent, isLast) {
   meta.className = "meta muted";
   item.append(content, meta);
   if (!message.message_id) return item;
+  const steps = state.steps.get(message.message_id);
+  if (steps) content.before(stepsView(steps));
 
-  const siblings = byParent.get(message.parent_id || "") || [message];
-  if (siblings.length > 1) {
-    const position = siblings.length - siblings.findIndex((m) => m.message_id === message.message_id); // oldest is 1
-    const show = (offset) => async () => {
-      const target = siblings[siblings.length - (position + offset)];
-      if (!target) return;
-      await loadBranch(newestLeaf(target, byParent).message_id);
+  const versions = versionsOf(message, byParent);
+  if (versions.count > 1) {
+    const show = (targetId) => async () => {
+      if (!targetId) return;
+      if (versions.given) await loadBranch(targetId, { newest: true });
+      else await loadBranch(newestLeaf(state.known.get(targetId), byParent).message_id);
       renderMessages({ fresh: true, toEnd: true });
     };
     const branchPoint = message.parent_id || "root";
-    const previous = button("‹", show(-1), null, `previous:${branchPoint}`);
+    const previous = button("‹", show(versions.previous_id), null, `previous:${branchPoint}`);
     previous.setAttribute("aria-label", "Previous version");
-    const next = button("›", show(1), null, `next:${branchPoint}`);
+    const next = button("›", show(versions.next_id), null, `next:${branchPoint}`);
     next.setAttribute("aria-label", "Next version");
     const label = document.createElement("span");
-    label.textContent = `${position} / ${siblings.length}`;
+    label.textContent = `${versions.number} / ${versions.count}`;
     meta.append(previous, label, next);
   }
   if (message.role === "assistant") {
@@ -501,15 +535,33 @@ function messageItem(message, byParent, isLast) {
 
 // A stored answer's Markdown, parsed and sanitized once per message (a message's content never changes):
 // kept once it is wholly shown (a big table fills in over a few tasks), and copied from then on. The
-// most recently shown RENDERED_KEPT are kept: a long chat scrolled end to end keeps no more.
+// most recently shown RENDERED_KEPT are kept: a long chat scrolled end to end keeps no more. An answer
+// not kept shows its text first (`rough`), rendered when the list refines it (refineItem): a frame
+// that brings several answers into view parses none of them.
 function showAnswer(message, content) {
   const kept = state.rendered.get(message.message_id);
   if (kept) {
     state.rendered.delete(message.message_id);
     state.rendered.set(message.message_id, kept);
     content.append(kept.cloneNode(true));
+    highlightCode(content);
     return;
   }
+  content.classList.add("rough");
+  content.textContent = message.content;
+}
+
+// Renders a rough answer's Markdown into its element (made by messageItem); false if it had none.
+function refineItem(item, element) {
+  const content = element.querySelector(".content.rough");
+  if (!content) return false;
+  content.classList.remove("rough");
+  content.replaceChildren();
+  renderAnswer(item.message, content);
+  return true;
+}
+
+function renderAnswer(message, content) {
   const { fragment, complete } = renderMarkdown(message.content);
   content.append(fragment);
   complete.then((whole) => {
@@ -559,7 +611,17 @@ function liveItem() {
   meta.className = "meta muted";
   if (state.live.model) meta.append(modelLabel(state.live.model, state.live.degraded));
   item.append(content, meta);
+  showLiveSteps(item);
   return item;
+}
+
+// The live answer's tool steps, above its text, as they start and end.
+function showLiveSteps(item = state.live.item) {
+  const view = stepsView(state.live.steps);
+  const shown = item.querySelector(".steps");
+  if (shown && view) shown.replaceWith(view);
+  else if (view) item.prepend(view);
+  followBottom();
 }
 
 // While an answer streams, the list follows it only if the reader was at the bottom: someone who
@@ -614,8 +676,8 @@ async function* sseEvents(response) {
 }
 
 function remember() {
-  const { runId, chatId, lastSeq, text } = state.live;
-  if (runId) sessionStorage.setItem(RUN_KEY, JSON.stringify({ runId, chatId, lastSeq, text }));
+  const { runId, chatId, lastSeq, text, steps } = state.live;
+  if (runId) sessionStorage.setItem(RUN_KEY, JSON.stringify({ runId, chatId, lastSeq, text, steps }));
 }
 
 // A run that ended busy before its answer began (the engine's queue limit refused it after its question
@@ -647,6 +709,9 @@ async function consume(response) {
       } else if (event.event === "delta") {
         state.live.text += data.text;
         if (state.live.view) state.live.view.update(state.live.text);
+      } else if (event.event === "step_started" || event.event === "step_result") {
+        recordStep(state.live.steps, event.event, data);
+        showLiveSteps();
       } else if (event.event === "usage") {
         state.live.usage = data;
       } else if (event.event === "done") {
@@ -688,14 +753,14 @@ async function follow(firstResponse) {
 
 // `baseEnd`: the message the answer follows on screen (null: none; undefined: the whole path).
 function startLive(baseEnd, userText, seed = {}) {
-  state.live = { runId: null, chatId: state.chatId, lastSeq: 0, text: "", usage: null, baseEnd, user: userText, ...seed };
+  state.live = { runId: null, chatId: state.chatId, lastSeq: 0, text: "", steps: [], usage: null, baseEnd, user: userText, ...seed };
   state.live.item = liveItem();
   setBusy(true);
   renderMessages({ toEnd: true });
 }
 
 async function finishLive() {
-  const { runId, view, text } = state.live;
+  const { runId, view, text, steps } = state.live;
   const streamed = view ? view.finish() : null;
   state.live = null;
   setBusy(false);
@@ -703,6 +768,7 @@ async function finishLive() {
   // The answer as stored is the text just rendered while streaming: it is shown as it is.
   const stored = runId && state.path.find((m) => m.run_id === runId && m.role === "assistant");
   if (streamed && stored && stored.content === text) keepRendered(stored.message_id, streamed);
+  if (stored && steps.length) state.steps.set(stored.message_id, steps);
   renderMessages({ fresh: true });
   announceAnswer(stored);
   showUsage();
@@ -714,12 +780,12 @@ const ANNOUNCE_MAX_CHARS = 4000;
 
 function announceAnswer(answer) {
   if (!answer) return;
-  // Its element, or (scrolled out of the window) its rendering kept, or its text.
-  const item = messageList().node(answer.message_id);
+  // Its element, or (scrolled out of the window, or not rendered yet) its rendering kept, or made.
+  const content = messageList().node(answer.message_id)?.querySelector(".content:not(.rough)");
   const kept = state.rendered.get(answer.message_id);
   const spoken = document.createElement("div");
-  if (item) spoken.append(item.querySelector(".content").cloneNode(true));
-  else spoken.append(kept ? kept.cloneNode(true) : answer.content);
+  if (content) spoken.append(content.cloneNode(true));
+  else spoken.append(kept ? kept.cloneNode(true) : renderMarkdown(answer.content).fragment);
   for (const copy of spoken.querySelectorAll(".copy-code")) copy.remove();
   let text = spoken.textContent.replace(/\s+/g, " ").trim();
   if (text.length > ANNOUNCE_MAX_CHARS) text = `${text.slice(0, ANNOUNCE_MAX_CHARS)}… (the answer continues in the chat)`;
@@ -759,7 +825,7 @@ async function withLive(base, userText, request) {
       notice("");
       const outcome = await follow(response);
       if (outcome instanceof ApiError) {
-        Object.assign(state.live, { runId: null, lastSeq: 0 });
+        Object.assign(state.live, { runId: null, lastSeq: 0, steps: [] });
         throw outcome;
       }
     });
@@ -808,7 +874,9 @@ async function regenerate(answer) {
 
 async function resumeRun(runId) {
   const saved = JSON.parse(sessionStorage.getItem(RUN_KEY) || "null");
-  const seed = saved && saved.runId === runId ? { runId, lastSeq: saved.lastSeq, text: saved.text } : { runId };
+  const seed = saved && saved.runId === runId
+    ? { runId, lastSeq: saved.lastSeq, text: saved.text, steps: saved.steps || [] }
+    : { runId };
   startLive(undefined, null, seed);
   try {
     const response = await call(`/v1/runs/${runId}/events`, { headers: { "Last-Event-ID": String(state.live.lastSeq) } });

@@ -3,6 +3,8 @@
 // shown as text, images become links (fetching one would tell its server that the chat was read), links
 // open in a new tab with no opener and no referrer, and the edge's Content-Security-Policy backs all of
 // it. A streamed answer is rendered incrementally (StreamingAnswer), at most once per animation frame.
+// Code is shown at once and coloured later, in the browser's idle time (highlightCode), so colouring never
+// holds up a frame.
 import { Marked } from "./vendor/marked/marked.esm.js";
 import DOMPurify from "./vendor/dompurify/purify.es.js";
 import hljs from "./vendor/highlight.js/highlight.min.js";
@@ -29,11 +31,9 @@ const markdown = new Marked({
     code({ text, lang }) {
       const language = (lang || "").match(/^\S*/)[0];
       const known = Boolean(language) && Boolean(hljs.getLanguage(language));
-      const body = known && text.length <= HIGHLIGHT_MAX_CHARS
-        ? hljs.highlight(text, { language, ignoreIllegals: true }).value
-        : escapeHtml(text);
       const label = known ? ` language-${language}` : "";
-      return `<pre><code class="hljs${label}">${body}</code></pre>\n`;
+      const later = known && text.length <= HIGHLIGHT_MAX_CHARS ? ` data-highlight="${escapeHtml(language)}"` : "";
+      return `<pre><code class="hljs${label}"${later}>${escapeHtml(text)}</code></pre>\n`;
     },
   },
 });
@@ -52,6 +52,62 @@ DOMPurify.addHook("afterSanitizeAttributes", (node) => {
     node.setAttribute("rel", "noopener noreferrer");
   }
 });
+
+// Code blocks waiting to be coloured (their <code> elements, data-highlight naming the language), oldest
+// first: coloured in idle callbacks, a bounded slice of work each, so that no frame waits for them. The
+// coloured HTML is remembered by language and text (a block shown again, from an answer's kept copy,
+// is coloured at once from memory).
+const IDLE_SLICE_MS = 8;
+const IDLE_TIMEOUT_MS = 500; // coloured within this long even on a page never idle
+const COLOURED_KEPT = 300;
+const toColour = [];
+const coloured = new Map(); // `${language}\n${text}` -> sanitized HTML, least recently used first
+let colouring = false;
+// Safari has no requestIdleCallback: a short timer stands in, its slice bounded the same way.
+const whenIdle = window.requestIdleCallback
+  ? (callback) => requestIdleCallback(callback, { timeout: IDLE_TIMEOUT_MS })
+  : (callback) => setTimeout(() => callback({ timeRemaining: () => IDLE_SLICE_MS }), 50);
+
+// Colours `root`'s code blocks: those coloured before at once, the others in idle time.
+export function highlightCode(root) {
+  for (const code of root.querySelectorAll("code[data-highlight]")) {
+    const html = coloured.get(colourKey(code));
+    if (html === undefined) toColour.push(code);
+    else paint(code, html);
+  }
+  if (toColour.length && !colouring) {
+    colouring = true;
+    whenIdle(colourSome);
+  }
+}
+
+const colourKey = (code) => `${code.dataset.highlight}\n${code.textContent}`;
+
+function paint(code, html) {
+  code.innerHTML = html;
+  code.removeAttribute("data-highlight");
+}
+
+function colourSome(deadline) {
+  const stop = performance.now() + IDLE_SLICE_MS;
+  // At least one block per callback (one that timed out has no idle time left), then while time lasts.
+  for (let done = 0; toColour.length && (!done || (deadline.timeRemaining() > 0 && performance.now() < stop)); done++) {
+    const code = toColour.shift();
+    if (!code.isConnected || !code.hasAttribute("data-highlight")) continue; // left the page, or coloured
+    const key = colourKey(code);
+    let html = coloured.get(key);
+    if (html === undefined) {
+      const { value } = hljs.highlight(code.textContent, { language: code.dataset.highlight, ignoreIllegals: true });
+      html = DOMPurify.sanitize(value, { ALLOWED_TAGS: ["span"], ALLOWED_ATTR: ["class"] });
+    }
+    coloured.delete(key);
+    coloured.set(key, html);
+    if (coloured.size > COLOURED_KEPT) coloured.delete(coloured.keys().next().value);
+    paint(code, html);
+  }
+  if (toColour.length) whenIdle(colourSome);
+  else colouring = false;
+}
 
 // Sanitized HTML as a fragment, with a copy button on each code block and wide tables scrolling alone.
 function fragmentOf(html) {
@@ -80,6 +136,7 @@ function fragmentOf(html) {
     table.replaceWith(scroller);
     scroller.append(table);
   }
+  highlightCode(fragment);
   return fragment;
 }
 

@@ -6,18 +6,28 @@
 // The scroll position is the reader's: when items are added above, or measured heights replace
 // estimates, the item at the top of the view stays where it was (an anchor, restored after each
 // update). A list scrolled to its end (`atBottom`) stays at its end as items grow or are added.
+//
+// An item's element is made in two steps: `render` (cheap: in the frame the item comes into view) and
+// `refine` (the costly part, e.g. Markdown), done in the frames after within a budget per frame, those in
+// view first, so a fast scroll through items never shown before costs no frame more than the budget.
+// A frame forces one layout: spacers are sized before the window's elements are measured, and the
+// anchor's place comes from that measure.
 const OVERSCAN_PX = 900;    // rendered beyond each edge of the viewport
 const BOTTOM_SLACK_PX = 48; // this close to the end counts as at the end
 const DEFAULT_HEIGHT_PX = 120;
-const RENDER_BUDGET_MS = 12; // new elements made per frame beyond those in view, at most this long
+const RENDER_BUDGET_MS = 8; // elements made and refined per frame, beyond one in view, at most this long
 
 export class WindowedList {
-  // `render(item)` makes an item's element; items are objects with a unique `key`. `head`, if given, is
-  // an element kept first in the list (above the top spacer). `onScroll()` runs after each update made
-  // by scrolling. `focusFallback` takes focus when the focused element leaves the window.
-  constructor(scroller, { render, head = null, onScroll = () => {}, focusFallback }) {
+  // `render(item)` makes an item's element; items are objects with a unique `key`. `refine(item,
+  // element)`, if given, finishes an element `render` made (true: it had work to do; false: nothing
+  // was left). `head`, if given, is an element kept first in the list (above the top spacer).
+  // `onScroll()` runs after each update made by scrolling. `focusFallback` takes focus when the
+  // focused element leaves the window.
+  constructor(scroller, { render, refine = null, head = null, onScroll = () => {}, focusFallback }) {
     this.scroller = scroller;
     this.render = render;
+    this.refine = refine;
+    this.rough = new Set();   // keys of the window's elements not refined yet
     this.head = head;
     this.onScroll = onScroll;
     this.focusFallback = focusFallback;
@@ -91,10 +101,14 @@ export class WindowedList {
   dropNodes() {
     for (const node of this.nodes.values()) node.remove();
     this.nodes.clear();
+    this.rough.clear();
   }
 
-  measure() {
-    for (const [key, node] of this.nodes) if (node.isConnected) this.heights.set(key, node.offsetHeight);
+  // Heights of the window's elements (one layout, reads only); the top of `key`'s element, if in it.
+  measure(key = null) {
+    for (const [each, node] of this.nodes) if (node.isConnected) this.heights.set(each, node.offsetHeight);
+    const node = key === null ? undefined : this.nodes.get(key);
+    return node && node.isConnected ? node.offsetTop : null;
   }
 
   estimate() {
@@ -136,8 +150,10 @@ export class WindowedList {
       if (first > start && affordable(first - 1)) this.made(--first), grew = true;
     }
     this.place(first, last);
-    if (first > start || last < end) this.schedule();
-    this.measure();
+    const refined = this.refineWithin(seenStart, seenEnd, first, last, deadline);
+    if (first > start || last < end || !refined) this.schedule();
+    // The spacers stand for items out of the window, whose heights this frame does not change: sized
+    // before the one measure, which then gives the anchor's place as it will be.
     const sum = (from, to) => {
       let height = 0;
       for (let i = from; i < to; i++) height += (this.heights.get(this.items[i].key) ?? guess) + gap;
@@ -145,7 +161,30 @@ export class WindowedList {
     };
     this.top.style.height = `${sum(0, first)}px`;
     this.bottom.style.height = `${Math.max(0, sum(last, this.items.length) - gap)}px`;
-    this.restore(anchor);
+    const anchorTop = this.measure(anchor && !this.atBottom ? anchor.key : null);
+    this.restore(anchor, anchorTop);
+  }
+
+  // Refines the window's rough elements, those in view [seenStart, seenEnd) first and then outwards
+  // through [first, last), while the budget lasts (one in view whatever it costs, so what is seen is
+  // never left rough). True when none is left.
+  refineWithin(seenStart, seenEnd, first, last, deadline) {
+    if (!this.refine || !this.rough.size) return true;
+    const order = [];
+    for (let i = seenStart; i < seenEnd; i++) order.push(i);
+    for (let up = seenStart - 1, down = seenEnd; up >= first || down < last; up--, down++) {
+      if (up >= first) order.push(up);
+      if (down < last) order.push(down);
+    }
+    let worked = false;
+    for (const index of order) {
+      const key = this.items[index].key;
+      if (!this.rough.has(key)) continue;
+      if (performance.now() >= deadline && (worked || index < seenStart || index >= seenEnd)) break;
+      this.rough.delete(key);
+      if (this.refine(this.items[index], this.nodes.get(key))) worked = true;
+    }
+    return this.rough.size === 0;
   }
 
   // Items [start, end) that lie (even partly) between `low` and `high`, item i starting at
@@ -162,7 +201,9 @@ export class WindowedList {
   // Makes item `index`'s element unless it has one.
   made(index) {
     const item = this.items[index];
-    if (!this.nodes.has(item.key)) this.nodes.set(item.key, this.render(item));
+    if (this.nodes.has(item.key)) return;
+    this.nodes.set(item.key, this.render(item));
+    if (this.refine) this.rough.add(item.key);
   }
 
   // Puts the elements of items [start, end) between the spacers, in order (made by `made`), and takes
@@ -181,6 +222,7 @@ export class WindowedList {
       if (node.contains(active)) lostFocus = true;
       node.remove();
       this.nodes.delete(key);
+      this.rough.delete(key);
     }
     let cursor = this.top;
     for (const key of wanted.keys()) {
@@ -193,11 +235,12 @@ export class WindowedList {
     if (lostFocus && this.focusFallback) this.focusFallback().focus({ preventScroll: true });
   }
 
-  restore(anchor) {
+  // Scrolls so that the anchor is where it was (`anchorTop`: its element's top now), or to the end.
+  restore(anchor, anchorTop) {
     const list = this.scroller;
     let target = null;
     if (this.atBottom) target = list.scrollHeight - list.clientHeight;
-    else if (anchor && this.nodes.has(anchor.key)) target = this.nodes.get(anchor.key).offsetTop - anchor.offset;
+    else if (anchor && anchorTop !== null) target = anchorTop - anchor.offset;
     if (target === null || Math.abs(list.scrollTop - target) < 1) return;
     list.scrollTop = target;
     this.scrolledTo = list.scrollTop;

@@ -287,9 +287,17 @@ class ChatService(chat_pb2_grpc.ChatServiceServicer):
             request.leaf_message_id or None,
             request.page_token or None,
             size,
+            newest_under=request.newest_leaf,
         )
         return chat_pb2.GetBranchResponse(
-            messages=[convert.message(m) for m in page.items], next_page_token=page.next_cursor or ""
+            messages=[convert.message(m) for m in page.items],
+            next_page_token=page.next_cursor or "",
+            versions=[
+                chat_pb2.Versions(
+                    count=v.count, number=v.number, previous_id=v.previous_id or "", next_id=v.next_id or ""
+                )
+                for v in page.versions
+            ],
         )
 
     # -- answers --------------------------------------------------------------------------------

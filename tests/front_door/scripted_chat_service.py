@@ -16,6 +16,8 @@ Scripts, in the text of a user message (SendMessage) or the last message (Comple
     !degraded MODEL       answer as the router degrading a free request would: from MODEL, degraded
     !answer NAME MS       answer with the tokens registered as NAME (``answering(NAME, tokens)``), one
                           every MS milliseconds
+    !tool NAME OUTCOME    before the answer, a tool step of NAME (arguments ``{"q": 1}``) that ends with
+                          OUTCOME (a ToolOutcome's name without its prefix: OK, ERROR, ...), 0.5 s apart
 Unary failures are injected with ``failing(method, code, ...)``; ``delay(method, seconds)`` slows one.
 """
 
@@ -109,6 +111,7 @@ class Script:
     degraded_to: str = ""
     refused_once: str = ""
     answer: str = ""
+    tools: list[tuple[str, str]] = field(default_factory=list)
 
     @classmethod
     def parse(cls, text: str) -> Script:
@@ -128,6 +131,8 @@ class Script:
                 script.refused_once = args[0]
             elif word == "!answer":
                 script.answer, script.interval_s = args[0], int(args[1]) / 1000
+            elif word == "!tool":
+                script.tools.append((args[0], args[1]))
         return script
 
 
@@ -345,6 +350,19 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
             await run.publish(error=chat_pb2.RunError(code=refused, message=message, retry_after_ms=1000))
             await run.finish(chat_pb2.RUN_STATUS_FAILED)
             return
+        for number, (tool, outcome) in enumerate(script.tools):
+            call_id = f"call-{number}"
+            await run.publish(
+                step_started=chat_pb2.ToolStepStarted(call_id=call_id, tool=tool, arguments='{"q": 1}')
+            )
+            await asyncio.sleep(0.5)
+            result = chat_pb2.ToolStepResult(
+                call_id=call_id,
+                tool=tool,
+                outcome=chat_pb2.ToolOutcome.Value(f"TOOL_OUTCOME_{outcome}"),
+                text=f"<b>{tool}</b> said 4",
+            )
+            await run.publish(step_result=result)
         text: list[str] = []
         finish, status = chat_pb2.FINISH_REASON_STOP, chat_pb2.RUN_STATUS_COMPLETED
         if script.answer:
@@ -468,11 +486,30 @@ class ScriptedChatService(chat_pb2_grpc.ChatServiceServicer):
         start = request.page_token or request.leaf_message_id or (history[-1].message_id if history else "")
         if start and start not in by_id:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"message {start} not found")
-        path, size = [], request.page_size or 50
+        children: dict[str, list[str]] = {}  # oldest first, as stored
+        for message in history:
+            children.setdefault(message.parent_id, []).append(message.message_id)
+        if request.newest_leaf and not request.page_token:
+            under = [start]
+            for message in history:  # oldest first: a parent before its children
+                if message.parent_id in under:
+                    under.append(message.message_id)
+            start = under[-1] if len(under) > 1 else start
+        path, versions, size = [], [], request.page_size or 50
         while start and len(path) < size:
             path.append(by_id[start])
+            siblings = children[by_id[start].parent_id]
+            at = siblings.index(start)
+            versions.append(
+                chat_pb2.Versions(
+                    count=len(siblings),
+                    number=at + 1,
+                    previous_id=siblings[at - 1] if at else "",
+                    next_id=siblings[at + 1] if at + 1 < len(siblings) else "",
+                )
+            )
             start = by_id[start].parent_id
-        return chat_pb2.GetBranchResponse(messages=path, next_page_token=start)
+        return chat_pb2.GetBranchResponse(messages=path, next_page_token=start, versions=versions)
 
     async def SendMessage(self, request, context):
         identity = await self._enter("SendMessage", request, context)

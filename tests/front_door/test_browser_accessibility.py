@@ -127,8 +127,9 @@ def axe_violations(page, name: str) -> list[dict]:
 def test_axe_finds_nothing_serious_on_the_chat_page(page, front_door: ScriptedFrontDoor, scheme):
     page.emulate_media(color_scheme=scheme)
     with front_door.scripted.answering("markdown", pieces(MARKDOWN, 40)):
-        send(page, "Show me Markdown !answer markdown 5")
+        send(page, "Show me Markdown !tool calculator OK !tool search ERROR !answer markdown 5")
         page.wait_for_selector("#live", state="detached")
+    page.locator("li.message.assistant .steps summary").first.click()  # a tool step open, scanned too
     send(page, "And now a long one !tokens 400 30")  # scanned mid-answer, with Stop showing
     page.wait_for_selector("#stop:not([disabled])")
     assert axe_violations(page, f"chat-{scheme}") == []

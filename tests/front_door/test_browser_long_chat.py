@@ -1,7 +1,9 @@
 """A long chat in headless Chromium, through the real Envoy and edge, answered by ScriptedChatService: it
 opens on its branch's newest page (GetBranch) with skeletons while it loads, older pages come in by cursor
 as the reader scrolls up without moving what is on screen, only messages near the view are in the page
-(a bounded number, up to the first message), and a message sent shows at once, before the server has it."""
+(a bounded number, up to the first message), a branch point on an older page has its version arrows (the
+page gives each message's versions) and switching there opens that version's branch, and a message sent
+shows at once, before the server has it."""
 
 from __future__ import annotations
 
@@ -88,6 +90,56 @@ def test_a_long_chat_opens_on_its_newest_page_and_loads_older_ones_on_scroll_up(
         page.wait_for_selector("li.message.user:has-text('turn 0 ')", state="attached")
         assert page.locator("li.message").count() <= MAX_NODES
         assert page.is_hidden("#older"), "nothing older is left to load"
+
+
+@pytest.fixture
+def old_branch_point(front_door: ScriptedFrontDoor, user: str) -> tuple[str, str]:
+    """A chat whose first answer was regenerated, then 60 more turns on the regenerated one: the branch
+    point lies beyond the newest 100 messages. The chat and its first (older) answer's text."""
+    with front_door.client(user, "enterprise") as client:
+        wait_for(lambda: client.get("/v1/chats").status_code == 200, what="the front door to answer")
+        chat_id = client.post("/v1/chats", json={"title": "An old branch point"}).json()["chat_id"]
+        events = send_rest(client, chat_id, "turn first !tokens 2 0")
+        [first] = [e.data["assistant_message_id"] for e in events if e.event == "done"]
+        with client.stream(
+            "POST", f"/v1/chats/{chat_id}/messages/{first}/regenerate", json={"idempotency_key": "again"}
+        ) as reply:
+            assert reply.status_code == 200, reply.read()
+            reply.read()
+        for turn in range(60):
+            send_rest(client, chat_id, f"turn {turn} !tokens 1 0")
+        stored = client.get(f"/v1/chats/{chat_id}/messages/{first}/branch").json()["messages"]
+    return chat_id, stored[0]["content"]
+
+
+def test_a_branch_point_on_an_older_page_has_its_arrows_and_switches_to_that_versions_branch(
+    front_door: ScriptedFrontDoor, browser_context, user: str, tmp_path, old_branch_point: tuple[str, str]
+):
+    chat_id, first_answer = old_branch_point
+    with chat_page(front_door, browser_context, user, tmp_path, "old-branch-point", "enterprise") as page:
+        page.goto(f"{front_door.url}/?chat={chat_id}")
+        page.wait_for_selector("li.message.user:has-text('turn 59 ')")
+        # Up to the first message: the older page gives the regenerated answer's versions.
+        for _ in range(100):
+            if page.locator("li.message.user:has-text('turn first')").count():
+                break
+            page.evaluate("document.querySelector('#messages').scrollTop = 0")
+            page.wait_for_timeout(50)
+        regenerated = page.locator("li.message.assistant").filter(
+            has=page.locator(".meta span", has_text="2 / 2")
+        )
+        regenerated.wait_for()
+        # The older version, by keyboard: its branch (the answer alone) replaces the one on screen.
+        regenerated.get_by_role("button", name="Previous version").focus()
+        page.keyboard.press("Enter")
+        page.wait_for_selector("li.message.assistant .meta span:has-text('1 / 2')")
+        assert page.locator("li.message.user").all_text_contents() == ["turn first !tokens 2 0"]
+        assert page.locator("li.message.assistant .content").all_text_contents() == [first_answer]
+        [switched] = [call for call in branch_calls(front_door, chat_id) if call.request.newest_leaf]
+        assert switched.request.page_token == ""
+        # And back to the newer one: its newest message, the chat's last turn, at the end.
+        page.get_by_role("button", name="Next version").click()
+        page.wait_for_selector("li.message.user:has-text('turn 59 ')")
 
 
 def test_a_sent_message_shows_before_the_server_has_it(page_for_send):

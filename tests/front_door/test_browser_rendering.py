@@ -1,6 +1,7 @@
 """Rendered answers in headless Chromium, through the real Envoy and edge, answered by ScriptedChatService
 (``!answer``: a text the test chose, token by token): Markdown with highlighted code, a copy button,
-lists, tables and links, rendered while it streams; a hostile answer (scripts, ``javascript:`` links,
+lists, tables and links, rendered while it streams; tool steps shown above an answer as they run; a
+hostile answer (scripts, ``javascript:`` links,
 event attributes, a remote image, a huge table) that runs nothing, fetches nothing and leaves the page
 responsive; and the Content-Security-Policy the edge serves the pages with."""
 
@@ -189,3 +190,30 @@ def test_a_hostile_answer_runs_nothing_fetches_nothing_and_the_page_stays_respon
     )
     assert answer.locator("table b").count() == 0
     print(f"longest main-thread task while streaming {len(tokens)} tokens: {watched['longestTaskMs']:.0f} ms")
+
+
+def test_tool_steps_show_above_the_answer_as_they_run_and_stay_once_it_is_stored(page):
+    send(page, "Look it up !tool calculator OK !tool search TIMEOUT !tokens 3 20")
+    # Each step shows running, then how it ended, above the answer's text.
+    page.wait_for_selector(
+        "#live .steps li[data-outcome='running'] summary:has-text('Tool calculator: running')"
+    )
+    page.wait_for_selector("#live .steps li[data-outcome='ok'] summary:has-text('Tool calculator: done')")
+    page.wait_for_selector("#live", state="detached")
+    answer = last_answer(page)
+    steps = answer.locator(".steps li summary")
+    assert steps.all_text_contents() == ["Tool calculator: done", "Tool search: timed out"]
+    assert answer.locator(".steps + .content").count() == 1  # above the text
+    # A step opens from the keyboard on its call and the tool's result, both shown as text.
+    steps.first.focus()
+    page.keyboard.press("Enter")
+    result = answer.locator(".steps li").first.locator("figure", has_text="Result").locator("pre")
+    assert result.text_content() == "<b>calculator</b> said 4"
+    assert (
+        answer.locator(".steps li")
+        .first.locator("figure", has_text="Arguments")
+        .locator("pre")
+        .text_content()
+        == '{"q": 1}'
+    )
+    assert answer.locator(".steps b").count() == 0

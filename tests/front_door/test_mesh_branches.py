@@ -1,6 +1,7 @@
 """A branch from its leaf, paged by cursor, end to end over REST and gRPC through Envoy: edge and
-orchestrator over a real Cassandra, with a regenerated answer making a second branch. Unknown chats and
-leaves are 404 / NOT_FOUND; a page token is good only for its own chat and leaf."""
+orchestrator over a real Cassandra, with a regenerated answer making a second branch. Each message comes
+with its versions, and a version's newest branch opens from it (newest_leaf). Unknown chats and leaves
+are 404 / NOT_FOUND; a page token is good only for its own chat and leaf."""
 
 from __future__ import annotations
 
@@ -77,6 +78,31 @@ def test_a_branch_pages_from_its_leaf_over_rest(mesh_front_door: MeshFrontDoor, 
         assert [m["content"] for m in whole["messages"]][1:4:2] == ["q2", "q1"]
         assert whole["messages"][0]["parent_id"] == tree["q2"] and whole["next_page_token"] is None
 
+        # Each message with its versions: a1b is the second of a1's versions.
+        versions = {m["content"]: m["versions"] for m in client.get(f"{chat}/branch").json()["messages"]}
+        assert versions["q1"] == {"count": 1, "number": 1, "previous_id": None, "next_id": None}
+        regenerated = client.get(f"{chat}/branch").json()["messages"][2]
+        assert regenerated["message_id"] == tree["a1b"]
+        assert regenerated["versions"] == {
+            "count": 2,
+            "number": 2,
+            "previous_id": tree["a1"],
+            "next_id": None,
+        }
+        # Switching to a1, its newest branch: from the newest message under it (a2).
+        switched = client.get(f"{chat}/messages/{tree['a1']}/branch", params={"newest_leaf": "true"}).json()
+        assert [m["message_id"] for m in switched["messages"]] == [
+            tree["a2"],
+            tree["q2"],
+            tree["a1"],
+            tree["q1"],
+        ]
+        assert switched["messages"][2]["versions"]["next_id"] == tree["a1b"]
+        assert_json_error(client.get(f"{chat}/branch", params={"newest_leaf": "true"}), 400)
+        assert_json_error(
+            client.get(f"{chat}/messages/{tree['a1']}/branch", params={"newest_leaf": "yes"}), 400
+        )
+
         assert_json_error(client.get(f"{chat}/messages/{uuid.uuid1()}/branch"), 404)
         assert_json_error(client.get(f"/v1/chats/{uuid.uuid1()}/branch"), 404)
         # A token from one leaf's pages does not page another leaf's branch.
@@ -98,6 +124,24 @@ def test_a_branch_pages_from_its_leaf_over_grpc_through_envoy(
         request.page_token = first.next_page_token
         rest = stub.GetBranch(request, metadata=metadata, timeout=10)
         assert [m.message_id for m in rest.messages] == [tree["q1"]] and rest.next_page_token == ""
+        assert [(v.count, v.number, v.next_id) for v in first.versions] == [
+            (1, 1, ""),
+            (1, 1, ""),
+            (2, 1, tree["a1b"]),
+        ]
+
+        newest = chat_pb2.GetBranchRequest(
+            chat_id=tree["chat"], leaf_message_id=tree["a1b"], newest_leaf=True
+        )
+        reply = stub.GetBranch(newest, metadata=metadata, timeout=10)
+        assert [m.message_id for m in reply.messages] == [tree["a3"], tree["q3"], tree["a1b"], tree["q1"]]
+        with pytest.raises(grpc.RpcError) as failure:
+            stub.GetBranch(
+                chat_pb2.GetBranchRequest(chat_id=tree["chat"], newest_leaf=True),
+                metadata=metadata,
+                timeout=10,
+            )
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
         unknown = chat_pb2.GetBranchRequest(chat_id=tree["chat"], leaf_message_id=str(uuid.uuid1()))
         with pytest.raises(grpc.RpcError) as failure:

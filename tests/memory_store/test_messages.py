@@ -283,21 +283,63 @@ async def test_a_branch_pages_from_its_leaf_to_the_root_reading_only_what_each_p
     # Pages of a day's 4: the leaf's page is one query of 4 rows. The next one reads p7, p6 and 2 rows
     # of the other branch, then starts again at p5 (p5, p4). A page over a day boundary costs one
     # query more (p11..p8, then p7 in the day before).
+    # A page's versions take one query more (children_of).
     before = operations_counted()
     first = await memory_store.branch_page(user, chat.chat_id, path[-1].message_id, None, 4)
-    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 1}
+    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 1, "children_of": 1}
     before = operations_counted()
     second = await memory_store.branch_page(user, chat.chat_id, path[-1].message_id, first.next_cursor, 4)
-    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 2}
+    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 2, "children_of": 1}
     assert [m.content for m in second.items] == ["p7", "p6", "p5", "p4"]
+    # p5 and o0 are the two versions of p4's reply, p5 the older.
+    assert [(v.count, v.number) for v in second.versions] == [(1, 1), (1, 1), (2, 1), (1, 1)]
+    assert second.versions[2].next_id == others[0].message_id and second.versions[2].previous_id is None
     before = operations_counted()
     await memory_store.branch_page(user, chat.chat_id, path[-1].message_id, None, 5)
-    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 2}
+    assert requests_sent(before) == {"chat_get": 1, "messages_upto": 2, "children_of": 1}
 
     # No leaf: the chat's newest message is the leaf.
     newest_first = [m.message_id for m in [newest, *reversed(others), *reversed(path[:5])]]
     pages = await read_branch(memory_store, user, chat.chat_id, None, 8)
     assert [i for page in pages for i in page] == newest_first
+
+
+async def test_a_branch_page_places_each_message_among_its_versions_and_opens_a_versions_newest_leaf(
+    memory_store,
+):
+    user = new_user()
+    chat = await memory_store.create_chat(user, "versions")
+    tree = await regenerated_tree(memory_store, user, chat.chat_id)
+    first_root = tree["q1"]
+    # q1 edited (a second first message) with an answer; a1 (the older answer) answered further on.
+    edited = await memory_store.append_message(user, message(chat.chat_id, "q1 edited"))
+    await memory_store.append_message(user, message(chat.chat_id, "a edited", edited, Role.ASSISTANT))
+    q3 = await memory_store.append_message(user, message(chat.chat_id, "q3", tree["a1"]))
+    a3 = await memory_store.append_message(user, message(chat.chat_id, "a3", q3, Role.ASSISTANT))
+
+    page = await memory_store.branch_page(user, chat.chat_id, tree["a2"].message_id, None, 10)
+    assert [m.content for m in page.items] == ["a2", "q2", "a1 regenerated", "q1"]
+    assert [(v.count, v.number) for v in page.versions] == [(1, 1), (1, 1), (2, 2), (2, 1)]
+    regenerated, root = page.versions[2], page.versions[3]
+    assert (regenerated.previous_id, regenerated.next_id) == (tree["a1"].message_id, None)
+    assert (root.previous_id, root.next_id) == (None, edited.message_id)
+
+    # Switching to a1, the older version: its branch from the newest message under it (a3).
+    page = await memory_store.branch_page(
+        user, chat.chat_id, regenerated.previous_id, None, 10, newest_under=True
+    )
+    assert [m.content for m in page.items] == ["a3", "q3", "a1", "q1"]
+    assert page.items[0].message_id == a3.message_id
+    assert [(v.count, v.number) for v in page.versions][2:] == [(2, 1), (2, 1)]
+    # A leaf is its own newest message; the branch's older pages follow its cursor.
+    page = await memory_store.branch_page(user, chat.chat_id, a3.message_id, None, 2, newest_under=True)
+    rest = await memory_store.branch_page(
+        user, chat.chat_id, a3.message_id, page.next_cursor, 2, newest_under=True
+    )
+    assert [m.content for m in page.items + rest.items] == ["a3", "q3", "a1", "q1"]
+    assert rest.items[-1].message_id == first_root.message_id
+    with pytest.raises(InvalidArgument):
+        await memory_store.branch_page(user, chat.chat_id, None, None, 2, newest_under=True)
 
 
 async def test_a_branch_refuses_an_unknown_leaf_another_users_chat_and_a_foreign_cursor(memory_store):

@@ -453,24 +453,40 @@ class ListMessagesResponse(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetBranchRequest(_message.Message):
-    __slots__ = ("chat_id", "leaf_message_id", "page_size", "page_token")
+    __slots__ = ("chat_id", "leaf_message_id", "page_size", "page_token", "newest_leaf")
     CHAT_ID_FIELD_NUMBER: _ClassVar[int]
     LEAF_MESSAGE_ID_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_LEAF_FIELD_NUMBER: _ClassVar[int]
     chat_id: str
     leaf_message_id: str
     page_size: int
     page_token: str
-    def __init__(self, chat_id: _Optional[str] = ..., leaf_message_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    newest_leaf: bool
+    def __init__(self, chat_id: _Optional[str] = ..., leaf_message_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., newest_leaf: _Optional[bool] = ...) -> None: ...
 
 class GetBranchResponse(_message.Message):
-    __slots__ = ("messages", "next_page_token")
+    __slots__ = ("messages", "next_page_token", "versions")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     next_page_token: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[Versions]
+    def __init__(self, messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[Versions, _Mapping]]] = ...) -> None: ...
+
+class Versions(_message.Message):
+    __slots__ = ("count", "number", "previous_id", "next_id")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    number: int
+    previous_id: str
+    next_id: str
+    def __init__(self, count: _Optional[int] = ..., number: _Optional[int] = ..., previous_id: _Optional[str] = ..., next_id: _Optional[str] = ...) -> None: ...
 
 class SendMessageRequest(_message.Message):
     __slots__ = ("chat_id", "content", "parent_message_id", "idempotency_key", "options", "branch_from_root", "instructions", "merge_deltas", "tool_results")
