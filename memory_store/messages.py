@@ -351,7 +351,9 @@ class Messages:
                 where = {"chat_id": chat_key, "bucket": bucket_of(child), "message_id": child}
                 writes.append(("message_reparent", {**where, "parent_id": row["parent_id"]}))
                 writes.append(("child_delete", {"chat_id": chat_key, "parent_id": key, "message_id": child}))
-                writes.append(("child_insert", {"chat_id": chat_key, "parent_id": parent, "message_id": child}))
+                writes.append(
+                    ("child_insert", {"chat_id": chat_key, "parent_id": parent, "message_id": child})
+                )
         writes += [item_delete_write(user_id, chat_key, key), self._chats.summary_dropped(chat_key)]
         await self._db.execute_batch(writes)
 

@@ -20,7 +20,9 @@ ALLOWED = {
     "router": {"chatmesh", "meshkit"},
     "orchestrator": {"chatmesh", "meshkit", "memory_store"},
     "edge": {"chatmesh", "meshkit"},
-    "localmesh": {"chatmesh", "meshkit", "memory_store"},
+    # The developer tools, on top: they start the services as processes, and read the orchestrator's
+    # defaults where a load must build the prompts it assembles (localmesh/chaos/tool_load.py).
+    "localmesh": {"chatmesh", "meshkit", "memory_store", "orchestrator"},
 }
 
 
