@@ -389,6 +389,12 @@ async def test_a_deleted_message_leaves_its_branch_its_replies_follow_its_parent
     branch = await memory_store.get_branch(user, chat.chat_id, None, with_summary=True)
     assert [m.content for m in branch.messages] == ["first", "two"] and branch.summary is None
     assert (await memory_store.get_message(user, chat.chat_id, reply.message_id)).parent_id == root.message_id
+    # The tree's edges moved with them: the two replies are now the versions of root's reply.
+    page = await memory_store.branch_page(user, chat.chat_id, other.message_id, None, 10)
+    assert [(v.count, v.number) for v in page.versions] == [(2, 2), (1, 1)]
+    assert page.versions[0].previous_id == reply.message_id
+    page = await memory_store.branch_page(user, chat.chat_id, root.message_id, None, 10, newest_under=True)
+    assert page.items[0].message_id == other.message_id
     assert (await memory_store.search_chats(user, "zebra")).items == []
     with pytest.raises(NotFound):
         await memory_store.get_message(user, chat.chat_id, middle.message_id)
