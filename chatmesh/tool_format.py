@@ -94,7 +94,7 @@ class Tools:
             f"call: {json.dumps(CALL_OPEN)} %json {json.dumps(call)} {json.dumps(CALL_CLOSE)}",
             r"TEXT: /[^<][\s\S]*/",
         ]
-        return chat_pb2.StructuredOutput(grammar="\n".join(rules))
+        return chat_pb2.StructuredOutput(grammar="\n".join([*rules, CALLS_MARK]))
 
 
 @dataclass(frozen=True)
@@ -157,6 +157,17 @@ class ToolCallParser:
         """What is left at the end: held text, or a call the answer did not finish (cut by max_tokens)."""
         rest, self._held = self._held, ""
         return rest
+
+
+# The last line of a grammar that makes an answer tool calls the caller runs (a Lark comment): a stored
+# answer is read as its calls only under it. The orchestrator's own tools add a mark of their own after
+# it (orchestrator/tools/toolbox.py): their calls are steps of the run, and its stored answer is text.
+CALLS_MARK = "// chatmesh: tool calls the caller runs"
+
+
+def caller_runs_calls(grammar: str) -> bool:
+    """Whether an answer constrained by ``grammar`` is tool calls for the caller to run (and text)."""
+    return grammar.endswith(f"\n{CALLS_MARK}")
 
 
 def parse_answer(text: str, seed: str) -> tuple[str | None, list[ToolCall]]:

@@ -34,7 +34,8 @@ from datetime import datetime
 from typing import Any
 
 from chatmesh.finish import FinishReason, Usage
-from chatmesh.tool_format import parse_answer
+from chatmesh.router.v1 import router_pb2
+from chatmesh.tool_format import caller_runs_calls, parse_answer
 from memory_store.base import check_fingerprint, check_user, id_str, micros, now, unset, utc
 from memory_store.chats import Chats
 from memory_store.config import StoreConfig
@@ -532,9 +533,10 @@ class Runs:
         answer = "".join(d.text for d in deltas)
         if not answer and run.status is not RunStatus.COMPLETED:
             return None
-        # An answer in the tool-call format is its calls (and the text beside them, if any), under the
-        # ids the Responses API gives them (derived from the run's id): docs/tools.md.
-        text, calls = parse_answer(answer, run.run_id)
+        # An answer constrained to tool calls the caller runs is its calls (and the text beside them, if
+        # any), under the ids the Responses API gives them (derived from the run's id): docs/tools.md.
+        # Any other answer is its text, whatever it looks like (the orchestrator's own steps are events).
+        text, calls = parse_answer(answer, run.run_id) if _caller_runs_calls(run) else (answer, [])
         usage = run.usage
         message = Message(
             message_id=run.assistant_message_id,
@@ -635,3 +637,11 @@ class Runs:
             for key, rows in zip(run_keys, states, strict=True)
             if rows and rows[0]["status"] is not None and rows[0]["owner_id"] in owners
         ]
+
+
+def _caller_runs_calls(run: Run) -> bool:
+    """Whether the run's answer was constrained to tool calls its caller runs (its stored request's
+    grammar says so; a run stored without its request was not)."""
+    if not run.generation:
+        return False
+    return caller_runs_calls(router_pb2.GenerateStart.FromString(run.generation).sampling.structured.grammar)

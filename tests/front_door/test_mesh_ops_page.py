@@ -253,7 +253,7 @@ def test_an_operator_watches_the_mesh_under_load_and_follows_a_run(
         assert busy["engines"] and errors == []
         unknown = page.evaluate(
             "fetch('/v1/ops/runs/no-such-run/trace', {headers: {Authorization: "
-            "'Bearer ' + localStorage.getItem('chatmesh.opsToken')}}).then(r => r.status)"
+            "'Bearer ' + sessionStorage.getItem('chatmesh.opsToken')}}).then(r => r.status)"
         )
         assert unknown == 404
     finally:

@@ -8,8 +8,10 @@ import dataclasses
 
 import pytest
 
+from chatmesh.engine.v1 import engine_pb2
 from chatmesh.finish import FinishReason, Usage
-from chatmesh.tool_format import ToolCall, parse_answer
+from chatmesh.router.v1 import router_pb2
+from chatmesh.tool_format import Function, ToolCall, Tools, parse_answer
 from memory_store.errors import InvalidArgument
 from memory_store.ids import id_before, parse_id
 from memory_store.models import Message, NewRun, Role, RunDelta, RunOutcome, RunStatus
@@ -19,6 +21,15 @@ CALLS = (
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
     '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
 )
+
+# The request of a run constrained to tool calls its caller runs (as the Responses API's tools make it).
+CALLER_TOOLS = Tools((Function("get_weather"), Function("get_time")), "auto", parallel=True)
+CALLER_TOOLS_REQUEST = router_pb2.GenerateStart(
+    request_id="r",
+    sampling=engine_pb2.SamplingParams(
+        structured=engine_pb2.StructuredOutput(grammar=CALLER_TOOLS.constraint().grammar)
+    ),
+).SerializeToString()
 
 
 def tool_message(chat_id: str, message_id: str, parent_id: str, call: ToolCall, content: str) -> Message:
@@ -37,10 +48,19 @@ def tool_message(chat_id: str, message_id: str, parent_id: str, call: ToolCall, 
 async def test_an_answer_of_calls_and_the_results_given_back_are_messages_of_the_branch(memory_store):
     user = new_user()
     chat = await memory_store.create_chat(user, "tools")
-    run, asked = await start_run(memory_store, user, chat.chat_id, "Weather and time in Paris?")
     tail = tuple(RunDelta(2 + i, CALLS[i * 40 : (i + 1) * 40], 1) for i in range(len(CALLS) // 40 + 1))
     outcome = RunOutcome(
         RunStatus.COMPLETED, 2 + len(tail) - 1, FinishReason.STOP, tail=tail, usage=Usage(9, 0, 30)
+    )
+    # An answer that only looks like calls (its run was not constrained to the caller's tools: no tools,
+    # or the orchestrator's own, whose calls are steps) is stored as the text that was streamed.
+    other = await memory_store.create_chat(user, "no tools")
+    run, _ = await start_run(memory_store, user, other.chat_id, "Say it in the tool format")
+    text = (await memory_store.finish_run(run, outcome, list(tail))).message
+    assert text is not None and (text.content, text.tool_calls) == (CALLS, ())
+
+    run, asked = await start_run(
+        memory_store, user, chat.chat_id, "Weather and time in Paris?", generation=CALLER_TOOLS_REQUEST
     )
     answer = (await memory_store.finish_run(run, outcome, list(tail))).message
     assert answer is not None
